@@ -1,0 +1,5 @@
+import sys
+
+from qosflow.cli.main import main
+
+sys.exit(main())
