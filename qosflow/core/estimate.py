@@ -1,0 +1,130 @@
+"""What policies know: estimates of durations, remaining times and slowdowns.
+
+Policies never read a job's true duration. They ask an `Estimator`:
+
+* `OracleEstimator` -- the truth (an upper bound on what prediction can give);
+* `NoisyEstimator` -- the truth times a seeded per-job error (e.g. +-30 %), for sensitivity studies;
+* `DeclaredEstimator` -- what the user declared (`expected_duration`) or, failing that, a default;
+* the learned predictor (`qosflow.predict`) implements the same protocol.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Protocol, runtime_checkable
+
+from qosflow.core.job import Job, JobState
+from qosflow.core.speed import SpeedModel
+
+
+@runtime_checkable
+class Estimator(Protocol):
+    name: str
+
+    def duration(self, job: Job) -> float:
+        """Estimated isolated running time of the whole job (seconds)."""
+
+    def remaining(self, js: JobState) -> float:
+        """Estimated isolated time left, given the job's observed progress."""
+
+    def pair_slowdown(self, a: Job, b: Job) -> tuple[float, float]:
+        """Estimated (xi_a, xi_b) if a and b share GPUs."""
+
+    def spread_slowdown(self, job: Job, num_nodes: int, min_nodes: int) -> float: ...
+
+    def cpu_factor(self, job: Job, cores: float) -> float: ...
+
+
+class OracleEstimator:
+    """Exact knowledge of every job (the simulator's truth)."""
+
+    name = "oracle"
+
+    def __init__(self, speed: SpeedModel | None = None):
+        self.speed = speed or SpeedModel()
+
+    def duration(self, job: Job) -> float:
+        return job.duration
+
+    def remaining(self, js: JobState) -> float:
+        return self.duration(js.job) * max(0.0, 1.0 - js.progress)
+
+    def pair_slowdown(self, a: Job, b: Job) -> tuple[float, float]:
+        return self.speed.pair_slowdown(a, b)
+
+    def spread_slowdown(self, job: Job, num_nodes: int, min_nodes: int) -> float:
+        return self.speed.spread_slowdown(job, num_nodes, min_nodes)
+
+    def cpu_factor(self, job: Job, cores: float) -> float:
+        return self.speed.cpu_factor(job, cores)
+
+
+def _unit(seed: int, key: str) -> float:
+    """A deterministic number in [0, 1) for (seed, key), stable across processes."""
+    h = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2**64
+
+
+class NoisyEstimator(OracleEstimator):
+    """The truth times a per-job error drawn once, uniformly in [1 - error, 1 + error] (seeded).
+
+    Slowdown estimates get the same relative error on their excess over 1.
+    """
+
+    def __init__(self, speed: SpeedModel | None = None, *, error: float = 0.3, seed: int = 0):
+        super().__init__(speed)
+        if not 0 <= error < 1:
+            raise ValueError(f"error must be in [0, 1), got {error}")
+        self.error = error
+        self.seed = seed
+        self.name = f"noisy±{int(round(error * 100))}%"
+        self._dur: dict[str, float] = {}
+
+    def _factor(self, key: str) -> float:
+        return 1.0 + self.error * (2.0 * _unit(self.seed, key) - 1.0)
+
+    def duration(self, job: Job) -> float:
+        d = self._dur.get(job.job_id)
+        if d is None:
+            d = job.duration * self._factor("dur:" + job.job_id)
+            self._dur[job.job_id] = d
+        return d
+
+    def pair_slowdown(self, a: Job, b: Job) -> tuple[float, float]:
+        xa, xb = self.speed.pair_slowdown(a, b)
+        fa = self._factor(f"xi:{a.job_id}:{b.job_id}")
+        fb = self._factor(f"xi:{b.job_id}:{a.job_id}")
+        return 1.0 + (xa - 1.0) * fa, 1.0 + (xb - 1.0) * fb
+
+
+class DeclaredEstimator(OracleEstimator):
+    """Only what was declared: `Job.expected_duration`, else `default_duration`.
+
+    Used by the live worker before the learned predictor has data; the truth is never read.
+    """
+
+    name = "declared"
+
+    def __init__(self, speed: SpeedModel | None = None, *, default_duration: float = 600.0):
+        super().__init__(speed)
+        self.default_duration = default_duration
+
+    def duration(self, job: Job) -> float:
+        return job.expected_duration or self.default_duration
+
+
+def make_estimator(kind: str, speed: SpeedModel | None = None, *, seed: int = 0, error: float = 0.3):
+    from qosflow.errors import UnknownNameError
+
+    kinds = {"oracle", "noisy", "declared"}
+    if kind == "oracle":
+        return OracleEstimator(speed)
+    if kind == "noisy":
+        return NoisyEstimator(speed, error=error, seed=seed)
+    if kind == "declared":
+        return DeclaredEstimator(speed)
+    if kind == "learned":
+        from qosflow.predict.estimator import LearnedEstimator  # noqa: PLC0415  (issue 4)
+
+        return LearnedEstimator(speed, seed=seed)
+    raise UnknownNameError("estimator", kind, sorted(kinds | {"learned"}))

@@ -1,0 +1,188 @@
+"""The QoS spec a stage or trace job declares.
+
+A spec says what a job needs (GPUs or a fraction of one, GPU memory, CPU cores), how it may run
+(may it share a GPU with another job, must all its GPUs start together) and what it was promised
+(a deadline or a latency SLO, an optional minimum throughput, a priority class).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+from qosflow.errors import SpecError
+
+
+class PriorityClass(str, Enum):
+    """Priority classes, highest first. `guaranteed` jobs carry a deadline or SLO that qosflow keeps;
+    `best-effort` jobs take what is left (but are never starved)."""
+
+    CRITICAL = "critical"
+    GUARANTEED = "guaranteed"
+    NORMAL = "normal"
+    BEST_EFFORT = "best-effort"
+
+    @property
+    def rank(self) -> int:
+        return _RANK[self]
+
+    @classmethod
+    def parse(cls, value: "PriorityClass | str | int", *, where: str | None = None) -> "PriorityClass":
+        if isinstance(value, PriorityClass):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            # numeric priorities as in traces: larger is more important
+            if value >= 2:
+                return cls.CRITICAL
+            return cls.GUARANTEED if value == 1 else cls.NORMAL if value == 0 else cls.BEST_EFFORT
+        if isinstance(value, str):
+            key = value.strip().lower().replace("_", "-")
+            for member in cls:
+                if member.value == key:
+                    return member
+        raise SpecError(
+            "priority",
+            f"{value!r} is not a priority class; use one of {', '.join(m.value for m in cls)} or an integer",
+            where=where,
+        )
+
+
+_RANK = {
+    PriorityClass.CRITICAL: 3,
+    PriorityClass.GUARANTEED: 2,
+    PriorityClass.NORMAL: 1,
+    PriorityClass.BEST_EFFORT: 0,
+}
+
+#: Hard upper bound on GPUs one job may ask for; a cluster check gives the real limit.
+MAX_GPUS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class QoSSpec:
+    """What one job (a pipeline stage or a trace job) needs and was promised.
+
+    Times are seconds. `deadline` is relative to the job's submission (a budget); `latency_slo` is the
+    per-step (per-request) latency the job must see wherever it is placed.
+
+    GPU demand: `gpus` whole GPUs, or, with `gpus=1` and `gpu_milli < 1000`, a fraction of one GPU
+    (an MPS or time-slice share, as Alibaba's pods ask with `gpu_milli`). `gpus=0` is a CPU-only stage.
+    `shareable=True` lets a whole-GPU training job be co-located with one other such job on the same
+    GPUs (at most two, memory permitting), at a slowdown the scheduler predicts.
+    """
+
+    gpus: int = 1
+    gpu_milli: int = 1000
+    gpu_mem_mb: float | None = None
+    cpu_cores: float = 1.0
+    mem_mb: float = 0.0
+    deadline: float | None = None
+    latency_slo: float | None = None
+    min_throughput: float | None = None
+    priority: PriorityClass = PriorityClass.NORMAL
+    shareable: bool = False
+    gang: bool = True
+    gpu_model: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "priority", PriorityClass.parse(self.priority))
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, *, where: str | None = None) -> "QoSSpec":
+        def bad(fieldname: str, msg: str) -> SpecError:
+            return SpecError(fieldname, msg, where=where)
+
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int):
+            raise bad("gpus", f"must be a whole number of GPUs, got {self.gpus!r} (use gpu_milli for a fraction)")
+        if self.gpus < 0:
+            raise bad("gpus", f"must be >= 0, got {self.gpus}")
+        if self.gpus > MAX_GPUS:
+            raise bad("gpus", f"{self.gpus} GPUs is more than any cluster qosflow supports ({MAX_GPUS})")
+        if not isinstance(self.gpu_milli, int) or isinstance(self.gpu_milli, bool):
+            raise bad("gpu_milli", f"must be an integer in 1..1000 (thousandths of a GPU), got {self.gpu_milli!r}")
+        if not 1 <= self.gpu_milli <= 1000:
+            raise bad("gpu_milli", f"must be in 1..1000 (thousandths of one GPU), got {self.gpu_milli}")
+        if self.gpu_milli < 1000 and self.gpus != 1:
+            raise bad("gpu_milli", f"a fractional GPU share ({self.gpu_milli}/1000) needs gpus=1, got gpus={self.gpus}")
+        if self.gpu_mem_mb is not None:
+            if not _finite(self.gpu_mem_mb) or self.gpu_mem_mb <= 0:
+                raise bad("gpu_mem_mb", f"must be a positive number of MiB per GPU, got {self.gpu_mem_mb!r}")
+            if self.gpus == 0:
+                raise bad("gpu_mem_mb", "a CPU-only stage (gpus=0) cannot ask for GPU memory")
+        if not _finite(self.cpu_cores) or self.cpu_cores < 0:
+            raise bad("cpu_cores", f"must be a number of cores >= 0, got {self.cpu_cores!r}")
+        if self.gpus == 0 and self.cpu_cores <= 0:
+            raise bad("cpu_cores", "a CPU-only stage (gpus=0) needs cpu_cores > 0")
+        if not _finite(self.mem_mb) or self.mem_mb < 0:
+            raise bad("mem_mb", f"must be >= 0 MiB, got {self.mem_mb!r}")
+        if self.deadline is not None and (not _finite(self.deadline) or self.deadline <= 0):
+            raise bad("deadline", f"must be a positive number of seconds after submission, got {self.deadline!r}")
+        if self.latency_slo is not None and (not _finite(self.latency_slo) or self.latency_slo <= 0):
+            raise bad("latency_slo", f"must be a positive number of seconds, got {self.latency_slo!r}")
+        if self.min_throughput is not None and (not _finite(self.min_throughput) or self.min_throughput <= 0):
+            raise bad("min_throughput", f"must be a positive rate (steps/s), got {self.min_throughput!r}")
+        if self.shareable and self.gpus == 0:
+            raise bad("shareable", "a CPU-only stage (gpus=0) has no GPU to share")
+        return self
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def fractional(self) -> bool:
+        return self.gpus == 1 and self.gpu_milli < 1000
+
+    @property
+    def gpu_demand(self) -> float:
+        """GPUs asked for, counting a fractional share as its fraction."""
+        return self.gpu_milli / 1000.0 if self.fractional else float(self.gpus)
+
+    @property
+    def has_qos_target(self) -> bool:
+        return self.deadline is not None or self.latency_slo is not None or self.min_throughput is not None
+
+    def with_(self, **changes: Any) -> "QoSSpec":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "gpus": self.gpus,
+            "gpu_milli": self.gpu_milli,
+            "gpu_mem_mb": self.gpu_mem_mb,
+            "cpu_cores": self.cpu_cores,
+            "mem_mb": self.mem_mb,
+            "deadline": self.deadline,
+            "latency_slo": self.latency_slo,
+            "min_throughput": self.min_throughput,
+            "priority": self.priority.value,
+            "shareable": self.shareable,
+            "gang": self.gang,
+            "gpu_model": self.gpu_model,
+        }
+        if self.extra:
+            d["extra"] = dict(self.extra)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str | None = None) -> "QoSSpec":
+        known = {f for f in cls.__dataclass_fields__}  # type: ignore[attr-defined]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(unknown[0], f"unknown QoS field; known fields: {', '.join(sorted(known))}", where=where)
+        try:
+            return cls(**data)
+        except SpecError as exc:
+            if where and not exc.where:
+                raise SpecError(exc.field, str(exc).split(": ", 1)[-1], where=where) from None
+            raise
+        except TypeError as exc:  # wrong types that dataclass init itself rejects
+            raise SpecError("qos", str(exc), where=where) from None
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,148 @@
+"""How fast a job runs where it is placed: the interference and speed model.
+
+Three effects slow a job below its isolated speed (rate 1.0):
+
+* co-location with another whole-GPU job on the same GPUs (slowdown xi >= 1, from a measured
+  interference table such as Gavel's, or from the two jobs' per-iteration resource profiles);
+* spreading a gang over more nodes than it needs (cross-node traffic; Gavel measured
+  "unconsolidated" throughputs, the Philly study found locality drives JCT);
+* too few CPU cores to feed its GPUs (CODA: speed grows with cores until it saturates).
+
+The simulator advances jobs with a `SpeedModel` (the truth); policies see the same effects only
+through an `Estimator` (oracle, noisy or learned).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+from qosflow.core.job import Job
+from qosflow.core.placement import Placement
+
+
+@runtime_checkable
+class InterferenceSource(Protocol):
+    """A table of measured pair slowdowns and spread penalties, keyed by job type (`Job.model`)."""
+
+    def pair_slowdown(self, model_a: str, model_b: str, gpus: int = 1) -> tuple[float, float] | None:
+        """(xi_a, xi_b) >= 1 when the two share GPUs, or None if the table does not know the pair."""
+
+    def spread_slowdown(self, model: str, gpus: int) -> float | None:
+        """Slowdown of a `gpus`-GPU job spread over nodes instead of consolidated, or None."""
+
+
+#: default cores per GPU that saturate a training job's input pipeline (CODA measured 4-6 for CV models)
+DEFAULT_CPU_SATURATION = 4.0
+#: default pair slowdown when nothing is known about either job (Gavel's table: median about 1.4)
+DEFAULT_PAIR_SLOWDOWN = 1.4
+#: default slowdown of a spread gang when nothing is known (Gavel: unconsolidated median about 1.2)
+DEFAULT_SPREAD_SLOWDOWN = 1.2
+
+
+def profile_pair_slowdown(pa: Sequence[float], pb: Sequence[float]) -> tuple[float, float]:
+    """Slowdown of two co-located jobs from their per-iteration resource profiles (Muri's idea).
+
+    Each profile gives the time one iteration spends on each resource stage (data loading/CPU,
+    GPU compute, network). Two jobs interleave their stages: on each resource they queue behind
+    each other, so a pair's combined iteration takes about max(sum per resource, each job's own
+    iteration) -- jobs with different bottlenecks overlap well, jobs with the same one do not.
+    """
+    ta, tb = float(sum(pa)), float(sum(pb))
+    if ta <= 0 or tb <= 0:
+        return DEFAULT_PAIR_SLOWDOWN, DEFAULT_PAIR_SLOWDOWN
+    k = max(len(pa), len(pb))
+    a = list(pa) + [0.0] * (k - len(pa))
+    b = list(pb) + [0.0] * (k - len(pb))
+    # one interleaved round runs one iteration of each job; its length is bounded below by the busiest
+    # resource and by each job's own iteration
+    round_time = max(max(x + y for x, y in zip(a, b)), ta, tb)
+    # small context-switch cost of sharing (Muri/SJF-BSBF measured a few per cent)
+    round_time *= 1.03
+    return max(1.0, round_time / ta), max(1.0, round_time / tb)
+
+
+class SpeedModel:
+    """The true speed of jobs in the simulator; also the basis of the oracle estimator."""
+
+    def __init__(
+        self,
+        interference: InterferenceSource | None = None,
+        *,
+        default_pair: float = DEFAULT_PAIR_SLOWDOWN,
+        default_spread: float = DEFAULT_SPREAD_SLOWDOWN,
+        cpu_exponent: float = 0.8,
+    ):
+        self.interference = interference
+        self.default_pair = default_pair
+        self.default_spread = default_spread
+        self.cpu_exponent = cpu_exponent
+        self._pair_cache: dict[tuple[str, str, int, tuple | None, tuple | None], tuple[float, float]] = {}
+
+    # -------------------------------------------------------------- components
+    def pair_slowdown(self, a: Job, b: Job) -> tuple[float, float]:
+        key = (a.model, b.model, a.qos.gpus, a.resource_profile, b.resource_profile)
+        hit = self._pair_cache.get(key)
+        if hit is not None:
+            return hit
+        res = None
+        if self.interference is not None:
+            res = self.interference.pair_slowdown(a.model, b.model, a.qos.gpus)
+        if res is None and a.resource_profile and b.resource_profile:
+            res = profile_pair_slowdown(a.resource_profile, b.resource_profile)
+        if res is None:
+            res = (self.default_pair, self.default_pair)
+        res = (max(1.0, float(res[0])), max(1.0, float(res[1])))
+        self._pair_cache[key] = res
+        return res
+
+    def spread_slowdown(self, job: Job, num_nodes: int, min_nodes: int) -> float:
+        if num_nodes <= min_nodes:
+            return 1.0
+        s = None
+        if self.interference is not None:
+            s = self.interference.spread_slowdown(job.model, job.qos.gpus)
+        if s is None:
+            s = self.default_spread
+        # more extra nodes, more cross-node traffic: scale the measured penalty with the excess
+        extra = (num_nodes - min_nodes) / max(1, num_nodes - 1)
+        return 1.0 + (max(1.0, s) - 1.0) * min(1.0, extra * 2.0)
+
+    def cpu_factor(self, job: Job, cores: float) -> float:
+        """Speed multiplier (<= 1) from the CPU cores a job holds (CODA's saturating curve)."""
+        gpus = max(job.qos.gpus, 1)
+        sat = (job.cpu_saturation or DEFAULT_CPU_SATURATION) * gpus
+        if job.qos.gpus == 0:
+            sat = max(job.qos.cpu_cores, 1e-9)
+        if cores >= sat:
+            return 1.0
+        if cores <= 0:
+            return 0.0
+        return (cores / sat) ** self.cpu_exponent
+
+    # -------------------------------------------------------------- combined
+    def rate(
+        self,
+        job: Job,
+        placement: Placement,
+        co_runners: Sequence[Job] = (),
+        *,
+        gpus_per_node: int = 8,
+    ) -> float:
+        """Fraction of isolated speed (0..1] the job runs at under this placement."""
+        r = 1.0
+        if co_runners and placement.gpu_milli >= 1000:
+            worst = 1.0
+            for other in co_runners:
+                worst = max(worst, self.pair_slowdown(job, other)[0])
+            r /= worst
+        if job.qos.gpus > 1:
+            n_nodes = len({n for n, _ in placement.gpus})
+            min_nodes = -(-job.qos.gpus // max(1, gpus_per_node))
+            r /= self.spread_slowdown(job, n_nodes, min_nodes)
+        if placement.cpu:
+            r *= self.cpu_factor(job, placement.cpu_cores)
+        if placement.sub_batch is not None:
+            # gradient accumulation with smaller sub-batches costs a little GPU efficiency (SJF-BSBF measured
+            # a few per cent); one small-batch pass per accumulation step
+            r /= 1.0 + 0.02 * (placement.sub_batch.accumulation_steps - 1)
+        return r

@@ -1,0 +1,87 @@
+"""The policy interface shared by the simulator and the live worker.
+
+A scheduling round is a pure function of a snapshot (Blox's admission -> ordering -> placement,
+KAI's session): the caller builds a `SchedulerView` around a *copy* of the cluster state; the policy
+plans on that copy (releasing jobs it preempts, allocating jobs it starts) and returns a `Decision`;
+the caller commits the decision to the real state as one statement with `commit()`, which checks
+every placement again. The simulator and the worker call the very same `Policy.schedule`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from qosflow.core.cluster import ClusterState
+from qosflow.core.estimate import Estimator
+from qosflow.core.job import JobState
+from qosflow.core.placement import Placement
+
+
+@dataclass
+class SchedulerView:
+    """What a policy sees in one round. `cluster` is a snapshot the policy may change freely."""
+
+    now: float
+    cluster: ClusterState
+    pending: list[JobState]
+    running: list[JobState]
+    estimator: Estimator
+
+    @property
+    def gpus_per_node(self) -> int:
+        return max(1, self.cluster.spec.max_gpus_per_node)
+
+
+@dataclass
+class Decision:
+    """The outcome of one round: jobs to stop (preempt), jobs to start, cores to move."""
+
+    starts: list[Placement] = field(default_factory=list)
+    preempt: list[str] = field(default_factory=list)
+    #: (job id, node index, new core count) -- CODA's adaptive CPU allocation
+    resize: list[tuple[str, int, float]] = field(default_factory=list)
+    #: job id -> why it waits, shares or was preempted (shown to users)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.starts or self.preempt or self.resize)
+
+
+class Policy(ABC):
+    """A scheduling policy. Subclasses set `name` and implement `schedule`."""
+
+    name: ClassVar[str] = ""
+    #: may stop running jobs (checkpoint and restart later)
+    preemptive: ClassVar[bool] = False
+    description: ClassVar[str] = ""
+
+    @abstractmethod
+    def schedule(self, view: SchedulerView) -> Decision:
+        """Plan one round on `view.cluster` (a snapshot) and return the decision."""
+
+    def next_wakeup(self, view: SchedulerView) -> float | None:
+        """Absolute time the policy wants another round even if nothing happens (e.g. a queue demotion)."""
+        return None
+
+    def options(self) -> dict[str, Any]:
+        return {}
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({opts})"
+
+
+def commit(state: ClusterState, decision: Decision, jobs: dict[str, JobState]) -> None:
+    """Apply a decision to the real cluster state: preemptions first, then starts, then core moves.
+
+    Every placement is checked again (`ClusterState.allocate` raises on any conflict), so a buggy
+    policy cannot over-allocate the real cluster.
+    """
+    for jid in decision.preempt:
+        state.release(jid)
+    for p in decision.starts:
+        state.allocate(p, jobs[p.job_id].job.qos)
+    for jid, node, cores in decision.resize:
+        state.resize_cpu(jid, node, cores)
