@@ -1,0 +1,1 @@
+"""Where stages actually run: local processes, bare-metal host agents, Kubernetes Jobs."""

@@ -1,0 +1,137 @@
+"""The backend interface: launch a stage on the slot a policy chose, watch it, stop it.
+
+Data flows one way: flow run -> job model -> policy -> placement -> backend. A backend never
+decides *where*; it turns a `Placement` into a running process (or pod) with the placement's
+environment, and reports how it ended, classified the Philly way (user error or infrastructure).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import AsyncIterator
+
+from qosflow.core.cluster import ClusterSpec, NodeSpec
+from qosflow.core.placement import Placement
+
+
+class ExitKind(str, Enum):
+    OK = "ok"
+    USER = "user"  # the stage's own code failed: follow its retry settings, do not retry blindly
+    INFRA = "infra"  # node/agent lost, OOM-killed, evicted: retry on another slot
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    kind: ExitKind
+    code: int | None = None
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.kind is ExitKind.OK
+
+
+@dataclass
+class LaunchSpec:
+    """Everything a backend needs to start one stage on one placement."""
+
+    stage_id: str  # unique per attempt, e.g. "<flow-run-id>" or "<flow-run-id>-r1"
+    command: list[str]
+    placement: Placement
+    cluster: ClusterSpec
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    #: node index -> CPU core ids to pin to (set by the caller's core allocator)
+    cpusets: dict[int, list[int]] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    image: str | None = None  # container backends
+
+    @property
+    def nodes(self) -> list[NodeSpec]:
+        return [self.cluster.nodes[n] for n in self.placement.nodes]
+
+
+@dataclass
+class StageHandle:
+    stage_id: str
+    backend: str
+    node: str
+    ref: dict = field(default_factory=dict)  # backend-specific (pid, pod name, agent URL...)
+
+
+def placement_env(p: Placement, cluster: ClusterSpec, node: int | None = None, cpuset: list[int] | None = None) -> dict[str, str]:
+    """The environment a stage sees on `node` (default: its first node).
+
+    CUDA_VISIBLE_DEVICES lists the GPUs there; a fractional or co-located GPU gets an MPS active
+    thread percentage; OMP_NUM_THREADS follows the cores; QOSFLOW_PLACEMENT carries the whole plan
+    (read it with `qosflow.placement()`), including a sub-batch/gradient-accumulation plan.
+    """
+    n = p.nodes[0] if node is None else node
+    spec = cluster.nodes[n]
+    gpus = p.gpus_on(n)
+    cores = p.cores_on(n)
+    env: dict[str, str] = {
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
+        "OMP_NUM_THREADS": str(max(1, int(cores))),
+        "QOSFLOW_NODE": spec.name,
+        "QOSFLOW_VIRTUAL_GPUS": "1" if spec.virtual else "0",
+    }
+    if p.gpu_milli < 1000:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(p.gpu_milli / 10)))
+    elif p.colocated_with:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = "50"
+    plan = {
+        "job_id": p.job_id,
+        "node": spec.name,
+        "nodes": [cluster.nodes[i].name for i in p.nodes],
+        "gpus": gpus,
+        "gpu_milli": p.gpu_milli,
+        "cpu_cores": cores,
+        "cpuset": cpuset or [],
+        "colocated_with": list(p.colocated_with),
+        "sub_batch": p.sub_batch.to_dict() if p.sub_batch else None,
+        "virtual_gpus": spec.virtual,
+    }
+    env["QOSFLOW_PLACEMENT"] = json.dumps(plan, separators=(",", ":"))
+    return env
+
+
+class Backend(ABC):
+    """Runs stages on some infrastructure. All methods are async (the Prefect worker is)."""
+
+    name: str = "backend"
+
+    @abstractmethod
+    async def inventory(self) -> ClusterSpec:
+        """The nodes and GPUs this backend can run on (real GPUs via NVML, or declared virtual ones)."""
+
+    @abstractmethod
+    async def launch(self, spec: LaunchSpec) -> StageHandle:
+        """Start the stage; return at once with a handle."""
+
+    @abstractmethod
+    async def wait(self, handle: StageHandle) -> ExitStatus:
+        """Wait until the stage ends and say how it ended."""
+
+    @abstractmethod
+    async def kill(self, handle: StageHandle, reason: str = "cancelled") -> None:
+        """Stop the stage (idempotent)."""
+
+    async def logs(self, handle: StageHandle) -> AsyncIterator[str]:  # pragma: no cover - optional
+        if False:
+            yield ""
+
+    async def set_cpus(self, handle: StageHandle, node: int, cpuset: list[int]) -> None:
+        """Move a running stage to other cores (CODA's feedback allocator). Optional."""
+        raise NotImplementedError(f"{self.name} cannot change a running stage's cores")
+
+    async def healthy_nodes(self) -> set[str]:
+        """Names of nodes that answer now (heartbeats). Default: all of the inventory."""
+        return {n.name for n in (await self.inventory()).nodes}
+
+    async def aclose(self) -> None:
+        return None
