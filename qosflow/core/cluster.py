@@ -17,6 +17,7 @@ Sharing rules (the invariants the tests check):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
@@ -110,15 +111,15 @@ class ClusterSpec:
         )
         return cls(nodes, name=name or f"{num_nodes}x{gpus_per_node}")
 
-    @property
+    @cached_property
     def num_gpus(self) -> int:
         return sum(n.gpus for n in self.nodes)
 
-    @property
+    @cached_property
     def max_gpus_per_node(self) -> int:
         return max(n.gpus for n in self.nodes)
 
-    @property
+    @cached_property
     def node_names(self) -> tuple[str, ...]:
         return tuple(n.name for n in self.nodes)
 
@@ -184,6 +185,7 @@ class ClusterState:
         "allocs",
         "_shareable",
         "down",
+        "n_empty",
     )
 
     def __init__(self, spec: ClusterSpec):
@@ -203,6 +205,8 @@ class ClusterState:
         self.mem_free = np.array([s.mem_mb for s in spec.nodes], dtype=np.float64)
         self.switch = np.array([s.switch for s in spec.nodes], dtype=np.int64)
         self.down = np.zeros(n, dtype=bool)
+        #: empty GPUs on nodes that are up (kept in step with `empty` and `down`)
+        self.n_empty = int(self.empty.sum())
         #: (node, gpu) -> job ids on that GPU
         self.gpu_jobs: dict[tuple[int, int], tuple[str, ...]] = {}
         self.allocs: dict[str, Placement] = {}
@@ -218,6 +222,7 @@ class ClusterState:
         new.switch = self.switch
         for name in ("milli_free", "njobs", "whole", "share_ok", "gmem_free", "empty", "cpu_free", "mem_free", "down"):
             setattr(new, name, getattr(self, name).copy())
+        new.n_empty = self.n_empty
         new.gpu_jobs = dict(self.gpu_jobs)
         new.allocs = dict(self.allocs)
         new._shareable = dict(self._shareable)
@@ -229,7 +234,7 @@ class ClusterState:
         return len(self.spec.nodes)
 
     def total_empty_gpus(self) -> int:
-        return int(self.empty[~self.down].sum())
+        return self.n_empty
 
     def used_gpus(self) -> int:
         return int((self.njobs > 0).sum())
@@ -275,6 +280,8 @@ class ClusterState:
                 self.share_ok[node, g] = self.whole[node, g] == 1 and qos.shareable
             if was_empty:
                 self.empty[node] -= 1
+                if not self.down[node]:
+                    self.n_empty -= 1
             self.gpu_jobs[(node, g)] = self.gpu_jobs.get((node, g), ()) + (p.job_id,)
         for node, c in p.cpu:
             self.cpu_free[node] -= c
@@ -309,6 +316,8 @@ class ClusterState:
             self.share_ok[node, g] = self.whole[node, g] == 1 and all(self._shareable.get(j, False) for j in rest)
             if self.njobs[node, g] == 0:
                 self.empty[node] += 1
+                if not self.down[node]:
+                    self.n_empty += 1
                 self.gmem_free[node, g] = self.gmem_cap[node]  # clear float drift
         for node, c in p.cpu:
             self.cpu_free[node] += c
@@ -319,6 +328,8 @@ class ClusterState:
 
     def set_node_down(self, node: int, down: bool = True) -> list[str]:
         """Mark a node lost (or back). Returns the jobs that were running on it."""
+        if bool(self.down[node]) != down:
+            self.n_empty += -int(self.empty[node]) if down else int(self.empty[node])
         self.down[node] = down
         return [j for j, p in self.allocs.items() if node in p.nodes]
 
@@ -408,6 +419,7 @@ class ClusterState:
             assert self.njobs[n, g] == c, f"GPU {n}/{g}: {self.njobs[n, g]} recorded, {c} placed"
         assert int(self.njobs.sum()) == sum(counts.values())
         assert (self.empty == (self.exists & (self.njobs == 0)).sum(axis=1)).all()
+        assert self.n_empty == int(self.empty[~self.down].sum())
 
     def __repr__(self) -> str:
         return f"ClusterState({self.spec.name}: {self.used_gpus()}/{self.spec.num_gpus} GPUs busy, {len(self.allocs)} jobs)"

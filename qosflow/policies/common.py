@@ -1,0 +1,117 @@
+"""Building blocks the policies share: greedy placement in a given order, why a job waits,
+and the preemptive "which jobs should run" pass."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+from qosflow.core.cluster import ClusterState
+from qosflow.core.job import JobState
+from qosflow.core.placement import Placement
+from qosflow.policies.base import Decision, SchedulerView
+from qosflow.policies.placement import Fit, Locality, find_for
+
+
+def why_waiting(state: ClusterState, js: JobState, largest: int | None = None) -> str:
+    q = js.job.qos
+    if q.gpus == 0:
+        return f"waiting: no node has {q.cpu_cores:g} free cores"
+    if q.fractional:
+        return f"waiting: no GPU has {q.gpu_milli}/1000 free"
+    free = state.total_empty_gpus()
+    if free < q.gpus:
+        return f"waiting: needs {q.gpus} GPUs, {free} free"
+    if largest is None:
+        largest = int(state.empty[~state.down].max()) if state.num_nodes else 0
+    if q.gpus <= state.spec.max_gpus_per_node:
+        return f"waiting: needs {q.gpus} GPUs on one node; largest free block is {largest}"
+    return f"waiting: needs {q.gpus} GPUs on whole free nodes; {free} GPUs free but scattered"
+
+
+def place_in_order(
+    view: SchedulerView,
+    order: Iterable[JobState],
+    *,
+    locality: Locality = "consolidated",
+    fit: Fit = "best-fit",
+    blocking: bool = False,
+    finder: Callable[[ClusterState, JobState], Placement | None] | None = None,
+    decision: Decision | None = None,
+) -> Decision:
+    """Start jobs in `order` wherever they fit (backfilling), or stop at the first that does not
+    (`blocking`, strict FIFO). Allocates on the view's snapshot so later jobs see earlier ones."""
+    st = view.cluster
+    d = decision if decision is not None else Decision()
+    # Allocations only shrink free capacity within a round, so once a whole-GPU request of k GPUs
+    # fails, every request with the same other needs and k or more GPUs fails too: skip those.
+    failed_k: dict[tuple, int] = {}
+    largest: int | None = None  # largest free block, recomputed after each start
+    for js in order:
+        q = js.job.qos
+        p = None
+        whole = q.gpus > 0 and not q.fractional
+        sig = (q.gpu_model, q.gpu_mem_mb, q.cpu_cores / max(q.gpus, 1), q.mem_mb / max(q.gpus, 1)) if whole else None
+        if finder is not None:
+            p = finder(st, js)
+        elif not (whole and (st.total_empty_gpus() < q.gpus or failed_k.get(sig, 1 << 30) <= q.gpus)):
+            p = find_for(st, js.job, locality=locality, fit=fit)
+            if p is None and whole:
+                failed_k[sig] = min(failed_k.get(sig, 1 << 30), q.gpus)
+        if p is None:
+            if largest is None:
+                largest = int(st.empty[~st.down].max())
+            d.notes[js.job_id] = why_waiting(st, js, largest)
+            if blocking:
+                for rest in order:
+                    d.notes.setdefault(rest.job_id, "waiting: behind the head of the queue (strict FIFO)")
+                break
+            continue
+        st.allocate(p, q)
+        d.starts.append(p)
+        largest = None
+    return d
+
+
+def select_to_run(view: SchedulerView, ordered: Sequence[JobState]) -> set[str]:
+    """Preemptive policies: the jobs that should run, taking `ordered` greedily while GPUs last.
+
+    GPUs are counted per job (fractional shares by their fraction); placement comes afterwards.
+    """
+    st = view.cluster
+    free = float(st.gpu_count[~st.down].sum())
+    keep: set[str] = set()
+    for js in ordered:
+        g = js.job.qos.gpu_demand
+        if g <= free + 1e-9:
+            keep.add(js.job_id)
+            free -= g
+    return keep
+
+
+def preempt_and_place(
+    view: SchedulerView,
+    ordered: Sequence[JobState],
+    *,
+    locality: Locality = "consolidated",
+    fit: Fit = "best-fit",
+) -> Decision:
+    """Preempt running jobs that fall outside the greedy run set, then place pending ones in order.
+
+    Running jobs keep their GPUs (no migration); a pending job that made the set but finds no
+    placement (fragmentation) waits for the next round.
+    """
+    keep = select_to_run(view, ordered)
+    d = Decision()
+    st = view.cluster
+    for js in view.running:
+        if js.job_id not in keep:
+            st.release(js.job_id)
+            d.preempt.append(js.job_id)
+            d.notes[js.job_id] = "preempted: higher-priority jobs need its GPUs"
+    todo = [js for js in ordered if js.job_id in keep and not js.running]
+    place_in_order(view, todo, locality=locality, fit=fit, decision=d)
+    # jobs outside the run set simply wait
+    for js in ordered:
+        if js.job_id not in keep and not js.running:
+            d.notes.setdefault(js.job_id, "waiting: lower priority than the jobs running")
+    return d

@@ -1,0 +1,76 @@
+"""GPU sharing between two whole-GPU training jobs (SJF-BSBF, arXiv 2407.13088).
+
+* `bsbf_times` -- the paper's benefit test: the pair's average completion time when sharing now
+  versus running one after the other;
+* `memory_plan` -- fit a job next to a partner, if need be with a smaller sub-batch and gradient
+  accumulation (same global batch, so the same convergence);
+* `partners_for` -- running jobs a pending job could join (same GPU count, alone on their GPUs).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from qosflow.core.cluster import ClusterState
+from qosflow.core.job import Job, JobState
+from qosflow.core.placement import SubBatchPlan
+
+#: share of a job's GPU memory that does not shrink with the batch (weights, optimizer state,
+#: workspace); the rest scales with the (sub-)batch. An assumption, documented in docs/policies.md.
+FIXED_MEMORY_SHARE = 0.35
+#: largest gradient-accumulation factor tried
+MAX_ACCUMULATION = 8
+
+
+def bsbf_times(t_a: float, t_b: float, xi_a: float, xi_b: float) -> tuple[float, float]:
+    """(t_con, t_seq) for pending job a joining running job b.
+
+    T_a, T_b are solo remaining times, xi >= 1 the slowdowns when sharing. A_hat = xi_a T_a,
+    B_hat = xi_b T_b. Sharing now: if A_hat >= B_hat (b ends first) t_con = T_a/2 + (1 - 1/(2 xi_a)) B_hat,
+    else t_con = T_b/2 + (1 - 1/(2 xi_b)) A_hat. Sequential (a waits for b): t_seq = T_b + T_a/2.
+    Both are the pair's average completion time from now. Share iff t_con < t_seq.
+    """
+    xi_a, xi_b = max(1.0, xi_a), max(1.0, xi_b)
+    a_hat, b_hat = xi_a * t_a, xi_b * t_b
+    if a_hat >= b_hat:
+        t_con = t_a / 2.0 + (1.0 - 1.0 / (2.0 * xi_a)) * b_hat
+    else:
+        t_con = t_b / 2.0 + (1.0 - 1.0 / (2.0 * xi_b)) * a_hat
+    t_seq = t_b + t_a / 2.0
+    return t_con, t_seq
+
+
+def memory_plan(job: Job, free_mem: float, *, allow_sub_batch: bool = True) -> tuple[float, SubBatchPlan | None] | None:
+    """GPU memory the job would use next to a partner, and the sub-batch plan that makes it fit.
+
+    None if it cannot fit even with the smallest sub-batch tried."""
+    mem = job.qos.gpu_mem_mb
+    if mem is None:
+        return None
+    if mem <= free_mem + 1e-6:
+        return mem, None
+    if not allow_sub_batch or not job.batch_size:
+        return None
+    fixed = FIXED_MEMORY_SHARE * mem
+    acc = 2
+    while acc <= MAX_ACCUMULATION and job.batch_size % acc == 0:
+        need = fixed + (mem - fixed) / acc
+        if need <= free_mem + 1e-6:
+            return need, SubBatchPlan.split(job.batch_size, acc)
+        acc *= 2
+    return None
+
+
+def partners_for(st: ClusterState, job: Job, states: dict[str, JobState]) -> Iterable[JobState]:
+    """Jobs on the snapshot that `job` could share GPUs with: same GPU count, alone and shareable."""
+    if not job.qos.shareable or job.qos.fractional or job.qos.gpus == 0:
+        return
+    for jid, p in st.allocs.items():
+        if len(p.gpus) != job.qos.gpus or p.gpu_milli < 1000 or p.colocated_with:
+            continue
+        n, g = p.gpus[0]
+        if not st.share_ok[n, g] or st.njobs[n, g] != 1:
+            continue
+        other = states.get(jid)
+        if other is not None:
+            yield other

@@ -1,0 +1,21 @@
+"""SJF: shortest (estimated) job first, non-preemptive, backfilling whatever fits."""
+
+from __future__ import annotations
+
+from qosflow.policies import register
+from qosflow.policies.base import Decision, Policy, SchedulerView
+from qosflow.policies.common import place_in_order
+
+
+@register
+class SjfPolicy(Policy):
+    name = "sjf"
+    description = "shortest estimated job first (non-preemptive)"
+
+    def __init__(self, locality: str = "consolidated"):
+        self.locality = locality
+
+    def schedule(self, view: SchedulerView) -> Decision:
+        est = view.estimator
+        order = sorted(view.pending, key=lambda js: (est.remaining(js), js.job.submit_time))
+        return place_in_order(view, order, locality=self.locality)

@@ -1,0 +1,65 @@
+"""SJF-BSBF: shortest job first with best sharing benefit first (arXiv 2407.13088).
+
+Jobs go in SJF order. A job takes free GPUs if there are any. Otherwise it may join a running job
+(same GPU count, alone on its GPUs) -- but only the partner whose sharing benefit is largest, and
+only if sharing improves the pair's average completion time (`bsbf_times`: t_con < t_seq). When
+the pair's memory does not fit, the newcomer runs with a smaller sub-batch and gradient
+accumulation (same global batch). Non-preemptive.
+"""
+
+from __future__ import annotations
+
+from qosflow.core.placement import Placement
+from qosflow.policies import register
+from qosflow.policies.base import Decision, Policy, SchedulerView
+from qosflow.policies.common import place_in_order
+from qosflow.policies.placement import find_colocation, find_for
+from qosflow.policies.sharing import bsbf_times, memory_plan, partners_for
+
+
+@register
+class SjfBsbfPolicy(Policy):
+    name = "sjf-bsbf"
+    description = "SJF with best-sharing-benefit-first GPU sharing and sub-batching"
+
+    def __init__(self, locality: str = "consolidated", sub_batch: bool = True):
+        self.locality = locality
+        self.sub_batch = sub_batch
+
+    def schedule(self, view: SchedulerView) -> Decision:
+        est = view.estimator
+        states = {js.job_id: js for js in view.running}
+        states.update({js.job_id: js for js in view.pending})
+        order = sorted(view.pending, key=lambda js: (est.remaining(js), js.job.submit_time))
+        notes: dict[str, str] = {}
+
+        def finder(st, js) -> Placement | None:
+            p = find_for(st, js.job, locality=self.locality)
+            if p is not None:
+                return p
+            t_a = est.remaining(js)
+            best = None
+            for partner in partners_for(st, js.job, states):
+                pp = st.allocs[partner.job_id]
+                plan = memory_plan(js.job, float(st.gmem_free[pp.gpus[0]]), allow_sub_batch=self.sub_batch)
+                if plan is None:
+                    continue
+                xi_a, xi_b = est.pair_slowdown(js.job, partner.job)
+                t_con, t_seq = bsbf_times(t_a, est.remaining(partner), xi_a, xi_b)
+                gain = t_seq - t_con
+                if gain > 0 and (best is None or gain > best[0]):
+                    best = (gain, partner, plan, xi_a, xi_b)
+            if best is None:
+                return None
+            gain, partner, (mem, sb), xi_a, xi_b = best
+            p = find_colocation(st, js.job, partner.job, sub_batch=sb, gpu_mem_mb=mem)
+            if p is not None:
+                notes[js.job_id] = (
+                    f"sharing with {partner.job_id}: slowdowns {xi_a:.2f}/{xi_b:.2f}, pair's average JCT "
+                    f"{gain:.0f}s better than waiting" + (f"; sub-batch {sb.sub_batch}x{sb.accumulation_steps}" if sb else "")
+                )
+            return p
+
+        d = place_in_order(view, order, finder=finder)
+        d.notes.update(notes)
+        return d

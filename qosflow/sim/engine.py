@@ -1,0 +1,395 @@
+"""Event-driven cluster simulator.
+
+The simulator owns the truth: each job's real duration, the real slowdowns of co-location,
+spreading and CPU starvation (a `SpeedModel`), and failures. Policies see only a snapshot of the
+cluster and *estimates* (an `Estimator`); they run exactly as in the live worker
+(`Policy.schedule` on a `SchedulerView`, committed with `policies.base.commit`).
+
+Events: arrivals, completions, failures, and the wake-ups policies ask for (e.g. Tiresias'
+queue demotions). Between events every running job advances at its current rate. The run is
+deterministic for a given seed: nothing iterates over hashed sets, and randomness comes from
+one seeded generator.
+
+Conservation (checked by tests): every admitted job finishes exactly once, and the GPU time the
+cluster was busy equals the GPU time the jobs received.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from qosflow.core.cluster import ClusterSpec, ClusterState
+from qosflow.core.estimate import Estimator, OracleEstimator
+from qosflow.core.job import FailurePlan, Job, JobState, JobStatus
+from qosflow.core.speed import SpeedModel
+from qosflow.errors import QosflowError
+from qosflow.policies.base import Decision, Policy, SchedulerView, commit
+
+EPS = 1e-9
+
+
+class SimulationError(QosflowError, RuntimeError):
+    pass
+
+
+@dataclass
+class SimConfig:
+    #: seconds lost at every (re)start of a job: checkpoint restore and warm-up (Muri profiled 4-46 s)
+    restart_overhead: float = 10.0
+    #: share of jobs that fail part-way (Philly: about 30 % of jobs end failed or killed); 0 disables
+    failure_share: float = 0.0
+    #: a failed attempt keeps this share of its progress (checkpoints); Philly jobs often lost it all
+    checkpoint_fraction: float = 0.5
+    #: share of failures that are infrastructure failures (retried elsewhere) rather than user errors
+    infra_failure_share: float = 0.3
+    #: also run the policy every `tick` seconds (None: only on events and the policy's own wake-ups)
+    tick: float | None = None
+    #: stop (and report unfinished jobs) after this simulated time
+    max_time: float | None = None
+    seed: int = 0
+
+
+@dataclass
+class SimResult:
+    policy: str
+    estimator: str
+    cluster: ClusterSpec
+    jobs: list[JobState]
+    rejected: list[tuple[str, str]]
+    busy_gpu_seconds: float
+    received_gpu_seconds: float
+    useful_gpu_seconds: float
+    wasted_gpu_seconds: float
+    start_time: float
+    end_time: float
+    rounds: int
+    decisions: int
+    sched_seconds: float
+    #: (time, busy GPUs) samples at every event, for utilisation plots
+    timeline: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> list[JobState]:
+        return [j for j in self.jobs if j.status is JobStatus.DONE]
+
+
+def assign_failures(jobs: Sequence[Job], cfg: SimConfig) -> dict[str, FailurePlan]:
+    """Failure plans: each job's own, plus a seeded share of the others (Philly: failures repeat
+    for the same job). Draws do not depend on the policy, so every policy sees the same failures."""
+    plans = {j.job_id: j.failure for j in jobs if j.failure is not None}
+    if cfg.failure_share <= 0:
+        return plans
+    rng = np.random.default_rng(cfg.seed + 7919)
+    for job in jobs:
+        u = rng.random()
+        at = float(rng.uniform(0.05, 0.9))
+        times = int(min(3, 1 + rng.geometric(0.6) - 1))
+        kind_u = rng.random()
+        if job.failure is None and u < cfg.failure_share:
+            plans[job.job_id] = FailurePlan(
+                at_fraction=at,
+                times=max(1, times),
+                kind="infra" if kind_u < cfg.infra_failure_share else "user",
+                checkpoint_fraction=cfg.checkpoint_fraction,
+            )
+    return plans
+
+
+class Simulator:
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        cluster: ClusterSpec,
+        policy: Policy,
+        *,
+        estimator: Estimator | None = None,
+        speed: SpeedModel | None = None,
+        config: SimConfig | None = None,
+    ):
+        self.cfg = config or SimConfig()
+        self.speed = speed or SpeedModel()
+        self.estimator = estimator or OracleEstimator(self.speed)
+        self.policy = policy
+        self.spec = cluster
+        self.state = ClusterState(cluster)
+        ids = [j.job_id for j in jobs]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise SimulationError(f"job id {dup!r} appears twice in the workload")
+        self.jobs = sorted(jobs, key=lambda j: j.submit_time)  # stable: ties keep workload order
+        #: failure plans: the job's own, or one assigned (seeded) for this run; jobs are never mutated
+        self.failures = assign_failures(self.jobs, self.cfg)
+        self.gpn = max(1, cluster.max_gpus_per_node)
+
+    # ------------------------------------------------------------------ run
+    def run(self, on_progress: Callable[[int, int], None] | None = None) -> SimResult:
+        import time as _time
+
+        cfg = self.cfg
+        states: dict[str, JobState] = {}
+        pending: dict[str, JobState] = {}  # insertion-ordered: submission order
+        running: dict[str, JobState] = {}
+        waiting: dict[str, JobState] = {}  # pipeline stages whose inputs are not done
+        children: dict[str, list[str]] = {}
+        rejected: list[tuple[str, str]] = []
+        work_left: dict[str, float] = {}  # remaining solo-seconds of work, incl. restart overhead
+        overhead_left: dict[str, float] = {}
+        rate: dict[str, float] = {}
+        attempt_start_progress: dict[str, float] = {}
+
+        total = len(self.jobs)
+        arrivals = self.jobs
+        ai = 0
+        now = arrivals[0].submit_time if arrivals else 0.0
+        start_time = now
+        busy = received = useful = wasted = 0.0
+        rounds = decisions = 0
+        sched_seconds = 0.0
+        timeline: list[tuple[float, float]] = []
+        finished = 0
+        wake_heap: list[float] = []
+        dirty = True
+        last_busy_gpus = 0.0
+
+        st_ = self.state
+        milli_cap = float(1000 * int(st_.exists.sum()))
+
+        def busy_gpus() -> float:
+            """GPUs allocated: a GPU holding whole-GPU jobs counts once, shares by their fraction."""
+            return (milli_cap - float(st_.milli_free.sum())) / 1000.0
+
+        def recompute_rates() -> None:
+            st = self.state
+            for jid, js in running.items():
+                p = js.placement
+                co: list[Job] = []
+                if p.gpu_milli >= 1000 and p.gpus:
+                    seen: list[str] = []
+                    for ng in p.gpus:
+                        for other in st.gpu_jobs.get(ng, ()):
+                            if other != jid and other not in seen:
+                                seen.append(other)
+                    co = [states[o].job for o in seen]
+                rate[jid] = self.speed.rate(js.job, p, co, gpus_per_node=self.gpn)
+
+        fplans = self.failures
+
+        def next_fail_work(js: JobState) -> float | None:
+            f = fplans.get(js.job_id)
+            if f is None or js.failures >= f.times:
+                return None
+            if js.progress >= f.at_fraction:
+                return None
+            return overhead_left[js.job_id] + (f.at_fraction - js.progress) * js.job.duration
+
+        while finished + len(rejected) < total:
+            # ---------------------------------------------------------- next event time
+            t_next = math.inf
+            if ai < len(arrivals):
+                t_next = arrivals[ai].submit_time
+            ev_job = None
+            for jid, js in running.items():
+                r = rate[jid]
+                if r <= EPS:
+                    continue
+                w = work_left[jid]
+                fw = next_fail_work(js)
+                if fw is not None and fw < w:
+                    w = fw
+                t = now + w / r
+                if t < t_next - EPS:
+                    t_next, ev_job = t, jid
+            while wake_heap and wake_heap[0] <= now + EPS:
+                heapq.heappop(wake_heap)
+            if wake_heap and wake_heap[0] < t_next:
+                t_next = wake_heap[0]
+            if cfg.tick and (running or pending):
+                tick_t = (math.floor(now / cfg.tick) + 1) * cfg.tick
+                t_next = min(t_next, tick_t)
+            if t_next is math.inf:
+                if pending or waiting:
+                    stuck = list(pending.values())[:5] + list(waiting.values())[:5]
+                    raise SimulationError(
+                        f"policy {self.policy.name!r} left {len(pending)} jobs pending on an idle cluster "
+                        f"with nothing left to happen (first: {[s.job_id for s in stuck]}); "
+                        "the policy never places them"
+                    )
+                break
+            if cfg.max_time is not None and t_next > cfg.max_time:
+                t_next = cfg.max_time
+            # ---------------------------------------------------------- advance
+            dt = t_next - now
+            if dt > 0:
+                bg = last_busy_gpus
+                busy += bg * dt
+                for jid, js in running.items():
+                    p = js.placement
+                    g = len(p.gpus) * p.gpu_milli / 1000.0
+                    received += g * dt
+                    js.attained += dt
+                    js.gpu_attained += g * dt
+                    w = rate[jid] * dt
+                    oh = overhead_left[jid]
+                    if oh > 0:
+                        used = min(oh, w)
+                        overhead_left[jid] = oh - used
+                        w -= used
+                    if w > 0:
+                        js.progress = min(1.0, js.progress + w / js.job.duration)
+                    work_left[jid] = max(0.0, overhead_left[jid] + (1.0 - js.progress) * js.job.duration)
+                now = t_next
+            if cfg.max_time is not None and now >= cfg.max_time:
+                break
+            changed = False
+            # ---------------------------------------------------------- completions and failures
+            done_now: list[str] = []
+            failed_now: list[str] = []
+            for jid, js in running.items():
+                f = fplans.get(jid)
+                if f is not None and js.failures < f.times and js.progress >= f.at_fraction - 1e-12 and overhead_left[jid] <= EPS:
+                    failed_now.append(jid)
+                elif work_left[jid] <= max(EPS, 1e-9 * js.job.duration):
+                    done_now.append(jid)
+            for jid in done_now:
+                js = running.pop(jid)
+                self.state.release(jid)
+                js.status = JobStatus.DONE
+                js.finish_time = now
+                js.progress = 1.0
+                js.placement = None
+                useful += js.job.duration * js.job.qos.gpu_demand
+                finished += 1
+                changed = True
+                for child in children.get(jid, ()):
+                    cs = waiting.get(child)
+                    if cs is not None and all(states[d].status is JobStatus.DONE for d in cs.job.depends_on if d in states):
+                        waiting.pop(child)
+                        cs.status = JobStatus.PENDING
+                        cs.queued_since = now
+                        pending[child] = cs
+            for jid in failed_now:
+                js = running.pop(jid)
+                f = fplans[jid]
+                self.state.release(jid)
+                lost = (js.progress - attempt_start_progress[jid]) * (1.0 - f.checkpoint_fraction)
+                wasted += lost * js.job.duration * js.job.qos.gpu_demand
+                js.progress = max(0.0, js.progress - lost)
+                js.failures += 1
+                js.status = JobStatus.PENDING
+                js.placement = None
+                js.queued_since = now
+                js.note = f"failed ({f.kind}) at {f.at_fraction:.0%}; resubmitted (attempt {js.failures + 1})"
+                pending[jid] = js
+                changed = True
+            # ---------------------------------------------------------- arrivals
+            while ai < len(arrivals) and arrivals[ai].submit_time <= now + EPS:
+                job = arrivals[ai]
+                ai += 1
+                js = JobState(job=job, queued_since=job.submit_time)
+                states[job.job_id] = js
+                reason = self.spec.why_never_fits(job.qos)
+                if reason:
+                    js.status = JobStatus.REJECTED
+                    js.note = reason
+                    rejected.append((job.job_id, reason))
+                    continue
+                deps = [d for d in job.depends_on if d in states or any(a.job_id == d for a in arrivals[ai:])]
+                for d in deps:
+                    children.setdefault(d, []).append(job.job_id)
+                if any(d in states and states[d].status is not JobStatus.DONE for d in deps) or any(d not in states for d in deps):
+                    js.status = JobStatus.WAITING
+                    waiting[job.job_id] = js
+                else:
+                    pending[job.job_id] = js
+                changed = True
+            if wake_heap and wake_heap[0] <= now + EPS:
+                changed = True
+            if cfg.tick and abs(now / cfg.tick - round(now / cfg.tick)) < 1e-9:
+                changed = True
+            # ---------------------------------------------------------- schedule
+            if changed and (pending or (self.policy.preemptive and running)):
+                view = SchedulerView(
+                    now=now,
+                    cluster=self.state.snapshot(),
+                    pending=list(pending.values()),
+                    running=list(running.values()),
+                    estimator=self.estimator,
+                )
+                t0 = _time.perf_counter()
+                decision: Decision = self.policy.schedule(view)
+                sched_seconds += _time.perf_counter() - t0
+                rounds += 1
+                all_states = states
+                commit(self.state, decision, all_states)
+                for jid in decision.preempt:
+                    js = running.pop(jid)
+                    js.status = JobStatus.PENDING
+                    js.placement = None
+                    js.preemptions += 1
+                    js.queued_since = now
+                    pending[jid] = js
+                for p in decision.starts:
+                    js = pending.pop(p.job_id)
+                    js.status = JobStatus.RUNNING
+                    js.placement = p
+                    if js.first_start is None:
+                        js.first_start = now
+                    else:
+                        js.restarts += 1
+                    js.last_start = now
+                    overhead_left[p.job_id] = cfg.restart_overhead
+                    attempt_start_progress[p.job_id] = js.progress
+                    work_left[p.job_id] = cfg.restart_overhead + (1.0 - js.progress) * js.job.duration
+                    running[p.job_id] = js
+                for jid, note in decision.notes.items():
+                    if jid in states:
+                        states[jid].note = note
+                decisions += len(decision.starts)
+                for jid, _n, _c in decision.resize:
+                    running[jid].placement = self.state.allocs[jid]
+                wk = self.policy.next_wakeup(
+                    SchedulerView(now, self.state, list(pending.values()), list(running.values()), self.estimator)
+                )
+                if wk is not None and wk > now + EPS:
+                    heapq.heappush(wake_heap, wk)
+            recompute_rates()
+            last_busy_gpus = busy_gpus()
+            timeline.append((now, last_busy_gpus))
+            if on_progress is not None:
+                on_progress(finished + len(rejected), total)
+
+        return SimResult(
+            policy=self.policy.name,
+            estimator=getattr(self.estimator, "name", type(self.estimator).__name__),
+            cluster=self.spec,
+            jobs=list(states.values()),
+            rejected=rejected,
+            busy_gpu_seconds=busy,
+            received_gpu_seconds=received,
+            useful_gpu_seconds=useful,
+            wasted_gpu_seconds=wasted,
+            start_time=start_time,
+            end_time=now,
+            rounds=rounds,
+            decisions=decisions,
+            sched_seconds=sched_seconds,
+            timeline=timeline,
+        )
+
+
+def simulate(
+    jobs: Sequence[Job],
+    cluster: ClusterSpec,
+    policy: Policy,
+    *,
+    estimator: Estimator | None = None,
+    speed: SpeedModel | None = None,
+    config: SimConfig | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
+    return Simulator(jobs, cluster, policy, estimator=estimator, speed=speed, config=config).run(on_progress)

@@ -1,0 +1,108 @@
+"""Metrics of a simulation run, and the lower bounds they are judged against.
+
+* DSR (deadline satisfaction ratio): share of jobs with a deadline that finished by it.
+* JCT: finish - submit (average, median, p99); queueing delay: first start - submit.
+* makespan: last finish - first submission.
+* GPU utilisation: GPU-seconds allocated / (GPUs x makespan). This is *allocation*, the only
+  utilisation a simulator can honestly report; it is not a measured SM utilisation.
+* bounds: the mean isolated duration (no scheduler can beat it on average JCT) and the DSR of
+  deadlines that are feasible at all (deadline >= isolated duration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from qosflow.core.job import JobStatus
+from qosflow.sim.engine import SimResult
+
+
+@dataclass
+class Metrics:
+    policy: str
+    estimator: str
+    jobs: int
+    finished: int
+    rejected: int
+    avg_jct: float
+    median_jct: float
+    p99_jct: float
+    makespan: float
+    avg_queue: float
+    dsr: float
+    deadline_jobs: int
+    gpu_util: float
+    avg_slowdown: float
+    preemptions: int
+    restarts: int
+    failures: int
+    wasted_gpu_hours: float
+    sched_seconds: float
+    decisions: int
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        return d
+
+
+@dataclass
+class Bounds:
+    avg_jct: float
+    dsr: float
+    makespan: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def compute_metrics(res: SimResult) -> Metrics:
+    done = [j for j in res.jobs if j.status is JobStatus.DONE]
+    jct = np.array([j.finish_time - j.job.submit_time for j in done]) if done else np.array([0.0])
+    queue = np.array([(j.first_start if j.first_start is not None else j.finish_time) - j.job.submit_time for j in done]) if done else np.array([0.0])
+    slow = np.array([(j.finish_time - j.job.submit_time) / j.job.duration for j in done]) if done else np.array([0.0])
+    with_dl = [j for j in res.jobs if j.job.deadline is not None and j.status is not JobStatus.REJECTED]
+    met = sum(1 for j in with_dl if j.status is JobStatus.DONE and j.finish_time <= j.job.deadline + 1e-6)
+    first_submit = min((j.job.submit_time for j in res.jobs), default=0.0)
+    last_finish = max((j.finish_time for j in done), default=first_submit)
+    makespan = last_finish - first_submit
+    n_gpus = res.cluster.num_gpus
+    util = res.busy_gpu_seconds / (n_gpus * makespan) if makespan > 0 and n_gpus else 0.0
+    return Metrics(
+        policy=res.policy,
+        estimator=res.estimator,
+        jobs=len(res.jobs),
+        finished=len(done),
+        rejected=len(res.rejected),
+        avg_jct=float(jct.mean()),
+        median_jct=float(np.median(jct)),
+        p99_jct=float(np.percentile(jct, 99)),
+        makespan=float(makespan),
+        avg_queue=float(queue.mean()),
+        dsr=float(met / len(with_dl)) if with_dl else 1.0,
+        deadline_jobs=len(with_dl),
+        gpu_util=float(util),
+        avg_slowdown=float(slow.mean()),
+        preemptions=sum(j.preemptions for j in res.jobs),
+        restarts=sum(j.restarts for j in res.jobs),
+        failures=sum(j.failures for j in res.jobs),
+        wasted_gpu_hours=res.wasted_gpu_seconds / 3600.0,
+        sched_seconds=res.sched_seconds,
+        decisions=res.decisions,
+    )
+
+
+def compute_bounds(jobs, cluster) -> Bounds:
+    """Lower bounds that hold for any policy on this workload."""
+    admitted = [j for j in jobs if cluster.why_never_fits(j.qos) is None]
+    if not admitted:
+        return Bounds(0.0, 1.0, 0.0)
+    avg = float(np.mean([j.duration for j in admitted]))
+    dl = [j for j in admitted if j.qos.deadline is not None]
+    feasible = sum(1 for j in dl if j.qos.deadline >= j.duration)
+    first = min(j.submit_time for j in admitted)
+    # the last arrival plus its own duration, and total work over capacity
+    span = max(j.submit_time + j.duration for j in admitted) - first
+    work = sum(j.duration * j.qos.gpu_demand for j in admitted) / max(1, cluster.num_gpus)
+    return Bounds(avg_jct=avg, dsr=feasible / len(dl) if dl else 1.0, makespan=float(max(span, work)))
