@@ -108,10 +108,15 @@ class SpeedModel:
         return 1.0 + (max(1.0, s) - 1.0) * min(1.0, extra * 2.0)
 
     def cpu_factor(self, job: Job, cores: float) -> float:
-        """Speed multiplier (<= 1) from the CPU cores a job holds (CODA's saturating curve)."""
+        """Speed multiplier (<= 1) from the CPU cores a job holds (CODA's saturating curve).
+
+        The curve saturates at `job.cpu_saturation` cores per GPU when that is known (profiled);
+        otherwise at the cores the job asked for: a job given what it asked for runs at full speed.
+        """
         gpus = max(job.qos.gpus, 1)
-        sat = (job.cpu_saturation or DEFAULT_CPU_SATURATION) * gpus
-        if job.qos.gpus == 0:
+        if job.cpu_saturation is not None and job.qos.gpus > 0:
+            sat = job.cpu_saturation * gpus
+        else:
             sat = max(job.qos.cpu_cores, 1e-9)
         if cores >= sat:
             return 1.0

@@ -52,6 +52,8 @@ class SimConfig:
     #: stop (and report unfinished jobs) after this simulated time
     max_time: float | None = None
     seed: int = 0
+    #: check the cluster state's invariants after every round (tests; slows large runs)
+    check_invariants: bool = False
 
 
 @dataclass
@@ -326,6 +328,8 @@ class Simulator:
                 rounds += 1
                 all_states = states
                 commit(self.state, decision, all_states)
+                if cfg.check_invariants:
+                    self.state.check_invariants()
                 for jid in decision.preempt:
                     js = running.pop(jid)
                     js.status = JobStatus.PENDING

@@ -1,0 +1,139 @@
+"""The core model: QoS validation, cluster state invariants, placements."""
+
+import pytest
+
+from qosflow.core import ClusterSpec, ClusterState, Job, Placement, QoSSpec, SubBatchPlan
+from qosflow.core.cluster import PlacementError
+from qosflow.errors import SpecError
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"deadline": -5}, "deadline"),
+        ({"deadline": 0}, "deadline"),
+        ({"gpu_mem_mb": 0}, "gpu_mem_mb"),
+        ({"gpus": -1}, "gpus"),
+        ({"gpus": 2, "gpu_milli": 500}, "gpu_milli"),
+        ({"gpu_milli": 0}, "gpu_milli"),
+        ({"gpu_milli": 1500}, "gpu_milli"),
+        ({"cpu_cores": -1}, "cpu_cores"),
+        ({"gpus": 0, "cpu_cores": 0}, "cpu_cores"),
+        ({"latency_slo": float("nan")}, "latency_slo"),
+        ({"priority": "urgent"}, "priority"),
+        ({"gpus": 1.5}, "gpus"),
+        ({"gpus": 0, "shareable": True}, "shareable"),
+    ],
+)
+def test_bad_qos_names_the_field(kwargs, field):
+    with pytest.raises(SpecError) as ei:
+        QoSSpec(**kwargs)
+    assert ei.value.field == field
+    assert field in str(ei.value)
+
+
+def test_qos_roundtrip_and_unknown_field():
+    q = QoSSpec(gpus=2, deadline=3600, priority="guaranteed", shareable=True, gpu_mem_mb=8000)
+    assert QoSSpec.from_dict(q.to_dict()) == q
+    with pytest.raises(SpecError, match="deadlne"):
+        QoSSpec.from_dict({"deadlne": 3})
+
+
+def test_more_gpus_than_any_placement_is_rejected():
+    spec = ClusterSpec.uniform(2, 4)
+    assert spec.why_never_fits(QoSSpec(gpus=8)) is None
+    reason = spec.why_never_fits(QoSSpec(gpus=9))
+    assert reason and "9 GPUs" in reason
+    with pytest.raises(SpecError, match="gpus"):
+        spec.validate_qos(QoSSpec(gpus=16), where="stage train")
+    assert spec.why_never_fits(QoSSpec(gpus=1, gpu_mem_mb=10**6))
+
+
+def _job(jid, **q):
+    return Job(jid, 0.0, QoSSpec(**q), duration=100.0)
+
+
+def test_allocate_release_and_invariants():
+    spec = ClusterSpec.uniform(2, 4, cpu_cores=16, gpu_mem_mb=16000)
+    st = ClusterState(spec)
+    a = _job("a", gpus=2, cpu_cores=4, shareable=True, gpu_mem_mb=6000)
+    b = _job("b", gpus=2, cpu_cores=4, shareable=True, gpu_mem_mb=6000)
+    c = _job("c", gpus=2, cpu_cores=4, shareable=True, gpu_mem_mb=6000)
+    pa = Placement("a", ((0, 0), (0, 1)), cpu=((0, 4.0),), gpu_mem_mb=6000)
+    st.allocate(pa, a.qos)
+    pb = Placement("b", ((0, 0), (0, 1)), cpu=((0, 4.0),), gpu_mem_mb=6000, colocated_with=("a",))
+    st.allocate(pb, b.qos)
+    st.check_invariants()
+    # a third job on the same GPUs: never more than two
+    with pytest.raises(PlacementError, match="two jobs"):
+        st.allocate(Placement("c", ((0, 0), (0, 1)), cpu=((0, 4.0),), gpu_mem_mb=1000), c.qos)
+    st.release("a")
+    st.check_invariants()
+    assert st.jobs_on_gpu(0, 0) == ("b",)
+    st.release("b")
+    assert st.total_empty_gpus() == 8
+    st.check_invariants()
+
+
+def test_colocation_needs_memory_and_shareable():
+    spec = ClusterSpec.uniform(1, 1, gpu_mem_mb=10000)
+    st = ClusterState(spec)
+    st.allocate(Placement("a", ((0, 0),), cpu=((0, 1.0),), gpu_mem_mb=6000), QoSSpec(shareable=True, gpu_mem_mb=6000))
+    with pytest.raises(PlacementError, match="MiB"):
+        st.allocate(Placement("b", ((0, 0),), cpu=((0, 1.0),), gpu_mem_mb=6000), QoSSpec(shareable=True, gpu_mem_mb=6000))
+    with pytest.raises(PlacementError, match="not shareable"):
+        st.allocate(Placement("c", ((0, 0),), cpu=((0, 1.0),), gpu_mem_mb=1000), QoSSpec(shareable=False, gpu_mem_mb=1000))
+
+
+def test_fractional_shares_and_no_mixing():
+    spec = ClusterSpec.uniform(1, 1)
+    st = ClusterState(spec)
+    q = QoSSpec(gpus=1, gpu_milli=400)
+    st.allocate(Placement("a", ((0, 0),), cpu=((0, 1.0),), gpu_milli=400), q)
+    st.allocate(Placement("b", ((0, 0),), cpu=((0, 1.0),), gpu_milli=400), q)
+    with pytest.raises(PlacementError, match="milli"):
+        st.allocate(Placement("c", ((0, 0),), cpu=((0, 1.0),), gpu_milli=400), q)
+    with pytest.raises(PlacementError):
+        st.allocate(Placement("w", ((0, 0),), cpu=((0, 1.0),)), QoSSpec(gpus=1))
+    st.check_invariants()
+
+
+def test_gang_all_or_nothing_and_missing_nodes():
+    spec = ClusterSpec.uniform(2, 2)
+    st = ClusterState(spec)
+    with pytest.raises(PlacementError, match="gang"):
+        st.allocate(Placement("a", ((0, 0),), cpu=((0, 1.0),)), QoSSpec(gpus=2))
+    with pytest.raises(PlacementError, match="not in the cluster"):
+        st.allocate(Placement("a", ((5, 0),), cpu=((5, 1.0),)), QoSSpec(gpus=1))
+    with pytest.raises(PlacementError, match="no GPU 7"):
+        st.allocate(Placement("a", ((0, 7),), cpu=((0, 1.0),)), QoSSpec(gpus=1))
+    st.set_node_down(1)
+    with pytest.raises(PlacementError, match="down"):
+        st.allocate(Placement("a", ((1, 0),), cpu=((1, 1.0),)), QoSSpec(gpus=1))
+    assert st.total_empty_gpus() == 2
+    st.check_invariants()
+
+
+def test_cpu_overallocation_rejected():
+    spec = ClusterSpec.uniform(1, 2, cpu_cores=4)
+    st = ClusterState(spec)
+    st.allocate(Placement("a", ((0, 0),), cpu=((0, 3.0),)), QoSSpec(gpus=1, cpu_cores=3))
+    with pytest.raises(PlacementError, match="cores"):
+        st.allocate(Placement("b", ((0, 1),), cpu=((0, 3.0),)), QoSSpec(gpus=1, cpu_cores=3))
+
+
+def test_snapshot_is_independent():
+    st = ClusterState(ClusterSpec.uniform(1, 2))
+    snap = st.snapshot()
+    snap.allocate(Placement("a", ((0, 0),), cpu=((0, 1.0),)), QoSSpec())
+    assert st.total_empty_gpus() == 2 and snap.total_empty_gpus() == 1
+    assert "a" not in st.allocs
+
+
+def test_sub_batch_plan():
+    p = SubBatchPlan.split(128, 4)
+    assert p.sub_batch == 32
+    with pytest.raises(SpecError):
+        SubBatchPlan(128, 30, 4)
+    with pytest.raises(SpecError):
+        SubBatchPlan.split(100, 3)

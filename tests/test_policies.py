@@ -1,0 +1,193 @@
+"""Every baseline policy, run through the simulator on random small workloads, keeps the
+cluster invariants after every round, finishes every job exactly once, and conserves GPU time."""
+
+import math
+
+import numpy as np
+import pytest
+
+from qosflow.core import ClusterSpec, Job, QoSSpec
+from qosflow.core.job import JobStatus
+from qosflow.policies import available, get_policy
+from qosflow.policies.sharing import bsbf_times, memory_plan
+from qosflow.sim.engine import SimConfig, simulate
+from qosflow.sim.metrics import compute_bounds, compute_metrics
+
+BASELINES = ["fifo", "sjf", "srtf", "tiresias", "sjf-ffs", "sjf-bsbf", "genie"]
+MODELS = ["resnet18", "vgg16", "bert", "dqn"]
+
+
+def random_jobs(seed, n=60, max_gpus=8, fractional=False):
+    rng = np.random.default_rng(seed)
+    jobs = []
+    t = 0.0
+    for i in range(n):
+        t += float(rng.exponential(200))
+        g = int(rng.choice([1, 1, 1, 2, 4, 8][: 4 if max_gpus < 8 else 6]))
+        g = min(g, max_gpus)
+        milli = 1000
+        if fractional and g == 1 and rng.random() < 0.3:
+            milli = int(rng.choice([250, 500]))
+        dl = float(rng.uniform(1.2, 3)) * 1000 if rng.random() < 0.5 else None
+        dur = float(60 * 10 ** rng.uniform(1, 2.5))
+        jobs.append(
+            Job(
+                f"j{i}",
+                t,
+                QoSSpec(
+                    gpus=g,
+                    gpu_milli=milli,
+                    cpu_cores=2.0 * g,
+                    shareable=milli == 1000,
+                    gpu_mem_mb=float(rng.choice([2000, 4000, 9000])),
+                    deadline=None if dl is None else dl * dur / 1000,
+                ),
+                duration=dur,
+                model=str(rng.choice(MODELS)),
+                batch_size=64,
+                resource_profile=(float(rng.uniform(0.01, 0.2)), float(rng.uniform(0.05, 0.3)), 0.01),
+            )
+        )
+    return jobs
+
+
+def test_registry_lists_baselines():
+    assert set(BASELINES) <= set(available())
+    with pytest.raises(Exception, match="unknown policy 'nope'"):
+        get_policy("nope")
+
+
+@pytest.mark.parametrize("name", BASELINES)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_policy_invariants_and_conservation(name, seed):
+    spec = ClusterSpec.uniform(3, 4, cpu_cores=32, gpu_mem_mb=16000)
+    jobs = random_jobs(seed, max_gpus=8, fractional=True)
+    res = simulate(jobs, spec, get_policy(name), config=SimConfig(check_invariants=True, seed=seed))
+    done = [j for j in res.jobs if j.status is JobStatus.DONE]
+    assert len(done) == len(jobs) == len({j.job_id for j in done})
+    assert all(j.finish_time >= j.job.submit_time + j.job.duration * 0.999 for j in done)
+    # GPU time the jobs received is what the cluster handed out; allocation never exceeds it
+    assert math.isclose(res.received_gpu_seconds, sum(j.gpu_attained for j in res.jobs), rel_tol=1e-9)
+    assert res.busy_gpu_seconds <= res.received_gpu_seconds + 1e-6
+    assert res.received_gpu_seconds >= res.useful_gpu_seconds * 0.999
+    m = compute_metrics(res)
+    b = compute_bounds(jobs, spec)
+    assert m.avg_jct >= b.avg_jct * 0.999
+    assert 0 <= m.dsr <= b.dsr + 1e-9
+    assert 0 < m.gpu_util <= 1.0 + 1e-9
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_deterministic_for_seed(name):
+    spec = ClusterSpec.uniform(2, 4)
+    jobs = random_jobs(7, n=40, max_gpus=4)
+    cfg = SimConfig(seed=3, failure_share=0.3)
+    a = compute_metrics(simulate(jobs, spec, get_policy(name), config=cfg)).to_json()
+    b = compute_metrics(simulate(jobs, spec, get_policy(name), config=cfg)).to_json()
+    a.pop("sched_seconds"), b.pop("sched_seconds")  # wall-clock time, the only thing allowed to differ
+    assert a == b
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_failures_are_retried_and_every_job_finishes_once(name):
+    spec = ClusterSpec.uniform(2, 4)
+    jobs = random_jobs(11, n=40, max_gpus=4)
+    res = simulate(jobs, spec, get_policy(name), config=SimConfig(failure_share=0.4, seed=5, check_invariants=True))
+    assert sum(j.failures for j in res.jobs) > 0
+    assert all(j.status is JobStatus.DONE for j in res.jobs)
+    assert res.wasted_gpu_seconds > 0
+
+
+def test_job_that_never_fits_is_rejected_not_dropped():
+    spec = ClusterSpec.uniform(1, 4)
+    jobs = [Job("big", 0.0, QoSSpec(gpus=8), 100.0), Job("ok", 0.0, QoSSpec(gpus=1), 100.0)]
+    res = simulate(jobs, spec, get_policy("fifo"))
+    assert [r[0] for r in res.rejected] == ["big"]
+    assert "8 GPUs" in res.rejected[0][1]
+    assert {j.job_id: j.status for j in res.jobs} == {"big": JobStatus.REJECTED, "ok": JobStatus.DONE}
+
+
+def test_fifo_is_strict_and_sjf_backfills():
+    spec = ClusterSpec.uniform(1, 4)
+    jobs = [
+        Job("long", 0.0, QoSSpec(gpus=3), 1000.0),
+        Job("wide", 1.0, QoSSpec(gpus=4), 10.0),
+        Job("small", 2.0, QoSSpec(gpus=1), 10.0),
+    ]
+    fifo = {j.job_id: j for j in simulate(jobs, spec, get_policy("fifo"), config=SimConfig(restart_overhead=0)).jobs}
+    assert fifo["small"].first_start >= fifo["wide"].finish_time - 1e-6  # blocked behind the head
+    sjf = {j.job_id: j for j in simulate(jobs, spec, get_policy("sjf"), config=SimConfig(restart_overhead=0)).jobs}
+    assert sjf["small"].first_start == pytest.approx(2.0)  # backfilled
+
+
+def test_srtf_preempts_long_job_for_short_one():
+    spec = ClusterSpec.uniform(1, 1)
+    jobs = [Job("long", 0.0, QoSSpec(), 1000.0), Job("short", 10.0, QoSSpec(), 10.0)]
+    res = {j.job_id: j for j in simulate(jobs, spec, get_policy("srtf"), config=SimConfig(restart_overhead=0)).jobs}
+    assert res["short"].finish_time == pytest.approx(20.0)
+    assert res["long"].preemptions == 1
+    assert res["long"].finish_time == pytest.approx(1010.0)
+
+
+def test_tiresias_demotes_by_attained_gpu_service():
+    spec = ClusterSpec.uniform(1, 1)
+    jobs = [Job("old", 0.0, QoSSpec(), 10_000.0), Job("new", 5000.0, QoSSpec(), 100.0)]
+    res = {j.job_id: j for j in simulate(jobs, spec, get_policy("tiresias"), config=SimConfig(restart_overhead=0)).jobs}
+    # "old" crossed 3,250 GPU-s before "new" arrived, so "new" (top queue) preempts it
+    assert res["new"].first_start == pytest.approx(5000.0)
+    assert res["old"].preemptions == 1
+
+
+def test_bsbf_formula_matches_paper():
+    # b (running) finishes first when sharing: t_con = T_a/2 + (1 - 1/(2 xi_a)) B_hat
+    t_con, t_seq = bsbf_times(100.0, 50.0, 1.2, 1.2)
+    assert t_seq == pytest.approx(50 + 50)
+    assert t_con == pytest.approx(50 + (1 - 1 / 2.4) * 60)
+    assert t_con < t_seq
+    # heavy interference: sharing does not pay
+    t_con, t_seq = bsbf_times(100.0, 100.0, 2.5, 2.5)
+    assert t_con > t_seq
+
+
+def test_bsbf_only_shares_when_it_pays():
+    spec = ClusterSpec.uniform(1, 1, gpu_mem_mb=16000)
+    mk = lambda jid, t, d, m: Job(jid, t, QoSSpec(shareable=True, gpu_mem_mb=4000), d, model=m)
+
+    class Fixed:
+        def __init__(self, xi):
+            self.xi = xi
+
+        def pair_slowdown(self, a, b, gpus=1):
+            return (self.xi, self.xi)
+
+        def spread_slowdown(self, model, gpus):
+            return None
+
+    from qosflow.core.speed import SpeedModel
+
+    for xi, shared in [(1.1, True), (3.0, False)]:
+        sm = SpeedModel(Fixed(xi))
+        res = simulate([mk("a", 0, 101, "x"), mk("b", 1, 100, "y")], spec, get_policy("sjf-bsbf"), speed=sm)
+        b = {j.job_id: j for j in res.jobs}["b"]
+        assert (b.first_start < 10) is shared
+
+
+def test_memory_plan_uses_sub_batches():
+    job = Job("a", 0, QoSSpec(shareable=True, gpu_mem_mb=10000), 10.0, batch_size=64)
+    assert memory_plan(job, 12000) == (10000, None)
+    mem, plan = memory_plan(job, 7000)
+    assert plan is not None and plan.sub_batch * plan.accumulation_steps == 64 and mem <= 7000
+    assert memory_plan(job, 1000) is None
+    assert memory_plan(job, 7000, allow_sub_batch=False) is None
+
+
+def test_genie_serves_smallest_allowance_first():
+    spec = ClusterSpec.uniform(1, 1)
+    jobs = [
+        Job("first", 0.0, QoSSpec(), 100.0),
+        Job("lax", 1.0, QoSSpec(deadline=10_000), 100.0),
+        Job("tight", 2.0, QoSSpec(deadline=250), 100.0),
+    ]
+    res = {j.job_id: j for j in simulate(jobs, spec, get_policy("genie"), config=SimConfig(restart_overhead=0)).jobs}
+    assert res["tight"].first_start < res["lax"].first_start
+    assert res["tight"].finish_time <= jobs[2].deadline
