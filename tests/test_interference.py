@@ -1,0 +1,181 @@
+"""Gavel's interference table as the speed model's source of pair and spread slowdowns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qosflow.core.job import Job
+from qosflow.core.placement import Placement
+from qosflow.core.qos import QoSSpec
+from qosflow.core.speed import InterferenceSource, SpeedModel
+from qosflow.errors import TraceFormatError
+from qosflow.sim.interference import (
+    FAILED_PAIR_SLOWDOWN,
+    GAVEL_GPU_MEM_MB,
+    MODEL_TO_GAVEL,
+    MURI_GPU_MEM_MB,
+    GavelInterference,
+    default_speed_model,
+    default_throughputs_path,
+    gpu_mem_mb,
+)
+
+MURI_MODELS = ("resnet18", "shufflenet_v2_x1_0", "vgg16", "vgg19", "dqn", "a2c", "bert", "gpt2")
+
+needs_table = pytest.mark.skipif(
+    not default_throughputs_path().is_file(),
+    reason=f"shared Gavel throughput table not found at {default_throughputs_path()}",
+)
+
+
+@pytest.fixture(scope="module")
+def table() -> GavelInterference:
+    if not default_throughputs_path().is_file():
+        pytest.skip(f"shared Gavel throughput table not found at {default_throughputs_path()}")
+    return GavelInterference()
+
+
+def tiny_table(tmp_path, **over):
+    """A small table in Gavel's format: two types, one failed pair, a spread variant."""
+    data = {
+        "v100": {
+            "('A', 1)": {"null": 10.0, "('A', 1)": [5.0, 5.0], "('B', 1)": [8.0, 2.0]},
+            "('B', 1)": {"null": 4.0, "('A', 1)": [2.0, 8.0], "('B', 1)": [0.0, 0.0]},
+            "('A', 2)": {"null": 18.0, "('A', 2)": [0.0, 0.0]},
+            "('B', 2)": {"null": 7.0},
+        },
+        "v100_unconsolidated": {
+            "('A', 2)": {"null": 12.0},
+            "('B', 2)": {"null": 7.7},
+        },
+    }
+    data.update(over)
+    p = tmp_path / "tput.json"
+    p.write_text(json.dumps(data))
+    return p
+
+
+# ---------------------------------------------------------------------- mapping
+def test_every_muri_model_maps_to_a_gavel_job_type(table):
+    for m in MURI_MODELS:
+        jt = table.resolve(m)
+        assert jt is not None, m
+        assert jt in table.job_types
+        assert MODEL_TO_GAVEL[m] == jt
+
+
+def test_gavel_types_map_to_themselves_and_unknown_is_none(table):
+    for jt in table.job_types:
+        assert table.resolve(jt) == jt
+    assert table.resolve("no-such-model") is None
+    assert table.pair_slowdown("no-such-model", "resnet18") is None
+    assert table.spread_slowdown("no-such-model", 4) is None
+
+
+def test_memory_tables_cover_every_model(table):
+    assert set(table.job_types) == set(GAVEL_GPU_MEM_MB)
+    for m in MURI_MODELS:
+        assert gpu_mem_mb(m) == MURI_GPU_MEM_MB[m]
+    assert MURI_GPU_MEM_MB["resnet18"] == 6432 and MURI_GPU_MEM_MB["gpt2"] == 10532
+    assert gpu_mem_mb("unknown") is None
+
+
+# ---------------------------------------------------------------------- slowdowns
+def test_protocol(table):
+    assert isinstance(table, InterferenceSource)
+
+
+def test_all_pair_slowdowns_at_least_one(table):
+    models = list(table.job_types) + list(MURI_MODELS)
+    for a in models:
+        for b in models:
+            for g in (1, 2, 8):
+                xa, xb = table.pair_slowdown(a, b, g)
+                assert xa >= 1.0 and xb >= 1.0, (a, b, g)
+
+
+def test_pair_slowdown_is_symmetric(table):
+    for a in MURI_MODELS:
+        for b in MURI_MODELS:
+            xa, xb = table.pair_slowdown(a, b)
+            ya, yb = table.pair_slowdown(b, a)
+            assert (xa, xb) == pytest.approx((yb, ya))
+
+
+def test_spread_slowdowns_at_least_one(table):
+    for jt in table.job_types:
+        for g in (1, 2, 3, 4, 8, 16, 64):
+            s = table.spread_slowdown(jt, g)
+            assert s is None or s >= 1.0
+    assert table.spread_slowdown("resnet18", 1) == 1.0
+    # A3C was only measured on one GPU: nothing known about spreading it
+    assert table.spread_slowdown("A3C", 4) is None
+
+
+def test_failed_pairs_are_memory_heavy(table):
+    failed = [(a, b) for a in table.job_types for b in table.job_types if table.pair_failed(a, b)]
+    assert failed, "Gavel's table records pairs that failed together"
+    for a, b in failed:
+        assert table.pair_slowdown(a, b) == (FAILED_PAIR_SLOWDOWN, FAILED_PAIR_SLOWDOWN)
+        assert {a.split(" (")[0], b.split(" (")[0]} & {"ResNet-50", "Transformer", "LM"}
+
+
+def test_tiny_table_semantics(tmp_path):
+    t = GavelInterference(tiny_table(tmp_path))
+    assert t.pair_slowdown("A", "B") == pytest.approx((10 / 8, 4 / 2))
+    assert t.pair_slowdown("B", "A") == pytest.approx((4 / 2, 10 / 8))
+    # B with B failed at scale 1
+    assert t.pair_failed("B", "B") and t.pair_slowdown("B", "B") == (FAILED_PAIR_SLOWDOWN,) * 2
+    # pairs at scale 2 were not measured ([0, 0] everywhere): the 1-GPU pair is used
+    assert t.pair_slowdown("A", "A", 2) == pytest.approx((2.0, 2.0))
+    assert not t.pair_failed("A", "A", 2)
+    # spread: consolidated / unconsolidated, clamped at 1 when spread measured faster
+    assert t.spread_slowdown("A", 2) == pytest.approx(1.5)
+    assert t.spread_slowdown("B", 2) == 1.0
+    assert t.spread_slowdown("A", 8) == pytest.approx(1.5)  # largest measured scale below
+    # throughput: measured, or extrapolated linearly from the largest measured scale below
+    assert t.throughput("A", 2) == 18.0 and t.throughput_source("A", 2) == "measured"
+    assert t.throughput("A", 4) == pytest.approx(36.0)
+    assert "extrapolated" in t.throughput_source("A", 4)
+    assert t.throughput("A", 2, consolidated=False) == 12.0
+
+
+def test_bad_tables(tmp_path):
+    with pytest.raises(TraceFormatError, match="not found"):
+        GavelInterference(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(TraceFormatError, match=r"bad\.json:1"):
+        GavelInterference(bad)
+    with pytest.raises(TraceFormatError, match="no GPU type 'a100'"):
+        GavelInterference(tiny_table(tmp_path), gpu_type="a100")
+    badkey = tmp_path / "badkey.json"
+    badkey.write_text(json.dumps({"v100": {"ResNet": {"null": 1.0}}}))
+    with pytest.raises(TraceFormatError, match="job key 'ResNet'"):
+        GavelInterference(badkey)
+    badpair = tmp_path / "badpair.json"
+    badpair.write_text(json.dumps({"v100": {"('A', 1)": {"null": 1.0, "('A', 1)": 3.0}}}))
+    with pytest.raises(TraceFormatError, match="this throughput, other throughput"):
+        GavelInterference(badpair)
+
+
+# ---------------------------------------------------------------------- speed model
+def _job(jid: str, model: str, gpus: int = 1) -> Job:
+    return Job(jid, 0.0, QoSSpec(gpus=gpus, shareable=True, gpu_mem_mb=1000.0), 100.0, model=model)
+
+
+def test_default_speed_model_uses_the_table(table):
+    sm = default_speed_model()
+    assert isinstance(sm.interference, GavelInterference)
+    a, b = _job("a", "vgg16"), _job("b", "dqn")
+    assert sm.pair_slowdown(a, b) == pytest.approx(table.pair_slowdown("vgg16", "dqn"))
+    p = Placement("a", ((0, 0),), cpu=((0, 4.0),), colocated_with=("b",))
+    assert sm.rate(a, p, [b]) == pytest.approx(1.0 / table.pair_slowdown("vgg16", "dqn")[0])
+
+
+def test_default_speed_model_without_table(tmp_path):
+    sm = default_speed_model(tmp_path / "absent.json")
+    assert isinstance(sm, SpeedModel) and sm.interference is None
+    assert sm.pair_slowdown(_job("a", "x"), _job("b", "y")) == (sm.default_pair, sm.default_pair)
