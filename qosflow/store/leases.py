@@ -1,0 +1,369 @@
+"""Slot leases: a placement is a lease in the store, so two workers never book the same GPU.
+
+Two tables (SQLModel):
+
+* `qosflow_stage_lease` - one row per live stage attempt: which worker holds it, until when
+  (`expires_at`, renewed while the stage runs), its placement and its backend handle (so a restarted
+  worker can find the stage again). UNIQUE(pool, stage_key): one live attempt per stage, ever.
+* `qosflow_slot_lease` - one row per booked unit of capacity. UNIQUE(pool, node, resource) is the
+  database constraint that makes double-booking impossible, whatever the workers believe.
+
+A GPU is 20 units of 50 milli-GPU: an exclusive whole-GPU stage books all 20; a shareable
+whole-GPU stage books units 0-9 and the one co-located with it (`colocated_with`) units 10-19, so at
+most two share a GPU; a fractional share books ceil(milli/50) free units. CPU cores are booked one
+row per core when the placement comes with cpusets. All rows of an attempt (every GPU of a gang) are
+inserted in one transaction: all or nothing.
+
+Expired leases are never silently stolen: a worker that finds one (its holder crashed) calls
+`recover()`, which adopts the stage if its backend still runs it and releases it otherwise.
+
+Engine: `QOSFLOW_DATABASE_URL` (e.g. `postgresql+psycopg://user@host/db`) or SQLite in
+`qosflow.paths.data_dir()`. The predictor's store (`qosflow.store`) can pass its own engine;
+`create_lease_tables(conn)` is written to be appended to its migration list as-is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Optional
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlmodel import Field, Session, SQLModel, select
+
+from qosflow.errors import QosflowError
+
+if TYPE_CHECKING:
+    from qosflow.backends.base import Backend, LaunchSpec, StageHandle
+
+UNITS_PER_GPU = 20
+MILLI_PER_UNIT = 1000 // UNITS_PER_GPU
+
+
+class StageLeaseRow(SQLModel, table=True):
+    __tablename__ = "qosflow_stage_lease"
+    __table_args__ = (sa.UniqueConstraint("pool", "stage_key", name="uq_stage_lease_stage"),)
+
+    lease_id: str = Field(primary_key=True, max_length=64)
+    pool: str = Field(index=True, max_length=200)
+    stage_key: str = Field(max_length=250)
+    attempt_id: str = Field(max_length=250)
+    holder: str = Field(index=True, max_length=200)
+    backend: str = Field(max_length=50)
+    nodes_json: str
+    placement_json: str
+    handle_json: Optional[str] = None
+    created_at: float
+    expires_at: float = Field(index=True)
+
+
+class SlotLeaseRow(SQLModel, table=True):
+    __tablename__ = "qosflow_slot_lease"
+    __table_args__ = (sa.UniqueConstraint("pool", "node", "resource", name="uq_slot_lease_once"),)
+
+    id: Optional[int] = Field(default=None, primary_key=True)
+    pool: str = Field(max_length=200)
+    node: str = Field(max_length=250)
+    resource: str = Field(max_length=50)
+    lease_id: str = Field(index=True, max_length=64)
+
+
+LEASE_TABLES = [StageLeaseRow.__table__, SlotLeaseRow.__table__]
+
+
+def create_lease_tables(conn: sa.engine.Connection) -> None:
+    """Create the lease tables if missing (usable as a store migration)."""
+    SQLModel.metadata.create_all(conn, tables=LEASE_TABLES, checkfirst=True)
+
+
+class LeaseError(QosflowError):
+    pass
+
+
+class SlotTaken(LeaseError):
+    """Another lease holds a slot this placement needs (the placement was made on stale state)."""
+
+    def __init__(self, pool: str, conflicts: list[tuple[str, str, str, float]]):
+        self.conflicts = conflicts  # (node, resource, holder, expires_at)
+        now = time.time()
+        shown = ", ".join(
+            f"{n}/{r} held by {h}" + (" (EXPIRED: run recovery)" if e < now else "") for n, r, h, e in conflicts[:4]
+        )
+        super().__init__(f"pool {pool!r}: slot already leased: {shown or 'taken by a concurrent worker'}; re-plan from fresh state")
+
+
+class StageBusy(LeaseError):
+    """The stage already has a live attempt (possibly held by another worker)."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    pool: str
+    stage_key: str
+    attempt_id: str
+    holder: str
+    backend: str
+    nodes: list[str]
+    placement: dict[str, Any]
+    handle: dict[str, Any] | None
+    created_at: float
+    expires_at: float
+
+    @classmethod
+    def _of(cls, r: StageLeaseRow) -> "Lease":
+        return cls(
+            r.lease_id, r.pool, r.stage_key, r.attempt_id, r.holder, r.backend, json.loads(r.nodes_json),
+            json.loads(r.placement_json), json.loads(r.handle_json) if r.handle_json else None, r.created_at, r.expires_at,
+        )
+
+    @property
+    def expired(self) -> bool:
+        return self.expires_at < time.time()
+
+
+def default_url() -> str:
+    url = os.environ.get("QOSFLOW_DATABASE_URL")
+    if url:
+        return url
+    from qosflow.paths import data_dir
+
+    return f"sqlite:///{data_dir() / 'qosflow.db'}"
+
+
+def make_engine(url: str | None = None) -> sa.engine.Engine:
+    url = url or default_url()
+    if url.startswith("sqlite"):
+        eng = sa.create_engine(url, connect_args={"timeout": 30})
+
+        @sa.event.listens_for(eng, "connect")
+        def _wal(dbapi_conn, _):  # pragma: no cover - trivial
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return eng
+    return sa.create_engine(url, pool_pre_ping=True)
+
+
+def placement_units(spec: "LaunchSpec", shareable: bool | None = None) -> tuple[list[tuple[str, str]], list[tuple[str, int, int]]]:
+    """Rows a placement books: fixed (node, resource) units, and fractional (node, gpu, n units) to pick."""
+    p = spec.placement
+    if shareable is None:
+        shareable = bool(p.extra.get("shareable", False))
+    fixed: list[tuple[str, str]] = []
+    frac: list[tuple[str, int, int]] = []
+    for n, g in p.gpus:
+        node = spec.cluster.nodes[n].name
+        if p.gpu_milli < 1000:
+            frac.append((node, g, max(1, math.ceil(p.gpu_milli / MILLI_PER_UNIT))))
+            continue
+        half = UNITS_PER_GPU // 2
+        if p.colocated_with:
+            units = range(half, UNITS_PER_GPU)
+        elif shareable:
+            units = range(0, half)
+        else:
+            units = range(UNITS_PER_GPU)
+        fixed.extend((node, f"gpu{g}:u{u:02d}") for u in units)
+    for n, cores in spec.cpusets.items():
+        node = spec.cluster.nodes[n].name
+        fixed.extend((node, f"cpu{c}") for c in cores)
+    return fixed, frac
+
+
+def _placement_json(spec: "LaunchSpec") -> str:
+    p = spec.placement
+    names = spec.cluster.node_names
+    return json.dumps(
+        {
+            "job_id": p.job_id,
+            "gpus": [[names[n], g] for n, g in p.gpus],
+            "cpu": [[names[n], c] for n, c in p.cpu],
+            "gpu_milli": p.gpu_milli,
+            "gpu_mem_mb": p.gpu_mem_mb,
+            "mem_mb": p.mem_mb,
+            "colocated_with": list(p.colocated_with),
+            "cpusets": {names[n]: c for n, c in spec.cpusets.items()},
+            "command": spec.command,
+        }
+    )
+
+
+class LeaseStore:
+    """Leases in a SQL database (SQLite or PostgreSQL)."""
+
+    def __init__(self, engine: sa.engine.Engine | None = None, url: str | None = None):
+        self.engine = engine or make_engine(url)
+        for _ in range(5):
+            try:
+                with self.engine.begin() as conn:
+                    create_lease_tables(conn)
+                break
+            except (OperationalError, IntegrityError):  # a concurrent creator won the race
+                time.sleep(0.1)
+
+    # ------------------------------------------------------------------ acquire / release
+    def acquire(
+        self,
+        pool: str,
+        stage_key: str,
+        spec: "LaunchSpec",
+        *,
+        holder: str,
+        ttl_s: float = 30.0,
+        backend: str = "",
+        shareable: bool | None = None,
+    ) -> Lease:
+        """Book every slot of `spec.placement` for `holder`, atomically, or raise SlotTaken/StageBusy."""
+        fixed, frac = placement_units(spec, shareable)
+        now = time.time()
+        nodes = [spec.cluster.nodes[i].name for i in spec.placement.nodes]
+        for attempt in range(5):
+            lease_id = uuid.uuid4().hex
+            row = StageLeaseRow(
+                lease_id=lease_id, pool=pool, stage_key=stage_key, attempt_id=spec.stage_id, holder=holder, backend=backend,
+                nodes_json=json.dumps(nodes), placement_json=_placement_json(spec), handle_json=None, created_at=now,
+                expires_at=now + ttl_s,
+            )
+            try:
+                with Session(self.engine) as s:
+                    units = list(fixed)
+                    for node, g, k in frac:
+                        taken = set(
+                            s.exec(
+                                select(SlotLeaseRow.resource).where(
+                                    SlotLeaseRow.pool == pool, SlotLeaseRow.node == node, SlotLeaseRow.resource.like(f"gpu{g}:u%")
+                                )
+                            ).all()
+                        )
+                        free = [f"gpu{g}:u{u:02d}" for u in range(UNITS_PER_GPU) if f"gpu{g}:u{u:02d}" not in taken]
+                        if len(free) < k:
+                            raise SlotTaken(pool, self._conflicts(s, pool, [(node, f"gpu{g}:u{u:02d}") for u in range(UNITS_PER_GPU)]))
+                        units.extend((node, r) for r in free[:k])
+                    s.add(row)
+                    s.flush()  # the stage row first: a second live attempt of the stage fails here
+                    s.add_all([SlotLeaseRow(pool=pool, node=n, resource=r, lease_id=lease_id) for n, r in units])
+                    s.commit()
+                    return Lease._of(row)
+            except IntegrityError:
+                with Session(self.engine) as s:
+                    other = s.exec(select(StageLeaseRow).where(StageLeaseRow.pool == pool, StageLeaseRow.stage_key == stage_key)).first()
+                    if other is not None:
+                        raise StageBusy(
+                            f"stage {stage_key!r} already has a live attempt {other.attempt_id!r} held by {other.holder} "
+                            f"(expires in {other.expires_at - time.time():.0f}s): it must not run twice"
+                        ) from None
+                    conflicts = self._conflicts(s, pool, fixed)
+                if conflicts or not frac:
+                    raise SlotTaken(pool, conflicts) from None
+                continue  # a fractional unit was taken between our read and insert: pick again
+            except OperationalError:  # SQLite busy under heavy contention
+                time.sleep(0.05 * (attempt + 1))
+        raise LeaseError(f"pool {pool!r}: could not book stage {stage_key!r} after 5 tries (heavy contention)")
+
+    def _conflicts(self, s: Session, pool: str, units: list[tuple[str, str]]) -> list[tuple[str, str, str, float]]:
+        out = []
+        by_node: dict[str, list[str]] = {}
+        for n, r in units:
+            by_node.setdefault(n, []).append(r)
+        for node, res in by_node.items():
+            rows = s.exec(
+                select(SlotLeaseRow.node, SlotLeaseRow.resource, StageLeaseRow.holder, StageLeaseRow.expires_at)
+                .join(StageLeaseRow, StageLeaseRow.lease_id == SlotLeaseRow.lease_id)
+                .where(SlotLeaseRow.pool == pool, SlotLeaseRow.node == node, SlotLeaseRow.resource.in_(res))
+            ).all()
+            out.extend((a, b, c, d) for a, b, c, d in rows)
+        return out
+
+    def release(self, lease_id: str) -> None:
+        with Session(self.engine) as s:
+            s.exec(sa.delete(SlotLeaseRow).where(SlotLeaseRow.lease_id == lease_id))  # type: ignore[call-overload]
+            s.exec(sa.delete(StageLeaseRow).where(StageLeaseRow.lease_id == lease_id))  # type: ignore[call-overload]
+            s.commit()
+
+    # ------------------------------------------------------------------ keep alive
+    def set_handle(self, lease_id: str, handle: "StageHandle") -> None:
+        data = {"stage_id": handle.stage_id, "backend": handle.backend, "node": handle.node, "ref": handle.ref}
+        with Session(self.engine) as s:
+            s.exec(sa.update(StageLeaseRow).where(StageLeaseRow.lease_id == lease_id).values(handle_json=json.dumps(data)))  # type: ignore[call-overload]
+            s.commit()
+
+    def renew_lease(self, lease_id: str, ttl_s: float) -> bool:
+        with Session(self.engine) as s:
+            r = s.exec(sa.update(StageLeaseRow).where(StageLeaseRow.lease_id == lease_id).values(expires_at=time.time() + ttl_s))  # type: ignore[call-overload]
+            s.commit()
+            return r.rowcount == 1
+
+    def renew_holder(self, holder: str, ttl_s: float) -> int:
+        """Extend every lease a worker holds (call it from the worker's heartbeat)."""
+        with Session(self.engine) as s:
+            r = s.exec(sa.update(StageLeaseRow).where(StageLeaseRow.holder == holder).values(expires_at=time.time() + ttl_s))  # type: ignore[call-overload]
+            s.commit()
+            return r.rowcount
+
+    def take_over(self, lease_id: str, old_holder: str, new_holder: str, ttl_s: float) -> bool:
+        """Move an expired lease (or one of our own) to `new_holder`; exactly one contender wins."""
+        now = time.time()
+        cond = StageLeaseRow.expires_at < now if old_holder != new_holder else sa.true()
+        with Session(self.engine) as s:
+            r = s.exec(
+                sa.update(StageLeaseRow)  # type: ignore[call-overload]
+                .where(StageLeaseRow.lease_id == lease_id, StageLeaseRow.holder == old_holder, cond)
+                .values(holder=new_holder, expires_at=now + ttl_s)
+            )
+            s.commit()
+            return r.rowcount == 1
+
+    # ------------------------------------------------------------------ queries
+    def leases(self, pool: str | None = None, holder: str | None = None) -> list[Lease]:
+        with Session(self.engine) as s:
+            q = select(StageLeaseRow)
+            if pool is not None:
+                q = q.where(StageLeaseRow.pool == pool)
+            if holder is not None:
+                q = q.where(StageLeaseRow.holder == holder)
+            return [Lease._of(r) for r in s.exec(q).all()]
+
+    def booked(self, pool: str) -> list[tuple[str, str, str]]:
+        """(node, resource, lease_id) of every booked unit in a pool."""
+        with Session(self.engine) as s:
+            return [tuple(r) for r in s.exec(select(SlotLeaseRow.node, SlotLeaseRow.resource, SlotLeaseRow.lease_id).where(SlotLeaseRow.pool == pool)).all()]  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ recovery
+    async def recover(self, backend: "Backend", pool: str, holder: str, ttl_s: float = 30.0) -> list[tuple[Lease, "StageHandle | None"]]:
+        """After a (re)start: take over our own and expired leases of `pool`, and find their stages.
+
+        Returns (lease, handle) for each stage still known to the backend (wait on it, do not
+        relaunch it: it must not run twice) and (lease, None) for leases whose stage is gone; those
+        leases are released, and the caller reschedules the stage.
+        """
+        from qosflow.backends.base import StageHandle
+
+        out: list[tuple[Lease, StageHandle | None]] = []
+        for lease in self.leases(pool):
+            if lease.backend and lease.backend != backend.name:
+                continue
+            if lease.holder != holder and not lease.expired:
+                continue  # a live worker holds it
+            if not self.take_over(lease.lease_id, lease.holder, holder, ttl_s):
+                continue  # another worker recovered it first
+            handle = None
+            adopt = getattr(backend, "adopt", None)
+            if adopt is not None:
+                handle = await adopt(lease.attempt_id, lease.nodes)
+            elif lease.handle:
+                handle = StageHandle(**lease.handle)
+            if handle is None:
+                self.release(lease.lease_id)
+            else:
+                self.set_handle(lease.lease_id, handle)
+            out.append((replace(lease, holder=holder), handle))
+        return out
+

@@ -1,0 +1,455 @@
+"""`Store`: the repository the predictor, the worker and the CLI read and write.
+
+    store = Store.open()                       # QOSFLOW_DATABASE_URL, else SQLite under data_dir()
+    store.add_samples([{"signature": "resnet50/bs64", "gpus": 1, "step_time_s": 0.21}])
+    store.samples_for("resnet50/bs64", gpus=1)
+
+SQLite runs in WAL mode with a busy timeout, every write transaction starts with BEGIN IMMEDIATE
+(so two writers queue instead of failing half-way) and is retried on "database is locked".
+PostgreSQL (`postgresql+psycopg://user:pass@host/db`) uses ordinary transactions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
+from sqlmodel import Session, select
+
+from qosflow.errors import QosflowError, SpecError
+from qosflow.store import migrations
+from qosflow.store.models import Outcome, PredictionRecord, Profile, Sample, StageHistory
+
+T = TypeVar("T")
+
+ENV_URL = "QOSFLOW_DATABASE_URL"
+
+#: accepted time units -> seconds
+TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, "min": 60.0}
+PLACEMENTS = ("consolidated", "spread")
+_SAMPLE_FIELDS = {
+    "signature", "gpu_type", "placement", "gpus", "cross_node", "cpu_cores", "co_runner", "step_time_s",
+    "steps", "gpu_util_pct", "gpu_mem_mb", "source", "stage_run_id", "created_at",
+}
+_SAMPLE_ALIASES = {"step_time", "unit", "units"}
+
+
+def default_url() -> str:
+    env = os.environ.get(ENV_URL)
+    if env:
+        return env
+    from qosflow.paths import data_dir
+
+    return f"sqlite:///{data_dir() / 'qosflow.db'}"
+
+
+def _normalise_url(url: str) -> str:
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        # psycopg 3 is the driver we ship
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+# --------------------------------------------------------------------------------------- validation
+
+
+def _finite(field: str, value: Any, where: str, *, positive: bool = False, allow_zero: bool = True) -> float:
+    if isinstance(value, bool) or value is None:
+        raise SpecError(field, f"expected a number, got {value!r}", where=where)
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise SpecError(field, f"expected a number, got {value!r}", where=where) from None
+    if math.isnan(x) or math.isinf(x):
+        raise SpecError(field, f"{value!r} is not a finite number", where=where)
+    if x < 0 or (positive and x == 0 and not allow_zero) or (positive and x <= 0):
+        raise SpecError(field, f"must be {'> 0' if positive else '>= 0'}, got {value!r}", where=where)
+    return x
+
+
+def _int(field: str, value: Any, where: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or value is None:
+        raise SpecError(field, f"expected an integer, got {value!r}", where=where)
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise SpecError(field, f"expected an integer, got {value!r}", where=where)
+        value = int(value)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise SpecError(field, f"expected an integer, got {value!r}", where=where) from None
+    if n < minimum:
+        raise SpecError(field, f"must be >= {minimum}, got {value!r}", where=where)
+    return n
+
+
+def validate_sample(raw: Mapping[str, Any] | Sample, where: str = "sample") -> dict[str, Any]:
+    """Check one sample and return clean column values; raise SpecError naming the bad field.
+
+    The step time is given either as `step_time_s` (seconds) or as `step_time` with `unit`
+    (one of s, ms, us, ns, min).
+    """
+    if isinstance(raw, Sample):
+        raw = raw.model_dump(exclude={"id"}, exclude_none=True)
+    if not isinstance(raw, Mapping):
+        raise SpecError("sample", f"expected a mapping of field -> value, got {type(raw).__name__}", where=where)
+    unknown = set(raw) - _SAMPLE_FIELDS - _SAMPLE_ALIASES
+    if unknown:
+        raise SpecError(
+            sorted(unknown)[0], f"unknown field(s) {sorted(unknown)}; known: {sorted(_SAMPLE_FIELDS)}", where=where
+        )
+    out: dict[str, Any] = {}
+    sig = raw.get("signature")
+    if not isinstance(sig, str) or not sig.strip():
+        raise SpecError("signature", f"expected a non-empty string, got {sig!r}", where=where)
+    if len(sig) > 500:
+        raise SpecError("signature", "longer than 500 characters", where=where)
+    out["signature"] = sig.strip()
+
+    unit = raw.get("unit", raw.get("units"))
+    if "step_time_s" in raw:
+        if "step_time" in raw:
+            raise SpecError("step_time", "give either step_time_s or step_time with unit, not both", where=where)
+        if unit not in (None, "s", "sec"):
+            raise SpecError("unit", f"step_time_s is in seconds, but unit={unit!r} was given", where=where)
+        out["step_time_s"] = _finite("step_time_s", raw["step_time_s"], where, positive=True)
+    elif "step_time" in raw:
+        if unit is None:
+            raise SpecError("unit", f"step_time needs a unit, one of {sorted(TIME_UNITS)}", where=where)
+        if unit not in TIME_UNITS:
+            raise SpecError("unit", f"unknown time unit {unit!r}; use one of {sorted(TIME_UNITS)}", where=where)
+        out["step_time_s"] = _finite("step_time", raw["step_time"], where, positive=True) * TIME_UNITS[unit]
+    else:
+        raise SpecError("step_time_s", "missing (give step_time_s in seconds, or step_time with unit)", where=where)
+
+    out["gpus"] = _int("gpus", raw.get("gpus", 1), where, minimum=0)
+    placement = raw.get("placement")
+    cross = raw.get("cross_node")
+    if cross is not None and not isinstance(cross, bool):
+        raise SpecError("cross_node", f"expected true or false, got {cross!r}", where=where)
+    if placement is None:
+        placement = "spread" if cross else "consolidated"
+    if placement not in PLACEMENTS:
+        raise SpecError("placement", f"{placement!r} is not one of {list(PLACEMENTS)}", where=where)
+    if cross is None:
+        cross = placement == "spread"
+    out["placement"], out["cross_node"] = placement, bool(cross)
+    if raw.get("cpu_cores") is not None:
+        out["cpu_cores"] = _int("cpu_cores", raw["cpu_cores"], where, minimum=1)
+    out["steps"] = _int("steps", raw.get("steps", 1), where, minimum=1)
+    if raw.get("gpu_util_pct") is not None:
+        u = _finite("gpu_util_pct", raw["gpu_util_pct"], where)
+        if u > 100:
+            raise SpecError("gpu_util_pct", f"a percentage must be <= 100, got {u!r}", where=where)
+        out["gpu_util_pct"] = u
+    if raw.get("gpu_mem_mb") is not None:
+        out["gpu_mem_mb"] = _finite("gpu_mem_mb", raw["gpu_mem_mb"], where)
+    for key in ("gpu_type", "co_runner", "source", "stage_run_id"):
+        v = raw.get(key)
+        if v is not None:
+            if not isinstance(v, str) or not v.strip():
+                raise SpecError(key, f"expected a non-empty string, got {v!r}", where=where)
+            out[key] = v.strip()
+    if raw.get("created_at") is not None:
+        out["created_at"] = _aware(raw["created_at"], "created_at", where)
+    return out
+
+
+def _aware(value: Any, field: str, where: str) -> datetime:
+    """A datetime in UTC; naive ones are taken as UTC."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise SpecError(field, f"not an ISO 8601 time: {value!r}", where=where) from None
+    if not isinstance(value, datetime):
+        raise SpecError(field, f"expected a datetime, got {value!r}", where=where)
+    return value if value.utcoffset() is not None else value.replace(tzinfo=timezone.utc)
+
+
+# --------------------------------------------------------------------------------------- the store
+
+
+def _is_busy(exc: BaseException) -> bool:
+    msg = str(exc).lower()
+    return "database is locked" in msg or "database is busy" in msg or "deadlock detected" in msg or (
+        "could not serialize" in msg
+    )
+
+
+class Store:
+    """Repository over the qosflow database (SQLite or PostgreSQL)."""
+
+    RETRIES = 12
+
+    def __init__(self, engine: sa.Engine, url: str):
+        self.engine = engine
+        self.url = url
+
+    # ---- opening
+
+    @classmethod
+    def open(cls, url: str | None = None, *, migrate_to: int | None = None, echo: bool = False) -> "Store":
+        """Open (and create or upgrade) the database at `url`.
+
+        `url` defaults to $QOSFLOW_DATABASE_URL, else `sqlite:///<data_dir>/qosflow.db`.
+        `migrate_to` stops at an older schema version (tests of upgrades use it).
+        """
+        url = _normalise_url(url or default_url())
+        try:
+            engine = cls._make_engine(url, echo=echo)
+        except ModuleNotFoundError as exc:
+            raise QosflowError(f"cannot open {url.split('@')[-1]}: database driver missing ({exc.name})") from exc
+        store = cls(engine, url)
+        try:
+            store._retry(lambda: store._migrate(migrate_to))
+        except OperationalError as exc:
+            engine.dispose()
+            safe = url.split("@")[-1] if "@" in url else url
+            raise QosflowError(f"cannot open the qosflow database {safe}: {exc.orig}") from exc
+        return store
+
+    @staticmethod
+    def _make_engine(url: str, echo: bool = False) -> sa.Engine:
+        if url.startswith("sqlite"):
+            path = url.split("///", 1)[-1] if "///" in url else ""
+            if path and path != ":memory:":
+                os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+            engine = sa.create_engine(url, echo=echo, connect_args={"timeout": 30, "check_same_thread": False})
+
+            @event.listens_for(engine, "connect")
+            def _on_connect(dbapi_conn, _rec):  # pragma: no cover - exercised by every sqlite test
+                dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (below)
+                cur = dbapi_conn.cursor()
+                cur.execute("PRAGMA busy_timeout=30000")
+                if path and path != ":memory:":
+                    cur.execute("PRAGMA journal_mode=WAL")
+                    cur.execute("PRAGMA synchronous=NORMAL")
+                cur.execute("PRAGMA foreign_keys=ON")
+                cur.close()
+
+            @event.listens_for(engine, "begin")
+            def _on_begin(conn):  # pragma: no cover
+                # take the write lock up front: two writers queue on busy_timeout instead of
+                # deadlocking on a read->write lock upgrade
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+            return engine
+        return sa.create_engine(url, echo=echo, pool_pre_ping=True)
+
+    def _migrate(self, target: int | None) -> tuple[int, int]:
+        with self.engine.begin() as conn:
+            return migrations.migrate(conn, target)
+
+    def schema_version(self) -> int:
+        with self.engine.connect() as conn:
+            return migrations.current_version(conn)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _retry(self, fn: Callable[[], T]) -> T:
+        delay = 0.01
+        for attempt in range(self.RETRIES):
+            try:
+                return fn()
+            except OperationalError as exc:
+                if attempt == self.RETRIES - 1 or not _is_busy(exc):
+                    raise
+                time.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 1.0)
+        raise AssertionError("unreachable")
+
+    def _write(self, rows: Sequence[Any]) -> list[int]:
+        def txn() -> list[int]:
+            with Session(self.engine, expire_on_commit=False) as s:
+                fresh = [type(r).model_validate(r.model_dump()) for r in rows]
+                s.add_all(fresh)
+                s.commit()
+                return [r.id for r in fresh]
+
+        return self._retry(txn)
+
+    # ---- samples
+
+    def add_samples(self, samples: Iterable[Mapping[str, Any] | Sample]) -> list[int]:
+        """Validate every sample first (nothing is written if one is bad), then insert all in one transaction."""
+        clean = [Sample(**validate_sample(s, where=f"sample {i}")) for i, s in enumerate(samples)]
+        if not clean:
+            return []
+        return self._write(clean)
+
+    def add_sample(self, **fields: Any) -> int:
+        return self.add_samples([fields])[0]
+
+    def samples_for(
+        self,
+        signature: str | None = None,
+        *,
+        gpu_type: str | None = None,
+        gpus: int | None = None,
+        placement: str | None = None,
+        co_runner: str | None | type(Ellipsis) = ...,
+        cpu_cores: int | None = None,
+        since_id: int = 0,
+        limit: int | None = None,
+    ) -> list[Sample]:
+        """Samples matching the filters, oldest first. `co_runner=None` means "ran alone"."""
+        q = select(Sample).where(Sample.id > since_id)
+        if signature is not None:
+            q = q.where(Sample.signature == signature)
+        if gpu_type is not None:
+            q = q.where(Sample.gpu_type == gpu_type)
+        if gpus is not None:
+            q = q.where(Sample.gpus == gpus)
+        if placement is not None:
+            q = q.where(Sample.placement == placement)
+        if cpu_cores is not None:
+            q = q.where(Sample.cpu_cores == cpu_cores)
+        if co_runner is None:
+            q = q.where(Sample.co_runner.is_(None))
+        elif co_runner is not ...:
+            q = q.where(Sample.co_runner == co_runner)
+        q = q.order_by(Sample.id)
+        if limit is not None:
+            q = q.limit(limit)
+        with Session(self.engine) as s:
+            return list(s.exec(q).all())
+
+    def iter_samples(self, since_id: int = 0, batch: int = 20_000) -> Iterator[Sample]:
+        last = since_id
+        while True:
+            rows = self.samples_for(since_id=last, limit=batch)
+            if not rows:
+                return
+            yield from rows
+            last = rows[-1].id
+
+    def count(self, table: type = Sample) -> int:
+        with Session(self.engine) as s:
+            return int(s.exec(select(sa.func.count()).select_from(table)).one())
+
+    def signatures(self) -> list[str]:
+        with Session(self.engine) as s:
+            return sorted(s.exec(select(Sample.signature).distinct()).all())
+
+    # ---- profiles
+
+    def add_profile(
+        self,
+        signature: str,
+        solo_step_time_s: float,
+        *,
+        gpu_type: str = "unknown",
+        cpu_cores: int | None = None,
+        ref_speeds: Mapping[str, float] | None = None,
+        ref_partner_speeds: Mapping[str, float] | None = None,
+        source: str = "profile",
+    ) -> int:
+        where = f"profile of {signature!r}"
+        if not isinstance(signature, str) or not signature.strip():
+            raise SpecError("signature", f"expected a non-empty string, got {signature!r}", where="profile")
+        t = _finite("solo_step_time_s", solo_step_time_s, where, positive=True)
+        for name, d in (("ref_speeds", ref_speeds), ("ref_partner_speeds", ref_partner_speeds)):
+            for k, v in (d or {}).items():
+                _finite(f"{name}[{k!r}]", v, where)
+        row = Profile(
+            signature=signature.strip(),
+            gpu_type=gpu_type,
+            solo_step_time_s=t,
+            cpu_cores=cpu_cores,
+            ref_speeds_json=json.dumps(dict(ref_speeds or {}), sort_keys=True),
+            ref_partner_speeds_json=json.dumps(dict(ref_partner_speeds or {}), sort_keys=True),
+            source=source,
+        )
+        return self._write([row])[0]
+
+    def profiles_for(self, signature: str | None = None) -> list[Profile]:
+        q = select(Profile)
+        if signature is not None:
+            q = q.where(Profile.signature == signature)
+        with Session(self.engine) as s:
+            return list(s.exec(q.order_by(Profile.id)).all())
+
+    # ---- predictions and outcomes
+
+    def record_prediction(
+        self,
+        prediction: Any,
+        *,
+        signature: str,
+        target: str,
+        stage_run_id: str | None = None,
+        context: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Keep a `qosflow.predict.Prediction` (or anything with value/low/high/n_samples/basis)."""
+        where = f"prediction for {signature!r}"
+        for f in ("value", "low", "high"):
+            _finite(f, getattr(prediction, f), where)
+        row = PredictionRecord(
+            stage_run_id=stage_run_id,
+            signature=signature,
+            target=target,
+            value=float(prediction.value),
+            low=float(prediction.low),
+            high=float(prediction.high),
+            n_samples=int(getattr(prediction, "n_samples", 0)),
+            basis=str(getattr(prediction, "basis", "")),
+            context_json=json.dumps(dict(context or {}), sort_keys=True, default=str),
+        )
+        return self._write([row])[0]
+
+    def record_outcome(self, stage_run_id: str, actual: float, *, signature: str = "", target: str = "duration") -> int:
+        _finite("actual", actual, f"outcome of {stage_run_id!r}")
+        return self._write([Outcome(stage_run_id=stage_run_id, actual=float(actual), signature=signature, target=target)])[0]
+
+    def prediction_errors(self, target: str | None = None) -> list[tuple[PredictionRecord, Outcome]]:
+        """Every recorded prediction that has an outcome for the same stage run and target."""
+        q = select(PredictionRecord, Outcome).join(
+            Outcome,
+            sa.and_(Outcome.stage_run_id == PredictionRecord.stage_run_id, Outcome.target == PredictionRecord.target),
+        )
+        if target is not None:
+            q = q.where(PredictionRecord.target == target)
+        with Session(self.engine) as s:
+            return [(p, o) for p, o in s.exec(q.order_by(PredictionRecord.id)).all()]
+
+    # ---- stage history
+
+    def record_stage(self, **fields: Any) -> int:
+        if not fields.get("stage_run_id"):
+            raise SpecError("stage_run_id", "missing", where="stage history")
+        for f in ("duration_s", "step_time_s"):
+            if fields.get(f) is not None:
+                _finite(f, fields[f], f"stage {fields['stage_run_id']!r}")
+        for f in ("started_at", "finished_at", "created_at"):
+            if fields.get(f) is not None:
+                fields[f] = _aware(fields[f], f, f"stage {fields['stage_run_id']!r}")
+        return self._write([StageHistory(**fields)])[0]
+
+    def stage_history(self, *, signature: str | None = None, flow_run_id: str | None = None) -> list[StageHistory]:
+        q = select(StageHistory)
+        if signature is not None:
+            q = q.where(StageHistory.signature == signature)
+        if flow_run_id is not None:
+            q = q.where(StageHistory.flow_run_id == flow_run_id)
+        with Session(self.engine) as s:
+            return list(s.exec(q.order_by(StageHistory.id)).all())

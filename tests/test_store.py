@@ -1,0 +1,234 @@
+"""The predictor's store: round trips (SQLite, PostgreSQL), schema upgrades, validation, concurrent writers."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import uuid
+
+import pytest
+import sqlalchemy as sa
+
+from qosflow.errors import QosflowError, SpecError
+from qosflow.store import LATEST_VERSION, Store
+from qosflow.store.models import SQLModel
+
+PG_URL = os.environ.get("QOSFLOW_TEST_POSTGRES_URL")
+
+
+def _sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'qosflow.db'}"
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh schema-less database per test: drop every table first."""
+    if not PG_URL:
+        pytest.skip("QOSFLOW_TEST_POSTGRES_URL is not set (e.g. postgresql+psycopg://qosflow:qosflow@localhost/qosflow_test)")
+    eng = sa.create_engine(PG_URL.replace("postgresql://", "postgresql+psycopg://", 1) if PG_URL.startswith("postgresql://") else PG_URL)
+    try:
+        with eng.begin() as conn:
+            conn.exec_driver_sql("DROP SCHEMA public CASCADE")
+            conn.exec_driver_sql("CREATE SCHEMA public")
+    except sa.exc.OperationalError as exc:
+        pytest.skip(f"PostgreSQL at QOSFLOW_TEST_POSTGRES_URL does not answer: {exc.orig}")
+    finally:
+        eng.dispose()
+    return PG_URL
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def url(request, tmp_path):
+    if request.param == "sqlite":
+        return _sqlite_url(tmp_path)
+    return request.getfixturevalue("pg_url")
+
+
+def _round_trip(url: str) -> None:
+    with Store.open(url) as store:
+        assert store.schema_version() == LATEST_VERSION
+        ids = store.add_samples(
+            [
+                {"signature": "resnet50/bs64", "gpus": 1, "step_time_s": 0.25, "cpu_cores": 4, "gpu_type": "v100"},
+                {"signature": "resnet50/bs64", "gpus": 4, "placement": "spread", "step_time": 90, "unit": "ms",
+                 "gpu_util_pct": 87.5, "gpu_mem_mb": 10240, "steps": 20},
+                {"signature": "resnet50/bs64", "gpus": 1, "co_runner": "lm/bs20", "step_time_s": 0.4},
+            ]
+        )
+        assert len(ids) == 3 and all(isinstance(i, int) for i in ids)
+        alone = store.samples_for("resnet50/bs64", co_runner=None)
+        assert [s.gpus for s in alone] == [1, 4]
+        spread = store.samples_for("resnet50/bs64", placement="spread")[0]
+        assert spread.cross_node is True and math.isclose(spread.step_time_s, 0.09)
+        assert spread.gpu_util_pct == 87.5 and spread.gpu_mem_mb == 10240 and spread.steps == 20
+        assert store.samples_for("resnet50/bs64", co_runner="lm/bs20")[0].step_time_s == 0.4
+        assert store.signatures() == ["resnet50/bs64"]
+
+        pid = store.add_profile("resnet50/bs64", 0.25, gpu_type="v100", ref_speeds={"lm/bs20": 0.6})
+        assert store.profiles_for("resnet50/bs64")[0].id == pid
+
+        class P:  # anything shaped like a Prediction
+            value, low, high, n_samples, basis = 100.0, 80.0, 130.0, 3, "samples(n=3)"
+
+        store.record_prediction(P(), signature="resnet50/bs64", target="duration", stage_run_id="run-1",
+                                context={"gpus": 4})
+        store.record_outcome("run-1", 110.0, signature="resnet50/bs64", target="duration")
+        [(pred, out)] = store.prediction_errors("duration")
+        assert pred.basis == "samples(n=3)" and pred.n_samples == 3 and out.actual == 110.0
+
+        store.record_stage(stage_run_id="run-1", flow_run_id="flow-1", stage="train", signature="resnet50/bs64",
+                           gpus=4, duration_s=110.0)
+        assert store.stage_history(flow_run_id="flow-1")[0].duration_s == 110.0
+
+    with Store.open(url) as again:  # reopening neither migrates again nor loses rows
+        assert again.count() == 3 and again.schema_version() == LATEST_VERSION
+
+
+def test_round_trip(url):
+    _round_trip(url)
+
+
+def test_default_url_comes_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("QOSFLOW_DATABASE_URL", _sqlite_url(tmp_path))
+    with Store.open() as store:
+        assert store.url.endswith("qosflow.db") and store.dialect == "sqlite"
+    monkeypatch.delenv("QOSFLOW_DATABASE_URL")
+    monkeypatch.setenv("QOSFLOW_HOME", str(tmp_path / "home"))
+    with Store.open() as store:
+        assert str(tmp_path / "home" / "qosflow.db") in store.url
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"signature": "a", "step_time_s": -1.0}, "step_time_s"),
+        ({"signature": "a", "step_time_s": 0.0}, "step_time_s"),
+        ({"signature": "a", "step_time_s": float("nan")}, "step_time_s"),
+        ({"signature": "a", "step_time_s": float("inf")}, "step_time_s"),
+        ({"signature": "a", "step_time": 3.0, "unit": "fortnights"}, "unit"),
+        ({"signature": "a", "step_time": 3.0}, "unit"),
+        ({"signature": "a", "step_time_s": 3.0, "unit": "ms"}, "unit"),
+        ({"signature": "a"}, "step_time_s"),
+        ({"signature": "", "step_time_s": 1.0}, "signature"),
+        ({"signature": "a", "step_time_s": 1.0, "gpus": -2}, "gpus"),
+        ({"signature": "a", "step_time_s": 1.0, "gpus": 1.5}, "gpus"),
+        ({"signature": "a", "step_time_s": 1.0, "placement": "diagonal"}, "placement"),
+        ({"signature": "a", "step_time_s": 1.0, "gpu_util_pct": 140}, "gpu_util_pct"),
+        ({"signature": "a", "step_time_s": 1.0, "gpu_mem_mb": float("nan")}, "gpu_mem_mb"),
+        ({"signature": "a", "step_time_s": 1.0, "cpu_cores": 0}, "cpu_cores"),
+        ({"signature": "a", "step_time_s": 1.0, "cross_node": "yes"}, "cross_node"),
+        ({"signature": "a", "step_time_s": 1.0, "step_tme": 2}, "step_tme"),
+    ],
+)
+def test_bad_samples_are_rejected_naming_the_field(tmp_path, bad, field):
+    with Store.open(_sqlite_url(tmp_path)) as store:
+        good = {"signature": "ok", "step_time_s": 1.0}
+        with pytest.raises(SpecError) as err:
+            store.add_samples([good, bad])
+        assert err.value.field == field
+        assert "sample 1" in str(err.value) and field in str(err.value)
+        assert store.count() == 0  # all or nothing
+
+
+def _old_v1_database(url: str) -> None:
+    """A database as the first release left it, with rows in it."""
+    with Store.open(url, migrate_to=1) as old:
+        assert old.schema_version() == 1
+        cols = {c["name"] for c in sa.inspect(old.engine).get_columns("sample")}
+        assert "gpu_util_pct" not in cols
+        assert not sa.inspect(old.engine).has_table("prediction")
+        with old.engine.begin() as conn:
+            for i in range(5):
+                conn.execute(
+                    sa.text(
+                        "INSERT INTO sample (signature, gpu_type, placement, gpus, cross_node, step_time_s, source, "
+                        "created_at) VALUES (:s, 'v100', 'consolidated', 1, false, :t, 'stage', :c)"
+                    ),
+                    {"s": f"job{i}", "t": 0.1 * (i + 1), "c": "2024-01-01 00:00:00"},
+                )
+
+
+def test_upgrade_keeps_rows(url):
+    _old_v1_database(url)
+    with Store.open(url) as new:
+        assert new.schema_version() == LATEST_VERSION
+        rows = new.samples_for()
+        assert [r.signature for r in rows] == [f"job{i}" for i in range(5)]
+        assert [round(r.step_time_s, 3) for r in rows] == [0.1, 0.2, 0.3, 0.4, 0.5]
+        assert all(r.steps == 1 and r.gpu_util_pct is None for r in rows)  # new columns get their defaults
+        new.add_sample(signature="job9", step_time_s=1.0, gpu_util_pct=50.0)  # and the new schema works
+        assert new.count() == 6
+
+
+def test_migrations_give_exactly_the_models_schema(url):
+    with Store.open(url) as store:
+        insp = sa.inspect(store.engine)
+        for name, table in SQLModel.metadata.tables.items():
+            if name not in {"schema_version", "profile", "sample", "prediction", "outcome", "stage_history"}:
+                continue  # another module's table
+            db_cols = {c["name"] for c in insp.get_columns(name)}
+            assert db_cols == {c.name for c in table.columns}, name
+
+
+def test_newer_database_is_refused(tmp_path):
+    url = _sqlite_url(tmp_path)
+    Store.open(url).close()
+    eng = sa.create_engine(url)
+    with eng.begin() as conn:
+        conn.exec_driver_sql(
+            f"INSERT INTO schema_version (version, description, applied_at) VALUES ({LATEST_VERSION + 1}, 'future', '2099-01-01')"
+        )
+    eng.dispose()
+    with pytest.raises(QosflowError, match="newer than this qosflow"):
+        Store.open(url)
+
+
+def _writer(url: str, tag: str, n: int, batch: int) -> None:
+    store = Store.open(url)
+    for i in range(0, n, batch):
+        store.add_samples(
+            [{"signature": f"{tag}", "step_time_s": 0.001 * (j + 1), "stage_run_id": f"{tag}-{j}"} for j in range(i, i + batch)]
+        )
+        store.add_sample(signature=f"{tag}-single", step_time_s=1.0)
+    store.close()
+
+
+def test_concurrent_writers_lose_nothing(url):
+    Store.open(url).close()
+    n, batch = 200, 10
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(url, f"w{k}", n, batch)) for k in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    with Store.open(url) as store:
+        for k in range(2):
+            rows = store.samples_for(f"w{k}")
+            assert sorted(int(r.stage_run_id.split("-")[1]) for r in rows) == list(range(n))
+            assert len(store.samples_for(f"w{k}-single")) == n // batch
+        assert store.count() == 2 * (n + n // batch)
+
+
+def test_concurrent_first_open_migrates_once(tmp_path):
+    url = _sqlite_url(tmp_path)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(url, f"x{k}", 20, 10)) for k in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    with Store.open(url) as store:
+        with store.engine.connect() as conn:
+            versions = [r[0] for r in conn.exec_driver_sql("SELECT version FROM schema_version ORDER BY version")]
+        assert versions == list(range(1, LATEST_VERSION + 1))
+        assert store.count() == 2 * (20 + 2)
+
+
+def test_unreachable_postgres_is_a_clear_error():
+    port = 1  # nothing listens there
+    with pytest.raises(QosflowError, match="cannot open the qosflow database"):
+        Store.open(f"postgresql+psycopg://nobody:x@127.0.0.1:{port}/nothing?connect_timeout=2")
