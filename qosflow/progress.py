@@ -1,0 +1,111 @@
+"""Lightweight progress reporting from inside a stage: the predictor's step timestamps.
+
+Stage code calls
+
+    qosflow.report_progress(step, total)        # after finishing step `step` (1-based) of `total`
+    for batch in qosflow.track(loader):         # or wrap the training loop's iterable
+        ...
+
+Each call appends one JSON line ``{"t": <unix time>, "step": s, "total": n, "pid": p}`` to the file
+named by the environment variable ``QOSFLOW_PROGRESS_FILE`` (the worker sets it and reads the file).
+Without that variable both are no-ops costing a dictionary look-up, so stage code can call them
+unconditionally. `read_progress` parses such a file (tolerating a half-written last line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import IO, Iterable, Iterator, TypeVar
+
+ENV_VAR = "QOSFLOW_PROGRESS_FILE"
+
+T = TypeVar("T")
+
+_fh: IO[str] | None = None
+_fh_path: str | None = None
+_fh_pid: int | None = None
+
+
+def _channel() -> IO[str] | None:
+    global _fh, _fh_path, _fh_pid
+    path = os.environ.get(ENV_VAR)
+    if not path:
+        return None
+    pid = os.getpid()
+    if _fh is None or path != _fh_path or pid != _fh_pid:  # new file, or we were forked
+        if _fh is not None and pid == _fh_pid:
+            try:
+                _fh.close()
+            except OSError:
+                pass
+        _fh = open(path, "a", buffering=1, encoding="utf-8")  # line-buffered: one write(2) per line
+        _fh_path, _fh_pid = path, pid
+    return _fh
+
+
+def report_progress(step: int, total: int | None = None) -> None:
+    """Record that `step` steps (of `total`, if known) are done, with the current time."""
+    fh = _channel()
+    if fh is None:
+        return
+    if total is None:
+        fh.write('{"t":%.6f,"step":%d,"pid":%d}\n' % (time.time(), step, _fh_pid))
+    else:
+        fh.write('{"t":%.6f,"step":%d,"total":%d,"pid":%d}\n' % (time.time(), step, total, _fh_pid))
+
+
+def track(iterable: Iterable[T], total: int | None = None) -> Iterator[T]:
+    """Yield the items of `iterable`, reporting a step each time the loop body for one item finishes."""
+    if total is None:
+        try:
+            total = len(iterable)  # type: ignore[arg-type]
+        except TypeError:
+            total = None
+    if _channel() is None:
+        yield from iterable
+        return
+    report_progress(0, total)
+    step = 0
+    for item in iterable:
+        yield item
+        step += 1
+        report_progress(step, total)
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    t: float
+    step: int
+    total: int | None
+    pid: int | None
+
+
+def read_progress(path: str | os.PathLike[str]) -> list[ProgressEvent]:
+    """The events of a progress file, in file order. A malformed or half-written line is skipped."""
+    out: list[ProgressEvent] = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                if not line.endswith("\n"):
+                    break  # being written right now
+                try:
+                    d = json.loads(line)
+                    out.append(ProgressEvent(float(d["t"]), int(d["step"]), d.get("total"), d.get("pid")))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    except FileNotFoundError:
+        return []
+    return out
+
+
+def step_times(events: list[ProgressEvent]) -> list[float]:
+    """Durations of the individual steps (seconds) from consecutive events of one run."""
+    out = []
+    for a, b in zip(events, events[1:]):
+        ds = b.step - a.step
+        if ds > 0 and b.t >= a.t:
+            out.extend([(b.t - a.t) / ds] * ds)
+    return out
