@@ -61,6 +61,71 @@ def memory_plan(job: Job, free_mem: float, *, allow_sub_batch: bool = True) -> t
     return None
 
 
+class PartnerIndex:
+    """Running jobs that a pending job could join, grouped so a round stays fast at scale.
+
+    Groups are keyed by (GPU count, model, the partner's GPU memory, the GPU's memory, GPU model);
+    inside a group, candidates are kept by estimated remaining time, longest first. For the BSBF
+    benefit `t_seq - t_con` is continuous and piecewise linear in the partner's remaining time T_b,
+    increasing once the partner outlasts the newcomer (slope 1/2) and linear through 0 before that,
+    so its positive maximum over a group lies at the group's longest job: only group heads need
+    evaluating. Entries that stopped being shareable this round are dropped lazily.
+    """
+
+    def __init__(self, st: ClusterState, states: dict[str, JobState], remaining):
+        import heapq
+
+        self._heapq = heapq
+        self.st = st
+        self.states = states
+        self.remaining = remaining
+        self.groups: dict[tuple, list] = {}
+        self._seq = 0
+        for jid in st.allocs:
+            js = states.get(jid)
+            if js is not None:
+                self.add(js)
+
+    def _key(self, js: JobState):
+        p = self.st.allocs.get(js.job_id)
+        if p is None or p.gpu_milli < 1000 or not p.gpus or p.colocated_with:
+            return None, None
+        if not js.job.qos.shareable or js.job.qos.gpu_mem_mb is None:
+            return None, None
+        n, g = p.gpus[0]
+        return (len(p.gpus), js.job.model, js.job.qos.gpu_mem_mb, float(self.st.gmem_cap[n]), self.st.spec.nodes[n].gpu_model), p
+
+    def add(self, js: JobState) -> None:
+        key, p = self._key(js)
+        if key is None:
+            return
+        self._seq += 1
+        self._heapq.heappush(self.groups.setdefault(key, []), (-self.remaining(js), self._seq, js.job_id))
+
+    def _alive(self, jid: str, ngpus: int) -> bool:
+        p = self.st.allocs.get(jid)
+        if p is None or len(p.gpus) != ngpus:
+            return False
+        for n, g in p.gpus:
+            if self.st.njobs[n, g] != 1 or not self.st.share_ok[n, g]:
+                return False
+        return True
+
+    def heads(self, job: Job) -> list[JobState]:
+        """The longest-running shareable candidate of every group with `job`'s GPU count."""
+        q = job.qos
+        if not q.shareable or q.fractional or q.gpus == 0:
+            return []
+        out = []
+        for key in sorted(k for k in self.groups if k[0] == q.gpus):
+            h = self.groups[key]
+            while h and not self._alive(h[0][2], q.gpus):
+                self._heapq.heappop(h)
+            if h:
+                out.append(self.states[h[0][2]])
+        return out
+
+
 def partners_for(st: ClusterState, job: Job, states: dict[str, JobState]) -> Iterable[JobState]:
     """Jobs on the snapshot that `job` could share GPUs with: same GPU count, alone and shareable."""
     if not job.qos.shareable or job.qos.fractional or job.qos.gpus == 0:

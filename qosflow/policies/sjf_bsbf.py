@@ -14,7 +14,7 @@ from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import place_in_order
 from qosflow.policies.placement import find_colocation, find_for
-from qosflow.policies.sharing import bsbf_times, memory_plan, partners_for
+from qosflow.policies.sharing import PartnerIndex, bsbf_times, memory_plan
 
 
 @register
@@ -32,14 +32,19 @@ class SjfBsbfPolicy(Policy):
         states.update({js.job_id: js for js in view.pending})
         order = sorted(view.pending, key=lambda js: (est.remaining(js), js.job.submit_time))
         notes: dict[str, str] = {}
+        index = PartnerIndex(view.cluster, states, est.remaining)
+        started: list[JobState] = []
 
         def finder(st, js) -> Placement | None:
+            while started:  # jobs started earlier this round are allocated by now: partners too
+                index.add(started.pop())
             p = find_for(st, js.job, locality=self.locality)
             if p is not None:
+                started.append(js)
                 return p
             t_a = est.remaining(js)
             best = None
-            for partner in partners_for(st, js.job, states):
+            for partner in index.heads(js.job):
                 pp = st.allocs[partner.job_id]
                 plan = memory_plan(js.job, float(st.gmem_free[pp.gpus[0]]), allow_sub_batch=self.sub_batch)
                 if plan is None:

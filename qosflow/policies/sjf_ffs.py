@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from qosflow.core.placement import Placement
 from qosflow.policies import register
+from qosflow.core.job import JobState
 from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import place_in_order
 from qosflow.policies.placement import find_colocation, find_for
-from qosflow.policies.sharing import memory_plan, partners_for
+from qosflow.policies.sharing import PartnerIndex, memory_plan
 
 
 @register
@@ -29,12 +30,15 @@ class SjfFfsPolicy(Policy):
         states.update({js.job_id: js for js in view.pending})
         order = sorted(view.pending, key=lambda js: (est.remaining(js), js.job.submit_time))
 
+        index = PartnerIndex(view.cluster, states, est.remaining)
+
         def finder(st, js) -> Placement | None:
             p = find_for(st, js.job, locality=self.locality)
             if p is not None:
+                index_add(js, p)
                 return p
-            for partner in partners_for(st, js.job, states):
-                plan = memory_plan(js.job, float(st.gmem_free[partner.placement.gpus[0]] if partner.placement else st.gmem_free[st.allocs[partner.job_id].gpus[0]]), allow_sub_batch=self.sub_batch)
+            for partner in index.heads(js.job):
+                plan = memory_plan(js.job, float(st.gmem_free[st.allocs[partner.job_id].gpus[0]]), allow_sub_batch=self.sub_batch)
                 if plan is None:
                     continue
                 mem, sb = plan
@@ -43,4 +47,16 @@ class SjfFfsPolicy(Policy):
                     return p
             return None
 
-        return place_in_order(view, order, finder=finder)
+        pending_new: list[tuple[JobState, Placement]] = []
+
+        def index_add(js, p):
+            pending_new.append((js, p))
+
+        def finder_and_index(st, js):
+            # a job started this round becomes a partner once it is allocated on the snapshot
+            while pending_new:
+                njs, _ = pending_new.pop()
+                index.add(njs)
+            return finder(st, js)
+
+        return place_in_order(view, order, finder=finder_and_index)

@@ -1,0 +1,148 @@
+"""Reports of simulation runs: a table on the terminal, JSON, and PNG plots.
+
+JSON schema (what `qosflow simulate --json` writes):
+    {"policies": {"<name>": {"avg_jct": s, "p99_jct": s, "makespan": s, "dsr": 0..1,
+                             "gpu_util": 0..1, "avg_queue": s, "jobs": n, ...more}},
+     "bounds": {"avg_jct": s, "dsr": 0..1, "makespan": s}, "workload": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from qosflow.core.job import JobStatus
+from qosflow.sim.engine import SimResult
+from qosflow.sim.metrics import Bounds, Metrics
+
+
+def results_json(metrics: Mapping[str, Metrics], bounds: Bounds, extra: dict[str, Any] | None = None) -> dict:
+    out: dict[str, Any] = {"policies": {}, "bounds": bounds.to_json()}
+    for name, m in metrics.items():
+        d = m.to_json()
+        out["policies"][name] = {
+            "avg_jct": d["avg_jct"],
+            "p99_jct": d["p99_jct"],
+            "makespan": d["makespan"],
+            "dsr": d["dsr"],
+            "gpu_util": d["gpu_util"],
+            "avg_queue": d["avg_queue"],
+            "jobs": d["finished"],
+            **{k: v for k, v in d.items() if k not in {"avg_jct", "p99_jct", "makespan", "dsr", "gpu_util", "avg_queue", "policy"}},
+        }
+    if extra:
+        out.update(extra)
+    return out
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return p
+
+
+def _fmt_s(x: float) -> str:
+    if x >= 86400 * 2:
+        return f"{x / 86400:,.1f} d"
+    if x >= 7200:
+        return f"{x / 3600:,.1f} h"
+    if x >= 120:
+        return f"{x / 60:,.1f} min"
+    return f"{x:,.1f} s"
+
+
+def render_table(metrics: Mapping[str, Metrics], bounds: Bounds, title: str = "Simulation results"):
+    from rich.table import Table
+
+    t = Table(title=title, header_style="bold")
+    for col in ("policy", "avg JCT", "median JCT", "p99 JCT", "makespan", "avg queue", "DSR", "GPU alloc", "preempt", "jobs"):
+        t.add_column(col, justify="right" if col != "policy" else "left")
+    best = min(metrics.values(), key=lambda m: m.avg_jct).policy if metrics else None
+    for name, m in metrics.items():
+        style = "bold green" if name == best else None
+        t.add_row(
+            name,
+            _fmt_s(m.avg_jct),
+            _fmt_s(m.median_jct),
+            _fmt_s(m.p99_jct),
+            _fmt_s(m.makespan),
+            _fmt_s(m.avg_queue),
+            f"{m.dsr:.1%}" if m.deadline_jobs else "-",
+            f"{m.gpu_util:.1%}",
+            str(m.preemptions),
+            f"{m.finished}" + (f" (+{m.rejected} rejected)" if m.rejected else ""),
+            style=style,
+        )
+    t.add_row("bound", _fmt_s(bounds.avg_jct), "", "", _fmt_s(bounds.makespan), "", f"{bounds.dsr:.1%}", "", "", "", style="dim")
+    return t
+
+
+def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics], bounds: Bounds, out_dir: str | Path) -> list[Path]:
+    """JCT CDF, DSR bars and utilisation bars (plus a GPU-allocation timeline), as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, res in results.items():
+        jct = np.sort([j.finish_time - j.job.submit_time for j in res.jobs if j.status is JobStatus.DONE])
+        if jct.size:
+            ax.plot(jct / 3600.0, np.arange(1, jct.size + 1) / jct.size, label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("job completion time (hours, log scale)")
+    ax.set_ylabel("fraction of jobs")
+    ax.set_title("JCT CDF")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    files.append(out / "jct_cdf.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+
+    names = list(metrics)
+    for key, label, fname, bound in (
+        ("dsr", "deadline satisfaction ratio", "dsr.png", bounds.dsr),
+        ("gpu_util", "GPU allocation (share of GPU-time)", "gpu_util.png", None),
+        ("avg_jct", "average JCT (hours)", "avg_jct.png", bounds.avg_jct),
+    ):
+        vals = [getattr(metrics[n], key) for n in names]
+        scale = 3600.0 if key == "avg_jct" else 1.0
+        fig, ax = plt.subplots(figsize=(7, 4))
+        bars = ax.bar(names, [v / scale for v in vals], color="#4c72b0")
+        for b, v in zip(bars, vals):
+            ax.annotate(f"{v / scale:.2f}" if scale != 1 else f"{v:.1%}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+        if bound is not None:
+            ax.axhline(bound / scale, color="gray", ls="--", label="bound")
+            ax.legend()
+        ax.set_ylabel(label)
+        ax.set_title(label)
+        plt.setp(ax.get_xticklabels(), rotation=20)
+        fig.tight_layout()
+        files.append(out / fname)
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, res in results.items():
+        if res.timeline:
+            t = np.array([x for x, _ in res.timeline])
+            g = np.array([y for _, y in res.timeline])
+            ax.step((t - res.start_time) / 3600.0, g, where="post", label=name, lw=0.8)
+    ax.set_xlabel("time (hours)")
+    ax.set_ylabel("GPUs allocated")
+    ax.set_title(f"GPU allocation over time ({next(iter(results.values())).cluster.num_gpus} GPUs)" if results else "")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(out / "gpu_timeline.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    return files
