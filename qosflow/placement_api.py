@@ -1,0 +1,133 @@
+"""What a running stage can ask about where it was placed: `qosflow.placement()`.
+
+The worker launches every stage with `QOSFLOW_PLACEMENT` (JSON, written by
+`qosflow.backends.base.placement_env`). A stage reads it to size its threads and, when the
+scheduler put it on a shared GPU with a smaller sub-batch, to honour the gradient-accumulation plan:
+
+    p = qosflow.placement()
+    for step in range(steps):
+        for micro in p.micro_batches(batch_size):   # [batch_size] when not sub-batched
+            ...
+
+Outside the worker (a plain local run) `placement()` returns an unplaced record (`placed=False`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+#: env var naming a file the stage appends progress lines to (read by the worker's CODA feedback loop)
+PROGRESS_FILE_ENV = "QOSFLOW_PROGRESS_FILE"
+
+
+@dataclass(frozen=True)
+class PlacementInfo:
+    placed: bool
+    job_id: str | None = None
+    node: str | None = None
+    nodes: tuple[str, ...] = ()
+    gpus: tuple[int, ...] = ()
+    gpu_milli: int = 1000
+    cpu_cores: float = 0.0
+    cpuset: tuple[int, ...] = ()
+    colocated_with: tuple[str, ...] = ()
+    sub_batch: dict[str, int] | None = None
+    virtual_gpus: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def shared(self) -> bool:
+        return self.gpu_milli < 1000 or bool(self.colocated_with)
+
+    @property
+    def accumulation_steps(self) -> int:
+        return int(self.sub_batch["accumulation_steps"]) if self.sub_batch else 1
+
+    def sub_batch_size(self, global_batch: int) -> int:
+        """The batch size one forward/backward pass should use (the global batch when not sub-batched)."""
+        if not self.sub_batch:
+            return global_batch
+        acc = self.accumulation_steps
+        return max(1, global_batch // acc)
+
+    def micro_batches(self, global_batch: int) -> list[int]:
+        """Sizes of the passes that make one optimizer step of `global_batch` samples."""
+        acc = self.accumulation_steps
+        if acc <= 1:
+            return [global_batch]
+        base, rest = divmod(global_batch, acc)
+        return [base + (1 if i < rest else 0) for i in range(acc) if base + (1 if i < rest else 0) > 0]
+
+    @property
+    def threads(self) -> int:
+        """Threads a stage should use: its allocated cores (at least 1)."""
+        if self.cpu_cores:
+            return max(1, int(self.cpu_cores))
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+
+
+def placement() -> PlacementInfo:
+    """The placement of the current stage (from `QOSFLOW_PLACEMENT`), or an unplaced record."""
+    raw = os.environ.get("QOSFLOW_PLACEMENT")
+    if not raw:
+        return PlacementInfo(placed=False)
+    try:
+        d = json.loads(raw)
+    except json.JSONDecodeError:
+        return PlacementInfo(placed=False)
+    return PlacementInfo(
+        placed=True,
+        job_id=d.get("job_id"),
+        node=d.get("node"),
+        nodes=tuple(d.get("nodes") or ()),
+        gpus=tuple(int(g) for g in d.get("gpus") or ()),
+        gpu_milli=int(d.get("gpu_milli", 1000)),
+        cpu_cores=float(d.get("cpu_cores") or 0.0),
+        cpuset=tuple(int(c) for c in d.get("cpuset") or ()),
+        colocated_with=tuple(d.get("colocated_with") or ()),
+        sub_batch=d.get("sub_batch"),
+        virtual_gpus=bool(d.get("virtual_gpus", False)),
+        raw=d,
+    )
+
+
+def write_progress(step: float, total: float | None = None, **extra: Any) -> bool:
+    """Append one progress line for the worker (no-op outside a placed stage). Returns True if written.
+
+    This is the transport the worker reads; `qosflow.report_progress` (the predictor's API) can call it.
+    """
+    path = os.environ.get(PROGRESS_FILE_ENV)
+    if not path:
+        return False
+    rec = {"t": time.time(), "step": float(step)}
+    if total is not None:
+        rec["total"] = float(total)
+    rec.update(extra)
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(rec) + "\n")
+    except OSError:
+        return False
+    return True
+
+
+def read_progress(path: str) -> dict[str, Any] | None:
+    """The last progress record in a progress file, or None."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 4096))
+            lines = fh.read().decode("utf-8", "replace").strip().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return None

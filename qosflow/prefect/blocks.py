@@ -1,0 +1,171 @@
+"""Prefect blocks: a QoS policy, a bare-metal GPU cluster, a Kubernetes GPU cluster.
+
+Register them with `prefect block register -m qosflow.prefect.blocks` (or `qosflow init`); they then
+appear in the UI's block catalog. The `qosflow` work pool names its cluster and policy blocks in its
+base job template (`cluster_block`, `policy_block`), and deployments can reference a policy block
+in their job variables (`{{ prefect.blocks.qosflow-qos-policy.nightly }}`).
+
+Inside a running event loop `Block.save()`/`Block.load()` return coroutines: use `asave`/`aload`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, Optional
+
+from prefect.blocks.core import Block
+from pydantic import Field, SecretStr, field_validator, model_validator
+
+from qosflow.core.cluster import ClusterSpec, NodeSpec
+from qosflow.core.qos import PriorityClass
+
+_LOGO = "https://raw.githubusercontent.com/PrefectHQ/prefect/main/docs/images/logos/prefect-logo-mark.png"
+
+
+class QoSPolicy(Block):
+    """How the qosflow worker schedules: the policy, where estimates come from, QoS defaults."""
+
+    _block_type_name: ClassVar[str] = "qosflow QoS Policy"
+    _block_type_slug: ClassVar[str] = "qosflow-qos-policy"
+    _logo_url: ClassVar[str] = _LOGO
+    _description: ClassVar[str] = (
+        "qosflow scheduling policy: which policy orders and places stage runs, where duration estimates "
+        "come from, and the QoS class given to pipelines that declare none."
+    )
+
+    policy: str = Field(default="fifo", description="Scheduling policy name (qosflow.policies.get_policy), e.g. fifo, sjf, genie, qosflow.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword options passed to the policy.")
+    estimator: str = Field(
+        default="history",
+        description="Where estimates come from: history (declared duration, then the stage's past runs), declared, learned, or module:attr.",
+    )
+    priority: str = Field(default="normal", description="Default priority class: critical, guaranteed, normal, best-effort.")
+    deadline_s: Optional[float] = Field(default=None, description="Default pipeline deadline in seconds after it starts (none: no deadline).")
+    round_interval_s: float = Field(default=1.0, description="Seconds between scheduling rounds when nothing happens.")
+    coda_feedback: bool = Field(default=True, description="Move cores from co-located CPU stages to lagging GPU stages (CODA).")
+    at_risk_margin: float = Field(default=0.0, description="Fraction of the deadline kept as margin before a run is flagged at risk.")
+
+    @field_validator("priority")
+    @classmethod
+    def _prio(cls, v: str) -> str:
+        return PriorityClass.parse(v, where="QoSPolicy block").value
+
+    @field_validator("deadline_s")
+    @classmethod
+    def _deadline(cls, v: Optional[float]) -> Optional[float]:
+        if v is not None and not v > 0:
+            raise ValueError(f"deadline_s must be a positive number of seconds, got {v!r}")
+        return v
+
+    def make_policy(self):
+        from qosflow.policies import get_policy
+
+        return get_policy(self.policy, **(self.options or {}))
+
+
+class _ClusterBase(Block):
+    gpus_per_host: int = Field(default=4, ge=0, description="GPUs on each host.")
+    gpu_mem_mb: float = Field(default=16384.0, gt=0, description="Memory of each GPU (MiB).")
+    cpu_cores: float = Field(default=8.0, gt=0, description="CPU cores of each host available to stages.")
+    mem_mb: float = Field(default=65536.0, gt=0, description="Host memory available to stages (MiB).")
+    gpu_model: str = Field(default="generic", description="GPU model name (stages may ask for one).")
+    virtual_gpus: bool = Field(
+        default=False,
+        description="Declare the GPUs instead of detecting them (no GPU on this machine/CI). Shown as virtual everywhere.",
+    )
+
+    def host_names(self) -> list[str]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def to_cluster_spec(self) -> ClusterSpec:
+        names = self.host_names()
+        nodes = tuple(
+            NodeSpec(
+                name=h,
+                gpus=self.gpus_per_host,
+                gpu_mem_mb=self.gpu_mem_mb,
+                cpu_cores=self.cpu_cores,
+                mem_mb=self.mem_mb,
+                gpu_model=self.gpu_model,
+                virtual=self.virtual_gpus,
+            )
+            for h in names
+        )
+        return ClusterSpec(nodes, name=getattr(self, "_block_document_name", None) or "cluster")
+
+
+class BareMetalGPUCluster(_ClusterBase):
+    """GPU hosts the worker places stages on: this machine (local backend) or host agents (agents issue)."""
+
+    _block_type_name: ClassVar[str] = "qosflow Bare-Metal GPU Cluster"
+    _block_type_slug: ClassVar[str] = "qosflow-bare-metal-cluster"
+    _logo_url: ClassVar[str] = _LOGO
+    _description: ClassVar[str] = (
+        "Bare-metal GPU hosts for the qosflow worker: hosts, GPUs per host, GPU memory, cores, and the agent URL "
+        "and token used by `qosflow agent`. With virtual_gpus the GPUs are declared (no NVML), e.g. for a demo."
+    )
+
+    hosts: list[str] = Field(default_factory=lambda: ["localhost"], description="Host names (one node each).")
+    backend: Literal["local", "agents"] = Field(
+        default="local", description="local: every host is this machine (processes); agents: `qosflow agent` on each host."
+    )
+    agent_url: Optional[str] = Field(
+        default=None,
+        description="Agent URL template, e.g. http://{host}:8790 (agents backend).",
+    )
+    agent_token: Optional[SecretStr] = Field(default=None, description="Secret token every agent request carries.")
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("hosts must name at least one host")
+        if len(set(v)) != len(v):
+            raise ValueError(f"hosts must be unique, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _agents(self) -> "BareMetalGPUCluster":
+        if self.backend == "agents" and not self.agent_url:
+            raise ValueError("backend 'agents' needs agent_url (e.g. http://{host}:8790)")
+        return self
+
+    def host_names(self) -> list[str]:
+        return list(self.hosts)
+
+    def agent_address(self, host: str) -> str | None:
+        return self.agent_url.format(host=host) if self.agent_url else None
+
+    @classmethod
+    def virtual(cls, hosts: int = 2, gpus_per_host: int = 4, **kw: Any) -> "BareMetalGPUCluster":
+        return cls(hosts=[f"host{i}" for i in range(hosts)], gpus_per_host=gpus_per_host, virtual_gpus=True, **kw)
+
+
+class KubernetesGPUCluster(_ClusterBase):
+    """A Kubernetes cluster with GPU nodes (the Kubernetes backend ships in its own issue)."""
+
+    _block_type_name: ClassVar[str] = "qosflow Kubernetes GPU Cluster"
+    _block_type_slug: ClassVar[str] = "qosflow-kubernetes-cluster"
+    _logo_url: ClassVar[str] = _LOGO
+    _description: ClassVar[str] = (
+        "A Kubernetes cluster for the qosflow worker: namespace, stage image, GPU node labels and the GPU resource name."
+    )
+
+    namespace: str = Field(default="default", description="Namespace stage Jobs are created in.")
+    image: str = Field(default="prefecthq/prefect:3-python3.11", description="Container image stages run in.")
+    node_labels: dict[str, str] = Field(default_factory=dict, description="Only nodes with these labels run stages.")
+    gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of a GPU.")
+    node_names: list[str] = Field(default_factory=list, description="Nodes to plan on when the API cannot be read (virtual).")
+    sharing: Literal["none", "time-slicing", "mps"] = Field(default="none", description="GPU sharing the NVIDIA device plugin is configured for.")
+
+    def host_names(self) -> list[str]:
+        return list(self.node_names) or ["k8s-node0"]
+
+
+def cluster_from_block_data(data: dict[str, Any]) -> ClusterSpec:
+    """A ClusterSpec from a resolved block document (job variables) or plain dict."""
+    if "hosts" in data or "agent_url" in data or "backend" in data:
+        return BareMetalGPUCluster(**{k: v for k, v in data.items() if not k.startswith("_")}).to_cluster_spec()
+    return KubernetesGPUCluster(**{k: v for k, v in data.items() if not k.startswith("_")}).to_cluster_spec()
+
+
+__all__ = ["BareMetalGPUCluster", "KubernetesGPUCluster", "QoSPolicy", "cluster_from_block_data"]

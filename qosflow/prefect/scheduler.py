@@ -1,0 +1,509 @@
+"""The worker's QoS queue: stage runs wait here for a placement instead of starting first-come-first-served.
+
+`QoSScheduler` owns the live `ClusterState`. Every round it builds a `SchedulerView` over a snapshot
+(the same view the simulator builds), asks the policy for a `Decision` and commits the starts to the
+real state (each placement checked again). A waiting `request()` returns when its stage is granted.
+
+Between rounds it runs CODA's feedback allocator: a GPU stage whose reported progress lags its
+prediction takes a core from a CPU-only stage on the same host (through CPU affinity); every move
+is recorded in `decisions`.
+
+Nothing here imports Prefect: the worker turns the callbacks into Prefect events and artifacts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from qosflow.core.cluster import ClusterSpec, ClusterState, PlacementError
+from qosflow.core.estimate import DeclaredEstimator, Estimator
+from qosflow.core.job import Job, JobState, JobStatus
+from qosflow.core.placement import Placement
+from qosflow.placement_api import read_progress
+from qosflow.policies.base import Decision, Policy, SchedulerView
+
+log = logging.getLogger("qosflow.scheduler")
+
+
+class StageCancelled(Exception):
+    """A queued stage was taken out of the QoS queue (its flow run was cancelled)."""
+
+EventSink = Callable[[str, "StageEntry", dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class Grant:
+    placement: Placement
+    cpusets: dict[int, list[int]]
+    predicted_s: float
+    granted_at: float
+    waited_s: float
+    note: str = ""
+
+
+@dataclass(eq=False)
+class StageEntry:
+    """One stage run known to the scheduler (queued or running)."""
+
+    state: JobState
+    name: str
+    flow_run_id: str | None = None
+    pipeline: str | None = None
+    deadline_at: float | None = None  # absolute (epoch seconds)
+    ready_at: float = 0.0
+    future: asyncio.Future | None = None
+    grant: Grant | None = None
+    progress_file: str | None = None
+    handle: Any = None
+    last_coda: float = 0.0
+    at_risk_sent: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def job(self) -> Job:
+        return self.state.job
+
+    @property
+    def job_id(self) -> str:
+        return self.state.job.job_id
+
+
+class QoSScheduler:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        policy: Policy,
+        estimator: Estimator | None = None,
+        *,
+        round_interval: float = 1.0,
+        coda: bool = True,
+        coda_interval: float = 2.0,
+        coda_lag: float = 0.15,
+        coda_min_elapsed: float = 3.0,
+        on_event: EventSink | None = None,
+        set_cpus: Callable[[StageEntry, int, list[int]], Awaitable[None]] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.cluster = cluster
+        self.state = ClusterState(cluster)
+        self.policy = policy
+        self.estimator = estimator or DeclaredEstimator()
+        self.round_interval = round_interval
+        self.coda = coda
+        self.coda_interval = coda_interval
+        self.coda_lag = coda_lag
+        self.coda_min_elapsed = coda_min_elapsed
+        self.on_event = on_event
+        self.set_cpus = set_cpus
+        self.clock = clock
+        self.entries: dict[str, StageEntry] = {}
+        self.decisions: list[dict[str, Any]] = []  # CODA moves and other recorded decisions
+        self.rounds = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._last_coda = 0.0
+        # node -> owner job id per core id ("" = free)
+        self._cores: dict[int, list[str]] = {
+            i: [""] * max(1, int(math.ceil(n.cpu_cores))) for i, n in enumerate(cluster.nodes)
+        }
+
+    # ------------------------------------------------------------------ public API
+    async def request(self, entry: StageEntry) -> Grant:
+        """Queue a stage and wait for its placement. Raises on rejection or cancellation."""
+        reason = self.cluster.why_never_fits(entry.job.qos)
+        if reason:
+            entry.state.status = JobStatus.REJECTED
+            raise PlacementError(f"stage {entry.name!r} can never be placed on cluster {self.cluster.name}: {reason}")
+        loop = asyncio.get_running_loop()
+        entry.future = loop.create_future()
+        entry.ready_at = entry.ready_at or self.clock()
+        entry.state.status = JobStatus.PENDING
+        entry.state.queued_since = entry.ready_at
+        self.entries[entry.job_id] = entry
+        self.wake()
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            self.drop(entry.job_id, "the worker stopped waiting")
+            raise
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def attach(self, job_id: str, handle: Any, progress_file: str | None = None) -> None:
+        e = self.entries.get(job_id)
+        if e is not None:
+            e.handle = handle
+            e.progress_file = progress_file
+
+    def release(self, job_id: str, *, ok: bool = True) -> StageEntry | None:
+        """A stage ended: free its GPUs and cores, and schedule again at once."""
+        e = self.entries.pop(job_id, None)
+        if e is None:
+            return None
+        if job_id in self.state.allocs:
+            self.state.release(job_id)
+        for owners in self._cores.values():
+            for i, o in enumerate(owners):
+                if o == job_id:
+                    owners[i] = ""
+        e.state.status = JobStatus.DONE if ok else JobStatus.FAILED
+        e.state.finish_time = self.clock()
+        self.wake()
+        return e
+
+    def drop(self, job_id: str, reason: str = "cancelled") -> None:
+        """Forget a queued (or running) stage, e.g. when its flow run was cancelled."""
+        e = self.entries.get(job_id)
+        if e is None:
+            return
+        if e.future is not None and not e.future.done():
+            e.future.set_exception(StageCancelled(reason))
+        self.release(job_id, ok=False)
+
+    def queued(self) -> list[StageEntry]:
+        return [e for e in self.entries.values() if e.state.status is JobStatus.PENDING]
+
+    def running(self) -> list[StageEntry]:
+        return [e for e in self.entries.values() if e.state.status is JobStatus.RUNNING]
+
+    # ------------------------------------------------------------------ loop
+    def start(self) -> asyncio.Task:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.run_forever(), name="qosflow-scheduler")
+        return self._task
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.round_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                self.round()
+                if self.coda and self.clock() - self._last_coda >= self.coda_interval:
+                    self._last_coda = self.clock()
+                    await self.coda_round()
+                self.check_at_risk()
+            except Exception:  # never let one bad round kill the queue
+                log.exception("qosflow scheduling round failed")
+
+    # ------------------------------------------------------------------ one round
+    def round(self) -> list[StageEntry]:
+        """Run the policy once over all waiting stages; grant what it starts. Returns the granted entries."""
+        pending = [e for e in self.entries.values() if e.state.status is JobStatus.PENDING and e.future and not e.future.done()]
+        if not pending:
+            return []
+        self.rounds += 1
+        now = self.clock()
+        running = [e.state for e in self.running()]
+        view = SchedulerView(now=now, cluster=self.state.snapshot(), pending=[e.state for e in pending], running=running, estimator=self.estimator)
+        decision: Decision = self.policy.schedule(view)
+        for jid, note in decision.notes.items():
+            e = self.entries.get(jid)
+            if e is not None:
+                e.state.note = note
+        if decision.preempt:
+            # live stages are not checkpointed: a preemptive policy's stops are not applied here
+            for jid in decision.preempt:
+                e = self.entries.get(jid)
+                if e is not None:
+                    e.state.note = "policy asked to preempt; live stages run to completion"
+        granted: list[StageEntry] = []
+        for p in decision.starts:
+            e = self.entries.get(p.job_id)
+            if e is None or e.state.status is not JobStatus.PENDING or e.future is None or e.future.done():
+                continue
+            try:
+                self.state.allocate(p, e.job.qos)
+            except PlacementError as exc:
+                e.state.note = f"placement rejected: {exc}"
+                continue
+            cpusets = self._assign_cores(p)
+            predicted = float(self.estimator.duration(e.job))
+            e.state.status = JobStatus.RUNNING
+            e.state.placement = p
+            e.state.first_start = e.state.first_start or now
+            e.state.last_start = now
+            e.grant = Grant(p, cpusets, predicted, now, now - e.ready_at, e.state.note)
+            e.future.set_result(e.grant)
+            granted.append(e)
+            self._emit("qosflow.stage.placed", e, self.describe_grant(e))
+        for jid, node, cores in decision.resize:
+            try:
+                self.state.resize_cpu(jid, node, cores)
+            except (PlacementError, KeyError):
+                pass
+        return granted
+
+    # ------------------------------------------------------------------ cores
+    def _assign_cores(self, p: Placement) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for node, cores in p.cpu:
+            owners = self._cores[node]
+            want = max(1, int(math.ceil(cores - 1e-9)))
+            free = [i for i, o in enumerate(owners) if not o]
+            take = free[:want]
+            if len(take) < want:  # fractional cores were packed: share the least used ids
+                rest = [i for i in range(len(owners)) if i not in take]
+                take += rest[: want - len(take)]
+            for i in take:
+                if not owners[i]:
+                    owners[i] = p.job_id
+            out[node] = sorted(take)
+        return out
+
+    def cpuset(self, job_id: str, node: int) -> list[int]:
+        return [i for i, o in enumerate(self._cores.get(node, [])) if o == job_id]
+
+    # ------------------------------------------------------------------ progress / CODA
+    def progress_of(self, e: StageEntry) -> float | None:
+        if not e.progress_file:
+            return None
+        rec = read_progress(e.progress_file)
+        if not rec or not rec.get("total"):
+            return None
+        frac = max(0.0, min(1.0, float(rec["step"]) / float(rec["total"])))
+        e.state.progress = frac
+        return frac
+
+    async def coda_round(self) -> list[dict[str, Any]]:
+        """CODA's feedback allocator: give a lagging GPU stage a core from a co-located CPU stage."""
+        moves = []
+        now = self.clock()
+        for e in self.running():
+            if e.job.qos.gpus == 0 or e.grant is None:
+                continue
+            frac = self.progress_of(e)
+            if frac is None:
+                continue
+            elapsed = now - e.grant.granted_at
+            if elapsed < self.coda_min_elapsed or now - e.last_coda < self.coda_interval * 2:
+                continue
+            expected = min(1.0, elapsed / max(e.grant.predicted_s, 1e-6))
+            if frac >= expected * (1.0 - self.coda_lag):
+                continue
+            p = self.state.allocs.get(e.job_id)
+            if p is None:
+                continue
+            for node in p.nodes:
+                donor = self._cpu_donor(node, exclude=e.job_id)
+                if donor is None:
+                    continue
+                move = await self._move_core(donor, e, node, now, frac, expected)
+                if move:
+                    moves.append(move)
+                    break
+        return moves
+
+    def _cpu_donor(self, node: int, exclude: str) -> StageEntry | None:
+        best = None
+        for o in self.running():
+            if o.job_id == exclude or o.job.qos.gpus != 0:
+                continue
+            p = self.state.allocs.get(o.job_id)
+            if p is None or p.cores_on(node) < 2 - 1e-9 or len(self.cpuset(o.job_id, node)) < 2:
+                continue
+            if best is None or p.cores_on(node) > self.state.allocs[best.job_id].cores_on(node):
+                best = o
+        return best
+
+    async def _move_core(self, donor: StageEntry, taker: StageEntry, node: int, now: float, frac: float, expected: float):
+        dp = self.state.allocs[donor.job_id]
+        tp = self.state.allocs[taker.job_id]
+        d_cores, t_cores = dp.cores_on(node), tp.cores_on(node)
+        try:
+            self.state.resize_cpu(donor.job_id, node, d_cores - 1)
+            self.state.resize_cpu(taker.job_id, node, t_cores + 1)
+        except PlacementError as exc:
+            log.info("CODA move refused: %s", exc)
+            return None
+        ids = self.cpuset(donor.job_id, node)
+        core = ids[-1]
+        self._cores[node][core] = taker.job_id
+        if self.set_cpus is not None:
+            try:
+                await self.set_cpus(donor, node, self.cpuset(donor.job_id, node))
+                await self.set_cpus(taker, node, self.cpuset(taker.job_id, node))
+            except Exception as exc:  # a stage that just ended
+                log.info("CODA affinity change failed: %s", exc)
+        taker.last_coda = now
+        rec = {
+            "time": now,
+            "kind": "coda-core-move",
+            "node": self.cluster.nodes[node].name,
+            "core": core,
+            "from_stage": donor.name,
+            "from_job": donor.job_id,
+            "from_cores": [d_cores, d_cores - 1],
+            "to_stage": taker.name,
+            "to_job": taker.job_id,
+            "to_cores": [t_cores, t_cores + 1],
+            "reason": f"{taker.name} at {frac:.0%} of its work, {expected:.0%} predicted by now",
+        }
+        self.decisions.append(rec)
+        self._emit("qosflow.cpu.rebalanced", taker, rec)
+        return rec
+
+    # ------------------------------------------------------------------ QoS risk
+    def forecast_finish(self, e: StageEntry, now: float | None = None) -> float:
+        now = self.clock() if now is None else now
+        if e.grant is not None:
+            frac = e.state.progress
+            remaining = e.grant.predicted_s * (1.0 - frac)
+            started = e.grant.granted_at
+            return max(now, started + e.grant.predicted_s if frac <= 0 else now + remaining)
+        return now + float(self.estimator.duration(e.job))
+
+    def check_at_risk(self) -> None:
+        now = self.clock()
+        for e in list(self.entries.values()):
+            if e.deadline_at is None or e.at_risk_sent:
+                continue
+            f = self.forecast_finish(e, now)
+            if f > e.deadline_at:
+                e.at_risk_sent = True
+                self._emit(
+                    "qosflow.qos.at-risk",
+                    e,
+                    {"stage": e.name, "forecast_finish": f, "deadline": e.deadline_at, "late_by_s": round(f - e.deadline_at, 3)},
+                )
+
+    # ------------------------------------------------------------------ helpers
+    def describe_grant(self, e: StageEntry) -> dict[str, Any]:
+        g = e.grant
+        assert g is not None
+        p = g.placement
+        names = self.cluster.node_names
+        return {
+            "stage": e.name,
+            "pipeline": e.pipeline,
+            "job_id": e.job_id,
+            "host": names[p.nodes[0]] if p.nodes else None,
+            "hosts": [names[n] for n in p.nodes],
+            "gpus": [f"{names[n]}:{gi}" for n, gi in p.gpus],
+            "gpu_milli": p.gpu_milli,
+            "cpu_cores": p.cpu_cores,
+            "cpuset": {names[n]: c for n, c in g.cpusets.items()},
+            "colocated_with": list(p.colocated_with),
+            "sub_batch": p.sub_batch.to_dict() if p.sub_batch else None,
+            "virtual_gpus": any(self.cluster.nodes[n].virtual for n in p.nodes),
+            "predicted_s": round(g.predicted_s, 3),
+            "waited_s": round(g.waited_s, 3),
+            "priority": e.job.qos.priority.value,
+            "deadline_at": e.deadline_at,
+            "estimator": getattr(self.estimator, "name", type(self.estimator).__name__),
+            "policy": self.policy.name,
+            "note": g.note,
+        }
+
+    def _emit(self, name: str, e: StageEntry, payload: dict[str, Any]) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(name, e, payload)
+            except Exception:
+                log.exception("event sink failed for %s", name)
+
+    def gpu_load(self) -> dict[tuple[int, int], int]:
+        """(node, gpu) -> number of stages on it (the worker's own check: never more than two)."""
+        out: dict[tuple[int, int], int] = {}
+        for p in self.state.allocs.values():
+            for ng in p.gpus:
+                out[ng] = out.get(ng, 0) + 1
+        return out
+
+
+# ---------------------------------------------------------------------------------------- estimates
+class HistoryEstimator(DeclaredEstimator):
+    """Declared duration until a stage has run before; then the median of its last runs.
+
+    A stage's signature is `Job.model` (the worker sets it to the stage's qualified name). The
+    history is a small JSON file (the predictor issue replaces it with the qosflow store).
+    """
+
+    name = "history"
+
+    def __init__(self, path: str | None = None, *, keep: int = 20, default_duration: float = 60.0):
+        super().__init__(default_duration=default_duration)
+        self.path = path
+        self.keep = keep
+        self.runs: dict[str, list[float]] = {}
+        if path and os.path.exists(path):
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    self.runs = {k: [float(x) for x in v] for k, v in json.load(fh).items()}
+            except (OSError, ValueError):
+                self.runs = {}
+
+    def samples(self, job: Job) -> int:
+        return len(self.runs.get(job.model, ()))
+
+    def basis(self, job: Job) -> str:
+        n = self.samples(job)
+        if n:
+            return f"median of {n} past run(s)"
+        return "declared expected_duration" if job.expected_duration else f"default {self.default_duration:g}s"
+
+    def duration(self, job: Job) -> float:
+        xs = self.runs.get(job.model)
+        if xs:
+            return float(statistics.median(xs[-5:]))
+        return super().duration(job)
+
+    def spread(self, job: Job) -> float:
+        """Uncertainty (one standard deviation, seconds) of `duration(job)`."""
+        xs = self.runs.get(job.model, [])[-10:]
+        d = self.duration(job)
+        if len(xs) >= 2:
+            return max(float(statistics.pstdev(xs)), 0.05 * d)
+        return 0.5 * d if not xs else 0.25 * d
+
+    def observe(self, job: Job, actual_s: float) -> None:
+        if actual_s <= 0 or not math.isfinite(actual_s):
+            return
+        xs = self.runs.setdefault(job.model, [])
+        xs.append(float(actual_s))
+        del xs[: -self.keep]
+        if self.path:
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            try:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                with open(tmp, "w", encoding="utf-8") as fh:
+                    json.dump(self.runs, fh)
+                os.replace(tmp, self.path)
+            except OSError:
+                pass
+
+
+def make_live_estimator(kind: str, *, history_path: str | None = None) -> Estimator:
+    """The worker's estimator: `history` (default), `declared`, `learned` (predictor issue) or `module:attr`."""
+    kind = (kind or "history").strip()
+    if kind == "history":
+        return HistoryEstimator(history_path)
+    if ":" in kind:
+        import importlib
+
+        mod, attr = kind.split(":", 1)
+        obj = getattr(importlib.import_module(mod), attr)
+        return obj() if isinstance(obj, type) or callable(obj) and not hasattr(obj, "duration") else obj
+    from qosflow.core.estimate import make_estimator
+
+    return make_estimator(kind)

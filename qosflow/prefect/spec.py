@@ -1,0 +1,193 @@
+"""QoS arguments of `@qos_task`: validation at decoration time, and their encoding as Prefect tags and
+work-pool job variables (both survive `Task.with_options()` and travel with every flow run)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+from qosflow.core.qos import PriorityClass, QoSSpec
+from qosflow.errors import SpecError
+
+#: QoSSpec fields a stage may set
+QOS_FIELDS = (
+    "gpus",
+    "gpu_milli",
+    "gpu_mem_mb",
+    "cpu_cores",
+    "mem_mb",
+    "deadline",
+    "latency_slo",
+    "min_throughput",
+    "priority",
+    "shareable",
+    "gang",
+    "gpu_model",
+)
+#: stage-level fields beyond the QoSSpec
+STAGE_FIELDS = ("expected_duration", "batch_size")
+
+TAG_PREFIX = "qos:"
+
+
+def build_spec(where: str, **kw: Any) -> QoSSpec:
+    """A QoSSpec from decorator arguments; every error names the argument and the stage."""
+    for k in ("gpus", "gpu_milli"):
+        v = kw.get(k)
+        if isinstance(v, float) and v.is_integer():
+            kw[k] = int(v)
+    if isinstance(kw.get("gpus"), float):
+        g = kw["gpus"]
+        if 0 < g < 1:
+            raise SpecError("gpus", f"{g!r} is a fraction of a GPU; write gpus=1, gpu_milli={round(g * 1000)}", where=where)
+    for k in ("shareable", "gang"):
+        if k in kw and not isinstance(kw[k], bool):
+            raise SpecError(k, f"must be True or False, got {kw[k]!r}", where=where)
+    if "priority" in kw:
+        kw["priority"] = PriorityClass.parse(kw["priority"], where=where)
+    if kw.get("gpu_model") is not None and not isinstance(kw["gpu_model"], str):
+        raise SpecError("gpu_model", f"must be a GPU model name (string), got {kw['gpu_model']!r}", where=where)
+    try:
+        spec = QoSSpec(**kw)
+    except SpecError as exc:
+        if exc.where:
+            raise
+        raise SpecError(exc.field, str(exc).split(": ", 1)[-1], where=where) from None
+    except TypeError as exc:
+        raise SpecError("qos", str(exc), where=where) from None
+    return spec
+
+
+def check_stage_args(
+    where: str,
+    spec: QoSSpec,
+    *,
+    expected_duration: Any = None,
+    batch_size: Any = None,
+    retries: Any = None,
+    retry_delay_seconds: Any = None,
+    timeout_seconds: Any = None,
+    tags: Any = None,
+    name: Any = None,
+) -> None:
+    """Prefect-level checks on top of QoSSpec's own validation."""
+
+    def bad(f: str, msg: str) -> SpecError:
+        return SpecError(f, msg, where=where)
+
+    if expected_duration is not None:
+        if isinstance(expected_duration, bool) or not _finite(expected_duration) or float(expected_duration) <= 0:
+            raise bad("expected_duration", f"must be a positive number of seconds, got {expected_duration!r}")
+        if spec.deadline is not None and float(expected_duration) > spec.deadline:
+            raise bad(
+                "deadline",
+                f"{spec.deadline:g}s is shorter than the stage's own expected_duration ({float(expected_duration):g}s); "
+                "it could never be met",
+            )
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
+        raise bad("batch_size", f"must be a positive integer (the global batch), got {batch_size!r}")
+    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
+        raise bad("retries", f"must be a whole number >= 0, got {retries!r}")
+    if retry_delay_seconds is not None and not callable(retry_delay_seconds):
+        vals = retry_delay_seconds if isinstance(retry_delay_seconds, (list, tuple)) else [retry_delay_seconds]
+        for v in vals:
+            if isinstance(v, bool) or not _finite(v) or float(v) < 0:
+                raise bad("retry_delay_seconds", f"must be seconds >= 0 (or a list of them), got {retry_delay_seconds!r}")
+    if timeout_seconds is not None:
+        if isinstance(timeout_seconds, bool) or not _finite(timeout_seconds) or float(timeout_seconds) <= 0:
+            raise bad("timeout_seconds", f"must be a positive number of seconds, got {timeout_seconds!r}")
+        if spec.deadline is not None and float(timeout_seconds) < (float(expected_duration) if expected_duration else 0):
+            raise bad("timeout_seconds", f"{timeout_seconds!r}s is shorter than expected_duration {expected_duration!r}s")
+    if tags is not None:
+        if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
+            raise bad("tags", f"must be a list of strings, got {tags!r}")
+        for t in tags:
+            if t.startswith(TAG_PREFIX):
+                raise bad("tags", f"tag {t!r} uses the reserved prefix {TAG_PREFIX!r}; pass QoS as arguments instead")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise bad("name", f"must be a non-empty string, got {name!r}")
+
+
+def qos_tags(spec: QoSSpec, *, expected_duration: float | None = None) -> list[str]:
+    """Tags that carry a stage's QoS (shown in the UI, kept by `with_options`)."""
+    tags = [f"{TAG_PREFIX}class={spec.priority.value}", f"{TAG_PREFIX}gpus={spec.gpus}"]
+    if spec.fractional:
+        tags.append(f"{TAG_PREFIX}gpu_milli={spec.gpu_milli}")
+    if spec.cpu_cores:
+        tags.append(f"{TAG_PREFIX}cpu_cores={spec.cpu_cores:g}")
+    if spec.gpu_mem_mb is not None:
+        tags.append(f"{TAG_PREFIX}gpu_mem_mb={spec.gpu_mem_mb:g}")
+    if spec.mem_mb:
+        tags.append(f"{TAG_PREFIX}mem_mb={spec.mem_mb:g}")
+    if spec.deadline is not None:
+        tags.append(f"{TAG_PREFIX}deadline={spec.deadline:g}")
+    if spec.latency_slo is not None:
+        tags.append(f"{TAG_PREFIX}latency_slo={spec.latency_slo:g}")
+    if spec.min_throughput is not None:
+        tags.append(f"{TAG_PREFIX}min_throughput={spec.min_throughput:g}")
+    if spec.shareable:
+        tags.append(f"{TAG_PREFIX}shareable=true")
+    if not spec.gang:
+        tags.append(f"{TAG_PREFIX}gang=false")
+    if spec.gpu_model:
+        tags.append(f"{TAG_PREFIX}gpu_model={spec.gpu_model}")
+    if expected_duration is not None:
+        tags.append(f"{TAG_PREFIX}expected_duration={float(expected_duration):g}")
+    return tags
+
+
+def qos_from_tags(tags: Iterable[str]) -> tuple[QoSSpec | None, dict[str, Any]]:
+    """Inverse of `qos_tags`: (spec or None if no QoS tags, stage extras)."""
+    kw: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for t in tags:
+        if not t.startswith(TAG_PREFIX) or "=" not in t:
+            continue
+        k, v = t[len(TAG_PREFIX):].split("=", 1)
+        if k == "class":
+            kw["priority"] = v
+        elif k in ("gpus", "gpu_milli"):
+            kw[k] = int(v)
+        elif k in ("shareable", "gang"):
+            kw[k] = v == "true"
+        elif k == "gpu_model":
+            kw[k] = v
+        elif k in QOS_FIELDS:
+            kw[k] = float(v)
+        elif k in STAGE_FIELDS:
+            extra[k] = float(v)
+    if not kw:
+        return None, extra
+    return QoSSpec(**kw), extra
+
+
+def job_variables(spec: QoSSpec, **stage: Any) -> dict[str, Any]:
+    """The per-run job variables of the `qosflow` work pool for one stage."""
+    out: dict[str, Any] = {"role": "stage"}
+    for k in QOS_FIELDS:
+        v = getattr(spec, k)
+        if k == "priority":
+            v = v.value
+        if v is not None:
+            out[k] = v
+    for k, v in stage.items():
+        if v is not None:
+            out[k] = v
+    return out
+
+
+def spec_from_job_variables(cfg: Any, where: str) -> QoSSpec:
+    """A QoSSpec from a job configuration's QoS fields (None: QoSSpec's default)."""
+    kw: dict[str, Any] = {}
+    for k in QOS_FIELDS:
+        v = getattr(cfg, k, None)
+        if v is not None:
+            kw[k] = v
+    return build_spec(where, **kw)
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,129 @@
+"""The flow every dispatched stage runs as: `qosflow-stage`, one deployment per `qosflow` pool.
+
+The parent (pipeline) flow writes the stage's function and its arguments to Prefect's result storage
+(cloudpickle), then creates a run of this deployment with the stage's QoS as job variables. The
+worker queues it, places it and starts it as its own process with the placement's environment; the
+stage's return value is persisted by Prefect and read back by the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import cloudpickle
+from prefect import flow, get_run_logger
+
+STAGE_FLOW_NAME = "qosflow-stage"
+ENTRYPOINT = "qosflow.prefect.stage.qosflow_stage"
+PAYLOAD_PREFIX = "qosflow-payloads"
+
+
+def _storage():
+    from prefect.results import get_default_result_storage
+
+    return get_default_result_storage()
+
+
+def _call(fn_name: str, *args: Any):
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    storage = _storage()
+    out = getattr(storage, fn_name)(*args)
+    if hasattr(out, "__await__"):
+        out = run_coro_as_sync(out)
+    return out
+
+
+def write_payload(fn: Any, args: tuple, kwargs: dict) -> str:
+    key = f"{PAYLOAD_PREFIX}/{uuid.uuid4().hex}.pkl"
+    _call("write_path", key, cloudpickle.dumps((fn, args, kwargs)))
+    return key
+
+
+def read_payload(key: str) -> tuple[Any, tuple, dict]:
+    return cloudpickle.loads(_call("read_path", key))
+
+
+def delete_payload(key: str) -> None:
+    base = getattr(_storage(), "basepath", None)
+    if base:
+        try:
+            os.remove(os.path.join(os.path.expanduser(str(base)), key))
+        except OSError:
+            pass
+
+
+class _ProgressMirror(threading.Thread):
+    """Mirror the stage's progress file into a Prefect progress artifact (created on the first report)."""
+
+    def __init__(self, path: str, stage: str, interval: float = 2.0):
+        super().__init__(daemon=True, name="qosflow-progress")
+        self.path, self.stage, self.interval = path, stage, interval
+        self.stop = threading.Event()
+        self.artifact_id = None
+        self.last = -1.0
+
+    def push(self) -> None:
+        from qosflow.placement_api import read_progress
+
+        rec = read_progress(self.path)
+        if not rec or not rec.get("total"):
+            return
+        pct = round(100.0 * min(1.0, float(rec["step"]) / float(rec["total"])), 1)
+        if pct == self.last:
+            return
+        self.last = pct
+        try:
+            if self.artifact_id is None:
+                from prefect.artifacts import create_progress_artifact
+
+                self.artifact_id = create_progress_artifact(pct, description=f"progress of stage {self.stage}")
+            else:
+                from prefect.artifacts import update_progress_artifact
+
+                update_progress_artifact(self.artifact_id, pct)
+        except Exception:
+            pass
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval):
+            self.push()
+
+
+@flow(name=STAGE_FLOW_NAME, persist_result=True, result_serializer="pickle", log_prints=True, validate_parameters=False)
+def qosflow_stage(payload: str, stage: str = "", pipeline: str = "") -> Any:
+    """Run one `@qos_task` stage on the slot the qosflow worker placed it on."""
+    from qosflow.placement_api import PROGRESS_FILE_ENV, placement
+
+    logger = get_run_logger()
+    p = placement()
+    if p.placed:
+        gpus = ",".join(str(g) for g in p.gpus) or "-"
+        logger.info(
+            "stage %s on %s: GPU %s%s, %g cores (cpuset %s)%s%s",
+            stage,
+            p.node,
+            gpus,
+            " (virtual)" if p.virtual_gpus else "",
+            p.cpu_cores,
+            list(p.cpuset),
+            f", share {p.gpu_milli}/1000" if p.gpu_milli < 1000 else "",
+            f", sub-batch plan {p.sub_batch}" if p.sub_batch else "",
+        )
+    fn, args, kwargs = read_payload(payload)
+    mirror = None
+    if os.environ.get(PROGRESS_FILE_ENV):
+        mirror = _ProgressMirror(os.environ[PROGRESS_FILE_ENV], stage)
+        mirror.start()
+    t0 = time.time()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if mirror is not None:
+            mirror.stop.set()
+            mirror.push()
+        logger.info("stage %s ran %.2fs", stage, time.time() - t0)

@@ -1,0 +1,742 @@
+"""`@qos_task` and `@qos_flow`: pipeline stages that carry a QoS spec.
+
+    @qos_task(gpus=1, cpu_cores=2, expected_duration=30, priority="guaranteed", retries=1)
+    def train(X, y): ...
+
+    @qos_flow(deadline=600, pool="gpu")
+    def retrain():
+        data = load.submit()
+        a = train.submit(data)           # independent stages run at the same time,
+        b = train_other.submit(data)     # dependent ones wait for their inputs (Prefect futures)
+        return evaluate.submit([a, b]).result()
+
+Inside a `qos_flow` with a pool (or with `QOSFLOW_POOL` set), every stage call becomes a run of the
+pool's `qosflow-stage` deployment: the worker queues it, places it, and starts it as its own process
+with the placement's environment; arguments and results travel through Prefect's result storage.
+Without a pool, a stage runs in-process like a plain `@task` (QoS recorded as tags only).
+
+A pipeline deadline is split into stage deadlines along the critical path of the stage DAG (declared
+with `plan=`, or recorded from the pipeline's previous run). As stages finish, the pipeline's
+completion forecast (with its uncertainty) is updated in a markdown artifact; `qosflow.qos.at-risk`
+is emitted when it crosses the deadline, `qosflow.qos.violated` when the deadline is missed. At the
+end a table artifact lists every stage (host, GPUs, cores, predicted vs actual, deadline met).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from prefect import Task
+from prefect import flow as prefect_flow
+
+from qosflow.core.qos import PriorityClass, QoSSpec
+from qosflow.errors import QosflowError, SpecError
+from qosflow.prefect.dag import StageNode, forecast, split_deadline
+from qosflow.prefect.spec import QOS_FIELDS, build_spec, check_stage_args, job_variables, qos_tags
+
+_TASK_PARAMS = set(inspect.signature(Task.__init__).parameters) - {"self", "fn"}
+_FLOW_PARAMS = set(inspect.signature(prefect_flow).parameters) - {"__fn"}
+
+
+class StageFailed(QosflowError, RuntimeError):
+    """A dispatched stage's flow run did not complete."""
+
+
+# ------------------------------------------------------------------------------------ pipeline runs
+@dataclass
+class StageRecord:
+    name: str
+    task_run_id: str | None
+    deps: tuple[str, ...]
+    expected: float
+    spread: float
+    dispatched: float
+    deadline_at: float | None = None
+    flow_run_id: str | None = None
+    host: str | None = None
+    gpus: list[str] = field(default_factory=list)
+    cpu_cores: float | None = None
+    virtual_gpus: bool | None = None
+    predicted_s: float | None = None
+    placed: float | None = None
+    started: float | None = None
+    ended: float | None = None
+    state: str = "dispatched"
+    attempts: int = 1
+
+    @property
+    def actual_s(self) -> float | None:
+        if self.started is None or self.ended is None:
+            return None
+        return max(0.0, self.ended - self.started)
+
+    @property
+    def met(self) -> bool | None:
+        if self.deadline_at is None or self.ended is None:
+            return None
+        return self.ended <= self.deadline_at
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "host": self.host,
+            "gpus": self.gpus,
+            "cpu_cores": self.cpu_cores,
+            "virtual_gpus": self.virtual_gpus,
+            "deps": list(self.deps),
+            "ready": self.dispatched,
+            "placed": self.placed,
+            "started": self.started,
+            "ended": self.ended,
+            "predicted_s": self.predicted_s,
+            "actual_s": None if self.actual_s is None else round(self.actual_s, 3),
+            "deadline_at": self.deadline_at,
+            "deadline_met": self.met,
+            "state": self.state,
+            "attempts": self.attempts,
+            "flow_run_id": self.flow_run_id,
+        }
+
+
+class PipelineRun:
+    """Book-keeping of one running `qos_flow` (its stages, deadline split, forecast, artifacts)."""
+
+    _by_flow_run: dict[str, "PipelineRun"] = {}
+    finished: list["PipelineRun"] = []  # in-process history (the demo reads it)
+    _lock = threading.Lock()
+
+    def __init__(self, name: str, flow_run_id: str, *, deadline: float | None, priority: PriorityClass | None, pool: str | None, plan: Mapping[str, Sequence[str]] | None, expected: Mapping[str, float]):
+        self.name = name
+        self.flow_run_id = flow_run_id
+        self.started = time.time()
+        self.deadline = deadline
+        self.deadline_at = None if deadline is None else self.started + deadline
+        self.priority = priority
+        self.pool = pool
+        self.plan = dict(plan) if plan else None
+        self.expected = dict(expected)
+        self.stages: dict[str, StageRecord] = {}
+        self.by_task_run: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.at_risk_sent = False
+        self.ended: float | None = None
+        self.state = "running"
+        self._split: dict[str, float] | None = None
+
+    # -------------------------------------------------------------- registry
+    @classmethod
+    def current(cls) -> "PipelineRun | None":
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        if ctx is None or ctx.flow_run is None:
+            return None
+        return cls._by_flow_run.get(str(ctx.flow_run.id))
+
+    def register(self) -> None:
+        with self._lock:
+            self._by_flow_run[self.flow_run_id] = self
+
+    def unregister(self) -> None:
+        with self._lock:
+            self._by_flow_run.pop(self.flow_run_id, None)
+            PipelineRun.finished.append(self)
+
+    # -------------------------------------------------------------- deadline split
+    def _nodes(self) -> dict[str, StageNode]:
+        nodes: dict[str, StageNode] = {}
+        if self.plan:
+            for n, deps in self.plan.items():
+                nodes[n] = StageNode(n, float(self.expected.get(n, 60.0)), tuple(deps))
+        for r in self.stages.values():
+            base = r.name.split("#", 1)[0]
+            if r.name not in nodes and base not in nodes:
+                nodes[r.name] = StageNode(r.name, r.expected, r.deps, r.spread)
+            else:
+                key = r.name if r.name in nodes else base
+                nodes[key].spread = r.spread
+                nodes[key].expected = r.expected
+        return nodes
+
+    def stage_deadline(self, name: str, deps: Sequence[str], expected: float) -> float | None:
+        if self.deadline_at is None:
+            return None
+        base = name.split("#", 1)[0]
+        if self.plan and base in self.plan:
+            if self._split is None:
+                self._split = split_deadline(self._nodes(), float(self.deadline))
+            return self.started + self._split[base]
+        # no plan: the stage may take the rest of the pipeline deadline
+        return self.deadline_at
+
+    # -------------------------------------------------------------- stage events
+    def add(self, rec: StageRecord) -> None:
+        with self.lock:
+            self.stages[rec.name] = rec
+            if rec.task_run_id:
+                self.by_task_run[rec.task_run_id] = rec.name
+
+    def unique_name(self, base: str, task_run_id: str | None) -> tuple[str, StageRecord | None]:
+        with self.lock:
+            if task_run_id and task_run_id in self.by_task_run:  # a retry of the same task run
+                name = self.by_task_run[task_run_id]
+                return name, self.stages.get(name)
+            if base not in self.stages:
+                return base, None
+            k = 2
+            while f"{base}#{k}" in self.stages:
+                k += 1
+            return f"{base}#{k}", None
+
+    def forecast(self):
+        now = time.time()
+        with self.lock:
+            nodes = self._nodes()
+            done = {}
+            running = {}
+            for r in self.stages.values():
+                key = r.name if r.name in nodes else r.name.split("#", 1)[0]
+                if r.ended is not None and r.state == "completed":
+                    done[key] = r.ended
+                elif r.started is not None or r.placed is not None:
+                    running[key] = r.started or r.placed or now
+        return forecast(nodes, now=now, done=done, running=running, deadline=self.deadline_at)
+
+    def publish_forecast(self, *, final: bool = False) -> None:
+        """Forecast artifact (markdown, versioned under one key) and the at-risk event."""
+        try:
+            fc = self.forecast()
+            now = time.time()
+            done = sum(1 for r in self.stages.values() if r.state == "completed")
+            total = max(len(self.plan or {}), len(self.stages))
+            lines = [f"### Completion forecast: {self.name}", ""]
+            if final and self.ended:
+                lines.append(f"Finished after **{self.ended - self.started:.1f}s**.")
+            else:
+                lines.append(
+                    f"Forecast finish in **{max(0.0, fc.finish - now):.1f}s** "
+                    f"(± {fc.spread:.1f}s, 1σ; {done}/{total} stages done)."
+                )
+            if self.deadline_at is not None:
+                slack = self.deadline_at - (self.ended if final and self.ended else fc.finish)
+                p = fc.p_meet
+                lines.append(
+                    f"Deadline {self.deadline:g}s after start: slack **{slack:+.1f}s**"
+                    + (f", P(meet) ≈ {p:.0%}" if p is not None and not final else "")
+                    + (" — **AT RISK**" if slack < 0 and not final else "")
+                )
+            if fc.remaining_path and not final:
+                lines.append("")
+                lines.append("Critical path left: " + " → ".join(fc.remaining_path))
+            from prefect.artifacts import create_markdown_artifact
+
+            create_markdown_artifact("\n".join(lines), key=f"qosflow-forecast-{_slug(self.name)}", description="qosflow completion forecast")
+            if not final and fc.at_risk and not self.at_risk_sent:
+                self.at_risk_sent = True
+                _emit(
+                    "qosflow.qos.at-risk",
+                    self,
+                    {"pipeline": self.name, "forecast_finish": fc.finish, "spread_s": fc.spread, "deadline": self.deadline_at, "late_by_s": round(fc.finish - self.deadline_at, 3)},
+                )
+        except Exception:  # monitoring must never fail a pipeline
+            pass
+
+    # -------------------------------------------------------------- end of run
+    @property
+    def met(self) -> bool | None:
+        if self.deadline_at is None or self.ended is None:
+            return None
+        return self.ended <= self.deadline_at and self.state == "completed"
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "flow_run_id": self.flow_run_id,
+            "priority": self.priority.value if self.priority else None,
+            "deadline": self.deadline,
+            "started_at": self.started,
+            "finished_at": self.ended,
+            "elapsed_s": None if self.ended is None else round(self.ended - self.started, 3),
+            "met": self.met,
+            "state": self.state,
+            "stages": [r.to_json() for r in sorted(self.stages.values(), key=lambda r: (r.dispatched, r.name))],
+        }
+
+    def finish(self, ok: bool) -> None:
+        self.ended = time.time()
+        self.state = "completed" if ok else "failed"
+        if not self.stages:
+            return
+        try:
+            from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+            rows = []
+            for r in sorted(self.stages.values(), key=lambda r: (r.dispatched, r.name)):
+                rows.append(
+                    {
+                        "stage": r.name,
+                        "host": r.host or "-",
+                        "GPUs": (",".join(r.gpus) or "-") + (" (virtual)" if r.virtual_gpus and r.gpus else ""),
+                        "cores": "-" if r.cpu_cores is None else f"{r.cpu_cores:g}",
+                        "predicted_s": "-" if r.predicted_s is None else f"{r.predicted_s:.1f}",
+                        "actual_s": "-" if r.actual_s is None else f"{r.actual_s:.1f}",
+                        "deadline_met": {True: "yes", False: "NO", None: "-"}[r.met],
+                        "state": r.state + (f" ({r.attempts} attempts)" if r.attempts > 1 else ""),
+                    }
+                )
+            create_table_artifact(rows, key=f"qosflow-placements-{_slug(self.name)}", description=f"qosflow placements of {self.name}")
+            create_markdown_artifact(self.report_markdown(), key=f"qosflow-qos-{_slug(self.name)}", description="qosflow QoS report")
+            self.publish_forecast(final=True)
+        except Exception:
+            pass
+        if self.deadline_at is not None and self.ended > self.deadline_at:
+            _emit("qosflow.qos.violated", self, {"pipeline": self.name, "deadline": self.deadline_at, "ended": self.ended, "late_by_s": round(self.ended - self.deadline_at, 3)})
+        for r in self.stages.values():
+            if r.met is False:
+                _emit("qosflow.qos.violated", self, {"pipeline": self.name, "stage": r.name, "deadline": r.deadline_at, "ended": r.ended, "late_by_s": round(r.ended - r.deadline_at, 3), "stage_flow_run_id": r.flow_run_id})
+        self._remember_plan()
+
+    def report_markdown(self) -> str:
+        el = (self.ended or time.time()) - self.started
+        head = f"## QoS report: {self.name}\n\n"
+        if self.deadline is None:
+            head += f"No deadline; finished in {el:.1f}s ({self.state}).\n"
+        else:
+            verdict = "**met**" if self.met else "**MISSED**"
+            head += f"Deadline {self.deadline:g}s: {verdict} — finished in {el:.1f}s ({self.state}).\n"
+        if self.priority:
+            head += f"\nPriority class: `{self.priority.value}`.\n"
+        virt = any(r.virtual_gpus for r in self.stages.values())
+        if virt:
+            head += "\nGPUs are **virtual** (declared by the cluster block; no NVML on this machine). Stages ran for real on the CPU.\n"
+        late = [r for r in self.stages.values() if r.met is False]
+        if late:
+            head += "\nStages past their (critical-path) deadline: " + ", ".join(f"`{r.name}` by {r.ended - r.deadline_at:.1f}s" for r in late) + "\n"
+        errs = [r for r in self.stages.values() if r.predicted_s and r.actual_s]
+        if errs:
+            mape = sum(abs(r.actual_s - r.predicted_s) / r.actual_s for r in errs if r.actual_s > 0) / len(errs)
+            head += f"\nPrediction error (mean absolute, relative to actual): {mape:.0%} over {len(errs)} stages.\n"
+        retried = [r for r in self.stages.values() if r.attempts > 1]
+        if retried:
+            head += "\nRetried: " + ", ".join(f"`{r.name}` ({r.attempts} attempts)" for r in retried) + "\n"
+        return head
+
+    def _remember_plan(self) -> None:
+        """Record this run's stage DAG so the next run can split its deadline along it."""
+        if self.state != "completed" or self.plan:
+            return
+        try:
+            from qosflow.paths import data_dir
+
+            path = data_dir() / "prefect" / "plans.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            plans = json.loads(path.read_text()) if path.exists() else {}
+            plans[self.name] = {
+                "plan": {r.name: list(r.deps) for r in self.stages.values()},
+                "expected": {r.name: r.actual_s or r.expected for r in self.stages.values()},
+            }
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(plans))
+            os.replace(tmp, path)
+        except Exception:
+            pass
+
+
+def _recorded_plan(name: str) -> tuple[dict[str, list[str]] | None, dict[str, float]]:
+    try:
+        from qosflow.paths import data_dir
+
+        path = data_dir() / "prefect" / "plans.json"
+        d = json.loads(path.read_text()).get(name) if path.exists() else None
+    except Exception:
+        d = None
+    if not d:
+        return None, {}
+    return d.get("plan"), {k: float(v) for k, v in (d.get("expected") or {}).items() if v}
+
+
+def _slug(s: str) -> str:
+    out = "".join(c.lower() if c.isalnum() else "-" for c in s)
+    while "--" in out:
+        out = out.replace("--", "-")
+    return out.strip("-") or "pipeline"
+
+
+def _emit(name: str, run: PipelineRun, payload: dict[str, Any]) -> None:
+    try:
+        from prefect.events import emit_event
+
+        emit_event(
+            event=name,
+            resource={"prefect.resource.id": f"prefect.flow-run.{run.flow_run_id}", "prefect.resource.name": run.name},
+            payload=json.loads(json.dumps(payload, default=str)),
+        )
+    except Exception:
+        pass
+
+
+# ------------------------------------------------------------------------------------ the task
+class QoSTask(Task):
+    """A Prefect task carrying a QoS spec (also encoded in its tags, which survive `with_options`)."""
+
+    def __init__(self, fn: Callable, *, qos: QoSSpec, explicit: Iterable[str] = (), expected_duration: float | None = None, batch_size: int | None = None, **task_kwargs: Any):
+        self.qos = qos
+        self.qos_explicit = frozenset(explicit)
+        self.expected_duration = expected_duration
+        self.batch_size = batch_size
+        self.qos_fn = fn
+        tags = list(task_kwargs.pop("tags", None) or []) + qos_tags(qos, expected_duration=expected_duration)
+        wrapper = _make_wrapper(fn, self)
+        super().__init__(fn=wrapper, tags=tags, **task_kwargs)
+
+    @property
+    def signature(self) -> str:
+        fn = self.qos_fn
+        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', self.name)}"
+
+    def with_options(self, **kwargs: Any) -> "QoSTask":  # type: ignore[override]
+        qos_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in QOS_FIELDS}
+        stage_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in ("expected_duration", "batch_size")}
+        base = {k: getattr(self.qos, k) for k in QOS_FIELDS}
+        base["priority"] = self.qos.priority.value
+        base.update(qos_kw)
+        explicit = set(self.qos_explicit) | set(qos_kw)
+        user_tags = [t for t in (kwargs.pop("tags", None) or self.tags) if not t.startswith("qos:")]
+        plain = super().with_options(**kwargs)  # a plain Task with the merged Prefect options
+        opts = {k: getattr(plain, k) for k in ("name", "description", "version", "cache_policy", "cache_key_fn", "cache_expiration", "task_run_name", "retries", "retry_delay_seconds", "retry_jitter_factor", "persist_result", "result_storage", "result_serializer", "result_storage_key", "cache_result_in_memory", "timeout_seconds", "log_prints", "refresh_cache", "retry_condition_fn") if hasattr(plain, k)}
+        opts = {k: v for k, v in opts.items() if k in _TASK_PARAMS}
+        return _build(self.qos_fn, {k: base[k] for k in base}, explicit, dict(expected_duration=stage_kw.get("expected_duration", self.expected_duration), batch_size=stage_kw.get("batch_size", self.batch_size)), dict(opts, tags=user_tags))
+
+
+def _in_stage_process() -> bool:
+    return bool(os.environ.get("QOSFLOW_PLACEMENT"))
+
+
+def _make_wrapper(fn: Callable, task_ref: "QoSTask") -> Callable:
+    if inspect.iscoroutinefunction(fn):
+        raise SpecError("fn", f"{fn.__qualname__} is async; @qos_task stages run in their own process, write them as plain functions")
+
+    @functools.wraps(fn)
+    def _qos_stage(*args: Any, **kwargs: Any) -> Any:
+        run = PipelineRun.current() if not _in_stage_process() else None
+        pool = (run.pool if run else None) or (None if _in_stage_process() else os.environ.get("QOSFLOW_POOL"))
+        if not pool:
+            return fn(*args, **kwargs)
+        return _dispatch(task_ref, run, pool, args, kwargs)
+
+    _qos_stage.__qosflow_stage__ = True  # type: ignore[attr-defined]
+    return _qos_stage
+
+
+_DEPLOYMENTS: set[str] = set()
+_DEPLOY_LOCK = threading.Lock()
+
+
+def ensure_stage_deployment(pool: str) -> str:
+    """The `qosflow-stage/<pool>` deployment, created on first use."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from qosflow.prefect.stage import ENTRYPOINT, STAGE_FLOW_NAME
+
+    name = f"{STAGE_FLOW_NAME}/{pool}"
+    with _DEPLOY_LOCK:
+        if name in _DEPLOYMENTS:
+            return name
+        with get_client(sync_client=True) as client:
+            try:
+                client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                try:
+                    client.read_work_pool(pool)
+                except ObjectNotFound:
+                    raise SpecError("pool", f"work pool {pool!r} does not exist; create it with `qosflow init --pool {pool}` or `prefect work-pool create {pool} --type qosflow`") from None
+                flow_id = client.create_flow_from_name(STAGE_FLOW_NAME)
+                client.create_deployment(
+                    flow_id=flow_id,
+                    name=pool,
+                    work_pool_name=pool,
+                    entrypoint=ENTRYPOINT,
+                    enforce_parameter_schema=False,
+                    description="Runs one @qos_task stage on the slot the qosflow worker chose (created by qosflow).",
+                    tags=["qosflow"],
+                )
+        _DEPLOYMENTS.add(name)
+    return name
+
+
+def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kwargs: dict) -> Any:
+    from prefect.context import TaskRunContext
+    from prefect.deployments import run_deployment
+
+    from qosflow.prefect.stage import delete_payload, write_payload
+
+    trc = TaskRunContext.get()
+    tr_id = str(trc.task_run.id) if trc and trc.task_run else None
+    base = task.name
+    deps: list[str] = []
+    if trc is not None and run is not None:
+        for inputs in (trc.task_run.task_inputs or {}).values():
+            for inp in inputs:
+                up = run.by_task_run.get(str(getattr(inp, "id", "")))
+                if up and up not in deps:
+                    deps.append(up)
+    spec = task.qos
+    if run is not None and run.priority is not None and "priority" not in task.qos_explicit:
+        spec = spec.with_(priority=run.priority)
+    if run is not None:
+        name, prev = run.unique_name(base, tr_id)
+        expected = float(task.expected_duration or run.expected.get(base, 60.0))
+        deadline_at = run.stage_deadline(name, deps, expected)
+    else:
+        name, prev, expected, deadline_at = base, None, float(task.expected_duration or 60.0), None
+    if spec.deadline is not None:  # the stage's own deadline counts from now
+        own = time.time() + spec.deadline
+        deadline_at = own if deadline_at is None else min(deadline_at, own)
+    rec = StageRecord(name, tr_id, tuple(deps), expected, 0.5 * expected, time.time(), deadline_at)
+    if prev is not None:
+        rec.attempts = prev.attempts + 1
+    if run is not None:
+        run.add(rec)
+        run.publish_forecast()
+    deployment = ensure_stage_deployment(pool)
+    key = write_payload(task.qos_fn, args, kwargs)
+    pipeline = run.name if run else None
+    jv = job_variables(
+        spec,
+        stage_name=name,
+        pipeline=pipeline,
+        pipeline_run_id=run.flow_run_id if run else None,
+        signature=task.signature,
+        expected_duration=task.expected_duration,
+        batch_size=task.batch_size,
+        deadline_at=deadline_at,
+    )
+    try:
+        fr = run_deployment(
+            deployment,
+            parameters={"payload": key, "stage": name, "pipeline": pipeline or ""},
+            flow_run_name=f"{pipeline or 'stage'}.{name}",
+            tags=list(task.tags),
+            job_variables=jv,
+            poll_interval=0.25,
+            as_subflow=True,
+        )
+    finally:
+        pass
+    labels = dict(getattr(fr, "labels", None) or {})
+    rec.flow_run_id = str(fr.id)
+    rec.host = labels.get("qosflow.host")
+    rec.gpus = [g for g in (labels.get("qosflow.gpus") or "").split(",") if g and g != "-"]
+    rec.cpu_cores = _f(labels.get("qosflow.cpu_cores"))
+    rec.virtual_gpus = labels.get("qosflow.virtual_gpus") == "true" if "qosflow.virtual_gpus" in labels else None
+    rec.predicted_s = _f(labels.get("qosflow.predicted_s"))
+    rec.placed = _f(labels.get("qosflow.placed_at"))
+    rec.started = fr.start_time.timestamp() if fr.start_time else rec.placed
+    rec.ended = fr.end_time.timestamp() if fr.end_time else time.time()
+    state = fr.state
+    ok = state is not None and state.is_completed()
+    rec.state = "completed" if ok else (state.name.lower() if state else "unknown")
+    if run is not None:
+        run.publish_forecast()
+    if not ok:
+        delete_payload(key)
+        msg = state.message if state is not None else "no state"
+        raise StageFailed(f"stage {name!r} ({rec.flow_run_id}) ended {state.name if state else '?'}: {msg}")
+    try:
+        return state.result(raise_on_failure=True)
+    finally:
+        delete_payload(key)
+
+
+def _f(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _build(fn: Callable, qos_kw: dict[str, Any], explicit: Iterable[str], stage_kw: dict[str, Any], task_kw: dict[str, Any]) -> QoSTask:
+    where = "@qos_task" if fn is _placeholder else f"@qos_task {getattr(fn, '__qualname__', fn)!r}"
+    unknown = sorted(set(task_kw) - _TASK_PARAMS)
+    if unknown:
+        raise SpecError(unknown[0], f"not a QoS argument nor a @task argument; QoS: {', '.join(QOS_FIELDS + ('expected_duration', 'batch_size'))}", where=where)
+    spec = build_spec(where, **qos_kw)
+    check_stage_args(
+        where,
+        spec,
+        expected_duration=stage_kw.get("expected_duration"),
+        batch_size=stage_kw.get("batch_size"),
+        retries=task_kw.get("retries"),
+        retry_delay_seconds=task_kw.get("retry_delay_seconds"),
+        timeout_seconds=task_kw.get("timeout_seconds"),
+        tags=task_kw.get("tags"),
+        name=task_kw.get("name"),
+    )
+    exp = stage_kw.get("expected_duration")
+    return QoSTask(fn, qos=spec, explicit=explicit, expected_duration=None if exp is None else float(exp), batch_size=stage_kw.get("batch_size"), **task_kw)
+
+
+def qos_task(
+    __fn: Callable | None = None,
+    *,
+    gpus: int = 1,
+    gpu_milli: int = 1000,
+    gpu_mem_mb: float | None = None,
+    cpu_cores: float = 1.0,
+    mem_mb: float = 0.0,
+    deadline: float | None = None,
+    latency_slo: float | None = None,
+    min_throughput: float | None = None,
+    priority: str | int | PriorityClass = "normal",
+    shareable: bool = False,
+    gang: bool = True,
+    gpu_model: str | None = None,
+    expected_duration: float | None = None,
+    batch_size: int | None = None,
+    **task_kwargs: Any,
+):
+    """Declare a pipeline stage with its QoS; everything `@task` takes is accepted too.
+
+    Bad arguments raise `SpecError` here, at decoration time, naming the argument.
+    """
+    given = {k for k, v in dict(gpus=gpus, gpu_milli=gpu_milli, gpu_mem_mb=gpu_mem_mb, cpu_cores=cpu_cores, mem_mb=mem_mb, deadline=deadline, latency_slo=latency_slo, min_throughput=min_throughput, priority=priority, shareable=shareable, gang=gang, gpu_model=gpu_model).items()}
+    defaults = {"gpus": 1, "gpu_milli": 1000, "gpu_mem_mb": None, "cpu_cores": 1.0, "mem_mb": 0.0, "deadline": None, "latency_slo": None, "min_throughput": None, "priority": "normal", "shareable": False, "gang": True, "gpu_model": None}
+    qos_kw = dict(gpus=gpus, gpu_milli=gpu_milli, gpu_mem_mb=gpu_mem_mb, cpu_cores=cpu_cores, mem_mb=mem_mb, deadline=deadline, latency_slo=latency_slo, min_throughput=min_throughput, priority=priority, shareable=shareable, gang=gang, gpu_model=gpu_model)
+    explicit = {k for k in given if qos_kw[k] != defaults[k]}
+    stage_kw = dict(expected_duration=expected_duration, batch_size=batch_size)
+    if __fn is not None:
+        if not callable(__fn):
+            raise SpecError("fn", f"@qos_task decorates a function, got {__fn!r}")
+        return _build(__fn, qos_kw, explicit, stage_kw, task_kwargs)
+    # validate now, even before the function is known (decoration time)
+    _build(_placeholder, qos_kw, explicit, stage_kw, task_kwargs)
+
+    def deco(fn: Callable) -> QoSTask:
+        return _build(fn, qos_kw, explicit, stage_kw, task_kwargs)
+
+    return deco
+
+
+def _placeholder() -> None:  # used to validate arguments before the function is known
+    return None
+
+
+# ------------------------------------------------------------------------------------ the flow
+def qos_flow(
+    __fn: Callable | None = None,
+    *,
+    deadline: float | None = None,
+    priority: str | int | PriorityClass | None = None,
+    pool: str | None = None,
+    plan: Mapping[str, Sequence[str]] | None = None,
+    **flow_kwargs: Any,
+):
+    """A Prefect flow whose `@qos_task` stages are placed by the `qosflow` worker of `pool`.
+
+    `deadline` (seconds after the run starts) is split into stage deadlines along the critical path of
+    `plan` (stage name -> upstream stage names; default: the DAG recorded from the previous run).
+    `priority` is the class of stages that do not set one. A flow parameter named `qos_deadline` or
+    `qos_priority` overrides them per run; a QoS policy block referenced by the deployment's job
+    variables (`qos_policy`) gives defaults. `pool` defaults to `QOSFLOW_POOL`; with no pool, stages run in-process.
+    """
+    where = "@qos_flow"
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline) or deadline <= 0):
+        raise SpecError("deadline", f"must be a positive number of seconds after the pipeline starts, got {deadline!r}", where=where)
+    prio = None if priority is None else PriorityClass.parse(priority, where=where)
+    if pool is not None and (not isinstance(pool, str) or not pool.strip()):
+        raise SpecError("pool", f"must be a work pool name, got {pool!r}", where=where)
+    if plan is not None:
+        if not isinstance(plan, Mapping):
+            raise SpecError("plan", f"must map stage names to lists of upstream stage names, got {type(plan).__name__}", where=where)
+        for k, v in plan.items():
+            if isinstance(v, str) or not all(isinstance(x, str) for x in v):
+                raise SpecError("plan", f"stage {k!r}: upstream stages must be a list of names, got {v!r}", where=where)
+            for x in v:
+                if x not in plan:
+                    raise SpecError("plan", f"stage {k!r} depends on {x!r}, which is not in the plan", where=where)
+        try:
+            split_deadline({k: StageNode(k, 1.0, tuple(v)) for k, v in plan.items()}, 1.0)
+        except ValueError as exc:
+            raise SpecError("plan", str(exc), where=where) from None
+    unknown = sorted(set(flow_kwargs) - _FLOW_PARAMS)
+    if unknown:
+        raise SpecError(unknown[0], "not a qos_flow nor a @flow argument", where=where)
+
+    def deco(fn: Callable):
+        if inspect.iscoroutinefunction(fn):
+            raise SpecError("fn", "async pipelines are not supported yet; write the pipeline flow as a plain function", where=where)
+        sig = inspect.signature(fn)
+        flow_name = flow_kwargs.get("name") or fn.__name__.replace("_", "-")
+
+        @functools.wraps(fn)
+        def pipeline(*args: Any, **kwargs: Any) -> Any:
+            from prefect.context import FlowRunContext
+
+            bound = sig.bind_partial(*args, **kwargs)
+            bound.apply_defaults()
+            policy = _policy_defaults()
+            d = bound.arguments.get("qos_deadline", None)
+            d = d if d is not None else deadline if deadline is not None else policy.get("deadline_s")
+            pr = bound.arguments.get("qos_priority", None)
+            pr = PriorityClass.parse(pr) if pr is not None else prio if prio is not None else (PriorityClass.parse(policy["priority"]) if policy.get("priority") else None)
+            ctx = FlowRunContext.get()
+            fid = str(ctx.flow_run.id) if ctx and ctx.flow_run else f"local-{time.time_ns()}"
+            name = ctx.flow_run.name if False else flow_name
+            the_plan, expected = (plan, {}) if plan else _recorded_plan(flow_name)
+            expected = dict(expected)
+            run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=pool or os.environ.get("QOSFLOW_POOL"), plan=the_plan, expected=expected)
+            run.register()
+            ok = False
+            try:
+                result = fn(*args, **kwargs)
+                result = _resolve(result)
+                ok = True
+                return result
+            finally:
+                run.finish(ok)
+                run.unregister()
+
+        return prefect_flow(pipeline, **flow_kwargs)
+
+    if __fn is not None:
+        return deco(__fn)
+    return deco
+
+
+def _resolve(x: Any) -> Any:
+    """Wait for futures a pipeline returns (so the run ends when its stages do)."""
+    from prefect.futures import PrefectFuture
+
+    if isinstance(x, PrefectFuture):
+        return x.result()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_resolve(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _resolve(v) for k, v in x.items()}
+    return x
+
+
+def _policy_defaults() -> dict[str, Any]:
+    raw = os.environ.get("QOSFLOW_QOS_POLICY")
+    if not raw:
+        return {}
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return {}
+
+
+def register_expected(run: PipelineRun, stages: Iterable[QoSTask]) -> None:
+    for t in stages:
+        if t.expected_duration:
+            run.expected[t.name] = t.expected_duration
