@@ -1,0 +1,122 @@
+"""`qosflow pack`: the GPU-sharing packing experiment of FGD (USENIX ATC'23) on a pod/node list."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+HELP = """Pack GPU-sharing pods onto a node list and compare placement policies (FGD, ATC'23).
+
+Pods arrive in a seeded random order (the list shuffled, then drawn with replacement) until the
+GPU requested reaches --ratio (130 %) of the cluster's GPUs; a pod that fits nowhere fails. The
+headline is the share of GPUs allocated when the arrived requests equal 100 % of capacity,
+averaged over seeds --seed .. --seed+--seeds-1. Prints a table; writes --json, plus the curve
+(allocation vs arrived demand) as pack_curve.csv and pack_curve.png into --out (default: next to
+the JSON). Defaults read the Alibaba v2023 lists in ../shared/data/traces/.
+
+Examples:
+
+  qosflow pack --seeds 1
+
+  qosflow pack --policies best-fit,fgd --seed 42 --seeds 10 --json out/pack.json
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("pack", help=HELP)
+    def pack_cmd(
+        pods: Optional[Path] = typer.Option(None, "--pods", help="pod list CSV (default: the shared Alibaba openb default list)"),
+        nodes: Optional[Path] = typer.Option(None, "--nodes", help="node list CSV (default: the shared Alibaba GPU node list)"),
+        policies: str = typer.Option("first-fit,best-fit,fgd", "--policies", help="comma-separated: first-fit, best-fit, fgd, random"),
+        seed: int = typer.Option(42, "--seed", help="first seed (the FGD paper uses 42..51)"),
+        seeds: int = typer.Option(10, "--seeds", help="number of seeds to average over"),
+        json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
+        out: Optional[Path] = typer.Option(None, "--out", help="directory for pack_curve.csv/.png (default: next to --json)"),
+        ratio: float = typer.Option(1.3, "--ratio", help="stop arrivals when the GPU requested reaches this share of capacity"),
+        popularity: float = typer.Option(0.95, "--popularity", help="FGD target workload: the most frequent pod types covering this share of pods"),
+        no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plot"),
+    ) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.table import Table
+
+        from qosflow.errors import SpecError
+        from qosflow.packing.experiment import run_experiment
+        from qosflow.packing.model import PackState, nodes_from_records, pods_from_records
+        from qosflow.packing.policies import make_policy
+        from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png, write_json
+        from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
+
+        console = Console()
+        names = [p.strip() for p in policies.split(",") if p.strip()]
+        if not names:
+            raise SpecError("--policies", "give at least one policy, e.g. first-fit,best-fit,fgd")
+        for name in names:
+            make_policy(name)  # UnknownNameError lists the known names
+        if seeds < 1:
+            raise SpecError("--seeds", f"must be >= 1, got {seeds}")
+        if not 0 < ratio <= 10:
+            raise SpecError("--ratio", f"must be in (0, 10], got {ratio}")
+        if not 0 < popularity <= 1:
+            raise SpecError("--popularity", f"must be in (0, 1], got {popularity}")
+        pods_path = pods or default_pod_list()
+        nodes_path = nodes or default_node_list()
+        pod_list = pods_from_records(load_pods(pods_path))
+        node_list = nodes_from_records(load_nodes(nodes_path))
+        total_gpus = PackState(node_list).total_gpus
+        if total_gpus == 0:
+            raise SpecError("--nodes", f"{nodes_path} has no GPUs; the packing experiment needs GPU nodes")
+        seed_list = list(range(seed, seed + seeds))
+        console.print(
+            f"[bold]{len(pod_list)} pods[/] ({pods_path.name}) on [bold]{len(node_list)} nodes, {total_gpus} GPUs[/] "
+            f"({nodes_path.name}); arrivals up to {ratio:.0%} of capacity; seeds {seed_list[0]}..{seed_list[-1]}"
+        )
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
+        ) as prog:
+            task = prog.add_task("packing", total=len(seed_list) * len(names))
+
+            def on_run(run) -> None:
+                prog.update(task, advance=1, description=f"{run.policy} seed {run.seed}")
+
+            summaries = run_experiment(pod_list, node_list, names, seed_list, ratio=ratio, popularity=popularity, on_run=on_run)
+
+        data = summaries_to_json(
+            summaries,
+            {
+                "pods": str(pods_path),
+                "nodes": str(nodes_path),
+                "num_pods": len(pod_list),
+                "num_nodes": len(node_list),
+                "total_gpus": total_gpus,
+                "seeds": seed_list,
+                "ratio": ratio,
+                "popularity": popularity,
+                "headline": "share of GPU capacity allocated when the arrived GPU requests equal 100 % of capacity",
+            },
+        )
+        table = Table(title=f"GPU allocation at 100 % arrived demand (mean of {len(seed_list)} seed{'s' if len(seed_list) > 1 else ''})")
+        for col in ("policy", "allocated", "±std", "alloc GPUs", "unalloc GPUs", "failed pods", "s/run"):
+            table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+        for name, d in data["policies"].items():
+            table.add_row(
+                name,
+                f"{d['alloc_ratio'] * 100:.2f} %",
+                f"{d['alloc_ratio_std'] * 100:.2f}",
+                f"{d['allocated_gpus']:.0f}",
+                f"{d['unallocated_gpus']:.0f}",
+                f"{d['failed_pods']:.0f}",
+                f"{d['seconds_per_run']:.2f}",
+            )
+        console.print(table)
+
+        out_dir = out if out is not None else (json_out.parent if json_out is not None else None)
+        if json_out is not None:
+            write_json(json_out, data)
+            console.print(f"wrote {json_out}")
+        if out_dir is not None:
+            console.print(f"wrote {write_curve_csv(out_dir / 'pack_curve.csv', summaries)}")
+            if not no_plots:
+                console.print(f"wrote {write_curve_png(out_dir / 'pack_curve.png', summaries)}")
