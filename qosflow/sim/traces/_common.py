@@ -1,0 +1,101 @@
+"""Helpers shared by the trace loaders: CSV rows with line numbers, typed fields, rejection."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from qosflow.core.cluster import ClusterSpec
+from qosflow.core.job import Job
+from qosflow.errors import SpecError, TraceFormatError
+
+#: (job id, reason) of a job that can never run on the cluster; never silently dropped
+Rejected = tuple[str, str]
+
+#: CPU cores given to each GPU of a training job when the trace does not say (CODA measured 4-6
+#: cores per GPU saturating CV input pipelines; 4 keeps an 8-GPU job within 32 cores)
+CORES_PER_GPU = 4.0
+
+
+def csv_rows(path: Path, required: Iterable[str], kind: str) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line number, row) for every data row, after checking the header names every required column."""
+    required = tuple(required)
+    if not path.is_file():
+        raise TraceFormatError(path, None, f"{kind} not found")
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        try:
+            header = [h.strip() for h in next(reader)]
+        except StopIteration:
+            raise TraceFormatError(path, 1, f"empty file; a {kind} starts with the header {','.join(required)}") from None
+        except csv.Error as exc:
+            raise TraceFormatError(path, 1, f"unreadable CSV header: {exc}") from None
+        missing = [c for c in required if c not in header]
+        if missing:
+            raise TraceFormatError(
+                path,
+                1,
+                f"missing column(s) {', '.join(repr(c) for c in missing)}; a {kind} needs {','.join(required)} "
+                f"(found: {','.join(header)})",
+            )
+        width = len(header)
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                raise TraceFormatError(path, reader.line_num, f"unreadable CSV row: {exc}") from None
+            if not row or all(not c.strip() for c in row):
+                continue
+            if len(row) != width:
+                raise TraceFormatError(path, reader.line_num, f"expected {width} fields ({','.join(header)}), got {len(row)}")
+            yield reader.line_num, {h: v.strip() for h, v in zip(header, row)}
+
+
+def number(path: Path, line: int, col: str, raw: str, what: str, *, integer: bool = False, minimum: float | None = 0.0,
+           positive: bool = False) -> float:
+    """A finite number from column `col`, or a TraceFormatError naming file, line and column."""
+    try:
+        v = float(raw)
+    except ValueError:
+        raise TraceFormatError(path, line, f"column {col!r}: expected {what} (a number), got {raw!r}") from None
+    if not math.isfinite(v):
+        raise TraceFormatError(path, line, f"column {col!r}: expected a finite {what}, got {raw!r}")
+    if integer and not v.is_integer():
+        raise TraceFormatError(path, line, f"column {col!r}: expected a whole number ({what}), got {raw!r}")
+    if positive and v <= 0:
+        raise TraceFormatError(path, line, f"column {col!r}: {what} must be > 0, got {raw!r}")
+    if minimum is not None and v < minimum:
+        raise TraceFormatError(path, line, f"column {col!r}: {what} must be >= {minimum:g}, got {raw!r}")
+    return v
+
+
+def make_job(path: Path, line: int, **kwargs) -> Job:
+    """A Job, turning a SpecError from its validation into a TraceFormatError at this line."""
+    try:
+        return Job(**kwargs)
+    except SpecError as exc:
+        raise TraceFormatError(path, line, str(exc)) from None
+
+
+def split_rejected(jobs: list[Job], cluster: ClusterSpec | None) -> tuple[list[Job], list[Rejected]]:
+    """Jobs that can run on `cluster`, and (job id, reason) for those that never can."""
+    if cluster is None:
+        return jobs, []
+    ok: list[Job] = []
+    rejected: list[Rejected] = []
+    memo: dict[tuple, str | None] = {}  # the answer depends only on the request's shape
+    for j in jobs:
+        q = j.qos
+        key = (q.gpus, q.gpu_milli, q.gpu_mem_mb, q.cpu_cores, q.mem_mb, q.gpu_model)
+        if key not in memo:
+            memo[key] = cluster.why_never_fits(q)
+        why = memo[key]
+        if why:
+            rejected.append((j.job_id, f"can never be placed on {cluster.name}: {why}"))
+        else:
+            ok.append(j)
+    return ok, rejected

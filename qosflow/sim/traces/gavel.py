@@ -1,0 +1,139 @@
+"""Gavel's Philly-derived ``.trace`` files (Narayanan et al., OSDI'20; ``traces/msr/seed=N/<vc>.trace``).
+
+One job per line, tab-separated, no header. The published msr traces have 7 fields::
+
+    job_type  command  num_steps_arg  needs_data_dir  total_steps  arrival_time(s)  scale_factor
+
+Gavel's later generator writes 9 fields (``... total_steps scale_factor priority_weight SLO
+arrival_time``); both are read. A job's isolated duration is ``total_steps / throughput``, the
+solo, consolidated throughput of its job type at its scale factor on a V100 from Gavel's throughput
+table (exactly how Gavel's generator turned durations into steps). Scale factors the table lacks
+(16, 32, ..., or multi-GPU A3C/CycleGAN/Recommendation) use the largest measured scale below,
+scaled linearly in GPUs; ``meta["throughput_source"]`` says which.
+
+QoS: ``gpus = scale_factor``, shareable, gang, ``gpu_mem_mb`` from
+`qosflow.sim.interference.GAVEL_GPU_MEM_MB`, 4 CPU cores per GPU. Job ids are ``<file stem>-<n>``
+with n counting jobs from 0 (Gavel's own job ids).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from qosflow.core.cluster import ClusterSpec
+from qosflow.core.job import Job
+from qosflow.core.qos import QoSSpec
+from qosflow.errors import SpecError, TraceFormatError
+from qosflow.sim.interference import (
+    DEFAULT_GPU_TYPE,
+    GavelInterference,
+    gavel_batch_size,
+    gpu_mem_mb,
+    load_gavel_interference,
+)
+from qosflow.sim.traces._common import CORES_PER_GPU, Rejected, make_job, number, split_rejected
+
+FIELDS_7 = ("job_type", "command", "num_steps_arg", "needs_data_dir", "total_steps", "arrival_time", "scale_factor")
+FIELDS_9 = (
+    "job_type",
+    "command",
+    "num_steps_arg",
+    "needs_data_dir",
+    "total_steps",
+    "scale_factor",
+    "priority_weight",
+    "SLO",
+    "arrival_time",
+)
+
+
+def load_gavel(
+    path: str | Path,
+    *,
+    cluster: ClusterSpec | None = None,
+    throughputs: GavelInterference | str | Path | None = None,
+    gpu_type: str = DEFAULT_GPU_TYPE,
+    cores_per_gpu: float = CORES_PER_GPU,
+) -> tuple[list[Job], list[Rejected]]:
+    """Jobs of one Gavel ``.trace`` file, and (job id, reason) for those that never fit `cluster`."""
+    p = Path(path)
+    if p.is_dir():
+        raise TraceFormatError(p, None, "is a directory; give one .trace file (one virtual cluster)")
+    if not p.is_file():
+        raise TraceFormatError(p, None, "Gavel trace not found")
+    table = throughputs if isinstance(throughputs, GavelInterference) else load_gavel_interference(throughputs, gpu_type=gpu_type)
+    if table is None:
+        raise TraceFormatError(
+            throughputs or "gavel_simulation_throughputs.json",
+            None,
+            "Gavel traces need Gavel's throughput table to turn steps into seconds; pass throughputs=PATH",
+        )
+    stem = p.stem
+    jobs: list[Job] = []
+    with open(p, encoding="utf-8") as f:
+        for line, text in enumerate(f, 1):
+            text = text.rstrip("\r\n")
+            if not text.strip():
+                continue
+            parts = text.split("\t")
+            if len(parts) == 7:
+                names = FIELDS_7
+            elif len(parts) == 9:
+                names = FIELDS_9
+            else:
+                raise TraceFormatError(
+                    p, line, f"expected 7 tab-separated fields ({', '.join(FIELDS_7)}) or Gavel's 9-field form, got {len(parts)}"
+                )
+            row = dict(zip(names, (x.strip() for x in parts)))
+            jt = row["job_type"]
+            if not jt:
+                raise TraceFormatError(p, line, "field 'job_type' is empty")
+            resolved = table.resolve(jt)
+            if resolved is None:
+                raise TraceFormatError(
+                    p, line, f"field 'job_type': {jt!r} is not in Gavel's throughput table ({table.path.name}); "
+                    f"known: {', '.join(table.job_types)}"
+                )
+            steps = int(number(p, line, "total_steps", row["total_steps"], "total steps", integer=True, positive=True))
+            arrival = number(p, line, "arrival_time", row["arrival_time"], "arrival time in seconds")
+            sf = int(number(p, line, "scale_factor", row["scale_factor"], "scale factor (GPUs)", integer=True, positive=True))
+            needs = row["needs_data_dir"]
+            if needs not in ("0", "1"):
+                raise TraceFormatError(p, line, f"field 'needs_data_dir': expected 0 or 1, got {needs!r}")
+            tput = table.throughput(resolved, sf)
+            if tput is None or not math.isfinite(tput) or tput <= 0:
+                raise TraceFormatError(p, line, f"field 'job_type': no throughput for {jt!r} at {sf} GPU(s) in {table.path.name}")
+            meta = {
+                "trace": "gavel",
+                "line": line,
+                "total_steps": steps,
+                "throughput": tput,
+                "throughput_source": table.throughput_source(resolved, sf),
+                "priority_from_trace": False,
+                "command": row["command"],
+            }
+            if names is FIELDS_9:
+                meta["priority_weight"] = number(p, line, "priority_weight", row["priority_weight"], "priority weight")
+                meta["SLO"] = number(p, line, "SLO", row["SLO"], "SLO factor", minimum=None)
+            try:
+                qos = QoSSpec(gpus=sf, gpu_mem_mb=gpu_mem_mb(resolved), cpu_cores=cores_per_gpu * sf, shareable=True, gang=True)
+            except SpecError as exc:
+                raise TraceFormatError(p, line, str(exc)) from None
+            jobs.append(
+                make_job(
+                    p,
+                    line,
+                    job_id=f"{stem}-{len(jobs)}",
+                    submit_time=arrival,
+                    qos=qos,
+                    duration=steps / tput,
+                    model=resolved,
+                    batch_size=gavel_batch_size(resolved),
+                    iterations=steps,
+                    meta=meta,
+                )
+            )
+    if not jobs:
+        raise TraceFormatError(p, None, "the trace has no jobs")
+    return split_rejected(jobs, cluster)

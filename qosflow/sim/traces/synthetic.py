@@ -1,0 +1,137 @@
+"""A synthetic Philly-like workload: Gavel's published job distribution (the embedded default).
+
+Per job (Narayanan et al., OSDI'20, the distribution behind Gavel's generated traces):
+
+* GPUs: 1 (p=0.7), 2 (0.1), 4 (0.15), 8 (0.05);
+* duration: ``60 x 10^U(1.5, 3)`` s with p=0.8 (32 min to 16.7 h), else ``60 x 10^U(3, 4)`` s
+  (16.7 h to 6.9 days); mean about 16.8 h;
+* model: uniform over Gavel's job types measured at that many GPUs (every 1-GPU type; only
+  ResNet-18/50, Transformer and LM were measured on 2-8 GPUs), so every job's interference and
+  throughput come from the measured table;
+* arrivals: Poisson, at `rate_per_hour` jobs per hour, or at the rate that offers `load` times the
+  cluster's GPU capacity (``rate = load x GPUs / E[GPUs x duration]``).
+
+Deterministic for a seed (numpy's PCG64). QoS as for Gavel's traces: shareable, gang, GPU memory
+from the job type, 4 cores per GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from qosflow.core.cluster import ClusterSpec
+from qosflow.core.job import Job
+from qosflow.core.qos import QoSSpec
+from qosflow.errors import SpecError
+from qosflow.sim.interference import GAVEL_GPU_MEM_MB, GavelInterference, gavel_batch_size, gpu_mem_mb
+from qosflow.sim.traces._common import CORES_PER_GPU, Rejected, split_rejected
+
+GPU_CHOICES = (1, 2, 4, 8)
+GPU_PROBS = (0.7, 0.1, 0.15, 0.05)
+SHORT_SHARE = 0.8
+SHORT_EXP = (1.5, 3.0)
+LONG_EXP = (3.0, 4.0)
+
+DEFAULT_JOBS = 400
+DEFAULT_LOAD = 0.9
+#: job types Gavel measured on several GPUs (the others only ran on one)
+MULTI_GPU_FAMILIES = ("ResNet-18", "ResNet-50", "Transformer", "LM")
+
+
+def _mean_pow10(lo: float, hi: float) -> float:
+    """E[10^U(lo, hi)]."""
+    return (10**hi - 10**lo) / ((hi - lo) * math.log(10))
+
+
+def mean_duration() -> float:
+    """Expected duration (s) of a job of the distribution (about 60,400 s)."""
+    return 60.0 * (SHORT_SHARE * _mean_pow10(*SHORT_EXP) + (1 - SHORT_SHARE) * _mean_pow10(*LONG_EXP))
+
+
+def mean_gpus() -> float:
+    return float(sum(g * p for g, p in zip(GPU_CHOICES, GPU_PROBS)))
+
+
+def rate_for_load(load: float, cluster_gpus: int) -> float:
+    """Jobs per hour that offer `load` x the cluster's GPU capacity (GPUs and duration independent)."""
+    return load * cluster_gpus / (mean_gpus() * mean_duration()) * 3600.0
+
+
+def job_types(table: GavelInterference | None = None) -> dict[int, tuple[str, ...]]:
+    """Gavel job types by GPU count, from the table if given, else from the built-in type list."""
+    if table is not None:
+        out = {g: tuple(t for t in table.job_types if g in table.scales(t)) for g in GPU_CHOICES}
+        if all(out.values()):
+            return out
+    one = tuple(sorted(GAVEL_GPU_MEM_MB))
+    multi = tuple(t for t in one if t.split(" (", 1)[0] in MULTI_GPU_FAMILIES)
+    return {1: one, 2: multi, 4: multi, 8: multi}
+
+
+def generate_synthetic(
+    num_jobs: int = DEFAULT_JOBS,
+    *,
+    seed: int = 0,
+    rate_per_hour: float | None = None,
+    load: float | None = DEFAULT_LOAD,
+    cluster_gpus: int = 64,
+    cluster: ClusterSpec | None = None,
+    table: GavelInterference | None = None,
+    cores_per_gpu: float = CORES_PER_GPU,
+) -> tuple[list[Job], list[Rejected]]:
+    """`num_jobs` Philly-like jobs; rejected (id, reason) for those that never fit `cluster`.
+
+    Give `rate_per_hour`, or `load` (offered GPU load relative to `cluster_gpus`, or to the
+    cluster's GPUs when `cluster` is given). The first job arrives at t=0.
+    """
+    if isinstance(num_jobs, bool) or not isinstance(num_jobs, int) or num_jobs <= 0:
+        raise SpecError("num_jobs", f"must be a positive number of jobs, got {num_jobs!r}")
+    if cluster is not None:
+        cluster_gpus = cluster.num_gpus
+    if rate_per_hour is None:
+        if load is None or not (math.isfinite(load) and load > 0):
+            raise SpecError("load", f"give a positive offered load or an arrival rate, got load={load!r}")
+        if cluster_gpus <= 0:
+            raise SpecError("cluster_gpus", f"must be > 0 to turn a load into a rate, got {cluster_gpus}")
+        rate_per_hour = rate_for_load(load, cluster_gpus)
+    elif not (math.isfinite(rate_per_hour) and rate_per_hour > 0):
+        raise SpecError("rate_per_hour", f"must be > 0 jobs per hour, got {rate_per_hour!r}")
+    types = job_types(table)
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(3600.0 / rate_per_hour, size=num_jobs)
+    gaps[0] = 0.0
+    arrivals = np.cumsum(gaps)
+    gpu_idx = rng.choice(len(GPU_CHOICES), size=num_jobs, p=GPU_PROBS)
+    short = rng.random(num_jobs) < SHORT_SHARE
+    u = rng.random(num_jobs)
+    exps = np.where(short, SHORT_EXP[0] + u * (SHORT_EXP[1] - SHORT_EXP[0]), LONG_EXP[0] + u * (LONG_EXP[1] - LONG_EXP[0]))
+    durations = 60.0 * np.power(10.0, exps)
+    picks = rng.random(num_jobs)
+    jobs: list[Job] = []
+    for i in range(num_jobs):
+        g = GPU_CHOICES[int(gpu_idx[i])]
+        choices = types[g]
+        model = choices[min(int(picks[i] * len(choices)), len(choices) - 1)]
+        qos = QoSSpec(gpus=g, gpu_mem_mb=gpu_mem_mb(model), cpu_cores=cores_per_gpu * g, shareable=True, gang=True)
+        meta = {"trace": "synthetic", "seed": seed, "priority_from_trace": False, "long": not bool(short[i])}
+        steps = None
+        if table is not None:
+            tput = table.throughput(model, g)
+            if tput:
+                steps = max(1, int(tput * float(durations[i])))
+                meta["throughput"] = tput
+        jobs.append(
+            Job(
+                job_id=f"syn-{i}",
+                submit_time=float(arrivals[i]),
+                qos=qos,
+                duration=float(durations[i]),
+                model=model,
+                batch_size=gavel_batch_size(model),
+                iterations=steps,
+                meta=meta,
+            )
+        )
+    return split_rejected(jobs, cluster)

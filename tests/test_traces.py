@@ -1,0 +1,371 @@
+"""Trace loaders, the synthetic generator, deadline assignment and `load_workload`."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from qosflow.core.cluster import ClusterSpec
+from qosflow.core.job import Job
+from qosflow.core.qos import PriorityClass, QoSSpec
+from qosflow.errors import QosflowError, SpecError, TraceFormatError, UnknownNameError
+from qosflow.paths import shared_data
+from qosflow.sim.clusters import load_cluster
+from qosflow.sim.deadlines import assign_deadlines, deadline_factor
+from qosflow.sim.interference import GavelInterference, default_throughputs_path
+from qosflow.sim.traces.alibaba_jobs import load_alibaba_jobs
+from qosflow.sim.traces.gavel import load_gavel
+from qosflow.sim.traces.muri import load_muri
+from qosflow.sim.traces.synthetic import (
+    GPU_CHOICES,
+    generate_synthetic,
+    mean_duration,
+    mean_gpus,
+    rate_for_load,
+)
+from qosflow.sim.workload import FORMATS, load_workload
+
+TRACES = shared_data() / "traces"
+MURI = TRACES / "muri_philly_trace1.csv"
+MURI_CLUSTER = TRACES / "muri_cluster_n8g8.csv"
+GAVEL_DIR = TRACES / "gavel_msr_seed0"
+ALI_PODS = TRACES / "alibaba_v2023_openb_pod_list_default.csv"
+ALI_NODES = TRACES / "alibaba_v2023_openb_node_list_gpu_node.csv"
+TPUT = default_throughputs_path()
+
+
+def need(*paths: Path) -> None:
+    for p in paths:
+        if not p.exists():
+            pytest.skip(f"shared data file not found: {p}")
+
+
+@pytest.fixture(scope="module")
+def table() -> GavelInterference:
+    need(TPUT)
+    return GavelInterference()
+
+
+MURI_HEADER = "job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,interval,iteration_time,resource_time_0,resource_time_1,resource_time_2,priority"
+MURI_ROW = "7,2,4000,100,resnet18,128,77900,1000,779,711,110,0,{prio}"
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# ====================================================================== Muri
+def test_muri_row_units_and_qos(tmp_path):
+    p = write(tmp_path, "m.csv", MURI_HEADER + "\n" + MURI_ROW.format(prio=0) + "\n" + MURI_ROW.replace("7,", "8,", 1).format(prio=1) + "\n")
+    jobs, rej = load_muri(p)
+    assert rej == []
+    j = jobs[0]
+    assert j.job_id == "7" and j.submit_time == 4.0 and j.duration == pytest.approx(77.9)
+    assert j.resource_profile == pytest.approx((0.711, 0.110, 0.0))
+    assert j.model == "resnet18" and j.batch_size == 128 and j.iterations == 100
+    assert j.qos.gpus == 2 and j.qos.shareable and j.qos.gang
+    assert j.qos.gpu_mem_mb == 6432 and j.qos.cpu_cores == 8.0
+    assert j.qos.priority is PriorityClass.NORMAL and jobs[1].qos.priority is PriorityClass.BEST_EFFORT
+    assert j.meta["iteration_time"] == pytest.approx(0.779) and j.meta["line"] == 2
+    j2, _ = load_muri(p, iteration_overhead=1.015)
+    assert j2[0].duration == pytest.approx(77.9 * 1.015)
+
+
+@pytest.mark.parametrize(
+    "row, where",
+    [
+        ("7,2,4000,100,resnet18,128,abc,1000,779,711,110,0,1", "'duration'"),
+        ("7,0,4000,100,resnet18,128,77900,1000,779,711,110,0,1", "'num_gpu'"),
+        ("7,1.5,4000,100,resnet18,128,77900,1000,779,711,110,0,1", "'num_gpu'"),
+        ("7,2,-5,100,resnet18,128,77900,1000,779,711,110,0,1", "'submit_time'"),
+        ("7,2,4000,100,,128,77900,1000,779,711,110,0,1", "'model_name'"),
+        ("7,2,4000,100,resnet18,128,0,1000,779,711,110,0,1", "'duration'"),
+        ("7,2,4000,100,resnet18,128,77900,1000,779,711,110,nan,1", "'resource_time_2'"),
+        ("7,2,4000,100,resnet18,128,77900,1000", "expected 13 fields"),
+    ],
+)
+def test_muri_bad_rows_name_file_line_and_column(tmp_path, row, where):
+    good = MURI_ROW.replace("7,", "1,", 1).format(prio=0)
+    p = write(tmp_path, "bad.csv", MURI_HEADER + "\n" + good + "\n" + row + "\n")
+    with pytest.raises(TraceFormatError) as ei:
+        load_muri(p)
+    assert ei.value.line == 3 and ei.value.path.endswith("bad.csv")
+    assert f"bad.csv:3" in str(ei.value) and where in str(ei.value)
+
+
+def test_muri_missing_column_and_duplicates(tmp_path):
+    p = write(tmp_path, "m.csv", MURI_HEADER.replace(",duration", "") + "\n")
+    with pytest.raises(TraceFormatError, match=r"m\.csv:1: missing column\(s\) 'duration'"):
+        load_muri(p)
+    row = MURI_ROW.format(prio=0)
+    p = write(tmp_path, "d.csv", f"{MURI_HEADER}\n{row}\n{row}\n")
+    with pytest.raises(TraceFormatError, match=r"d\.csv:3: column 'job_id': job '7' already appears on line 2"):
+        load_muri(p)
+    with pytest.raises(TraceFormatError, match="not found"):
+        load_muri(tmp_path / "nope.csv")
+    p = write(tmp_path, "e.csv", MURI_HEADER + "\n")
+    with pytest.raises(TraceFormatError, match="no jobs"):
+        load_muri(p)
+
+
+def test_muri_shared_trace():
+    need(MURI, MURI_CLUSTER)
+    cluster = load_cluster(str(MURI_CLUSTER))
+    jobs, rej = load_muri(MURI, cluster=cluster)
+    assert len(jobs) == 1494 and rej == []
+    assert {j.model for j in jobs} == {"resnet18", "shufflenet_v2_x1_0", "vgg16", "vgg19", "dqn", "a2c", "bert", "gpt2"}
+    assert all(j.qos.gpu_mem_mb is not None and j.resource_profile and len(j.resource_profile) == 3 for j in jobs)
+    assert max(j.qos.gpus for j in jobs) == 32
+    # offered load about 2x on 64 GPUs (README)
+    span = max(j.submit_time for j in jobs) - min(j.submit_time for j in jobs)
+    load = sum(j.qos.gpus * j.duration for j in jobs) / span / cluster.num_gpus
+    assert 1.8 < load < 2.2
+
+
+def test_muri_rejects_jobs_that_never_fit_and_reports_them():
+    need(MURI)
+    small = ClusterSpec.uniform(2, 8, gpu_mem_mb=32768, cpu_cores=64)
+    jobs, rej = load_muri(MURI, cluster=small)
+    assert len(jobs) + len(rej) == 1494
+    assert rej and all("32 GPUs" in reason or "GPUs" in reason for _, reason in rej)
+    assert {j.job_id for j in jobs}.isdisjoint({jid for jid, _ in rej})
+
+
+# ====================================================================== Gavel
+GAVEL_LINE = "ResNet-18 (batch size 32)\tcd %s && python3 main.py\t--num_steps\t1\t{steps}\t{t}\t{sf}"
+
+
+def test_gavel_durations_from_throughputs(tmp_path, table):
+    p = write(tmp_path, "vc.trace", GAVEL_LINE.format(steps=29947, t="0.000000", sf=1) + "\n" + GAVEL_LINE.format(steps=1000, t="12.5", sf=16) + "\n")
+    jobs, rej = load_gavel(p, throughputs=table)
+    assert rej == [] and [j.job_id for j in jobs] == ["vc-0", "vc-1"]
+    j = jobs[0]
+    assert j.duration == pytest.approx(29947 / table.throughput("ResNet-18 (batch size 32)", 1))
+    assert j.model == "ResNet-18 (batch size 32)" and j.batch_size == 32 and j.iterations == 29947
+    assert j.qos.gpus == 1 and j.qos.shareable and j.qos.gpu_mem_mb == 1500.0 and j.qos.cpu_cores == 4.0
+    assert j.meta["throughput_source"] == "measured"
+    assert jobs[1].submit_time == 12.5 and jobs[1].qos.gpus == 16
+    assert "extrapolated" in jobs[1].meta["throughput_source"]
+
+
+def test_gavel_nine_field_form(tmp_path, table):
+    line = "A3C\tcd x\t--max-steps\t0\t5000\t1\t1\t-1\t42"
+    jobs, _ = load_gavel(write(tmp_path, "g.trace", line + "\n"), throughputs=table)
+    assert jobs[0].submit_time == 42.0 and jobs[0].qos.gpus == 1 and jobs[0].meta["SLO"] == -1
+
+
+@pytest.mark.parametrize(
+    "line, where",
+    [
+        ("Nope (batch size 3)\tcd\t-n\t1\t100\t0\t1", "'job_type'"),
+        ("A3C\tcd\t-n\t1\tmany\t0\t1", "'total_steps'"),
+        ("A3C\tcd\t-n\t1\t100\t0\t0", "'scale_factor'"),
+        ("A3C\tcd\t-n\t1\t100\tsoon\t1", "'arrival_time'"),
+        ("A3C\tcd\t-n\t2\t100\t0\t1", "'needs_data_dir'"),
+        ("A3C\tcd\t-n\t1\t100", "7 tab-separated fields"),
+    ],
+)
+def test_gavel_bad_lines(tmp_path, table, line, where):
+    good = "A3C\tcd\t-n\t1\t100\t0\t1"
+    p = write(tmp_path, "bad.trace", good + "\n" + line + "\n")
+    with pytest.raises(TraceFormatError) as ei:
+        load_gavel(p, throughputs=table)
+    assert ei.value.line == 2 and "bad.trace:2" in str(ei.value) and where in str(ei.value)
+
+
+def test_gavel_needs_a_throughput_table(tmp_path):
+    p = write(tmp_path, "g.trace", "A3C\tcd\t-n\t1\t100\t0\t1\n")
+    with pytest.raises(TraceFormatError, match="throughput table"):
+        load_gavel(p, throughputs=tmp_path / "absent.json")
+    with pytest.raises(TraceFormatError, match="directory"):
+        load_gavel(tmp_path)
+
+
+def test_gavel_shared_traces(table):
+    need(GAVEL_DIR)
+    files = sorted(GAVEL_DIR.glob("*.trace"))
+    assert files
+    cluster = load_cluster(str(GAVEL_DIR / "cluster_specs.json"))
+    total = 0
+    for f in files:
+        jobs, rej = load_gavel(f, cluster=cluster, throughputs=table)
+        assert len(jobs) + len(rej) == sum(1 for line in f.read_text().splitlines() if line.strip())
+        assert all(j.duration > 0 and math.isfinite(j.duration) for j in jobs)
+        total += len(jobs) + len(rej)
+    assert total == 15264
+
+
+# ====================================================================== Alibaba
+ALI_HEADER = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time"
+
+
+def test_alibaba_pods_to_jobs(tmp_path):
+    rows = [
+        "p0,12000,16384,1,1000,,LS,Running,0,500,10",
+        "p1,6000,12288,1,460,V100M16,BE,Succeeded,5,100,5",
+        "p2,4000,8192,0,0,,Burstable,Succeeded,7,50,8",
+        "p3,8000,8192,2,1000,T4|P100,Guaranteed,Failed,9,90,9",
+        "p4,11908,47104,1,1000,,BE,Pending,10,125,",
+        "p5,1000,1024,1,1000,,LS,Succeeded,10,10,10",
+    ]
+    p = write(tmp_path, "pods.csv", ALI_HEADER + "\n" + "\n".join(rows) + "\n")
+    jobs, rej = load_alibaba_jobs(p)
+    by = {j.job_id: j for j in jobs}
+    assert set(by) == {"p0", "p1", "p2", "p3"}
+    assert [r[0] for r in rej] == ["p4", "p5"]
+    assert "never scheduled" in rej[0][1] and "not after" in rej[1][1]
+    j0 = by["p0"]
+    assert j0.submit_time == 0 and j0.duration == 490 and j0.meta["censored"]
+    assert j0.qos.cpu_cores == 12 and j0.qos.mem_mb == 16384 and not j0.qos.shareable
+    assert j0.qos.priority is PriorityClass.GUARANTEED and j0.meta["wants_deadline"] is True
+    j1 = by["p1"]
+    assert j1.qos.fractional and j1.qos.gpu_milli == 460 and j1.qos.gpu_model == "V100M16"
+    assert j1.qos.priority is PriorityClass.BEST_EFFORT and j1.meta["wants_deadline"] is False
+    assert by["p2"].qos.gpus == 0 and by["p2"].qos.priority is PriorityClass.NORMAL
+    assert by["p3"].qos.gpus == 2 and by["p3"].qos.gpu_model is None and by["p3"].meta["gpu_spec"] == ["T4", "P100"]
+
+
+def test_alibaba_bad_row(tmp_path):
+    p = write(tmp_path, "pods.csv", ALI_HEADER + "\np0,12000,16384,1,1000,,LS,Running,0,500,10\np1,x,1,1,1000,,LS,Running,0,5,1\n")
+    with pytest.raises(TraceFormatError, match=r"pods\.csv:3: column 'cpu_milli'"):
+        load_alibaba_jobs(p)
+
+
+def test_alibaba_shared_trace():
+    need(ALI_PODS, ALI_NODES)
+    cluster = load_cluster(str(ALI_NODES))
+    jobs, rej = load_alibaba_jobs(ALI_PODS, cluster=cluster)
+    assert len(jobs) + len(rej) == 8152
+    assert len(rej) == 897  # the pending pods: no running time, reported with a reason
+    assert all(reason for _, reason in rej)
+    assert sum(1 for j in jobs if j.qos.fractional) > 1000
+
+
+# ====================================================================== synthetic
+def test_synthetic_distribution_and_determinism(table):
+    a, _ = generate_synthetic(2000, seed=3, table=table)
+    b, _ = generate_synthetic(2000, seed=3, table=table)
+    c, _ = generate_synthetic(2000, seed=4, table=table)
+    key = lambda js: [(j.job_id, j.submit_time, j.duration, j.model, j.qos.gpus) for j in js]  # noqa: E731
+    assert key(a) == key(b) and key(a) != key(c)
+    gpus = [j.qos.gpus for j in a]
+    assert set(gpus) <= set(GPU_CHOICES)
+    assert abs(gpus.count(1) / 2000 - 0.7) < 0.04 and abs(gpus.count(8) / 2000 - 0.05) < 0.02
+    durs = [j.duration for j in a]
+    assert min(durs) >= 60 * 10**1.5 - 1e-6 and max(durs) <= 60 * 10**4 + 1e-6
+    assert abs(sum(1 for d in durs if d > 60 * 10**3) / 2000 - 0.2) < 0.04
+    for j in a:  # every model measured by Gavel at that many GPUs
+        assert j.qos.gpus in table.scales(j.model)
+    assert a[0].submit_time == 0.0 and all(x.submit_time <= y.submit_time for x, y in zip(a, a[1:]))
+
+
+def test_synthetic_same_without_table(table):
+    a, _ = generate_synthetic(300, seed=1, table=table)
+    b, _ = generate_synthetic(300, seed=1, table=None)
+    assert [(j.model, j.duration) for j in a] == [(j.model, j.duration) for j in b]
+
+
+def test_synthetic_rate_and_load():
+    assert mean_gpus() == pytest.approx(1.9)
+    assert 60000 < mean_duration() < 61000
+    r = rate_for_load(1.0, 64)
+    assert r == pytest.approx(64 * 3600 / (1.9 * mean_duration()))
+    jobs, _ = generate_synthetic(3000, seed=0, rate_per_hour=10.0)
+    span = jobs[-1].submit_time - jobs[0].submit_time
+    assert 3000 / (span / 3600) == pytest.approx(10.0, rel=0.1)
+    with pytest.raises(SpecError, match="num_jobs"):
+        generate_synthetic(0)
+    with pytest.raises(SpecError, match="load"):
+        generate_synthetic(10, load=-1.0)
+    with pytest.raises(SpecError, match="rate_per_hour"):
+        generate_synthetic(10, rate_per_hour=0.0)
+
+
+# ====================================================================== deadlines
+def _jobs(n: int) -> list[Job]:
+    return [Job(f"j{i}", float(i), QoSSpec(gpus=1), 100.0 + i) for i in range(n)]
+
+
+def test_deadline_share_and_lambda_bounds():
+    out = assign_deadlines(_jobs(4000), share=0.5, seed=7)
+    with_dl = [j for j in out if j.qos.deadline is not None]
+    assert abs(len(with_dl) / 4000 - 0.5) < 0.03
+    for j in with_dl:
+        lam = j.qos.deadline / j.duration
+        assert 1.2 <= lam <= 3.0 and lam == pytest.approx(j.meta["deadline_lambda"])
+        assert j.qos.priority is PriorityClass.GUARANTEED
+        assert j.deadline == pytest.approx(j.submit_time + j.qos.deadline)
+    assert all(j.qos.priority is PriorityClass.BEST_EFFORT for j in out if j.qos.deadline is None)
+    lams = sorted(j.meta["deadline_lambda"] for j in with_dl)
+    assert lams[len(lams) // 2] == pytest.approx(2.1, abs=0.1)
+    assert all(len(assign_deadlines(_jobs(50), share=s, seed=1)) == 50 for s in (0.0, 1.0))
+    assert not any(j.qos.deadline for j in assign_deadlines(_jobs(50), share=0.0))
+    assert all(j.qos.deadline for j in assign_deadlines(_jobs(50), share=1.0))
+
+
+def test_deadlines_deterministic_and_stable_under_truncation():
+    a = assign_deadlines(_jobs(300), seed=5)
+    b = assign_deadlines(_jobs(300), seed=5)
+    c = assign_deadlines(_jobs(300), seed=6)
+    t = assign_deadlines(_jobs(300)[100:], seed=5)
+    dl = lambda js: [(j.job_id, j.qos.deadline) for j in js]  # noqa: E731
+    assert dl(a) == dl(b) and dl(a) != dl(c)
+    assert dl(t) == dl(a)[100:]
+    assert deadline_factor("j3", 5) == deadline_factor("j3", 5)
+
+
+def test_deadlines_respect_the_trace():
+    base = _jobs(4)
+    forced = [
+        Job(j.job_id, j.submit_time, j.qos.with_(priority=p), j.duration,
+            meta={"wants_deadline": w, "priority_from_trace": True})
+        for j, (w, p) in zip(base, [(True, "guaranteed"), (False, "best-effort"), (False, "normal"), (None, "normal")])
+    ]
+    out = assign_deadlines(forced, share=0.0, seed=0)
+    assert out[0].qos.deadline is not None and out[1].qos.deadline is None and out[2].qos.deadline is None
+    assert out[2].qos.priority is PriorityClass.NORMAL  # kept: the trace said so
+    assert out[3].qos.deadline is None and out[3].qos.priority is PriorityClass.NORMAL
+    assert forced[0].qos.deadline is None  # inputs untouched
+
+
+def test_deadline_arguments_are_checked():
+    with pytest.raises(SpecError, match="deadline_share"):
+        assign_deadlines(_jobs(2), share=1.5)
+    with pytest.raises(SpecError, match="deadline_lambda"):
+        assign_deadlines(_jobs(2), lam=(0.5, 2.0))
+
+
+# ====================================================================== load_workload
+def test_load_workload_synthetic_default():
+    cluster = load_cluster("8x8")
+    w = load_workload("synthetic", "synthetic", cluster=cluster, seed=0)
+    assert len(w.jobs) == 400 and w.rejected == [] and w.cluster_hint == "8x8"
+    assert 0.4 < w.info["with_deadline"] / 400 < 0.6
+    w2 = load_workload("synthetic", "synthetic", cluster=cluster, seed=0)
+    assert [(j.job_id, j.qos.deadline, j.duration) for j in w.jobs] == [(j.job_id, j.qos.deadline, j.duration) for j in w2.jobs]
+    w3 = load_workload("synthetic", "synthetic", cluster=cluster, seed=0, num_jobs=50, deadline_share=0.0)
+    assert len(w3.jobs) == 50 and not any(j.qos.deadline for j in w3.jobs)
+
+
+def test_load_workload_formats_and_errors(tmp_path):
+    cluster = load_cluster("8x8")
+    with pytest.raises(UnknownNameError, match="unknown trace format 'csv'"):
+        load_workload("x", "csv", cluster=cluster)
+    assert isinstance(UnknownNameError("a", "b", []), QosflowError)
+    assert set(FORMATS) == {"muri", "gavel", "alibaba", "synthetic"}
+    with pytest.raises(SpecError, match="ClusterSpec"):
+        load_workload("synthetic", "synthetic", cluster="8x8")  # type: ignore[arg-type]
+
+
+def test_load_workload_muri_shared():
+    need(MURI, MURI_CLUSTER)
+    w = load_workload(str(MURI), "muri", cluster=load_cluster(str(MURI_CLUSTER)), seed=1)
+    assert len(w.jobs) == 1494 and w.cluster_hint and w.cluster_hint.endswith("muri_cluster_n8g8.csv")
+    assert all(x.submit_time <= y.submit_time for x, y in zip(w.jobs, w.jobs[1:]))
+    # without a deadline, the trace's priority column is kept (0 -> normal, 1 -> best-effort)
+    kept = {(j.meta["trace_priority"], j.qos.priority) for j in w.jobs if j.qos.deadline is None}
+    assert kept == {(0, PriorityClass.NORMAL), (1, PriorityClass.BEST_EFFORT)}
