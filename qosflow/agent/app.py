@@ -1,0 +1,199 @@
+"""The agent's HTTP API (FastAPI). All routes need `Authorization: Bearer <token>`.
+
+    GET    /v1/health                      heartbeat: host, boot id, running stages
+    GET    /v1/inventory                   GPUs (NVML or virtual), cores, memory, labels
+    GET    /v1/stages                      every stage this agent knows
+    POST   /v1/stages                      launch {stage_id, command, env, cwd, cpuset, labels}; 409 if the id exists
+    GET    /v1/stages/{id}                 status (state running|exited, returncode, signal, killed_reason)
+    GET    /v1/stages/{id}/wait?timeout=S  long-poll until it exits (or S seconds)
+    GET    /v1/stages/{id}/logs?offset=&follow=   stream its output
+    PUT    /v1/stages/{id}/cpuset          move it to other cores {cpuset: [...]}
+    DELETE /v1/stages/{id}?reason=&grace=  kill it (SIGTERM, then SIGKILL after `grace` s); idempotent
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import os
+import socket
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from qosflow.agent.gpus import GpuSource
+from qosflow.agent.runner import Runner, usable_cpus
+
+
+@dataclass
+class AgentConfig:
+    token: str
+    name: str = field(default_factory=socket.gethostname)
+    virtual_gpus: int | None = None
+    gpu_mem_mb: float = 16_384.0
+    cpu_cores: float | None = None  # declared cores; default: the cores this process may use
+    mem_mb: float | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    workdir: Path | None = None
+    #: kill every running stage when no authenticated request (heartbeat) came for this long
+    fence_after_s: float | None = None
+    #: skip NVML detection (used when many virtual agents share one process)
+    force_virtual: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            from qosflow.errors import SpecError
+
+            raise SpecError("token", "the agent needs a secret token (--token or --token-file); requests without it get 401")
+
+
+class LaunchRequest(BaseModel):
+    stage_id: str = Field(min_length=1, max_length=250)
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    cpuset: list[int] | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class CpusetRequest(BaseModel):
+    cpuset: list[int] = Field(min_length=1)
+
+
+def _mem_mb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    except (ValueError, OSError):
+        return 0.0
+
+
+def create_app(cfg: AgentConfig) -> FastAPI:
+    if cfg.force_virtual:
+        gpus = GpuSource(nvml=False, count=int(cfg.virtual_gpus or 0), virtual_mem_mb=cfg.gpu_mem_mb, note="no GPU: virtual GPUs")
+    else:
+        gpus = GpuSource.detect(cfg.virtual_gpus, virtual_mem_mb=cfg.gpu_mem_mb)
+    workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix=f"qosflow-agent-{cfg.name}-"))
+    runner = Runner(workdir)
+    boot_id = uuid.uuid4().hex
+    boot_time = time.time()
+    token = cfg.token.encode()
+    state = {"last_contact": time.time()}
+
+    async def check_token(request: Request) -> None:
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not given or not hmac.compare_digest(given.encode(), token):
+            raise HTTPException(401, "missing or wrong agent token", headers={"WWW-Authenticate": "Bearer"})
+        state["last_contact"] = time.time()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        fence = asyncio.create_task(_fence_loop()) if cfg.fence_after_s else None
+        try:
+            yield
+        finally:
+            if fence:
+                fence.cancel()
+            await runner.kill_all("agent shutting down")
+
+    async def _fence_loop() -> None:
+        assert cfg.fence_after_s
+        tick = min(0.5, cfg.fence_after_s / 4)
+        last_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            frozen, last_tick = now - last_tick - tick, now
+            silent = time.time() - state["last_contact"]
+            if not runner.running():
+                continue
+            if frozen > cfg.fence_after_s:
+                # this process was stopped (host frozen, SIGSTOP): the worker has given up on us
+                await runner.kill_all(f"fenced: the agent was frozen for {frozen:.1f}s (> {cfg.fence_after_s:g}s)")
+            elif silent > cfg.fence_after_s:
+                await runner.kill_all(f"fenced: no heartbeat from the worker for {silent:.1f}s (> {cfg.fence_after_s:g}s)")
+
+    app = FastAPI(title=f"qosflow agent {cfg.name}", dependencies=[Depends(check_token)], lifespan=lifespan)
+    app.state.runner = runner
+    app.state.cfg = cfg
+
+    def _get(stage_id: str):
+        st = runner.stages.get(stage_id)
+        if st is None:
+            raise HTTPException(404, f"no stage {stage_id!r} on agent {cfg.name} (boot {boot_id})")
+        return st
+
+    @app.get("/v1/health")
+    async def health() -> dict:
+        return {
+            "host": cfg.name,
+            "boot_id": boot_id,
+            "time": time.time(),
+            "uptime_s": time.time() - boot_time,
+            "running": [s.stage_id for s in runner.running()],
+        }
+
+    @app.get("/v1/inventory")
+    async def inventory() -> dict:
+        cpus = usable_cpus()
+        return {
+            "host": cfg.name,
+            "boot_id": boot_id,
+            "virtual": gpus.virtual,
+            "note": gpus.note,
+            "gpus": gpus.report(),
+            "gpu_mem_mb": cfg.gpu_mem_mb if gpus.virtual else None,
+            "cpu_cores": cfg.cpu_cores if cfg.cpu_cores is not None else float(len(cpus)),
+            "cpus_usable": cpus,
+            "mem_mb": cfg.mem_mb if cfg.mem_mb is not None else _mem_mb(),
+            "labels": cfg.labels,
+            "running": [s.stage_id for s in runner.running()],
+        }
+
+    @app.get("/v1/stages")
+    async def stages() -> list[dict]:
+        return [s.status() for s in runner.stages.values()]
+
+    @app.post("/v1/stages", status_code=201)
+    async def launch(req: LaunchRequest):
+        if req.stage_id in runner.stages:
+            # idempotent for the worker: the same attempt is never started twice
+            return JSONResponse(status_code=409, content={"detail": f"stage {req.stage_id!r} exists", "status": runner.stages[req.stage_id].status()})
+        st = await runner.launch(req.stage_id, req.command, env=req.env, cwd=req.cwd, cpuset=req.cpuset, labels=req.labels)
+        return st.status()
+
+    @app.get("/v1/stages/{stage_id}")
+    async def status(stage_id: str) -> dict:
+        return _get(stage_id).status()
+
+    @app.get("/v1/stages/{stage_id}/wait")
+    async def wait(stage_id: str, timeout: float = 30.0) -> dict:
+        st = _get(stage_id)
+        await runner.wait(st, max(0.0, min(timeout, 300.0)))
+        return st.status()
+
+    @app.get("/v1/stages/{stage_id}/logs")
+    async def logs(stage_id: str, offset: int = 0, follow: bool = True):
+        st = _get(stage_id)
+        return StreamingResponse(runner.follow(st, offset, follow), media_type="text/plain; charset=utf-8")
+
+    @app.put("/v1/stages/{stage_id}/cpuset")
+    async def cpuset(stage_id: str, req: CpusetRequest) -> dict:
+        st = _get(stage_id)
+        runner.set_cpuset(st, req.cpuset)
+        return st.status()
+
+    @app.delete("/v1/stages/{stage_id}")
+    async def kill(stage_id: str, reason: str = "cancelled", grace: float = 5.0) -> dict:
+        st = _get(stage_id)
+        await runner.kill(st, reason, max(0.0, min(grace, 60.0)))
+        return st.status()
+
+    return app

@@ -1,0 +1,254 @@
+"""Start, follow and stop stage processes on this host.
+
+Each stage runs in its own process group (so a kill reaches its children), with the environment the
+worker sent (the placement's `CUDA_VISIBLE_DEVICES`, `OMP_NUM_THREADS`, `QOSFLOW_PLACEMENT`...), pinned
+to its CPU cores with `sched_setaffinity` before it executes, and with `PR_SET_PDEATHSIG` so that it
+dies with the agent: a lost agent never leaves a stage running that the worker will start elsewhere.
+Output (stdout and stderr together) goes to a log file that `logs()` follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+_PR_SET_PDEATHSIG = 1
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+#: environment variables of the agent that a stage must never see
+_SECRET_ENV = ("QOSFLOW_AGENT_TOKEN",)
+
+
+def usable_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def map_cpuset(requested: list[int] | None, usable: list[int]) -> list[int] | None:
+    """The cores to pin to. Requested core ids that exist here are kept; a host that declares more
+    cores than it has (a virtual host on a small machine) gets its ids folded onto the real ones
+    (id mod count). The status reports both sets, so nothing is hidden."""
+    if not requested:
+        return None
+    present = [c for c in requested if c in usable]
+    if len(present) == len(requested):
+        return sorted(set(present))
+    return sorted({usable[c % len(usable)] for c in requested})
+
+
+@dataclass
+class StageProc:
+    stage_id: str
+    command: list[str]
+    log_path: Path
+    labels: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    cpuset_requested: list[int] | None = None
+    cpuset: list[int] | None = None
+    pid: int | None = None
+    started_at: float = 0.0
+    ended_at: float | None = None
+    returncode: int | None = None
+    killed_reason: str | None = None
+    error: str | None = None
+    proc: asyncio.subprocess.Process | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def running(self) -> bool:
+        return self.ended_at is None
+
+    def status(self) -> dict:
+        sig = -self.returncode if self.returncode is not None and self.returncode < 0 else None
+        return {
+            "stage_id": self.stage_id,
+            "state": "running" if self.running else "exited",
+            "pid": self.pid,
+            "command": self.command,
+            "labels": self.labels,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "returncode": self.returncode,
+            "signal": signal.Signals(sig).name if sig else None,
+            "killed_reason": self.killed_reason,
+            "error": self.error,
+            "cpuset_requested": self.cpuset_requested,
+            "cpuset": self.cpuset,
+        }
+
+
+class Runner:
+    """All stages of one agent. Lives on the agent's event loop."""
+
+    def __init__(self, workdir: Path, *, max_records: int = 10_000):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.stages: dict[str, StageProc] = {}
+        self.max_records = max_records
+        self._usable = usable_cpus()
+
+    # ------------------------------------------------------------------ launch
+    async def launch(
+        self,
+        stage_id: str,
+        command: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        cpuset: list[int] | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> StageProc:
+        if stage_id in self.stages:
+            raise KeyError(stage_id)
+        self._prune()
+        log_path = self.workdir / f"{_SAFE.sub('_', stage_id)[:150]}.log"
+        st = StageProc(
+            stage_id=stage_id,
+            command=list(command),
+            log_path=log_path,
+            labels=dict(labels or {}),
+            cwd=cwd,
+            cpuset_requested=list(cpuset) if cpuset else None,
+            cpuset=map_cpuset(cpuset, self._usable),
+        )
+        self.stages[stage_id] = st
+        child_env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}
+        child_env.update(env or {})
+        child_env["QOSFLOW_STAGE_ID"] = stage_id
+        if st.cpuset:
+            child_env.setdefault("QOSFLOW_CPUSET", ",".join(map(str, st.cpuset)))
+        cpus = st.cpuset
+
+        def _pre_exec() -> None:  # runs in the child between fork and exec
+            try:
+                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            except Exception:
+                pass
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        st.started_at = time.time()
+        logf = open(log_path, "ab", buffering=0)
+        try:
+            st.proc = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=logf,
+                stderr=asyncio.subprocess.STDOUT,
+                env=child_env,
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=_pre_exec,
+            )
+        except (OSError, ValueError) as exc:  # command not found, bad cwd...
+            logf.write(f"qosflow agent: cannot start {command!r}: {exc}\n".encode())
+            logf.close()
+            st.error = f"cannot start {command[0] if command else '(empty command)'!r}: {exc}"
+            st.returncode = 127
+            st.ended_at = time.time()
+            st.done.set()
+            return st
+        logf.close()
+        st.pid = st.proc.pid
+        asyncio.get_running_loop().create_task(self._reap(st))
+        return st
+
+    async def _reap(self, st: StageProc) -> None:
+        assert st.proc is not None
+        rc = await st.proc.wait()
+        st.returncode = rc
+        st.ended_at = time.time()
+        st.done.set()
+
+    def _prune(self) -> None:
+        if len(self.stages) < self.max_records:
+            return
+        finished = sorted((s for s in self.stages.values() if not s.running), key=lambda s: s.ended_at or 0)
+        for s in finished[: len(self.stages) - self.max_records + 1]:
+            self.stages.pop(s.stage_id, None)
+
+    # ------------------------------------------------------------------ control
+    async def wait(self, st: StageProc, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(st.done.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def kill(self, st: StageProc, reason: str, grace: float = 5.0) -> None:
+        if not st.running:
+            return
+        if st.killed_reason is None:
+            st.killed_reason = reason
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(st.pid, sig)  # type: ignore[arg-type]
+            except ProcessLookupError:
+                return
+            await self.wait(st, wait)
+            if not st.running:
+                return
+
+    async def kill_all(self, reason: str, grace: float = 2.0) -> None:
+        await asyncio.gather(*(self.kill(s, reason, grace) for s in list(self.stages.values()) if s.running))
+
+    def set_cpuset(self, st: StageProc, cpuset: list[int]) -> list[int]:
+        eff = map_cpuset(cpuset, self._usable) or self._usable
+        if st.running and st.pid:
+            # the whole process group: every thread of every process we started
+            for pid in _group_pids(st.pid):
+                for tid in _threads(pid):
+                    try:
+                        os.sched_setaffinity(tid, eff)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+        st.cpuset_requested, st.cpuset = list(cpuset), eff
+        return eff
+
+    def running(self) -> list[StageProc]:
+        return [s for s in self.stages.values() if s.running]
+
+    # ------------------------------------------------------------------ logs
+    async def follow(self, st: StageProc, offset: int = 0, follow: bool = True) -> AsyncIterator[bytes]:
+        pos = offset
+        while True:
+            finished = not st.running
+            try:
+                with open(st.log_path, "rb") as f:
+                    f.seek(pos)
+                    chunk = f.read(1 << 16)
+            except FileNotFoundError:
+                chunk = b""
+            if chunk:
+                pos += len(chunk)
+                yield chunk
+                continue
+            if finished or not follow:
+                return
+            try:
+                await asyncio.wait_for(st.done.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+
+
+def _group_pids(pgid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.getpgid(int(d)) == pgid:
+                    out.append(int(d))
+            except ProcessLookupError:
+                pass
+    return out
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return []

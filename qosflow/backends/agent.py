@@ -1,0 +1,560 @@
+"""Bare-metal hosts through qosflow agents (`qosflow agent start` on each host), over HTTP with httpx.
+
+The worker side of `qosflow.agent`: it polls every agent's inventory (NVML or virtual GPUs), keeps a
+heartbeat per host, launches each stage (every host of a gang at once) with the placement's
+environment and CPU cores, follows it with a long-poll, and turns how it ended into an `ExitStatus`
+(`qosflow.failures.classify_process_exit`). A host that stops answering heartbeats is marked down,
+and every stage on it ends with `ExitKind.INFRA` so that the worker reschedules it elsewhere; the
+agent's stages die with it (PR_SET_PDEATHSIG), and `--fence-after` on the agent covers a network
+split, so a stage is never running in two places.
+
+A cluster file (`load_cluster_file`) lists the hosts: the same fields as the bare-metal cluster
+block (hosts, GPUs per host, GPU memory, cores, agent URL, secret token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterable
+
+import httpx
+
+from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle, placement_env
+from qosflow.core.cluster import ClusterSpec, NodeSpec
+from qosflow.errors import QosflowError, SpecError
+
+log = logging.getLogger("qosflow.backends.agent")
+
+
+class AgentAuthError(QosflowError):
+    """An agent answered 401: the worker's token is not the one the agent was started with."""
+
+
+@dataclass
+class AgentHost:
+    """One host of a bare-metal cluster: its agent URL and (optionally) declared resources."""
+
+    name: str
+    url: str
+    gpus: int | None = None
+    gpu_mem_mb: float | None = None
+    cpu_cores: float | None = None
+    mem_mb: float | None = None
+    gpu_model: str | None = None
+    switch: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class HostState:
+    """What the worker knows about a host right now."""
+
+    name: str
+    url: str
+    up: bool = False
+    error: str = "not contacted yet"
+    boot_id: str | None = None
+    virtual: bool = True
+    note: str = ""
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    cpu_cores: float = 0.0
+    mem_mb: float = 0.0
+    labels: dict[str, str] = field(default_factory=dict)
+    running: list[str] = field(default_factory=list)
+    last_ok: float | None = None
+    down_since: float | None = None
+    reported: bool = False  # has answered /v1/inventory at least once
+    #: the last failure was a refused connection (the agent process is gone, and its stages with it)
+    refused: bool = False
+    #: set (and replaced) whenever the host goes down or its agent restarts
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class ClusterSnapshot:
+    hosts: list[HostState]
+    at: float
+    elapsed_s: float
+
+    @property
+    def up(self) -> list[HostState]:
+        return [h for h in self.hosts if h.up]
+
+
+class AgentBackend(Backend):
+    """Stages on bare-metal hosts, one qosflow agent per host."""
+
+    name = "agent"
+
+    def __init__(
+        self,
+        hosts: Iterable[AgentHost],
+        token: str,
+        *,
+        heartbeat_s: float = 2.0,
+        request_timeout_s: float = 5.0,
+        poll_s: float = 20.0,
+        kill_grace_s: float = 5.0,
+        fence_after_s: float | None = None,
+        cluster_name: str = "agents",
+    ):
+        self.hosts = {h.name: h for h in hosts}
+        if not self.hosts:
+            raise SpecError("hosts", "an agent cluster needs at least one host")
+        if not token:
+            raise SpecError("token", "the agents' secret token is empty")
+        self.heartbeat_s = float(heartbeat_s)
+        self.poll_s = poll_s
+        self.kill_grace_s = kill_grace_s
+        #: the agents' --fence-after: a silent (not refused) host's stages count as stopped only then
+        self.fence_after_s = fence_after_s
+        self.cluster_name = cluster_name
+        self.state = {h.name: HostState(h.name, h.url.rstrip("/")) for h in self.hosts.values()}
+        headers = {"Authorization": f"Bearer {token}"}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        self._client = httpx.AsyncClient(headers=headers, timeout=request_timeout_s, limits=limits)
+        self._hb = httpx.AsyncClient(headers=headers, timeout=max(0.2, self.heartbeat_s / 2), limits=limits)
+        self._beat_task: asyncio.Task | None = None
+        self.events: list[tuple[float, str, str]] = []  # (time, host, "down: why" | "up" | "restarted")
+
+    @classmethod
+    def from_cluster(cls, cluster: ClusterSpec, token: str, **kw: Any) -> "AgentBackend":
+        """Hosts from a ClusterSpec whose nodes carry their agent URL in `address`."""
+        missing = [n.name for n in cluster.nodes if not n.address]
+        if missing:
+            raise SpecError("address", f"nodes {', '.join(missing)} have no agent URL", where=f"cluster {cluster.name}")
+        hosts = [
+            AgentHost(n.name, n.address or "", n.gpus, n.gpu_mem_mb, n.cpu_cores, n.mem_mb, n.gpu_model, n.switch, dict(n.labels))
+            for n in cluster.nodes
+        ]
+        return cls(hosts, token, cluster_name=cluster.name, **kw)
+
+    # ------------------------------------------------------------------ heartbeats
+    async def start(self) -> None:
+        """Start the heartbeat loop (also started by the first launch/wait/inventory)."""
+        if self._beat_task is None or self._beat_task.done():
+            self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
+
+    async def _beat_loop(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            await asyncio.gather(*(self._probe(h) for h in self.state.values()), return_exceptions=True)
+            await asyncio.sleep(max(0.0, self.heartbeat_s - (time.monotonic() - t0)))
+
+    def _changed(self, h: HostState) -> None:
+        h.changed.set()
+        h.changed = asyncio.Event()
+
+    def _mark_down(self, h: HostState, why: str) -> None:
+        h.error = why
+        if h.up or h.down_since is None:
+            h.up = False
+            h.down_since = time.time()
+            self.events.append((h.down_since, h.name, f"down: {why}"))
+            log.warning("host %s is down: %s", h.name, why)
+            self._changed(h)
+
+    def _mark_up(self, h: HostState, boot_id: str) -> None:
+        restarted = h.boot_id is not None and boot_id != h.boot_id
+        h.boot_id = boot_id
+        h.last_ok = time.time()
+        h.error = ""
+        if restarted:
+            self.events.append((time.time(), h.name, "restarted"))
+            log.warning("agent on host %s restarted: its stages are lost", h.name)
+        if not h.up:
+            h.up = True
+            h.down_since = None
+            self.events.append((time.time(), h.name, "up"))
+        if restarted:
+            self._changed(h)
+
+    async def _probe(self, h: HostState, timeout: float | None = None) -> bool:
+        try:
+            r = await self._hb.get(f"{h.url}/v1/health", timeout=timeout or max(0.2, self.heartbeat_s / 2))
+        except httpx.HTTPError as exc:
+            h.refused = isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower()
+            self._mark_down(h, f"no heartbeat ({type(exc).__name__} from {h.url})")
+            return False
+        if r.status_code == 401:
+            self._mark_down(h, "the agent rejected our token (401): the worker and agent tokens differ")
+            return False
+        if r.status_code != 200:
+            self._mark_down(h, f"heartbeat answered HTTP {r.status_code}")
+            return False
+        data = r.json()
+        if data.get("host") and data["host"] != h.name:
+            self._mark_down(h, f"{h.url} is agent {data['host']!r}, not {h.name!r}: fix the cluster file")
+            return False
+        h.running = list(data.get("running", []))
+        self._mark_up(h, data["boot_id"])
+        return True
+
+    async def healthy_nodes(self) -> set[str]:
+        await self.start()
+        return {h.name for h in self.state.values() if h.up}
+
+    # ------------------------------------------------------------------ inventory
+    async def _inventory_one(self, h: HostState, timeout: float) -> None:
+        try:
+            r = await self._client.get(f"{h.url}/v1/inventory", timeout=timeout)
+        except httpx.HTTPError as exc:
+            self._mark_down(h, f"{type(exc).__name__} from {h.url}")
+            return
+        if r.status_code == 401:
+            self._mark_down(h, "the agent rejected our token (401)")
+            return
+        if r.status_code != 200:
+            self._mark_down(h, f"inventory answered HTTP {r.status_code}")
+            return
+        d = r.json()
+        h.virtual, h.note, h.gpus = bool(d["virtual"]), d.get("note", ""), list(d["gpus"])
+        h.cpu_cores, h.mem_mb, h.labels = float(d["cpu_cores"]), float(d.get("mem_mb") or 0), dict(d.get("labels") or {})
+        h.running = list(d.get("running", []))
+        h.reported = True
+        self._mark_up(h, d["boot_id"])
+
+    async def refresh(self, timeout: float = 1.0) -> ClusterSnapshot:
+        """Ask every agent for its GPUs, cores and running stages, all at once."""
+        t0 = time.perf_counter()
+        await asyncio.gather(*(self._inventory_one(h, timeout) for h in self.state.values()))
+        return ClusterSnapshot(list(self.state.values()), time.time(), time.perf_counter() - t0)
+
+    async def inventory(self) -> ClusterSpec:
+        if not any(h.reported for h in self.state.values()):
+            await self.refresh(timeout=5.0)
+        await self.start()
+        nodes = []
+        for name, decl in self.hosts.items():
+            h = self.state[name]
+            if h.reported:
+                gpus = len(h.gpus)
+                mem = float(h.gpus[0]["memory_total_mb"]) if h.gpus else (decl.gpu_mem_mb or 16_384.0)
+                model = decl.gpu_model or (h.gpus[0]["name"] if h.gpus else "generic")
+                if decl.gpus is not None and decl.gpus != gpus:
+                    log.warning("host %s: cluster file declares %d GPUs, its agent reports %d; using the agent's", name, decl.gpus, gpus)
+                cores = decl.cpu_cores or h.cpu_cores or 1.0
+                virtual = h.virtual
+            else:  # never answered: the declared size, marked down by the heartbeats
+                gpus, mem, model = decl.gpus or 0, decl.gpu_mem_mb or 16_384.0, decl.gpu_model or "generic"
+                cores, virtual = decl.cpu_cores or 1.0, True
+            nodes.append(
+                NodeSpec(
+                    name=name, gpus=gpus, gpu_mem_mb=mem, cpu_cores=cores, mem_mb=decl.mem_mb or h.mem_mb or 262_144.0,
+                    switch=decl.switch, gpu_model=model, virtual=virtual, address=h.url, labels={**h.labels, **decl.labels},
+                )
+            )
+        return ClusterSpec(tuple(nodes), name=self.cluster_name)
+
+    # ------------------------------------------------------------------ launch
+    def _host_for(self, node: NodeSpec) -> HostState:
+        if node.name in self.state:
+            return self.state[node.name]
+        for h in self.state.values():
+            if node.address and h.url == node.address.rstrip("/"):
+                return h
+        raise SpecError("node", f"node {node.name!r} is not a host of agent cluster {self.cluster_name!r}")
+
+    async def launch(self, spec: LaunchSpec) -> StageHandle:
+        await self.start()
+        p = spec.placement
+        nodes = list(p.nodes)
+        names = [spec.cluster.nodes[i].name for i in nodes]
+        parts: list[dict[str, Any]] = []
+        bodies = []
+        for rank, idx in enumerate(nodes):
+            node = spec.cluster.nodes[idx]
+            h = self._host_for(node)
+            cpuset = spec.cpusets.get(idx)
+            env = placement_env(p, spec.cluster, idx, cpuset)
+            env.update(spec.env)
+            env.update({"QOSFLOW_GANG_RANK": str(rank), "QOSFLOW_GANG_SIZE": str(len(nodes)), "QOSFLOW_GANG_HOSTS": ",".join(names)})
+            parts.append({"host": h.name, "url": h.url, "node": idx, "stage_id": spec.stage_id, "boot_id": None, "pid": None})
+            bodies.append({"stage_id": spec.stage_id, "command": spec.command, "env": env, "cwd": spec.cwd, "cpuset": cpuset, "labels": spec.labels})
+        handle = StageHandle(spec.stage_id, self.name, names[0], {"parts": parts, "launched_at": time.time(), "launch_error": None})
+        results = await asyncio.gather(*(self._post(part, body) for part, body in zip(parts, bodies)))
+        errors = [e for e in results if e]
+        if errors:
+            # a gang starts whole or not at all
+            await self.kill(handle, reason="gang launch failed")
+            handle.ref["launch_error"] = "; ".join(errors)
+        return handle
+
+    async def _post(self, part: dict[str, Any], body: dict[str, Any]) -> str | None:
+        h = self.state[part["host"]]
+        if h.reported and not h.up:
+            return f"host {h.name} is down ({h.error})"
+        try:
+            r = await self._client.post(f"{h.url}/v1/stages", json=body)
+        except httpx.HTTPError as exc:
+            self._mark_down(h, f"{type(exc).__name__} on launch")
+            return f"cannot reach the agent of host {h.name} at {h.url} ({type(exc).__name__})"
+        if r.status_code == 401:
+            raise AgentAuthError(f"agent {h.name} at {h.url} rejected the token (401): give the worker the cluster's token")
+        if r.status_code in (201, 409):  # 409: this very attempt is already there; adopt it, never start it twice
+            st = r.json() if r.status_code == 201 else r.json()["status"]
+            part["pid"] = st.get("pid")
+            if h.boot_id is None:
+                await self._probe(h)
+            part["boot_id"] = h.boot_id
+            return None
+        return f"agent {h.name} refused the launch: HTTP {r.status_code} {r.text[:200]}"
+
+    async def adopt(self, stage_id: str, hosts: list[str]) -> StageHandle | None:
+        """Find an attempt a previous worker started (from its lease) and return a handle to it."""
+        parts = []
+        for name in hosts:
+            h = self.state[name]
+            try:
+                r = await self._client.get(f"{h.url}/v1/stages/{stage_id}")
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                await self._probe(h)
+                parts.append({"host": name, "url": h.url, "node": None, "stage_id": stage_id, "boot_id": h.boot_id, "pid": r.json().get("pid")})
+        if not parts:
+            return None
+        return StageHandle(stage_id, self.name, parts[0]["host"], {"parts": parts, "launched_at": None, "launch_error": None})
+
+    # ------------------------------------------------------------------ wait
+    async def wait(self, handle: StageHandle) -> ExitStatus:
+        await self.start()
+        if handle.ref.get("launch_error"):
+            return ExitStatus(ExitKind.INFRA, None, f"launch failed: {handle.ref['launch_error']}")
+        parts = handle.ref["parts"]
+        tasks = [asyncio.ensure_future(self._wait_part(part)) for part in parts]
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    st = t.result()
+                    if not st.ok:
+                        if pending:
+                            await self.kill(handle, reason=f"gang member failed: {st.reason}")
+                        return st
+            return ExitStatus(ExitKind.OK, 0, "")
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _wait_part(self, part: dict[str, Any]) -> ExitStatus:
+        from qosflow.failures import classify_process_exit
+
+        h = self.state[part["host"]]
+        if h.boot_id is None:
+            await self._probe(h)
+        if part.get("boot_id") is None:
+            part["boot_id"] = h.boot_id
+        while True:
+            if not h.up:
+                if not h.refused and self.fence_after_s and h.last_ok:
+                    # silent, not gone: its agent may still run the stage until its fence fires
+                    await asyncio.sleep(max(0.0, h.last_ok + self.fence_after_s - time.time()))
+                return ExitStatus(ExitKind.INFRA, None, f"host {h.name} lost: {h.error}")
+            if h.boot_id != part["boot_id"]:
+                return ExitStatus(ExitKind.INFRA, None, f"the agent on host {h.name} restarted; stage {part['stage_id']} was lost with it")
+            changed = h.changed
+            poll = asyncio.ensure_future(
+                self._client.get(f"{h.url}/v1/stages/{part['stage_id']}/wait", params={"timeout": self.poll_s}, timeout=self.poll_s + 5)
+            )
+            flag = asyncio.ensure_future(changed.wait())
+            done, _ = await asyncio.wait({poll, flag}, return_when=asyncio.FIRST_COMPLETED)
+            flag.cancel()
+            if poll not in done:
+                poll.cancel()
+                continue  # host state changed: re-check at the top
+            try:
+                r = poll.result()
+            except httpx.HTTPError:
+                # the connection broke: an agent that died closes it at once; confirm with a probe
+                if not await self._probe(h, timeout=max(0.2, self.heartbeat_s / 2)):
+                    continue
+                await asyncio.sleep(0.05)
+                continue
+            if r.status_code == 404:
+                return ExitStatus(ExitKind.INFRA, None, f"host {h.name} no longer knows stage {part['stage_id']} (agent restarted)")
+            if r.status_code == 401:
+                raise AgentAuthError(f"agent {h.name} rejected the token (401)")
+            if r.status_code != 200:
+                await asyncio.sleep(0.2)
+                continue
+            s = r.json()
+            if s["state"] == "exited":
+                st = classify_process_exit(s.get("returncode"), killed_reason=s.get("killed_reason"), error=s.get("error"))
+                where = f"on host {h.name}"
+                return ExitStatus(st.kind, st.code, f"{st.reason} {where}" if st.reason else "")
+
+    # ------------------------------------------------------------------ control
+    async def kill(self, handle: StageHandle, reason: str = "cancelled") -> None:
+        async def one(part: dict[str, Any]) -> None:
+            h = self.state[part["host"]]
+            try:
+                await self._client.delete(
+                    f"{h.url}/v1/stages/{part['stage_id']}",
+                    params={"reason": reason, "grace": self.kill_grace_s},
+                    timeout=self.kill_grace_s + 10,
+                )
+            except httpx.HTTPError:
+                pass  # host gone: its stages died with its agent (or its fence)
+
+        await asyncio.gather(*(one(p) for p in handle.ref.get("parts", [])))
+
+    async def logs(self, handle: StageHandle) -> AsyncIterator[str]:
+        """Follow rank 0's output (stdout and stderr) line by line until the stage ends."""
+        part = handle.ref["parts"][0]
+        h = self.state[part["host"]]
+        async with self._client.stream("GET", f"{h.url}/v1/stages/{part['stage_id']}/logs", params={"follow": True}, timeout=None) as r:
+            if r.status_code != 200:
+                return
+            async for line in r.aiter_lines():
+                yield line
+
+    async def set_cpus(self, handle: StageHandle, node: int, cpuset: list[int]) -> None:
+        for part in handle.ref["parts"]:
+            if part.get("node") == node or len(handle.ref["parts"]) == 1:
+                h = self.state[part["host"]]
+                r = await self._client.put(f"{h.url}/v1/stages/{part['stage_id']}/cpuset", json={"cpuset": cpuset})
+                r.raise_for_status()
+                return
+        raise SpecError("node", f"stage {handle.stage_id} does not run on node index {node}")
+
+    async def status(self, handle: StageHandle) -> list[dict[str, Any]]:
+        out = []
+        for part in handle.ref["parts"]:
+            h = self.state[part["host"]]
+            r = await self._client.get(f"{h.url}/v1/stages/{part['stage_id']}")
+            out.append(r.json() if r.status_code == 200 else {"host": h.name, "http": r.status_code})
+        return out
+
+    async def aclose(self) -> None:
+        if self._beat_task:
+            self._beat_task.cancel()
+            try:
+                await self._beat_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self._client.aclose()
+        await self._hb.aclose()
+
+
+# ---------------------------------------------------------------------- cluster files
+@dataclass
+class ClusterFile:
+    """A bare-metal cluster described in a file (YAML or JSON).
+
+    ```yaml
+    name: lab
+    token_file: agent-token          # or token: ..., or token_env: VAR (relative paths: beside this file)
+    heartbeat_s: 2
+    fence_after_s: 3                 # the agents' --fence-after (optional)
+    gpus_per_host: 4                 # defaults for every host; a host may override them
+    gpu_mem_mb: 16384
+    cpu_cores: 16
+    hosts:
+      - {name: gpu-a, agent_url: "http://127.0.0.1:8701"}
+      - {name: gpu-b, agent_url: "http://127.0.0.1:8702", gpus: 2}
+    ```
+    """
+
+    name: str
+    token: str
+    hosts: list[AgentHost]
+    heartbeat_s: float = 2.0
+    fence_after_s: float | None = None
+    path: str | None = None
+
+    def spec(self) -> ClusterSpec:
+        """The declared cluster (virtual GPUs unless the agents report NVML; see `AgentBackend.inventory`)."""
+        return ClusterSpec(
+            tuple(
+                NodeSpec(h.name, h.gpus or 0, h.gpu_mem_mb or 16_384.0, h.cpu_cores or 1.0, h.mem_mb or 262_144.0, h.switch,
+                         h.gpu_model or "generic", True, h.url, dict(h.labels))
+                for h in self.hosts
+            ),
+            name=self.name,
+        )
+
+    def backend(self, **kw: Any) -> AgentBackend:
+        kw.setdefault("heartbeat_s", self.heartbeat_s)
+        kw.setdefault("fence_after_s", self.fence_after_s)
+        return AgentBackend(self.hosts, self.token, cluster_name=self.name, **kw)
+
+
+def load_cluster_file(path: str | Path) -> ClusterFile:
+    """Read a cluster file; every mistake names the file and the field."""
+    path = Path(path)
+    where = str(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError("cluster", f"cannot read {path}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:
+        raise SpecError("cluster", f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}", where=where) from None
+    if not isinstance(data, dict):
+        raise SpecError("cluster", "expected a mapping with `hosts:`", where=where)
+    token = data.get("token")
+    if data.get("token_file"):
+        tf = Path(str(data["token_file"])).expanduser()
+        tf = tf if tf.is_absolute() else path.parent / tf
+        try:
+            token = tf.read_text().strip()
+        except OSError as exc:
+            raise SpecError("token_file", f"cannot read {tf}: {exc.strerror}", where=where) from None
+    elif data.get("token_env"):
+        token = os.environ.get(str(data["token_env"]), "")
+        if not token:
+            raise SpecError("token_env", f"environment variable {data['token_env']} is not set", where=where)
+    token = token or os.environ.get("QOSFLOW_AGENT_TOKEN", "")
+    if not token:
+        raise SpecError("token", "give the agents' secret token: token_file:, token_env: or token:", where=where)
+    raw = data.get("hosts")
+    if not isinstance(raw, list) or not raw:
+        raise SpecError("hosts", "list at least one host with name and agent_url", where=where)
+    hosts = []
+    for i, h in enumerate(raw):
+        w = f"{where}: hosts[{i}]"
+        if not isinstance(h, dict):
+            raise SpecError("hosts", "each host is a mapping with name and agent_url", where=w)
+        url = h.get("agent_url") or h.get("url")
+        if not h.get("name") or not url:
+            raise SpecError("agent_url" if h.get("name") else "name", "each host needs name and agent_url", where=w)
+        try:
+            hosts.append(
+                AgentHost(
+                    name=str(h["name"]),
+                    url=str(url),
+                    gpus=int(h.get("gpus", data.get("gpus_per_host"))) if h.get("gpus", data.get("gpus_per_host")) is not None else None,
+                    gpu_mem_mb=_opt_float(h.get("gpu_mem_mb", data.get("gpu_mem_mb"))),
+                    cpu_cores=_opt_float(h.get("cpu_cores", data.get("cpu_cores"))),
+                    mem_mb=_opt_float(h.get("mem_mb", data.get("mem_mb"))),
+                    gpu_model=h.get("gpu_model", data.get("gpu_model")),
+                    switch=int(h.get("switch", 0)),
+                    labels={str(k): str(v) for k, v in (h.get("labels") or {}).items()},
+                )
+            )
+        except (TypeError, ValueError) as exc:
+            raise SpecError("hosts", f"bad number: {exc}", where=w) from None
+    names = [h.name for h in hosts]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise SpecError("hosts", f"host name(s) {', '.join(sorted(dup))} appear twice", where=where)
+    return ClusterFile(str(data.get("name") or path.stem), token, hosts, float(data.get("heartbeat_s", 2.0)),
+                       _opt_float(data.get("fence_after_s")), str(path))
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)

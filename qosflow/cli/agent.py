@@ -1,0 +1,109 @@
+"""`qosflow agent ...`: the bare-metal host agent and a look at a cluster file's hosts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def _read_token(token: str | None, token_file: Path | None) -> str:
+    import os
+
+    from qosflow.errors import SpecError
+
+    if token and token_file:
+        raise SpecError("token", "give --token or --token-file, not both")
+    if token_file:
+        try:
+            token = token_file.expanduser().read_text().strip()
+        except OSError as exc:
+            raise SpecError("token-file", f"cannot read {token_file}: {exc.strerror}") from None
+        if not token:
+            raise SpecError("token-file", f"{token_file} is empty; put the cluster's secret token in it")
+    token = token or os.environ.get("QOSFLOW_AGENT_TOKEN", "")
+    if not token:
+        raise SpecError(
+            "token",
+            "the agent needs the cluster's secret token: --token-file FILE (preferred), --token T or QOSFLOW_AGENT_TOKEN",
+        )
+    return token
+
+
+def register(app: typer.Typer) -> None:
+    agent = typer.Typer(help="The bare-metal host agent (one per GPU host) that the qosflow worker launches stages through.", no_args_is_help=True)
+    app.add_typer(agent, name="agent")
+
+    @agent.command("start")
+    def start(
+        port: int = typer.Option(8701, "--port", "-p", help="TCP port to listen on"),
+        host: str = typer.Option("127.0.0.1", "--host", help="address to bind (127.0.0.1 unless the workers are remote)"),
+        virtual_gpus: Optional[int] = typer.Option(None, "--virtual-gpus", help="declare N virtual GPUs when the host has no NVML GPU"),
+        gpu_mem_mb: float = typer.Option(16_384.0, "--gpu-mem-mb", help="memory of each virtual GPU (MiB)"),
+        cpu_cores: Optional[float] = typer.Option(None, "--cpu-cores", help="cores to offer (default: the cores this process may use)"),
+        name: Optional[str] = typer.Option(None, "--name", help="host name the worker sees (default: hostname)"),
+        token: Optional[str] = typer.Option(None, "--token", help="secret token (visible in `ps`; prefer --token-file)"),
+        token_file: Optional[Path] = typer.Option(None, "--token-file", help="file holding the secret token"),
+        fence_after: Optional[float] = typer.Option(
+            None, "--fence-after", help="kill running stages when no heartbeat came for this many seconds (avoids running a stage twice after a network split)"
+        ),
+        label: list[str] = typer.Option([], "--label", help="node label KEY=VALUE (repeatable)"),
+        workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a temp dir)"),
+        log_level: str = typer.Option("warning", "--log-level"),
+    ) -> None:
+        """Run the agent: report GPUs, launch stages with their placement, stream logs, kill on request."""
+        import socket
+
+        from qosflow.agent.app import AgentConfig
+        from qosflow.agent.gpus import GpuSource
+        from qosflow.agent.server import serve
+        from qosflow.errors import SpecError
+
+        labels = {}
+        for item in label:
+            if "=" not in item:
+                raise SpecError("label", f"{item!r} is not KEY=VALUE")
+            k, v = item.split("=", 1)
+            labels[k] = v
+        cfg = AgentConfig(
+            token=_read_token(token, token_file),
+            name=name or socket.gethostname(),
+            virtual_gpus=virtual_gpus,
+            gpu_mem_mb=gpu_mem_mb,
+            cpu_cores=cpu_cores,
+            labels=labels,
+            workdir=workdir,
+            fence_after_s=fence_after,
+        )
+        src = GpuSource.detect(virtual_gpus, virtual_mem_mb=gpu_mem_mb)
+        typer.echo(f"qosflow agent {cfg.name} on http://{host}:{port}: {src.count} GPU(s), {src.note}", err=True)
+        serve(cfg, port, host, log_level)
+
+    @agent.command("status")
+    def status(cluster: Path = typer.Option(..., "--cluster", help="cluster file (YAML or JSON) listing hosts and agent URLs")) -> None:
+        """Ask every agent of a cluster file for its GPUs and health."""
+        import asyncio
+
+        from rich.console import Console
+        from rich.table import Table
+
+        from qosflow.backends.agent import load_cluster_file
+
+        cf = load_cluster_file(cluster)
+
+        async def go():
+            be = cf.backend()
+            try:
+                return await be.refresh()
+            finally:
+                await be.aclose()
+
+        snap = asyncio.run(go())
+        t = Table(title=f"{cf.name}: {len(snap.hosts)} hosts, refreshed in {snap.elapsed_s * 1000:.0f} ms")
+        for col in ("host", "url", "up", "GPUs", "GPU util", "cores", "running", "note"):
+            t.add_column(col)
+        for h in snap.hosts:
+            util = "-" if h.virtual or not h.gpus else ",".join(str(g.get("utilization_gpu")) for g in h.gpus)
+            t.add_row(h.name, h.url, "yes" if h.up else f"no ({h.error})", str(len(h.gpus)), util, f"{h.cpu_cores:g}", str(len(h.running)), h.note)
+        Console().print(t)

@@ -1,0 +1,317 @@
+"""Two real agents on 127.0.0.1 as two hosts (separate processes), driven through AgentBackend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from qosflow.agent.testing import AgentProcess, FirstFitPlacer
+from qosflow.backends.agent import AgentAuthError, AgentBackend, AgentHost, load_cluster_file
+from qosflow.backends.base import ExitKind, LaunchSpec
+from qosflow.core.placement import Placement
+from qosflow.failures import run_with_failover
+from qosflow.store.leases import LeaseStore
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = "test-token-7f3a"
+
+STAGE = textwrap.dedent(
+    """
+    import json, os, sys, time
+    out, name, secs = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    rec = {"stage": name, "attempt": os.environ["QOSFLOW_STAGE_ID"], "node": os.environ["QOSFLOW_NODE"],
+           "pid": os.getpid(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "omp": os.environ.get("OMP_NUM_THREADS"),
+           "virtual": os.environ.get("QOSFLOW_VIRTUAL_GPUS"), "affinity": sorted(os.sched_getaffinity(0)),
+           "placement": json.loads(os.environ["QOSFLOW_PLACEMENT"]), "t": time.time()}
+    with open(out, "a") as f:
+        f.write(json.dumps({"event": "start", **rec}) + "\\n")
+    print("hello from", name, flush=True)
+    end = time.time() + secs
+    while time.time() < end:
+        time.sleep(0.05)
+    with open(out, "a") as f:
+        f.write(json.dumps({"event": "done", "stage": name, "attempt": rec["attempt"], "node": rec["node"], "t": time.time()}) + "\\n")
+    sys.exit(int(sys.argv[4]) if len(sys.argv) > 4 else 0)
+    """
+)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture
+def stage_script(tmp_path: Path) -> Path:
+    p = tmp_path / "stage.py"
+    p.write_text(STAGE)
+    return p
+
+
+@pytest.fixture(scope="module")
+def agents(tmp_path_factory):
+    d = tmp_path_factory.mktemp("agents")
+    a = AgentProcess("host-a", TOKEN, virtual_gpus=2, log=d / "a.log").start()
+    b = AgentProcess("host-b", TOKEN, virtual_gpus=2, log=d / "b.log").start()
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def backend_for(*agents: AgentProcess, token: str = TOKEN, **kw) -> AgentBackend:
+    kw.setdefault("heartbeat_s", 0.5)
+    return AgentBackend([AgentHost(a.name, a.url) for a in agents], token, **kw)
+
+
+def test_wrong_token_gets_401_and_nothing_runs(agents, tmp_path):
+    a, _ = agents
+    marker = tmp_path / "ran"
+    body = {"stage_id": "intruder", "command": [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('x')"]}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
+        assert httpx.get(f"{a.url}/v1/health", headers=headers).status_code == 401
+        r = httpx.post(f"{a.url}/v1/stages", json=body, headers=headers)
+        assert r.status_code == 401
+        assert r.headers["www-authenticate"] == "Bearer"
+    time.sleep(0.3)
+    assert not marker.exists()
+    ok = httpx.get(f"{a.url}/v1/stages", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert "intruder" not in [s["stage_id"] for s in ok.json()]
+
+    async def go():
+        be = backend_for(a, token="wrong")
+        try:
+            cluster = AgentBackend([AgentHost(a.name, a.url)], TOKEN).hosts  # noqa: F841
+            from qosflow.core.cluster import ClusterSpec, NodeSpec
+
+            spec = ClusterSpec((NodeSpec("host-a", 2, virtual=True, address=a.url),))
+            ls = LaunchSpec("intruder2", body["command"], Placement("intruder2", ((0, 0),), ((0, 1.0),)), spec)
+            with pytest.raises(AgentAuthError, match="401"):
+                await be.launch(ls)
+            snap = await be.refresh()
+            assert not snap.hosts[0].up and "401" in snap.hosts[0].error
+        finally:
+            await be.aclose()
+
+    asyncio.run(go())
+    assert not marker.exists()
+
+
+def test_inventory_reports_virtual_gpus_without_numbers(agents):
+    async def go():
+        be = backend_for(*agents)
+        try:
+            spec = await be.inventory()
+            snap = await be.refresh()
+        finally:
+            await be.aclose()
+        return spec, snap
+
+    spec, snap = asyncio.run(go())
+    assert [n.name for n in spec.nodes] == ["host-a", "host-b"]
+    assert all(n.virtual and n.gpus == 2 and n.address for n in spec.nodes)
+    for h in snap.hosts:
+        assert h.up and h.virtual and h.note == "no GPU: virtual GPUs"
+        for g in h.gpus:
+            assert g["virtual"] is True
+            assert g["utilization_gpu"] is None and g["memory_used_mb"] is None and g["processes"] is None
+
+
+def test_pipeline_across_two_hosts(agents, stage_script, tmp_path):
+    """prep -> (train-a on host-a, train-b on host-b, in parallel) -> eval, with env and cores."""
+    out = tmp_path / "events.jsonl"
+
+    async def go():
+        be = backend_for(*agents)
+        try:
+            cluster = await be.inventory()
+            placer = FirstFitPlacer(cluster)
+
+            async def stage(name, prefer, gpus=1, secs=0.2):
+                cmd = [sys.executable, str(stage_script), str(out), name, str(secs)]
+                return await run_with_failover(
+                    be, name, placer.place_fn(name, cmd, gpus=gpus, cpu_cores=1, prefer=prefer), release=placer.release
+                )
+
+            r1 = await stage("prep", "host-a")
+            r2, r3 = await asyncio.gather(stage("train-a", "host-a", gpus=2, secs=0.6), stage("train-b", "host-b", gpus=2, secs=0.6))
+            r4 = await stage("eval", "host-b")
+            return [r1, r2, r3, r4]
+        finally:
+            await be.aclose()
+
+    results = asyncio.run(go())
+    assert all(r.ok for r in results), [r.status for r in results]
+    ev = records(out)
+    starts = {e["stage"]: e for e in ev if e["event"] == "start"}
+    dones = {e["stage"]: e for e in ev if e["event"] == "done"}
+    assert starts["prep"]["node"] == "host-a" and starts["train-a"]["node"] == "host-a"
+    assert starts["train-b"]["node"] == "host-b" and starts["eval"]["node"] == "host-b"
+    # DAG order, and the two trainings overlap in time
+    assert dones["prep"]["t"] <= min(starts["train-a"]["t"], starts["train-b"]["t"])
+    assert max(dones["train-a"]["t"], dones["train-b"]["t"]) <= starts["eval"]["t"]
+    assert starts["train-b"]["t"] < dones["train-a"]["t"] and starts["train-a"]["t"] < dones["train-b"]["t"]
+    # the placement's environment
+    ta = starts["train-a"]
+    assert ta["cuda"] == "0,1" and ta["omp"] == "1" and ta["virtual"] == "1"
+    assert ta["placement"]["node"] == "host-a" and ta["placement"]["gpus"] == [0, 1]
+    assert ta["placement"]["virtual_gpus"] is True
+
+
+def test_cpu_affinity_logs_and_kill(agents, tmp_path):
+    a, _ = agents
+    out = tmp_path / "aff.json"
+    code = f"import os,json,time; print('line1', flush=True); json.dump(sorted(os.sched_getaffinity(0)), open({str(out)!r},'w')); print('line2', flush=True); time.sleep(30)"
+
+    async def go():
+        be = backend_for(a)
+        try:
+            cluster = await be.inventory()
+            p = Placement("aff", ((0, 0),), ((0, 1.0),))
+            cpu = sorted(os.sched_getaffinity(0))[-1]
+            h = await be.launch(LaunchSpec("aff-1", [sys.executable, "-c", code], p, cluster, cpusets={0: [cpu]}))
+            lines = []
+            async for line in be.logs(h):
+                lines.append(line)
+                if len(lines) == 2:
+                    break
+            deadline = time.monotonic() + 10
+            while not out.exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            st = await be.status(h)
+            await be.kill(h, reason="test cancels it")
+            end = await be.wait(h)
+            return cpu, lines, json.loads(out.read_text()), st, end
+        finally:
+            await be.aclose()
+
+    cpu, lines, aff, st, end = asyncio.run(go())
+    assert lines == ["line1", "line2"]
+    assert aff == [cpu] and st[0]["cpuset"] == [cpu]
+    assert end.kind is ExitKind.CANCELLED and "test cancels it" in end.reason
+
+
+def test_user_error_follows_stage_retries(agents, stage_script, tmp_path):
+    out = tmp_path / "ev.jsonl"
+
+    async def go(retries):
+        be = backend_for(*agents)
+        try:
+            placer = FirstFitPlacer(await be.inventory())
+            cmd = [sys.executable, str(stage_script), str(out), f"bad{retries}", "0", "3"]
+            return await run_with_failover(be, f"bad{retries}", placer.place_fn(f"bad{retries}", cmd), user_retries=retries, release=placer.release)
+        finally:
+            await be.aclose()
+
+    r0 = asyncio.run(go(0))
+    assert r0.status.kind is ExitKind.USER and "exited with code 3" in r0.status.reason
+    assert len(r0.attempts) == 1 and "not retried blindly" in r0.attempts[0].decision.message
+    r1 = asyncio.run(go(1))
+    assert len(r1.attempts) == 2 and r1.status.kind is ExitKind.USER
+
+
+def test_agent_killed_midstage_reruns_elsewhere_once(stage_script, tmp_path):
+    """Kill host-a's agent while its stage runs: the stage completes on host-b, and runs nowhere twice."""
+    out = tmp_path / "ev.jsonl"
+    store = LeaseStore(url=f"sqlite:///{tmp_path / 'leases.db'}")
+    with AgentProcess("host-a", TOKEN, log=tmp_path / "a.log") as a, AgentProcess("host-b", TOKEN, log=tmp_path / "b.log") as b:
+
+        async def go():
+            be = backend_for(a, b, heartbeat_s=0.5)
+            events = []
+            try:
+                placer = FirstFitPlacer(await be.inventory())
+                cmd = [sys.executable, str(stage_script), str(out), "train", "2.0"]
+                task = asyncio.ensure_future(
+                    run_with_failover(
+                        be, "train", placer.place_fn("train", cmd, prefer="host-a"), leases=store, pool="p",
+                        holder="w1", release=placer.release, on_event=lambda k, d: events.append((k, d)),
+                    )
+                )
+                deadline = time.monotonic() + 20
+                while not any(e["event"] == "start" for e in records(out)):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                assert [le.nodes for le in store.leases("p")] == [["host-a"]]
+                a.kill(signal.SIGKILL)
+                killed_at = time.time()
+                res = await asyncio.wait_for(task, 60)
+                return res, events, killed_at
+            finally:
+                await be.aclose()
+
+        res, events, killed_at = asyncio.run(go())
+
+    assert res.ok, res.status
+    assert [at.nodes for at in res.attempts] == [["host-a"], ["host-b"]]
+    assert res.attempts[0].status.kind is ExitKind.INFRA and "host-a" in res.attempts[0].status.reason
+    ev = records(out)
+    starts = [e for e in ev if e["event"] == "start"]
+    dones = [e for e in ev if e["event"] == "done"]
+    assert [s["node"] for s in starts] == ["host-a", "host-b"]
+    assert len(dones) == 1 and dones[0]["node"] == "host-b"  # it finished exactly once
+    # the first attempt's process died with its agent: it cannot finish later
+    with pytest.raises(ProcessLookupError):
+        os.kill(starts[0]["pid"], 0)
+    assert store.leases("p") == [] and store.booked("p") == []
+    relaunch = next(d["at"] for k, d in events if k == "launched" and d["nodes"] == ["host-b"])
+    assert relaunch > killed_at
+
+
+def test_frozen_host_is_fenced(stage_script, tmp_path):
+    """A host that freezes (agent and stage SIGSTOPped) is marked down by heartbeats and its stage
+    reruns elsewhere; when the host wakes, its agent's fence kills the stale stage before it can
+    finish, so the stage does not complete in two places."""
+    out = tmp_path / "ev.jsonl"
+    with AgentProcess("host-a", TOKEN, args=["--fence-after", "0.75"], log=tmp_path / "a.log") as a, AgentProcess("host-b", TOKEN, log=tmp_path / "b.log") as b:
+
+        async def go():
+            be = backend_for(a, b, heartbeat_s=0.5, fence_after_s=0.75)
+            try:
+                placer = FirstFitPlacer(await be.inventory())
+                cmd = [sys.executable, str(stage_script), str(out), "s", "3"]
+                task = asyncio.ensure_future(run_with_failover(be, "s", placer.place_fn("s", cmd, prefer="host-a"), release=placer.release))
+                while not records(out):
+                    await asyncio.sleep(0.05)
+                stale = records(out)[0]["pid"]
+                for pid in (a.proc.pid, stale):  # the whole host freezes
+                    os.kill(pid, signal.SIGSTOP)
+                res = await asyncio.wait_for(task, 60)
+                for pid in (a.proc.pid, stale):
+                    os.kill(pid, signal.SIGCONT)
+                await asyncio.sleep(1.5)
+                return res
+            finally:
+                await be.aclose()
+
+        res = asyncio.run(go())
+        st = httpx.get(f"{a.url}/v1/stages/s-a1", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert res.ok and [at.nodes for at in res.attempts] == [["host-a"], ["host-b"]]
+    assert "host-a lost" in res.attempts[0].status.reason
+    assert st["state"] == "exited" and st["killed_reason"].startswith("fenced")
+    dones = [e for e in records(out) if e["event"] == "done"]
+    assert [d["node"] for d in dones] == ["host-b"]
+
+
+def test_cluster_file(tmp_path, agents):
+    a, b = agents
+    (tmp_path / "tok").write_text(TOKEN + "\n")
+    f = tmp_path / "lab.yaml"
+    f.write_text(f"name: lab\ntoken_file: tok\nheartbeat_s: 1\ngpus_per_host: 2\nhosts:\n  - {{name: host-a, agent_url: '{a.url}'}}\n  - {{name: host-b, agent_url: '{b.url}', cpu_cores: 4}}\n")
+    cf = load_cluster_file(f)
+    assert cf.token == TOKEN and [h.gpus for h in cf.hosts] == [2, 2] and cf.hosts[1].cpu_cores == 4
+    assert cf.spec().nodes[0].address == a.url
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("token: x\nhosts:\n  - {name: h}\n")
+    from qosflow.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"bad.yaml: hosts\[0\].*agent_url"):
+        load_cluster_file(bad)
