@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.report import plot_results, render_table, results_json, write_json
         from qosflow.sim.runner import resolve_workload
 
-        console = Console()
+        console = Console(width=max(120, Console().width))
         names = parse_policies(policies)
         wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs)
         speed = default_speed_model()

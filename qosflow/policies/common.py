@@ -94,6 +94,7 @@ def preempt_and_place(
     *,
     locality: Locality = "consolidated",
     fit: Fit = "best-fit",
+    finder: Callable[[ClusterState, JobState], Placement | None] | None = None,
 ) -> Decision:
     """Preempt running jobs that fall outside the greedy run set, then place pending ones in order.
 
@@ -109,7 +110,7 @@ def preempt_and_place(
             d.preempt.append(js.job_id)
             d.notes[js.job_id] = "preempted: higher-priority jobs need its GPUs"
     todo = [js for js in ordered if js.job_id in keep and not js.running]
-    place_in_order(view, todo, locality=locality, fit=fit, decision=d)
+    place_in_order(view, todo, locality=locality, fit=fit, decision=d, finder=finder)
     # jobs outside the run set simply wait
     for js in ordered:
         if js.job_id not in keep and not js.running:

@@ -11,8 +11,10 @@ Defaults: two queues split at 3,250 GPU-seconds (the threshold the Tiresias/Muri
 for their first queue); `thresholds=(3250, 7200)` gives Muri's three-queue setting. Starvation
 knob (Tiresias' PROMOTEKNOB): a waiting demoted job whose waiting time exceeds `promote_knob` times
 its executed time returns to the top queue (0 disables it, as in Muri's runs).
-Placement: consolidated where possible, else spread over nodes (Tiresias places all but
-"skewed" models without locality constraints; the spread pays the speed model's penalty).
+Placement (Tiresias' profile-guided placement): consolidated where possible; a job whose model
+is not sensitive to spreading (estimated spread slowdown <= `spread_tolerance`; Tiresias profiles
+the skew of a model's tensors for this) may instead be spread over nodes at once, while sensitive
+("skewed") models wait for a consolidated slot.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import preempt_and_place
+from qosflow.policies.placement import find_for, min_nodes_for
 
 
 @register
@@ -30,13 +33,38 @@ class TiresiasPolicy(Policy):
     preemptive = True
     description = "discretized 2D-LAS (Tiresias), preemptive, duration-agnostic"
 
-    def __init__(self, thresholds: tuple[float, ...] = (3250.0,), promote_knob: float = 0.0, locality: str = "spread"):
+    def __init__(
+        self,
+        thresholds: tuple[float, ...] = (3250.0,),
+        promote_knob: float = 0.0,
+        locality: str = "auto",
+        spread_tolerance: float = 1.25,
+    ):
         self.thresholds = tuple(float(t) for t in thresholds)
         self.promote_knob = promote_knob
         self.locality = locality
+        self.spread_tolerance = spread_tolerance
 
     def options(self):
         return {"thresholds": self.thresholds, "promote_knob": self.promote_knob, "locality": self.locality}
+
+    def _finder(self, view: SchedulerView):
+        est = view.estimator
+        gpn = view.gpus_per_node
+
+        def finder(st, js):
+            p = find_for(st, js.job, locality="consolidated")
+            if p is not None or js.job.qos.gpus <= 1:
+                return p
+            p = find_for(st, js.job, locality="spread")
+            if p is None:
+                return None
+            nodes = len({n for n, _ in p.gpus})
+            if est.spread_slowdown(js.job, nodes, min_nodes_for(js.job.qos.gpus, gpn)) <= self.spread_tolerance:
+                return p
+            return None
+
+        return finder
 
     def queue_of(self, js) -> int:
         q = js.tags.get("tiresias_q", 0)
@@ -63,6 +91,8 @@ class TiresiasPolicy(Policy):
                 (js.last_start or 0.0) if js.running else js.job.submit_time,
             )
         )
+        if self.locality == "auto":
+            return preempt_and_place(view, jobs, finder=self._finder(view))
         return preempt_and_place(view, jobs, locality=self.locality)
 
     def next_wakeup(self, view: SchedulerView) -> float | None:
