@@ -277,6 +277,15 @@ def test_synthetic_rate_and_load():
     jobs, _ = generate_synthetic(3000, seed=0, rate_per_hour=10.0)
     span = jobs[-1].submit_time - jobs[0].submit_time
     assert 3000 / (span / 3600) == pytest.approx(10.0, rel=0.1)
+    # a target load is met exactly by the sample, over its arrival window
+    for load, gpus in ((1.0, 64), (0.5, 16), (2.0, 500)):
+        jobs, _ = generate_synthetic(400, seed=9, load=load, cluster_gpus=gpus)
+        span = jobs[-1].submit_time - jobs[0].submit_time
+        assert sum(j.qos.gpus * j.duration for j in jobs) / (span * gpus) == pytest.approx(load)
+    a, _ = generate_synthetic(100, seed=2, load=1.0, cluster_gpus=64)
+    b, _ = generate_synthetic(100, seed=2, load=2.0, cluster_gpus=64)
+    assert [j.duration for j in a] == [j.duration for j in b]  # the load only moves arrivals
+    assert b[-1].submit_time == pytest.approx(a[-1].submit_time / 2)
     with pytest.raises(SpecError, match="num_jobs"):
         generate_synthetic(0)
     with pytest.raises(SpecError, match="load"):
@@ -344,6 +353,8 @@ def test_load_workload_synthetic_default():
     cluster = load_cluster("8x8")
     w = load_workload("synthetic", "synthetic", cluster=cluster, seed=0)
     assert len(w.jobs) == 400 and w.rejected == [] and w.cluster_hint == "8x8"
+    span = w.jobs[-1].submit_time - w.jobs[0].submit_time
+    assert sum(j.qos.gpus * j.duration for j in w.jobs) / (span * cluster.num_gpus) == pytest.approx(1.0)
     assert 0.4 < w.info["with_deadline"] / 400 < 0.6
     w2 = load_workload("synthetic", "synthetic", cluster=cluster, seed=0)
     assert [(j.job_id, j.qos.deadline, j.duration) for j in w.jobs] == [(j.job_id, j.qos.deadline, j.duration) for j in w2.jobs]

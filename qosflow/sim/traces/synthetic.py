@@ -8,8 +8,11 @@ Per job (Narayanan et al., OSDI'20, the distribution behind Gavel's generated tr
 * model: uniform over Gavel's job types measured at that many GPUs (every 1-GPU type; only
   ResNet-18/50, Transformer and LM were measured on 2-8 GPUs), so every job's interference and
   throughput come from the measured table;
-* arrivals: Poisson, at `rate_per_hour` jobs per hour, or at the rate that offers `load` times the
-  cluster's GPU capacity (``rate = load x GPUs / E[GPUs x duration]``).
+* arrivals: Poisson, at `rate_per_hour` jobs per hour; or, given a target `load`, a Poisson process
+  stretched so that the sample offers exactly that load: its GPU-seconds equal
+  ``load x cluster GPUs x (last arrival - first arrival)``. (The expected rate for a load,
+  `rate_for_load`, would leave a 400-job sample anywhere between 0.7x and 1.1x the target, the
+  duration tail being that heavy.)
 
 Deterministic for a seed (numpy's PCG64). QoS as for Gavel's traces: shareable, gang, GPU memory
 from the job type, 4 cores per GPU.
@@ -35,7 +38,7 @@ SHORT_EXP = (1.5, 3.0)
 LONG_EXP = (3.0, 4.0)
 
 DEFAULT_JOBS = 400
-DEFAULT_LOAD = 0.9
+DEFAULT_LOAD = 1.0
 #: job types Gavel measured on several GPUs (the others only ran on one)
 MULTI_GPU_FAMILIES = ("ResNet-18", "ResNet-50", "Transformer", "LM")
 
@@ -83,8 +86,9 @@ def generate_synthetic(
 ) -> tuple[list[Job], list[Rejected]]:
     """`num_jobs` Philly-like jobs; rejected (id, reason) for those that never fit `cluster`.
 
-    Give `rate_per_hour`, or `load` (offered GPU load relative to `cluster_gpus`, or to the
-    cluster's GPUs when `cluster` is given). The first job arrives at t=0.
+    Give `rate_per_hour` (it wins if both are given), or `load`: the GPU load this sample offers
+    over its arrival window, relative to `cluster_gpus` (or to the cluster's GPUs when `cluster` is
+    given). The first job arrives at t=0.
     """
     if isinstance(num_jobs, bool) or not isinstance(num_jobs, int) or num_jobs <= 0:
         raise SpecError("num_jobs", f"must be a positive number of jobs, got {num_jobs!r}")
@@ -94,24 +98,33 @@ def generate_synthetic(
         if load is None or not (math.isfinite(load) and load > 0):
             raise SpecError("load", f"give a positive offered load or an arrival rate, got load={load!r}")
         if cluster_gpus <= 0:
-            raise SpecError("cluster_gpus", f"must be > 0 to turn a load into a rate, got {cluster_gpus}")
-        rate_per_hour = rate_for_load(load, cluster_gpus)
+            raise SpecError("cluster_gpus", f"must be > 0 to turn a load into arrivals, got {cluster_gpus}")
     elif not (math.isfinite(rate_per_hour) and rate_per_hour > 0):
         raise SpecError("rate_per_hour", f"must be > 0 jobs per hour, got {rate_per_hour!r}")
     types = job_types(table)
     rng = np.random.default_rng(seed)
-    gaps = rng.exponential(3600.0 / rate_per_hour, size=num_jobs)
+    gaps = rng.exponential(1.0, size=num_jobs)  # unit-rate Poisson process, scaled below
     gaps[0] = 0.0
-    arrivals = np.cumsum(gaps)
+    unit_arrivals = np.cumsum(gaps)
     gpu_idx = rng.choice(len(GPU_CHOICES), size=num_jobs, p=GPU_PROBS)
     short = rng.random(num_jobs) < SHORT_SHARE
     u = rng.random(num_jobs)
     exps = np.where(short, SHORT_EXP[0] + u * (SHORT_EXP[1] - SHORT_EXP[0]), LONG_EXP[0] + u * (LONG_EXP[1] - LONG_EXP[0]))
     durations = 60.0 * np.power(10.0, exps)
+    gpu_counts = np.array(GPU_CHOICES)[gpu_idx]
+    if rate_per_hour is not None:
+        arrivals = unit_arrivals * (3600.0 / rate_per_hour)
+    else:
+        # the heavy duration tail makes one sample's load stray far from its expectation (0.7-1.1x
+        # for 400 jobs): stretch the Poisson process so that this sample offers exactly `load`, i.e.
+        # its GPU-seconds equal load x GPUs x its arrival window (first to last arrival)
+        work = float(np.sum(gpu_counts * durations))
+        span = float(unit_arrivals[-1])
+        arrivals = unit_arrivals * (work / (load * cluster_gpus) / span) if span > 0 else unit_arrivals
     picks = rng.random(num_jobs)
     jobs: list[Job] = []
     for i in range(num_jobs):
-        g = GPU_CHOICES[int(gpu_idx[i])]
+        g = int(gpu_counts[i])
         choices = types[g]
         model = choices[min(int(picks[i] * len(choices)), len(choices) - 1)]
         qos = QoSSpec(gpus=g, gpu_mem_mb=gpu_mem_mb(model), cpu_cores=cores_per_gpu * g, shareable=True, gang=True)
