@@ -1,0 +1,179 @@
+"""Slot leases: the database constraint that keeps two workers off the same GPU.
+
+The SQLite tests always run; the PostgreSQL ones run when QOSFLOW_TEST_POSTGRES_URL is set, e.g.
+`postgresql+psycopg://qosflow:qosflow@127.0.0.1:5432/qosflow_test`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from qosflow.backends.base import LaunchSpec, StageHandle
+from qosflow.core.cluster import ClusterSpec
+from qosflow.core.placement import Placement
+from qosflow.store.leases import LeaseStore, SlotTaken, StageBusy
+
+pytestmark = pytest.mark.timeout(120)
+
+PG_URL = os.environ.get("QOSFLOW_TEST_POSTGRES_URL")
+CLUSTER = ClusterSpec.uniform(2, 2, virtual=True, prefix="h")
+
+
+def spec(job: str, gpus, *, milli: int = 1000, colocated=(), cpusets=None, shareable=False) -> LaunchSpec:
+    p = Placement(job, tuple(gpus), ((gpus[0][0], 1.0),), gpu_milli=milli, colocated_with=tuple(colocated), extra={"shareable": shareable})
+    return LaunchSpec(job, ["true"], p, CLUSTER, cpusets=cpusets or {})
+
+
+def _urls():
+    yield pytest.param("sqlite", id="sqlite")
+    yield pytest.param("postgres", id="postgres", marks=[pytest.mark.postgres, pytest.mark.skipif(not PG_URL, reason="QOSFLOW_TEST_POSTGRES_URL is not set")])
+
+
+@pytest.fixture(params=list(_urls()))
+def db_url(request, tmp_path):
+    return f"sqlite:///{tmp_path / 'leases.db'}" if request.param == "sqlite" else PG_URL
+
+
+@pytest.fixture
+def pool(db_url):
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    yield name
+    store = LeaseStore(url=db_url)
+    for le in store.leases(name):
+        store.release(le.lease_id)
+    store.engine.dispose()
+
+
+def test_exclusive_gang_is_all_or_nothing(db_url, pool):
+    st = LeaseStore(url=db_url)
+    a = st.acquire(pool, "a", spec("a", [(0, 0)]), holder="w1")
+    with pytest.raises(SlotTaken, match=r"h0/gpu0:u\d\d held by w1"):
+        st.acquire(pool, "b", spec("b", [(0, 1), (0, 0)]), holder="w2")
+    # the gang booked nothing: GPU 0/1 is still free
+    assert {r[0] + "/" + r[1].split(":")[0] for r in st.booked(pool)} == {"h0/gpu0"}
+    st.acquire(pool, "c", spec("c", [(0, 1), (1, 0), (1, 1)]), holder="w2")
+    st.release(a.lease_id)
+    st.acquire(pool, "b", spec("b", [(0, 0)]), holder="w2")
+    assert len(st.leases(pool)) == 2 and len(st.leases(pool, holder="w2")) == 2
+
+
+def test_stage_never_has_two_live_attempts(db_url, pool):
+    st = LeaseStore(url=db_url)
+    st.acquire(pool, "train", spec("train-r0", [(0, 0)]), holder="w1")
+    with pytest.raises(StageBusy, match="must not run twice"):
+        st.acquire(pool, "train", spec("train-r1", [(1, 0)]), holder="w2")
+    assert st.booked(pool) and all(r[0] == "h0" for r in st.booked(pool))
+
+
+def test_sharing_rules(db_url, pool):
+    st = LeaseStore(url=db_url)
+    st.acquire(pool, "x", spec("x", [(0, 0)], shareable=True), holder="w1")
+    st.acquire(pool, "y", spec("y", [(0, 0)], colocated=["x"]), holder="w1")  # at most two share a GPU
+    with pytest.raises(SlotTaken):
+        st.acquire(pool, "z", spec("z", [(0, 0)], colocated=["x"]), holder="w2")
+    with pytest.raises(SlotTaken):
+        st.acquire(pool, "e", spec("e", [(0, 0)]), holder="w2")  # exclusive on a shared GPU
+    # fractional shares fill a GPU up to 1000 milli
+    for i, m in enumerate([500, 250, 250]):
+        st.acquire(pool, f"f{i}", spec(f"f{i}", [(1, 1)], milli=m), holder="w1")
+    with pytest.raises(SlotTaken):
+        st.acquire(pool, "f3", spec("f3", [(1, 1)], milli=50), holder="w2")
+
+
+def test_cpu_cores_are_leased_too(db_url, pool):
+    st = LeaseStore(url=db_url)
+    st.acquire(pool, "a", spec("a", [(0, 0)], cpusets={0: [0, 1]}), holder="w1")
+    with pytest.raises(SlotTaken, match="cpu1"):
+        st.acquire(pool, "b", spec("b", [(0, 1)], cpusets={0: [1, 2]}), holder="w2")
+
+
+class _Backend:
+    """A backend stub that still runs one of two stages."""
+
+    name = "stub"
+
+    def __init__(self, alive: set[str]):
+        self.alive = alive
+
+    async def adopt(self, stage_id, hosts):
+        return StageHandle(stage_id, "stub", hosts[0], {"adopted": True}) if stage_id in self.alive else None
+
+
+def test_restart_recovers_from_leases(db_url, pool):
+    """A crashed worker's expired leases: the live stage is adopted (not relaunched), the dead one freed."""
+    st = LeaseStore(url=db_url)
+    st.acquire(pool, "live", spec("live-a1", [(0, 0)]), holder="dead-worker", ttl_s=-1, backend="stub")
+    st.acquire(pool, "gone", spec("gone-a1", [(1, 0)]), holder="dead-worker", ttl_s=-1, backend="stub")
+    st.acquire(pool, "other", spec("other-a1", [(1, 1)]), holder="live-worker", ttl_s=60, backend="stub")
+    got = asyncio.run(st.recover(_Backend({"live-a1"}), pool, "new-worker"))
+    by = {le.stage_key: h for le, h in got}
+    assert set(by) == {"live", "gone"}  # the live worker's lease is left alone
+    assert by["live"] is not None and by["live"].ref == {"adopted": True} and by["gone"] is None
+    left = {le.stage_key: le.holder for le in st.leases(pool)}
+    assert left == {"live": "new-worker", "other": "live-worker"}
+    # a second recovering worker finds nothing to take
+    assert asyncio.run(st.recover(_Backend({"live-a1"}), pool, "third-worker")) == []
+
+
+WORKER = textwrap.dedent(
+    """
+    import json, random, sys, time
+    from qosflow.backends.base import LaunchSpec
+    from qosflow.core.cluster import ClusterSpec
+    from qosflow.core.placement import Placement
+    from qosflow.store.leases import LeaseStore, LeaseError
+    url, pool, name, n, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    rnd = random.Random(seed)
+    cluster = ClusterSpec.uniform(2, 2, virtual=True, prefix="h")
+    st = LeaseStore(url=url)
+    held, conflicts = [], 0
+    for i in range(n):
+        k = rnd.choice([1, 1, 2])
+        gpus = rnd.sample([(0, 0), (0, 1), (1, 0), (1, 1)], k)
+        p = Placement(f"{name}-{i}", tuple(gpus), ((gpus[0][0], 1.0),))
+        try:
+            lease = st.acquire(pool, f"{name}-{i}", LaunchSpec(p.job_id, ["true"], p, cluster), holder=name)
+        except LeaseError:
+            conflicts += 1
+            continue
+        t0 = time.time()
+        time.sleep(rnd.uniform(0.001, 0.01))
+        t1 = time.time()
+        st.release(lease.lease_id)
+        held.append({"gpus": gpus, "t0": t0, "t1": t1})
+    print(json.dumps({"held": held, "conflicts": conflicts}))
+    """
+)
+
+
+def test_two_workers_never_double_book(db_url, pool, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    LeaseStore(url=db_url).engine.dispose()  # create tables before the race
+    procs = [
+        subprocess.Popen([sys.executable, str(script), db_url, pool, f"w{i}", "150", str(i)], stdout=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    outs = [json.loads(p.communicate(timeout=100)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert all(o["held"] for o in outs), "each worker booked something"
+    assert sum(o["conflicts"] for o in outs) > 0, "the workers really contended"
+    intervals: dict[tuple, list[tuple[float, float, int]]] = {}
+    for w, o in enumerate(outs):
+        for h in o["held"]:
+            for g in h["gpus"]:
+                intervals.setdefault(tuple(g), []).append((h["t0"], h["t1"], w))
+    for g, iv in intervals.items():
+        iv.sort()
+        for (a0, a1, wa), (b0, b1, wb) in zip(iv, iv[1:]):
+            assert b0 >= a1, f"GPU {g} double-booked by workers {wa} and {wb}"
+    assert LeaseStore(url=db_url).booked(pool) == []
