@@ -109,7 +109,14 @@ class PackingRun:
 
 
 def allocation_curve(arrived_milli: np.ndarray, allocated_milli: np.ndarray, capacity_milli: int) -> np.ndarray:
-    arrived_pct = np.rint(np.asarray(arrived_milli) / capacity_milli * 100).astype(np.int64)
+    """Mean allocation ratio at each integer arrived percentage 0..130 (the reference analysis).
+
+    A percentage no arrival rounds to takes the arrivals within +-1 point (as the reference);
+    failing that (coarse lists where one pod is several percent of the cluster), the state after
+    the last arrival at or below it. Percentages beyond the last arrival are NaN.
+    """
+    arrived = np.asarray(arrived_milli) / capacity_milli * 100
+    arrived_pct = np.rint(arrived).astype(np.int64)
     alloc = np.asarray(allocated_milli) / capacity_milli
     n = len(PERCENTS)
     inside = (arrived_pct >= 0) & (arrived_pct < n)
@@ -118,10 +125,14 @@ def allocation_curve(arrived_milli: np.ndarray, allocated_milli: np.ndarray, cap
     out = np.full(n, np.nan)
     have = counts > 0
     out[have] = sums[have] / counts[have]
-    for p in np.flatnonzero(~have):  # the reference falls back to arrivals within +-1 point
+    last = arrived[-1] if len(arrived) else -1.0
+    for p in np.flatnonzero(~have):
         near = np.abs(arrived_pct - p) <= 1
         if near.any():
             out[p] = alloc[near].mean()
+        elif p <= last:
+            i = int(np.searchsorted(arrived, p, side="right")) - 1
+            out[p] = alloc[i] if i >= 0 else 0.0
     return out
 
 

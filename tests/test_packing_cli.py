@@ -1,0 +1,56 @@
+"""`qosflow pack` end to end on tiny CSVs: JSON shape, curve files, error exit codes."""
+
+from __future__ import annotations
+
+import json
+
+from qosflow.cli.main import main
+
+PODS = """name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time
+p0,4000,8192,1,1000,,LS,Running,0,100,0
+p1,2000,4096,1,500,,LS,Running,1,100,1
+p2,2000,4096,1,250,,BE,Running,2,100,2
+p3,8000,16384,2,1000,,LS,Running,3,100,3
+p4,16000,8192,0,0,,BE,Running,4,100,4
+p5,2000,4096,1,750,T4,LS,Running,5,100,5
+"""
+NODES = """sn,cpu_milli,memory_mib,gpu,model
+n0,32000,131072,4,V100M16
+n1,16000,65536,2,T4
+n2,16000,65536,2,T4
+"""
+
+
+def test_pack_cli_writes_json_csv_png(tmp_path, capsys):
+    pods, nodes = tmp_path / "pods.csv", tmp_path / "nodes.csv"
+    pods.write_text(PODS)
+    nodes.write_text(NODES)
+    out_json = tmp_path / "res" / "pack.json"
+    rc = main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit,best-fit,fgd",
+               "--seed", "3", "--seeds", "2", "--json", str(out_json)])
+    assert rc == 0
+    data = json.loads(out_json.read_text())
+    assert set(data["policies"]) == {"first-fit", "best-fit", "fgd"}
+    for d in data["policies"].values():
+        assert 0 < d["alloc_ratio"] <= 1
+        assert d["allocated_gpus"] + d["unallocated_gpus"] == 8
+        assert d["failed_pods"] >= 0 and len(d["per_seed"]) == 2
+    assert data["config"]["seeds"] == [3, 4] and data["config"]["total_gpus"] == 8
+    csv_text = (tmp_path / "res" / "pack_curve.csv").read_text().splitlines()
+    assert csv_text[0].startswith("arrived_pct,first-fit,first-fit_std,best-fit")
+    assert len(csv_text) == 132
+    assert (tmp_path / "res" / "pack_curve.png").stat().st_size > 1000
+    assert "GPU allocation at 100 % arrived demand" in capsys.readouterr().out
+
+
+def test_pack_cli_errors_exit_2(tmp_path, capsys):
+    pods, nodes = tmp_path / "pods.csv", tmp_path / "nodes.csv"
+    pods.write_text(PODS)
+    nodes.write_text(NODES)
+    assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "fgd,tetris", "--seeds", "1"]) == 2
+    assert "unknown packing policy 'tetris'" in capsys.readouterr().err
+    bad = tmp_path / "bad.csv"
+    bad.write_text(PODS.replace("p2,2000,4096,1,250", "p2,2000,4096,1,2500"))
+    assert main(["pack", "--pods", str(bad), "--nodes", str(nodes), "--seeds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:4: column 'gpu_milli'" in err
