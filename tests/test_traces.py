@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -46,6 +47,14 @@ def need(*paths: Path) -> None:
 def table() -> GavelInterference:
     need(TPUT)
     return GavelInterference()
+
+
+@pytest.fixture
+def tiny(tmp_path) -> GavelInterference:
+    """A two-type table in Gavel's format, so error paths are tested without the shared data."""
+    p = tmp_path / "tput.json"
+    p.write_text(json.dumps({"v100": {"('A3C', 1)": {"null": 7.0}, "('ResNet-18 (batch size 32)', 1)": {"null": 30.0}}}))
+    return GavelInterference(p)
 
 
 MURI_HEADER = "job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,interval,iteration_time,resource_time_0,resource_time_1,resource_time_2,priority"
@@ -152,9 +161,9 @@ def test_gavel_durations_from_throughputs(tmp_path, table):
     assert "extrapolated" in jobs[1].meta["throughput_source"]
 
 
-def test_gavel_nine_field_form(tmp_path, table):
+def test_gavel_nine_field_form(tmp_path, tiny):
     line = "A3C\tcd x\t--max-steps\t0\t5000\t1\t1\t-1\t42"
-    jobs, _ = load_gavel(write(tmp_path, "g.trace", line + "\n"), throughputs=table)
+    jobs, _ = load_gavel(write(tmp_path, "g.trace", line + "\n"), throughputs=tiny)
     assert jobs[0].submit_time == 42.0 and jobs[0].qos.gpus == 1 and jobs[0].meta["SLO"] == -1
 
 
@@ -169,11 +178,11 @@ def test_gavel_nine_field_form(tmp_path, table):
         ("A3C\tcd\t-n\t1\t100", "7 tab-separated fields"),
     ],
 )
-def test_gavel_bad_lines(tmp_path, table, line, where):
+def test_gavel_bad_lines(tmp_path, tiny, line, where):
     good = "A3C\tcd\t-n\t1\t100\t0\t1"
     p = write(tmp_path, "bad.trace", good + "\n" + line + "\n")
     with pytest.raises(TraceFormatError) as ei:
-        load_gavel(p, throughputs=table)
+        load_gavel(p, throughputs=tiny)
     assert ei.value.line == 2 and "bad.trace:2" in str(ei.value) and where in str(ei.value)
 
 
