@@ -1,0 +1,277 @@
+"""Speed of a job when it shares its GPUs with a given partner (normalised to running alone).
+
+One model serves three settings:
+
+* a new job type seen only through its lightweight profile (its speed with <= 3 reference jobs,
+  and theirs with it) -- leave-one-job-type-out on Gavel's table, and the live worker's cold start;
+* a new pair of known jobs -- k-fold cross-validation on a co-location table;
+* the live predictor, where every finished co-located stage adds an observation.
+
+Everything known is a set of observations K = {(a, b): speed of a next to b}. For a query (a, b)
+the features are (all computed from K only):
+
+1. a low-rank factorisation of log-speed, log s(a,b) ~ mu + a_a + b_b + u_a . v_b (ALS, ridge), in
+   which a job with only its profile observations is "folded in" through those few entries;
+2. the profile: s(a, r), s(r, a), s(b, r), s(r, b) for each reference job r;
+3. family neighbours: the speed of the same family at the nearest batch size next to b (and of a next
+   to b's nearest sibling) -- a model's behaviour changes smoothly with batch size;
+4. job metadata: log batch size, GPUs, log solo step time when known, same-family flag.
+
+An extra-trees ensemble maps these to log speed; the spread of its trees gives the interval. To
+train it in the regime it will be used in, the features of training pairs are computed out of fold:
+with the training job's own observations hidden except its profile (``regime="new_job"``), or with
+the pair itself hidden (``regime="new_pair"``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+Key = str
+Obs = Mapping[tuple[Key, Key], float]
+
+LOG_FLOOR = math.log(0.02)  # speeds below 2 % are "barely runs"; keep logs finite
+
+
+@dataclass(frozen=True)
+class JobMeta:
+    family: str
+    batch_size: float | None = None
+    gpus: int = 1
+    log_solo: float | None = None  # log solo step time (or -log throughput) on the GPU type at hand
+
+
+def _log(x: float) -> float:
+    return max(math.log(x), LOG_FLOOR) if x > 0 else LOG_FLOOR
+
+
+class LowRank:
+    """log s(a, b) ~ mu + bias_row[a] + bias_col[b] + U[a] . V[b], fitted by alternating ridge regressions."""
+
+    def __init__(self, rank: int = 2, lam: float = 0.3, iters: int = 15, seed: int = 0):
+        self.rank, self.lam, self.iters, self.seed = rank, lam, iters, seed
+
+    def fit(self, obs: Obs) -> "LowRank":
+        keys = sorted({k for ab in obs for k in ab})
+        self.index = {k: i for i, k in enumerate(keys)}
+        n, r = len(keys), self.rank
+        ii = np.array([self.index[a] for a, _ in obs], dtype=int)
+        jj = np.array([self.index[b] for _, b in obs], dtype=int)
+        y = np.array([_log(v) for v in obs.values()])
+        self.mu = float(y.mean()) if len(y) else 0.0
+        rng = np.random.default_rng(self.seed)
+        U = rng.normal(0, 0.1, (n, r))
+        V = rng.normal(0, 0.1, (n, r))
+        ba = np.zeros(n)
+        bb = np.zeros(n)
+        rows = [np.flatnonzero(ii == k) for k in range(n)]
+        cols = [np.flatnonzero(jj == k) for k in range(n)]
+        reg = self.lam * np.eye(r + 1)
+        reg[r, r] = self.lam * 0.1  # biases are cheap
+        for _ in range(self.iters):
+            res = y - self.mu - bb[jj]
+            for k in range(n):
+                m = rows[k]
+                if len(m) == 0:
+                    continue
+                X = np.hstack([V[jj[m]], np.ones((len(m), 1))])
+                sol = np.linalg.solve(X.T @ X + reg, X.T @ res[m])
+                U[k], ba[k] = sol[:r], sol[r]
+            res = y - self.mu - ba[ii]
+            for k in range(n):
+                m = cols[k]
+                if len(m) == 0:
+                    continue
+                X = np.hstack([U[ii[m]], np.ones((len(m), 1))])
+                sol = np.linalg.solve(X.T @ X + reg, X.T @ res[m])
+                V[k], bb[k] = sol[:r], sol[r]
+        self.U, self.V, self.ba, self.bb = U, V, ba, bb
+        self.n_rows = np.bincount(ii, minlength=n)
+        self.n_cols = np.bincount(jj, minlength=n)
+        return self
+
+    def predict_log(self, a: Key, b: Key) -> tuple[float, int]:
+        """(log speed estimate, observations supporting it: min of a's row count and b's column count)."""
+        ia, ib = self.index.get(a), self.index.get(b)
+        v = self.mu
+        if ia is not None:
+            v += self.ba[ia]
+        if ib is not None:
+            v += self.bb[ib]
+        if ia is not None and ib is not None:
+            v += float(self.U[ia] @ self.V[ib])
+        na = int(self.n_rows[ia]) if ia is not None else 0
+        nb = int(self.n_cols[ib]) if ib is not None else 0
+        return v, min(na, nb)
+
+
+class _Context:
+    """Look-ups over a set of observations, shared by every feature of one batch of queries."""
+
+    def __init__(self, obs: Obs, meta: Mapping[Key, JobMeta], refs: Sequence[Key], rank: int, lam: float):
+        self.obs = obs
+        self.meta = meta
+        self.refs = list(refs)
+        self.mf = LowRank(rank=rank, lam=lam).fit(obs) if obs else None
+        # per family: partner -> [(member, log bs)]; per family: member -> [(partner, log bs)]
+        self.by_row: dict[Key, dict[Key, float]] = {}
+        self.by_col: dict[Key, dict[Key, float]] = {}
+        for (a, b), v in obs.items():
+            self.by_row.setdefault(a, {})[b] = v
+            self.by_col.setdefault(b, {})[a] = v
+        self.family_members: dict[str, list[Key]] = {}
+        for k in set(self.by_row) | set(self.by_col) | set(meta):
+            self.family_members.setdefault(self._fam(k), []).append(k)
+
+    def _fam(self, k: Key) -> str:
+        m = self.meta.get(k)
+        return m.family if m else k
+
+    def _lbs(self, k: Key) -> float:
+        m = self.meta.get(k)
+        return math.log2(m.batch_size) if m and m.batch_size else 0.0
+
+    def _gpus(self, k: Key) -> int:
+        m = self.meta.get(k)
+        return m.gpus if m else 1
+
+    def sibling_value(self, k: Key, other: Key, *, k_is_row: bool) -> float:
+        """s(k', other) (or s(other, k')) for k's family sibling k' nearest in batch size and GPUs."""
+        best, best_d = [], None
+        for sib in self.family_members.get(self._fam(k), ()):
+            if sib == k:
+                continue
+            v = self.by_row.get(sib, {}).get(other) if k_is_row else self.by_col.get(sib, {}).get(other)
+            if v is None:
+                continue
+            d = abs(self._lbs(sib) - self._lbs(k)) + 2.0 * abs(math.log2(self._gpus(sib)) - math.log2(self._gpus(k)))
+            if best_d is None or d < best_d - 1e-9:
+                best, best_d = [v], d
+            elif abs(d - best_d) <= 1e-9:
+                best.append(v)
+        if not best:
+            return float("nan")
+        return float(np.mean([_log(v) for v in best]))
+
+    def features(self, a: Key, b: Key) -> tuple[list[float], int]:
+        f: list[float] = []
+        mfv, support = self.mf.predict_log(a, b) if self.mf else (0.0, 0)
+        f += [mfv, math.log1p(support)]
+        for k, role_row in ((a, True), (b, False)):
+            for r in self.refs:
+                f.append(self.by_row.get(k, {}).get(r, -1.0))
+                f.append(self.by_col.get(k, {}).get(r, -1.0))
+        f.append(self.sibling_value(a, b, k_is_row=True))
+        f.append(self.sibling_value(b, a, k_is_row=False))
+        ma, mb = self.meta.get(a), self.meta.get(b)
+        for m in (ma, mb):
+            f += [math.log2(m.batch_size) if m and m.batch_size else -1.0, float(m.gpus if m else 1)]
+            f.append(m.log_solo if m and m.log_solo is not None else float("nan"))
+        f.append(float(self._fam(a) == self._fam(b)))
+        f.append(float(a == b))
+        return f, support
+
+
+def _nan_to(x: np.ndarray, fill: float = -9.0) -> np.ndarray:
+    x = np.asarray(x, dtype=float)
+    x[~np.isfinite(x)] = fill
+    return x
+
+
+class InterferenceModel:
+    """Predicts co-located speed s(a, b) in (0, 1] from known observations; see the module docstring."""
+
+    def __init__(
+        self,
+        refs: Sequence[Key] = (),
+        *,
+        regime: str = "new_pair",
+        n_estimators: int = 150,
+        inner_folds: int = 5,
+        rank: int = 2,
+        lam: float = 0.3,
+        seed: int = 0,
+        n_jobs: int = 1,
+    ):
+        if regime not in ("new_pair", "new_job"):
+            raise ValueError(f"regime must be 'new_pair' or 'new_job', got {regime!r}")
+        self.refs = list(refs)
+        self.regime = regime
+        self.n_estimators = n_estimators
+        self.inner_folds = inner_folds
+        self.rank, self.lam, self.seed, self.n_jobs = rank, lam, seed, n_jobs
+
+    # -- training
+
+    def _profile_part(self, obs: Obs, job: Key, refs: Sequence[Key]) -> dict:
+        return {(a, b): v for (a, b), v in obs.items() if (a == job and b in refs) or (b == job and a in refs)}
+
+    def fit(self, obs: Obs, meta: Mapping[Key, JobMeta] | None = None) -> "InterferenceModel":
+        from sklearn.ensemble import ExtraTreesRegressor
+
+        meta = dict(meta or {})
+        self.meta = meta
+        self.obs = {k: float(v) for k, v in obs.items() if v > 0}
+        pairs = list(self.obs)
+        rng = np.random.default_rng(self.seed)
+        X, y = [], []
+        if self.regime == "new_pair":
+            order = rng.permutation(len(pairs))
+            folds = np.array_split(order, max(2, min(self.inner_folds, len(pairs))))
+            for fold in folds:
+                hidden = {pairs[i] for i in fold}
+                hidden |= {(b, a) for a, b in hidden}  # a row of a pair table holds both directions
+                ctx = _Context({k: v for k, v in self.obs.items() if k not in hidden}, meta, self.refs, self.rank, self.lam)
+                for i in fold:
+                    a, b = pairs[i]
+                    X.append(ctx.features(a, b)[0])
+                    y.append(_log(self.obs[(a, b)]))
+        else:
+            jobs = sorted({k for ab in pairs for k in ab} - set(self.refs))
+            order = rng.permutation(len(jobs))
+            folds = np.array_split(order, max(2, min(self.inner_folds, len(jobs))))
+            for fold in folds:
+                held = {jobs[i] for i in fold}
+                known = {
+                    (a, b): v
+                    for (a, b), v in self.obs.items()
+                    if (a not in held and b not in held) or (a in self.refs or b in self.refs)
+                }
+                ctx = _Context(known, meta, self.refs, self.rank, self.lam)
+                for (a, b), v in self.obs.items():
+                    if (a in held or b in held) and (a, b) not in known:
+                        X.append(ctx.features(a, b)[0])
+                        y.append(_log(v))
+        self.n_train = len(y)
+        self.forest = ExtraTreesRegressor(
+            n_estimators=self.n_estimators, max_features=0.6, min_samples_leaf=2, random_state=self.seed, n_jobs=self.n_jobs
+        ).fit(_nan_to(np.array(X)), np.array(y))
+        self._ctx = _Context(self.obs, meta, self.refs, self.rank, self.lam)
+        return self
+
+    # -- prediction
+
+    def predict(self, queries: Sequence[tuple[Key, Key]], *, extra_obs: Obs | None = None,
+                extra_meta: Mapping[Key, JobMeta] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(speed, low, high, support) arrays for the queries; low/high are the 10th/90th percentiles over trees.
+
+        `extra_obs` adds observations known at prediction time (e.g. a new job's profile).
+        """
+        ctx = self._ctx
+        if extra_obs or extra_meta:
+            obs = dict(self.obs)
+            obs.update({k: float(v) for k, v in (extra_obs or {}).items() if v > 0})
+            meta = dict(self.meta)
+            meta.update(extra_meta or {})
+            ctx = _Context(obs, meta, self.refs, self.rank, self.lam)
+        feats = [ctx.features(a, b) for a, b in queries]
+        X = _nan_to(np.array([f for f, _ in feats], dtype=float).reshape(len(queries), -1))
+        support = np.array([s for _, s in feats])
+        per_tree = np.stack([t.predict(X) for t in self.forest.estimators_])
+        mean = np.exp(per_tree.mean(0))
+        lo, hi = np.exp(np.percentile(per_tree, [10, 90], axis=0))
+        return mean, np.minimum(lo, mean), np.maximum(hi, mean), support

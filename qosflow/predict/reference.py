@@ -1,0 +1,229 @@
+"""Reference tables the predictor learns from: Gavel's throughput table and co-location pair tables.
+
+Gavel's table (``../shared/data/throughputs/gavel_simulation_throughputs.json``, read in place via
+`qosflow.paths.shared_data`) maps worker type -> "('<job type>', <scale factor>)" -> {"null": solo
+throughput (steps/s), "('<other job type>', 1)": [own throughput, other's throughput] when the two
+share the GPU}. ``<worker>_unconsolidated`` holds the same jobs spread over servers.
+
+A pair table is a CSV with columns ``model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2``
+(other columns ignored); speed is the job's throughput while co-located, normalised to running alone.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from qosflow.errors import TraceFormatError
+
+GAVEL_FILE = Path("throughputs") / "gavel_simulation_throughputs.json"
+_BS_PATTERNS = [
+    re.compile(r"^(?P<fam>.*?)\s*\(batch size (?P<bs>\d+)\)\s*$", re.I),
+    re.compile(r"^(?P<fam>.*?)\s*[/:@_ -]\s*(?:bs|batch)[=_ ]?(?P<bs>\d+)\s*$", re.I),
+]
+
+
+def parse_signature(signature: str) -> tuple[str, int | None]:
+    """(family, batch size) of a job signature: 'ResNet-50 (batch size 64)', 'resnet50/bs64', 'lm:bs=20'."""
+    for pat in _BS_PATTERNS:
+        m = pat.match(signature)
+        if m:
+            return m.group("fam").strip(), int(m.group("bs"))
+    return signature.strip(), None
+
+
+def default_gavel_path() -> Path:
+    from qosflow.paths import shared_data
+
+    return shared_data() / GAVEL_FILE
+
+
+@dataclass
+class ThroughputTable:
+    """Gavel-style measurements: solo throughputs per (worker, consolidated, gpus) and 1-GPU pair speeds."""
+
+    jobs: list[str]
+    workers: list[str]
+    #: (worker, consolidated, gpus) -> array over jobs of solo throughput (steps/s); NaN = not measured, 0 = failed
+    solo: dict[tuple[str, bool, int], np.ndarray]
+    #: worker -> J x J array: speed of row job (normalised to its solo 1-GPU throughput) when sharing with column job
+    pair_speed: dict[str, np.ndarray]
+    source: str = ""
+    index: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.index = {j: i for i, j in enumerate(self.jobs)}
+
+    @property
+    def gpu_counts(self) -> list[int]:
+        return sorted({n for (_w, _c, n) in self.solo})
+
+    def solo_throughput(self, job: str, worker: str, gpus: int = 1, consolidated: bool = True) -> float | None:
+        a = self.solo.get((worker, consolidated, gpus))
+        if a is None or job not in self.index:
+            return None
+        v = float(a[self.index[job]])
+        return v if v == v else None
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> "ThroughputTable":
+        path = Path(path) if path is not None else default_gavel_path()
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise TraceFormatError(path, None, "throughput table not found") from None
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(path, exc.lineno, f"not valid JSON: {exc.msg}") from None
+        if not isinstance(raw, dict) or not raw:
+            raise TraceFormatError(path, None, "expected an object: worker type -> job -> throughputs")
+        workers = sorted({w.removesuffix("_unconsolidated") for w in raw})
+        jobs: list[str] = []
+        parsed: dict[str, dict[tuple[str, int], dict]] = {}
+        for wk, entries in raw.items():
+            if not isinstance(entries, dict):
+                raise TraceFormatError(path, None, f"worker {wk!r}: expected an object of job entries")
+            parsed[wk] = {}
+            for key, val in entries.items():
+                try:
+                    job, scale = ast.literal_eval(key)
+                    scale = int(scale)
+                except (ValueError, SyntaxError, TypeError):
+                    raise TraceFormatError(path, None, f"worker {wk!r}: bad job key {key!r}, expected \"('<job>', <gpus>)\"") from None
+                if not isinstance(val, dict) or "null" not in val:
+                    raise TraceFormatError(path, None, f"worker {wk!r} job {key}: missing solo throughput 'null'")
+                parsed[wk][(job, scale)] = val
+                if job not in jobs:
+                    jobs.append(job)
+        idx = {j: i for i, j in enumerate(jobs)}
+        J = len(jobs)
+        solo: dict[tuple[str, bool, int], np.ndarray] = {}
+        pair: dict[str, np.ndarray] = {}
+        for wk, entries in parsed.items():
+            w = wk.removesuffix("_unconsolidated")
+            cons = not wk.endswith("_unconsolidated")
+            for (job, scale), val in entries.items():
+                arr = solo.setdefault((w, cons, scale), np.full(J, np.nan))
+                arr[idx[job]] = float(val["null"])
+            if not cons:
+                continue
+            M = pair.setdefault(w, np.full((J, J), np.nan))
+            for (job, scale), val in entries.items():
+                if scale != 1:
+                    continue
+                base = float(val["null"])
+                for pk, pv in val.items():
+                    if pk == "null":
+                        continue
+                    try:
+                        pjob, pscale = ast.literal_eval(pk)
+                    except (ValueError, SyntaxError):
+                        continue
+                    if int(pscale) != 1 or pjob not in idx or base <= 0:
+                        continue
+                    M[idx[job], idx[pjob]] = float(pv[0]) / base
+        return cls(jobs=jobs, workers=workers, solo=solo, pair_speed=pair, source=str(path))
+
+    def pair_rows(self, worker: str) -> list[dict]:
+        """One row per unordered measured pair (a <= b) on `worker`, in the pair-table CSV format."""
+        M = self.pair_speed[worker]
+        rows = []
+        for i, a in enumerate(self.jobs):
+            for j in range(i, len(self.jobs)):
+                b = self.jobs[j]
+                if np.isnan(M[i, j]) or np.isnan(M[j, i]):
+                    continue
+                fa, ba = parse_signature(a)
+                fb, bb = parse_signature(b)
+                rows.append(
+                    {"model1": fa, "batchsize1": ba or 0, "gpu_num1": 1, "speed1": round(float(M[i, j]), 6),
+                     "model2": fb, "batchsize2": bb or 0, "gpu_num2": 1, "speed2": round(float(M[j, i]), 6),
+                     "gpu_type": worker}
+                )
+        return rows
+
+
+PAIR_COLUMNS = ["model1", "batchsize1", "gpu_num1", "speed1", "model2", "batchsize2", "gpu_num2", "speed2"]
+
+
+def write_pairs_csv(rows: list[dict], path: str | Path) -> None:
+    cols = PAIR_COLUMNS + [k for k in (rows[0] if rows else {}) if k not in PAIR_COLUMNS]
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+
+
+@dataclass(frozen=True)
+class PairRow:
+    model1: str
+    batchsize1: float
+    gpu_num1: int
+    speed1: float
+    model2: str
+    batchsize2: float
+    gpu_num2: int
+    speed2: float
+    line: int
+
+    @property
+    def key1(self) -> str:
+        return job_key(self.model1, self.batchsize1, self.gpu_num1)
+
+    @property
+    def key2(self) -> str:
+        return job_key(self.model2, self.batchsize2, self.gpu_num2)
+
+
+def job_key(model: str, batch_size: float, gpus: int) -> str:
+    bs = int(batch_size) if float(batch_size).is_integer() else batch_size
+    return f"{model}|bs{bs}|g{gpus}"
+
+
+def read_pairs_csv(path: str | Path) -> list[PairRow]:
+    """Read a co-location pair table; every bad cell is reported as file:line with the column."""
+    path = Path(path)
+    try:
+        fh = open(path, newline="", encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise TraceFormatError(path, None, "pair table not found") from None
+    with fh:
+        reader = csv.DictReader(fh)
+        header = [h.strip() for h in (reader.fieldnames or [])]
+        missing = [c for c in PAIR_COLUMNS if c not in header]
+        if missing:
+            raise TraceFormatError(path, 1, f"missing column(s) {missing}; need {PAIR_COLUMNS}")
+        rows = []
+        for lineno, rec in enumerate(reader, start=2):
+            rec = {(k or "").strip(): (v or "").strip() for k, v in rec.items()}
+            if not any(rec.get(c) for c in PAIR_COLUMNS):
+                continue
+            vals = {}
+            for c in PAIR_COLUMNS:
+                v = rec.get(c, "")
+                if c.startswith("model"):
+                    if not v:
+                        raise TraceFormatError(path, lineno, f"column {c}: empty model name")
+                    vals[c] = v
+                    continue
+                try:
+                    x = float(v)
+                except ValueError:
+                    raise TraceFormatError(path, lineno, f"column {c}: {v!r} is not a number") from None
+                if math.isnan(x) or math.isinf(x) or x < 0:
+                    raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a finite number >= 0")
+                if c.startswith("gpu_num"):
+                    if not x.is_integer() or x < 1:
+                        raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a whole number >= 1")
+                    x = int(x)
+                vals[c] = x
+            rows.append(PairRow(line=lineno, **vals))
+    if not rows:
+        raise TraceFormatError(path, None, "no pair rows")
+    return rows

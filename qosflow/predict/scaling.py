@@ -1,0 +1,132 @@
+"""Solo scaling: throughput at n GPUs (consolidated on one node, or spread) relative to 1 GPU.
+
+The target is the ratio thr(n, placement) / thr(1) on a GPU type -- a scaling efficiency times n --
+which transfers between job types far better than raw throughputs. Features of a (job, GPU type,
+n, placement) row:
+
+* log2 n, consolidated flag;
+* the typical log-ratio of this (GPU type, n, placement) over the training jobs (a per-hardware prior,
+  which is what the constant baseline predicts);
+* the job's lightweight profile: log solo 1-GPU step time, co-located speed with the reference jobs
+  and theirs with it (compute-bound vs memory-bound jobs scale differently);
+* log batch size, and the ratio its family sibling at the nearest batch size reached on the same
+  hardware (with the distance in log batch size), when a sibling has been measured.
+
+Extra-trees on log ratio; the spread over trees is the interval.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from qosflow.predict.interference import JobMeta, _nan_to
+
+
+@dataclass(frozen=True)
+class ScalingRow:
+    job: str
+    gpu_type: str
+    gpus: int
+    consolidated: bool
+    ratio: float  # thr(n) / thr(1), > 0
+
+
+class ScalingModel:
+    def __init__(self, refs: Sequence[str] = (), *, n_estimators: int = 200, seed: int = 0, n_jobs: int = 1):
+        self.refs = list(refs)
+        self.n_estimators, self.seed, self.n_jobs = n_estimators, seed, n_jobs
+
+    def _prior(self, gpu_type: str, gpus: int, consolidated: bool) -> float:
+        v = self.hw_prior.get((gpu_type, gpus, consolidated))
+        if v is not None:
+            return v
+        # unseen hardware or GPU count: ideal scaling discounted like the average seen
+        return math.log(gpus) + self.mean_log_eff + (0.0 if consolidated else self.spread_penalty)
+
+    def _sibling(self, job: str, row: tuple[str, int, bool], exclude: str | None = None) -> tuple[float, float]:
+        """log ratio of the job's family siblings on the same hardware, interpolated in log batch size
+        between the nearest smaller and larger batch sizes (else the nearest one); and the distance."""
+        m = self.meta.get(job)
+        if m is None:
+            return float("nan"), float("nan")
+        x = math.log2(m.batch_size or 1)
+        pts = []
+        for sib, ratio in self.by_hw.get(row, {}).items():
+            if sib == job or sib == exclude:
+                continue
+            ms = self.meta.get(sib)
+            if ms is None or ms.family != m.family:
+                continue
+            pts.append((math.log2(ms.batch_size or 1), math.log(ratio)))
+        if not pts:
+            return float("nan"), float("nan")
+        lo = [p for p in pts if p[0] < x]
+        hi = [p for p in pts if p[0] > x]
+        same = [v for bx, v in pts if bx == x]
+        dist = min(abs(bx - x) for bx, _ in pts)
+        if same:
+            return float(np.mean(same)), 0.0
+        if lo and hi:
+            (x0, y0), (x1, y1) = max(lo), min(hi)
+            t = (x - x0) / (x1 - x0)
+            return (1 - t) * y0 + t * y1, dist
+        nearest = min(pts, key=lambda p: abs(p[0] - x))
+        return nearest[1], dist
+
+    def _features(self, job: str, gpu_type: str, gpus: int, consolidated: bool, profile: Mapping[str, float] | None,
+                  exclude: str | None = None) -> list[float]:
+        m = self.meta.get(job)
+        prof = profile or {}
+        f = [math.log2(gpus), float(consolidated), self._prior(gpu_type, gpus, consolidated)]
+        f.append(m.log_solo if m and m.log_solo is not None else float("nan"))
+        for r in self.refs:
+            f.append(prof.get(f"with:{r}", float("nan")))
+            f.append(prof.get(f"of:{r}", float("nan")))
+        f.append(math.log2(m.batch_size) if m and m.batch_size else -1.0)
+        f += list(self._sibling(job, (gpu_type, gpus, consolidated), exclude))
+        return f
+
+    def fit(self, rows: Sequence[ScalingRow], meta: Mapping[str, JobMeta], profiles: Mapping[str, Mapping[str, float]]):
+        from sklearn.ensemble import ExtraTreesRegressor
+
+        self.meta = dict(meta)
+        self.profiles = dict(profiles)
+        rows = [r for r in rows if r.ratio > 0 and r.gpus >= 1]
+        self.by_hw: dict[tuple[str, int, bool], dict[str, float]] = {}
+        for r in rows:
+            self.by_hw.setdefault((r.gpu_type, r.gpus, r.consolidated), {})[r.job] = r.ratio
+        self.hw_prior = {k: float(np.median(np.log(list(v.values())))) for k, v in self.by_hw.items()}
+        effs = [math.log(r.ratio) - math.log(r.gpus) for r in rows if r.gpus > 1]
+        self.mean_log_eff = float(np.mean(effs)) if effs else math.log(0.85)
+        cons = [math.log(r.ratio) for r in rows if r.consolidated and r.gpus > 1]
+        spread = [math.log(r.ratio) for r in rows if not r.consolidated and r.gpus > 1]
+        self.spread_penalty = float(np.mean(spread) - np.mean(cons)) if cons and spread else math.log(1 / 1.2)
+        # the features of a training row must not see the row's own job (the sibling look-up skips it
+        # already, and the hardware prior is a median over many jobs)
+        X = [self._features(r.job, r.gpu_type, r.gpus, r.consolidated, self.profiles.get(r.job)) for r in rows]
+        y = [math.log(r.ratio) for r in rows]
+        self.n_train = len(y)
+        self.forest = ExtraTreesRegressor(
+            n_estimators=self.n_estimators, max_features=0.7, min_samples_leaf=1, random_state=self.seed, n_jobs=self.n_jobs
+        ).fit(_nan_to(np.array(X)), np.array(y))
+        return self
+
+    def predict(self, queries: Sequence[tuple[str, str, int, bool]], *, profiles: Mapping[str, Mapping[str, float]] | None = None,
+                extra_meta: Mapping[str, JobMeta] | None = None):
+        """(ratio, low, high) arrays for (job, gpu_type, gpus, consolidated) queries."""
+        if extra_meta:
+            self.meta.update(extra_meta)
+        profs = dict(self.profiles)
+        profs.update(profiles or {})
+        X = _nan_to(np.array([self._features(j, g, n, c, profs.get(j)) for j, g, n, c in queries], dtype=float))
+        per_tree = np.stack([t.predict(X) for t in self.forest.estimators_])
+        mean = np.exp(per_tree.mean(0))
+        lo, hi = np.exp(np.percentile(per_tree, [10, 90], axis=0))
+        # one GPU is the unit by definition
+        one = np.array([n == 1 and c for _, _, n, c in queries])
+        mean[one], lo[one], hi[one] = 1.0, 1.0, 1.0
+        return mean, np.minimum(lo, mean), np.maximum(hi, mean)
