@@ -1,0 +1,518 @@
+"""Stages as Kubernetes Jobs, through the official `kubernetes` Python client.
+
+One `batch/v1` Job per stage:
+
+* pinned to the node(s) the qosflow scheduler chose (required node affinity on
+  `kubernetes.io/hostname`); a gang over several nodes with the same share on each is ONE Indexed Job
+  (completions = parallelism = nodes, one pod per node through hostname anti-affinity), so the job
+  controller creates every pod of the gang in the same step; a gang with unequal shares becomes one
+  Job per node, created back to back. With `gang_scheduler="volcano"` a `scheduling.volcano.sh/v1beta1`
+  PodGroup (minMember = all pods) is created first and the pods use `schedulerName: volcano`;
+  `"kai"` does the same with KAI's `scheduling.run.ai/v2alpha2` PodGroup and queue label.
+* `nvidia.com/gpu` limits for whole GPUs; CPU requests equal to the cores the placement allocated
+  (no CPU limit: CFS quotas throttle data loaders); memory requests when the stage declares memory.
+* GPU sharing without `CUDA_VISIBLE_DEVICES`: a shared stage (a fractional share or a co-located
+  pair) asks for the NVIDIA device plugin's shared resource, `nvidia.com/gpu.shared`, i.e. the
+  plugin's **time-slicing** (default) or **MPS** sharing configured with `renameByDefault: true`. The
+  device plugin, not qosflow, picks the device, so `CUDA_VISIBLE_DEVICES` is not set; with MPS the
+  plugin splits compute and memory evenly among replicas, and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`
+  from the placement is passed on. See docs/infrastructure.md.
+* labels and annotations tie the Job and its pods to the stage and the Prefect flow run
+  (`LaunchSpec.labels`, e.g. `prefect.io/flow-run-id`), and carry the placement JSON.
+* `backoffLimit: 0`: qosflow classifies failures itself (qosflow.failures) and retries an
+  infrastructure failure on another node, a user failure per the stage's retries.
+
+Waiting uses list + watch on the stage's pods, re-listing on 410 Gone and retrying 5xx answers. Pod
+phases and reasons map to an `ExitStatus`: OOMKilled, Evicted, NodeLost (or the node NotReady for
+longer than `node_lost_grace_s`), Unschedulable for longer than `unschedulable_timeout_s` -> INFRA;
+ImagePullBackOff, InvalidImageName, CreateContainerConfigError, a non-zero exit -> USER. `kill`
+deletes the Job (propagationPolicy Background) and its PodGroup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle, placement_env
+from qosflow.core.cluster import ClusterSpec, NodeSpec
+from qosflow.errors import QosflowError, SpecError
+
+log = logging.getLogger("qosflow.backends.kubernetes")
+
+LABEL_STAGE = "qosflow.dev/stage-id"
+LABEL_JOB = "qosflow.dev/job"
+ANN_STAGE = "qosflow.dev/stage-id"
+ANN_PLACEMENT = "qosflow.dev/placement"
+VIRTUAL_LABEL = "qosflow.dev/virtual-gpus"
+GPU = "nvidia.com/gpu"
+GPU_SHARED = "nvidia.com/gpu.shared"
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+def label_value(v: str) -> str:
+    """A valid label value (<= 63 chars of [A-Za-z0-9-_.], alphanumeric at both ends)."""
+    s = re.sub(r"[^A-Za-z0-9_.-]", "-", str(v))
+    if len(s) > 63:
+        s = s[:54] + "-" + hashlib.sha1(str(v).encode()).hexdigest()[:8]
+    return s.strip("-_.") or "x"
+
+
+def job_name(stage_id: str, suffix: str = "") -> str:
+    """A DNS-1123 Job name (<= 63 chars) unique to the stage attempt."""
+    slug = re.sub(r"[^a-z0-9-]", "-", stage_id.lower()).strip("-")
+    h = hashlib.sha1(stage_id.encode()).hexdigest()[:8]
+    return f"qf-{slug[:40].strip('-')}-{h}{suffix}"
+
+
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+           "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+
+
+def quantity(q: Any) -> float:
+    """A Kubernetes quantity ("500m", "16Gi", 4) in base units."""
+    m = re.fullmatch(r"([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([A-Za-z]*)", str(q).strip())
+    if not m or (m.group(2) and m.group(2) not in _SUFFIX):
+        raise SpecError("quantity", f"{q!r} is not a Kubernetes quantity")
+    return float(m.group(1)) * (_SUFFIX[m.group(2)] if m.group(2) else 1.0)
+
+
+def _cpu(cores: float) -> str:
+    return f"{int(round(cores * 1000))}m"
+
+
+@dataclass
+class KubernetesBackend(Backend):
+    """Runs each stage as a Job. Pass `api_client` (tests, the emulator) or load a kubeconfig."""
+
+    namespace: str = "default"
+    image: str = "python:3.11-slim"
+    api_client: Any = None
+    kubeconfig: str | None = None
+    context: str | None = None
+    gpu_sharing: str = "time-slicing"  # "time-slicing" | "mps" | "none"
+    shared_resource: str = GPU_SHARED
+    gang_scheduler: str | None = None  # None | "volcano" | "kai"
+    kai_queue: str = "default"
+    node_selector: dict[str, str] = field(default_factory=dict)
+    service_account: str | None = None
+    image_pull_secrets: list[str] = field(default_factory=list)
+    ttl_after_finished_s: int | None = 3600
+    unschedulable_timeout_s: float = 60.0
+    node_lost_grace_s: float = 40.0
+    #: tolerationSeconds for unreachable/not-ready nodes (Kubernetes' default of 300 s is slow)
+    eviction_toleration_s: int = 30
+    watch_timeout_s: int = 30
+    api_retries: int = 4
+    cluster_name: str = "kubernetes"
+
+    name = "kubernetes"
+
+    def __post_init__(self) -> None:
+        if self.gpu_sharing not in ("time-slicing", "mps", "none"):
+            raise SpecError("gpu_sharing", f"{self.gpu_sharing!r}: use time-slicing, mps or none")
+        if self.gang_scheduler not in (None, "volcano", "kai"):
+            raise SpecError("gang_scheduler", f"{self.gang_scheduler!r}: use volcano, kai or nothing")
+        from kubernetes import client, config
+
+        if self.api_client is None:
+            try:
+                config.load_incluster_config()
+                self.api_client = client.ApiClient()
+            except config.ConfigException:
+                self.api_client = config.new_client_from_config(config_file=self.kubeconfig, context=self.context)
+        self.core = client.CoreV1Api(self.api_client)
+        self.batch = client.BatchV1Api(self.api_client)
+        self.custom = client.CustomObjectsApi(self.api_client)
+        self._killed: dict[str, str] = {}
+        self._stop: dict[str, threading.Event] = {}
+        self.stats = {"watch_410": 0, "api_5xx_retried": 0, "adopted_409": 0}
+
+    # ------------------------------------------------------------------ API calls with retries
+    def _call(self, fn, *args, **kw):
+        from kubernetes.client.exceptions import ApiException
+
+        for i in range(self.api_retries + 1):
+            try:
+                return fn(*args, **kw)
+            except ApiException as e:
+                if e.status in (429, 500, 502, 503, 504) and i < self.api_retries:
+                    self.stats["api_5xx_retried"] += 1
+                    time.sleep(0.05 * 2**i)
+                    continue
+                raise
+
+    async def _acall(self, fn, *args, **kw):
+        return await asyncio.to_thread(self._call, fn, *args, **kw)
+
+    # ------------------------------------------------------------------ inventory
+    def _node_spec(self, n, switches: dict[str, int]) -> NodeSpec:
+        labels = n.metadata.labels or {}
+        alloc = n.status.allocatable or {}
+        if GPU in alloc:
+            gpus = int(quantity(alloc[GPU]))
+        else:  # shared (renamed) resource: the physical count is GPU feature discovery's label
+            gpus = int(labels.get("nvidia.com/gpu.count", 0)) if self.shared_resource in alloc else 0
+        zone = labels.get("qosflow.dev/switch") or labels.get("topology.kubernetes.io/zone") or ""
+        sw = switches.setdefault(zone, len(switches))
+        return NodeSpec(
+            name=n.metadata.name,
+            gpus=gpus,
+            gpu_mem_mb=float(labels.get("nvidia.com/gpu.memory", 16_384)),
+            cpu_cores=max(0.001, quantity(alloc.get("cpu", "1"))),
+            mem_mb=max(1.0, quantity(alloc.get("memory", "1Gi")) / 2**20),
+            switch=sw,
+            gpu_model=labels.get("nvidia.com/gpu.product", "generic"),
+            virtual=labels.get(VIRTUAL_LABEL) == "true",
+            labels={k: v for k, v in labels.items() if k.startswith("nvidia.com/gpu") or k.startswith("qosflow.dev/") or k.startswith("topology.")},
+        )
+
+    def _selector(self) -> str | None:
+        return ",".join(f"{k}={v}" for k, v in self.node_selector.items()) or None
+
+    async def inventory(self) -> ClusterSpec:
+        nodes = (await self._acall(self.core.list_node, label_selector=self._selector())).items
+        if not nodes:
+            raise QosflowError(f"no Kubernetes node matches {self.node_selector or 'any label'} in {self.api_client.configuration.host}")
+        switches: dict[str, int] = {}
+        return ClusterSpec(tuple(self._node_spec(n, switches) for n in sorted(nodes, key=lambda n: n.metadata.name)), name=self.cluster_name)
+
+    async def healthy_nodes(self) -> set[str]:
+        nodes = (await self._acall(self.core.list_node, label_selector=self._selector())).items
+        return {n.metadata.name for n in nodes if _ready(n) and not (n.spec and n.spec.unschedulable)}
+
+    # ------------------------------------------------------------------ manifests
+    def manifests(self, spec: LaunchSpec) -> tuple[list[dict], dict | None]:
+        """The Job(s) and PodGroup for a stage (plain dicts, as the API takes them)."""
+        p = spec.placement
+        nodes = list(p.nodes)
+        names = [spec.cluster.nodes[i].name for i in nodes]
+        shares = [(len(p.gpus_on(n)), p.cores_on(n)) for n in nodes]
+        uniform = len(set(shares)) == 1
+        groups = [(nodes, names)] if uniform else [([n], [nm]) for n, nm in zip(nodes, names)]
+        base = job_name(spec.stage_id)
+        stage_label = label_value(spec.stage_id)
+        labels = {"app.kubernetes.io/managed-by": "qosflow", "app.kubernetes.io/name": "qosflow-stage", LABEL_STAGE: stage_label, LABEL_JOB: label_value(p.job_id)}
+        annotations = {ANN_STAGE: spec.stage_id, "qosflow.dev/nodes": ",".join(names), "qosflow.dev/gpu-sharing": self.gpu_sharing}
+        for k, v in spec.labels.items():
+            if _LABEL_KEY.match(k):
+                labels[k] = label_value(v)
+            annotations[k] = str(v)
+        pods_total = len(nodes)
+        pg_name = base if self.gang_scheduler and pods_total > 1 else None
+        jobs = []
+        for gi, (gnodes, gnames) in enumerate(groups):
+            n0 = gnodes[0]
+            k_gpus, cores = len(p.gpus_on(n0)), p.cores_on(n0)
+            env = placement_env(p, spec.cluster, n0, spec.cpusets.get(n0))
+            env.pop("CUDA_VISIBLE_DEVICES", None)  # the device plugin assigns the devices
+            env.pop("QOSFLOW_NODE", None)
+            env.update(spec.env)
+            env.update({"QOSFLOW_STAGE_ID": spec.stage_id, "QOSFLOW_GANG_SIZE": str(pods_total), "QOSFLOW_GANG_HOSTS": ",".join(names)})
+            env_list: list[dict] = [{"name": k, "value": v} for k, v in env.items()]
+            env_list.append({"name": "QOSFLOW_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+            if len(gnodes) > 1:
+                env_list.append({"name": "QOSFLOW_GANG_RANK", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}})
+            else:
+                env_list.append({"name": "QOSFLOW_GANG_RANK", "value": str(gi)})
+            limits: dict[str, str] = {}
+            shared = p.gpu_milli < 1000 or bool(p.colocated_with)
+            if k_gpus:
+                if shared and self.gpu_sharing != "none":
+                    limits[self.shared_resource] = str(k_gpus)
+                else:
+                    limits[GPU] = str(k_gpus)
+            requests = {"cpu": _cpu(max(cores, 0.001))}
+            if p.mem_mb:
+                requests["memory"] = f"{int(p.mem_mb / len(nodes))}Mi"
+            pod_labels = dict(labels)
+            pod_ann = dict(annotations)
+            pod_ann[ANN_PLACEMENT] = env.get("QOSFLOW_PLACEMENT", "")
+            pod_spec: dict[str, Any] = {
+                "restartPolicy": "Never",
+                "containers": [{
+                    "name": "stage",
+                    "image": spec.image or self.image,
+                    "command": list(spec.command),
+                    "env": env_list,
+                    "resources": {"limits": {**limits}, "requests": {**requests, **limits}},
+                    **({"workingDir": spec.cwd} if spec.cwd else {}),
+                }],
+                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": gnames}]}]}}},
+                "tolerations": [
+                    {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": self.eviction_toleration_s},
+                    {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": self.eviction_toleration_s},
+                    {"key": GPU, "operator": "Exists", "effect": "NoSchedule"},
+                ],
+            }
+            if len(gnodes) > 1:
+                pod_spec["affinity"]["podAntiAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"labelSelector": {"matchLabels": {LABEL_STAGE: stage_label}}, "topologyKey": "kubernetes.io/hostname"}]}
+            if self.service_account:
+                pod_spec["serviceAccountName"] = self.service_account
+            if self.image_pull_secrets:
+                pod_spec["imagePullSecrets"] = [{"name": s} for s in self.image_pull_secrets]
+            if pg_name and self.gang_scheduler == "volcano":
+                pod_spec["schedulerName"] = "volcano"
+                pod_ann["scheduling.k8s.io/group-name"] = pg_name
+            elif pg_name and self.gang_scheduler == "kai":
+                pod_spec["schedulerName"] = "kai-scheduler"
+                pod_ann["pod-group-name"] = pg_name
+                pod_labels["kai.scheduler/queue"] = self.kai_queue
+            job_spec: dict[str, Any] = {
+                "backoffLimit": 0,
+                "completions": len(gnodes),
+                "parallelism": len(gnodes),
+                "template": {"metadata": {"labels": pod_labels, "annotations": pod_ann}, "spec": pod_spec},
+            }
+            if len(gnodes) > 1:
+                job_spec["completionMode"] = "Indexed"
+            if self.ttl_after_finished_s is not None:
+                job_spec["ttlSecondsAfterFinished"] = self.ttl_after_finished_s
+            jobs.append({
+                "apiVersion": "batch/v1", "kind": "Job",
+                "metadata": {"name": base if len(groups) == 1 else f"{base[:56]}-r{gi}", "namespace": self.namespace, "labels": dict(labels), "annotations": dict(annotations)},
+                "spec": job_spec,
+            })
+        podgroup = None
+        if pg_name:
+            group, version = ("scheduling.volcano.sh", "v1beta1") if self.gang_scheduler == "volcano" else ("scheduling.run.ai", "v2alpha2")
+            podgroup = {
+                "apiVersion": f"{group}/{version}", "kind": "PodGroup",
+                "metadata": {"name": pg_name, "namespace": self.namespace, "labels": dict(labels)},
+                "spec": {"minMember": pods_total, **({"queue": self.kai_queue} if self.gang_scheduler == "kai" else {})},
+            }
+        return jobs, podgroup
+
+    # ------------------------------------------------------------------ launch
+    async def launch(self, spec: LaunchSpec) -> StageHandle:
+        from kubernetes.client.exceptions import ApiException
+
+        jobs, pg = self.manifests(spec)
+        ref: dict[str, Any] = {
+            "namespace": self.namespace,
+            "jobs": [j["metadata"]["name"] for j in jobs],
+            "podgroup": None,
+            "selector": f"{LABEL_STAGE}={label_value(spec.stage_id)}",
+            "expected_pods": sum(j["spec"]["parallelism"] for j in jobs),
+            "nodes": [spec.cluster.nodes[i].name for i in spec.placement.nodes],
+            "launch_error": None,
+        }
+        handle = StageHandle(spec.stage_id, self.name, ref["nodes"][0], ref)
+        try:
+            if pg is not None:
+                group, version = pg["apiVersion"].split("/")
+                try:
+                    await self._acall(self.custom.create_namespaced_custom_object, group, version, self.namespace, "podgroups", pg)
+                except ApiException as e:
+                    if e.status != 409:
+                        raise
+                ref["podgroup"] = {"group": group, "version": version, "name": pg["metadata"]["name"]}
+            for j in jobs:  # back to back: every pod of the gang exists before any can finish
+                try:
+                    await self._acall(self.batch.create_namespaced_job, self.namespace, j)
+                except ApiException as e:
+                    if e.status != 409:
+                        raise
+                    cur = await self._acall(self.batch.read_namespaced_job, j["metadata"]["name"], self.namespace)
+                    if (cur.metadata.annotations or {}).get(ANN_STAGE) != spec.stage_id:
+                        raise QosflowError(f"Job {j['metadata']['name']} exists in {self.namespace} and belongs to another stage") from None
+                    self.stats["adopted_409"] += 1  # this very attempt already exists: adopt it, never start it twice
+        except ApiException as e:
+            ref["launch_error"] = f"Kubernetes API answered {e.status} {e.reason}"
+            await self.kill(handle, reason="launch failed")
+            self._killed.pop(spec.stage_id, None)
+        return handle
+
+    async def adopt(self, stage_id: str, hosts: list[str] | None = None) -> StageHandle | None:
+        """Find the Job(s) of an attempt a previous worker started."""
+        sel = f"{LABEL_STAGE}={label_value(stage_id)}"
+        jobs = (await self._acall(self.batch.list_namespaced_job, self.namespace, label_selector=sel)).items
+        jobs = [j for j in jobs if (j.metadata.annotations or {}).get(ANN_STAGE) == stage_id]
+        if not jobs:
+            return None
+        ref = {
+            "namespace": self.namespace, "jobs": [j.metadata.name for j in jobs], "podgroup": None, "selector": sel,
+            "expected_pods": sum(j.spec.parallelism or 1 for j in jobs),
+            "nodes": (jobs[0].metadata.annotations or {}).get("qosflow.dev/nodes", "").split(","), "launch_error": None,
+        }
+        return StageHandle(stage_id, self.name, ref["nodes"][0], ref)
+
+    # ------------------------------------------------------------------ wait
+    async def wait(self, handle: StageHandle) -> ExitStatus:
+        if handle.ref.get("launch_error"):
+            return ExitStatus(ExitKind.INFRA, None, f"launch failed: {handle.ref['launch_error']}")
+        stop = self._stop.setdefault(handle.stage_id, threading.Event())
+        try:
+            st = await asyncio.to_thread(self._wait_sync, handle, stop)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
+        if not st.ok and st.kind is not ExitKind.CANCELLED:
+            await self.kill(handle, reason=f"stage failed: {st.reason}")
+            self._killed.pop(handle.stage_id, None)
+        self._stop.pop(handle.stage_id, None)
+        return st
+
+    def _wait_sync(self, handle: StageHandle, stop: threading.Event) -> ExitStatus:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        ref = handle.ref
+        ns, sel = ref["namespace"], ref["selector"]
+        track: dict[str, Any] = {"unsched": {}, "notready": {}, "deleted": set(), "seen": set()}
+        while not stop.is_set():
+            try:
+                lst = self._call(self.core.list_namespaced_pod, ns, label_selector=sel)
+            except ApiException as e:
+                log.warning("listing pods of %s: %s", handle.stage_id, e.reason)
+                time.sleep(0.5)
+                continue
+            pods = {p.metadata.name: p for p in lst.items}
+            st = self._evaluate(handle, pods, track, check_nodes=True)
+            if st is not None:
+                return st
+            w = watch.Watch()
+            try:
+                for ev in w.stream(self.core.list_namespaced_pod, ns, label_selector=sel,
+                                   resource_version=lst.metadata.resource_version, timeout_seconds=self._watch_timeout(track)):
+                    pod = ev["object"]
+                    if ev["type"] == "DELETED":
+                        pods.pop(pod.metadata.name, None)
+                        track["deleted"].add(pod.metadata.name)
+                    else:
+                        pods[pod.metadata.name] = pod
+                    st = self._evaluate(handle, pods, track, check_nodes=False)
+                    if st is not None or stop.is_set():
+                        w.stop()
+                        break
+                if st is not None:
+                    return st
+            except ApiException as e:
+                if e.status == 410:  # our resourceVersion expired: list again, then watch from there
+                    self.stats["watch_410"] += 1
+                    continue
+                log.warning("watching pods of %s: %s %s", handle.stage_id, e.status, e.reason)
+                time.sleep(0.2)
+            except Exception as e:  # connection reset and friends: list again
+                log.warning("watch of %s broke: %s", handle.stage_id, e)
+                time.sleep(0.2)
+        return ExitStatus(ExitKind.CANCELLED, None, self._killed.get(handle.stage_id, "wait stopped"))
+
+    def _watch_timeout(self, track: dict) -> int:
+        t = float(self.watch_timeout_s)
+        now = time.monotonic()
+        for since in track["unsched"].values():
+            t = min(t, since + self.unschedulable_timeout_s - now + 0.2)
+        for since in track["notready"].values():
+            t = min(t, since + self.node_lost_grace_s - now + 0.2)
+        if track["notready"]:
+            t = min(t, 2.0)
+        return max(1, int(t + 0.999))
+
+    def _evaluate(self, handle: StageHandle, pods: dict[str, Any], track: dict, check_nodes: bool) -> ExitStatus | None:
+        from qosflow.failures import classify_reason
+
+        if handle.stage_id in self._killed:
+            return ExitStatus(ExitKind.CANCELLED, None, f"cancelled: {self._killed[handle.stage_id]} (Job deleted)")
+        expected = handle.ref["expected_pods"]
+        now = time.monotonic()
+        track["seen"].update(pods)
+        succeeded = 0
+        for name, pod in sorted(pods.items()):
+            st = pod.status
+            phase = st.phase if st else None
+            node = pod.spec.node_name if pod.spec else None
+            where = f"(pod {name}" + (f" on node {node})" if node else ")")
+            cs = (st.container_statuses or []) if st else []
+            if phase == "Succeeded":
+                succeeded += 1
+                continue
+            if phase == "Failed":
+                term = next((c.state.terminated for c in cs if c.state and c.state.terminated), None)
+                if st.reason:  # Evicted, NodeLost, Shutdown...
+                    return classify_reason(st.reason, f"{st.message or ''} {where}".strip(), term.exit_code if term else None)
+                if term is not None:
+                    if term.reason == "OOMKilled":
+                        return classify_reason("OOMKilled", where, term.exit_code)
+                    dis = next((c for c in (st.conditions or []) if c.type == "DisruptionTarget" and c.status == "True"), None)
+                    if dis is not None:
+                        return classify_reason(dis.reason or "Evicted", f"{dis.message or ''} {where}".strip(), term.exit_code)
+                    return classify_reason(term.reason or "Error", f"{(term.message or '').strip()} {where}".strip(), term.exit_code)
+                return classify_reason("Error", f"the pod failed {where}")
+            if phase == "Pending":
+                waiting = next((c.state.waiting for c in cs if c.state and c.state.waiting), None)
+                if waiting is not None and waiting.reason in ("ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "ErrImageNeverPull"):
+                    return classify_reason(waiting.reason, f"{waiting.message or ''} {where}".strip())
+                sched = next((c for c in (st.conditions or []) if c.type == "PodScheduled"), None) if st else None
+                if sched is not None and sched.status == "False" and sched.reason == "Unschedulable":
+                    since = track["unsched"].setdefault(name, now)
+                    if now - since >= self.unschedulable_timeout_s:
+                        return classify_reason("Unschedulable", f"{sched.message} {where} (waited {self.unschedulable_timeout_s:g}s)")
+                else:
+                    track["unsched"].pop(name, None)
+            if check_nodes and node and phase in ("Pending", "Running"):
+                try:
+                    n = self._call(self.core.read_node, node)
+                    ok = _ready(n)
+                except Exception:
+                    ok = False
+                if ok:
+                    track["notready"].pop(node, None)
+                else:
+                    since = track["notready"].setdefault(node, now)
+                    if now - since >= self.node_lost_grace_s:
+                        return classify_reason("NodeLost", f"node {node} has not been Ready for {self.node_lost_grace_s:g}s {where}")
+        if expected and succeeded >= expected:
+            return ExitStatus(ExitKind.OK, 0, "")
+        gone = track["deleted"] - set(pods)
+        if gone:
+            return classify_reason("DeletionByPodGC", f"pod(s) {', '.join(sorted(gone))} deleted outside qosflow (drained or preempted?)")
+        if check_nodes and not pods and track["seen"]:
+            return ExitStatus(ExitKind.INFRA, None, f"the pods of Job(s) {', '.join(handle.ref['jobs'])} disappeared (Job deleted outside qosflow?)")
+        return None
+
+    # ------------------------------------------------------------------ control
+    async def kill(self, handle: StageHandle, reason: str = "cancelled") -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        self._killed.setdefault(handle.stage_id, reason)
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        for name in handle.ref.get("jobs", []):
+            try:
+                await self._acall(self.batch.delete_namespaced_job, name, handle.ref["namespace"], body=body)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        pg = handle.ref.get("podgroup")
+        if pg:
+            try:
+                await self._acall(self.custom.delete_namespaced_custom_object, pg["group"], pg["version"], handle.ref["namespace"], "podgroups", pg["name"])
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+
+    async def logs(self, handle: StageHandle) -> AsyncIterator[str]:
+        """The output of the stage's pods (rank 0 first), as the API has it now."""
+        pods = (await self._acall(self.core.list_namespaced_pod, handle.ref["namespace"], label_selector=handle.ref["selector"])).items
+        for p in sorted(pods, key=lambda p: p.metadata.name):
+            text = await self._acall(self.core.read_namespaced_pod_log, p.metadata.name, handle.ref["namespace"])
+            for line in (text or "").splitlines():
+                yield line
+
+    async def aclose(self) -> None:
+        for ev in self._stop.values():
+            ev.set()
+        await asyncio.to_thread(self.api_client.close)
+
+
+def _ready(node) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in (node.status.conditions or []))

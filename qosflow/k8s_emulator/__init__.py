@@ -1,0 +1,120 @@
+"""A Kubernetes API emulator for tests: NOT a Kubernetes cluster.
+
+It serves the real REST paths and JSON for Nodes, Pods, Jobs and custom resources (create, get,
+list, watch with resourceVersion and 410 Gone, delete, 409 conflicts, injectable 500s) and "runs"
+Jobs by creating Pods and moving them through their phases, so the official `kubernetes` Python
+client (and `qosflow.backends.kubernetes`) can be exercised without a cluster. No container runs.
+Failure injection: OOMKilled, ImagePullBackOff, Evicted, Unschedulable, exit codes, lost nodes.
+
+    with EmulatorServer(nodes=[gpu_node("gpu-0"), gpu_node("gpu-1")]) as emu:
+        api = kubernetes.client.CoreV1Api(emu.api_client())
+
+`python -m qosflow.k8s_emulator --port 8080 --nodes 3 --gpus 4` runs one standalone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from qosflow.k8s_emulator.state import Cluster, gpu_node
+
+__all__ = ["EmulatorServer", "gpu_node", "Cluster"]
+
+
+class EmulatorServer:
+    """The emulator on 127.0.0.1 in a background thread (its own event loop)."""
+
+    def __init__(self, nodes: list[dict] | None = None, *, port: int = 0, window: int = 1000, tick_s: float = 0.02, start_delay_s: float = 0.05):
+        self.cluster = Cluster(window=window, tick_s=tick_s, start_delay_s=start_delay_s)
+        self._nodes = list(nodes or [])
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", port))
+        self.port = self._sock.getsockname()[1]
+        self._thread: threading.Thread | None = None
+        self._server: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "EmulatorServer":
+        import uvicorn
+
+        from qosflow.k8s_emulator.server import create_app
+
+        for n in self._nodes:
+            self.cluster.add_node(n)
+        config = uvicorn.Config(create_app(self.cluster), log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+
+        def run() -> None:
+            asyncio.run(self._server.serve(sockets=[self._sock]))
+
+        self._thread = threading.Thread(target=run, name="k8s-emulator", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the Kubernetes emulator did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        self._sock.close()
+
+    def __enter__(self) -> "EmulatorServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -------------------------------------------------------------- clients and controls
+    def api_client(self):
+        """An official `kubernetes.client.ApiClient` pointed at the emulator."""
+        from kubernetes import client
+
+        cfg = client.Configuration()
+        cfg.host = self.url
+        return client.ApiClient(cfg)
+
+    def _ctl(self, method: str, path: str, body: Any = None) -> Any:
+        r = httpx.request(method, f"{self.url}/emulator/{path}", json=body, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def add_node(self, **kw: Any) -> dict:
+        return self._ctl("POST", "nodes", kw)
+
+    def lose_node(self, name: str) -> None:
+        self._ctl("POST", f"nodes/{name}/lose")
+
+    def add_rule(self, *, fail: str | None = None, selector: str | None = None, node: str | None = None, times: int = 1, **kw: Any) -> None:
+        """Make the next `times` new pods (matching `selector`/`node`) fail with `fail`
+        (OOMKilled, ImagePullBackOff, Evicted, Unschedulable, NodeLost, Error) or behave per `kw`
+        (run_s, exit_code, after_s)."""
+        rule = {"fail": fail, "selector": selector, "node": node, "times": times, **kw}
+        self._ctl("POST", "rules", {k: v for k, v in rule.items() if v is not None})
+
+    def add_fault(self, path: str, *, method: str | None = None, status: int = 500, count: int = 1) -> None:
+        """The next `count` API requests whose path matches the regex `path` get HTTP `status`."""
+        f = {"path": path, "status": status, "count": count}
+        if method:
+            f["method"] = method
+        self._ctl("POST", "faults", f)
+
+    def compact(self) -> int:
+        return self._ctl("POST", "compact")["compacted_rv"]
+
+    def state(self) -> dict:
+        return self._ctl("GET", "state")

@@ -1,0 +1,259 @@
+"""The emulator's HTTP front: the real Kubernetes REST paths and JSON, plus `/emulator/*` controls.
+
+Served paths (core `/api/v1`, `/apis/batch/v1`, and any `/apis/{group}/{version}` custom resource):
+
+    GET    .../{plural}                    list (labelSelector, fieldSelector), or watch=true:
+                                           a chunked stream of {"type","object"} lines from
+                                           resourceVersion; an expired resourceVersion gets an
+                                           ERROR event with a 410 "Expired" Status (as the API server)
+    POST   .../{plural}                    create (409 AlreadyExists)
+    GET    .../{plural}/{name}[/status]    read (404 NotFound)
+    PUT    .../{plural}/{name}[/status]    replace (409 Conflict on a stale resourceVersion)
+    PATCH  .../{plural}/{name}             JSON merge patch
+    DELETE .../{plural}/{name}             delete (Jobs: propagationPolicy Background/Foreground
+                                           deletes their pods; the default orphans them, as the API does)
+    GET    /api/v1/namespaces/{ns}/pods/{name}/log
+
+Controls (not Kubernetes): POST /emulator/nodes, /emulator/nodes/{name}/lose, /emulator/rules
+(failure injection for new pods), /emulator/faults (HTTP errors such as 500), /emulator/compact
+(expire every resourceVersion so far); DELETE /emulator/rules, /emulator/faults; GET /emulator/state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from qosflow.k8s_emulator.state import ApiError, Cluster, fields_match, gpu_node, labels_match, merge_patch, parse_label_selector
+
+_TRUE = ("true", "1", "yes")
+
+
+def _err(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.status(), status_code=e.code)
+
+
+def _parse(path: str):
+    """(apiVersion, namespace, plural, name, subresource) of a REST path, or None."""
+    parts = [p for p in path.split("/") if p]
+    if parts[:2] == ["api", "v1"]:
+        api, rest = "v1", parts[2:]
+    elif parts[:1] == ["apis"] and len(parts) >= 3:
+        api, rest = f"{parts[1]}/{parts[2]}", parts[3:]
+    else:
+        return None
+    ns = None
+    if len(rest) >= 3 and rest[0] == "namespaces":
+        ns, rest = rest[1], rest[2:]
+    if not rest:
+        return None
+    plural = rest[0]
+    name = rest[1] if len(rest) > 1 else None
+    sub = rest[2] if len(rest) > 2 else None
+    return api, ns, plural, name, sub
+
+
+def create_app(cluster: Cluster):
+    store = cluster.store
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(cluster.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    async def watch_stream(plural: str, ns: str | None, lsel: str | None, fsel: str | None, rv: str | None, timeout: float):
+        reqs = parse_label_selector(lsel)
+
+        def match(o: dict) -> bool:
+            return (ns is None or o["metadata"].get("namespace") == ns) and labels_match(o["metadata"].get("labels") or {}, reqs) and fields_match(o, fsel)
+
+        def line(t: str, o: dict) -> bytes:
+            return (json.dumps({"type": t, "object": o}) + "\n").encode()
+
+        def gone(since: int) -> bytes:
+            e = ApiError(410, "Expired", f"too old resource version: {since} ({store.compacted_rv + 1})")
+            return line("ERROR", e.status())
+
+        if rv not in (None, "", "0"):
+            since = int(rv)
+        else:  # no version: the current state as ADDED events, then changes
+            since = store.current_rv
+            for o in store.list(plural, ns, lsel, fsel):
+                yield line("ADDED", o)
+        end = time.monotonic() + timeout
+        while True:
+            if since < store.compacted_rv:
+                yield gone(since)
+                return
+            changed = store.changed
+            batch = [(erv, t, o) for erv, p, t, o in list(store.log) if erv > since and p == plural]
+            since = max([since] + [erv for erv, _, _ in batch])
+            for _, t, o in batch:
+                if match(o):
+                    yield line(t, o)
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(changed.wait(), min(left, 5.0))
+            except asyncio.TimeoutError:
+                yield b""  # keep the chunked stream moving (empty chunks are ignored by clients)
+
+    async def rest(request: Request) -> Response:
+        parsed = _parse(request.url.path)
+        if parsed is None:
+            return _err(ApiError(404, "NotFound", f"the server could not find the requested resource ({request.url.path})"))
+        api, ns, plural, name, sub = parsed
+        q = request.query_params
+        method = request.method
+        try:
+            if plural not in store.meta:
+                if api in ("v1", "batch/v1"):
+                    raise ApiError(404, "NotFound", f"the server could not find the requested resource ({plural})")
+                store.meta[plural] = (api, "", True)  # a custom resource: kind comes from the object
+            namespaced = store.meta[plural][2]
+            obj_ns = (ns or "default") if namespaced else ""
+            if name is None:
+                if method == "GET":
+                    if q.get("watch", "").lower() in _TRUE:
+                        timeout = float(q.get("timeoutSeconds") or 1800)
+                        return StreamingResponse(
+                            watch_stream(plural, ns, q.get("labelSelector"), q.get("fieldSelector"), q.get("resourceVersion"), timeout),
+                            media_type="application/json",
+                        )
+                    items = store.list(plural, ns, q.get("labelSelector"), q.get("fieldSelector"))
+                    kind = store.meta[plural][1] or (items[0]["kind"] if items else "Object")
+                    return JSONResponse({"kind": f"{kind}List", "apiVersion": api, "metadata": {"resourceVersion": str(store.current_rv)}, "items": items})
+                if method == "POST":
+                    body = await request.json()
+                    if namespaced and body.get("metadata", {}).get("namespace") not in (None, obj_ns):
+                        raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
+                    if not store.meta[plural][1]:
+                        store.meta[plural] = (api, body.get("kind", ""), True)
+                    obj = store.create(plural, obj_ns, body)
+                    if plural == "jobs":
+                        cluster.on_job_created(obj)
+                    elif plural == "pods":
+                        cluster.on_pod_created(obj)
+                    return JSONResponse(obj, status_code=201)
+                raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on {plural}")
+            if method == "GET":
+                obj = store.get(plural, obj_ns, name)
+                if sub == "log" and plural == "pods":
+                    return PlainTextResponse(cluster.logs(obj))
+                return JSONResponse(obj)
+            if method == "PUT":
+                body = await request.json()
+                return JSONResponse(store.replace(plural, obj_ns, name, body, status_only=sub == "status"))
+            if method == "PATCH":
+                body = await request.json()
+                if isinstance(body, list):
+                    raise ApiError(415, "UnsupportedMediaType", "the emulator supports merge patches only")
+                cur = store.get(plural, obj_ns, name)
+                want = (body.get("metadata") or {}).get("resourceVersion")
+                new = merge_patch(cur, body)
+                if not want:
+                    new["metadata"]["resourceVersion"] = cur["metadata"]["resourceVersion"]
+                return JSONResponse(store.replace(plural, obj_ns, name, new))
+            if method == "DELETE":
+                try:
+                    body = await request.json()
+                except Exception:
+                    body = {}
+                prop = (body or {}).get("propagationPolicy") or q.get("propagationPolicy")
+                obj = store.delete(plural, obj_ns, name)
+                if plural == "jobs":
+                    cluster.on_job_deleted(obj, prop)
+                if plural == "pods":
+                    return JSONResponse(obj)
+                group = api.split("/")[0] if "/" in api else ""
+                return JSONResponse({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                                     "details": {"name": name, "group": group, "kind": plural, "uid": obj["metadata"]["uid"]}})
+            raise ApiError(405, "MethodNotAllowed", f"{method} is not supported")
+        except ApiError as e:
+            return _err(e)
+
+    # -------------------------------------------------------------- controls
+    async def ctl_nodes(request: Request) -> Response:
+        b = await request.json()
+        node = b if "metadata" in b else gpu_node(**b)
+        try:
+            return JSONResponse(cluster.add_node(node), status_code=201)
+        except ApiError as e:
+            return _err(e)
+
+    async def ctl_lose(request: Request) -> Response:
+        try:
+            cluster.lose_node(request.path_params["name"])
+        except ApiError as e:
+            return _err(e)
+        return JSONResponse({"lost": request.path_params["name"]})
+
+    async def ctl_rules(request: Request) -> Response:
+        if request.method == "DELETE":
+            cluster.rules.clear()
+            return JSONResponse({"rules": []})
+        cluster.rules.append(await request.json())
+        return JSONResponse({"rules": cluster.rules}, status_code=201)
+
+    async def ctl_faults(request: Request) -> Response:
+        if request.method == "DELETE":
+            cluster.faults.clear()
+            return JSONResponse({"faults": []})
+        f = await request.json()
+        f.setdefault("count", 1)
+        f.setdefault("status", 500)
+        cluster.faults.append(f)
+        return JSONResponse({"faults": cluster.faults}, status_code=201)
+
+    async def ctl_compact(request: Request) -> Response:
+        store.compact()
+        return JSONResponse({"compacted_rv": store.compacted_rv})
+
+    async def ctl_state(request: Request) -> Response:
+        return JSONResponse({
+            "emulator": "qosflow Kubernetes API emulator (not a real cluster)",
+            "resourceVersion": store.current_rv, "compacted_rv": store.compacted_rv,
+            "counts": {p: len(t) for p, t in store.objs.items()}, "rules": cluster.rules, "faults": cluster.faults,
+        })
+
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    app = Starlette(
+        routes=[
+            Route("/emulator/nodes", ctl_nodes, methods=["POST"]),
+            Route("/emulator/nodes/{name}/lose", ctl_lose, methods=["POST"]),
+            Route("/emulator/rules", ctl_rules, methods=["POST", "DELETE"]),
+            Route("/emulator/faults", ctl_faults, methods=["POST", "DELETE"]),
+            Route("/emulator/compact", ctl_compact, methods=["POST"]),
+            Route("/emulator/state", ctl_state, methods=["GET"]),
+            Route("/{path:path}", rest, methods=methods),
+        ],
+        lifespan=lifespan,
+    )
+
+    async def with_faults(scope, receive, send):
+        """Pure ASGI wrapper: injected HTTP errors before routing (watch streams pass untouched)."""
+        if scope["type"] == "http" and not scope["path"].startswith("/emulator"):
+            method, path = scope["method"], scope["path"]
+            for f in cluster.faults:
+                if f["count"] > 0 and f.get("method", method).upper() == method and re.search(f.get("path", ""), path):
+                    f["count"] -= 1
+                    code = int(f["status"])
+                    reason = {500: "InternalError", 503: "ServiceUnavailable", 429: "TooManyRequests", 409: "Conflict"}.get(code, "InternalError")
+                    resp = _err(ApiError(code, reason, f.get("message", f"Internal error occurred: injected by the emulator ({code})")))
+                    await resp(scope, receive, send)
+                    return
+        await app(scope, receive, send)
+
+    return with_faults

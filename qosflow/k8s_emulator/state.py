@@ -1,0 +1,679 @@
+"""The emulator's object store and its controllers (job controller, scheduler, kubelet).
+
+THIS IS AN EMULATOR, NOT KUBERNETES. It keeps Nodes, Pods, Jobs (and custom objects such as
+PodGroups) as the JSON the real API server serves, with resource versions and a bounded event log
+for watches, and "runs" Jobs by creating their Pods, binding them to nodes (node affinity, node
+selectors, hostname anti-affinity, extended resources such as `nvidia.com/gpu`, all-or-nothing
+groups for `schedulerName: volcano`) and moving them through their phases on a timer. No container
+ever runs. Failures are injected through rules: OOMKilled, ImagePullBackOff, Evicted, Unschedulable,
+a non-zero exit code, or a lost node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import random
+import re
+import string
+import time
+import uuid
+from collections import deque
+from datetime import datetime, timezone
+from typing import Any, Iterable
+
+ANN = "emulator.qosflow.dev/"
+#: resource plural -> (apiVersion, kind, namespaced)
+BUILTIN = {
+    "nodes": ("v1", "Node", False),
+    "namespaces": ("v1", "Namespace", False),
+    "pods": ("v1", "Pod", True),
+    "jobs": ("batch/v1", "Job", True),
+}
+GROUP_OF = {"v1": "", "batch/v1": "batch"}
+
+
+def now_iso(t: float | None = None) -> str:
+    return datetime.fromtimestamp(t or time.time(), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def rand5() -> str:
+    return "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str, details: dict | None = None):
+        self.code, self.reason, self.message, self.details = code, reason, message, details or {}
+        super().__init__(message)
+
+    def status(self) -> dict:
+        return {
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": self.message, "reason": self.reason, "details": self.details, "code": self.code,
+        }
+
+
+# ---------------------------------------------------------------------- quantities & selectors
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+           "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+
+
+def quantity(q: Any) -> float:
+    """A Kubernetes resource quantity ("500m", "16Gi", 4) as a float in base units."""
+    if isinstance(q, (int, float)):
+        return float(q)
+    s = str(q).strip()
+    m = re.fullmatch(r"([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([A-Za-z]*)", s)
+    if not m:
+        raise ValueError(f"bad quantity {q!r}")
+    num, suf = m.groups()
+    if suf and suf not in _SUFFIX:
+        raise ValueError(f"bad quantity suffix in {q!r}")
+    return float(num) * (_SUFFIX[suf] if suf else 1.0)
+
+
+def parse_label_selector(sel: str | None):
+    reqs = []
+    if not sel:
+        return reqs
+    for part in re.split(r",(?![^()]*\))", sel):
+        part = part.strip()
+        if not part:
+            continue
+        m = re.fullmatch(r"(\S+)\s+(in|notin)\s+\(([^)]*)\)", part)
+        if m:
+            reqs.append((m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",")}))
+        elif "!=" in part:
+            k, v = part.split("!=", 1)
+            reqs.append((k.strip(), "!=", {v.strip()}))
+        elif "=" in part:
+            k, v = re.split(r"==?", part, maxsplit=1)
+            reqs.append((k.strip(), "=", {v.strip()}))
+        elif part.startswith("!"):
+            reqs.append((part[1:], "!exists", set()))
+        else:
+            reqs.append((part, "exists", set()))
+    return reqs
+
+
+def labels_match(labels: dict, reqs) -> bool:
+    for k, op, vals in reqs:
+        v = labels.get(k)
+        if op in ("=", "in") and v not in vals:
+            return False
+        if op in ("!=", "notin") and v in vals:
+            return False
+        if op == "exists" and k not in labels:
+            return False
+        if op == "!exists" and k in labels:
+            return False
+    return True
+
+
+def _field(obj: dict, path: str) -> Any:
+    cur: Any = obj
+    for p in path.split("."):
+        cur = cur.get(p) if isinstance(cur, dict) else None
+    return cur
+
+
+def fields_match(obj: dict, sel: str | None) -> bool:
+    if not sel:
+        return True
+    for part in sel.split(","):
+        if "!=" in part:
+            k, v = part.split("!=", 1)
+            if str(_field(obj, k.strip()) or "") == v.strip():
+                return False
+        elif "=" in part:
+            k, v = re.split(r"==?", part, maxsplit=1)
+            if str(_field(obj, k.strip()) or "") != v.strip():
+                return False
+    return True
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+# ---------------------------------------------------------------------- the store
+class Store:
+    def __init__(self, window: int = 1000):
+        self.rv = itertools.count(1000)
+        self.current_rv = 999
+        self.objs: dict[str, dict[tuple[str, str], dict]] = {}
+        self.meta: dict[str, tuple[str, str, bool]] = dict(BUILTIN)
+        self.log: deque[tuple[int, str, str, dict]] = deque()
+        self.window = window
+        self.compacted_rv = 0  # events up to and including this rv are gone
+        self.changed = asyncio.Event()
+
+    def table(self, plural: str) -> dict[tuple[str, str], dict]:
+        return self.objs.setdefault(plural, {})
+
+    def _emit(self, plural: str, etype: str, obj: dict) -> None:
+        rv = next(self.rv)
+        self.current_rv = rv
+        obj["metadata"]["resourceVersion"] = str(rv)
+        self.log.append((rv, plural, etype, copy.deepcopy(obj)))
+        while len(self.log) > self.window:
+            self.compacted_rv = self.log.popleft()[0]
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def compact(self) -> None:
+        """Forget every event so far (as etcd compaction does): older watches get 410 Gone."""
+        self.compacted_rv = self.current_rv
+        self.log.clear()
+
+    def get(self, plural: str, ns: str, name: str) -> dict:
+        obj = self.table(plural).get((ns, name))
+        if obj is None:
+            raise ApiError(404, "NotFound", f'{self.resource_name(plural)} "{name}" not found', {"name": name, "kind": plural})
+        return obj
+
+    def resource_name(self, plural: str) -> str:
+        api = self.meta.get(plural, ("", "", True))[0]
+        group = GROUP_OF.get(api, api.split("/")[0])
+        return f"{plural}.{group}" if group else plural
+
+    def list(self, plural: str, ns: str | None = None, label_selector: str | None = None, field_selector: str | None = None) -> list[dict]:
+        reqs = parse_label_selector(label_selector)
+        return [
+            o for (ons, _), o in sorted(self.table(plural).items())
+            if (ns is None or ons == ns) and labels_match(o["metadata"].get("labels") or {}, reqs) and fields_match(o, field_selector)
+        ]
+
+    def create(self, plural: str, ns: str, obj: dict) -> dict:
+        api, kind, namespaced = self.meta.get(plural, (obj.get("apiVersion", ""), obj.get("kind", ""), True))
+        obj = copy.deepcopy(obj)
+        md = obj.setdefault("metadata", {})
+        if not md.get("name"):
+            if md.get("generateName"):
+                md["name"] = md["generateName"] + rand5()
+            else:
+                raise ApiError(422, "Invalid", f"{kind} \"\" is invalid: metadata.name: Required value: name or generateName is required")
+        name = md["name"]
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name) or len(name) > 253:
+            raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, \'-\' or \'.\'')
+        key = (ns if namespaced else "", name)
+        if key in self.table(plural):
+            raise ApiError(409, "AlreadyExists", f'{self.resource_name(plural)} "{name}" already exists',
+                           {"name": name, "group": GROUP_OF.get(api, api.split("/")[0]), "kind": plural})
+        obj["apiVersion"], obj["kind"] = obj.get("apiVersion") or api, obj.get("kind") or kind
+        if namespaced:
+            md["namespace"] = ns
+        md.setdefault("labels", {})
+        md.setdefault("annotations", {})
+        md["uid"] = str(uuid.uuid4())
+        md["creationTimestamp"] = now_iso()
+        md["generation"] = 1
+        obj.setdefault("status", {})
+        self.table(plural)[key] = obj
+        self._emit(plural, "ADDED", obj)
+        return obj
+
+    def replace(self, plural: str, ns: str, name: str, obj: dict, *, status_only: bool = False) -> dict:
+        cur = self.get(plural, ns, name)
+        want = (obj.get("metadata") or {}).get("resourceVersion")
+        if want and want != cur["metadata"]["resourceVersion"]:
+            raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {self.resource_name(plural)} "{name}": the object has been modified; please apply your changes to the latest version and try again',
+                           {"name": name, "kind": plural})
+        new = copy.deepcopy(obj)
+        if status_only:
+            new = {**cur, "status": new.get("status", {})}
+        for k in ("uid", "creationTimestamp", "namespace", "name"):
+            if k in cur["metadata"]:
+                new.setdefault("metadata", {})[k] = cur["metadata"][k]
+        self.table(plural)[(cur["metadata"].get("namespace", ""), name)] = new
+        self._emit(plural, "MODIFIED", new)
+        return new
+
+    def update(self, plural: str, obj: dict) -> None:
+        """Controller-side in-place change (already mutated): bump the version, tell the watchers."""
+        self._emit(plural, "MODIFIED", obj)
+
+    def delete(self, plural: str, ns: str, name: str) -> dict:
+        obj = self.get(plural, ns, name)
+        del self.table(plural)[(obj["metadata"].get("namespace", ""), name)]
+        self._emit(plural, "DELETED", obj)
+        return obj
+
+
+# ---------------------------------------------------------------------- controllers
+class Cluster:
+    """The store plus the emulated control plane (job controller, scheduler, kubelets)."""
+
+    def __init__(self, window: int = 1000, tick_s: float = 0.02, start_delay_s: float = 0.05):
+        self.store = Store(window)
+        self.tick_s = tick_s
+        self.start_delay_s = start_delay_s
+        self.rules: list[dict] = []  # failure rules applied to new pods
+        self.faults: list[dict] = []  # HTTP faults (method, path regex, status, count)
+        self.timeline: dict[str, dict[str, Any]] = {}  # pod uid -> private lifecycle data
+
+    # -------------------------------------------------------------- nodes
+    def add_node(self, node: dict) -> dict:
+        node = copy.deepcopy(node)
+        md = node.setdefault("metadata", {})
+        md.setdefault("labels", {}).setdefault("kubernetes.io/hostname", md["name"])
+        st = node.setdefault("status", {})
+        st.setdefault("capacity", dict(st.get("allocatable", {})))
+        st.setdefault("conditions", [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status",
+                                      "lastHeartbeatTime": now_iso(), "lastTransitionTime": now_iso()}])
+        return self.store.create("nodes", "", node)
+
+    def lose_node(self, name: str) -> None:
+        node = self.store.get("nodes", "", name)
+        for c in node["status"]["conditions"]:
+            if c["type"] == "Ready":
+                c.update(status="Unknown", reason="NodeStatusUnknown", message="Kubelet stopped posting node status.", lastTransitionTime=now_iso())
+        node["spec"] = {**node.get("spec", {}), "taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": now_iso()}]}
+        self.store.update("nodes", node)
+        for pod in self.store.list("pods"):
+            if pod["spec"].get("nodeName") == name and pod["status"].get("phase") in ("Pending", "Running"):
+                self._finish(pod, "Failed", reason="NodeLost", message=f"Node {name} which was running pod {pod['metadata']['name']} is unresponsive",
+                             disruption="DeletionByTaintManager", exit_code=None)
+
+    @staticmethod
+    def node_ready(node: dict) -> bool:
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
+
+    # -------------------------------------------------------------- jobs
+    def on_job_created(self, job: dict) -> None:
+        job["status"] = {"startTime": now_iso(), "active": 0, "succeeded": 0, "failed": 0, "ready": 0}
+        self.store.update("jobs", job)
+
+    def _job_pods(self, job: dict) -> list[dict]:
+        uid = job["metadata"]["uid"]
+        return [p for p in self.store.list("pods", job["metadata"]["namespace"])
+                if any(r.get("uid") == uid for r in p["metadata"].get("ownerReferences", []))]
+
+    def _make_pod(self, job: dict, index: int | None) -> None:
+        tpl = copy.deepcopy(job["spec"]["template"])
+        md = tpl.setdefault("metadata", {})
+        jname, uid = job["metadata"]["name"], job["metadata"]["uid"]
+        labels = md.setdefault("labels", {})
+        labels.update({"job-name": jname, "controller-uid": uid, "batch.kubernetes.io/job-name": jname, "batch.kubernetes.io/controller-uid": uid})
+        ann = md.setdefault("annotations", {})
+        spec = tpl["spec"]
+        if index is not None:
+            ann["batch.kubernetes.io/job-completion-index"] = str(index)
+            labels["batch.kubernetes.io/job-completion-index"] = str(index)
+            spec.setdefault("hostname", f"{jname}-{index}")
+            for c in spec.get("containers", []):
+                c.setdefault("env", []).append({"name": "JOB_COMPLETION_INDEX", "value": str(index)})
+        md["name"] = f"{jname}-{index}-{rand5()}" if index is not None else f"{jname}-{rand5()}"
+        md["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": jname, "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+        tpl["apiVersion"], tpl["kind"] = "v1", "Pod"
+        pod = self.store.create("pods", job["metadata"]["namespace"], tpl)
+        self.on_pod_created(pod)
+
+    def _sync_job(self, job: dict) -> None:
+        st = job.setdefault("status", {})
+        if any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True" for c in st.get("conditions", [])):
+            return
+        spec = job["spec"]
+        completions = int(spec.get("completions") or 1)
+        parallelism = int(spec.get("parallelism") or 1)
+        backoff = int(spec.get("backoffLimit", 6))
+        indexed = spec.get("completionMode") == "Indexed"
+        pods = self._job_pods(job)
+        active = [p for p in pods if p["status"].get("phase") in (None, "Pending", "Running")]
+        succeeded = [p for p in pods if p["status"].get("phase") == "Succeeded"]
+        failed = [p for p in pods if p["status"].get("phase") == "Failed"]
+        new = {"active": len(active), "succeeded": len(succeeded), "failed": len(failed),
+               "ready": sum(1 for p in active if p["status"].get("phase") == "Running")}
+        cond = None
+        if len(failed) > backoff:
+            cond = {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}
+            for p in active:  # the job controller terminates what is left
+                self.store.delete("pods", p["metadata"]["namespace"], p["metadata"]["name"])
+            new["active"] = 0
+        elif len(succeeded) >= completions:
+            cond = {"type": "Complete", "status": "True", "reason": "CompletionsReached", "message": "Reached expected number of succeeded pods"}
+        else:
+            want = min(parallelism, completions - len(succeeded)) - len(active)
+            if want > 0:
+                if indexed:
+                    taken = {int(p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]) for p in active + succeeded}
+                    free = [i for i in range(completions) if i not in taken][:want]
+                else:
+                    free = [None] * want
+                for i in free:  # every pod of the stage is created in the same step
+                    self._make_pod(job, i)
+                new["active"] += len(free)
+        changed = any(st.get(k) != v for k, v in new.items()) or cond is not None
+        st.update(new)
+        if cond is not None:
+            cond.update(lastProbeTime=now_iso(), lastTransitionTime=now_iso())
+            st.setdefault("conditions", []).append(cond)
+            if cond["type"] == "Complete":
+                st["completionTime"] = now_iso()
+        if changed:
+            self.store.update("jobs", job)
+
+    def on_job_deleted(self, job: dict, propagation: str | None) -> None:
+        uid = job["metadata"]["uid"]
+        for p in self.store.list("pods", job["metadata"]["namespace"]):
+            refs = p["metadata"].get("ownerReferences", [])
+            if any(r.get("uid") == uid for r in refs):
+                if propagation in ("Background", "Foreground"):
+                    self.store.delete("pods", p["metadata"]["namespace"], p["metadata"]["name"])
+                else:  # Orphan: the API's default for batch/v1 Jobs
+                    p["metadata"]["ownerReferences"] = [r for r in refs if r.get("uid") != uid]
+                    self.store.update("pods", p)
+
+    # -------------------------------------------------------------- pods
+    def on_pod_created(self, pod: dict) -> None:
+        ann = pod["metadata"].get("annotations") or {}
+        behaviour = {
+            "run_s": float(ann.get(ANN + "run-seconds", 0.3)),
+            "exit_code": int(ann.get(ANN + "exit-code", 0)),
+            "fail": ann.get(ANN + "fail"),
+            "fail_after_s": float(ann.get(ANN + "fail-after-s", 0.1)),
+        }
+        for rule in self.rules:
+            if rule.get("times", 1) <= 0:
+                continue
+            if not labels_match(pod["metadata"].get("labels") or {}, parse_label_selector(rule.get("selector"))):
+                continue
+            if rule.get("node") and rule["node"] not in _affinity_nodes(pod):
+                continue
+            rule["times"] = rule.get("times", 1) - 1
+            if rule.get("fail"):
+                behaviour["fail"] = rule["fail"]
+            if "after_s" in rule:
+                behaviour["fail_after_s"] = float(rule["after_s"])
+            if "exit_code" in rule:
+                behaviour["exit_code"] = int(rule["exit_code"])
+            if "run_s" in rule:
+                behaviour["run_s"] = float(rule["run_s"])
+        self.timeline[pod["metadata"]["uid"]] = {"created": time.monotonic(), **behaviour}
+        pod["status"] = {"phase": "Pending", "qosClass": "Burstable"}
+        self.store.update("pods", pod)
+
+    def _finish(self, pod: dict, phase: str, *, reason: str | None = None, message: str | None = None,
+                exit_code: int | None = 0, container_reason: str | None = None, disruption: str | None = None) -> None:
+        st = pod["status"]
+        st["phase"] = phase
+        if reason:
+            st["reason"] = reason
+        if message:
+            st["message"] = message
+        conds = [c for c in st.get("conditions", []) if c["type"] not in ("Ready", "ContainersReady")]
+        conds += [{"type": "Ready", "status": "False", "reason": "PodCompleted" if phase == "Succeeded" else "PodFailed", "lastTransitionTime": now_iso()}]
+        if disruption:
+            conds.append({"type": "DisruptionTarget", "status": "True", "reason": disruption, "message": message or "", "lastTransitionTime": now_iso()})
+        st["conditions"] = conds
+        if exit_code is not None:
+            term = {"exitCode": exit_code, "reason": container_reason or ("Completed" if exit_code == 0 else "Error"), "finishedAt": now_iso()}
+            st["containerStatuses"] = [
+                {"name": c["name"], "ready": False, "restartCount": 0, "image": c.get("image", ""), "imageID": "", "state": {"terminated": term}}
+                for c in pod["spec"].get("containers", [])
+            ]
+        self.store.update("pods", pod)
+
+    def _bindable(self, pod: dict, nodes: list[dict], extra_load: dict[str, dict[str, float]]) -> tuple[dict | None, str]:
+        """A node this pod fits on, or None and the scheduler's message."""
+        wanted = _affinity_nodes(pod)
+        sel = pod["spec"].get("nodeSelector") or {}
+        req = _requests(pod)
+        anti = _anti_affinity(pod)
+        why: dict[str, int] = {}
+        for node in nodes:
+            name = node["metadata"]["name"]
+            labels = node["metadata"].get("labels", {})
+            if wanted is not None and name not in wanted or any(labels.get(k) != v for k, v in sel.items()):
+                why["node(s) didn't match Pod's node affinity/selector"] = why.get("node(s) didn't match Pod's node affinity/selector", 0) + 1
+                continue
+            if not self.node_ready(node):
+                why["node(s) had untolerated taint {node.kubernetes.io/unreachable: }"] = why.get("node(s) had untolerated taint {node.kubernetes.io/unreachable: }", 0) + 1
+                continue
+            if anti and any(labels_match(p["metadata"].get("labels", {}), anti) and p["spec"].get("nodeName") == name
+                            and p["status"].get("phase") in ("Pending", "Running") for p in self.store.list("pods", pod["metadata"]["namespace"])):
+                why["node(s) didn't match pod anti-affinity rules"] = why.get("node(s) didn't match pod anti-affinity rules", 0) + 1
+                continue
+            alloc = {k: quantity(v) for k, v in node["status"].get("allocatable", {}).items()}
+            used = self._used(name)
+            for k, v in extra_load.get(name, {}).items():
+                used[k] = used.get(k, 0.0) + v
+            short = [k for k, v in req.items() if used.get(k, 0.0) + v > alloc.get(k, 0.0) + 1e-9]
+            if short:
+                for k in short:
+                    why[f"Insufficient {k}"] = why.get(f"Insufficient {k}", 0) + 1
+                continue
+            return node, ""
+        parts = ", ".join(f"{n} {w}" for w, n in sorted(why.items()))
+        return None, f"0/{len(nodes)} nodes are available: {parts}. preemption: 0/{len(nodes)} nodes are available: {len(nodes)} Preemption is not helpful for scheduling."
+
+    def _used(self, node_name: str) -> dict[str, float]:
+        used: dict[str, float] = {}
+        for p in self.store.list("pods"):
+            if p["spec"].get("nodeName") == node_name and p["status"].get("phase") in ("Pending", "Running"):
+                for k, v in _requests(p).items():
+                    used[k] = used.get(k, 0.0) + v
+        return used
+
+    def _bind(self, pod: dict, node: dict) -> None:
+        pod["spec"]["nodeName"] = node["metadata"]["name"]
+        st = pod["status"]
+        st["conditions"] = [c for c in st.get("conditions", []) if c["type"] != "PodScheduled"] + [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": now_iso()}]
+        st.pop("reason", None)
+        st.pop("message", None)
+        st["hostIP"] = "10.0.0.1"
+        st["containerStatuses"] = [{"name": c["name"], "ready": False, "restartCount": 0, "image": c.get("image", ""), "imageID": "",
+                                    "state": {"waiting": {"reason": "ContainerCreating"}}} for c in pod["spec"].get("containers", [])]
+        self.timeline[pod["metadata"]["uid"]]["bound"] = time.monotonic()
+        self.store.update("pods", pod)
+
+    def _unschedulable(self, pod: dict, message: str) -> None:
+        conds = pod["status"].get("conditions", [])
+        cur = next((c for c in conds if c["type"] == "PodScheduled"), None)
+        if cur and cur.get("message") == message:
+            return
+        pod["status"]["conditions"] = [c for c in conds if c["type"] != "PodScheduled"] + [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message, "lastTransitionTime": now_iso()}]
+        self.store.update("pods", pod)
+
+    def _schedule(self) -> None:
+        nodes = self.store.list("nodes")
+        pending = [p for p in self.store.list("pods") if not p["spec"].get("nodeName") and p["status"].get("phase") == "Pending"]
+        groups: dict[tuple[str, str], list[dict]] = {}
+        for pod in pending:
+            tl = self.timeline.get(pod["metadata"]["uid"], {})
+            if tl.get("fail") == "Unschedulable":
+                self._unschedulable(pod, f"0/{len(nodes)} nodes are available: {len(nodes)} Insufficient nvidia.com/gpu. (injected by the emulator)")
+                continue
+            g = (pod["metadata"].get("annotations") or {}).get("scheduling.k8s.io/group-name")
+            if g and pod["spec"].get("schedulerName") == "volcano":
+                groups.setdefault((pod["metadata"]["namespace"], g), []).append(pod)
+                continue
+            node, why = self._bindable(pod, nodes, {})
+            if node is not None:
+                self._bind(pod, node)
+            else:
+                self._unschedulable(pod, why)
+        for (ns, g), pods in groups.items():  # gang: all of the group binds, or none of it
+            try:
+                pg = self.store.get("podgroups", ns, g)
+                min_member = int(pg.get("spec", {}).get("minMember", len(pods)))
+            except ApiError:
+                min_member = len(pods)
+            if len(pods) < min_member:
+                continue
+            load: dict[str, dict[str, float]] = {}
+            plan = []
+            for pod in pods:
+                node, why = self._bindable(pod, nodes, load)
+                if node is None:
+                    for p in pods:
+                        self._unschedulable(p, f"pod group {g}: {why}")
+                    plan = []
+                    break
+                plan.append((pod, node))
+                nl = load.setdefault(node["metadata"]["name"], {})
+                for k, v in _requests(pod).items():
+                    nl[k] = nl.get(k, 0.0) + v
+            for pod, node in plan:
+                self._bind(pod, node)
+
+    def _kubelet(self) -> None:
+        t = time.monotonic()
+        for pod in self.store.list("pods"):
+            tl = self.timeline.get(pod["metadata"]["uid"])
+            phase = pod["status"].get("phase")
+            if tl is None or "bound" not in tl or phase not in ("Pending", "Running"):
+                continue
+            fail = tl.get("fail")
+            if phase == "Pending":
+                if t - tl["bound"] < self.start_delay_s:
+                    continue
+                if fail in ("ImagePullBackOff", "ErrImagePull"):
+                    image = pod["spec"]["containers"][0].get("image", "")
+                    stage = "ErrImagePull" if t - tl["bound"] < self.start_delay_s * 3 else "ImagePullBackOff"
+                    cur = pod["status"]["containerStatuses"][0]["state"].get("waiting", {}).get("reason")
+                    if cur != stage:
+                        msg = (f'rpc error: code = NotFound desc = failed to pull and unpack image "{image}": not found' if stage == "ErrImagePull"
+                               else f'Back-off pulling image "{image}"')
+                        for cs in pod["status"]["containerStatuses"]:
+                            cs["state"] = {"waiting": {"reason": stage, "message": msg}}
+                        self.store.update("pods", pod)
+                    continue
+                pod["status"]["phase"] = "Running"
+                pod["status"]["startTime"] = now_iso()
+                pod["status"]["podIP"] = "10.1.0.%d" % random.randint(2, 250)
+                for cs in pod["status"]["containerStatuses"]:
+                    cs.update(ready=True, started=True, state={"running": {"startedAt": now_iso()}})
+                pod["status"]["conditions"] = [c for c in pod["status"].get("conditions", []) if c["type"] != "Ready"] + [
+                    {"type": "Ready", "status": "True", "lastTransitionTime": now_iso()}]
+                tl["running"] = t
+                self.store.update("pods", pod)
+                continue
+            ran = t - tl["running"]
+            if fail in ("OOMKilled", "Evicted", "NodeLost", "Error") and ran >= tl["fail_after_s"]:
+                if fail == "OOMKilled":
+                    self._finish(pod, "Failed", exit_code=137, container_reason="OOMKilled")
+                elif fail == "Evicted":
+                    self._finish(pod, "Failed", reason="Evicted", message="The node was low on resource: memory. Threshold quantity: 100Mi, available: 42Mi.",
+                                 exit_code=137, container_reason="ContainerStatusUnknown", disruption="TerminationByKubelet")
+                elif fail == "NodeLost":
+                    self.lose_node(pod["spec"]["nodeName"])
+                else:
+                    self._finish(pod, "Failed", exit_code=tl["exit_code"] or 1)
+                continue
+            if ran >= tl["run_s"]:
+                code = tl["exit_code"]
+                self._finish(pod, "Succeeded" if code == 0 else "Failed", exit_code=code)
+
+    def logs(self, pod: dict) -> str:
+        tl = self.timeline.get(pod["metadata"]["uid"], {})
+        c = pod["spec"]["containers"][0]
+        env = {e["name"]: e.get("value", "") for e in c.get("env", []) if "value" in e}
+        lines = [
+            f"[qosflow k8s emulator] pod {pod['metadata']['name']} on node {pod['spec'].get('nodeName')}: no container runs here",
+            f"[qosflow k8s emulator] image {c.get('image')} command {c.get('command', []) + c.get('args', [])}",
+            f"QOSFLOW_PLACEMENT={env.get('QOSFLOW_PLACEMENT', '')}",
+        ]
+        if "running" not in tl:
+            return ""
+        return "\n".join(lines) + "\n"
+
+    async def run(self) -> None:
+        while True:
+            try:
+                for job in self.store.list("jobs"):
+                    self._sync_job(job)
+                self._schedule()
+                self._kubelet()
+                for job in self.store.list("jobs"):
+                    self._sync_job(job)
+            except Exception:  # pragma: no cover - keep the control plane alive
+                import logging
+
+                logging.getLogger("qosflow.k8s_emulator").exception("controller step failed")
+            await asyncio.sleep(self.tick_s)
+
+
+def _requests(pod: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in pod["spec"].get("containers", []):
+        res = c.get("resources") or {}
+        merged = {**(res.get("limits") or {}), **(res.get("requests") or {})}
+        for k, v in merged.items():
+            out[k] = out.get(k, 0.0) + quantity(v)
+    return out
+
+
+def _affinity_nodes(pod: dict) -> set[str] | None:
+    aff = (((pod["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    names: set[str] | None = None
+    for term in aff.get("nodeSelectorTerms", []):
+        for ex in term.get("matchExpressions", []) + term.get("matchFields", []):
+            if ex.get("key") in ("kubernetes.io/hostname", "metadata.name") and ex.get("operator") == "In":
+                names = (names or set()) | set(ex.get("values", []))
+    if pod["spec"].get("nodeSelector", {}).get("kubernetes.io/hostname"):
+        names = (names or set()) | {pod["spec"]["nodeSelector"]["kubernetes.io/hostname"]}
+    return names
+
+
+def _anti_affinity(pod: dict):
+    terms = (((pod["spec"].get("affinity") or {}).get("podAntiAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or [])
+    for t in terms:
+        if t.get("topologyKey") == "kubernetes.io/hostname":
+            ml = (t.get("labelSelector") or {}).get("matchLabels") or {}
+            return [(k, "=", {v}) for k, v in ml.items()]
+    return None
+
+
+def gpu_node(
+    name: str,
+    gpus: int = 4,
+    *,
+    cpu: str = "32",
+    memory: str = "256Gi",
+    product: str = "NVIDIA-A100-SXM4-40GB",
+    gpu_mem_mb: int = 40960,
+    replicas: int | None = None,
+    sharing: str = "time-slicing",
+    labels: dict[str, str] | None = None,
+) -> dict:
+    """A GPU node as the NVIDIA device plugin + GPU feature discovery would label it.
+
+    With `replicas` (time-slicing or MPS, `renameByDefault: true`) the node advertises
+    `nvidia.com/gpu.shared = gpus * replicas` instead of `nvidia.com/gpu`. Emulated nodes carry
+    `qosflow.dev/virtual-gpus: "true"`: their GPUs are declared, not real.
+    """
+    lab = {
+        "kubernetes.io/hostname": name,
+        "nvidia.com/gpu.present": "true",
+        "nvidia.com/gpu.count": str(gpus),
+        "nvidia.com/gpu.product": product,
+        "nvidia.com/gpu.memory": str(gpu_mem_mb),
+        "qosflow.dev/virtual-gpus": "true",
+        **(labels or {}),
+    }
+    alloc = {"cpu": cpu, "memory": memory, "pods": "110"}
+    if replicas:
+        lab["nvidia.com/gpu.replicas"] = str(replicas)
+        lab["nvidia.com/gpu.sharing-strategy"] = "mps" if sharing == "mps" else "time-slicing"
+        alloc["nvidia.com/gpu.shared"] = str(gpus * replicas)
+    else:
+        alloc["nvidia.com/gpu"] = str(gpus)
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": lab}, "spec": {}, "status": {"allocatable": alloc, "capacity": dict(alloc)}}
+
+
+def iter_objs(store: Store, plurals: Iterable[str]) -> Iterable[tuple[str, dict]]:
+    for p in plurals:
+        for o in store.table(p).values():
+            yield p, o
