@@ -71,7 +71,8 @@ def register(app: typer.Typer) -> None:
         seed_list = list(range(seed, seed + seeds))
         console.print(
             f"[bold]{len(pod_list)} pods[/] ({pods_path.name}) on [bold]{len(node_list)} nodes, {total_gpus} GPUs[/] "
-            f"({nodes_path.name}); arrivals up to {ratio:.0%} of capacity; seeds {seed_list[0]}..{seed_list[-1]}"
+            f"({nodes_path.name}); arrivals up to {ratio:.0%} of capacity; "
+            + (f"seed {seed}" if seeds == 1 else f"seeds {seed_list[0]}..{seed_list[-1]}")
         )
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
@@ -98,12 +99,13 @@ def register(app: typer.Typer) -> None:
             },
         )
         table = Table(title=f"GPU allocation at 100 % arrived demand (mean of {len(seed_list)} seed{'s' if len(seed_list) > 1 else ''})")
-        for col in ("policy", "allocated", "±std", "alloc GPUs", "unalloc GPUs", "failed pods", "s/run"):
+        # "idle GPUs" = unallocated GPUs (idle milli over all GPUs / 1000); "failed" = pods failed up to 100 %
+        for col in ("policy", "alloc %", "±std", "alloc GPUs", "idle GPUs", "failed", "s/run"):
             table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
         for name, d in data["policies"].items():
             table.add_row(
                 name,
-                f"{d['alloc_ratio'] * 100:.2f} %",
+                f"{d['alloc_ratio'] * 100:.2f}",
                 f"{d['alloc_ratio_std'] * 100:.2f}",
                 f"{d['allocated_gpus']:.0f}",
                 f"{d['unallocated_gpus']:.0f}",
