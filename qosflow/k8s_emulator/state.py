@@ -382,6 +382,9 @@ class Cluster:
             "fail": ann.get(ANN + "fail"),
             "fail_after_s": float(ann.get(ANN + "fail-after-s", 0.1)),
         }
+        image = ((pod["spec"].get("containers") or [{}])[0].get("image") or "")
+        if ".invalid/" in image or image.endswith(".invalid"):  # RFC 2606: a registry that cannot exist
+            behaviour["fail"] = "ImagePullBackOff"
         for rule in self.rules:
             if rule.get("times", 1) <= 0:
                 continue

@@ -1,0 +1,336 @@
+"""The Kubernetes backend through the official client: against the API emulator by default, or a
+real cluster (kind, k3s) with QOSFLOW_K8S_E2E=1 (see scripts/k8s_e2e.sh). Tests that need failure
+injection (OOM, eviction, node loss, watch expiry, 500s) run on the emulator only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from qosflow.agent.testing import FirstFitPlacer
+from qosflow.backends.base import ExitKind, LaunchSpec
+from qosflow.backends.kubernetes import GPU, GPU_SHARED, KubernetesBackend, job_name
+from qosflow.core.cluster import ClusterSpec, NodeSpec
+from qosflow.core.placement import Placement
+from qosflow.errors import QosflowError
+from qosflow.failures import run_with_failover
+from qosflow.k8s_emulator import EmulatorServer, gpu_node
+
+E2E = os.environ.get("QOSFLOW_K8S_E2E") == "1"
+pytestmark = pytest.mark.timeout(300 if E2E else 60)
+emulator_only = pytest.mark.skipif(E2E, reason="needs the emulator's failure injection")
+
+
+class Env:
+    def __init__(self, emu: EmulatorServer | None):
+        self.emu = emu
+        self.namespace = os.environ.get("QOSFLOW_K8S_NAMESPACE", "qosflow-e2e") if E2E else "default"
+        self.image = os.environ.get("QOSFLOW_K8S_IMAGE", "busybox:1.36")
+
+    def backend(self, **kw) -> KubernetesBackend:
+        if self.emu is not None:
+            kw.setdefault("api_client", self.emu.api_client())
+        kw.setdefault("unschedulable_timeout_s", 1.0 if self.emu else 20.0)
+        return KubernetesBackend(namespace=self.namespace, image=self.image, **kw)
+
+    def placement(self, cluster: ClusterSpec, job: str, node: int = 0, gpus: int = 1, cores: float = 0.1) -> Placement:
+        if cluster.nodes[node].gpus == 0:
+            gpus = 0
+        return Placement(job, tuple((node, g) for g in range(gpus)), ((node, cores),))
+
+
+@pytest.fixture(scope="module")
+def env():
+    if E2E:
+        yield Env(None)
+        return
+    with EmulatorServer([gpu_node("gpu-0", 4, gpu_mem_mb=40960), gpu_node("gpu-1", 4, gpu_mem_mb=40960)]) as emu:
+        yield Env(emu)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_manifests():
+    """Pure translation: GPUs, CPU requests, node affinity, sharing, labels, gangs, PodGroups."""
+    cluster = ClusterSpec((NodeSpec("n0", 4, virtual=True), NodeSpec("n1", 4, virtual=True), NodeSpec("n2", 4, virtual=True)))
+    be = KubernetesBackend(api_client=client.ApiClient(), image="img:1")
+    spec = LaunchSpec("run-42/train a1", ["python", "t.py"], Placement("train", ((1, 0), (1, 1)), ((1, 3.5),)), cluster,
+                      labels={"prefect.io/flow-run-id": "1b2c-uuid", "prefect.io/flow-run-name": "brave-fox"})
+    (job,), pg = be.manifests(spec)
+    assert pg is None and job["metadata"]["name"] == job_name("run-42/train a1") and len(job["metadata"]["name"]) <= 63
+    pod = job["spec"]["template"]
+    c = pod["spec"]["containers"][0]
+    assert c["resources"]["limits"] == {GPU: "2"} and c["resources"]["requests"]["cpu"] == "3500m"
+    assert c["image"] == "img:1" and c["command"] == ["python", "t.py"]
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][0] == {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n1"]}
+    env = {e["name"]: e for e in c["env"]}
+    assert "CUDA_VISIBLE_DEVICES" not in env and env["OMP_NUM_THREADS"]["value"] == "3"
+    assert env["QOSFLOW_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert pod["metadata"]["labels"]["prefect.io/flow-run-id"] == "1b2c-uuid"
+    assert pod["metadata"]["annotations"]["qosflow.dev/stage-id"] == "run-42/train a1"
+    assert job["spec"]["backoffLimit"] == 0
+    # a fractional share asks for the device plugin's shared resource and passes the MPS share on
+    frac = LaunchSpec("f", ["x"], Placement("f", ((0, 2),), ((0, 1.0),), gpu_milli=250), cluster)
+    (fj,), _ = be.manifests(frac)
+    fc = fj["spec"]["template"]["spec"]["containers"][0]
+    assert fc["resources"]["limits"] == {GPU_SHARED: "1"}
+    assert {e["name"]: e.get("value") for e in fc["env"]}["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    # an even gang is one Indexed Job, one pod per node, created together
+    gang = LaunchSpec("g", ["x"], Placement("g", ((0, 0), (0, 1), (2, 0), (2, 1)), ((0, 2.0), (2, 2.0))), cluster)
+    (gj,), _ = be.manifests(gang)
+    assert gj["spec"]["completionMode"] == "Indexed" and gj["spec"]["parallelism"] == gj["spec"]["completions"] == 2
+    assert gj["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    # an uneven gang: one Job per node; with Volcano, a PodGroup for all of them
+    vbe = KubernetesBackend(api_client=client.ApiClient(), gang_scheduler="volcano")
+    uneven = LaunchSpec("u", ["x"], Placement("u", ((0, 0), (0, 1), (0, 2), (1, 0)), ((0, 3.0), (1, 1.0))), cluster)
+    jobs, pg = vbe.manifests(uneven)
+    assert len(jobs) == 2 and pg["apiVersion"] == "scheduling.volcano.sh/v1beta1" and pg["spec"]["minMember"] == 2
+    for j in jobs:
+        assert j["spec"]["template"]["spec"]["schedulerName"] == "volcano"
+        assert j["spec"]["template"]["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == pg["metadata"]["name"]
+
+
+def test_inventory(env):
+    async def go():
+        be = env.backend()
+        try:
+            return await be.inventory(), await be.healthy_nodes()
+        finally:
+            await be.aclose()
+
+    cluster, healthy = run(go())
+    assert set(healthy) <= set(cluster.node_names) and healthy
+    if not E2E:
+        n0 = cluster.nodes[0]
+        assert (n0.name, n0.gpus, n0.gpu_mem_mb, n0.gpu_model, n0.virtual) == ("gpu-0", 4, 40960.0, "NVIDIA-A100-SXM4-40GB", True)
+
+
+def test_stage_runs_labelled_on_its_node(env):
+    async def go():
+        be = env.backend()
+        try:
+            cluster = await be.inventory()
+            node = len(cluster.nodes) - 1
+            spec = LaunchSpec("ok-1", ["sh", "-c", "echo qosflow-stage-ran $QOSFLOW_NODE"], env.placement(cluster, "ok", node), cluster,
+                              labels={"prefect.io/flow-run-id": "fr-123"})
+            h = await be.launch(spec)
+            st = await be.wait(h)
+            lines = [ln async for ln in be.logs(h)]
+            j = await asyncio.to_thread(be.batch.read_namespaced_job, h.ref["jobs"][0], env.namespace)
+            pods = (await asyncio.to_thread(be.core.list_namespaced_pod, env.namespace, label_selector=h.ref["selector"])).items
+            await be.kill(h)
+            return cluster.nodes[node].name, st, lines, j, pods
+        finally:
+            await be.aclose()
+
+    node, st, lines, j, pods = run(go())
+    assert st.kind is ExitKind.OK, st
+    assert j.metadata.labels["prefect.io/flow-run-id"] == "fr-123" and j.metadata.labels["app.kubernetes.io/managed-by"] == "qosflow"
+    assert [p.spec.node_name for p in pods] == [node]
+    assert lines and (E2E and any("qosflow-stage-ran" in ln for ln in lines) or not E2E)
+
+
+def test_user_errors(env):
+    async def go():
+        be = env.backend()
+        try:
+            cluster = await be.inventory()
+            if env.emu:
+                env.emu.add_rule(selector="qosflow.dev/stage-id=exit3", exit_code=3)
+            h = await be.launch(LaunchSpec("exit3", ["sh", "-c", "exit 3"], env.placement(cluster, "e"), cluster))
+            st1 = await be.wait(h)
+            h = await be.launch(LaunchSpec("badimg", ["true"], env.placement(cluster, "b"), cluster, image="registry.invalid/qosflow/nope:0"))
+            st2 = await be.wait(h)
+            jobs = (await asyncio.to_thread(be.batch.list_namespaced_job, env.namespace, label_selector="qosflow.dev/stage-id=badimg")).items
+            return st1, st2, jobs
+        finally:
+            await be.aclose()
+
+    st1, st2, jobs = run(go())
+    assert st1.kind is ExitKind.USER and st1.code == 3 and "exited with code 3" in st1.reason
+    assert st2.kind is ExitKind.USER and "ImagePullBackOff" in st2.reason and "image name" in st2.reason
+    assert jobs == []  # a failed stage's Job is deleted
+
+
+def test_unschedulable_is_infra(env):
+    async def go():
+        be = env.backend()
+        try:
+            cluster = await be.inventory()
+            p = env.placement(cluster, "huge", cores=100000)
+            return await be.wait(await be.launch(LaunchSpec("huge", ["true"], p, cluster)))
+        finally:
+            await be.aclose()
+
+    st = run(go())
+    assert st.kind is ExitKind.INFRA and st.reason.startswith("Unschedulable") and "Insufficient cpu" in st.reason
+
+
+def test_cancel_deletes_the_job(env):
+    async def go():
+        be = env.backend()
+        try:
+            cluster = await be.inventory()
+            if env.emu:
+                env.emu.add_rule(selector="qosflow.dev/stage-id=long", run_s=60)
+            h = await be.launch(LaunchSpec("long", ["sleep", "600"], env.placement(cluster, "long"), cluster))
+            waiter = asyncio.ensure_future(be.wait(h))
+            end = time.monotonic() + 120
+            while time.monotonic() < end:
+                pods = (await asyncio.to_thread(be.core.list_namespaced_pod, env.namespace, label_selector=h.ref["selector"])).items
+                if pods and pods[0].status.phase == "Running":
+                    break
+                await asyncio.sleep(0.1)
+            await be.kill(h, reason="user cancelled the flow run")
+            st = await asyncio.wait_for(waiter, 60)
+            with pytest.raises(ApiException) as e:
+                await asyncio.to_thread(be.batch.read_namespaced_job, h.ref["jobs"][0], env.namespace)
+            return st, e.value.status
+        finally:
+            await be.aclose()
+
+    st, code = run(go())
+    assert st.kind is ExitKind.CANCELLED and "user cancelled" in st.reason and code == 404
+
+
+def test_launch_twice_adopts_the_same_attempt(env):
+    async def go():
+        be = env.backend()
+        try:
+            cluster = await be.inventory()
+            spec = LaunchSpec("twice", ["true"], env.placement(cluster, "t"), cluster)
+            h1 = await be.launch(spec)
+            h2 = await be.launch(spec)  # e.g. a worker retrying a request whose answer it lost
+            st = await be.wait(h2)
+            jobs = (await asyncio.to_thread(be.batch.list_namespaced_job, env.namespace, label_selector=h1.ref["selector"])).items
+            other = LaunchSpec("twice", ["true"], env.placement(cluster, "t"), cluster)
+            await asyncio.to_thread(be.batch.patch_namespaced_job, h1.ref["jobs"][0], env.namespace, {"metadata": {"annotations": {"qosflow.dev/stage-id": "someone-else"}}})
+            with pytest.raises(QosflowError, match="belongs to another stage"):
+                await be.launch(other)
+            await be.kill(h1)
+            return st, len(jobs), be.stats["adopted_409"]
+        finally:
+            await be.aclose()
+
+    st, njobs, adopted = run(go())
+    assert st.ok and njobs == 1 and adopted == 1
+
+
+@emulator_only
+@pytest.mark.parametrize(
+    "fail, kind, words",
+    [
+        ("OOMKilled", ExitKind.INFRA, "ran out of memory"),
+        ("Evicted", ExitKind.INFRA, "evicted"),
+        ("NodeLost", ExitKind.INFRA, "node was lost"),
+    ],
+)
+def test_infra_failures_are_retried_on_another_node(fail, kind, words):
+    with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)]) as emu:
+        async def go():
+            be = KubernetesBackend(api_client=emu.api_client())
+            try:
+                cluster = await be.inventory()
+                placer = FirstFitPlacer(cluster)
+                emu.add_rule(fail=fail, node="gpu-0", after_s=0.1)
+                return await run_with_failover(be, "train", placer.place_fn("train", ["python", "train.py"], gpus=2, prefer="gpu-0"), release=placer.release)
+            finally:
+                await be.aclose()
+
+        res = asyncio.run(go())
+    assert res.ok
+    assert [a.nodes for a in res.attempts] == [["gpu-0"], ["gpu-1"]]
+    first = res.attempts[0].status
+    assert first.kind is kind and fail in first.reason and words in first.reason and "gpu-0" in first.reason
+
+
+@emulator_only
+def test_watch_expiry_and_api_errors_are_survived():
+    with EmulatorServer([gpu_node("gpu-0", 2)], window=50) as emu:
+        async def go():
+            be = KubernetesBackend(api_client=emu.api_client(), watch_timeout_s=5)
+            try:
+                cluster = await be.inventory()
+                emu.add_rule(selector="qosflow.dev/stage-id=w", run_s=1.5)
+                emu.add_fault(r"/namespaces/default/jobs$", method="POST", status=500, count=2)
+                h = await be.launch(LaunchSpec("w", ["x"], Placement("w", ((0, 0),), ((0, 1.0),)), cluster))
+                waiter = asyncio.ensure_future(be.wait(h))
+                await asyncio.sleep(0.4)
+                emu.add_fault(r"/namespaces/default/pods$", method="GET", status=500, count=2)
+                for _ in range(2):  # expire the watch's resourceVersion under it, twice
+                    emu.compact()
+                    emu.add_node(name=f"extra-{time.monotonic_ns()}", gpus=1)  # new events, so the watch notices
+                    await asyncio.sleep(0.3)
+                return await asyncio.wait_for(waiter, 30), dict(be.stats)
+            finally:
+                await be.aclose()
+
+        st, stats = asyncio.run(go())
+    assert st.ok, st
+    assert stats["api_5xx_retried"] >= 2
+
+
+@emulator_only
+def test_watch_gone_410_relists():
+    """A watch whose resourceVersion expired gets 410 twice (the client's own retry too): relist."""
+    with EmulatorServer([gpu_node("gpu-0", 2)]) as emu:
+        async def go():
+            be = KubernetesBackend(api_client=emu.api_client(), watch_timeout_s=5)
+            try:
+                cluster = await be.inventory()
+                emu.add_rule(selector="qosflow.dev/stage-id=g", run_s=1.0)
+                h = await be.launch(LaunchSpec("g", ["x"], Placement("g", ((0, 0),), ((0, 1.0),)), cluster))
+                waiter = asyncio.ensure_future(be.wait(h))
+                await asyncio.sleep(0.3)
+                emu.compact()
+                # a pod event makes the watch resume from its (now expired) version
+                return await asyncio.wait_for(waiter, 30), dict(be.stats)
+            finally:
+                await be.aclose()
+
+        st, stats = asyncio.run(go())
+    assert st.ok and stats["watch_410"] >= 1
+
+
+@emulator_only
+def test_volcano_gang_all_or_nothing():
+    with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 1)]) as emu:
+        async def go():
+            be = KubernetesBackend(api_client=emu.api_client(), gang_scheduler="volcano", unschedulable_timeout_s=0.8)
+            try:
+                cluster = await be.inventory()
+                ok = LaunchSpec("gang-ok", ["x"], Placement("gang-ok", ((0, 0), (1, 0)), ((0, 1.0), (1, 1.0))), cluster)
+                h = await be.launch(ok)
+                pg = await asyncio.to_thread(be.custom.get_namespaced_custom_object, "scheduling.volcano.sh", "v1beta1", "default", "podgroups", h.ref["podgroup"]["name"])
+                st_ok = await be.wait(h)
+                # 2 GPUs on gpu-0 + 2 on gpu-1 (which has 1): no member may start alone
+                bad = LaunchSpec("gang-bad", ["x"], Placement("gang-bad", ((0, 0), (0, 1), (1, 0), (1, 1)), ((0, 1.0), (1, 1.0))), cluster)
+                h2 = await be.launch(bad)
+                seen_bound = []
+
+                async def spy():
+                    while True:
+                        pods = (await asyncio.to_thread(be.core.list_namespaced_pod, "default", label_selector=h2.ref["selector"])).items
+                        seen_bound.extend(p.spec.node_name for p in pods if p.spec.node_name)
+                        await asyncio.sleep(0.05)
+
+                t = asyncio.ensure_future(spy())
+                st_bad = await be.wait(h2)
+                t.cancel()
+                return pg, st_ok, st_bad, seen_bound
+            finally:
+                await be.aclose()
+
+        pg, st_ok, st_bad, bound = asyncio.run(go())
+    assert pg["spec"]["minMember"] == 2 and st_ok.ok
+    assert st_bad.kind is ExitKind.INFRA and "Unschedulable" in st_bad.reason and "pod group" in st_bad.reason
+    assert bound == []  # all or nothing: not even the member that would fit was bound

@@ -1,0 +1,199 @@
+"""The Kubernetes API emulator, driven through the official `kubernetes` client.
+
+These tests check the emulator itself (it is what the backend tests run against): real REST paths
+and JSON, watch streams with resourceVersion and 410 Gone, 409 conflicts, injected 500s, and the
+pod phases/reasons it produces for injected failures.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+
+from qosflow.k8s_emulator import EmulatorServer, gpu_node
+
+pytestmark = pytest.mark.timeout(60)
+NS = "default"
+
+
+@pytest.fixture(scope="module")
+def emu():
+    with EmulatorServer([gpu_node("gpu-0", 4), gpu_node("gpu-1", 2, replicas=4)], window=200) as e:
+        yield e
+
+
+@pytest.fixture
+def api(emu):
+    c = emu.api_client()
+    yield client.CoreV1Api(c), client.BatchV1Api(c)
+    c.close()
+
+
+def job(name: str, *, gpus: int = 1, node: str | None = None, parallelism: int = 1, labels=None, ann=None) -> dict:
+    spec = {
+        "restartPolicy": "Never",
+        "containers": [{"name": "c", "image": "busybox", "command": ["true"], "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}],
+    }
+    if node:
+        spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}}}
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "labels": labels or {}},
+        "spec": {"backoffLimit": 0, "parallelism": parallelism, "completions": parallelism,
+                 "template": {"metadata": {"labels": labels or {}, "annotations": ann or {}}, "spec": spec}},
+    }
+
+
+def wait_pods(core, selector: str, pred, timeout: float = 10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        pods = core.list_namespaced_pod(NS, label_selector=selector).items
+        if pods and all(pred(p) for p in pods):
+            return pods
+        time.sleep(0.05)
+    raise AssertionError(f"pods {selector} never reached the wanted state: {[p.status for p in pods]}")
+
+
+def test_nodes_pods_crud(api, emu):
+    core, _ = api
+    nodes = {n.metadata.name: n for n in core.list_node().items}
+    assert nodes["gpu-0"].status.allocatable["nvidia.com/gpu"] == "4"
+    assert nodes["gpu-1"].status.allocatable["nvidia.com/gpu.shared"] == "8"
+    assert nodes["gpu-1"].metadata.labels["nvidia.com/gpu.replicas"] == "4"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p1", "labels": {"app": "x"}},
+           "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "busybox"}]}}
+    created = core.create_namespaced_pod(NS, pod)
+    assert created.metadata.uid and created.metadata.resource_version
+    assert core.read_namespaced_pod("p1", NS).metadata.labels == {"app": "x"}
+    assert [p.metadata.name for p in core.list_namespaced_pod(NS, label_selector="app=x").items] == ["p1"]
+    assert core.list_namespaced_pod(NS, label_selector="app!=x,app").items == []
+    with pytest.raises(ApiException) as e:
+        core.read_namespaced_pod("nope", NS)
+    assert e.value.status == 404 and json.loads(e.value.body)["reason"] == "NotFound"
+    core.delete_namespaced_pod("p1", NS)
+    with pytest.raises(ApiException):
+        core.read_namespaced_pod("p1", NS)
+
+
+def test_conflicts_are_409(api):
+    core, batch = api
+    batch.create_namespaced_job(NS, job("dup"))
+    with pytest.raises(ApiException) as e:
+        batch.create_namespaced_job(NS, job("dup"))
+    body = json.loads(e.value.body)
+    assert e.value.status == 409 and body["reason"] == "AlreadyExists" and body["message"] == 'jobs.batch "dup" already exists'
+    batch.delete_namespaced_job("dup", NS, propagation_policy="Background")
+    # optimistic concurrency: a write with a stale resourceVersion is a Conflict
+    cur = core.read_node("gpu-0")
+    stale = cur.metadata.resource_version
+    cur.metadata.labels["team"] = "a"
+    assert core.replace_node("gpu-0", cur).metadata.labels["team"] == "a"
+    cur.metadata.resource_version = stale
+    cur.metadata.labels["team"] = "b"
+    with pytest.raises(ApiException) as e:
+        core.replace_node("gpu-0", cur)
+    assert e.value.status == 409 and json.loads(e.value.body)["reason"] == "Conflict"
+    assert core.read_node("gpu-0").metadata.labels["team"] == "a"
+
+
+def test_watch_streams_and_expires_with_410(api, emu):
+    core, batch = api
+    rv = core.list_namespaced_pod(NS, label_selector="job-name=w1").metadata.resource_version
+    batch.create_namespaced_job(NS, job("w1"))
+    seen = []
+    w = watch.Watch()
+    for ev in w.stream(core.list_namespaced_pod, NS, label_selector="job-name=w1", resource_version=rv, timeout_seconds=10):
+        seen.append((ev["type"], ev["object"].status.phase, int(ev["object"].metadata.resource_version)))
+        if ev["object"].status.phase == "Succeeded":
+            w.stop()
+    assert seen[0][0] == "ADDED" and seen[-1][1] == "Succeeded"
+    assert [s[2] for s in seen] == sorted(s[2] for s in seen)
+    # the raw stream is chunked JSON lines, and an expired version gets an ERROR event with 410
+    emu.compact()
+    with httpx.stream("GET", f"{emu.url}/api/v1/namespaces/{NS}/pods", params={"watch": "true", "resourceVersion": rv, "timeoutSeconds": 2}) as r:
+        assert r.headers.get("transfer-encoding") == "chunked"
+        first = json.loads(next(r.iter_lines()))
+    assert first["type"] == "ERROR" and first["object"]["code"] == 410 and first["object"]["reason"] == "Expired"
+    with pytest.raises(ApiException) as e:  # the official client retries once, then raises 410
+        for _ in watch.Watch().stream(core.list_namespaced_pod, NS, resource_version=rv, timeout_seconds=2):
+            pass
+    assert e.value.status == 410
+    batch.delete_namespaced_job("w1", NS, propagation_policy="Background")
+
+
+def test_injected_500(api, emu):
+    core, _ = api
+    emu.add_fault(r"^/api/v1/nodes$", method="GET", status=500, count=1)
+    with pytest.raises(ApiException) as e:
+        core.list_node()
+    assert e.value.status == 500 and json.loads(e.value.body)["reason"] == "InternalError"
+    assert len(core.list_node().items) == 2
+
+
+@pytest.mark.parametrize(
+    "fail, check",
+    [
+        ("OOMKilled", lambda p: p.status.phase == "Failed" and p.status.container_statuses[0].state.terminated.reason == "OOMKilled"
+         and p.status.container_statuses[0].state.terminated.exit_code == 137),
+        ("Evicted", lambda p: p.status.phase == "Failed" and p.status.reason == "Evicted" and "low on resource" in p.status.message),
+        ("ImagePullBackOff", lambda p: p.status.phase == "Pending" and p.status.container_statuses[0].state.waiting.reason == "ImagePullBackOff"),
+        ("Unschedulable", lambda p: p.status.phase == "Pending" and any(c.reason == "Unschedulable" for c in p.status.conditions)),
+    ],
+)
+def test_injected_pod_failures(api, emu, fail, check):
+    core, batch = api
+    name = f"f-{fail.lower()}"
+    emu.add_rule(fail=fail, selector=f"job-name={name}")
+    batch.create_namespaced_job(NS, job(name))
+    wait_pods(core, f"job-name={name}", check)
+    batch.delete_namespaced_job(name, NS, propagation_policy="Background")
+
+
+def test_node_lost_fails_its_pods_and_job(emu, api):
+    core, batch = api
+    with EmulatorServer([gpu_node("a", 1), gpu_node("b", 1)]) as e2:
+        c = e2.api_client()
+        core2, batch2 = client.CoreV1Api(c), client.BatchV1Api(c)
+        batch2.create_namespaced_job(NS, job("long", node="a", ann={"emulator.qosflow.dev/run-seconds": "30"}))
+        wait_pods(core2, "job-name=long", lambda p: p.status.phase == "Running")
+        e2.lose_node("a")
+        pods = wait_pods(core2, "job-name=long", lambda p: p.status.phase == "Failed")
+        assert pods[0].status.reason == "NodeLost"
+        assert any(cd.type == "DisruptionTarget" for cd in pods[0].status.conditions)
+        node = core2.read_node("a")
+        assert [cd.status for cd in node.status.conditions if cd.type == "Ready"] == ["Unknown"]
+        end = time.monotonic() + 5
+        while not batch2.read_namespaced_job("long", NS).status.conditions and time.monotonic() < end:
+            time.sleep(0.05)
+        assert batch2.read_namespaced_job("long", NS).status.conditions[0].reason == "BackoffLimitExceeded"
+        c.close()
+
+
+def test_job_delete_propagation(api):
+    core, batch = api
+    for name, policy in (("bg", "Background"), ("orph", None)):
+        batch.create_namespaced_job(NS, job(name, ann={"emulator.qosflow.dev/run-seconds": "30"}))
+        wait_pods(core, f"job-name={name}", lambda p: p.status.phase == "Running")
+        if policy:
+            batch.delete_namespaced_job(name, NS, propagation_policy=policy)
+        else:
+            batch.delete_namespaced_job(name, NS)
+    assert core.list_namespaced_pod(NS, label_selector="job-name=bg").items == []
+    orphans = core.list_namespaced_pod(NS, label_selector="job-name=orph").items
+    assert len(orphans) == 1 and not orphans[0].metadata.owner_references  # the API's default orphans
+    core.delete_namespaced_pod(orphans[0].metadata.name, NS)
+
+
+def test_resources_and_affinity_are_honoured(api):
+    core, batch = api
+    batch.create_namespaced_job(NS, job("big", gpus=3, node="gpu-1"))  # gpu-1 offers only the shared resource
+    pods = wait_pods(core, "job-name=big", lambda p: any(c.reason == "Unschedulable" for c in (p.status.conditions or [])))
+    msg = next(c.message for c in pods[0].status.conditions if c.type == "PodScheduled")
+    assert msg.startswith("0/2 nodes are available:") and "Insufficient nvidia.com/gpu" in msg
+    batch.delete_namespaced_job("big", NS, propagation_policy="Background")
