@@ -196,6 +196,7 @@ class InterferenceModel:
         lam: float = 0.3,
         seed: int = 0,
         n_jobs: int = 1,
+        max_train_rows: int = 2000,
     ):
         if regime not in ("new_pair", "new_job"):
             raise ValueError(f"regime must be 'new_pair' or 'new_job', got {regime!r}")
@@ -204,6 +205,8 @@ class InterferenceModel:
         self.n_estimators = n_estimators
         self.inner_folds = inner_folds
         self.rank, self.lam, self.seed, self.n_jobs = rank, lam, seed, n_jobs
+        #: bound on the rows the forest trains on (a random subset beyond it): keeps refits within ~1 s
+        self.max_train_rows = max_train_rows
 
     # -- training
 
@@ -222,8 +225,10 @@ class InterferenceModel:
         if self.regime == "new_pair":
             order = rng.permutation(len(pairs))
             folds = np.array_split(order, max(2, min(self.inner_folds, len(pairs))))
+            per_fold = max(1, self.max_train_rows // len(folds))
             for fold in folds:
                 hidden = {pairs[i] for i in fold}
+                fold = fold[:per_fold]
                 hidden |= {(b, a) for a, b in hidden}  # a row of a pair table holds both directions
                 ctx = _Context({k: v for k, v in self.obs.items() if k not in hidden}, meta, self.refs, self.rank, self.lam)
                 for i in fold:
@@ -234,6 +239,7 @@ class InterferenceModel:
             jobs = sorted({k for ab in pairs for k in ab} - set(self.refs))
             order = rng.permutation(len(jobs))
             folds = np.array_split(order, max(2, min(self.inner_folds, len(jobs))))
+            per_fold = max(1, self.max_train_rows // len(folds))
             for fold in folds:
                 held = {jobs[i] for i in fold}
                 known = {
@@ -242,10 +248,12 @@ class InterferenceModel:
                     if (a not in held and b not in held) or (a in self.refs or b in self.refs)
                 }
                 ctx = _Context(known, meta, self.refs, self.rank, self.lam)
-                for (a, b), v in self.obs.items():
-                    if (a in held or b in held) and (a, b) not in known:
-                        X.append(ctx.features(a, b)[0])
-                        y.append(_log(v))
+                targets = [(a, b) for (a, b) in self.obs if (a in held or b in held) and (a, b) not in known]
+                if len(targets) > per_fold:
+                    targets = [targets[i] for i in sorted(rng.choice(len(targets), per_fold, replace=False))]
+                for a, b in targets:
+                    X.append(ctx.features(a, b)[0])
+                    y.append(_log(self.obs[(a, b)]))
         self.n_train = len(y)
         self.forest = ExtraTreesRegressor(
             n_estimators=self.n_estimators, max_features=0.6, min_samples_leaf=2, random_state=self.seed, n_jobs=self.n_jobs

@@ -22,6 +22,12 @@ class Prediction:
     n_samples: int
     basis: str
 
+    def __post_init__(self) -> None:  # plain floats, not numpy scalars
+        object.__setattr__(self, "value", float(self.value))
+        object.__setattr__(self, "low", float(self.low))
+        object.__setattr__(self, "high", float(self.high))
+        object.__setattr__(self, "n_samples", int(self.n_samples))
+
     def scaled(self, factor: float, basis: str | None = None) -> "Prediction":
         lo, hi = sorted((self.low * factor, self.high * factor))
         return Prediction(self.value * factor, lo, hi, self.n_samples, basis or self.basis)

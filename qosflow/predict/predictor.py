@@ -1,0 +1,532 @@
+"""The online predictor: step times, co-location slowdowns, CPU curves and remaining times.
+
+    p = Predictor.open()                 # samples from the store + Gavel's table (if present) as cold start
+    p.predict_solo_step_time("resnet50/bs64", gpus=4, consolidated=False)
+    p.predict_slowdown("resnet50/bs64", "lm/bs20")
+    p.observe({"signature": "resnet50/bs64", "gpus": 4, "step_time_s": 0.11})   # after a finished stage
+    p.refit()
+
+Every answer is a `Prediction(value, low, high, n_samples, basis)`; docs/predictor.md lists the bases.
+Samples are aggregated as they arrive (per signature, GPU type, GPUs, placement, cores, co-runner:
+count, mean and variance of log step time), so `observe` is O(1) and `refit` works on the aggregates,
+whose number does not grow with the number of samples. Answers are cached until the next
+`observe`/`refit` that could change them; the `*_batch` methods run the models once per batch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from qosflow.predict.cpu import CpuCurve, default_curve, fit_curve
+from qosflow.predict.interference import InterferenceModel, JobMeta
+from qosflow.predict.prediction import Prediction
+from qosflow.predict.reference import ThroughputTable, parse_signature
+from qosflow.predict.scaling import ScalingModel, ScalingRow
+
+#: samples of the exact configuration needed before they alone are trusted
+MIN_SAMPLES = 3
+#: slowdown returned for pairs measured as unable to run together (e.g. out of GPU memory)
+INFEASIBLE_SLOWDOWN = 10.0
+DEFAULT_PAIR_SLOWDOWN = 1.4
+#: relative spread (log) assumed for a single measurement and for fallbacks
+SINGLE_SAMPLE_LOG_SD = 0.10
+Z90 = 1.2816
+
+
+def canonical(signature: str) -> str:
+    """A signature's matching key: lower-case alphanumeric family + batch size ('ResNet-50 (batch size 64)'
+    and 'resnet50/bs64' both give 'resnet50|bs64')."""
+    fam, bs = parse_signature(signature)
+    f = re.sub(r"[^a-z0-9]", "", fam.lower()) or fam
+    return f"{f}|bs{bs}" if bs is not None else f
+
+
+@dataclass
+class _Stat:
+    """Running count / mean / M2 of log step time (Welford)."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    cores: list = field(default_factory=list)
+
+    def add(self, log_t: float, w: int = 1) -> None:
+        for _ in range(max(1, min(w, 1))):
+            self.n += 1
+            d = log_t - self.mean
+            self.mean += d / self.n
+            self.m2 += d * (log_t - self.mean)
+
+    @property
+    def sd(self) -> float:
+        return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else SINGLE_SAMPLE_LOG_SD
+
+
+def _interval(log_mean: float, log_sd: float) -> tuple[float, float, float]:
+    return math.exp(log_mean), math.exp(log_mean - Z90 * log_sd), math.exp(log_mean + Z90 * log_sd)
+
+
+class Predictor:
+    def __init__(
+        self,
+        reference: ThroughputTable | None = None,
+        *,
+        gpu_type: str | None = None,
+        refs: Sequence[str] | None = None,
+        seed: int = 0,
+        n_estimators: int = 100,
+    ):
+        from qosflow.predict.evaluate import REFERENCE_JOBS, choose_references
+
+        self.reference = reference
+        self.seed = seed
+        self.n_estimators = n_estimators
+        if gpu_type is None:
+            gpu_type = "v100" if reference is not None and "v100" in reference.workers else (
+                reference.workers[0] if reference is not None else "unknown")
+        self.gpu_type = gpu_type
+        ref_names = list(refs) if refs is not None else (
+            choose_references(reference.jobs) if reference is not None else list(REFERENCE_JOBS))
+        self.refs = [canonical(r) for r in ref_names]
+        self._names: dict[str, str] = {}  # canonical -> a display signature
+        # (canonical sig, gpu_type, gpus, consolidated, cpu_cores|None, co_runner canonical|None) -> _Stat
+        self._stats: dict[tuple, _Stat] = {}
+        self._cpu: dict[str, list[tuple[float, float]]] = {}  # sig -> [(cores, step time)] at 1 GPU solo
+        self._ref_solo: dict[tuple[str, str, int, bool], float] = {}  # (sig, gpu_type, gpus, cons) -> step time
+        self._ref_pair: dict[tuple[str, str, str], float] = {}  # (a, b, gpu_type) -> speed of a next to b
+        if reference is not None:
+            self._load_reference(reference)
+        self._cache: dict[tuple, Prediction] = {}
+        self.scaling: ScalingModel | None = None
+        self.interference: dict[str, InterferenceModel] = {}
+        self._dirty_scaling = True
+        self._dirty_pairs: set[str] = set(self._gpu_types())
+        self.n_observed = 0
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def open(cls, store: Any = None, *, reference: ThroughputTable | str | None = "auto", **kw) -> "Predictor":
+        """A predictor over `store` (a `qosflow.store.Store`, default `Store.open()`) and the reference table
+        ('auto': Gavel's shared table when present, None: samples only)."""
+        if isinstance(reference, str):
+            from qosflow.predict.reference import default_gavel_path
+
+            path = default_gavel_path() if reference == "auto" else reference
+            try:
+                reference = ThroughputTable.load(path)
+            except Exception:  # noqa: BLE001 - no reference table: learn from samples alone
+                if reference != "auto":
+                    raise
+                reference = None
+        p = cls(reference, **kw)
+        if store is None:
+            from qosflow.store import Store
+
+            store = Store.open()
+        p.load_store(store)
+        p.refit()
+        return p
+
+    def _load_reference(self, t: ThroughputTable) -> None:
+        for (w, cons, n), arr in t.solo.items():
+            for j in t.jobs:
+                thr = arr[t.index[j]]
+                if thr > 0:
+                    self._ref_solo[(canonical(j), w, n, cons)] = 1.0 / float(thr)
+        for w, M in t.pair_speed.items():
+            for a in t.jobs:
+                for b in t.jobs:
+                    v = M[t.index[a], t.index[b]]
+                    if not np.isnan(v):
+                        self._ref_pair[(canonical(a), canonical(b), w)] = float(v)
+        for j in t.jobs:
+            self._names.setdefault(canonical(j), j)
+
+    def load_store(self, store: Any, since_id: int = 0) -> int:
+        last = since_id
+        for s in store.iter_samples(since_id=since_id):
+            self.observe(s)
+            last = s.id
+        for prof in store.profiles_for():
+            import json
+
+            self.observe_profile(prof.signature, prof.solo_step_time_s, gpu_type=prof.gpu_type,
+                                 ref_speeds=json.loads(prof.ref_speeds_json),
+                                 ref_partner_speeds=json.loads(prof.ref_partner_speeds_json),
+                                 cpu_cores=prof.cpu_cores)
+        return last
+
+    # ------------------------------------------------------------------ online updates
+
+    def observe(self, sample: Mapping[str, Any] | Any) -> None:
+        """Add one measured sample (a dict in the store's sample format, or a `qosflow.store.Sample`)."""
+        from qosflow.store.store import validate_sample
+
+        d = validate_sample(sample)
+        sig = canonical(d["signature"])
+        self._names.setdefault(sig, d["signature"])
+        co = canonical(d["co_runner"]) if d.get("co_runner") else None
+        gt = d.get("gpu_type") or self.gpu_type
+        gt = self.gpu_type if gt == "unknown" else gt
+        cons = d["placement"] == "consolidated"
+        log_t = math.log(d["step_time_s"])
+        cores = d.get("cpu_cores")
+        for key in {(sig, gt, d["gpus"], cons, None, co), (sig, gt, d["gpus"], cons, cores, co)}:
+            st = self._stats.get(key)
+            if st is None:  # a configuration not seen before changes what the models train on
+                st = self._stats[key] = _Stat()
+                if co is not None or d["gpus"] == 1:
+                    self._dirty_pairs.add(gt)
+                if co is None or sig in self.refs or co in self.refs:
+                    self._dirty_scaling = True
+            st.add(log_t)
+        if cores is not None and co is None and d["gpus"] <= 1:
+            self._cpu.setdefault(sig, []).append((float(cores), d["step_time_s"]))
+        self.n_observed += 1
+        self._cache.clear()
+
+    def observe_profile(self, signature: str, solo_step_time_s: float, *, gpu_type: str | None = None,
+                        ref_speeds: Mapping[str, float] | None = None,
+                        ref_partner_speeds: Mapping[str, float] | None = None, cpu_cores: int | None = None) -> None:
+        """A lightweight profile: solo 1-GPU step time and co-located speeds with the reference jobs."""
+        gt = gpu_type if gpu_type and gpu_type != "unknown" else self.gpu_type
+        self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": 1, "gpu_type": gt,
+                      "cpu_cores": cpu_cores, "source": "profile"})
+        for ref, speed in (ref_speeds or {}).items():
+            if speed > 0:
+                self.observe({"signature": signature, "co_runner": ref, "gpu_type": gt, "gpus": 1,
+                              "step_time_s": solo_step_time_s / speed, "source": "profile"})
+        for ref, speed in (ref_partner_speeds or {}).items():
+            base = self._solo_log(canonical(ref), gt, 1, True)
+            if speed > 0 and base is not None:
+                self.observe({"signature": ref, "co_runner": signature, "gpu_type": gt, "gpus": 1,
+                              "step_time_s": math.exp(base[0]) / speed, "source": "profile"})
+
+    # ------------------------------------------------------------------ model fitting
+
+    def _solo_log(self, sig: str, gt: str, gpus: int, cons: bool) -> tuple[float, float, int, str] | None:
+        """(log step time, log sd, n, basis) from samples (>= 1) or the reference table, else None."""
+        st = self._stats.get((sig, gt, gpus, cons, None, None))
+        if st is not None and st.n >= 1:
+            return st.mean, st.sd, st.n, f"samples(n={st.n})"
+        ref = self._ref_solo.get((sig, gt, gpus, cons))
+        if ref is not None:
+            return math.log(ref), SINGLE_SAMPLE_LOG_SD / 2, 0, f"reference:gavel/{gt}"
+        return None
+
+    def _meta(self, sig: str, gt: str) -> JobMeta:
+        fam, bs = sig.split("|bs")[0], None
+        if "|bs" in sig:
+            try:
+                bs = float(sig.split("|bs")[1])
+            except ValueError:
+                bs = None
+        base = self._solo_log(sig, gt, 1, True)
+        return JobMeta(fam, bs, 1, base[0] if base else None)
+
+    def _pair_obs(self, gt: str) -> dict[tuple[str, str], float]:
+        """Every known co-located speed on `gt`: reference table, overridden by samples."""
+        obs = {(a, b): v for (a, b, w), v in self._ref_pair.items() if w == gt}
+        for (sig, g, n, cons, cores, co), st in self._stats.items():
+            if co is None or g != gt or n != 1 or cores is not None:
+                continue
+            base = self._solo_log(sig, gt, 1, True)
+            if base is not None:
+                obs[(sig, co)] = math.exp(base[0] - st.mean)
+        return obs
+
+    def _profiles(self, gt: str, obs: Mapping[tuple[str, str], float]) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for (a, b), v in obs.items():
+            if b in self.refs:
+                out.setdefault(a, {})[f"with:{b}"] = v
+            if a in self.refs:
+                out.setdefault(b, {})[f"of:{a}"] = v
+        return out
+
+    def _gpu_types(self) -> set[str]:
+        return {k[1] for k in self._stats} | {k[1] for k in self._ref_solo} | {self.gpu_type}
+
+    def refit(self, full: bool = False) -> dict[str, bool]:
+        """Refit the models whose training set changed shape since the last refit (a new configuration,
+        pair or job); `full=True` refits everything. Cost is bounded by the number of distinct
+        configurations, not samples: new samples of known configurations only move the aggregates,
+        which the direct look-ups read at prediction time. Returns which models were refitted."""
+        gts = self._gpu_types()
+        done = {"scaling": False}
+        if full or self._dirty_scaling:
+            self._refit_scaling(gts)
+            done["scaling"] = True
+        for g in sorted(gts):
+            if full or g in self._dirty_pairs:
+                self._refit_pairs(g)
+                done[f"interference/{g}"] = True
+        self._dirty_scaling = False
+        self._dirty_pairs = set()
+        self._cache.clear()
+        return done
+
+    def _refit_scaling(self, gts: set[str]) -> None:
+        rows, metas, profs = [], {}, {}
+        seen: set = set()
+        keys = {(s, g, n, c) for (s, g, n, c, cores, co) in self._stats if co is None and cores is None}
+        keys |= set(self._ref_solo)
+        for sig, g, n, cons in keys:
+            if n <= 1 or (sig, g, n, cons) in seen:
+                continue
+            seen.add((sig, g, n, cons))
+            tn = self._solo_log(sig, g, n, cons)
+            t1 = self._solo_log(sig, g, 1, True)
+            if tn is None or t1 is None:
+                continue
+            rows.append(ScalingRow(f"{sig}@{g}", g, n, cons, math.exp(t1[0] - tn[0])))
+        for g in gts:
+            obs = self._pair_obs(g)
+            pr = self._profiles(g, obs)
+            for sig in {r.job.split("@")[0] for r in rows if r.gpu_type == g} | set(pr):
+                metas[f"{sig}@{g}"] = self._meta(sig, g)
+                profs[f"{sig}@{g}"] = pr.get(sig, {})
+        self.scaling = ScalingModel(self.refs, n_estimators=self.n_estimators, seed=self.seed).fit(rows, metas, profs) if len(rows) >= 5 else None
+
+    def _refit_pairs(self, g: str) -> None:
+        obs = {k: v for k, v in self._pair_obs(g).items() if v > 0}
+        jobs = {k for ab in obs for k in ab}
+        self.interference.pop(g, None)
+        if len(obs) >= 20 and len(jobs) >= 4:
+            metas_g = {s: self._meta(s, g) for s in jobs}
+            self.interference[g] = InterferenceModel(
+                [r for r in self.refs if r in jobs], regime="new_job", n_estimators=self.n_estimators,
+                inner_folds=3, seed=self.seed, max_train_rows=1200).fit(obs, metas_g)
+
+    # ------------------------------------------------------------------ solo step time
+
+    def predict_solo_step_time(self, signature: str, gpus: int = 1, consolidated: bool = True,
+                               cpu_cores: int | None = None, *, gpu_type: str | None = None) -> Prediction:
+        return self.predict_solo_step_time_batch([(signature, gpus, consolidated, cpu_cores)], gpu_type=gpu_type)[0]
+
+    def predict_solo_step_time_batch(self, queries: Sequence[tuple], *, gpu_type: str | None = None) -> list[Prediction]:
+        """Queries are (signature, gpus[, consolidated[, cpu_cores]]) tuples."""
+        gt = gpu_type or self.gpu_type
+        out: list[Prediction | None] = [None] * len(queries)
+        need_model: list[tuple[int, str, int, bool, int | None, tuple]] = []
+        for i, q in enumerate(queries):
+            sig_raw, gpus = q[0], int(q[1])
+            cons = bool(q[2]) if len(q) > 2 else True
+            cores = q[3] if len(q) > 3 else None
+            key = ("solo", sig_raw, gt, gpus, cons, cores)
+            hit = self._cache.get(key)
+            if hit is not None:
+                out[i] = hit
+                continue
+            sig = canonical(sig_raw)
+            if gpus == 1 and not cons:
+                cons = True  # one GPU cannot be spread
+            pred = self._solo_direct(sig, gt, gpus, cons, cores)
+            if pred is None:
+                need_model.append((i, sig, gpus, cons, cores, key))
+            else:
+                out[i] = self._cache[key] = pred
+        if need_model:
+            preds = self._solo_model([(sig, gpus, cons, cores) for _i, sig, gpus, cons, cores, _k in need_model], gt)
+            for (i, *_rest, key), pred in zip(need_model, preds):
+                out[i] = self._cache[key] = pred
+        return out  # type: ignore[return-value]
+
+    def _cpu_adjust(self, sig: str, pred: Prediction, cores: int | None, base_cores: float | None = None) -> Prediction:
+        if cores is None:
+            return pred
+        curve = self.cpu_curve(sig)
+        base = curve.speed_fraction(base_cores) if base_cores else 1.0
+        f = base / curve.speed_fraction(cores)
+        if abs(f - 1) < 1e-9:
+            return pred
+        return pred.scaled(f, f"{pred.basis}+cpu:{curve.basis}")
+
+    def _solo_direct(self, sig: str, gt: str, gpus: int, cons: bool, cores: int | None) -> Prediction | None:
+        if cores is not None:
+            st = self._stats.get((sig, gt, gpus, cons, cores, None))
+            if st is not None and st.n >= MIN_SAMPLES:
+                return Prediction(*_interval(st.mean, st.sd), st.n, f"samples(n={st.n},cores={cores})")
+        st = self._stats.get((sig, gt, gpus, cons, None, None))
+        if st is not None and st.n >= MIN_SAMPLES:
+            return self._cpu_adjust(sig, Prediction(*_interval(st.mean, st.sd), st.n, f"samples(n={st.n})"), cores)
+        if st is None:
+            ref = self._ref_solo.get((sig, gt, gpus, cons))
+            if ref is not None:
+                lm = math.log(ref)
+                return self._cpu_adjust(sig, Prediction(*_interval(lm, SINGLE_SAMPLE_LOG_SD), 0, f"reference:gavel/{gt}"), cores)
+        if gpus == 1:
+            base = self._solo_log(sig, gt, 1, True)
+            if base is not None:
+                return self._cpu_adjust(sig, Prediction(*_interval(base[0], base[1]), base[2], base[3]), cores)
+            return self._cpu_adjust(sig, self._prior(sig, gt), cores)
+        return None
+
+    def _prior(self, sig: str, gt: str) -> Prediction:
+        """Nothing measured for this job: the median 1-GPU step time of all jobs known on this GPU type."""
+        vals = [math.exp(st.mean) for (s, g, n, c, cores, co), st in self._stats.items()
+                if g == gt and n == 1 and co is None and cores is None]
+        vals += [t for (s, g, n, c), t in self._ref_solo.items() if g == gt and n == 1]
+        v = float(np.median(vals)) if vals else 1.0
+        return Prediction(v, v / 10, v * 10, 0, "prior:none" + (f"(median of {len(vals)} jobs)" if vals else "(1 s)"))
+
+    def _solo_model(self, qs: list[tuple[str, int, bool, int | None]], gt: str) -> list[Prediction]:
+        out = []
+        model_q, model_idx = [], []
+        bases = []
+        for k, (sig, gpus, cons, cores) in enumerate(qs):
+            base = self._solo_log(sig, gt, 1, True)
+            bases.append(base)
+            if base is None:
+                out.append(self._cpu_adjust(sig, self._prior(sig, gt).scaled(1.0 / gpus, f"prior:none/{gpus}gpus"), cores))
+                continue
+            out.append(None)
+            if self.scaling is not None:
+                model_q.append((f"{sig}@{gt}", gt, gpus, cons))
+                model_idx.append(k)
+        ratios = {}
+        if model_q:
+            extra = {f"{qs[k][0]}@{gt}": self._meta(qs[k][0], gt) for k in model_idx}
+            obs = self._pair_obs(gt)
+            profiles = {f"{s}@{gt}": p for s, p in self._profiles(gt, obs).items()}
+            r, lo, hi = self.scaling.predict(model_q, profiles=profiles, extra_meta=extra)
+            ratios = {k: (r[i], lo[i], hi[i]) for i, k in enumerate(model_idx)}
+        for k, (sig, gpus, cons, cores) in enumerate(qs):
+            if out[k] is not None:
+                continue
+            lm, lsd, n, basis = bases[k]
+            t1, t1lo, t1hi = _interval(lm, lsd)
+            st = self._stats.get((sig, gt, gpus, cons, None, None))
+            if k in ratios:
+                r, rlo, rhi = ratios[k]
+                pred = Prediction(t1 / r, t1lo / rhi, t1hi / rlo, n, f"{basis}+scaling-model(train={self.scaling.n_train})")
+            else:
+                eff = 0.85 ** math.log2(max(gpus, 1)) * (1.0 if cons else 0.8)
+                r = gpus * eff
+                pred = Prediction(t1 / r, t1lo / gpus, t1hi / (gpus * 0.4), n, f"{basis}+fallback:linear-scaling")
+            if st is not None and st.n > 0:  # one or two samples of this exact config: blend (precision-weighted)
+                w_s = st.n / (st.n + 1.0)
+                lv = w_s * st.mean + (1 - w_s) * math.log(pred.value)
+                pred = Prediction(math.exp(lv), min(pred.low, math.exp(st.mean)) , max(pred.high, math.exp(st.mean)),
+                                  st.n + n, f"samples(n={st.n})+{pred.basis}")
+            out[k] = self._cpu_adjust(sig, pred, cores)
+        return out  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ co-location
+
+    def predict_slowdown(self, sig_a: str, sig_b: str, *, gpu_type: str | None = None) -> Prediction:
+        """How many times longer a's steps take while sharing its GPU(s) with b (>= 1 usually)."""
+        return self.predict_slowdown_batch([(sig_a, sig_b)], gpu_type=gpu_type)[0]
+
+    def predict_colocated_speed(self, sig_a: str, sig_b: str, *, gpu_type: str | None = None) -> Prediction:
+        p = self.predict_slowdown(sig_a, sig_b, gpu_type=gpu_type)
+        return Prediction(1.0 / p.value, 1.0 / p.high, 1.0 / p.low, p.n_samples, p.basis)
+
+    def predict_slowdown_batch(self, pairs: Sequence[tuple[str, str]], *, gpu_type: str | None = None) -> list[Prediction]:
+        gt = gpu_type or self.gpu_type
+        out: list[Prediction | None] = [None] * len(pairs)
+        todo = []
+        for i, (a_raw, b_raw) in enumerate(pairs):
+            key = ("slow", a_raw, b_raw, gt)
+            hit = self._cache.get(key)
+            if hit is not None:
+                out[i] = hit
+                continue
+            a, b = canonical(a_raw), canonical(b_raw)
+            pred = self._slowdown_direct(a, b, gt)
+            if pred is None:
+                todo.append((i, a, b, key))
+            else:
+                out[i] = self._cache[key] = pred
+        if todo:
+            model = self.interference.get(gt)
+            if model is not None:
+                extra = {s: self._meta(s, gt) for _i, a, b, _k in todo for s in (a, b)}
+                obs_extra = {k: v for k, v in self._pair_obs(gt).items() if k[0] in extra or k[1] in extra}
+                sp, lo, hi, support = model.predict([(a, b) for _i, a, b, _k in todo], extra_obs=obs_extra, extra_meta=extra)
+                for j, (i, a, b, key) in enumerate(todo):
+                    prof = sum(1 for r in self.refs if (a, r) in model.obs or (a, r) in obs_extra)
+                    basis = f"{'profile' if prof else 'no-profile'}+interference-model(obs={len(model.obs)},ref-pairs={prof})"
+                    out[i] = self._cache[key] = Prediction(1 / sp[j], 1 / hi[j], 1 / lo[j], int(support[j]), basis)
+            else:
+                for i, a, b, key in todo:
+                    out[i] = self._cache[key] = Prediction(DEFAULT_PAIR_SLOWDOWN, 1.0, 2.5, 0, "fallback:default-slowdown")
+        return out  # type: ignore[return-value]
+
+    def _slowdown_direct(self, a: str, b: str, gt: str) -> Prediction | None:
+        st = self._stats.get((a, gt, 1, True, None, b))
+        base = self._solo_log(a, gt, 1, True)
+        if st is not None and base is not None and st.n >= MIN_SAMPLES:
+            sd = math.sqrt(st.sd**2 + base[1] ** 2)
+            v, lo, hi = _interval(st.mean - base[0], sd)
+            return Prediction(v, lo, hi, st.n, f"samples(n={st.n})")
+        ref = self._ref_pair.get((a, b, gt))
+        if ref is not None and st is None:
+            if ref <= 0:
+                return Prediction(INFEASIBLE_SLOWDOWN, INFEASIBLE_SLOWDOWN, INFEASIBLE_SLOWDOWN, 0,
+                                  f"reference:gavel/{gt}(failed together)")
+            v, lo, hi = _interval(-math.log(ref), SINGLE_SAMPLE_LOG_SD)
+            return Prediction(v, lo, hi, 0, f"reference:gavel/{gt}")
+        return None
+
+    # ------------------------------------------------------------------ CPU cores
+
+    def cpu_curve(self, signature: str) -> CpuCurve:
+        sig = canonical(signature)
+        pts = self._cpu.get(sig, [])
+        curve = fit_curve([c for c, _ in pts], [t for _, t in pts]) if pts else None
+        return curve or default_curve()
+
+    def predict_cpu_speedup(self, signature: str, cores: float, *, base_cores: float = 1.0) -> Prediction:
+        """Speed with `cores` cores relative to `base_cores` (CODA's curve; >= 1 while adding cores helps)."""
+        key = ("cpu", signature, cores, base_cores)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        curve = self.cpu_curve(signature)
+        v = curve.speedup(cores, base_cores)
+        rel = 0.05 if curve.n_samples >= MIN_SAMPLES else 0.3
+        pred = Prediction(v, max(min(v, 1.0) if cores >= base_cores else 0.0, v * (1 - rel)), v * (1 + rel),
+                          curve.n_samples, f"{curve.basis};saturation={curve.saturation_cores:.1f}cores")
+        self._cache[key] = pred
+        return pred
+
+    # ------------------------------------------------------------------ remaining time
+
+    def predict_remaining(self, signature: str, progress_fraction: float, elapsed: float, *,
+                          total_steps: int | None = None, gpus: int = 1, consolidated: bool = True,
+                          gpu_type: str | None = None) -> Prediction:
+        """Time left for a running stage from its progress (fraction done) and time spent so far.
+
+        The observed rate (elapsed / progress) is blended with the prior from the predicted step time
+        (when `total_steps` is known), trusting the observation more as progress grows.
+        """
+        f = min(max(float(progress_fraction), 0.0), 1.0)
+        if f >= 1.0:
+            return Prediction(0.0, 0.0, 0.0, 0, "finished")
+        prior = None
+        if total_steps:
+            p = self.predict_solo_step_time(signature, gpus, consolidated, gpu_type=gpu_type)
+            left = total_steps * (1 - f)
+            prior = Prediction(p.value * left, p.low * left, p.high * left, p.n_samples, p.basis)
+        if f <= 0 or elapsed <= 0:
+            if prior is not None:
+                return Prediction(prior.value, prior.low, prior.high, prior.n_samples, f"prior:{prior.basis}")
+            return Prediction(math.inf, 0.0, math.inf, 0, "prior:none(no progress yet)")
+        obs = elapsed * (1 - f) / f
+        # the observed rate's error shrinks as more of the stage is seen
+        rel = 0.25 * math.sqrt((1 - f) / max(f, 1e-6)) / (1 + 4 * f) + 0.02
+        if prior is None:
+            return Prediction(obs, obs / (1 + rel), obs * (1 + rel), 0, f"progress(f={f:.2f})")
+        w = f / (f + 0.1)
+        lv = w * math.log(obs) + (1 - w) * math.log(prior.value)
+        v = math.exp(lv)
+        return Prediction(v, min(v / (1 + rel), prior.low if w < 0.5 else v / (1 + rel)),
+                          max(v * (1 + rel), prior.high if w < 0.5 else v * (1 + rel)), prior.n_samples,
+                          f"progress(f={f:.2f})+prior:{prior.basis}")
