@@ -1,0 +1,133 @@
+"""`qosflow predict eval` (cross-validation on reference tables) and `qosflow profile` (lightweight profiling)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from qosflow.errors import QosflowError
+
+predict_app = typer.Typer(help="The predictor: evaluate it on reference tables.", no_args_is_help=True)
+
+
+def _pct(x):
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def _print_blocks(result: dict, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("target", "method", "MAPE", "p90 APE", "n"):
+        table.add_column(col, justify="right" if col in ("MAPE", "p90 APE", "n") else "left")
+    for target in ("solo_scaling", "interference"):
+        block = result.get(target)
+        if not block:
+            continue
+        table.add_row(target, "qosflow", _pct(block["mape"]), _pct(block["p90_ape"]), str(block["n"]))
+        for g, b in block.get("by_gpus", {}).items():
+            table.add_row("", f"  at {g} GPUs", _pct(b["mape"]), _pct(b["p90_ape"]), str(b["n"]))
+        for name, b in block.get("baselines", {}).items():
+            table.add_row("", f"baseline: {name}", _pct(b["mape"]), _pct(b["p90_ape"]), str(b["n"]))
+    Console().print(table)
+    if result.get("reference_jobs"):
+        Console().print("reference jobs of the profile: " + ", ".join(result["reference_jobs"]))
+
+
+@predict_app.command("eval")
+def eval_cmd(
+    throughputs: Optional[Path] = typer.Option(None, "--throughputs", help="Gavel-style throughput JSON: leave-one-job-type-out"),
+    pairs: Optional[Path] = typer.Option(None, "--pairs", help="co-location CSV (model1,batchsize1,gpu_num1,speed1,model2,...): k-fold"),
+    folds: int = typer.Option(5, "--folds", min=2, help="folds for --pairs"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Cross-validate the predictor on a throughput table or a co-location pair table."""
+    from rich.progress import Progress
+
+    from qosflow.predict import evaluate
+    from qosflow.predict.reference import ThroughputTable, read_pairs_csv
+
+    if (throughputs is None) == (pairs is None):
+        raise QosflowError("give exactly one of --throughputs FILE or --pairs CSV")
+    with Progress(transient=True) as bar:
+        if throughputs is not None:
+            table = ThroughputTable.load(throughputs)
+            folds_total = len(table.jobs) * (1 + len(table.pair_speed))
+            task = bar.add_task("leave-one-job-type-out", total=folds_total)
+            result = evaluate.eval_throughputs(table, seed=seed, progress=lambda: bar.advance(task))
+            title = f"leave-one-job-type-out on {throughputs.name}"
+        else:
+            rows = read_pairs_csv(pairs)
+            task = bar.add_task(f"{folds}-fold cross-validation", total=folds)
+            result = evaluate.eval_pairs(rows, folds=folds, seed=seed, progress=lambda: bar.advance(task), source=str(pairs))
+            title = f"{folds}-fold cross-validation on {pairs.name} ({len(rows)} pairs)"
+    _print_blocks(result, title)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        typer.echo(f"wrote {json_out}")
+
+
+def profile_cmd(
+    target: str = typer.Argument(..., help="MODULE:FUNCTION of the stage to profile"),
+    steps: int = typer.Option(20, "--steps", min=1, help="steps to measure per configuration (after one warm-up step)"),
+    cores: Optional[str] = typer.Option(None, "--cores", help="comma-separated CPU core counts (default: half and all)"),
+    budget: float = typer.Option(60.0, "--budget", help="seconds per configuration at most"),
+    signature: Optional[str] = typer.Option(None, "--signature", help="job signature to store the samples under (default: TARGET)"),
+    db: Optional[str] = typer.Option(None, "--db", help="database URL (default: $QOSFLOW_DATABASE_URL or the local SQLite file)"),
+    no_store: bool = typer.Option(False, "--no-store", help="measure only, store nothing"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the measurements here"),
+) -> None:
+    """Run a stage function briefly at one or two configurations and store its step times."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from qosflow.errors import SpecError
+    from qosflow.predict.profiler import profile
+
+    core_list = None
+    if cores:
+        try:
+            core_list = [int(c) for c in cores.split(",") if c.strip()]
+        except ValueError:
+            raise SpecError("--cores", f"{cores!r} is not a comma-separated list of integers") from None
+    store = None
+    if not no_store:
+        from qosflow.store import Store
+
+        store = Store.open(db)
+    console = Console()
+    res = profile(target, steps, cores=core_list, budget_s=budget, signature=signature, store=store)
+    console.print(res.gpu.message, style="yellow" if not res.gpu.present else None)
+    table = Table(title=f"profile of {res.signature}")
+    for col in ("CPU cores", "GPUs", "steps", "step time", "sd", "CPU time", "wall", "GPU util", "GPU mem", "stopped"):
+        table.add_column(col)
+    for c in res.configs:
+        table.add_row(
+            str(c.cpu_cores), str(c.gpus), str(c.steps),
+            "-" if c.step_time_s is None else f"{c.step_time_s * 1e3:.2f} ms",
+            "-" if c.step_time_sd_s is None else f"{c.step_time_sd_s * 1e3:.2f} ms",
+            f"{c.cpu_time_s:.2f} s", f"{c.wall_s:.2f} s",
+            "n/a (no GPU)" if not res.gpu.present else ("-" if c.gpu_util_pct is None else f"{c.gpu_util_pct:.0f} %"),
+            "n/a (no GPU)" if not res.gpu.present else ("-" if c.gpu_mem_mb is None else f"{c.gpu_mem_mb:.0f} MiB"),
+            c.stopped,
+        )
+    console.print(table)
+    if any(c.steps == 0 for c in res.configs):
+        console.print("no steps were reported: call qosflow.track(...) or qosflow.report_progress(step, total) in the function",
+                      style="red")
+    if store is not None:
+        console.print(f"stored {res.stored_samples} samples in {res.database}")
+        store.close()
+    if json_out is not None:
+        json_out.write_text(json.dumps(res.to_dict(), indent=2) + "\n")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(predict_app, name="predict")
+    app.command("profile")(profile_cmd)

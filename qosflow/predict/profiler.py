@@ -1,0 +1,217 @@
+"""`qosflow profile MODULE:FUNCTION --steps N`: lightweight profiling of a stage function.
+
+The function runs in a child process, once per configuration (by default two CPU core counts, pinned
+with os.sched_setaffinity), for at most `steps` reported steps or `budget_s` seconds, whichever comes
+first. It reports steps through `qosflow.track` / `qosflow.report_progress` (the child sets
+QOSFLOW_PROGRESS_FILE); if it accepts a `steps` (or `max_steps`) argument it is given N. The first
+step is treated as warm-up. Step times, CPU time and -- when NVML finds a GPU -- GPU utilisation and
+memory are stored as samples. Without a GPU this is said plainly and only CPU time is profiled: no GPU
+number is ever made up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from qosflow.errors import QosflowError, SpecError
+from qosflow.progress import ENV_VAR, read_progress, step_times
+
+
+@dataclass
+class GpuInfo:
+    present: bool
+    name: str | None
+    message: str
+
+
+def detect_gpu() -> GpuInfo:
+    try:
+        import pynvml
+    except ImportError:
+        return GpuInfo(False, None, "no GPU: nvidia-ml-py (pynvml) is not installed; profiling CPU time only")
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - NVML raises its own error types
+        return GpuInfo(False, None, f"no GPU: NVML unavailable ({exc}); profiling CPU time only")
+    try:
+        n = pynvml.nvmlDeviceGetCount()
+        if n == 0:
+            return GpuInfo(False, None, "no GPU: NVML found 0 devices; profiling CPU time only")
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        name = name.decode() if isinstance(name, bytes) else name
+        return GpuInfo(True, str(name), f"GPU 0: {name} (NVML)")
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class _NvmlSampler(threading.Thread):
+    """Polls GPU 0's utilisation and memory every 0.2 s while a configuration runs."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.util: list[float] = []
+        self.mem_mb: list[float] = []
+        self._stop_evt = threading.Event()
+
+    def run(self) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            while not self._stop_evt.wait(0.2):
+                self.util.append(float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu))
+                self.mem_mb.append(pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**20)
+        finally:
+            pynvml.nvmlShutdown()
+
+    def stop(self) -> None:
+        self._stop_evt.set()
+        self.join(2)
+
+
+@dataclass
+class ConfigResult:
+    cpu_cores: int
+    gpus: int
+    steps: int
+    step_time_s: float | None
+    step_time_sd_s: float | None
+    cpu_time_s: float
+    wall_s: float
+    gpu_util_pct: float | None = None
+    gpu_mem_mb: float | None = None
+    stopped: str = "finished"
+
+
+@dataclass
+class ProfileResult:
+    target: str
+    signature: str
+    gpu: GpuInfo
+    configs: list[ConfigResult] = field(default_factory=list)
+    stored_samples: int = 0
+    database: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_RUNNER = r"""
+import importlib, inspect, os, sys
+target, steps, cores = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
+mod, _, fn = target.partition(":")
+sys.path.insert(0, os.getcwd())
+f = getattr(importlib.import_module(mod), fn)
+params = inspect.signature(f).parameters
+kw = {}
+for name in ("steps", "max_steps", "num_steps"):
+    if name in params:
+        kw[name] = steps
+        break
+f(**kw)
+"""
+
+
+def _check_target(target: str) -> None:
+    mod, sep, fn = target.partition(":")
+    if not sep or not mod or not fn or not fn.isidentifier():
+        raise SpecError("target", f"{target!r} is not MODULE:FUNCTION (e.g. mypkg.train:step_loop)")
+
+
+def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInfo) -> ConfigResult:
+    with tempfile.TemporaryDirectory(prefix="qosflow-profile-") as tmp:
+        prog = os.path.join(tmp, "progress.jsonl")
+        env = dict(os.environ, **{ENV_VAR: prog})
+        sampler = _NvmlSampler() if gpu.present else None
+        if sampler:
+            sampler.start()
+        t0 = time.monotonic()
+        ru0 = os.times()
+        proc = subprocess.Popen([sys.executable, "-c", _RUNNER, target, str(steps), str(cores)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stopped = "finished"
+        while proc.poll() is None:
+            time.sleep(0.02)
+            if time.monotonic() - t0 > budget_s:
+                stopped = f"budget {budget_s:g}s reached"
+                break
+            ev = read_progress(prog)
+            if ev and max(e.step for e in ev) >= steps + 1:  # warm-up step + N measured
+                stopped = f"{steps} steps reached"
+                break
+        if proc.poll() is None:
+            proc.kill()
+        _out, err = proc.communicate()
+        wall = time.monotonic() - t0
+        ru1 = os.times()
+        if sampler:
+            sampler.stop()
+        if proc.returncode not in (0, None) and stopped == "finished":
+            tail = (err or "").strip().splitlines()[-5:]
+            raise QosflowError(f"{target} failed with exit code {proc.returncode}:\n" + "\n".join(tail))
+        ev = read_progress(prog)
+    times = step_times(ev)[1:]  # drop the warm-up step
+    times = times[:steps]
+    cpu = (ru1.children_user - ru0.children_user) + (ru1.children_system - ru0.children_system)
+    res = ConfigResult(
+        cpu_cores=cores, gpus=1 if gpu.present else 0, steps=len(times),
+        step_time_s=statistics.median(times) if times else None,
+        step_time_sd_s=statistics.stdev(times) if len(times) > 1 else None,
+        cpu_time_s=cpu, wall_s=wall, stopped=stopped,
+    )
+    if sampler and sampler.util:
+        res.gpu_util_pct = statistics.mean(sampler.util)
+        res.gpu_mem_mb = max(sampler.mem_mb)
+    return res
+
+
+def default_core_counts() -> list[int]:
+    n = len(os.sched_getaffinity(0))
+    return sorted({max(1, n // 2), n})
+
+
+def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s: float = 60.0,
+            signature: str | None = None, store: Any = None) -> ProfileResult:
+    _check_target(target)
+    if steps < 1:
+        raise SpecError("steps", f"must be >= 1, got {steps}")
+    avail = len(os.sched_getaffinity(0))
+    cores = cores or default_core_counts()
+    for c in cores:
+        if c < 1 or c > avail:
+            raise SpecError("cores", f"{c} is not between 1 and the {avail} cores this process may use")
+    gpu = detect_gpu()
+    result = ProfileResult(target=target, signature=signature or target, gpu=gpu)
+    for c in cores:
+        result.configs.append(run_config(target, steps, c, budget_s, gpu))
+    if store is not None:
+        samples = []
+        for r in result.configs:
+            if r.step_time_s is None:
+                continue
+            samples.append({
+                "signature": result.signature, "gpus": r.gpus, "gpu_type": gpu.name or "cpu",
+                "cpu_cores": r.cpu_cores, "step_time_s": r.step_time_s, "steps": r.steps, "source": "profile",
+                "gpu_util_pct": r.gpu_util_pct, "gpu_mem_mb": r.gpu_mem_mb,
+            })
+        store.add_samples(samples)
+        result.stored_samples = len(samples)
+        best = min((r for r in result.configs if r.step_time_s), key=lambda r: r.step_time_s, default=None)
+        if best is not None:
+            store.add_profile(result.signature, best.step_time_s, gpu_type=gpu.name or "cpu", cpu_cores=best.cpu_cores)
+        result.database = store.url.split("@")[-1]
+    return result
