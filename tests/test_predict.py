@@ -1,0 +1,186 @@
+"""The predictor: bases and sample counts, fallbacks, online updates, CPU curve, remaining time, pair tables."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from qosflow.predict.cpu import fit_curve
+from qosflow.predict.evaluate import REFERENCE_JOBS, choose_references, eval_pairs
+from qosflow.predict.prediction import Prediction
+from qosflow.predict.predictor import Predictor, canonical
+from qosflow.predict.reference import PairRow, ThroughputTable, default_gavel_path, read_pairs_csv, write_pairs_csv
+from qosflow.errors import TraceFormatError
+
+
+def _has_gavel() -> bool:
+    return default_gavel_path().exists()
+
+
+needs_gavel = pytest.mark.skipif(not _has_gavel(), reason="Gavel's table is not at ../shared/data/throughputs/ (shared data absent)")
+
+
+def _synthetic_samples(p: Predictor, n_jobs: int = 8) -> None:
+    """Jobs with a known scaling law and pairwise slowdowns: no reference table at all."""
+    rng = np.random.default_rng(0)
+    for j in range(n_jobs):
+        sig = f"fam{j % 3}/bs{2 ** (4 + j % 4)}"
+        t1 = 0.05 * (1 + j)
+        for g in (1, 2, 4):
+            for _ in range(3):
+                p.observe({"signature": sig, "gpus": g, "step_time_s": t1 / (g * 0.9 ** math.log2(g)) * rng.uniform(0.97, 1.03)})
+        for k in range(n_jobs):
+            other = f"fam{k % 3}/bs{2 ** (4 + k % 4)}"
+            if other != sig:
+                p.observe({"signature": sig, "co_runner": other, "gpus": 1, "step_time_s": t1 * (1.2 + 0.05 * (j + k) % 0.5)})
+
+
+def test_samples_alone_without_reference_table():
+    p = Predictor(None, gpu_type="a100")
+    _synthetic_samples(p)
+    p.refit()
+    exact = p.predict_solo_step_time("fam0/bs16", 2)
+    assert exact.basis.startswith("samples(n=") and exact.n_samples >= 3
+    assert exact.low <= exact.value <= exact.high
+    # 8 GPUs were never measured: the scaling model (trained on the samples) says so in its basis
+    eight = p.predict_solo_step_time("fam0/bs16", 8)
+    assert "scaling-model" in eight.basis and eight.value < exact.value
+    # an unknown job: an explicit prior with a wide interval and no samples
+    unknown = p.predict_solo_step_time("never-seen/bs8", 1)
+    assert unknown.basis.startswith("prior:none") and unknown.n_samples == 0 and unknown.high / unknown.low >= 50
+    # a pair measured three times comes from its samples; an unmeasured one from the model or the default
+    for _ in range(2):
+        p.observe({"signature": "fam0/bs16", "co_runner": "fam1/bs32", "gpus": 1, "step_time_s": 0.075})
+    assert p.predict_slowdown("fam0/bs16", "fam1/bs32").basis.startswith("samples(")
+    other = p.predict_slowdown("fam0/bs16", "brand-new/bs8")
+    assert "interference-model" in other.basis or other.basis == "fallback:default-slowdown"
+
+
+def test_online_update_changes_the_answer_and_the_count():
+    p = Predictor(None)
+    for t in (0.10, 0.11, 0.09):
+        p.observe({"signature": "job/bs32", "gpus": 1, "step_time_s": t})
+    a = p.predict_solo_step_time("job/bs32", 1)
+    assert a.n_samples == 3 and a.basis == "samples(n=3)"
+    for _ in range(3):
+        p.observe({"signature": "job/bs32", "gpus": 1, "step_time_s": 0.2})
+    b = p.predict_solo_step_time("job/bs32", 1)  # the cache was invalidated by observe
+    assert b.n_samples == 6 and b.value > a.value
+
+
+def test_bad_sample_is_rejected():
+    from qosflow.errors import SpecError
+
+    p = Predictor(None)
+    with pytest.raises(SpecError, match="step_time_s"):
+        p.observe({"signature": "x", "step_time_s": float("nan")})
+
+
+def test_cpu_curve_saturates():
+    cores = [1, 2, 4, 8, 16]
+    times = [0.02 + 0.08 / c for c in cores]  # s=0.02, p=0.08
+    curve = fit_curve(cores, times)
+    assert curve.serial == pytest.approx(0.02, rel=1e-6) and curve.parallel == pytest.approx(0.08, rel=1e-6)
+    assert 60 < curve.saturation_cores < 90  # 95 % of the asymptote: 0.08 / (0.02 * 0.0526) = 76
+    assert fit_curve([4, 4], [0.1, 0.1]) is None  # one core count cannot give a curve
+    p = Predictor(None)
+    for c, t in zip(cores, times):
+        p.observe({"signature": "io-bound/bs8", "gpus": 1, "cpu_cores": c, "step_time_s": t})
+    sp = p.predict_cpu_speedup("io-bound/bs8", 4)
+    assert sp.value == pytest.approx(0.10 / 0.04, rel=1e-6) and sp.basis.startswith("samples(n=5")
+    assert p.predict_cpu_speedup("nothing-known", 4).basis.startswith("fallback:coda-default")
+
+
+def test_remaining_time_from_progress():
+    p = Predictor(None)
+    r = p.predict_remaining("job/bs32", 0.5, 100.0)
+    assert r.value == pytest.approx(100.0) and r.basis == "progress(f=0.50)" and r.low < 100 < r.high
+    late = p.predict_remaining("job/bs32", 0.9, 180.0)
+    assert late.value == pytest.approx(20.0) and (late.high - late.low) / late.value < (r.high - r.low) / r.value
+    assert p.predict_remaining("job/bs32", 1.0, 10).value == 0
+    assert p.predict_remaining("job/bs32", 0.0, 0).basis.startswith("prior:none")
+    for _ in range(3):
+        p.observe({"signature": "job/bs32", "gpus": 1, "step_time_s": 0.1})
+    blended = p.predict_remaining("job/bs32", 0.1, 5.0, total_steps=1000)  # rate says 45 s, prior 90 s
+    assert 45 < blended.value < 90 and "prior:samples(n=3)" in blended.basis
+
+
+def test_prediction_is_plain_floats():
+    pr = Prediction(np.float64(1.0), np.float64(0.5), 2, np.int64(3), "x")
+    assert type(pr.value) is float and type(pr.n_samples) is int
+    assert pr.scaled(2.0).high == 4.0
+
+
+def test_canonical_signatures_match_reference_names():
+    assert canonical("ResNet-50 (batch size 64)") == canonical("resnet50/bs64") == "resnet50|bs64"
+    assert canonical("A3C") == "a3c"
+
+
+def test_reference_choice_rule_on_other_tables():
+    jobs = ["X (batch size 8)", "X (batch size 16)", "X (batch size 32)", "Y (batch size 4)", "Y (batch size 8)", "Z"]
+    assert choose_references(jobs) == ["X (batch size 16)", "Y (batch size 4)", "Z"]
+    assert choose_references(list(REFERENCE_JOBS) + ["other"]) == list(REFERENCE_JOBS)
+
+
+def _synthetic_pairs(n_models=6, seed=1) -> list[PairRow]:
+    """Speeds from a hidden sensitivity x intensity law plus noise: a general table, not Gavel's."""
+    rng = np.random.default_rng(seed)
+    jobs = [(f"m{i}", bs, g) for i in range(n_models) for bs in (16, 64) for g in (1, 2)]
+    sens = {j: rng.uniform(0.2, 1.0) for j in jobs}
+    inten = {j: rng.uniform(0.1, 0.8) for j in jobs}
+    rows = []
+    line = 2
+    for i, a in enumerate(jobs):
+        for b in jobs[i:]:
+            s1 = math.exp(-sens[a] * inten[b]) * rng.uniform(0.98, 1.02)
+            s2 = math.exp(-sens[b] * inten[a]) * rng.uniform(0.98, 1.02)
+            rows.append(PairRow(a[0], a[1], a[2], s1, b[0], b[1], b[2], s2, line))
+            line += 1
+    return rows
+
+
+def test_pair_table_cross_validation_beats_baselines_on_a_synthetic_table(tmp_path):
+    rows = _synthetic_pairs()
+    path = tmp_path / "pairs.csv"
+    write_pairs_csv([{k: getattr(r, k) for k in ("model1", "batchsize1", "gpu_num1", "speed1", "model2", "batchsize2", "gpu_num2", "speed2")}
+                     for r in rows], path)
+    back = read_pairs_csv(path)
+    assert len(back) == len(rows)
+    res = eval_pairs(back, folds=5)
+    block = res["interference"]
+    assert block["n"] == 2 * len(rows) and set(block["baselines"]) == {"random_forest", "constant"}
+    assert block["mape"] < block["baselines"]["constant"]["mape"]
+
+
+def test_pair_csv_errors_name_file_line_and_column(tmp_path):
+    p = tmp_path / "bad.csv"
+    p.write_text("model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2\nA,32,1,0.9,B,64,1,abc\n")
+    with pytest.raises(TraceFormatError, match=r"bad.csv:2: column speed2"):
+        read_pairs_csv(p)
+    p.write_text("model1,speed1\nA,1\n")
+    with pytest.raises(TraceFormatError, match="missing column"):
+        read_pairs_csv(p)
+
+
+@needs_gavel
+def test_gavel_reference_bases_and_cold_start():
+    t = ThroughputTable.load()
+    p = Predictor(t)
+    p.refit()
+    ref = p.predict_solo_step_time("ResNet-50 (batch size 64)", 4)
+    assert ref.basis == "reference:gavel/v100" and ref.n_samples == 0
+    assert ref.value == pytest.approx(1 / t.solo_throughput("ResNet-50 (batch size 64)", "v100", 4))
+    # a new job with a lightweight profile: solo step time plus co-located speed with the reference jobs
+    p.observe_profile("mynet/bs32", 0.05, ref_speeds={r: 0.7 for r in REFERENCE_JOBS},
+                      ref_partner_speeds={r: 0.8 for r in REFERENCE_JOBS})
+    p.refit()
+    four = p.predict_solo_step_time("mynet/bs32", 4)
+    assert "scaling-model" in four.basis and four.n_samples == 1 and four.low <= four.value <= four.high
+    sl = p.predict_slowdown("mynet/bs32", "Transformer (batch size 64)")
+    assert sl.basis.startswith("profile+interference-model") and sl.value >= 1.0 - 1e-6
+    # batch API agrees with single calls
+    batch = p.predict_slowdown_batch([("mynet/bs32", "Transformer (batch size 64)"), ("A3C", "A3C")])
+    assert batch[0] == sl and batch[1].basis == "reference:gavel/v100"

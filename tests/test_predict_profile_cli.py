@@ -1,0 +1,89 @@
+"""`qosflow profile` (no GPU here: said plainly, CPU time only) and `qosflow predict eval`."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from qosflow.cli.main import main
+from qosflow.predict.profiler import detect_gpu, profile
+from qosflow.store import Store
+
+
+@pytest.fixture
+def stage_module(tmp_path, monkeypatch):
+    (tmp_path / "toy_stage.py").write_text(textwrap.dedent("""
+        import qosflow
+
+        def train(steps=5):
+            x = 0
+            for _ in qosflow.track(range(steps + 1)):
+                for i in range(20000):
+                    x += i
+
+        def silent():
+            pass
+
+        def broken():
+            raise RuntimeError("boom")
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_profile_without_gpu_reports_it_and_stores_cpu_samples(stage_module, tmp_path):
+    gpu = detect_gpu()
+    store = Store.open(f"sqlite:///{tmp_path / 'p.db'}")
+    res = profile("toy_stage:train", 4, cores=[1], budget_s=60, store=store, signature="toy/bs1")
+    if not gpu.present:
+        assert res.gpu.message.startswith("no GPU") and "CPU time only" in res.gpu.message
+        assert all(c.gpus == 0 and c.gpu_util_pct is None and c.gpu_mem_mb is None for c in res.configs)
+    [cfg] = res.configs
+    assert cfg.steps == 4 and cfg.step_time_s > 0 and cfg.cpu_cores == 1
+    [sample] = store.samples_for("toy/bs1")
+    assert sample.source == "profile" and sample.cpu_cores == 1 and sample.steps == 4
+    if not gpu.present:
+        assert sample.gpu_type == "cpu" and sample.gpu_util_pct is None
+    assert store.profiles_for("toy/bs1")[0].solo_step_time_s == pytest.approx(cfg.step_time_s)
+    store.close()
+
+
+def test_profile_cli_no_gpu_message_and_errors(stage_module, tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    assert main(["profile", "toy_stage:train", "--steps", "3", "--cores", "1", "--db", db]) == 0
+    out = capsys.readouterr().out
+    if not detect_gpu().present:
+        assert "no GPU" in out
+    assert "stored 1 samples" in out
+    assert main(["profile", "not-a-target", "--db", db]) == 2
+    assert "MODULE:FUNCTION" in capsys.readouterr().err
+    assert main(["profile", "toy_stage:broken", "--steps", "2", "--cores", "1", "--db", db]) == 2
+    assert "boom" in capsys.readouterr().err
+    assert main(["profile", "toy_stage:silent", "--steps", "2", "--cores", "1", "--no-store"]) == 0
+    assert "no steps were reported" in capsys.readouterr().out
+
+
+def test_predict_eval_pairs_cli(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from qosflow.predict.reference import write_pairs_csv
+
+    spec = importlib.util.spec_from_file_location("_qf_test_predict", Path(__file__).with_name("test_predict.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _synthetic_pairs = mod._synthetic_pairs
+
+    rows = _synthetic_pairs(n_models=4)
+    csv_path = tmp_path / "pairs.csv"
+    write_pairs_csv([{k: getattr(r, k) for k in ("model1", "batchsize1", "gpu_num1", "speed1", "model2", "batchsize2", "gpu_num2", "speed2")}
+                     for r in rows], csv_path)
+    out = tmp_path / "out.json"
+    assert main(["predict", "eval", "--pairs", str(csv_path), "--folds", "3", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert {"mape", "p90_ape", "n", "interference"} <= set(res) and res["interference"]["folds"] == 3
+    assert "random_forest" in capsys.readouterr().out
+    assert main(["predict", "eval"]) == 2
