@@ -72,6 +72,8 @@ class SimResult:
     rounds: int
     decisions: int
     sched_seconds: float
+    #: GPU-seconds on GPUs holding two whole-GPU jobs (co-located)
+    shared_gpu_seconds: float = 0.0
     #: (time, busy GPUs) samples at every event, for utilisation plots
     timeline: list[tuple[float, float]] = field(default_factory=list)
 
@@ -161,6 +163,9 @@ class Simulator:
         st_ = self.state
         milli_cap = float(1000 * int(st_.exists.sum()))
 
+        shared_gpu_seconds = 0.0
+        last_shared = 0.0
+
         def busy_gpus() -> float:
             """GPUs allocated: a GPU holding whole-GPU jobs counts once, shares by their fraction."""
             return (milli_cap - float(st_.milli_free.sum())) / 1000.0
@@ -229,6 +234,7 @@ class Simulator:
             if dt > 0:
                 bg = last_busy_gpus
                 busy += bg * dt
+                shared_gpu_seconds += last_shared * dt
                 for jid, js in running.items():
                     p = js.placement
                     g = len(p.gpus) * p.gpu_milli / 1000.0
@@ -363,6 +369,7 @@ class Simulator:
                     heapq.heappush(wake_heap, wk)
             recompute_rates()
             last_busy_gpus = busy_gpus()
+            last_shared = float((st_.whole >= 2).sum())
             timeline.append((now, last_busy_gpus))
             if on_progress is not None:
                 on_progress(finished + len(rejected), total)
@@ -382,6 +389,7 @@ class Simulator:
             rounds=rounds,
             decisions=decisions,
             sched_seconds=sched_seconds,
+            shared_gpu_seconds=shared_gpu_seconds,
             timeline=timeline,
         )
 

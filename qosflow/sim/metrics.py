@@ -34,6 +34,8 @@ class Metrics:
     dsr: float
     deadline_jobs: int
     gpu_util: float
+    #: share of allocated GPU-time on GPUs shared by two jobs
+    shared_share: float
     avg_slowdown: float
     preemptions: int
     restarts: int
@@ -83,6 +85,7 @@ def compute_metrics(res: SimResult) -> Metrics:
         dsr=float(met / len(with_dl)) if with_dl else 1.0,
         deadline_jobs=len(with_dl),
         gpu_util=float(util),
+        shared_share=float(res.shared_gpu_seconds / res.busy_gpu_seconds) if res.busy_gpu_seconds else 0.0,
         avg_slowdown=float(slow.mean()),
         preemptions=sum(j.preemptions for j in res.jobs),
         restarts=sum(j.restarts for j in res.jobs),
