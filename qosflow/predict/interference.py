@@ -176,6 +176,17 @@ class _Context:
         return f, support
 
 
+def per_tree_predictions(forest, X: np.ndarray) -> np.ndarray:
+    """(trees x rows) predictions of a fitted sklearn forest, via one `apply` and leaf-value look-ups
+    (an order of magnitude faster than calling every tree's `predict` for small batches)."""
+    leaves = forest.apply(X.astype(np.float32))
+    vals = getattr(forest, "_qf_leaf_values", None)
+    if vals is None:
+        vals = [t.tree_.value[:, 0, 0] for t in forest.estimators_]
+        forest._qf_leaf_values = vals
+    return np.stack([v[leaves[:, k]] for k, v in enumerate(vals)])
+
+
 def _nan_to(x: np.ndarray, fill: float = -9.0) -> np.ndarray:
     x = np.asarray(x, dtype=float)
     x[~np.isfinite(x)] = fill
@@ -279,7 +290,7 @@ class InterferenceModel:
         feats = [ctx.features(a, b) for a, b in queries]
         X = _nan_to(np.array([f for f, _ in feats], dtype=float).reshape(len(queries), -1))
         support = np.array([s for _, s in feats])
-        per_tree = np.stack([t.predict(X) for t in self.forest.estimators_])
+        per_tree = per_tree_predictions(self.forest, X)
         mean = np.exp(per_tree.mean(0))
         lo, hi = np.exp(np.percentile(per_tree, [10, 90], axis=0))
         return mean, np.minimum(lo, mean), np.maximum(hi, mean), support

@@ -302,7 +302,7 @@ class Predictor:
             metas_g = {s: self._meta(s, g) for s in jobs}
             self.interference[g] = InterferenceModel(
                 [r for r in self.refs if r in jobs], regime="new_job", n_estimators=self.n_estimators,
-                inner_folds=3, seed=self.seed, max_train_rows=1200).fit(obs, metas_g)
+                inner_folds=3, seed=self.seed, max_train_rows=800).fit(obs, metas_g)
 
     # ------------------------------------------------------------------ solo step time
 
@@ -393,9 +393,8 @@ class Predictor:
         ratios = {}
         if model_q:
             extra = {f"{qs[k][0]}@{gt}": self._meta(qs[k][0], gt) for k in model_idx}
-            obs = self._pair_obs(gt)
-            profiles = {f"{s}@{gt}": p for s, p in self._profiles(gt, obs).items()}
-            r, lo, hi = self.scaling.predict(model_q, profiles=profiles, extra_meta=extra)
+            # profiles as of the last refit (a new profile marks the scaling model dirty)
+            r, lo, hi = self.scaling.predict(model_q, extra_meta=extra)
             ratios = {k: (r[i], lo[i], hi[i]) for i, k in enumerate(model_idx)}
         for k, (sig, gpus, cons, cores) in enumerate(qs):
             if out[k] is not None:
@@ -447,8 +446,12 @@ class Predictor:
         if todo:
             model = self.interference.get(gt)
             if model is not None:
-                extra = {s: self._meta(s, gt) for _i, a, b, _k in todo for s in (a, b)}
-                obs_extra = {k: v for k, v in self._pair_obs(gt).items() if k[0] in extra or k[1] in extra}
+                # only what the model has not seen at its last refit (usually nothing): rebuilding the
+                # model's look-up context costs a factorisation
+                extra = {s: self._meta(s, gt) for _i, a, b, _k in todo for s in (a, b) if s not in model.meta}
+                asked = {s for _i, a, b, _k in todo for s in (a, b)}
+                obs_extra = {k: v for k, v in self._pair_obs(gt).items()
+                             if (k[0] in asked or k[1] in asked) and v > 0 and k not in model.obs}
                 sp, lo, hi, support = model.predict([(a, b) for _i, a, b, _k in todo], extra_obs=obs_extra, extra_meta=extra)
                 for j, (i, a, b, key) in enumerate(todo):
                     prof = sum(1 for r in self.refs if (a, r) in model.obs or (a, r) in obs_extra)

@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from qosflow.predict.interference import JobMeta, _nan_to
+from qosflow.predict.interference import JobMeta, _nan_to, per_tree_predictions
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class ScalingModel:
         profs = dict(self.profiles)
         profs.update(profiles or {})
         X = _nan_to(np.array([self._features(j, g, n, c, profs.get(j)) for j, g, n, c in queries], dtype=float))
-        per_tree = np.stack([t.predict(X) for t in self.forest.estimators_])
+        per_tree = per_tree_predictions(self.forest, X)
         mean = np.exp(per_tree.mean(0))
         lo, hi = np.exp(np.percentile(per_tree, [10, 90], axis=0))
         # one GPU is the unit by definition
