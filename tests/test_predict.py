@@ -184,3 +184,49 @@ def test_gavel_reference_bases_and_cold_start():
     # batch API agrees with single calls
     batch = p.predict_slowdown_batch([("mynet/bs32", "Transformer (batch size 64)"), ("A3C", "A3C")])
     assert batch[0] == sl and batch[1].basis == "reference:gavel/v100"
+
+
+def _synthetic_gavel(path) -> None:
+    """A small Gavel-format table with other job names and one GPU type: the method must not depend on Gavel's."""
+    rng = np.random.default_rng(3)
+    jobs = [f"{fam} (batch size {bs})" for fam in ("Alpha", "Beta", "Gamma") for bs in (8, 16, 32)]
+    sens = {j: rng.uniform(0.2, 1.0) for j in jobs}
+    inten = {j: rng.uniform(0.1, 0.8) for j in jobs}
+    eff = {j: rng.uniform(0.6, 0.95) for j in jobs}
+    solo = {j: rng.uniform(5, 50) for j in jobs}
+    out = {"t4": {}, "t4_unconsolidated": {}}
+    for wk, pen in (("t4", 1.0), ("t4_unconsolidated", 0.8)):
+        for j in jobs:
+            for n in (1, 2, 4):
+                entry = {"null": solo[j] * n * eff[j] ** math.log2(n) * (pen if n > 1 else 1.0)}
+                if n == 1:
+                    for k in jobs:
+                        entry[str((k, 1))] = [solo[j] * math.exp(-sens[j] * inten[k]), solo[k] * math.exp(-sens[k] * inten[j])]
+                out[wk][str((j, n))] = entry
+    path.write_text(json.dumps(out))
+
+
+def test_throughput_eval_on_another_table(tmp_path):
+    from qosflow.cli.main import main
+
+    p = tmp_path / "table.json"
+    _synthetic_gavel(p)
+    t = ThroughputTable.load(p)
+    assert t.workers == ["t4"] and t.gpu_counts == [1, 2, 4]
+    out = tmp_path / "res.json"
+    assert main(["predict", "eval", "--throughputs", str(p), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["reference_jobs"] == ["Alpha (batch size 16)", "Beta (batch size 16)", "Gamma (batch size 16)"]
+    for block in ("solo_scaling", "interference"):
+        assert res[block]["n"] > 0 and {"constant", "random_forest"} == set(res[block]["baselines"])
+    assert set(res["solo_scaling"]["by_gpus"]) == {"2", "4"}
+
+
+def test_throughput_table_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(TraceFormatError, match="not valid JSON"):
+        ThroughputTable.load(bad)
+    bad.write_text(json.dumps({"v100": {"nonsense": {"null": 1}}}))
+    with pytest.raises(TraceFormatError, match="bad job key"):
+        ThroughputTable.load(bad)
