@@ -39,7 +39,8 @@ class Env:
         kw.setdefault("unschedulable_timeout_s", 1.0 if self.emu else 20.0)
         return KubernetesBackend(namespace=self.namespace, image=self.image, **kw)
 
-    def placement(self, cluster: ClusterSpec, job: str, node: int = 0, gpus: int = 1, cores: float = 0.1) -> Placement:
+    def placement(self, cluster: ClusterSpec, job: str, node: int = -1, gpus: int = 1, cores: float = 0.1) -> Placement:
+        node = node % len(cluster.nodes)  # default: the last node (kind's workers sort after its control plane)
         if cluster.nodes[node].gpus == 0:
             gpus = 0
         return Placement(job, tuple((node, g) for g in range(gpus)), ((node, cores),))

@@ -51,3 +51,31 @@ async def serve_many(items: Iterable[tuple[AgentConfig, int]], host: str = "127.
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, _stop)
     await asyncio.gather(*(s.serve() for s in servers))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m qosflow.agent.server --base-port P --count N [--virtual-gpus G] [--prefix h]`:
+    N virtual agents (hosts `{prefix}{i}`) on ports P..P+N-1 in this one process. Token from
+    QOSFLOW_AGENT_TOKEN. For benchmarks that need many endpoints on a small machine."""
+    import argparse
+    import os
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--base-port", type=int, default=None)
+    ap.add_argument("--count", type=int, default=None)
+    ap.add_argument("--ports", default=None, help="comma-separated ports (instead of --base-port/--count)")
+    ap.add_argument("--first-index", type=int, default=0)
+    ap.add_argument("--virtual-gpus", type=int, default=8)
+    ap.add_argument("--prefix", default="h")
+    a = ap.parse_args(argv)
+    token = os.environ.get("QOSFLOW_AGENT_TOKEN", "")
+    ports = [int(p) for p in a.ports.split(",")] if a.ports else [a.base_port + i for i in range(a.count)]
+    items = [
+        (AgentConfig(token=token, name=f"{a.prefix}{a.first_index + i}", virtual_gpus=a.virtual_gpus, force_virtual=True), port)
+        for i, port in enumerate(ports)
+    ]
+    asyncio.run(serve_many(items))
+
+
+if __name__ == "__main__":
+    main()
