@@ -1,39 +1,52 @@
-"""qosflow's own policy: QoS first, sharing where it pays, no preemption.
+"""qosflow's own policy: QoS first, GPU sharing where it pays, no preemption.
 
-One round, in Blox's stages, over a snapshot of the cluster:
+One round, in Blox's stages, over a snapshot of the cluster (the same code runs in the simulator
+and in the live worker):
 
-1. **Admission.** A deadline job whose deadline can no longer be met even alone and at once is
-   demoted to best effort (and says so): serving hopeless jobs first is how allowance-ordered
+1. **Admission.** A deadline job that can no longer meet its deadline even alone and at once
+   (waiting allowance < 0, GENIE's allowance = deadline - now - predicted remaining time) is
+   served as best effort, and says so: serving hopeless jobs first is how allowance-ordered
    schedulers lose their DSR under load.
-2. **Ordering.** Jobs whose waiting allowance (GENIE: deadline - now - predicted remaining time)
-   is smaller than their own remaining time are *urgent* and go first, least allowance first.
-   Everyone else goes shortest-predicted-remaining first, aged by waiting time
-   (key = remaining / (1 + wait / aging)) so no job waits forever; a job past the starvation
-   bound also gets a reservation (below).
+2. **Ordering.** Shortest predicted remaining time first, with jobs that can still meet a
+   deadline weighted `qos_weight` times (a weighted SJF: QoS jobs jump the queue, yet a long QoS
+   job does not block short best-effort ones). Two guards keep everyone moving:
+   * *makespan guard*: a job whose remaining time is at least `makespan_beta` x the backlog (the
+     known work divided by the GPUs) starts early, longest first -- otherwise SJF leaves the
+     longest jobs to the very end and they alone set the makespan;
+   * *starvation guard*: the job that has waited longest past `starvation_bound` goes first (and
+     gets a reservation), one at a time and within `guard_share` of the GPUs, so every job starts
+     eventually without the queue turning into FIFO under sustained overload.
 3. **Placement**, job by job in that order:
-   a. free GPUs, consolidated (best fit: least fragmentation of whole nodes); fractional shares
-      by FGD's fragmentation gradient (ATC'23) when a target workload is known, best fit otherwise;
-   b. otherwise join a running job on its GPUs (SJF-BSBF): only partners whose co-location the
-      estimator predicts (from measured pairs or the jobs' per-iteration resource profiles, so
-      that jobs with different bottlenecks pair up, as Muri interleaves them) improves the
-      pair's average completion time (t_con < t_seq: share now rather than wait for the partner),
-      or raises the pair's combined throughput by `throughput_gain` while work is queued; never
-      one that would make a partner miss a deadline it can still meet; if their GPU memory does
-      not fit, with a smaller sub-batch and gradient accumulation (same global batch);
-   c. otherwise, once the job has waited `relax_after` (Philly: locality relaxed after a bounded
-      wait), spread it over nodes -- only if the predicted spread slowdown finishes it sooner
-      than waiting for a consolidated slot would;
-   d. otherwise it waits; the note says why.
-4. **CPU cores** (CODA): each GPU job gets its request, plus spare cores up to where its speed
-   saturates when the estimator knows that point; CPU-only jobs never take the cores that the
-   node's free GPUs will need to be fed.
+   a. free GPUs, consolidated, best fit; fractional shares by a fragmentation-aware scorer
+      (FGD's gradient, ATC'23) when one is given, best fit otherwise;
+   b. otherwise share GPUs that each hold one shareable job (SJF-BSBF's co-location, at most two
+      jobs per GPU), on the node where it pays most. Slowdowns come from the estimator (measured
+      pairs, or the jobs' per-iteration resource profiles, so that jobs with different bottlenecks
+      pair up as Muri interleaves them). A co-location is taken when
+      - the job can still meet its deadline and still meets it shared, or
+      - every partner's pair completes sooner on average than if the job waited for it
+        (SJF-BSBF's t_con < t_seq: share now rather than at the partner's end), or
+      - while work queues, the GPUs do `throughput_gain` more work per GPU shared than alone
+        (counting what a partner's whole gang loses);
+      and never when a partner would miss a deadline it can still meet. If the pair's memory
+      does not fit, the newcomer runs a smaller sub-batch with gradient accumulation (same global
+      batch, so the same convergence);
+   c. otherwise, once the job has waited `relax_after` (Philly: locality is relaxed after a
+      bounded wait), spread it over nodes -- only if the predicted spread slowdown costs less than
+      waiting for a consolidated slot;
+   d. otherwise it waits, and a blocked multi-GPU job near the head of the queue (or one with a
+      deadline) reserves the node(s) that free up soonest (EASY backfilling: others may still use
+      them if predicted to finish before the reservation starts; at most `reserve_share` of nodes).
+4. **CPU cores** (CODA): a GPU job gets its request plus spare cores up to where the estimator
+   says its speed stops growing; CPU-only jobs never take the cores a node's idle GPUs need.
 
-Every choice is explained in `Decision.notes`.
+Every choice is explained in `Decision.notes` (why a job waits, shares, or jumped the queue).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from qosflow.core.cluster import ClusterState
 from qosflow.core.job import JobState
@@ -60,72 +73,105 @@ class QosflowPolicy(Policy):
     def __init__(
         self,
         *,
-        aging: float = 4 * 3600.0,
-        starvation_bound: float = 48 * 3600.0,
+        qos_weight: float = 4.0,
+        makespan_beta: float | None = 0.5,
+        starvation_bound: float = 7 * 86400.0,
+        guard_share: float = 0.1,
         throughput_gain: float = 0.15,
         relax_after: float = 600.0,
+        reserve_share: float = 0.25,
+        share_attempts: int = 48,
         sub_batch: bool = True,
         share: bool = True,
-        urgent: str = "sjf",
-        be_throughput_gain: float | None = None,
-        aging_mode: str = "hrrn",
-        reserve_share: float = 0.25,
+        plan: bool = False,
+        plan_interval: float = 3600.0,
         fractional_scorer=None,
     ):
-        self.reserve_share = reserve_share
-        self.urgent = urgent
-        self.be_throughput_gain = throughput_gain if be_throughput_gain is None else be_throughput_gain
-        self.aging_factor = 10.0
-        self.aging_mode = aging_mode
-        self.aging = aging
+        #: a job that can still meet its deadline is ordered as if `qos_weight` times shorter
+        self.qos_weight = qos_weight
+        #: start a job early once its remaining time reaches this share of the backlog (None: never)
+        self.makespan_beta = makespan_beta
         self.starvation_bound = starvation_bound
+        #: at most this share of the GPUs runs jobs started by the starvation guard
+        self.guard_share = guard_share
+        #: GPU-throughput gain per GPU that makes best-effort sharing worth it while work queues
         self.throughput_gain = throughput_gain
         self.relax_after = relax_after
+        #: at most this share of nodes is held by reservations
+        self.reserve_share = reserve_share
+        #: best-effort jobs that look for a GPU to share per round (front of the queue first): bounds a
+        #: round's cost when thousands wait; jobs with a deadline always look
+        self.share_attempts = share_attempts
         self.sub_batch = sub_batch
         self.share = share
+        #: restrict best-effort pairs to the fluid-optimal pairing plan (`pairing_plan`); off by default
+        self.use_plan = plan
+        self.plan_interval = plan_interval
+        self._plan_at = -float("inf")
+        self._plan: dict[tuple[str, str], float] = {}
+        #: scorer for fractional shares (e.g. `qosflow.packing` FGD); None: best fit
         self.fractional_scorer = fractional_scorer
 
     def options(self):
         return {
-            "aging": self.aging,
+            "qos_weight": self.qos_weight,
+            "makespan_beta": self.makespan_beta,
             "starvation_bound": self.starvation_bound,
+            "guard_share": self.guard_share,
             "throughput_gain": self.throughput_gain,
             "relax_after": self.relax_after,
+            "reserve_share": self.reserve_share,
             "sub_batch": self.sub_batch,
             "share": self.share,
+            "plan": self.use_plan,
         }
 
     # ------------------------------------------------------------------ ordering
     def _order(self, view: SchedulerView, rem: dict[str, float], notes: dict[str, str]):
         now = view.now
         keyed = []
+        # backlog: how long the cluster needs to finish all work it knows of; a job whose own length is
+        # comparable must start now, or it alone will stretch the makespan (LPT near the end)
+        cap = max(1.0, float(view.cluster.gpu_count[~view.cluster.down].sum()))
+        work = sum(rem[js.job_id] * js.job.qos.gpu_demand for js in view.pending)
+        work += sum(rem[js.job_id] * js.job.qos.gpu_demand for js in view.running)
+        backlog = work / cap
+        # the guard only matters while jobs queue for GPUs
+        queueing = sum(js.job.qos.gpu_demand for js in view.pending) > view.cluster.total_empty_gpus()
         for js in view.pending:
             r = rem[js.job_id]
             dl = js.job.deadline
-            wait = max(0.0, now - js.queued_since)
             if dl is not None:
                 allowance = dl - now - r
                 if allowance < 0:
                     notes[js.job_id] = f"deadline out of reach (needs {r:.0f}s, {max(0.0, dl - now):.0f}s left): best effort"
-                elif self.urgent == "allowance" and allowance < r:
-                    keyed.append(((0, allowance, js.job.submit_time), js))
+                else:
+                    keyed.append(((2, r / self.qos_weight, js.job.submit_time), js))
                     continue
-                elif self.urgent == "sjf":
-                    keyed.append(((0, r, js.job.submit_time), js))
-                    continue
-                elif self.urgent == "boost":
-                    keyed.append(((2, r * 0.25, js.job.submit_time), js))
-                    continue
-            starving = wait >= self.starvation_bound
-            if self.aging_mode == "hrrn":
-                key = r / (1.0 + wait / (self.aging_factor * r))
-            elif self.aging_mode == "linear":
-                key = r / (1.0 + wait / self.aging)
-            else:
-                key = r
-            keyed.append(((1 if starving else 2, -wait if starving else key, js.job.submit_time), js))
+            if self.makespan_beta is not None and queueing and r >= self.makespan_beta * backlog:
+                keyed.append(((1, -r, js.job.submit_time), js))
+                guard = f"long job ({r / 3600:.0f} h) against a backlog of {backlog / 3600:.0f} h: started early to keep the makespan short"
+                notes[js.job_id] = f"{notes[js.job_id]}; {guard}" if js.job_id in notes else guard
+                continue
+            keyed.append(((2, r, js.job.submit_time), js))
+        # starvation guard: the job that has waited longest beyond the bound goes first and, if it
+        # cannot start, gets a reservation -- one at a time, so every job eventually starts without
+        # turning the queue into FIFO under sustained overload
+        cap_gpus = float(view.cluster.gpu_count[~view.cluster.down].sum())
+        rescued = sum(js.job.qos.gpu_demand for js in view.running if js.tags.get("qosflow_rescued"))
+        oldest = None
+        for i, (k, js) in enumerate(keyed):
+            if rescued > 0 and rescued + js.job.qos.gpu_demand > self.guard_share * cap_gpus:
+                continue
+            if k[0] == 2 and now - js.queued_since >= self.starvation_bound:
+                if oldest is None or js.queued_since < keyed[oldest][1].queued_since:
+                    oldest = i
+        if oldest is not None:
+            k, js = keyed[oldest]
+            keyed[oldest] = ((1, -1e300, js.job.submit_time), js)
+            notes[js.job_id] = f"waited {(now - js.queued_since) / 3600:.0f} h, longest of all: served first (starvation guard)"
         keyed.sort(key=lambda kv: kv[0])
-        return [js for _, js in keyed], [js for k, js in keyed if k[0] == 1]
+        return [js for _, js in keyed], [js for k, js in keyed if k[0] == 1 and k[1] == -1e300]
 
     # ------------------------------------------------------------------ sharing
     #: nodes examined per sharing search (the ones with most shareable GPUs), bounding a round's cost
@@ -159,10 +205,23 @@ class QosflowPolicy(Policy):
         node_ok = ~st.down
         if q.gpu_model is not None:
             node_ok &= np.fromiter((s.gpu_model == q.gpu_model for s in st.spec.nodes), bool, st.num_nodes)
-        elig = st.exists & (st.njobs == 1) & (st.whole == 1) & st.share_ok & node_ok[:, None]
+        sig = (k, q.gpu_model, q.gpu_mem_mb, job.batch_size is not None, q.cpu_cores)
+        if self._nofit.get(sig) == self._ver:
+            return None  # nothing changed since the same request found no shareable slot this round
+        base_key = (q.gpu_model,)
+        cached = self._elig_cache.get(base_key)
+        if cached is None or cached[0] != self._ver:
+            cached = (self._ver, st.exists & (st.njobs == 1) & (st.whole == 1) & st.share_ok & node_ok[:, None])
+            self._elig_cache[base_key] = cached
+        elig = cached[1]
         # the smallest memory the job could run in (with the smallest sub-batch tried)
         min_mem = q.gpu_mem_mb if not (self.sub_batch and job.batch_size) else q.gpu_mem_mb * (FIXED_MEMORY_SHARE + (1 - FIXED_MEMORY_SHARE) / MAX_ACCUMULATION)
-        elig &= st.gmem_free >= min_mem - 1e-6
+        mkey = (base_key, min_mem)
+        mc = self._elig_cache.get(mkey)
+        if mc is None or mc[0] != self._ver:
+            mc = (self._ver, elig & (st.gmem_free >= min_mem - 1e-6))
+            self._elig_cache[mkey] = mc
+        elig = mc[1]
         per_node = elig.sum(axis=1)
         cpu_need = q.cpu_cores
         if k <= gmax:
@@ -171,8 +230,10 @@ class QosflowPolicy(Policy):
             full = (per_node == st.gpu_count) & (st.gpu_count > 0) & (st.cpu_free >= cpu_need / k * st.gpu_count - 1e-9)
             cand = np.flatnonzero(full)
             if st.gpu_count[cand].sum() < k:
+                self._nofit[sig] = self._ver
                 return None
         if cand.size == 0:
+            self._nofit[sig] = self._ver
             return None
         if cand.size > self.SHARE_NODES:
             cand = cand[np.argsort(-per_node[cand], kind="stable")[: self.SHARE_NODES]]
@@ -187,13 +248,7 @@ class QosflowPolicy(Policy):
         # score every candidate GPU by its occupant (a partner's penalty is counted once per partner)
         node_choices = []
         for n in cand.tolist():
-            gl = np.flatnonzero(elig[n]).tolist()
-            by_partner: dict[str, list[int]] = {}
-            for g in gl:
-                occ = st.gpu_jobs.get((n, g), ())
-                if len(occ) != 1 or occ[0] not in states:
-                    continue
-                by_partner.setdefault(occ[0], []).append(g)
+            by_partner = self._node_partners(st, n, elig, min_mem, states)
             scored = []
             for pid, gpus in by_partner.items():
                 v = value(pid, 1, 1.0)
@@ -201,6 +256,9 @@ class QosflowPolicy(Policy):
                     continue
                 tput, xi_a, xi_b, gain = v
                 per_gpu = 1.0 / xi_a - max(1, states[pid].job.qos.gpus) * (1.0 - 1.0 / xi_b) / len(gpus)
+                if self._plan and not self._in_plan(job.model, states[pid].job.model):
+                    if not self._has_deadline(js):
+                        continue  # leave this partner for the type the pairing plan saves it for
                 scored.append((per_gpu, pid, gpus, xi_a, xi_b, gain))
             scored.sort(key=lambda x: -x[0])
             node_choices.append((n, scored))
@@ -257,6 +315,45 @@ class QosflowPolicy(Policy):
         )
         return p, why
 
+    def _node_partners(self, st: ClusterState, n: int, elig, min_mem: float, states) -> dict[str, list[int]]:
+        """Shareable occupants of node n and the GPUs they hold there (cached until the next placement)."""
+        key = (n, min_mem, id(elig))  # elig is cached per (request shape, version), so its id is stable
+        hit = self._partners_cache.get(key)
+        if hit is not None and hit[0] == self._ver:
+            return hit[1]
+        by_partner: dict[str, list[int]] = {}
+        for g in np.flatnonzero(elig[n]).tolist():
+            occ = st.gpu_jobs.get((n, g), ())
+            if len(occ) == 1 and occ[0] in states:
+                by_partner.setdefault(occ[0], []).append(g)
+        self._partners_cache[key] = (self._ver, by_partner)
+        return by_partner
+
+    def _in_plan(self, a: str, b: str) -> bool:
+        return (min(a, b), max(a, b)) in self._plan
+
+    def _has_deadline(self, js: JobState) -> bool:
+        dl = js.job.deadline
+        return dl is not None and self._now + self._rem[js.job_id] <= dl
+
+    def _update_plan(self, view: SchedulerView, rem) -> None:
+        if not self.use_plan or view.now - self._plan_at < self.plan_interval:
+            return
+        from qosflow.policies.pairing_plan import pairing_plan
+
+        work: dict[str, float] = {}
+        rep = {}
+        for js in list(view.pending) + list(view.running):
+            q = js.job.qos
+            if q.fractional or q.gpus == 0 or not q.shareable:
+                continue
+            work[js.job.model] = work.get(js.job.model, 0.0) + rem[js.job_id] * q.gpus
+            rep.setdefault(js.job.model, js.job)
+        est = view.estimator
+        plan, _alone, _speedup = pairing_plan(work, lambda a, b: est.pair_slowdown(rep[a], rep[b]))
+        self._plan = plan
+        self._plan_at = view.now
+
     def _accept(self, js: JobState, partners, k: int, queued: bool) -> float | None:
         """Total GPU-throughput gain of the co-location, or None if it does not pay.
 
@@ -279,7 +376,7 @@ class QosflowPolicy(Policy):
             return None
         if all_gain and total > 0:
             return total
-        if queued and total >= self.be_throughput_gain * k:
+        if queued and total >= self.throughput_gain * k:
             return total
         return None
 
@@ -299,8 +396,10 @@ class QosflowPolicy(Policy):
             rem[js.job_id] = est.remaining(js)
             states[js.job_id] = js
         order, starving = self._order(view, rem, d.notes)
+        self._update_plan(view, rem)
         self._gpus_of = lambda jid: max(1, states[jid].job.qos.gpus)
         self._rem, self._now = rem, now
+        self._gpu_jobs_waiting = any(js.job.qos.gpus > 0 for js in view.pending)
         # GPU demand still waiting behind each job: sharing for throughput only pays while work queues
         queued_gpus = sum(js.job.qos.gpu_demand for js in view.pending)
         #: node -> (time the reservation starts, job holding it): EASY backfilling -- others may use a
@@ -308,6 +407,11 @@ class QosflowPolicy(Policy):
         reserved: dict[int, tuple[float, str]] = {}
         max_res = max(1, int(round(self.reserve_share * st.num_nodes)))
         failed_k: dict[tuple, int] = {}
+        share_tries = 0
+        self._ver = 0
+        self._nofit: dict[tuple, int] = {}
+        self._elig_cache: dict[tuple, tuple] = {}
+        self._partners_cache: dict[tuple, tuple] = {}
 
         def blocked(p: Placement, finish: float) -> bool:
             return any(n in reserved and finish > reserved[n][0] for n in p.nodes)
@@ -330,7 +434,9 @@ class QosflowPolicy(Policy):
                         p = self._unreserved_whole(st, js, reserved, now + r)
                     if p is None and not reserved:
                         failed_k[sig] = min(failed_k.get(sig, 1 << 30), q.gpus)
-                if p is None and self.share:
+                has_dl = js.job.deadline is not None and now + r <= js.job.deadline
+                if p is None and self.share and (has_dl or share_tries < self.share_attempts):
+                    share_tries += 1
                     found = self._shared_slot(st, js, rem, states, est, now, queued_gpus > 0)
                     if found is not None and not (reserved and blocked(found[0], now + r * 1.5)):
                         p, why = found
@@ -352,8 +458,12 @@ class QosflowPolicy(Policy):
                             f"(free for it in about {ready / 3600:.1f} h)"
                         )
                 continue
+            p = self._with_cores(st, js.job, p, est)
             st.allocate(p, q)
+            self._ver += 1
             d.starts.append(p)
+            if js in starving:
+                js.tags["qosflow_rescued"] = True
             if why:
                 d.notes[js.job_id] = why
         return d
@@ -370,9 +480,29 @@ class QosflowPolicy(Policy):
             st.empty[:] = saved
 
     # ------------------------------------------------------------------ helpers
+    def _with_cores(self, st: ClusterState, job, p: Placement, est) -> Placement:
+        """CODA: give a single-node GPU job spare cores up to where its predicted speed stops growing.
+
+        Spare means beyond what the node's other idle GPUs need to be fed (GPU_FEED_CORES each)."""
+        if job.qos.gpus == 0 or len(p.cpu) != 1:
+            return p
+        n, base = p.cpu[0]
+        spare = float(st.cpu_free[n]) - base - GPU_FEED_CORES * max(0, int(st.empty[n]) - len(p.gpus))
+        if spare < 1.0:
+            return p
+        top = est.cpu_factor(job, base + spare)
+        if top <= est.cpu_factor(job, base) * 1.01:
+            return p  # more cores would not help (or the estimator knows no curve for it)
+        cores = base
+        while cores < base + spare and est.cpu_factor(job, cores) < 0.99 * top:
+            cores += 1.0
+        return replace(p, cpu=((n, min(cores, base + spare)),), note=f"{cores:g} cores (asked {base:g}): faster up to there")
+
     def _cpu_only(self, st: ClusterState, js: JobState) -> Placement | None:
-        """A CPU-only stage, keeping enough cores on each node to feed its idle GPUs (CODA)."""
-        q = js.job.qos
+        """A CPU-only stage, keeping enough cores on each node to feed its idle GPUs (CODA) -- as
+        long as some GPU job waits for them; otherwise the cores would only sit idle."""
+        if not self._gpu_jobs_waiting:
+            return find_cpu_only(st, js.job)
         saved = st.cpu_free.copy()
         try:
             st.cpu_free -= st.empty * GPU_FEED_CORES
