@@ -315,6 +315,67 @@ class QosflowPolicy(Policy):
         )
         return p, why
 
+    def _deadline_rescue(self, st: ClusterState, js: JobState, rem, states, est, now: float, gpn: int):
+        """A gang with a deadline it can still meet takes free and shareable GPUs on any nodes, if the
+        predicted slowdown of spreading and sharing together still meets the deadline (locality is
+        relaxed at once for it rather than after a wait)."""
+        job = js.job
+        q = job.qos
+        k = q.gpus
+        dl = job.deadline
+        r = rem[js.job_id]
+        node_ok = ~st.down
+        if q.gpu_model is not None:
+            node_ok &= np.fromiter((s.gpu_model == q.gpu_model for s in st.spec.nodes), bool, st.num_nodes)
+        per_gpu_cpu = q.cpu_cores / k
+        free = st.exists & (st.njobs == 0) & node_ok[:, None]
+        can_share = q.shareable and q.gpu_mem_mb is not None
+        single = st.exists & (st.njobs == 1) & (st.whole == 1) & st.share_ok & node_ok[:, None]
+        if can_share:
+            single &= st.gmem_free >= q.gpu_mem_mb - 1e-6
+        else:
+            single &= False
+        # a node gives as many GPUs as its free cores can feed
+        cap = np.floor((st.cpu_free + 1e-9) / max(per_gpu_cpu, 1e-9)).astype(np.int64) if per_gpu_cpu > 0 else np.full(st.num_nodes, 1 << 30)
+        usable = np.minimum(free.sum(axis=1) + single.sum(axis=1), cap)
+        if usable.sum() < k:
+            return None
+        take: list[tuple[int, int]] = []
+        partners: dict[str, float] = {}
+        worst = 1.0
+        for n in np.argsort(-usable, kind="stable").tolist():
+            if len(take) >= k or usable[n] <= 0:
+                break
+            budget = int(min(usable[n], k - len(take)))
+            for g in np.flatnonzero(free[n]).tolist()[:budget]:
+                take.append((n, g))
+            for g in np.flatnonzero(single[n]).tolist():
+                if len(take) >= k or sum(1 for x in take if x[0] == n) >= usable[n]:
+                    break
+                pid = st.gpu_jobs[(n, g)][0]
+                if pid not in states:
+                    continue
+                if pid not in partners:
+                    v = self._partner_value(js, states[pid], 1, rem, est, now, True, 1.0)
+                    if v is None:
+                        continue
+                    partners[pid] = v[1]
+                worst = max(worst, partners[pid])
+                take.append((n, g))
+        if len(take) < k:
+            return None
+        nodes = sorted({n for n, _ in take})
+        slow = worst * est.spread_slowdown(job, len(nodes), min_nodes_for(k, gpn))
+        if now + r * slow > dl:
+            return None
+        cpu: dict[int, float] = {}
+        for n, _ in take:
+            cpu[n] = cpu.get(n, 0.0) + per_gpu_cpu
+        used = tuple(dict.fromkeys(st.gpu_jobs[x][0] for x in take if st.njobs[x] == 1))
+        p = Placement(job.job_id, tuple(take), cpu=tuple(cpu.items()), gpu_mem_mb=float(q.gpu_mem_mb or 0.0), mem_mb=q.mem_mb, colocated_with=used)
+        why = f"deadline rescue: spread over {len(nodes)} node(s)" + (f", sharing with {', '.join(used)}" if used else "") + f"; predicted slowdown {slow:.2f} still meets the deadline"
+        return p, why
+
     def _node_partners(self, st: ClusterState, n: int, elig, min_mem: float, states) -> dict[str, list[int]]:
         """Shareable occupants of node n and the GPUs they hold there (cached until the next placement)."""
         key = (n, min_mem, id(elig))  # elig is cached per (request shape, version), so its id is stable
@@ -438,6 +499,10 @@ class QosflowPolicy(Policy):
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
                     share_tries += 1
                     found = self._shared_slot(st, js, rem, states, est, now, queued_gpus > 0)
+                    if found is not None and not (reserved and blocked(found[0], now + r * 1.5)):
+                        p, why = found
+                if p is None and has_dl and q.gpus > 1:
+                    found = self._deadline_rescue(st, js, rem, states, est, now, gpn)
                     if found is not None and not (reserved and blocked(found[0], now + r * 1.5)):
                         p, why = found
                 if p is None and q.gpus > 1 and now - js.queued_since >= self.relax_after:
