@@ -71,6 +71,8 @@ class StageRecord:
     ended: float | None = None
     state: str = "dispatched"
     attempts: int = 1
+    engine_started: float | None = None
+    queued: float | None = None
 
     @property
     def actual_s(self) -> float | None:
@@ -93,8 +95,10 @@ class StageRecord:
             "virtual_gpus": self.virtual_gpus,
             "deps": list(self.deps),
             "ready": self.dispatched,
+            "queued": self.queued,
             "placed": self.placed,
             "started": self.started,
+            "engine_started": self.engine_started,
             "ended": self.ended,
             "predicted_s": self.predicted_s,
             "actual_s": None if self.actual_s is None else round(self.actual_s, 3),
@@ -130,6 +134,7 @@ class PipelineRun:
         self.ended: float | None = None
         self.state = "running"
         self._split: dict[str, float] | None = None
+        self.flow_name = name
 
     # -------------------------------------------------------------- registry
     @classmethod
@@ -339,7 +344,7 @@ class PipelineRun:
             path = data_dir() / "prefect" / "plans.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             plans = json.loads(path.read_text()) if path.exists() else {}
-            plans[self.name] = {
+            plans[self.flow_name] = {
                 "plan": {r.name: list(r.deps) for r in self.stages.values()},
                 "expected": {r.name: r.actual_s or r.expected for r in self.stages.values()},
             }
@@ -540,7 +545,11 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
     rec.virtual_gpus = labels.get("qosflow.virtual_gpus") == "true" if "qosflow.virtual_gpus" in labels else None
     rec.predicted_s = _f(labels.get("qosflow.predicted_s"))
     rec.placed = _f(labels.get("qosflow.placed_at"))
-    rec.started = fr.start_time.timestamp() if fr.start_time else rec.placed
+    # the worker launches the stage's process right after placing it: that is when the stage starts
+    # (predictions cover the process start-up too); the engine's own start is kept as engine_started
+    rec.engine_started = fr.start_time.timestamp() if fr.start_time else None
+    rec.queued = _f(labels.get("qosflow.queued_at"))
+    rec.started = rec.placed or rec.engine_started
     rec.ended = fr.end_time.timestamp() if fr.end_time else time.time()
     state = fr.state
     ok = state is not None and state.is_completed()
@@ -691,10 +700,11 @@ def qos_flow(
             pr = PriorityClass.parse(pr) if pr is not None else prio if prio is not None else (PriorityClass.parse(policy["priority"]) if policy.get("priority") else None)
             ctx = FlowRunContext.get()
             fid = str(ctx.flow_run.id) if ctx and ctx.flow_run else f"local-{time.time_ns()}"
-            name = ctx.flow_run.name if False else flow_name
+            name = ctx.flow_run.name if ctx and ctx.flow_run and ctx.flow_run.name else flow_name
             the_plan, expected = (plan, {}) if plan else _recorded_plan(flow_name)
             expected = dict(expected)
             run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=pool or os.environ.get("QOSFLOW_POOL"), plan=the_plan, expected=expected)
+            run.flow_name = flow_name
             run.register()
             ok = False
             try:

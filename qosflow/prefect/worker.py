@@ -241,7 +241,26 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             )
             return self.scheduler
 
+    async def setup(self) -> None:
+        await super().setup()
+        self._poll_task = asyncio.get_running_loop().create_task(self._fast_poll(), name="qosflow-fast-poll")
+
+    async def _fast_poll(self) -> None:
+        """Look for new stage runs every QOSFLOW_WORKER_POLL_SECONDS (default 0.5 s), besides Prefect's own
+        (slower) polling loop, so that a ready stage reaches the QoS queue within a second."""
+        interval = float(os.environ.get("QOSFLOW_WORKER_POLL_SECONDS", "0.5"))
+        while True:
+            await asyncio.sleep(interval)
+            if self._work_pool is None or self._runs_task_group is None:
+                continue
+            try:
+                await self.get_and_submit_flow_runs()
+            except Exception as exc:
+                self._logger.debug("fast poll failed: %s", exc)
+
     async def teardown(self, *exc_info: Any) -> None:
+        if getattr(self, "_poll_task", None) is not None:
+            self._poll_task.cancel()
         if self._cancel_task is not None:
             self._cancel_task.cancel()
         if self.scheduler is not None:
@@ -296,6 +315,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if deadline_at is None and spec.deadline is not None:
             deadline_at = now + spec.deadline
         entry = StageEntry(JobState(job), name, fid, configuration.pipeline, deadline_at, ready_at=_ready_time(flow_run, now))
+        entry.meta["queued_at"] = now
         try:
             grant = await sched.request(entry)
         except StageCancelled as exc:
@@ -314,6 +334,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             grant.predicted_s,
             info["estimator"],
         )
+        info["queued_at"] = now
         await self._label(flow_run.id, info, grant.granted_at)
         launch = LaunchSpec(
             stage_id=fid,
@@ -344,7 +365,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         actual = ended - launched_at
         if status.ok and hasattr(sched.estimator, "observe"):
             sched.estimator.observe(job, actual)
-        rec = dict(info, flow_run_id=fid, ready=entry.ready_at, placed=grant.granted_at, launched=launched_at, ended=ended,
+        rec = dict(info, flow_run_id=fid, ready=entry.ready_at, queued=now, placed=grant.granted_at, launched=launched_at, ended=ended,
                    actual_s=round(actual, 3), exit=status.kind.value, exit_reason=status.reason)
         rec["deadline_met"] = None if deadline_at is None else ended <= deadline_at
         self.records.append(rec)
@@ -381,6 +402,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             "qosflow.predicted_s": f"{info['predicted_s']:.3f}",
             "qosflow.waited_s": f"{info['waited_s']:.3f}",
             "qosflow.placed_at": f"{placed_at:.3f}",
+            "qosflow.queued_at": f"{info.get('queued_at', placed_at):.3f}",
             "qosflow.class": str(info["priority"]),
             "qosflow.policy": str(info["policy"]),
             "qosflow.estimator": str(info["estimator"]),

@@ -1,0 +1,52 @@
+"""`qosflow init`: register the blocks, save a cluster and a policy block, create the qosflow pool."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+HELP = """Register qosflow's blocks with the Prefect server and create a `qosflow` work pool.
+
+Uses the Prefect server of the current profile (PREFECT_API_URL). Saves a bare-metal cluster block
+(virtual GPUs unless --real-gpus) and a QoS policy block, creates or updates the pool with them as
+its defaults, and creates the pool's `qosflow-stage` deployment. Then start a worker:
+
+  qosflow worker start --pool gpu        (or: prefect worker start --pool gpu)
+
+Examples:
+
+  qosflow init --pool gpu --hosts 2 --gpus-per-host 4 --policy qosflow
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("init", help=HELP)
+    def init_cmd(
+        pool: str = typer.Option("gpu", "--pool", help="work pool name"),
+        hosts: int = typer.Option(1, "--hosts", min=1, help="hosts (all this machine with the local backend)"),
+        gpus: int = typer.Option(4, "--gpus-per-host", min=0, help="GPUs per host"),
+        cores: float = typer.Option(16.0, "--cores-per-host", min=1, help="CPU cores per host"),
+        real_gpus: bool = typer.Option(False, "--real-gpus", help="detect GPUs with NVML instead of declaring virtual ones"),
+        policy: str = typer.Option("qosflow", "--policy", help="scheduling policy"),
+        estimator: str = typer.Option("history", "--estimator", help="history | declared | learned | module:attr"),
+        deadline: Optional[float] = typer.Option(None, "--deadline", help="default pipeline deadline (seconds)"),
+    ) -> None:
+        import asyncio
+
+        from rich.console import Console
+
+        from qosflow.policies import get_policy
+        from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
+        from qosflow.prefect.local import setup_pool
+
+        get_policy(policy)  # unknown names fail here with the list of known ones
+        cluster = BareMetalGPUCluster(hosts=[f"host{i}" for i in range(hosts)], gpus_per_host=gpus, cpu_cores=cores, virtual_gpus=not real_gpus)
+        pol = QoSPolicy(policy=policy, estimator=estimator, deadline_s=deadline)
+        info = asyncio.run(setup_pool(pool, cluster=cluster, cluster_block=f"{pool}-cluster", policy=pol, policy_block=f"{pool}-policy"))
+        c = Console()
+        c.print(f"blocks registered: qosflow-qos-policy, qosflow-bare-metal-cluster, qosflow-kubernetes-cluster")
+        c.print(f"cluster block [cyan]{info['cluster_block']}[/]: {hosts} x {gpus} {'virtual ' if not real_gpus else ''}GPUs, {cores:g} cores per host")
+        c.print(f"policy block [cyan]{info['policy_block']}[/]: {policy}, estimator {estimator}")
+        c.print(f"work pool [cyan]{pool}[/] ({'created' if info['created'] else 'updated'}), stage deployment {info['stage_deployment']}")
+        c.print(f"next: [bold]qosflow worker start --pool {pool}[/]")

@@ -1,0 +1,45 @@
+"""`qosflow worker start`: the predictive qosflow worker (same as `prefect worker start --type qosflow`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+HELP = """Start the qosflow worker on a `qosflow` work pool.
+
+Its cluster and policy come from the pool's `cluster_block`/`policy_block` defaults (see `qosflow init`),
+or from --cluster-block/--policy. Equivalent to `prefect worker start --pool POOL` for a qosflow pool.
+"""
+
+
+def register(app: typer.Typer) -> None:
+    worker_app = typer.Typer(help="The qosflow worker.", no_args_is_help=True)
+
+    @worker_app.command("start", help=HELP)
+    def start_cmd(
+        pool: str = typer.Option(..., "--pool", "-p", help="work pool name"),
+        name: Optional[str] = typer.Option(None, "--name", help="worker name"),
+        cluster_block: Optional[str] = typer.Option(None, "--cluster-block", help="qosflow-bare-metal-cluster block name"),
+        policy: Optional[str] = typer.Option(None, "--policy", help="policy name (overrides the pool's policy block)"),
+        estimator: Optional[str] = typer.Option(None, "--estimator", help="history | declared | learned | module:attr"),
+        limit: Optional[int] = typer.Option(None, "--limit", help="most stage runs at once"),
+    ) -> None:
+        import asyncio
+        import os
+
+        from qosflow.prefect.worker import QosflowWorker
+
+        if cluster_block:
+            os.environ["QOSFLOW_CLUSTER_BLOCK"] = cluster_block
+
+        async def main() -> None:
+            w = QosflowWorker(work_pool_name=pool, name=name, policy=policy, estimator=estimator, limit=limit, create_pool_if_not_found=False)
+            await w.start()
+
+        try:
+            asyncio.run(main())
+        except KeyboardInterrupt:
+            pass
+
+    app.add_typer(worker_app, name="worker")

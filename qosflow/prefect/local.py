@@ -1,0 +1,239 @@
+"""Run everything on one machine: a local Prefect server, the blocks, the `qosflow` pool and a worker.
+
+Used by `qosflow demo`, `qosflow init`, the end-to-end tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from qosflow.core.cluster import ClusterSpec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(home: str | Path, port: int, *, ui: bool = True) -> dict[str, str]:
+    home = str(home)
+    api = f"http://127.0.0.1:{port}/api"
+    return {
+        "PREFECT_HOME": home,
+        "PREFECT_API_URL": api,
+        "PREFECT_UI_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "true" if ui else "false",
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
+        "PREFECT_LOCAL_STORAGE_PATH": f"{home}/storage",
+        "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
+        "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+    }
+
+
+class LocalServer:
+    """`prefect server start` as a child process (SQLite under `home`, UI on unless `ui=False`)."""
+
+    def __init__(self, home: str | Path, port: int | None = None, *, ui: bool = True, log: str | Path | None = None):
+        self.home = Path(home)
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.ui = ui
+        self.env = server_env(self.home, self.port, ui=ui)
+        self.log_path = Path(log) if log else self.home / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def api_url(self) -> str:
+        return self.env["PREFECT_API_URL"]
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> "LocalServer":
+        env = dict(os.environ)
+        env.update(self.env)
+        logf = open(self.log_path, "ab")
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
+        if not self.ui:
+            cmd.append("--no-ui")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"prefect server did not answer within {timeout:.0f}s; see {self.log_path}")
+
+    def apply_env(self) -> None:
+        """Point this process's Prefect settings at the server."""
+        os.environ.update(self.env)
+        try:
+            from prefect.settings.models.root import Settings  # noqa: F401
+            import prefect.context
+
+            prefect.context.refresh_global_settings_context()  # type: ignore[attr-defined]
+        except Exception:
+            pass
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            import signal
+
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(15)
+            except Exception:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except Exception:
+                    pass
+        self.proc = None
+
+
+# ------------------------------------------------------------------------------------ blocks and pool
+async def register_blocks() -> list[str]:
+    from qosflow.prefect.blocks import BareMetalGPUCluster, KubernetesGPUCluster, QoSPolicy
+
+    out = []
+    for cls in (QoSPolicy, BareMetalGPUCluster, KubernetesGPUCluster):
+        await cls.register_type_and_schema()
+        out.append(cls.get_block_type_slug())
+    return out
+
+
+def pool_template(cluster_block: str | None = None, policy_block: str | None = None, *, stream_output: bool = True) -> dict[str, Any]:
+    from qosflow.prefect.worker import QosflowWorker
+
+    t = QosflowWorker.get_default_base_job_template()
+    props = t["variables"]["properties"]
+    if cluster_block:
+        props["cluster_block"]["default"] = cluster_block
+    if policy_block:
+        props["policy_block"]["default"] = policy_block
+    props["stream_output"]["default"] = stream_output
+    return t
+
+
+async def setup_pool(
+    pool: str,
+    *,
+    cluster: Any = None,
+    cluster_block: str | None = None,
+    policy: Any = None,
+    policy_block: str | None = None,
+    stream_output: bool = True,
+) -> dict[str, Any]:
+    """Register blocks, save the cluster/policy blocks, create or update the pool and its stage deployment."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    await register_blocks()
+    if cluster is not None:
+        await cluster.asave(cluster_block or pool, overwrite=True)
+        cluster_block = cluster_block or pool
+    if policy is not None:
+        await policy.asave(policy_block or pool, overwrite=True)
+        policy_block = policy_block or pool
+    template = pool_template(cluster_block, policy_block, stream_output=stream_output)
+    async with get_client() as client:
+        try:
+            await client.read_work_pool(pool)
+            await client.update_work_pool(pool, WorkPoolUpdate(base_job_template=template))
+            created = False
+        except ObjectNotFound:
+            await client.create_work_pool(WorkPoolCreate(name=pool, type="qosflow", base_job_template=template))
+            created = True
+    from qosflow.prefect.tasks import ensure_stage_deployment
+
+    dep = await asyncio.to_thread(ensure_stage_deployment, pool)
+    return {"pool": pool, "created": created, "cluster_block": cluster_block, "policy_block": policy_block, "stage_deployment": dep}
+
+
+# ------------------------------------------------------------------------------------ in-process worker
+class WorkerThread(threading.Thread):
+    """A `QosflowWorker` polling `pool` in a background thread with its own event loop."""
+
+    def __init__(self, pool: str, *, cluster: ClusterSpec | None = None, policy: Any = None, estimator: Any = None, name: str | None = None, **kw: Any):
+        super().__init__(daemon=True, name=f"qosflow-worker-{pool}")
+        self.pool = pool
+        self.kw = dict(cluster=cluster, policy=policy, estimator=estimator, name=name or f"qosflow-{pool}-{os.getpid()}", **kw)
+        self.worker = None
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # surfaced by wait_ready()
+            self.error = exc
+            self.ready.set()
+
+    async def _main(self) -> None:
+        from qosflow.prefect.worker import QosflowWorker
+
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        worker = QosflowWorker(work_pool_name=self.pool, create_pool_if_not_found=False, **self.kw)
+        self.worker = worker
+        printer = lambda *a, **k: None  # noqa: E731
+        task = asyncio.create_task(worker.start(printer=printer))
+        # ready once synced with the pool and the scheduler exists
+        while not task.done():
+            if worker._work_pool is not None and worker._runs_task_group is not None:
+                await worker._ensure_qos()
+                break
+            await asyncio.sleep(0.1)
+        self.ready.set()
+        stop = asyncio.create_task(self._stop_event.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:
+                pass
+        elif task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+
+    def wait_ready(self, timeout: float = 60.0) -> "WorkerThread":
+        if not self.is_alive() and self._loop is None and not self.ready.is_set():
+            self.start()
+        if not self.ready.wait(timeout):
+            raise RuntimeError(f"qosflow worker for pool {self.pool!r} did not start within {timeout:.0f}s")
+        if self.error is not None:
+            raise RuntimeError(f"qosflow worker failed: {self.error!r}") from self.error
+        return self
+
+    def call(self, coro_fn, *args: Any, timeout: float = 30.0) -> Any:
+        """Run a coroutine on the worker's loop (e.g. to read its scheduler state)."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro_fn(*args), self._loop).result(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._loop is not None and self._stop_event is not None:
+            self._loop.call_soon_threadsafe(self._stop_event.set)
+        self.join(timeout)

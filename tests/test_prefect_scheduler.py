@@ -1,0 +1,273 @@
+"""The worker's QoS queue and the local backend, without a Prefect server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from qosflow.backends.base import ExitKind, LaunchSpec
+from qosflow.backends.local import LocalBackend, local_inventory
+from qosflow.core.cluster import ClusterSpec
+from qosflow.core.job import Job, JobState
+from qosflow.core.placement import Placement
+from qosflow.core.qos import QoSSpec
+from qosflow.policies.base import Decision, Policy, SchedulerView
+from qosflow.policies.placement import find_for
+from qosflow.prefect.scheduler import HistoryEstimator, QoSScheduler, StageCancelled, StageEntry
+
+
+class PriorityFirstFit(Policy):
+    """Test-local policy: highest priority first, then arrival; first fit; backfills."""
+
+    name = "test-priority"
+
+    def schedule(self, view: SchedulerView) -> Decision:
+        d = Decision()
+        for js in sorted(view.pending, key=lambda j: (-j.job.qos.priority.rank, j.job.submit_time)):
+            p = find_for(view.cluster, js.job, fit="first-fit")
+            if p is None:
+                d.notes[js.job_id] = "waiting"
+                continue
+            view.cluster.allocate(p, js.job.qos)
+            d.starts.append(p)
+        return d
+
+
+class ShareEverything(Policy):
+    """Test-local policy that tries to put every whole-GPU job on GPU 0 of node 0 (co-location)."""
+
+    name = "test-share"
+
+    def schedule(self, view: SchedulerView) -> Decision:
+        d = Decision()
+        for js in view.pending:
+            d.starts.append(Placement(js.job_id, ((0, 0),), cpu=((0, 1.0),), gpu_mem_mb=1000.0))
+        return d
+
+
+def entry(jid: str, *, gpus=1, cpu=1.0, prio="normal", expected=5.0, deadline_at=None, shareable=False, mem=None) -> StageEntry:
+    job = Job(jid, time.time(), QoSSpec(gpus=gpus, cpu_cores=cpu, priority=prio, shareable=shareable, gpu_mem_mb=mem), expected, expected_duration=expected, model=f"sig-{jid}")
+    return StageEntry(JobState(job), jid, flow_run_id=jid, deadline_at=deadline_at)
+
+
+CL = ClusterSpec.uniform(2, 2, cpu_cores=4, virtual=True)
+
+
+async def enqueue(s: QoSScheduler, e: StageEntry) -> asyncio.Future:
+    t = asyncio.ensure_future(s.request(e))
+    await asyncio.sleep(0)  # let it reach the queue
+    return t
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def test_queue_grants_in_policy_order_and_waits_for_release():
+    async def main():
+        s = QoSScheduler(CL, PriorityFirstFit(), HistoryEstimator(), coda=False)  # rounds driven by hand
+        first = [await enqueue(s, entry(f"a{i}")) for i in range(4)]
+        s.round()
+        await settle()
+        grants = [t.result() for t in first]
+        assert len({g.placement.gpus for g in grants}) == 4
+        t_low = await enqueue(s, entry("low", prio="best-effort"))
+        t_high = await enqueue(s, entry("high", prio="critical"))
+        s.round()
+        await settle()
+        assert not t_low.done() and not t_high.done()  # the cluster is full: both wait in the QoS queue
+        s.release("a0")
+        s.round()
+        await settle()
+        assert t_high.done() and not t_low.done()  # the critical one gets the freed GPU first
+        assert t_high.result().placement.gpus == grants[0].placement.gpus
+        s.release("a1")
+        s.round()
+        await settle()
+        assert t_low.done()
+        s.state.check_invariants()
+
+    asyncio.run(main())
+
+
+def test_background_loop_grants_without_help():
+    async def main():
+        s = QoSScheduler(CL, PriorityFirstFit(), round_interval=0.05, coda=False)
+        s.start()
+        g = await asyncio.wait_for(s.request(entry("x")), 30)
+        assert g.placement.num_gpus == 1
+        await s.stop()
+
+    asyncio.run(main())
+
+
+def test_rejects_a_stage_that_can_never_fit():
+    async def main():
+        s = QoSScheduler(CL, PriorityFirstFit(), coda=False)
+        with pytest.raises(Exception, match="can never be placed"):
+            await s.request(entry("huge", gpus=5))
+
+    asyncio.run(main())
+
+
+def test_policy_cannot_put_three_stages_on_one_gpu():
+    async def main():
+        s = QoSScheduler(CL, ShareEverything(), coda=False)
+        tasks = [await enqueue(s, entry(f"s{i}", shareable=True, mem=1000.0)) for i in range(3)]
+        s.round()
+        await settle()
+        assert sum(t.done() for t in tasks) == 2  # two may share a GPU, the third is refused by the checked commit
+        assert max(s.gpu_load().values()) == 2
+        s.state.check_invariants()
+        tasks[2].cancel()
+        await settle()
+
+    asyncio.run(main())
+
+
+def test_drop_takes_a_stage_out_of_the_queue():
+    async def main():
+        s = QoSScheduler(ClusterSpec.uniform(1, 1, cpu_cores=2, virtual=True), PriorityFirstFit(), coda=False)
+        busy = await enqueue(s, entry("busy"))
+        t = await enqueue(s, entry("waiting"))
+        s.round()
+        await settle()
+        assert busy.done() and not t.done()
+        s.drop("waiting", "flow run cancelled")
+        with pytest.raises(StageCancelled):
+            await t
+        assert "waiting" not in s.entries
+
+    asyncio.run(main())
+
+
+def test_coda_moves_a_core_to_a_lagging_gpu_stage(tmp_path):
+    events = []
+    moved = []
+
+    async def set_cpus(e, node, cpuset):
+        moved.append((e.name, node, list(cpuset)))
+
+    async def main():
+        clock = [1000.0]
+        s = QoSScheduler(ClusterSpec.uniform(1, 2, cpu_cores=6, virtual=True), PriorityFirstFit(), coda=True, coda_min_elapsed=1.0,
+                         on_event=lambda n, e, p: events.append((n, p)), set_cpus=set_cpus, clock=lambda: clock[0])
+        cpu = entry("cpu-stage", gpus=0, cpu=3.0, expected=100)
+        gpu = entry("gpu-stage", gpus=1, cpu=1.0, expected=10)
+        for e in (cpu, gpu):
+            t = asyncio.ensure_future(s.request(e))
+            await asyncio.sleep(0)
+            s.round()
+            await t
+        prog = tmp_path / "gpu.progress"
+        prog.write_text(json.dumps({"t": 0, "step": 1, "total": 10}) + "\n")
+        s.attach("gpu-stage", None, str(prog))
+        clock[0] += 5.0  # half the predicted time has passed, 10 % of the work is done: lagging
+        moves = await s.coda_round()
+        assert len(moves) == 1
+        m = moves[0]
+        assert m["from_stage"] == "cpu-stage" and m["to_stage"] == "gpu-stage"
+        assert s.state.allocs["gpu-stage"].cpu_cores == 2.0 and s.state.allocs["cpu-stage"].cpu_cores == 2.0
+        assert len(s.cpuset("gpu-stage", 0)) == 2 and len(s.cpuset("cpu-stage", 0)) == 2
+        assert {n for n, _, _ in moved} == {"cpu-stage", "gpu-stage"}
+        assert any(n == "qosflow.cpu.rebalanced" for n, _ in events) and s.decisions
+        s.state.check_invariants()
+        # on time: no move
+        prog.write_text(json.dumps({"t": 0, "step": 10, "total": 10}) + "\n")
+        clock[0] += 30
+        assert await s.coda_round() == []
+
+    asyncio.run(main())
+
+
+def test_at_risk_event_when_forecast_crosses_deadline():
+    events = []
+
+    async def main():
+        s = QoSScheduler(ClusterSpec.uniform(1, 1, cpu_cores=2, virtual=True), PriorityFirstFit(), coda=False, on_event=lambda n, e, p: events.append(n))
+        a = await enqueue(s, entry("a", expected=50))
+        s.round()
+        await settle()
+        assert a.done()
+        t = await enqueue(s, entry("b", expected=10, deadline_at=time.time() + 5))
+        s.round()  # b cannot start before a ends (predicted in 50 s): its forecast misses its deadline
+        s.check_at_risk()
+        t.cancel()
+        await settle()
+
+    asyncio.run(main())
+    assert "qosflow.qos.at-risk" in events and "qosflow.stage.placed" in events
+
+
+def test_history_estimator_learns(tmp_path):
+    path = str(tmp_path / "h.json")
+    est = HistoryEstimator(path)
+    job = entry("x", expected=30).job
+    assert est.duration(job) == 30 and "declared" in est.basis(job)
+    for v in (10.0, 12.0, 11.0):
+        est.observe(job, v)
+    assert est.duration(job) == 11.0 and est.samples(job) == 3
+    assert HistoryEstimator(path).duration(job) == 11.0  # persisted
+
+
+# ------------------------------------------------------------------------------------ local backend
+def _launch(backend, code, placement, cpusets=None, env=None):
+    spec = LaunchSpec(stage_id=placement.job_id, command=[sys.executable, "-c", code], placement=placement, cluster=CL, env=env or {}, cpusets=cpusets or {})
+    return backend.launch(spec)
+
+
+def test_local_backend_environment_affinity_and_exit_kinds(tmp_path):
+    out = tmp_path / "env.json"
+    code = (
+        "import os, json; json.dump({k: os.environ.get(k) for k in ('CUDA_VISIBLE_DEVICES','OMP_NUM_THREADS','QOSFLOW_NODE',"
+        "'QOSFLOW_VIRTUAL_GPUS','CUDA_MPS_ACTIVE_THREAD_PERCENTAGE','QOSFLOW_PROGRESS_FILE')} | {'aff': sorted(os.sched_getaffinity(0))},"
+        f" open({str(out)!r}, 'w'))"
+    )
+
+    async def main():
+        b = LocalBackend(CL, stream_output=False)
+        assert (await b.inventory()).num_gpus == 4
+        p = Placement("s1", ((1, 1),), cpu=((1, 2.0),), gpu_milli=500)
+        h = await _launch(b, code, p, cpusets={1: [0, 1]})
+        st = await b.wait(h)
+        assert st.kind is ExitKind.OK
+        env = json.loads(out.read_text())
+        assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["OMP_NUM_THREADS"] == "2" and env["QOSFLOW_NODE"] == "node1"
+        assert env["QOSFLOW_VIRTUAL_GPUS"] == "1" and env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        assert env["QOSFLOW_PROGRESS_FILE"].endswith("s1.progress")
+        assert set(env["aff"]) == set(b.real_cpus([0, 1]))
+        # a user error
+        h = await _launch(b, "raise SystemExit(3)", Placement("s2", ((0, 0),), cpu=((0, 1.0),)))
+        st = await b.wait(h)
+        assert st.kind is ExitKind.USER and st.code == 3
+        # killed on request: cancelled, with its child process
+        h = await _launch(b, "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)",
+                          Placement("s3", ((0, 1),), cpu=((0, 1.0),)))
+        await asyncio.sleep(0.5)
+        from qosflow.backends.local import descendants
+
+        kids = descendants(h.ref["pid"])
+        t = time.time()
+        await b.kill(h, "flow run cancelled")
+        st = await b.wait(h)
+        assert st.kind is ExitKind.CANCELLED and time.time() - t < 10
+        for k in kids:
+            assert not os.path.exists(f"/proc/{k}") or open(f"/proc/{k}/stat").read().split()[2] == "Z"
+        await b.aclose()
+
+    asyncio.run(main())
+
+
+def test_inventory_is_virtual_without_nvml():
+    spec, why = local_inventory(ClusterSpec.uniform(2, 4, virtual=True))
+    from qosflow.backends.local import nvml_gpus
+
+    gpus, _ = nvml_gpus()
+    if gpus is None:
+        assert "no GPU" in why and all(n.virtual for n in spec.nodes)

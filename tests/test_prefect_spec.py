@@ -1,0 +1,190 @@
+"""@qos_task/@qos_flow arguments, tags, blocks, the worker type and the deadline split (no server)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qosflow.errors import SpecError
+from qosflow.prefect.dag import StageNode, forecast, split_deadline
+from qosflow.prefect.spec import qos_from_tags
+from qosflow.prefect.tasks import QoSTask, qos_flow, qos_task
+
+
+def f(x):
+    return x + 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(gpus=-1), "gpus"),
+        (dict(gpus=0.5), "gpus"),
+        (dict(gpus="two"), "gpus"),
+        (dict(gpu_milli=0), "gpu_milli"),
+        (dict(gpus=2, gpu_milli=500), "gpu_milli"),
+        (dict(gpu_mem_mb=-1), "gpu_mem_mb"),
+        (dict(cpu_cores=-2), "cpu_cores"),
+        (dict(gpus=0, cpu_cores=0), "cpu_cores"),
+        (dict(deadline=0), "deadline"),
+        (dict(deadline=float("nan")), "deadline"),
+        (dict(deadline=5, expected_duration=10), "deadline"),
+        (dict(latency_slo=-1), "latency_slo"),
+        (dict(priority="urgent"), "priority"),
+        (dict(shareable="yes"), "shareable"),
+        (dict(gpus=0, shareable=True), "shareable"),
+        (dict(gang=1), "gang"),
+        (dict(expected_duration=0), "expected_duration"),
+        (dict(expected_duration="long"), "expected_duration"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(retries=-1), "retries"),
+        (dict(retries=1.5), "retries"),
+        (dict(retry_delay_seconds=-3), "retry_delay_seconds"),
+        (dict(timeout_seconds=0), "timeout_seconds"),
+        (dict(tags="gpu"), "tags"),
+        (dict(tags=["qos:gpus=8"]), "tags"),
+        (dict(name=""), "name"),
+        (dict(gpu_count=2), "gpu_count"),
+    ],
+)
+def test_bad_arguments_fail_at_decoration(kwargs, field):
+    with pytest.raises(SpecError) as ei:
+        qos_task(**kwargs)  # before the function is even given
+    assert ei.value.field == field
+    assert field in str(ei.value) and "@qos_task" in str(ei.value)
+    with pytest.raises(SpecError):
+        qos_task(f, **kwargs)
+
+
+def test_error_names_the_function():
+    with pytest.raises(SpecError, match="'f'"):
+        qos_task(f, gpus=-1)
+
+
+def test_async_stage_is_rejected():
+    async def g():
+        return 1
+
+    with pytest.raises(SpecError, match="async"):
+        qos_task(g)
+
+
+def test_qos_travels_in_tags_and_survives_with_options():
+    t = qos_task(gpus=2, cpu_cores=4, gpu_mem_mb=8000, deadline=300, priority="guaranteed", shareable=True, expected_duration=60, retries=2, tags=["team-a"])(f)
+    assert isinstance(t, QoSTask)
+    assert t.retries == 2 and "team-a" in t.tags
+    spec, extra = qos_from_tags(t.tags)
+    assert spec == t.qos and extra["expected_duration"] == 60
+    # Prefect's own with_options returns a plain Task; tags still carry the QoS
+    from prefect import Task
+
+    plain = Task.with_options(t, name="x")
+    assert qos_from_tags(plain.tags)[0] == t.qos
+    # ours keeps the QoSTask and can change QoS
+    t2 = t.with_options(name="bigger", gpus=4)
+    assert isinstance(t2, QoSTask) and t2.name == "bigger" and t2.qos.gpus == 4 and t2.qos.cpu_cores == 4
+    assert t2.retries == 2 and "team-a" in t2.tags
+    assert qos_from_tags(t2.tags)[0].gpus == 4
+    with pytest.raises(SpecError, match="gpus"):
+        t.with_options(gpus=-3)
+
+
+def test_local_call_runs_the_function():
+    t = qos_task(f, gpus=1, expected_duration=1)
+    assert t.fn(1) == 2  # no pool: the stage runs in-process
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(deadline=-1), "deadline"),
+        (dict(priority="vip"), "priority"),
+        (dict(pool=""), "pool"),
+        (dict(plan={"a": ["b"]}), "plan"),
+        (dict(plan={"a": ["b"], "b": ["a"]}), "plan"),
+        (dict(plan={"a": "b"}), "plan"),
+        (dict(colour="red"), "colour"),
+    ],
+)
+def test_bad_flow_arguments(kwargs, field):
+    with pytest.raises(SpecError) as ei:
+        qos_flow(**kwargs)
+    assert ei.value.field == field
+
+
+def test_deadline_split_along_critical_path():
+    nodes = {
+        "load": StageNode("load", 10, ()),
+        "feat": StageNode("feat", 10, ("load",)),
+        "a": StageNode("a", 60, ("feat",)),
+        "b": StageNode("b", 20, ("feat",)),
+        "eval": StageNode("eval", 20, ("a", "b")),
+    }
+    d = split_deadline(nodes, 200.0)  # critical path 100 s -> scale 2
+    assert d["eval"] == pytest.approx(200)
+    assert d["a"] == pytest.approx(160)
+    assert d["b"] == pytest.approx(160)  # off the critical path: latest finish before eval
+    assert d["feat"] == pytest.approx(40)
+    assert d["load"] == pytest.approx(20)
+    assert all(d[n] <= 200 for n in d)
+
+
+def test_forecast_uncertainty_and_risk():
+    nodes = {"a": StageNode("a", 10, (), 2.0), "b": StageNode("b", 10, ("a",), 2.0)}
+    fc = forecast(nodes, now=100.0, done={}, running={}, deadline=115.0)
+    assert fc.finish == pytest.approx(120.0) and fc.spread == pytest.approx(2.0 * 2**0.5)
+    assert fc.at_risk and fc.p_meet < 0.5 and fc.remaining_path == ["a", "b"]
+    fc2 = forecast(nodes, now=100.0, done={"a": 101.0}, running={}, deadline=115.0)
+    assert fc2.finish == pytest.approx(111.0) and not fc2.at_risk
+
+
+def test_placement_api(monkeypatch):
+    import qosflow
+    from qosflow.backends.base import placement_env
+    from qosflow.core.cluster import ClusterSpec
+    from qosflow.core.placement import Placement, SubBatchPlan
+
+    assert qosflow.placement().placed is False
+    cl = ClusterSpec.uniform(2, 4, virtual=True)
+    p = Placement("j", ((1, 2),), cpu=((1, 3.0),), colocated_with=("k",), gpu_mem_mb=1000, sub_batch=SubBatchPlan.split(64, 4))
+    for k, v in placement_env(p, cl, cpuset=[4, 5, 6]).items():
+        monkeypatch.setenv(k, v)
+    info = qosflow.placement()
+    assert info.placed and info.node == "node1" and info.gpus == (2,) and info.virtual_gpus
+    assert info.cpuset == (4, 5, 6) and info.threads == 3 and info.shared
+    assert info.sub_batch_size(64) == 16 and info.micro_batches(64) == [16] * 4 and info.micro_batches(10) == [3, 3, 2, 2]
+
+
+def test_worker_type_is_discoverable_and_template_has_qos_variables():
+    from prefect.workers.base import BaseWorker
+
+    from qosflow.prefect.worker import QosflowWorker
+
+    assert BaseWorker.get_worker_class_from_type("qosflow") is QosflowWorker
+    assert "qosflow" in BaseWorker.get_all_available_worker_types()
+    t = QosflowWorker.get_default_base_job_template()
+    props = t["variables"]["properties"]
+    for k in ("gpus", "gpu_milli", "gpu_mem_mb", "cpu_cores", "deadline", "priority", "shareable", "gang", "expected_duration", "cluster_block", "policy_block", "qos_policy"):
+        assert k in props and k in t["job_configuration"]
+    json.dumps(t)
+
+
+def test_blocks_validate_and_build_clusters():
+    from qosflow.prefect.blocks import BareMetalGPUCluster, KubernetesGPUCluster, QoSPolicy, cluster_from_block_data
+
+    c = BareMetalGPUCluster.virtual(2, 4, cpu_cores=16)
+    spec = c.to_cluster_spec()
+    assert spec.num_gpus == 8 and all(n.virtual for n in spec.nodes) and spec.node_names == ("host0", "host1")
+    assert cluster_from_block_data(c.model_dump()).num_gpus == 8
+    with pytest.raises(ValueError, match="hosts"):
+        BareMetalGPUCluster(hosts=[])
+    with pytest.raises(ValueError, match="agent_url"):
+        BareMetalGPUCluster(hosts=["a"], backend="agents")
+    with pytest.raises(ValueError, match="priority"):
+        QoSPolicy(priority="vip")
+    with pytest.raises(ValueError, match="deadline_s"):
+        QoSPolicy(deadline_s=-5)
+    k = KubernetesGPUCluster(node_names=["n1", "n2"], gpus_per_host=8)
+    assert k.to_cluster_spec().num_gpus == 16
+    assert QoSPolicy(policy="fifo").make_policy().name == "fifo"
