@@ -530,7 +530,7 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
             deployment,
             parameters={"payload": key, "stage": name, "pipeline": pipeline or ""},
             flow_run_name=f"{pipeline or 'stage'}.{name}",
-            tags=list(task.tags),
+            tags=[t for t in task.tags if not t.startswith("qos:")] + qos_tags(spec, expected_duration=task.expected_duration),
             job_variables=jv,
             poll_interval=0.25,
             as_subflow=True,

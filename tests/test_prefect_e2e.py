@@ -1,0 +1,158 @@
+"""End to end against a real local Prefect server: stages through the qosflow worker as processes.
+
+One server per session (conftest.prefect_server). The worker runs in a thread of the test process
+and launches every stage as its own process; these tests take a minute or two on 2 cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def qos_worker(prefect_server, tmp_path_factory):
+    from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
+    from qosflow.prefect.local import WorkerThread, setup_pool
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    pool = "e2e-gpu"
+    cluster = BareMetalGPUCluster.virtual(1, 2, cpu_cores=8)  # one host, 2 virtual GPUs
+    asyncio.run(setup_pool(pool, cluster=cluster, policy=QoSPolicy(policy="fifo", options={"backfill": True}), stream_output=False))
+    w = WorkerThread(pool).wait_ready(120)
+    os.environ["QOSFLOW_POOL"] = pool
+    yield w
+    os.environ.pop("QOSFLOW_POOL", None)
+    w.stop()
+
+
+def _client():
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+def test_three_stage_pipeline_through_the_worker(qos_worker):
+    import prefect_pipelines as pp
+
+    from qosflow.prefect.tasks import PipelineRun
+
+    out = pp.three_stage(10)
+    assert out["score"] == 45
+    seen = dict(out["seen"])
+    # DAG order: each stage started after its input was produced
+    assert seen["load"]["t1"] <= seen["train"]["t0"] <= seen["train"]["t1"] <= seen["evaluate"]["t0"]
+    # every stage ran in its own process
+    assert len({s["pid"] for s in seen.values()}) == 3 and os.getpid() not in {s["pid"] for s in seen.values()}
+    run = PipelineRun.finished[-1]
+    assert run.flow_name == "e2e-three-stage" and run.state == "completed" and run.met is True
+    recs = {r.name: r for r in run.stages.values()}
+    real_cpus = qos_worker.worker._backend.real_cpus
+    for name, s in seen.items():
+        rec = recs[name]
+        env, pl = s["env"], s["placement"]
+        assert pl["placed"] and env["QOSFLOW_NODE"] == rec.host == "host0" and env["QOSFLOW_VIRTUAL_GPUS"] == "1"
+        assert env["CUDA_VISIBLE_DEVICES"] == ",".join(g.split(":")[1] for g in rec.gpus)
+        assert env["OMP_NUM_THREADS"] == str(int(rec.cpu_cores))
+        assert len(pl["cpuset"]) == int(rec.cpu_cores) and s["affinity"] == real_cpus(pl["cpuset"])
+    assert seen["load"]["env"]["CUDA_VISIBLE_DEVICES"] == ""  # CPU-only stage sees no GPU
+    assert recs["train"].cpu_cores == 2 and len(recs["train"].gpus) == 1
+    # stage deadlines split along the critical path: load < train < evaluate == pipeline deadline
+    assert recs["load"].deadline_at < recs["train"].deadline_at < recs["evaluate"].deadline_at == pytest.approx(run.deadline_at)
+
+    # QoS recorded on the stage runs (tags, labels) and artifacts on the pipeline run
+    with _client() as c:
+        for rec in recs.values():
+            fr = c.read_flow_run(rec.flow_run_id)
+            assert fr.state.is_completed()
+            assert "qos:class=guaranteed" in fr.tags
+            assert fr.labels["qosflow.host"] == "host0" and fr.labels["qosflow.virtual_gpus"] == "true"
+            assert float(fr.labels["qosflow.predicted_s"]) > 0 and fr.labels["qosflow.policy"] == "fifo"
+            assert "qosflow.deadline_at" in fr.labels
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+        keys = {a.key for a in c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="qosflow-")))}
+        assert {"qosflow-placements-" + run.name.replace("_", "-"), "qosflow-qos-" + run.name.replace("_", "-")} <= keys or any(k.startswith("qosflow-placements-") for k in keys)
+        assert any(k.startswith("qosflow-forecast-") for k in keys)
+
+
+def test_no_gpu_ever_holds_more_than_two_stages(qos_worker):
+    recs = [r for r in qos_worker.worker.records if r.get("gpus")]
+    assert recs, "the previous test ran GPU stages"
+    events = []
+    for r in recs:
+        for g in r["gpus"]:
+            events += [(r["placed"], 1, g), (r["ended"], -1, g)]
+    load: dict[str, int] = {}
+    for _, d, g in sorted(events, key=lambda e: (e[0], e[1])):
+        load[g] = load.get(g, 0) + d
+        assert load[g] <= 2
+    assert max(qos_worker.worker.scheduler.gpu_load().values(), default=0) <= 2
+
+
+def test_failing_stage_is_retried_and_reported_nothing_else_lost(qos_worker, tmp_path):
+    import prefect_pipelines as pp
+
+    from qosflow.prefect.tasks import PipelineRun, StageFailed
+
+    marker = str(tmp_path / f"flaky-{uuid.uuid4().hex}")
+    with pytest.raises(Exception) as ei:
+        pp.failures(marker)
+    assert "broken" in str(ei.value) or isinstance(ei.value, StageFailed)
+    run = PipelineRun.finished[-1]
+    assert run.state == "failed"
+    recs = {r.name: r for r in run.stages.values()}
+    assert recs["flaky"].state == "completed" and recs["flaky"].attempts == 2  # retried per its retries=1
+    assert recs["sibling"].state == "completed"  # independent work is not lost
+    assert recs["broken"].state == "failed" and recs["broken"].attempts == 1  # retries=0: not retried
+    assert Path(marker).exists()
+    with _client() as c:
+        assert c.read_flow_run(recs["sibling"].flow_run_id).state.is_completed()
+        assert c.read_flow_run(recs["broken"].flow_run_id).state.is_failed()
+    assert "Retried: `flaky` (2 attempts)" in run.report_markdown()
+
+
+def test_cancelling_a_stage_run_kills_its_process(qos_worker, tmp_path):
+    import threading
+
+    import prefect_pipelines as pp
+    from prefect.states import Cancelling
+
+    from qosflow.prefect.tasks import qos_flow
+
+    pidfile = tmp_path / "sleeper.pid"
+
+    @qos_flow(name="e2e-cancel")
+    def cancel_me():
+        return pp.sleeper.submit(str(pidfile)).result(raise_on_failure=False)
+
+    th = threading.Thread(target=lambda: cancel_me(return_state=True), daemon=True)
+    th.start()
+    for _ in range(240):  # wait (up to 2 min on a loaded machine) for the stage to be running
+        if pidfile.exists() and pidfile.read_text():
+            break
+        time.sleep(0.5)
+    pid = int(pidfile.read_text())
+    fid = next(fid for fid, h in qos_worker.worker._handles.items())
+    with _client() as c:
+        c.set_flow_run_state(fid, Cancelling(), force=True)
+        for _ in range(120):
+            if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+                break
+            time.sleep(0.5)
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        for _ in range(60):
+            if c.read_flow_run(fid).state.is_cancelled():
+                break
+            time.sleep(0.5)
+        assert c.read_flow_run(fid).state.is_cancelled()
+    th.join(120)
