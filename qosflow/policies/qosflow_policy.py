@@ -62,6 +62,8 @@ from qosflow.policies.sharing import FIXED_MEMORY_SHARE, MAX_ACCUMULATION, bsbf_
 #: cores per GPU kept free for a node's idle GPUs when a CPU-only job is placed (CODA: a training
 #: job needs a few cores per GPU to feed it)
 GPU_FEED_CORES = 2.0
+#: a job on the critical path shares its GPUs only with jobs done within this share of its own time
+CRITICAL_SHARE = 0.05
 
 
 @register
@@ -136,6 +138,7 @@ class QosflowPolicy(Policy):
         work = sum(rem[js.job_id] * js.job.qos.gpu_demand for js in view.pending)
         work += sum(rem[js.job_id] * js.job.qos.gpu_demand for js in view.running)
         backlog = work / cap
+        self._backlog = backlog
         # the guard only matters while jobs queue for GPUs
         queueing = sum(js.job.qos.gpu_demand for js in view.pending) > view.cluster.total_empty_gpus()
         for js in view.pending:
@@ -182,6 +185,15 @@ class QosflowPolicy(Policy):
         xi_a, xi_b = est.pair_slowdown(js.job, partner.job)
         xi_a *= sb_penalty
         t_a, t_b = rem[js.job_id], rem[partner.job_id]
+        if self.makespan_beta is not None:
+            # jobs on the critical path (long against the backlog) are not slowed for long: a critical
+            # partner only takes newcomers done within a small share of its own time, and a critical
+            # newcomer does not share (two long jobs would lock both slots of the GPUs for long)
+            limit = self.makespan_beta * self._backlog
+            if t_a >= limit and not self._has_deadline(js):
+                return None
+            if t_b >= limit and xi_a * t_a > CRITICAL_SHARE * t_b:
+                return None
         dl_b = partner.job.deadline
         if dl_b is not None and now + t_b <= dl_b:
             a_hat, b_hat = xi_a * t_a, xi_b * t_b
