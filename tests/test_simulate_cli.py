@@ -1,0 +1,67 @@
+"""`qosflow simulate` end to end: table, JSON schema, plots, and clear errors on bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from qosflow.cli.main import main
+
+
+def test_simulate_synthetic_writes_json_and_plots(tmp_path, capsys):
+    out = tmp_path / "res.json"
+    rc = main(["simulate", "--trace", "synthetic", "--jobs", "60", "--cluster", "2x4", "--policies", "fifo,sjf-bsbf,qosflow", "--seed", "3", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert set(data["policies"]) == {"fifo", "sjf-bsbf", "qosflow"}
+    for m in data["policies"].values():
+        for key in ("avg_jct", "p99_jct", "makespan", "dsr", "gpu_util", "avg_queue", "jobs"):
+            assert key in m
+        assert 0 <= m["dsr"] <= 1 and 0 <= m["gpu_util"] <= 1
+        assert m["jobs"] == 60
+    assert set(data["bounds"]) >= {"avg_jct", "dsr"}
+    for png in ("jct_cdf.png", "dsr.png", "gpu_util.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    text = capsys.readouterr().out
+    assert "qosflow" in text and "bound" in text
+
+
+def test_python_dash_m_works_like_the_script(tmp_path):
+    out = tmp_path / "r.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "qosflow", "simulate", "--trace", "synthetic", "--jobs", "20", "--cluster", "1x4", "--policies", "fifo", "--json", str(out), "--no-plots"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    fifo = json.loads(out.read_text())["policies"]["fifo"]
+    # 8-GPU jobs can never fit a 4-GPU node: reported as rejected, never silently dropped
+    assert fifo["jobs"] + fifo["rejected"] == 20
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--policies", "fifo,nope"], "unknown policy 'nope'"),
+        (["--cluster", "8y8"], "8y8"),
+        (["--trace", "/does/not/exist.csv"], "does not exist"),
+        (["--estimator", "psychic"], "unknown estimator 'psychic'"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, message, capsys):
+    rc = main(["simulate", "--jobs", "10", "--no-plots", *args])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_malformed_trace_row_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "t.csv"
+    bad.write_text(
+        "job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,interval,iteration_time,resource_time_0,resource_time_1,resource_time_2,priority\n"
+        "0,1,0,10,resnet18,128,1000,0,100,50,40,0,0\n"
+        "1,one,0,10,resnet18,128,1000,0,100,50,40,0,0\n"
+    )
+    rc = main(["simulate", "--trace", str(bad), "--format", "muri", "--policies", "fifo", "--no-plots"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:3" in err and "num_gpu" in err
