@@ -34,9 +34,11 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert p.returncode == 0, p.stderr
-    fifo = json.loads(out.read_text())["policies"]["fifo"]
+    data = json.loads(out.read_text())
     # 8-GPU jobs can never fit a 4-GPU node: reported as rejected, never silently dropped
-    assert fifo["jobs"] + fifo["rejected"] == 20
+    rejected = data["workload"]["rejected"]
+    assert data["policies"]["fifo"]["jobs"] + len(rejected) == 20
+    assert all("GPU" in r["reason"] for r in rejected)
 
 
 @pytest.mark.parametrize(
