@@ -504,11 +504,12 @@ class Predictor:
 
     def predict_remaining(self, signature: str, progress_fraction: float, elapsed: float, *,
                           total_steps: int | None = None, gpus: int = 1, consolidated: bool = True,
-                          gpu_type: str | None = None) -> Prediction:
+                          gpu_type: str | None = None, prior_total: Prediction | None = None) -> Prediction:
         """Time left for a running stage from its progress (fraction done) and time spent so far.
 
         The observed rate (elapsed / progress) is blended with the prior from the predicted step time
-        (when `total_steps` is known), trusting the observation more as progress grows.
+        (when `total_steps` is known) or, failing that, from `prior_total` (a prediction of the whole
+        stage's time, e.g. from its history), trusting the observation more as progress grows.
         """
         f = min(max(float(progress_fraction), 0.0), 1.0)
         if f >= 1.0:
@@ -518,6 +519,8 @@ class Predictor:
             p = self.predict_solo_step_time(signature, gpus, consolidated, gpu_type=gpu_type)
             left = total_steps * (1 - f)
             prior = Prediction(p.value * left, p.low * left, p.high * left, p.n_samples, p.basis)
+        elif prior_total is not None and math.isfinite(prior_total.value):
+            prior = prior_total.scaled(1 - f)
         if f <= 0 or elapsed <= 0:
             if prior is not None:
                 return Prediction(prior.value, prior.low, prior.high, prior.n_samples, f"prior:{prior.basis}")
