@@ -269,6 +269,7 @@ class Simulator:
                 js.status = JobStatus.DONE
                 js.finish_time = now
                 js.progress = 1.0
+                getattr(self.estimator, "observe_finished", lambda *_: None)(js, now)  # learning estimators
                 js.placement = None
                 useful += js.job.duration * js.job.qos.gpu_demand
                 finished += 1

@@ -1,0 +1,781 @@
+"""`LearnedEstimator`: the policies' `Estimator` protocol answered by the predictor.
+
+Policies see estimates only through `qosflow.core.estimate.Estimator` (duration, remaining,
+pair_slowdown, spread_slowdown, cpu_factor). This module answers those questions from what can be
+known in practice -- a lightweight profile per job signature, the shipped reference table and every
+finished stage -- never from a job's true duration:
+
+* **durations** (in this order): (a) the declared ``expected_duration``; (b) for a job with a known
+  number of iterations, iterations x its step time, the step time coming from the measurements of its
+  signature at its GPU count (profiling, then every finished stage: the history), else from the
+  predictor's step-time models; (c) for a job without iterations, the history of durations of its
+  signature (same user first); (d) a default, said to be one;
+* **remaining time** from progress: for an iteration-counted job, the predicted duration times the
+  work left (the elapsed wall time includes co-location and spreading slowdowns, so it says little
+  about the *isolated* rate the protocol asks for); otherwise `Predictor.predict_remaining`, which
+  blends the observed rate with the prior;
+* **pair slowdowns** from the interference model (cold-started from the reference table plus the job's
+  profile: solo 1-GPU step time and co-located speed with the reference jobs, both ways);
+* **spread slowdowns** from the solo-scaling model (predicted spread vs consolidated step time);
+* **CPU factor** from the CPU model (CODA's saturating curve, fitted to two core counts when profiled).
+
+Two ways to build one:
+
+* live (the worker): ``LearnedEstimator.from_store(store)`` (``make_estimator("learned")`` without a
+  speed model opens the default store) -- the predictor loads the store's samples and profiles, the
+  duration history comes from the stage history, and `observe(job, actual_s)` (the worker's hook)
+  writes every finished stage back. No simulator truth is involved.
+* simulation: ``LearnedEstimator(speed, seed=...)`` (what ``make_estimator("learned", speed)`` builds).
+  A fresh predictor starts from the reference table only (never the user's store, so runs are
+  reproducible). *Profiling is simulated*: the first time a job signature is seen, a
+  `SimulatedProfiler` "measures" what lightweight profiling would -- the job's step time at its GPU
+  count, its co-located speed with the fixed reference jobs (and theirs with it) and its speed at two
+  CPU core counts -- from the simulator's truth `SpeedModel` and the job's true step time, times seeded
+  log-normal measurement noise. The simulator calls `observe_finished(job_state, now)` when a job
+  finishes; the estimator then learns the job's per-iteration time and duration (with the same
+  measurement noise) for the next jobs of the same signature.
+
+Every answer is available with its basis: `predict_duration`, `predict_remaining`, `predict_pair`,
+`predict_spread`, `predict_cpu` return `qosflow.predict.Prediction` objects; the protocol methods
+return their values. Answers are cached per job (durations), per signature pair (slowdowns) and per
+signature and GPU count (spread), and invalidated when what they rest on changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+from qosflow.core.estimate import _unit
+from qosflow.core.job import Job, JobState
+from qosflow.predict.cpu import CpuCurve, default_curve, fit_curve
+from qosflow.predict.prediction import Prediction
+from qosflow.predict.reference import parse_signature
+
+if TYPE_CHECKING:
+    from qosflow.core.speed import SpeedModel
+    from qosflow.predict.predictor import Predictor
+
+log = logging.getLogger(__name__)
+
+#: log-normal sd of one simulated profiling measurement (a step time over a few dozen steps, a speed ratio)
+PROFILE_NOISE = 0.05
+#: log sd assumed for a single measurement (as the predictor does)
+SINGLE_LOG_SD = 0.10
+#: duration assumed when nothing is known (seconds), and its log sd
+DEFAULT_DURATION = 600.0
+DEFAULT_LOG_SD = 1.0
+#: relative width of the interval around a declared duration (users' declarations are rough)
+DECLARED_LOG_SD = 0.5
+#: slowdown bounds handed to policies (the predictor says 10 for pairs measured failing together)
+MAX_SLOWDOWN = 10.0
+#: refit the interference model after this many newly measured co-located pairs
+PAIR_REFIT_EVERY = 8
+Z90 = 1.2816
+
+
+def job_signature(job: Job) -> str:
+    """The predictor signature of a job: its model and batch size ('resnet18/bs128'); a model name that
+    already carries its batch size ('ResNet-50 (batch size 64)') or has none is used as it is."""
+    if job.batch_size and parse_signature(job.model)[1] is None:
+        return f"{job.model}/bs{job.batch_size}"
+    return job.model
+
+
+def _key(signature: str) -> str:
+    from qosflow.predict.predictor import canonical
+
+    return canonical(signature)
+
+
+@dataclass
+class _LogStat:
+    """Running count / mean / M2 of log values (Welford)."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, x: float) -> None:
+        lx = math.log(x)
+        self.n += 1
+        d = lx - self.mean
+        self.mean += d / self.n
+        self.m2 += d * (lx - self.mean)
+
+    @property
+    def sd(self) -> float:
+        return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else SINGLE_LOG_SD
+
+    def prediction(self, factor: float, basis: str) -> Prediction:
+        # geometric mean; the interval is that of one more value (their spread), never narrower than +-2 %
+        sd = max(self.sd, 0.02)
+        v = math.exp(self.mean) * factor
+        return Prediction(v, v * math.exp(-Z90 * sd), v * math.exp(Z90 * sd), self.n, basis)
+
+
+def _normal(seed: int, key: str) -> float:
+    u = min(max(_unit(seed, key), 1e-12), 1 - 1e-12)
+    return statistics.NormalDist().inv_cdf(u)
+
+
+# ---------------------------------------------------------------------------------------- profiling
+@dataclass(frozen=True)
+class SimulatedProfile:
+    signature: str
+    solo_step_time_s: float
+    ref_speeds: dict[str, float]
+    ref_partner_speeds: dict[str, float]
+    #: (cores per GPU, step time) at two core counts
+    cpu_points: tuple[tuple[float, float], ...]
+
+
+class SimulatedProfiler:
+    """What lightweight profiling would measure, in the simulator (sim-only; see the module docstring).
+
+    Truth comes from the simulator's `SpeedModel` (co-location with the reference jobs, CPU curve) and
+    from the job itself (its step time: the trace's ``iteration_time`` if given, else duration /
+    iterations); every measurement is multiplied by exp(noise x N(0, 1)), drawn from (seed, what is
+    measured), so a run is reproducible and two runs with different seeds measure differently.
+    """
+
+    def __init__(self, speed: "SpeedModel", *, seed: int = 0, noise: float = PROFILE_NOISE,
+                 refs: Sequence[str] | None = None):
+        from qosflow.predict.evaluate import REFERENCE_JOBS
+
+        if not 0 <= noise < 1:
+            raise ValueError(f"noise must be in [0, 1), got {noise}")
+        self.speed = speed
+        self.seed = seed
+        self.noise = noise
+        self.refs = list(refs) if refs is not None else list(REFERENCE_JOBS)
+        self._ref_jobs = {r: self._ref_job(r) for r in self.refs}
+        self.measurements = 0
+
+    @staticmethod
+    def _ref_job(name: str) -> Job:
+        from qosflow.core.qos import QoSSpec
+
+        return Job(job_id=f"reference:{name}", submit_time=0.0, qos=QoSSpec(gpus=1), duration=1.0, model=name)
+
+    def _noisy(self, value: float, key: str) -> float:
+        self.measurements += 1
+        return value * math.exp(self.noise * _normal(self.seed, key)) if self.noise else value
+
+    @staticmethod
+    def true_step_time(job: Job) -> float | None:
+        it = job.meta.get("iteration_time") if job.meta else None
+        if isinstance(it, (int, float)) and it > 0:
+            return float(it)
+        if job.iterations:
+            return job.duration / job.iterations
+        return None
+
+    def true_solo_step_time(self, job: Job) -> float:
+        """The job's solo 1-GPU step time in the world the simulator's speed model describes: 1 / the
+        throughput its interference table measured for the job's type when it has one (the table the
+        truth's slowdowns come from), else the job's own step time, else 1 s."""
+        table = getattr(self.speed, "interference", None)
+        thr = getattr(table, "throughput", None)
+        if thr is not None:
+            try:
+                v = thr(job.model, 1)
+            except Exception:  # noqa: BLE001 - an interference source without throughputs
+                v = None
+            if v:
+                return 1.0 / float(v)
+        return self.true_step_time(job) or 1.0
+
+    def step_time(self, job: Job) -> float | None:
+        """Measured step time of the job at its own GPU count (None: the job has no iteration count)."""
+        t = self.true_step_time(job)
+        if t is None:
+            return None
+        return self._noisy(t, f"step:{_key(job_signature(job))}:{job.qos.gpus}")
+
+    def profile(self, job: Job) -> SimulatedProfile:
+        sig = job_signature(job)
+        k = _key(sig)
+        solo = self._noisy(self.true_solo_step_time(job), f"solo:{k}")
+        with_ref, of_ref = {}, {}
+        for r, rj in self._ref_jobs.items():
+            xa, xb = self.speed.pair_slowdown(job, rj)
+            with_ref[r] = min(1.0, self._noisy(1.0 / xa, f"with:{k}:{r}"))
+            of_ref[r] = min(1.0, self._noisy(1.0 / xb, f"of:{k}:{r}"))
+        gpus = max(job.qos.gpus, 1)
+        c_full = max(job.qos.cpu_cores / gpus, 1e-3) if job.qos.gpus > 0 else max(job.qos.cpu_cores, 1e-3)
+        pts = []
+        for c in (c_full / 2.0, c_full):
+            f = self.speed.cpu_factor(job, c * (gpus if job.qos.gpus > 0 else 1))
+            if f > 0:
+                pts.append((c, self._noisy(solo / f, f"cpu:{k}:{c:g}")))
+        return SimulatedProfile(sig, solo, with_ref, of_ref, tuple(pts))
+
+    def colocated_slowdown(self, job: Job, partner: Job) -> float:
+        """Slowdown of `job` measured while it shared its GPUs with `partner` (its progress reports)."""
+        xa, _ = self.speed.pair_slowdown(job, partner)
+        return max(1.0, self._noisy(xa, f"co:{job.job_id}:{partner.job_id}"))
+
+    def spread_slowdown(self, job: Job, num_nodes: int, min_nodes: int) -> float:
+        """Slowdown of `job` measured while it ran over `num_nodes` nodes (`min_nodes` would do)."""
+        return max(1.0, self._noisy(self.speed.spread_slowdown(job, num_nodes, min_nodes), f"spread:{job.job_id}"))
+
+    def finished_step_time(self, job: Job) -> float | None:
+        """Per-iteration solo time of a finished job (what a worker learns from its progress reports)."""
+        if not job.iterations:
+            return None
+        return self._noisy(job.duration / job.iterations, f"done-step:{job.job_id}")
+
+    def finished_duration(self, job: Job) -> float:
+        return self._noisy(job.duration, f"done:{job.job_id}")
+
+
+# ---------------------------------------------------------------------------------------- estimator
+_REF_CACHE: dict[tuple, Any] = {}
+
+
+def reference_predictor(reference: Any = "auto", *, seed: int = 0, gpu_type: str | None = None) -> "Predictor":
+    """A predictor fitted to the reference table only (Gavel's, when present), cached per process
+    and handed out as a copy, so each simulation run starts from the same cold state."""
+    import copy
+
+    from qosflow.predict.predictor import Predictor
+    from qosflow.predict.reference import ThroughputTable, default_gavel_path
+
+    table = None
+    if reference is not None:
+        path = default_gavel_path() if reference == "auto" else reference
+        key = (str(path), seed, gpu_type)
+        hit = _REF_CACHE.get(key)
+        if hit is not None:
+            return copy.deepcopy(hit)
+        try:
+            table = ThroughputTable.load(path)
+        except Exception:  # noqa: BLE001 - no reference table: learn from profiles and samples alone
+            if reference != "auto":
+                raise
+            table = None
+    kw = {"gpu_type": gpu_type} if gpu_type and (table is None or gpu_type in table.workers) else {}
+    p = Predictor(table, seed=seed, **kw)
+    p.refit()
+    if table is not None:
+        _REF_CACHE[(str(table.source), seed, gpu_type)] = copy.deepcopy(p)
+    return p
+
+
+class LearnedEstimator:
+    """The `Estimator` protocol from the predictor (see the module docstring)."""
+
+    name = "learned"
+
+    def __init__(
+        self,
+        speed: "SpeedModel | None" = None,
+        *,
+        seed: int = 0,
+        store: Any = None,
+        predictor: "Predictor | None" = None,
+        profiler: SimulatedProfiler | None = None,
+        reference: Any = "auto",
+        default_duration: float = DEFAULT_DURATION,
+        profile_noise: float = PROFILE_NOISE,
+        persist: bool | None = None,
+    ):
+        if profiler is None and speed is not None:
+            profiler = SimulatedProfiler(speed, seed=seed, noise=profile_noise)
+        if store is None and speed is None and predictor is None:
+            from qosflow.store import Store
+
+            store = Store.open()  # the live worker: the user's store (or QOSFLOW_DATABASE_URL)
+        if predictor is None:
+            if store is not None:
+                from qosflow.predict.predictor import Predictor
+
+                predictor = Predictor.open(store, reference=reference, seed=seed)
+            else:
+                gt = getattr(getattr(speed, "interference", None), "gpu_type", None)
+                predictor = reference_predictor(reference, seed=seed, gpu_type=gt)
+        self.speed = speed  # the simulator's truth: read only by the simulated profiler
+        self.seed = seed
+        self.predictor = predictor
+        self.profiler = profiler
+        self.store = store
+        self.persist = (store is not None) if persist is None else persist
+        self.default_duration = float(default_duration)
+        self._sig: dict[str, tuple[str, str]] = {}  # job id -> (signature, canonical key)
+        self._steps: dict[tuple[str, int], _LogStat] = {}  # (key, gpus) -> per-iteration solo times
+        self._hist: dict[tuple[str, str | None], _LogStat] = {}  # (key, user) -> durations
+        self._version: dict[str, int] = {}  # key -> bumped when its step times or durations change
+        self._dur: dict[str, tuple[int, Prediction, str]] = {}  # job id -> (version, duration prediction, key)
+        self._rem: dict[str, tuple[float, float, int, Prediction]] = {}
+        self._pair: dict[tuple[str, str], tuple[Prediction, Prediction]] = {}  # answers handed out
+        self._pair_val: dict[tuple[str, str], tuple[float, float]] = {}  # the same, values only
+        self._pmodel: dict[tuple[str, str], Prediction] = {}  # (key a, key b) -> the predictor's slowdown of a
+        self._co_obs: dict[tuple[str, str], _LogStat] = {}  # (key a, key b) -> measured slowdowns of a next to b
+        self._new_pairs = 0  # co-located pairs measured since the last refit
+        self._spread: dict[tuple[str, int], Prediction] = {}
+        self._cpu: dict[str, CpuCurve] = {}
+        self._known: dict[str, str] = {}  # key -> signature, every signature asked about (ordered)
+        self._profiled: set[str] = set()
+        self._step_profiled: set[tuple[str, int]] = set()
+        self._reference_sigs: dict[str, bool] = {}
+        self._jobs: dict[str, Job] = {}  # job id -> job, every job asked about
+        #: running jobs as last seen by `remaining` (job id -> (placement, its GPUs)): who shares with whom
+        self._where: dict[str, tuple[Any, frozenset]] = {}
+        self._spread_obs: dict[tuple[str, int], _LogStat] = {}  # (key, gpus) -> measured spread penalties
+        #: GPUs per node, as seen in placements (the spread penalty depends on the nodes a job needs)
+        self.gpus_per_node = 0
+        self._dirty = False
+        self.stats = {"profiles": 0, "refits": 0, "finished_observed": 0, "pair_batches": 0,
+                      "colocations_observed": 0, "spreads_observed": 0}
+        #: simulation: the first duration prediction made for each job (what it was queued on), for error reports
+        self.first_duration: dict[str, Prediction] = {}
+        if store is not None:
+            self._load_history(store)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_store(cls, store: Any = None, *, reference: Any = "auto", seed: int = 0, persist: bool = True,
+                   **kw: Any) -> "LearnedEstimator":
+        """The live worker's estimator: predictor and history from `store` (default: `Store.open()`)."""
+        if store is None:
+            from qosflow.store import Store
+
+            store = Store.open()
+        return cls(None, seed=seed, store=store, reference=reference, persist=persist, **kw)
+
+    @classmethod
+    def for_simulation(cls, speed: "SpeedModel", *, seed: int = 0, **kw: Any) -> "LearnedEstimator":
+        return cls(speed, seed=seed, **kw)
+
+    def _load_history(self, store: Any) -> None:
+        """Per-iteration times (solo, consolidated samples) and stage durations already in the store."""
+        for s in store.iter_samples():
+            if s.co_runner is None and s.placement == "consolidated" and s.source != "reference":
+                self._steps.setdefault((_key(s.signature), int(s.gpus)), _LogStat()).add(s.step_time_s)
+        for h in store.stage_history():
+            if h.duration_s and h.duration_s > 0 and h.state == "COMPLETED" and h.signature:
+                self._hist.setdefault((_key(h.signature), None), _LogStat()).add(h.duration_s)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _sig_of(self, job: Job) -> tuple[str, str]:
+        hit = self._sig.get(job.job_id)
+        if hit is None:  # a job id names one job: its signature is computed once
+            sig = job_signature(job)
+            hit = self._sig[job.job_id] = (sig, _key(sig))
+            self._known.setdefault(hit[1], sig)
+            self._jobs[job.job_id] = job
+        return hit
+
+    def _bump(self, key: str) -> None:
+        self._version[key] = self._version.get(key, 0) + 1
+
+    def _in_reference(self, sig: str, key: str) -> bool:
+        hit = self._reference_sigs.get(key)
+        if hit is None:
+            hit = self.predictor.predict_solo_step_time(sig, 1).basis.startswith("reference:")
+            self._reference_sigs[key] = hit
+        return hit
+
+    def _ensure_profiled(self, job: Job) -> None:
+        """Simulation only: profile a signature (and its step time at a GPU count) the first time."""
+        prof = self.profiler
+        if prof is None:
+            return
+        sig, key = self._sig_of(job)
+        sk = (key, job.qos.gpus)
+        if sk not in self._step_profiled:
+            self._step_profiled.add(sk)
+            t = prof.step_time(job)
+            if t is not None:
+                self._steps.setdefault(sk, _LogStat()).add(t)
+                self._bump(key)
+        if key not in self._profiled:
+            self._profiled.add(key)
+            p = prof.profile(job)
+            if p.cpu_points:
+                curve = fit_curve([c for c, _ in p.cpu_points], [t for _, t in p.cpu_points])
+                if curve is not None:
+                    self._cpu[key] = curve
+            if self._in_reference(sig, key):
+                return  # the reference table measured this job type: nothing to learn from a profile
+            self.predictor.observe_profile(sig, p.solo_step_time_s, ref_speeds=p.ref_speeds,
+                                           ref_partner_speeds=p.ref_partner_speeds)
+            self.stats["profiles"] += 1
+            self._dirty = True
+
+    def _refit_if_dirty(self) -> None:
+        if self._dirty:
+            self.predictor.refit()
+            self._dirty = False
+            self.stats["refits"] += 1
+            self._pair.clear()
+            self._pair_val.clear()
+            self._pmodel.clear()
+            self._spread.clear()
+            self._new_pairs = 0
+
+    # ------------------------------------------------------------------ durations
+
+    def step_time(self, job: Job) -> Prediction:
+        """Per-iteration solo time of the job at its GPU count."""
+        self._ensure_profiled(job)
+        sig, key = self._sig_of(job)
+        st = self._steps.get((key, job.qos.gpus))
+        if st is not None and st.n:
+            return st.prediction(1.0, f"samples(n={st.n})")
+        return self.predictor.predict_solo_step_time(sig, max(job.qos.gpus, 1))
+
+    def predict_duration(self, job: Job) -> Prediction:
+        self._ensure_profiled(job)
+        sig, key = self._sig_of(job)
+        v = self._version.get(key, 0)
+        hit = self._dur.get(job.job_id)
+        if hit is not None and hit[0] == v:
+            return hit[1]
+        pred = self._duration(job, sig, key)
+        self._dur[job.job_id] = (v, pred, key)
+        if self.profiler is not None:  # simulations report the error of what jobs were first queued on
+            self.first_duration.setdefault(job.job_id, pred)
+        return pred
+
+    def _duration(self, job: Job, sig: str, key: str) -> Prediction:
+        d = job.expected_duration
+        if d:
+            return Prediction(d, d * math.exp(-Z90 * DECLARED_LOG_SD), d * math.exp(Z90 * DECLARED_LOG_SD), 0, "declared")
+        if job.iterations:
+            p = self.step_time(job)
+            if math.isfinite(p.value) and p.value > 0 and not p.basis.startswith("prior:"):
+                n = job.iterations
+                return Prediction(p.value * n, p.low * n, p.high * n, p.n_samples, f"iterations×step-time:{p.basis}")
+        for hk in ((key, job.user), (key, None)) if job.user else ((key, None),):
+            st = self._hist.get(hk)
+            if st is not None and st.n:
+                who = f",user={job.user}" if hk[1] else ""
+                return st.prediction(1.0, f"history(n={st.n}{who})")
+        d = self.default_duration
+        return Prediction(d, d * math.exp(-Z90 * DEFAULT_LOG_SD), d * math.exp(Z90 * DEFAULT_LOG_SD), 0,
+                          f"prior:default({d:g}s)")
+
+    def _track(self, js: JobState) -> None:
+        p = js.placement
+        if p is None:
+            if self._where:
+                self._where.pop(js.job_id, None)
+            return
+        hit = self._where.get(js.job_id)
+        if hit is None or hit[0] is not p:
+            self._where[js.job_id] = (p, frozenset(p.gpus))
+            self.gpus_per_node = max(self.gpus_per_node, 1 + max((g for _n, g in p.gpus), default=-1))
+
+    def predict_remaining(self, js: JobState) -> Prediction:
+        self._track(js)
+        f = min(max(js.progress, 0.0), 1.0)
+        d = self.predict_duration(js.job)
+        if f <= 0:
+            return d
+        if f >= 1:
+            return Prediction(0.0, 0.0, 0.0, d.n_samples, "finished")
+        key = self._sig_of(js.job)[1]
+        v = self._version.get(key, 0)
+        hit = self._rem.get(js.job_id)
+        if hit is not None and hit[0] == f and hit[1] == js.attained and hit[2] == v:
+            return hit[3]
+        if d.basis.startswith("iterations×"):
+            pred = d.scaled(1.0 - f, f"progress(f={f:.2f})×{d.basis}")
+        else:
+            pred = self.predictor.predict_remaining(self._sig_of(js.job)[0], f, js.attained, prior_total=d,
+                                                    gpus=max(js.job.qos.gpus, 1))
+        self._rem[js.job_id] = (f, js.attained, v, pred)
+        return pred
+
+    # ------------------------------------------------------------------ slowdowns
+
+    def predict_pair(self, a: Job, b: Job) -> tuple[Prediction, Prediction]:
+        """(slowdown of a next to b, slowdown of b next to a)."""
+        sa, ka = self._sig_of(a)
+        sb, kb = self._sig_of(b)
+        hit = self._pair.get((ka, kb))
+        if hit is not None:
+            return hit
+        self._ensure_profiled(a)
+        self._ensure_profiled(b)
+        self._refit_if_dirty()
+        if (ka, kb) not in self._pmodel or (kb, ka) not in self._pmodel:
+            # one model call for every pair of a or b with every signature seen so far
+            queries: list[tuple[str, str]] = []
+            keys: list[tuple[str, str]] = []
+            for k0, s0 in ((ka, sa), (kb, sb)):
+                for k, s in self._known.items():
+                    for kk, q in (((k0, k), (s0, s)), ((k, k0), (s, s0))):
+                        if kk not in self._pmodel and kk not in keys:
+                            keys.append(kk)
+                            queries.append(q)
+            self._pmodel.update(zip(keys, self.predictor.predict_slowdown_batch(queries)))
+            self.stats["pair_batches"] += 1
+        hit = self._pair[(ka, kb)] = (self._with_obs(ka, kb), self._with_obs(kb, ka))
+        self._pair_val[(ka, kb)] = (hit[0].value, hit[1].value)
+        return hit
+
+    def _with_obs(self, x: str, y: str) -> Prediction:
+        """The model's slowdown of x next to y, corrected by measured co-locations of the two: the
+        measurements alone from MIN_SAMPLES on, blended (weight n/(n+1)) before."""
+        from qosflow.predict.predictor import MIN_SAMPLES
+
+        p = self._pmodel[(x, y)]
+        st = self._co_obs.get((x, y))
+        if st is not None and st.n:
+            m = st.prediction(1.0, f"samples(n={st.n})")
+            if st.n >= MIN_SAMPLES:
+                p = m
+            else:
+                w = st.n / (st.n + 1.0)
+                v = math.exp(w * math.log(m.value) + (1 - w) * math.log(max(p.value, 1e-9)))
+                p = Prediction(v, min(m.low, p.low, v), max(m.high, p.high, v), st.n, f"samples(n={st.n})+{p.basis}")
+        return self._clamp(p)
+
+    @staticmethod
+    def _clamp(p: Prediction) -> Prediction:
+        v = min(max(p.value, 1.0), MAX_SLOWDOWN)
+        return p if v == p.value else Prediction(v, min(max(p.low, 1.0), v), min(max(p.high, v), MAX_SLOWDOWN), p.n_samples, p.basis)
+
+    def predict_spread(self, job: Job) -> Prediction:
+        """Slowdown of the job spread over nodes vs consolidated, at its GPU count (Gavel's notion)."""
+        sig, key = self._sig_of(job)
+        gpus = job.qos.gpus
+        hit = self._spread.get((key, gpus))
+        if hit is not None:
+            return hit
+        if gpus <= 1:
+            pred = Prediction(1.0, 1.0, 1.0, 0, "single-gpu")
+        else:
+            self._ensure_profiled(job)
+            self._refit_if_dirty()
+            # the reference table measured spreading up to its largest GPU count: beyond, the same penalty
+            n = min(gpus, self._max_reference_gpus())
+            cons, spread = self.predictor.predict_solo_step_time_batch([(sig, n, True), (sig, n, False)])
+            v = max(1.0, spread.value / cons.value)
+            lo = max(1.0, spread.low / cons.high) if cons.high > 0 else 1.0
+            hi = max(v, spread.high / cons.low) if cons.low > 0 else v
+            basis = f"spread/consolidated at {n} GPUs: {spread.basis}"
+            pred = Prediction(v, min(lo, v), hi, min(cons.n_samples, spread.n_samples), basis)
+            st = self._spread_obs.get((key, gpus))
+            if st is not None and st.n:
+                # measured penalties of finished jobs: alone from MIN_SAMPLES on, blended before
+                from qosflow.predict.predictor import MIN_SAMPLES
+
+                m = st.prediction(1.0, f"samples(n={st.n})")
+                if st.n >= MIN_SAMPLES:
+                    pred = m
+                else:
+                    w = st.n / (st.n + 1.0)
+                    lv = w * math.log(m.value) + (1 - w) * math.log(pred.value)
+                    pred = Prediction(math.exp(lv), min(m.low, pred.low), max(m.high, pred.high), st.n,
+                                      f"samples(n={st.n})+{basis}")
+        self._spread[(key, gpus)] = pred
+        return pred
+
+    def _max_reference_gpus(self) -> int:
+        t = getattr(self.predictor, "reference", None)
+        counts = getattr(t, "gpu_counts", None) if t is not None else None
+        return max(counts) if counts else 8
+
+    def curve(self, job: Job) -> CpuCurve:
+        self._ensure_profiled(job)
+        sig, key = self._sig_of(job)
+        c = self._cpu.get(key)
+        if c is None:
+            c = self.predictor.cpu_curve(sig)
+            self._cpu[key] = c
+        return c
+
+    def predict_cpu(self, job: Job, cores: float) -> Prediction:
+        gpus = max(job.qos.gpus, 1)
+        per = 1 if job.qos.gpus == 0 else gpus
+        full = job.cpu_saturation * per if job.cpu_saturation is not None and job.qos.gpus > 0 else job.qos.cpu_cores
+        if cores >= full:
+            return Prediction(1.0, 1.0, 1.0, 0, "asked-for cores")
+        if cores <= 0:
+            return Prediction(0.0, 0.0, 0.0, 0, "no cores")
+        c = self.curve(job)
+        v = min(1.0, c.step_time(full / per) / c.step_time(cores / per))
+        rel = 0.05 if c.n_samples >= 2 else 0.3
+        return Prediction(v, v * (1 - rel), min(1.0, v * (1 + rel)), c.n_samples, c.basis)
+
+    # ------------------------------------------------------------------ the Estimator protocol
+
+    # (the fast paths below answer cached questions without building Prediction objects: policies ask
+    # hundreds of thousands of them per simulated trace)
+
+    def duration(self, job: Job) -> float:
+        hit = self._dur.get(job.job_id)
+        if hit is not None and self._version.get(hit[2], 0) == hit[0]:
+            return hit[1].value
+        return self.predict_duration(job).value
+
+    def remaining(self, js: JobState) -> float:
+        if js.placement is None and js.progress <= 0:
+            if self._where:
+                self._where.pop(js.job_id, None)
+            return self.duration(js.job)
+        return self.predict_remaining(js).value
+
+    def pair_slowdown(self, a: Job, b: Job) -> tuple[float, float]:
+        sa, sb = self._sig.get(a.job_id), self._sig.get(b.job_id)
+        if sa is not None and sb is not None:
+            hit = self._pair_val.get((sa[1], sb[1]))
+            if hit is not None:
+                return hit
+        pa, pb = self.predict_pair(a, b)
+        return pa.value, pb.value
+
+    def spread_slowdown(self, job: Job, num_nodes: int, min_nodes: int) -> float:
+        if num_nodes <= min_nodes:
+            return 1.0
+        s = self.predict_spread(job).value
+        # more extra nodes, more cross-node traffic (the same shape the simulator assumes)
+        extra = (num_nodes - min_nodes) / max(1, num_nodes - 1)
+        return 1.0 + (s - 1.0) * min(1.0, extra * 2.0)
+
+    def cpu_factor(self, job: Job, cores: float) -> float:
+        return self.predict_cpu(job, cores).value
+
+    def basis(self, job: Job) -> str:
+        """What the duration estimate of `job` rests on (the worker shows it)."""
+        return self.predict_duration(job).basis
+
+    def samples(self, job: Job) -> int:
+        return self.predict_duration(job).n_samples
+
+    # ------------------------------------------------------------------ online updates
+
+    def observe_finished(self, js: JobState, now: float) -> None:
+        """Simulator hook: a job finished (its placement is still set). Learn its per-iteration time, its
+        duration, its slowdown next to the jobs it shared GPUs with and its penalty if it was spread --
+        measured with the profiler's noise, as a live worker measures them from progress reports."""
+        job = js.job
+        sig, key = self._sig_of(job)
+        last = self._where.pop(job.job_id, None)
+        self._jobs.pop(job.job_id, None)  # finished: no longer anyone's co-runner
+        if self.profiler is not None:
+            t = self.profiler.finished_step_time(job)
+            d = self.profiler.finished_duration(job)
+            where = js.placement if js.placement is not None else (last[0] if last is not None else None)
+            if where is not None:
+                self._learn_placement(job, sig, key, where, frozenset(where.gpus))
+        else:  # no simulated measurements: what the simulator saw (wall time, slowdowns included)
+            d = js.attained if js.attained > 0 else None
+            t = d / job.iterations if d and job.iterations else None
+        self._learn(job, key, d, t)
+
+    def _learn_placement(self, job: Job, sig: str, key: str, placement: Any, gpus: frozenset) -> None:
+        """What a finished job's last placement measured (simulated): its slowdown next to each job that
+        shared its GPUs (a co-located sample for the interference model) and its penalty if spread."""
+        prof = self.profiler
+        if placement.gpu_milli >= 1000 and job.qos.gpus > 0:
+            partners = dict.fromkeys(j for j in placement.colocated_with if j in self._jobs)
+            for jid, (p, g) in self._where.items():
+                if p.gpu_milli >= 1000 and g & gpus:
+                    partners.setdefault(jid)
+            for jid in partners:
+                other = self._jobs.get(jid)
+                if other is None or jid == job.job_id:
+                    continue
+                osig, okey = self._sig_of(other)
+                base = self.predictor.predict_solo_step_time(sig, 1)
+                if not (base.value > 0 and math.isfinite(base.value)) or base.basis.startswith("prior:"):
+                    continue
+                x = prof.colocated_slowdown(job, other)
+                self.observe_colocated(job, other, x, _base=base.value)
+        self.gpus_per_node = max(self.gpus_per_node, 1 + max((g for _n, g in placement.gpus), default=-1))
+        gpn = max(self.gpus_per_node, 1)
+        nodes = len({n for n, _g in placement.gpus})
+        need = -(-job.qos.gpus // gpn) if job.qos.gpus > 0 else 1
+        if job.qos.gpus > 1 and nodes > need:
+            obs = prof.spread_slowdown(job, nodes, need)
+            shape = min(1.0, 2.0 * (nodes - need) / max(1, nodes - 1))
+            self._spread_obs.setdefault((key, job.qos.gpus), _LogStat()).add(1.0 + (obs - 1.0) / shape)
+            self._spread.pop((key, job.qos.gpus), None)
+            self.stats["spreads_observed"] += 1
+
+    def observe(self, job: Job, actual_s: float) -> None:
+        """Worker hook: a stage finished after `actual_s` seconds. Learned, and written to the store."""
+        if not (isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0):
+            return
+        sig, key = self._sig_of(job)
+        t = actual_s / job.iterations if job.iterations else None
+        pred = self._dur.get(job.job_id)
+        self._learn(job, key, float(actual_s), t)
+        if self.store is not None and self.persist:
+            try:
+                if pred is not None:
+                    self.store.record_prediction(pred[1], signature=sig, target="duration", stage_run_id=job.job_id)
+                self.store.record_outcome(job.job_id, float(actual_s), signature=sig, target="duration")
+                self.store.record_stage(stage_run_id=job.job_id, signature=sig, stage=job.model, state="COMPLETED",
+                                        gpus=job.qos.gpus, steps=job.iterations, duration_s=float(actual_s),
+                                        step_time_s=t, flow_run_id=job.pipeline)
+                if t is not None:
+                    self.store.add_sample(signature=sig, gpus=job.qos.gpus, step_time_s=t, steps=job.iterations,
+                                          source="stage", stage_run_id=job.job_id)
+            except Exception as exc:  # noqa: BLE001 - a database hiccup must not take the worker down
+                log.warning("learned estimator: could not record stage %s in the store: %s", job.job_id, exc)
+
+    def observe_colocated(self, job: Job, partner: Job, slowdown: float, *, _base: float | None = None) -> None:
+        """`job` ran `slowdown` times slower while sharing its GPUs with `partner` (a measured sample).
+
+        Answers for this pair follow the measurements at once; the sample also goes to the predictor,
+        whose interference model is refitted after every PAIR_REFIT_EVERY newly measured pairs (so
+        that the pairs not measured yet learn from it too)."""
+        if not (math.isfinite(slowdown) and slowdown > 0):
+            return
+        sig, key = self._sig_of(job)
+        osig, okey = self._sig_of(partner)
+        st = self._co_obs.get((key, okey))
+        if st is None:
+            st = self._co_obs[(key, okey)] = _LogStat()
+            self._new_pairs += 1
+            if self._new_pairs >= PAIR_REFIT_EVERY:
+                self._dirty = True
+        st.add(slowdown)
+        base = _base if _base is not None else self.predictor.predict_solo_step_time(sig, 1).value
+        if base > 0 and math.isfinite(base):
+            self.predictor.observe({"signature": sig, "co_runner": osig, "gpus": 1, "source": "stage",
+                                    "step_time_s": base * slowdown})
+        for k in ((key, okey), (okey, key)):
+            self._pair.pop(k, None)
+            self._pair_val.pop(k, None)
+        self.stats["colocations_observed"] += 1
+
+    def _learn(self, job: Job, key: str, duration: float | None, step: float | None) -> None:
+        if step is not None and step > 0:
+            self._steps.setdefault((key, job.qos.gpus), _LogStat()).add(step)
+        if duration is not None and duration > 0:
+            self._hist.setdefault((key, None), _LogStat()).add(duration)
+            if job.user:
+                self._hist.setdefault((key, job.user), _LogStat()).add(duration)
+        self._bump(key)
+        self._dur.pop(job.job_id, None)
+        self._rem.pop(job.job_id, None)
+        self._jobs.pop(job.job_id, None)
+        self.stats["finished_observed"] += 1
+
+    def warm(self, jobs: Iterable[Job]) -> None:
+        """Answer the durations and pair slowdowns of `jobs` in batches ahead of a scheduling round."""
+        jobs = list(jobs)
+        for j in jobs:
+            self.predict_duration(j)
+        reps: dict[str, Job] = {}
+        for j in jobs:
+            reps.setdefault(self._sig_of(j)[1], j)
+        rs = list(reps.values())
+        if rs:
+            self.predict_pair(rs[0], rs[-1])
+
+    def describe(self) -> Mapping[str, Any]:
+        return {"name": self.name, "signatures": len(self._known), "simulated_profiling": self.profiler is not None,
+                **self.stats}
