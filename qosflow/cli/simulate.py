@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="seed for deadlines, failures, noise and synthetic traces"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
         out: Optional[Path] = typer.Option(None, "--out", help="directory for PNG plots (default: next to --json)"),
-        estimator: str = typer.Option("oracle", "--estimator", help="what policies know: oracle | noisy | learned | declared"),
+        estimator: str = typer.Option("oracle", "--estimator", help="what policies know: oracle | noisy | learned | declared; comma-separated (oracle,noisy,learned) runs every policy under each and shows the QoS lost against oracle"),
         error: float = typer.Option(0.3, "--error", help="relative error of the noisy estimator (0.3 = +-30 %)"),
         failures: float = typer.Option(0.0, "--failures", help="share of jobs that fail part-way and are retried (Philly: ~0.3)"),
         deadline_share: float = typer.Option(0.5, "--deadline-share", help="share of jobs given a deadline (traces carry none)"),
@@ -48,35 +48,47 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.engine import SimConfig, Simulator
         from qosflow.sim.interference import default_speed_model
         from qosflow.sim.metrics import compute_bounds, compute_metrics
-        from qosflow.sim.report import plot_results, render_table, results_json, write_json
+        from qosflow.errors import UnknownNameError
+        from qosflow.sim.report import estimator_deltas, plot_results, render_estimator_table, render_table, results_json, write_json
         from qosflow.sim.runner import resolve_workload
 
         console = Console(width=max(120, Console().width))
         names = parse_policies(policies)
+        kinds = list(dict.fromkeys(k.strip() for k in estimator.split(",") if k.strip())) or ["oracle"]
+        for k in kinds:
+            if k not in ("oracle", "noisy", "learned", "declared"):
+                raise UnknownNameError("estimator", k, ["declared", "learned", "noisy", "oracle"])
         wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs)
         speed = default_speed_model()
         console.print(
             f"[bold]{wl.name}[/]: {len(wl.jobs)} jobs on {spec.name} ({len(spec.nodes)} nodes, {spec.num_gpus} GPUs); "
-            f"estimates: {estimator}" + (f" (±{error:.0%})" if estimator == "noisy" else "")
+            f"estimates: {estimator}" + (f" (noisy ±{error:.0%})" if "noisy" in kinds else "")
         )
         for jid, why in wl.rejected[:10]:
             console.print(f"[yellow]rejected[/] {jid}: {why}")
         if len(wl.rejected) > 10:
             console.print(f"[yellow]… {len(wl.rejected) - 10} more rejected jobs[/]")
         results, metrics = {}, {}
+        by_est: dict = {}  # estimator name -> policy -> Metrics
         cfg = SimConfig(seed=seed, failure_share=failures)
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
         ) as prog:
-            for name in names:
-                task = prog.add_task(f"{name:>9}", total=len(wl.jobs))
-                est = make_estimator(estimator, speed, seed=seed, error=error)
-                sim = Simulator(wl.jobs, spec, get_policy(name), estimator=est, speed=speed, config=cfg)
-                res = sim.run(on_progress=lambda done, total, t=task: prog.update(t, completed=done))
-                results[name] = res
-                metrics[name] = compute_metrics(res)
+            for kind in kinds:
+                for name in names:
+                    label = name if len(kinds) == 1 else f"{name} ({kind})"
+                    task = prog.add_task(f"{label:>9}", total=len(wl.jobs))
+                    est = make_estimator(kind, speed, seed=seed, error=error)
+                    sim = Simulator(wl.jobs, spec, get_policy(name), estimator=est, speed=speed, config=cfg)
+                    res = sim.run(on_progress=lambda done, total, t=task: prog.update(t, completed=done))
+                    results[label] = res
+                    metrics[label] = compute_metrics(res)
+                    by_est.setdefault(getattr(est, "name", kind), {})[name] = metrics[label]
         bounds = compute_bounds(wl.jobs, spec)
         console.print(render_table(metrics, bounds, title=f"{wl.name} on {spec.name}"))
+        baseline = "oracle" if "oracle" in by_est else next(iter(by_est))
+        if len(kinds) > 1:
+            console.print(render_estimator_table(by_est, baseline, title=f"QoS lost to prediction error (vs {baseline})"))
         extra = {
             "workload": {"name": wl.name, "jobs": len(wl.jobs), "rejected": [{"job": j, "reason": r} for j, r in wl.rejected]},
             "cluster": {"name": spec.name, "nodes": len(spec.nodes), "gpus": spec.num_gpus},
@@ -84,7 +96,11 @@ def register(app: typer.Typer) -> None:
             "seed": seed,
             "failures": failures,
         }
-        data = results_json(metrics, bounds, extra)
+        data = results_json(metrics if len(kinds) == 1 else by_est[baseline], bounds, extra)
+        if len(kinds) > 1:
+            data["by_estimator"] = {e: results_json(ms, bounds)["policies"] for e, ms in by_est.items()}
+            data["estimator_baseline"] = baseline
+            data["estimator_deltas"] = estimator_deltas(by_est, baseline)
         if json_out:
             console.print(f"JSON: {write_json(json_out, data)}")
         plot_dir = out or (json_out.parent if json_out else None)

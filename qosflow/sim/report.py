@@ -4,6 +4,11 @@ JSON schema (what `qosflow simulate --json` writes):
     {"policies": {"<name>": {"avg_jct": s, "p99_jct": s, "makespan": s, "dsr": 0..1,
                              "gpu_util": 0..1, "avg_queue": s, "jobs": n, ...more}},
      "bounds": {"avg_jct": s, "dsr": 0..1, "makespan": s}, "workload": {...}}
+
+With several estimators (`--estimator oracle,noisy,learned`), "policies" holds the baseline estimator's
+runs (oracle when present), "by_estimator" every run ({"<estimator>": {"<policy>": {...}}}), and
+"estimator_deltas" what each estimator loses against the baseline ({"<estimator>": {"<policy>":
+{"dsr_delta_points": x, "avg_jct_delta_pct": x, ...}}}, see `estimator_deltas`).
 """
 
 from __future__ import annotations
@@ -146,3 +151,56 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
     fig.savefig(files[-1], dpi=120)
     plt.close(fig)
     return files
+
+
+def estimator_deltas(by_estimator: Mapping[str, Mapping[str, Metrics]], baseline: str) -> dict[str, dict[str, dict[str, float]]]:
+    """Per estimator and policy: DSR and JCT, and their change against the `baseline` estimator's run of
+    the same policy (DSR in percentage points, JCTs in per cent; negative DSR delta = QoS lost)."""
+    base = by_estimator[baseline]
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for est, ms in by_estimator.items():
+        out[est] = {}
+        for pol, m in ms.items():
+            b = base.get(pol)
+            if b is None:
+                continue
+            out[est][pol] = {
+                "dsr": m.dsr,
+                "dsr_delta_points": 100.0 * (m.dsr - b.dsr),
+                "avg_jct": m.avg_jct,
+                "avg_jct_delta_pct": 100.0 * (m.avg_jct / b.avg_jct - 1.0) if b.avg_jct else 0.0,
+                "p99_jct_delta_pct": 100.0 * (m.p99_jct / b.p99_jct - 1.0) if b.p99_jct else 0.0,
+                "makespan_delta_pct": 100.0 * (m.makespan / b.makespan - 1.0) if b.makespan else 0.0,
+            }
+    return out
+
+
+def render_estimator_table(by_estimator: Mapping[str, Mapping[str, Metrics]], baseline: str, title: str = "QoS lost to prediction error"):
+    """One row per (policy, estimator): DSR and JCT with their deltas against the baseline estimator."""
+    from rich.table import Table
+
+    d = estimator_deltas(by_estimator, baseline)
+    t = Table(title=title, header_style="bold")
+    for col in ("policy", "estimates", "DSR", f"ΔDSR vs {baseline}", "avg JCT", "ΔJCT", "p99 JCT", "makespan"):
+        t.add_column(col, justify="left" if col in ("policy", "estimates") else "right")
+    policies = list(dict.fromkeys(p for ms in by_estimator.values() for p in ms))
+    for pol in policies:
+        for est, ms in by_estimator.items():
+            m = ms.get(pol)
+            if m is None:
+                continue
+            dd = d[est].get(pol, {})
+            is_base = est == baseline
+            t.add_row(
+                pol,
+                est,
+                f"{m.dsr:.1%}" if m.deadline_jobs else "-",
+                "" if is_base else f"{dd.get('dsr_delta_points', 0.0):+.1f} pt",
+                _fmt_s(m.avg_jct),
+                "" if is_base else f"{dd.get('avg_jct_delta_pct', 0.0):+.1f} %",
+                _fmt_s(m.p99_jct),
+                _fmt_s(m.makespan),
+                style="dim" if is_base else None,
+                end_section=est == list(by_estimator)[-1],
+            )
+    return t

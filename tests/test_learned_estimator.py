@@ -1,0 +1,217 @@
+"""`LearnedEstimator`: the Estimator protocol from the predictor, in the simulator and from a store.
+
+Most tests run without the shared data (no reference table: the predictor's fallbacks answer); the
+ones that need Gavel's table skip with a reason when it is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from qosflow.core.cluster import ClusterSpec
+from qosflow.core.estimate import Estimator, make_estimator
+from qosflow.core.job import Job, JobState
+from qosflow.core.qos import QoSSpec
+from qosflow.core.speed import SpeedModel
+from qosflow.predict.estimator import LearnedEstimator, SimulatedProfiler, job_signature
+from qosflow.predict.reference import default_gavel_path
+
+needs_gavel = pytest.mark.skipif(not default_gavel_path().exists(),
+                                 reason="Gavel's table is not at ../shared/data/throughputs/ (shared data absent)")
+
+
+def _job(i: int, model: str = "mynet", *, gpus: int = 1, iterations: int | None = 1000, step: float = 0.5,
+         overhead: float = 1.1, bs: int | None = 32, user: str | None = None, declared: float | None = None) -> Job:
+    """A trace-like job: the profiler measures `step` per iteration; the job really takes `overhead` x more."""
+    dur = (iterations or 1000) * step * overhead
+    meta = {"iteration_time": step} if iterations else {}
+    return Job(f"j{i}", float(i), QoSSpec(gpus=gpus, cpu_cores=4.0 * max(gpus, 1), shareable=True), dur, model=model,
+               batch_size=bs, iterations=iterations, user=user, expected_duration=declared, meta=meta)
+
+
+def _learned(seed: int = 0, **kw) -> LearnedEstimator:
+    return LearnedEstimator(SpeedModel(), seed=seed, reference=None, **kw)
+
+
+def test_protocol_conformance_and_value_ranges():
+    est = _learned()
+    assert isinstance(est, Estimator)
+    assert est.name == "learned"
+    a, b = _job(1), _job(2, "othernet", gpus=1)
+    big = _job(3, gpus=8)
+    assert isinstance(est.duration(a), float) and est.duration(a) > 0
+    assert est.remaining(JobState(a)) == pytest.approx(est.duration(a))
+    half = JobState(a, progress=0.5, attained=300.0)
+    assert 0 < est.remaining(half) < est.duration(a)
+    assert est.remaining(JobState(a, progress=1.0)) == 0.0
+    xa, xb = est.pair_slowdown(a, b)
+    assert 1.0 <= xa <= 10.0 and 1.0 <= xb <= 10.0
+    assert est.spread_slowdown(big, 1, 1) == 1.0
+    assert est.spread_slowdown(big, 2, 1) >= 1.0
+    assert est.cpu_factor(a, 4.0) == 1.0  # what it asked for
+    assert 0.0 < est.cpu_factor(a, 2.0) < 1.0
+    assert est.cpu_factor(a, 0.0) == 0.0
+
+
+def test_make_estimator_builds_it_for_the_simulator():
+    est = make_estimator("learned", SpeedModel(), seed=3)
+    assert isinstance(est, LearnedEstimator) and est.profiler is not None and est.seed == 3
+
+
+def test_deterministic_for_a_seed_and_different_across_seeds():
+    jobs = [_job(i, m, gpus=g) for i, (m, g) in enumerate([("mynet", 1), ("othernet", 2), ("mynet", 4), ("thirdnet", 1)])]
+
+    def answers(seed):
+        est = _learned(seed)
+        return ([est.duration(j) for j in jobs], [est.pair_slowdown(a, b) for a in jobs for b in jobs],
+                [est.cpu_factor(j, 1.0) for j in jobs])
+
+    assert answers(7) == answers(7)
+    assert answers(7)[0] != answers(8)[0]  # measurement noise depends on the seed
+
+
+def test_predictions_carry_their_basis():
+    est = _learned()
+    p = est.predict_duration(_job(1))
+    assert p.basis == "iterations×step-time:samples(n=1)" and p.n_samples == 1 and p.low < p.value < p.high
+    assert est.predict_duration(_job(2, declared=123.0)).basis == "declared"
+    no_iter = _job(3, "stage", iterations=None, bs=None)
+    assert est.predict_duration(no_iter).basis.startswith("prior:default")
+    r = est.predict_remaining(JobState(_job(1), progress=0.25, attained=10.0))
+    assert r.basis.startswith("progress(f=0.25)×iterations×step-time")
+    r2 = est.predict_remaining(JobState(no_iter, progress=0.5, attained=100.0))
+    assert r2.basis.startswith("progress(f=0.50)+prior:")
+    pa, pb = est.predict_pair(_job(1), _job(4, "othernet"))
+    assert pa.basis and pb.basis  # e.g. fallback:default-slowdown without a reference table
+    assert "spread/consolidated" in est.predict_spread(_job(5, gpus=4)).basis
+    assert est.predict_cpu(_job(1), 2.0).basis.startswith("samples(n=2")  # the two profiled core counts
+    assert est.basis(_job(1)) == p.basis
+
+
+def test_improves_after_observing_finished_jobs():
+    """The profile measures the bare step time; finished jobs reveal the real per-iteration time."""
+    est = _learned()
+    probe = _job(100, iterations=2000)
+    before = abs(est.duration(probe) / probe.duration - 1)
+    for i in range(8):
+        done = _job(i, iterations=500 + 100 * i)
+        est.duration(done)
+        est.observe_finished(JobState(done, progress=1.0, finish_time=1e4), 1e4)
+    p = est.predict_duration(probe)
+    after = abs(p.value / probe.duration - 1)
+    assert p.basis == "iterations×step-time:samples(n=9)"
+    assert after < before / 2
+    # a job without iterations learns from the durations of its signature
+    stage = _job(200, "etl", iterations=None, bs=None)
+    assert est.predict_duration(stage).basis.startswith("prior:default")
+    est.observe_finished(JobState(_job(201, "etl", iterations=None, bs=None), progress=1.0), 0.0)
+    p = est.predict_duration(stage)
+    assert p.basis == "history(n=1)" and p.value == pytest.approx(1000 * 0.5 * 1.1, rel=0.3)
+
+
+def test_the_simulator_feeds_finished_jobs_back():
+    from qosflow.policies import get_policy
+    from qosflow.sim.engine import Simulator
+
+    jobs = [_job(i, ["a", "b", "c"][i % 3], gpus=[1, 2, 4][i % 3], iterations=200 + 10 * i) for i in range(12)]
+    est = _learned()
+    res = Simulator(jobs, ClusterSpec.uniform(2, 4), get_policy("sjf-bsbf"), estimator=est, speed=SpeedModel()).run()
+    assert len(res.finished) == 12
+    assert est.stats["finished_observed"] == 12
+    assert res.estimator == "learned"
+
+
+def test_simulated_profiler_measures_the_truth_with_seeded_noise():
+    speed = SpeedModel()
+    j = _job(1)
+    a, b = SimulatedProfiler(speed, seed=1), SimulatedProfiler(speed, seed=1)
+    assert a.step_time(j) == b.step_time(j)
+    assert a.step_time(j) == pytest.approx(0.5, rel=0.25)
+    exact = SimulatedProfiler(speed, seed=1, noise=0.0)
+    assert exact.step_time(j) == 0.5
+    prof = exact.profile(j)
+    assert set(prof.ref_speeds) == set(exact.refs) and all(0 < v <= 1 for v in prof.ref_speeds.values())
+    assert [c for c, _ in prof.cpu_points] == [2.0, 4.0]
+
+
+def test_signatures():
+    assert job_signature(_job(1, "resnet18", bs=128)) == "resnet18/bs128"
+    assert job_signature(_job(1, "ResNet-50 (batch size 64)", bs=64)) == "ResNet-50 (batch size 64)"
+    assert job_signature(_job(1, "flows.train:fit", bs=None)) == "flows.train:fit"
+
+
+@needs_gavel
+def test_gavel_cold_start_reference_and_profiled_jobs():
+    from qosflow.sim.interference import default_speed_model
+
+    speed = default_speed_model()
+    est = LearnedEstimator(speed, seed=0)
+    known = _job(1, "resnet18", bs=128)  # a job type of the reference table
+    new = _job(2, "dqn", bs=128)  # not in the table: profiled against the reference jobs
+    pa, pb = est.predict_pair(new, known)
+    assert pa.basis.startswith("profile+interference-model")
+    kk, _ = est.predict_pair(known, known)
+    assert kk.basis.startswith("reference:gavel/v100")
+    assert est.stats["profiles"] == 1  # the table's job needs no profile
+    truth = speed.pair_slowdown(new, known)[0]
+    assert pa.value == pytest.approx(truth, rel=0.5)
+
+
+# ------------------------------------------------------------------------------------------ live worker
+
+
+def test_from_store_uses_live_samples_and_writes_finished_stages_back(tmp_path):
+    from qosflow.store import Store
+
+    url = f"sqlite:///{tmp_path / 'q.db'}"
+    store = Store.open(url)
+    store.add_samples([{"signature": "mynet/bs32", "gpus": 1, "step_time_s": t, "source": "stage"} for t in (0.40, 0.42, 0.41)])
+    store.record_stage(stage_run_id="old-1", signature="etl", duration_s=50.0, state="COMPLETED")
+    est = LearnedEstimator.from_store(store, reference=None)
+    assert est.profiler is None and est.speed is None  # no simulator truth in the live worker
+    j = _job(1)
+    p = est.predict_duration(j)
+    assert p.basis == "iterations×step-time:samples(n=3)" and p.value == pytest.approx(1000 * 0.41, rel=0.05)
+    stage = _job(2, "etl", iterations=None, bs=None)
+    assert est.predict_duration(stage).basis == "history(n=1)"
+    est.observe(stage, 70.0)  # the worker's hook
+    assert est.predict_duration(stage).basis == "history(n=2)"
+    assert [h.duration_s for h in store.stage_history(signature="etl")] == [50.0, 70.0]
+    assert store.prediction_errors("duration")[0][1].actual == 70.0
+    est.observe(j, 450.0)
+    again = LearnedEstimator.from_store(Store.open(url), reference=None)
+    assert again.predict_duration(_job(3)).basis == "iterations×step-time:samples(n=4)"
+    assert again.predict_duration(_job(4, "etl", iterations=None, bs=None)).basis == "history(n=2)"
+
+
+def test_make_estimator_learned_without_a_speed_model_opens_the_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("QOSFLOW_DATABASE_URL", f"sqlite:///{tmp_path / 'live.db'}")
+    est = make_estimator("learned")
+    assert isinstance(est, LearnedEstimator) and est.store is not None and est.profiler is None
+    assert est.duration(_job(1, "never-seen", iterations=None, bs=None)) == est.default_duration
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def test_simulate_cli_learned_and_comparison(tmp_path):
+    from qosflow.cli.main import main
+
+    out = tmp_path / "one.json"
+    assert main(["simulate", "--trace", "synthetic", "--jobs", "40", "--policies", "genie,sjf-bsbf",
+                 "--estimator", "learned", "--no-plots", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["estimator"] == "learned" and set(data["policies"]) == {"genie", "sjf-bsbf"}
+    cmp = tmp_path / "cmp.json"
+    assert main(["simulate", "--trace", "synthetic", "--jobs", "40", "--policies", "genie",
+                 "--estimator", "oracle,learned", "--no-plots", "--json", str(cmp)]) == 0
+    data = json.loads(cmp.read_text())
+    assert data["estimator_baseline"] == "oracle"
+    assert set(data["by_estimator"]) == {"oracle", "learned"}
+    d = data["estimator_deltas"]["learned"]["genie"]
+    assert math.isfinite(d["dsr_delta_points"]) and math.isfinite(d["avg_jct_delta_pct"])
+    assert data["estimator_deltas"]["oracle"]["genie"]["dsr_delta_points"] == 0.0
+    assert main(["simulate", "--trace", "synthetic", "--jobs", "10", "--estimator", "oracle,psychic", "--no-plots"]) == 2
