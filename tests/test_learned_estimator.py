@@ -215,3 +215,31 @@ def test_simulate_cli_learned_and_comparison(tmp_path):
     assert math.isfinite(d["dsr_delta_points"]) and math.isfinite(d["avg_jct_delta_pct"])
     assert data["estimator_deltas"]["oracle"]["genie"]["dsr_delta_points"] == 0.0
     assert main(["simulate", "--trace", "synthetic", "--jobs", "10", "--estimator", "oracle,psychic", "--no-plots"]) == 2
+
+
+def test_measured_colocations_and_spreads_replace_the_model():
+    """A finished job's placement tells who it shared GPUs with and whether it was spread (simulated
+    measurements of the truth, as a worker's progress reports would give them)."""
+    from qosflow.core.placement import Placement
+
+    speed = SpeedModel()  # no table: every pair truly slows by 1.4, a spread gang by up to 1.2
+    est = _learned()
+    partner = _job(50, "othernet")
+    est.duration(partner)
+    est.gpus_per_node = 4
+    before = est.predict_pair(_job(0), partner)[0]
+    assert not before.basis.startswith("samples")
+    for i in range(3):
+        j = _job(i)
+        est.duration(j)
+        est.observe_finished(JobState(j, progress=1.0, placement=Placement(j.job_id, ((0, 0),), colocated_with=(partner.job_id,))), 0.0)
+    after = est.predict_pair(_job(9), partner)[0]
+    assert after.basis == "samples(n=3)" and after.value == pytest.approx(speed.default_pair, rel=0.15)
+    assert est.stats["colocations_observed"] == 3
+    gang = [_job(20 + i, "bignet", gpus=2) for i in range(3)]
+    for j in gang:
+        est.duration(j)
+        est.observe_finished(JobState(j, progress=1.0, placement=Placement(j.job_id, ((0, 0), (1, 0)))), 0.0)
+    sp = est.predict_spread(_job(30, "bignet", gpus=2))
+    assert sp.basis == "samples(n=3)" and sp.value == pytest.approx(speed.default_spread, rel=0.15)
+    assert est.spread_slowdown(_job(30, "bignet", gpus=2), 2, 1) == pytest.approx(sp.value)

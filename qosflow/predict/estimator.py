@@ -47,11 +47,11 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from qosflow.core.estimate import _unit
 from qosflow.core.job import Job, JobState
-from qosflow.predict.cpu import CpuCurve, default_curve, fit_curve
+from qosflow.predict.cpu import CpuCurve, fit_curve
 from qosflow.predict.prediction import Prediction
 from qosflow.predict.reference import parse_signature
 
@@ -763,19 +763,3 @@ class LearnedEstimator:
         self._rem.pop(job.job_id, None)
         self._jobs.pop(job.job_id, None)
         self.stats["finished_observed"] += 1
-
-    def warm(self, jobs: Iterable[Job]) -> None:
-        """Answer the durations and pair slowdowns of `jobs` in batches ahead of a scheduling round."""
-        jobs = list(jobs)
-        for j in jobs:
-            self.predict_duration(j)
-        reps: dict[str, Job] = {}
-        for j in jobs:
-            reps.setdefault(self._sig_of(j)[1], j)
-        rs = list(reps.values())
-        if rs:
-            self.predict_pair(rs[0], rs[-1])
-
-    def describe(self) -> Mapping[str, Any]:
-        return {"name": self.name, "signatures": len(self._known), "simulated_profiling": self.profiler is not None,
-                **self.stats}
