@@ -137,9 +137,9 @@ def run_demo(
                 console.print("stopping")
         return report
     finally:
-        drain_prefect()
         if worker is not None:
             worker.stop()
+        drain_prefect()
         server.stop()
 
 
@@ -184,19 +184,18 @@ def _max_per_gpu(report: dict[str, Any]) -> int:
 def print_report(report: dict[str, Any], console: Console) -> None:
     from rich import box
 
-    t = Table(title="qosflow placements (virtual GPUs: declared by the cluster block, no NVML)", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("stage", "host", "GPU", "cores", "start", "end", "pred s", "act s", "deadline"):
-        t.add_column(col, justify="right" if col in ("cores", "start", "end", "pred s", "act s") else "left", no_wrap=True)
+    console.print("[bold]qosflow placements[/] (GPUs are [yellow]virtual[/]: declared by the cluster block, no NVML; "
+                  "times in seconds since the first pipeline started)")
     t0 = min((p.get("started_at") or 0 for p in report["pipelines"] if p.get("started_at")), default=0)
-    for i, p in enumerate(report["pipelines"]):
-        if i:
-            t.add_section()
+    for p in report["pipelines"]:
         dl = "no deadline" if p.get("deadline") is None else f"deadline {p['deadline']:g}s"
-        t.add_row(f"[bold]{p['name']}[/]", f"[dim]{p.get('priority')}, {dl}[/]", "", "", "", "", "", "", "")
+        t = Table(title=f"{p['name']}: {p.get('priority')}, {dl}", box=box.SIMPLE_HEAD, title_justify="left")
+        for col in ("stage", "host", "GPU", "cores", "start", "end", "pred", "act", "QoS"):
+            t.add_column(col, justify="right" if col in ("cores", "start", "end", "pred", "act") else "left", no_wrap=True)
         for s in p["stages"]:
             met = s.get("deadline_met")
             t.add_row(
-                "  " + s["name"],
+                s["name"],
                 s.get("host") or "-",
                 ",".join(g.split(":", 1)[-1] for g in s.get("gpus") or []) or "-",
                 "-" if s.get("cpu_cores") is None else f"{s['cpu_cores']:g}",
@@ -206,9 +205,9 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                 "-" if s.get("actual_s") is None else f"{s['actual_s']:.1f}",
                 {True: "[green]met[/]", False: "[red]missed[/]", None: "-"}[met],
             )
-    console.print(t)
-    q = Table(title=f"QoS outcome (policy {report.get('policy')})", box=box.SIMPLE_HEAD)
-    for col in ("pipeline", "class", "deadline s", "finished after s", "met"):
+        console.print(t)
+    q = Table(title=f"QoS outcome (policy {report.get('policy')})", box=box.SIMPLE_HEAD, title_justify="left")
+    for col in ("pipeline", "class", "deadline s", "took s", "met"):
         q.add_column(col, no_wrap=True)
     for p in report["pipelines"]:
         el = p.get("elapsed_s")
@@ -225,7 +224,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         console.print(f"CODA core moves: {len(report['coda_decisions'])}")
         for d in report["coda_decisions"]:
             console.print(f"  {d['node']}: core {d['core']} from {d['from_stage']} to {d['to_stage']} ({d['reason']})")
-    console.print(f"at most {report.get('max_stages_per_gpu')} stage(s) on one GPU at a time; times in seconds since the first pipeline started")
+    console.print(f"at most {report.get('max_stages_per_gpu')} stage(s) on one GPU at a time")
 
 
 def quiet_console_logs() -> None:

@@ -287,6 +287,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         fid = str(flow_run.id)
 
         if not configuration.is_stage:
+            if hasattr(self._backend, "stream_output"):
+                self._backend.stream_output = configuration.stream_output
             handle = await self._backend.launch_unplaced(fid, command, env, cwd) if hasattr(self._backend, "launch_unplaced") else None
             if handle is None:
                 raise RuntimeError(f"backend {self._backend.name} cannot start an unplaced pipeline run")
@@ -346,6 +348,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             cpusets=grant.cpusets,
             labels={"prefect.io/flow-run-id": fid},
         )
+        if hasattr(self._backend, "stream_output"):
+            self._backend.stream_output = configuration.stream_output
         try:
             handle = await self._backend.launch(launch)
         except Exception:
