@@ -74,7 +74,7 @@ def run(policies: list[str], repeats: int = 3):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--policies", default="fifo,sjf,srtf,tiresias,sjf-ffs,sjf-bsbf,genie")
+    ap.add_argument("--policies", default="fifo,sjf,srtf,tiresias,sjf-ffs,sjf-bsbf,genie,qosflow")
     ap.add_argument("--write", action="store_true", help="write docs/bench/decisions.md")
     a = ap.parse_args()
     spec, st, rows = run([p for p in a.policies.split(",") if p])

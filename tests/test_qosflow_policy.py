@@ -145,3 +145,15 @@ def test_qosflow_beats_sjf_on_contended_mixed_workload():
     s = compute_metrics(simulate(jobs, spec, get_policy("sjf"), speed=sm))
     assert q.avg_jct < s.avg_jct
     assert q.dsr >= s.dsr
+
+
+def test_cpu_stage_runs_on_a_small_host_while_gpu_jobs_wait():
+    """A 4-GPU host with 8 cores: feeding its idle GPUs must not lock CPU stages out."""
+    spec = ClusterSpec.uniform(1, 4, cpu_cores=8)
+    jobs = [
+        Job("gpu-wide", 0.0, QoSSpec(gpus=4, cpu_cores=4), 1000.0),
+        Job("gpu-next", 1.0, QoSSpec(gpus=4, cpu_cores=4), 1000.0),
+        Job("etl", 2.0, QoSSpec(gpus=0, cpu_cores=1), 10.0),
+    ]
+    res = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow"), config=SimConfig(restart_overhead=0)).jobs}
+    assert res["etl"].finish_time < 100.0

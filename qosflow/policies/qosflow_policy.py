@@ -582,7 +582,9 @@ class QosflowPolicy(Policy):
             return find_cpu_only(st, js.job)
         saved = st.cpu_free.copy()
         try:
-            st.cpu_free -= st.empty * GPU_FEED_CORES
+            # never more than half a node's cores, so small hosts still run CPU stages
+            total = np.array([s.cpu_cores for s in st.spec.nodes])
+            st.cpu_free -= np.minimum(st.empty * GPU_FEED_CORES, 0.5 * total)
             p = find_cpu_only(st, js.job)
         finally:
             st.cpu_free[:] = saved

@@ -1,0 +1,45 @@
+"""Gather the benchmark sections in docs/bench/*.md into docs/benchmarks.md.
+
+Each benchmark script writes its own section (with the machine and date of its run); this keeps
+them in one document, in a fixed order, with a table of contents.
+Usage: python benchmarks/collect.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ORDER = ["sim", "decisions", "packing", "prefect", "predictor", "learned_sim", "infra"]
+TITLES = {
+    "sim": "Simulator fidelity and qosflow's policy (issues 2, 3)",
+    "decisions": "Placement decision rate (issues 2, 3)",
+    "packing": "GPU-sharing packing on the Alibaba trace (issues 2, 3)",
+    "prefect": "Prefect integration (issue 5)",
+    "predictor": "Predictor accuracy and speed (issue 4)",
+    "learned_sim": "Learned estimates in the simulator (issue 4)",
+    "infra": "Infrastructure: agents and Kubernetes (issue 6)",
+}
+
+
+def main() -> None:
+    bench = ROOT / "docs" / "bench"
+    files = {p.stem: p for p in bench.glob("*.md") if p.stem.upper() != "CONVENTIONS"}
+    names = [n for n in ORDER if n in files] + sorted(n for n in files if n not in ORDER)
+    out = [
+        "# Benchmarks",
+        "",
+        "Every figure below comes from a script in `benchmarks/`, run on the machine named in its section "
+        "(shared, 2 cores: compare the ratios within one run, not absolute times across runs). "
+        "Regenerate a section with its script's `--write` flag, then `python benchmarks/collect.py`.",
+        "",
+    ]
+    out += [f"- [{TITLES.get(n, n)}](#{n.replace('_', '-')})" for n in names]
+    for n in names:
+        out += ["", f'<a id="{n.replace("_", "-")}"></a>', "", files[n].read_text().rstrip()]
+    (ROOT / "docs" / "benchmarks.md").write_text("\n".join(out) + "\n")
+    print("wrote docs/benchmarks.md from", ", ".join(names))
+
+
+if __name__ == "__main__":
+    main()
