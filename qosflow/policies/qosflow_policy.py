@@ -178,7 +178,7 @@ class QosflowPolicy(Policy):
 
     # ------------------------------------------------------------------ sharing
     #: nodes examined per sharing search (the ones with most shareable GPUs), bounding a round's cost
-    SHARE_NODES = 48
+    SHARE_NODES = 16
 
     def _partner_value(self, js: JobState, partner: JobState, n_gpus_here: int, rem, est, now: float, queued: bool, sb_penalty: float):
         """(ok, gain in GPU-throughput, xi_a, xi_b, bsbf gain) of `js` joining `partner` on `n_gpus_here` GPUs."""
@@ -480,6 +480,14 @@ class QosflowPolicy(Policy):
         reserved: dict[int, tuple[float, str]] = {}
         max_res = max(1, int(round(self.reserve_share * st.num_nodes)))
         failed_k: dict[tuple, int] = {}
+        # per GPU: when its first and its last job are predicted to end (kept up to date this round)
+        self._end_min = np.full(st.njobs.shape, np.inf)
+        self._end_max = np.zeros(st.njobs.shape)
+        for jid, pl in st.allocs.items():
+            e = rem.get(jid, 0.0)
+            for ng in pl.gpus:
+                self._end_min[ng] = min(self._end_min[ng], e)
+                self._end_max[ng] = max(self._end_max[ng], e)
         share_tries = 0
         self._ver = 0
         self._nofit: dict[tuple, int] = {}
@@ -538,6 +546,9 @@ class QosflowPolicy(Policy):
             p = self._with_cores(st, js.job, p, est)
             st.allocate(p, q)
             self._ver += 1
+            for ng in p.gpus:
+                self._end_min[ng] = min(self._end_min[ng], r)
+                self._end_max[ng] = max(self._end_max[ng], r)
             d.starts.append(p)
             if js in starving:
                 js.tags["qosflow_rescued"] = True
@@ -602,24 +613,14 @@ class QosflowPolicy(Policy):
         wait = self._consolidated_wait(st, js, rem)
         return p if extra < wait else None
 
-    @staticmethod
-    def _consolidated_wait(st: ClusterState, js: JobState, rem) -> float:
+    def _consolidated_wait(self, st: ClusterState, js: JobState, rem) -> float:
+        """Predicted wait until some node has enough empty GPUs for `js` (no new starts assumed)."""
         k = min(js.job.qos.gpus, st.spec.max_gpus_per_node)
-        best = math.inf
-        for n in range(st.num_nodes):
-            if st.down[n] or st.gpu_count[n] < k:
-                continue
-            ends = sorted(rem.get(jid, math.inf) for jid, p in st.allocs.items() if n in p.nodes)
-            free = int(st.empty[n])
-            t = 0.0
-            for e in ends:
-                if free >= k:
-                    break
-                t = e
-                free += 1
-            if free >= k:
-                best = min(best, t)
-        return best
+        t = np.where(st.njobs == 0, 0.0, self._end_max)  # a GPU is empty once its last job ends
+        t = np.where(st.exists, t, np.inf)
+        t[st.down] = np.inf
+        kth = np.partition(t, k - 1, axis=1)[:, k - 1]
+        return float(kth.min())
 
     def _reserve(self, st: ClusterState, js: JobState, rem, reserved) -> tuple[list[int], float] | None:
         """The unreserved node(s) where `js` can start soonest if nothing new starts there.
@@ -630,33 +631,31 @@ class QosflowPolicy(Policy):
         q = js.job.qos
         gmax = max(1, st.spec.max_gpus_per_node)
         can_share = q.shareable and q.gpu_mem_mb is not None
-        per_node: list[tuple[float, int]] = []
-        for n in range(st.num_nodes):
-            if st.down[n] or n in reserved or st.gpu_count[n] == 0:
-                continue
-            if q.gpu_model is not None and st.spec.nodes[n].gpu_model != q.gpu_model:
-                continue
-            times = []
-            for g in range(int(st.gpu_count[n])):
-                occ = st.gpu_jobs.get((n, g), ())
-                ends = sorted(rem.get(j, 0.0) for j in occ)
-                if not occ:
-                    times.append(0.0)
-                elif can_share and st.whole[n, g] >= 1:
-                    times.append(0.0 if len(occ) == 1 and st.share_ok[n, g] else ends[0])
-                else:
-                    times.append(ends[-1])
-            times.sort()
-            k = min(q.gpus, len(times))
-            per_node.append((times[k - 1] if q.gpus <= gmax else times[-1], n))
-        if not per_node:
-            return None
-        per_node.sort()
+        if can_share:
+            t = np.where(st.njobs == 0, 0.0, np.where((st.njobs == 1) & st.share_ok, 0.0, self._end_min))
+        else:
+            t = np.where(st.njobs == 0, 0.0, self._end_max)
+        t = np.where(st.exists, t, np.inf)
+        bad = st.down.copy()
+        if reserved:
+            bad[list(reserved)] = True
+        if q.gpu_model is not None:
+            bad |= np.fromiter((s.gpu_model != q.gpu_model for s in st.spec.nodes), bool, st.num_nodes)
+        bad |= st.gpu_count == 0
         if q.gpus <= gmax:
-            t, n = per_node[0]
-            return [n], t
+            ok = ~bad & (st.gpu_count >= q.gpus)
+            if not ok.any():
+                return None
+            kth = np.partition(t, q.gpus - 1, axis=1)[:, q.gpus - 1]
+            kth[~ok] = np.inf
+            n = int(np.argmin(kth))
+            return [n], float(kth[n])
         need = -(-q.gpus // gmax)
-        if len(per_node) < need:
+        full = t.copy()
+        full[~st.exists] = -np.inf
+        last = full.max(axis=1)
+        last[bad] = np.inf
+        order = np.argsort(last, kind="stable")[:need]
+        if len(order) < need or not np.isfinite(last[order]).all():
             return None
-        chosen = per_node[:need]
-        return [n for _, n in chosen], max(t for t, _ in chosen)
+        return [int(n) for n in order], float(last[order].max())
