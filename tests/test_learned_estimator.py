@@ -243,3 +243,16 @@ def test_measured_colocations_and_spreads_replace_the_model():
     sp = est.predict_spread(_job(30, "bignet", gpus=2))
     assert sp.basis == "samples(n=3)" and sp.value == pytest.approx(speed.default_spread, rel=0.15)
     assert est.spread_slowdown(_job(30, "bignet", gpus=2), 2, 1) == pytest.approx(sp.value)
+
+
+def test_spread_measured_at_one_gpu_count_calibrates_the_others():
+    est = _learned()
+    est.gpus_per_node = 4
+    four = _job(1, "bignet", gpus=4)
+    model8 = est.predict_spread(_job(2, "bignet", gpus=8)).value
+    est.duration(four)
+    est.observe_spread(four, 3.0)  # far worse than the model thought
+    p8 = est.predict_spread(_job(3, "bignet", gpus=8))
+    assert "calibration(n=1)" in p8.basis and p8.value > model8
+    p4 = est.predict_spread(_job(4, "bignet", gpus=4))
+    assert p4.basis.startswith("samples(n=1)+")

@@ -326,6 +326,8 @@ class LearnedEstimator:
         #: running jobs as last seen by `remaining` (job id -> (placement, its GPUs)): who shares with whom
         self._where: dict[str, tuple[Any, frozenset]] = {}
         self._spread_obs: dict[tuple[str, int], _LogStat] = {}  # (key, gpus) -> measured spread penalties
+        self._spread_m: dict[tuple[str, int], Prediction] = {}  # (key, gpus) -> the scaling model's penalty
+        self._spread_resid: dict[str, _LogStat] = {}  # key -> measured / model penalty, over GPU counts
         #: GPUs per node, as seen in placements (the spread penalty depends on the nodes a job needs)
         self.gpus_per_node = 0
         self._dirty = False
@@ -418,6 +420,7 @@ class LearnedEstimator:
             self._pair_val.clear()
             self._pmodel.clear()
             self._spread.clear()
+            self._spread_m.clear()
             self._new_pairs = 0
 
     # ------------------------------------------------------------------ durations
@@ -545,7 +548,12 @@ class LearnedEstimator:
         return p if v == p.value else Prediction(v, min(max(p.low, 1.0), v), min(max(p.high, v), MAX_SLOWDOWN), p.n_samples, p.basis)
 
     def predict_spread(self, job: Job) -> Prediction:
-        """Slowdown of the job spread over nodes vs consolidated, at its GPU count (Gavel's notion)."""
+        """Slowdown of the job spread over nodes vs consolidated, at its GPU count (Gavel's notion).
+
+        The solo-scaling model's answer, calibrated by what finished spread jobs of the same signature
+        measured: at this GPU count, the measurements alone from MIN_SAMPLES on (blended before); at
+        other GPU counts, the model times the signature's measured/predicted ratio (shrunk by n/(n+1)).
+        """
         sig, key = self._sig_of(job)
         gpus = job.qos.gpus
         hit = self._spread.get((key, gpus))
@@ -554,21 +562,16 @@ class LearnedEstimator:
         if gpus <= 1:
             pred = Prediction(1.0, 1.0, 1.0, 0, "single-gpu")
         else:
-            self._ensure_profiled(job)
-            self._refit_if_dirty()
-            # the reference table measured spreading up to its largest GPU count: beyond, the same penalty
-            n = min(gpus, self._max_reference_gpus())
-            cons, spread = self.predictor.predict_solo_step_time_batch([(sig, n, True), (sig, n, False)])
-            v = max(1.0, spread.value / cons.value)
-            lo = max(1.0, spread.low / cons.high) if cons.high > 0 else 1.0
-            hi = max(v, spread.high / cons.low) if cons.low > 0 else v
-            basis = f"spread/consolidated at {n} GPUs: {spread.basis}"
-            pred = Prediction(v, min(lo, v), hi, min(cons.n_samples, spread.n_samples), basis)
+            from qosflow.predict.predictor import MIN_SAMPLES
+
+            pred = self._spread_model(job, sig, key)
+            r = self._spread_resid.get(key)
+            if r is not None and r.n:
+                f = math.exp(r.mean * r.n / (r.n + 1.0))
+                pred = Prediction(max(1.0, pred.value * f), max(1.0, pred.low * f), max(1.0, pred.high * f),
+                                  r.n, f"{pred.basis}×calibration(n={r.n})")
             st = self._spread_obs.get((key, gpus))
             if st is not None and st.n:
-                # measured penalties of finished jobs: alone from MIN_SAMPLES on, blended before
-                from qosflow.predict.predictor import MIN_SAMPLES
-
                 m = st.prediction(1.0, f"samples(n={st.n})")
                 if st.n >= MIN_SAMPLES:
                     pred = m
@@ -576,8 +579,27 @@ class LearnedEstimator:
                     w = st.n / (st.n + 1.0)
                     lv = w * math.log(m.value) + (1 - w) * math.log(pred.value)
                     pred = Prediction(math.exp(lv), min(m.low, pred.low), max(m.high, pred.high), st.n,
-                                      f"samples(n={st.n})+{basis}")
+                                      f"samples(n={st.n})+{pred.basis}")
         self._spread[(key, gpus)] = pred
+        return pred
+
+    def _spread_model(self, job: Job, sig: str, key: str) -> Prediction:
+        """The solo-scaling model's spread / consolidated step time at the job's GPU count."""
+        gpus = job.qos.gpus
+        hit = self._spread_m.get((key, gpus))
+        if hit is not None:
+            return hit
+        self._ensure_profiled(job)
+        self._refit_if_dirty()
+        # the reference table measured spreading up to its largest GPU count: beyond, the same penalty
+        n = min(gpus, self._max_reference_gpus())
+        cons, spread = self.predictor.predict_solo_step_time_batch([(sig, n, True), (sig, n, False)])
+        v = max(1.0, spread.value / cons.value)
+        lo = max(1.0, spread.low / cons.high) if cons.high > 0 else 1.0
+        hi = max(v, spread.high / cons.low) if cons.low > 0 else v
+        pred = Prediction(v, min(lo, v), hi, min(cons.n_samples, spread.n_samples),
+                          f"spread/consolidated at {n} GPUs: {spread.basis}")
+        self._spread_m[(key, gpus)] = pred
         return pred
 
     def _max_reference_gpus(self) -> int:
@@ -699,9 +721,19 @@ class LearnedEstimator:
         if job.qos.gpus > 1 and nodes > need:
             obs = prof.spread_slowdown(job, nodes, need)
             shape = min(1.0, 2.0 * (nodes - need) / max(1, nodes - 1))
-            self._spread_obs.setdefault((key, job.qos.gpus), _LogStat()).add(1.0 + (obs - 1.0) / shape)
-            self._spread.pop((key, job.qos.gpus), None)
-            self.stats["spreads_observed"] += 1
+            self.observe_spread(job, 1.0 + (obs - 1.0) / shape)
+
+    def observe_spread(self, job: Job, penalty: float) -> None:
+        """`job` measured `penalty` (spread / consolidated step time, Gavel's notion) while spread."""
+        if not (math.isfinite(penalty) and penalty > 0):
+            return
+        sig, key = self._sig_of(job)
+        model = self._spread_model(job, sig, key)
+        self._spread_obs.setdefault((key, job.qos.gpus), _LogStat()).add(penalty)
+        self._spread_resid.setdefault(key, _LogStat()).add(penalty / model.value)
+        for k in [k for k in self._spread if k[0] == key]:
+            del self._spread[k]
+        self.stats["spreads_observed"] += 1
 
     def observe(self, job: Job, actual_s: float) -> None:
         """Worker hook: a stage finished after `actual_s` seconds. Learned, and written to the store."""
