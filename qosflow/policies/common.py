@@ -12,6 +12,19 @@ from qosflow.policies.base import Decision, SchedulerView
 from qosflow.policies.placement import Fit, Locality, find_for
 
 
+def sjf_order(view: SchedulerView) -> list[JobState]:
+    """Pending jobs, shortest estimated remaining time first (ties: earliest submission)."""
+    est = view.estimator
+    return sorted(view.pending, key=lambda js: (est.remaining(js), js.job.submit_time))
+
+
+def states_of(view: SchedulerView) -> dict[str, JobState]:
+    """Every job the view knows, running and pending, by id."""
+    states = {js.job_id: js for js in view.running}
+    states.update({js.job_id: js for js in view.pending})
+    return states
+
+
 def why_waiting(state: ClusterState, js: JobState, largest: int | None = None) -> str:
     q = js.job.qos
     if q.gpus == 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
-from qosflow.policies.common import place_in_order
+from qosflow.policies.common import place_in_order, sjf_order
 
 
 @register
@@ -16,6 +16,4 @@ class SjfPolicy(Policy):
         self.locality = locality
 
     def schedule(self, view: SchedulerView) -> Decision:
-        est = view.estimator
-        order = sorted(view.pending, key=lambda js: (est.remaining(js), js.job.submit_time))
-        return place_in_order(view, order, locality=self.locality)
+        return place_in_order(view, sjf_order(view), locality=self.locality)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from qosflow.core.placement import Placement
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
-from qosflow.policies.common import place_in_order
+from qosflow.policies.common import place_in_order, sjf_order, states_of
 from qosflow.policies.placement import find_colocation, find_for
 from qosflow.policies.sharing import PartnerIndex, bsbf_times, memory_plan
 
@@ -28,9 +28,8 @@ class SjfBsbfPolicy(Policy):
 
     def schedule(self, view: SchedulerView) -> Decision:
         est = view.estimator
-        states = {js.job_id: js for js in view.running}
-        states.update({js.job_id: js for js in view.pending})
-        order = sorted(view.pending, key=lambda js: (est.remaining(js), js.job.submit_time))
+        states = states_of(view)
+        order = sjf_order(view)
         notes: dict[str, str] = {}
         index = PartnerIndex(view.cluster, states, est.remaining)
         started: list[JobState] = []

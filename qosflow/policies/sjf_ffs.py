@@ -10,7 +10,7 @@ from qosflow.core.placement import Placement
 from qosflow.policies import register
 from qosflow.core.job import JobState
 from qosflow.policies.base import Decision, Policy, SchedulerView
-from qosflow.policies.common import place_in_order
+from qosflow.policies.common import place_in_order, sjf_order, states_of
 from qosflow.policies.placement import find_colocation, find_for
 from qosflow.policies.sharing import PartnerIndex, memory_plan
 
@@ -26,9 +26,8 @@ class SjfFfsPolicy(Policy):
 
     def schedule(self, view: SchedulerView) -> Decision:
         est = view.estimator
-        states = {js.job_id: js for js in view.running}
-        states.update({js.job_id: js for js in view.pending})
-        order = sorted(view.pending, key=lambda js: (est.remaining(js), js.job.submit_time))
+        states = states_of(view)
+        order = sjf_order(view)
 
         index = PartnerIndex(view.cluster, states, est.remaining)
 
