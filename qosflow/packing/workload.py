@@ -8,6 +8,9 @@ over "task types" M = {m: (CPU, GPU request, GPU model), p_m}. As in the authors
 models) -- memory is not part of it -- counted over the pod list; the most frequent types are
 kept until they cover 95 % of the pods, and their frequencies are renormalised to sum to 1.
 Ties in frequency are ordered by (CPU, GPU milli, GPU count, model) descending, as there.
+
+``memory_mib`` (optional, per type) is the median memory of the pods of that type. FGD ignores
+it; qosflow's packer uses it to tell when a node's memory, not its GPUs, stops a type.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class WorkloadDistribution:
     #: (T,) integer weights proportional to ``prob`` (the pod counts when built from a pod list);
     #: FGD sums fragments with them so that equal node states give exactly equal values
     weights: np.ndarray | None = None
+    #: (T,) int64 typical memory (MiB) of a task of each type (median over the pods); None: unknown
+    memory_mib: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         t = len(self.prob)
@@ -54,16 +59,24 @@ class WorkloadDistribution:
             object.__setattr__(self, "weights", np.rint(self.prob * 1e9).astype(np.int64))
         elif len(self.weights) != t or np.any(np.asarray(self.weights) < 0):
             raise SpecError("workload", "weights must be one non-negative integer per type")
+        if self.memory_mib is not None:
+            mem = np.asarray(self.memory_mib, dtype=np.int64)
+            if len(mem) != t or np.any(mem < 0):
+                raise SpecError("workload", f"memory_mib needs one value >= 0 per type ({t}), got {len(mem)}")
+            object.__setattr__(self, "memory_mib", mem)
 
     def __len__(self) -> int:
         return len(self.prob)
 
     @classmethod
     def from_types(
-        cls, types: Sequence[tuple[int, int, int, tuple[str, ...]]], prob: Sequence[float]
+        cls,
+        types: Sequence[tuple[int, int, int, tuple[str, ...]]],
+        prob: Sequence[float],
+        memory_mib: Sequence[int] | None = None,
     ) -> "WorkloadDistribution":
         """From explicit (cpu_milli, num_gpu, gpu_milli, gpu_spec) types and probabilities
-        (or counts: integer values are kept as exact weights)."""
+        (or counts: integer values are kept as exact weights), optionally each type's memory."""
         raw = np.asarray(prob, dtype=np.float64)
         weights = raw.astype(np.int64) if np.all(raw == np.floor(raw)) else None
         p = raw / raw.sum() if raw.sum() > 0 else raw
@@ -74,6 +87,7 @@ class WorkloadDistribution:
             gpu_spec=tuple(tuple(t[3]) for t in types),
             prob=p,
             weights=weights,
+            memory_mib=None if memory_mib is None else np.asarray(memory_mib, dtype=np.int64),
         )
 
     @classmethod
@@ -84,10 +98,12 @@ class WorkloadDistribution:
         if not 0 < popularity <= 1:
             raise SpecError("popularity", f"must be in (0, 1], got {popularity}")
         counts: Counter[tuple[int, int, int, tuple[str, ...]]] = Counter()
+        mems: dict[tuple[int, int, int, tuple[str, ...]], list[int]] = {}
         for pod in pods:
             if pod.num_gpu == 0 and not include_cpu_pods:
                 continue
             counts[pod.request_key] += 1
+            mems.setdefault(pod.request_key, []).append(pod.memory_mib)
         if not counts:
             raise SpecError("workload", "no pods to derive the target workload from")
         total = sum(counts.values())
@@ -99,7 +115,9 @@ class WorkloadDistribution:
                 break
             kept.append((key, cnt))
             cum += cnt
-        return cls.from_types([k for k, _ in kept], [c for _, c in kept])
+        return cls.from_types(
+            [k for k, _ in kept], [c for _, c in kept], [int(np.median(mems[k])) for k, _ in kept]
+        )
 
     def access_matrix(self, models: Sequence[str]) -> np.ndarray:
         """(len(models), T) bool: may type t run on GPU model m? (always True for CPU-only types)."""
@@ -117,6 +135,7 @@ class WorkloadDistribution:
                 "gpu_milli": int(self.gpu_milli[t]),
                 "gpu_spec": "|".join(self.gpu_spec[t]),
                 "prob": float(self.prob[t]),
+                **({"memory_mib": int(self.memory_mib[t])} if self.memory_mib is not None else {}),
             }
             for t in range(len(self))
         ]
