@@ -126,7 +126,7 @@ def register_policy(name: str) -> Callable[[type[PackingPolicy]], type[PackingPo
 
 def _load_builtin() -> None:
     # importing the modules registers them
-    from qosflow.packing import best_fit, fgd, first_fit, random_fit  # noqa: F401
+    from qosflow.packing import best_fit, fgd, first_fit, qosflow_pack, random_fit  # noqa: F401
 
 
 def policy_names() -> list[str]:
