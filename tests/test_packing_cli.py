@@ -26,11 +26,11 @@ def test_pack_cli_writes_json_csv_png(tmp_path, capsys):
     pods.write_text(PODS)
     nodes.write_text(NODES)
     out_json = tmp_path / "res" / "pack.json"
-    rc = main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit,best-fit,fgd",
+    rc = main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit,best-fit,fgd,qosflow",
                "--seed", "3", "--seeds", "2", "--json", str(out_json)])
     assert rc == 0
     data = json.loads(out_json.read_text())
-    assert set(data["policies"]) == {"first-fit", "best-fit", "fgd"}
+    assert set(data["policies"]) == {"first-fit", "best-fit", "fgd", "qosflow"}
     for d in data["policies"].values():
         assert 0 < d["alloc_ratio"] <= 1
         assert d["allocated_gpus"] + d["unallocated_gpus"] == 8
