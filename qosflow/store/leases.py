@@ -9,8 +9,9 @@ Two tables (SQLModel):
   database constraint that makes double-booking impossible, whatever the workers believe.
 
 A GPU is 20 units of 50 milli-GPU: an exclusive whole-GPU stage books all 20; a shareable
-whole-GPU stage books units 0-9 and the one co-located with it (`colocated_with`) units 10-19, so at
-most two share a GPU; a fractional share books ceil(milli/50) free units. CPU cores are booked one
+whole-GPU stage, or the one co-located with it (`colocated_with`), books a free half (10 units), so
+at most two share a GPU (and a third can join when the first of a pair ends); a fractional share
+books ceil(milli/50) free units. CPU cores are booked one
 row per core when the placement comes with cpusets. All rows of an attempt (every GPU of a gang) are
 inserted in one transaction: all or nothing.
 
@@ -164,14 +165,11 @@ def placement_units(spec: "LaunchSpec", shareable: bool | None = None) -> tuple[
         if p.gpu_milli < 1000:
             frac.append((node, g, max(1, math.ceil(p.gpu_milli / MILLI_PER_UNIT))))
             continue
-        half = UNITS_PER_GPU // 2
-        if p.colocated_with:
-            units = range(half, UNITS_PER_GPU)
-        elif shareable:
-            units = range(0, half)
-        else:
-            units = range(UNITS_PER_GPU)
-        fixed.extend((node, f"gpu{g}:u{u:02d}") for u in units)
+        if p.colocated_with or shareable:
+            # either free half: the first of a pair may end and a third stage join the second
+            frac.append((node, g, UNITS_PER_GPU // 2))
+            continue
+        fixed.extend((node, f"gpu{g}:u{u:02d}") for u in range(UNITS_PER_GPU))
     for n, cores in spec.cpusets.items():
         node = spec.cluster.nodes[n].name
         fixed.extend((node, f"cpu{c}") for c in cores)
