@@ -184,7 +184,12 @@ class Runner:
             return
         if st.killed_reason is None:
             st.killed_reason = reason
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        steps = ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0))
+        if reason.startswith("fenced"):
+            # the stage is being rerun elsewhere: no grace, so that it cannot report anything (e.g. a
+            # Prefect engine marking its flow run Crashed over the rerun's state)
+            steps = ((signal.SIGKILL, 5.0),)
+        for sig, wait in steps:
             try:
                 os.killpg(st.pid, sig)  # type: ignore[arg-type]
             except ProcessLookupError:

@@ -365,7 +365,12 @@ class AgentBackend(Backend):
                 self._client.get(f"{h.url}/v1/stages/{part['stage_id']}/wait", params={"timeout": self.poll_s}, timeout=self.poll_s + 5)
             )
             flag = asyncio.ensure_future(changed.wait())
-            done, _ = await asyncio.wait({poll, flag}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait({poll, flag}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the caller stopped waiting (worker shutdown): leave no orphan request
+                poll.cancel()
+                flag.cancel()
+                raise
             flag.cancel()
             if poll not in done:
                 poll.cancel()
