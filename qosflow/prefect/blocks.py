@@ -113,6 +113,14 @@ class BareMetalGPUCluster(_ClusterBase):
         description="Agent URL template, e.g. http://{host}:8790 (agents backend).",
     )
     agent_token: Optional[SecretStr] = Field(default=None, description="Secret token every agent request carries.")
+    agent_urls: dict[str, str] = Field(
+        default_factory=dict,
+        description="Agent URL per host (overrides agent_url for that host), e.g. {\"gpu-a\": \"http://10.0.0.11:8701\"}.",
+    )
+    heartbeat_s: float = Field(default=2.0, gt=0, description="Seconds between the worker's heartbeats to every agent.")
+    fence_after_s: Optional[float] = Field(
+        default=None, gt=0, description="The agents' --fence-after: a silent host's stages are rerun elsewhere only after it."
+    )
 
     @field_validator("hosts")
     @classmethod
@@ -125,15 +133,68 @@ class BareMetalGPUCluster(_ClusterBase):
 
     @model_validator(mode="after")
     def _agents(self) -> "BareMetalGPUCluster":
-        if self.backend == "agents" and not self.agent_url:
-            raise ValueError("backend 'agents' needs agent_url (e.g. http://{host}:8790)")
+        if self.backend == "agents":
+            missing = [h for h in self.hosts if h not in self.agent_urls]
+            if missing and not self.agent_url:
+                raise ValueError(
+                    f"backend 'agents' needs agent_url (e.g. http://{{host}}:8790) or agent_urls for host(s) {', '.join(missing)}"
+                )
+        unknown = sorted(set(self.agent_urls) - set(self.hosts))
+        if unknown:
+            raise ValueError(f"agent_urls names host(s) {', '.join(unknown)} that are not in hosts")
         return self
 
     def host_names(self) -> list[str]:
         return list(self.hosts)
 
     def agent_address(self, host: str) -> str | None:
+        if host in self.agent_urls:
+            return self.agent_urls[host]
         return self.agent_url.format(host=host) if self.agent_url else None
+
+    def make_backend(self):
+        """The backend this block describes: `LocalBackend` (processes here) or `AgentBackend` (agents by URL,
+        token from `agent_token`)."""
+        if self.backend == "local":
+            from qosflow.backends.local import LocalBackend
+
+            return LocalBackend(self.to_cluster_spec())
+        from qosflow.backends.agent import AgentBackend, AgentHost
+        from qosflow.errors import SpecError
+
+        token = self.agent_token.get_secret_value() if self.agent_token is not None else ""
+        if not token:
+            raise SpecError("agent_token", "the bare-metal cluster block has backend 'agents' but no agent_token: set the agents' secret token")
+        hosts = [
+            AgentHost(h, self.agent_address(h) or "", self.gpus_per_host, self.gpu_mem_mb, self.cpu_cores, self.mem_mb,
+                      None if self.gpu_model == "generic" else self.gpu_model)
+            for h in self.hosts
+        ]
+        name = getattr(self, "_block_document_name", None) or "agents"
+        return AgentBackend(hosts, token, heartbeat_s=self.heartbeat_s, fence_after_s=self.fence_after_s, cluster_name=name)
+
+    @classmethod
+    def from_cluster_file(cls, path: str) -> "BareMetalGPUCluster":
+        """The block for a cluster file (`qosflow.backends.agent.load_cluster_file`): agents by URL, its token."""
+        from qosflow.backends.agent import load_cluster_file
+
+        cf = load_cluster_file(path)
+        first = cf.hosts[0]
+        kw: dict[str, Any] = {}
+        for field_name, attr in (("gpus_per_host", "gpus"), ("gpu_mem_mb", "gpu_mem_mb"), ("cpu_cores", "cpu_cores"), ("mem_mb", "mem_mb"), ("gpu_model", "gpu_model")):
+            v = getattr(first, attr)
+            if v is not None:
+                kw[field_name] = v
+        return cls(
+            hosts=[h.name for h in cf.hosts],
+            backend="agents",
+            agent_urls={h.name: h.url for h in cf.hosts},
+            agent_token=SecretStr(cf.token),
+            heartbeat_s=cf.heartbeat_s,
+            fence_after_s=cf.fence_after_s,
+            virtual_gpus=True,
+            **kw,
+        )
 
     @classmethod
     def virtual(cls, hosts: int = 2, gpus_per_host: int = 4, **kw: Any) -> "BareMetalGPUCluster":
@@ -157,8 +218,33 @@ class KubernetesGPUCluster(_ClusterBase):
     node_names: list[str] = Field(default_factory=list, description="Nodes to plan on when the API cannot be read (virtual).")
     sharing: Literal["none", "time-slicing", "mps"] = Field(default="none", description="GPU sharing the NVIDIA device plugin is configured for.")
 
+    gang_scheduler: Optional[Literal["volcano", "kai"]] = Field(default=None, description="Gang-capable scheduler (PodGroups), if installed.")
+    kubeconfig: Optional[str] = Field(default=None, description="Kubeconfig file (default: in-cluster config, then ~/.kube/config).")
+    context: Optional[str] = Field(default=None, description="Kubeconfig context.")
+    api_url: Optional[str] = Field(
+        default=None,
+        description="Plain API server URL without credentials (`kubectl proxy`, or the qosflow test emulator); overrides kubeconfig.",
+    )
+
     def host_names(self) -> list[str]:
         return list(self.node_names) or ["k8s-node0"]
+
+    def make_backend(self):
+        """A `KubernetesBackend` for this cluster (inventory from the nodes' allocatable GPUs and labels)."""
+        from qosflow.backends.kubernetes import KubernetesBackend
+
+        api_client = None
+        if self.api_url:
+            from kubernetes import client
+
+            cfg = client.Configuration()
+            cfg.host = self.api_url
+            api_client = client.ApiClient(cfg)
+        name = getattr(self, "_block_document_name", None) or "kubernetes"
+        return KubernetesBackend(
+            namespace=self.namespace, image=self.image, api_client=api_client, kubeconfig=self.kubeconfig, context=self.context,
+            gpu_sharing=self.sharing, gang_scheduler=self.gang_scheduler, node_selector=dict(self.node_labels), cluster_name=name,
+        )
 
 
 def cluster_from_block_data(data: dict[str, Any]) -> ClusterSpec:

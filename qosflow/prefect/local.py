@@ -122,7 +122,14 @@ async def register_blocks() -> list[str]:
     return out
 
 
-def pool_template(cluster_block: str | None = None, policy_block: str | None = None, *, stream_output: bool = True) -> dict[str, Any]:
+def pool_template(
+    cluster_block: str | None = None,
+    policy_block: str | None = None,
+    *,
+    stream_output: bool = True,
+    env: dict[str, str] | None = None,
+    cluster_file: str | None = None,
+) -> dict[str, Any]:
     from qosflow.prefect.worker import QosflowWorker
 
     t = QosflowWorker.get_default_base_job_template()
@@ -131,6 +138,10 @@ def pool_template(cluster_block: str | None = None, policy_block: str | None = N
         props["cluster_block"]["default"] = cluster_block
     if policy_block:
         props["policy_block"]["default"] = policy_block
+    if cluster_file:
+        props["cluster_file"]["default"] = str(cluster_file)
+    if env:
+        props["env"]["default"] = dict(env)
     props["stream_output"]["default"] = stream_output
     return t
 
@@ -143,8 +154,11 @@ async def setup_pool(
     policy: Any = None,
     policy_block: str | None = None,
     stream_output: bool = True,
+    env: dict[str, str] | None = None,
+    cluster_file: str | None = None,
 ) -> dict[str, Any]:
-    """Register blocks, save the cluster/policy blocks, create or update the pool and its stage deployment."""
+    """Register blocks, save the cluster/policy blocks, create or update the pool and its stage deployment.
+    `env` is the stage processes' extra environment; `cluster_file` makes the pool's worker use those agents."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
@@ -156,7 +170,7 @@ async def setup_pool(
     if policy is not None:
         await policy.asave(policy_block or pool, overwrite=True)
         policy_block = policy_block or pool
-    template = pool_template(cluster_block, policy_block, stream_output=stream_output)
+    template = pool_template(cluster_block, policy_block, stream_output=stream_output, env=env, cluster_file=cluster_file)
     async with get_client() as client:
         try:
             await client.read_work_pool(pool)

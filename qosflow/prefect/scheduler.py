@@ -160,6 +160,50 @@ class QoSScheduler:
         self.wake()
         return e
 
+    def adopt(self, entry: StageEntry, placement: Placement, cpusets: dict[int, list[int]], predicted_s: float | None = None) -> Grant:
+        """Take in a stage that is already running (found through its lease after a worker restart):
+        its slot is allocated and it counts as running, without going through the queue."""
+        self.state.allocate(placement, entry.job.qos)
+        for node, cores in cpusets.items():
+            owners = self._cores.get(node, [])
+            for c in cores:
+                if 0 <= c < len(owners) and not owners[c]:
+                    owners[c] = entry.job_id
+        now = self.clock()
+        entry.ready_at = entry.ready_at or now
+        entry.state.status = JobStatus.RUNNING
+        entry.state.placement = placement
+        entry.state.first_start = entry.state.first_start or now
+        entry.state.last_start = now
+        pred = float(predicted_s if predicted_s is not None else self.estimator.duration(entry.job))
+        entry.grant = Grant(placement, dict(cpusets), pred, now, 0.0, "adopted after a worker restart")
+        self.entries[entry.job_id] = entry
+        return entry.grant
+
+    def hold(self, key: str, placement: Placement, qos: Any, cores: dict[int, list[int]] | None = None) -> bool:
+        """Mark capacity booked by someone else (another worker's lease) as taken. False if it does not fit
+        this view (then the database constraint still guards it)."""
+        if key in self.state.allocs:
+            return True
+        try:
+            self.state.allocate(placement, qos)
+        except PlacementError:
+            return False
+        for node, ids in (cores or {}).items():
+            owners = self._cores.get(node, [])
+            for c in ids:
+                if 0 <= c < len(owners) and not owners[c]:
+                    owners[c] = key
+        return True
+
+    def unhold(self, key: str) -> None:
+        if key in self.state.allocs:
+            self.state.release(key)
+        for owners in self._cores.values():
+            for i, o in enumerate(owners):
+                if o == key:
+                    owners[i] = ""
+
     def drop(self, job_id: str, reason: str = "cancelled") -> None:
         """Forget a queued (or running) stage, e.g. when its flow run was cancelled."""
         e = self.entries.get(job_id)
@@ -214,6 +258,19 @@ class QoSScheduler:
             return []
         self.rounds += 1
         now = self.clock()
+        granted: list[StageEntry] = []
+        # stages rerun after an infrastructure failure first (they were running already), each on a
+        # view where the nodes it failed on are down, so that the policy places it elsewhere
+        rest = []
+        for e in sorted(pending, key=lambda x: x.ready_at):
+            avoid = self._avoid(e)
+            if avoid:
+                granted.extend(self._round_avoiding(e, avoid, now))
+            else:
+                rest.append(e)
+        pending = rest
+        if not pending:
+            return granted
         running = [e.state for e in self.running()]
         view = SchedulerView(now=now, cluster=self.state.snapshot(), pending=[e.state for e in pending], running=running, estimator=self.estimator)
         decision: Decision = self.policy.schedule(view)
@@ -227,32 +284,64 @@ class QoSScheduler:
                 e = self.entries.get(jid)
                 if e is not None:
                     e.state.note = "policy asked to preempt; live stages run to completion"
-        granted: list[StageEntry] = []
         for p in decision.starts:
             e = self.entries.get(p.job_id)
             if e is None or e.state.status is not JobStatus.PENDING or e.future is None or e.future.done():
                 continue
-            try:
-                self.state.allocate(p, e.job.qos)
-            except PlacementError as exc:
-                e.state.note = f"placement rejected: {exc}"
-                continue
-            cpusets = self._assign_cores(p)
-            predicted = float(self.estimator.duration(e.job))
-            e.state.status = JobStatus.RUNNING
-            e.state.placement = p
-            e.state.first_start = e.state.first_start or now
-            e.state.last_start = now
-            e.grant = Grant(p, cpusets, predicted, now, now - e.ready_at, e.state.note)
-            e.future.set_result(e.grant)
-            granted.append(e)
-            self._emit("qosflow.stage.placed", e, self.describe_grant(e))
+            if self._grant(e, p, now):
+                granted.append(e)
         for jid, node, cores in decision.resize:
             try:
                 self.state.resize_cpu(jid, node, cores)
             except (PlacementError, KeyError):
                 pass
         return granted
+
+    def _grant(self, e: StageEntry, p: Placement, now: float) -> bool:
+        try:
+            self.state.allocate(p, e.job.qos)
+        except PlacementError as exc:
+            e.state.note = f"placement rejected: {exc}"
+            return False
+        cpusets = self._assign_cores(p)
+        predicted = float(self.estimator.duration(e.job))
+        e.state.status = JobStatus.RUNNING
+        e.state.placement = p
+        e.state.first_start = e.state.first_start or now
+        e.state.last_start = now
+        e.grant = Grant(p, cpusets, predicted, now, now - e.ready_at, e.state.note)
+        assert e.future is not None
+        e.future.set_result(e.grant)
+        self._emit("qosflow.stage.placed", e, self.describe_grant(e))
+        return True
+
+    def _avoid(self, e: StageEntry) -> set[int]:
+        """Nodes this stage must not be placed on (it failed there for infrastructure reasons), unless
+        the other nodes together could never hold it: then it may go anywhere again."""
+        avoid = {int(n) for n in e.meta.get("avoid_nodes", ()) if 0 <= int(n) < len(self.cluster.nodes)}
+        if not avoid:
+            return set()
+        others = [n for i, n in enumerate(self.cluster.nodes) if i not in avoid]
+        if not others or sum(n.gpus for n in others) < e.job.qos.gpus:
+            return set()
+        return avoid
+
+    def _round_avoiding(self, e: StageEntry, avoid: set[int], now: float) -> list[StageEntry]:
+        snap = self.state.snapshot()
+        for n in avoid:
+            snap.set_node_down(n, True)
+        running = [x.state for x in self.running()]
+        view = SchedulerView(now=now, cluster=snap, pending=[e.state], running=running, estimator=self.estimator)
+        d: Decision = self.policy.schedule(view)
+        for p in d.starts:
+            if p.job_id != e.job_id:
+                continue
+            if set(p.nodes) & avoid:
+                e.state.note = "placement on a node it failed on refused"
+                continue
+            if self._grant(e, p, now):
+                return [e]
+        return []
 
     # ------------------------------------------------------------------ cores
     def _assign_cores(self, p: Placement) -> dict[int, list[int]]:

@@ -18,6 +18,7 @@ queue).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shlex
@@ -35,6 +36,7 @@ from pydantic import Field
 from qosflow.backends.base import Backend, ExitKind, LaunchSpec, StageHandle
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job, JobState
+from qosflow.failures import Action, decide
 from qosflow.prefect.scheduler import QoSScheduler, StageCancelled, StageEntry, make_live_estimator
 from qosflow.prefect.spec import QOS_FIELDS, spec_from_job_variables
 
@@ -83,6 +85,11 @@ class QosflowVariables(BaseVariables):
         default=None, description="Name of the qosflow-bare-metal-cluster block the worker plans on (pool-level)."
     )
     policy_block: Optional[str] = Field(default=None, description="Name of the qosflow-qos-policy block the worker uses (pool-level).")
+    cluster_file: Optional[str] = Field(
+        default=None,
+        description="A cluster file (hosts and agent URLs, `qosflow agent` docs) the worker runs stages on through the agents "
+        "(pool-level; overrides cluster_block).",
+    )
     working_dir: Optional[Path] = Field(default=None, description="Working directory of stage processes.")
     stream_output: bool = Field(default=True, description="Stream stage output to the worker's stdout.")
 
@@ -111,6 +118,7 @@ class QosflowJobConfiguration(BaseJobConfiguration):
     qos_policy: Optional[dict[str, Any]] = Field(default=None)
     cluster_block: Optional[str] = Field(default=None)
     policy_block: Optional[str] = Field(default=None)
+    cluster_file: Optional[str] = Field(default=None)
     working_dir: Optional[Path] = Field(default=None)
     stream_output: bool = Field(default=True)
 
@@ -156,9 +164,24 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         backend: Backend | None = None,
         coda: bool | None = None,
         round_interval: float | None = None,
+        cluster_file: str | None = None,
+        leases: Any = None,
+        lease_ttl_s: float | None = None,
+        max_infra_retries: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        self._cluster_file_arg = cluster_file
+        self._leases_arg = leases
+        self.lease_ttl_s = float(lease_ttl_s or os.environ.get("QOSFLOW_LEASE_TTL_SECONDS", 30.0))
+        self.max_infra_retries = int(max_infra_retries if max_infra_retries is not None else os.environ.get("QOSFLOW_MAX_INFRA_RETRIES", 3))
+        self.leases: Any = None  # qosflow.store.leases.LeaseStore, or None when disabled
+        self.holder = ""
+        self.recovered: list[dict[str, Any]] = []  # what recover() found at start (tests, logs)
+        self._foreign: set[str] = set()  # scheduler hold keys of other workers' leases
+        self._lease_ids: dict[str, str] = {}  # flow run id -> lease id
+        self._health_task: asyncio.Task | None = None
+        self._adopted_tasks: set[asyncio.Task] = set()
         self._cluster_arg = cluster
         self._policy_arg = policy
         self._estimator_arg = estimator
@@ -173,6 +196,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._qos_setup_lock = asyncio.Lock()
         self.inventory_note = ""
         self.policy_block: Any = None
+        self.node_events: list[tuple[float, str, str]] = []  # (time, host, "down" | "up") as the worker saw them
 
     # ------------------------------------------------------------------ setup
     def _pool_default(self, name: str) -> Any:
@@ -189,13 +213,18 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 return self.scheduler
             from qosflow.backends.local import LocalBackend
             from qosflow.paths import data_dir
-            from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
+            from qosflow.prefect.blocks import QoSPolicy
 
             cluster = self._cluster_arg
             cluster_block = os.environ.get("QOSFLOW_CLUSTER_BLOCK") or self._pool_default("cluster_block")
-            if cluster is None and cluster_block:
-                blk = await BareMetalGPUCluster.aload(cluster_block)
-                cluster = blk.to_cluster_spec()
+            cluster_file = self._cluster_file_arg or os.environ.get("QOSFLOW_CLUSTER_FILE") or self._pool_default("cluster_file")
+            if self._backend is None and cluster is None:
+                if cluster_file:
+                    from qosflow.backends.agent import load_cluster_file
+
+                    self._backend = load_cluster_file(cluster_file).backend()
+                elif cluster_block:
+                    self._backend = (await load_cluster_block(cluster_block)).make_backend()
             policy_block = os.environ.get("QOSFLOW_POLICY_BLOCK") or self._pool_default("policy_block")
             pb = QoSPolicy()
             if policy_block:
@@ -227,18 +256,26 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 set_cpus=self._set_cpus,
             )
             self.scheduler.start()
-            self._cancel_task = asyncio.get_running_loop().create_task(self._watch_cancellations(), name="qosflow-cancel-watch")
+            loop = asyncio.get_running_loop()
+            self._cancel_task = loop.create_task(self._watch_cancellations(), name="qosflow-cancel-watch")
             virt = any(n.virtual for n in spec.nodes)
+            if not self.inventory_note and virt:
+                self.inventory_note = "no GPU: virtual GPUs (declared, not detected)"
             self._logger.info(
-                "qosflow worker: cluster %s (%d hosts, %d GPUs%s), policy %s, estimator %s. %s",
+                "qosflow worker: cluster %s (%d hosts, %d GPUs%s) through the %s backend, policy %s, estimator %s. %s",
                 spec.name,
                 len(spec.nodes),
                 spec.num_gpus,
                 ", virtual GPUs" if virt else "",
+                self._backend.name,
                 policy.name,
                 getattr(estimator, "name", type(estimator).__name__),
                 self.inventory_note,
             )
+            await self._setup_leases()
+            await self._sync_health()
+            await self._recover()
+            self._health_task = loop.create_task(self._health_loop(), name="qosflow-heartbeat")
             return self.scheduler
 
     async def setup(self) -> None:
@@ -263,6 +300,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._poll_task.cancel()
         if self._cancel_task is not None:
             self._cancel_task.cancel()
+        if self._health_task is not None:
+            self._health_task.cancel()
+        for t in list(self._adopted_tasks):
+            t.cancel()
         if self.scheduler is not None:
             await self.scheduler.stop()
         if self._backend is not None:
@@ -318,77 +359,388 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             deadline_at = now + spec.deadline
         entry = StageEntry(JobState(job), name, fid, configuration.pipeline, deadline_at, ready_at=_ready_time(flow_run, now))
         entry.meta["queued_at"] = now
-        try:
-            grant = await sched.request(entry)
-        except StageCancelled as exc:
-            run_logger.info("stage %s left the QoS queue: %s", name, exc)
-            task_status.started(-1)
-            return QosflowWorkerResult(status_code=0, identifier="-1")
-        info = sched.describe_grant(entry)
-        run_logger.info(
-            "placed %s on %s (GPUs %s%s, %g cores) after %.2fs in the QoS queue; predicted %.1fs (%s)",
-            name,
-            info["host"],
-            ",".join(info["gpus"]) or "-",
-            " virtual" if info["virtual_gpus"] else "",
-            info["cpu_cores"],
-            grant.waited_s,
-            grant.predicted_s,
-            info["estimator"],
-        )
-        info["queued_at"] = now
-        await self._label(flow_run.id, info, grant.granted_at)
-        launch = LaunchSpec(
-            stage_id=fid,
-            command=command,
-            placement=grant.placement,
-            cluster=sched.cluster,
-            env=env,
-            cwd=cwd,
-            cpusets=grant.cpusets,
-            labels={"prefect.io/flow-run-id": fid},
-        )
+        if self._backend.name == "kubernetes" and configuration.command == shlex.join([sys.executable, "-m", "prefect.engine"]):
+            command = ["python", "-m", "prefect.engine"]  # the interpreter inside the stage image, not the worker's
         if hasattr(self._backend, "stream_output"):
             self._backend.stream_output = configuration.stream_output
-        try:
-            handle = await self._backend.launch(launch)
-        except Exception:
-            sched.release(fid, ok=False)
-            raise
-        self._register(fid, handle)
-        progress = self._backend.progress_file(fid) if hasattr(self._backend, "progress_file") else None
-        sched.attach(fid, handle, progress)
-        task_status.started(handle.ref.get("pid"))
-        launched_at = time.time()
-        try:
-            status = await self._backend.wait(handle)
-        finally:
-            ended = time.time()
-            sched.release(fid, ok=True)
-            self._unregister(fid)
+        attempts: list[dict[str, Any]] = []
+        infra_failures = 0
+        started = False
+        while True:
+            try:
+                grant = await sched.request(entry)
+            except StageCancelled as exc:
+                run_logger.info("stage %s left the QoS queue: %s", name, exc)
+                if not started:
+                    task_status.started(-1)
+                return QosflowWorkerResult(status_code=0, identifier="-1")
+            n = len(attempts) + 1
+            launch = LaunchSpec(
+                stage_id=fid if n == 1 else f"{fid}-r{n - 1}",  # one id per attempt: an agent never starts one twice
+                command=command,
+                placement=grant.placement,
+                cluster=sched.cluster,
+                env=env,
+                cwd=cwd,
+                cpusets=grant.cpusets,
+                labels={"prefect.io/flow-run-id": fid, "prefect.io/flow-run-name": str(flow_run.name)},
+            )
+            try:
+                await self._acquire_lease(fid, launch, spec.shareable)
+            except Exception as exc:
+                from qosflow.store.leases import SlotTaken, StageBusy
+
+                sched.release(fid, ok=False)
+                if isinstance(exc, SlotTaken):
+                    # another worker on this pool booked the slot first: learn its leases and plan again
+                    run_logger.info("stage %s: %s", name, exc)
+                    await self._sync_foreign()
+                    await asyncio.sleep(0.05)
+                    continue
+                if isinstance(exc, StageBusy):
+                    run_logger.warning("stage %s not started here: %s", name, exc)
+                    if not started:
+                        task_status.started(-1)
+                    return QosflowWorkerResult(status_code=0, identifier="-1")
+                raise
+            info = sched.describe_grant(entry)
+            info["attempt"] = n
+            run_logger.info(
+                "%s %s on %s (GPUs %s%s, %g cores) after %.2fs in the QoS queue; predicted %.1fs (%s)%s",
+                "placed" if n == 1 else "re-placed",
+                name,
+                info["host"],
+                ",".join(info["gpus"]) or "-",
+                " virtual" if info["virtual_gpus"] else "",
+                info["cpu_cores"],
+                grant.waited_s,
+                grant.predicted_s,
+                info["estimator"],
+                "" if n == 1 else f"; attempt {n} after an infrastructure failure",
+            )
+            info["queued_at"] = now
+            await self._label(flow_run.id, info, grant.granted_at)
+            try:
+                handle = await self._backend.launch(launch)
+            except Exception:
+                sched.release(fid, ok=False)
+                await self._release_lease(fid)
+                raise
+            await self._lease_handle(fid, handle)
+            self._register(fid, handle)
+            progress = self._backend.progress_file(launch.stage_id) if hasattr(self._backend, "progress_file") else None
+            sched.attach(fid, handle, progress)
+            if not started:
+                task_status.started(_infra_id(handle, fid))
+                started = True
+            launched_at = time.time()
+            try:
+                status = await self._backend.wait(handle)
+            finally:
+                ended = time.time()
+                sched.release(fid, ok=True)
+                self._unregister(fid)
+                await self._release_lease(fid)
+            attempts.append({"attempt": n, "attempt_id": launch.stage_id, "host": info["host"], "hosts": info["hosts"],
+                             "launched": launched_at, "ended": ended, "exit": status.kind.value, "exit_reason": status.reason})
+            if status.kind is not ExitKind.INFRA:
+                break
+            infra_failures += 1
+            d = decide(status, infra_failures=infra_failures, user_failures=0, max_infra_retries=self.max_infra_retries)
+            attempts[-1]["decision"] = d.message
+            if d.action is not Action.RETRY_ELSEWHERE:
+                run_logger.error("stage %s: %s", name, d.message)
+                break
+            # infrastructure: the policy places it again at once, not on the node(s) it failed on
+            run_logger.warning("stage %s: %s", name, d.message)
+            entry.meta.setdefault("avoid_nodes", set()).update(grant.placement.nodes)
+            entry.state.note = d.message
+            await self._sync_health()
+            await self._set_state(flow_run.id, _rescheduling_state(f"qosflow: {d.message}"))
+            self._event("qosflow.stage.rescheduled", entry, {"stage": name, "attempt": n, "hosts": info["hosts"], "reason": status.reason,
+                                                             "retry": infra_failures, "max_infra_retries": self.max_infra_retries})
+
         actual = ended - launched_at
         if status.ok and hasattr(sched.estimator, "observe"):
             sched.estimator.observe(job, actual)
         rec = dict(info, flow_run_id=fid, ready=entry.ready_at, queued=now, placed=grant.granted_at, launched=launched_at, ended=ended,
-                   actual_s=round(actual, 3), exit=status.kind.value, exit_reason=status.reason)
+                   actual_s=round(actual, 3), exit=status.kind.value, exit_reason=status.reason, attempts=attempts)
         rec["deadline_met"] = None if deadline_at is None else ended <= deadline_at
         self.records.append(rec)
         if deadline_at is not None and ended > deadline_at and status.kind is not ExitKind.CANCELLED:
             self._event("qosflow.qos.violated", entry, {"stage": name, "deadline": deadline_at, "ended": ended, "late_by_s": round(ended - deadline_at, 3)})
-        if status.kind is ExitKind.INFRA:
-            run_logger.warning("stage %s ended by infrastructure: %s", name, status.reason)
-        return QosflowWorkerResult(status_code=_code(status), identifier=str(handle.ref.get("pid")))
+        code = _code(status)
+        if not status.ok and status.kind is not ExitKind.CANCELLED:
+            # the stage's engine may have died before it could say how it ended: say it for it, clearly
+            if await self._report_final(flow_run.id, status, len(attempts)):
+                code = 0  # the state is set; do not let the base worker overwrite its message
+        return QosflowWorkerResult(status_code=code, identifier=_infra_id(handle, fid))
 
     # ------------------------------------------------------------------ helpers
     def _register(self, fid: str, handle: StageHandle) -> None:
         self._handles[fid] = handle
-        if handle.ref.get("pid") is not None:
-            self._pids[str(handle.ref["pid"])] = fid
+        self._pids[str(_infra_id(handle, fid))] = fid
 
     def _unregister(self, fid: str) -> None:
         h = self._handles.pop(fid, None)
         if h is not None:
-            self._pids.pop(str(h.ref.get("pid")), None)
+            self._pids.pop(str(_infra_id(h, fid)), None)
+
+    # ------------------------------------------------------------------ leases
+    @property
+    def _pool_key(self) -> str:
+        return str(self._work_pool_name)
+
+    async def _setup_leases(self) -> None:
+        arg = self._leases_arg
+        self.holder = str(self.name)
+        if arg is False or os.environ.get("QOSFLOW_LEASES", "1").lower() in ("0", "false", "off"):
+            self.leases = None
+            return
+        if arg is None or arg is True:
+            from qosflow.store.leases import LeaseStore
+
+            self.leases = await asyncio.to_thread(LeaseStore)
+        else:
+            self.leases = arg
+        await self._sync_foreign()
+
+    async def _acquire_lease(self, fid: str, launch: LaunchSpec, shareable: bool) -> None:
+        if self.leases is None or self.scheduler is None:
+            return
+        sched = self.scheduler
+        # book the cores this stage owns alone (the scheduler may pack fractional cores onto shared ids)
+        owned = {n: sched.cpuset(fid, n) for n in launch.placement.nodes}
+        lspec = dataclasses.replace(launch, cpusets={n: c for n, c in owned.items() if c})
+        lease = await asyncio.to_thread(
+            self.leases.acquire, self._pool_key, fid, lspec, holder=self.holder, ttl_s=self.lease_ttl_s,
+            backend=self._backend.name if self._backend else "", shareable=shareable,
+        )
+        self._lease_ids[fid] = lease.lease_id
+
+    async def _lease_handle(self, fid: str, handle: StageHandle) -> None:
+        lid = self._lease_ids.get(fid)
+        if lid and self.leases is not None:
+            await asyncio.to_thread(self.leases.set_handle, lid, handle)
+
+    async def _release_lease(self, fid: str) -> None:
+        lid = self._lease_ids.pop(fid, None)
+        if lid and self.leases is not None:
+            try:
+                await asyncio.to_thread(self.leases.release, lid)
+            except Exception as exc:  # it expires anyway
+                self._logger.warning("could not release lease %s of %s: %s", lid, fid, exc)
+
+    async def _sync_foreign(self) -> None:
+        """Show the other workers' leases on this pool to the policy as taken capacity."""
+        if self.leases is None or self.scheduler is None:
+            return
+        sched = self.scheduler
+        try:
+            leases = await asyncio.to_thread(self.leases.leases, self._pool_key)
+        except Exception as exc:
+            self._logger.debug("lease read failed: %s", exc)
+            return
+        live = {f"lease:{le.lease_id}": le for le in leases if le.holder != self.holder}
+        for key in list(self._foreign - set(live)):
+            sched.unhold(key)
+            self._foreign.discard(key)
+            sched.wake()
+        for key, le in live.items():
+            if key in self._foreign:
+                continue
+            got = _placement_from_lease(le, sched.cluster, key)
+            if got is not None and sched.hold(key, got[0], got[1], got[2]):
+                self._foreign.add(key)
+
+    async def _recover(self) -> None:
+        """After a (re)start: take over this worker's and expired leases of the pool; watch the stages the
+        backend still runs (they must not run twice) and reschedule the flow runs of the others."""
+        if self.leases is None or self._backend is None:
+            return
+        try:
+            found = await self.leases.recover(self._backend, self._pool_key, self.holder, self.lease_ttl_s)
+        except Exception as exc:
+            self._logger.warning("lease recovery failed: %s", exc)
+            return
+        for lease, handle in found:
+            await self._take_back(lease, handle)
+
+    async def _recover_expired(self) -> None:
+        """Leases of another worker that stopped renewing them: take them over (exactly one worker wins)."""
+        if self.leases is None or self._backend is None:
+            return
+        leases = await asyncio.to_thread(self.leases.leases, self._pool_key)
+        from qosflow.backends.base import StageHandle
+
+        for le in leases:
+            if le.holder == self.holder or not le.expired or (le.backend and le.backend != self._backend.name):
+                continue
+            if not await asyncio.to_thread(self.leases.take_over, le.lease_id, le.holder, self.holder, self.lease_ttl_s):
+                continue
+            handle = None
+            adopt = getattr(self._backend, "adopt", None)
+            if adopt is not None:
+                handle = await adopt(le.attempt_id, le.nodes)
+            elif le.handle:
+                handle = StageHandle(**le.handle)
+            if handle is None:
+                await asyncio.to_thread(self.leases.release, le.lease_id)
+            key = f"lease:{le.lease_id}"
+            if key in self._foreign and self.scheduler is not None:
+                self.scheduler.unhold(key)
+                self._foreign.discard(key)
+            await self._take_back(dataclasses.replace(le, holder=self.holder), handle)
+
+    async def _take_back(self, lease: Any, handle: StageHandle | None) -> None:
+        from qosflow.core.cluster import PlacementError
+
+        fid = lease.stage_key
+        sched = self.scheduler
+        assert sched is not None and self._backend is not None
+        if handle is not None and self._backend.name == "local":
+            # a local stage process outlives its worker (own session) but cannot be waited on by a new
+            # one: stop it, then rerun the stage, so that it never runs twice
+            pid = handle.ref.get("pid")
+            if pid and _process_runs_flow(int(pid), fid):
+                from qosflow.backends.local import kill_tree
+
+                kill_tree(int(pid), 9)
+            await asyncio.to_thread(self.leases.release, lease.lease_id)
+            handle = None
+        self.recovered.append({"stage_key": fid, "attempt": lease.attempt_id, "nodes": list(lease.nodes), "adopted": handle is not None})
+        if handle is None:
+            self._logger.warning("recovery: stage %s (attempt %s on %s) is no longer running; rescheduling its flow run",
+                                 fid, lease.attempt_id, ",".join(lease.nodes))
+            await self._reschedule(fid, f"qosflow: attempt {lease.attempt_id} on {', '.join(lease.nodes)} was lost while no worker "
+                                        "watched it; placed again")
+            return
+        got = _placement_from_lease(lease, sched.cluster, fid)
+        job_name = f"recovered:{fid}"
+        entry = None
+        if got is not None:
+            p, qos, cores = got
+            job = Job(job_id=fid, submit_time=lease.created_at, qos=qos, duration=STAGE_DEFAULT_DURATION, model=job_name)
+            entry = StageEntry(JobState(job), job_name, fid)
+            try:
+                sched.adopt(entry, p, cores)
+            except PlacementError as exc:
+                self._logger.warning("recovery: stage %s's slot does not fit the current view (%s); watching it anyway", fid, exc)
+                entry = None
+        self._lease_ids[fid] = lease.lease_id
+        self._register(fid, handle)
+        self._logger.info("recovery: adopted stage %s (attempt %s) still running on %s", fid, lease.attempt_id, ",".join(lease.nodes))
+        t = asyncio.get_running_loop().create_task(self._watch_adopted(fid, handle, entry is not None), name=f"qosflow-adopted-{fid}")
+        self._adopted_tasks.add(t)
+        t.add_done_callback(self._adopted_tasks.discard)
+
+    async def _watch_adopted(self, fid: str, handle: StageHandle, allocated: bool) -> None:
+        assert self._backend is not None
+        try:
+            status = await self._backend.wait(handle)
+        finally:
+            if allocated and self.scheduler is not None:
+                self.scheduler.release(fid, ok=True)
+            self._unregister(fid)
+            await self._release_lease(fid)
+        if status.kind is ExitKind.INFRA:
+            await self._reschedule(fid, f"qosflow: infrastructure failure of an adopted stage ({status.reason}); placed again")
+        elif not status.ok and status.kind is not ExitKind.CANCELLED:
+            await self._report_final(fid, status, None)
+
+    # ------------------------------------------------------------------ heartbeats
+    async def _health_loop(self) -> None:
+        interval = float(getattr(self._backend, "heartbeat_s", 0) or 2.0)
+        interval = max(0.2, min(interval, self.lease_ttl_s / 3))
+        beats = 0
+        while True:
+            await asyncio.sleep(interval)
+            beats += 1
+            try:
+                await self._sync_health()
+                if self.leases is not None:
+                    await asyncio.to_thread(self.leases.renew_holder, self.holder, self.lease_ttl_s)
+                    await self._sync_foreign()
+                    if beats % 5 == 0:
+                        await self._recover_expired()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._logger.warning("qosflow heartbeat failed: %s", exc)
+
+    async def _sync_health(self) -> None:
+        """Mark hosts that miss heartbeats down in the scheduler's ClusterState (no new stage goes there)
+        and hosts that answer again up."""
+        sched, be = self.scheduler, self._backend
+        if sched is None or be is None:
+            return
+        try:
+            healthy = await be.healthy_nodes()
+        except Exception as exc:
+            self._logger.debug("healthy_nodes failed: %s", exc)
+            return
+        for i, node in enumerate(sched.cluster.nodes):
+            down = node.name not in healthy
+            if bool(sched.state.down[i]) == down:
+                continue
+            on_it = sched.state.set_node_down(i, down)
+            self.node_events.append((time.time(), node.name, "down" if down else "up"))
+            if down:
+                why = ""
+                st = getattr(be, "state", {}).get(node.name) if isinstance(getattr(be, "state", None), dict) else None
+                if st is not None:
+                    why = f" ({st.error})"
+                self._logger.warning("host %s is down%s: no new stage goes there; %d stage(s) on it will run again elsewhere",
+                                     node.name, why, len(on_it))
+            else:
+                self._logger.info("host %s answers again", node.name)
+            self._node_event("qosflow.node.down" if down else "qosflow.node.up", node.name, {"stages": on_it})
+            sched.wake()
+
+    def _node_event(self, name: str, node: str, payload: dict[str, Any]) -> None:
+        from prefect.events import emit_event
+
+        related = []
+        if self._work_pool is not None:
+            related.append({"prefect.resource.id": f"prefect.work-pool.{self._work_pool.id}", "prefect.resource.role": "work-pool",
+                            "prefect.resource.name": self._work_pool.name})
+        try:
+            emit_event(event=name, resource={"prefect.resource.id": f"qosflow.node.{node}", "prefect.resource.name": node},
+                       related=related, payload=json.loads(json.dumps(payload, default=str)))
+        except Exception as exc:
+            self._logger.debug("event %s not emitted: %s", name, exc)
+
+    # ------------------------------------------------------------------ flow run states
+    async def _set_state(self, flow_run_id: Any, state: Any) -> bool:
+        try:
+            await self.client.set_flow_run_state(flow_run_id, state, force=True)
+            return True
+        except Exception as exc:
+            self._logger.warning("could not set the state of flow run %s: %s", flow_run_id, exc)
+            return False
+
+    async def _final(self, flow_run_id: Any) -> bool | None:
+        try:
+            fr = await self.client.read_flow_run(flow_run_id)
+        except Exception:
+            return None
+        return fr.state is not None and fr.state.is_final()
+
+    async def _report_final(self, flow_run_id: Any, status: Any, attempts: int | None) -> bool:
+        """Set the Prefect state for a stage that ended badly, unless its engine already did."""
+        from qosflow.failures import prefect_state
+
+        if await self._final(flow_run_id) is not False:
+            return False
+        return await self._set_state(flow_run_id, prefect_state(status, attempt=attempts))
+
+    async def _reschedule(self, flow_run_id: Any, message: str) -> None:
+        """Put a stage's flow run back in the queue (Scheduled, AwaitingRetry) unless it already ended."""
+        from prefect.states import AwaitingRetry
+
+        if await self._final(flow_run_id) is not False:
+            return
+        await self._set_state(flow_run_id, AwaitingRetry(message=message))
 
     async def _set_cpus(self, entry: StageEntry, node: int, cpuset: list[int]) -> None:
         h = self._handles.get(entry.job_id)
@@ -490,6 +842,70 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         import signal
 
         kill_tree(pid, signal.SIGTERM)
+
+
+def _infra_id(handle: StageHandle, fid: str) -> str:
+    """The infrastructure id Prefect keeps for a stage run: the pid (local), else the flow run id."""
+    pid = handle.ref.get("pid")
+    return str(pid) if pid is not None else f"qosflow:{fid}"
+
+
+def _rescheduling_state(message: str):
+    from prefect.states import Pending
+
+    return Pending(name="Rescheduling", message=message)
+
+
+def _process_runs_flow(pid: int, flow_run_id: str) -> bool:
+    """Does process `pid` still run flow run `flow_run_id` (its environment says so)? Guards against pid reuse."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in env
+
+
+def _placement_from_lease(lease: Any, cluster: ClusterSpec, job_id: str):
+    """(Placement, QoSSpec, cores by node index) of a lease's placement JSON in `cluster`, or None."""
+    from qosflow.core.placement import Placement
+    from qosflow.core.qos import QoSSpec
+
+    pl = lease.placement or {}
+    idx = {n.name: i for i, n in enumerate(cluster.nodes)}
+    try:
+        gpus = tuple((idx[n], int(g)) for n, g in pl.get("gpus", []))
+        cpu = tuple((idx[n], float(c)) for n, c in pl.get("cpu", []))
+        cores = {idx[n]: [int(c) for c in ids] for n, ids in (pl.get("cpusets") or {}).items()}
+    except (KeyError, TypeError, ValueError):
+        return None
+    milli = int(pl.get("gpu_milli") or 1000)
+    coloc = tuple(pl.get("colocated_with") or ())
+    p = Placement(job_id, gpus, cpu, gpu_milli=milli, gpu_mem_mb=float(pl.get("gpu_mem_mb") or 0.0), mem_mb=float(pl.get("mem_mb") or 0.0),
+                  colocated_with=coloc)
+    try:
+        qos = QoSSpec(gpus=len(gpus), gpu_milli=milli if gpus else 1000, cpu_cores=max(sum(c for _, c in cpu), 0.001), shareable=bool(coloc))
+    except Exception:
+        return None
+    return p, qos, cores
+
+
+async def load_cluster_block(name: str):
+    """A cluster block by name: `slug/name`, else a bare-metal cluster block, else a Kubernetes one."""
+    from prefect.blocks.core import Block
+
+    from qosflow.errors import SpecError
+    from qosflow.prefect.blocks import BareMetalGPUCluster, KubernetesGPUCluster
+
+    if "/" in name:
+        return await Block.aload(name)
+    errors = []
+    for cls in (BareMetalGPUCluster, KubernetesGPUCluster):
+        try:
+            return await cls.aload(name)
+        except Exception as exc:  # ValueError: no such block document of this type
+            errors.append(f"{cls.get_block_type_slug()}: {exc}")
+    raise SpecError("cluster_block", f"no cluster block named {name!r} ({'; '.join(errors)})")
 
 
 def _code(status: Any) -> int:

@@ -1,0 +1,87 @@
+"""Which backend the qosflow worker runs on (cluster blocks and files), and the scheduler's rerun of a
+stage away from the node it failed on. No Prefect server; a few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import SecretStr
+
+from qosflow.backends.agent import AgentBackend
+from qosflow.backends.kubernetes import KubernetesBackend
+from qosflow.backends.local import LocalBackend
+from qosflow.core.cluster import ClusterSpec
+from qosflow.core.job import Job, JobState
+from qosflow.core.qos import QoSSpec
+from qosflow.policies import get_policy
+from qosflow.prefect.blocks import BareMetalGPUCluster, KubernetesGPUCluster
+from qosflow.prefect.scheduler import QoSScheduler, StageEntry
+
+
+def test_bare_metal_block_gives_local_or_agent_backend(tmp_path):
+    assert isinstance(BareMetalGPUCluster.virtual(2, 4).make_backend(), LocalBackend)
+    blk = BareMetalGPUCluster(hosts=["a", "b"], backend="agents", agent_url="http://{host}:8701",
+                              agent_urls={"b": "http://10.0.0.2:9000"}, agent_token=SecretStr("s3cret"), heartbeat_s=0.5,
+                              fence_after_s=0.75, gpus_per_host=2)
+    be = blk.make_backend()
+    try:
+        assert isinstance(be, AgentBackend)
+        assert {h.name: h.url for h in be.hosts.values()} == {"a": "http://a:8701", "b": "http://10.0.0.2:9000"}
+        assert be.heartbeat_s == 0.5 and be.fence_after_s == 0.75 and be.hosts["a"].gpus == 2
+        assert be._client.headers["authorization"] == "Bearer s3cret"
+    finally:
+        asyncio.run(be.aclose())
+    with pytest.raises(Exception, match="agent_token"):
+        BareMetalGPUCluster(hosts=["a"], backend="agents", agent_url="http://{host}:1").make_backend()
+    with pytest.raises(ValueError, match="agent_urls names host"):
+        BareMetalGPUCluster(hosts=["a"], backend="agents", agent_urls={"a": "http://x:1", "z": "http://y:1"})
+    # a cluster file becomes the same block (agents by URL, the file's token)
+    (tmp_path / "tok").write_text("tok-1\n")
+    f = tmp_path / "lab.yaml"
+    f.write_text("name: lab\ntoken_file: tok\nheartbeat_s: 1\ngpus_per_host: 4\nhosts:\n  - {name: h1, agent_url: 'http://127.0.0.1:8801'}\n"
+                 "  - {name: h2, agent_url: 'http://127.0.0.1:8802'}\n")
+    fb = BareMetalGPUCluster.from_cluster_file(str(f))
+    assert fb.backend == "agents" and fb.agent_urls == {"h1": "http://127.0.0.1:8801", "h2": "http://127.0.0.1:8802"}
+    assert fb.agent_token.get_secret_value() == "tok-1" and fb.gpus_per_host == 4 and fb.heartbeat_s == 1
+
+
+def test_kubernetes_block_gives_kubernetes_backend_with_inventory_from_nodes():
+    from qosflow.k8s_emulator import EmulatorServer, gpu_node
+
+    with EmulatorServer([gpu_node("gpu-0", 4), gpu_node("gpu-1", 2)]) as emu:
+        blk = KubernetesGPUCluster(api_url=emu.url, namespace="default", image="img:1", sharing="mps")
+        be = blk.make_backend()
+        assert isinstance(be, KubernetesBackend) and be.gpu_sharing == "mps" and be.image == "img:1"
+
+        async def go():
+            return await be.inventory(), await be.healthy_nodes()
+
+        spec, healthy = asyncio.run(go())
+        asyncio.run(be.aclose())
+    assert [(n.name, n.gpus, n.virtual) for n in spec.nodes] == [("gpu-0", 4, True), ("gpu-1", 2, True)]
+    assert healthy == {"gpu-0", "gpu-1"}
+
+
+def test_rerun_after_infra_failure_avoids_the_failed_node():
+    """A stage that failed on node0 for infrastructure reasons is placed elsewhere even though node0 is
+    free (first-fit would pick it); when no other node could ever hold it, it may go back."""
+    cl = ClusterSpec.uniform(2, 2, virtual=True, cpu_cores=4)
+
+    async def go():
+        sched = QoSScheduler(cl, get_policy("fifo"), coda=False)
+        e = StageEntry(JobState(Job("s1", 0.0, QoSSpec(gpus=1), duration=5.0)), "s1")
+        e.meta["avoid_nodes"] = {0}
+        sched.start()
+        try:
+            g = await asyncio.wait_for(sched.request(e), 5)
+            assert g.placement.nodes == (1,)
+            sched.release("s1")
+            big = StageEntry(JobState(Job("s2", 0.0, QoSSpec(gpus=2, cpu_cores=1), duration=5.0)), "s2")
+            big.meta["avoid_nodes"] = {0, 1}  # nowhere else: the avoidance is dropped
+            g2 = await asyncio.wait_for(sched.request(big), 5)
+            assert len(g2.placement.gpus) == 2
+        finally:
+            await sched.stop()
+
+    asyncio.run(go())
