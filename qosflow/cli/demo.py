@@ -20,6 +20,12 @@ Examples:
   qosflow demo
 
   qosflow demo --no-ui --json out/demo.json
+
+  qosflow demo --cluster lab.yaml      # the stages run on real hosts, through their `qosflow agent`s
+
+A cluster file lists the hosts and their agent URLs, with the agents' token (the same fields as the
+bare-metal cluster block; see docs/infrastructure.md). Stage processes on the agents must be able to
+import qosflow and flows/ (PYTHONPATH is passed on) and reach the Prefect server and its result storage.
 """
 
 
@@ -34,6 +40,7 @@ def register(app: typer.Typer) -> None:
         hosts: int = typer.Option(2, "--hosts", min=1, help="virtual hosts"),
         gpus: int = typer.Option(4, "--gpus-per-host", min=1, help="virtual GPUs per host"),
         cores: float = typer.Option(16.0, "--cores-per-host", min=1, help="CPU cores each virtual host offers stages (folded onto the real CPUs)"),
+        cluster: Optional[Path] = typer.Option(None, "--cluster", help="cluster file (YAML/JSON: hosts, agent URLs, token): run the stages through those agents"),
     ) -> None:
         import sys
 
@@ -45,10 +52,15 @@ def register(app: typer.Typer) -> None:
         import os
 
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        if cluster is not None:
+            from qosflow.backends.agent import load_cluster_file
+
+            load_cluster_file(cluster)  # a bad file fails here, naming the file and the field
         from qosflow.prefect.demo import run_demo
 
         report = run_demo(ui=ui, json_out=str(json_out) if json_out else None, port=port, home=str(home) if home else None,
-                          policy=policy, hosts=hosts, gpus_per_host=gpus, cores_per_host=cores, keep_open=ui)
+                          policy=policy, hosts=hosts, gpus_per_host=gpus, cores_per_host=cores, keep_open=ui,
+                          cluster_file=str(cluster.resolve()) if cluster is not None else None)
         failed = [p["name"] for p in report["pipelines"] if p.get("state") != "completed"]
         if failed:
             typer.secho(f"pipelines that did not complete: {', '.join(failed)}", err=True, fg="red")

@@ -48,7 +48,10 @@ def run_demo(
     cores_per_host: float = 16.0,
     keep_open: bool = True,
     console: Console | None = None,
+    cluster_file: str | None = None,
 ) -> dict[str, Any]:
+    """Run the demo. With `cluster_file` (hosts and agent URLs, see docs/infrastructure.md) the stages run
+    on those hosts through their `qosflow agent`s instead of on virtual hosts of this machine."""
     console = console or Console()
     from qosflow.paths import data_dir
     from qosflow.prefect.local import LocalServer, WorkerThread, free_port, setup_pool
@@ -69,16 +72,36 @@ def run_demo(
     try:
         from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
 
-        cluster = BareMetalGPUCluster.virtual(hosts, gpus_per_host, cpu_cores=cores_per_host)
+        from qosflow.paths import repo_root
+
+        if cluster_file:
+            cluster = BareMetalGPUCluster.from_cluster_file(cluster_file)
+        else:
+            cluster = BareMetalGPUCluster.virtual(hosts, gpus_per_host, cpu_cores=cores_per_host)
+        # stage processes import flows.retrain: on agents they run with the agent's environment plus this
+        stage_env = {"PYTHONPATH": os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p)}
         with console.status("registering blocks, the qosflow pool and its stage deployment..."):
-            info = asyncio.run(setup_pool(POOL, cluster=cluster, cluster_block="demo-cluster", policy=QoSPolicy(policy=policy_name), policy_block="demo-policy", stream_output=False))
+            info = asyncio.run(setup_pool(POOL, cluster=cluster, cluster_block="demo-cluster", policy=QoSPolicy(policy=policy_name), policy_block="demo-policy",
+                                          stream_output=False, env=stage_env))
         console.print(f"[bold]Prefect UI[/]: {server.ui_url}" if ui else f"Prefect API: {server.api_url} (no UI)")
-        console.print(
-            f"pool [cyan]{POOL}[/] (type qosflow), cluster block [cyan]{info['cluster_block']}[/]: {hosts} hosts x {gpus_per_host} "
-            f"[yellow]virtual GPUs[/] (no GPU: NVML not used), {cores_per_host:g} cores each; policy [cyan]{policy_name}[/]"
-        )
+        if not cluster_file:
+            console.print(
+                f"pool [cyan]{POOL}[/] (type qosflow), cluster block [cyan]{info['cluster_block']}[/]: {hosts} hosts x {gpus_per_host} "
+                f"[yellow]virtual GPUs[/] (no GPU: NVML not used), {cores_per_host:g} cores each; policy [cyan]{policy_name}[/]"
+            )
         worker = WorkerThread(POOL).wait_ready(120)
         note = worker.worker.inventory_note if worker.worker else ""
+        inv = worker.worker.scheduler.cluster if worker.worker and worker.worker.scheduler else None
+        virtual = True if inv is None else any(n.virtual for n in inv.nodes)
+        if cluster_file and inv is not None:
+            hosts, gpus_per_host = len(inv.nodes), max(n.gpus for n in inv.nodes)
+            cores_per_host = max(n.cpu_cores for n in inv.nodes)
+            gpu_word = "[yellow]virtual GPUs[/]" if virtual else "GPUs (NVML)"
+            console.print(
+                f"pool [cyan]{POOL}[/] (type qosflow), cluster file [cyan]{cluster_file}[/] through the agents: "
+                + ", ".join(f"{n.name} ({n.gpus} {gpu_word}, {n.cpu_cores:g} cores, {n.address})" for n in inv.nodes)
+                + f"; policy [cyan]{policy_name}[/]"
+            )
         if note:
             console.print(f"[dim]{note}[/]")
 
@@ -112,7 +135,8 @@ def run_demo(
                     )
                 time.sleep(0.5)
         runs = {r.name: r for r in PipelineRun.finished}
-        report = {"pipelines": [], "policy": policy_name, "cluster": {"hosts": hosts, "gpus_per_host": gpus_per_host, "cores_per_host": cores_per_host, "virtual_gpus": True}, "ui": server.ui_url if ui else None, "elapsed_s": round(time.time() - t0, 2)}
+        report = {"pipelines": [], "policy": policy_name, "cluster": {"hosts": hosts, "gpus_per_host": gpus_per_host, "cores_per_host": cores_per_host, "virtual_gpus": virtual, "file": cluster_file,
+                               "backend": worker.worker._backend.name if worker.worker and worker.worker._backend else None}, "ui": server.ui_url if ui else None, "elapsed_s": round(time.time() - t0, 2)}
         for name, prio, deadline, _ in PIPELINES:
             r = runs.get(name)
             s = r.summary() if r else {"name": name, "deadline": deadline, "finished_at": None, "met": False, "stages": [], "state": "failed"}
