@@ -1,0 +1,176 @@
+"""The qosflow worker on real infrastructure: two real agents on 127.0.0.1 as two hosts.
+
+`qosflow agent start --virtual-gpus 4` twice (separate processes), a cluster file naming them, a
+`qosflow` pool whose worker reads that file (`cluster_file` job variable), and pipelines sent through
+the session's Prefect server (conftest.prefect_server). The worker picks the agents backend, keeps a
+lease per placement in the qosflow store, and reruns a stage elsewhere when its host's agent dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+HERE = Path(__file__).resolve().parent
+TOKEN = "infra-test-token-2c9e"
+POOL = "infra-agents"
+
+
+def wait_for(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.1)
+
+
+def marks(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def lab(prefect_server, tmp_path_factory):
+    from qosflow.agent.testing import AgentProcess
+    from qosflow.prefect.blocks import QoSPolicy
+    from qosflow.prefect.local import WorkerThread, setup_pool
+
+    d = tmp_path_factory.mktemp("lab")
+    pypath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    os.environ["PYTHONPATH"] = pypath  # the agents (and so their stages) inherit it
+    agents = {}
+    try:
+        for name in ("host-a", "host-b"):
+            agents[name] = AgentProcess(name, TOKEN, virtual_gpus=4, args=["--cpu-cores", "4"], log=d / f"{name}.log").start()
+        (d / "token").write_text(TOKEN + "\n")
+        cluster = d / "lab.yaml"
+        hosts = "".join(f"  - {{name: {n}, agent_url: '{a.url}'}}\n" for n, a in agents.items())
+        cluster.write_text(f"name: lab\ntoken_file: token\nheartbeat_s: 0.5\ngpus_per_host: 4\nhosts:\n{hosts}")
+        asyncio.run(setup_pool(POOL, policy=QoSPolicy(policy="fifo", options={"backfill": True}), stream_output=False,
+                               cluster_file=str(cluster), env={"PYTHONPATH": pypath}))
+        w = WorkerThread(POOL).wait_ready(120)
+        os.environ["QOSFLOW_POOL"] = POOL
+        yield {"worker": w, "agents": agents, "cluster": cluster, "dir": d}
+        os.environ.pop("QOSFLOW_POOL", None)
+        w.stop()
+    finally:
+        for a in agents.values():
+            a.stop()
+
+
+def test_worker_picks_the_agents_backend_from_the_cluster_file(lab):
+    w = lab["worker"].worker
+    assert w._backend.name == "agent"
+    cl = w.scheduler.cluster
+    assert [n.name for n in cl.nodes] == ["host-a", "host-b"]
+    assert all(n.virtual and n.gpus == 4 and n.address == lab["agents"][n.name].url for n in cl.nodes)
+    assert not w.scheduler.state.down.any()
+    assert w.leases is not None and w.leases.leases(POOL) == []
+
+
+def test_pipeline_runs_across_both_hosts(lab, tmp_path):
+    import infra_pipelines as ip
+
+    from qosflow.prefect.tasks import PipelineRun
+
+    marker = tmp_path / "marks.jsonl"
+    nodes = ip.two_hosts(str(marker), 1.0)
+    ev = marks(marker)
+    assert nodes == ["host-a", "host-b"], ev  # one 4-GPU shard on each host
+    starts = {e["stage"]: e for e in ev if e["event"] == "start"}
+    assert {starts["a"]["node"], starts["b"]["node"]} == {"host-a", "host-b"}
+    assert len([e for e in ev if e["event"] == "done"]) == 3  # each stage once
+    run = PipelineRun.finished[-1]
+    assert run.state == "completed"
+    assert {r.host for r in run.stages.values()} == {"host-a", "host-b"}
+    assert all(r.virtual_gpus for r in run.stages.values())
+    # every placement was a lease, released when its stage ended (the worker hears of the exit just
+    # after the stage's engine reported Completed)
+    w = lab["worker"].worker
+    wait_for(lambda: w.leases.leases(POOL) == [])
+    assert w.leases.booked(POOL) == []
+    ids = {s.flow_run_id for s in run.stages.values()}
+    wait_for(lambda: len([r for r in w.records if r["flow_run_id"] in ids]) == 3)
+    recs = [r for r in w.records if r["flow_run_id"] in ids]
+    assert len(recs) == 3 and all(len(r["attempts"]) == 1 and r["exit"] == "ok" for r in recs)
+
+
+def test_user_error_is_not_retried_elsewhere(lab):
+    import infra_pipelines as ip
+
+    from prefect.client.orchestration import get_client
+    from qosflow.prefect.tasks import PipelineRun
+
+    with pytest.raises(Exception, match="bad input 7"):
+        ip.user_error()
+    run = PipelineRun.finished[-1]
+    rec = next(iter(run.stages.values()))
+    assert rec.state == "failed" and rec.attempts == 1  # retries=0: once
+    w = lab["worker"].worker
+    wait_for(lambda: any(r["flow_run_id"] == rec.flow_run_id for r in w.records))
+    wr = next(r for r in w.records if r["flow_run_id"] == rec.flow_run_id)
+    # the stage's engine reported the exception itself (the process then exits normally): no
+    # infrastructure failure, so the worker did not rerun it on another slot
+    assert wr["exit"] != "infra" and len(wr["attempts"]) == 1
+    with get_client(sync_client=True) as c:
+        st = c.read_flow_run(rec.flow_run_id).state
+        assert st.is_failed() and "bad input 7" in st.message
+
+
+def test_agent_killed_midstage_stage_completes_elsewhere_once(lab, tmp_path):
+    """SIGKILL the agent whose host runs the stage: the worker marks the host down, the policy places the
+    stage on the other host, it completes there; the killed copy died with its agent; nothing runs twice."""
+    import threading
+
+    import infra_pipelines as ip
+
+    from prefect.client.orchestration import get_client
+    from qosflow.prefect.tasks import PipelineRun
+
+    marker = tmp_path / "lost.jsonl"
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("r", ip.agent_lost(str(marker), 6.0)), daemon=True)
+    th.start()
+    deadline = time.monotonic() + 120
+    while not [e for e in marks(marker) if e["event"] == "start"]:
+        assert time.monotonic() < deadline and th.is_alive(), "the stage never started"
+        time.sleep(0.1)
+    first = marks(marker)[0]
+    victim = first["node"]
+    other = "host-b" if victim == "host-a" else "host-a"
+    w = lab["worker"].worker
+    [lease] = w.leases.leases(POOL)
+    assert lease.nodes == [victim] and lease.handle is not None  # the running attempt holds a lease
+    lab["agents"][victim].kill(signal.SIGKILL)
+    killed_at = time.time()
+    th.join(180)
+    assert not th.is_alive()
+    assert out.get("r") == other
+    ev = marks(marker)
+    starts = [e for e in ev if e["event"] == "start"]
+    dones = [e for e in ev if e["event"] == "done"]
+    assert [s["node"] for s in starts] == [victim, other]
+    assert [d["node"] for d in dones] == [other]  # finished exactly once
+    assert starts[1]["attempt"] == starts[0]["attempt"] + "-r1"
+    with pytest.raises(ProcessLookupError):
+        os.kill(first["pid"], 0)  # the first copy died with its agent
+    idx = w.scheduler.cluster.index_of(victim)
+    assert w.scheduler.state.down[idx]  # heartbeats marked the host down
+    assert any(h == victim and what == "down" for _, h, what in w.node_events)
+    run = PipelineRun.finished[-1]
+    rec = next(iter(run.stages.values()))
+    wait_for(lambda: any(r["flow_run_id"] == rec.flow_run_id for r in w.records))
+    wr = next(r for r in w.records if r["flow_run_id"] == rec.flow_run_id)
+    assert [a["host"] for a in wr["attempts"]] == [victim, other]
+    assert wr["attempts"][0]["exit"] == "infra" and victim in wr["attempts"][0]["exit_reason"]
+    assert wr["attempts"][1]["launched"] > killed_at
+    wait_for(lambda: w.leases.leases(POOL) == [])
+    with get_client(sync_client=True) as c:
+        fr = c.read_flow_run(rec.flow_run_id)
+        assert fr.state.is_completed() and fr.labels["qosflow.host"] == other
