@@ -538,6 +538,17 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
     finally:
         pass
     labels = dict(getattr(fr, "labels", None) or {})
+    if "qosflow.host" not in labels and fr.state is not None and fr.state.is_completed():
+        # the worker writes the placement labels while it launches the stage: read them once more
+        from prefect.client.orchestration import get_client
+
+        for _ in range(10):
+            time.sleep(0.2)
+            with get_client(sync_client=True) as client:
+                fr2 = client.read_flow_run(fr.id)
+            labels = dict(getattr(fr2, "labels", None) or {})
+            if "qosflow.host" in labels:
+                break
     rec.flow_run_id = str(fr.id)
     rec.host = labels.get("qosflow.host")
     rec.gpus = [g for g in (labels.get("qosflow.gpus") or "").split(",") if g and g != "-"]

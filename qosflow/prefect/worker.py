@@ -366,11 +366,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         attempts: list[dict[str, Any]] = []
         infra_failures = 0
         started = False
+        pending_state: asyncio.Task | None = None  # "Rescheduling" being written while the stage is placed again
+        label_task: asyncio.Task | None = None  # labels are written right after the launch, off its path
         while True:
             try:
                 grant = await sched.request(entry)
             except StageCancelled as exc:
                 run_logger.info("stage %s left the QoS queue: %s", name, exc)
+                for t in (pending_state, label_task):
+                    if t is not None:
+                        await t
                 if not started:
                     task_status.started(-1)
                 return QosflowWorkerResult(status_code=0, identifier="-1")
@@ -419,12 +424,19 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 "" if n == 1 else f"; attempt {n} after an infrastructure failure",
             )
             info["queued_at"] = now
-            await self._label(flow_run.id, info, grant.granted_at)
+            if pending_state is not None:
+                await pending_state  # the new engine's Running must come after it
+                pending_state = None
+            if label_task is not None:
+                await label_task  # the previous attempt's labels land first
+            # labels go out while the stage is launched (off the launch path), and land before the worker waits
+            label_task = asyncio.ensure_future(self._label(flow_run.id, dict(info), grant.granted_at))
             try:
                 handle = await self._backend.launch(launch)
             except Exception:
                 sched.release(fid, ok=False)
                 await self._release_lease(fid)
+                await label_task
                 raise
             await self._lease_handle(fid, handle)
             self._register(fid, handle)
@@ -434,6 +446,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 task_status.started(_infra_id(handle, fid))
                 started = True
             launched_at = time.time()
+            await label_task
             try:
                 status = await self._backend.wait(handle)
             finally:
@@ -456,10 +469,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             entry.meta.setdefault("avoid_nodes", set()).update(grant.placement.nodes)
             entry.state.note = d.message
             await self._sync_health()
-            await self._set_state(flow_run.id, _rescheduling_state(f"qosflow: {d.message}"))
+            pending_state = asyncio.ensure_future(self._set_state(flow_run.id, _rescheduling_state(f"qosflow: {d.message}")))
             self._event("qosflow.stage.rescheduled", entry, {"stage": name, "attempt": n, "hosts": info["hosts"], "reason": status.reason,
                                                              "retry": infra_failures, "max_infra_retries": self.max_infra_retries})
 
+        if label_task is not None:
+            await label_task
+        if pending_state is not None:
+            await pending_state
         actual = ended - launched_at
         if status.ok and hasattr(sched.estimator, "observe"):
             sched.estimator.observe(job, actual)
