@@ -191,3 +191,15 @@ def test_genie_serves_smallest_allowance_first():
     res = {j.job_id: j for j in simulate(jobs, spec, get_policy("genie"), config=SimConfig(restart_overhead=0)).jobs}
     assert res["tight"].first_start < res["lax"].first_start
     assert res["tight"].finish_time <= jobs[2].deadline
+
+
+def test_failure_point_closer_than_the_clock_resolution_does_not_hang():
+    """Regression: a failure due within less work than the clock resolves at large simulated times."""
+    from qosflow.core.job import FailurePlan
+
+    t0 = 8.5e6
+    job = Job("f", t0, QoSSpec(), 1.3e5 * 0.9999999999, failure=FailurePlan(at_fraction=0.1225660568437, times=2, checkpoint_fraction=0.5))
+    other = Job("o", t0 + 1234.5678, QoSSpec(), 777.0)
+    res = simulate([job, other], ClusterSpec.uniform(1, 1), get_policy("fifo"), config=SimConfig(restart_overhead=3.3))
+    assert all(j.status is JobStatus.DONE for j in res.jobs)
+    assert {j.job_id: j.failures for j in res.jobs}["f"] == 2

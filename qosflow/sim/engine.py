@@ -31,6 +31,9 @@ from qosflow.errors import QosflowError
 from qosflow.policies.base import Decision, Policy, SchedulerView, commit
 
 EPS = 1e-9
+#: work (solo seconds) below which a completion or failure is due; far above the clock's resolution
+#: at the simulated times of real traces (~1e-9 s at 1e7 s), so an event is never stuck
+TIME_TOL = 1e-6
 
 
 class SimulationError(QosflowError, RuntimeError):
@@ -259,9 +262,16 @@ class Simulator:
             failed_now: list[str] = []
             for jid, js in running.items():
                 f = fplans.get(jid)
-                if f is not None and js.failures < f.times and js.progress >= f.at_fraction - 1e-12 and overhead_left[jid] <= EPS:
+                # due once less than a microsecond of work is left before the failure point (a time
+                # tolerance: a fraction tolerance can leave work smaller than the clock can resolve)
+                if (
+                    f is not None
+                    and js.failures < f.times
+                    and (f.at_fraction - js.progress) * js.job.duration <= TIME_TOL
+                    and overhead_left[jid] <= EPS
+                ):
                     failed_now.append(jid)
-                elif work_left[jid] <= max(EPS, 1e-9 * js.job.duration):
+                elif work_left[jid] <= max(TIME_TOL, 1e-9 * js.job.duration):
                     done_now.append(jid)
             for jid in done_now:
                 js = running.pop(jid)
