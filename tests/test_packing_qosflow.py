@@ -389,3 +389,44 @@ def test_qosflow_leaves_fewer_gpus_idle_than_fgd_on_the_alibaba_list():
     fgd = res["fgd"].to_dict()["unallocated_gpus"]
     ours = res["qosflow"].to_dict()["unallocated_gpus"]
     assert ours < fgd - 15, (ours, fgd)
+
+
+# ---------------------------------------------------------------------------- derived lists, churn
+def test_derived_pod_lists():
+    from qosflow.packing.variants import derive_pod_list
+
+    pods, nodes = synthetic_cluster(seed=8, n_pods=600)
+    demand = sum(p.total_gpu_milli for p in pods)
+    share = derive_pod_list(pods, "gpushare", 0.8, seed=1)
+    gpu_pods = [p for p in share if p.num_gpu]
+    assert abs(sum(p.is_fractional for p in gpu_pods) / len(gpu_pods) - 0.8) < 0.02
+    multi = derive_pod_list(pods, "multigpu", 0.5, seed=1)
+    assert abs(sum(p.total_gpu_milli for p in multi if p.num_gpu > 1) / demand - 0.5) < 0.05
+    spec = derive_pod_list(pods, "gpuspec", 1.0, seed=1, nodes=nodes)
+    assert all(len(p.gpu_spec) == 1 for p in spec if p.num_gpu)
+    assert len({p.gpu_spec for p in spec if p.num_gpu}) == 3
+    cpu = derive_pod_list(pods, "cpu", 2.0, seed=1)
+    assert sum(p.num_gpu == 0 for p in cpu) == 2 * sum(p.num_gpu == 0 for p in pods)
+    for v in (share, multi, spec, cpu):
+        assert abs(sum(p.total_gpu_milli for p in v) / demand - 1) < 0.05
+        assert len({p.name for p in v}) == len(v)
+    assert derive_pod_list(pods, "gpushare", 0.8, seed=1) == share  # deterministic
+    with pytest.raises(QosflowError, match="unknown variant"):
+        derive_pod_list(pods, "bigger", 1.0)
+    with pytest.raises(QosflowError, match="node list"):
+        derive_pod_list(pods, "gpuspec", 0.5)
+
+
+@pytest.mark.parametrize("knowledge", ["none", "oracle", "noisy"])
+def test_churn_runs_and_is_deterministic(knowledge):
+    from qosflow.packing.churn import run_churn
+
+    pods, nodes = synthetic_cluster(seed=9, n_nodes=12, n_pods=300)
+    pods = [Pod(p.name, p.cpu_milli, p.memory_mib, p.num_gpu, p.gpu_milli, p.gpu_spec, 0.0, 100.0 + 37 * (i % 11))
+            for i, p in enumerate(pods)]
+    a = run_churn(pods, nodes, "qosflow", 3, load=1.2, arrivals=600, knowledge=knowledge)
+    b = run_churn(pods, nodes, "qosflow", 3, load=1.2, arrivals=600, knowledge=knowledge)
+    assert (a.rejected_gpu_share, a.mean_alloc) == (b.rejected_gpu_share, b.mean_alloc)
+    assert 0 < a.rejected_gpu_share < 1 and 0.5 < a.mean_alloc <= 1
+    with pytest.raises(QosflowError, match="knowledge"):
+        run_churn(pods, nodes, "fgd", 3, knowledge="psychic")

@@ -37,8 +37,10 @@ there. Knowledge keys:
 
 * ``expected_end``: mapping pod name -> expected end time, or a callable ``pod -> time | None``;
 * ``clock``: callable returning the current time (or ``now``: a fixed time);
-* ``horizon``: seconds over which "soon" fades (default: the median remaining time of the
-  running pods).
+* ``horizon``: seconds over which "soon" fades (default: a tenth of the median expected lifetime
+  of the last 1,024 pods placed). Long horizons hurt: the packer then plans for a cluster that
+  does not exist yet -- it keeps nodes that will empty "later" clean and crowds the pods that
+  arrive now onto the rest (see the churn experiment in docs/packing.md).
 
 ``explain(state, pod)`` says why a pod goes where it goes (cost by type, stranding, the runner-up
 and what decided between them). `fractional_scorer` in `qosflow.packing.scorer` exposes the same
@@ -47,6 +49,7 @@ measure to the time-based scheduler (`qosflow.policies.placement.find_share`).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -58,10 +61,15 @@ from qosflow.packing.model import MILLI, PackState, Placement, Pod
 from qosflow.packing.policies import PackingPolicy, register_policy, whole_gpus_first
 from qosflow.packing.workload import WorkloadDistribution
 
-#: how many request types keep a cached cost table (least recently used ones are dropped)
-CACHE_KEYS = 96
+#: how many request types keep a cached loss table (least recently used ones are dropped);
+#: a share's table is nodes x GPUs x (types + 1) float64, ~2.4 MB on the Alibaba list
+CACHE_KEYS = 64
 #: departure weights are rounded to this step, so that node caches do not churn every second
 LAMBDA_STEP = 0.25
+#: default departure horizon, as a fraction of the median expected lifetime of recently placed
+#: pods. In the churn experiment (docs/packing.md) horizons of 0.1-0.5 x the median lifetime
+#: changed rejections by -0.5..0 points, horizons >= 1 x made them 0.7-1.4 points worse.
+DEFAULT_HORIZON_FRACTION = 0.1
 
 
 class CapacityModel:
@@ -152,7 +160,7 @@ class CapacityModel:
 @dataclass
 class _KeyCache:
     stamp: np.ndarray  # (N,) node version the rows were computed at
-    loss: np.ndarray  # (N, C, T+1): lost usable milli per type, then the change of stranded milli
+    loss: np.ndarray  # (N, C, T+1) float64 whole milli: lost usable milli per type, then the change of stranded milli
 
 
 @dataclass
@@ -218,7 +226,6 @@ class QosflowPacker(PackingPolicy):
         self._strand = np.zeros(n)
         self._usable_sum = np.zeros(t)
         self._keys: dict[tuple, _KeyCache] = {}
-        self._dtype = np.int16 if state.max_gpus * MILLI < 2**15 - 1 else np.int32
         # departures
         self._eff_version = np.zeros(n, dtype=np.int64)
         self._bonus_cpu = np.zeros(n)
@@ -298,8 +305,8 @@ class QosflowPacker(PackingPolicy):
             u2, s2 = m.after_whole(cnt, above, total, cpu2, mem2, acc, pod.num_gpu)
             lost = (before_u - u2)[:, None, :]
             ds = (s2 - before_s)[:, None]
-        out = np.concatenate([lost, ds[..., None]], axis=-1)
-        return np.rint(out).astype(self._dtype)
+        # whole milli: identical node states give bit-identical costs, ties stay ties
+        return np.rint(np.concatenate([lost, ds[..., None]], axis=-1))
 
     def _key_cache(self, state: PackState, pod: Pod, fit: np.ndarray, ver: np.ndarray) -> _KeyCache:
         key = (pod.cpu_milli, pod.memory_mib, pod.num_gpu, pod.gpu_milli)
@@ -308,7 +315,7 @@ class QosflowPacker(PackingPolicy):
             if len(self._keys) >= CACHE_KEYS:
                 self._keys.pop(next(iter(self._keys)))
             c = state.max_gpus if pod.is_fractional else 1
-            entry = _KeyCache(np.full(len(state), -1, dtype=np.int64), np.zeros((len(state), c, len(self.model) + 1), self._dtype))
+            entry = _KeyCache(np.full(len(state), -1, dtype=np.int64), np.zeros((len(state), c, len(self.model) + 1)))
         self._keys[key] = entry
         stale = np.flatnonzero((entry.stamp != ver) & fit)
         if stale.size:
@@ -332,9 +339,10 @@ class QosflowPacker(PackingPolicy):
             return fit, score, gpu, delta, w
         entry = self._key_cache(state, pod, fit, ver)
         tw = float(w.sum()) + self.model.cpu_prob
-        wall = np.append(w, 1.0 if self.use_balance else 0.0).astype(np.float64)
-        cost = entry.loss[rows] @ wall  # (K, C)
-        d = (cost - pod.total_gpu_milli * tw) / tw
+        wall = np.append(w, 1.0 if self.use_balance else 0.0)
+        n_all, c, t1 = entry.loss.shape
+        cost = (entry.loss.reshape(n_all * c, t1) @ wall).reshape(n_all, c)[rows]  # (K, C); stale rows unused
+        d = np.round((cost - pod.total_gpu_milli * tw) / tw, 6)  # no float noise at score boundaries
         if pod.is_fractional:
             ok = (state.gpu_left[rows] >= pod.gpu_milli) & state.gpu_exists[rows]
             sc = np.where(ok, fgd_score(np.where(ok, d, 0.0)), -1)
@@ -374,7 +382,7 @@ class QosflowPacker(PackingPolicy):
         m = self.model
 
         def breakdown(n: int) -> tuple[list[tuple[str, float, float, float]], float]:
-            loss = self._losses(state, pod, np.array([n])).astype(np.float64)[0]
+            loss = self._losses(state, pod, np.array([n]))[0]
             lost = loss[int(gpu[n]) if pod.is_fractional else 0]
             weighted = lost[:-1] * w
             order = np.argsort(-weighted)[:top]
@@ -396,7 +404,12 @@ class QosflowPacker(PackingPolicy):
             r = int(others[np.lexsort((state.node_rank[others], -score[others]))[0]])
             runner = (r, int(score[r]), float(delta[r]))
         name = state.nodes[node].name
-        where = f"{name}" + (f" GPU {pl.gpus[0]}" if pod.is_fractional else "")
+        if pod.is_fractional:
+            g0 = pl.gpus[0]
+            left = int(state.gpu_left[node, g0])
+            where = f"{name} GPU {g0} ({left} -> {left - pod.gpu_milli} milli free)"
+        else:
+            where = name
         parts = [
             f"{pod.name} -> {where}: score {score[node]} (fragmentation {delta[node]:+.0f} milli-GPU, "
             f"weighted over {len(m)} task types), best of {nfit} nodes that fit"
@@ -460,6 +473,8 @@ class _Departures:
         self.active = np.zeros(size, dtype=bool)
         self.slots: dict[tuple[str, int], list[int]] = {}
         self.free: list[int] = list(range(size - 1, -1, -1))
+        #: expected lifetimes of the last placed pods (for the default horizon)
+        self.lifetimes: deque[float] = deque(maxlen=1024)
 
     @classmethod
     def from_knowledge(cls, knowledge: Mapping[str, Any], max_gpus: int) -> "_Departures | None":
@@ -499,6 +514,9 @@ class _Departures:
         end = self._end_of(pod)
         if end is None:
             return
+        life = end - float(self.clock())
+        if life > 0:
+            self.lifetimes.append(life)
         if not self.free:
             self._grow()
         i = self.free.pop()
@@ -528,7 +546,10 @@ class _Departures:
             return cpu, mem, gpu
         now = float(self.clock())
         left = np.maximum(0.0, self.end[idx] - now)
-        h = self.horizon if self.horizon is not None else float(np.median(left))
+        h = self.horizon
+        if h is None:  # a tenth of a typical new pod's lifetime (see DEFAULT_HORIZON_FRACTION)
+            typical = float(np.median(self.lifetimes)) if self.lifetimes else float(np.median(left))
+            h = DEFAULT_HORIZON_FRACTION * typical
         if h <= 0:
             lam = (left <= 0).astype(np.float64)
         else:
@@ -540,5 +561,6 @@ class _Departures:
             nodes = self.node[i]
             cpu = np.bincount(nodes, weights=lam * self.cpu[i], minlength=n)
             mem = np.bincount(nodes, weights=lam * self.mem[i], minlength=n)
-            np.add.at(gpu, nodes, lam[:, None] * self.gpu[i])
+            for g in range(max_gpus):
+                gpu[:, g] = np.bincount(nodes, weights=lam * self.gpu[i, g], minlength=n)
         return cpu, mem, gpu

@@ -206,14 +206,15 @@ class FractionalScorer:
             self._cnt[nodes], self._above[nodes], self._total[nodes], v, cpu[nodes] - creq, mem[nodes] - mreq,
             self.acc[nodes], milli,
         )
-        lost = self._usable[nodes] - u2[:, 0, :]
-        dstrand = s2[:, 0] - self._strand[nodes]
+        # the packer's arithmetic, step for step (whole milli, stranding as one more column)
+        loss = np.rint(np.concatenate([self._usable[nodes] - u2[:, 0, :], (s2[:, 0] - self._strand[nodes])[:, None]], axis=1))
+        lost, dstrand = loss[:, :-1], loss[:, -1]
         w = cap.prob_t.copy()
         if self.opts["scarcity"]:
             w *= float(self._total.sum()) / np.maximum(self._usable.sum(axis=0), MILLI)
         tw = float(w.sum()) + cap.cpu_prob
-        cost = np.rint(lost) @ w + (np.rint(dstrand) if cap.balance else 0.0)
-        delta = (cost - milli * tw) / tw
+        cost = loss @ np.append(w, 1.0 if cap.balance else 0.0)
+        delta = np.round((cost - milli * tw) / tw, 6)
         sc = fgd_score(delta)
         if sc.size:
             i = int(np.argmax(sc))
