@@ -74,6 +74,8 @@ DECLARED_LOG_SD = 0.5
 MAX_SLOWDOWN = 10.0
 #: refit the interference model after this many newly measured co-located pairs
 PAIR_REFIT_EVERY = 8
+#: simulation: a running job's slowdown is read from its progress over intervals of at least this (seconds)
+IN_FLIGHT_INTERVAL = 1800.0
 Z90 = 1.2816
 
 
@@ -315,7 +317,8 @@ class LearnedEstimator:
         self._pair_val: dict[tuple[str, str], tuple[float, float]] = {}  # the same, values only
         self._pmodel: dict[tuple[str, str], Prediction] = {}  # (key a, key b) -> the predictor's slowdown of a
         self._co_obs: dict[tuple[str, str], _LogStat] = {}  # (key a, key b) -> measured slowdowns of a next to b
-        self._new_pairs = 0  # co-located pairs measured since the last refit
+        self._new_pairs = 0  # co-located pairs given to the predictor since the last refit
+        self._fed_pairs: set[tuple[str, str]] = set()
         self._spread: dict[tuple[str, int], Prediction] = {}
         self._cpu: dict[str, CpuCurve] = {}
         self._known: dict[str, str] = {}  # key -> signature, every signature asked about (ordered)
@@ -324,7 +327,7 @@ class LearnedEstimator:
         self._reference_sigs: dict[str, bool] = {}
         self._jobs: dict[str, Job] = {}  # job id -> job, every job asked about
         #: running jobs as last seen by `remaining` (job id -> (placement, its GPUs)): who shares with whom
-        self._where: dict[str, tuple[Any, frozenset]] = {}
+        self._where: dict[str, tuple] = {}
         self._spread_obs: dict[tuple[str, int], _LogStat] = {}  # (key, gpus) -> measured spread penalties
         self._spread_m: dict[tuple[str, int], Prediction] = {}  # (key, gpus) -> the scaling model's penalty
         self._spread_resid: dict[str, _LogStat] = {}  # key -> measured / model penalty, over GPU counts
@@ -332,7 +335,7 @@ class LearnedEstimator:
         self.gpus_per_node = 0
         self._dirty = False
         self.stats = {"profiles": 0, "refits": 0, "finished_observed": 0, "pair_batches": 0,
-                      "colocations_observed": 0, "spreads_observed": 0}
+                      "colocations_observed": 0, "spreads_observed": 0, "in_flight_measured": 0}
         #: simulation: the first duration prediction made for each job (what it was queued on), for error reports
         self.first_duration: dict[str, Prediction] = {}
         if store is not None:
@@ -466,6 +469,8 @@ class LearnedEstimator:
                           f"prior:default({d:g}s)")
 
     def _track(self, js: JobState) -> None:
+        """Follow a running job: where it runs (who shares with whom), and -- in the simulator -- its
+        progress between two looks, from which its current slowdown is measured (`_in_flight`)."""
         p = js.placement
         if p is None:
             if self._where:
@@ -473,8 +478,52 @@ class LearnedEstimator:
             return
         hit = self._where.get(js.job_id)
         if hit is None or hit[0] is not p:
-            self._where[js.job_id] = (p, frozenset(p.gpus))
+            gset = frozenset(p.gpus)
+            # (placement, GPUs, progress and attained time at the mark, co-runners at the mark, looks)
+            self._where[js.job_id] = (p, gset, js.progress, js.attained, None, 0)
             self.gpus_per_node = max(self.gpus_per_node, 1 + max((g for _n, g in p.gpus), default=-1))
+        elif self.profiler is not None and js.attained - hit[3] >= IN_FLIGHT_INTERVAL:
+            self._in_flight(js, hit)
+
+    def _partners(self, job_id: str, placement: Any, gpus: frozenset) -> frozenset:
+        out = {j for j in placement.colocated_with if j in self._jobs and j in self._where}
+        for jid, e in self._where.items():
+            if jid != job_id and e[0].gpu_milli >= 1000 and e[1] & gpus:
+                out.add(jid)
+        return frozenset(out)
+
+    def _in_flight(self, js: JobState, mark: tuple) -> None:
+        """What a worker reads from a running stage's progress reports: time taken for the work done since
+        the last mark, against its predicted isolated time, is its slowdown where it runs now. Attributed
+        to the one co-runner when it shares whole GPUs, to spreading when it runs alone over more nodes
+        than it needs; an interval whose co-runners changed, the first after a (re)start (restart
+        overhead), CPU-starved or sub-batched intervals are not used."""
+        p, gset, prog0, att0, partners0, looks = mark
+        job = js.job
+        partners = self._partners(job.job_id, p, gset) if p.gpu_milli >= 1000 else frozenset()
+        self._where[job.job_id] = (p, gset, js.progress, js.attained, partners, looks + 1)
+        dp, da = js.progress - prog0, js.attained - att0
+        if looks == 0 or partners != partners0 or dp <= 0 or p.sub_batch is not None:
+            return
+        if p.cpu and p.cpu_cores < job.qos.cpu_cores - 1e-9:
+            return
+        d = self.predict_duration(job)
+        if not d.basis.startswith("iterations×"):
+            return
+        slow = da / (dp * d.value)
+        gpn = max(self.gpus_per_node, 1)
+        nodes = len({n for n, _g in p.gpus})
+        need = -(-job.qos.gpus // gpn) if job.qos.gpus > 0 else 1
+        spread = job.qos.gpus > 1 and nodes > need
+        if spread and not partners:
+            shape = min(1.0, 2.0 * (nodes - need) / max(1, nodes - 1))
+            self.observe_spread(job, 1.0 + (max(slow, 1.0) - 1.0) / shape)
+            self.stats["in_flight_measured"] += 1
+        elif len(partners) == 1 and not spread:
+            other = self._jobs.get(next(iter(partners)))
+            if other is not None:
+                self.observe_colocated(job, other, max(slow, 1.0), to_predictor=False)
+                self.stats["in_flight_measured"] += 1
 
     def predict_remaining(self, js: JobState) -> Prediction:
         self._track(js)
@@ -701,8 +750,8 @@ class LearnedEstimator:
         prof = self.profiler
         if placement.gpu_milli >= 1000 and job.qos.gpus > 0:
             partners = dict.fromkeys(j for j in placement.colocated_with if j in self._jobs)
-            for jid, (p, g) in self._where.items():
-                if p.gpu_milli >= 1000 and g & gpus:
+            for jid, e in self._where.items():
+                if e[0].gpu_milli >= 1000 and e[1] & gpus:
                     partners.setdefault(jid)
             for jid in partners:
                 other = self._jobs.get(jid)
@@ -757,7 +806,8 @@ class LearnedEstimator:
             except Exception as exc:  # noqa: BLE001 - a database hiccup must not take the worker down
                 log.warning("learned estimator: could not record stage %s in the store: %s", job.job_id, exc)
 
-    def observe_colocated(self, job: Job, partner: Job, slowdown: float, *, _base: float | None = None) -> None:
+    def observe_colocated(self, job: Job, partner: Job, slowdown: float, *, _base: float | None = None,
+                          to_predictor: bool = True) -> None:
         """`job` ran `slowdown` times slower while sharing its GPUs with `partner` (a measured sample).
 
         Answers for this pair follow the measurements at once; the sample also goes to the predictor,
@@ -767,17 +817,17 @@ class LearnedEstimator:
             return
         sig, key = self._sig_of(job)
         osig, okey = self._sig_of(partner)
-        st = self._co_obs.get((key, okey))
-        if st is None:
-            st = self._co_obs[(key, okey)] = _LogStat()
-            self._new_pairs += 1
-            if self._new_pairs >= PAIR_REFIT_EVERY:
-                self._dirty = True
-        st.add(slowdown)
-        base = _base if _base is not None else self.predictor.predict_solo_step_time(sig, 1).value
-        if base > 0 and math.isfinite(base):
-            self.predictor.observe({"signature": sig, "co_runner": osig, "gpus": 1, "source": "stage",
-                                    "step_time_s": base * slowdown})
+        self._co_obs.setdefault((key, okey), _LogStat()).add(slowdown)
+        if to_predictor:  # (in-flight readings are many per run: kept here only)
+            base = _base if _base is not None else self.predictor.predict_solo_step_time(sig, 1).value
+            if base > 0 and math.isfinite(base):
+                self.predictor.observe({"signature": sig, "co_runner": osig, "gpus": 1, "source": "stage",
+                                        "step_time_s": base * slowdown})
+                if (key, okey) not in self._fed_pairs:
+                    self._fed_pairs.add((key, okey))
+                    self._new_pairs += 1
+                    if self._new_pairs >= PAIR_REFIT_EVERY:
+                        self._dirty = True
         for k in ((key, okey), (okey, key)):
             self._pair.pop(k, None)
             self._pair_val.pop(k, None)
