@@ -256,3 +256,19 @@ def test_spread_measured_at_one_gpu_count_calibrates_the_others():
     assert "calibration(n=1)" in p8.basis and p8.value > model8
     p4 = est.predict_spread(_job(4, "bignet", gpus=4))
     assert p4.basis.startswith("samples(n=1)+")
+
+
+def test_running_jobs_are_read_from_their_progress():
+    """In the simulator, a running job's progress between two looks gives its slowdown where it runs."""
+    from qosflow.core.placement import Placement
+
+    est = _learned()
+    est.gpus_per_node = 4
+    job = _job(1, "bignet", gpus=2, iterations=100_000)
+    d = est.predict_duration(job).value
+    where = Placement(job.job_id, ((0, 0), (1, 0)))  # two nodes where one would do
+    for attained in (0.0, 2000.0, 4000.0, 6000.0):  # it runs at half its isolated speed
+        est.remaining(JobState(job, placement=where, progress=attained / (2 * d), attained=attained))
+    assert est.stats["in_flight_measured"] == 2  # the first interval after a start is skipped
+    p = est.predict_spread(_job(2, "bignet", gpus=2))
+    assert p.basis.startswith("samples(n=2)+") and p.value > 1.5
