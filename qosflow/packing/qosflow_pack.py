@@ -161,6 +161,8 @@ class CapacityModel:
 class _KeyCache:
     stamp: np.ndarray  # (N,) node version the rows were computed at
     loss: np.ndarray  # (N, C, T+1) float64 whole milli: lost usable milli per type, then the change of stranded milli
+    #: (N, C) for shares: the GPUs worth scoring -- the first of each group of equal GPUs that fit
+    rep: np.ndarray | None = None
 
 
 @dataclass
@@ -290,23 +292,44 @@ class QosflowPacker(PackingPolicy):
         free = float(self._total.sum())
         return m.prob_t * (free / np.maximum(self._usable_sum, MILLI))
 
-    def _losses(self, state: PackState, pod: Pod, rows: np.ndarray) -> np.ndarray:
-        """(K, C, T+1) lost usable milli per type and change of stranded milli, for rows."""
+    def _losses(self, state: PackState, pod: Pod, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(K, C, T+1) lost usable milli per type and change of stranded milli, for rows; for a share
+        also (K, C) which GPUs represent their group of equal GPUs (the others are left at 0)."""
         m = self.model
         cpu, mem, g = self._node_arrays(state, rows)
         cpu2, mem2 = cpu - pod.cpu_milli, mem - pod.memory_mib
         cnt, above, total, acc = self._cnt[rows], self._above[rows], self._total[rows], self._acc[rows]
         before_u, before_s = self._usable[rows], self._strand[rows]
         if pod.is_fractional:
-            u2, s2 = m.after_share(cnt, above, total, g, cpu2, mem2, acc, pod.gpu_milli)
-            lost = before_u[:, None, :] - u2
-            ds = s2 - before_s[:, None]
+            # only one GPU per distinct free value and node (equal GPUs give equal results), and
+            # only GPUs that can take the share; the others stay 0 (never read: masked as unfit)
+            k, c = g.shape
+            real = state.gpu_left[rows]  # equal effective and real free milli: equal loss and fit
+            key = np.where((real >= pod.gpu_milli) & state.gpu_exists[rows], g * 4096.0 + real, -1.0)
+            order = np.argsort(key, axis=1, kind="stable")
+            sk = np.take_along_axis(key, order, axis=1)
+            valid = sk >= 0
+            first = valid.copy()
+            first[:, 1:] &= sk[:, 1:] != sk[:, :-1]
+            gid = (np.cumsum(first.ravel()) - 1).reshape(k, c)
+            rk, cj = np.nonzero(first)
+            u2, s2 = m.after_share(
+                cnt[rk], above[rk], total[rk], g[rk, order[rk, cj]][:, None], cpu2[rk], mem2[rk], acc[rk], pod.gpu_milli
+            )
+            rep = np.rint(np.concatenate([before_u[rk] - u2[:, 0, :], (s2[:, 0] - before_s[rk])[:, None]], axis=1))
+            srt = np.zeros((k, c, rep.shape[1]))
+            srt[valid] = rep[gid[valid]]
+            out = np.empty_like(srt)
+            out[np.arange(k)[:, None], order] = srt
+            is_rep = np.zeros((k, c), dtype=bool)
+            is_rep[rk, order[rk, cj]] = True
+            return out, is_rep
         else:
             u2, s2 = m.after_whole(cnt, above, total, cpu2, mem2, acc, pod.num_gpu)
             lost = (before_u - u2)[:, None, :]
             ds = (s2 - before_s)[:, None]
         # whole milli: identical node states give bit-identical costs, ties stay ties
-        return np.rint(np.concatenate([lost, ds[..., None]], axis=-1))
+        return np.rint(np.concatenate([lost, ds[..., None]], axis=-1)), None
 
     def _key_cache(self, state: PackState, pod: Pod, fit: np.ndarray, ver: np.ndarray) -> _KeyCache:
         key = (pod.cpu_milli, pod.memory_mib, pod.num_gpu, pod.gpu_milli)
@@ -315,11 +338,18 @@ class QosflowPacker(PackingPolicy):
             if len(self._keys) >= CACHE_KEYS:
                 self._keys.pop(next(iter(self._keys)))
             c = state.max_gpus if pod.is_fractional else 1
-            entry = _KeyCache(np.full(len(state), -1, dtype=np.int64), np.zeros((len(state), c, len(self.model) + 1)))
+            entry = _KeyCache(
+                np.full(len(state), -1, dtype=np.int64),
+                np.zeros((len(state), c, len(self.model) + 1)),
+                np.zeros((len(state), c), dtype=bool) if pod.is_fractional else None,
+            )
         self._keys[key] = entry
         stale = np.flatnonzero((entry.stamp != ver) & fit)
         if stale.size:
-            entry.loss[stale] = self._losses(state, pod, stale)
+            loss, rep = self._losses(state, pod, stale)
+            entry.loss[stale] = loss
+            if rep is not None:
+                entry.rep[stale] = rep
             entry.stamp[stale] = ver[stale]
         return entry
 
@@ -340,17 +370,18 @@ class QosflowPacker(PackingPolicy):
         entry = self._key_cache(state, pod, fit, ver)
         tw = float(w.sum()) + self.model.cpu_prob
         wall = np.append(w, 1.0 if self.use_balance else 0.0)
-        n_all, c, t1 = entry.loss.shape
-        cost = (entry.loss.reshape(n_all * c, t1) @ wall).reshape(n_all, c)[rows]  # (K, C); stale rows unused
-        d = np.round((cost - pod.total_gpu_milli * tw) / tw, 6)  # no float noise at score boundaries
         if pod.is_fractional:
-            ok = (state.gpu_left[rows] >= pod.gpu_milli) & state.gpu_exists[rows]
-            sc = np.where(ok, fgd_score(np.where(ok, d, 0.0)), -1)
-            best = np.argmax(sc, axis=1)  # first maximum: lowest GPU index on ties
-            k = np.arange(rows.size)
-            score[rows], gpu[rows], delta[rows] = sc[k, best], best, d[k, best]
+            # the representative GPUs of the fitting nodes (a GPU equal to a lower-index one ties with it)
+            ki, ci = np.nonzero(entry.rep[rows])
+            d = np.round((entry.loss[rows[ki], ci] @ wall - pod.total_gpu_milli * tw) / tw, 6)  # no float noise
+            sc = fgd_score(d)
+            o = np.lexsort((ci, -sc, ki))  # per node: best score, then lowest GPU index
+            o = o[np.r_[True, ki[o][1:] != ki[o][:-1]]] if o.size else o
+            nodes = rows[ki[o]]
+            score[nodes], gpu[nodes], delta[nodes] = sc[o], ci[o], d[o]
         else:
-            score[rows], delta[rows] = fgd_score(d[:, 0]), d[:, 0]
+            d = np.round(((entry.loss[:, 0] @ wall)[rows] - pod.total_gpu_milli * tw) / tw, 6)  # no copy of the table
+            score[rows], delta[rows] = fgd_score(d), d
         return fit, score, gpu, delta, w
 
     # -- the interface ----------------------------------------------------------------------------
@@ -382,7 +413,7 @@ class QosflowPacker(PackingPolicy):
         m = self.model
 
         def breakdown(n: int) -> tuple[list[tuple[str, float, float, float]], float]:
-            loss = self._losses(state, pod, np.array([n]))[0]
+            loss = self._losses(state, pod, np.array([n]))[0][0]
             lost = loss[int(gpu[n]) if pod.is_fractional else 0]
             weighted = lost[:-1] * w
             order = np.argsort(-weighted)[:top]
