@@ -132,7 +132,8 @@ class CapacityModel:
         """Free milli-GPU the node's free CPU / memory cannot feed at the workload's ratios."""
         if not self.balance:
             return np.zeros(np.shape(total))
-        feed = np.asarray(cpu, dtype=np.float64) / self.rho_cpu
+        cpu = np.asarray(cpu, dtype=np.float64)
+        feed = cpu / self.rho_cpu if self.rho_cpu > 0 else np.full(cpu.shape, np.inf)
         if self.rho_mem > 0:
             feed = np.minimum(feed, np.asarray(mem, dtype=np.float64) / self.rho_mem)
         return np.maximum(0.0, np.asarray(total, dtype=np.float64) - feed)
