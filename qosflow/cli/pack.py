@@ -20,7 +20,7 @@ Examples:
 
   qosflow pack --seeds 1
 
-  qosflow pack --policies best-fit,fgd --seed 42 --seeds 10 --json out/pack.json
+  qosflow pack --policies best-fit,fgd,qosflow --seed 42 --seeds 10 --json out/pack.json
 """
 
 
@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
     def pack_cmd(
         pods: Optional[Path] = typer.Option(None, "--pods", help="pod list CSV (default: the shared Alibaba openb default list)"),
         nodes: Optional[Path] = typer.Option(None, "--nodes", help="node list CSV (default: the shared Alibaba GPU node list)"),
-        policies: str = typer.Option("first-fit,best-fit,fgd", "--policies", help="comma-separated: first-fit, best-fit, fgd, qosflow, random"),
+        policies: str = typer.Option("first-fit,best-fit,fgd,qosflow", "--policies", help="comma-separated: first-fit, best-fit, fgd, qosflow, random"),
         seed: int = typer.Option(42, "--seed", help="first seed (the FGD paper uses 42..51)"),
         seeds: int = typer.Option(10, "--seeds", help="number of seeds to average over"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
