@@ -542,7 +542,7 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         # the worker writes the placement labels while it launches the stage: read them once more
         from prefect.client.orchestration import get_client
 
-        for _ in range(10):
+        for _ in range(50):  # up to 10 s on a loaded server
             time.sleep(0.2)
             with get_client(sync_client=True) as client:
                 fr2 = client.read_flow_run(fr.id)

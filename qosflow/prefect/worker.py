@@ -366,16 +366,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         attempts: list[dict[str, Any]] = []
         infra_failures = 0
         started = False
-        pending_state: asyncio.Task | None = None  # "Rescheduling" being written while the stage is placed again
         label_task: asyncio.Task | None = None  # labels are written right after the launch, off its path
         while True:
             try:
                 grant = await sched.request(entry)
             except StageCancelled as exc:
                 run_logger.info("stage %s left the QoS queue: %s", name, exc)
-                for t in (pending_state, label_task):
-                    if t is not None:
-                        await t
+                if label_task is not None:
+                    await label_task
                 if not started:
                     task_status.started(-1)
                 return QosflowWorkerResult(status_code=0, identifier="-1")
@@ -424,12 +422,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 "" if n == 1 else f"; attempt {n} after an infrastructure failure",
             )
             info["queued_at"] = now
-            if pending_state is not None:
-                await pending_state  # the new engine's Running must come after it
-                pending_state = None
             if label_task is not None:
                 await label_task  # the previous attempt's labels land first
-            # labels go out while the stage is launched (off the launch path), and land before the worker waits
+            # labels go out while the stage is launched and runs (off the launch path and off failure detection)
             label_task = asyncio.ensure_future(self._label(flow_run.id, dict(info), grant.granted_at))
             try:
                 handle = await self._backend.launch(launch)
@@ -446,7 +441,6 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 task_status.started(_infra_id(handle, fid))
                 started = True
             launched_at = time.time()
-            await label_task
             try:
                 status = await self._backend.wait(handle)
             finally:
@@ -457,6 +451,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             attempts.append({"attempt": n, "attempt_id": launch.stage_id, "host": info["host"], "hosts": info["hosts"],
                              "launched": launched_at, "ended": ended, "exit": status.kind.value, "exit_reason": status.reason})
             if status.kind is not ExitKind.INFRA:
+                break
+            if await self._final(flow_run.id):
+                # the stage's engine had already reported its end (e.g. Completed) when its host went:
+                # nothing is lost, and rerunning it would run it twice
+                run_logger.info("stage %s: %s, but its flow run had already ended; not rerun", name, status.reason)
+                attempts[-1]["decision"] = "flow run already final: not rerun"
                 break
             infra_failures += 1
             d = decide(status, infra_failures=infra_failures, user_failures=0, max_infra_retries=self.max_infra_retries)
@@ -469,14 +469,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             entry.meta.setdefault("avoid_nodes", set()).update(grant.placement.nodes)
             entry.state.note = d.message
             await self._sync_health()
-            pending_state = asyncio.ensure_future(self._set_state(flow_run.id, _rescheduling_state(f"qosflow: {d.message}")))
+            # the flow run stays Running across the rerun (the reason is in its log and the event below):
+            # forcing a state here would put a Prefect API round trip on the relaunch path, and could land
+            # after the new engine's own Running
             self._event("qosflow.stage.rescheduled", entry, {"stage": name, "attempt": n, "hosts": info["hosts"], "reason": status.reason,
                                                              "retry": infra_failures, "max_infra_retries": self.max_infra_retries})
 
         if label_task is not None:
             await label_task
-        if pending_state is not None:
-            await pending_state
         actual = ended - launched_at
         if status.ok and hasattr(sched.estimator, "observe"):
             sched.estimator.observe(job, actual)
@@ -865,12 +865,6 @@ def _infra_id(handle: StageHandle, fid: str) -> str:
     """The infrastructure id Prefect keeps for a stage run: the pid (local), else the flow run id."""
     pid = handle.ref.get("pid")
     return str(pid) if pid is not None else f"qosflow:{fid}"
-
-
-def _rescheduling_state(message: str):
-    from prefect.states import Pending
-
-    return Pending(name="Rescheduling", message=message)
 
 
 def _process_runs_flow(pid: int, flow_run_id: str) -> bool:
