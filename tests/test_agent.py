@@ -67,7 +67,7 @@ def agents(tmp_path_factory):
 
 
 def backend_for(*agents: AgentProcess, token: str = TOKEN, **kw) -> AgentBackend:
-    kw.setdefault("heartbeat_s", 0.5)
+    kw.setdefault("heartbeat_s", 1.0)  # probes time out after half of it: keep slack for a loaded CI machine
     return AgentBackend([AgentHost(a.name, a.url) for a in agents], token, **kw)
 
 
