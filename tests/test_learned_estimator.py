@@ -272,3 +272,30 @@ def test_running_jobs_are_read_from_their_progress():
     assert est.stats["in_flight_measured"] == 2  # the first interval after a start is skipped
     p = est.predict_spread(_job(2, "bignet", gpus=2))
     assert p.basis.startswith("samples(n=2)+") and p.value > 1.5
+
+
+@needs_gavel
+def test_same_answers_in_processes_with_different_hash_seeds():
+    """Model fits must not depend on set iteration order (PYTHONHASHSEED differs between processes)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "from qosflow.predict.estimator import LearnedEstimator\n"
+        "from qosflow.sim.interference import default_speed_model\n"
+        "from qosflow.core.job import Job\nfrom qosflow.core.qos import QoSSpec\n"
+        "e = LearnedEstimator(default_speed_model(), seed=0)\n"
+        "js = [Job(m, 0.0, QoSSpec(gpus=8), 100.0, model=m, batch_size=b, iterations=100) for m, b in"
+        " [('dqn', 128), ('gpt2', 4), ('vgg16', 16)]]\n"
+        "print([e.predict_spread(j).value for j in js], [e.pair_slowdown(a, b) for a in js for b in js])\n"
+    )
+    import qosflow
+
+    root = str(Path(qosflow.__file__).resolve().parent.parent)  # this tree, whatever is installed
+    outs = set()
+    for h in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=h, PYTHONPATH=root)
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    assert len(outs) == 1

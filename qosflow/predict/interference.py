@@ -124,7 +124,7 @@ class _Context:
             self.by_row.setdefault(a, {})[b] = v
             self.by_col.setdefault(b, {})[a] = v
         self.family_members: dict[str, list[Key]] = {}
-        for k in set(self.by_row) | set(self.by_col) | set(meta):
+        for k in sorted(set(self.by_row) | set(self.by_col) | set(meta)):  # sorted: stable across processes
             self.family_members.setdefault(self._fam(k), []).append(k)
 
     def _fam(self, k: Key) -> str:

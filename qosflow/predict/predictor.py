@@ -177,7 +177,7 @@ class Predictor:
         cons = d["placement"] == "consolidated"
         log_t = math.log(d["step_time_s"])
         cores = d.get("cpu_cores")
-        for key in {(sig, gt, d["gpus"], cons, None, co), (sig, gt, d["gpus"], cons, cores, co)}:
+        for key in dict.fromkeys([(sig, gt, d["gpus"], cons, None, co), (sig, gt, d["gpus"], cons, cores, co)]):
             st = self._stats.get(key)
             if st is None:  # a configuration not seen before changes what the models train on
                 st = self._stats[key] = _Stat()
@@ -277,7 +277,7 @@ class Predictor:
         seen: set = set()
         keys = {(s, g, n, c) for (s, g, n, c, cores, co) in self._stats if co is None and cores is None}
         keys |= set(self._ref_solo)
-        for sig, g, n, cons in keys:
+        for sig, g, n, cons in sorted(keys):  # sorted: set order varies between processes (hash seed)
             if n <= 1 or (sig, g, n, cons) in seen:
                 continue
             seen.add((sig, g, n, cons))
@@ -286,10 +286,10 @@ class Predictor:
             if tn is None or t1 is None:
                 continue
             rows.append(ScalingRow(f"{sig}@{g}", g, n, cons, math.exp(t1[0] - tn[0])))
-        for g in gts:
+        for g in sorted(gts):
             obs = self._pair_obs(g)
             pr = self._profiles(g, obs)
-            for sig in {r.job.split("@")[0] for r in rows if r.gpu_type == g} | set(pr):
+            for sig in sorted({r.job.split("@")[0] for r in rows if r.gpu_type == g} | set(pr)):
                 metas[f"{sig}@{g}"] = self._meta(sig, g)
                 profs[f"{sig}@{g}"] = pr.get(sig, {})
         self.scaling = ScalingModel(self.refs, n_estimators=self.n_estimators, seed=self.seed).fit(rows, metas, profs) if len(rows) >= 5 else None
@@ -299,7 +299,7 @@ class Predictor:
         jobs = {k for ab in obs for k in ab}
         self.interference.pop(g, None)
         if len(obs) >= 20 and len(jobs) >= 4:
-            metas_g = {s: self._meta(s, g) for s in jobs}
+            metas_g = {s: self._meta(s, g) for s in sorted(jobs)}
             self.interference[g] = InterferenceModel(
                 [r for r in self.refs if r in jobs], regime="new_job", n_estimators=self.n_estimators,
                 inner_folds=3, seed=self.seed, max_train_rows=800).fit(obs, metas_g)
