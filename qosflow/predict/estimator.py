@@ -15,8 +15,10 @@ finished stage -- never from a job's true duration:
   about the *isolated* rate the protocol asks for); otherwise `Predictor.predict_remaining`, which
   blends the observed rate with the prior;
 * **pair slowdowns** from the interference model (cold-started from the reference table plus the job's
-  profile: solo 1-GPU step time and co-located speed with the reference jobs, both ways);
-* **spread slowdowns** from the solo-scaling model (predicted spread vs consolidated step time);
+  profile: solo 1-GPU step time and co-located speed with the reference jobs, both ways), replaced by
+  measurements once the pair has been seen sharing GPUs;
+* **spread slowdowns** from the solo-scaling model (predicted spread vs consolidated step time),
+  calibrated by the measured penalties of the signature's spread jobs;
 * **CPU factor** from the CPU model (CODA's saturating curve, fitted to two core counts when profiled).
 
 Two ways to build one:
@@ -32,8 +34,10 @@ Two ways to build one:
   count, its co-located speed with the fixed reference jobs (and theirs with it) and its speed at two
   CPU core counts -- from the simulator's truth `SpeedModel` and the job's true step time, times seeded
   log-normal measurement noise. The simulator calls `observe_finished(job_state, now)` when a job
-  finishes; the estimator then learns the job's per-iteration time and duration (with the same
-  measurement noise) for the next jobs of the same signature.
+  finishes; the estimator then learns the job's per-iteration time and duration, its slowdown next to
+  the jobs it shared GPUs with and its spread penalty (with the same measurement noise). Running jobs
+  are also read from their progress whenever a policy asks for their remaining time (`_in_flight`), as a
+  worker reads progress reports.
 
 Every answer is available with its basis: `predict_duration`, `predict_remaining`, `predict_pair`,
 `predict_spread`, `predict_cpu` return `qosflow.predict.Prediction` objects; the protocol methods
