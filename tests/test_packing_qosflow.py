@@ -354,13 +354,17 @@ def test_scorer_ranks_lower_is_better_and_uses_departures():
     soon = scorer(cs, share, nodes, gpus)
     assert soon[0] > soon[1]
     assert find_share(cs, share, scorer=scorer).gpus == ((1, 1),)
-    assert "node 1" in scorer.last_reason
+    assert scorer.last_reason.startswith("s -> n1 GPU 1: score")
+    ex = scorer.explain(cs, share)
+    assert ex.placement is not None and ex.placement.node == 1 and "n1" in ex.reason
     scorer.set_departures(100.0, None)
     assert np.array_equal(scorer(cs, share, nodes, gpus), base)
     with pytest.raises(QosflowError, match="fractional"):
         scorer(cs, small, nodes, gpus)
     with pytest.raises(QosflowError, match="measure"):
         fractional_scorer(wl, "best-fit")
+    with pytest.raises(QosflowError, match="qosflow measure"):
+        fractional_scorer(wl, "fgd", balance=False)
 
 
 def test_capacity_model_usable_and_stranded():

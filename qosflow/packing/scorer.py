@@ -7,20 +7,22 @@ where a fractional request (``job.qos.gpu_milli`` < 1000) fits:
 
 lower is better; `find_share` takes the first minimum (candidates come node by node, GPU by GPU,
 so ties go to the lowest node index, then GPU index -- FGD's tie rule with the node list as the
-node order). This module adapts the packer of `qosflow.packing.qosflow_pack` to that signature:
+node order). This module runs the packing policies themselves behind that signature:
 
     wl = workload_from_jobs(jobs)                 # the expected workload, from recent/queued jobs
-    scorer = fractional_scorer(wl)                # qosflow's measure (fractional_scorer(wl, "fgd"): FGD's)
+    scorer = fractional_scorer(wl)                # qosflow's packer (fractional_scorer(wl, "fgd"): FGD)
     scorer.set_departures(now, {job_id: expected_end})   # optional: running jobs that end soon
     placement = find_share(state, job, scorer=scorer)
-    scorer.last_reason                            # why the last call ranked its best candidate first
+    scorer.last_reason                            # one line: why the winner won
+    scorer.explain(state, job)                    # the packer's full explanation
 
-The score is the packer's integer score (``int(sigmoid(-Delta/1000) * 100)``, higher is better)
-negated. The scorer keeps per-node results between calls and recomputes only the nodes whose
-free CPU, memory or GPU milli changed (compared by value, so snapshots of the state work).
-Mapping from `ClusterState`: free cores x 1000 -> milli-CPU, ``mem_free`` (MB) as MiB, a GPU
-holding a whole-GPU job has 0 milli free, nodes that are down have nothing free, a node's GPU
-model is ``NodeSpec.gpu_model`` (a job's ``qos.gpu_model`` becomes the type's accepted model).
+Score per candidate: minus the packer's integer score of its node (``int(sigmoid(-Delta/1000) *
+100)``) for the GPU the packer picks on that node, half a point worse for the node's other GPUs
+(so `find_share` picks exactly what the packer would). The scorer mirrors the `ClusterState` in a
+`PackState` it keeps -- free cores x 1000 -> milli-CPU, ``mem_free`` (MB) as MiB, ``milli_free``
+per GPU (0 on GPUs with whole-GPU jobs), nothing on nodes that are down, the node's
+``gpu_model`` -- and updates only the nodes whose free resources changed (compared by value, so
+snapshots work), so the packer's per-node caches stay valid between calls.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 import numpy as np
 
 from qosflow.errors import SpecError
-from qosflow.packing.fgd import FragModel, fgd_score
-from qosflow.packing.model import MILLI, Pod
-from qosflow.packing.qosflow_pack import LAMBDA_STEP, CapacityModel
+from qosflow.packing.model import MILLI, Node, PackState, Pod
+from qosflow.packing.policies import PackingPolicy, make_policy
+from qosflow.packing.qosflow_pack import LAMBDA_STEP, QosflowPacker
 from qosflow.packing.workload import DEFAULT_POPULARITY, WorkloadDistribution
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -66,23 +68,27 @@ def workload_from_jobs(jobs: Iterable["Job"], popularity: float = DEFAULT_POPULA
     return WorkloadDistribution.from_pods(pods, popularity)
 
 
+class _Bonus:
+    """Stands in for the packer's departure tracker: resources the scorer computed as freeing soon."""
+
+    def __init__(self, cpu: np.ndarray, mem: np.ndarray, gpu: np.ndarray):
+        self.arrays = (cpu, mem, gpu)
+
+    def bonus(self, n: int, max_gpus: int):
+        return self.arrays
+
+
 class FractionalScorer:
     """Callable scorer for `find_share` (see the module docstring). ``measure``: "qosflow" or "fgd"."""
 
-    def __init__(
-        self,
-        workload: WorkloadDistribution,
-        measure: str = "qosflow",
-        *,
-        memory: bool = True,
-        balance: bool = True,
-        scarcity: bool = True,
-    ):
+    def __init__(self, workload: WorkloadDistribution, measure: str = "qosflow", **opts):
         if measure not in ("qosflow", "fgd"):
             raise SpecError("measure", f"must be 'qosflow' or 'fgd', got {measure!r}")
+        if opts and measure != "qosflow":
+            raise SpecError("measure", f"options {sorted(opts)} only apply to the qosflow measure")
         self.workload = workload
         self.measure = measure
-        self.opts = dict(memory=memory, balance=balance, scarcity=scarcity)
+        self.opts = opts
         self._spec_id: int | None = None
         self.now: float | None = None
         self.ends: Mapping[str, float] = {}
@@ -92,144 +98,104 @@ class FractionalScorer:
 
     # -- departures -------------------------------------------------------------------------------
     def set_departures(self, now: float, ends: Mapping[str, float] | None, horizon: float | None = None) -> None:
-        """Running jobs' expected end times (job id -> time); resources of jobs ending within
-        ``horizon`` (default: the median remaining time) count as partly free. ``None`` clears."""
+        """Running jobs' expected end times (job id -> time): their resources count as partly free,
+        fully when ending now, not at all when ending ``horizon`` or later (default: a tenth of the
+        median remaining time of the jobs given). ``None`` clears."""
         if horizon is not None and not horizon > 0:
             raise SpecError("horizon", f"must be > 0 seconds, got {horizon}")
         self.now, self.ends, self.horizon = float(now), dict(ends or {}), horizon
 
-    # -- state conversion -------------------------------------------------------------------------
+    # -- the mirror PackState ---------------------------------------------------------------------
     def _setup(self, state: "ClusterState") -> None:
-        spec = state.spec
-        models = [n.gpu_model for n in spec.nodes]
-        self.models = tuple(sorted(set(models)))
-        index = {m: i for i, m in enumerate(self.models)}
-        self.model_idx = np.array([index[m] for m in models], dtype=np.int64)
-        n, g = state.exists.shape
-        if self.measure == "qosflow":
-            self.cap = CapacityModel(self.workload, self.models, **{k: v for k, v in self.opts.items() if k != "scarcity"})
-            self.acc = self.cap.access[self.model_idx]
-            t = len(self.cap)
-            self._cnt = np.zeros((n, t), dtype=np.int64)
-            self._above = np.zeros((n, t))
-            self._usable = np.zeros((n, t))
-        else:
-            self.fm = FragModel(self.workload, self.models)
-            self.acc = self.fm.access[self.model_idx]
-            t = len(self.fm.prob)
-            self._cnt = np.zeros((n, t), dtype=np.int64)
-            self._above = np.zeros((n, t), dtype=np.int64)  # FGD: milli on GPUs below each type
-            self._frag = np.zeros(n, dtype=np.int64)
-        self._total = np.zeros(n)
-        self._strand = np.zeros(n)
-        self._last = None  # (cpu, mem, gpu) the per-node arrays were computed for
-        self._spec_id = id(spec)
+        nodes = [Node(s.name, int(round(s.cpu_cores * 1000)), int(round(s.mem_mb)), s.gpus, s.gpu_model) for s in state.spec.nodes]
+        self.view = PackState(nodes)
+        self.policy: PackingPolicy = QosflowPacker(**self.opts) if self.measure == "qosflow" else make_policy("fgd")
+        self.policy.prepare(self.view, self.workload)
+        self._spec_id = id(state.spec)
 
-    def _effective(self, state: "ClusterState") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _sync(self, state: "ClusterState") -> None:
+        if self._spec_id != id(state.spec):
+            self._setup(state)
+        v = self.view
         up = ~state.down
-        cpu = np.where(up, state.cpu_free * 1000.0, 0.0)
-        mem = np.where(up, state.mem_free, 0.0)
-        gpu = np.where(state.exists & up[:, None], state.milli_free, 0).astype(np.float64)
-        if self.measure != "qosflow" or self.now is None or not self.ends:
-            return cpu, mem, gpu
-        items = [(jid, p, self.ends[jid]) for jid, p in state.allocs.items() if jid in self.ends]
+        cpu = np.where(up, np.rint(state.cpu_free * 1000.0), 0).astype(np.int64)
+        mem = np.where(up, np.rint(state.mem_free), 0).astype(np.int64)
+        gpu = np.where(state.exists & up[:, None], state.milli_free, 0).astype(np.int64)
+        changed = (cpu != v.cpu_left) | (mem != v.mem_left) | (gpu != v.gpu_left).any(axis=1)
+        if changed.any():
+            v.cpu_left[changed], v.mem_left[changed], v.gpu_left[changed] = cpu[changed], mem[changed], gpu[changed]
+            v.gpu_left_total[changed] = gpu[changed].sum(axis=1)
+            v.version[changed] += 1
+        if isinstance(self.policy, QosflowPacker):
+            # always a tracker (zeros without departures), so clearing departures refreshes the nodes
+            dep = self._departures(state) if (self.now is not None and self.ends) else None
+            n, g = state.exists.shape
+            self.policy._dep = dep or _Bonus(np.zeros(n), np.zeros(n), np.zeros((n, g)))
+
+    def _departures(self, state: "ClusterState") -> _Bonus | None:
+        items = [(p, self.ends[jid]) for jid, p in state.allocs.items() if jid in self.ends]
         if not items:
-            return cpu, mem, gpu
-        left = np.maximum(0.0, np.array([e for _, _, e in items]) - self.now)
-        h = self.horizon if self.horizon is not None else float(np.median(left))
+            return None
+        n, g = state.exists.shape
+        cpu, mem, gpu = np.zeros(n), np.zeros(n), np.zeros((n, g))
+        left = np.maximum(0.0, np.array([e for _, e in items]) - self.now)
+        h = self.horizon if self.horizon is not None else 0.1 * float(np.median(left))
         lam = (left <= 0).astype(float) if h <= 0 else np.clip(1.0 - left / h, 0.0, 1.0)
         lam = np.round(lam / LAMBDA_STEP) * LAMBDA_STEP
-        cpu, mem, gpu = cpu.copy(), mem.copy(), gpu.copy()
-        for (jid, p, _), lm in zip(items, lam):
+        for (p, _), lm in zip(items, lam):
             if lm <= 0:
                 continue
             for node, c in p.cpu:
-                if up[node]:
-                    cpu[node] += lm * c * 1000.0
+                cpu[node] += lm * c * 1000.0
             if p.mem_mb:
                 for node in p.nodes:
-                    if up[node]:
-                        mem[node] += lm * p.mem_mb / len(p.nodes)
+                    mem[node] += lm * p.mem_mb / len(p.nodes)
             for node, gi in p.gpus:
-                if up[node] and (p.gpu_milli < MILLI or state.njobs[node, gi] == 1):
-                    gpu[node, gi] = min(float(MILLI), gpu[node, gi] + lm * min(p.gpu_milli, MILLI))
-        return cpu, mem, gpu
-
-    def _refresh(self, state: "ClusterState") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if self._spec_id != id(state.spec):
-            self._setup(state)
-        cpu, mem, gpu = self._effective(state)
-        if self._last is None:
-            rows = np.arange(len(cpu))
-        else:
-            lc, lm, lg = self._last
-            rows = np.flatnonzero((lc != cpu) | (lm != mem) | (lg != gpu).any(axis=1))
-        if rows.size:
-            if self.measure == "qosflow":
-                cap = self.cap
-                cnt, above, total = cap.stats(gpu[rows])
-                self._cnt[rows], self._above[rows], self._total[rows] = cnt, above, total
-                self._usable[rows] = cap.usable(cnt, above, cpu[rows], mem[rows], self.acc[rows])
-                self._strand[rows] = cap.stranded(total, cpu[rows], mem[rows])
-            else:
-                fm = self.fm
-                cnt, below, sumg = fm.stats(gpu[rows].astype(np.int64))
-                self._cnt[rows], self._above[rows], self._total[rows] = cnt, below, sumg
-                self._frag[rows] = fm.frag(cnt, below, sumg, cpu[rows].astype(np.int64), self.acc[rows])
-        self._last = (cpu, mem, gpu)
-        return cpu, mem, gpu
+                if p.gpu_milli < MILLI or state.njobs[node, gi] == 1:
+                    gpu[node, gi] += lm * min(p.gpu_milli, MILLI)
+        up = ~state.down
+        return _Bonus(cpu * up, mem * up, gpu * up[:, None])
 
     # -- the scorer -------------------------------------------------------------------------------
     def scores(self, state: "ClusterState", job: "Job", cand_nodes: np.ndarray, cand_gpus: np.ndarray) -> np.ndarray:
-        """Integer score per candidate (higher is better), the packer's."""
-        q = job.qos
-        if not q.fractional:
+        """Per candidate: the packer's score of its node (higher is better), -0.5 for GPUs it would not pick."""
+        if not job.qos.fractional:
             raise SpecError("job", f"{job.job_id} is not a fractional-GPU request (gpus=1, gpu_milli<1000)")
         nodes = np.asarray(cand_nodes, dtype=np.int64)
         gpus = np.asarray(cand_gpus, dtype=np.int64)
-        cpu, mem, gpu = self._refresh(state)
+        self._sync(state)
+        pod = job_request(job)
+        if isinstance(self.policy, QosflowPacker):
+            _, score, best, delta, _ = self.policy._scores(self.view, pod)
+        else:
+            score, best = self.policy.scores(self.view, pod)
+            delta = None
         if nodes.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        milli = int(q.gpu_milli)
-        creq, mreq = q.cpu_cores * 1000.0, float(q.mem_mb)
-        v = gpu[nodes, gpus][:, None]
-        if self.measure == "fgd":
-            fm = self.fm
-            s = fm.scale
-            after = fm.frag_after_share(
-                self._cnt[nodes], self._above[nodes], self._total[nodes].astype(np.int64), v.astype(np.int64),
-                (cpu[nodes] - creq).astype(np.int64), self.acc[nodes], 0, milli,
-            )[:, 0]
-            return fgd_score(after - self._frag[nodes], s)
-        cap = self.cap
-        u2, s2 = cap.after_share(
-            self._cnt[nodes], self._above[nodes], self._total[nodes], v, cpu[nodes] - creq, mem[nodes] - mreq,
-            self.acc[nodes], milli,
+            return np.zeros(0)
+        out = score[nodes].astype(np.float64) - 0.5 * (best[nodes] != gpus)
+        out = np.where(score[nodes] >= 0, out, -1.0)
+        i = int(np.argmax(out))
+        n = int(nodes[i])
+        frag = f" (fragmentation {delta[n]:+.0f} milli-GPU)" if delta is not None else ""
+        self.last_reason = (
+            f"{job.job_id} -> {state.spec.nodes[n].name} GPU {gpus[i]}: score {score[n]}{frag}, "
+            f"best of {np.unique(nodes).size} nodes with room ({self.measure})"
         )
-        # the packer's arithmetic, step for step (whole milli, stranding as one more column)
-        loss = np.rint(np.concatenate([self._usable[nodes] - u2[:, 0, :], (s2[:, 0] - self._strand[nodes])[:, None]], axis=1))
-        lost, dstrand = loss[:, :-1], loss[:, -1]
-        w = cap.prob_t.copy()
-        if self.opts["scarcity"]:
-            w *= float(self._total.sum()) / np.maximum(self._usable.sum(axis=0), MILLI)
-        tw = float(w.sum()) + cap.cpu_prob
-        cost = loss @ np.append(w, 1.0 if cap.balance else 0.0)
-        delta = np.round((cost - milli * tw) / tw, 6)
-        sc = fgd_score(delta)
-        if sc.size:
-            i = int(np.argmax(sc))
-            top = np.argsort(-(lost[i] * w))[:2]
-            self.last_reason = (
-                f"{job.job_id} -> node {nodes[i]} GPU {gpus[i]}: score {sc[i]} (fragmentation +{delta[i]:.0f} milli-GPU; "
-                f"costs most to {', '.join(cap.labels[t] for t in top if lost[i, t] > 0) or 'no type'}"
-                f"{f'; stranded {dstrand[i]:+.0f} milli' if abs(dstrand[i]) >= 1 else ''}); best of {nodes.size} GPUs"
-            )
-        return sc
+        return out
 
     def __call__(self, state: "ClusterState", job: "Job", cand_nodes: np.ndarray, cand_gpus: np.ndarray) -> np.ndarray:
-        return -self.scores(state, job, cand_nodes, cand_gpus).astype(np.float64)
+        return -self.scores(state, job, cand_nodes, cand_gpus)
+
+    def explain(self, state: "ClusterState", job: "Job"):
+        """The qosflow packer's `Explanation` for this job on this state (qosflow measure only)."""
+        if self.measure != "qosflow":
+            raise SpecError("measure", "explanations come from the qosflow packer (measure='qosflow')")
+        self._sync(state)
+        return self.policy.explain(self.view, job_request(job))
 
 
 def fractional_scorer(workload: WorkloadDistribution, measure: str = "qosflow", **opts) -> FractionalScorer:
-    """A `find_share` scorer using the qosflow packer's measure (or ``measure="fgd"``: FGD's)."""
+    """A `find_share` scorer running qosflow's packer (or ``measure="fgd"``: FGD).
+
+    ``opts`` go to `QosflowPacker` (``memory``, ``balance``, ``scarcity``)."""
     return FractionalScorer(workload, measure, **opts)
