@@ -434,3 +434,14 @@ def test_churn_runs_and_is_deterministic(knowledge):
     assert 0 < a.rejected_gpu_share < 1 and 0.5 < a.mean_alloc <= 1
     with pytest.raises(QosflowError, match="knowledge"):
         run_churn(pods, nodes, "fgd", 3, knowledge="psychic")
+
+
+def test_experiment_gives_qosflow_its_own_wider_workload():
+    """FGD keeps the types covering 95 % of the pods; qosflow 99 %, so rare multi-GPU types count."""
+    pods, nodes = synthetic_cluster(seed=10, n_pods=400)
+    res = run_experiment(pods, nodes, ["fgd", "qosflow"], seeds=[1])
+    assert set(res) == {"fgd", "qosflow"}
+    pol = QosflowPacker()
+    run_packing(pods, nodes, pol, seed=1)
+    assert len(pol.workload) == len(WorkloadDistribution.from_pods(pods, 0.99))
+    assert len(pol.workload) > len(WorkloadDistribution.from_pods(pods))

@@ -36,7 +36,7 @@ from qosflow.errors import SpecError
 from qosflow.packing.experiment import node_order
 from qosflow.packing.model import Node, PackState, Pod
 from qosflow.packing.policies import PackingPolicy, make_policy
-from qosflow.packing.workload import WorkloadDistribution
+from qosflow.packing.workload import DEFAULT_POPULARITY, WorkloadDistribution
 
 
 @dataclass
@@ -100,7 +100,9 @@ def run_churn(
     clock = {"now": 0.0}
     expected: dict[str, float] = {}
     know = None if knowledge == "none" else {"expected_end": expected, "clock": lambda: clock["now"]}
-    pol.prepare(state, workload or WorkloadDistribution.from_pods(pods), np.random.default_rng([seed, 7919]), know)
+    if workload is None:
+        workload = WorkloadDistribution.from_pods(pods, pol.workload_popularity or DEFAULT_POPULARITY)
+    pol.prepare(state, workload, np.random.default_rng([seed, 7919]), know)
     running: list[tuple[float, int, Pod, object]] = []
     # warm start: the steady-state mix (probability ~ lifetime), residual lifetimes
     wrng = np.random.default_rng([seed, 37])

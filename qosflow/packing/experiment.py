@@ -156,7 +156,7 @@ def run_packing(
     pol = make_policy(policy) if isinstance(policy, str) else policy
     state = PackState(nodes, node_order(len(nodes), seed) if seeded_node_order else None)
     if workload is None:
-        workload = WorkloadDistribution.from_pods(pods, DEFAULT_POPULARITY)
+        workload = WorkloadDistribution.from_pods(pods, pol.workload_popularity or DEFAULT_POPULARITY)
     if sequence is None:
         sequence = arrival_sequence(pods, state.total_gpu_milli, seed, ratio)
     # the policy's own randomness gets its own stream, so the arrivals do not depend on the policy
@@ -234,12 +234,18 @@ def run_experiment(
     if not seeds:
         raise SpecError("seeds", "need at least one seed")
     workload = WorkloadDistribution.from_pods(pods, popularity)
+    own = {}  # policies that derive their own target workload (e.g. qosflow: every request type)
+    for name in policies:
+        pop = make_policy(name).workload_popularity
+        if pop is not None:
+            own[name] = WorkloadDistribution.from_pods(pods, pop)
     capacity = PackState(nodes).total_gpu_milli
     out = {name: PolicySummary(make_policy(name).name, []) for name in policies}
     for seed in seeds:
         seq = arrival_sequence(pods, capacity, seed, ratio)
         for name in policies:
-            run = run_packing(pods, nodes, name, seed, ratio=ratio, workload=workload, knowledge=knowledge, sequence=seq)
+            wl = own.get(name, workload)
+            run = run_packing(pods, nodes, name, seed, ratio=ratio, workload=wl, knowledge=knowledge, sequence=seq)
             out[name].runs.append(run)
             if on_run is not None:
                 on_run(run)

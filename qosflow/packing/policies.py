@@ -40,6 +40,9 @@ class PackingPolicy:
     name = "base"
     #: short description for tables and docs
     description = ""
+    #: if set, experiments derive this policy's target workload from the pod list with this
+    #: popularity (share of pods the kept types cover) instead of the shared FGD one (95 %)
+    workload_popularity: float | None = None
 
     def __init__(self, random_ties: bool = False) -> None:
         #: break ties uniformly at random (stock kube-scheduler) instead of by node order

@@ -190,6 +190,10 @@ class QosflowPacker(PackingPolicy):
     """FGD's gradient on a CPU/memory-aware, stranding-aware, availability-weighted measure."""
 
     description = "fragmentation + stranded GPUs vs the expected workload, scarce types weighted up; departures-aware"
+    #: the request types covering 99 % of the pods, not FGD's 95 %: rare types (8-GPU pods,
+    #: 120-core pods) carry small weights until the capacity only they can use runs out. (All
+    #: types: same result on the default list, 1.6x the types to score.)
+    workload_popularity = 0.99
 
     def __init__(
         self,
