@@ -176,8 +176,7 @@ def main() -> int:
         f"read in {load_s:.2f} s",
         f"- experiment: seeds {seeds[0]}..{seeds[-1]}; arrivals = shuffled list, then drawn with replacement, up to "
         f"130 % of GPU capacity; headline at 100 % arrived demand; FGD target workload = {len(workload)} most "
-        f"frequent pod types covering 95 % of pods (qosflow: {len(WorkloadDistribution.from_pods(pods, 0.99))} types, 99 %); "
-        f"ties go to the first node of a seeded node order",
+        f"frequent pod types covering 95 % of pods (all policies); ties go to the first node of a seeded node order",
         "",
         "## Allocation at 100 % arrived demand vs the published runs",
         "",

@@ -436,12 +436,17 @@ def test_churn_runs_and_is_deterministic(knowledge):
         run_churn(pods, nodes, "fgd", 3, knowledge="psychic")
 
 
-def test_experiment_gives_qosflow_its_own_wider_workload():
-    """FGD keeps the types covering 95 % of the pods; qosflow 99 %, so rare multi-GPU types count."""
+def test_a_policy_can_derive_its_own_target_workload():
+    """`workload_popularity` on a policy: experiments derive its workload from the pod list
+    (FGD's 95 % otherwise; qosflow keeps FGD's, see docs/packing.md)."""
+
+    class Wide(QosflowPacker):
+        workload_popularity = 1.0
+
     pods, nodes = synthetic_cluster(seed=10, n_pods=400)
-    res = run_experiment(pods, nodes, ["fgd", "qosflow"], seeds=[1])
-    assert set(res) == {"fgd", "qosflow"}
+    pol = Wide()
+    run_packing(pods, nodes, pol, seed=1)
+    assert len(pol.workload) == len(WorkloadDistribution.from_pods(pods, 1.0)) > len(WorkloadDistribution.from_pods(pods))
     pol = QosflowPacker()
     run_packing(pods, nodes, pol, seed=1)
-    assert len(pol.workload) == len(WorkloadDistribution.from_pods(pods, 0.99))
-    assert len(pol.workload) > len(WorkloadDistribution.from_pods(pods))
+    assert len(pol.workload) == len(WorkloadDistribution.from_pods(pods))

@@ -35,7 +35,7 @@ from qosflow.errors import SpecError
 from qosflow.packing.model import MILLI, Node, PackState, Pod
 from qosflow.packing.policies import PackingPolicy, make_policy
 from qosflow.packing.qosflow_pack import LAMBDA_STEP, QosflowPacker
-from qosflow.packing.workload import WorkloadDistribution
+from qosflow.packing.workload import DEFAULT_POPULARITY, WorkloadDistribution
 
 if TYPE_CHECKING:  # pragma: no cover
     from qosflow.core.cluster import ClusterState
@@ -56,12 +56,11 @@ def job_request(job: "Job") -> Pod:
     )
 
 
-def workload_from_jobs(jobs: Iterable["Job"], popularity: float = QosflowPacker.workload_popularity) -> WorkloadDistribution:
+def workload_from_jobs(jobs: Iterable["Job"], popularity: float = DEFAULT_POPULARITY) -> WorkloadDistribution:
     """The expected workload (FGD's target workload) from a list of jobs, e.g. recent submissions.
 
     Types = (CPU, GPU count, milli per GPU, accepted model), counted over the jobs, the most
-    frequent kept until they cover ``popularity`` of them (default 0.99, as qosflow's packer uses
-    in the experiments; FGD's paper setting is 0.95); memory = the median per type.
+    frequent kept until they cover ``popularity`` of them (FGD's 95 %); memory = the median per type.
     """
     pods = [job_request(j) for j in jobs]
     if not pods:
