@@ -191,6 +191,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self.scheduler: QoSScheduler | None = None
         self.records: list[dict[str, Any]] = []  # one per finished stage (benchmarks, tests)
         self._handles: dict[str, StageHandle] = {}
+        self._labels_written: dict[str, dict[str, str]] = {}  # flow run id -> the placement labels last written
         self._pids: dict[str, str] = {}  # pid -> job id
         self._cancel_task: asyncio.Task | None = None
         self._qos_setup_lock = asyncio.Lock()
@@ -477,6 +478,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
         if label_task is not None:
             await label_task
+            await self._repair_labels(flow_run.id)
         actual = ended - launched_at
         if status.ok and hasattr(sched.estimator, "observe"):
             sched.estimator.observe(job, actual)
@@ -786,10 +788,27 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             labels["qosflow.colocated_with"] = ",".join(info["colocated_with"])
         if info.get("sub_batch"):
             labels["qosflow.sub_batch"] = json.dumps(info["sub_batch"])
+        self._labels_written[str(flow_run_id)] = labels
         try:
             await self.client.update_flow_run_labels(flow_run_id, labels)
         except Exception as exc:
             self._logger.warning("could not label flow run %s: %s", flow_run_id, exc)
+
+    async def _repair_labels(self, flow_run_id: Any) -> None:
+        """Prefect's server merges labels by read-modify-write, so a concurrent merge (the base worker's
+        own labels, the engine's trace parent) can drop ours: read them back and write them again if so."""
+        labels = self._labels_written.pop(str(flow_run_id), None)
+        if not labels:
+            return
+        try:
+            for _ in range(3):
+                fr = await self.client.read_flow_run(flow_run_id)
+                have = dict(getattr(fr, "labels", None) or {})
+                if all(have.get(k) == v for k, v in labels.items()):
+                    return
+                await self.client.update_flow_run_labels(flow_run_id, labels)
+        except Exception as exc:
+            self._logger.warning("could not check the labels of flow run %s: %s", flow_run_id, exc)
 
     def _on_scheduler_event(self, name: str, entry: StageEntry, payload: dict[str, Any]) -> None:
         self._event(name, entry, payload)
