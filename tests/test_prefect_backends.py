@@ -29,7 +29,7 @@ def test_bare_metal_block_gives_local_or_agent_backend(tmp_path):
         assert isinstance(be, AgentBackend)
         assert {h.name: h.url for h in be.hosts.values()} == {"a": "http://a:8701", "b": "http://10.0.0.2:9000"}
         assert be.heartbeat_s == 0.5 and be.fence_after_s == 0.75 and be.hosts["a"].gpus == 2
-        assert be._client.headers["authorization"] == "Bearer s3cret"
+        assert be._client(be.state["a"]).headers["authorization"] == "Bearer s3cret"
     finally:
         asyncio.run(be.aclose())
     with pytest.raises(Exception, match="agent_token"):

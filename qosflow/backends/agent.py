@@ -116,10 +116,12 @@ class AgentBackend(Backend):
         self.fence_after_s = fence_after_s
         self.cluster_name = cluster_name
         self.state = {h.name: HostState(h.name, h.url.rstrip("/")) for h in self.hosts.values()}
-        headers = {"Authorization": f"Bearer {token}"}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        self._client = httpx.AsyncClient(headers=headers, timeout=request_timeout_s, limits=limits)
-        self._hb = httpx.AsyncClient(headers=headers, timeout=max(0.2, self.heartbeat_s / 2), limits=limits)
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._request_timeout_s = request_timeout_s
+        # one small connection pool per host and use: httpcore scans its whole pool on every request,
+        # so one shared pool of ~100 hosts' keep-alive and long-poll connections costs O(hosts^2) CPU
+        # per refresh (0.46 s of client CPU at 100 hosts; see docs/bench/infra.md)
+        self._clients: dict[tuple[str, str], httpx.AsyncClient] = {}
         self._beat_task: asyncio.Task | None = None
         self.events: list[tuple[float, str, str]] = []  # (time, host, "down: why" | "up" | "restarted")
 
@@ -134,6 +136,16 @@ class AgentBackend(Backend):
             for n in cluster.nodes
         ]
         return cls(hosts, token, cluster_name=cluster.name, **kw)
+
+    def _client(self, h: HostState, use: str = "api") -> httpx.AsyncClient:
+        """The HTTP client for one host: "api" (inventory, launches, waits, kills) or "hb" (heartbeats,
+        on their own connections so a slow long-poll never delays a heartbeat)."""
+        c = self._clients.get((h.url, use))
+        if c is None:
+            timeout = self._request_timeout_s if use == "api" else max(0.2, self.heartbeat_s / 2)
+            c = self._clients[(h.url, use)] = httpx.AsyncClient(
+                headers=self._headers, timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        return c
 
     # ------------------------------------------------------------------ heartbeats
     async def start(self) -> None:
@@ -177,7 +189,7 @@ class AgentBackend(Backend):
 
     async def _probe(self, h: HostState, timeout: float | None = None) -> bool:
         try:
-            r = await self._hb.get(f"{h.url}/v1/health", timeout=timeout or max(0.2, self.heartbeat_s / 2))
+            r = await self._client(h, "hb").get(f"{h.url}/v1/health", timeout=timeout or max(0.2, self.heartbeat_s / 2))
         except httpx.HTTPError as exc:
             h.refused = isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower()
             self._mark_down(h, f"no heartbeat ({type(exc).__name__} from {h.url})")
@@ -203,7 +215,7 @@ class AgentBackend(Backend):
     # ------------------------------------------------------------------ inventory
     async def _inventory_one(self, h: HostState, timeout: float) -> None:
         try:
-            r = await self._client.get(f"{h.url}/v1/inventory", timeout=timeout)
+            r = await self._client(h).get(f"{h.url}/v1/inventory", timeout=timeout)
         except httpx.HTTPError as exc:
             self._mark_down(h, f"{type(exc).__name__} from {h.url}")
             return
@@ -291,7 +303,7 @@ class AgentBackend(Backend):
         if h.reported and not h.up:
             return f"host {h.name} is down ({h.error})"
         try:
-            r = await self._client.post(f"{h.url}/v1/stages", json=body)
+            r = await self._client(h).post(f"{h.url}/v1/stages", json=body)
         except httpx.HTTPError as exc:
             self._mark_down(h, f"{type(exc).__name__} on launch")
             return f"cannot reach the agent of host {h.name} at {h.url} ({type(exc).__name__})"
@@ -312,7 +324,7 @@ class AgentBackend(Backend):
         for name in hosts:
             h = self.state[name]
             try:
-                r = await self._client.get(f"{h.url}/v1/stages/{stage_id}")
+                r = await self._client(h).get(f"{h.url}/v1/stages/{stage_id}")
             except httpx.HTTPError:
                 continue
             if r.status_code == 200:
@@ -362,7 +374,7 @@ class AgentBackend(Backend):
                 return ExitStatus(ExitKind.INFRA, None, f"the agent on host {h.name} restarted; stage {part['stage_id']} was lost with it")
             changed = h.changed
             poll = asyncio.ensure_future(
-                self._client.get(f"{h.url}/v1/stages/{part['stage_id']}/wait", params={"timeout": self.poll_s}, timeout=self.poll_s + 5)
+                self._client(h).get(f"{h.url}/v1/stages/{part['stage_id']}/wait", params={"timeout": self.poll_s}, timeout=self.poll_s + 5)
             )
             flag = asyncio.ensure_future(changed.wait())
             try:
@@ -401,7 +413,7 @@ class AgentBackend(Backend):
         async def one(part: dict[str, Any]) -> None:
             h = self.state[part["host"]]
             try:
-                await self._client.delete(
+                await self._client(h).delete(
                     f"{h.url}/v1/stages/{part['stage_id']}",
                     params={"reason": reason, "grace": self.kill_grace_s},
                     timeout=self.kill_grace_s + 10,
@@ -415,7 +427,7 @@ class AgentBackend(Backend):
         """Follow rank 0's output (stdout and stderr) line by line until the stage ends."""
         part = handle.ref["parts"][0]
         h = self.state[part["host"]]
-        async with self._client.stream("GET", f"{h.url}/v1/stages/{part['stage_id']}/logs", params={"follow": True}, timeout=None) as r:
+        async with self._client(h).stream("GET", f"{h.url}/v1/stages/{part['stage_id']}/logs", params={"follow": True}, timeout=None) as r:
             if r.status_code != 200:
                 return
             async for line in r.aiter_lines():
@@ -425,7 +437,7 @@ class AgentBackend(Backend):
         for part in handle.ref["parts"]:
             if part.get("node") == node or len(handle.ref["parts"]) == 1:
                 h = self.state[part["host"]]
-                r = await self._client.put(f"{h.url}/v1/stages/{part['stage_id']}/cpuset", json={"cpuset": cpuset})
+                r = await self._client(h).put(f"{h.url}/v1/stages/{part['stage_id']}/cpuset", json={"cpuset": cpuset})
                 r.raise_for_status()
                 return
         raise SpecError("node", f"stage {handle.stage_id} does not run on node index {node}")
@@ -434,7 +446,7 @@ class AgentBackend(Backend):
         out = []
         for part in handle.ref["parts"]:
             h = self.state[part["host"]]
-            r = await self._client.get(f"{h.url}/v1/stages/{part['stage_id']}")
+            r = await self._client(h).get(f"{h.url}/v1/stages/{part['stage_id']}")
             out.append(r.json() if r.status_code == 200 else {"host": h.name, "http": r.status_code})
         return out
 
@@ -445,8 +457,8 @@ class AgentBackend(Backend):
                 await self._beat_task
             except (asyncio.CancelledError, Exception):
                 pass
-        await self._client.aclose()
-        await self._hb.aclose()
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
 
 
 # ---------------------------------------------------------------------- cluster files
