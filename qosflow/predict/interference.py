@@ -31,6 +31,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from qosflow.predict.forest import flatten, per_tree_predictions
+
 Key = str
 Obs = Mapping[tuple[Key, Key], float]
 
@@ -176,17 +178,6 @@ class _Context:
         return f, support
 
 
-def per_tree_predictions(forest, X: np.ndarray) -> np.ndarray:
-    """(trees x rows) predictions of a fitted sklearn forest, via one `apply` and leaf-value look-ups
-    (an order of magnitude faster than calling every tree's `predict` for small batches)."""
-    leaves = forest.apply(X.astype(np.float32))
-    vals = getattr(forest, "_qf_leaf_values", None)
-    if vals is None:
-        vals = [t.tree_.value[:, 0, 0] for t in forest.estimators_]
-        forest._qf_leaf_values = vals
-    return np.stack([v[leaves[:, k]] for k, v in enumerate(vals)])
-
-
 def _nan_to(x: np.ndarray, fill: float = -9.0) -> np.ndarray:
     x = np.asarray(x, dtype=float)
     x[~np.isfinite(x)] = fill
@@ -269,6 +260,7 @@ class InterferenceModel:
         self.forest = ExtraTreesRegressor(
             n_estimators=self.n_estimators, max_features=0.6, min_samples_leaf=2, random_state=self.seed, n_jobs=self.n_jobs
         ).fit(_nan_to(np.array(X)), np.array(y))
+        flatten(self.forest)
         self._ctx = _Context(self.obs, meta, self.refs, self.rank, self.lam)
         return self
 

@@ -23,7 +23,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from qosflow.predict.interference import JobMeta, _nan_to, per_tree_predictions
+from qosflow.predict.forest import flatten, per_tree_predictions
+from qosflow.predict.interference import JobMeta, _nan_to
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class ScalingModel:
         self.forest = ExtraTreesRegressor(
             n_estimators=self.n_estimators, max_features=0.7, min_samples_leaf=1, random_state=self.seed, n_jobs=self.n_jobs
         ).fit(_nan_to(np.array(X)), np.array(y))
+        flatten(self.forest)
         return self
 
     def predict(self, queries: Sequence[tuple[str, str, int, bool]], *, profiles: Mapping[str, Mapping[str, float]] | None = None,
