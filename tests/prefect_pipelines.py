@@ -86,3 +86,38 @@ def failures(marker: str) -> dict:
 def sleeper(path: str) -> None:
     Path(path).write_text(str(os.getpid()))
     time.sleep(120)
+
+
+def _check_mark(marker: str, event: str) -> None:
+    import json
+
+    rec = {"event": event, "check": os.environ.get("QOSFLOW_EARLY_CHECK") == "1", "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           "stage_id": os.environ.get("QOSFLOW_STAGE_ID"), "pid": os.getpid(), "t": time.time()}
+    with open(marker, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+@qos_task(gpus=2, cpu_cores=1, expected_duration=5, early_check=1.5, retries=0)
+def big_bad(marker: str) -> None:
+    """A 2-GPU stage with a user error in its first seconds: the early check catches it on one GPU."""
+    _check_mark(marker, "start")
+    raise ValueError("bad input: a user error the early check catches")
+
+
+@qos_task(gpus=2, cpu_cores=1, expected_duration=5, early_check=1.5)
+def big_good(marker: str, secs: float) -> str:
+    """A 2-GPU stage that runs fine: its check passes (stopped after 1.5 s), then it runs on both GPUs."""
+    _check_mark(marker, "start")
+    time.sleep(secs)
+    _check_mark(marker, "done")
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+@qos_flow(name="e2e-early-check-bad")
+def early_bad(marker: str) -> None:
+    big_bad.submit(marker).result()
+
+
+@qos_flow(name="e2e-early-check-good")
+def early_good(marker: str, secs: float = 4.0) -> str:
+    return big_good.submit(marker, secs).result()

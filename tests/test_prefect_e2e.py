@@ -156,3 +156,67 @@ def test_cancelling_a_stage_run_kills_its_process(qos_worker, tmp_path):
             time.sleep(0.5)
         assert c.read_flow_run(fid).state.is_cancelled()
     th.join(120)
+
+
+def _eventually(fn, timeout: float = 60.0):
+    """fn() once it is truthy: the worker books a stage after its process exits, which may be after the
+    pipeline saw the stage's final state."""
+    end = time.monotonic() + timeout
+    while not (out := fn()):
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.1)
+    return out
+
+
+def _check_marks(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_early_check_fails_a_user_error_before_it_takes_its_gpus(qos_worker, tmp_path):
+    """Philly: a 2-GPU stage that fails at once runs only on one GPU (the early check); its run fails
+    with the stage's own error and never holds both GPUs."""
+    import prefect_pipelines as pp
+
+    from qosflow.prefect.tasks import PipelineRun
+
+    marker = tmp_path / "bad.jsonl"
+    with pytest.raises(Exception, match="bad input|big_bad"):
+        pp.early_bad(str(marker))
+    ev = _check_marks(marker)
+    assert [(e["event"], e["check"], e["gpus"]) for e in ev] == [("start", True, "0")]  # one GPU, once
+    run = PipelineRun.finished[-1]
+    rec = next(iter(run.stages.values()))
+    w = qos_worker.worker
+    checks = _eventually(lambda: [c for c in w.early_checks if c["flow_run_id"] == rec.flow_run_id])
+    assert [c["verdict"] for c in checks] == ["failed"]
+    assert not [r for r in w.records if r["flow_run_id"] == rec.flow_run_id]  # never placed on its 2 GPUs
+    with _client() as c:
+        fr = c.read_flow_run(rec.flow_run_id)
+        assert fr.state.is_failed() and "bad input" in (fr.state.message or "") + str(fr.state.result(raise_on_failure=False))
+
+
+def test_early_check_passes_then_the_stage_runs_on_all_its_gpus(qos_worker, tmp_path):
+    import prefect_pipelines as pp
+
+    from qosflow.prefect.tasks import PipelineRun
+
+    marker = tmp_path / "good.jsonl"
+    assert pp.early_good(str(marker), 4.0) == "0,1"
+    ev = _check_marks(marker)
+    # the check ran the stage's code on one GPU and was stopped (no "done"); then it ran on both GPUs, once
+    assert [(e["event"], e["check"], e["gpus"]) for e in ev] == [("start", True, "0"), ("start", False, "0,1"), ("done", False, "0,1")]
+    assert ev[1]["t"] - ev[0]["t"] >= 1.5  # the check's code ran for its 1.5 s before it was stopped
+    with pytest.raises(ProcessLookupError):
+        os.kill(ev[0]["pid"], 0)
+    run = PipelineRun.finished[-1]
+    rec = next(iter(run.stages.values()))
+    w = qos_worker.worker
+    assert [c["verdict"] for c in w.early_checks if c["flow_run_id"] == rec.flow_run_id] == ["passed"]
+    wait_records = _eventually(lambda: [r for r in w.records if r["flow_run_id"] == rec.flow_run_id])
+    assert len(wait_records) == 1 and len(wait_records[0]["gpus"]) == 2
+    # a signature that passed is not checked again
+    marker2 = tmp_path / "again.jsonl"
+    assert pp.early_good(str(marker2), 0.5) == "0,1"
+    assert [e["check"] for e in _check_marks(marker2)] == [False, False]

@@ -185,9 +185,9 @@ class Runner:
         if st.killed_reason is None:
             st.killed_reason = reason
         steps = ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0))
-        if reason.startswith("fenced"):
-            # the stage is being rerun elsewhere: no grace, so that it cannot report anything (e.g. a
-            # Prefect engine marking its flow run Crashed over the rerun's state)
+        if reason.startswith("fenced") or grace <= 0:
+            # the stage is being rerun elsewhere (or asked with grace 0): no SIGTERM, so that it cannot
+            # report anything (e.g. a Prefect engine marking its flow run Crashed over the rerun's state)
             steps = ((signal.SIGKILL, 5.0),)
         for sig, wait in steps:
             try:

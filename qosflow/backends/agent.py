@@ -409,14 +409,16 @@ class AgentBackend(Backend):
                 return ExitStatus(st.kind, st.code, f"{st.reason} {where}" if st.reason else "")
 
     # ------------------------------------------------------------------ control
-    async def kill(self, handle: StageHandle, reason: str = "cancelled") -> None:
+    async def kill(self, handle: StageHandle, reason: str = "cancelled", grace: float | None = None) -> None:
+        grace = self.kill_grace_s if grace is None else max(0.0, float(grace))
+
         async def one(part: dict[str, Any]) -> None:
             h = self.state[part["host"]]
             try:
                 await self._client(h).delete(
                     f"{h.url}/v1/stages/{part['stage_id']}",
-                    params={"reason": reason, "grace": self.kill_grace_s},
-                    timeout=self.kill_grace_s + 10,
+                    params={"reason": reason, "grace": grace},
+                    timeout=grace + 10,
                 )
             except httpx.HTTPError:
                 pass  # host gone: its stages died with its agent (or its fence)

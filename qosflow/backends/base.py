@@ -118,8 +118,9 @@ class Backend(ABC):
         """Wait until the stage ends and say how it ended."""
 
     @abstractmethod
-    async def kill(self, handle: StageHandle, reason: str = "cancelled") -> None:
-        """Stop the stage (idempotent)."""
+    async def kill(self, handle: StageHandle, reason: str = "cancelled", grace: float | None = None) -> None:
+        """Stop the stage (idempotent): SIGTERM, then SIGKILL after `grace` seconds (the backend's
+        default if None; 0: SIGKILL at once, so the stage's Prefect engine cannot report a state)."""
 
     async def logs(self, handle: StageHandle) -> AsyncIterator[str]:  # pragma: no cover - optional
         if False:

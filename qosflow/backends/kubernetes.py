@@ -481,11 +481,15 @@ class KubernetesBackend(Backend):
         return None
 
     # ------------------------------------------------------------------ control
-    async def kill(self, handle: StageHandle, reason: str = "cancelled") -> None:
+    async def kill(self, handle: StageHandle, reason: str = "cancelled", grace: float | None = None) -> None:
+        """Delete the stage's Job(s) (their pods go with them); `grace` becomes the DeleteOptions'
+        gracePeriodSeconds (None: the pods' own terminationGracePeriodSeconds)."""
         from kubernetes.client.exceptions import ApiException
 
         self._killed.setdefault(handle.stage_id, reason)
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        if grace is not None:
+            body["gracePeriodSeconds"] = max(0, int(grace))
         for name in handle.ref.get("jobs", []):
             try:
                 await self._acall(self.batch.delete_namespaced_job, name, handle.ref["namespace"], body=body)

@@ -190,13 +190,14 @@ class LocalBackend(Backend):
             return ExitStatus(ExitKind.INFRA, rc, f"killed by signal {signal.Signals(sig).name}")
         return ExitStatus(ExitKind.USER, rc, f"exited with status {rc}")
 
-    async def kill(self, handle: StageHandle, reason: str = "cancelled", grace: float = 5.0) -> None:
+    async def kill(self, handle: StageHandle, reason: str = "cancelled", grace: float | None = 5.0) -> None:
+        grace = 5.0 if grace is None else float(grace)
         proc = self._procs.get(handle.stage_id)
         pid = handle.ref.get("pid") if proc is None else proc.pid
         if pid is None:
             return
         self._killed[handle.stage_id] = reason
-        kill_tree(int(pid), signal.SIGTERM)
+        kill_tree(int(pid), signal.SIGTERM if grace > 0 else signal.SIGKILL)
         if proc is None:
             return
         try:

@@ -43,6 +43,12 @@ class QoSPolicy(Block):
     round_interval_s: float = Field(default=1.0, description="Seconds between scheduling rounds when nothing happens.")
     coda_feedback: bool = Field(default=True, description="Move cores from co-located CPU stages to lagging GPU stages (CODA).")
     at_risk_margin: float = Field(default=0.0, description="Fraction of the deadline kept as margin before a run is flagged at risk.")
+    early_check_s: float = Field(
+        default=0.0, ge=0,
+        description="Early check (0: off): run a new stage (no successful run of its signature yet) that needs at least "
+        "early_check_min_gpus GPUs for this many seconds on one GPU first, so a user error fails it before it takes its GPUs.",
+    )
+    early_check_min_gpus: int = Field(default=2, ge=1, description="Smallest GPU count of a stage that gets the early check.")
 
     @field_validator("priority")
     @classmethod

@@ -25,7 +25,7 @@ QOS_FIELDS = (
     "gpu_model",
 )
 #: stage-level fields beyond the QoSSpec
-STAGE_FIELDS = ("expected_duration", "batch_size")
+STAGE_FIELDS = ("expected_duration", "batch_size", "early_check")
 
 TAG_PREFIX = "qos:"
 
@@ -64,6 +64,7 @@ def check_stage_args(
     *,
     expected_duration: Any = None,
     batch_size: Any = None,
+    early_check: Any = None,
     retries: Any = None,
     retry_delay_seconds: Any = None,
     timeout_seconds: Any = None,
@@ -86,6 +87,10 @@ def check_stage_args(
             )
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
         raise bad("batch_size", f"must be a positive integer (the global batch), got {batch_size!r}")
+    if early_check is not None and (isinstance(early_check, bool) or not _finite(early_check) or float(early_check) < 0):
+        raise bad("early_check", f"must be seconds >= 0 (0: never check), got {early_check!r}")
+    if early_check and spec.gpus < 1:
+        raise bad("early_check", "runs a stage briefly on one GPU first; this stage uses no GPU (gpus=0), so there is nothing to check")
     if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
         raise bad("retries", f"must be a whole number >= 0, got {retries!r}")
     if retry_delay_seconds is not None and not callable(retry_delay_seconds):

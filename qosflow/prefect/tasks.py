@@ -40,7 +40,7 @@ from prefect import flow as prefect_flow
 from qosflow.core.qos import PriorityClass, QoSSpec
 from qosflow.errors import QosflowError, SpecError
 from qosflow.prefect.dag import StageNode, forecast, split_deadline
-from qosflow.prefect.spec import QOS_FIELDS, build_spec, check_stage_args, job_variables, qos_tags
+from qosflow.prefect.spec import QOS_FIELDS, STAGE_FIELDS, build_spec, check_stage_args, job_variables, qos_tags
 
 _TASK_PARAMS = set(inspect.signature(Task.__init__).parameters) - {"self", "fn"}
 _FLOW_PARAMS = set(inspect.signature(prefect_flow).parameters) - {"__fn"}
@@ -392,11 +392,13 @@ def _emit(name: str, run: PipelineRun, payload: dict[str, Any]) -> None:
 class QoSTask(Task):
     """A Prefect task carrying a QoS spec (also encoded in its tags, which survive `with_options`)."""
 
-    def __init__(self, fn: Callable, *, qos: QoSSpec, explicit: Iterable[str] = (), expected_duration: float | None = None, batch_size: int | None = None, **task_kwargs: Any):
+    def __init__(self, fn: Callable, *, qos: QoSSpec, explicit: Iterable[str] = (), expected_duration: float | None = None, batch_size: int | None = None,
+                 early_check: float | None = None, **task_kwargs: Any):
         self.qos = qos
         self.qos_explicit = frozenset(explicit)
         self.expected_duration = expected_duration
         self.batch_size = batch_size
+        self.early_check = early_check
         self.qos_fn = fn
         tags = list(task_kwargs.pop("tags", None) or []) + qos_tags(qos, expected_duration=expected_duration)
         wrapper = _make_wrapper(fn, self)
@@ -409,7 +411,7 @@ class QoSTask(Task):
 
     def with_options(self, **kwargs: Any) -> "QoSTask":  # type: ignore[override]
         qos_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in QOS_FIELDS}
-        stage_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in ("expected_duration", "batch_size")}
+        stage_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in STAGE_FIELDS}
         base = {k: getattr(self.qos, k) for k in QOS_FIELDS}
         base["priority"] = self.qos.priority.value
         base.update(qos_kw)
@@ -418,7 +420,7 @@ class QoSTask(Task):
         plain = super().with_options(**kwargs)  # a plain Task with the merged Prefect options
         opts = {k: getattr(plain, k) for k in ("name", "description", "version", "cache_policy", "cache_key_fn", "cache_expiration", "task_run_name", "retries", "retry_delay_seconds", "retry_jitter_factor", "persist_result", "result_storage", "result_serializer", "result_storage_key", "cache_result_in_memory", "timeout_seconds", "log_prints", "refresh_cache", "retry_condition_fn") if hasattr(plain, k)}
         opts = {k: v for k, v in opts.items() if k in _TASK_PARAMS}
-        return _build(self.qos_fn, {k: base[k] for k in base}, explicit, dict(expected_duration=stage_kw.get("expected_duration", self.expected_duration), batch_size=stage_kw.get("batch_size", self.batch_size)), dict(opts, tags=user_tags))
+        return _build(self.qos_fn, {k: base[k] for k in base}, explicit, {k: stage_kw.get(k, getattr(self, k)) for k in STAGE_FIELDS}, dict(opts, tags=user_tags))
 
 
 def _in_stage_process() -> bool:
@@ -523,6 +525,7 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         signature=task.signature,
         expected_duration=task.expected_duration,
         batch_size=task.batch_size,
+        early_check_s=getattr(task, "early_check", None),
         deadline_at=deadline_at,
     )
     try:
@@ -589,13 +592,14 @@ def _build(fn: Callable, qos_kw: dict[str, Any], explicit: Iterable[str], stage_
     where = "@qos_task" if fn is _placeholder else f"@qos_task {getattr(fn, '__qualname__', fn)!r}"
     unknown = sorted(set(task_kw) - _TASK_PARAMS)
     if unknown:
-        raise SpecError(unknown[0], f"not a QoS argument nor a @task argument; QoS: {', '.join(QOS_FIELDS + ('expected_duration', 'batch_size'))}", where=where)
+        raise SpecError(unknown[0], f"not a QoS argument nor a @task argument; QoS: {', '.join(QOS_FIELDS + STAGE_FIELDS)}", where=where)
     spec = build_spec(where, **qos_kw)
     check_stage_args(
         where,
         spec,
         expected_duration=stage_kw.get("expected_duration"),
         batch_size=stage_kw.get("batch_size"),
+        early_check=stage_kw.get("early_check"),
         retries=task_kw.get("retries"),
         retry_delay_seconds=task_kw.get("retry_delay_seconds"),
         timeout_seconds=task_kw.get("timeout_seconds"),
@@ -603,7 +607,9 @@ def _build(fn: Callable, qos_kw: dict[str, Any], explicit: Iterable[str], stage_
         name=task_kw.get("name"),
     )
     exp = stage_kw.get("expected_duration")
-    return QoSTask(fn, qos=spec, explicit=explicit, expected_duration=None if exp is None else float(exp), batch_size=stage_kw.get("batch_size"), **task_kw)
+    chk = stage_kw.get("early_check")
+    return QoSTask(fn, qos=spec, explicit=explicit, expected_duration=None if exp is None else float(exp), batch_size=stage_kw.get("batch_size"),
+                   early_check=None if chk is None else float(chk), **task_kw)
 
 
 def qos_task(
@@ -623,9 +629,14 @@ def qos_task(
     gpu_model: str | None = None,
     expected_duration: float | None = None,
     batch_size: int | None = None,
+    early_check: float | None = None,
     **task_kwargs: Any,
 ):
     """Declare a pipeline stage with its QoS; everything `@task` takes is accepted too.
+
+    `early_check=S` runs the stage for S seconds on one GPU before it takes its full placement, so
+    that a user error fails it early (0: never; unset: the pool's QoS policy decides for new
+    multi-GPU stages). The stage sees `QOSFLOW_EARLY_CHECK=1` while it is checked.
 
     Bad arguments raise `SpecError` here, at decoration time, naming the argument.
     """
@@ -633,7 +644,7 @@ def qos_task(
     defaults = {"gpus": 1, "gpu_milli": 1000, "gpu_mem_mb": None, "cpu_cores": 1.0, "mem_mb": 0.0, "deadline": None, "latency_slo": None, "min_throughput": None, "priority": "normal", "shareable": False, "gang": True, "gpu_model": None}
     qos_kw = dict(gpus=gpus, gpu_milli=gpu_milli, gpu_mem_mb=gpu_mem_mb, cpu_cores=cpu_cores, mem_mb=mem_mb, deadline=deadline, latency_slo=latency_slo, min_throughput=min_throughput, priority=priority, shareable=shareable, gang=gang, gpu_model=gpu_model)
     explicit = {k for k in given if qos_kw[k] != defaults[k]}
-    stage_kw = dict(expected_duration=expected_duration, batch_size=batch_size)
+    stage_kw = dict(expected_duration=expected_duration, batch_size=batch_size, early_check=early_check)
     if __fn is not None:
         if not callable(__fn):
             raise SpecError("fn", f"@qos_task decorates a function, got {__fn!r}")

@@ -33,7 +33,7 @@ from prefect.exceptions import InfrastructureNotFound
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
 from pydantic import Field
 
-from qosflow.backends.base import Backend, ExitKind, LaunchSpec, StageHandle
+from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job, JobState
 from qosflow.failures import Action, decide
@@ -76,6 +76,11 @@ class QosflowVariables(BaseVariables):
     gpu_model: Optional[str] = Field(default=None, description="Required GPU model.")
     expected_duration: Optional[float] = Field(default=None, description="Declared expected duration (seconds).")
     batch_size: Optional[int] = Field(default=None, description="Global batch size (for sub-batch plans).")
+    early_check_s: Optional[float] = Field(
+        default=None,
+        description="Early check: run the stage this many seconds on a 1-GPU slot first, to catch user errors before it "
+        "takes its full placement (0: never; unset: the QoS policy block's setting, for new multi-GPU stages).",
+    )
     qos_policy: Optional[dict[str, Any]] = Field(
         default=None,
         description="A QoS policy block by reference, e.g. {{ prefect.blocks.qosflow-qos-policy.nightly }}: "
@@ -115,6 +120,7 @@ class QosflowJobConfiguration(BaseJobConfiguration):
     gpu_model: Optional[str] = Field(default=None)
     expected_duration: Optional[float] = Field(default=None)
     batch_size: Optional[int] = Field(default=None)
+    early_check_s: Optional[float] = Field(default=None)
     qos_policy: Optional[dict[str, Any]] = Field(default=None)
     cluster_block: Optional[str] = Field(default=None)
     policy_block: Optional[str] = Field(default=None)
@@ -192,6 +198,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self.records: list[dict[str, Any]] = []  # one per finished stage (benchmarks, tests)
         self._handles: dict[str, StageHandle] = {}
         self._labels_written: dict[str, dict[str, str]] = {}  # flow run id -> the placement labels last written
+        self._checked_ok: set[str] = set()  # stage signatures that passed an early check (or finished in one)
+        self.early_checks: list[dict[str, Any]] = []  # one record per early check (tests, benchmarks)
         self._pids: dict[str, str] = {}  # pid -> job id
         self._cancel_task: asyncio.Task | None = None
         self._qos_setup_lock = asyncio.Lock()
@@ -291,6 +299,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await asyncio.sleep(interval)
             if self._work_pool is None or self._runs_task_group is None:
                 continue
+            if self.scheduler is None:
+                # set up as soon as the pool is known, not at the first stage: a restarted worker must
+                # recover its leases (adopt the stages still running) even if no new stage ever comes
+                try:
+                    await self._ensure_qos()
+                except Exception as exc:
+                    self._logger.error("qosflow worker setup failed (retrying): %s", exc)
+                    await asyncio.sleep(5.0)
+                    continue
             try:
                 await self.get_and_submit_flow_runs()
             except Exception as exc:
@@ -368,6 +385,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         infra_failures = 0
         started = False
         label_task: asyncio.Task | None = None  # labels are written right after the launch, off its path
+        check_s = self._early_check_seconds(configuration, spec, job)
+        if check_s:
+            outcome = await self._early_check(entry, spec, check_s, command, env, cwd, flow_run, run_logger)
+            if outcome.get("launched"):
+                task_status.started(outcome["infra_id"])
+                started = True
+            if outcome.get("result") is not None:
+                return outcome["result"]
         while True:
             try:
                 grant = await sched.request(entry)
@@ -524,12 +549,13 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self.leases = arg
         await self._sync_foreign()
 
-    async def _acquire_lease(self, fid: str, launch: LaunchSpec, shareable: bool) -> None:
+    async def _acquire_lease(self, fid: str, launch: LaunchSpec, shareable: bool, job_id: str | None = None) -> None:
+        """Book the slot of one attempt of stage `fid` (`job_id`: the scheduler's entry, if not `fid`)."""
         if self.leases is None or self.scheduler is None:
             return
         sched = self.scheduler
         # book the cores this stage owns alone (the scheduler may pack fractional cores onto shared ids)
-        owned = {n: sched.cpuset(fid, n) for n in launch.placement.nodes}
+        owned = {n: sched.cpuset(job_id or fid, n) for n in launch.placement.nodes}
         lspec = dataclasses.replace(launch, cpusets={n: c for n, c in owned.items() if c})
         lease = await asyncio.to_thread(
             self.leases.acquire, self._pool_key, fid, lspec, holder=self.holder, ttl_s=self.lease_ttl_s,
@@ -737,6 +763,156 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         except Exception as exc:
             self._logger.warning("could not set the state of flow run %s: %s", flow_run_id, exc)
             return False
+
+    # ------------------------------------------------------------------ early check (Philly)
+    def _early_check_seconds(self, configuration: QosflowJobConfiguration, spec: Any, job: Job) -> float:
+        """How long to run this stage on a small slot first (0: no check).
+
+        Philly's failures are mostly user errors that show within the first minutes and repeat; a large
+        gang stage that fails at once wastes the GPUs it waited for. A stage is checked if it asks for
+        it (`early_check_s` > 0), or if the QoS policy block's `early_check_s` is set and the stage needs
+        at least `early_check_min_gpus` GPUs, as long as its signature has no successful run yet.
+        """
+        pb = self.policy_block
+        own = configuration.early_check_s
+        if own is not None:
+            secs = float(own)
+        elif pb is not None and pb.early_check_s and spec.gpus >= pb.early_check_min_gpus:
+            secs = float(pb.early_check_s)
+        else:
+            return 0.0
+        if not secs > 0 or spec.gpus < 1:
+            return 0.0
+        if spec.gpus == 1 and not spec.gang and spec.gpu_milli >= 1000 and own is None:
+            return 0.0  # nothing smaller to check on
+        sig = job.model
+        if sig in self._checked_ok:
+            return 0.0
+        samples = getattr(self.scheduler.estimator if self.scheduler else None, "samples", None)
+        if callable(samples):
+            try:
+                if samples(job) > 0:
+                    return 0.0
+            except Exception:
+                pass
+        return secs
+
+    async def _early_check(self, entry: StageEntry, spec: Any, check_s: float, command: list[str], env: dict[str, str],
+                           cwd: str | None, flow_run: "FlowRun", run_logger: Any) -> dict[str, Any]:
+        """Run the stage for `check_s` seconds on one GPU (one rank, a few cores). It fails there: a user
+        error, reported without taking the full placement. It runs on: stopped with SIGKILL (its
+        Prefect engine cannot mark the run crashed), and the stage is placed for real. It completes
+        there: the stage is done."""
+        sched = self.scheduler
+        assert sched is not None and self._backend is not None
+        fid = entry.flow_run_id or entry.job_id
+        job = entry.state.job
+        small = dataclasses.replace(spec, gpus=1, gpu_milli=min(spec.gpu_milli, 1000), gang=False, cpu_cores=min(spec.cpu_cores, 2.0),
+                                    deadline=None, extra={})
+        cid = f"{fid}-check"
+        cjob = Job(job_id=cid, submit_time=time.time(), qos=small, duration=check_s, model=f"{job.model} (early check)",
+                   expected_duration=check_s, meta=dict(job.meta, early_check=True))
+        centry = StageEntry(JobState(cjob), f"{entry.name} (early check)", fid, entry.pipeline, None, ready_at=entry.ready_at)
+        t0 = time.time()
+        try:
+            grant = await sched.request(centry)
+        except StageCancelled:
+            return {}
+        launch = LaunchSpec(
+            stage_id=cid, command=command, placement=grant.placement, cluster=sched.cluster,
+            env={**env, "QOSFLOW_EARLY_CHECK": "1", "QOSFLOW_EARLY_CHECK_SECONDS": f"{check_s:g}"}, cwd=cwd, cpusets=grant.cpusets,
+            labels={"prefect.io/flow-run-id": fid, "prefect.io/flow-run-name": str(flow_run.name), "qosflow.io/early-check": "true"},
+        )
+        info = sched.describe_grant(centry)
+        try:
+            await self._acquire_lease(fid, launch, small.shareable, job_id=cid)
+            handle = await self._backend.launch(launch)
+        except Exception as exc:
+            sched.release(cid, ok=False)
+            await self._release_lease(fid)
+            run_logger.warning("stage %s: early check not run (%s); placing it for real", entry.name, exc)
+            return {}
+        run_logger.info("stage %s: early check on %s (GPUs %s, %g cores) for up to %gs before it takes %d GPU(s)",
+                        entry.name, info["host"], ",".join(info["gpus"]) or "-", info["cpu_cores"], check_s, spec.gpus)
+        await self._lease_handle(fid, handle)
+        self._register(fid, handle)
+        out: dict[str, Any] = {"launched": True, "infra_id": _infra_id(handle, fid)}
+        waiter = asyncio.ensure_future(self._backend.wait(handle))
+        passed = False
+        try:
+            # the clock starts when the stage's own code does: its Prefect engine sets the flow run Running
+            # right before it calls the stage (engine start-up takes seconds and proves nothing)
+            startup_until = time.monotonic() + 600.0
+            while not waiter.done() and time.monotonic() < startup_until and await self._state_type(flow_run.id) not in ("RUNNING", None):
+                await asyncio.wait({waiter}, timeout=0.25)
+            status = await asyncio.wait_for(asyncio.shield(waiter), check_s)
+        except asyncio.TimeoutError:
+            # still running after the check time, unless its engine is only reporting how it ended
+            if await self._final(flow_run.id):
+                try:
+                    status = await asyncio.wait_for(asyncio.shield(waiter), 60.0)
+                except asyncio.TimeoutError:
+                    await self._backend.kill(handle, "early check: the stage ended, its process did not", grace=0.0)
+                    status = await waiter
+            else:
+                await self._backend.kill(handle, "early check passed: placing the stage for real", grace=0.0)
+                status = await waiter
+                passed = True
+        finally:
+            sched.release(cid, ok=True)
+            self._unregister(fid)
+            await self._release_lease(fid)
+        took = time.time() - t0
+        rec = {"flow_run_id": fid, "stage": entry.name, "host": info["host"], "seconds": round(took, 3), "check_s": check_s}
+        if status.kind is not ExitKind.INFRA:
+            # the outcome is what the stage's engine reported (its process exits 0 after a failed run too);
+            # a check stopped just after the stage ended counts as that end
+            state = await self._state_type(flow_run.id)
+            if state == "COMPLETED":
+                passed, status = False, ExitStatus(ExitKind.OK, 0, "")
+            elif state in ("FAILED", "CRASHED", "CANCELLED"):
+                fr = await self.client.read_flow_run(flow_run.id)
+                passed, status = False, ExitStatus(ExitKind.USER, status.code, (fr.state.message if fr.state else "") or state.lower())
+            elif not passed and status.ok:
+                status = ExitStatus(ExitKind.INFRA, status.code, "the stage's process ended without its flow run ending")
+        if passed:
+            self._checked_ok.add(job.model)
+            rec["verdict"] = "passed"
+            self.early_checks.append(rec)
+            run_logger.info("stage %s: early check passed (still running after %gs); stopped it, placing the stage for real",
+                            entry.name, check_s)
+            self._event("qosflow.stage.early_check", entry, {"stage": entry.name, "verdict": "passed", "seconds": round(took, 3)})
+            return out
+        if status.kind is ExitKind.INFRA:
+            rec["verdict"] = "inconclusive"
+            self.early_checks.append(rec)
+            run_logger.warning("stage %s: early check inconclusive (%s); placing the stage for real",
+                               entry.name, status.reason)
+            return out
+        rec["verdict"] = "completed" if status.ok else "failed"
+        rec["exit_reason"] = status.reason
+        self.early_checks.append(rec)
+        self._event("qosflow.stage.early_check", entry, {"stage": entry.name, "verdict": rec["verdict"], "seconds": round(took, 3),
+                                                         "reason": status.reason})
+        if status.ok:
+            self._checked_ok.add(job.model)
+            run_logger.info("stage %s finished within its early check (%.1fs on one GPU)", entry.name, took)
+            out["result"] = QosflowWorkerResult(status_code=0, identifier=out["infra_id"])
+            return out
+        run_logger.error("stage %s failed its early check after %.1fs on one GPU (%s): a user error, so it does not take its "
+                         "%d GPUs; fix the stage and run it again", entry.name, took, status.reason, spec.gpus)
+        code = _code(status)
+        if await self._report_final(flow_run.id, status, 1):
+            code = 0
+        out["result"] = QosflowWorkerResult(status_code=code, identifier=out["infra_id"])
+        return out
+
+    async def _state_type(self, flow_run_id: Any) -> str | None:
+        try:
+            fr = await self.client.read_flow_run(flow_run_id)
+        except Exception:
+            return None
+        return fr.state.type.value if fr.state is not None else None
 
     async def _final(self, flow_run_id: Any) -> bool | None:
         try:

@@ -1,0 +1,113 @@
+"""A worker that dies mid-stage and restarts: the stage is neither lost nor run twice.
+
+Real processes throughout: a `qosflow agent` (one host, virtual GPUs), a `qosflow worker start`
+*subprocess* on a `qosflow` pool that reads the agent from a cluster file, and a pipeline sent
+through the session's Prefect server. The worker is SIGKILLed while its stage runs on the agent
+(no clean-up, its lease stays in the qosflow store); a new worker process with the same name
+starts, finds the lease, sees through the agent that the attempt still runs, adopts it instead of
+launching it again, and releases the lease when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+HERE = Path(__file__).resolve().parent
+TOKEN = "restart-test-token-77aa"
+POOL = "restart-agents"
+WORKER = "restart-worker"
+
+
+def marks(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def start_worker(env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "qosflow", "worker", "start", "--pool", POOL, "--name", WORKER],
+                            env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_log(log: Path, text: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while text not in (log.read_text(errors="replace") if log.exists() else ""):
+        assert proc.poll() is None, f"the worker exited ({proc.returncode}):\n{log.read_text(errors='replace')[-3000:]}"
+        assert time.monotonic() < end, f"{text!r} not in the worker's log:\n{log.read_text(errors='replace')[-3000:]}"
+        time.sleep(0.2)
+
+
+def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_server, tmp_path):
+    import infra_pipelines as ip
+
+    from qosflow.agent.testing import AgentProcess
+    from qosflow.prefect.blocks import QoSPolicy
+    from qosflow.prefect.local import setup_pool
+    from qosflow.store.leases import LeaseStore
+
+    pypath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    os.environ["PYTHONPATH"] = pypath
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": pypath, "QOSFLOW_LEASE_TTL_SECONDS": "6"}
+    marker, wlog = tmp_path / "marks.jsonl", tmp_path / "worker.log"
+    procs: list[subprocess.Popen] = []
+    with AgentProcess("host-r", TOKEN, virtual_gpus=2, args=["--cpu-cores", "2"], log=tmp_path / "agent.log") as agent:
+        (tmp_path / "token").write_text(TOKEN + "\n")
+        cluster = tmp_path / "restart.yaml"
+        cluster.write_text(f"name: restart\ntoken_file: token\nheartbeat_s: 0.5\ngpus_per_host: 2\n"
+                           f"hosts:\n  - {{name: host-r, agent_url: '{agent.url}'}}\n")
+        asyncio.run(setup_pool(POOL, policy=QoSPolicy(policy="fifo"), stream_output=False, cluster_file=str(cluster), env={"PYTHONPATH": pypath}))
+        old_pool = os.environ.get("QOSFLOW_POOL")
+        os.environ["QOSFLOW_POOL"] = POOL
+        try:
+            w1 = start_worker(env, wlog)
+            procs.append(w1)
+            wait_log(wlog, "qosflow worker:", w1)
+            out: dict = {}
+            th = threading.Thread(target=lambda: out.setdefault("r", ip.agent_lost(str(marker), 12.0)), daemon=True)
+            th.start()
+            end = time.monotonic() + 150
+            while not marks(marker):
+                assert time.monotonic() < end and th.is_alive(), "the stage never started"
+                time.sleep(0.1)
+            store = LeaseStore()
+            [lease] = store.leases(POOL)
+            assert lease.holder == WORKER and lease.nodes == ["host-r"]
+            os.killpg(w1.pid, signal.SIGKILL)  # the worker dies: nothing is cleaned up
+            w1.wait(10)
+            assert [le.lease_id for le in store.leases(POOL)] == [lease.lease_id]  # its lease outlives it
+
+            w2 = start_worker(env, wlog)
+            procs.append(w2)
+            wait_log(wlog, "recovery: adopted stage", w2)
+            th.join(150)
+            assert not th.is_alive(), "the pipeline did not finish after the restart"
+            assert out.get("r") == "host-r"
+            ev = marks(marker)
+            assert [e["event"] for e in ev] == ["start", "done"]  # ran once, was not relaunched
+            assert ev[0]["attempt"] == lease.attempt_id
+            end = time.monotonic() + 30
+            while store.leases(POOL):  # the new worker released the adopted lease when the stage ended
+                assert time.monotonic() < end, f"lease not released: {store.leases(POOL)}"
+                time.sleep(0.2)
+        finally:
+            if old_pool is None:
+                os.environ.pop("QOSFLOW_POOL", None)
+            else:
+                os.environ["QOSFLOW_POOL"] = old_pool
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    try:
+                        p.wait(20)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(p.pid, signal.SIGKILL)
