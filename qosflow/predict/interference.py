@@ -51,6 +51,19 @@ def _log(x: float) -> float:
     return max(math.log(x), LOG_FLOOR) if x > 0 else LOG_FLOOR
 
 
+def _ridge_by_group(group: np.ndarray, feats: np.ndarray, target: np.ndarray, n: int, reg: np.ndarray) -> np.ndarray:
+    """For every group g < n: the ridge solution of [feats, 1] @ w ~ target over the rows of g
+    (normal equations summed per group with bincount, then one batched solve)."""
+    X = np.hstack([feats, np.ones((len(feats), 1))])
+    d = X.shape[1]
+    A = np.empty((n, d, d))
+    for p in range(d):
+        for q in range(p, d):
+            A[:, p, q] = A[:, q, p] = np.bincount(group, weights=X[:, p] * X[:, q], minlength=n)
+    b = np.stack([np.bincount(group, weights=X[:, p] * target, minlength=n) for p in range(d)], axis=1)
+    return np.linalg.solve(A + reg, b[..., None])[..., 0]
+
+
 class LowRank:
     """log s(a, b) ~ mu + bias_row[a] + bias_col[b] + U[a] . V[b], fitted by alternating ridge regressions."""
 
@@ -70,27 +83,15 @@ class LowRank:
         V = rng.normal(0, 0.1, (n, r))
         ba = np.zeros(n)
         bb = np.zeros(n)
-        rows = [np.flatnonzero(ii == k) for k in range(n)]
-        cols = [np.flatnonzero(jj == k) for k in range(n)]
+        has_row = np.bincount(ii, minlength=n) > 0
+        has_col = np.bincount(jj, minlength=n) > 0
         reg = self.lam * np.eye(r + 1)
         reg[r, r] = self.lam * 0.1  # biases are cheap
         for _ in range(self.iters):
-            res = y - self.mu - bb[jj]
-            for k in range(n):
-                m = rows[k]
-                if len(m) == 0:
-                    continue
-                X = np.hstack([V[jj[m]], np.ones((len(m), 1))])
-                sol = np.linalg.solve(X.T @ X + reg, X.T @ res[m])
-                U[k], ba[k] = sol[:r], sol[r]
-            res = y - self.mu - ba[ii]
-            for k in range(n):
-                m = cols[k]
-                if len(m) == 0:
-                    continue
-                X = np.hstack([U[ii[m]], np.ones((len(m), 1))])
-                sol = np.linalg.solve(X.T @ X + reg, X.T @ res[m])
-                V[k], bb[k] = sol[:r], sol[r]
+            sol = _ridge_by_group(ii, V[jj], y - self.mu - bb[jj], n, reg)
+            U[has_row], ba[has_row] = sol[has_row, :r], sol[has_row, r]
+            sol = _ridge_by_group(jj, U[ii], y - self.mu - ba[ii], n, reg)
+            V[has_col], bb[has_col] = sol[has_col, :r], sol[has_col, r]
         self.U, self.V, self.ba, self.bb = U, V, ba, bb
         self.n_rows = np.bincount(ii, minlength=n)
         self.n_cols = np.bincount(jj, minlength=n)
