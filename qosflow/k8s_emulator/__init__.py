@@ -9,7 +9,7 @@ Failure injection: OOMKilled, ImagePullBackOff, Evicted, Unschedulable, exit cod
     with EmulatorServer(nodes=[gpu_node("gpu-0"), gpu_node("gpu-1")]) as emu:
         api = kubernetes.client.CoreV1Api(emu.api_client())
 
-`python -m qosflow.k8s_emulator --port 8080 --nodes 3 --gpus 4` runs one standalone.
+`python -m qosflow.k8s_emulator --port 8080 --nodes 3 --gpus 4 [--run-processes]` runs one standalone.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ __all__ = ["EmulatorServer", "gpu_node", "Cluster"]
 class EmulatorServer:
     """The emulator on 127.0.0.1 in a background thread (its own event loop)."""
 
-    def __init__(self, nodes: list[dict] | None = None, *, port: int = 0, window: int = 1000, tick_s: float = 0.02, start_delay_s: float = 0.05):
-        self.cluster = Cluster(window=window, tick_s=tick_s, start_delay_s=start_delay_s)
+    def __init__(self, nodes: list[dict] | None = None, *, port: int = 0, window: int = 1000, tick_s: float = 0.02, start_delay_s: float = 0.05,
+                 run_processes: bool = False):
+        """`run_processes=True`: a Running pod runs its container's command as a local process (see state.py)."""
+        self.cluster = Cluster(window=window, tick_s=tick_s, start_delay_s=start_delay_s, run_processes=run_processes)
         self._nodes = list(nodes or [])
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -71,6 +73,7 @@ class EmulatorServer:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(10)
+        self.cluster.shutdown()
         self._sock.close()
 
     def __enter__(self) -> "EmulatorServer":

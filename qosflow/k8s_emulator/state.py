@@ -5,8 +5,12 @@ PodGroups) as the JSON the real API server serves, with resource versions and a 
 for watches, and "runs" Jobs by creating their Pods, binding them to nodes (node affinity, node
 selectors, hostname anti-affinity, extended resources such as `nvidia.com/gpu`, all-or-nothing
 groups for `schedulerName: volcano`) and moving them through their phases on a timer. No container
-ever runs. Failures are injected through rules: OOMKilled, ImagePullBackOff, Evicted, Unschedulable,
-a non-zero exit code, or a lost node.
+runs: by default a Running pod just "runs" for its annotated time; with `run_processes=True` the
+emulated kubelet runs the pod's first container's command as a local process instead (no image,
+no isolation: the host's interpreter and files, the pod's env with downward-API fields resolved),
+and the pod ends with the process's exit code, so a real Prefect engine can run a real flow run
+"through Kubernetes" in tests. Failures are injected through rules: OOMKilled, ImagePullBackOff,
+Evicted, Unschedulable, a non-zero exit code, or a lost node (these kill a pod's process).
 """
 
 from __future__ import annotations
@@ -14,9 +18,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import os
 import random
 import re
+import signal
 import string
+import subprocess
+import tempfile
 import time
 import uuid
 from collections import deque
@@ -253,10 +261,12 @@ class Store:
 class Cluster:
     """The store plus the emulated control plane (job controller, scheduler, kubelets)."""
 
-    def __init__(self, window: int = 1000, tick_s: float = 0.02, start_delay_s: float = 0.05):
+    def __init__(self, window: int = 1000, tick_s: float = 0.02, start_delay_s: float = 0.05, run_processes: bool = False):
         self.store = Store(window)
         self.tick_s = tick_s
         self.start_delay_s = start_delay_s
+        self.run_processes = run_processes
+        self._logdir = tempfile.mkdtemp(prefix="qosflow-k8s-emulator-") if run_processes else None
         self.rules: list[dict] = []  # failure rules applied to new pods
         self.faults: list[dict] = []  # HTTP faults (method, path regex, status, count)
         self.timeline: dict[str, dict[str, Any]] = {}  # pod uid -> private lifecycle data
@@ -407,6 +417,7 @@ class Cluster:
 
     def _finish(self, pod: dict, phase: str, *, reason: str | None = None, message: str | None = None,
                 exit_code: int | None = 0, container_reason: str | None = None, disruption: str | None = None) -> None:
+        self._kill_process(pod["metadata"]["uid"])
         st = pod["status"]
         st["phase"] = phase
         if reason:
@@ -561,6 +572,8 @@ class Cluster:
                 pod["status"]["conditions"] = [c for c in pod["status"].get("conditions", []) if c["type"] != "Ready"] + [
                     {"type": "Ready", "status": "True", "lastTransitionTime": now_iso()}]
                 tl["running"] = t
+                if self.run_processes:
+                    self._start_process(pod, tl)
                 self.store.update("pods", pod)
                 continue
             ran = t - tl["running"]
@@ -575,12 +588,73 @@ class Cluster:
                 else:
                     self._finish(pod, "Failed", exit_code=tl["exit_code"] or 1)
                 continue
+            proc = tl.get("proc")
+            if proc is not None:
+                code = proc.poll()
+                if code is not None:
+                    code = 128 - code if code < 0 else code  # killed by a signal: 128 + signal, as a container runtime says
+                    self._finish(pod, "Succeeded" if code == 0 else "Failed", exit_code=code)
+                continue
+            if "spawn_error" in tl:
+                self._finish(pod, "Failed", exit_code=128, container_reason="StartError", message=tl["spawn_error"])
+                continue
             if ran >= tl["run_s"]:
                 code = tl["exit_code"]
                 self._finish(pod, "Succeeded" if code == 0 else "Failed", exit_code=code)
 
+    # -------------------------------------------------------------- processes (run_processes=True)
+    def _start_process(self, pod: dict, tl: dict) -> None:
+        c = pod["spec"]["containers"][0]
+        argv = list(c.get("command") or []) + list(c.get("args") or [])
+        env = dict(os.environ)
+        for e in c.get("env", []):
+            if "value" in e:
+                env[e["name"]] = str(e["value"])
+            elif "valueFrom" in e:
+                v = _downward(pod, ((e["valueFrom"].get("fieldRef") or {}).get("fieldPath") or ""))
+                if v is not None:
+                    env[e["name"]] = v
+        log = os.path.join(self._logdir or tempfile.gettempdir(), f"{pod['metadata']['uid']}.log")
+        tl["log"] = log
+        try:
+            with open(log, "ab") as out:
+                tl["proc"] = subprocess.Popen(argv, env=env, cwd=c.get("workingDir") or None, stdout=out, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True)
+        except (OSError, ValueError) as exc:
+            tl["spawn_error"] = f"failed to start container process {argv!r}: {exc}"
+
+    def _kill_process(self, uid: str) -> None:
+        proc = (self.timeline.get(uid) or {}).get("proc")
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                pass
+
+    def _reap_deleted(self) -> None:
+        """A deleted pod's process is killed (the kubelet stops its containers)."""
+        live = {p["metadata"]["uid"] for p in self.store.list("pods")}
+        for uid, tl in list(self.timeline.items()):
+            if tl.get("proc") is not None and uid not in live:
+                self._kill_process(uid)
+                tl.pop("proc", None)
+
+    def shutdown(self) -> None:
+        for uid in list(self.timeline):
+            self._kill_process(uid)
+
     def logs(self, pod: dict) -> str:
         tl = self.timeline.get(pod["metadata"]["uid"], {})
+        if tl.get("log"):
+            try:
+                with open(tl["log"], errors="replace") as fh:
+                    return fh.read()
+            except OSError:
+                return ""
         c = pod["spec"]["containers"][0]
         env = {e["name"]: e.get("value", "") for e in c.get("env", []) if "value" in e}
         lines = [
@@ -599,6 +673,8 @@ class Cluster:
                     self._sync_job(job)
                 self._schedule()
                 self._kubelet()
+                if self.run_processes:
+                    self._reap_deleted()
                 for job in self.store.list("jobs"):
                     self._sync_job(job)
             except Exception:  # pragma: no cover - keep the control plane alive
@@ -606,6 +682,17 @@ class Cluster:
 
                 logging.getLogger("qosflow.k8s_emulator").exception("controller step failed")
             await asyncio.sleep(self.tick_s)
+
+
+def _downward(pod: dict, path: str) -> str | None:
+    """The value of a downward-API fieldRef (metadata.name/namespace/uid, metadata.labels['k'],
+    metadata.annotations['k'], spec.nodeName, spec.serviceAccountName, status.podIP)."""
+    m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+    if m:
+        v = (pod["metadata"].get(m.group(1)) or {}).get(m.group(2))
+        return None if v is None else str(v)
+    v = _field(pod, path)
+    return None if v is None else str(v)
 
 
 def _requests(pod: dict) -> dict[str, float]:

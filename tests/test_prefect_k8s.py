@@ -1,0 +1,107 @@
+"""The qosflow worker on Kubernetes, end to end: real Prefect server, real flow runs, the official
+`kubernetes` client against qosflow's API emulator (EMULATED: no real cluster exists here).
+
+The emulator runs with `run_processes=True`: its kubelet runs each pod's container command (the
+stage's `python -m prefect.engine`) as a local process with the pod's environment, so a stage's own
+code really runs "in" a pod and its flow run completes; pod phases, exit codes and injected
+failures (OOMKilled) come back through the same watch/list JSON a cluster serves. The same worker
+code runs against a real cluster through a kubeconfig (docs/infrastructure.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+HERE = Path(__file__).resolve().parent
+POOL = "k8s-e2e"
+
+
+def marks(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def k8s(prefect_server):
+    from qosflow.k8s_emulator import EmulatorServer, gpu_node
+    from qosflow.prefect.blocks import KubernetesGPUCluster, QoSPolicy
+    from qosflow.prefect.local import WorkerThread, setup_pool
+
+    pypath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    os.environ["PYTHONPATH"] = pypath
+    with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)], run_processes=True) as emu:
+        cluster = KubernetesGPUCluster(api_url=emu.url, namespace="default", image="python:3.11-slim", sharing="time-slicing")
+        asyncio.run(setup_pool(POOL, cluster=cluster, policy=QoSPolicy(policy="fifo"), stream_output=False, env={"PYTHONPATH": pypath}))
+        w = WorkerThread(POOL, max_infra_retries=1).wait_ready(120)
+        old = os.environ.get("QOSFLOW_POOL")
+        os.environ["QOSFLOW_POOL"] = POOL
+        try:
+            yield {"emu": emu, "worker": w}
+        finally:
+            if old is None:
+                os.environ.pop("QOSFLOW_POOL", None)
+            else:
+                os.environ["QOSFLOW_POOL"] = old
+            w.stop()
+
+
+def test_stage_runs_in_a_pod_and_its_flow_run_completes(k8s, tmp_path):
+    import infra_pipelines as ip
+
+    from prefect.client.orchestration import get_client
+    from qosflow.prefect.tasks import PipelineRun
+
+    marker = tmp_path / "k8s.jsonl"
+    node = ip.agent_lost(str(marker), 0.5)
+    assert node in ("gpu-0", "gpu-1")  # QOSFLOW_NODE comes from the downward API (spec.nodeName)
+    ev = marks(marker)
+    assert [e["event"] for e in ev] == ["start", "done"] and ev[0]["node"] == node
+    rec = next(iter(PipelineRun.finished[-1].stages.values()))
+    with get_client(sync_client=True) as c:
+        fr = c.read_flow_run(rec.flow_run_id)
+    assert fr.state.is_completed() and fr.labels["qosflow.host"] == node
+    # one batch/v1 Job for the stage, linked to its flow run, pinned to the node the policy chose
+    from kubernetes import client
+
+    batch = client.BatchV1Api(k8s["emu"].api_client())
+    end = time.monotonic() + 60
+    while True:  # the engine process exits a moment after it reported the flow run's end
+        jobs = batch.list_namespaced_job("default", label_selector=f"prefect.io/flow-run-id={rec.flow_run_id}").items
+        if len(jobs) != 1 or jobs[0].status.succeeded or time.monotonic() > end:
+            break
+        time.sleep(0.2)
+    assert len(jobs) == 1 and jobs[0].status.succeeded == 1
+    pods = client.CoreV1Api(k8s["emu"].api_client()).list_namespaced_pod("default", label_selector=f"job-name={jobs[0].metadata.name}").items
+    assert [p.spec.node_name for p in pods] == [node] and pods[0].status.phase == "Succeeded"
+
+
+def test_oomkilled_pod_becomes_a_clear_prefect_state(k8s, tmp_path):
+    """Every pod of the stage is OOMKilled (an infrastructure failure): it is retried on another node,
+    and when the retries run out its flow run ends with a message that says OOMKilled."""
+    import infra_pipelines as ip
+
+    from prefect.client.orchestration import get_client
+    from qosflow.prefect.tasks import PipelineRun
+
+    emu = k8s["emu"]
+    emu.add_rule(fail="OOMKilled", selector="app.kubernetes.io/managed-by=qosflow", times=10, after_s=0.2)
+    marker = tmp_path / "oom.jsonl"
+    with pytest.raises(Exception):
+        ip.agent_lost(str(marker), 30.0)
+    rec = next(iter(PipelineRun.finished[-1].stages.values()))
+    with get_client(sync_client=True) as c:
+        end = time.monotonic() + 60
+        while True:
+            fr = c.read_flow_run(rec.flow_run_id)
+            if fr.state.is_final() or time.monotonic() > end:
+                break
+            time.sleep(0.5)
+    assert fr.state.is_final() and not fr.state.is_completed()
+    assert "OOMKilled" in (fr.state.message or ""), fr.state.message
