@@ -104,9 +104,9 @@ def big_bad(marker: str) -> None:
     raise ValueError("bad input: a user error the early check catches")
 
 
-@qos_task(gpus=2, cpu_cores=1, expected_duration=5, early_check=1.5)
+@qos_task(gpus=2, cpu_cores=1, expected_duration=5, early_check=3)
 def big_good(marker: str, secs: float) -> str:
-    """A 2-GPU stage that runs fine: its check passes (stopped after 1.5 s), then it runs on both GPUs."""
+    """A 2-GPU stage that runs fine: its check passes (stopped after 3 s), then it runs on both GPUs."""
     _check_mark(marker, "start")
     time.sleep(secs)
     _check_mark(marker, "done")
@@ -119,5 +119,5 @@ def early_bad(marker: str) -> None:
 
 
 @qos_flow(name="e2e-early-check-good")
-def early_good(marker: str, secs: float = 4.0) -> str:
+def early_good(marker: str, secs: float = 6.0) -> str:
     return big_good.submit(marker, secs).result()

@@ -203,11 +203,11 @@ def test_early_check_passes_then_the_stage_runs_on_all_its_gpus(qos_worker, tmp_
     from qosflow.prefect.tasks import PipelineRun
 
     marker = tmp_path / "good.jsonl"
-    assert pp.early_good(str(marker), 4.0) == "0,1"
+    assert pp.early_good(str(marker), 6.0) == "0,1"
     ev = _check_marks(marker)
-    # the check ran the stage's code on one GPU and was stopped (no "done"); then it ran on both GPUs, once
+    # the check ran the stage's code on one GPU and was stopped after 3 s (no "done"); then it ran on both GPUs, once
     assert [(e["event"], e["check"], e["gpus"]) for e in ev] == [("start", True, "0"), ("start", False, "0,1"), ("done", False, "0,1")]
-    assert ev[1]["t"] - ev[0]["t"] >= 1.5  # the check's code ran for its 1.5 s before it was stopped
+    assert ev[1]["t"] - ev[0]["t"] >= 2.5  # the check's code ran for its 3 s before it was stopped
     with pytest.raises(ProcessLookupError):
         os.kill(ev[0]["pid"], 0)
     run = PipelineRun.finished[-1]
