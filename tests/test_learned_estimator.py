@@ -299,3 +299,28 @@ def test_same_answers_in_processes_with_different_hash_seeds():
         env = dict(os.environ, PYTHONHASHSEED=h, PYTHONPATH=root)
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
     assert len(outs) == 1
+
+
+def test_unmeasured_pairs_are_planned_cautiously_measured_ones_as_predicted():
+    """The scheduler plans an unmeasured pair between the model's estimate and its 90th percentile
+    (deadlines lost to an underestimated slowdown cost more than sharing forgone); once the pair is
+    measured it plans with the measurement. `predict_pair` always reports the model's own estimate."""
+    from qosflow.core.placement import Placement
+    from qosflow.predict.estimator import UNMEASURED_PAIR_CAUTION
+
+    assert 0 < UNMEASURED_PAIR_CAUTION <= 1
+    est = _learned()
+    a, b = _job(0), _job(50, "othernet")
+    est.duration(a), est.duration(b)
+    pa, pb = est.predict_pair(a, b)
+    assert not pa.basis.startswith(("samples", "reference")) and pa.high > pa.value
+    xa, xb = est.pair_slowdown(a, b)
+    want = math.exp((1 - UNMEASURED_PAIR_CAUTION) * math.log(pa.value) + UNMEASURED_PAIR_CAUTION * math.log(pa.high))
+    assert xa == pytest.approx(want) and pa.value < xa <= pa.high
+    for i in range(1, 4):
+        j = _job(i)
+        est.duration(j)
+        est.observe_finished(JobState(j, progress=1.0, placement=Placement(j.job_id, ((0, 0),), colocated_with=(b.job_id,))), 0.0)
+    measured = est.predict_pair(_job(9), b)[0]
+    assert measured.basis.startswith("samples")
+    assert est.pair_slowdown(_job(9), b)[0] == pytest.approx(measured.value)
