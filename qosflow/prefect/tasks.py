@@ -545,7 +545,7 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         # the worker writes the placement labels while it launches the stage: read them once more
         from prefect.client.orchestration import get_client
 
-        for _ in range(50):  # up to 10 s on a loaded server
+        for _ in range(150):  # up to 30 s on a loaded server (the worker re-checks its labels when the stage's process ends)
             time.sleep(0.2)
             with get_client(sync_client=True) as client:
                 fr2 = client.read_flow_run(fr.id)
