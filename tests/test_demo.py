@@ -1,0 +1,36 @@
+"""`qosflow demo`, the README's main job, end to end in its own process: its own Prefect server,
+the qosflow pool and worker on the embedded virtual cluster, three pipelines with different QoS.
+
+Deadlines are not asserted (they depend on how loaded the machine is); that every pipeline and
+stage ran, where, and that the virtual GPUs say so, is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_demo_runs_three_pipelines_and_writes_the_outcome(tmp_path):
+    out = tmp_path / "demo.json"
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"),
+           "QOSFLOW_HOME": str(tmp_path / "qosflow")}
+    env.pop("PREFECT_API_URL", None)  # the demo starts and uses its own server
+    proc = subprocess.run([sys.executable, "-m", "qosflow", "demo", "--no-ui", "--json", str(out), "--home", str(tmp_path / "demo")],
+                          env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["policy"] == "qosflow" and d["cluster"]["virtual_gpus"] is True and d["cluster"]["backend"] == "local"
+    assert {p["priority"] for p in d["pipelines"]} == {"critical", "guaranteed", "best-effort"}
+    for p in d["pipelines"]:
+        assert p["state"] == "completed", p
+        assert p["stages"] and all(s["host"] in ("host0", "host1") and s["virtual_gpus"] is True for s in p["stages"])
+        assert (p["deadline"] is None) == (p["met"] is None)
+    assert 1 <= d["max_stages_per_gpu"] <= 2
+    assert "QoS outcome" in proc.stdout
