@@ -34,3 +34,29 @@ def test_demo_runs_three_pipelines_and_writes_the_outcome(tmp_path):
         assert (p["deadline"] is None) == (p["met"] is None)
     assert 1 <= d["max_stages_per_gpu"] <= 2
     assert "QoS outcome" in proc.stdout
+
+
+def test_demo_across_two_real_agents_from_a_cluster_file(tmp_path):
+    """`qosflow demo --cluster FILE`: the same three pipelines, their stages launched through two
+    `qosflow agent` processes (virtual GPUs) named in a cluster file."""
+    from qosflow.agent.testing import AgentProcess
+
+    token = "demo-cluster-token-5d1"
+    out = tmp_path / "demo.json"
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"),
+           "QOSFLOW_HOME": str(tmp_path / "qosflow")}
+    env.pop("PREFECT_API_URL", None)
+    with AgentProcess("lab-a", token, virtual_gpus=4, args=["--cpu-cores", "8"], log=tmp_path / "a.log") as a, \
+            AgentProcess("lab-b", token, virtual_gpus=4, args=["--cpu-cores", "8"], log=tmp_path / "b.log") as b:
+        (tmp_path / "token").write_text(token + "\n")
+        cluster = tmp_path / "lab.yaml"
+        cluster.write_text(f"name: lab\ntoken_file: token\nheartbeat_s: 1.0\nhosts:\n"
+                           f"  - {{name: lab-a, agent_url: '{a.url}'}}\n  - {{name: lab-b, agent_url: '{b.url}'}}\n")
+        proc = subprocess.run([sys.executable, "-m", "qosflow", "demo", "--no-ui", "--json", str(out), "--home", str(tmp_path / "demo"),
+                               "--cluster", str(cluster)], env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["cluster"]["file"] == str(cluster) and d["cluster"]["backend"] == "agent"
+    hosts = {s["host"] for p in d["pipelines"] for s in p["stages"]}
+    assert all(p["state"] == "completed" for p in d["pipelines"])
+    assert hosts and hosts <= {"lab-a", "lab-b"}
