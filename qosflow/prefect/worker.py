@@ -870,7 +870,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             state = await self._state_type(flow_run.id)
             if state == "COMPLETED":
                 passed, status = False, ExitStatus(ExitKind.OK, 0, "")
-            elif state in ("FAILED", "CRASHED", "CANCELLED"):
+            elif state in ("CANCELLED", "CANCELLING"):
+                passed, status = False, ExitStatus(ExitKind.CANCELLED, status.code, "cancelled during its early check")
+            elif state in ("FAILED", "CRASHED"):
                 fr = await self.client.read_flow_run(flow_run.id)
                 passed, status = False, ExitStatus(ExitKind.USER, status.code, (fr.state.message if fr.state else "") or state.lower())
             elif not passed and status.ok:
@@ -882,6 +884,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             run_logger.info("stage %s: early check passed (still running after %gs); stopped it, placing the stage for real",
                             entry.name, check_s)
             self._event("qosflow.stage.early_check", entry, {"stage": entry.name, "verdict": "passed", "seconds": round(took, 3)})
+            return out
+        if status.kind is ExitKind.CANCELLED:
+            rec["verdict"] = "cancelled"
+            self.early_checks.append(rec)
+            run_logger.info("stage %s was cancelled during its early check", entry.name)
+            out["result"] = QosflowWorkerResult(status_code=0, identifier=out["infra_id"])
             return out
         if status.kind is ExitKind.INFRA:
             rec["verdict"] = "inconclusive"
