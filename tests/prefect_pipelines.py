@@ -121,3 +121,10 @@ def early_bad(marker: str) -> None:
 @qos_flow(name="e2e-early-check-good")
 def early_good(marker: str, secs: float = 6.0) -> str:
     return big_good.submit(marker, secs).result()
+
+
+@qos_task(gpus=2, cpu_cores=1, expected_duration=60, early_check=120)
+def big_sleeper(path: str) -> None:
+    """A 2-GPU stage whose early check (120 s) is still running when the test cancels it."""
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(300)

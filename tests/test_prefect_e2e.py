@@ -220,3 +220,36 @@ def test_early_check_passes_then_the_stage_runs_on_all_its_gpus(qos_worker, tmp_
     marker2 = tmp_path / "again.jsonl"
     assert pp.early_good(str(marker2), 0.5) == "0,1"
     assert [e["check"] for e in _check_marks(marker2)] == [False, False]
+
+
+def test_cancelling_a_stage_during_its_early_check(qos_worker, tmp_path):
+    """Cancelled while it is checked on one GPU: the check's process is killed, the run ends Cancelled,
+    the check says `cancelled` (not a user error), and the stage is not placed for real."""
+    import threading
+
+    import prefect_pipelines as pp
+    from prefect.states import Cancelling
+
+    from qosflow.prefect.tasks import qos_flow
+
+    pidfile = tmp_path / "big-sleeper.pid"
+
+    @qos_flow(name="e2e-cancel-check")
+    def cancel_check():
+        return pp.big_sleeper.submit(str(pidfile)).result(raise_on_failure=False)
+
+    th = threading.Thread(target=lambda: cancel_check(return_state=True), daemon=True)
+    th.start()
+    _eventually(lambda: pidfile.exists() and pidfile.read_text(), timeout=120)
+    pid = int(pidfile.read_text())
+    w = qos_worker.worker
+    fid = _eventually(lambda: next(iter(w._handles), None))
+    with _client() as c:
+        c.set_flow_run_state(fid, Cancelling(), force=True)
+        _eventually(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z")
+        _eventually(lambda: c.read_flow_run(fid).state.is_cancelled())
+    checks = _eventually(lambda: [ch for ch in w.early_checks if ch["flow_run_id"] == fid])
+    assert [ch["verdict"] for ch in checks] == ["cancelled"]
+    time.sleep(1.0)
+    assert not [r for r in w.records if r["flow_run_id"] == fid]  # never placed on its 2 GPUs
+    th.join(120)

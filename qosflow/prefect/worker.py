@@ -809,7 +809,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         job = entry.state.job
         small = dataclasses.replace(spec, gpus=1, gpu_milli=min(spec.gpu_milli, 1000), gang=False, cpu_cores=min(spec.cpu_cores, 2.0),
                                     deadline=None, extra={})
-        cid = f"{fid}-check"
+        # the check is this flow run's entry in the QoS queue while it runs (cancelling the run finds it),
+        # with its own attempt id on the infrastructure
+        cid = fid
         cjob = Job(job_id=cid, submit_time=time.time(), qos=small, duration=check_s, model=f"{job.model} (early check)",
                    expected_duration=check_s, meta=dict(job.meta, early_check=True))
         centry = StageEntry(JobState(cjob), f"{entry.name} (early check)", fid, entry.pipeline, None, ready_at=entry.ready_at)
@@ -819,7 +821,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         except StageCancelled:
             return {}
         launch = LaunchSpec(
-            stage_id=cid, command=command, placement=grant.placement, cluster=sched.cluster,
+            stage_id=f"{fid}-check", command=command, placement=grant.placement, cluster=sched.cluster,
             env={**env, "QOSFLOW_EARLY_CHECK": "1", "QOSFLOW_EARLY_CHECK_SECONDS": f"{check_s:g}"}, cwd=cwd, cpusets=grant.cpusets,
             labels={"prefect.io/flow-run-id": fid, "prefect.io/flow-run-name": str(flow_run.name), "qosflow.io/early-check": "true"},
         )
@@ -864,7 +866,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._release_lease(fid)
         took = time.time() - t0
         rec = {"flow_run_id": fid, "stage": entry.name, "host": info["host"], "seconds": round(took, 3), "check_s": check_s}
-        if status.kind is not ExitKind.INFRA:
+        if status.kind not in (ExitKind.INFRA, ExitKind.CANCELLED) or passed:
             # the outcome is what the stage's engine reported (its process exits 0 after a failed run too);
             # a check stopped just after the stage ended counts as that end
             state = await self._state_type(flow_run.id)
@@ -1027,6 +1029,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await asyncio.sleep(1.0)
             sched = self.scheduler
             ids = set(self._handles) | (set(sched.entries) if sched else set())
+            ids = {i for i in ids if _is_uuid(i)}  # (entries adopted or added by hand may have other ids)
             if not ids:
                 continue
             try:
@@ -1120,6 +1123,16 @@ async def load_cluster_block(name: str):
         except Exception as exc:  # ValueError: no such block document of this type
             errors.append(f"{cls.get_block_type_slug()}: {exc}")
     raise SpecError("cluster_block", f"no cluster block named {name!r} ({'; '.join(errors)})")
+
+
+def _is_uuid(x: Any) -> bool:
+    import uuid
+
+    try:
+        uuid.UUID(str(x))
+    except ValueError:
+        return False
+    return True
 
 
 def _code(status: Any) -> int:
