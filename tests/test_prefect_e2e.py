@@ -121,41 +121,37 @@ def test_failing_stage_is_retried_and_reported_nothing_else_lost(qos_worker, tmp
     assert "Retried: `flaky` (2 attempts)" in run.report_markdown()
 
 
-def test_cancelling_a_stage_run_kills_its_process(qos_worker, tmp_path):
+def _start_and_cancel(worker, task, flow_name: str, pidfile: Path) -> str:
+    """Run a one-stage pipeline of `task` (which writes its pid to `pidfile`) in a thread, cancel the
+    stage's flow run once its process runs, and wait until that process is gone and the run is
+    Cancelled. Returns the stage's flow run id."""
     import threading
 
-    import prefect_pipelines as pp
     from prefect.states import Cancelling
 
     from qosflow.prefect.tasks import qos_flow
 
-    pidfile = tmp_path / "sleeper.pid"
+    @qos_flow(name=flow_name)
+    def pipeline():
+        return task.submit(str(pidfile)).result(raise_on_failure=False)
 
-    @qos_flow(name="e2e-cancel")
-    def cancel_me():
-        return pp.sleeper.submit(str(pidfile)).result(raise_on_failure=False)
-
-    th = threading.Thread(target=lambda: cancel_me(return_state=True), daemon=True)
+    th = threading.Thread(target=lambda: pipeline(return_state=True), daemon=True)
     th.start()
-    for _ in range(240):  # wait (up to 2 min on a loaded machine) for the stage to be running
-        if pidfile.exists() and pidfile.read_text():
-            break
-        time.sleep(0.5)
+    _eventually(lambda: pidfile.exists() and pidfile.read_text(), timeout=120)  # up to 2 min on a loaded machine
     pid = int(pidfile.read_text())
-    fid = next(fid for fid, h in qos_worker.worker._handles.items())
+    fid = _eventually(lambda: next(iter(worker._handles), None))
     with _client() as c:
         c.set_flow_run_state(fid, Cancelling(), force=True)
-        for _ in range(120):
-            if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z":
-                break
-            time.sleep(0.5)
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-        for _ in range(60):
-            if c.read_flow_run(fid).state.is_cancelled():
-                break
-            time.sleep(0.5)
-        assert c.read_flow_run(fid).state.is_cancelled()
+        _eventually(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z")
+        _eventually(lambda: c.read_flow_run(fid).state.is_cancelled(), timeout=30)
     th.join(120)
+    return fid
+
+
+def test_cancelling_a_stage_run_kills_its_process(qos_worker, tmp_path):
+    import prefect_pipelines as pp
+
+    _start_and_cancel(qos_worker.worker, pp.sleeper, "e2e-cancel", tmp_path / "sleeper.pid")
 
 
 def _eventually(fn, timeout: float = 60.0):
@@ -225,31 +221,11 @@ def test_early_check_passes_then_the_stage_runs_on_all_its_gpus(qos_worker, tmp_
 def test_cancelling_a_stage_during_its_early_check(qos_worker, tmp_path):
     """Cancelled while it is checked on one GPU: the check's process is killed, the run ends Cancelled,
     the check says `cancelled` (not a user error), and the stage is not placed for real."""
-    import threading
-
     import prefect_pipelines as pp
-    from prefect.states import Cancelling
 
-    from qosflow.prefect.tasks import qos_flow
-
-    pidfile = tmp_path / "big-sleeper.pid"
-
-    @qos_flow(name="e2e-cancel-check")
-    def cancel_check():
-        return pp.big_sleeper.submit(str(pidfile)).result(raise_on_failure=False)
-
-    th = threading.Thread(target=lambda: cancel_check(return_state=True), daemon=True)
-    th.start()
-    _eventually(lambda: pidfile.exists() and pidfile.read_text(), timeout=120)
-    pid = int(pidfile.read_text())
     w = qos_worker.worker
-    fid = _eventually(lambda: next(iter(w._handles), None))
-    with _client() as c:
-        c.set_flow_run_state(fid, Cancelling(), force=True)
-        _eventually(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z")
-        _eventually(lambda: c.read_flow_run(fid).state.is_cancelled())
+    fid = _start_and_cancel(w, pp.big_sleeper, "e2e-cancel-check", tmp_path / "big-sleeper.pid")
     checks = _eventually(lambda: [ch for ch in w.early_checks if ch["flow_run_id"] == fid])
     assert [ch["verdict"] for ch in checks] == ["cancelled"]
     time.sleep(1.0)
     assert not [r for r in w.records if r["flow_run_id"] == fid]  # never placed on its 2 GPUs
-    th.join(120)
