@@ -165,9 +165,26 @@ def test_worker_type_is_discoverable_and_template_has_qos_variables():
     assert "qosflow" in BaseWorker.get_all_available_worker_types()
     t = QosflowWorker.get_default_base_job_template()
     props = t["variables"]["properties"]
-    for k in ("gpus", "gpu_milli", "gpu_mem_mb", "cpu_cores", "deadline", "priority", "shareable", "gang", "expected_duration", "cluster_block", "policy_block", "qos_policy"):
+    for k in ("gpus", "gpu_milli", "gpu_mem_mb", "cpu_cores", "deadline", "priority", "shareable", "gang", "expected_duration", "early_check_s",
+              "cluster_block", "policy_block", "qos_policy"):
         assert k in props and k in t["job_configuration"]
     json.dumps(t)
+
+
+def test_early_check_arguments_are_validated_where_they_are_given():
+    from pydantic import ValidationError
+
+    from qosflow.prefect.blocks import QoSPolicy
+    from qosflow.prefect.worker import QosflowVariables
+
+    with pytest.raises(ValidationError, match="early_check_s"):
+        QosflowVariables(early_check_s=-1)  # a deployment's job variables
+    with pytest.raises(ValueError, match="early_check_min_gpus"):
+        QoSPolicy(early_check_s=30, early_check_min_gpus=0)
+    with pytest.raises(SpecError, match="early_check.*seconds >= 0"):
+        qos_task(gpus=2, early_check=-5)
+    with pytest.raises(SpecError, match="early_check.*uses no GPU"):
+        qos_task(gpus=0, early_check=10)
 
 
 def test_blocks_validate_and_build_clusters():

@@ -21,6 +21,7 @@ import itertools
 import os
 import random
 import re
+import shutil
 import signal
 import string
 import subprocess
@@ -644,8 +645,11 @@ class Cluster:
                 tl.pop("proc", None)
 
     def shutdown(self) -> None:
+        """Kill every pod process left and remove their logs."""
         for uid in list(self.timeline):
             self._kill_process(uid)
+        if self._logdir:
+            shutil.rmtree(self._logdir, ignore_errors=True)
 
     def logs(self, pod: dict) -> str:
         tl = self.timeline.get(pod["metadata"]["uid"], {})

@@ -525,7 +525,7 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         signature=task.signature,
         expected_duration=task.expected_duration,
         batch_size=task.batch_size,
-        early_check_s=getattr(task, "early_check", None),
+        early_check_s=task.early_check,
         deadline_at=deadline_at,
     )
     try:

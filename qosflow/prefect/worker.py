@@ -78,6 +78,7 @@ class QosflowVariables(BaseVariables):
     batch_size: Optional[int] = Field(default=None, description="Global batch size (for sub-batch plans).")
     early_check_s: Optional[float] = Field(
         default=None,
+        ge=0,
         description="Early check: run the stage this many seconds on a 1-GPU slot first, to catch user errors before it "
         "takes its full placement (0: never; unset: the QoS policy block's setting, for new multi-GPU stages).",
     )
@@ -120,7 +121,7 @@ class QosflowJobConfiguration(BaseJobConfiguration):
     gpu_model: Optional[str] = Field(default=None)
     expected_duration: Optional[float] = Field(default=None)
     batch_size: Optional[int] = Field(default=None)
-    early_check_s: Optional[float] = Field(default=None)
+    early_check_s: Optional[float] = Field(default=None, ge=0)
     qos_policy: Optional[dict[str, Any]] = Field(default=None)
     cluster_block: Optional[str] = Field(default=None)
     policy_block: Optional[str] = Field(default=None)
@@ -549,13 +550,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self.leases = arg
         await self._sync_foreign()
 
-    async def _acquire_lease(self, fid: str, launch: LaunchSpec, shareable: bool, job_id: str | None = None) -> None:
-        """Book the slot of one attempt of stage `fid` (`job_id`: the scheduler's entry, if not `fid`)."""
+    async def _acquire_lease(self, fid: str, launch: LaunchSpec, shareable: bool) -> None:
         if self.leases is None or self.scheduler is None:
             return
         sched = self.scheduler
         # book the cores this stage owns alone (the scheduler may pack fractional cores onto shared ids)
-        owned = {n: sched.cpuset(job_id or fid, n) for n in launch.placement.nodes}
+        owned = {n: sched.cpuset(fid, n) for n in launch.placement.nodes}
         lspec = dataclasses.replace(launch, cpusets={n: c for n, c in owned.items() if c})
         lease = await asyncio.to_thread(
             self.leases.acquire, self._pool_key, fid, lspec, holder=self.holder, ttl_s=self.lease_ttl_s,
@@ -811,8 +811,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                                     deadline=None, extra={})
         # the check is this flow run's entry in the QoS queue while it runs (cancelling the run finds it),
         # with its own attempt id on the infrastructure
-        cid = fid
-        cjob = Job(job_id=cid, submit_time=time.time(), qos=small, duration=check_s, model=f"{job.model} (early check)",
+        cjob = Job(job_id=fid, submit_time=time.time(), qos=small, duration=check_s, model=f"{job.model} (early check)",
                    expected_duration=check_s, meta=dict(job.meta, early_check=True))
         centry = StageEntry(JobState(cjob), f"{entry.name} (early check)", fid, entry.pipeline, None, ready_at=entry.ready_at)
         t0 = time.time()
@@ -827,10 +826,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         )
         info = sched.describe_grant(centry)
         try:
-            await self._acquire_lease(fid, launch, small.shareable, job_id=cid)
+            await self._acquire_lease(fid, launch, small.shareable)
             handle = await self._backend.launch(launch)
         except Exception as exc:
-            sched.release(cid, ok=False)
+            sched.release(fid, ok=False)
             await self._release_lease(fid)
             run_logger.warning("stage %s: early check not run (%s); placing it for real", entry.name, exc)
             return {}
@@ -845,7 +844,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             # the clock starts when the stage's own code does: its Prefect engine sets the flow run Running
             # right before it calls the stage (engine start-up takes seconds and proves nothing)
             startup_until = time.monotonic() + 600.0
-            while not waiter.done() and time.monotonic() < startup_until and await self._state_type(flow_run.id) not in ("RUNNING", None):
+            while not waiter.done() and time.monotonic() < startup_until and _type(await self._state(flow_run.id)) not in ("RUNNING", None):
                 await asyncio.wait({waiter}, timeout=0.25)
             status = await asyncio.wait_for(asyncio.shield(waiter), check_s)
         except asyncio.TimeoutError:
@@ -861,7 +860,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 status = await waiter
                 passed = True
         finally:
-            sched.release(cid, ok=True)
+            sched.release(fid, ok=True)
             self._unregister(fid)
             await self._release_lease(fid)
         took = time.time() - t0
@@ -869,14 +868,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if status.kind not in (ExitKind.INFRA, ExitKind.CANCELLED) or passed:
             # the outcome is what the stage's engine reported (its process exits 0 after a failed run too);
             # a check stopped just after the stage ended counts as that end
-            state = await self._state_type(flow_run.id)
-            if state == "COMPLETED":
+            state = await self._state(flow_run.id)
+            kind = _type(state)
+            if kind == "COMPLETED":
                 passed, status = False, ExitStatus(ExitKind.OK, 0, "")
-            elif state in ("CANCELLED", "CANCELLING"):
+            elif kind in ("CANCELLED", "CANCELLING"):
                 passed, status = False, ExitStatus(ExitKind.CANCELLED, status.code, "cancelled during its early check")
-            elif state in ("FAILED", "CRASHED"):
-                fr = await self.client.read_flow_run(flow_run.id)
-                passed, status = False, ExitStatus(ExitKind.USER, status.code, (fr.state.message if fr.state else "") or state.lower())
+            elif kind in ("FAILED", "CRASHED"):
+                passed, status = False, ExitStatus(ExitKind.USER, status.code, state.message or kind.lower())
             elif not passed and status.ok:
                 status = ExitStatus(ExitKind.INFRA, status.code, "the stage's process ended without its flow run ending")
         if passed:
@@ -917,14 +916,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         out["result"] = QosflowWorkerResult(status_code=code, identifier=out["infra_id"])
         return out
 
-    async def _state_type(self, flow_run_id: Any) -> str | None:
+    async def _state(self, flow_run_id: Any) -> Any:
+        """The flow run's current Prefect state (None if it has none or cannot be read)."""
         try:
             fr = await self.client.read_flow_run(flow_run_id)
         except Exception:
             return None
-        return fr.state.type.value if fr.state is not None else None
+        return fr.state
 
     async def _final(self, flow_run_id: Any) -> bool | None:
+        """Has the flow run ended (None: unknown)?"""
         try:
             fr = await self.client.read_flow_run(flow_run_id)
         except Exception:
@@ -1029,7 +1030,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await asyncio.sleep(1.0)
             sched = self.scheduler
             ids = set(self._handles) | (set(sched.entries) if sched else set())
-            ids = {i for i in ids if _is_uuid(i)}  # (entries adopted or added by hand may have other ids)
+            ids = {i for i in ids if _is_uuid(i)}  # one id that is not a flow run's would fail the whole query
             if not ids:
                 continue
             try:
@@ -1123,6 +1124,11 @@ async def load_cluster_block(name: str):
         except Exception as exc:  # ValueError: no such block document of this type
             errors.append(f"{cls.get_block_type_slug()}: {exc}")
     raise SpecError("cluster_block", f"no cluster block named {name!r} ({'; '.join(errors)})")
+
+
+def _type(state: Any) -> str | None:
+    """A Prefect state's type name ("RUNNING", "COMPLETED", ...), None for no state."""
+    return state.type.value if state is not None else None
 
 
 def _is_uuid(x: Any) -> bool:
