@@ -157,3 +157,79 @@ def test_cpu_stage_runs_on_a_small_host_while_gpu_jobs_wait():
     ]
     res = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow"), config=SimConfig(restart_overhead=0)).jobs}
     assert res["etl"].finish_time < 100.0
+
+
+
+def _express_workload():
+    """Two 4-GPU nodes, six 10-hour best-effort 4-GPU jobs, and later a 20-minute 4-GPU job whose
+    deadline leaves it five minutes of slack."""
+    jobs = [Job("early-dl", 0.0, QoSSpec(gpus=1, deadline=3600.0), 600.0)]
+    for i in range(6):
+        jobs.append(Job(f"long{i}", 10.0 + i, QoSSpec(gpus=4), 10 * 3600.0))
+    jobs.append(Job("urgent", 2 * 3600.0, QoSSpec(gpus=4, deadline=1500.0), 1200.0))
+    return jobs
+
+
+def test_express_node_keeps_a_node_for_a_short_urgent_gang():
+    spec = ClusterSpec.uniform(2, 4)
+    cfg = SimConfig(restart_overhead=0)
+    without = {j.job_id: j for j in simulate(_express_workload(), spec, get_policy("qosflow", share=False), config=cfg).jobs}
+    # no express node: the long jobs hold both nodes for 10 h, the urgent gang misses its deadline
+    assert without["urgent"].finish_time > without["urgent"].job.deadline
+    res = {j.job_id: j for j in simulate(_express_workload(), spec, get_policy("qosflow", share=False, express_share=0.5), config=cfg).jobs}
+    assert all(j.status is JobStatus.DONE for j in res.values())
+    urgent = res["urgent"]
+    assert urgent.first_start == pytest.approx(urgent.job.submit_time)
+    assert urgent.finish_time <= urgent.job.deadline
+    assert "express node" in urgent.note
+    # the long jobs never took the express node: they ran one after the other on the other node
+    starts = sorted(res[f"long{i}"].first_start for i in range(6))
+    assert all(b - a >= 10 * 3600.0 - 1e-6 for a, b in zip(starts, starts[1:]))
+
+
+def test_express_option_is_validated():
+    with pytest.raises(ValueError, match="express_share"):
+        get_policy("qosflow", express_share=1.5)
+    with pytest.raises(ValueError, match="express_max_s"):
+        get_policy("qosflow", express_max_s=-1)
+
+
+def test_aligned_placement_puts_a_job_where_it_does_not_extend_the_node():
+    """Time-aligned packing: a 900 s job joins the node busy until 1,000 s rather than the node that
+    drains at 100 s, so that node empties whole soon (a gang's chance without preemption)."""
+    from qosflow.core.cluster import ClusterState
+    from qosflow.core.estimate import OracleEstimator
+    from qosflow.core.job import JobState
+    from qosflow.core.placement import Placement
+    from qosflow.policies.base import SchedulerView
+
+    spec = ClusterSpec.uniform(2, 4)
+    st = ClusterState(spec)
+    running = []
+    # the node that drains soon comes first, so best fit alone (a tie on free GPUs) would pick it
+    for node, (jid, dur) in enumerate([("ends-soon", 100.0), ("ends-late", 1000.0)]):
+        js = JobState(Job(jid, 0.0, QoSSpec(gpus=3), dur))
+        js.status = JobStatus.RUNNING
+        p = Placement(jid, tuple((node, g) for g in range(3)), cpu=((node, 3.0),))
+        st.allocate(p, js.job.qos)
+        js.placement = p
+        running.append(js)
+    picked = {}
+    for align in (True, False):
+        new = JobState(Job("mid", 0.0, QoSSpec(gpus=1), 900.0))
+        view = SchedulerView(now=0.0, cluster=st.snapshot(), pending=[new], running=running, estimator=OracleEstimator())
+        d = get_policy("qosflow", align=align).schedule(view)
+        assert len(d.starts) == 1
+        picked[align] = d.starts[0].nodes
+    assert picked[True] == (1,)
+    assert picked[False] == (0,)
+
+
+def test_express_node_never_holds_back_a_job_only_it_can_fit():
+    """A gang wider than the regular nodes still runs, on the regular and the express node together
+    (the lane must not turn into a job that waits forever)."""
+    spec = ClusterSpec.uniform(2, 4)
+    jobs = [Job("dl", 0.0, QoSSpec(gpus=1, deadline=3600.0), 600.0), Job("wide", 10.0, QoSSpec(gpus=8), 4 * 3600.0)]
+    res = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow", express_share=0.5), config=SimConfig(restart_overhead=0)).jobs}
+    assert res["wide"].status is JobStatus.DONE
+    assert "regular nodes can never fit it" in res["wide"].note

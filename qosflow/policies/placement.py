@@ -58,6 +58,7 @@ def find_whole(
     locality: Locality = "consolidated",
     fit: Fit = "best-fit",
     cores_per_gpu: float | None = None,
+    node_rank: np.ndarray | None = None,
 ) -> Placement | None:
     """Empty GPUs for a whole-GPU job.
 
@@ -65,6 +66,9 @@ def find_whole(
     nodes, same switch first) -- Philly/YARN locality. `spread`: any empty GPUs, fewest nodes first
     (locality relaxed, at a slowdown). `any`: like spread, but callers treat it as free of penalty
     (counting placement, as in Tiresias' simulator).
+
+    `node_rank` (one number per node, lower is better) chooses among the nodes a single-node job
+    fits on, before the fit rule (which then breaks ties).
     """
     qos = job.qos
     k = qos.gpus
@@ -82,6 +86,9 @@ def find_whole(
         ok = mask & (state.empty >= k) & (state.cpu_free >= cpg * k - 1e-9) & (state.mem_free >= mem_per_gpu * k - 1e-6)
         cands = np.flatnonzero(ok)
         if cands.size:
+            if node_rank is not None:
+                r = node_rank[cands]
+                cands = cands[r <= r.min()]
             n = _pick(cands, state.empty, fit)
             gl = state.empty_gpus_on(n)[:k]
             return Placement(

@@ -17,7 +17,9 @@ and in the live worker):
      gets a reservation), one at a time and within `guard_share` of the GPUs, so every job starts
      eventually without the queue turning into FIFO under sustained overload.
 3. **Placement**, job by job in that order:
-   a. free GPUs, consolidated, best fit; fractional shares by a fragmentation-aware scorer
+   a. free GPUs, consolidated, on the node whose busy time the job extends least (time-aligned
+      packing: jobs that end together share a node, so nodes empty whole and gangs can start
+      without preemption), then best fit; fractional shares by a fragmentation-aware scorer
       (FGD's gradient, ATC'23) when one is given, best fit otherwise;
    b. otherwise share GPUs that each hold one shareable job (SJF-BSBF's co-location, at most two
       jobs per GPU), on the node where it pays most. Slowdowns come from the estimator (measured
@@ -37,6 +39,11 @@ and in the live worker):
    d. otherwise it waits, and a blocked multi-GPU job near the head of the queue (or one with a
       deadline) reserves the node(s) that free up soonest (EASY backfilling: others may still use
       them if predicted to finish before the reservation starts; at most `reserve_share` of nodes).
+   e. *express nodes* (`express_share` of the nodes, once any job has a deadline): a standing
+      reservation `express_max_s` ahead, so they only take jobs done by then -- and a deadline job
+      of at most `express_deadline_s` whose slack is shorter than the predicted wait for a
+      regular node. Without preemption, a short gang with minutes of slack can only start at
+      once if a node is kept (nearly) free for it; the price is that node's idle time.
 4. **CPU cores** (CODA): a GPU job gets its request plus spare cores up to where the estimator
    says its speed stops growing; CPU-only jobs never take the cores a node's idle GPUs need.
 
@@ -62,6 +69,8 @@ from qosflow.policies.sharing import FIXED_MEMORY_SHARE, MAX_ACCUMULATION, bsbf_
 #: cores per GPU kept free for a node's idle GPUs when a CPU-only job is placed (CODA: a training
 #: job needs a few cores per GPU to feed it)
 GPU_FEED_CORES = 2.0
+#: owner of an express node's standing reservation
+EXPRESS = "<express>"
 #: a job on the critical path shares its GPUs only with jobs done within this share of its own time
 CRITICAL_SHARE = 0.05
 
@@ -88,7 +97,23 @@ class QosflowPolicy(Policy):
         plan: bool = False,
         plan_interval: float = 3600.0,
         fractional_scorer=None,
+        align: bool = True,
+        express_share: float = 0.0,
+        express_max_s: float = 600.0,
+        express_deadline_s: float = 86400.0,
     ):
+        if not 0.0 <= express_share < 1.0:
+            raise ValueError(f"qosflow policy: express_share must be in [0, 1), got {express_share!r}")
+        if express_max_s < 0 or express_deadline_s < 0:
+            raise ValueError("qosflow policy: express_max_s and express_deadline_s must be >= 0 (seconds)")
+        #: share of the nodes kept as express nodes (rounded down; see `_express_nodes`)
+        self.express_share = express_share
+        #: any job may start on an express node if predicted done within this many seconds
+        self.express_max_s = express_max_s
+        #: a deadline job this short that cannot wait for a regular node may take an express node
+        self.express_deadline_s = express_deadline_s
+        #: place single-node jobs where they extend the node's busy time least (time-aligned packing)
+        self.align = align
         #: a job that can still meet its deadline is ordered as if `qos_weight` times shorter
         self.qos_weight = qos_weight
         #: start a job early once its remaining time reaches this share of the backlog (None: never)
@@ -111,6 +136,9 @@ class QosflowPolicy(Policy):
         self.plan_interval = plan_interval
         self._plan_at = -float("inf")
         self._plan: dict[tuple[str, str], float] = {}
+        self._seen_deadline = False
+        self._regular: tuple = (None, None, {})
+        self._starving: list = []
         #: scorer for fractional shares (e.g. `qosflow.packing` FGD); None: best fit
         self.fractional_scorer = fractional_scorer
 
@@ -126,6 +154,10 @@ class QosflowPolicy(Policy):
             "sub_batch": self.sub_batch,
             "share": self.share,
             "plan": self.use_plan,
+            "align": self.align,
+            "express_share": self.express_share,
+            "express_max_s": self.express_max_s,
+            "express_deadline_s": self.express_deadline_s,
         }
 
     # ------------------------------------------------------------------ ordering
@@ -469,9 +501,10 @@ class QosflowPolicy(Policy):
             rem[js.job_id] = est.remaining(js)
             states[js.job_id] = js
         order, starving = self._order(view, rem, d.notes)
+        self._starving = starving
         self._update_plan(view, rem)
         self._gpus_of = lambda jid: max(1, states[jid].job.qos.gpus)
-        self._rem, self._now = rem, now
+        self._rem, self._now, self._st = rem, now, st
         self._gpu_jobs_waiting = any(js.job.qos.gpus > 0 for js in view.pending)
         # GPU demand still waiting behind each job: sharing for throughput only pays while work queues
         queued_gpus = sum(js.job.qos.gpu_demand for js in view.pending)
@@ -494,8 +527,21 @@ class QosflowPolicy(Policy):
         self._elig_cache: dict[tuple, tuple] = {}
         self._partners_cache: dict[tuple, tuple] = {}
 
+        # express nodes: a standing reservation (as in EASY backfilling) that starts
+        # `express_max_s` from now, so they always drain soon and a short job with a tight deadline
+        # finds a free node without preempting anyone
+        self._express = self._express_nodes(st, view)
+        for n in self._express:
+            reserved[n] = (now + self.express_max_s, EXPRESS)
+        max_res += len(self._express)
+
         def blocked(p: Placement, finish: float) -> bool:
-            return any(n in reserved and finish > reserved[n][0] for n in p.nodes)
+            for n in p.nodes:
+                if n in reserved and finish > reserved[n][0]:
+                    if reserved[n][1] == EXPRESS and self._express_ok(states[p.job_id] if p.job_id in states else None, finish):
+                        continue
+                    return True
+            return False
 
         for rank, js in enumerate(order):
             q = js.job.qos
@@ -510,7 +556,7 @@ class QosflowPolicy(Policy):
             else:
                 sig = (q.gpu_model, q.gpu_mem_mb, q.cpu_cores / q.gpus)
                 if st.total_empty_gpus() >= q.gpus and failed_k.get(sig, 1 << 30) > q.gpus:
-                    p = find_whole(st, js.job, locality="consolidated", fit="best-fit")
+                    p = find_whole(st, js.job, locality="consolidated", fit="best-fit", node_rank=self._align_rank(st, r))
                     if p is not None and reserved and blocked(p, now + r):
                         p = self._unreserved_whole(st, js, reserved, now + r)
                     if p is None and not reserved:
@@ -543,6 +589,12 @@ class QosflowPolicy(Policy):
                             f"(free for it in about {ready / 3600:.1f} h)"
                         )
                 continue
+            if self._express and r > self.express_max_s and any(n in self._express for n in p.nodes):
+                if js.job.deadline is not None and now + r <= js.job.deadline:
+                    lane = f"express node: the deadline ({js.job.deadline - now - r:.0f}s of slack) cannot wait for a regular node"
+                else:
+                    lane = "express node: " + ("starvation guard" if js in starving else "the regular nodes can never fit it")
+                why = f"{why}; {lane}" if why else lane
             p = self._with_cores(st, js.job, p, est)
             st.allocate(p, q)
             self._ver += 1
@@ -560,14 +612,71 @@ class QosflowPolicy(Policy):
         """Exclusive placement avoiding nodes reserved for others (unless done before they need them)."""
         saved = st.empty.copy()
         try:
-            for n, (t, _) in reserved.items():
-                if finish > t:
+            for n, (t, owner) in reserved.items():
+                if finish > t and not (owner == EXPRESS and self._express_ok(js, finish)):
                     st.empty[n] = 0
-            return find_whole(st, js.job, locality="consolidated", fit="best-fit")
+            return find_whole(st, js.job, locality="consolidated", fit="best-fit", node_rank=self._align_rank(st, finish - self._now))
         finally:
             st.empty[:] = saved
 
     # ------------------------------------------------------------------ helpers
+    def _express_nodes(self, st: ClusterState, view: SchedulerView) -> list[int]:
+        """The nodes kept as express nodes this round: `express_share` of the nodes that are up
+        (rounded down), the largest ones, last in the cluster's order first -- the same nodes every
+        round while the cluster does not change. None while no job has a deadline: the lane exists
+        for deadline jobs only."""
+        if self.express_share <= 0 or not self._deadlines_seen(view):
+            return []
+        up = np.flatnonzero(~st.down & (st.gpu_count > 0))
+        n = int(self.express_share * len(up) + 1e-9)
+        if n <= 0:
+            return []
+        order = sorted(up.tolist(), key=lambda i: (-int(st.gpu_count[i]), -i))
+        return order[:n]
+
+    def _deadlines_seen(self, view: SchedulerView) -> bool:
+        if not self._seen_deadline:
+            self._seen_deadline = any(js.job.deadline is not None for js in list(view.pending) + list(view.running))
+        return self._seen_deadline
+
+    def _express_ok(self, js: JobState | None, finish: float) -> bool:
+        """May `js`, finishing at `finish`, use an express node past its standing reservation? Only a
+        job with a deadline it will meet, no longer than `express_deadline_s`, whose slack is shorter
+        than the predicted wait for a regular node (it could not make it otherwise)."""
+        if js is None:
+            return False
+        if js in self._starving or self._needs_express(js):
+            return True  # never hold a job back for good: the starving one, or one only they can fit
+        dl = js.job.deadline
+        if dl is None or finish > dl or finish - self._now > self.express_deadline_s:
+            return False
+        return dl - finish < self._consolidated_wait(self._st, js, self._rem, exclude=self._express)
+
+    def _needs_express(self, js: JobState) -> bool:
+        """Can `js` never be placed on the regular (non-express) nodes, even all empty?"""
+        key = tuple(self._express)
+        if self._regular[0] != key:
+            from qosflow.core.cluster import ClusterSpec
+
+            nodes = [s for i, s in enumerate(self._st.spec.nodes) if i not in set(key)]
+            self._regular = (key, ClusterSpec(nodes, name="regular") if nodes else None, {})
+        _, spec, memo = self._regular
+        q = js.job.qos
+        sig = (q.gpus, q.gpu_model, q.gpu_mem_mb, q.cpu_cores, q.mem_mb)
+        if sig not in memo:
+            memo[sig] = spec is None or spec.why_never_fits(q) is not None
+        return memo[sig]
+
+    def _align_rank(self, st: ClusterState, r: float) -> np.ndarray | None:
+        """Per node: how much later than now it would drain if a job of remaining time `r` joined it.
+
+        Jobs that end at about the same time go to the same node, so nodes empty whole (a gang's
+        chance to start without preemption) instead of one straggler at a time."""
+        if not self.align:
+            return None
+        drain = np.where(st.njobs > 0, self._end_max, 0.0).max(axis=1)
+        return np.maximum(0.0, r - drain)
+
     def _with_cores(self, st: ClusterState, job, p: Placement, est) -> Placement:
         """CODA: give a single-node GPU job spare cores up to where its predicted speed stops growing.
 
@@ -613,14 +722,21 @@ class QosflowPolicy(Policy):
         wait = self._consolidated_wait(st, js, rem)
         return p if extra < wait else None
 
-    def _consolidated_wait(self, st: ClusterState, js: JobState, rem) -> float:
-        """Predicted wait until some node has enough empty GPUs for `js` (no new starts assumed)."""
-        k = min(js.job.qos.gpus, st.spec.max_gpus_per_node)
+    def _consolidated_wait(self, st: ClusterState, js: JobState, rem, exclude=()) -> float:
+        """Predicted wait until enough node(s) have the empty GPUs `js` needs, consolidated (no new
+        starts assumed; nodes in `exclude` not counted)."""
+        gmax = max(1, st.spec.max_gpus_per_node)
+        k = min(js.job.qos.gpus, gmax)
         t = np.where(st.njobs == 0, 0.0, self._end_max)  # a GPU is empty once its last job ends
         t = np.where(st.exists, t, np.inf)
         t[st.down] = np.inf
+        if len(exclude):
+            t[list(exclude)] = np.inf
         kth = np.partition(t, k - 1, axis=1)[:, k - 1]
-        return float(kth.min())
+        need = -(-js.job.qos.gpus // gmax)
+        if need <= 1:
+            return float(kth.min())
+        return float(np.partition(kth, need - 1)[need - 1]) if need <= len(kth) else math.inf
 
     def _reserve(self, st: ClusterState, js: JobState, rem, reserved) -> tuple[list[int], float] | None:
         """The unreserved node(s) where `js` can start soonest if nothing new starts there.
