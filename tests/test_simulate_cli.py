@@ -48,12 +48,31 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         (["--cluster", "8y8"], "8y8"),
         (["--trace", "/does/not/exist.csv"], "does not exist"),
         (["--estimator", "psychic"], "unknown estimator 'psychic'"),
+        (["--policies", "qosflow", "--set", "qosflow.expres_share=0.1"], "has no option 'expres_share'; it has: "),
+        (["--policies", "qosflow", "--set", "qosflow.express_share=2"], "express_share must be in [0, 1)"),
+        (["--policies", "fifo", "--set", "qosflow.express_share=0.1"], "policy 'qosflow' is not among --policies"),
+        (["--policies", "qosflow", "--set", "express_share"], "POLICY.OPTION=VALUE"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message, capsys):
     rc = main(["simulate", "--jobs", "10", "--no-plots", *args])
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_policy_options_reach_the_policy(tmp_path):
+    """`--set` changes what the policy does (the express node keeps a node free, so the makespan of
+    a workload that wants every node changes) and is recorded in the JSON."""
+    runs = {}
+    for extra in ([], ["--set", "qosflow.express_share=0.5", "--set", "qosflow.express_max_s=60"]):
+        out = tmp_path / f"r{len(extra)}.json"
+        rc = main(["simulate", "--trace", "synthetic", "--jobs", "80", "--cluster", "2x4", "--policies", "qosflow", "--seed", "1",
+                   "--json", str(out), "--no-plots", *extra])
+        assert rc == 0
+        runs[len(extra)] = json.loads(out.read_text())
+    assert runs[0]["policy_options"] == {}
+    assert runs[4]["policy_options"] == {"qosflow": {"express_share": 0.5, "express_max_s": 60}}
+    assert runs[0]["policies"]["qosflow"]["makespan"] != runs[4]["policies"]["qosflow"]["makespan"]
 
 
 def test_malformed_trace_row_names_file_and_line(tmp_path, capsys):

@@ -39,12 +39,13 @@ def register(app: typer.Typer) -> None:
         deadline_share: float = typer.Option(0.5, "--deadline-share", help="share of jobs given a deadline (traces carry none)"),
         jobs: Optional[int] = typer.Option(None, "--jobs", help="synthetic: number of jobs"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots"),
+        settings: Optional[list[str]] = typer.Option(None, "--set", help="a policy option, POLICY.OPTION=VALUE (repeatable), e.g. --set qosflow.express_share=0.125"),
     ) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         from qosflow.core.estimate import make_estimator
-        from qosflow.policies import get_policy, parse_policies
+        from qosflow.policies import get_policy, parse_policies, parse_policy_options
         from qosflow.sim.engine import SimConfig, Simulator
         from qosflow.sim.interference import default_speed_model
         from qosflow.sim.metrics import compute_bounds, compute_metrics
@@ -54,6 +55,7 @@ def register(app: typer.Typer) -> None:
 
         console = Console(width=max(120, Console().width))
         names = parse_policies(policies)
+        popts = parse_policy_options(settings, names)
         kinds = list(dict.fromkeys(k.strip() for k in estimator.split(",") if k.strip())) or ["oracle"]
         for k in kinds:
             if k not in ("oracle", "noisy", "learned", "declared"):
@@ -79,7 +81,7 @@ def register(app: typer.Typer) -> None:
                     label = name if len(kinds) == 1 else f"{name} ({kind})"
                     task = prog.add_task(f"{label:>9}", total=len(wl.jobs))
                     est = make_estimator(kind, speed, seed=seed, error=error)
-                    sim = Simulator(wl.jobs, spec, get_policy(name), estimator=est, speed=speed, config=cfg)
+                    sim = Simulator(wl.jobs, spec, get_policy(name, **popts.get(name, {})), estimator=est, speed=speed, config=cfg)
                     res = sim.run(on_progress=lambda done, total, t=task: prog.update(t, completed=done))
                     results[label] = res
                     metrics[label] = compute_metrics(res)
@@ -95,6 +97,7 @@ def register(app: typer.Typer) -> None:
             "estimator": estimator,
             "seed": seed,
             "failures": failures,
+            "policy_options": popts,
         }
         data = results_json(metrics if len(kinds) == 1 else by_est[baseline], bounds, extra)
         if len(kinds) > 1:

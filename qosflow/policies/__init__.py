@@ -67,4 +67,42 @@ def parse_policies(spec: str) -> list[str]:
     return names
 
 
-__all__ = ["Decision", "Policy", "SchedulerView", "available", "commit", "get_policy", "parse_policies", "register"]
+def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str, dict[str, Any]]:
+    """`["qosflow.express_share=0.125", ...]` -> `{"qosflow": {"express_share": 0.125}}`.
+
+    Values are read as JSON (numbers, true/false, null, quoted strings), else kept as text. Each
+    option is checked against the policy's constructor, so a typo fails here naming the option and
+    the ones the policy has."""
+    import inspect
+    import json
+
+    from qosflow.errors import SpecError
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        pol, dot, opt = key.strip().partition(".")
+        pol = pol.lower()
+        if not sep or not dot or not opt:
+            raise SpecError("--set", f"{item!r}: write POLICY.OPTION=VALUE, e.g. qosflow.express_share=0.125")
+        if pol not in names:
+            raise SpecError("--set", f"{item!r}: policy {pol!r} is not among --policies ({', '.join(names)})")
+        get_policy(pol)  # imports it (unknown names fail with the list of known ones)
+        params = inspect.signature(_REGISTRY[pol].__init__).parameters
+        known = sorted(n for n, p in params.items() if n != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        if opt not in known:
+            raise SpecError("--set", f"{item!r}: policy {pol!r} has no option {opt!r}; it has: {', '.join(known) or 'none'}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out.setdefault(pol, {})[opt] = value
+    for pol, opts in out.items():
+        try:
+            get_policy(pol, **opts)
+        except (TypeError, ValueError) as exc:
+            raise SpecError("--set", f"policy {pol!r}: {exc}") from exc
+    return out
+
+
+__all__ = ["Decision", "Policy", "SchedulerView", "available", "commit", "get_policy", "parse_policies", "parse_policy_options", "register"]
