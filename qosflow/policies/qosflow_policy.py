@@ -138,7 +138,6 @@ class QosflowPolicy(Policy):
         self._plan: dict[tuple[str, str], float] = {}
         self._seen_deadline = False
         self._regular: tuple = (None, None, {})
-        self._starving: list = []
         #: scorer for fractional shares (e.g. `qosflow.packing` FGD); None: best fit
         self.fractional_scorer = fractional_scorer
 
@@ -501,7 +500,6 @@ class QosflowPolicy(Policy):
             rem[js.job_id] = est.remaining(js)
             states[js.job_id] = js
         order, starving = self._order(view, rem, d.notes)
-        self._starving = starving
         self._update_plan(view, rem)
         self._gpus_of = lambda jid: max(1, states[jid].job.qos.gpus)
         self._rem, self._now, self._st = rem, now, st
@@ -593,7 +591,7 @@ class QosflowPolicy(Policy):
                 if js.job.deadline is not None and now + r <= js.job.deadline:
                     lane = f"express node: the deadline ({js.job.deadline - now - r:.0f}s of slack) cannot wait for a regular node"
                 else:
-                    lane = "express node: " + ("starvation guard" if js in starving else "the regular nodes can never fit it")
+                    lane = "express node: the regular nodes can never fit it"
                 why = f"{why}; {lane}" if why else lane
             p = self._with_cores(st, js.job, p, est)
             st.allocate(p, q)
@@ -645,12 +643,12 @@ class QosflowPolicy(Policy):
         than the predicted wait for a regular node (it could not make it otherwise)."""
         if js is None:
             return False
-        if js in self._starving or self._needs_express(js):
-            return True  # never hold a job back for good: the starving one, or one only they can fit
+        if self._needs_express(js):
+            return True  # never hold a job back for good (the starving one waits for regular nodes)
         dl = js.job.deadline
         if dl is None or finish > dl or finish - self._now > self.express_deadline_s:
             return False
-        return dl - finish < self._consolidated_wait(self._st, js, self._rem, exclude=self._express)
+        return dl - finish < self._consolidated_wait(self._st, js, self._rem, exclude=self._express, all_nodes=True)
 
     def _needs_express(self, js: JobState) -> bool:
         """Can `js` never be placed on the regular (non-express) nodes, even all empty?"""
@@ -722,9 +720,11 @@ class QosflowPolicy(Policy):
         wait = self._consolidated_wait(st, js, rem)
         return p if extra < wait else None
 
-    def _consolidated_wait(self, st: ClusterState, js: JobState, rem, exclude=()) -> float:
-        """Predicted wait until enough node(s) have the empty GPUs `js` needs, consolidated (no new
-        starts assumed; nodes in `exclude` not counted)."""
+    def _consolidated_wait(self, st: ClusterState, js: JobState, rem, exclude=(), all_nodes: bool = False) -> float:
+        """Predicted wait until some node has enough empty GPUs for `js`, consolidated (no new starts
+        assumed; nodes in `exclude` not counted). With `all_nodes`, a gang wider than a node waits
+        for as many whole nodes as it needs (otherwise: for the first one -- a lower bound, which is
+        what relaxing locality compares against)."""
         gmax = max(1, st.spec.max_gpus_per_node)
         k = min(js.job.qos.gpus, gmax)
         t = np.where(st.njobs == 0, 0.0, self._end_max)  # a GPU is empty once its last job ends
@@ -734,7 +734,7 @@ class QosflowPolicy(Policy):
             t[list(exclude)] = np.inf
         kth = np.partition(t, k - 1, axis=1)[:, k - 1]
         need = -(-js.job.qos.gpus // gmax)
-        if need <= 1:
+        if need <= 1 or not all_nodes:
             return float(kth.min())
         return float(np.partition(kth, need - 1)[need - 1]) if need <= len(kth) else math.inf
 
