@@ -155,6 +155,60 @@ def test_pair_table_cross_validation_beats_baselines_on_a_synthetic_table(tmp_pa
     assert block["mape"] < block["baselines"]["constant"]["mape"]
 
 
+def test_pair_table_model_beats_the_one_hot_forest_on_a_synthetic_table():
+    block = eval_pairs(_synthetic_pairs(), folds=5)["interference"]
+    assert block["mape"] < 0.5 * block["baselines"]["random_forest"]["mape"]
+
+
+def test_neighbour_estimates_recover_an_offset_row():
+    from qosflow.predict.interference import _neighbour_estimates
+
+    rng = np.random.default_rng(0)
+    M = rng.normal(-0.5, 0.3, (6, 6))
+    M[0] = M[3] + 0.2  # job 0 runs uniformly exp(0.2) faster than job 3 next to everyone
+    M[0, 2] = np.nan  # the unknown entry
+    M[4, 1] = np.nan
+    est1, est3 = _neighbour_estimates(M, 0, 2, (1, 3))
+    assert est1 == pytest.approx(M[3, 2] + 0.2)
+    assert est3 != pytest.approx(est1)  # three neighbours mix in the others
+    # too few shared columns: no estimate
+    sparse = np.full((4, 4), np.nan)
+    sparse[1, :2] = sparse[0, 0] = 0.1
+    assert all(math.isnan(v) for v in _neighbour_estimates(sparse, 0, 1, (1,)))
+
+
+def test_mape_point_is_the_one_over_speed_weighted_median():
+    from qosflow.predict.interference import _mape_point
+
+    logs = np.log(np.array([[0.2, 0.5], [0.5, 0.5], [0.6, 0.6], [0.7, 0.9], [0.9, 0.95]]))
+    point = np.exp(_mape_point(logs))
+    for col in range(2):
+        cand = np.exp(logs[:, col])
+        ape = [np.mean(np.abs(c - cand) / cand) for c in cand]
+        assert point[col] == pytest.approx(cand[int(np.argmin(ape))])
+    assert point[0] == pytest.approx(0.5)  # below the plain median 0.6: a low truth costs more
+
+
+def test_interference_point_estimate_choice():
+    from qosflow.predict.interference import InterferenceModel
+
+    assert InterferenceModel(regime="new_pair").point == "mape"
+    assert InterferenceModel(regime="new_job").point == "mean"
+    with pytest.raises(ValueError, match="point"):
+        InterferenceModel(point="median")
+    rows = _synthetic_pairs(n_models=3)
+    obs = {}
+    for r in rows:
+        obs[(r.key1, r.key2)] = r.speed1
+        obs[(r.key2, r.key1)] = r.speed2
+    q = sorted(obs)[:10]
+    mean = InterferenceModel(regime="new_pair", point="mean").fit(obs).predict(q)
+    mape = InterferenceModel(regime="new_pair").fit(obs).predict(q)
+    assert not np.allclose(mape[0], mean[0])
+    for speed, lo, hi, _s in (mean, mape):
+        assert np.all((lo <= speed) & (speed <= hi))
+
+
 def test_pair_csv_errors_name_file_line_and_column(tmp_path):
     p = tmp_path / "bad.csv"
     p.write_text("model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2\nA,32,1,0.9,B,64,1,abc\n")

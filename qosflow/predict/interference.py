@@ -15,12 +15,21 @@ the features are (all computed from K only):
 2. the profile: s(a, r), s(r, a), s(b, r), s(r, b) for each reference job r;
 3. family neighbours: the speed of the same family at the nearest batch size next to b (and of a next
    to b's nearest sibling) -- a model's behaviour changes smoothly with batch size;
-4. job metadata: log batch size, GPUs, log solo step time when known, same-family flag.
+4. job metadata: log batch size, GPUs, log solo step time when known, same-family flag;
+5. only for ``regime="new_pair"`` (known jobs, many observations each): nearest neighbours -- s(a', b)
+   for the jobs a' whose logged speeds next to the partners both have seen are closest to a's after
+   removing a constant offset (a' runs uniformly faster or slower), shifted by that offset; likewise
+   s(a, b') over the columns; 1 and 3 neighbours -- and low-rank fits of higher rank (4 and 6).
 
 An extra-trees ensemble maps these to log speed; the spread of its trees gives the interval. To
 train it in the regime it will be used in, the features of training pairs are computed out of fold:
 with the training job's own observations hidden except its profile (``regime="new_job"``), or with
 the pair itself hidden (``regime="new_pair"``).
+
+The point estimate is the mean of the trees' log speeds (``point="mean"``, the default for
+``new_job``, which the live predictor uses) or the value minimising the expected absolute percentage
+error over the trees' predictions -- their median weighted by 1/speed (``point="mape"``, the default
+for ``new_pair``, which is scored by MAPE).
 """
 
 from __future__ import annotations
@@ -112,14 +121,60 @@ class LowRank:
         return v, min(na, nb)
 
 
+#: (rank, ridge) of the extra low-rank fits used as features in the "new_pair" regime
+EXTRA_LOW_RANK = ((4, 0.1), (6, 0.2))
+#: neighbour counts of the nearest-neighbour features ("new_pair" regime)
+NEIGHBOURS = (1, 3)
+
+
+def _neighbour_estimates(M: np.ndarray, i: int, j: int, ks: Sequence[int]) -> list[float]:
+    """Estimates of M[i, j] (log speeds, NaN = unknown) from the rows nearest to row i.
+
+    Row i2 is compared with row i over the columns both know (column j excluded): after removing
+    their mean difference (the offset), the RMS of what is left is the distance. Rows with fewer than
+    3 shared columns or without column j are skipped. For each k in `ks`: the 1/(distance + 0.02)
+    weighted mean of M[i2, j] + offset over the k nearest rows (NaN when there is none).
+    """
+    row = M[i].copy()
+    row[j] = np.nan
+    D = row[None, :] - M
+    D[:, j] = np.nan
+    known = ~np.isnan(D)
+    cnt = known.sum(1)
+    Dz = np.where(known, D, 0.0)
+    off = Dz.sum(1) / np.maximum(cnt, 1)
+    dist = np.sqrt(np.where(known, (Dz - off[:, None]) ** 2, 0.0).sum(1) / np.maximum(cnt, 1))
+    ok = (cnt >= 3) & ~np.isnan(M[:, j])
+    ok[i] = False
+    cand = np.flatnonzero(ok)
+    if not len(cand):
+        return [float("nan")] * len(ks)
+    cand = cand[np.argsort(dist[cand], kind="stable")]
+    out = []
+    for k in ks:
+        top = cand[:k]
+        w = 1.0 / (dist[top] + 0.02)
+        out.append(float(np.dot(w, M[top, j] + off[top]) / w.sum()))
+    return out
+
+
 class _Context:
     """Look-ups over a set of observations, shared by every feature of one batch of queries."""
 
-    def __init__(self, obs: Obs, meta: Mapping[Key, JobMeta], refs: Sequence[Key], rank: int, lam: float):
+    def __init__(self, obs: Obs, meta: Mapping[Key, JobMeta], refs: Sequence[Key], rank: int, lam: float,
+                 neighbours: bool = False):
         self.obs = obs
         self.meta = meta
         self.refs = list(refs)
         self.mf = LowRank(rank=rank, lam=lam).fit(obs) if obs else None
+        self.neighbours = neighbours
+        if neighbours:
+            self.extra_mf = [LowRank(rank=r, lam=lm, iters=30).fit(obs) if obs else None for r, lm in EXTRA_LOW_RANK]
+            keys = sorted({k for ab in obs for k in ab})
+            self.index = {k: n for n, k in enumerate(keys)}
+            self.M = np.full((len(keys), len(keys)), np.nan)
+            for (a, b), v in obs.items():
+                self.M[self.index[a], self.index[b]] = _log(v)
         # per family: partner -> [(member, log bs)]; per family: member -> [(partner, log bs)]
         self.by_row: dict[Key, dict[Key, float]] = {}
         self.by_col: dict[Key, dict[Key, float]] = {}
@@ -176,7 +231,24 @@ class _Context:
             f.append(m.log_solo if m and m.log_solo is not None else float("nan"))
         f.append(float(self._fam(a) == self._fam(b)))
         f.append(float(a == b))
+        if self.neighbours:
+            f += [m.predict_log(a, b)[0] if m else 0.0 for m in self.extra_mf]
+            ia, ib = self.index.get(a), self.index.get(b)
+            if ia is None or ib is None:
+                f += [float("nan")] * (2 * len(NEIGHBOURS))
+            else:
+                f += _neighbour_estimates(self.M, ia, ib, NEIGHBOURS)
+                f += _neighbour_estimates(self.M.T, ib, ia, NEIGHBOURS)
         return f, support
+
+
+def _mape_point(per_tree: np.ndarray) -> np.ndarray:
+    """Per column of (trees x rows) log speeds: the tree value minimising the mean absolute percentage
+    error against the trees' values, i.e. their median weighted by 1/speed."""
+    v = np.sort(per_tree, axis=0)
+    c = np.cumsum(np.exp(-v), axis=0)
+    k = np.argmax(c >= c[-1] / 2, axis=0)
+    return v[k, np.arange(v.shape[1])]
 
 
 def _nan_to(x: np.ndarray, fill: float = -9.0) -> np.ndarray:
@@ -194,19 +266,28 @@ class InterferenceModel:
         *,
         regime: str = "new_pair",
         n_estimators: int = 150,
-        inner_folds: int = 5,
+        inner_folds: int | None = None,
         rank: int = 2,
         lam: float = 0.3,
         seed: int = 0,
         n_jobs: int = 1,
         max_train_rows: int = 2000,
+        point: str | None = None,
     ):
         if regime not in ("new_pair", "new_job"):
             raise ValueError(f"regime must be 'new_pair' or 'new_job', got {regime!r}")
+        point = point or ("mape" if regime == "new_pair" else "mean")
+        if point not in ("mean", "mape"):
+            raise ValueError(f"point must be 'mean' or 'mape', got {point!r}")
         self.refs = list(refs)
         self.regime = regime
+        self.point = point
         self.n_estimators = n_estimators
-        self.inner_folds = inner_folds
+        #: out-of-fold folds for the training features. For new pairs, 10 (each hides 10 % of the pairs)
+        #: keeps the training features' context nearly as dense as the one the queries see.
+        self.inner_folds = inner_folds or (10 if regime == "new_pair" else 5)
+        #: nearest-neighbour and extra low-rank features: for known jobs with many observations each
+        self.neighbours = regime == "new_pair"
         self.rank, self.lam, self.seed, self.n_jobs = rank, lam, seed, n_jobs
         #: bound on the rows the forest trains on (a random subset beyond it): keeps refits within ~1 s
         self.max_train_rows = max_train_rows
@@ -233,7 +314,8 @@ class InterferenceModel:
                 hidden = {pairs[i] for i in fold}
                 fold = fold[:per_fold]
                 hidden |= {(b, a) for a, b in hidden}  # a row of a pair table holds both directions
-                ctx = _Context({k: v for k, v in self.obs.items() if k not in hidden}, meta, self.refs, self.rank, self.lam)
+                ctx = _Context({k: v for k, v in self.obs.items() if k not in hidden}, meta, self.refs, self.rank,
+                               self.lam, self.neighbours)
                 for i in fold:
                     a, b = pairs[i]
                     X.append(ctx.features(a, b)[0])
@@ -250,7 +332,7 @@ class InterferenceModel:
                     for (a, b), v in self.obs.items()
                     if (a not in held and b not in held) or (a in self.refs or b in self.refs)
                 }
-                ctx = _Context(known, meta, self.refs, self.rank, self.lam)
+                ctx = _Context(known, meta, self.refs, self.rank, self.lam, self.neighbours)
                 targets = [(a, b) for (a, b) in self.obs if (a in held or b in held) and (a, b) not in known]
                 if len(targets) > per_fold:
                     targets = [targets[i] for i in sorted(rng.choice(len(targets), per_fold, replace=False))]
@@ -262,14 +344,15 @@ class InterferenceModel:
             n_estimators=self.n_estimators, max_features=0.6, min_samples_leaf=2, random_state=self.seed, n_jobs=self.n_jobs
         ).fit(_nan_to(np.array(X)), np.array(y))
         flatten(self.forest)
-        self._ctx = _Context(self.obs, meta, self.refs, self.rank, self.lam)
+        self._ctx = _Context(self.obs, meta, self.refs, self.rank, self.lam, self.neighbours)
         return self
 
     # -- prediction
 
     def predict(self, queries: Sequence[tuple[Key, Key]], *, extra_obs: Obs | None = None,
                 extra_meta: Mapping[Key, JobMeta] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(speed, low, high, support) arrays for the queries; low/high are the 10th/90th percentiles over trees.
+        """(speed, low, high, support) arrays for the queries; speed is the point estimate (see `point`),
+        low/high the 10th/90th percentiles over trees.
 
         `extra_obs` adds observations known at prediction time (e.g. a new job's profile).
         """
@@ -279,11 +362,11 @@ class InterferenceModel:
             obs.update({k: float(v) for k, v in (extra_obs or {}).items() if v > 0})
             meta = dict(self.meta)
             meta.update(extra_meta or {})
-            ctx = _Context(obs, meta, self.refs, self.rank, self.lam)
+            ctx = _Context(obs, meta, self.refs, self.rank, self.lam, self.neighbours)
         feats = [ctx.features(a, b) for a, b in queries]
         X = _nan_to(np.array([f for f, _ in feats], dtype=float).reshape(len(queries), -1))
         support = np.array([s for _, s in feats])
         per_tree = per_tree_predictions(self.forest, X)
-        mean = np.exp(per_tree.mean(0))
+        mean = np.exp(_mape_point(per_tree) if self.point == "mape" else per_tree.mean(0))
         lo, hi = np.exp(np.percentile(per_tree, [10, 90], axis=0))
         return mean, np.minimum(lo, mean), np.maximum(hi, mean), support
