@@ -17,9 +17,10 @@ and in the live worker):
      gets a reservation), one at a time and within `guard_share` of the GPUs, so every job starts
      eventually without the queue turning into FIFO under sustained overload.
 3. **Placement**, job by job in that order:
-   a. free GPUs, consolidated, on the node whose busy time the job extends least (time-aligned
-      packing: jobs that end together share a node, so nodes empty whole and gangs can start
-      without preemption), then best fit; fractional shares by a fragmentation-aware scorer
+   a. free GPUs, consolidated, best fit -- with `align`, first on the node whose busy time the
+      job extends least (time-aligned packing: jobs that end together share a node, so nodes
+      empty whole and gangs can start without preemption; it pays with express nodes, not on
+      its own: see docs/policies.md); fractional shares by a fragmentation-aware scorer
       (FGD's gradient, ATC'23) when one is given, best fit otherwise;
    b. otherwise share GPUs that each hold one shareable job (SJF-BSBF's co-location, at most two
       jobs per GPU), on the node where it pays most. Slowdowns come from the estimator (measured
@@ -97,7 +98,7 @@ class QosflowPolicy(Policy):
         plan: bool = False,
         plan_interval: float = 3600.0,
         fractional_scorer=None,
-        align: bool = True,
+        align: bool = False,
         express_share: float = 0.0,
         express_max_s: float = 600.0,
         express_deadline_s: float = 86400.0,
