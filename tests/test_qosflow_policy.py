@@ -233,3 +233,38 @@ def test_express_node_never_holds_back_a_job_only_it_can_fit():
     res = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow", express_share=0.5), config=SimConfig(restart_overhead=0)).jobs}
     assert res["wide"].status is JobStatus.DONE
     assert "regular nodes can never fit it" in res["wide"].note
+
+
+class RankTable:
+    """C shares a little better with B than with A."""
+
+    def pair_slowdown(self, a, b, gpus=1):
+        pair = {a, b}
+        if pair == {"c", "a"}:
+            return (1.2, 1.2)
+        if pair == {"c", "b"}:
+            return (1.1, 1.1)
+        return (2.5, 2.5)
+
+    def spread_slowdown(self, model, gpus):
+        return 1.5
+
+
+@pytest.mark.parametrize("rank, partner", [("benefit", "A"), ("throughput", "B")])
+def test_partner_rank_chooses_by_benefit_or_by_throughput(rank, partner):
+    """Benefit: joining the long job A saves the pair far more average completion time than joining
+    B, which ends soon anyway; throughput: B slows C less."""
+    spec = ClusterSpec.uniform(1, 2, gpu_mem_mb=32000)
+    jobs = [
+        Job("A", 0.0, QoSSpec(shareable=True, gpu_mem_mb=4000), 10_000.0, model="a"),
+        Job("B", 1.0, QoSSpec(shareable=True, gpu_mem_mb=4000), 100.0, model="b"),
+        Job("C", 2.0, QoSSpec(shareable=True, gpu_mem_mb=4000), 100.0, model="c"),
+    ]
+    res = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow", partner_rank=rank), speed=SpeedModel(RankTable()), config=SimConfig(restart_overhead=0)).jobs}
+    assert res["C"].first_start == pytest.approx(2.0)
+    assert f"sharing GPUs with {partner}" in res["C"].note
+
+
+def test_partner_rank_is_validated():
+    with pytest.raises(ValueError, match="partner_rank"):
+        get_policy("qosflow", partner_rank="luck")

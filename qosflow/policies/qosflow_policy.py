@@ -23,7 +23,8 @@ and in the live worker):
       its own: see docs/policies.md); fractional shares by a fragmentation-aware scorer
       (FGD's gradient, ATC'23) when one is given, best fit otherwise;
    b. otherwise share GPUs that each hold one shareable job (SJF-BSBF's co-location, at most two
-      jobs per GPU), on the node where it pays most. Slowdowns come from the estimator (measured
+      jobs per GPU): on each node the partners with the largest SJF-BSBF benefit first
+      (`partner_rank`), on the node where the GPUs gain most throughput. Slowdowns come from the estimator (measured
       pairs, or the jobs' per-iteration resource profiles, so that jobs with different bottlenecks
       pair up as Muri interleaves them). A co-location is taken when
       - the job can still meet its deadline and still meets it shared, or
@@ -99,6 +100,7 @@ class QosflowPolicy(Policy):
         plan_interval: float = 3600.0,
         fractional_scorer=None,
         align: bool = False,
+        partner_rank: str = "benefit",
         express_share: float = 0.0,
         express_max_s: float = 600.0,
         express_deadline_s: float = 86400.0,
@@ -107,6 +109,11 @@ class QosflowPolicy(Policy):
             raise ValueError(f"qosflow policy: express_share must be in [0, 1), got {express_share!r}")
         if express_max_s < 0 or express_deadline_s < 0:
             raise ValueError("qosflow policy: express_max_s and express_deadline_s must be >= 0 (seconds)")
+        if partner_rank not in ("benefit", "throughput"):
+            raise ValueError(f"qosflow policy: partner_rank must be 'benefit' or 'throughput', got {partner_rank!r}")
+        #: which GPUs a job shares first: the partners with the largest SJF-BSBF benefit, or the
+        #: largest GPU-throughput balance
+        self.partner_rank = partner_rank
         #: share of the nodes kept as express nodes (rounded down; see `_express_nodes`)
         self.express_share = express_share
         #: any job may start on an express node if predicted done within this many seconds
@@ -155,6 +162,7 @@ class QosflowPolicy(Policy):
             "share": self.share,
             "plan": self.use_plan,
             "align": self.align,
+            "partner_rank": self.partner_rank,
             "express_share": self.express_share,
             "express_max_s": self.express_max_s,
             "express_deadline_s": self.express_deadline_s,
@@ -304,7 +312,9 @@ class QosflowPolicy(Policy):
                     if not self._has_deadline(js):
                         continue  # leave this partner for the type the pairing plan saves it for
                 scored.append((per_gpu, pid, gpus, xi_a, xi_b, gain))
-            scored.sort(key=lambda x: -x[0])
+            # partners in order of SJF-BSBF's sharing benefit (the pair's average completion time
+            # saved), or of the GPU-throughput balance
+            scored.sort(key=(lambda x: -x[5]) if self.partner_rank == "benefit" else (lambda x: -x[0]))
             node_choices.append((n, scored))
         best = None
         if k <= gmax:
