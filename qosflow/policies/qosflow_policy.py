@@ -23,8 +23,9 @@ and in the live worker):
       its own: see docs/policies.md); fractional shares by a fragmentation-aware scorer
       (FGD's gradient, ATC'23) when one is given, best fit otherwise;
    b. otherwise share GPUs that each hold one shareable job (SJF-BSBF's co-location, at most two
-      jobs per GPU): on each node the partners with the largest SJF-BSBF benefit first
-      (`partner_rank`), on the node where the GPUs gain most throughput. Slowdowns come from the estimator (measured
+      jobs per GPU): on each node the partners with the largest GPU-throughput balance first
+      (or, with `partner_rank="benefit"`, SJF-BSBF's benefit), on the node where the GPUs gain
+      most throughput. Slowdowns come from the estimator (measured
       pairs, or the jobs' per-iteration resource profiles, so that jobs with different bottlenecks
       pair up as Muri interleaves them). A co-location is taken when
       - the job can still meet its deadline and still meets it shared, or
@@ -100,7 +101,7 @@ class QosflowPolicy(Policy):
         plan_interval: float = 3600.0,
         fractional_scorer=None,
         align: bool = False,
-        partner_rank: str = "benefit",
+        partner_rank: str = "throughput",
         express_share: float = 0.0,
         express_max_s: float = 600.0,
         express_deadline_s: float = 86400.0,
