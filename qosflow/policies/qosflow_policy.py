@@ -108,8 +108,9 @@ class QosflowPolicy(Policy):
     ):
         if not 0.0 <= express_share < 1.0:
             raise ValueError(f"qosflow policy: express_share must be in [0, 1), got {express_share!r}")
-        if express_max_s < 0 or express_deadline_s < 0:
-            raise ValueError("qosflow policy: express_max_s and express_deadline_s must be >= 0 (seconds)")
+        for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
+            if not value >= 0:
+                raise ValueError(f"qosflow policy: {name} must be >= 0 (seconds), got {value!r}")
         if partner_rank not in ("benefit", "throughput"):
             raise ValueError(f"qosflow policy: partner_rank must be 'benefit' or 'throughput', got {partner_rank!r}")
         #: which GPUs a job shares first: the partners with the largest SJF-BSBF benefit, or the
@@ -548,7 +549,7 @@ class QosflowPolicy(Policy):
         def blocked(p: Placement, finish: float) -> bool:
             for n in p.nodes:
                 if n in reserved and finish > reserved[n][0]:
-                    if reserved[n][1] == EXPRESS and self._express_ok(states[p.job_id] if p.job_id in states else None, finish):
+                    if reserved[n][1] == EXPRESS and self._express_ok(states.get(p.job_id), finish):
                         continue
                     return True
             return False
@@ -599,7 +600,8 @@ class QosflowPolicy(Policy):
                             f"(free for it in about {ready / 3600:.1f} h)"
                         )
                 continue
-            if self._express and r > self.express_max_s and any(n in self._express for n in p.nodes):
+            # (whole-GPU jobs only: fractional and CPU-only placements do not look at reservations)
+            if self._express and q.gpus > 0 and not q.fractional and r > self.express_max_s and any(n in self._express for n in p.nodes):
                 if js.job.deadline is not None and now + r <= js.job.deadline:
                     lane = f"express node: the deadline ({js.job.deadline - now - r:.0f}s of slack) cannot wait for a regular node"
                 else:
@@ -646,7 +648,8 @@ class QosflowPolicy(Policy):
 
     def _deadlines_seen(self, view: SchedulerView) -> bool:
         if not self._seen_deadline:
-            self._seen_deadline = any(js.job.deadline is not None for js in list(view.pending) + list(view.running))
+            self._seen_deadline = any(js.job.deadline is not None for js in view.pending) or any(
+                js.job.deadline is not None for js in view.running)
         return self._seen_deadline
 
     def _express_ok(self, js: JobState | None, finish: float) -> bool:
@@ -668,7 +671,8 @@ class QosflowPolicy(Policy):
         if self._regular[0] != key:
             from qosflow.core.cluster import ClusterSpec
 
-            nodes = [s for i, s in enumerate(self._st.spec.nodes) if i not in set(key)]
+            express = set(key)
+            nodes = [s for i, s in enumerate(self._st.spec.nodes) if i not in express]
             self._regular = (key, ClusterSpec(nodes, name="regular") if nodes else None, {})
         _, spec, memo = self._regular
         q = js.job.qos
@@ -745,7 +749,7 @@ class QosflowPolicy(Policy):
         if len(exclude):
             t[list(exclude)] = np.inf
         kth = np.partition(t, k - 1, axis=1)[:, k - 1]
-        need = -(-js.job.qos.gpus // gmax)
+        need = min_nodes_for(js.job.qos.gpus, gmax)
         if need <= 1 or not all_nodes:
             return float(kth.min())
         return float(np.partition(kth, need - 1)[need - 1]) if need <= len(kth) else math.inf
@@ -778,7 +782,7 @@ class QosflowPolicy(Policy):
             kth[~ok] = np.inf
             n = int(np.argmin(kth))
             return [n], float(kth[n])
-        need = -(-q.gpus // gmax)
+        need = min_nodes_for(q.gpus, gmax)
         full = t.copy()
         full[~st.exists] = -np.inf
         last = full.max(axis=1)
