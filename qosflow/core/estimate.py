@@ -77,7 +77,7 @@ class NoisyEstimator(OracleEstimator):
             raise ValueError(f"error must be in [0, 1), got {error}")
         self.error = error
         self.seed = seed
-        self.name = f"noisy±{int(round(error * 100))}%"
+        self.name = f"noisy±{error * 100:g}%"
         self._dur: dict[str, float] = {}
 
     def _factor(self, key: str) -> float:
