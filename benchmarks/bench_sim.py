@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, md_table, write_section  # noqa: E402
 
-from qosflow.core.estimate import make_estimator  # noqa: E402
+from qosflow.core.estimate import NoisyEstimator, OracleEstimator, make_estimator  # noqa: E402
 from qosflow.paths import shared_data  # noqa: E402
 from qosflow.policies import get_policy  # noqa: E402
 from qosflow.sim.engine import SimConfig, Simulator  # noqa: E402
@@ -46,18 +46,20 @@ def make_policy(label):
     return get_policy(name, **opts)
 
 
+def simulate_one(wl, spec, name, est, *, seed=0, failures=0.0):
+    """One policy (or VARIANTS label) over the workload with estimator `est`: (metrics, wall seconds)."""
+    t0 = time.perf_counter()
+    res = Simulator(wl.jobs, spec, make_policy(name), estimator=est, speed=est.speed, config=SimConfig(seed=seed, failure_share=failures)).run()
+    wall = time.perf_counter() - t0
+    m = compute_metrics(res)
+    print(f"  {name:15s} {est.name:13s} seed={seed} fail={failures:.1f} jct={m.avg_jct:12.0f}s dsr={m.dsr:.3f} "
+          f"makespan={m.makespan:11.0f}s wall={wall:5.1f}s", flush=True)
+    return m, wall
+
+
 def run(wl, spec, names, *, estimator="oracle", failures=0.0, seed=0):
     speed = default_speed_model()
-    out = {}
-    for name in names:
-        est = make_estimator(estimator, speed, seed=seed)
-        t0 = time.perf_counter()
-        res = Simulator(wl.jobs, spec, make_policy(name), estimator=est, speed=speed, config=SimConfig(seed=seed, failure_share=failures)).run()
-        wall = time.perf_counter() - t0
-        out[name] = (compute_metrics(res), wall)
-        print(f"  {name:15s} {estimator:7s} fail={failures:.1f} jct={out[name][0].avg_jct:12.0f}s dsr={out[name][0].dsr:.3f} "
-              f"makespan={out[name][0].makespan:11.0f}s wall={wall:5.1f}s", flush=True)
-    return out
+    return {name: simulate_one(wl, spec, name, make_estimator(estimator, speed, seed=seed), seed=seed, failures=failures) for name in names}
 
 
 def days(x):
@@ -99,29 +101,20 @@ NOISE_DRAWS = 3
 TIE_ERROR = 1e-6
 
 
-def _run_one(wl, spec, name, est, seed):
-    res = Simulator(wl.jobs, spec, make_policy(name), estimator=est, speed=est.speed, config=SimConfig(seed=seed)).run()
-    m = compute_metrics(res)
-    print(f"  {name:15s} {est.name:11s} seed={seed} jct={m.avg_jct:12.0f}s dsr={m.dsr:.3f}", flush=True)
-    return m
-
-
 def seed_section(data, seeds=(0, 1, 2)):
     """The deadlines (which jobs get one, and how tight) are drawn per seed; a single seed can flatter
     or wrong a policy. Per seed: the exact oracle, the oracle with ties broken differently
     (`TIE_ERROR`), and `NOISE_DRAWS` draws of +-30 % noise. Mean and worst case over seeds."""
-    from qosflow.core.estimate import NoisyEstimator, OracleEstimator
-
     acc: dict[tuple[str, str], list] = {}
     for seed in seeds:
         wl, spec = resolve_workload(str(data / "muri_philly_trace1.csv"), "muri", str(data / "muri_cluster_n8g8.csv"), seed=seed)
         speed = default_speed_model()
-        s_o = _run_one(wl, spec, "srtf", OracleEstimator(speed), seed)
-        s_n = _run_one(wl, spec, "srtf", NoisyEstimator(speed, error=0.3, seed=seed), seed)
+        s_o = simulate_one(wl, spec, "srtf", OracleEstimator(speed), seed=seed)[0]
+        s_n = simulate_one(wl, spec, "srtf", NoisyEstimator(speed, error=0.3, seed=seed), seed=seed)[0]
         for n in QOSFLOW:
-            exact = _run_one(wl, spec, n, OracleEstimator(speed), seed)
-            ties = [exact] + [_run_one(wl, spec, n, NoisyEstimator(speed, error=TIE_ERROR, seed=1000 + t), seed) for t in range(2)]
-            noisy = [_run_one(wl, spec, n, NoisyEstimator(speed, error=0.3, seed=seed + 100 * t), seed) for t in range(NOISE_DRAWS)]
+            exact = simulate_one(wl, spec, n, OracleEstimator(speed), seed=seed)[0]
+            ties = [exact] + [simulate_one(wl, spec, n, NoisyEstimator(speed, error=TIE_ERROR, seed=1000 + t), seed=seed)[0] for t in range(2)]
+            noisy = [simulate_one(wl, spec, n, NoisyEstimator(speed, error=0.3, seed=seed + 100 * t), seed=seed)[0] for t in range(NOISE_DRAWS)]
             for kind, ms, base in (("oracle", [exact], s_o), ("oracle, 3 tie orders", ties, s_o), (f"noisy, {NOISE_DRAWS} draws", noisy, s_n)):
                 jct, dsr = np.mean([m.avg_jct for m in ms]), np.mean([m.dsr for m in ms])
                 acc.setdefault((n, kind), []).append((jct / base.avg_jct, dsr, base.dsr, jct, dsr, max(m.avg_jct for m in ms) / min(m.avg_jct for m in ms) - 1))
