@@ -38,6 +38,36 @@ def test_never_starves_a_wide_job_under_sustained_overload():
     assert all(j.status is JobStatus.DONE for j in res.jobs)
 
 
+def _long_job_behind_a_stream(**opts):
+    """One 1-GPU slot; a 10 h job waits behind a stream of 10-minute jobs that alone fills the slot."""
+    spec = ClusterSpec.uniform(1, 1)
+    jobs = [Job("long", 1.0, QoSSpec(gpus=1), 10 * 3600.0)]
+    for i in range(180):  # 30 h of arrivals, one every 10 minutes
+        jobs.append(Job(f"s{i}", i * 600.0, QoSSpec(gpus=1), 600.0))
+    pol = get_policy("qosflow", starvation_bound=3600.0, makespan_beta=None, share=False, **opts)
+    res = simulate(jobs, spec, pol, config=SimConfig(restart_overhead=0, check_invariants=False))
+    long = next(j for j in res.jobs if j.job_id == "long")
+    assert all(j.status is JobStatus.DONE for j in res.jobs)
+    return long.first_start - long.job.submit_time, long.note
+
+
+def test_starvation_bound_grows_with_the_backlog():
+    """Waiting 1 h behind 10 h of work is not starving: the guard waits until the job has waited
+    longer than the backlog (FIFO would have started it by then), then serves it and says why."""
+    wait, note = _long_job_behind_a_stream()
+    assert 10 * 3600.0 <= wait <= 12 * 3600.0, wait / 3600
+    assert "starvation guard" in note and "starvation bound 10 h" in note, note
+    # with a fixed bound it is served after about an hour
+    wait_fixed, note_fixed = _long_job_behind_a_stream(starvation_backlog=False)
+    assert wait_fixed <= 3600.0 + 600.0 + 1.0, wait_fixed / 3600
+    assert "starvation bound 1 h" in note_fixed, note_fixed
+
+
+def test_starvation_backlog_must_be_a_bool():
+    with pytest.raises(ValueError, match="starvation_backlog must be true or false, got 'yes'"):
+        get_policy("qosflow", starvation_backlog="yes")
+
+
 def test_sjf_alone_would_starve_it():
     """The guard above is what saves the wide job: plain SJF backfilling starves it."""
     spec = ClusterSpec.uniform(2, 4)

@@ -13,9 +13,14 @@ and in the live worker):
    * *makespan guard*: a job whose remaining time is at least `makespan_beta` x the backlog (the
      known work divided by the GPUs) starts early, longest first -- otherwise SJF leaves the
      longest jobs to the very end and they alone set the makespan;
-   * *starvation guard*: the job that has waited longest past `starvation_bound` goes first (and
-     gets a reservation), one at a time and within `guard_share` of the GPUs, so every job starts
-     eventually without the queue turning into FIFO under sustained overload.
+   * *starvation guard*: the job that has waited longest past the starvation bound goes first
+     (and gets a reservation), one at a time and within `guard_share` of the GPUs, so every job
+     starts eventually without the queue turning into FIFO under sustained overload. The bound is
+     `starvation_bound`, or the backlog if that is longer (`starvation_backlog`): a job is starving
+     once it has waited longer than the cluster needs to clear all the work it knows of, i.e.
+     longer than first-come-first-served would have made it wait. A fixed bound under a backlog
+     of months fires on every long job, turns the guard into a FIFO lane, and makes the schedule
+     hinge on which job happens to be oldest when a node frees (docs/policies.md).
 3. **Placement**, job by job in that order:
    a. free GPUs, consolidated, best fit -- with `align`, first on the node whose busy time the
       job extends least (time-aligned packing: jobs that end together share a node, so nodes
@@ -90,6 +95,7 @@ class QosflowPolicy(Policy):
         qos_weight: float = 4.0,
         makespan_beta: float | None = 0.5,
         starvation_bound: float = 7 * 86400.0,
+        starvation_backlog: bool = True,
         guard_share: float = 0.1,
         throughput_gain: float = 0.15,
         relax_after: float = 600.0,
@@ -111,6 +117,8 @@ class QosflowPolicy(Policy):
         for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
             if not value >= 0:
                 raise ValueError(f"qosflow policy: {name} must be >= 0 (seconds), got {value!r}")
+        if not isinstance(starvation_backlog, bool):
+            raise ValueError(f"qosflow policy: starvation_backlog must be true or false, got {starvation_backlog!r}")
         if partner_rank not in ("benefit", "throughput"):
             raise ValueError(f"qosflow policy: partner_rank must be 'benefit' or 'throughput', got {partner_rank!r}")
         #: which GPUs a job shares first: the partners with the largest SJF-BSBF benefit, or the
@@ -128,7 +136,10 @@ class QosflowPolicy(Policy):
         self.qos_weight = qos_weight
         #: start a job early once its remaining time reaches this share of the backlog (None: never)
         self.makespan_beta = makespan_beta
+        #: a job starves after waiting this long (seconds) ...
         self.starvation_bound = starvation_bound
+        #: ... or, if longer, the backlog (all known work over the GPUs)
+        self.starvation_backlog = starvation_backlog
         #: at most this share of the GPUs runs jobs started by the starvation guard
         self.guard_share = guard_share
         #: GPU-throughput gain per GPU that makes best-effort sharing worth it while work queues
@@ -156,6 +167,7 @@ class QosflowPolicy(Policy):
             "qos_weight": self.qos_weight,
             "makespan_beta": self.makespan_beta,
             "starvation_bound": self.starvation_bound,
+            "starvation_backlog": self.starvation_backlog,
             "guard_share": self.guard_share,
             "throughput_gain": self.throughput_gain,
             "relax_after": self.relax_after,
@@ -204,17 +216,21 @@ class QosflowPolicy(Policy):
         # turning the queue into FIFO under sustained overload
         cap_gpus = float(view.cluster.gpu_count[~view.cluster.down].sum())
         rescued = sum(js.job.qos.gpu_demand for js in view.running if js.tags.get("qosflow_rescued"))
+        bound = max(self.starvation_bound, backlog) if self.starvation_backlog else self.starvation_bound
         oldest = None
         for i, (k, js) in enumerate(keyed):
             if rescued > 0 and rescued + js.job.qos.gpu_demand > self.guard_share * cap_gpus:
                 continue
-            if k[0] == 2 and now - js.queued_since >= self.starvation_bound:
+            if k[0] == 2 and now - js.queued_since >= bound:
                 if oldest is None or js.queued_since < keyed[oldest][1].queued_since:
                     oldest = i
         if oldest is not None:
             k, js = keyed[oldest]
             keyed[oldest] = ((1, -1e300, js.job.submit_time), js)
-            notes[js.job_id] = f"waited {(now - js.queued_since) / 3600:.0f} h, longest of all: served first (starvation guard)"
+            notes[js.job_id] = (
+                f"waited {(now - js.queued_since) / 3600:.0f} h (starvation bound {bound / 3600:.0f} h), "
+                "longest of all: served first (starvation guard)"
+            )
         keyed.sort(key=lambda kv: kv[0])
         return [js for _, js in keyed], [js for k, js in keyed if k[0] == 1 and k[1] == -1e300]
 
