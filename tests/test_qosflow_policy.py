@@ -63,6 +63,25 @@ def test_starvation_bound_grows_with_the_backlog():
     assert "starvation bound 1 h" in note_fixed, note_fixed
 
 
+def test_starvation_bound_stays_finite_when_the_backlog_grows_for_ever():
+    """Three times more work arrives than the GPU can do, so the backlog outgrows every wait. The
+    bound is capped at BACKLOG_CAP x the backlog the job found when queued: it still starts."""
+    from qosflow.policies.qosflow_policy import BACKLOG_CAP
+
+    spec = ClusterSpec.uniform(1, 1)
+    jobs = [Job("long", 1.0, QoSSpec(gpus=1), 3600.0)]
+    for i in range(360):  # 20 h of 10-minute jobs, one every 200 s
+        jobs.append(Job(f"s{i}", i * 200.0, QoSSpec(gpus=1), 600.0))
+    pol = get_policy("qosflow", starvation_bound=3600.0, makespan_beta=None, share=False)
+    res = simulate(jobs, spec, pol, config=SimConfig(restart_overhead=0, check_invariants=False))
+    long = next(j for j in res.jobs if j.job_id == "long")
+    cap = BACKLOG_CAP * (600.0 + 3600.0)  # when first seen: s0 running (600 s) and itself
+    wait = long.first_start - long.job.submit_time
+    assert cap - 1.0 <= wait <= cap + 600.0, wait / 3600
+    assert long.first_start < 20 * 3600.0  # long before the stream ends
+    assert "starvation guard" in long.note, long.note
+
+
 def test_starvation_backlog_must_be_a_bool():
     with pytest.raises(ValueError, match="starvation_backlog must be true or false, got 'yes'"):
         get_policy("qosflow", starvation_backlog="yes")

@@ -18,9 +18,11 @@ and in the live worker):
      starts eventually without the queue turning into FIFO under sustained overload. The bound is
      `starvation_bound`, or the backlog if that is longer (`starvation_backlog`): a job is starving
      once it has waited longer than the cluster needs to clear all the work it knows of, i.e.
-     longer than first-come-first-served would have made it wait. A fixed bound under a backlog
-     of months fires on every long job, turns the guard into a FIFO lane, and makes the schedule
-     hinge on which job happens to be oldest when a node frees (docs/policies.md).
+     longer than first-come-first-served would have made it wait -- but never longer than
+     `BACKLOG_CAP` times the backlog it found when it was queued, so that every job starts even
+     if the backlog grows for ever. A fixed bound under a backlog of months fires on every long
+     job, turns the guard into a FIFO lane, and makes the schedule hinge on which job happens to
+     be oldest when a node frees (docs/policies.md).
 3. **Placement**, job by job in that order:
    a. free GPUs, consolidated, best fit -- with `align`, first on the node whose busy time the
       job extends least (time-aligned packing: jobs that end together share a node, so nodes
@@ -81,6 +83,10 @@ GPU_FEED_CORES = 2.0
 EXPRESS = "<express>"
 #: a job on the critical path shares its GPUs only with jobs done within this share of its own time
 CRITICAL_SHARE = 0.05
+#: with `starvation_backlog`, a job's starvation bound is at most this many times the backlog it
+#: found when it was queued: the bound stays finite even if the backlog grows for ever (sustained
+#: overload above twice the capacity), so the guard still reaches every job
+BACKLOG_CAP = 4.0
 
 
 @register
@@ -138,7 +144,8 @@ class QosflowPolicy(Policy):
         self.makespan_beta = makespan_beta
         #: a job starves after waiting this long (seconds) ...
         self.starvation_bound = starvation_bound
-        #: ... or, if longer, the backlog (all known work over the GPUs)
+        #: ... or, if longer, the backlog (all known work over the GPUs; at most BACKLOG_CAP x the
+        #: backlog the job found when queued)
         self.starvation_backlog = starvation_backlog
         #: at most this share of the GPUs runs jobs started by the starvation guard
         self.guard_share = guard_share
@@ -197,6 +204,9 @@ class QosflowPolicy(Policy):
         queueing = sum(js.job.qos.gpu_demand for js in view.pending) > view.cluster.total_empty_gpus()
         for js in view.pending:
             r = rem[js.job_id]
+            seen = js.tags.get("qosflow_backlog_at_queue")
+            if seen is None or seen[0] != js.queued_since:  # new, or queued again after a failure
+                js.tags["qosflow_backlog_at_queue"] = (js.queued_since, backlog)
             dl = js.job.deadline
             if dl is not None:
                 allowance = dl - now - r
@@ -216,19 +226,23 @@ class QosflowPolicy(Policy):
         # turning the queue into FIFO under sustained overload
         cap_gpus = float(view.cluster.gpu_count[~view.cluster.down].sum())
         rescued = sum(js.job.qos.gpu_demand for js in view.running if js.tags.get("qosflow_rescued"))
-        bound = max(self.starvation_bound, backlog) if self.starvation_backlog else self.starvation_bound
+        def bound(js: JobState) -> float:
+            if not self.starvation_backlog:
+                return self.starvation_bound
+            return max(self.starvation_bound, min(backlog, BACKLOG_CAP * js.tags["qosflow_backlog_at_queue"][1]))
+
         oldest = None
         for i, (k, js) in enumerate(keyed):
             if rescued > 0 and rescued + js.job.qos.gpu_demand > self.guard_share * cap_gpus:
                 continue
-            if k[0] == 2 and now - js.queued_since >= bound:
+            if k[0] == 2 and now - js.queued_since >= bound(js):
                 if oldest is None or js.queued_since < keyed[oldest][1].queued_since:
                     oldest = i
         if oldest is not None:
             k, js = keyed[oldest]
             keyed[oldest] = ((1, -1e300, js.job.submit_time), js)
             notes[js.job_id] = (
-                f"waited {(now - js.queued_since) / 3600:.0f} h (starvation bound {bound / 3600:.0f} h), "
+                f"waited {(now - js.queued_since) / 3600:.0f} h (starvation bound {bound(js) / 3600:.0f} h), "
                 "longest of all: served first (starvation guard)"
             )
         keyed.sort(key=lambda kv: kv[0])
