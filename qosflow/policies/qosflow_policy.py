@@ -226,6 +226,7 @@ class QosflowPolicy(Policy):
         # turning the queue into FIFO under sustained overload
         cap_gpus = float(view.cluster.gpu_count[~view.cluster.down].sum())
         rescued = sum(js.job.qos.gpu_demand for js in view.running if js.tags.get("qosflow_rescued"))
+
         def bound(js: JobState) -> float:
             if not self.starvation_backlog:
                 return self.starvation_bound
