@@ -99,6 +99,11 @@ NOISE_DRAWS = 3
 #: an oracle whose estimates are off by one part per million: it changes nothing but how exact ties
 #: (identical jobs) are broken, which shows how far one run of the policy is from the next
 TIE_ERROR = 1e-6
+#: tie orders per deadline seed, the exact oracle's included
+TIE_ORDERS = 3
+#: the estimate kinds of the seed section's rows
+TIES_KIND = f"oracle, {TIE_ORDERS} tie orders"
+NOISY_KIND = f"noisy, {NOISE_DRAWS} draws"
 
 
 def seed_section(data, seeds=(0, 1, 2)):
@@ -113,9 +118,9 @@ def seed_section(data, seeds=(0, 1, 2)):
         s_n = simulate_one(wl, spec, "srtf", NoisyEstimator(speed, error=0.3, seed=seed), seed=seed)[0]
         for n in QOSFLOW:
             exact = simulate_one(wl, spec, n, OracleEstimator(speed), seed=seed)[0]
-            ties = [exact] + [simulate_one(wl, spec, n, NoisyEstimator(speed, error=TIE_ERROR, seed=1000 + t), seed=seed)[0] for t in range(2)]
+            ties = [exact] + [simulate_one(wl, spec, n, NoisyEstimator(speed, error=TIE_ERROR, seed=1000 + t), seed=seed)[0] for t in range(TIE_ORDERS - 1)]
             noisy = [simulate_one(wl, spec, n, NoisyEstimator(speed, error=0.3, seed=seed + 100 * t), seed=seed)[0] for t in range(NOISE_DRAWS)]
-            for kind, ms, base in (("oracle", [exact], s_o), ("oracle, 3 tie orders", ties, s_o), (f"noisy, {NOISE_DRAWS} draws", noisy, s_n)):
+            for kind, ms, base in (("oracle", [exact], s_o), (TIES_KIND, ties, s_o), (NOISY_KIND, noisy, s_n)):
                 jct, dsr = np.mean([m.avg_jct for m in ms]), np.mean([m.dsr for m in ms])
                 acc.setdefault((n, kind), []).append((jct / base.avg_jct, dsr, base.dsr, jct, dsr, max(m.avg_jct for m in ms) / min(m.avg_jct for m in ms) - 1))
     rows = []
@@ -125,8 +130,8 @@ def seed_section(data, seeds=(0, 1, 2)):
                      f"{(v[:, 1] - v[:, 2]).mean() * 100:+.1f}", f"{v[:, 5].mean():.1%}" if len(v) and v[:, 5].max() > 0 else ""])
     loss_rows = []
     for n in QOSFLOW:
-        z = np.array(acc[(n, f"noisy, {NOISE_DRAWS} draws")])
-        for ref in ("oracle", "oracle, 3 tie orders"):
+        z = np.array(acc[(n, NOISY_KIND)])
+        for ref in ("oracle", TIES_KIND):
             o = np.array(acc[(n, ref)])
             jl, dl = (z[:, 3] / o[:, 3]).mean() - 1, (z[:, 4] - o[:, 4]).mean() * 100
             loss_rows.append([n, ref, f"{jl:+.1%}", f"{dl:+.1f}", "met" if jl <= 0.10 and dl >= -5 else "MISSED"])
@@ -134,13 +139,13 @@ def seed_section(data, seeds=(0, 1, 2)):
         f"### Muri trace1 over deadline seeds {', '.join(map(str, seeds))}\n\n"
         "Each seed draws which jobs get a deadline and how tight (lambda in [1.2, 3]); SRTF (preemptive, the best "
         "baseline) runs with the same kind of estimates. Per seed, qosflow runs with the exact oracle, with the oracle "
-        f"off by {TIE_ERROR:g} (nothing changes but how exact ties between identical jobs are broken: two more tie "
+        f"off by {TIE_ERROR:g} (nothing changes but how exact ties between identical jobs are broken: {TIE_ORDERS - 1} more tie "
         f"orders), and with {NOISE_DRAWS} draws of +-30 % noise; values are means over the runs of a seed, then over "
         "seeds. 'spread' is the largest over the smallest average JCT among a seed's runs. Targets: JCT <= 0.85 x SRTF, "
         "DSR >= SRTF + 10 points; noisy: at most 10 % JCT and 5 DSR points lost against the oracle.\n\n"
         + md_table(["policy", "estimates", "JCT / SRTF mean", "JCT / SRTF worst", "DSR mean", "SRTF DSR mean", "DSR - SRTF (pts)", "spread"], rows)
         + "\n\nLost to +-30 % noise (mean over seeds of noisy mean / oracle mean), against the exact oracle and against "
-        "the oracle over three tie orders:\n\n"
+        f"the oracle over {TIE_ORDERS} tie orders:\n\n"
         + md_table(["policy", "against", "JCT", "DSR (pts)", "target"], loss_rows)
     )
 
