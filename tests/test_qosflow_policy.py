@@ -141,6 +141,25 @@ def test_partner_deadline_is_protected():
     assert res["other"].first_start >= res["tight"].finish_time - 1e-6
 
 
+def test_a_gang_that_cannot_share_leaves_its_reserved_nodes_to_backfill():
+    """A shareable 8-GPU gang waits for a node held by a 10 h job it must not share with (same
+    model: 2.5x slowdown). Its reservation starts when that node empties, so a 2 h job may use the
+    other, empty node meanwhile (EASY backfilling) -- and the gang still starts on time."""
+    spec = ClusterSpec.uniform(2, 4, gpu_mem_mb=32000)
+    sm = SpeedModel(Table())
+    share = dict(shareable=True, gpu_mem_mb=4000)
+    jobs = [
+        Job("long", 0.0, QoSSpec(gpus=4, **share), 10 * 3600.0, model="a"),
+        Job("wide", 5.0, QoSSpec(gpus=8, **share), 600.0, model="a"),
+        Job("filler", 10.0, QoSSpec(gpus=4), 2 * 3600.0, model="c"),
+    ]
+    pol = get_policy("qosflow", makespan_beta=None)
+    res = {j.job_id: j for j in simulate(jobs, spec, pol, speed=sm, config=SimConfig(restart_overhead=0)).jobs}
+    assert res["filler"].first_start == pytest.approx(10.0)
+    assert res["wide"].first_start == pytest.approx(res["long"].finish_time)
+    assert res["wide"].first_start >= res["filler"].finish_time - 1e-6
+
+
 def test_coda_gives_cores_up_to_saturation():
     spec = ClusterSpec.uniform(1, 2, cpu_cores=16)
     job = Job("cv", 0.0, QoSSpec(gpus=1, cpu_cores=2), 1000.0, cpu_saturation=6.0)
