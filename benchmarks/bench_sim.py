@@ -87,8 +87,13 @@ def verdicts(res, bounds, which="qosflow"):
     rows.append(["DSR", f"{q.dsr:.3f} vs {best_dsr.dsr:.3f} ({best_dsr.policy}); feasible bound {bounds.dsr:.3f}", "best + 0.10, or bound - 0.02", "met" if dsr_ok else "MISSED"])
     if fifo:
         loaded = fifo.makespan > 1.02 * bounds.makespan
-        if loaded:
+        if loaded and 0.75 * fifo.makespan >= bounds.span:
             rows.append(["makespan / FIFO", f"{q.makespan / fifo.makespan:.3f}", "<= 0.75", "met" if q.makespan <= 0.75 * fifo.makespan else "MISSED"])
+        elif loaded:
+            # 0.75 x FIFO is shorter than the last arrival plus its own duration: no schedule reaches
+            # it, so the trace's makespan is set by that job, and the light-trace target applies
+            rows.append([f"makespan / last arrival + its duration (0.75 x FIFO = {0.75 * fifo.makespan / bounds.span:.2f} x that: out of reach)",
+                         f"{q.makespan / bounds.span:.3f}", "<= 1.02", "met" if q.makespan <= 1.02 * bounds.span else "MISSED"])
         else:
             rows.append(["makespan / bound (light trace)", f"{q.makespan / bounds.makespan:.3f}", "<= 1.02", "met" if q.makespan <= 1.02 * bounds.makespan else "MISSED"])
     return rows
@@ -172,7 +177,8 @@ def main() -> None:
     parts.append(
         f"### Muri `muri_philly_trace1.csv` on `muri_cluster_n8g8.csv` ({len(wl.jobs)} jobs, 64 GPUs), oracle estimates\n\n"
         "Reference: Muri's public simulator (which reproduces its 64-GPU testbed within about 3 %): Tiresias 3,330,371 s, "
-        "SRTF 1,370,603 s. Target: baselines within 30 %; one policy over the whole trace in < 5 s.\n\n"
+        "SRTF 1,370,603 s. Target: baselines within 30 %; one policy over the whole trace in < 5 s. "
+        "The bound row's makespan counts the total work at one job per GPU: policies that share GPUs can beat it.\n\n"
         + md_table(["policy", "avg JCT", "avg JCT (s)", "reference (s)", "vs reference", "p99 JCT", "makespan", "DSR", "GPU alloc", "GPU-time shared", "wall (s)"], rows)
         + "\n\nqosflow against the targets of issue 3 (same run):\n\n"
         + md_table(["measure", "value", "target", ""], verdicts(res, bounds))

@@ -74,6 +74,8 @@ def test_policy_invariants_and_conservation(name, seed):
     b = compute_bounds(jobs, spec)
     assert m.avg_jct >= b.avg_jct * 0.999
     assert 0 <= m.dsr <= b.dsr + 1e-9
+    # no job runs faster than alone, sharing or not: the last arrival plus its duration bounds the makespan
+    assert b.span <= b.makespan and m.makespan >= b.span * 0.999
     assert 0 < m.gpu_util <= 1.0 + 1e-9
 
 

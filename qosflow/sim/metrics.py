@@ -53,7 +53,11 @@ class Metrics:
 class Bounds:
     avg_jct: float
     dsr: float
+    #: max(span, total work over the GPUs); the work part assumes exclusive GPUs, so a policy that
+    #: shares GPUs (two jobs at more than half speed each) can beat it, while no policy beats `span`
     makespan: float
+    #: the last arrival plus its own duration (no job runs faster than alone)
+    span: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -97,7 +101,8 @@ def compute_metrics(res: SimResult) -> Metrics:
 
 
 def compute_bounds(jobs, cluster) -> Bounds:
-    """Lower bounds that hold for any policy on this workload."""
+    """Lower bounds on this workload: for any policy (average JCT, DSR, `span`), and for any
+    policy on exclusive GPUs (`makespan`, which counts the total work at one job per GPU)."""
     admitted = [j for j in jobs if cluster.why_never_fits(j.qos) is None]
     if not admitted:
         return Bounds(0.0, 1.0, 0.0)
@@ -108,4 +113,4 @@ def compute_bounds(jobs, cluster) -> Bounds:
     # the last arrival plus its own duration, and total work over capacity
     span = max(j.submit_time + j.duration for j in admitted) - first
     work = sum(j.duration * j.qos.gpu_demand for j in admitted) / max(1, cluster.num_gpus)
-    return Bounds(avg_jct=avg, dsr=feasible / len(dl) if dl else 1.0, makespan=float(max(span, work)))
+    return Bounds(avg_jct=avg, dsr=feasible / len(dl) if dl else 1.0, makespan=float(max(span, work)), span=float(span))
