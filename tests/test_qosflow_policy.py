@@ -160,6 +160,36 @@ def test_a_gang_that_cannot_share_leaves_its_reserved_nodes_to_backfill():
     assert res["wide"].first_start >= res["filler"].finish_time - 1e-6
 
 
+def test_a_deadline_job_as_long_as_the_backlog_starts_early():
+    """A 52 h job with a loose deadline among ten 5 h jobs on 2 GPUs: weighted SJF alone would run
+    the short ones first (it would start at 25 h, end at 77 h). It is as long as the whole backlog
+    (51 h), so it ends last whatever runs: the makespan guard starts it at once."""
+    spec = ClusterSpec.uniform(1, 2)
+    jobs = [Job("dl_long", 0.0, QoSSpec(gpus=1, deadline=200 * 3600.0), 52 * 3600.0)]
+    jobs += [Job(f"s{i}", 0.0, QoSSpec(gpus=1), 5 * 3600.0) for i in range(10)]
+    res = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow"), config=SimConfig(restart_overhead=0)).jobs}
+    long = res["dl_long"]
+    assert long.first_start == pytest.approx(0.0)
+    assert "started early to keep the makespan short" in long.note, long.note
+    assert max(j.finish_time for j in res.values()) == pytest.approx(52 * 3600.0)
+
+
+def test_the_job_that_ends_last_is_not_slowed_by_a_partner():
+    """A 100 h job sets the makespan; a 2 h newcomer that could share its GPU (1.1x slowdown each)
+    waits for the other GPU instead, so the makespan stays 100 h."""
+    spec = ClusterSpec.uniform(1, 2, gpu_mem_mb=32000)
+    sm = SpeedModel(Table())
+    share = dict(shareable=True, gpu_mem_mb=4000)
+    jobs = [
+        Job("long", 0.0, QoSSpec(**share), 100 * 3600.0, model="a"),
+        Job("mid", 0.0, QoSSpec(), 10 * 3600.0, model="c"),
+        Job("short", 3600.0, QoSSpec(**share), 2 * 3600.0, model="b"),
+    ]
+    res = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow"), speed=sm, config=SimConfig(restart_overhead=0)).jobs}
+    assert res["long"].finish_time == pytest.approx(100 * 3600.0)
+    assert res["short"].first_start == pytest.approx(res["mid"].finish_time)
+
+
 def test_coda_gives_cores_up_to_saturation():
     spec = ClusterSpec.uniform(1, 2, cpu_cores=16)
     job = Job("cv", 0.0, QoSSpec(gpus=1, cpu_cores=2), 1000.0, cpu_saturation=6.0)
@@ -321,14 +351,15 @@ class RankTable:
 @pytest.mark.parametrize("rank, partner", [("benefit", "A"), ("throughput", "B")])
 def test_partner_rank_chooses_by_benefit_or_by_throughput(rank, partner):
     """Benefit: joining the long job A saves the pair far more average completion time than joining
-    B, which ends soon anyway; throughput: B slows C less."""
+    B, which ends soon anyway; throughput: B slows C less. (No makespan guard: A ends last, and
+    the guard would keep every partner off it.)"""
     spec = ClusterSpec.uniform(1, 2, gpu_mem_mb=32000)
     jobs = [
         Job("A", 0.0, QoSSpec(shareable=True, gpu_mem_mb=4000), 10_000.0, model="a"),
         Job("B", 1.0, QoSSpec(shareable=True, gpu_mem_mb=4000), 100.0, model="b"),
         Job("C", 2.0, QoSSpec(shareable=True, gpu_mem_mb=4000), 100.0, model="c"),
     ]
-    res = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow", partner_rank=rank), speed=SpeedModel(RankTable()), config=SimConfig(restart_overhead=0)).jobs}
+    res = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow", partner_rank=rank, makespan_beta=None), speed=SpeedModel(RankTable()), config=SimConfig(restart_overhead=0)).jobs}
     assert res["C"].first_start == pytest.approx(2.0)
     assert f"sharing GPUs with {partner}" in res["C"].note
 

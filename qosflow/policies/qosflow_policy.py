@@ -12,7 +12,9 @@ and in the live worker):
    job does not block short best-effort ones). Two guards keep everyone moving:
    * *makespan guard*: a job whose remaining time is at least `makespan_beta` x the backlog (the
      known work divided by the GPUs) starts early, longest first -- otherwise SJF leaves the
-     longest jobs to the very end and they alone set the makespan;
+     longest jobs to the very end and they alone set the makespan. A deadline job is guarded only
+     once it alone is as long as the whole backlog (it ends last whatever else runs); and the job
+     that ends last is never slowed by a partner (every hour it loses is an hour of makespan);
    * *starvation guard*: the job that has waited longest past the starvation bound goes first
      (and gets a reservation), one at a time and within `guard_share` of the GPUs, so every job
      starts eventually without the queue turning into FIFO under sustained overload. The bound is
@@ -83,6 +85,8 @@ GPU_FEED_CORES = 2.0
 EXPRESS = "<express>"
 #: a job on the critical path shares its GPUs only with jobs done within this share of its own time
 CRITICAL_SHARE = 0.05
+#: a running job within this share of the longest remaining time counts as the one that ends last
+LAST_END_SHARE = 0.98
 #: with `starvation_backlog`, a job's starvation bound is at most this many times the backlog it
 #: found when it was queued: the bound stays finite even if the backlog grows for ever (sustained
 #: overload above twice the capacity), so the guard still reaches every job
@@ -208,14 +212,18 @@ class QosflowPolicy(Policy):
             if seen is None or seen[0] != js.queued_since:  # new, or queued again after a failure
                 js.tags["qosflow_backlog_at_queue"] = (js.queued_since, backlog)
             dl = js.job.deadline
+            long = self.makespan_beta is not None and queueing and r >= self.makespan_beta * backlog
             if dl is not None:
                 allowance = dl - now - r
                 if allowance < 0:
                     notes[js.job_id] = f"deadline out of reach (needs {r:.0f}s, {max(0.0, dl - now):.0f}s left): best effort"
-                else:
+                elif not (long and r >= backlog):
+                    # weighted SJF -- unless the job alone is as long as the whole backlog: it then
+                    # ends last whatever else runs, so waiting only eats its slack and stretches the
+                    # makespan; the makespan guard starts it early like any long job
                     keyed.append(((2, r / self.qos_weight, js.job.submit_time), js))
                     continue
-            if self.makespan_beta is not None and queueing and r >= self.makespan_beta * backlog:
+            if long:
                 keyed.append(((1, -r, js.job.submit_time), js))
                 guard = f"long job ({r / 3600:.0f} h) against a backlog of {backlog / 3600:.0f} h: started early to keep the makespan short"
                 notes[js.job_id] = f"{notes[js.job_id]}; {guard}" if js.job_id in notes else guard
@@ -266,6 +274,10 @@ class QosflowPolicy(Policy):
             if t_a >= limit and not self._has_deadline(js):
                 return None
             if t_b >= limit and xi_a * t_a > CRITICAL_SHARE * t_b:
+                return None
+            # the job that ends last (the longest, and at least as long as the whole backlog) sets
+            # the makespan: any slowdown of it lengthens the makespan one for one
+            if t_b >= self._backlog and t_b >= LAST_END_SHARE * self._max_rem and xi_b > 1.0:
                 return None
         dl_b = partner.job.deadline
         if dl_b is not None and now + t_b <= dl_b:
@@ -544,6 +556,7 @@ class QosflowPolicy(Policy):
             rem[js.job_id] = est.remaining(js)
             states[js.job_id] = js
         order, starving = self._order(view, rem, d.notes)
+        self._max_rem = max(rem.values(), default=0.0)
         self._update_plan(view, rem)
         self._gpus_of = lambda jid: max(1, states[jid].job.qos.gpus)
         self._rem, self._now, self._st = rem, now, st
