@@ -290,6 +290,9 @@ def test_express_option_is_validated():
         get_policy("qosflow", express_share=1.5)
     with pytest.raises(ValueError, match="express_max_s"):
         get_policy("qosflow", express_max_s=-1)
+    for bad in (1.5, -0.1, "half", True):
+        with pytest.raises(ValueError, match="reserve_share must be in"):
+            get_policy("qosflow", reserve_share=bad)
 
 
 def test_aligned_placement_puts_a_job_where_it_does_not_extend_the_node():

@@ -109,7 +109,7 @@ class QosflowPolicy(Policy):
         guard_share: float = 0.1,
         throughput_gain: float = 0.15,
         relax_after: float = 600.0,
-        reserve_share: float = 0.25,
+        reserve_share: float = 0.5,
         share_attempts: int = 48,
         sub_batch: bool = True,
         share: bool = True,
@@ -127,6 +127,8 @@ class QosflowPolicy(Policy):
         for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
             if not value >= 0:
                 raise ValueError(f"qosflow policy: {name} must be >= 0 (seconds), got {value!r}")
+        if isinstance(reserve_share, bool) or not isinstance(reserve_share, (int, float)) or not 0.0 <= reserve_share <= 1.0:
+            raise ValueError(f"qosflow policy: reserve_share must be in [0, 1] (a share of the nodes), got {reserve_share!r}")
         if not isinstance(starvation_backlog, bool):
             raise ValueError(f"qosflow policy: starvation_backlog must be true or false, got {starvation_backlog!r}")
         if partner_rank not in ("benefit", "throughput"):
