@@ -290,6 +290,11 @@ def test_express_option_is_validated():
         get_policy("qosflow", express_share=1.5)
     with pytest.raises(ValueError, match="express_max_s"):
         get_policy("qosflow", express_max_s=-1)
+    # not a number at all: the same clear error, not a TypeError from a comparison
+    with pytest.raises(ValueError, match=r"express_share must be in \[0, 1\), got 'half'"):
+        get_policy("qosflow", express_share="half")
+    with pytest.raises(ValueError, match=r"express_deadline_s must be >= 0 \(seconds\), got 'soon'"):
+        get_policy("qosflow", express_deadline_s="soon")
     for bad in (1.5, -0.1, "half", True):
         with pytest.raises(ValueError, match="reserve_share must be in"):
             get_policy("qosflow", reserve_share=bad)

@@ -93,6 +93,12 @@ LAST_END_SHARE = 0.98
 BACKLOG_CAP = 4.0
 
 
+def _check_number(name: str, value, ok, want: str) -> None:
+    """Refuse an option that is not a number (a bool is not one) or fails `ok`, naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"qosflow policy: {name} must be {want}, got {value!r}")
+
+
 @register
 class QosflowPolicy(Policy):
     name = "qosflow"
@@ -122,13 +128,10 @@ class QosflowPolicy(Policy):
         express_max_s: float = 600.0,
         express_deadline_s: float = 86400.0,
     ):
-        if not 0.0 <= express_share < 1.0:
-            raise ValueError(f"qosflow policy: express_share must be in [0, 1), got {express_share!r}")
+        _check_number("express_share", express_share, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
         for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
-            if not value >= 0:
-                raise ValueError(f"qosflow policy: {name} must be >= 0 (seconds), got {value!r}")
-        if isinstance(reserve_share, bool) or not isinstance(reserve_share, (int, float)) or not 0.0 <= reserve_share <= 1.0:
-            raise ValueError(f"qosflow policy: reserve_share must be in [0, 1] (a share of the nodes), got {reserve_share!r}")
+            _check_number(name, value, lambda v: v >= 0, ">= 0 (seconds)")
+        _check_number("reserve_share", reserve_share, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (a share of the nodes)")
         if not isinstance(starvation_backlog, bool):
             raise ValueError(f"qosflow policy: starvation_backlog must be true or false, got {starvation_backlog!r}")
         if partner_rank not in ("benefit", "throughput"):
