@@ -92,7 +92,7 @@ def test_muri_row_units_and_qos(tmp_path):
         ("7,1.5,4000,100,resnet18,128,77900,1000,779,711,110,0,1", "'num_gpu'"),
         ("7,2,-5,100,resnet18,128,77900,1000,779,711,110,0,1", "'submit_time'"),
         ("7,2,4000,100,,128,77900,1000,779,711,110,0,1", "'model_name'"),
-        ("7,2,4000,100,resnet18,128,0,1000,779,711,110,0,1", "'duration'"),
+        ("7,2,4000,100,resnet18,128,-1,1000,779,711,110,0,1", "'duration'"),
         ("7,2,4000,100,resnet18,128,77900,1000,779,711,110,nan,1", "'resource_time_2'"),
         ("7,2,4000,100,resnet18,128,77900,1000", "expected 13 fields"),
     ],
@@ -104,6 +104,14 @@ def test_muri_bad_rows_name_file_line_and_column(tmp_path, row, where):
         load_muri(p)
     assert ei.value.line == 3 and ei.value.path.endswith("bad.csv")
     assert f"bad.csv:3" in str(ei.value) and where in str(ei.value)
+
+
+def test_muri_zero_duration_rows_are_rejected_not_fatal(tmp_path):
+    zero = "9,1,5000,0,resnet18,128,0,1000,0,0,0,0,0"
+    p = write(tmp_path, "z.csv", MURI_HEADER + "\n" + MURI_ROW.format(prio=0) + "\n" + zero + "\n")
+    jobs, rej = load_muri(p)
+    assert [j.job_id for j in jobs] == ["7"]
+    assert rej == [("9", "line 3: duration 0 ms, nothing to run")]
 
 
 def test_muri_missing_column_and_duplicates(tmp_path):

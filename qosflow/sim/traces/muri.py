@@ -11,6 +11,7 @@ Each row becomes a `Job`:
   what Muri's simulator runs its time-based policies (``dlas-gpu``, ``shortest``) on. Its
   iteration-based (multi-resource) modes also multiply ``iteration_time`` by 1.015, a calibration
   overhead; pass ``iteration_overhead=1.015`` to reproduce those;
+  a row with duration 0 has nothing to run and is rejected (with its line), not an error;
 * ``resource_profile`` = the ``resource_time_*`` columns / 1000: seconds per iteration spent on
   data loading/CPU, GPU compute and network (Muri's interleaving model);
 * QoS: ``gpus=num_gpu``, shareable (two jobs may share GPUs, as in Muri and SJF-BSBF), gang,
@@ -61,6 +62,7 @@ def load_muri(
     if not iteration_overhead >= 1.0:
         raise SpecError("iteration_overhead", f"must be >= 1 (a calibration slowdown), got {iteration_overhead!r}")
     jobs: list[Job] = []
+    zero: list[Rejected] = []  # rows with duration 0: nothing to run (rejected, not an error)
     seen: dict[str, int] = {}
     rt_cols: list[str] | None = None
     for line, row in csv_rows(p, REQUIRED, "Muri trace"):
@@ -79,7 +81,7 @@ def load_muri(
         if not model:
             raise TraceFormatError(p, line, "column 'model_name': empty model name")
         batch = int(number(p, line, "batch_size", row["batch_size"], "batch size", integer=True, positive=True))
-        duration = number(p, line, "duration", row["duration"], "duration in ms", positive=True) / MS
+        duration = number(p, line, "duration", row["duration"], "duration in ms") / MS
         it_time = number(p, line, "iteration_time", row["iteration_time"], "iteration time in ms") / MS
         prio_raw = int(number(p, line, "priority", row["priority"], "priority (0 or 1)", integer=True, minimum=None))
         interval = (
@@ -88,6 +90,9 @@ def load_muri(
         profile = tuple(
             number(p, line, c, row[c], "resource time in ms") / MS for c in rt_cols if row.get(c, "") != ""
         )
+        if duration == 0:
+            zero.append((jid, f"line {line}: duration 0 ms, nothing to run"))
+            continue
         try:
             qos = QoSSpec(
                 gpus=gpus,
@@ -121,6 +126,7 @@ def load_muri(
                 },
             )
         )
-    if not jobs:
+    if not jobs and not zero:
         raise TraceFormatError(p, None, "the trace has a header but no jobs")
-    return split_rejected(jobs, cluster)
+    ok, never = split_rejected(jobs, cluster)
+    return ok, zero + never
