@@ -178,7 +178,7 @@ def test_gavel_nine_field_form(tmp_path, tiny):
 @pytest.mark.parametrize(
     "line, where",
     [
-        ("Nope (batch size 3)\tcd\t-n\t1\t100\t0\t1", "'job_type'"),
+        ("\tcd\t-n\t1\t100\t0\t1", "'job_type'"),
         ("A3C\tcd\t-n\t1\tmany\t0\t1", "'total_steps'"),
         ("A3C\tcd\t-n\t1\t100\t0\t0", "'scale_factor'"),
         ("A3C\tcd\t-n\t1\t100\tsoon\t1", "'arrival_time'"),
@@ -192,6 +192,14 @@ def test_gavel_bad_lines(tmp_path, tiny, line, where):
     with pytest.raises(TraceFormatError) as ei:
         load_gavel(p, throughputs=tiny)
     assert ei.value.line == 2 and "bad.trace:2" in str(ei.value) and where in str(ei.value)
+
+
+def test_gavel_unknown_job_type_is_rejected_not_fatal(tmp_path, tiny):
+    lines = ["A3C\tcd\t-n\t1\t100\t0\t1", "Nope (batch size 3)\tcd\t-n\t1\t100\t5\t1", "A3C\tcd\t-n\t1\t700\t9\t1"]
+    jobs, rej = load_gavel(write(tmp_path, "vc.trace", "\n".join(lines) + "\n"), throughputs=tiny)
+    assert [j.job_id for j in jobs] == ["vc-0", "vc-2"]  # ids still count every line, as Gavel's
+    assert len(rej) == 1 and rej[0][0] == "vc-1"
+    assert "line 2" in rej[0][1] and "'Nope (batch size 3)'" in rej[0][1] and "throughput table" in rej[0][1]
 
 
 def test_gavel_needs_a_throughput_table(tmp_path):

@@ -9,7 +9,8 @@ arrival_time``); both are read. A job's isolated duration is ``total_steps / thr
 solo, consolidated throughput of its job type at its scale factor on a V100 from Gavel's throughput
 table (exactly how Gavel's generator turned durations into steps). Scale factors the table lacks
 (16, 32, ..., or multi-GPU A3C/CycleGAN/Recommendation) use the largest measured scale below,
-scaled linearly in GPUs; ``meta["throughput_source"]`` says which.
+scaled linearly in GPUs; ``meta["throughput_source"]`` says which. A job type the table does not
+know has no duration: the job is rejected with that reason (and its line), the others still run.
 
 QoS: ``gpus = scale_factor``, shareable, gang, ``gpu_mem_mb`` from
 `qosflow.sim.interference.GAVEL_GPU_MEM_MB`, 4 CPU cores per GPU. Job ids are ``<file stem>-<n>``
@@ -71,6 +72,8 @@ def load_gavel(
         )
     stem = p.stem
     jobs: list[Job] = []
+    rejected: list[Rejected] = []  # job types without a throughput
+    n = 0  # Gavel's job id: every job line counts
     with open(p, encoding="utf-8") as f:
         for line, text in enumerate(f, 1):
             text = text.rstrip("\r\n")
@@ -90,20 +93,21 @@ def load_gavel(
             if not jt:
                 raise TraceFormatError(p, line, "field 'job_type' is empty")
             resolved = table.resolve(jt)
-            if resolved is None:
-                raise TraceFormatError(
-                    p, line, f"field 'job_type': {jt!r} is not in Gavel's throughput table ({table.path.name}); "
-                    f"known: {', '.join(table.job_types)}"
-                )
             steps = int(number(p, line, "total_steps", row["total_steps"], "total steps", integer=True, positive=True))
             arrival = number(p, line, "arrival_time", row["arrival_time"], "arrival time in seconds")
             sf = int(number(p, line, "scale_factor", row["scale_factor"], "scale factor (GPUs)", integer=True, positive=True))
             needs = row["needs_data_dir"]
             if needs not in ("0", "1"):
                 raise TraceFormatError(p, line, f"field 'needs_data_dir': expected 0 or 1, got {needs!r}")
-            tput = table.throughput(resolved, sf)
+            jid = f"{stem}-{n}"
+            n += 1
+            tput = table.throughput(resolved, sf) if resolved is not None else None
             if tput is None or not math.isfinite(tput) or tput <= 0:
-                raise TraceFormatError(p, line, f"field 'job_type': no throughput for {jt!r} at {sf} GPU(s) in {table.path.name}")
+                # a job type the table lacks has no duration: rejected with its reason, not fatal
+                why = "is not in" if resolved is None else f"has no throughput at {sf} GPU(s) in"
+                rejected.append((jid, f"line {line}: job type {jt!r} {why} Gavel's throughput table ({table.path.name}), "
+                                      "so its steps cannot be turned into seconds"))
+                continue
             meta = {
                 "trace": "gavel",
                 "line": line,
@@ -124,7 +128,7 @@ def load_gavel(
                 make_job(
                     p,
                     line,
-                    job_id=f"{stem}-{len(jobs)}",
+                    job_id=jid,
                     submit_time=arrival,
                     qos=qos,
                     duration=steps / tput,
@@ -134,6 +138,7 @@ def load_gavel(
                     meta=meta,
                 )
             )
-    if not jobs:
+    if not jobs and not rejected:
         raise TraceFormatError(p, None, "the trace has no jobs")
-    return split_rejected(jobs, cluster)
+    ok, never = split_rejected(jobs, cluster)
+    return ok, rejected + never
