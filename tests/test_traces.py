@@ -254,6 +254,23 @@ def test_alibaba_pods_to_jobs(tmp_path):
     assert by["p3"].qos.gpus == 2 and by["p3"].qos.gpu_model is None and by["p3"].meta["gpu_spec"] == ["T4", "P100"]
 
 
+def test_alibaba_pod_must_fit_one_node(tmp_path):
+    # two 4-GPU T4 nodes and one 8-GPU G2 node: 8 T4 GPUs exist, but no single T4 node has them
+    nodes = write(tmp_path, "nodes.csv", "sn,cpu_milli,memory_mib,gpu,model\n"
+                  "t0,64000,262144,4,T4\nt1,64000,262144,4,T4\ng0,96000,786432,8,G2\n")
+    rows = [
+        "p0,8000,8192,8,1000,T4,LS,Running,0,500,10",  # 8 T4 GPUs: no T4 node is that big
+        "p1,8000,8192,8,1000,,LS,Running,0,500,10",  # any model: the G2 node holds it
+        "p2,8000,500000,4,1000,T4,BE,Running,0,500,10",  # more memory than a T4 node has
+        "p3,8000,8192,4,1000,T4,BE,Running,0,500,10",
+    ]
+    pods = write(tmp_path, "pods.csv", ALI_HEADER + "\n" + "\n".join(rows) + "\n")
+    jobs, rej = load_alibaba_jobs(pods, cluster=load_cluster(str(nodes)))
+    assert sorted(j.job_id for j in jobs) == ["p1", "p3"]
+    assert [r[0] for r in rej] == ["p0", "p2"]
+    assert all("one node" in why and "T4" in why for _, why in rej)
+
+
 def test_alibaba_bad_row(tmp_path):
     p = write(tmp_path, "pods.csv", ALI_HEADER + "\np0,12000,16384,1,1000,,LS,Running,0,500,10\np1,x,1,1,1000,,LS,Running,0,5,1\n")
     with pytest.raises(TraceFormatError, match=r"pods\.csv:3: column 'cpu_milli'"):
