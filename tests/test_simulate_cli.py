@@ -86,3 +86,31 @@ def test_malformed_trace_row_names_file_and_line(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert f"{bad}:3" in err and "num_gpu" in err
+
+
+MURI_COLS = "job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,interval,iteration_time,resource_time_0,resource_time_1,resource_time_2,priority"
+
+
+def test_format_guessed_despite_bom_reordered_and_extra_columns(tmp_path):
+    from qosflow.sim.runner import guess_format
+
+    cols = MURI_COLS.split(",")
+    p = tmp_path / "bom.csv"
+    p.write_text(MURI_COLS + "\n0,1,0,10,resnet18,128,1000,0,100,50,40,0,0\n", encoding="utf-8-sig")
+    assert guess_format(str(p)) == "muri"
+    p = tmp_path / "reordered.csv"
+    p.write_text(",".join(["note"] + cols[::-1]) + "\n")
+    assert guess_format(str(p)) == "muri"
+    p = tmp_path / "pods.csv"
+    p.write_text("\ufeffname,num_gpu,gpu_milli,cpu_milli,memory_mib,owner\np0,1,500,1000,1024,x\n", encoding="utf-8")
+    assert guess_format(str(p)) == "alibaba"
+
+
+def test_no_job_left_is_a_clear_error(tmp_path, capsys):
+    # a pod list with only the columns packing needs: no times, so nothing can be simulated
+    pods = tmp_path / "pods.csv"
+    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\np1,1000,1024,1,1000\n")
+    rc = main(["simulate", "--trace", str(pods), "--cluster", "2x4", "--policies", "fifo", "--no-plots"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "no job left to simulate" in err and "all 2 were rejected" in err and "no scheduled_time" in err

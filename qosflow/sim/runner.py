@@ -16,10 +16,15 @@ def guess_format(trace: str) -> str:
         raise QosflowError(f"trace file {trace!r} does not exist (use --trace synthetic for the embedded workload)")
     if p.suffix == ".trace":
         return "gavel"
-    head = p.read_text(errors="replace").splitlines()[0] if p.is_file() else ""
-    if head.startswith("job_id,num_gpu"):
+    head = ""
+    if p.is_file():
+        with open(p, encoding="utf-8-sig", errors="replace") as f:  # a BOM is not part of the header
+            head = f.readline()
+    cols = {c.strip().strip('"') for c in head.split(",")}
+    # by the columns each loader requires, in any order and with extra columns
+    if {"job_id", "num_gpu", "submit_time", "duration", "model_name"} <= cols:
         return "muri"
-    if head.startswith("name,cpu_milli"):
+    if {"name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli"} <= cols:
         return "alibaba"
     raise QosflowError(f"{trace}: cannot tell the trace format from its header; pass --format muri|gavel|alibaba|synthetic")
 
@@ -37,4 +42,13 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
     if cluster is None and getattr(wl, "cluster_hint", None):
         spec = load_cluster(wl.cluster_hint) if isinstance(wl.cluster_hint, str) else wl.cluster_hint
         wl = load_workload(trace, fmt, cluster=spec, seed=seed, deadline_share=deadline_share, **opts)
+    if not wl.jobs:
+        reasons: dict[str, int] = {}
+        for _, why in wl.rejected:
+            reasons[why] = reasons.get(why, 0) + 1
+        top = "; ".join(f"{n} x {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
+        raise QosflowError(
+            f"{trace}: no job left to simulate on {spec.name}: all {len(wl.rejected)} were rejected ({top}); "
+            "check the trace's columns and --cluster"
+        )
     return wl, spec
