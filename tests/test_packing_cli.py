@@ -54,3 +54,17 @@ def test_pack_cli_errors_exit_2(tmp_path, capsys):
     assert main(["pack", "--pods", str(bad), "--nodes", str(nodes), "--seeds", "1"]) == 2
     err = capsys.readouterr().err
     assert f"{bad}:4: column 'gpu_milli'" in err
+
+
+def test_pack_cli_reports_pods_that_never_fit(tmp_path, capsys):
+    pods, nodes = tmp_path / "pods.csv", tmp_path / "nodes.csv"
+    pods.write_text(PODS + "p6,2000,4096,8,1000,,LS,Running,6,100,6\np7,2000,4096,1,1000,A100,LS,Running,7,100,7\n")
+    nodes.write_text(NODES)
+    out_json = tmp_path / "pack.json"
+    rc = main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit", "--seeds", "1",
+               "--json", str(out_json), "--no-plots"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "2 of 8 pods fit no node" in out and "p6" in out and "no node has GPU model A100" in out
+    never = json.loads(out_json.read_text())["config"]["never_fit_pods"]
+    assert [n["pod"] for n in never] == ["p6", "p7"] and "8 GPU(s)" in never[0]["reason"]
