@@ -114,3 +114,23 @@ def test_no_job_left_is_a_clear_error(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "no job left to simulate" in err and "all 2 were rejected" in err and "no scheduled_time" in err
+
+
+def test_a_stalling_policy_does_not_hide_the_others(tmp_path, capsys, monkeypatch):
+    from qosflow.policies import Decision, Policy, _REGISTRY, register
+
+    class Idle(Policy):  # never starts anything: the simulator stops it as stalled
+        name = "idle-test"
+
+        def schedule(self, view):
+            return Decision()
+
+    monkeypatch.setitem(_REGISTRY, "idle-test", Idle)
+    register(Idle)
+    out = tmp_path / "r.json"
+    rc = main(["simulate", "--jobs", "10", "--cluster", "2x4", "--policies", "idle-test,fifo", "--json", str(out), "--no-plots"])
+    assert rc == 2
+    data = json.loads(out.read_text())
+    assert set(data["policies"]) == {"fifo"} and data["policies"]["fifo"]["jobs"] == 10
+    assert "pending on an idle cluster" in data["failed_policies"]["idle-test"]
+    assert "idle-test failed" in capsys.readouterr().out

@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
 
         from qosflow.core.estimate import make_estimator
         from qosflow.policies import get_policy, parse_policies, parse_policy_options
-        from qosflow.sim.engine import SimConfig, Simulator
+        from qosflow.sim.engine import SimConfig, SimulationError, Simulator
         from qosflow.sim.interference import default_speed_model
         from qosflow.sim.metrics import compute_bounds, compute_metrics
         from qosflow.errors import UnknownNameError
@@ -72,6 +72,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"[yellow]… {len(wl.rejected) - 10} more rejected jobs[/]")
         results, metrics = {}, {}
         by_est: dict = {}  # estimator name -> policy -> Metrics
+        failed: dict[str, str] = {}  # policy label -> why its run stopped (SimulationError)
         cfg = SimConfig(seed=seed, failure_share=failures)
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
@@ -82,10 +83,18 @@ def register(app: typer.Typer) -> None:
                     task = prog.add_task(f"{label:>9}", total=len(wl.jobs))
                     est = make_estimator(kind, speed, seed=seed, error=error)
                     sim = Simulator(wl.jobs, spec, get_policy(name, **popts.get(name, {})), estimator=est, speed=speed, config=cfg)
-                    res = sim.run(on_progress=lambda done, total, t=task: prog.update(t, completed=done))
+                    try:
+                        res = sim.run(on_progress=lambda done, total, t=task: prog.update(t, completed=done))
+                    except SimulationError as exc:  # one policy stalling must not hide the others' results
+                        failed[label] = str(exc)
+                        prog.remove_task(task)
+                        console.print(f"[red]{label} failed:[/] {exc}")
+                        continue
                     results[label] = res
                     metrics[label] = compute_metrics(res)
                     by_est.setdefault(getattr(est, "name", kind), {})[name] = metrics[label]
+        if not metrics:
+            raise SimulationError("every policy failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
         bounds = compute_bounds(wl.jobs, spec)
         console.print(render_table(metrics, bounds, title=f"{wl.name} on {spec.name}"))
         baseline = "oracle" if "oracle" in by_est else next(iter(by_est))
@@ -98,6 +107,7 @@ def register(app: typer.Typer) -> None:
             "seed": seed,
             "failures": failures,
             "policy_options": popts,
+            "failed_policies": failed,
         }
         data = results_json(metrics if len(kinds) == 1 else by_est[baseline], bounds, extra)
         if len(kinds) > 1:
@@ -110,3 +120,8 @@ def register(app: typer.Typer) -> None:
         if plot_dir and not no_plots:
             files = plot_results(results, metrics, bounds, plot_dir)
             console.print("plots: " + ", ".join(str(f) for f in files))
+        if failed:
+            raise SimulationError(
+                f"{len(failed)} run(s) failed: {', '.join(failed)}; the others' results are above"
+                + (" and in the JSON ('failed_policies')" if json_out else "")
+            )
