@@ -240,7 +240,7 @@ def test_gavel_reference_bases_and_cold_start():
     assert batch[0] == sl and batch[1].basis == "reference:gavel/v100"
 
 
-def _synthetic_gavel(path) -> None:
+def _synthetic_gavel(path, scales=(1, 2, 4)) -> None:
     """A small Gavel-format table with other job names and one GPU type: the method must not depend on Gavel's."""
     rng = np.random.default_rng(3)
     jobs = [f"{fam} (batch size {bs})" for fam in ("Alpha", "Beta", "Gamma") for bs in (8, 16, 32)]
@@ -251,7 +251,7 @@ def _synthetic_gavel(path) -> None:
     out = {"t4": {}, "t4_unconsolidated": {}}
     for wk, pen in (("t4", 1.0), ("t4_unconsolidated", 0.8)):
         for j in jobs:
-            for n in (1, 2, 4):
+            for n in scales:
                 entry = {"null": solo[j] * n * eff[j] ** math.log2(n) * (pen if n > 1 else 1.0)}
                 if n == 1:
                     for k in jobs:
@@ -274,6 +274,17 @@ def test_throughput_eval_on_another_table(tmp_path):
     for block in ("solo_scaling", "interference"):
         assert res[block]["n"] > 0 and {"constant", "random_forest"} == set(res[block]["baselines"])
     assert set(res["solo_scaling"]["by_gpus"]) == {"2", "4"}
+
+
+def test_throughput_eval_on_a_table_with_one_gpu_entries_only(tmp_path):
+    """No 2/4/8-GPU entries: nothing to score for solo scaling, the interference block still counts."""
+    from qosflow.predict.evaluate import eval_throughputs
+
+    p = tmp_path / "table.json"
+    _synthetic_gavel(p, scales=(1,))
+    res = eval_throughputs(ThroughputTable.load(p))
+    assert res["solo_scaling"]["n"] == 0 and res["solo_scaling"]["mape"] is None
+    assert res["interference"]["n"] > 0 and res["mape"] == pytest.approx(res["interference"]["mape"])
 
 
 def test_throughput_table_errors(tmp_path):

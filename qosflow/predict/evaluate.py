@@ -222,13 +222,14 @@ def eval_throughputs(table: ThroughputTable, *, refs: Sequence[str] | None = Non
     scaling = eval_throughputs_scaling(table, refs, seed=seed, progress=progress)
     interference = eval_throughputs_interference(table, refs, seed=seed, progress=progress)
     n = scaling["n"] + interference["n"]
-    pooled = (scaling["mape"] * scaling["n"] + interference["mape"] * interference["n"]) / n if n else None
+    # a block with no targets (e.g. a table with 1-GPU entries only: no solo scaling) has mape None
+    pooled = sum((b["mape"] or 0.0) * b["n"] for b in (scaling, interference)) / n if n else None
     return {
         "method": "leave-one-job-type-out",
         "source": table.source,
         "reference_jobs": refs,
         "mape": pooled,
-        "p90_ape": max(scaling["p90_ape"] or 0, interference["p90_ape"] or 0),
+        "p90_ape": max(scaling["p90_ape"] or 0, interference["p90_ape"] or 0) if n else None,
         "n": n,
         "solo_scaling": scaling,
         "interference": interference,
