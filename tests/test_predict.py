@@ -209,6 +209,27 @@ def test_interference_point_estimate_choice():
         assert np.all((lo <= speed) & (speed <= hi))
 
 
+def test_pair_table_with_empty_cells(tmp_path):
+    """An empty speed is not measured (left out, counted); an empty batch size is unknown."""
+    rows = _synthetic_pairs(n_models=4)
+    dicts = [{k: getattr(r, k) for k in ("model1", "batchsize1", "gpu_num1", "speed1", "model2", "batchsize2", "gpu_num2", "speed2")}
+             for r in rows]
+    dicts[3]["speed2"] = ""
+    dicts[7]["speed1"] = "NaN"
+    for d in dicts:  # a model logged without a batch size
+        for i in ("1", "2"):
+            if d[f"model{i}"] == "m0":
+                d[f"batchsize{i}"] = ""
+    path = tmp_path / "pairs.csv"
+    write_pairs_csv(dicts, path)
+    back = read_pairs_csv(path)
+    assert math.isnan(back[3].speed2) and math.isnan(back[7].speed1) and back[3].speed1 == pytest.approx(rows[3].speed1)
+    assert {r.batchsize1 for r in back if r.model1 == "m0"} == {0}
+    block = eval_pairs(back, folds=3)["interference"]
+    assert block["n_missing_excluded"] == 2 and block["n"] == 2 * len(rows) - 2
+    assert block["mape"] < block["baselines"]["constant"]["mape"]
+
+
 def test_pair_csv_errors_name_file_line_and_column(tmp_path):
     p = tmp_path / "bad.csv"
     p.write_text("model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2\nA,32,1,0.9,B,64,1,abc\n")

@@ -34,6 +34,12 @@ def _print_blocks(result: dict, title: str) -> None:
         for name, b in block.get("baselines", {}).items():
             table.add_row("", f"baseline: {name}", _pct(b["mape"]), _pct(b["p90_ape"]), str(b["n"]))
     Console().print(table)
+    block = result.get("interference") or {}
+    left_out = [f"{block[k]} {what}" for k, what in (("n_zero_excluded", "zero speeds (could not run together)"),
+                                                     ("n_missing_excluded", "empty speed cells (not measured)"))
+                if block.get(k)]
+    if left_out:
+        Console().print("left out of the MAPE: " + ", ".join(left_out))
     if result.get("reference_jobs"):
         Console().print("reference jobs of the profile: " + ", ".join(result["reference_jobs"]))
 

@@ -10,7 +10,8 @@
   forest on one-hot model names, batch sizes and GPU counts.
 
 Zero speeds (pairs that could not run together, e.g. out of memory) have no relative error; they are
-left out of the MAPE and counted in ``n_zero_excluded``.
+left out of the MAPE and counted in ``n_zero_excluded``. Empty speed cells of a pair table (not measured)
+are neither trained on nor scored; ``n_missing_excluded`` counts them.
 """
 
 from __future__ import annotations
@@ -261,9 +262,12 @@ def eval_pairs(rows: Sequence[PairRow], *, folds: int = 5, seed: int = 0,
     def directed(sub):
         out = []
         for r in sub:
-            out.append((r.key1, r.key2, r.speed1, r))
-            out.append((r.key2, r.key1, r.speed2, r))
+            for a, b, v in ((r.key1, r.key2, r.speed1), (r.key2, r.key1, r.speed2)):
+                if not math.isnan(v):  # an empty speed cell: not measured
+                    out.append((a, b, v, r))
         return out
+
+    missing = sum(math.isnan(r.speed1) + math.isnan(r.speed2) for r in rows)
 
     def rf_x(a, b):
         ma, mb = meta[a], meta[b]
@@ -297,7 +301,7 @@ def eval_pairs(rows: Sequence[PairRow], *, folds: int = 5, seed: int = 0,
         err["random_forest"] += list(_errors(rf.predict([rf_x(a, b) for a, b in q]), truth))
         pos = [v for _a, _b, v in dtr if v > 0]
         err["constant"] += list(_errors(np.full(len(truth), np.median(pos)), truth))
-    block = summarise(err["qosflow"], n_zero_excluded=zeros, folds=folds, rows=len(rows))
+    block = summarise(err["qosflow"], n_zero_excluded=zeros, n_missing_excluded=missing, folds=folds, rows=len(rows))
     block["baselines"] = {k: summarise(v) for k, v in err.items() if k != "qosflow"}
     return {"method": f"{folds}-fold cross-validation over rows", "source": source, "mape": block["mape"],
             "p90_ape": block["p90_ape"], "n": block["n"], "interference": block}

@@ -7,6 +7,7 @@ share the GPU}. ``<worker>_unconsolidated`` holds the same jobs spread over serv
 
 A pair table is a CSV with columns ``model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2``
 (other columns ignored); speed is the job's throughput while co-located, normalised to running alone.
+An empty speed cell means not measured (NaN in `PairRow`); an empty batch size means unknown (0).
 """
 
 from __future__ import annotations
@@ -181,6 +182,10 @@ class PairRow:
         return job_key(self.model2, self.batchsize2, self.gpu_num2)
 
 
+#: cell values read as "empty" (not measured / unknown) in a pair table
+MISSING = ("", "nan", "na", "n/a", "null", "none")
+
+
 def job_key(model: str, batch_size: float, gpus: int) -> str:
     bs = int(batch_size) if float(batch_size).is_integer() else batch_size
     return f"{model}|bs{bs}|g{gpus}"
@@ -211,6 +216,10 @@ def read_pairs_csv(path: str | Path) -> list[PairRow]:
                     if not v:
                         raise TraceFormatError(path, lineno, f"column {c}: empty model name")
                     vals[c] = v
+                    continue
+                if v.lower() in MISSING and not c.startswith("gpu_num"):
+                    # an empty speed was not measured (that direction is left out); an empty batch size is unknown
+                    vals[c] = math.nan if c.startswith("speed") else 0.0
                     continue
                 try:
                     x = float(v)
