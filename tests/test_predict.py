@@ -236,8 +236,27 @@ def test_pair_csv_errors_name_file_line_and_column(tmp_path):
     with pytest.raises(TraceFormatError, match=r"bad.csv:2: column speed2"):
         read_pairs_csv(p)
     p.write_text("model1,speed1\nA,1\n")
-    with pytest.raises(TraceFormatError, match="missing column"):
+    with pytest.raises(TraceFormatError, match=r"missing column\(s\) batchsize1, gpu_num1, .*found: \['model1', 'speed1'\]"):
         read_pairs_csv(p)
+
+
+def test_pair_csv_file_variants(tmp_path):
+    """Header case and spaces, a leading index column, quoted cells, extra cells, tab delimiter, Latin-1 text."""
+    p = tmp_path / "pairs.csv"
+    p.write_bytes(b'"", "Model1","BatchSize1","GPU_Num1","Speed1","Model2","BatchSize2","GPU_Num2","Speed2",amp1\n'
+                  b'0,"R\xe9sNet",32,1,0.9,"B",64,2,1.02,1,surplus\n')
+    (r,) = read_pairs_csv(p)
+    assert (r.model1, r.batchsize1, r.gpu_num1, r.speed1, r.model2, r.gpu_num2, r.speed2, r.line) == (
+        "R\xe9sNet", 32, 1, 0.9, "B", 2, 1.02, 2)
+    p.write_text("model1\tbatchsize1\tgpu_num1\tspeed1\tmodel2\tbatchsize2\tgpu_num2\tspeed2\n"
+                 "A\t32\t1\t0.9\tB\t64\t1\t-1\n")
+    with pytest.raises(TraceFormatError, match=r"pairs.csv:2: column speed2: '-1' must be .*>= 0; speed = "):
+        read_pairs_csv(p)
+    p.write_text('\nmodel1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2\n"A\nB",32,1,0.9,B,64,1,x\n')
+    with pytest.raises(TraceFormatError, match=r"pairs.csv:3: column speed2: 'x' is not a number"):
+        read_pairs_csv(p)
+    with pytest.raises(TraceFormatError, match="cannot read"):
+        read_pairs_csv(tmp_path)
 
 
 @needs_gavel

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import io
 import json
 import math
 import re
@@ -191,48 +192,83 @@ def job_key(model: str, batch_size: float, gpus: int) -> str:
     return f"{model}|bs{bs}|g{gpus}"
 
 
-def read_pairs_csv(path: str | Path) -> list[PairRow]:
-    """Read a co-location pair table; every bad cell is reported as file:line with the column."""
-    path = Path(path)
+_PAIR_HINTS = {
+    "speed": "speed = throughput next to the partner / throughput alone, e.g. 0.85 (0 = could not run together; "
+             "leave the cell empty if it was not measured)",
+    "batchsize": "a batch size, e.g. 64 (leave the cell empty if unknown)",
+    "gpu_num": "the number of GPUs the job uses, e.g. 1, 2, 4 or 8",
+}
+
+
+def _read_text(path: Path) -> str:
+    """The file's text: UTF-8 (with or without BOM), UTF-16 with BOM, else Latin-1 (model names stay distinct)."""
     try:
-        fh = open(path, newline="", encoding="utf-8-sig")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise TraceFormatError(path, None, "pair table not found") from None
-    with fh:
-        reader = csv.DictReader(fh)
-        header = [h.strip() for h in (reader.fieldnames or [])]
-        missing = [c for c in PAIR_COLUMNS if c not in header]
-        if missing:
-            raise TraceFormatError(path, 1, f"missing column(s) {missing}; need {PAIR_COLUMNS}")
-        rows = []
-        for lineno, rec in enumerate(reader, start=2):
-            rec = {(k or "").strip(): (v or "").strip() for k, v in rec.items()}
-            if not any(rec.get(c) for c in PAIR_COLUMNS):
+    except OSError as exc:
+        raise TraceFormatError(path, None, f"cannot read the pair table: {exc.strerror or exc}") from None
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return raw.decode("utf-16")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
+
+
+def read_pairs_csv(path: str | Path) -> list[PairRow]:
+    """Read a co-location pair table; every bad cell is reported as file:line with the column.
+
+    Column names are matched ignoring case and surrounding spaces; the delimiter may be a comma, a tab
+    or a semicolon (whichever the header line has most of); cells beyond the header are ignored.
+    """
+    path = Path(path)
+    text = _read_text(path)
+    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    delim = max(",\t;", key=first.count)
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delim, skipinitialspace=True)
+    header: list[str] = []
+    for cells in reader:  # the first non-blank line
+        if any(c.strip() for c in cells):
+            header = [h.strip().lower() for h in cells]
+            break
+    missing = [c for c in PAIR_COLUMNS if c not in header]
+    if missing:
+        raise TraceFormatError(path, reader.line_num or 1, f"missing column(s) {', '.join(missing)}; the header must name "
+                                        f"{','.join(PAIR_COLUMNS)} (other columns are ignored); found: {header[:20]}")
+    col = {c: header.index(c) for c in PAIR_COLUMNS}
+    rows = []
+    start = reader.line_num
+    for cells in reader:
+        lineno, start = start + 1, reader.line_num  # the line the record starts on
+        rec = {c: cells[i].strip() if i < len(cells) else "" for c, i in col.items()}
+        if not any(rec.values()):
+            continue
+        vals = {}
+        for c in PAIR_COLUMNS:
+            v = rec[c]
+            if c.startswith("model"):
+                if not v:
+                    raise TraceFormatError(path, lineno, f"column {c}: empty model name; every row needs both model names")
+                vals[c] = v
                 continue
-            vals = {}
-            for c in PAIR_COLUMNS:
-                v = rec.get(c, "")
-                if c.startswith("model"):
-                    if not v:
-                        raise TraceFormatError(path, lineno, f"column {c}: empty model name")
-                    vals[c] = v
-                    continue
-                if v.lower() in MISSING and not c.startswith("gpu_num"):
-                    # an empty speed was not measured (that direction is left out); an empty batch size is unknown
-                    vals[c] = math.nan if c.startswith("speed") else 0.0
-                    continue
-                try:
-                    x = float(v)
-                except ValueError:
-                    raise TraceFormatError(path, lineno, f"column {c}: {v!r} is not a number") from None
-                if math.isnan(x) or math.isinf(x) or x < 0:
-                    raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a finite number >= 0")
-                if c.startswith("gpu_num"):
-                    if not x.is_integer() or x < 1:
-                        raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a whole number >= 1")
-                    x = int(x)
-                vals[c] = x
-            rows.append(PairRow(line=lineno, **vals))
+            if v.lower() in MISSING and not c.startswith("gpu_num"):
+                # an empty speed was not measured (that direction is left out); an empty batch size is unknown
+                vals[c] = math.nan if c.startswith("speed") else 0.0
+                continue
+            hint = _PAIR_HINTS[c[:-1]]
+            try:
+                x = float(v)
+            except ValueError:
+                raise TraceFormatError(path, lineno, f"column {c}: {v!r} is not a number; {hint}") from None
+            if math.isnan(x) or math.isinf(x) or x < 0:
+                raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a finite number >= 0; {hint}")
+            if c.startswith("gpu_num"):
+                if not x.is_integer() or x < 1:
+                    raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a whole number >= 1; {hint}")
+                x = int(x)
+            vals[c] = x
+        rows.append(PairRow(line=lineno, **vals))
     if not rows:
         raise TraceFormatError(path, None, "no pair rows")
     return rows
