@@ -209,6 +209,19 @@ def test_interference_point_estimate_choice():
         assert np.all((lo <= speed) & (speed <= hi))
 
 
+def test_pair_table_too_small_for_the_folds(tmp_path):
+    from qosflow.cli.main import main
+
+    rows = _synthetic_pairs(n_models=1)[:9]
+    with pytest.raises(TraceFormatError, match=r"9 row\(s\) with a measured speed > 0; 5-fold .* at least 10"):
+        eval_pairs(rows, folds=5)
+    assert eval_pairs(rows, folds=3)["interference"]["n"] == 18
+    path = tmp_path / "tiny.csv"
+    write_pairs_csv([{k: getattr(r, k) for k in ("model1", "batchsize1", "gpu_num1", "speed1", "model2", "batchsize2", "gpu_num2", "speed2")}
+                     for r in rows[:1]], path)
+    assert main(["predict", "eval", "--pairs", str(path)]) == 2
+
+
 def test_pair_table_with_empty_cells(tmp_path):
     """An empty speed is not measured (left out, counted); an empty batch size is unknown."""
     rows = _synthetic_pairs(n_models=4)

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from qosflow.errors import TraceFormatError
 from qosflow.predict.interference import InterferenceModel, JobMeta, _nan_to
 from qosflow.predict.reference import PairRow, ThroughputTable, parse_signature
 from qosflow.predict.scaling import ScalingModel, ScalingRow
@@ -254,6 +255,11 @@ def eval_pairs(rows: Sequence[PairRow], *, folds: int = 5, seed: int = 0,
 
     if folds < 2:
         raise ValueError("folds must be >= 2")
+    usable = sum(1 for r in rows if r.speed1 > 0 or r.speed2 > 0)  # NaN (not measured) compares False
+    if usable < 2 * folds:
+        raise TraceFormatError(source or "pair table", None,
+                               f"{usable} row(s) with a measured speed > 0; {folds}-fold cross-validation needs at "
+                               f"least {2 * folds}: give a larger table or fewer folds (--folds)")
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(rows))
     meta = _pair_meta(rows)
@@ -290,8 +296,8 @@ def eval_pairs(rows: Sequence[PairRow], *, folds: int = 5, seed: int = 0,
         q = [(a, b) for a, b, v, _r in directed(test) if v > 0]
         truth = np.array([v for a, b, v, _r in directed(test) if v > 0])
         zeros += sum(1 for a, b, v, _r in directed(test) if v <= 0)
-        if not q:
-            continue
+        if not q or not any(v > 0 for v in obs.values()):
+            continue  # nothing to score, or nothing to learn from (only on a tiny table)
         model = InterferenceModel(regime="new_pair", seed=seed).fit(obs, meta)
         p, _lo, _hi, _s = model.predict(q)
         err["qosflow"] += list(_errors(p, truth))
