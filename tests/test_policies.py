@@ -205,3 +205,18 @@ def test_failure_point_closer_than_the_clock_resolution_does_not_hang():
     res = simulate([job, other], ClusterSpec.uniform(1, 1), get_policy("fifo"), config=SimConfig(restart_overhead=3.3))
     assert all(j.status is JobStatus.DONE for j in res.jobs)
     assert {j.job_id: j.failures for j in res.jobs}["f"] == 2
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_a_gang_wider_than_its_eligible_nodes_spans_them(name):
+    """A larger node the job may not use (too little GPU memory) must not make the policy wait for
+    a single node that can never hold it: the job spans whole eligible nodes instead."""
+    from qosflow.core.cluster import NodeSpec
+
+    cluster = ClusterSpec(
+        [NodeSpec("big", 8, gpu_mem_mb=8_000.0), NodeSpec("a", 4, gpu_mem_mb=32_000.0), NodeSpec("b", 4, gpu_mem_mb=32_000.0)]
+    )
+    job = Job("wide", 0.0, QoSSpec(gpus=8, cpu_cores=8.0, gpu_mem_mb=16_000.0, shareable=False), duration=600.0, model="bert", batch_size=32)
+    res = simulate([job], cluster, get_policy(name), config=SimConfig(seed=0))
+    (js,) = res.jobs
+    assert js.status is JobStatus.DONE, js.note

@@ -23,8 +23,9 @@ def min_nodes_for(gpus: int, gpus_per_node: int) -> int:
     return max(1, -(-gpus // max(1, gpus_per_node)))
 
 
-def _node_mask(state: ClusterState, qos: QoSSpec) -> np.ndarray:
-    ok = ~state.down
+def _node_mask(state: ClusterState, qos: QoSSpec, *, include_down: bool = False) -> np.ndarray:
+    """Nodes the job may use: its GPU model and enough memory per GPU (and up, unless `include_down`)."""
+    ok = np.ones(state.num_nodes, bool) if include_down else ~state.down
     if qos.gpu_model is not None:
         ok = ok & np.fromiter((s.gpu_model == qos.gpu_model for s in state.spec.nodes), bool, state.num_nodes)
     if qos.gpu_mem_mb is not None and qos.gpus > 0:
@@ -78,7 +79,10 @@ def find_whole(
         return None
     cpg = (qos.cpu_cores / k) if cores_per_gpu is None else cores_per_gpu
     mask = _node_mask(state, qos)
-    gmax = max(1, state.spec.max_gpus_per_node)
+    # the largest node the job may use (its GPU model and memory), up or not: a job wider than every
+    # such node spans whole nodes even if some other, larger node would hold it alone
+    eligible = _node_mask(state, qos, include_down=True)
+    gmax = max(1, int(state.gpu_count[eligible].max())) if eligible.any() else max(1, state.spec.max_gpus_per_node)
     mem_per_gpu = qos.mem_mb / k
     gmem = qos.gpu_mem_mb if qos.gpu_mem_mb is not None else 0.0
 
