@@ -348,3 +348,15 @@ def test_throughput_table_errors(tmp_path):
     bad.write_text(json.dumps({"v100": {"nonsense": {"null": 1}}}))
     with pytest.raises(TraceFormatError, match="bad job key"):
         ThroughputTable.load(bad)
+    # throughputs: a number >= 0, null = not measured; a pair entry is [own, co-runner's]
+    a, b = "('A', 1)", "('B', 1)"
+    bad.write_text(json.dumps({"v100": {a: {"null": -3}}}))
+    with pytest.raises(TraceFormatError, match=r"worker 'v100' job \('A', 1\) 'null': -3 is not a throughput"):
+        ThroughputTable.load(bad)
+    bad.write_text(json.dumps({"v100": {a: {"null": 2.0, b: 0.5}, b: {"null": 1.0}}}))
+    with pytest.raises(TraceFormatError, match=r"co-runner \('B', 1\): expected \[this job's throughput"):
+        ThroughputTable.load(bad)
+    bad.write_text(json.dumps({"v100": {a: {"null": 2.0, b: [1.0, None]}, b: {"null": None, a: [None, None]}}}))
+    t = ThroughputTable.load(bad)
+    assert t.solo_throughput("B", "v100") is None and t.pair_speed["v100"][0, 1] == pytest.approx(0.5)
+    assert np.isnan(t.pair_speed["v100"][1, 0])

@@ -103,6 +103,19 @@ class ThroughputTable:
                 parsed[wk][(job, scale)] = val
                 if job not in jobs:
                     jobs.append(job)
+        def num(x, where: str) -> float:
+            """A throughput: a number >= 0, or null (not measured: NaN)."""
+            if x is None:
+                return math.nan
+            try:
+                v = float(x)
+            except (TypeError, ValueError):
+                v = -1.0
+            if not (v >= 0 and math.isfinite(v)):
+                raise TraceFormatError(path, None, f"{where}: {x!r} is not a throughput; expected a number >= 0 "
+                                                   f"(steps/s; 0 = failed, null = not measured)")
+            return v
+
         idx = {j: i for i, j in enumerate(jobs)}
         J = len(jobs)
         solo: dict[tuple[str, bool, int], np.ndarray] = {}
@@ -112,24 +125,30 @@ class ThroughputTable:
             cons = not wk.endswith("_unconsolidated")
             for (job, scale), val in entries.items():
                 arr = solo.setdefault((w, cons, scale), np.full(J, np.nan))
-                arr[idx[job]] = float(val["null"])
+                arr[idx[job]] = num(val["null"], f"worker {wk!r} job ({job!r}, {scale}) 'null'")
             if not cons:
                 continue
             M = pair.setdefault(w, np.full((J, J), np.nan))
             for (job, scale), val in entries.items():
                 if scale != 1:
                     continue
-                base = float(val["null"])
+                base = solo[(w, cons, scale)][idx[job]]
                 for pk, pv in val.items():
                     if pk == "null":
                         continue
                     try:
                         pjob, pscale = ast.literal_eval(pk)
-                    except (ValueError, SyntaxError):
+                    except (ValueError, SyntaxError, TypeError):
                         continue
-                    if int(pscale) != 1 or pjob not in idx or base <= 0:
+                    if int(pscale) != 1 or pjob not in idx or not base > 0 or pv is None:
                         continue
-                    M[idx[job], idx[pjob]] = float(pv[0]) / base
+                    where = f"worker {wk!r} job ({job!r}, 1) co-runner {pk}"
+                    if not isinstance(pv, (list, tuple)) or len(pv) != 2:
+                        raise TraceFormatError(path, None, f"{where}: expected [this job's throughput, the co-runner's "
+                                                           f"throughput], got {pv!r}")
+                    own = num(pv[0], where)
+                    num(pv[1], where)
+                    M[idx[job], idx[pjob]] = own / base
         return cls(jobs=jobs, workers=workers, solo=solo, pair_speed=pair, source=str(path))
 
     def pair_rows(self, worker: str) -> list[dict]:
