@@ -422,3 +422,14 @@ def test_load_workload_muri_shared():
     # without a deadline, the trace's priority column is kept (0 -> normal, 1 -> best-effort)
     kept = {(j.meta["trace_priority"], j.qos.priority) for j in w.jobs if j.qos.deadline is None}
     assert kept == {(0, PriorityClass.NORMAL), (1, PriorityClass.BEST_EFFORT)}
+
+
+def test_alibaba_trace_picks_the_gpu_node_list_next_to_it(tmp_path):
+    # the dataset ships a GPU-node list and an all-node list side by side: use the GPU nodes
+    from qosflow.sim.runner import resolve_workload
+
+    write(tmp_path, "openb_node_list_gpu_node.csv", "sn,cpu_milli,memory_mib,gpu,model\nt0,64000,262144,4,T4\nt1,64000,262144,4,T4\n")
+    write(tmp_path, "openb_node_list_all_node.csv", "sn,cpu_milli,memory_mib,gpu,model\nt0,64000,262144,4,T4\nt1,64000,262144,4,T4\nc0,96000,786432,0,\n")
+    pods = write(tmp_path, "openb_pod_list_x.csv", ALI_HEADER + "\np0,8000,8192,2,1000,,LS,Running,0,500,10\n")
+    wl, spec = resolve_workload(str(pods), None, None)
+    assert [n.name for n in spec.nodes] == ["t0", "t1"] and [j.job_id for j in wl.jobs] == ["p0"]

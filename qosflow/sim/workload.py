@@ -34,8 +34,12 @@ class Workload:
         return len(self.jobs)
 
 
-def _sibling(path: Path, pattern: str) -> str | None:
+def _sibling(path: Path, pattern: str, prefer: str | None = None) -> str | None:
+    """The one file next to the trace matching `pattern` (its cluster description), or, if several
+    do, the one matching `prefer`; None when that is still ambiguous."""
     hits = sorted(path.parent.glob(pattern))
+    if len(hits) > 1 and prefer is not None:
+        hits = sorted(path.parent.glob(prefer))
     return str(hits[0]) if len(hits) == 1 else None
 
 
@@ -58,7 +62,8 @@ def _alibaba(trace: str, cluster: ClusterSpec, seed: int, opts: dict[str, Any]):
     from qosflow.sim.traces.alibaba_jobs import load_alibaba_jobs
 
     jobs, rej = load_alibaba_jobs(trace, cluster=cluster, **opts)
-    return jobs, rej, Path(trace).stem, _sibling(Path(trace), "*node_list*.csv")
+    # the dataset ships a GPU-node list and an all-node list: GPU jobs are placed on the GPU nodes
+    return jobs, rej, Path(trace).stem, _sibling(Path(trace), "*node_list*.csv", prefer="*node_list_gpu_node*.csv")
 
 
 def _synthetic(trace: str, cluster: ClusterSpec, seed: int, opts: dict[str, Any]):
