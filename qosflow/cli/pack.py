@@ -123,6 +123,13 @@ def register(app: typer.Typer) -> None:
                 f"{d['seconds_per_run']:.2f}",
             )
         console.print(table)
+        for name, d in data["policies"].items():
+            if d["seeds_short_of_demand"]:
+                console.print(
+                    f"[yellow]{name}: the arrived GPU requests never reached 100 % of capacity with seed(s) "
+                    f"{', '.join(map(str, d['seeds_short_of_demand']))} (pods too large a share of this cluster, or "
+                    "--ratio below 1); those seeds are left out of the mean.[/]"
+                )
 
         out_dir = out if out is not None else (json_out.parent if json_out is not None else None)
         if json_out is not None:
