@@ -209,6 +209,79 @@ def test_interference_point_estimate_choice():
         assert np.all((lo <= speed) & (speed <= hi))
 
 
+def _repeated_pairs(systematic: bool = False, seed: int = 2) -> list[PairRow]:
+    """`_synthetic_pairs` with a pair-specific deviation the law does not explain (x exp(N(0, 8 %)),
+    shared by every measurement of the pair), each row measured 1-3 times with 2 % noise. `systematic`:
+    every second copy runs 20 % slower (as AMP on/off would), so copies disagree more than they agree."""
+    rng = np.random.default_rng(seed)
+    rows, line = [], 2
+    for r in _synthetic_pairs(n_models=5):
+        d1, d2 = math.exp(rng.normal(0, 0.08)), math.exp(rng.normal(0, 0.08))
+        for c in range(int(rng.integers(1, 4))):
+            f1, f2 = d1 * math.exp(rng.normal(0, 0.02)), d2 * math.exp(rng.normal(0, 0.02))
+            if systematic and c % 2:
+                f1, f2 = f1 * 0.8, f2 * 0.8
+            rows.append(PairRow(r.model1, r.batchsize1, r.gpu_num1, r.speed1 * f1, r.model2, r.batchsize2,
+                                r.gpu_num2, r.speed2 * f2, line))
+            line += 1
+    return rows
+
+
+def test_pair_table_exact_matches_lower_the_error_on_repeated_configurations():
+    rows = _repeated_pairs()
+    with_exact = eval_pairs(rows, folds=5)["interference"]
+    model_only = eval_pairs(rows, folds=5, exact_match=False)["interference"]
+    assert with_exact["exact_match"]["queries"] > 0.4 * with_exact["n"]
+    assert model_only["exact_match"]["queries"] == 0
+    assert with_exact["mape"] < 0.9 * model_only["mape"]
+
+
+def test_pair_table_without_repeats_is_unchanged_by_exact_matching():
+    rows = _synthetic_pairs()  # every configuration once: a test row's own values must not be looked up
+    with_exact = eval_pairs(rows, folds=5)["interference"]
+    model_only = eval_pairs(rows, folds=5, exact_match=False)["interference"]
+    assert with_exact["exact_match"]["queries"] == 0
+    assert with_exact["mape"] == model_only["mape"] and with_exact["p90_ape"] == model_only["p90_ape"]
+
+
+def test_exact_match_blend_and_its_weight():
+    from qosflow.predict.interference import InterferenceModel
+
+    rows = _repeated_pairs()
+    repeats: dict = {}
+    for r in rows:
+        repeats.setdefault((r.key1, r.key2), []).append(r.speed1)
+        repeats.setdefault((r.key2, r.key1), []).append(r.speed2)
+    obs = {k: float(np.mean(v)) for k, v in repeats.items()}
+    q = sorted(obs)[:20] + [("unseen|bs1|g1", sorted(obs)[0][1])]
+    plain = InterferenceModel(regime="new_pair").fit(obs)
+    m = InterferenceModel(regime="new_pair").fit(obs, repeats=repeats)
+    assert m.exact_loo_n >= 20 and m.exact_k is not None and not math.isinf(m.exact_k)
+    p0, p1 = plain.predict(q)[0], m.predict(q)[0]
+    assert p1[-1] == p0[-1]  # no exact match: the model's answer
+    for i, key in enumerate(q[:-1]):
+        n = len(repeats[key])
+        geo = math.log(math.exp(np.mean(np.log(repeats[key]))))
+        expect = math.exp((n * geo + m.exact_k * math.log(p0[i])) / (n + m.exact_k))
+        assert p1[i] == pytest.approx(expect)
+    with pytest.raises(ValueError, match="new_pair"):
+        InterferenceModel(regime="new_job").fit(obs, repeats=repeats)
+
+
+def test_exact_match_weight_falls_back_to_the_model_when_repeats_disagree_systematically():
+    from qosflow.predict.interference import InterferenceModel
+
+    def fit(rows):
+        repeats: dict = {}
+        for r in rows:
+            repeats.setdefault((r.key1, r.key2), []).append(r.speed1)
+            repeats.setdefault((r.key2, r.key1), []).append(r.speed2)
+        return InterferenceModel(regime="new_pair").fit({k: float(np.mean(v)) for k, v in repeats.items()},
+                                                         repeats=repeats)
+
+    assert fit(_repeated_pairs(systematic=True)).exact_k > fit(_repeated_pairs()).exact_k
+
+
 def test_pair_table_too_small_for_the_folds(tmp_path):
     from qosflow.cli.main import main
 

@@ -250,7 +250,10 @@ def _pair_meta(rows: Sequence[PairRow]) -> dict[str, JobMeta]:
 
 
 def eval_pairs(rows: Sequence[PairRow], *, folds: int = 5, seed: int = 0,
-               progress: Callable[[], None] | None = None, source: str = "") -> dict:
+               progress: Callable[[], None] | None = None, source: str = "", exact_match: bool = True) -> dict:
+    """k-fold CV over the rows. With `exact_match` (the default), a test direction whose configuration
+    (model names, batch sizes, GPU counts, direction) the training fold also holds is answered from those
+    measurements blended with the model (`InterferenceModel.fit(repeats=...)`); False: the model alone."""
     from sklearn.ensemble import RandomForestRegressor
 
     if folds < 2:
@@ -282,6 +285,7 @@ def eval_pairs(rows: Sequence[PairRow], *, folds: int = 5, seed: int = 0,
 
     err = {"qosflow": [], "random_forest": [], "constant": []}
     zeros = 0
+    exact = {"queries": 0, "k_per_fold": []}  # test directions whose configuration the training fold holds
     for fold in np.array_split(order, folds):
         if progress:
             progress()
@@ -292,22 +296,36 @@ def eval_pairs(rows: Sequence[PairRow], *, folds: int = 5, seed: int = 0,
         for a, b, v, _r in directed(train):
             obs.setdefault((a, b), [])  # type: ignore[arg-type]
             obs[(a, b)].append(v)  # type: ignore[union-attr]
+        # every training measurement of each directed configuration, for the exact-match look-up; a row
+        # pairing a configuration with itself measures it once (the mean of its two sides), not twice
+        repeats: dict[tuple[str, str], list[float]] = {}
+        for r in train:
+            sides = [(a, b, v) for a, b, v in ((r.key1, r.key2, r.speed1), (r.key2, r.key1, r.speed2))
+                     if not math.isnan(v) and v > 0]
+            if r.key1 == r.key2 and sides:
+                sides = [(r.key1, r.key2, float(np.mean([v for _a, _b, v in sides])))]
+            for a, b, v in sides:
+                repeats.setdefault((a, b), []).append(v)
         obs = {k: float(np.mean(v)) for k, v in obs.items()}  # type: ignore[arg-type]
         q = [(a, b) for a, b, v, _r in directed(test) if v > 0]
         truth = np.array([v for a, b, v, _r in directed(test) if v > 0])
         zeros += sum(1 for a, b, v, _r in directed(test) if v <= 0)
         if not q or not any(v > 0 for v in obs.values()):
             continue  # nothing to score, or nothing to learn from (only on a tiny table)
-        model = InterferenceModel(regime="new_pair", seed=seed).fit(obs, meta)
+        model = InterferenceModel(regime="new_pair", seed=seed).fit(
+            obs, meta, repeats=repeats if exact_match else None)  # type: ignore[arg-type]
         p, _lo, _hi, _s = model.predict(q)
         err["qosflow"] += list(_errors(p, truth))
+        exact["queries"] += sum(1 for x in q if x in model._exact)
+        exact["k_per_fold"].append(None if model.exact_k is None or math.isinf(model.exact_k) else model.exact_k)
         dtr = [(a, b, v) for a, b, v, _r in directed(train)]
         rf = RandomForestRegressor(n_estimators=100, random_state=seed, n_jobs=1).fit(
             [rf_x(a, b) for a, b, _v in dtr], [v for _a, _b, v in dtr])
         err["random_forest"] += list(_errors(rf.predict([rf_x(a, b) for a, b in q]), truth))
         pos = [v for _a, _b, v in dtr if v > 0]
         err["constant"] += list(_errors(np.full(len(truth), np.median(pos)), truth))
-    block = summarise(err["qosflow"], n_zero_excluded=zeros, n_missing_excluded=missing, folds=folds, rows=len(rows))
+    block = summarise(err["qosflow"], n_zero_excluded=zeros, n_missing_excluded=missing, folds=folds, rows=len(rows),
+                      exact_match=exact)
     block["baselines"] = {k: summarise(v) for k, v in err.items() if k != "qosflow"}
     return {"method": f"{folds}-fold cross-validation over rows", "source": source, "mape": block["mape"],
             "p90_ape": block["p90_ape"], "n": block["n"], "interference": block}

@@ -30,6 +30,15 @@ The point estimate is the mean of the trees' log speeds (``point="mean"``, the d
 ``new_job``, which the live predictor uses) or the value minimising the expected absolute percentage
 error over the trees' predictions -- their median weighted by 1/speed (``point="mape"``, the default
 for ``new_pair``, which is scored by MAPE).
+
+Exact matches (``regime="new_pair"`` only, when `fit` is given ``repeats``): a pair table may hold the
+same configuration several times (repeated measurements, or rows differing only in columns the model
+ignores, such as AMP or GPU type). A query whose directed configuration has n > 0 measured speeds among
+the training rows is answered by blending, in log space, their mean with the model:
+(n * mean log v + k * log model) / (n + k). The weight k is chosen at fit time by leave-one-out over the
+training configurations measured at least twice (each value held out in turn, predicted from the mean of
+the others and an out-of-fold model prediction); k = inf (model only) wins when repeats disagree
+systematically (e.g. AMP on/off). Without repeated configurations in the training set nothing changes.
 """
 
 from __future__ import annotations
@@ -125,6 +134,14 @@ class LowRank:
 EXTRA_LOW_RANK = ((4, 0.1), (6, 0.2))
 #: neighbour counts of the nearest-neighbour features ("new_pair" regime)
 NEIGHBOURS = (1, 3)
+#: candidate weights k of the model against n exact-match measurements (n / (n + k) on their mean);
+#: inf = model only. Chosen per fit by leave-one-out over the repeated training configurations.
+EXACT_K = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, math.inf)
+#: with fewer held-out values than this, the leave-one-out choice is too noisy: k = EXACT_K_DEFAULT
+EXACT_MIN_LOO = 20
+EXACT_K_DEFAULT = 1.0
+#: out-of-fold model values for that choice: forests of this many trees, one per group of inner folds
+EXACT_OOF_SPLITS, EXACT_OOF_TREES = 4, 50
 
 
 def _neighbour_estimates(M: np.ndarray, i: int, j: int, ks: Sequence[int]) -> list[float]:
@@ -297,20 +314,23 @@ class InterferenceModel:
     def _profile_part(self, obs: Obs, job: Key, refs: Sequence[Key]) -> dict:
         return {(a, b): v for (a, b), v in obs.items() if (a == job and b in refs) or (b == job and a in refs)}
 
-    def fit(self, obs: Obs, meta: Mapping[Key, JobMeta] | None = None) -> "InterferenceModel":
-        from sklearn.ensemble import ExtraTreesRegressor
-
+    def fit(self, obs: Obs, meta: Mapping[Key, JobMeta] | None = None, *,
+            repeats: Mapping[tuple[Key, Key], Sequence[float]] | None = None) -> "InterferenceModel":
+        """Fit on `obs` ({(a, b): speed of a next to b}). `repeats` (``new_pair`` only): every measured
+        speed of each directed configuration (obs holds their mean); enables the exact-match answer."""
+        if repeats is not None and self.regime != "new_pair":
+            raise ValueError("repeats (exact-match answers) are for regime='new_pair' only")
         meta = dict(meta or {})
         self.meta = meta
         self.obs = {k: float(v) for k, v in obs.items() if v > 0}
         pairs = list(self.obs)
         rng = np.random.default_rng(self.seed)
-        X, y = [], []
+        X, y, xpairs, xfold = [], [], [], []
         if self.regime == "new_pair":
             order = rng.permutation(len(pairs))
             folds = np.array_split(order, max(2, min(self.inner_folds, len(pairs))))
             per_fold = max(1, self.max_train_rows // len(folds))
-            for fold in folds:
+            for f_i, fold in enumerate(folds):
                 hidden = {pairs[i] for i in fold}
                 fold = fold[:per_fold]
                 hidden |= {(b, a) for a, b in hidden}  # a row of a pair table holds both directions
@@ -320,6 +340,8 @@ class InterferenceModel:
                     a, b = pairs[i]
                     X.append(ctx.features(a, b)[0])
                     y.append(_log(self.obs[(a, b)]))
+                    xpairs.append((a, b))
+                    xfold.append(f_i)
         else:
             jobs = sorted({k for ab in pairs for k in ab} - set(self.refs))
             order = rng.permutation(len(jobs))
@@ -340,12 +362,69 @@ class InterferenceModel:
                     X.append(ctx.features(a, b)[0])
                     y.append(_log(self.obs[(a, b)]))
         self.n_train = len(y)
-        self.forest = ExtraTreesRegressor(
-            n_estimators=self.n_estimators, max_features=0.6, min_samples_leaf=2, random_state=self.seed, n_jobs=self.n_jobs
-        ).fit(_nan_to(np.array(X)), np.array(y))
+        self.forest = self._forest(self.n_estimators).fit(_nan_to(np.array(X)), np.array(y))
         flatten(self.forest)
         self._ctx = _Context(self.obs, meta, self.refs, self.rank, self.lam, self.neighbours)
+        self._exact: dict[tuple[Key, Key], tuple[float, int]] = {}
+        self.exact_k: float | None = None
+        self.exact_loo_n = 0
+        if repeats is not None:
+            self._fit_exact(repeats, X, y, xpairs, xfold)
         return self
+
+    def _forest(self, n_estimators: int):
+        from sklearn.ensemble import ExtraTreesRegressor
+
+        return ExtraTreesRegressor(n_estimators=n_estimators, max_features=0.6, min_samples_leaf=2,
+                                   random_state=self.seed, n_jobs=self.n_jobs)
+
+    def _fit_exact(self, repeats, X, y, xpairs, xfold) -> None:
+        """The exact-match look-up {(a, b): (mean log speed, n)} and its weight k (see the module docstring)."""
+        for key, vals in repeats.items():
+            pos = [float(v) for v in vals if v > 0]  # 0 = could not run together: no speed to average
+            if pos:
+                self._exact[key] = (float(np.mean([_log(v) for v in pos])), len(pos))
+        multi = {key for key in self._exact if self._exact[key][1] >= 2}
+        rows = [i for i, pq in enumerate(xpairs) if pq in multi]
+        if not rows:
+            self.exact_k = EXACT_K_DEFAULT
+            return
+        # out-of-fold model predictions for the repeated configurations: forests on the other inner folds
+        splits, trees = EXACT_OOF_SPLITS, EXACT_OOF_TREES
+        Xa, ya, fa = _nan_to(np.array(X)), np.array(y), np.array(xfold) % splits
+        oof: dict[tuple[Key, Key], float] = {}
+        for s in range(splits):
+            test = [i for i in rows if fa[i] == s]
+            train = fa != s
+            if not test or train.sum() < 2:
+                continue
+            forest = self._forest(trees).fit(Xa[train], ya[train])
+            pt = np.stack([t.predict(Xa[test]) for t in forest.estimators_])
+            point = _mape_point(pt) if self.point == "mape" else pt.mean(0)
+            oof.update({xpairs[i]: float(v) for i, v in zip(test, point)})
+        # leave one value out: predict it from the mean of the others and the out-of-fold model value
+        held, others_mean, others_n, model = [], [], [], []
+        for key, m in oof.items():
+            logs = [_log(v) for v in repeats[key] if v > 0]
+            tot = sum(logs)
+            for lv in logs:
+                held.append(lv)
+                others_mean.append((tot - lv) / (len(logs) - 1))
+                others_n.append(len(logs) - 1)
+                model.append(m)
+        self.exact_loo_n = len(held)
+        if len(held) < EXACT_MIN_LOO:
+            self.exact_k = EXACT_K_DEFAULT
+            return
+        truth = np.exp(np.array(held))
+        n, om, mo = np.array(others_n, float), np.array(others_mean), np.array(model)
+        best = None
+        for k in EXACT_K:
+            est = mo if math.isinf(k) else (n * om + k * mo) / (n + k)
+            err = float(np.mean(np.abs(np.exp(est) - truth) / truth))
+            if best is None or err < best[0] - 1e-12:
+                best = (err, k)
+        self.exact_k = best[1]
 
     # -- prediction
 
@@ -367,6 +446,14 @@ class InterferenceModel:
         X = _nan_to(np.array([f for f, _ in feats], dtype=float).reshape(len(queries), -1))
         support = np.array([s for _, s in feats])
         per_tree = per_tree_predictions(self.forest, X)
-        mean = np.exp(_mape_point(per_tree) if self.point == "mape" else per_tree.mean(0))
+        point = _mape_point(per_tree) if self.point == "mape" else per_tree.mean(0)
         lo, hi = np.exp(np.percentile(per_tree, [10, 90], axis=0))
+        if self._exact and not math.isinf(self.exact_k):
+            for i, q in enumerate(queries):
+                hit = self._exact.get(q)
+                if hit is not None:
+                    m, n = hit
+                    point[i] = (n * m + self.exact_k * point[i]) / (n + self.exact_k)
+                    support[i] += n
+        mean = np.exp(point)
         return mean, np.minimum(lo, mean), np.maximum(hi, mean), support
