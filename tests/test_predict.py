@@ -433,3 +433,27 @@ def test_throughput_table_errors(tmp_path):
     t = ThroughputTable.load(bad)
     assert t.solo_throughput("B", "v100") is None and t.pair_speed["v100"][0, 1] == pytest.approx(0.5)
     assert np.isnan(t.pair_speed["v100"][1, 0])
+
+
+def test_scaling_sibling_overhead_transfers_through_the_step_time():
+    """A family whose siblings pay the same per-step overhead c at 4 GPUs: the held-out batch size is
+    predicted to reach 4 t1 / (t1 + c) from its own 1-GPU step time, never from its own measurement."""
+    from qosflow.predict.interference import JobMeta
+    from qosflow.predict.scaling import ScalingModel, ScalingRow
+
+    c = 0.05
+    t1 = {16: 0.05, 32: 0.09, 64: 0.2, 128: 0.38}
+    meta = {f"net{bs}": JobMeta("net", bs, 1, math.log(t)) for bs, t in t1.items()}
+    meta["other"] = JobMeta("other", 8, 1, math.log(0.1))
+    rows = [ScalingRow(f"net{bs}", "v100", 4, True, 4 * t / (t + c)) for bs, t in t1.items() if bs != 32]
+    rows += [ScalingRow("other", "v100", 4, True, 3.0), ScalingRow("net16", "v100", 2, True, 1.9)]
+    model = ScalingModel(n_estimators=10).fit(rows, meta, {})
+    row = ("v100", 4, True)
+    assert model._sibling_overhead("net32", row) == pytest.approx(math.log(4 * 0.09 / (0.09 + c)))
+    # a training row of the family sees the others only (its own ratio is not a feature of itself)
+    assert model._sibling_overhead("net64", row) == pytest.approx(math.log(4 * 0.2 / (0.2 + c)))
+    assert math.isnan(model._sibling_overhead("other", row))  # no sibling measured
+    assert math.isnan(model._sibling_overhead("net32", ("k80", 4, True)))  # nothing on that hardware
+    # a super-linear sibling (negative overhead) is bounded: t1 + c >= t1 / 5
+    fast = ScalingModel(n_estimators=10).fit([ScalingRow("net128", "v100", 4, True, 400.0)] + rows[-2:], meta, {})
+    assert fast._sibling_overhead("net64", row) == pytest.approx(math.log(4 * 5))

@@ -10,7 +10,9 @@ n, placement) row:
 * the job's lightweight profile: log solo 1-GPU step time, co-located speed with the reference jobs
   and theirs with it (compute-bound vs memory-bound jobs scale differently);
 * log batch size, and the ratio its family sibling at the nearest batch size reached on the same
-  hardware (with the distance in log batch size), when a sibling has been measured.
+  hardware (with the distance in log batch size), when a sibling has been measured;
+* the ratio the job would reach with its siblings' per-step synchronisation overhead on top of its own
+  1-GPU step time (`_sibling_overhead`): the overhead depends on the model, not the batch size.
 
 Extra-trees on log ratio; the spread over trees is the interval.
 """
@@ -48,13 +50,12 @@ class ScalingModel:
         # unseen hardware or GPU count: ideal scaling discounted like the average seen
         return math.log(gpus) + self.mean_log_eff + (0.0 if consolidated else self.spread_penalty)
 
-    def _sibling(self, job: str, row: tuple[str, int, bool], exclude: str | None = None) -> tuple[float, float]:
-        """log ratio of the job's family siblings on the same hardware, interpolated in log batch size
-        between the nearest smaller and larger batch sizes (else the nearest one); and the distance."""
+    def _family_points(self, job: str, row: tuple[str, int, bool], value, exclude: str | None = None):
+        """(log2 batch size, value(sibling meta, sibling ratio)) for the job's family siblings measured on
+        the same hardware (never the job itself), and the job's own log2 batch size."""
         m = self.meta.get(job)
         if m is None:
-            return float("nan"), float("nan")
-        x = math.log2(m.batch_size or 1)
+            return [], 0.0
         pts = []
         for sib, ratio in self.by_hw.get(row, {}).items():
             if sib == job or sib == exclude:
@@ -62,7 +63,15 @@ class ScalingModel:
             ms = self.meta.get(sib)
             if ms is None or ms.family != m.family:
                 continue
-            pts.append((math.log2(ms.batch_size or 1), math.log(ratio)))
+            v = value(ms, ratio)
+            if v is not None:
+                pts.append((math.log2(ms.batch_size or 1), v))
+        return pts, math.log2(m.batch_size or 1)
+
+    @staticmethod
+    def _interpolate(pts: list[tuple[float, float]], x: float) -> tuple[float, float]:
+        """The value at x, linear between the nearest smaller and larger points (else the nearest one;
+        the mean of the points at x itself), and the distance to the nearest point."""
         if not pts:
             return float("nan"), float("nan")
         lo = [p for p in pts if p[0] < x]
@@ -78,6 +87,36 @@ class ScalingModel:
         nearest = min(pts, key=lambda p: abs(p[0] - x))
         return nearest[1], dist
 
+    def _sibling(self, job: str, row: tuple[str, int, bool], exclude: str | None = None) -> tuple[float, float]:
+        """log ratio of the job's family siblings on the same hardware, interpolated in log batch size
+        between the nearest smaller and larger batch sizes (else the nearest one); and the distance."""
+        pts, x = self._family_points(job, row, lambda _ms, ratio: math.log(ratio), exclude)
+        return self._interpolate(pts, x)
+
+    def _sibling_overhead(self, job: str, row: tuple[str, int, bool], exclude: str | None = None) -> float:
+        """log of the ratio the job would reach if it paid its siblings' per-step overhead.
+
+        With the per-GPU batch fixed, a step on n GPUs takes t1 + c_n (1-GPU step time plus the
+        synchronisation overhead), so ratio = n t1 / (t1 + c_n). c_n depends on the model (its gradient
+        volume) and the hardware, not the batch size, so a sibling's c_n = t1' (n / ratio' - 1)
+        transfers to the job through its own t1 (known from the profile): a larger batch hides the same
+        overhead behind more compute. Interpolated in log batch size like `_sibling`; t1 + c_n is kept
+        >= t1 / 5 (measured super-linear ratios make c_n negative)."""
+        m = self.meta.get(job)
+        if m is None or m.log_solo is None:
+            return float("nan")
+        n = row[1]
+
+        def overhead(ms: JobMeta, ratio: float):
+            return None if ms.log_solo is None else math.exp(ms.log_solo) * (n / ratio - 1)
+
+        pts, x = self._family_points(job, row, overhead, exclude)
+        if not pts:
+            return float("nan")
+        c, _dist = self._interpolate(pts, x)
+        t1 = math.exp(m.log_solo)
+        return math.log(n * t1 / max(t1 + c, 0.2 * t1))
+
     def _features(self, job: str, gpu_type: str, gpus: int, consolidated: bool, profile: Mapping[str, float] | None,
                   exclude: str | None = None) -> list[float]:
         m = self.meta.get(job)
@@ -89,6 +128,7 @@ class ScalingModel:
             f.append(prof.get(f"of:{r}", float("nan")))
         f.append(math.log2(m.batch_size) if m and m.batch_size else -1.0)
         f += list(self._sibling(job, (gpu_type, gpus, consolidated), exclude))
+        f.append(self._sibling_overhead(job, (gpu_type, gpus, consolidated), exclude))
         return f
 
     def fit(self, rows: Sequence[ScalingRow], meta: Mapping[str, JobMeta], profiles: Mapping[str, Mapping[str, float]]):
