@@ -129,8 +129,22 @@ class ClusterSpec:
                 return i
         raise SpecError("node", f"no node named {name!r} in cluster {self.name!r}")
 
-    def why_never_fits(self, qos: QoSSpec) -> str | None:
-        """None if some placement on an empty cluster can satisfy `qos`, else the reason."""
+    def why_never_fits(self, qos: QoSSpec, *, single_node: bool = False) -> str | None:
+        """None if some placement on an empty cluster can satisfy `qos`, else the reason. With
+        `single_node` the request must also fit on one node (a Kubernetes pod never spans nodes)."""
+        why = self._why_never_fits(qos)
+        if why is None and single_node:
+            why = self._why_not_one_node(qos)
+        return why
+
+    def _why_not_one_node(self, qos: QoSSpec) -> str | None:
+        nodes = [n for n in self.nodes if qos.gpu_model is None or n.gpu_model == qos.gpu_model]
+        if any(n.gpus >= qos.gpus and n.cpu_cores >= qos.cpu_cores - 1e-9 and n.mem_mb >= qos.mem_mb - 1e-6 for n in nodes):
+            return None
+        model = f"{qos.gpu_model} " if qos.gpu_model else ""
+        return f"a pod runs on one node, and no {model}node has {qos.gpus} GPU(s), {qos.cpu_cores:g} cores and {qos.mem_mb:g} MiB"
+
+    def _why_never_fits(self, qos: QoSSpec) -> str | None:
         nodes = [n for n in self.nodes if qos.gpu_model is None or n.gpu_model == qos.gpu_model]
         if not nodes:
             return f"no node has GPU model {qos.gpu_model!r}"

@@ -78,10 +78,10 @@ def find_whole(
     if state.total_empty_gpus() < k:
         return None
     cpg = (qos.cpu_cores / k) if cores_per_gpu is None else cores_per_gpu
-    mask = _node_mask(state, qos)
     # the largest node the job may use (its GPU model and memory), up or not: a job wider than every
     # such node spans whole nodes even if some other, larger node would hold it alone
     eligible = _node_mask(state, qos, include_down=True)
+    mask = eligible & ~state.down
     gmax = max(1, int(state.gpu_count[eligible].max())) if eligible.any() else max(1, state.spec.max_gpus_per_node)
     mem_per_gpu = qos.mem_mb / k
     gmem = qos.gpu_mem_mb if qos.gpu_mem_mb is not None else 0.0

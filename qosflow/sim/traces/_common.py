@@ -81,8 +81,9 @@ def make_job(path: Path, line: int, **kwargs) -> Job:
         raise TraceFormatError(path, line, str(exc)) from None
 
 
-def split_rejected(jobs: list[Job], cluster: ClusterSpec | None) -> tuple[list[Job], list[Rejected]]:
-    """Jobs that can run on `cluster`, and (job id, reason) for those that never can."""
+def split_rejected(jobs: list[Job], cluster: ClusterSpec | None, *, single_node: bool = False) -> tuple[list[Job], list[Rejected]]:
+    """Jobs that can run on `cluster`, and (job id, reason) for those that never can (with
+    `single_node`, also those no single node can hold: `ClusterSpec.why_never_fits`)."""
     if cluster is None:
         return jobs, []
     ok: list[Job] = []
@@ -92,7 +93,7 @@ def split_rejected(jobs: list[Job], cluster: ClusterSpec | None) -> tuple[list[J
         q = j.qos
         key = (q.gpus, q.gpu_milli, q.gpu_mem_mb, q.cpu_cores, q.mem_mb, q.gpu_model)
         if key not in memo:
-            memo[key] = cluster.why_never_fits(q)
+            memo[key] = cluster.why_never_fits(q, single_node=single_node)
         why = memo[key]
         if why:
             rejected.append((j.job_id, f"can never be placed on {cluster.name}: {why}"))

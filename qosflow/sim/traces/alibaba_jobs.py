@@ -107,33 +107,7 @@ def load_alibaba_jobs(path: str | Path, *, cluster: ClusterSpec | None = None) -
                 },
             )
         )
-    ok, never = split_rejected(jobs, cluster)
-    ok, not_one_node = _split_single_node(ok, cluster)
-    return ok, rejected + never + not_one_node
+    # a pod runs on one node: one that no single node (of its GPU model) can hold would wait for ever
+    ok, never = split_rejected(jobs, cluster, single_node=True)
+    return ok, rejected + never
 
-
-def _split_single_node(jobs: list[Job], cluster: ClusterSpec | None) -> tuple[list[Job], list[Rejected]]:
-    """A pod runs on one node: reject those no single node (of the GPU model asked for) can ever hold,
-    e.g. 8 T4 GPUs when T4 nodes have at most 4. `ClusterSpec.why_never_fits` allows multi-node gangs,
-    and such a pod would otherwise wait forever."""
-    if cluster is None:
-        return jobs, []
-    ok: list[Job] = []
-    rejected: list[Rejected] = []
-    memo: dict[tuple, str | None] = {}
-    for j in jobs:
-        q = j.qos
-        key = (q.gpus, q.cpu_cores, q.mem_mb, q.gpu_model)
-        if key not in memo:
-            nodes = [n for n in cluster.nodes if q.gpu_model is None or n.gpu_model == q.gpu_model]
-            fits = any(n.gpus >= q.gpus and n.cpu_cores >= q.cpu_cores - 1e-9 and n.mem_mb >= q.mem_mb - 1e-6 for n in nodes)
-            model = f"{q.gpu_model} " if q.gpu_model else ""
-            memo[key] = None if fits else (
-                f"can never be placed on {cluster.name}: a pod runs on one node, and no {model}node has "
-                f"{q.gpus} GPU(s), {q.cpu_cores:g} cores and {q.mem_mb:g} MiB"
-            )
-        if memo[key]:
-            rejected.append((j.job_id, memo[key]))
-        else:
-            ok.append(j)
-    return ok, rejected
