@@ -23,6 +23,9 @@ from qosflow.errors import SpecError
         ({"priority": "urgent"}, "priority"),
         ({"gpus": 1.5}, "gpus"),
         ({"gpus": 0, "shareable": True}, "shareable"),
+        ({"gpu_model": ""}, "gpu_model"),
+        ({"gpu_model": "A100||H100"}, "gpu_model"),
+        ({"gpu_model": 100}, "gpu_model"),
     ],
 )
 def test_bad_qos_names_the_field(kwargs, field):
@@ -47,6 +50,38 @@ def test_more_gpus_than_any_placement_is_rejected():
     with pytest.raises(SpecError, match="gpus"):
         spec.validate_qos(QoSSpec(gpus=16), where="stage train")
     assert spec.why_never_fits(QoSSpec(gpus=1, gpu_mem_mb=10**6))
+
+
+def test_host_memory_no_node_has_is_never_fitting():
+    spec = ClusterSpec.uniform(2, 4, mem_mb=100_000)
+    assert spec.why_never_fits(QoSSpec(gpus=2, mem_mb=90_000)) is None
+    why = spec.why_never_fits(QoSSpec(gpus=1, mem_mb=150_000))
+    assert why and "150000 MiB of host memory" in why and "100000" in why
+    # a gang may spread, its host memory split over its nodes: 75,000 MiB on each of two
+    assert spec.why_never_fits(QoSSpec(gpus=2, mem_mb=150_000)) is None
+    assert spec.why_never_fits(QoSSpec(gpus=2, mem_mb=150_000), single_node=True)
+    assert spec.why_never_fits(QoSSpec(gpus=2, mem_mb=250_000))
+    assert spec.why_never_fits(QoSSpec(gpus=8, mem_mb=150_000)) is None  # 4 GPUs and 75,000 MiB per node
+    assert "host memory" in spec.why_never_fits(QoSSpec(gpus=8, mem_mb=250_000))
+
+
+def test_several_accepted_gpu_models():
+    a = ClusterSpec.uniform(1, 4, gpu_model="A100", prefix="a")
+    h = ClusterSpec.uniform(1, 4, gpu_model="H100", prefix="h")
+    v = ClusterSpec.uniform(1, 8, gpu_model="V100", prefix="v")
+    spec = ClusterSpec(a.nodes + h.nodes + v.nodes)
+    q = QoSSpec(gpus=4, gpu_model=" A100 | H100 ")
+    assert q.gpu_model == "A100|H100" and q == QoSSpec(gpus=4, gpu_model="A100|H100")
+    assert q.accepts_gpu_model("H100") and not q.accepts_gpu_model("V100")
+    assert spec.model_mask(q.gpu_model).tolist() == [True, True, False]
+    assert spec.why_never_fits(q) is None
+    why = spec.why_never_fits(QoSSpec(gpus=8, gpu_model="A100|H100"), single_node=True)
+    assert why and "A100 or H100 node" in why
+    assert "'B200' or 'MI300'" in spec.why_never_fits(QoSSpec(gpus=1, gpu_model="B200|MI300"))
+    state = ClusterState(spec)
+    with pytest.raises(PlacementError, match="needs GPU model A100|H100"):
+        state.allocate(Placement("j", gpus=((2, 0),), cpu=((2, 1.0),)), QoSSpec(gpus=1, gpu_model="A100|H100"))
+    state.allocate(Placement("j", gpus=((1, 0),), cpu=((1, 1.0),)), QoSSpec(gpus=1, gpu_model="A100|H100"))
 
 
 def _job(jid, **q):

@@ -14,6 +14,8 @@ from qosflow.core.qos import PriorityClass, QoSSpec
 from qosflow.errors import QosflowError, SpecError, TraceFormatError, UnknownNameError
 from qosflow.paths import shared_data
 from qosflow.sim.clusters import load_cluster
+from qosflow.policies import get_policy
+from qosflow.sim.engine import simulate
 from qosflow.sim.deadlines import assign_deadlines, deadline_factor
 from qosflow.sim.interference import GavelInterference, default_throughputs_path
 from qosflow.sim.traces.alibaba_jobs import load_alibaba_jobs
@@ -251,7 +253,8 @@ def test_alibaba_pods_to_jobs(tmp_path):
     assert j1.qos.fractional and j1.qos.gpu_milli == 460 and j1.qos.gpu_model == "V100M16"
     assert j1.qos.priority is PriorityClass.BEST_EFFORT and j1.meta["wants_deadline"] is False
     assert by["p2"].qos.gpus == 0 and by["p2"].qos.priority is PriorityClass.NORMAL
-    assert by["p3"].qos.gpus == 2 and by["p3"].qos.gpu_model is None and by["p3"].meta["gpu_spec"] == ["T4", "P100"]
+    assert by["p3"].qos.gpus == 2 and by["p3"].qos.gpu_model == "T4|P100" and by["p3"].meta["gpu_spec"] == ["T4", "P100"]
+    assert by["p3"].qos.gpu_models == ("T4", "P100")
 
 
 def test_alibaba_pod_must_fit_one_node(tmp_path):
@@ -269,6 +272,31 @@ def test_alibaba_pod_must_fit_one_node(tmp_path):
     assert sorted(j.job_id for j in jobs) == ["p1", "p3"]
     assert [r[0] for r in rej] == ["p0", "p2"]
     assert all("one node" in why and "T4" in why for _, why in rej)
+
+
+def test_alibaba_pod_with_several_models_runs_on_one_of_them(tmp_path):
+    # a pod accepting T4 or P100 must never land on the G2 node, though the G2 node is free first
+    nodes = write(tmp_path, "nodes.csv", "sn,cpu_milli,memory_mib,gpu,model\n"
+                  "g0,96000,786432,8,G2\nt0,64000,262144,2,T4\np0,64000,262144,2,P100\n")
+    rows = [f"a{i},4000,8192,2,1000,T4|P100,LS,Running,{i},{500 + i},{i}" for i in range(4)]
+    rows.append("b0,4000,8192,4,1000,T4|P100,LS,Running,0,500,0")  # no T4 or P100 node has 4 GPUs
+    pods = write(tmp_path, "pods.csv", ALI_HEADER + "\n" + "\n".join(rows) + "\n")
+    cluster = load_cluster(str(nodes))
+    jobs, rej = load_alibaba_jobs(pods, cluster=cluster)
+    assert [r[0] for r in rej] == ["b0"] and "'T4' or 'P100'" not in rej[0][1] and "T4 or P100 node" in rej[0][1]
+    for name in ("fifo", "qosflow"):
+        policy, used = get_policy(name), set()
+        decide = policy.schedule
+
+        def schedule(view, decide=decide, used=used):
+            d = decide(view)
+            used.update(cluster.nodes[n].gpu_model for p in d.starts for n in p.nodes)
+            return d
+
+        policy.schedule = schedule
+        res = simulate(jobs, cluster, policy)
+        assert len(res.jobs) == 4 and all(js.finish_time is not None for js in res.jobs), name
+        assert used == {"T4", "P100"}, (name, used)
 
 
 def test_alibaba_bad_row(tmp_path):

@@ -129,6 +129,22 @@ class ClusterSpec:
                 return i
         raise SpecError("node", f"no node named {name!r} in cluster {self.name!r}")
 
+    def model_mask(self, gpu_model: str | None) -> np.ndarray:
+        """Read-only boolean mask of the nodes whose GPU model `gpu_model` accepts (a QoS spec's
+        `gpu_model`: one model, several separated by `|`, or None for any)."""
+        cache = self._model_masks
+        mask = cache.get(gpu_model)
+        if mask is None:
+            accepted = None if gpu_model is None else set(gpu_model.split("|"))
+            mask = np.fromiter((accepted is None or n.gpu_model in accepted for n in self.nodes), bool, len(self.nodes))
+            mask.flags.writeable = False
+            cache[gpu_model] = mask
+        return mask
+
+    @cached_property
+    def _model_masks(self) -> dict[str | None, np.ndarray]:
+        return {}
+
     def why_never_fits(self, qos: QoSSpec, *, single_node: bool = False) -> str | None:
         """None if some placement on an empty cluster can satisfy `qos`, else the reason. With
         `single_node` the request must also fit on one node (a Kubernetes pod never spans nodes)."""
@@ -137,17 +153,25 @@ class ClusterSpec:
             why = self._why_not_one_node(qos)
         return why
 
+    def _model_nodes(self, qos: QoSSpec) -> list[NodeSpec]:
+        if qos.gpu_model is None:
+            return list(self.nodes)
+        return [n for n, ok in zip(self.nodes, self.model_mask(qos.gpu_model)) if ok]
+
+    @staticmethod
+    def _models_text(qos: QoSSpec) -> str:
+        return " or ".join(repr(m) for m in qos.gpu_models or ())
+
     def _why_not_one_node(self, qos: QoSSpec) -> str | None:
-        nodes = [n for n in self.nodes if qos.gpu_model is None or n.gpu_model == qos.gpu_model]
-        if any(n.gpus >= qos.gpus and n.cpu_cores >= qos.cpu_cores - 1e-9 and n.mem_mb >= qos.mem_mb - 1e-6 for n in nodes):
+        if any(n.gpus >= qos.gpus and n.cpu_cores >= qos.cpu_cores - 1e-9 and n.mem_mb >= qos.mem_mb - 1e-6 for n in self._model_nodes(qos)):
             return None
-        model = f"{qos.gpu_model} " if qos.gpu_model else ""
+        model = f"{' or '.join(qos.gpu_models)} " if qos.gpu_models else ""
         return f"a pod runs on one node, and no {model}node has {qos.gpus} GPU(s), {qos.cpu_cores:g} cores and {qos.mem_mb:g} MiB"
 
     def _why_never_fits(self, qos: QoSSpec) -> str | None:
-        nodes = [n for n in self.nodes if qos.gpu_model is None or n.gpu_model == qos.gpu_model]
+        nodes = self._model_nodes(qos)
         if not nodes:
-            return f"no node has GPU model {qos.gpu_model!r}"
+            return f"no node has GPU model {self._models_text(qos)} (the cluster has {', '.join(sorted({n.gpu_model for n in self.nodes}))})"
         if qos.gpus == 0:
             if not any(n.cpu_cores >= qos.cpu_cores and n.mem_mb >= qos.mem_mb for n in nodes):
                 return f"no node has {qos.cpu_cores:g} CPU cores and {qos.mem_mb:g} MiB free when empty"
@@ -158,24 +182,46 @@ class ClusterSpec:
         total = sum(n.gpus for n in mem_ok)
         if qos.gpus > total:
             return f"asks for {qos.gpus} GPUs; the cluster has {total} that fit it"
-        if qos.gpus <= max(n.gpus for n in mem_ok):
-            for n in mem_ok:
-                if n.gpus >= qos.gpus:
-                    per_gpu_cpu = qos.cpu_cores / max(qos.gpus, 1)
-                    if per_gpu_cpu * qos.gpus <= n.cpu_cores + 1e-9:
-                        return None
-            return f"no node has {qos.gpus} GPUs with {qos.cpu_cores:g} cores"
-        # a multi-node gang: its cores are split over its nodes in proportion to its GPUs there
         per_gpu_cpu = qos.cpu_cores / qos.gpus
+        if qos.gpus <= max(n.gpus for n in mem_ok):
+            fed = [n for n in mem_ok if n.gpus >= qos.gpus and per_gpu_cpu * qos.gpus <= n.cpu_cores + 1e-9]
+            if not fed:
+                return f"no node has {qos.gpus} GPUs with {qos.cpu_cores:g} cores"
+            if any(n.mem_mb >= qos.mem_mb - 1e-6 for n in fed):
+                return None
+            # no one node has the host memory; a gang may still spread over several
+            if self._spreads(mem_ok, qos):
+                return None
+            return f"no node has {qos.mem_mb:g} MiB of host memory with {qos.gpus} GPU(s) (largest: {max(n.mem_mb for n in fed):g} MiB)"
+        # a multi-node gang: its cores are split over its nodes in proportion to its GPUs there
         fits = sum(n.gpus for n in mem_ok if per_gpu_cpu * n.gpus <= n.cpu_cores + 1e-9)
         if fits < qos.gpus:
             return f"asks for {qos.gpus} GPUs with {per_gpu_cpu:g} cores each; only {fits} such GPUs exist"
+        if qos.mem_mb > 0 and not self._spreads(mem_ok, qos):
+            return f"asks for {qos.gpus} GPUs and {qos.mem_mb:g} MiB of host memory; too few nodes have memory for their part"
         return None
+
+    @staticmethod
+    def _spreads(nodes: list[NodeSpec], qos: QoSSpec) -> bool:
+        """Can the gang spread over k >= 2 of `nodes`, its host memory split evenly over them
+        (mem/k on each) and its cores in proportion to the GPUs it takes on each?"""
+        per_gpu_cpu = qos.cpu_cores / qos.gpus
+        caps = sorted(
+            ((n.mem_mb, n.gpus if per_gpu_cpu <= 0 else min(n.gpus, int(n.cpu_cores / per_gpu_cpu + 1e-9))) for n in nodes),
+            key=lambda mc: -mc[1],
+        )
+        for k in range(2, min(qos.gpus, len(caps)) + 1):
+            fit = [c for m, c in caps if c >= 1 and m >= qos.mem_mb / k - 1e-6]
+            if len(fit) >= k and sum(fit[:k]) >= qos.gpus:
+                return True
+        return False
 
     def validate_qos(self, qos: QoSSpec, *, where: str | None = None) -> None:
         reason = self.why_never_fits(qos)
         if reason:
-            raise SpecError("gpus" if "GPU" in reason else "qos", f"can never be placed on {self.name}: {reason}", where=where)
+            field = ("gpu_model" if "GPU model" in reason else "mem_mb" if "host memory" in reason
+                     else "gpu_mem_mb" if "MiB of memory" in reason else "gpus" if "GPU" in reason else "qos")
+            raise SpecError(field, f"can never be placed on {self.name}: {reason}", where=where)
 
 
 class ClusterState:
@@ -264,7 +310,7 @@ class ClusterState:
         ok = ~self.down
         if qos is not None:
             if qos.gpu_model is not None:
-                ok = ok & np.array([s.gpu_model == qos.gpu_model for s in self.spec.nodes])
+                ok = ok & self.spec.model_mask(qos.gpu_model)
             if qos.gpu_mem_mb is not None and qos.gpus > 0:
                 ok = ok & (self.gmem_cap >= qos.gpu_mem_mb)
         return ok
@@ -383,7 +429,7 @@ class ClusterState:
         for node, g in p.gpus:
             if not (0 <= g < self.exists.shape[1] and self.exists[node, g]):
                 raise PlacementError(f"job {p.job_id!r}: node {self.spec.nodes[node].name} has no GPU {g}")
-            if qos.gpu_model is not None and self.spec.nodes[node].gpu_model != qos.gpu_model:
+            if not qos.accepts_gpu_model(self.spec.nodes[node].gpu_model):
                 raise PlacementError(f"job {p.job_id!r} needs GPU model {qos.gpu_model}, node {self.spec.nodes[node].name} has {self.spec.nodes[node].gpu_model}")
             gm = p.gpu_mem_mb if p.gpu_mem_mb > 0 else (
                 self.gmem_cap[node] * p.gpu_milli / 1000.0 if share else self.gmem_cap[node]

@@ -71,6 +71,9 @@ class QoSSpec:
     (an MPS or time-slice share, as Alibaba's pods ask with `gpu_milli`). `gpus=0` is a CPU-only stage.
     `shareable=True` lets a whole-GPU training job be co-located with one other such job on the same
     GPUs (at most two, memory permitting), at a slowdown the scheduler predicts.
+
+    `gpu_model` restricts the job to nodes of that GPU model; several accepted models are separated
+    by `|` (`"A100|H100"`, as Alibaba's `gpu_spec` lists them). None accepts any model.
     """
 
     gpus: int = 1
@@ -89,6 +92,9 @@ class QoSSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "priority", PriorityClass.parse(self.priority))
+        if isinstance(self.gpu_model, str) and ("|" in self.gpu_model or self.gpu_model != self.gpu_model.strip()):
+            # one spelling per set of accepted models, so equal requests compare (and group) equal
+            object.__setattr__(self, "gpu_model", "|".join(m.strip() for m in self.gpu_model.split("|")))
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -127,9 +133,22 @@ class QoSSpec:
             raise bad("min_throughput", f"must be a positive rate (steps/s), got {self.min_throughput!r}")
         if self.shareable and self.gpus == 0:
             raise bad("shareable", "a CPU-only stage (gpus=0) has no GPU to share")
+        if self.gpu_model is not None:
+            if not isinstance(self.gpu_model, str):
+                raise bad("gpu_model", f"must be a GPU model name (or several separated by '|'), got {self.gpu_model!r}")
+            if any(not m for m in self.gpu_model.split("|")):
+                raise bad("gpu_model", f"{self.gpu_model!r} has an empty model name; leave gpu_model unset to accept any model")
         return self
 
     # ------------------------------------------------------------------ derived
+    @property
+    def gpu_models(self) -> tuple[str, ...] | None:
+        """The accepted GPU models, or None for any."""
+        return None if self.gpu_model is None else tuple(self.gpu_model.split("|"))
+
+    def accepts_gpu_model(self, model: str) -> bool:
+        return self.gpu_model is None or model == self.gpu_model or model in self.gpu_model.split("|")
+
     @property
     def fractional(self) -> bool:
         return self.gpus == 1 and self.gpu_milli < 1000

@@ -52,7 +52,7 @@ def job_request(job: "Job") -> Pod:
         int(round(q.mem_mb)),
         gpus,
         int(q.gpu_milli) if gpus else 0,
-        (q.gpu_model,) if (q.gpu_model and gpus) else (),
+        (q.gpu_models or ()) if gpus else (),
     )
 
 

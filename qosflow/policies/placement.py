@@ -27,7 +27,7 @@ def _node_mask(state: ClusterState, qos: QoSSpec, *, include_down: bool = False)
     """Nodes the job may use: its GPU model and enough memory per GPU (and up, unless `include_down`)."""
     ok = np.ones(state.num_nodes, bool) if include_down else ~state.down
     if qos.gpu_model is not None:
-        ok = ok & np.fromiter((s.gpu_model == qos.gpu_model for s in state.spec.nodes), bool, state.num_nodes)
+        ok = ok & state.spec.model_mask(qos.gpu_model)
     if qos.gpu_mem_mb is not None and qos.gpus > 0:
         ok = ok & (state.gmem_cap >= qos.gpu_mem_mb)
     return ok
@@ -228,7 +228,7 @@ def find_colocation(
             return None
         if state.gmem_free[n, g] < mem - 1e-6:
             return None
-        if qos.gpu_model is not None and state.spec.nodes[n].gpu_model != qos.gpu_model:
+        if not qos.accepts_gpu_model(state.spec.nodes[n].gpu_model):
             return None
         cpu_need[n] = cpu_need.get(n, 0.0) + per
     for n, c in cpu_need.items():

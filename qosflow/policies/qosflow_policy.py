@@ -306,7 +306,7 @@ class QosflowPolicy(Policy):
         gmax = max(1, st.spec.max_gpus_per_node)
         node_ok = ~st.down
         if q.gpu_model is not None:
-            node_ok &= np.fromiter((s.gpu_model == q.gpu_model for s in st.spec.nodes), bool, st.num_nodes)
+            node_ok &= st.spec.model_mask(q.gpu_model)
         sig = (k, q.gpu_model, q.gpu_mem_mb, job.batch_size is not None, q.cpu_cores)
         if self._nofit.get(sig) == self._ver:
             return None  # nothing changed since the same request found no shareable slot this round
@@ -430,7 +430,7 @@ class QosflowPolicy(Policy):
         r = rem[js.job_id]
         node_ok = ~st.down
         if q.gpu_model is not None:
-            node_ok &= np.fromiter((s.gpu_model == q.gpu_model for s in st.spec.nodes), bool, st.num_nodes)
+            node_ok &= st.spec.model_mask(q.gpu_model)
         per_gpu_cpu = q.cpu_cores / k
         free = st.exists & (st.njobs == 0) & node_ok[:, None]
         can_share = q.shareable and q.gpu_mem_mb is not None
@@ -817,7 +817,7 @@ class QosflowPolicy(Policy):
         if reserved:
             bad[list(reserved)] = True
         if q.gpu_model is not None:
-            bad |= np.fromiter((s.gpu_model != q.gpu_model for s in st.spec.nodes), bool, st.num_nodes)
+            bad |= ~st.spec.model_mask(q.gpu_model)
         bad |= st.gpu_count == 0
         if q.gpus <= gmax:
             ok = ~bad & (st.gpu_count >= q.gpus)

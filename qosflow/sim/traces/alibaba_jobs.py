@@ -10,8 +10,7 @@ pods into `Job`s:
 * GPUs: ``num_gpu`` whole GPUs, or a share ``gpu_milli``/1000 of one GPU when ``num_gpu`` is 1 and
   ``gpu_milli`` < 1000; ``num_gpu`` 0 is a CPU-only pod. CPU cores = ``cpu_milli``/1000, host memory
   = ``memory_mib``. ``gpu_spec`` (accepted GPU models, ``|``-separated) becomes ``qos.gpu_model``
-  when it names exactly one model; several models are kept in ``meta["gpu_spec"]`` (the spec has
-  one model field, so such a pod is left unconstrained). Pods never share whole GPUs with another job
+  as it is (one model or several, ``A|B``: any node of one of them). Pods never share whole GPUs with another job
   (``shareable=False``): their sharing is the fractional request itself;
 * a pod runs on one node: one that no single node (of its GPU model) can hold is rejected with
   that reason, even where a multi-node gang would fit;
@@ -71,7 +70,7 @@ def load_alibaba_jobs(path: str | Path, *, cluster: ClusterSpec | None = None) -
             gpus, milli = 1, pod.gpu_milli
         else:
             gpus, milli = pod.num_gpu, 1000
-        model = pod.gpu_spec[0] if len(pod.gpu_spec) == 1 else None
+        model = "|".join(pod.gpu_spec) or None
         try:
             qos = QoSSpec(
                 gpus=gpus,
