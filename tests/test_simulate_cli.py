@@ -27,6 +27,13 @@ def test_simulate_synthetic_writes_json_and_plots(tmp_path, capsys):
     assert "qosflow" in text and "bound" in text
 
 
+def test_default_policies_compare_qosflow_with_the_baselines(tmp_path):
+    out = tmp_path / "d.json"
+    assert main(["simulate", "--jobs", "12", "--cluster", "2x4", "--no-plots", "--json", str(out)]) == 0
+    names = set(json.loads(out.read_text())["policies"])
+    assert {"qosflow", "fifo", "srtf", "tiresias", "sjf-bsbf", "genie"} <= names
+
+
 def test_python_dash_m_works_like_the_script(tmp_path):
     out = tmp_path / "r.json"
     p = subprocess.run(
