@@ -57,11 +57,10 @@ def test_host_memory_no_node_has_is_never_fitting():
     assert spec.why_never_fits(QoSSpec(gpus=2, mem_mb=90_000)) is None
     why = spec.why_never_fits(QoSSpec(gpus=1, mem_mb=150_000))
     assert why and "150000 MiB of host memory" in why and "100000" in why
-    # a gang may spread, its host memory split over its nodes: 75,000 MiB on each of two
-    assert spec.why_never_fits(QoSSpec(gpus=2, mem_mb=150_000)) is None
-    assert spec.why_never_fits(QoSSpec(gpus=2, mem_mb=150_000), single_node=True)
-    assert spec.why_never_fits(QoSSpec(gpus=2, mem_mb=250_000))
-    assert spec.why_never_fits(QoSSpec(gpus=8, mem_mb=150_000)) is None  # 4 GPUs and 75,000 MiB per node
+    # a job that fits on one node by GPUs is placed on one: that node needs its memory
+    assert spec.why_never_fits(QoSSpec(gpus=2, mem_mb=150_000))
+    # a gang wider than a node splits its host memory over its nodes: 75,000 MiB on each of two
+    assert spec.why_never_fits(QoSSpec(gpus=8, mem_mb=150_000)) is None
     assert "host memory" in spec.why_never_fits(QoSSpec(gpus=8, mem_mb=250_000))
 
 

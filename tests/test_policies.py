@@ -220,3 +220,16 @@ def test_a_gang_wider_than_its_eligible_nodes_spans_them(name):
     res = simulate([job], cluster, get_policy(name), config=SimConfig(seed=0))
     (js,) = res.jobs
     assert js.status is JobStatus.DONE, js.note
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_placements_respect_host_memory(name):
+    """Jobs with host memory on nodes that hold only one of them at a time, and gangs wider than a
+    node whose memory is split over their nodes: every policy places them validly (a spread or
+    multi-node placement used to ignore host memory, and the state rejected it) and all finish."""
+    cluster = ClusterSpec.uniform(2, 4, mem_mb=100_000)
+    jobs = [Job(f"j{i}", 0.0, QoSSpec(gpus=1, mem_mb=80_000), duration=100.0 + i) for i in range(3)]
+    jobs += [Job(f"g{i}", 0.0, QoSSpec(gpus=4, mem_mb=10_000), duration=100.0 + i) for i in range(2)]
+    jobs += [Job(f"w{i}", 0.0, QoSSpec(gpus=6, mem_mb=150_000), duration=100.0 + i) for i in range(2)]
+    res = simulate(jobs, cluster, get_policy(name), config=SimConfig(seed=0))
+    assert all(j.status is JobStatus.DONE for j in res.jobs)

@@ -187,10 +187,9 @@ class ClusterSpec:
             fed = [n for n in mem_ok if n.gpus >= qos.gpus and per_gpu_cpu * qos.gpus <= n.cpu_cores + 1e-9]
             if not fed:
                 return f"no node has {qos.gpus} GPUs with {qos.cpu_cores:g} cores"
+            # a job that fits on one node is placed on one first (locality), so one node must have
+            # its host memory (a spread placement splits memory only for jobs wider than a node)
             if any(n.mem_mb >= qos.mem_mb - 1e-6 for n in fed):
-                return None
-            # no one node has the host memory; a gang may still spread over several
-            if self._spreads(mem_ok, qos):
                 return None
             return f"no node has {qos.mem_mb:g} MiB of host memory with {qos.gpus} GPU(s) (largest: {max(n.mem_mb for n in fed):g} MiB)"
         # a multi-node gang: its cores are split over its nodes in proportion to its GPUs there

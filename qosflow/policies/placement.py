@@ -105,7 +105,10 @@ def find_whole(
         if locality == "consolidated":
             return None
 
-    # multi-node
+    # multi-node: the job's host memory is split evenly over its nodes, so a node needs at least
+    # mem / (the fewest nodes it can span) free
+    if qos.mem_mb > 0:
+        mask = mask & (state.mem_free >= qos.mem_mb / max(2, -(-k // gmax)) - 1e-6)
     if locality == "consolidated":
         # whole empty nodes, within one switch if possible
         full = mask & (state.empty == state.gpu_count) & (state.gpu_count > 0)
@@ -123,7 +126,7 @@ def find_whole(
         if cands.size == 0 or cap[cands].sum() < k:
             return None
         chosen = _fill_nodes(state, cands, k, prefer_switch=True, cap=cap)
-    if chosen is None:
+    if chosen is None or (qos.mem_mb > 0 and any(state.mem_free[n] < qos.mem_mb / len(chosen) - 1e-6 for n, _ in chosen)):
         return None
     gpus: list[tuple[int, int]] = []
     cpu: list[tuple[int, float]] = []
