@@ -191,7 +191,8 @@ class ClusterSpec:
             # its host memory (a spread placement splits memory only for jobs wider than a node)
             if any(n.mem_mb >= qos.mem_mb - 1e-6 for n in fed):
                 return None
-            return f"no node has {qos.mem_mb:g} MiB of host memory with {qos.gpus} GPU(s) (largest: {max(n.mem_mb for n in fed):g} MiB)"
+            model = f"{' or '.join(qos.gpu_models)} " if qos.gpu_models else ""
+            return f"no {model}node has {qos.mem_mb:g} MiB of host memory with {qos.gpus} GPU(s) (largest: {max(n.mem_mb for n in fed):g} MiB)"
         # a multi-node gang: its cores are split over its nodes in proportion to its GPUs there
         fits = sum(n.gpus for n in mem_ok if per_gpu_cpu * n.gpus <= n.cpu_cores + 1e-9)
         if fits < qos.gpus:
