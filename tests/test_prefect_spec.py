@@ -205,3 +205,33 @@ def test_blocks_validate_and_build_clusters():
     k = KubernetesGPUCluster(node_names=["n1", "n2"], gpus_per_host=8)
     assert k.to_cluster_spec().num_gpus == 16
     assert QoSPolicy(policy="fifo").make_policy().name == "fifo"
+
+
+def _code_blocks(doc: str) -> list[str]:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / doc).read_text()
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/prefect.md"])
+def test_doc_pipeline_examples_define_every_stage_they_call(doc):
+    """The pipeline examples are copied verbatim by users: every global name they use must exist."""
+    import builtins
+    import dis
+    import types
+
+    blocks = [b for b in _code_blocks(doc) if "@qos_flow" in b]
+    assert blocks, f"{doc} has no @qos_flow example"
+    for src in blocks:
+        ns: dict = {"__name__": "doc_example"}
+        exec(compile(src, doc, "exec"), ns)
+        for obj in list(ns.values()):
+            fn = getattr(obj, "fn", None)  # Prefect flows/tasks keep the decorated function here
+            fn = getattr(fn, "__wrapped__", fn)
+            if not isinstance(fn, types.FunctionType) or fn.__module__ != "doc_example":
+                continue
+            used = {i.argval for i in dis.get_instructions(fn.__code__) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+            missing = sorted(n for n in used if n not in ns and not hasattr(builtins, n))
+            assert not missing, f"{doc}: {fn.__name__} uses undefined {missing}"
