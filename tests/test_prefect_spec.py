@@ -46,6 +46,12 @@ def f(x):
         (dict(tags=["qos:gpus=8"]), "tags"),
         (dict(name=""), "name"),
         (dict(gpu_count=2), "gpu_count"),
+        (dict(cpu_cores="4"), "cpu_cores"),
+        (dict(gpu_mem_mb="16384"), "gpu_mem_mb"),
+        (dict(deadline=True), "deadline"),
+        (dict(cpu_cores=True), "cpu_cores"),
+        (dict(latency_slo="0.1"), "latency_slo"),
+        (dict(retry_delay_seconds="5"), "retry_delay_seconds"),
     ],
 )
 def test_bad_arguments_fail_at_decoration(kwargs, field):
@@ -55,6 +61,11 @@ def test_bad_arguments_fail_at_decoration(kwargs, field):
     assert field in str(ei.value) and "@qos_task" in str(ei.value)
     with pytest.raises(SpecError):
         qos_task(f, **kwargs)
+
+
+def test_number_given_as_string_says_how_to_write_it():
+    with pytest.raises(SpecError, match=r"invalid cpu_cores: must be a number \(CPU cores\), got '4'; write cpu_cores=4"):
+        qos_task(f, cpu_cores="4")
 
 
 def test_error_names_the_function():

@@ -29,6 +29,16 @@ STAGE_FIELDS = ("expected_duration", "batch_size", "early_check")
 
 TAG_PREFIX = "qos:"
 
+#: numeric QoS fields and their units (a string or a bool there is a user error, named as such)
+_NUMBER_FIELDS = {
+    "gpu_mem_mb": "MiB per GPU",
+    "cpu_cores": "CPU cores",
+    "mem_mb": "MiB",
+    "deadline": "seconds after submission",
+    "latency_slo": "seconds",
+    "min_throughput": "steps/s",
+}
+
 
 def build_spec(where: str, **kw: Any) -> QoSSpec:
     """A QoSSpec from decorator arguments; every error names the argument and the stage."""
@@ -43,6 +53,11 @@ def build_spec(where: str, **kw: Any) -> QoSSpec:
     for k in ("shareable", "gang"):
         if k in kw and not isinstance(kw[k], bool):
             raise SpecError(k, f"must be True or False, got {kw[k]!r}", where=where)
+    for k, unit in _NUMBER_FIELDS.items():
+        v = kw.get(k)
+        if v is not None and not _is_number(v):
+            hint = f"; write {k}={v.strip()}" if isinstance(v, str) and _finite(v) else ""
+            raise SpecError(k, f"must be a number ({unit}), got {v!r}{hint}", where=where)
     if "priority" in kw:
         kw["priority"] = PriorityClass.parse(kw["priority"], where=where)
     if kw.get("gpu_model") is not None and not isinstance(kw["gpu_model"], str):
@@ -96,7 +111,7 @@ def check_stage_args(
     if retry_delay_seconds is not None and not callable(retry_delay_seconds):
         vals = retry_delay_seconds if isinstance(retry_delay_seconds, (list, tuple)) else [retry_delay_seconds]
         for v in vals:
-            if isinstance(v, bool) or not _finite(v) or float(v) < 0:
+            if not _is_number(v) or not _finite(v) or float(v) < 0:  # Prefect takes numbers only
                 raise bad("retry_delay_seconds", f"must be seconds >= 0 (or a list of them), got {retry_delay_seconds!r}")
     if timeout_seconds is not None:
         if isinstance(timeout_seconds, bool) or not _finite(timeout_seconds) or float(timeout_seconds) <= 0:
@@ -189,6 +204,10 @@ def spec_from_job_variables(cfg: Any, where: str) -> QoSSpec:
         if v is not None:
             kw[k] = v
     return build_spec(where, **kw)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _finite(x: Any) -> bool:
