@@ -4,6 +4,7 @@ work-pool job variables (both survive `Task.with_options()` and travel with ever
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Iterable
 
 from qosflow.core.qos import PriorityClass, QoSSpec
@@ -207,7 +208,7 @@ def spec_from_job_variables(cfg: Any, where: str) -> QoSSpec:
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)  # numpy scalars included
 
 
 def _finite(x: Any) -> bool:
