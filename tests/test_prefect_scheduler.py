@@ -279,3 +279,17 @@ def test_inventory_is_virtual_without_nvml():
     gpus, _ = nvml_gpus()
     if gpus is None:
         assert "no GPU" in why and all(n.virtual for n in spec.nodes)
+
+
+def test_impossible_request_is_rejected_at_once_naming_stage_cluster_and_fix():
+    from qosflow.core.cluster import PlacementError
+
+    async def main():
+        s = QoSScheduler(CL, PriorityFirstFit())
+        with pytest.raises(PlacementError) as ei:
+            await s.request(entry("big", gpus=16))
+        return str(ei.value)
+
+    msg = asyncio.run(main())
+    assert "'big'" in msg and "16 GPUs" in msg
+    assert "ask for less in its @qos_task" in msg and "cluster block or file" in msg

@@ -121,7 +121,10 @@ class QoSScheduler:
         reason = self.cluster.why_never_fits(entry.job.qos)
         if reason:
             entry.state.status = JobStatus.REJECTED
-            raise PlacementError(f"stage {entry.name!r} can never be placed on cluster {self.cluster.name}: {reason}")
+            raise PlacementError(
+                f"stage {entry.name!r} can never be placed on cluster {self.cluster.name}: {reason}; ask for less in its "
+                "@qos_task (gpus, gpu_mem_mb, cpu_cores, mem_mb, gpu_model) or describe more capacity in the pool's cluster block or file"
+            )
         loop = asyncio.get_running_loop()
         entry.future = loop.create_future()
         entry.ready_at = entry.ready_at or self.clock()
