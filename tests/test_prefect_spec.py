@@ -246,3 +246,34 @@ def test_doc_pipeline_examples_define_every_stage_they_call(doc):
             used = {i.argval for i in dis.get_instructions(fn.__code__) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
             missing = sorted(n for n in used if n not in ns and not hasattr(builtins, n))
             assert not missing, f"{doc}: {fn.__name__} uses undefined {missing}"
+
+
+@pytest.mark.parametrize("clash", [False, True])
+def test_stage_of_a_deployed_entrypoint_runs_in_a_fresh_process(tmp_path, monkeypatch, clash):
+    """`prefect deploy` loads `flows/x.py:flow` as the module `x` (or `__prefect_loader_...__` when that
+    name is taken) with `flows/` on sys.path; the worker's stage process must still find the stage."""
+    import subprocess
+    import sys
+
+    from prefect.utilities.importtools import load_script_as_module
+
+    from qosflow.prefect.stage import pack_payload
+
+    flows = tmp_path / "proj" / "flows"
+    flows.mkdir(parents=True)
+    (flows / "nightly_job_xyz.py").write_text(
+        "def _helper(x):\n    return x * 2\n\n\ndef stage(x):\n    return _helper(x) + 1\n"
+    )
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_script_as_module adds flows/ to it
+    if clash:
+        monkeypatch.setitem(sys.modules, "nightly_job_xyz", object())
+    mod = load_script_as_module(str(flows / "nightly_job_xyz.py"))
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    (tmp_path / "payload.pkl").write_bytes(pack_payload(mod.stage, (20,), {}))
+    code = (
+        "import pathlib\nfrom qosflow.prefect.stage import unpack_payload\n"
+        "fn, a, k = unpack_payload(pathlib.Path('payload.pkl').read_bytes())\nprint(fn(*a, **k))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "41"

@@ -9,9 +9,11 @@ stage's return value is persisted by Prefect and read back by the parent.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -38,14 +40,55 @@ def _call(fn_name: str, *args: Any):
     return out
 
 
+def _import_root(fn: Any) -> str | None:
+    """The sys.path entry the stage function's module was imported from.
+
+    `prefect deploy` loads an entrypoint such as `flows/retrain.py:retrain` as the top-level module
+    `retrain` with `flows/` put on the pipeline process's sys.path; the stage process, started by the
+    worker, does not have it, and cloudpickle refers to that module's functions by name. A module whose
+    name is not importable at all (Prefect's `__prefect_loader_...__` fallback) is pickled by value.
+    """
+    name = getattr(fn, "__module__", None)
+    mod = sys.modules.get(name or "")
+    file = getattr(mod, "__file__", None)
+    if mod is None or not file or name == "__main__":
+        return None
+    path = Path(file).resolve()
+    parts = name.split(".")
+    root = path.parent if path.name != "__init__.py" else path.parent.parent
+    for _ in parts[:-1]:
+        root = root.parent
+    if root.joinpath(*parts[:-1], parts[-1] + ".py") != path and root.joinpath(*parts, "__init__.py") != path:
+        cloudpickle.register_pickle_by_value(mod)  # not importable by its name anywhere
+        return None
+    return str(root)
+
+
+def pack_payload(fn: Any, args: tuple, kwargs: dict) -> bytes:
+    """The stage's function and arguments, with the sys.path entry its module came from."""
+    root = _import_root(fn)
+    body = cloudpickle.dumps((fn, args, kwargs))
+    return cloudpickle.dumps({"qosflow_payload": 2, "sys_path": [root] if root else [], "body": body})
+
+
+def unpack_payload(raw: bytes) -> tuple[Any, tuple, dict]:
+    data = cloudpickle.loads(raw)
+    if not (isinstance(data, dict) and data.get("qosflow_payload") == 2):
+        return data  # written by an older qosflow
+    for entry in data["sys_path"]:  # where the pipeline imported the stage's module from
+        if entry not in sys.path and os.path.isdir(entry):
+            sys.path.append(entry)
+    return cloudpickle.loads(data["body"])
+
+
 def write_payload(fn: Any, args: tuple, kwargs: dict) -> str:
     key = f"{PAYLOAD_PREFIX}/{uuid.uuid4().hex}.pkl"
-    _call("write_path", key, cloudpickle.dumps((fn, args, kwargs)))
+    _call("write_path", key, pack_payload(fn, args, kwargs))
     return key
 
 
 def read_payload(key: str) -> tuple[Any, tuple, dict]:
-    return cloudpickle.loads(_call("read_path", key))
+    return unpack_payload(_call("read_path", key))
 
 
 def delete_payload(key: str) -> None:
