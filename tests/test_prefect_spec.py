@@ -277,3 +277,29 @@ def test_stage_of_a_deployed_entrypoint_runs_in_a_fresh_process(tmp_path, monkey
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "41"
+
+
+def test_planned_stages_are_forecast_with_their_declared_durations():
+    """With `plan=`, stages not dispatched yet count with their expected_duration (not 60 s each)."""
+    from qosflow.prefect.tasks import PipelineRun
+
+    @qos_task(gpus=0, expected_duration=5)
+    def load():
+        return 1
+
+    @qos_task(gpus=1, expected_duration=40)
+    def fit(x):
+        return x
+
+    @qos_flow(deadline=100, plan={"load": [], "fit": ["load"]})
+    def pipe():
+        stages = (load, fit)  # a pipeline that names its stages (the body is not what is tested)
+        return len(stages)
+
+    assert pipe.fn() == 2  # the pipeline function without a flow run (no server)
+    run = PipelineRun.finished[-1]
+    assert run.expected == {"load": 5.0, "fit": 40.0}
+    fc = run.forecast()
+    assert fc.finish - run.started == pytest.approx(45.0, abs=2.0)
+    split = split_deadline(run._nodes(), 100.0)
+    assert split["load"] == pytest.approx(100.0 * 5 / 45) and split["fit"] == pytest.approx(100.0)

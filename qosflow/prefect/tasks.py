@@ -725,6 +725,9 @@ def qos_flow(
             name = ctx.flow_run.name if ctx and ctx.flow_run and ctx.flow_run.name else flow_name
             the_plan, expected = (plan, {}) if plan else _recorded_plan(flow_name)
             expected = dict(expected)
+            for t in _stages_used_by(fn):  # declared durations of planned stages not dispatched yet
+                if the_plan and t.name in the_plan and t.expected_duration and t.name not in expected:
+                    expected[t.name] = float(t.expected_duration)
             run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=pool or os.environ.get("QOSFLOW_POOL"), plan=the_plan, expected=expected)
             run.flow_name = flow_name
             run.register()
@@ -743,6 +746,22 @@ def qos_flow(
     if __fn is not None:
         return deco(__fn)
     return deco
+
+
+def _stages_used_by(fn: Callable) -> list[QoSTask]:
+    """The `@qos_task` stages a pipeline function names (globals or closure)."""
+    code = fn.__code__
+    found = [fn.__globals__.get(n) for n in code.co_names]
+    found += [c.cell_contents for c in (fn.__closure__ or ()) if _cell_set(c)]
+    return [t for t in found if isinstance(t, QoSTask)]
+
+
+def _cell_set(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def _resolve(x: Any) -> Any:
