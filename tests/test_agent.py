@@ -317,3 +317,34 @@ def test_cluster_file(tmp_path, agents):
 
     with pytest.raises(SpecError, match=r"bad.yaml: hosts\[0\].*agent_url"):
         load_cluster_file(bad)
+
+
+@pytest.mark.parametrize(
+    "text, where, field, hint",
+    [
+        ("gpus_per_hosts: 8\nhosts:\n  - {name: a, agent_url: 'http://a:1'}\n", "lab.yaml: ", "gpus_per_hosts", "did you mean 'gpus_per_host'"),
+        ("hosts:\n  - {name: a, agent_url: 'http://a:1', gpu_mem: 100}\n", r"lab.yaml: hosts\[0\]: ", "gpu_mem", "did you mean 'gpu_mem_mb'"),
+        ("hosts:\n  - {name: a, agent_url: 'http://a:1', gpus: two}\n", r"lab.yaml: hosts\[0\]: ", "gpus", "whole number >= 0, got 'two'"),
+        ("gpus_per_host: -4\nhosts:\n  - {name: a, agent_url: 'http://a:1'}\n", "lab.yaml: ", "gpus_per_host", "got -4"),
+        ("cpu_cores: 0\nhosts:\n  - {name: a, agent_url: 'http://a:1'}\n", "lab.yaml: ", "cpu_cores", "> 0"),
+        ("heartbeat_s: fast\nhosts:\n  - {name: a, agent_url: 'http://a:1'}\n", "lab.yaml: ", "heartbeat_s", "seconds > 0"),
+        ("hosts:\n  - {name: a, agent_url: '10.0.0.1:8701'}\n", r"lab.yaml: hosts\[0\]: ", "agent_url", "write e.g. http://10.0.0.1:8701"),
+    ],
+)
+def test_cluster_file_mistakes_are_named(tmp_path, text, where, field, hint):
+    """A misspelt key or a bad value in a cluster file is an error naming file, host and key, never ignored."""
+    from qosflow.errors import SpecError
+
+    f = tmp_path / "lab.yaml"
+    f.write_text("name: lab\ntoken: x\n" + text)
+    with pytest.raises(SpecError, match=rf"{where}invalid {field}: .*{hint}"):
+        load_cluster_file(f)
+
+
+def test_cluster_file_numbers_may_be_quoted(tmp_path):
+    f = tmp_path / "lab.yaml"
+    f.write_text("name: lab\ntoken: x\nheartbeat_s: '1.5'\ngpus_per_host: 2\nhosts:\n  - {name: a, agent_url: 'http://a:1', gpus: '4', cpu_cores: 8}\n"
+                 "  - {name: b, url: 'http://b:1', switch: 1, labels: {rack: r1}}\n")
+    cf = load_cluster_file(f)
+    assert [h.gpus for h in cf.hosts] == [4, 2] and cf.hosts[0].cpu_cores == 8.0 and cf.heartbeat_s == 1.5
+    assert cf.hosts[1].switch == 1 and cf.hosts[1].labels == {"rack": "r1"}

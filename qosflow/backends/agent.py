@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -540,6 +541,7 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
     token = token or os.environ.get("QOSFLOW_AGENT_TOKEN", "")
     if not token:
         raise SpecError("token", "give the agents' secret token: token_file:, token_env: or token:", where=where)
+    _no_unknown_keys(data, _FILE_KEYS, where)
     raw = data.get("hosts")
     if not isinstance(raw, list) or not raw:
         raise SpecError("hosts", "list at least one host with name and agent_url", where=where)
@@ -548,31 +550,73 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
         w = f"{where}: hosts[{i}]"
         if not isinstance(h, dict):
             raise SpecError("hosts", "each host is a mapping with name and agent_url", where=w)
+        _no_unknown_keys(h, _HOST_KEYS, w)
         url = h.get("agent_url") or h.get("url")
         if not h.get("name") or not url:
             raise SpecError("agent_url" if h.get("name") else "name", "each host needs name and agent_url", where=w)
-        try:
-            hosts.append(
-                AgentHost(
-                    name=str(h["name"]),
-                    url=str(url),
-                    gpus=int(h.get("gpus", data.get("gpus_per_host"))) if h.get("gpus", data.get("gpus_per_host")) is not None else None,
-                    gpu_mem_mb=_opt_float(h.get("gpu_mem_mb", data.get("gpu_mem_mb"))),
-                    cpu_cores=_opt_float(h.get("cpu_cores", data.get("cpu_cores"))),
-                    mem_mb=_opt_float(h.get("mem_mb", data.get("mem_mb"))),
-                    gpu_model=h.get("gpu_model", data.get("gpu_model")),
-                    switch=int(h.get("switch", 0)),
-                    labels={str(k): str(v) for k, v in (h.get("labels") or {}).items()},
-                )
+        if not str(url).startswith(("http://", "https://")):
+            raise SpecError("agent_url", f"{url!r} is not an http(s) URL; write e.g. http://{url}", where=w)
+
+        def num(key: str, kind: type = float, *, file_key: str | None = None, strict: bool = True) -> Any:
+            """A host's number, else the file-level default; the error names the key that holds it."""
+            name, v, src = (key, h[key], w) if key in h else (file_key or key, data.get(file_key or key), where)
+            if v is None:
+                return None
+            try:  # numbers, or numbers quoted as strings
+                f = float(v) if not isinstance(v, bool) else math.nan
+            except (TypeError, ValueError):
+                f = math.nan
+            ok = math.isfinite(f) and (kind is float or f.is_integer())
+            if not ok or not (f > 0 if strict else f >= 0):
+                what = "a whole number" if kind is int else "a number"
+                raise SpecError(name, f"must be {what} {'>' if strict else '>='} 0, got {v!r}", where=src)
+            return kind(f)
+
+        hosts.append(
+            AgentHost(
+                name=str(h["name"]),
+                url=str(url),
+                gpus=num("gpus", int, file_key="gpus_per_host", strict=False),
+                gpu_mem_mb=num("gpu_mem_mb"),
+                cpu_cores=num("cpu_cores"),
+                mem_mb=num("mem_mb"),
+                gpu_model=h.get("gpu_model", data.get("gpu_model")),
+                switch=num("switch", int, file_key="-", strict=False) or 0,
+                labels={str(k): str(v) for k, v in (h.get("labels") or {}).items()},
             )
-        except (TypeError, ValueError) as exc:
-            raise SpecError("hosts", f"bad number: {exc}", where=w) from None
+        )
     names = [h.name for h in hosts]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise SpecError("hosts", f"host name(s) {', '.join(sorted(dup))} appear twice", where=where)
-    return ClusterFile(str(data.get("name") or path.stem), token, hosts, float(data.get("heartbeat_s", 2.0)),
-                       _opt_float(data.get("fence_after_s")), str(path))
+    timing = {}
+    for key in ("heartbeat_s", "fence_after_s"):
+        v = data.get(key)
+        try:
+            f = None if v is None else float(v) if not isinstance(v, bool) else math.nan
+        except (TypeError, ValueError):
+            f = math.nan
+        if f is not None and not (math.isfinite(f) and f > 0):
+            raise SpecError(key, f"must be a number of seconds > 0, got {v!r}", where=where)
+        timing[key] = f
+    return ClusterFile(str(data.get("name") or path.stem), token, hosts, timing["heartbeat_s"] or 2.0,
+                       timing["fence_after_s"], str(path))
+
+
+_FILE_KEYS = ("name", "token", "token_file", "token_env", "heartbeat_s", "fence_after_s", "gpus_per_host", "gpu_mem_mb",
+              "cpu_cores", "mem_mb", "gpu_model", "hosts")
+_HOST_KEYS = ("name", "agent_url", "url", "gpus", "gpu_mem_mb", "cpu_cores", "mem_mb", "gpu_model", "switch", "labels")
+
+
+def _no_unknown_keys(d: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    """A misspelt key (gpus_per_hosts, gpu_mem) would silently be ignored: name it instead."""
+    import difflib
+
+    for k in d:
+        if k not in known:
+            close = difflib.get_close_matches(str(k), known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise SpecError(str(k), f"unknown key; {hint}known keys: {', '.join(known)}", where=where)
 
 
 def _opt_float(v: Any) -> float | None:
