@@ -85,3 +85,32 @@ def test_rerun_after_infra_failure_avoids_the_failed_node():
             await sched.stop()
 
     asyncio.run(go())
+
+
+def test_worker_with_a_broken_cluster_file_takes_no_flow_run(prefect_server, tmp_path):
+    """A worker whose cluster file is malformed says so and leaves the pool's runs scheduled (for a fixed
+    or another worker) instead of taking each one and reporting it Crashed."""
+    from prefect.client.orchestration import get_client
+
+    from qosflow.prefect.local import setup_pool
+    from qosflow.prefect.worker import QosflowWorker
+
+    bad = tmp_path / "lab.yaml"
+    bad.write_text("name: lab\ntoken: x\nhosts:\n  - {name: a, agent_url: 'http://127.0.0.1:9', gpus: two}\n")
+    pool = "broken-cluster-file"
+
+    async def go():
+        await setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, 1))
+        async with get_client() as c:
+            dep = await c.read_deployment_by_name(f"qosflow-stage/{pool}")
+            fr = await c.create_flow_run_from_deployment(dep.id, parameters={"payload": "none"}, job_variables={"role": "stage", "gpus": 1})
+        async with QosflowWorker(work_pool_name=pool, cluster_file=str(bad), create_pool_if_not_found=False) as w:
+            await w.sync_with_backend()
+            taken = await w.get_and_submit_flow_runs()
+            with pytest.raises(Exception, match=r"lab.yaml: hosts\[0\]: invalid gpus"):
+                await w._ensure_qos()
+        async with get_client() as c:
+            return taken, (await c.read_flow_run(fr.id)).state
+
+    taken, state = asyncio.run(go())
+    assert taken == [] and state.is_scheduled(), state

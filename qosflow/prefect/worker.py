@@ -306,13 +306,26 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 try:
                     await self._ensure_qos()
                 except Exception as exc:
-                    self._logger.error("qosflow worker setup failed (retrying): %s", exc)
+                    self._logger.error(
+                        "qosflow worker setup failed: %s. This worker takes no flow run until that is fixed "
+                        "(runs stay scheduled in the pool); retrying every 5 s", exc)
                     await asyncio.sleep(5.0)
                     continue
             try:
                 await self.get_and_submit_flow_runs()
             except Exception as exc:
                 self._logger.debug("fast poll failed: %s", exc)
+
+    async def get_and_submit_flow_runs(self) -> list["FlowRun"]:
+        """Take flow runs only once the cluster, backend and policy are set up: a worker with a broken
+        cluster file or block would otherwise take every run and report it Crashed."""
+        if self.scheduler is None and self._work_pool is not None:
+            try:
+                await self._ensure_qos()
+            except Exception as exc:
+                self._logger.debug("not taking flow runs, setup failed: %s", exc)
+                return []
+        return await super().get_and_submit_flow_runs()
 
     async def teardown(self, *exc_info: Any) -> None:
         if getattr(self, "_poll_task", None) is not None:
