@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
 
         from qosflow.errors import SpecError
         from qosflow.packing.experiment import run_experiment
-        from qosflow.packing.model import PackState, nodes_from_records, pods_from_records
+        from qosflow.packing.model import PackState, never_fitting, nodes_from_records, pods_from_records
         from qosflow.packing.policies import make_policy
         from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png, write_json
         from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
@@ -68,7 +68,7 @@ def register(app: typer.Typer) -> None:
         total_gpus = PackState(node_list).total_gpus
         if total_gpus == 0:
             raise SpecError("--nodes", f"{nodes_path} has no GPUs; the packing experiment needs GPU nodes")
-        never = _never_fit(pod_list, node_list)
+        never = never_fitting(pod_list, node_list)
         for name, why in never[:5]:
             console.print(f"[yellow]never fits[/] {name}: {why}")
         if never:
@@ -139,27 +139,3 @@ def register(app: typer.Typer) -> None:
             console.print(f"wrote {write_curve_csv(out_dir / 'pack_curve.csv', summaries)}")
             if not no_plots:
                 console.print(f"wrote {write_curve_png(out_dir / 'pack_curve.png', summaries)}")
-
-
-def _never_fit(pods, nodes) -> list[tuple[str, str]]:
-    """(pod name, reason) for pods that fit no node of the empty cluster (memoised per request)."""
-    from qosflow.packing.model import PackState
-
-    empty = PackState(nodes)
-    memo: dict[tuple, str | None] = {}
-    out: list[tuple[str, str]] = []
-    for pod in pods:
-        key = (pod.cpu_milli, pod.memory_mib, pod.num_gpu, pod.gpu_milli, pod.gpu_spec)
-        if key not in memo:
-            why = None
-            if not empty.fit_mask(pod).any():
-                if pod.num_gpu and not empty.model_mask(pod.gpu_spec).any():
-                    why = f"no node has GPU model {'|'.join(pod.gpu_spec)}"
-                else:
-                    gpus = f"{pod.num_gpu} GPU(s) x {pod.gpu_milli} milli, " if pod.num_gpu else ""
-                    spec = f" ({'|'.join(pod.gpu_spec)})" if pod.gpu_spec else ""
-                    why = f"no node has {gpus}{pod.cpu_milli} milli-CPU and {pod.memory_mib} MiB{spec}"
-            memo[key] = why
-        if memo[key]:
-            out.append((pod.name, memo[key]))
-    return out

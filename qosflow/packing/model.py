@@ -282,6 +282,28 @@ class PackState:
         self.version[n] += 1
 
 
+def never_fitting(pods: Sequence[Pod], nodes: Sequence[Node]) -> list[tuple[str, str]]:
+    """(pod name, reason) for pods that fit no node of the empty cluster (memoised per request)."""
+    empty = PackState(nodes)
+    memo: dict[tuple, str | None] = {}
+    out: list[tuple[str, str]] = []
+    for pod in pods:
+        key = (pod.cpu_milli, pod.memory_mib, pod.num_gpu, pod.gpu_milli, pod.gpu_spec)
+        if key not in memo:
+            why = None
+            if not empty.fit_mask(pod).any():
+                if pod.num_gpu and not empty.model_mask(pod.gpu_spec).any():
+                    why = f"no node has GPU model {'|'.join(pod.gpu_spec)}"
+                else:
+                    gpus = f"{pod.num_gpu} GPU(s) x {pod.gpu_milli} milli, " if pod.num_gpu else ""
+                    spec = f" ({'|'.join(pod.gpu_spec)})" if pod.gpu_spec else ""
+                    why = f"no node has {gpus}{pod.cpu_milli} milli-CPU and {pod.memory_mib} MiB{spec}"
+            memo[key] = why
+        if memo[key]:
+            out.append((pod.name, memo[key]))
+    return out
+
+
 def pods_from_records(records: Iterable["AlibabaPod"]) -> list[Pod]:
     return [Pod.from_record(r) for r in records]
 
