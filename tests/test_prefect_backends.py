@@ -114,3 +114,58 @@ def test_worker_with_a_broken_cluster_file_takes_no_flow_run(prefect_server, tmp
 
     taken, state = asyncio.run(go())
     assert taken == [] and state.is_scheduled(), state
+
+
+def test_qosflow_worker_and_stages_refuse_a_pool_of_another_type(prefect_server, capsys):
+    """A qosflow worker started on a `process` pool takes none of its runs (it used to serve them on a
+    default virtual cluster), `qosflow worker start` says so at once, and a pipeline naming that pool fails
+    at its first stage with the fix, before anything is queued."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.workers.process import ProcessWorker
+
+    from qosflow.cli.main import main
+    from qosflow.errors import SpecError
+    from qosflow.prefect.tasks import ensure_stage_deployment
+    from qosflow.prefect.worker import QosflowWorker
+
+    pool = "plain-process"
+
+    async def go():
+        async with get_client() as c:
+            await c.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=ProcessWorker.get_default_base_job_template()))
+            flow_id = await c.create_flow_from_name("someone-elses-flow")
+            dep = await c.create_deployment(flow_id=flow_id, name="plain", work_pool_name=pool, entrypoint="x.py:f")
+            fr = await c.create_flow_run_from_deployment(dep)
+        async with QosflowWorker(work_pool_name=pool, create_pool_if_not_found=False) as w:
+            await w.sync_with_backend()
+            taken = await w.get_and_submit_flow_runs()
+            with pytest.raises(SpecError, match=r"work pool 'plain-process' has type 'process', not 'qosflow'.*qosflow init --pool"):
+                await w._ensure_qos()
+        async with get_client() as c:
+            return taken, (await c.read_flow_run(fr.id)).state
+
+    taken, state = asyncio.run(go())
+    assert taken == [] and state.is_scheduled(), state
+    assert main(["worker", "start", "--pool", pool]) == 2
+    assert "has type 'process'" in capsys.readouterr().err
+    assert main(["worker", "start", "--pool", "no-such-pool"]) == 2
+    assert "qosflow init --pool no-such-pool" in capsys.readouterr().err
+    with pytest.raises(SpecError, match="has type 'process'; stages need a pool of type 'qosflow'"):
+        ensure_stage_deployment(pool)
+
+
+@pytest.mark.parametrize("cmd", [["init", "--pool", "gpu"], ["worker", "start", "--pool", "gpu"]])
+def test_init_and_worker_without_a_server_say_how_to_start_one(tmp_path, cmd):
+    """Without PREFECT_API_URL, `qosflow init` wrote into a temporary server that vanished on exit and the
+    worker died with a ValueError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), QOSFLOW_HOME=str(tmp_path / "q"))
+    out = subprocess.run([sys.executable, "-m", "qosflow", *cmd], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "PREFECT_API_URL is not set" in out.stderr and "prefect server start" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -38,12 +38,21 @@ def register(app: typer.Typer) -> None:
 
         from qosflow.policies import get_policy
         from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
-        from qosflow.prefect.local import setup_pool
+        import httpx
 
+        from qosflow.errors import QosflowError
+        from qosflow.prefect.local import require_api_url, setup_pool
+
+        api = require_api_url("qosflow init")
         get_policy(policy)  # unknown names fail here with the list of known ones
         cluster = BareMetalGPUCluster(hosts=[f"host{i}" for i in range(hosts)], gpus_per_host=gpus, cpu_cores=cores, virtual_gpus=not real_gpus)
         pol = QoSPolicy(policy=policy, estimator=estimator, deadline_s=deadline)
-        info = asyncio.run(setup_pool(pool, cluster=cluster, cluster_block=f"{pool}-cluster", policy=pol, policy_block=f"{pool}-policy"))
+        try:
+            info = asyncio.run(setup_pool(pool, cluster=cluster, cluster_block=f"{pool}-cluster", policy=pol, policy_block=f"{pool}-policy"))
+        except (httpx.TransportError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and "reach" not in str(exc):
+                raise
+            raise QosflowError(f"cannot reach the Prefect server at {api} ({exc}); is `prefect server start` running there?") from None
         c = Console()
         c.print(f"blocks registered: qosflow-qos-policy, qosflow-bare-metal-cluster, qosflow-kubernetes-cluster")
         c.print(f"cluster block [cyan]{info['cluster_block']}[/]: {hosts} x {gpus} {'virtual ' if not real_gpus else ''}GPUs, {cores:g} cores per host")

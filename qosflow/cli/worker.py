@@ -28,8 +28,11 @@ def register(app: typer.Typer) -> None:
         import asyncio
         import os
 
+        from qosflow.prefect.local import check_pool, require_api_url
         from qosflow.prefect.worker import QosflowWorker
 
+        require_api_url("the qosflow worker")
+        asyncio.run(check_pool(pool))
         if cluster_block:
             os.environ["QOSFLOW_CLUSTER_BLOCK"] = cluster_block
 

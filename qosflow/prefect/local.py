@@ -111,6 +111,44 @@ class LocalServer:
         self.proc = None
 
 
+# ------------------------------------------------------------------------------------ the user's server
+def require_api_url(what: str) -> str:
+    """The configured Prefect API URL; without one Prefect would use a temporary server that forgets
+    everything when the command exits (and a worker cannot start at all)."""
+    from prefect.settings import PREFECT_API_URL
+
+    from qosflow.errors import QosflowError
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise QosflowError(
+            f"PREFECT_API_URL is not set: {what} needs a running Prefect server. Start one (`prefect server start`) and "
+            "point at it (`prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`), or try `qosflow demo`"
+        )
+    return url
+
+
+async def check_pool(pool: str) -> None:
+    """Fail fast, naming the fix, when `pool` does not exist or is not a qosflow pool. An unreachable
+    server is left to the worker (it keeps trying to connect)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from qosflow.errors import SpecError
+
+    try:
+        async with get_client() as client:
+            wp = await client.read_work_pool(pool)
+    except ObjectNotFound:
+        raise SpecError("pool", f"work pool {pool!r} does not exist; create it with `qosflow init --pool {pool}` "
+                                f"(or `prefect work-pool create {pool} --type qosflow`)") from None
+    except (httpx.HTTPError, OSError, RuntimeError):
+        return
+    if wp.type != "qosflow":
+        raise SpecError("pool", f"work pool {pool!r} has type {wp.type!r}; the qosflow worker serves pools of type 'qosflow': "
+                                f"create one with `qosflow init --pool NAME`, or start a {wp.type!r} worker on {pool!r}")
+
+
 # ------------------------------------------------------------------------------------ blocks and pool
 async def register_blocks() -> list[str]:
     from qosflow.prefect.blocks import BareMetalGPUCluster, KubernetesGPUCluster, QoSPolicy

@@ -460,12 +460,18 @@ def ensure_stage_deployment(pool: str) -> str:
             return name
         with get_client(sync_client=True) as client:
             try:
+                wp = client.read_work_pool(pool)
+            except ObjectNotFound:
+                raise SpecError("pool", f"work pool {pool!r} does not exist; create it with `qosflow init --pool {pool}` or `prefect work-pool create {pool} --type qosflow`") from None
+            if wp.type != "qosflow":
+                raise SpecError(
+                    "pool",
+                    f"work pool {pool!r} has type {wp.type!r}; stages need a pool of type 'qosflow' (its worker places them): "
+                    "create one with `qosflow init --pool NAME` and pass pool=NAME (or QOSFLOW_POOL=NAME)",
+                )
+            try:
                 client.read_deployment_by_name(name)
             except ObjectNotFound:
-                try:
-                    client.read_work_pool(pool)
-                except ObjectNotFound:
-                    raise SpecError("pool", f"work pool {pool!r} does not exist; create it with `qosflow init --pool {pool}` or `prefect work-pool create {pool} --type qosflow`") from None
                 flow_id = client.create_flow_from_name(STAGE_FLOW_NAME)
                 client.create_deployment(
                     flow_id=flow_id,

@@ -221,6 +221,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         async with self._qos_setup_lock:
             if self.scheduler is not None:
                 return self.scheduler
+            if self._work_pool is not None and self._work_pool.type != self.type:
+                from qosflow.errors import SpecError
+
+                raise SpecError(
+                    "pool",
+                    f"work pool {self._work_pool.name!r} has type {self._work_pool.type!r}, not {self.type!r}; the qosflow "
+                    f"worker serves qosflow pools only: create one with `qosflow init --pool NAME` (or `prefect work-pool "
+                    f"create NAME --type qosflow`), or start a {self._work_pool.type!r} worker on this pool",
+                )
             from qosflow.backends.local import LocalBackend
             from qosflow.paths import data_dir
             from qosflow.prefect.blocks import QoSPolicy
