@@ -169,3 +169,43 @@ def test_init_and_worker_without_a_server_say_how_to_start_one(tmp_path, cmd):
     assert out.returncode == 2, out.stdout + out.stderr
     assert "PREFECT_API_URL is not set" in out.stderr and "prefect server start" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_an_invalid_saved_block_is_named_with_its_bad_fields(prefect_server):
+    """A block document that no longer validates (edited in the UI or through the API) was reported as
+    'no cluster block named ...' with Prefect's 'try validate=False'; now its bad fields are named."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import BlockDocumentCreate
+
+    from qosflow.errors import SpecError
+    from qosflow.prefect.blocks import QoSPolicy
+    from qosflow.prefect.local import register_blocks
+    from qosflow.prefect.worker import aload_block, load_cluster_block
+
+    async def save_raw(slug: str, name: str, data: dict) -> None:
+        async with get_client() as c:
+            bt = await c.read_block_type_by_slug(slug)
+            bs = await c.get_most_recent_block_schema_for_block_type(bt.id)
+            await c.create_block_document(BlockDocumentCreate(name=name, data=data, block_type_id=bt.id, block_schema_id=bs.id))
+
+    async def go():
+        await register_blocks()
+        await save_raw("qosflow-bare-metal-cluster", "no-hosts", {"hosts": [], "gpus_per_host": 4})
+        await save_raw("qosflow-bare-metal-cluster", "agents-no-url", {"hosts": ["a"], "backend": "agents"})
+        await save_raw("qosflow-qos-policy", "vip-policy", {"policy": "qosflow", "priority": "vip"})
+        out = []
+        for call in (lambda: load_cluster_block("no-hosts"), lambda: load_cluster_block("qosflow-bare-metal-cluster/agents-no-url"),
+                     lambda: aload_block(QoSPolicy, "vip-policy", "policy_block")):
+            with pytest.raises(SpecError) as ei:
+                await call()
+            out.append(str(ei.value))
+        with pytest.raises(SpecError, match="no cluster block named 'absent'"):
+            await load_cluster_block("absent")
+        return out
+
+    hosts, agents, policy = asyncio.run(go())
+    assert "block qosflow-bare-metal-cluster/no-hosts is invalid: hosts:" in hosts and "at least one host" in hosts
+    assert "agents-no-url is invalid" in agents and "needs agent_url" in agents
+    assert "invalid policy_block: block qosflow-qos-policy/vip-policy is invalid: priority:" in policy and "'vip'" in policy
+    for msg in (hosts, agents, policy):
+        assert "validate=False" not in msg and "fix it in the Prefect UI" in msg

@@ -247,7 +247,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             policy_block = os.environ.get("QOSFLOW_POLICY_BLOCK") or self._pool_default("policy_block")
             pb = QoSPolicy()
             if policy_block:
-                pb = await QoSPolicy.aload(policy_block)
+                pb = await aload_block(QoSPolicy, policy_block, "policy_block")
             self.policy_block = pb
             policy = self._policy_arg
             if policy is None:
@@ -1138,14 +1138,41 @@ async def load_cluster_block(name: str):
     from qosflow.prefect.blocks import BareMetalGPUCluster, KubernetesGPUCluster
 
     if "/" in name:
+        slug, doc = name.split("/", 1)
+        for cls in (BareMetalGPUCluster, KubernetesGPUCluster):
+            if cls.get_block_type_slug() == slug:
+                return await aload_block(cls, doc, "cluster_block")
         return await Block.aload(name)
     errors = []
     for cls in (BareMetalGPUCluster, KubernetesGPUCluster):
         try:
-            return await cls.aload(name)
+            return await aload_block(cls, name, "cluster_block")
+        except SpecError:
+            raise  # the block exists but is invalid
         except Exception as exc:  # ValueError: no such block document of this type
             errors.append(f"{cls.get_block_type_slug()}: {exc}")
-    raise SpecError("cluster_block", f"no cluster block named {name!r} ({'; '.join(errors)})")
+    raise SpecError("cluster_block", f"no cluster block named {name!r} ({'; '.join(errors)}); `prefect block ls` lists them")
+
+
+async def aload_block(cls: Any, name: str, field_name: str) -> Any:
+    """`cls.aload(name)`; a saved document that fails validation (edited in the UI or through the API)
+    is a SpecError naming the block and each bad field, not Prefect's 'try validate=False'."""
+    from pydantic import ValidationError
+
+    from qosflow.errors import SpecError
+
+    try:
+        return await cls.aload(name)
+    except RuntimeError as exc:  # Prefect: "Unable to load ... due to failed validation", from the ValidationError
+        if "failed validation" not in str(exc):
+            raise
+        verr = exc.__cause__
+    if isinstance(verr, ValidationError):
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'block'}: {e['msg']}" for e in verr.errors())
+    else:
+        problems = "it failed validation"
+    raise SpecError(field_name, f"block {cls.get_block_type_slug()}/{name} is invalid: {problems}; fix it in the Prefect UI "
+                                "(Blocks) or save it again") from None
 
 
 def _type(state: Any) -> str | None:
