@@ -303,3 +303,12 @@ def test_planned_stages_are_forecast_with_their_declared_durations():
     assert fc.finish - run.started == pytest.approx(45.0, abs=2.0)
     split = split_deadline(run._nodes(), 100.0)
     assert split["load"] == pytest.approx(100.0 * 5 / 45) and split["fit"] == pytest.approx(100.0)
+
+
+def test_worker_help_says_cluster_blocks_may_be_kubernetes(capsys):
+    """docs/prefect.md starts the worker with `--cluster-block k8s-a100`; the help said bare-metal only."""
+    from qosflow.cli.main import main
+
+    assert main(["worker", "start", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "qosflow-kubernetes-cluster" in out and "QOSFLOW_CLUSTER_FILE" in out

@@ -9,7 +9,16 @@ import typer
 HELP = """Start the qosflow worker on a `qosflow` work pool.
 
 Its cluster and policy come from the pool's `cluster_block`/`policy_block` defaults (see `qosflow init`),
-or from --cluster-block/--policy. Equivalent to `prefect worker start --pool POOL` for a qosflow pool.
+or from --cluster-block/--policy; QOSFLOW_CLUSTER_FILE=lab.yaml runs the stages through the host agents
+listed in that file. Equivalent to `prefect worker start --pool POOL` for a qosflow pool.
+
+Examples:
+
+  qosflow worker start --pool gpu
+
+  QOSFLOW_CLUSTER_FILE=lab.yaml qosflow worker start --pool gpu
+
+  qosflow worker start --pool gpu --cluster-block k8s-a100
 """
 
 
@@ -20,7 +29,7 @@ def register(app: typer.Typer) -> None:
     def start_cmd(
         pool: str = typer.Option(..., "--pool", "-p", help="work pool name"),
         name: Optional[str] = typer.Option(None, "--name", help="worker name"),
-        cluster_block: Optional[str] = typer.Option(None, "--cluster-block", help="qosflow-bare-metal-cluster block name"),
+        cluster_block: Optional[str] = typer.Option(None, "--cluster-block", help="cluster block name: a qosflow-bare-metal-cluster, else a qosflow-kubernetes-cluster block (or SLUG/NAME); default: the pool's cluster_block"),
         policy: Optional[str] = typer.Option(None, "--policy", help="policy name (overrides the pool's policy block)"),
         estimator: Optional[str] = typer.Option(None, "--estimator", help="history | declared | learned | module:attr"),
         limit: Optional[int] = typer.Option(None, "--limit", help="most stage runs at once"),
