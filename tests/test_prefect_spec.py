@@ -310,5 +310,5 @@ def test_worker_help_says_cluster_blocks_may_be_kubernetes(capsys):
     from qosflow.cli.main import main
 
     assert main(["worker", "start", "--help"]) == 0
-    out = " ".join(capsys.readouterr().out.split())
+    out = "".join(c for c in capsys.readouterr().out if not c.isspace() and c not in "│╭╮╰╯─")  # any terminal width
     assert "qosflow-kubernetes-cluster" in out and "QOSFLOW_CLUSTER_FILE" in out
