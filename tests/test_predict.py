@@ -177,6 +177,51 @@ def test_neighbour_estimates_recover_an_offset_row():
     assert all(math.isnan(v) for v in _neighbour_estimates(sparse, 0, 1, (1,)))
 
 
+def test_family_estimates_from_the_partner_family():
+    from qosflow.predict.interference import _family_estimates
+
+    rng = np.random.default_rng(0)
+    fam = np.array(["a", "b", "c", "x", "x", "x", "x", "d"])
+    lbs = np.array([0, 0, 0, 4, 5, 6, 7, 0], dtype=float)
+    M = rng.normal(-0.6, 0.3, (8, 8))
+    # column 5 is column 4 shifted by -0.1 (job 5 hurts like its sibling 4, a little more)
+    M[:, 5] = M[:, 4] - 0.1
+    # row 0 falls on a line in log batch size over family x: -0.2 - 0.1 * (log2 bs - 4)
+    M[0, 3:7] = -0.2 - 0.1 * (lbs[3:7] - 4)
+    truth = M[0, 5]
+    M[0, 5] = np.nan  # the unknown entry
+    M[2, 6] = np.nan
+    analogy, local, pool, line = _family_estimates(M, 0, 5, fam, lbs)
+    assert line == pytest.approx(truth)  # the line through bs 16, 64, 128 at bs 32
+    assert pool == pytest.approx(np.mean(M[0, [3, 4, 6]]))
+    assert math.isfinite(analogy) and math.isfinite(local)
+    # only sibling 4 carries the exact shift; with 3 and 6 unknown in row 0 the analogy is exact
+    M2 = M.copy()
+    M2[0, [3, 6]] = np.nan
+    analogy2, _local2, pool2, line2 = _family_estimates(M2, 0, 5, fam, lbs)
+    assert analogy2 == pytest.approx(M[0, 4] - 0.1)
+    assert pool2 == pytest.approx(M[0, 4]) and math.isnan(line2)  # one sibling: no line
+    # no family sibling at all: nothing to go on
+    assert all(math.isnan(v) for v in _family_estimates(M, 0, 7, fam, lbs))
+
+
+def test_new_pair_features_include_the_family_estimates():
+    from qosflow.predict.evaluate import _pair_meta
+    from qosflow.predict.interference import _Context
+
+    rows = _synthetic_pairs(n_models=3)
+    obs = {}
+    for r in rows:
+        obs[(r.key1, r.key2)] = r.speed1
+        obs[(r.key2, r.key1)] = r.speed2
+    meta = _pair_meta(rows)
+    a, b = sorted(obs)[5]
+    plain, _ = _Context(obs, meta, [], 2, 0.3, neighbours=False).features(a, b)
+    rich, _ = _Context(obs, meta, [], 2, 0.3, neighbours=True).features(a, b)
+    assert len(rich) == len(plain) + 2 + 4 + 8  # extra low-rank fits, neighbours, family estimates
+    assert all(math.isfinite(v) for v in rich[-8:])  # every job of the synthetic table has siblings
+
+
 def test_mape_point_is_the_one_over_speed_weighted_median():
     from qosflow.predict.interference import _mape_point
 

@@ -19,7 +19,11 @@ the features are (all computed from K only):
 5. only for ``regime="new_pair"`` (known jobs, many observations each): nearest neighbours -- s(a', b)
    for the jobs a' whose logged speeds next to the partners both have seen are closest to a's after
    removing a constant offset (a' runs uniformly faster or slower), shifted by that offset; likewise
-   s(a, b') over the columns; 1 and 3 neighbours -- and low-rank fits of higher rank (4 and 6).
+   s(a, b') over the columns; 1 and 3 neighbours -- and low-rank fits of higher rank (4 and 6);
+6. only for ``regime="new_pair"``: family estimates (`_family_estimates`) -- s(a, b) from the known
+   speeds of a next to b's family siblings b' (and of a's siblings next to b): by analogy (s(a, b') times
+   the typical ratio of column b to column b'), from the rows nearest to a over b's family only, their
+   plain mean, and a weighted line in log batch size.
 
 An extra-trees ensemble maps these to log speed; the spread of its trees gives the interval. To
 train it in the regime it will be used in, the features of training pairs are computed out of fold:
@@ -144,6 +148,67 @@ EXACT_K_DEFAULT = 1.0
 EXACT_OOF_SPLITS, EXACT_OOF_TREES = 4, 50
 
 
+#: neighbours of the family-local nearest-neighbour estimate ("new_pair" regime)
+FAMILY_NEIGHBOURS = 3
+
+
+def _family_estimates(M: np.ndarray, i: int, j: int, fam: np.ndarray, lbs: np.ndarray) -> list[float]:
+    """Four estimates of M[i, j] (log speeds, NaN = unknown) from the columns j' of j's family (j excluded):
+
+    * analogy: M[i, j'] + the mean of M[r, j] - M[r, j'] over the rows r knowing both (at least 3, i
+      excluded), averaged over j' with weights 1/(1 + |log2 bs(j') - log2 bs(j)|);
+    * family-local neighbours: as `_neighbour_estimates`, but rows compared with row i over j's family
+      columns only (at least 2 shared), `FAMILY_NEIGHBOURS` of them;
+    * the mean of M[i, j'];
+    * the intercept at log2 bs(j) of a line through M[i, j'] against log2 bs(j'), weighted by
+      1/(1 + |log2 bs distance|) (at least 2 siblings).
+    NaN where there is nothing to go on. Call with M.T (and i, j swapped) for the rows of i's family.
+    """
+    sib = np.flatnonzero(fam == fam[j])
+    sib = sib[sib != j]
+    if not len(sib):
+        return [float("nan")] * 4
+    # analogy over the family's columns
+    ests, wts = [], []
+    for s in sib:
+        if np.isnan(M[i, s]):
+            continue
+        d = M[:, j] - M[:, s]
+        d[i] = np.nan
+        d = d[~np.isnan(d)]
+        if len(d) >= 3:
+            ests.append(M[i, s] + float(d.mean()))
+            wts.append(1.0 / (1.0 + abs(lbs[s] - lbs[j])))
+    analogy = float(np.dot(wts, ests) / np.sum(wts)) if ests else float("nan")
+    # nearest rows over the family's columns only (local offset)
+    local = float("nan")
+    if len(sib) >= 2:
+        D = M[i, sib][None, :] - M[:, sib]
+        known = ~np.isnan(D)
+        cnt = known.sum(1)
+        Dz = np.where(known, D, 0.0)
+        off = Dz.sum(1) / np.maximum(cnt, 1)
+        dist = np.sqrt(np.where(known, (Dz - off[:, None]) ** 2, 0.0).sum(1) / np.maximum(cnt, 1))
+        ok = (cnt >= 2) & ~np.isnan(M[:, j])
+        ok[i] = False
+        cand = np.flatnonzero(ok)
+        if len(cand):
+            top = cand[np.argsort(dist[cand], kind="stable")][:FAMILY_NEIGHBOURS]
+            w = 1.0 / (dist[top] + 0.02)
+            local = float(np.dot(w, M[top, j] + off[top]) / w.sum())
+    # the family's known values in row i: their mean and a weighted line in log batch size
+    v = M[i, sib]
+    ok = ~np.isnan(v)
+    pool = float(v[ok].mean()) if ok.any() else float("nan")
+    line = float("nan")
+    if ok.sum() >= 2:
+        dl = lbs[sib][ok] - lbs[j]
+        w = 1.0 / (1.0 + np.abs(dl))
+        A = np.stack([dl, np.ones_like(dl)], axis=1) * w[:, None]
+        line = float(np.linalg.lstsq(A, v[ok] * w, rcond=None)[0][1])
+    return [analogy, local, pool, line]
+
+
 def _neighbour_estimates(M: np.ndarray, i: int, j: int, ks: Sequence[int]) -> list[float]:
     """Estimates of M[i, j] (log speeds, NaN = unknown) from the rows nearest to row i.
 
@@ -192,6 +257,8 @@ class _Context:
             self.M = np.full((len(keys), len(keys)), np.nan)
             for (a, b), v in obs.items():
                 self.M[self.index[a], self.index[b]] = _log(v)
+            self.fam_of = np.array([self._fam(k) for k in keys])
+            self.lbs_of = np.array([self._lbs(k) for k in keys])
         # per family: partner -> [(member, log bs)]; per family: member -> [(partner, log bs)]
         self.by_row: dict[Key, dict[Key, float]] = {}
         self.by_col: dict[Key, dict[Key, float]] = {}
@@ -252,10 +319,12 @@ class _Context:
             f += [m.predict_log(a, b)[0] if m else 0.0 for m in self.extra_mf]
             ia, ib = self.index.get(a), self.index.get(b)
             if ia is None or ib is None:
-                f += [float("nan")] * (2 * len(NEIGHBOURS))
+                f += [float("nan")] * (2 * len(NEIGHBOURS) + 8)
             else:
                 f += _neighbour_estimates(self.M, ia, ib, NEIGHBOURS)
                 f += _neighbour_estimates(self.M.T, ib, ia, NEIGHBOURS)
+                f += _family_estimates(self.M, ia, ib, self.fam_of, self.lbs_of)  # b's family, row a
+                f += _family_estimates(self.M.T, ib, ia, self.fam_of, self.lbs_of)  # a's family, column b
         return f, support
 
 
@@ -300,9 +369,9 @@ class InterferenceModel:
         self.regime = regime
         self.point = point
         self.n_estimators = n_estimators
-        #: out-of-fold folds for the training features. For new pairs, 10 (each hides 10 % of the pairs)
+        #: out-of-fold folds for the training features. For new pairs, 20 (each hides 5 % of the pairs)
         #: keeps the training features' context nearly as dense as the one the queries see.
-        self.inner_folds = inner_folds or (10 if regime == "new_pair" else 5)
+        self.inner_folds = inner_folds or (20 if regime == "new_pair" else 5)
         #: nearest-neighbour and extra low-rank features: for known jobs with many observations each
         self.neighbours = regime == "new_pair"
         self.rank, self.lam, self.seed, self.n_jobs = rank, lam, seed, n_jobs
