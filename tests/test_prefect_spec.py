@@ -305,10 +305,12 @@ def test_planned_stages_are_forecast_with_their_declared_durations():
     assert split["load"] == pytest.approx(100.0 * 5 / 45) and split["fit"] == pytest.approx(100.0)
 
 
-def test_worker_help_says_cluster_blocks_may_be_kubernetes(capsys):
+def test_worker_help_says_cluster_blocks_may_be_kubernetes(capsys, monkeypatch):
     """docs/prefect.md starts the worker with `--cluster-block k8s-a100`; the help said bare-metal only."""
     from qosflow.cli.main import main
 
+    monkeypatch.setenv("COLUMNS", "120")  # rich truncates option help in narrow terminals
+
     assert main(["worker", "start", "--help"]) == 0
-    out = "".join(c for c in capsys.readouterr().out if not c.isspace() and c not in "│╭╮╰╯─")  # any terminal width
+    out = "".join(c for c in capsys.readouterr().out if not c.isspace() and c not in "│╭╮╰╯─")  # wrapped lines joined
     assert "qosflow-kubernetes-cluster" in out and "QOSFLOW_CLUSTER_FILE" in out
