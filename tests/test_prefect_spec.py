@@ -314,3 +314,21 @@ def test_worker_help_says_cluster_blocks_may_be_kubernetes(capsys, monkeypatch):
     assert main(["worker", "start", "--help"]) == 0
     out = "".join(c for c in capsys.readouterr().out if not c.isspace() and c not in "│╭╮╰╯─")  # wrapped lines joined
     assert "qosflow-kubernetes-cluster" in out and "QOSFLOW_CLUSTER_FILE" in out
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(qos_deadline=-5), "qos_deadline"), (dict(qos_deadline=0), "qos_deadline"),
+                                           (dict(qos_deadline=float("nan")), "qos_deadline"), (dict(qos_priority="urgent"), "qos_priority")])
+def test_bad_per_run_qos_parameters_fail_before_any_stage(kwargs, field):
+    """A deployment's or a call's qos_deadline/qos_priority is checked like the decorator's (a negative
+    deadline used to be accepted: every stage past its deadline at once)."""
+    calls = []
+
+    @qos_flow(deadline=60)
+    def pipe(qos_deadline: float | None = None, qos_priority: str | None = None):
+        calls.append(1)
+
+    with pytest.raises(SpecError) as ei:
+        pipe.fn(**kwargs)  # the pipeline function without a flow run (no server)
+    assert ei.value.field == field and "'pipe', run parameter" in str(ei.value) and not calls
+    pipe.fn(qos_deadline=30, qos_priority="critical")
+    assert calls == [1]

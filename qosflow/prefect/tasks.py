@@ -723,9 +723,12 @@ def qos_flow(
             bound.apply_defaults()
             policy = _policy_defaults()
             d = bound.arguments.get("qos_deadline", None)
+            run_where = f"@qos_flow {flow_name!r}, run parameter"
+            if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d <= 0):
+                raise SpecError("qos_deadline", f"must be a positive number of seconds after the pipeline starts, got {d!r}", where=run_where)
             d = d if d is not None else deadline if deadline is not None else policy.get("deadline_s")
             pr = bound.arguments.get("qos_priority", None)
-            pr = PriorityClass.parse(pr) if pr is not None else prio if prio is not None else (PriorityClass.parse(policy["priority"]) if policy.get("priority") else None)
+            pr = _run_priority(pr, run_where) if pr is not None else prio if prio is not None else (PriorityClass.parse(policy["priority"]) if policy.get("priority") else None)
             ctx = FlowRunContext.get()
             fid = str(ctx.flow_run.id) if ctx and ctx.flow_run else f"local-{time.time_ns()}"
             name = ctx.flow_run.name if ctx and ctx.flow_run and ctx.flow_run.name else flow_name
@@ -752,6 +755,13 @@ def qos_flow(
     if __fn is not None:
         return deco(__fn)
     return deco
+
+
+def _run_priority(value: Any, where: str) -> PriorityClass:
+    try:
+        return PriorityClass.parse(value)
+    except SpecError as exc:
+        raise SpecError("qos_priority", str(exc).split(": ", 1)[-1], where=where) from None
 
 
 def _stages_used_by(fn: Callable) -> list[QoSTask]:
