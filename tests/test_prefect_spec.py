@@ -332,3 +332,18 @@ def test_bad_per_run_qos_parameters_fail_before_any_stage(kwargs, field):
     assert ei.value.field == field and "'pipe', run parameter" in str(ei.value) and not calls
     pipe.fn(qos_deadline=30, qos_priority="critical")
     assert calls == [1]
+
+
+@pytest.mark.parametrize("kwargs, field, text", [(dict(round_interval_s=0), "round_interval_s", "greater than 0"),
+                                                 (dict(estimator="histroy"), "estimator", "history, learned")])
+def test_policy_block_rejects_a_busy_loop_and_unknown_estimators(kwargs, field, text):
+    """round_interval_s=0 made the worker's scheduling loop spin; a misspelt estimator only failed in the worker."""
+    from pydantic import ValidationError
+
+    from qosflow.prefect.blocks import QoSPolicy
+
+    with pytest.raises(ValidationError) as ei:
+        QoSPolicy(**kwargs)
+    assert ei.value.errors()[0]["loc"] == (field,) and text in str(ei.value)
+    assert QoSPolicy(estimator="learned", round_interval_s=0.5).estimator == "learned"
+    assert QoSPolicy(estimator="mypkg.est:Estimator").estimator == "mypkg.est:Estimator"

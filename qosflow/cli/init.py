@@ -44,7 +44,10 @@ def register(app: typer.Typer) -> None:
         from qosflow.prefect.local import require_api_url, setup_pool
 
         api = require_api_url("qosflow init")
+        from qosflow.prefect.scheduler import check_estimator_name
+
         get_policy(policy)  # unknown names fail here with the list of known ones
+        check_estimator_name(estimator)
         cluster = BareMetalGPUCluster(hosts=[f"host{i}" for i in range(hosts)], gpus_per_host=gpus, cpu_cores=cores, virtual_gpus=not real_gpus)
         pol = QoSPolicy(policy=policy, estimator=estimator, deadline_s=deadline)
         try:

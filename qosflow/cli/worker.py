@@ -41,6 +41,14 @@ def register(app: typer.Typer) -> None:
         from qosflow.prefect.worker import QosflowWorker
 
         require_api_url("the qosflow worker")
+        if policy:
+            from qosflow.policies import get_policy
+
+            get_policy(policy)  # unknown names fail here with the list of known ones
+        if estimator:
+            from qosflow.prefect.scheduler import check_estimator_name
+
+            check_estimator_name(estimator)
         asyncio.run(check_pool(pool))
         if cluster_block:
             os.environ["QOSFLOW_CLUSTER_BLOCK"] = cluster_block

@@ -40,7 +40,7 @@ class QoSPolicy(Block):
     )
     priority: str = Field(default="normal", description="Default priority class: critical, guaranteed, normal, best-effort.")
     deadline_s: Optional[float] = Field(default=None, description="Default pipeline deadline in seconds after it starts (none: no deadline).")
-    round_interval_s: float = Field(default=1.0, description="Seconds between scheduling rounds when nothing happens.")
+    round_interval_s: float = Field(default=1.0, gt=0, description="Seconds between scheduling rounds when nothing happens.")
     coda_feedback: bool = Field(default=True, description="Move cores from co-located CPU stages to lagging GPU stages (CODA).")
     at_risk_margin: float = Field(default=0.0, description="Fraction of the deadline kept as margin before a run is flagged at risk.")
     early_check_s: float = Field(
@@ -54,6 +54,17 @@ class QoSPolicy(Block):
     @classmethod
     def _prio(cls, v: str) -> str:
         return PriorityClass.parse(v, where="QoSPolicy block").value
+
+    @field_validator("estimator")
+    @classmethod
+    def _estimator(cls, v: str) -> str:
+        from qosflow.errors import UnknownNameError
+        from qosflow.prefect.scheduler import check_estimator_name
+
+        try:
+            return check_estimator_name(v)
+        except UnknownNameError as exc:  # a KeyError: pydantic reports ValueErrors on the field
+            raise ValueError(str(exc)) from None
 
     @field_validator("deadline_s")
     @classmethod

@@ -585,6 +585,21 @@ class HistoryEstimator(DeclaredEstimator):
                 pass
 
 
+def check_estimator_name(kind: str) -> str:
+    """`kind` if the worker can build it (history, declared, learned... or module:attr), else UnknownNameError."""
+    from qosflow.core.estimate import make_estimator
+    from qosflow.errors import UnknownNameError
+
+    k = (kind or "history").strip()
+    if k == "history" or ":" in k:
+        return k
+    try:
+        make_estimator(k)
+    except UnknownNameError:
+        raise UnknownNameError("estimator", k, ["history", "declared", "learned", "module:attr"]) from None
+    return k
+
+
 def make_live_estimator(kind: str, *, history_path: str | None = None) -> Estimator:
     """The worker's estimator: `history` (default), `declared`, `learned` (predictor issue) or `module:attr`."""
     kind = (kind or "history").strip()
