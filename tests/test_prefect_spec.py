@@ -347,3 +347,16 @@ def test_policy_block_rejects_a_busy_loop_and_unknown_estimators(kwargs, field, 
     assert ei.value.errors()[0]["loc"] == (field,) and text in str(ei.value)
     assert QoSPolicy(estimator="learned", round_interval_s=0.5).estimator == "learned"
     assert QoSPolicy(estimator="mypkg.est:Estimator").estimator == "mypkg.est:Estimator"
+
+
+def test_blocks_name_a_misspelt_field_instead_of_saving_and_ignoring_it():
+    from pydantic import ValidationError
+
+    from qosflow.prefect.blocks import BareMetalGPUCluster, KubernetesGPUCluster, QoSPolicy
+
+    for cls, kw, hint in [(BareMetalGPUCluster, dict(hosts=["a"], gpus_per_hosts=8), "did you mean 'gpus_per_host'"),
+                          (KubernetesGPUCluster, dict(namspace="ml"), "did you mean 'namespace'"),
+                          (QoSPolicy, dict(polcy="sjf"), "did you mean 'policy'")]:
+        with pytest.raises(ValidationError, match=hint):
+            cls(**kw)
+    assert BareMetalGPUCluster(hosts=["a"], gpus_per_host=8).to_cluster_spec().nodes[0].gpus == 8

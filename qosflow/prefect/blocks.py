@@ -21,6 +21,18 @@ from qosflow.core.qos import PriorityClass
 _LOGO = "https://raw.githubusercontent.com/PrefectHQ/prefect/main/docs/images/logos/prefect-logo-mark.png"
 
 
+def _no_unknown_fields(block: Block) -> None:
+    """Prefect blocks keep unknown keyword arguments as extras; a misspelt field (gpus_per_hosts=8) would be
+    saved and silently ignored. Name it instead."""
+    import difflib
+
+    for k in block.model_extra or {}:
+        if k.startswith("_") or k == "block_type_slug":
+            continue
+        close = difflib.get_close_matches(k, list(type(block).model_fields), n=1)
+        raise ValueError(f"unknown field {k!r}" + (f"; did you mean {close[0]!r}?" if close else f"; fields: {', '.join(type(block).model_fields)}"))
+
+
 class QoSPolicy(Block):
     """How the qosflow worker schedules: the policy, where estimates come from, QoS defaults."""
 
@@ -73,6 +85,11 @@ class QoSPolicy(Block):
             raise ValueError(f"deadline_s must be a positive number of seconds, got {v!r}")
         return v
 
+    @model_validator(mode="after")
+    def _known_fields(self) -> "QoSPolicy":
+        _no_unknown_fields(self)
+        return self
+
     def make_policy(self):
         from qosflow.policies import get_policy
 
@@ -89,6 +106,11 @@ class _ClusterBase(Block):
         default=False,
         description="Declare the GPUs instead of detecting them (no GPU on this machine/CI). Shown as virtual everywhere.",
     )
+
+    @model_validator(mode="after")
+    def _known_fields(self) -> "_ClusterBase":
+        _no_unknown_fields(self)
+        return self
 
     def host_names(self) -> list[str]:  # pragma: no cover - overridden
         raise NotImplementedError
