@@ -360,3 +360,16 @@ def test_blocks_name_a_misspelt_field_instead_of_saving_and_ignoring_it():
         with pytest.raises(ValidationError, match=hint):
             cls(**kw)
     assert BareMetalGPUCluster(hosts=["a"], gpus_per_host=8).to_cluster_spec().nodes[0].gpus == 8
+
+
+def test_qos_report_of_a_failed_pipeline_does_not_call_it_late():
+    import time
+
+    from qosflow.prefect.tasks import PipelineRun
+
+    run = PipelineRun("p", "fid", deadline=3600, priority=None, pool=None, plan=None, expected={})
+    run.ended, run.state = time.time() + 30, "failed"
+    md = run.report_markdown()
+    assert "not met** (the pipeline failed)" in md and "MISSED" not in md
+    run.state, run.ended = "completed", run.started + 4000
+    assert "**MISSED**" in run.report_markdown()

@@ -315,7 +315,7 @@ class PipelineRun:
         if self.deadline is None:
             head += f"No deadline; finished in {el:.1f}s ({self.state}).\n"
         else:
-            verdict = "**met**" if self.met else "**MISSED**"
+            verdict = "**met**" if self.met else "**MISSED**" if self.state == "completed" else "**not met** (the pipeline failed)"
             head += f"Deadline {self.deadline:g}s: {verdict} — finished in {el:.1f}s ({self.state}).\n"
         if self.priority:
             head += f"\nPriority class: `{self.priority.value}`.\n"
