@@ -21,7 +21,7 @@ Examples:
 
   qosflow demo --no-ui --json out/demo.json
 
-  qosflow demo --cluster lab.yaml      # the stages run on real hosts, through their `qosflow agent`s
+  qosflow demo --cluster lab.yaml   # on real hosts, through their agents
 
 A cluster file lists the hosts and their agent URLs, with the agents' token (the same fields as the
 bare-metal cluster block; see docs/infrastructure.md). Stage processes on the agents must be able to

@@ -7,6 +7,7 @@ so that `qosflow --help` stays fast: heavy libraries are imported inside the com
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 
 import typer
@@ -48,7 +49,39 @@ def _load_commands() -> None:
         mod.register(app)
 
 
+def _reflow(text: str | None) -> str | None:
+    """Join the hard-wrapped lines of each help paragraph, so the terminal wraps them at its own
+    width (rich keeps single line breaks: at 80 columns a 100-column source line became one long
+    and one short line). Indented lines (examples) and list items stay on their own line."""
+    if not text:
+        return text
+    paragraphs = []
+    for para in inspect.cleandoc(text).split("\n\n"):
+        lines: list[str] = []
+        for line in para.split("\n"):
+            starts_own = not lines or line[:1].isspace() or line.lstrip().startswith(("- ", "* ")) or lines[-1][:1].isspace()
+            if starts_own:
+                lines.append(line)
+            else:
+                lines[-1] = f"{lines[-1].rstrip()} {line.strip()}"
+        paragraphs.append("\n".join(lines))
+    return "\n\n".join(paragraphs)
+
+
+def _reflow_help(typer_app: typer.Typer) -> None:
+    if isinstance(typer_app.info.help, str):
+        typer_app.info.help = _reflow(typer_app.info.help)
+    for cmd in typer_app.registered_commands:
+        cmd.help = _reflow(cmd.help)
+    for group in typer_app.registered_groups:
+        if group.help:
+            group.help = _reflow(group.help)
+        if group.typer_instance is not None:
+            _reflow_help(group.typer_instance)
+
+
 _load_commands()
+_reflow_help(app)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ Examples:
 
   qosflow pack --seeds 1
 
-  qosflow pack --policies best-fit,fgd,qosflow --seed 42 --seeds 10 --json out/pack.json
+  qosflow pack --policies best-fit,fgd,qosflow --json out/pack.json
 """
 
 

@@ -17,9 +17,9 @@ Examples:
 
   qosflow simulate --trace synthetic --cluster 8x8
 
-  qosflow simulate --trace ../shared/data/traces/muri_philly_trace1.csv --format muri \\
-      --cluster ../shared/data/traces/muri_cluster_n8g8.csv --policies tiresias,srtf,qosflow \\
-      --json out/muri.json --out out/
+  qosflow simulate --trace ../shared/data/traces/muri_philly_trace1.csv \\
+      --cluster ../shared/data/traces/muri_cluster_n8g8.csv \\
+      --policies tiresias,srtf,qosflow --json out/muri.json --out out/
 """
 
 

@@ -1,0 +1,42 @@
+"""CLI help texts reflow to the terminal's width: prose paragraphs are not hard-wrapped."""
+
+from qosflow.cli.main import _reflow, app
+
+
+def test_reflow_joins_prose_and_keeps_examples_and_lists():
+    text = """First line
+    goes on.
+
+    A paragraph wrapped
+    at 60 columns.
+    - an item
+    - another
+
+    Examples:
+
+      qosflow pack --seeds 1 \\
+          --json out.json
+    """
+    assert _reflow(text) == (
+        "First line goes on.\n\nA paragraph wrapped at 60 columns.\n- an item\n- another\n\n"
+        "Examples:\n\n  qosflow pack --seeds 1 \\\n      --json out.json"
+    )
+    assert _reflow(None) is None
+
+
+def test_every_command_help_is_reflowed():
+    def helps(typer_app):
+        yield typer_app.info.help
+        for cmd in typer_app.registered_commands:
+            yield cmd.help
+        for group in typer_app.registered_groups:
+            yield from helps(group.typer_instance)
+
+    texts = [h for h in helps(app) if isinstance(h, str)]
+    assert len(texts) >= 8
+    for h in texts:
+        for para in h.split("\n\n"):
+            lines = para.split("\n")
+            # a prose line is never followed by another prose line: they were joined
+            for a, b in zip(lines, lines[1:]):
+                assert a[:1].isspace() or b[:1].isspace() or b.lstrip().startswith(("- ", "* ")), (a, b)
