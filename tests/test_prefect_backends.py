@@ -209,3 +209,15 @@ def test_an_invalid_saved_block_is_named_with_its_bad_fields(prefect_server):
     assert "invalid policy_block: block qosflow-qos-policy/vip-policy is invalid: priority:" in policy and "'vip'" in policy
     for msg in (hosts, agents, policy):
         assert "validate=False" not in msg and "fix it in the Prefect UI" in msg
+
+
+def test_block_register_module_registers_the_three_blocks_only(prefect_server):
+    """`prefect block register -m qosflow.prefect.blocks` (docs/prefect.md) also put a '_ClusterBase' block
+    type in the UI's catalog."""
+    from prefect.cli.block import _register_blocks_in_module
+
+    import qosflow.prefect.blocks as blocks
+
+    registered = asyncio.run(_register_blocks_in_module(blocks))
+    assert sorted(c.get_block_type_slug() for c in registered) == [
+        "qosflow-bare-metal-cluster", "qosflow-kubernetes-cluster", "qosflow-qos-policy"]

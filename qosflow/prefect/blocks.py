@@ -10,6 +10,7 @@ Inside a running event loop `Block.save()`/`Block.load()` return coroutines: use
 
 from __future__ import annotations
 
+from abc import ABC
 from typing import Any, ClassVar, Literal, Optional
 
 from prefect.blocks.core import Block
@@ -96,7 +97,7 @@ class QoSPolicy(Block):
         return get_policy(self.policy, **(self.options or {}))
 
 
-class _ClusterBase(Block):
+class _ClusterBase(Block, ABC):  # an interface: `prefect block register -m` skips it
     gpus_per_host: int = Field(default=4, ge=0, description="GPUs on each host.")
     gpu_mem_mb: float = Field(default=16384.0, gt=0, description="Memory of each GPU (MiB).")
     cpu_cores: float = Field(default=8.0, gt=0, description="CPU cores of each host available to stages.")
