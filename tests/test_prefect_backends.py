@@ -221,3 +221,37 @@ def test_block_register_module_registers_the_three_blocks_only(prefect_server):
     registered = asyncio.run(_register_blocks_in_module(blocks))
     assert sorted(c.get_block_type_slug() for c in registered) == [
         "qosflow-bare-metal-cluster", "qosflow-kubernetes-cluster", "qosflow-qos-policy"]
+
+
+def test_setup_pool_again_keeps_the_users_pool_defaults_and_leaves_other_pools_alone(prefect_server):
+    """Re-running `qosflow init` (setup_pool) reset every pool variable the user had set (env, working_dir...)
+    and overwrote the template of a same-named pool of another type."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.workers.process import ProcessWorker
+
+    from qosflow.errors import SpecError
+    from qosflow.prefect.local import setup_pool
+
+    async def go():
+        await setup_pool("keep-defaults", cluster=BareMetalGPUCluster.virtual(1, 2))
+        async with get_client() as c:
+            t = (await c.read_work_pool("keep-defaults")).base_job_template
+            t["variables"]["properties"]["env"]["default"] = {"PYTHONPATH": "/srv/flows"}
+            t["variables"]["properties"]["working_dir"]["default"] = "/srv/flows"
+            await c.update_work_pool("keep-defaults", WorkPoolUpdate(base_job_template=t))
+        await setup_pool("keep-defaults", cluster=BareMetalGPUCluster.virtual(1, 8), cluster_block="other-cluster")
+        proc_template = ProcessWorker.get_default_base_job_template()
+        async with get_client() as c:
+            props = (await c.read_work_pool("keep-defaults")).base_job_template["variables"]["properties"]
+            await c.create_work_pool(WorkPoolCreate(name="their-process-pool", type="process", base_job_template=proc_template))
+        with pytest.raises(SpecError, match="exists with type 'process'; it is left as it is"):
+            await setup_pool("their-process-pool", cluster=BareMetalGPUCluster.virtual(1, 1))
+        async with get_client() as c:
+            after = (await c.read_work_pool("their-process-pool")).base_job_template
+        return props, after, proc_template
+
+    props, after, proc_template = asyncio.run(go())
+    assert props["env"]["default"] == {"PYTHONPATH": "/srv/flows"} and props["working_dir"]["default"] == "/srv/flows"
+    assert props["cluster_block"]["default"] == "other-cluster"  # what this call sets does change
+    assert after == proc_template

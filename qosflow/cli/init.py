@@ -10,7 +10,8 @@ HELP = """Register qosflow's blocks with the Prefect server and create a `qosflo
 
 Uses the Prefect server of the current profile (PREFECT_API_URL). Saves a bare-metal cluster block
 (virtual GPUs unless --real-gpus) and a QoS policy block, creates or updates the pool with them as
-its defaults, and creates the pool's `qosflow-stage` deployment. Then start a worker:
+its defaults (an existing pool keeps its other settings, e.g. env or working_dir set in the UI; a
+pool of another type is left alone), and creates the pool's `qosflow-stage` deployment. Then start a worker:
 
   qosflow worker start --pool gpu        (or: prefect worker start --pool gpu)
 

@@ -191,16 +191,29 @@ async def setup_pool(
     cluster_block: str | None = None,
     policy: Any = None,
     policy_block: str | None = None,
-    stream_output: bool = True,
+    stream_output: bool | None = None,
     env: dict[str, str] | None = None,
     cluster_file: str | None = None,
 ) -> dict[str, Any]:
     """Register blocks, save the cluster/policy blocks, create or update the pool and its stage deployment.
-    `env` is the stage processes' extra environment; `cluster_file` makes the pool's worker use those agents."""
+    `env` is the stage processes' extra environment; `cluster_file` makes the pool's worker use those agents.
+
+    An existing pool keeps the variable defaults it was given (in the UI or by an earlier call) unless this
+    call sets them; a pool of another type is left alone (SpecError)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
 
+    from qosflow.errors import SpecError
+
+    async with get_client() as client:
+        try:
+            existing = await client.read_work_pool(pool)
+        except ObjectNotFound:
+            existing = None
+    if existing is not None and existing.type != "qosflow":
+        raise SpecError("pool", f"work pool {pool!r} exists with type {existing.type!r}; it is left as it is: choose another "
+                                "name for the qosflow pool (--pool NAME)")
     await register_blocks()
     if cluster is not None:
         await cluster.asave(cluster_block or pool, overwrite=True)
@@ -208,13 +221,20 @@ async def setup_pool(
     if policy is not None:
         await policy.asave(policy_block or pool, overwrite=True)
         policy_block = policy_block or pool
-    template = pool_template(cluster_block, policy_block, stream_output=stream_output, env=env, cluster_file=cluster_file)
+    template = pool_template(cluster_block, policy_block, stream_output=True if stream_output is None else stream_output, env=env,
+                             cluster_file=cluster_file)
+    if existing is not None:
+        given = {"cluster_block": cluster_block, "policy_block": policy_block, "cluster_file": cluster_file, "env": env,
+                 "stream_output": stream_output}
+        old = ((existing.base_job_template or {}).get("variables") or {}).get("properties") or {}
+        for k, prop in template["variables"]["properties"].items():
+            if given.get(k) is None and "default" in (old.get(k) or {}):
+                prop["default"] = old[k]["default"]  # set by the user (UI) or an earlier call: kept
     async with get_client() as client:
-        try:
-            await client.read_work_pool(pool)
+        if existing is not None:
             await client.update_work_pool(pool, WorkPoolUpdate(base_job_template=template))
             created = False
-        except ObjectNotFound:
+        else:
             await client.create_work_pool(WorkPoolCreate(name=pool, type="qosflow", base_job_template=template))
             created = True
     from qosflow.prefect.tasks import ensure_stage_deployment
