@@ -183,19 +183,13 @@ def _family_estimates(M: np.ndarray, i: int, j: int, fam: np.ndarray, lbs: np.nd
     # nearest rows over the family's columns only (local offset)
     local = float("nan")
     if len(sib) >= 2:
-        D = M[i, sib][None, :] - M[:, sib]
-        known = ~np.isnan(D)
-        cnt = known.sum(1)
-        Dz = np.where(known, D, 0.0)
-        off = Dz.sum(1) / np.maximum(cnt, 1)
-        dist = np.sqrt(np.where(known, (Dz - off[:, None]) ** 2, 0.0).sum(1) / np.maximum(cnt, 1))
+        cnt, off, dist = _offset_distances(M[i, sib][None, :] - M[:, sib])
         ok = (cnt >= 2) & ~np.isnan(M[:, j])
         ok[i] = False
         cand = np.flatnonzero(ok)
         if len(cand):
             top = cand[np.argsort(dist[cand], kind="stable")][:FAMILY_NEIGHBOURS]
-            w = 1.0 / (dist[top] + 0.02)
-            local = float(np.dot(w, M[top, j] + off[top]) / w.sum())
+            local = _neighbour_mean(M, j, top, off, dist)
     # the family's known values in row i: their mean and a weighted line in log batch size
     v = M[i, sib]
     ok = ~np.isnan(v)
@@ -221,23 +215,31 @@ def _neighbour_estimates(M: np.ndarray, i: int, j: int, ks: Sequence[int]) -> li
     row[j] = np.nan
     D = row[None, :] - M
     D[:, j] = np.nan
-    known = ~np.isnan(D)
-    cnt = known.sum(1)
-    Dz = np.where(known, D, 0.0)
-    off = Dz.sum(1) / np.maximum(cnt, 1)
-    dist = np.sqrt(np.where(known, (Dz - off[:, None]) ** 2, 0.0).sum(1) / np.maximum(cnt, 1))
+    cnt, off, dist = _offset_distances(D)
     ok = (cnt >= 3) & ~np.isnan(M[:, j])
     ok[i] = False
     cand = np.flatnonzero(ok)
     if not len(cand):
         return [float("nan")] * len(ks)
     cand = cand[np.argsort(dist[cand], kind="stable")]
-    out = []
-    for k in ks:
-        top = cand[:k]
-        w = 1.0 / (dist[top] + 0.02)
-        out.append(float(np.dot(w, M[top, j] + off[top]) / w.sum()))
-    return out
+    return [_neighbour_mean(M, j, cand[:k], off, dist) for k in ks]
+
+
+def _offset_distances(D: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of differences D (NaN = unknown): how many are known, their mean (the offset) and
+    the RMS of what is left after removing it (the distance)."""
+    known = ~np.isnan(D)
+    cnt = known.sum(1)
+    Dz = np.where(known, D, 0.0)
+    off = Dz.sum(1) / np.maximum(cnt, 1)
+    dist = np.sqrt(np.where(known, (Dz - off[:, None]) ** 2, 0.0).sum(1) / np.maximum(cnt, 1))
+    return cnt, off, dist
+
+
+def _neighbour_mean(M: np.ndarray, j: int, top: np.ndarray, off: np.ndarray, dist: np.ndarray) -> float:
+    """The 1/(distance + 0.02) weighted mean of M[r, j] + offset over the neighbour rows `top`."""
+    w = 1.0 / (dist[top] + 0.02)
+    return float(np.dot(w, M[top, j] + off[top]) / w.sum())
 
 
 class _Context:
