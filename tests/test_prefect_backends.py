@@ -255,3 +255,43 @@ def test_setup_pool_again_keeps_the_users_pool_defaults_and_leaves_other_pools_a
     assert props["env"]["default"] == {"PYTHONPATH": "/srv/flows"} and props["working_dir"]["default"] == "/srv/flows"
     assert props["cluster_block"]["default"] == "other-cluster"  # what this call sets does change
     assert after == proc_template
+
+
+def test_the_server_creates_the_runs_of_a_scheduled_deployment(tmp_path):
+    """Scheduled retraining is an ordinary deployment with a schedule (deployments/prefect.yaml). With
+    SQLAlchemy 2.1 the Prefect 3.8 server's scheduler failed on every pass ('Can't evaluate bulk DML
+    statement') and never created a run: pyproject.toml pins sqlalchemy<2.1. A real `prefect server
+    start` (the session's test server runs no scheduler service)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+    from prefect.client.schemas.schedules import CronSchedule
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from qosflow.prefect.local import LocalServer
+
+    server = LocalServer(tmp_path / "server", ui=False).start()
+
+    async def go():
+        async with get_client() as c:
+            fid = await c.create_flow_from_name("nightly-schedule-check")
+            dep = await c.create_deployment(flow_id=fid, name="nightly", entrypoint="flows/retrain.py:retrain",
+                                            schedules=[DeploymentScheduleCreate(schedule=CronSchedule(cron="0 2 * * *", timezone="UTC"), active=True)])
+            deadline = time.monotonic() + 90  # the scheduler service looks at new deployments every few seconds
+            while time.monotonic() < deadline:
+                runs = await c.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[dep])))
+                if runs:
+                    return runs
+                await asyncio.sleep(1.0)
+            return []
+
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            runs = asyncio.run(go())
+        log = server.log_path.read_text(errors="replace")
+    finally:
+        server.stop()
+    assert runs, "no scheduled run; server log:\n" + log[-3000:]
+    assert all(r.state.is_scheduled() and r.expected_start_time.hour == 2 for r in runs)
