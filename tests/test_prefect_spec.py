@@ -373,3 +373,13 @@ def test_qos_report_of_a_failed_pipeline_does_not_call_it_late():
     assert "not met** (the pipeline failed)" in md and "MISSED" not in md
     run.state, run.ended = "completed", run.started + 4000
     assert "**MISSED**" in run.report_markdown()
+
+
+def test_decorator_error_names_the_file_and_line_of_the_decorator():
+    """`@qos_task(gpus=0.5)` fails before the function exists; the error said only '@qos_task' (docs promised the stage)."""
+    import inspect
+
+    with pytest.raises(SpecError) as ei:
+        line = inspect.currentframe().f_lineno + 1
+        qos_task(gpus=0.5)
+    assert str(ei.value).startswith(f"@qos_task at test_prefect_spec.py:{line}: invalid gpus:")

@@ -29,6 +29,7 @@ import inspect
 import json
 import math
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -594,8 +595,9 @@ def _f(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _build(fn: Callable, qos_kw: dict[str, Any], explicit: Iterable[str], stage_kw: dict[str, Any], task_kw: dict[str, Any]) -> QoSTask:
-    where = "@qos_task" if fn is _placeholder else f"@qos_task {getattr(fn, '__qualname__', fn)!r}"
+def _build(fn: Callable, qos_kw: dict[str, Any], explicit: Iterable[str], stage_kw: dict[str, Any], task_kw: dict[str, Any],
+           *, at: str | None = None) -> QoSTask:
+    where = (f"@qos_task at {at}" if at else "@qos_task") if fn is _placeholder else f"@qos_task {getattr(fn, '__qualname__', fn)!r}"
     unknown = sorted(set(task_kw) - _TASK_PARAMS)
     if unknown:
         raise SpecError(unknown[0], f"not a QoS argument nor a @task argument; QoS: {', '.join(QOS_FIELDS + STAGE_FIELDS)}", where=where)
@@ -655,8 +657,9 @@ def qos_task(
         if not callable(__fn):
             raise SpecError("fn", f"@qos_task decorates a function, got {__fn!r}")
         return _build(__fn, qos_kw, explicit, stage_kw, task_kwargs)
-    # validate now, even before the function is known (decoration time)
-    _build(_placeholder, qos_kw, explicit, stage_kw, task_kwargs)
+    # validate now, even before the function is known (decoration time); the error names the decorator's line
+    caller = sys._getframe(1)
+    _build(_placeholder, qos_kw, explicit, stage_kw, task_kwargs, at=f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}")
 
     def deco(fn: Callable) -> QoSTask:
         return _build(fn, qos_kw, explicit, stage_kw, task_kwargs)
