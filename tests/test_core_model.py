@@ -26,6 +26,9 @@ from qosflow.errors import SpecError
         ({"gpu_model": ""}, "gpu_model"),
         ({"gpu_model": "A100||H100"}, "gpu_model"),
         ({"gpu_model": 100}, "gpu_model"),
+        ({"cpu_cores": "4"}, "cpu_cores"),
+        ({"deadline": True}, "deadline"),
+        ({"mem_mb": [1]}, "mem_mb"),
     ],
 )
 def test_bad_qos_names_the_field(kwargs, field):
@@ -50,6 +53,14 @@ def test_more_gpus_than_any_placement_is_rejected():
     with pytest.raises(SpecError, match="gpus"):
         spec.validate_qos(QoSSpec(gpus=16), where="stage train")
     assert spec.why_never_fits(QoSSpec(gpus=1, gpu_mem_mb=10**6))
+
+
+def test_cpu_only_never_fits_says_what_is_missing():
+    spec = ClusterSpec.uniform(2, 4, cpu_cores=32, mem_mb=1000)
+    assert spec.why_never_fits(QoSSpec(gpus=0, cpu_cores=64)) == "no node has 64 CPU cores (largest: 32 cores)"
+    assert "2000 MiB of memory (largest: 32 cores, 1000 MiB)" in spec.why_never_fits(QoSSpec(gpus=0, cpu_cores=8, mem_mb=2000))
+    with pytest.raises(SpecError, match="cpu_cores: must be a number"):
+        QoSSpec.from_dict({"gpus": 0, "cpu_cores": "4"})
 
 
 def test_host_memory_no_node_has_is_never_fitting():

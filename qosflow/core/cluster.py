@@ -174,7 +174,11 @@ class ClusterSpec:
             return f"no node has GPU model {self._models_text(qos)} (the cluster has {', '.join(sorted({n.gpu_model for n in self.nodes}))})"
         if qos.gpus == 0:
             if not any(n.cpu_cores >= qos.cpu_cores and n.mem_mb >= qos.mem_mb for n in nodes):
-                return f"no node has {qos.cpu_cores:g} CPU cores and {qos.mem_mb:g} MiB free when empty"
+                largest = f"{max(n.cpu_cores for n in nodes):g} cores"
+                mem = ""
+                if qos.mem_mb > 0:
+                    mem, largest = f" and {qos.mem_mb:g} MiB of memory", f"{largest}, {max(n.mem_mb for n in nodes):g} MiB"
+                return f"no node has {qos.cpu_cores:g} CPU cores{mem} (largest: {largest})"
             return None
         mem_ok = [n for n in nodes if qos.gpu_mem_mb is None or n.gpu_mem_mb >= qos.gpu_mem_mb]
         if not mem_ok:

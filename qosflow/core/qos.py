@@ -102,6 +102,10 @@ class QoSSpec:
         def bad(fieldname: str, msg: str) -> SpecError:
             return SpecError(fieldname, msg, where=where)
 
+        for name in ("gpu_mem_mb", "cpu_cores", "mem_mb", "deadline", "latency_slo", "min_throughput"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, (bool, str)) or not _finite(value) and not isinstance(value, float)):
+                raise bad(name, f"must be a number ({_UNITS[name]}), got {value!r}")
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int):
             raise bad("gpus", f"must be a whole number of GPUs, got {self.gpus!r} (use gpu_milli for a fraction)")
         if self.gpus < 0:
@@ -198,6 +202,16 @@ class QoSSpec:
             raise
         except TypeError as exc:  # wrong types that dataclass init itself rejects
             raise SpecError("qos", str(exc), where=where) from None
+
+
+_UNITS = {
+    "gpu_mem_mb": "MiB per GPU",
+    "cpu_cores": "cores",
+    "mem_mb": "MiB",
+    "deadline": "seconds after submission",
+    "latency_slo": "seconds",
+    "min_throughput": "steps/s",
+}
 
 
 def _finite(x: Any) -> bool:
