@@ -63,7 +63,12 @@ def _fmt_s(x: float) -> str:
 def render_table(metrics: Mapping[str, Metrics], bounds: Bounds, title: str = "Simulation results"):
     from rich.table import Table
 
-    t = Table(title=title, header_style="bold")
+    t = Table(
+        title=title,
+        header_style="bold",
+        caption="bound: each job alone on an idle cluster (JCT, DSR); makespan: the later of the last "
+        "arrival's end and all work at one job per GPU (GPU sharing can beat the latter)",
+    )
     for col in ("policy", "avg JCT", "median JCT", "p99 JCT", "makespan", "avg queue", "DSR", "GPU alloc", "preempt", "jobs"):
         t.add_column(col, justify="right" if col != "policy" else "left")
     best = min(metrics.values(), key=lambda m: m.avg_jct).policy if metrics else None
@@ -180,7 +185,12 @@ def render_estimator_table(by_estimator: Mapping[str, Mapping[str, Metrics]], ba
     from rich.table import Table
 
     d = estimator_deltas(by_estimator, baseline)
-    t = Table(title=title, header_style="bold")
+    t = Table(
+        title=title,
+        header_style="bold",
+        caption="bound: each job alone on an idle cluster (JCT, DSR); makespan: the later of the last "
+        "arrival's end and all work at one job per GPU (GPU sharing can beat the latter)",
+    )
     for col in ("policy", "estimates", "DSR", f"ΔDSR vs {baseline}", "avg JCT", "ΔJCT", "p99 JCT", "makespan"):
         t.add_column(col, justify="left" if col in ("policy", "estimates") else "right")
     policies = list(dict.fromkeys(p for ms in by_estimator.values() for p in ms))
