@@ -162,11 +162,16 @@ class ClusterSpec:
     def _models_text(qos: QoSSpec) -> str:
         return " or ".join(repr(m) for m in qos.gpu_models or ())
 
+    @staticmethod
+    def _node_kind(qos: QoSSpec) -> str:
+        """"node", or "A or B node" for a request restricted to GPU models A and B (for messages)."""
+        models = qos.gpu_models
+        return f"{' or '.join(models)} node" if models else "node"
+
     def _why_not_one_node(self, qos: QoSSpec) -> str | None:
         if any(n.gpus >= qos.gpus and n.cpu_cores >= qos.cpu_cores - 1e-9 and n.mem_mb >= qos.mem_mb - 1e-6 for n in self._model_nodes(qos)):
             return None
-        model = f"{' or '.join(qos.gpu_models)} " if qos.gpu_models else ""
-        return f"a pod runs on one node, and no {model}node has {qos.gpus} GPU(s), {qos.cpu_cores:g} cores and {qos.mem_mb:g} MiB"
+        return f"a pod runs on one node, and no {self._node_kind(qos)} has {qos.gpus} GPU(s), {qos.cpu_cores:g} cores and {qos.mem_mb:g} MiB"
 
     def _why_never_fits(self, qos: QoSSpec) -> str | None:
         nodes = self._model_nodes(qos)
@@ -195,8 +200,7 @@ class ClusterSpec:
             # its host memory (a spread placement splits memory only for jobs wider than a node)
             if any(n.mem_mb >= qos.mem_mb - 1e-6 for n in fed):
                 return None
-            model = f"{' or '.join(qos.gpu_models)} " if qos.gpu_models else ""
-            return f"no {model}node has {qos.mem_mb:g} MiB of host memory with {qos.gpus} GPU(s) (largest: {max(n.mem_mb for n in fed):g} MiB)"
+            return f"no {self._node_kind(qos)} has {qos.mem_mb:g} MiB of host memory with {qos.gpus} GPU(s) (largest: {max(n.mem_mb for n in fed):g} MiB)"
         # a multi-node gang: its cores are split over its nodes in proportion to its GPUs there
         fits = sum(n.gpus for n in mem_ok if per_gpu_cpu * n.gpus <= n.cpu_cores + 1e-9)
         if fits < qos.gpus:

@@ -185,12 +185,7 @@ def render_estimator_table(by_estimator: Mapping[str, Mapping[str, Metrics]], ba
     from rich.table import Table
 
     d = estimator_deltas(by_estimator, baseline)
-    t = Table(
-        title=title,
-        header_style="bold",
-        caption="bound: each job alone on an idle cluster (JCT, DSR); makespan: the later of the last "
-        "arrival's end and all work at one job per GPU (GPU sharing can beat the latter)",
-    )
+    t = Table(title=title, header_style="bold")
     for col in ("policy", "estimates", "DSR", f"ΔDSR vs {baseline}", "avg JCT", "ΔJCT", "p99 JCT", "makespan"):
         t.add_column(col, justify="left" if col in ("policy", "estimates") else "right")
     policies = list(dict.fromkeys(p for ms in by_estimator.values() for p in ms))
