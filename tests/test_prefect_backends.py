@@ -87,13 +87,28 @@ def test_rerun_after_infra_failure_avoids_the_failed_node():
     asyncio.run(go())
 
 
+async def _worker_takes_and_fails_setup(flow_run_id, error, match, **worker_kw):
+    """Let a qosflow worker poll its pool once, check that its set-up fails with `error` matching
+    `match`, and return (the runs it took, the flow run's state afterwards)."""
+    from prefect.client.orchestration import get_client
+
+    from qosflow.prefect.worker import QosflowWorker
+
+    async with QosflowWorker(create_pool_if_not_found=False, **worker_kw) as w:
+        await w.sync_with_backend()
+        taken = await w.get_and_submit_flow_runs()
+        with pytest.raises(error, match=match):
+            await w._ensure_qos()
+    async with get_client() as c:
+        return taken, (await c.read_flow_run(flow_run_id)).state
+
+
 def test_worker_with_a_broken_cluster_file_takes_no_flow_run(prefect_server, tmp_path):
     """A worker whose cluster file is malformed says so and leaves the pool's runs scheduled (for a fixed
     or another worker) instead of taking each one and reporting it Crashed."""
     from prefect.client.orchestration import get_client
 
     from qosflow.prefect.local import setup_pool
-    from qosflow.prefect.worker import QosflowWorker
 
     bad = tmp_path / "lab.yaml"
     bad.write_text("name: lab\ntoken: x\nhosts:\n  - {name: a, agent_url: 'http://127.0.0.1:9', gpus: two}\n")
@@ -104,13 +119,7 @@ def test_worker_with_a_broken_cluster_file_takes_no_flow_run(prefect_server, tmp
         async with get_client() as c:
             dep = await c.read_deployment_by_name(f"qosflow-stage/{pool}")
             fr = await c.create_flow_run_from_deployment(dep.id, parameters={"payload": "none"}, job_variables={"role": "stage", "gpus": 1})
-        async with QosflowWorker(work_pool_name=pool, cluster_file=str(bad), create_pool_if_not_found=False) as w:
-            await w.sync_with_backend()
-            taken = await w.get_and_submit_flow_runs()
-            with pytest.raises(Exception, match=r"lab.yaml: hosts\[0\]: invalid gpus"):
-                await w._ensure_qos()
-        async with get_client() as c:
-            return taken, (await c.read_flow_run(fr.id)).state
+        return await _worker_takes_and_fails_setup(fr.id, Exception, r"lab.yaml: hosts\[0\]: invalid gpus", work_pool_name=pool, cluster_file=str(bad))
 
     taken, state = asyncio.run(go())
     assert taken == [] and state.is_scheduled(), state
@@ -127,7 +136,6 @@ def test_qosflow_worker_and_stages_refuse_a_pool_of_another_type(prefect_server,
     from qosflow.cli.main import main
     from qosflow.errors import SpecError
     from qosflow.prefect.tasks import ensure_stage_deployment
-    from qosflow.prefect.worker import QosflowWorker
 
     pool = "plain-process"
 
@@ -137,13 +145,9 @@ def test_qosflow_worker_and_stages_refuse_a_pool_of_another_type(prefect_server,
             flow_id = await c.create_flow_from_name("someone-elses-flow")
             dep = await c.create_deployment(flow_id=flow_id, name="plain", work_pool_name=pool, entrypoint="x.py:f")
             fr = await c.create_flow_run_from_deployment(dep)
-        async with QosflowWorker(work_pool_name=pool, create_pool_if_not_found=False) as w:
-            await w.sync_with_backend()
-            taken = await w.get_and_submit_flow_runs()
-            with pytest.raises(SpecError, match=r"work pool 'plain-process' has type 'process', not 'qosflow'.*qosflow init --pool"):
-                await w._ensure_qos()
-        async with get_client() as c:
-            return taken, (await c.read_flow_run(fr.id)).state
+        return await _worker_takes_and_fails_setup(
+            fr.id, SpecError, r"work pool 'plain-process' has type 'process', not 'qosflow'.*qosflow init --pool", work_pool_name=pool
+        )
 
     taken, state = asyncio.run(go())
     assert taken == [] and state.is_scheduled(), state
