@@ -562,10 +562,7 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
             name, v, src = (key, h[key], w) if key in h else (file_key or key, data.get(file_key or key), where)
             if v is None:
                 return None
-            try:  # numbers, or numbers quoted as strings
-                f = float(v) if not isinstance(v, bool) else math.nan
-            except (TypeError, ValueError):
-                f = math.nan
+            f = _as_number(v)
             ok = math.isfinite(f) and (kind is float or f.is_integer())
             if not ok or not (f > 0 if strict else f >= 0):
                 what = "a whole number" if kind is int else "a number"
@@ -592,10 +589,7 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
     timing = {}
     for key in ("heartbeat_s", "fence_after_s"):
         v = data.get(key)
-        try:
-            f = None if v is None else float(v) if not isinstance(v, bool) else math.nan
-        except (TypeError, ValueError):
-            f = math.nan
+        f = None if v is None else _as_number(v)
         if f is not None and not (math.isfinite(f) and f > 0):
             raise SpecError(key, f"must be a number of seconds > 0, got {v!r}", where=where)
         timing[key] = f
@@ -619,5 +613,11 @@ def _no_unknown_keys(d: dict[str, Any], known: tuple[str, ...], where: str) -> N
             raise SpecError(str(k), f"unknown key; {hint}known keys: {', '.join(known)}", where=where)
 
 
-def _opt_float(v: Any) -> float | None:
-    return None if v is None else float(v)
+def _as_number(v: Any) -> float:
+    """A cluster file's number (numbers quoted as strings too); NaN for anything else, bools included."""
+    if isinstance(v, bool):
+        return math.nan
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan

@@ -102,10 +102,10 @@ class QoSSpec:
         def bad(fieldname: str, msg: str) -> SpecError:
             return SpecError(fieldname, msg, where=where)
 
-        for name in ("gpu_mem_mb", "cpu_cores", "mem_mb", "deadline", "latency_slo", "min_throughput"):
+        for name, unit in NUMBER_FIELDS.items():
             value = getattr(self, name)
             if value is not None and (isinstance(value, (bool, str)) or not _finite(value) and not isinstance(value, float)):
-                raise bad(name, f"must be a number ({_UNITS[name]}), got {value!r}")
+                raise bad(name, f"must be a number ({unit}), got {value!r}")
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int):
             raise bad("gpus", f"must be a whole number of GPUs, got {self.gpus!r} (use gpu_milli for a fraction)")
         if self.gpus < 0:
@@ -204,9 +204,10 @@ class QoSSpec:
             raise SpecError("qos", str(exc), where=where) from None
 
 
-_UNITS = {
+#: numeric QoS fields and their units (a string or a bool there is a user error, named as such)
+NUMBER_FIELDS = {
     "gpu_mem_mb": "MiB per GPU",
-    "cpu_cores": "cores",
+    "cpu_cores": "CPU cores",
     "mem_mb": "MiB",
     "deadline": "seconds after submission",
     "latency_slo": "seconds",

@@ -7,7 +7,7 @@ import math
 import numbers
 from typing import Any, Iterable
 
-from qosflow.core.qos import PriorityClass, QoSSpec
+from qosflow.core.qos import NUMBER_FIELDS, PriorityClass, QoSSpec
 from qosflow.errors import SpecError
 
 #: QoSSpec fields a stage may set
@@ -30,16 +30,6 @@ STAGE_FIELDS = ("expected_duration", "batch_size", "early_check")
 
 TAG_PREFIX = "qos:"
 
-#: numeric QoS fields and their units (a string or a bool there is a user error, named as such)
-_NUMBER_FIELDS = {
-    "gpu_mem_mb": "MiB per GPU",
-    "cpu_cores": "CPU cores",
-    "mem_mb": "MiB",
-    "deadline": "seconds after submission",
-    "latency_slo": "seconds",
-    "min_throughput": "steps/s",
-}
-
 
 def build_spec(where: str, **kw: Any) -> QoSSpec:
     """A QoSSpec from decorator arguments; every error names the argument and the stage."""
@@ -54,7 +44,7 @@ def build_spec(where: str, **kw: Any) -> QoSSpec:
     for k in ("shareable", "gang"):
         if k in kw and not isinstance(kw[k], bool):
             raise SpecError(k, f"must be True or False, got {kw[k]!r}", where=where)
-    for k, unit in _NUMBER_FIELDS.items():
+    for k, unit in NUMBER_FIELDS.items():  # here with a hint how to write it
         v = kw.get(k)
         if v is not None and not _is_number(v):
             hint = f"; write {k}={v.strip()}" if isinstance(v, str) and _finite(v) else ""
