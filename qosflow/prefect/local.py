@@ -145,8 +145,19 @@ async def check_pool(pool: str) -> None:
     except (httpx.HTTPError, OSError, RuntimeError):
         return
     if wp.type != "qosflow":
-        raise SpecError("pool", f"work pool {pool!r} has type {wp.type!r}; the qosflow worker serves pools of type 'qosflow': "
-                                f"create one with `qosflow init --pool NAME`, or start a {wp.type!r} worker on {pool!r}")
+        raise wrong_pool_type(pool, wp.type)
+
+
+def wrong_pool_type(pool: str, pool_type: str) -> Exception:
+    """The error for a qosflow worker pointed at a pool of another type, with the two ways out."""
+    from qosflow.errors import SpecError
+
+    return SpecError(
+        "pool",
+        f"work pool {pool!r} has type {pool_type!r}, not 'qosflow'; the qosflow worker serves qosflow pools only: create "
+        f"one with `qosflow init --pool NAME` (or `prefect work-pool create NAME --type qosflow`), or start a "
+        f"{pool_type!r} worker on this pool",
+    )
 
 
 # ------------------------------------------------------------------------------------ blocks and pool

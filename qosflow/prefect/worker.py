@@ -222,14 +222,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if self.scheduler is not None:
                 return self.scheduler
             if self._work_pool is not None and self._work_pool.type != self.type:
-                from qosflow.errors import SpecError
+                from qosflow.prefect.local import wrong_pool_type
 
-                raise SpecError(
-                    "pool",
-                    f"work pool {self._work_pool.name!r} has type {self._work_pool.type!r}, not {self.type!r}; the qosflow "
-                    f"worker serves qosflow pools only: create one with `qosflow init --pool NAME` (or `prefect work-pool "
-                    f"create NAME --type qosflow`), or start a {self._work_pool.type!r} worker on this pool",
-                )
+                raise wrong_pool_type(self._work_pool.name, self._work_pool.type)
             from qosflow.backends.local import LocalBackend
             from qosflow.paths import data_dir
             from qosflow.prefect.blocks import QoSPolicy
