@@ -40,3 +40,11 @@ class UnknownNameError(QosflowError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message otherwise
         return self.args[0]
+
+
+def closest_name(name: str, known: "list[str] | tuple[str, ...]") -> str | None:
+    """The known name a misspelt `name` most likely meant (for a did-you-mean), or None."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), list(known), n=1)
+    return close[0] if close else None

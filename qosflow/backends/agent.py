@@ -604,12 +604,12 @@ _HOST_KEYS = ("name", "agent_url", "url", "gpus", "gpu_mem_mb", "cpu_cores", "me
 
 def _no_unknown_keys(d: dict[str, Any], known: tuple[str, ...], where: str) -> None:
     """A misspelt key (gpus_per_hosts, gpu_mem) would silently be ignored: name it instead."""
-    import difflib
+    from qosflow.errors import closest_name
 
     for k in d:
         if k not in known:
-            close = difflib.get_close_matches(str(k), known, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            close = closest_name(k, known)
+            hint = f"did you mean {close!r}? " if close else ""
             raise SpecError(str(k), f"unknown key; {hint}known keys: {', '.join(known)}", where=where)
 
 

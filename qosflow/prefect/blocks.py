@@ -25,13 +25,13 @@ _LOGO = "https://raw.githubusercontent.com/PrefectHQ/prefect/main/docs/images/lo
 def _no_unknown_fields(block: Block) -> None:
     """Prefect blocks keep unknown keyword arguments as extras; a misspelt field (gpus_per_hosts=8) would be
     saved and silently ignored. Name it instead."""
-    import difflib
+    from qosflow.errors import closest_name
 
     for k in block.model_extra or {}:
         if k.startswith("_") or k == "block_type_slug":
             continue
-        close = difflib.get_close_matches(k, list(type(block).model_fields), n=1)
-        raise ValueError(f"unknown field {k!r}" + (f"; did you mean {close[0]!r}?" if close else f"; fields: {', '.join(type(block).model_fields)}"))
+        close = closest_name(k, list(type(block).model_fields))
+        raise ValueError(f"unknown field {k!r}" + (f"; did you mean {close!r}?" if close else f"; fields: {', '.join(type(block).model_fields)}"))
 
 
 class QoSPolicy(Block):
