@@ -108,7 +108,7 @@ def find_whole(
     # multi-node: the job's host memory is split evenly over its nodes, so a node needs at least
     # mem / (the fewest nodes it can span) free
     if qos.mem_mb > 0:
-        mask = mask & (state.mem_free >= qos.mem_mb / max(2, -(-k // gmax)) - 1e-6)
+        mask = mask & (state.mem_free >= qos.mem_mb / max(2, min_nodes_for(k, gmax)) - 1e-6)
     if locality == "consolidated":
         # whole empty nodes, within one switch if possible
         full = mask & (state.empty == state.gpu_count) & (state.gpu_count > 0)
