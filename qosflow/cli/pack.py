@@ -65,10 +65,11 @@ def register(app: typer.Typer) -> None:
         nodes_path = nodes or default_node_list()
         pod_list = pods_from_records(load_pods(pods_path))
         node_list = nodes_from_records(load_nodes(nodes_path))
-        total_gpus = PackState(node_list).total_gpus
+        empty = PackState(node_list)
+        total_gpus = empty.total_gpus
         if total_gpus == 0:
             raise SpecError("--nodes", f"{nodes_path} has no GPUs; the packing experiment needs GPU nodes")
-        never = never_fitting(pod_list, node_list)
+        never = never_fitting(pod_list, empty)
         for name, why in never[:5]:
             console.print(f"[yellow]never fits[/] {name}: {why}")
         if never:

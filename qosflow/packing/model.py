@@ -282,9 +282,9 @@ class PackState:
         self.version[n] += 1
 
 
-def never_fitting(pods: Sequence[Pod], nodes: Sequence[Node]) -> list[tuple[str, str]]:
-    """(pod name, reason) for pods that fit no node of the empty cluster (memoised per request)."""
-    empty = PackState(nodes)
+def never_fitting(pods: Sequence[Pod], empty: PackState) -> list[tuple[str, str]]:
+    """(pod name, reason) for pods that fit no node of the cluster `empty` (an empty PackState;
+    memoised per request)."""
     memo: dict[tuple, str | None] = {}
     out: list[tuple[str, str]] = []
     for pod in pods:
