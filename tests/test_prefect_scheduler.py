@@ -205,6 +205,33 @@ def test_at_risk_event_when_forecast_crosses_deadline():
     assert "qosflow.qos.at-risk" in events and "qosflow.stage.placed" in events
 
 
+def test_at_risk_margin_flags_a_forecast_that_eats_into_the_margin():
+    """at_risk_margin: the forecast meets the deadline, but inside its last fraction, so it is flagged; with
+    margin 0 the same forecast is not."""
+    for margin, expect in ((0.0, False), (0.5, True)):
+        events = []
+
+        async def main():
+            now = [1000.0]
+            s = QoSScheduler(
+                ClusterSpec.uniform(1, 1, cpu_cores=2, virtual=True), PriorityFirstFit(), coda=False,
+                at_risk_margin=margin, clock=lambda: now[0], on_event=lambda n, e, p: events.append((n, p)),
+            )
+            # ready at 1000, deadline at 1100, forecast finish 1000 + 80 = 1080: on time, inside the last 50 %
+            t = await enqueue(s, entry("b", expected=80, deadline_at=1100.0))
+            s.check_at_risk()
+            t.cancel()
+            await settle()
+
+        asyncio.run(main())
+        risky = [p for n, p in events if n == "qosflow.qos.at-risk"]
+        assert bool(risky) is expect, (margin, events)
+        if expect:
+            assert risky[0]["margin_s"] == 50.0 and risky[0]["late_by_s"] == -20.0
+    with pytest.raises(ValueError, match="at_risk_margin"):
+        QoSScheduler(ClusterSpec.uniform(1, 1, virtual=True), PriorityFirstFit(), at_risk_margin=1.0)
+
+
 def test_history_estimator_learns(tmp_path):
     path = str(tmp_path / "h.json")
     est = HistoryEstimator(path)

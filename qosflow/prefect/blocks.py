@@ -55,7 +55,11 @@ class QoSPolicy(Block):
     deadline_s: Optional[float] = Field(default=None, description="Default pipeline deadline in seconds after it starts (none: no deadline).")
     round_interval_s: float = Field(default=1.0, gt=0, description="Seconds between scheduling rounds when nothing happens.")
     coda_feedback: bool = Field(default=True, description="Move cores from co-located CPU stages to lagging GPU stages (CODA).")
-    at_risk_margin: float = Field(default=0.0, description="Fraction of the deadline kept as margin before a run is flagged at risk.")
+    at_risk_margin: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Flag a stage at risk (event qosflow.qos.at-risk) once its forecast finish falls in the last fraction "
+        "of the time between its becoming ready and its deadline (0: only when the forecast misses the deadline).",
+    )
     early_check_s: float = Field(
         default=0.0, ge=0,
         description="Early check (0: off): run a new stage (no successful run of its signature yet) that needs at least "

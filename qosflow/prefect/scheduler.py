@@ -88,6 +88,7 @@ class QoSScheduler:
         coda_interval: float = 2.0,
         coda_lag: float = 0.15,
         coda_min_elapsed: float = 3.0,
+        at_risk_margin: float = 0.0,
         on_event: EventSink | None = None,
         set_cpus: Callable[[StageEntry, int, list[int]], Awaitable[None]] | None = None,
         clock: Callable[[], float] = time.time,
@@ -101,6 +102,9 @@ class QoSScheduler:
         self.coda_interval = coda_interval
         self.coda_lag = coda_lag
         self.coda_min_elapsed = coda_min_elapsed
+        if not 0.0 <= at_risk_margin < 1.0:
+            raise ValueError(f"at_risk_margin must be a fraction in [0, 1), got {at_risk_margin!r}")
+        self.at_risk_margin = at_risk_margin
         self.on_event = on_event
         self.set_cpus = set_cpus
         self.clock = clock
@@ -471,12 +475,21 @@ class QoSScheduler:
             if e.deadline_at is None or e.at_risk_sent:
                 continue
             f = self.forecast_finish(e, now)
-            if f > e.deadline_at:
+            # flag when the forecast eats into the margin: the last `at_risk_margin` of the time between
+            # the stage becoming ready and its deadline
+            limit = e.deadline_at - self.at_risk_margin * max(0.0, e.deadline_at - e.ready_at)
+            if f > limit:
                 e.at_risk_sent = True
                 self._emit(
                     "qosflow.qos.at-risk",
                     e,
-                    {"stage": e.name, "forecast_finish": f, "deadline": e.deadline_at, "late_by_s": round(f - e.deadline_at, 3)},
+                    {
+                        "stage": e.name,
+                        "forecast_finish": f,
+                        "deadline": e.deadline_at,
+                        "late_by_s": round(f - e.deadline_at, 3),
+                        "margin_s": round(e.deadline_at - limit, 3),
+                    },
                 )
 
     # ------------------------------------------------------------------ helpers

@@ -266,6 +266,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 estimator,
                 round_interval=self._round_arg or pb.round_interval_s,
                 coda=pb.coda_feedback if self._coda_arg is None else self._coda_arg,
+                at_risk_margin=pb.at_risk_margin,
                 on_event=self._on_scheduler_event,
                 set_cpus=self._set_cpus,
             )
