@@ -42,6 +42,7 @@ def f(x):
         (dict(retries=1.5), "retries"),
         (dict(retry_delay_seconds=-3), "retry_delay_seconds"),
         (dict(timeout_seconds=0), "timeout_seconds"),
+        (dict(timeout_seconds=60, expected_duration=600), "timeout_seconds"),  # no deadline needed to be wrong
         (dict(tags="gpu"), "tags"),
         (dict(tags=["qos:gpus=8"]), "tags"),
         (dict(name=""), "name"),

@@ -107,8 +107,13 @@ def check_stage_args(
     if timeout_seconds is not None:
         if isinstance(timeout_seconds, bool) or not _finite(timeout_seconds) or float(timeout_seconds) <= 0:
             raise bad("timeout_seconds", f"must be a positive number of seconds, got {timeout_seconds!r}")
-        if spec.deadline is not None and float(timeout_seconds) < (float(expected_duration) if expected_duration else 0):
-            raise bad("timeout_seconds", f"{timeout_seconds!r}s is shorter than expected_duration {expected_duration!r}s")
+        if expected_duration and float(timeout_seconds) < float(expected_duration):
+            # Prefect would kill every run before the time the stage itself says it needs
+            raise bad(
+                "timeout_seconds",
+                f"{float(timeout_seconds):g}s is shorter than the stage's expected_duration ({float(expected_duration):g}s), "
+                "so Prefect would stop every run before it can finish; raise timeout_seconds or lower expected_duration",
+            )
     if tags is not None:
         if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
             raise bad("tags", f"must be a list of strings, got {tags!r}")
