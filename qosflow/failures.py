@@ -36,7 +36,7 @@ def classify_process_exit(returncode: int | None, *, killed_reason: str | None =
     if error:
         return ExitStatus(ExitKind.USER, returncode, f"the stage could not start: {error} (check the command and its working directory)")
     if killed_reason:
-        if killed_reason.startswith("fenced"):
+        if killed_reason.startswith(("fenced", "agent shutting down")):
             return ExitStatus(ExitKind.INFRA, returncode, f"stopped by its agent: {killed_reason}")
         if returncode == 0:
             return ExitStatus(ExitKind.OK, 0, "")

@@ -265,6 +265,54 @@ def test_agent_killed_midstage_reruns_elsewhere_once(stage_script, tmp_path):
     assert relaunch > killed_at
 
 
+def test_stopped_agent_kills_its_stages_before_it_refuses_connections(stage_script, tmp_path):
+    """`systemctl stop` (SIGTERM) of an agent: uvicorn refused new connections at once but drained a
+    worker's open long-poll (up to 20 s) before the agent's shutdown killed the stages, so the worker
+    saw a refused heartbeat ("its stages died with it"), reran the stage elsewhere and it ran in two
+    places. Now the stage is dead (SIGKILL, an infrastructure failure) before any connection is refused."""
+    out = tmp_path / "ev.jsonl"
+    with AgentProcess("host-a", TOKEN, log=tmp_path / "a.log") as a:
+
+        async def go():
+            be = backend_for(a, heartbeat_s=1.0, poll_s=20.0)
+            try:
+                placer = FirstFitPlacer(await be.inventory())
+                spec = await placer.place_fn("s", [sys.executable, str(stage_script), str(out), "s", "30"])(1, set())
+                handle = await be.launch(spec)
+                waiter = asyncio.ensure_future(be.wait(handle))  # the worker's long-poll is open
+                while not records(out):
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)
+                pid = records(out)[0]["pid"]
+                a.proc.send_signal(signal.SIGTERM)
+                async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as c:
+                    deadline = time.monotonic() + 15
+                    while True:
+                        assert time.monotonic() < deadline, "the stopped agent kept answering"
+                        try:
+                            await c.get(f"{a.url}/v1/health", timeout=0.5)
+                        except httpx.HTTPError:
+                            break
+                        await asyncio.sleep(0.02)
+                refused_at = time.monotonic()
+                alive = True
+                while alive and time.monotonic() < refused_at + 0.5:
+                    try:
+                        os.kill(pid, 0)
+                        await asyncio.sleep(0.02)
+                    except ProcessLookupError:
+                        alive = False
+                return alive, await asyncio.wait_for(waiter, 30)
+            finally:
+                await be.aclose()
+
+        alive, st = asyncio.run(go())
+        a.proc.wait(10)
+    assert not alive, "the stage still ran after its agent refused connections"
+    assert st.kind is ExitKind.INFRA, st
+    assert not [e for e in records(out) if e["event"] == "done"]
+
+
 def test_frozen_host_is_fenced(stage_script, tmp_path):
     """A host that freezes (agent and stage SIGSTOPped) is marked down by heartbeats and its stage
     reruns elsewhere; when the host wakes, its agent's fence kills the stale stage before it can

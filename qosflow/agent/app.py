@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from qosflow.agent.gpus import GpuSource
-from qosflow.agent.runner import Runner, usable_cpus
+from qosflow.agent.runner import AGENT_STOPPING, Runner, usable_cpus
 
 
 @dataclass
@@ -113,7 +113,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         finally:
             if fence:
                 fence.cancel()
-            await runner.kill_all("agent shutting down")
+            await runner.kill_all(AGENT_STOPPING, grace=0)
 
     async def _fence_loop() -> None:
         assert cfg.fence_after_s

@@ -15,6 +15,7 @@ from typing import Iterable
 import uvicorn
 
 from qosflow.agent.app import AgentConfig, create_app
+from qosflow.agent.runner import AGENT_STOPPING
 
 
 class _QuietServer(uvicorn.Server):
@@ -33,10 +34,45 @@ def make_server(cfg: AgentConfig, port: int, host: str = "127.0.0.1", log_level:
     return _QuietServer(config)
 
 
+class _AgentServer(uvicorn.Server):
+    """Kills the agent's stages as soon as it is told to stop, *before* it stops answering.
+
+    On SIGTERM/SIGINT uvicorn refuses new connections at once but drains the open ones (a worker's
+    long-poll of up to 20 s, a followed log: as long as the stage runs) before the app's shutdown
+    hook runs. A worker whose heartbeat is refused takes the host's stages for dead and reruns them
+    elsewhere, so they ran in two places until then. Here the stages are killed first (SIGKILL, like
+    an agent that dies: an engine given SIGTERM would report the flow run Crashed over its rerun),
+    then uvicorn stops; a second signal stops at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, runner) -> None:
+        super().__init__(config)
+        self.runner = runner
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._stopping or self._loop is None or not self.runner.running():
+            super().handle_exit(sig, frame)
+            return
+        self._stopping = True
+
+        def stop() -> None:
+            task = self._loop.create_task(self.runner.kill_all(AGENT_STOPPING, grace=0))
+            task.add_done_callback(lambda _t: uvicorn.Server.handle_exit(self, sig, frame))
+
+        self._loop.call_soon_threadsafe(stop)
+
+
 def serve(cfg: AgentConfig, port: int, host: str = "127.0.0.1", log_level: str = "warning") -> None:
-    """Run one agent until SIGINT/SIGTERM (uvicorn's own signal handling)."""
-    config = uvicorn.Config(create_app(cfg), host=host, port=port, log_level=log_level, access_log=False, timeout_keep_alive=30)
-    uvicorn.Server(config).run()
+    """Run one agent until SIGINT/SIGTERM; its stages are killed before it stops answering."""
+    app = create_app(cfg)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, timeout_keep_alive=30)
+    _AgentServer(config, app.state.runner).run()
 
 
 async def serve_many(items: Iterable[tuple[AgentConfig, int]], host: str = "127.0.0.1") -> None:
