@@ -367,6 +367,26 @@ def test_cluster_file(tmp_path, agents):
         load_cluster_file(bad)
 
 
+def test_host_named_otherwise_than_its_agent_is_down_in_status(tmp_path, agents):
+    """A cluster file naming a host `gpu-a` at the URL of agent `host-a`: `qosflow agent status`
+    (refresh) showed it up, and the worker's heartbeats then marked it down. Both say it, and how to fix it."""
+    a, _ = agents
+
+    async def go():
+        be = AgentBackend([AgentHost("gpu-a", a.url)], TOKEN, heartbeat_s=1.0)
+        try:
+            snap = await be.refresh(timeout=5.0)
+            spec = await be.inventory()
+            return snap.hosts[0], spec
+        finally:
+            await be.aclose()
+
+    h, spec = asyncio.run(go())
+    assert not h.up and not h.reported
+    assert "is agent 'host-a', not 'gpu-a'" in h.error and "--name gpu-a" in h.error
+    assert spec.nodes[0].name == "gpu-a"
+
+
 @pytest.mark.parametrize(
     "text, where, field, hint",
     [

@@ -202,11 +202,18 @@ class AgentBackend(Backend):
             self._mark_down(h, f"heartbeat answered HTTP {r.status_code}")
             return False
         data = r.json()
-        if data.get("host") and data["host"] != h.name:
-            self._mark_down(h, f"{h.url} is agent {data['host']!r}, not {h.name!r}: fix the cluster file")
+        if not self._is_named(h, data):
             return False
         h.running = list(data.get("running", []))
         self._mark_up(h, data["boot_id"])
+        return True
+
+    def _is_named(self, h: HostState, data: dict[str, Any]) -> bool:
+        """The agent at h.url calls itself h.name (its --name, default its hostname); else it is down."""
+        if data.get("host") and data["host"] != h.name:
+            self._mark_down(h, f"{h.url} is agent {data['host']!r}, not {h.name!r}: name the host {data['host']!r} in the cluster file "
+                               f"(or start that agent with --name {h.name})")
+            return False
         return True
 
     async def healthy_nodes(self) -> set[str]:
@@ -227,6 +234,8 @@ class AgentBackend(Backend):
             self._mark_down(h, f"inventory answered HTTP {r.status_code}")
             return
         d = r.json()
+        if not self._is_named(h, d):
+            return
         h.virtual, h.note, h.gpus = bool(d["virtual"]), d.get("note", ""), list(d["gpus"])
         h.cpu_cores, h.mem_mb, h.labels = float(d["cpu_cores"]), float(d.get("mem_mb") or 0), dict(d.get("labels") or {})
         h.running = list(d.get("running", []))
