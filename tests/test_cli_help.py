@@ -40,3 +40,18 @@ def test_every_command_help_is_reflowed():
             # a prose line is never followed by another prose line: they were joined
             for a, b in zip(lines, lines[1:]):
                 assert a[:1].isspace() or b[:1].isspace() or b.lstrip().startswith(("- ", "* ")), (a, b)
+
+
+def test_usage_errors_are_messages_not_tracebacks(capsys):
+    """typer >= 0.24 raises its own copy of click's exceptions (typer._click): an unknown option, a
+    non-number or a value out of range printed a Python traceback instead of the usage message."""
+    from qosflow.cli.main import main
+
+    for argv, says in (
+        (["agent", "start", "--bogus"], "No such option: --bogus"),
+        (["agent", "start", "--port", "abc"], "Invalid value for '--port'"),
+        (["init", "--hosts", "0"], "Invalid value for '--hosts'"),
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and "Try 'qosflow" in err, err

@@ -93,16 +93,33 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # typer/click exits
         return int(exc.code or 0)
     except Exception as exc:  # click usage errors and friends
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
+        usage, abort = _click_exceptions()
+        if isinstance(exc, usage):
             exc.show()
             return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):
+        if isinstance(exc, abort):
             typer.secho("aborted", err=True)
             return 130
         raise
     return 0
+
+
+def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Usage errors and aborts of click and of the click copy that typer >= 0.24 carries
+    (`typer._click`, whose exceptions are not click's: without it `--port abc`, an unknown option
+    or a value out of its range printed a traceback instead of the usage message)."""
+    import click
+
+    usage: list[type] = [click.exceptions.ClickException]
+    abort: list[type] = [click.exceptions.Abort]
+    try:
+        from typer._click.exceptions import ClickException
+    except ImportError:  # older typer uses click itself
+        pass
+    else:
+        usage.append(ClickException)
+    abort.append(getattr(typer, "Abort", click.exceptions.Abort))
+    return tuple(usage), tuple(abort)
 
 
 if __name__ == "__main__":
