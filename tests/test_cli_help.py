@@ -54,4 +54,4 @@ def test_usage_errors_are_messages_not_tracebacks(capsys):
     ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert says in err and "Traceback" not in err and "Try 'qosflow" in err, err
+        assert says in err and "Traceback" not in err and "--help' for help" in err, err
