@@ -416,3 +416,28 @@ def test_cluster_file_numbers_may_be_quoted(tmp_path):
     cf = load_cluster_file(f)
     assert [h.gpus for h in cf.hosts] == [4, 2] and cf.hosts[0].cpu_cores == 8.0 and cf.heartbeat_s == 1.5
     assert cf.hosts[1].switch == 1 and cf.hosts[1].labels == {"rack": "r1"}
+
+
+def test_agent_start_mistakes_are_named_before_it_starts(capsys):
+    """`qosflow agent start` on a port in use printed its 'on http://...' banner, then uvicorn's
+    '[Errno 98] ...' (exit 3); a negative --virtual-gpus started an agent with -1 GPUs; --fence-after 0
+    meant 'never fence'. Each is now an error naming the option and what to do."""
+    import socket
+
+    from qosflow.cli.main import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        base = ["agent", "start", "--token", "t", "--virtual-gpus", "1"]
+        for argv, says in (
+            (base + ["--port", str(port)], f"invalid --port: 127.0.0.1:{port} is already in use"),
+            (base + ["--port", str(port), "--host", "192.0.2.1"], "invalid --host: 192.0.2.1 is not an address of this host"),
+            (base + ["--virtual-gpus", "-1"], "Invalid value for '--virtual-gpus'"),
+            (base + ["--fence-after", "0"], "invalid --fence-after: must be > 0"),
+            (base + ["--gpu-mem-mb", "-5"], "invalid --gpu-mem-mb: must be > 0"),
+        ):
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert says in err and "on http://" not in err, err

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import signal
+import socket
 from typing import Iterable
 
 import uvicorn
@@ -68,11 +70,38 @@ class _AgentServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(stop)
 
 
-def serve(cfg: AgentConfig, port: int, host: str = "127.0.0.1", log_level: str = "warning") -> None:
+def bind(host: str, port: int) -> socket.socket:
+    """The agent's listening socket, bound now so that a port in use or an address this host does not
+    have is a clear error before anything starts (uvicorn printed only '[Errno 98] ...')."""
+    from qosflow.errors import SpecError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise SpecError("--host", f"{host!r} is not an address or a name this host can resolve ({exc.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SpecError("--port", f"{host}:{port} is already in use (another agent running?): stop it or choose another --port") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise SpecError("--host", f"{host} is not an address of this host: give one of its addresses, or 0.0.0.0 for all") from None
+        if exc.errno == errno.EACCES:
+            raise SpecError("--port", f"no permission to listen on port {port} (ports below 1024 need root): choose another --port") from None
+        raise SpecError("--port", f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(cfg: AgentConfig, port: int, host: str = "127.0.0.1", log_level: str = "warning", *, sock: socket.socket | None = None) -> None:
     """Run one agent until SIGINT/SIGTERM; its stages are killed before it stops answering."""
     app = create_app(cfg)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, timeout_keep_alive=30)
-    _AgentServer(config, app.state.runner).run()
+    _AgentServer(config, app.state.runner).run(sockets=[sock or bind(host, port)])
 
 
 async def serve_many(items: Iterable[tuple[AgentConfig, int]], host: str = "127.0.0.1") -> None:

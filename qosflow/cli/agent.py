@@ -37,9 +37,9 @@ def register(app: typer.Typer) -> None:
 
     @agent.command("start")
     def start(
-        port: int = typer.Option(8701, "--port", "-p", help="TCP port to listen on"),
+        port: int = typer.Option(8701, "--port", "-p", min=1, max=65535, help="TCP port to listen on"),
         host: str = typer.Option("127.0.0.1", "--host", help="address to bind (127.0.0.1 unless the workers are remote)"),
-        virtual_gpus: Optional[int] = typer.Option(None, "--virtual-gpus", help="declare N virtual GPUs when the host has no NVML GPU"),
+        virtual_gpus: Optional[int] = typer.Option(None, "--virtual-gpus", min=0, help="declare N virtual GPUs when the host has no NVML GPU"),
         gpu_mem_mb: float = typer.Option(16_384.0, "--gpu-mem-mb", help="memory of each virtual GPU (MiB)"),
         cpu_cores: Optional[float] = typer.Option(None, "--cpu-cores", help="cores to offer (default: the cores this process may use)"),
         name: Optional[str] = typer.Option(None, "--name", help="host name the worker sees (default: hostname)"),
@@ -57,9 +57,12 @@ def register(app: typer.Typer) -> None:
 
         from qosflow.agent.app import AgentConfig
         from qosflow.agent.gpus import GpuSource
-        from qosflow.agent.server import serve
+        from qosflow.agent.server import bind, serve
         from qosflow.errors import SpecError
 
+        for opt, value, floor in (("--gpu-mem-mb", gpu_mem_mb, 0), ("--cpu-cores", cpu_cores, 0), ("--fence-after", fence_after, 0)):
+            if value is not None and not value > floor:
+                raise SpecError(opt, f"must be > 0, got {value:g}")
         labels = {}
         for item in label:
             if "=" not in item:
@@ -76,9 +79,10 @@ def register(app: typer.Typer) -> None:
             workdir=workdir,
             fence_after_s=fence_after,
         )
+        sock = bind(host, port)
         src = GpuSource.detect(virtual_gpus, virtual_mem_mb=gpu_mem_mb)
         typer.echo(f"qosflow agent {cfg.name} on http://{host}:{port}: {src.count} GPU(s), {src.note}", err=True)
-        serve(cfg, port, host, log_level)
+        serve(cfg, port, host, log_level, sock=sock)
 
     @agent.command("status")
     def status(cluster: Path = typer.Option(..., "--cluster", help="cluster file (YAML or JSON) listing hosts and agent URLs")) -> None:
