@@ -222,10 +222,22 @@ class LocalBackend(Backend):
         proc = self._procs.get(stage_id)
         return proc.pid if proc else None
 
-    async def aclose(self) -> None:
-        for sid, proc in list(self._procs.items()):
+    async def aclose(self, grace: float = 3.0) -> None:
+        """Stop: give processes still running `grace` seconds to end on their own (a flow run that just reported its
+        final state may still be flushing its logs), kill the rest with their children, and reap them all while the
+        loop still runs (a child reaped after its loop closed makes asyncio warn "Loop ... that handles pid N is
+        closed")."""
+        live = [proc for proc in self._procs.values() if proc.returncode is None]
+        if live and grace > 0:
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in live], timeout=grace)
+        for proc in live:
             if proc.returncode is None:
                 kill_tree(proc.pid, signal.SIGKILL)
+        for proc in live:
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except (asyncio.TimeoutError, ProcessLookupError):
+                pass
 
 
 def descendants(pid: int) -> list[int]:
