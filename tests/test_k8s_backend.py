@@ -335,3 +335,23 @@ def test_volcano_gang_all_or_nothing():
     assert pg["spec"]["minMember"] == 2 and st_ok.ok
     assert st_bad.kind is ExitKind.INFRA and "Unschedulable" in st_bad.reason and "pod group" in st_bad.reason
     assert bound == []  # all or nothing: not even the member that would fit was bound
+
+
+@emulator_only
+def test_unreachable_api_or_bad_kubeconfig_says_where_and_what_to_fix(tmp_path):
+    """A wrong api_url/port or a missing kubeconfig: the worker's set-up error was urllib3's
+    'HTTPConnectionPool(...): Max retries exceeded' or kubernetes' 'Invalid kube-config file. No
+    configuration found.' with no word of which cluster or which setting; now both name them."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    cfg = client.Configuration()
+    cfg.host = f"http://127.0.0.1:{port}"
+    cfg.retries = 0
+    be = KubernetesBackend(api_client=client.ApiClient(cfg), cluster_name="k8s-a100")
+    with pytest.raises(QosflowError, match=rf"cluster 'k8s-a100': cannot reach the API server at http://127.0.0.1:{port} .*api_url or kubeconfig"):
+        run(be.inventory())
+    with pytest.raises(QosflowError, match=rf"cluster 'k8s-a100': cannot load kubeconfig {tmp_path}/nokube: .*kubeconfig .* context, or api_url"):
+        KubernetesBackend(kubeconfig=str(tmp_path / "nokube"), cluster_name="k8s-a100")

@@ -127,7 +127,13 @@ class KubernetesBackend(Backend):
                 config.load_incluster_config()
                 self.api_client = client.ApiClient()
             except config.ConfigException:
-                self.api_client = config.new_client_from_config(config_file=self.kubeconfig, context=self.context)
+                try:
+                    self.api_client = config.new_client_from_config(config_file=self.kubeconfig, context=self.context)
+                except (config.ConfigException, OSError) as exc:
+                    raise QosflowError(
+                        f"Kubernetes cluster {self.cluster_name!r}: cannot load {self._config_source()}: {str(exc).rstrip('.')}. Give the cluster "
+                        "block's kubeconfig (a kubeconfig file) and context, or api_url for a plain API server URL"
+                    ) from None
         self.core = client.CoreV1Api(self.api_client)
         self.batch = client.BatchV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
@@ -177,15 +183,45 @@ class KubernetesBackend(Backend):
     def _selector(self) -> str | None:
         return ",".join(f"{k}={v}" for k, v in self.node_selector.items()) or None
 
+    def _config_source(self) -> str:
+        """Where the API client's configuration came from, for error messages."""
+        if self.kubeconfig:
+            where = f"kubeconfig {self.kubeconfig}"
+        else:
+            import os
+
+            where = f"kubeconfig {os.environ.get('KUBECONFIG') or '~/.kube/config'} (the default: no kubeconfig given)"
+        return where + (f", context {self.context!r}" if self.context else "")
+
+    async def _list_nodes(self) -> list:
+        """The nodes; an unreachable API server or refused credentials is an error saying where and what to fix."""
+        import urllib3
+        from kubernetes.client.exceptions import ApiException
+
+        host = getattr(getattr(self.api_client, "configuration", None), "host", "?")
+        try:
+            return (await self._acall(self.core.list_node, label_selector=self._selector())).items
+        except ApiException as e:
+            if e.status in (401, 403):
+                fix = ("its credentials were refused: check the kubeconfig's user/token" if e.status == 401 else
+                       "its user may not list nodes: grant it get/list/watch on nodes, and create/delete on jobs and pods")
+                raise QosflowError(f"Kubernetes cluster {self.cluster_name!r}: the API server at {host} answered {e.status} {e.reason} "
+                                   f"to listing nodes; {fix}") from None
+            raise
+        except urllib3.exceptions.HTTPError as e:
+            why = getattr(e, "reason", None) or e
+            raise QosflowError(f"Kubernetes cluster {self.cluster_name!r}: cannot reach the API server at {host} ({why}). Is the "
+                               "cluster up, and does the cluster block's api_url or kubeconfig/context point at it?") from None
+
     async def inventory(self) -> ClusterSpec:
-        nodes = (await self._acall(self.core.list_node, label_selector=self._selector())).items
+        nodes = await self._list_nodes()
         if not nodes:
             raise QosflowError(f"no Kubernetes node matches {self.node_selector or 'any label'} in {self.api_client.configuration.host}")
         switches: dict[str, int] = {}
         return ClusterSpec(tuple(self._node_spec(n, switches) for n in sorted(nodes, key=lambda n: n.metadata.name)), name=self.cluster_name)
 
     async def healthy_nodes(self) -> set[str]:
-        nodes = (await self._acall(self.core.list_node, label_selector=self._selector())).items
+        nodes = await self._list_nodes()
         return {n.metadata.name for n in nodes if _ready(n) and not (n.spec and n.spec.unschedulable)}
 
     # ------------------------------------------------------------------ manifests
