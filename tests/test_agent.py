@@ -351,6 +351,51 @@ def test_frozen_host_is_fenced(stage_script, tmp_path):
     assert [d["node"] for d in dones] == ["host-b"]
 
 
+def test_agent_fence_is_checked_against_heartbeats_and_waited_for(stage_script, tmp_path):
+    """The worker learns each agent's --fence-after. An agent that fences before the next heartbeat
+    (--fence-after 0.3, heartbeats every 1 s) killed every stage and each rerun the same way: it is
+    down, saying which option to change. And a cluster file without fence_after_s made the worker
+    rerun a silent host's stage at once, while the agent ran it until its own fence fired: the
+    worker now waits for the fence the agent reported."""
+    out = tmp_path / "ev.jsonl"
+    with AgentProcess("host-a", TOKEN, args=["--fence-after", "0.3"], log=tmp_path / "a.log") as a:
+
+        async def early():
+            be = backend_for(a, heartbeat_s=1.0)
+            try:
+                snap = await be.refresh(timeout=5.0)
+                return snap.hosts[0]
+            finally:
+                await be.aclose()
+
+        h = asyncio.run(early())
+    assert not h.up and "fences (kills its stages) after 0.3 s" in h.error and "--fence-after 1.5" in h.error, h.error
+
+    with AgentProcess("host-a", TOKEN, args=["--fence-after", "2"], log=tmp_path / "a2.log") as a:
+
+        async def silent():
+            be = backend_for(a, heartbeat_s=0.5)  # no fence_after_s given to the worker
+            try:
+                placer = FirstFitPlacer(await be.inventory())
+                spec = await placer.place_fn("s", [sys.executable, str(stage_script), str(out), "s", "30"])(1, set())
+                handle = await be.launch(spec)
+                while not records(out):
+                    await asyncio.sleep(0.05)
+                os.kill(a.proc.pid, signal.SIGSTOP)  # the host goes silent (a network split)
+                try:
+                    st = await asyncio.wait_for(be.wait(handle), 30)
+                    ended = time.time()
+                finally:
+                    os.kill(a.proc.pid, signal.SIGCONT)
+                return st, ended - be.state["host-a"].last_ok
+            finally:
+                await be.aclose()
+
+        st, after_last_ok = asyncio.run(silent())
+    assert st.kind is ExitKind.INFRA and "host-a lost" in st.reason
+    assert after_last_ok >= 2.0, f"gave the stage up {after_last_ok:.2f} s after the last heartbeat, before the agent's 2 s fence"
+
+
 def test_cluster_file(tmp_path, agents):
     a, b = agents
     (tmp_path / "tok").write_text(TOKEN + "\n")

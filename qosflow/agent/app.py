@@ -149,6 +149,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             "boot_id": boot_id,
             "time": time.time(),
             "uptime_s": time.time() - boot_time,
+            "fence_after_s": cfg.fence_after_s,
             "running": [s.stage_id for s in runner.running()],
         })
 
@@ -166,6 +167,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             "cpus_usable": cpus,
             "mem_mb": cfg.mem_mb if cfg.mem_mb is not None else _mem_mb(),
             "labels": cfg.labels,
+            "fence_after_s": cfg.fence_after_s,
             "running": [s.stage_id for s in runner.running()],
         })
 

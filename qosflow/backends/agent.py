@@ -73,6 +73,9 @@ class HostState:
     reported: bool = False  # has answered /v1/inventory at least once
     #: the last failure was a refused connection (the agent process is gone, and its stages with it)
     refused: bool = False
+    #: the agent's --fence-after as it reports it (None: it never fences; older agents do not say)
+    fence_after_s: float | None = None
+    warned_no_fence: bool = False
     #: set (and replaced) whenever the host goes down or its agent restarts
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -209,12 +212,33 @@ class AgentBackend(Backend):
         return True
 
     def _is_named(self, h: HostState, data: dict[str, Any]) -> bool:
-        """The agent at h.url calls itself h.name (its --name, default its hostname); else it is down."""
+        """The agent at h.url calls itself h.name (its --name, default its hostname), and its fence
+        leaves room for our heartbeats; else it is down."""
         if data.get("host") and data["host"] != h.name:
             self._mark_down(h, f"{h.url} is agent {data['host']!r}, not {h.name!r}: name the host {data['host']!r} in the cluster file "
                                f"(or start that agent with --name {h.name})")
             return False
+        if "fence_after_s" not in data:
+            return True
+        fence = data["fence_after_s"]
+        if fence is not None and float(fence) < self.heartbeat_s:
+            # it would kill every stage between two of our heartbeats, and each rerun would die the same way
+            self._mark_down(h, f"agent {h.name} fences (kills its stages) after {float(fence):g} s without a heartbeat, but this worker "
+                               f"sends one every {self.heartbeat_s:g} s: restart the agent with --fence-after "
+                               f"{1.5 * self.heartbeat_s:g} (1-2 x heartbeat_s) or lower the cluster's heartbeat_s")
+            return False
+        if fence is None and not h.warned_no_fence:
+            h.warned_no_fence = True
+            log.warning("the agent on host %s runs without --fence-after: after a network split its stages keep running there while "
+                        "they run again elsewhere; start it with --fence-after %g (1.5 x heartbeat_s)", h.name, 1.5 * self.heartbeat_s)
+        h.fence_after_s = None if fence is None else float(fence)
         return True
+
+    def _fence_of(self, h: HostState) -> float | None:
+        """How long a silent host's stages may still run: the agent's own --fence-after (what it really
+        does) or, for an agent that does not report it, the cluster's fence_after_s."""
+        known = [f for f in (h.fence_after_s, self.fence_after_s) if f]
+        return max(known) if known else None
 
     async def healthy_nodes(self) -> set[str]:
         await self.start()
@@ -376,9 +400,10 @@ class AgentBackend(Backend):
             part["boot_id"] = h.boot_id
         while True:
             if not h.up:
-                if not h.refused and self.fence_after_s and h.last_ok:
+                fence = self._fence_of(h)
+                if not h.refused and fence and h.last_ok:
                     # silent, not gone: its agent may still run the stage until its fence fires
-                    await asyncio.sleep(max(0.0, h.last_ok + self.fence_after_s - time.time()))
+                    await asyncio.sleep(max(0.0, h.last_ok + fence - time.time()))
                 return ExitStatus(ExitKind.INFRA, None, f"host {h.name} lost: {h.error}")
             if h.boot_id != part["boot_id"]:
                 return ExitStatus(ExitKind.INFRA, None, f"the agent on host {h.name} restarted; stage {part['stage_id']} was lost with it")
