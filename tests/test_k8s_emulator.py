@@ -197,3 +197,19 @@ def test_resources_and_affinity_are_honoured(api):
     msg = next(c.message for c in pods[0].status.conditions if c.type == "PodScheduled")
     assert msg.startswith("0/2 nodes are available:") and "Insufficient nvidia.com/gpu" in msg
     batch.delete_namespaced_job("big", NS, propagation_policy="Background")
+
+
+def test_standalone_emulator_mistakes_are_messages():
+    """`python -m qosflow.k8s_emulator` on a port in use was an OSError traceback, and --nodes -1 ran
+    an emulator without nodes; both are now usage errors saying what to change."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for args, says in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"), (["--nodes", "-1"], "--nodes must be at least 1")):
+            r = subprocess.run([sys.executable, "-m", "qosflow.k8s_emulator", *args], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr

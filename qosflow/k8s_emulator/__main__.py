@@ -5,16 +5,32 @@ import time
 
 from qosflow.k8s_emulator import EmulatorServer, gpu_node
 
-ap = argparse.ArgumentParser(description="qosflow's Kubernetes API emulator (for tests; not a cluster)")
-ap.add_argument("--port", type=int, default=8080)
-ap.add_argument("--nodes", type=int, default=2)
-ap.add_argument("--gpus", type=int, default=4)
+ap = argparse.ArgumentParser(
+    description="qosflow's Kubernetes API emulator (for tests; not a cluster): the real REST paths and JSON on 127.0.0.1, "
+                "GPU nodes labelled virtual, Jobs 'run' by its own controller, scheduler and kubelet.",
+    epilog="Point a worker at it with a qosflow-kubernetes-cluster block whose api_url is the printed URL, e.g. "
+           "KubernetesGPUCluster(api_url='http://127.0.0.1:8080').save('k8s-emu'), then "
+           "'qosflow worker start --pool gpu --cluster-block k8s-emu' (with --run-processes, so the stages really run). "
+           "Failures are injected with POST /emulator/rules, /emulator/faults and /emulator/nodes/NAME/lose.",
+)
+ap.add_argument("--port", type=int, default=8080, help="TCP port on 127.0.0.1 (default 8080; 0: any free port)")
+ap.add_argument("--nodes", type=int, default=2, help="GPU nodes gpu-node-0..N-1 (default 2)")
+ap.add_argument("--gpus", type=int, default=4, help="GPUs per node (nvidia.com/gpu; default 4)")
 ap.add_argument("--replicas", type=int, default=None, help="time-slicing replicas per GPU (nvidia.com/gpu.shared)")
 ap.add_argument("--run-processes", action="store_true",
                 help="run each pod's container command as a local process (no image, no isolation), so real stages run")
 a = ap.parse_args()
-with EmulatorServer([gpu_node(f"gpu-node-{i}", a.gpus, replicas=a.replicas) for i in range(a.nodes)], port=a.port,
-                    run_processes=a.run_processes) as emu:
+for opt, v, low in (("--nodes", a.nodes, 1), ("--gpus", a.gpus, 0), ("--replicas", a.replicas, 1)):
+    if v is not None and v < low:
+        ap.error(f"{opt} must be at least {low}, got {v}")
+if not 0 <= a.port <= 65535:
+    ap.error(f"--port must be between 0 and 65535, got {a.port}")
+try:
+    emu_server = EmulatorServer([gpu_node(f"gpu-node-{i}", a.gpus, replicas=a.replicas) for i in range(a.nodes)], port=a.port,
+                                run_processes=a.run_processes)
+except OSError as exc:
+    ap.exit(2, f"error: cannot listen on 127.0.0.1:{a.port}: {exc.strerror} (another emulator running?): stop it or choose another --port\n")
+with emu_server as emu:
     print(f"Kubernetes API emulator (not a real cluster) on {emu.url}; Ctrl-C to stop", flush=True)
     try:
         while True:
