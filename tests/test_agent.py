@@ -432,6 +432,26 @@ def test_host_named_otherwise_than_its_agent_is_down_in_status(tmp_path, agents)
     assert spec.nodes[0].name == "gpu-a"
 
 
+def test_agent_status_exits_1_when_a_host_is_down(tmp_path, agents, capsys):
+    """`qosflow agent status` for scripts: 0 when every host answers, 1 (and the down hosts named) otherwise."""
+    import socket
+
+    from qosflow.cli.main import main
+
+    a, b = agents
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    up = tmp_path / "up.yaml"
+    up.write_text(f"token: {TOKEN}\nhosts:\n  - {{name: host-a, agent_url: '{a.url}'}}\n")
+    assert main(["agent", "status", "--cluster", str(up)]) == 0
+    capsys.readouterr()
+    down = tmp_path / "down.yaml"
+    down.write_text(up.read_text() + f"  - {{name: gone, agent_url: 'http://127.0.0.1:{dead}'}}\n")
+    assert main(["agent", "status", "--cluster", str(down)]) == 1
+    assert "1 of 2 hosts down: gone" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "text, where, field, hint",
     [

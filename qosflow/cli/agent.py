@@ -86,7 +86,10 @@ def register(app: typer.Typer) -> None:
 
     @agent.command("status")
     def status(cluster: Path = typer.Option(..., "--cluster", help="cluster file (YAML or JSON) listing hosts and agent URLs")) -> None:
-        """Ask every agent of a cluster file for its GPUs and health."""
+        """Ask every agent of a cluster file for its GPUs and health.
+
+        Exits 0 when every host is up, 1 when any is down (for scripts and health checks), 2 on a bad
+        cluster file."""
         import asyncio
 
         from rich.console import Console
@@ -111,3 +114,7 @@ def register(app: typer.Typer) -> None:
             util = "-" if h.virtual or not h.gpus else ",".join(str(g.get("utilization_gpu")) for g in h.gpus)
             t.add_row(h.name, h.url, "yes" if h.up else f"no ({h.error})", str(len(h.gpus)), util, f"{h.cpu_cores:g}", str(len(h.running)), h.note)
         Console().print(t)
+        down = [h.name for h in snap.hosts if not h.up]
+        if down:
+            typer.secho(f"{len(down)} of {len(snap.hosts)} hosts down: {', '.join(down)}", err=True, fg="red")
+            raise typer.Exit(1)

@@ -86,7 +86,8 @@ _reflow_help(app)
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        app(args=argv, standalone_mode=False)
+        # without standalone mode click *returns* the code of a `typer.Exit(n)` instead of exiting
+        rc = app(args=argv, standalone_mode=False)
     except QosflowError as exc:
         typer.secho(f"error: {exc}", err=True, fg="red")
         return 2
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             typer.secho("aborted", err=True)
             return 130
         raise
-    return 0
+    return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
 
 
 def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
