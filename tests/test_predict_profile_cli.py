@@ -28,7 +28,32 @@ def stage_module(tmp_path, monkeypatch):
 
         def broken():
             raise RuntimeError("boom")
+
+        def reported(steps=3):
+            import time
+            for i in range(steps + 3):
+                time.sleep(0.02)
+                qosflow.report_progress(i + 1)   # no step 0: the clock starts at the end of step 1
+
+        def chatty(steps=3):
+            import sys, time
+            for _ in qosflow.track(range(steps + 3)):
+                sys.stderr.write("x" * 100_000 + "\\n")  # far more than a pipe holds
+                time.sleep(0.01)
+
+        def spawner(steps=3):
+            import subprocess, time
+            child = subprocess.Popen(["sleep", "600"])   # inherits stderr, outlives the function
+            open("child.pid", "w").write(str(child.pid))
+            for _ in qosflow.track(range(steps + 3)):
+                time.sleep(0.02)
+
+        def needs_args(data):
+            pass
+
+        not_a_function = 3
     """))
+    (tmp_path / "broken_import.py").write_text("import qosflow\nraise ImportError('half-installed dependency xyz')\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
@@ -87,3 +112,37 @@ def test_predict_eval_pairs_cli(tmp_path, capsys):
     assert {"mape", "p90_ape", "n", "interference"} <= set(res) and res["interference"]["folds"] == 3
     assert "random_forest" in capsys.readouterr().out
     assert main(["predict", "eval"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_profile_survives_chatty_stderr_and_children_that_outlive_the_function(stage_module):
+    import os
+    import threading
+
+    # a function writing much to stderr blocked on the full pipe until the budget (0 steps)
+    [cfg] = profile("toy_stage:chatty", 3, cores=[1], budget_s=30).configs
+    assert cfg.steps == 3 and cfg.stopped == "3 steps reached" and cfg.wall_s < 20
+    # a process the function started kept the stderr pipe open: the profile waited for it forever
+    out = {}
+    t = threading.Thread(target=lambda: out.update(res=profile("toy_stage:spawner", 3, cores=[1], budget_s=30)), daemon=True)
+    t.start()
+    t.join(60)
+    pid = int((stage_module / "child.pid").read_text())
+    try:
+        assert not t.is_alive(), "the profile hung on a process the function started"
+        assert out["res"].configs[0].steps == 3
+        import time
+
+        for _ in range(100):  # killed with the function's process group
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the function's child process outlived the profile")
+    finally:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass

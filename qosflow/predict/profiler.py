@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -132,6 +133,15 @@ def _check_target(target: str) -> None:
         raise SpecError("target", f"{target!r} is not MODULE:FUNCTION (e.g. mypkg.train:step_loop)")
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the child and everything it started (DataLoader workers, multiprocessing children):
+    they would keep running, and an inherited stderr would keep the profile waiting."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInfo) -> ConfigResult:
     with tempfile.TemporaryDirectory(prefix="qosflow-profile-") as tmp:
         prog = os.path.join(tmp, "progress.jsonl")
@@ -141,25 +151,33 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
             sampler.start()
         t0 = time.monotonic()
         ru0 = os.times()
-        proc = subprocess.Popen([sys.executable, "-c", _RUNNER, target, str(steps), str(cores)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        stopped = "finished"
-        while proc.poll() is None:
-            time.sleep(0.02)
-            if time.monotonic() - t0 > budget_s:
-                stopped = f"budget {budget_s:g}s reached"
-                break
-            ev = read_progress(prog)
-            if ev and max(e.step for e in ev) >= steps + 1:  # warm-up step + N measured
-                stopped = f"{steps} steps reached"
-                break
-        if proc.poll() is None:
-            proc.kill()
-        _out, err = proc.communicate()
-        wall = time.monotonic() - t0
-        ru1 = os.times()
-        if sampler:
-            sampler.stop()
+        # stderr goes to a file, not a pipe: a chatty function would fill a pipe nobody reads while it
+        # runs and block; its own session lets the profile kill whatever the function started
+        with open(os.path.join(tmp, "stderr.txt"), "w+", encoding="utf-8", errors="replace") as errf:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _RUNNER, target, str(steps), str(cores)],
+                env=env, stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True,
+            )
+            stopped = "finished"
+            try:
+                while proc.poll() is None:
+                    time.sleep(0.02)
+                    if time.monotonic() - t0 > budget_s:
+                        stopped = f"budget {budget_s:g}s reached"
+                        break
+                    ev = read_progress(prog)
+                    if ev and max(e.step for e in ev) >= steps + 1:  # warm-up step + N measured
+                        stopped = f"{steps} steps reached"
+                        break
+            finally:  # also on Ctrl-C: nothing of the function may outlive the profile
+                _kill_group(proc)
+                proc.wait()
+            wall = time.monotonic() - t0
+            ru1 = os.times()
+            if sampler:
+                sampler.stop()
+            errf.seek(0)
+            err = errf.read()
         if proc.returncode not in (0, None) and stopped == "finished":
             tail = (err or "").strip().splitlines()[-5:]
             raise QosflowError(f"{target} failed with exit code {proc.returncode}:\n" + "\n".join(tail))
