@@ -114,6 +114,14 @@ def test_predict_eval_pairs_cli(tmp_path, capsys):
     assert main(["predict", "eval"]) == 2
 
 
+def test_profile_counts_steps_reported_without_a_step_zero(stage_module):
+    # report_progress(1) after the first step: step 1 is the warm-up, steps 2..N+1 are measured (was N-1)
+    res = profile("toy_stage:reported", 3, cores=[1], budget_s=60)
+    [cfg] = res.configs
+    assert cfg.steps == 3 and cfg.stopped == "3 steps reached"
+    assert 0.015 < cfg.step_time_s < 0.2
+
+
 @pytest.mark.timeout(120)
 def test_profile_survives_chatty_stderr_and_children_that_outlive_the_function(stage_module):
     import os

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from qosflow.errors import QosflowError, SpecError
-from qosflow.progress import ENV_VAR, read_progress, step_times
+from qosflow.progress import ENV_VAR, read_progress
 
 
 @dataclass
@@ -142,6 +142,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def measured_step_times(events: list, steps: int) -> list[float]:
+    """Durations of steps 2 .. steps+1 (step 1 is the warm-up), whatever the first reported step is:
+    `track` reports step 0 before the loop, so step 1's duration is known (and dropped); a function
+    that calls `report_progress(1)` after its first step only starts the clock there."""
+    out: list[float] = []
+    for a, b in zip(events, events[1:]):
+        ds = b.step - a.step
+        if ds > 0 and b.t >= a.t:
+            d = (b.t - a.t) / ds
+            out.extend(d for s in range(a.step + 1, b.step + 1) if s >= 2)
+    return out[:steps]
+
+
 def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInfo) -> ConfigResult:
     with tempfile.TemporaryDirectory(prefix="qosflow-profile-") as tmp:
         prog = os.path.join(tmp, "progress.jsonl")
@@ -182,8 +195,7 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
             tail = (err or "").strip().splitlines()[-5:]
             raise QosflowError(f"{target} failed with exit code {proc.returncode}:\n" + "\n".join(tail))
         ev = read_progress(prog)
-    times = step_times(ev)[1:]  # drop the warm-up step
-    times = times[:steps]
+    times = measured_step_times(ev, steps)
     cpu = (ru1.children_user - ru0.children_user) + (ru1.children_system - ru0.children_system)
     res = ConfigResult(
         cpu_cores=cores, gpus=1 if gpu.present else 0, steps=len(times),
