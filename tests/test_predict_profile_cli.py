@@ -154,3 +154,18 @@ def test_profile_survives_chatty_stderr_and_children_that_outlive_the_function(s
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("toy_stage:nope", ["has no function 'nope'", "reported"]),
+    ("toy_stage:not_a_function", ["not a function", "'int'"]),
+    ("toy_stage:needs_args", ["needs the argument(s) data", "defaults"]),
+    ("no_such_module_xyz:f", ["no module named 'no_such_module_xyz'", "directory"]),
+    ("broken_import:f", ["importing module 'broken_import' failed", "half-installed dependency xyz"]),
+])
+def test_profile_bad_target_says_what_and_how_to_fix(stage_module, capsys, target, expected):
+    assert main(["profile", target, "--steps", "2", "--cores", "1", "--no-store"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot profile " + target) and "exit code" not in err
+    for text in expected:
+        assert text in err

@@ -110,19 +110,53 @@ class ProfileResult:
         return asdict(self)
 
 
+#: exit status and stderr marker of the child when the target cannot be loaded or called
+_SETUP_EXIT = 87
+_SETUP_MARK = "qosflow-profile-setup-error: "
+
 _RUNNER = r"""
-import importlib, inspect, os, sys
+import importlib, inspect, os, sys, traceback
 target, steps, cores = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+MARK, EXIT = sys.argv[4], int(sys.argv[5])
 os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
 mod, _, fn = target.partition(":")
 sys.path.insert(0, os.getcwd())
-f = getattr(importlib.import_module(mod), fn)
-params = inspect.signature(f).parameters
+
+def fail(msg):
+    sys.stderr.flush()
+    sys.stderr.write("\n" + MARK + msg.replace("\n", " ") + "\n")
+    sys.stderr.flush()
+    os._exit(EXIT)
+
+try:
+    m = importlib.import_module(mod)
+except Exception as exc:
+    traceback.print_exc()
+    if isinstance(exc, ModuleNotFoundError) and exc.name and (mod == exc.name or mod.startswith(exc.name + ".")):
+        fail(f"no module named {mod!r} (looked in the current directory {os.getcwd()} and the installed packages): "
+             "run qosflow profile from the directory that holds it, or install its package")
+    fail(f"importing module {mod!r} failed: {type(exc).__name__}: {exc} (fix the module; the traceback is above)")
+f = getattr(m, fn, None)
+if f is None:
+    names = [n for n in dir(m) if not n.startswith("_") and inspect.isfunction(getattr(m, n))]
+    fail(f"module {mod!r} ({getattr(m, '__file__', '?')}) has no function {fn!r}; its functions: {names[:20]}")
+if not callable(f):
+    fail(f"{target} is not a function (it is a {type(f).__name__!r} object)")
+try:
+    params = inspect.signature(f).parameters
+except (TypeError, ValueError):
+    params = {}
 kw = {}
 for name in ("steps", "max_steps", "num_steps"):
     if name in params:
         kw[name] = steps
         break
+required = [p.name for p in params.values() if p.default is p.empty and p.name not in kw
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+if required:
+    fail(f"{target} needs the argument(s) {', '.join(required)}; qosflow profile calls it with no arguments "
+         "(only steps/max_steps/num_steps=N when it takes one): give them defaults, or profile a small wrapper "
+         "function that calls it")
 f(**kw)
 """
 
@@ -168,7 +202,7 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
         # runs and block; its own session lets the profile kill whatever the function started
         with open(os.path.join(tmp, "stderr.txt"), "w+", encoding="utf-8", errors="replace") as errf:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _RUNNER, target, str(steps), str(cores)],
+                [sys.executable, "-c", _RUNNER, target, str(steps), str(cores), _SETUP_MARK, str(_SETUP_EXIT)],
                 env=env, stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True,
             )
             stopped = "finished"
@@ -191,6 +225,13 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
                 sampler.stop()
             errf.seek(0)
             err = errf.read()
+        if proc.returncode == _SETUP_EXIT and stopped == "finished":
+            lines = err.strip().splitlines()
+            msg = next((ln[len(_SETUP_MARK):] for ln in reversed(lines) if ln.startswith(_SETUP_MARK)), None)
+            if msg is not None:
+                tail = [ln for ln in lines if not ln.startswith(_SETUP_MARK)][-5:]
+                detail = ("\n" + "\n".join(tail)) if tail and "traceback is above" in msg else ""
+                raise QosflowError(f"cannot profile {target}: {msg}{detail}")
         if proc.returncode not in (0, None) and stopped == "finished":
             tail = (err or "").strip().splitlines()[-5:]
             raise QosflowError(f"{target} failed with exit code {proc.returncode}:\n" + "\n".join(tail))
