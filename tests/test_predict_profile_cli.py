@@ -87,7 +87,7 @@ def test_profile_cli_no_gpu_message_and_errors(stage_module, tmp_path, capsys):
     assert "MODULE:FUNCTION" in capsys.readouterr().err
     assert main(["profile", "toy_stage:broken", "--steps", "2", "--cores", "1", "--db", db]) == 2
     assert "boom" in capsys.readouterr().err
-    assert main(["profile", "toy_stage:silent", "--steps", "2", "--cores", "1", "--no-store"]) == 0
+    assert main(["profile", "toy_stage:silent", "--steps", "2", "--cores", "1", "--no-store"]) == 1
     assert "no steps were reported" in capsys.readouterr().out
 
 
@@ -169,3 +169,15 @@ def test_profile_bad_target_says_what_and_how_to_fix(stage_module, capsys, targe
     assert err.startswith("error: cannot profile " + target) and "exit code" not in err
     for text in expected:
         assert text in err
+
+
+def test_profile_budget_must_be_positive(stage_module, tmp_path, capsys):
+    for budget in ("0", "-1"):
+        assert main(["profile", "toy_stage:train", "--budget", budget, "--no-store"]) == 2
+        assert "invalid --budget: must be a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_profile_of_a_silent_function_fails(stage_module, capsys):
+    assert main(["profile", "toy_stage:silent", "--steps", "2", "--cores", "1", "--no-store"]) == 1
+    out = capsys.readouterr().out
+    assert "no steps were reported" in out and "qosflow.track" in out

@@ -83,13 +83,16 @@ def profile_cmd(
     target: str = typer.Argument(..., help="MODULE:FUNCTION of the stage to profile"),
     steps: int = typer.Option(20, "--steps", min=1, help="steps to measure per configuration (after one warm-up step)"),
     cores: Optional[str] = typer.Option(None, "--cores", help="comma-separated CPU core counts (default: half and all)"),
-    budget: float = typer.Option(60.0, "--budget", help="seconds per configuration at most"),
+    budget: float = typer.Option(60.0, "--budget", help="seconds per configuration at most (> 0); the function is stopped then"),
     signature: Optional[str] = typer.Option(None, "--signature", help="job signature to store the samples under (default: TARGET)"),
     db: Optional[str] = typer.Option(None, "--db", help="database URL (default: $QOSFLOW_DATABASE_URL or the local SQLite file)"),
     no_store: bool = typer.Option(False, "--no-store", help="measure only, store nothing"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the measurements here"),
 ) -> None:
-    """Run a stage function briefly at one or two configurations and store its step times."""
+    """Run a stage function briefly at one or two configurations and store its step times.
+
+    TARGET is MODULE:FUNCTION, imported with the current directory on the path and called with no arguments (or steps=N if it takes `steps`, `max_steps` or `num_steps`). It must report its steps with qosflow.track(iterable) or qosflow.report_progress(step, total); step 1 is a warm-up, the next N are measured. The function and anything it started are stopped after N steps or --budget seconds. Without a GPU this says so and measures CPU time only. Exits 1 when no step could be measured.
+    """
     from rich.console import Console
     from rich.table import Table
 
@@ -102,13 +105,19 @@ def profile_cmd(
             core_list = [int(c) for c in cores.split(",") if c.strip()]
         except ValueError:
             raise SpecError("--cores", f"{cores!r} is not a comma-separated list of integers") from None
+    if not budget > 0:
+        raise SpecError("--budget", f"must be a number of seconds > 0, got {budget:g}")
     store = None
     if not no_store:
         from qosflow.store import Store
 
         store = Store.open(db)
     console = Console()
-    res = profile(target, steps, cores=core_list, budget_s=budget, signature=signature, store=store)
+    try:
+        res = profile(target, steps, cores=core_list, budget_s=budget, signature=signature, store=store)
+    finally:
+        if store is not None:
+            store.close()
     console.print(res.gpu.message, style="yellow" if not res.gpu.present else None)
     table = Table(title=f"profile of {res.signature}")
     for col in ("CPU cores", "GPUs", "steps", "step time", "sd", "CPU time", "wall", "GPU util", "GPU mem", "stopped"):
@@ -125,13 +134,19 @@ def profile_cmd(
         )
     console.print(table)
     if any(c.steps == 0 for c in res.configs):
-        console.print("no steps were reported: call qosflow.track(...) or qosflow.report_progress(step, total) in the function",
-                      style="red")
+        # step 1 is the warm-up: a step time needs the end of step 2 (and step 1's start or end)
+        budget_hit = any(c.steps == 0 and c.stopped.startswith("budget") for c in res.configs)
+        console.print(
+            "no steps were reported" + (f" within the budget ({budget:g} s per configuration)" if budget_hit else "")
+            + ": call qosflow.track(...) or qosflow.report_progress(step, total) in the function; a step time needs "
+            "the warm-up step and at least one more" + ("; or raise --budget" if budget_hit else ""),
+            style="red")
     if store is not None:
         console.print(f"stored {res.stored_samples} samples in {res.database}")
-        store.close()
     if json_out is not None:
         json_out.write_text(json.dumps(res.to_dict(), indent=2) + "\n")
+    if not any(c.steps for c in res.configs):
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

@@ -260,6 +260,8 @@ def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s
     _check_target(target)
     if steps < 1:
         raise SpecError("steps", f"must be >= 1, got {steps}")
+    if not budget_s > 0 or budget_s == float("inf"):
+        raise SpecError("budget", f"must be a number of seconds > 0, got {budget_s}")
     avail = len(os.sched_getaffinity(0))
     cores = cores or default_core_counts()
     for c in cores:
