@@ -181,3 +181,18 @@ def test_profile_of_a_silent_function_fails(stage_module, capsys):
     assert main(["profile", "toy_stage:silent", "--steps", "2", "--cores", "1", "--no-store"]) == 1
     out = capsys.readouterr().out
     assert "no steps were reported" in out and "qosflow.track" in out
+
+
+def test_json_output_is_checked_before_the_work(stage_module, tmp_path, capsys):
+    # the --json path was opened only after the whole evaluation (minutes): a traceback, results lost
+    (tmp_path / "file").write_text("")
+    for bad, said in ((tmp_path, "is a directory"), (tmp_path / "file" / "out.json", "cannot write there")):
+        assert main(["predict", "eval", "--pairs", str(tmp_path / "missing.csv"), "--json", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --json {bad}: {said}") and "not found" not in err
+        assert main(["profile", "toy_stage:train", "--steps", "2", "--cores", "1", "--no-store", "--json", str(bad)]) == 2
+        captured = capsys.readouterr()
+        assert said in captured.err and "profile of" not in captured.out
+    good = tmp_path / "new" / "p.json"
+    assert main(["profile", "toy_stage:train", "--steps", "2", "--cores", "1", "--no-store", "--json", str(good)]) == 0
+    assert json.loads(good.read_text())["configs"][0]["steps"] == 2

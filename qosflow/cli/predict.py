@@ -13,6 +13,32 @@ from qosflow.errors import QosflowError
 predict_app = typer.Typer(help="The predictor: evaluate it on reference tables.", no_args_is_help=True)
 
 
+def _check_output_file(path: Path, option: str = "--json") -> None:
+    """Fail before the work if `path` cannot be written (a directory, an unwritable or missing place):
+    the results would otherwise be lost after the whole run."""
+    if path.is_dir():
+        raise QosflowError(f"{option} {path}: is a directory; give a file name, e.g. {path / 'out.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "a", encoding="utf-8"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        raise QosflowError(f"{option} {path}: cannot write there ({exc.strerror or exc}); "
+                           "give a path in a writable directory") from None
+
+
+def _write_json(path: Path, data: dict, option: str = "--json") -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as exc:
+        raise QosflowError(f"{option} {path}: cannot write there ({exc.strerror or exc}); "
+                           "give a path in a writable directory") from None
+
+
 def _pct(x):
     return "-" if x is None else f"{100 * x:.1f} %"
 
@@ -60,6 +86,8 @@ def eval_cmd(
 
     if (throughputs is None) == (pairs is None):
         raise QosflowError("give exactly one of --throughputs FILE or --pairs CSV")
+    if json_out is not None:
+        _check_output_file(json_out)
     with Progress(transient=True) as bar:
         if throughputs is not None:
             table = ThroughputTable.load(throughputs)
@@ -74,8 +102,7 @@ def eval_cmd(
             title = f"{folds}-fold cross-validation on {pairs.name} ({len(rows)} pairs)"
     _print_blocks(result, title)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        _write_json(json_out, result)
         typer.echo(f"wrote {json_out}")
 
 
@@ -107,6 +134,8 @@ def profile_cmd(
             raise SpecError("--cores", f"{cores!r} is not a comma-separated list of integers") from None
     if not budget > 0:
         raise SpecError("--budget", f"must be a number of seconds > 0, got {budget:g}")
+    if json_out is not None:
+        _check_output_file(json_out)
     store = None
     if not no_store:
         from qosflow.store import Store
@@ -144,7 +173,8 @@ def profile_cmd(
     if store is not None:
         console.print(f"stored {res.stored_samples} samples in {res.database}")
     if json_out is not None:
-        json_out.write_text(json.dumps(res.to_dict(), indent=2) + "\n")
+        _write_json(json_out, res.to_dict())
+        console.print(f"wrote {json_out}")
     if not any(c.steps for c in res.configs):
         raise typer.Exit(1)
 
