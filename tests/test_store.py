@@ -232,3 +232,30 @@ def test_unreachable_postgres_is_a_clear_error():
     port = 1  # nothing listens there
     with pytest.raises(QosflowError, match="cannot open the qosflow database"):
         Store.open(f"postgresql+psycopg://nobody:x@127.0.0.1:{port}/nothing?connect_timeout=2")
+
+
+@pytest.mark.parametrize("url, said", [
+    ("foo://bar", "not 'foo'"),                      # was sqlalchemy's NoSuchModuleError traceback
+    ("notaurl", "is not a database URL"),            # was ArgumentError traceback
+    ("mysql://u:secret@localhost/db", "not 'mysql'"),
+    ("postgresql+nodriver://u@localhost/db", "unknown database driver"),
+])
+def test_bad_database_url_says_what_and_how(url, said):
+    with pytest.raises(QosflowError) as err:
+        Store.open(url)
+    msg = str(err.value)
+    assert said in msg and "sqlite:///PATH" in msg and "postgresql+psycopg://" in msg and "secret" not in msg
+
+
+def test_bad_database_url_from_env_names_the_variable(monkeypatch):
+    monkeypatch.setenv("QOSFLOW_DATABASE_URL", "foo://bar")
+    with pytest.raises(QosflowError, match=r"from \$QOSFLOW_DATABASE_URL"):
+        Store.open()
+
+
+def test_sqlite_in_a_place_that_cannot_be_created_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(QosflowError, match="cannot create the directory .*file"):  # was a PermissionError/NotADirectoryError traceback
+        Store.open(f"sqlite:///{tmp_path / 'file' / 'sub' / 'q.db'}")
+    with pytest.raises(QosflowError, match="must be writable"):
+        Store.open(f"sqlite:///{tmp_path}")  # a directory, not a database file

@@ -51,6 +51,11 @@ def default_url() -> str:
     return f"sqlite:///{data_dir() / 'qosflow.db'}"
 
 
+def _safe_url(url: str) -> str:
+    """The URL without its user and password."""
+    return url.split("@")[-1] if "@" in url else url
+
+
 def _normalise_url(url: str) -> str:
     if url.startswith("postgresql://") or url.startswith("postgres://"):
         # psycopg 3 is the driver we ship
@@ -203,18 +208,46 @@ class Store:
         `url` defaults to $QOSFLOW_DATABASE_URL, else `sqlite:///<data_dir>/qosflow.db`.
         `migrate_to` stops at an older schema version (tests of upgrades use it).
         """
-        url = _normalise_url(url or default_url())
+        from_env = url is None and bool(os.environ.get(ENV_URL))
+        if not url:
+            try:
+                url = default_url()
+            except OSError as exc:
+                raise QosflowError(f"cannot create qosflow's data directory {exc.filename or ''} "
+                                   f"({exc.strerror or exc}): set QOSFLOW_HOME to a writable directory, or "
+                                   f"${ENV_URL} to a database URL") from None
+        url = _normalise_url(url)
+        safe = _safe_url(url)
+        origin = f" (from ${ENV_URL})" if from_env else ""
+        how = (f"give sqlite:///PATH/qosflow.db or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB"
+               f"{' in $' + ENV_URL if from_env else ''}")
+        try:
+            backend = sa.engine.make_url(url).get_backend_name()
+        except sa.exc.ArgumentError:
+            raise QosflowError(f"{safe!r}{origin} is not a database URL: {how}") from None
+        if backend not in ("sqlite", "postgresql"):
+            raise QosflowError(f"cannot open {safe}{origin}: qosflow stores its data in SQLite or PostgreSQL, "
+                               f"not {backend!r}: {how}")
         try:
             engine = cls._make_engine(url, echo=echo)
         except ModuleNotFoundError as exc:
-            raise QosflowError(f"cannot open {url.split('@')[-1]}: database driver missing ({exc.name})") from exc
+            raise QosflowError(f"cannot open {safe}{origin}: database driver missing ({exc.name}); "
+                               "postgresql+psycopg:// uses psycopg 3 (pip install 'psycopg[binary]')") from exc
+        except sa.exc.NoSuchModuleError as exc:
+            raise QosflowError(f"cannot open {safe}{origin}: unknown database driver ({exc}): {how}") from None
+        except OSError as exc:
+            raise QosflowError(f"cannot open {safe}{origin}: cannot create the directory "
+                               f"{exc.filename or ''} ({exc.strerror or exc}): {how} in a writable place") from None
         store = cls(engine, url)
         try:
             store._retry(lambda: store._migrate(migrate_to))
         except OperationalError as exc:
             engine.dispose()
-            safe = url.split("@")[-1] if "@" in url else url
-            raise QosflowError(f"cannot open the qosflow database {safe}: {exc.orig}") from exc
+            hint = ""
+            if backend == "sqlite":
+                hint = ("; the database file and its directory must be writable (SQLite also writes -wal and -shm "
+                        f"files beside it): fix the permissions or {how}")
+            raise QosflowError(f"cannot open the qosflow database {safe}{origin}: {exc.orig}{hint}") from exc
         return store
 
     @staticmethod
