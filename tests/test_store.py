@@ -119,6 +119,9 @@ def test_default_url_comes_from_env(tmp_path, monkeypatch):
         ({"signature": "a", "step_time_s": 1.0, "cpu_cores": 0}, "cpu_cores"),
         ({"signature": "a", "step_time_s": 1.0, "cross_node": "yes"}, "cross_node"),
         ({"signature": "a", "step_time_s": 1.0, "step_tme": 2}, "step_tme"),
+        ({"signature": "a", "step_time": 1e308, "unit": "min"}, "step_time"),  # overflowed to inf and was stored
+        ({"signature": "a", "step_time": 1e-320, "unit": "ns"}, "step_time"),  # underflowed to 0
+        ({"signature": "a", "step_time": 5.0, "unit": "ms", "units": "s"}, "unit"),  # was taken as ms
     ],
 )
 def test_bad_samples_are_rejected_naming_the_field(tmp_path, bad, field):

@@ -120,6 +120,8 @@ def validate_sample(raw: Mapping[str, Any] | Sample, where: str = "sample") -> d
     out["signature"] = sig.strip()
 
     unit = raw.get("unit", raw.get("units"))
+    if "unit" in raw and "units" in raw and raw["unit"] != raw["units"]:
+        raise SpecError("unit", f"unit={raw['unit']!r} and units={raw['units']!r} disagree; give one", where=where)
     if "step_time_s" in raw:
         if "step_time" in raw:
             raise SpecError("step_time", "give either step_time_s or step_time with unit, not both", where=where)
@@ -131,7 +133,10 @@ def validate_sample(raw: Mapping[str, Any] | Sample, where: str = "sample") -> d
             raise SpecError("unit", f"step_time needs a unit, one of {sorted(TIME_UNITS)}", where=where)
         if unit not in TIME_UNITS:
             raise SpecError("unit", f"unknown time unit {unit!r}; use one of {sorted(TIME_UNITS)}", where=where)
-        out["step_time_s"] = _finite("step_time", raw["step_time"], where, positive=True) * TIME_UNITS[unit]
+        t = _finite("step_time", raw["step_time"], where, positive=True) * TIME_UNITS[unit]
+        if math.isinf(t) or t == 0:  # overflow/underflow of the unit conversion (1e308 min)
+            raise SpecError("step_time", f"{raw['step_time']!r} {unit} is out of range in seconds", where=where)
+        out["step_time_s"] = t
     else:
         raise SpecError("step_time_s", "missing (give step_time_s in seconds, or step_time with unit)", where=where)
 
