@@ -262,3 +262,21 @@ def test_sqlite_in_a_place_that_cannot_be_created_is_a_clear_error(tmp_path):
         Store.open(f"sqlite:///{tmp_path / 'file' / 'sub' / 'q.db'}")
     with pytest.raises(QosflowError, match="must be writable"):
         Store.open(f"sqlite:///{tmp_path}")  # a directory, not a database file
+
+
+def test_predictor_loads_a_store_with_an_invalid_old_row(tmp_path, caplog):
+    # an older qosflow stored inf (a unit conversion that overflowed): Predictor.open failed on it
+    from qosflow.predict.predictor import Predictor
+
+    with Store.open(_sqlite_url(tmp_path)) as store:
+        store.add_samples([{"signature": "ok/bs8", "step_time_s": 0.5, "gpus": 1}] * 3)
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO sample (signature, gpu_type, placement, gpus, cross_node, step_time_s, steps, source, created_at)"
+                " VALUES ('bad/bs8', 'unknown', 'consolidated', 1, 0, 9e999, 1, 'stage', '2024-01-01 00:00:00')")
+        with caplog.at_level("WARNING"):
+            p = Predictor.open(store, reference=None)
+        [(bad_id, msg)] = p.skipped_samples
+        assert bad_id == 4 and "step_time_s" in msg
+        assert "id=4" in caplog.text and "skipped 1 invalid sample" in caplog.text
+        assert p.predict_solo_step_time("ok/bs8", 1, True, None).value == pytest.approx(0.5)

@@ -149,10 +149,28 @@ class Predictor:
             self._names.setdefault(canonical(j), j)
 
     def load_store(self, store: Any, since_id: int = 0) -> int:
+        """Observe the store's samples and profiles. A stored sample that fails today's validation (written
+        by an older qosflow, e.g. an infinite step time) is skipped with a warning naming its id, so one
+        bad row does not stop the predictor from loading the rest (`self.skipped_samples` lists them)."""
+        from qosflow.errors import SpecError
+
         last = since_id
+        skipped: list[tuple[int, str]] = []
         for s in store.iter_samples(since_id=since_id):
-            self.observe(s)
+            try:
+                self.observe(s)
+            except SpecError as exc:
+                skipped.append((s.id, str(exc)))
             last = s.id
+        self.skipped_samples = getattr(self, "skipped_samples", []) + skipped
+        if skipped:
+            import logging
+
+            where = getattr(store, "url", "the store")
+            where = where.split("@")[-1] if isinstance(where, str) else where
+            logging.getLogger(__name__).warning(
+                "skipped %d invalid sample(s) in %s (fix or delete those rows of table 'sample'): %s",
+                len(skipped), where, "; ".join(f"id={i}: {m}" for i, m in skipped[:5]))
         for prof in store.profiles_for():
             import json
 
