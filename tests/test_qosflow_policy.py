@@ -174,6 +174,46 @@ def test_a_deadline_job_as_long_as_the_backlog_starts_early():
     assert max(j.finish_time for j in res.values()) == pytest.approx(52 * 3600.0)
 
 
+def _burst_after_a_steady_stream():
+    """2 GPUs kept just busy for 20 h by 1 h jobs (load 1, no queue), then a burst: a 6 h job and eight
+    1 h jobs. The backlog is 7 h, so the 6 h job is "long" against it alone (>= 0.5 x 7 h) -- but the work
+    that arrived in its last 6 h (13 h over the GPUs) says work keeps coming: it does not set the makespan."""
+    spec = ClusterSpec.uniform(1, 2)
+    jobs = [Job(f"steady{i}", i * 1800.0, QoSSpec(gpus=1), 3600.0) for i in range(40)]
+    jobs.append(Job("six_h", 20 * 3600.0, QoSSpec(gpus=1), 6 * 3600.0))
+    jobs += [Job(f"burst{i}", 20 * 3600.0, QoSSpec(gpus=1), 3600.0) for i in range(8)]
+    return jobs, spec
+
+
+def test_makespan_guard_counts_the_work_still_arriving():
+    jobs, spec = _burst_after_a_steady_stream()
+    old = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow", makespan_inflow=False), config=SimConfig(restart_overhead=0)).jobs}
+    assert old["six_h"].first_start == pytest.approx(20 * 3600.0)  # served longest first
+    assert "started early to keep the makespan short" in old["six_h"].note
+    new = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow"), config=SimConfig(restart_overhead=0)).jobs}
+    # shortest first: 1 h jobs of the burst go before it (until it is as long as what is left of the backlog)
+    assert new["six_h"].first_start > 20 * 3600.0
+    assert sum(new[f"burst{i}"].first_start < new["six_h"].first_start for i in range(8)) >= 2
+    avg = lambda res: sum(j.finish_time - j.job.submit_time for j in res.values()) / len(res)  # noqa: E731
+    assert avg(new) < avg(old)
+    with pytest.raises(ValueError, match="makespan_inflow"):
+        get_policy("qosflow", makespan_inflow="yes")
+
+
+def test_makespan_guard_with_inflow_still_guards_a_job_longer_than_the_backlog_and_restarts_its_log():
+    """A job as long as the whole backlog ends after all known work whatever arrives meanwhile: still
+    guarded. The policy object reused for a second run (its clock goes back) starts a fresh arrival log."""
+    spec = ClusterSpec.uniform(1, 2)
+    jobs = [Job("dl_long", 0.0, QoSSpec(gpus=1, deadline=200 * 3600.0), 52 * 3600.0)]
+    jobs += [Job(f"s{i}", 0.0, QoSSpec(gpus=1), 5 * 3600.0) for i in range(10)]
+    pol = get_policy("qosflow")
+    for _ in range(2):
+        res = {j.job_id: j for j in simulate(jobs, spec, pol, config=SimConfig(restart_overhead=0)).jobs}
+        assert res["dl_long"].first_start == pytest.approx(0.0)
+        assert "started early to keep the makespan short" in res["dl_long"].note
+    assert len(pol._arrivals.times) == len(jobs)
+
+
 def test_the_job_that_ends_last_is_not_slowed_by_a_partner():
     """A 100 h job sets the makespan; a 2 h newcomer that could share its GPU (1.1x slowdown each)
     waits for the other GPU instead, so the makespan stays 100 h."""

@@ -12,7 +12,13 @@ and in the live worker):
    job does not block short best-effort ones). Two guards keep everyone moving:
    * *makespan guard*: a job whose remaining time is at least `makespan_beta` x the backlog (the
      known work divided by the GPUs) starts early, longest first -- otherwise SJF leaves the
-     longest jobs to the very end and they alone set the makespan. A deadline job is guarded only
+     longest jobs to the very end and they alone set the makespan. Work keeps arriving while a job
+     runs, though, and keeps the cluster busy whatever the job does: with `makespan_inflow` the
+     backlog a job of remaining time r is measured against also counts the GPU work that arrived
+     in the last r seconds (a stand-in for what will arrive while it runs), so under steady load
+     only jobs longer than the backlog itself are guarded, and the old rule returns once arrivals
+     stop. Without it, a load near 1 (backlog of hours) made most multi-day jobs "long" and every
+     burst was served longest first (docs/policies.md). A deadline job is guarded only
      once it alone is as long as the whole backlog (it ends last whatever else runs); and the job
      that ends last is never slowed by a partner (every hour it loses is an hour of makespan);
    * *starvation guard*: the job that has waited longest past the starvation bound goes first
@@ -64,6 +70,7 @@ Every choice is explained in `Decision.notes` (why a job waits, shares, or jumpe
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import replace
 
@@ -93,6 +100,38 @@ LAST_END_SHARE = 0.98
 BACKLOG_CAP = 4.0
 
 
+class _ArrivalLog:
+    """GPU work of the jobs seen so far, by submit time: the inflow the makespan guard counts.
+
+    A job's work is its predicted remaining time x GPU demand when first seen. Kept across rounds
+    (the snapshot holds no finished jobs); a clock that goes back (the policy object reused for a
+    new simulation) starts it afresh."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []  # submit times, non-decreasing
+        self.cum: list[float] = [0.0]  # cum[i]: work of the first i arrivals
+        self.seen: set[str] = set()
+        self.now = -math.inf
+
+    def record(self, view: SchedulerView, rem: dict[str, float]) -> None:
+        if view.now < self.now:
+            self.__init__()
+        self.now = view.now
+        new = [js for js in (*view.pending, *view.running) if js.job_id not in self.seen]
+        new.sort(key=lambda js: js.job.submit_time)
+        for js in new:
+            self.seen.add(js.job_id)
+            t = js.job.submit_time
+            if self.times and t < self.times[-1]:
+                t = self.times[-1]  # seen late (e.g. by a restarted worker): counted as arriving now-ish
+            self.times.append(t)
+            self.cum.append(self.cum[-1] + rem[js.job_id] * js.job.qos.gpu_demand)
+
+    def work_since(self, t: float) -> float:
+        """GPU-seconds of the jobs that arrived at or after `t`."""
+        return self.cum[-1] - self.cum[bisect.bisect_left(self.times, t)]
+
+
 def _check_number(name: str, value, ok, want: str) -> None:
     """Refuse an option that is not a number (a bool is not one) or fails `ok`, naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
@@ -110,6 +149,7 @@ class QosflowPolicy(Policy):
         *,
         qos_weight: float = 4.0,
         makespan_beta: float | None = 0.5,
+        makespan_inflow: bool = True,
         starvation_bound: float = 7 * 86400.0,
         starvation_backlog: bool = True,
         guard_share: float = 0.1,
@@ -132,6 +172,8 @@ class QosflowPolicy(Policy):
         for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
             _check_number(name, value, lambda v: v >= 0, ">= 0 (seconds)")
         _check_number("reserve_share", reserve_share, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (a share of the nodes)")
+        if not isinstance(makespan_inflow, bool):
+            raise ValueError(f"qosflow policy: makespan_inflow must be true or false, got {makespan_inflow!r}")
         if not isinstance(starvation_backlog, bool):
             raise ValueError(f"qosflow policy: starvation_backlog must be true or false, got {starvation_backlog!r}")
         if partner_rank not in ("benefit", "throughput"):
@@ -151,6 +193,9 @@ class QosflowPolicy(Policy):
         self.qos_weight = qos_weight
         #: start a job early once its remaining time reaches this share of the backlog (None: never)
         self.makespan_beta = makespan_beta
+        #: ... counting in that backlog the work that arrived in the last r seconds (r: the job's remaining time)
+        self.makespan_inflow = makespan_inflow
+        self._arrivals = _ArrivalLog()
         #: a job starves after waiting this long (seconds) ...
         self.starvation_bound = starvation_bound
         #: ... or, if longer, the backlog (all known work over the GPUs; at most BACKLOG_CAP x the
@@ -182,6 +227,7 @@ class QosflowPolicy(Policy):
         return {
             "qos_weight": self.qos_weight,
             "makespan_beta": self.makespan_beta,
+            "makespan_inflow": self.makespan_inflow,
             "starvation_bound": self.starvation_bound,
             "starvation_backlog": self.starvation_backlog,
             "guard_share": self.guard_share,
@@ -211,13 +257,25 @@ class QosflowPolicy(Policy):
         self._backlog = backlog
         # the guard only matters while jobs queue for GPUs
         queueing = sum(js.job.qos.gpu_demand for js in view.pending) > view.cluster.total_empty_gpus()
+        inflow = self.makespan_beta is not None and self.makespan_inflow
+        if inflow:
+            self._arrivals.record(view, rem)
         for js in view.pending:
             r = rem[js.job_id]
             seen = js.tags.get("qosflow_backlog_at_queue")
             if seen is None or seen[0] != js.queued_since:  # new, or queued again after a failure
                 js.tags["qosflow_backlog_at_queue"] = (js.queued_since, backlog)
             dl = js.job.deadline
-            long = self.makespan_beta is not None and queueing and r >= self.makespan_beta * backlog
+            long = False
+            coming = 0.0
+            if self.makespan_beta is not None and queueing:
+                if inflow:
+                    # long against the backlog plus the work that will arrive while it runs -- or
+                    # as long as the whole backlog: it then ends after all known work
+                    coming = self._arrivals.work_since(now - r) / cap
+                    long = r >= self.makespan_beta * (backlog + coming) or r >= backlog
+                else:
+                    long = r >= self.makespan_beta * backlog
             if dl is not None:
                 allowance = dl - now - r
                 if allowance < 0:
@@ -230,7 +288,11 @@ class QosflowPolicy(Policy):
                     continue
             if long:
                 keyed.append(((1, -r, js.job.submit_time), js))
-                guard = f"long job ({r / 3600:.0f} h) against a backlog of {backlog / 3600:.0f} h: started early to keep the makespan short"
+                guard = (
+                    f"long job ({r / 3600:.0f} h) against a backlog of {backlog / 3600:.0f} h"
+                    + (f" plus {coming / 3600:.0f} h of work arriving meanwhile" if coming > 0 else "")
+                    + ": started early to keep the makespan short"
+                )
                 notes[js.job_id] = f"{notes[js.job_id]}; {guard}" if js.job_id in notes else guard
                 continue
             keyed.append(((2, r, js.job.submit_time), js))
