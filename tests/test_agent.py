@@ -432,6 +432,24 @@ def test_host_named_otherwise_than_its_agent_is_down_in_status(tmp_path, agents)
     assert spec.nodes[0].name == "gpu-a"
 
 
+def test_agent_inventory_names_a_real_gpu_by_its_short_model():
+    """An agent on a real GPU reports NVML's product name; the cluster names the model (`v100`), as the
+    reference data and `@qos_task(gpu_model=...)` do. A model declared in the cluster file wins."""
+
+    async def go(declared):
+        be = AgentBackend([AgentHost("h", "http://127.0.0.1:9", gpu_model=declared)], TOKEN, heartbeat_s=60.0)
+        h = be.state["h"]
+        h.reported, h.virtual = True, False
+        h.gpus = [{"name": "Tesla V100-SXM2-16GB", "memory_total_mb": 16160.0}]
+        try:
+            return await be.inventory()
+        finally:
+            await be.aclose()
+
+    assert asyncio.run(go(None)).nodes[0].gpu_model == "v100"
+    assert asyncio.run(go("V100-lab")).nodes[0].gpu_model == "V100-lab"
+
+
 def test_agent_status_exits_1_when_a_host_is_down(tmp_path, agents, capsys):
     """`qosflow agent status` for scripts: 0 when every host answers, 1 (and the down hosts named) otherwise."""
     import socket

@@ -182,3 +182,18 @@ def test_sub_batch_plan():
         SubBatchPlan(128, 30, 4)
     with pytest.raises(SpecError):
         SubBatchPlan.split(100, 3)
+
+
+@pytest.mark.parametrize(
+    "nvml, short",
+    [
+        ("Tesla V100-SXM2-16GB", "v100"), ("Tesla K80", "k80"), ("Tesla P100-PCIE-16GB", "p100"),
+        ("NVIDIA A100-SXM4-40GB", "a100"), ("NVIDIA H100 80GB HBM3", "h100"), ("Tesla T4", "t4"),
+        ("NVIDIA GeForce RTX 3090", "rtx3090"), ("NVIDIA RTX A6000", "rtxa6000"),
+        ("NVIDIA GeForce GTX 1080 Ti", "gtx1080ti"), ("v100", "v100"), ("", "generic"), (None, "generic"),
+    ],
+)
+def test_nvml_product_names_shorten_to_the_model_the_reference_data_uses(nvml, short):
+    from qosflow.core.gpu_names import short_gpu_model
+
+    assert short_gpu_model(nvml) == short

@@ -28,6 +28,7 @@ import httpx
 
 from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle, placement_env
 from qosflow.core.cluster import ClusterSpec, NodeSpec
+from qosflow.core.gpu_names import short_gpu_model
 from qosflow.errors import QosflowError, SpecError
 
 log = logging.getLogger("qosflow.backends.agent")
@@ -282,7 +283,7 @@ class AgentBackend(Backend):
             if h.reported:
                 gpus = len(h.gpus)
                 mem = float(h.gpus[0]["memory_total_mb"]) if h.gpus else (decl.gpu_mem_mb or 16_384.0)
-                model = decl.gpu_model or (h.gpus[0]["name"] if h.gpus else "generic")
+                model = decl.gpu_model or short_gpu_model(h.gpus[0]["name"] if h.gpus else None)
                 if decl.gpus is not None and decl.gpus != gpus:
                     log.warning("host %s: cluster file declares %d GPUs, its agent reports %d; using the agent's", name, decl.gpus, gpus)
                 cores = decl.cpu_cores or h.cpu_cores or 1.0

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from qosflow.core.gpu_names import short_gpu_model
 from qosflow.errors import QosflowError, SpecError
 from qosflow.progress import ENV_VAR, read_progress
 
@@ -49,7 +50,7 @@ def detect_gpu() -> GpuInfo:
             return GpuInfo(False, None, "no GPU: NVML found 0 devices; profiling CPU time only")
         name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
         name = name.decode() if isinstance(name, bytes) else name
-        return GpuInfo(True, str(name), f"GPU 0: {name} (NVML)")
+        return GpuInfo(True, str(name), f"GPU 0: {name} (NVML; model {short_gpu_model(name)})")
     finally:
         try:
             pynvml.nvmlShutdown()
@@ -277,7 +278,7 @@ def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s
             if r.step_time_s is None:
                 continue
             samples.append({
-                "signature": result.signature, "gpus": r.gpus, "gpu_type": gpu.name or "cpu",
+                "signature": result.signature, "gpus": r.gpus, "gpu_type": short_gpu_model(gpu.name) if gpu.name else "cpu",
                 "cpu_cores": r.cpu_cores, "step_time_s": r.step_time_s, "steps": r.steps, "source": "profile",
                 "gpu_util_pct": r.gpu_util_pct, "gpu_mem_mb": r.gpu_mem_mb,
             })
@@ -285,6 +286,6 @@ def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s
         result.stored_samples = len(samples)
         best = min((r for r in result.configs if r.step_time_s), key=lambda r: r.step_time_s, default=None)
         if best is not None:
-            store.add_profile(result.signature, best.step_time_s, gpu_type=gpu.name or "cpu", cpu_cores=best.cpu_cores)
+            store.add_profile(result.signature, best.step_time_s, gpu_type=short_gpu_model(gpu.name) if gpu.name else "cpu", cpu_cores=best.cpu_cores)
         result.database = store.url.split("@")[-1]
     return result
