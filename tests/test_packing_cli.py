@@ -54,6 +54,11 @@ def test_pack_cli_errors_exit_2(tmp_path, capsys):
     assert main(["pack", "--pods", str(bad), "--nodes", str(nodes), "--seeds", "1"]) == 2
     err = capsys.readouterr().err
     assert f"{bad}:4: column 'gpu_milli'" in err
+    # output places are checked before the runs, not after them
+    assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--seeds", "1", "--json", str(tmp_path)]) == 2
+    assert f"--json {tmp_path}: is a directory" in capsys.readouterr().err
+    assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--seeds", "1", "--out", str(pods)]) == 2
+    assert f"--out {pods}: is a file, not a directory" in capsys.readouterr().err
 
 
 def test_pack_cli_reports_pods_that_never_fit(tmp_path, capsys):

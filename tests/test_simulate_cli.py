@@ -59,6 +59,9 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         (["--policies", "qosflow", "--set", "qosflow.express_share=2"], "express_share must be in [0, 1)"),
         (["--policies", "fifo", "--set", "qosflow.express_share=0.1"], "policy 'qosflow' is not among --policies"),
         (["--policies", "qosflow", "--set", "express_share"], "POLICY.OPTION=VALUE"),
+        # output places are checked before the runs, not after them
+        (["--policies", "fifo", "--json", "/proc/no/such/dir/out.json"], "--json /proc/no/such/dir/out.json: cannot write there"),
+        (["--policies", "fifo", "--json", "/"], "--json /: is a directory"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message, capsys):

@@ -49,7 +49,13 @@ def register(app: typer.Typer) -> None:
         from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png, write_json
         from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
 
+        from qosflow.cli.output import check_output_dir, check_output_file
+
         console = Console()
+        if json_out is not None:
+            check_output_file(json_out)
+        if out is not None:
+            check_output_dir(out)
         names = [p.strip() for p in policies.split(",") if p.strip()]
         if not names:
             raise SpecError("--policies", "give at least one policy, e.g. first-fit,best-fit,fgd")

@@ -8,26 +8,10 @@ from typing import Optional
 
 import typer
 
+from qosflow.cli.output import check_output_file as _check_output_file
 from qosflow.errors import QosflowError
 
 predict_app = typer.Typer(help="The predictor: evaluate it on reference tables.", no_args_is_help=True)
-
-
-def _check_output_file(path: Path, option: str = "--json") -> None:
-    """Fail before the work if `path` cannot be written (a directory, an unwritable or missing place):
-    the results would otherwise be lost after the whole run."""
-    if path.is_dir():
-        raise QosflowError(f"{option} {path}: is a directory; give a file name, e.g. {path / 'out.json'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        existed = path.exists()
-        with open(path, "a", encoding="utf-8"):
-            pass
-        if not existed:
-            path.unlink()
-    except OSError as exc:
-        raise QosflowError(f"{option} {path}: cannot write there ({exc.strerror or exc}); "
-                           "give a path in a writable directory") from None
 
 
 def _write_json(path: Path, data: dict, option: str = "--json") -> None:

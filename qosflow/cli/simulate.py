@@ -54,6 +54,12 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.runner import resolve_workload
 
         console = Console(width=max(120, Console().width))
+        from qosflow.cli.output import check_output_dir, check_output_file
+
+        if json_out is not None:
+            check_output_file(json_out)
+        if out is not None and not no_plots:
+            check_output_dir(out)
         names = parse_policies(policies)
         popts = parse_policy_options(settings, names)
         kinds = list(dict.fromkeys(k.strip() for k in estimator.split(",") if k.strip())) or ["oracle"]
