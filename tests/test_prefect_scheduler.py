@@ -271,6 +271,30 @@ def test_local_backend_close_lets_ending_processes_end_and_reaps_all_before_the_
     assert codes["took"] < 2.0 + 4.0
 
 
+def test_local_backend_close_cancelled_during_the_grace_period_still_kills():
+    """A worker torn down under cancellation (Ctrl-C, a cancelled task group) cancels aclose inside its grace
+    period: the stages it was waiting for must still be killed, not left running after the worker is gone."""
+    codes = {}
+
+    async def main():
+        b = LocalBackend(CL, stream_output=False)
+        await _launch(b, "import time; time.sleep(600)", Placement("stuck", ((0, 0),), cpu=((0, 1.0),)))
+        proc = b._procs["stuck"]
+        closing = asyncio.ensure_future(b.aclose(grace=600.0))
+        await asyncio.sleep(0.2)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        try:
+            codes["stuck"] = await asyncio.wait_for(proc.wait(), 30)  # liveness only
+        except asyncio.TimeoutError:
+            os.kill(proc.pid, 9)
+            codes["stuck"] = "still running"
+
+    asyncio.run(main())
+    assert codes["stuck"] == -9
+
+
 def test_local_backend_environment_affinity_and_exit_kinds(tmp_path):
     out = tmp_path / "env.json"
     code = (

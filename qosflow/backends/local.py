@@ -228,11 +228,13 @@ class LocalBackend(Backend):
         loop still runs (a child reaped after its loop closed makes asyncio warn "Loop ... that handles pid N is
         closed")."""
         live = [proc for proc in self._procs.values() if proc.returncode is None]
-        if live and grace > 0:
-            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in live], timeout=grace)
-        for proc in live:
-            if proc.returncode is None:
-                kill_tree(proc.pid, signal.SIGKILL)
+        try:
+            if live and grace > 0:
+                await asyncio.wait([asyncio.ensure_future(p.wait()) for p in live], timeout=grace)
+        finally:  # also when cancelled during the grace period: no stage may outlive its worker
+            for proc in live:
+                if proc.returncode is None:
+                    kill_tree(proc.pid, signal.SIGKILL)
         for proc in live:
             try:
                 await asyncio.wait_for(proc.wait(), 5.0)
