@@ -31,13 +31,13 @@ def stage_module(tmp_path, monkeypatch):
 
         def reported(steps=3):
             import time
-            for i in range(steps + 3):
+            for i in range(steps + 100):      # far more than measured: the profile stops it, not its end
                 time.sleep(0.02)
                 qosflow.report_progress(i + 1)   # no step 0: the clock starts at the end of step 1
 
         def chatty(steps=3):
             import sys, time
-            for _ in qosflow.track(range(steps + 3)):
+            for _ in qosflow.track(range(steps + 100)):   # the profile stops it, not its end
                 sys.stderr.write("x" * 100_000 + "\\n")  # far more than a pipe holds
                 time.sleep(0.01)
 
@@ -119,7 +119,24 @@ def test_profile_counts_steps_reported_without_a_step_zero(stage_module):
     res = profile("toy_stage:reported", 3, cores=[1], budget_s=60)
     [cfg] = res.configs
     assert cfg.steps == 3 and cfg.stopped == "3 steps reached"
-    assert 0.015 < cfg.step_time_s < 0.2
+    assert cfg.step_time_s > 0.015  # each step sleeps 0.02 s
+
+
+def test_measured_step_times_drop_exactly_one_warm_up_step():
+    # the profile above may see steps beyond N+1 before it stops the function, so it need not fail without
+    # the fix; these event lists do: step 1 is the warm-up whether or not a step 0 was reported
+    from qosflow.predict.profiler import measured_step_times
+    from qosflow.progress import ProgressEvent
+
+    def ev(*pairs):
+        return [ProgressEvent(t, step, None, None) for step, t in pairs]
+
+    # report_progress(1..4) after each step: steps 2, 3, 4 are measured (the old drop left 2)
+    assert measured_step_times(ev((1, 1.0), (2, 1.5), (3, 2.5), (4, 4.0)), 3) == [0.5, 1.0, 1.5]
+    # track: step 0 before the loop, so step 1 (0 -> 1, the warm-up) is known and dropped
+    assert measured_step_times(ev((0, 0.0), (1, 9.0), (2, 9.5), (3, 10.5), (4, 12.0)), 3) == [0.5, 1.0, 1.5]
+    # a gap of several steps is shared evenly; at most N are kept
+    assert measured_step_times(ev((1, 0.0), (3, 2.0), (5, 6.0)), 3) == [1.0, 1.0, 2.0]
 
 
 @pytest.mark.timeout(120)
@@ -129,7 +146,7 @@ def test_profile_survives_chatty_stderr_and_children_that_outlive_the_function(s
 
     # a function writing much to stderr blocked on the full pipe until the budget (0 steps)
     [cfg] = profile("toy_stage:chatty", 3, cores=[1], budget_s=30).configs
-    assert cfg.steps == 3 and cfg.stopped == "3 steps reached" and cfg.wall_s < 20
+    assert cfg.steps == 3 and cfg.stopped == "3 steps reached"  # not "budget 30s reached"
     # a process the function started kept the stderr pipe open: the profile waited for it forever
     out = {}
     t = threading.Thread(target=lambda: out.update(res=profile("toy_stage:spawner", 3, cores=[1], budget_s=30)), daemon=True)
