@@ -524,3 +524,39 @@ def test_agent_start_mistakes_are_named_before_it_starts(capsys):
             assert main(argv) == 2, argv
             err = capsys.readouterr().err
             assert says in err and "on http://" not in err, err
+
+
+def test_agent_start_listens_on_every_address_of_its_host_name(monkeypatch):
+    """`--host localhost` resolves to 127.0.0.1 and ::1 on many hosts. uvicorn (asyncio) listened on
+    both; binding the socket ourselves listened on the first only, so a worker whose cluster file says
+    127.0.0.1 found the agent refused when ::1 came first. Every address is bound, and a failure on one
+    closes the others."""
+    import socket
+
+    from qosflow.agent.server import bind
+    from qosflow.errors import SpecError
+
+    real = socket.getaddrinfo
+
+    def two_addresses(host, port, *args, **kw):
+        if host != "twohomed":
+            return real(host, port, *args, **kw)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a in ("127.0.0.2", "127.0.0.1", "127.0.0.2")]
+
+    monkeypatch.setattr(socket, "getaddrinfo", two_addresses)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    socks = bind("twohomed", port)
+    try:
+        assert [s.getsockname() for s in socks] == [("127.0.0.2", port), ("127.0.0.1", port)]
+    finally:
+        for s in socks:
+            s.close()
+    with socket.socket() as busy:  # the second address is taken: the first is not left bound
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        with pytest.raises(SpecError, match="already in use"):
+            bind("twohomed", port)
+        with socket.socket() as again:
+            again.bind(("127.0.0.2", port))

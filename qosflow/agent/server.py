@@ -70,38 +70,47 @@ class _AgentServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(stop)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The agent's listening socket, bound now so that a port in use or an address this host does not
-    have is a clear error before anything starts (uvicorn printed only '[Errno 98] ...')."""
+def bind(host: str, port: int) -> list[socket.socket]:
+    """The agent's listening sockets, bound now so that a port in use or an address this host does not
+    have is a clear error before anything starts (uvicorn printed only '[Errno 98] ...'). One per address
+    `host` resolves to, as uvicorn (asyncio's create_server) bound them before: `localhost` is 127.0.0.1 and
+    ::1 on many hosts, and a worker may reach the agent by either."""
     from qosflow.errors import SpecError
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise SpecError("--host", f"{host!r} is not an address or a name this host can resolve ({exc.strerror})") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise SpecError("--port", f"{host}:{port} is already in use (another agent running?): stop it or choose another --port") from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise SpecError("--host", f"{host} is not an address of this host: give one of its addresses, or 0.0.0.0 for all") from None
-        if exc.errno == errno.EACCES:
-            raise SpecError("--port", f"no permission to listen on port {port} (ports below 1024 need root): choose another --port") from None
-        raise SpecError("--port", f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.set_inheritable(True)
-    return sock
+    socks: list[socket.socket] = []
+    for family, addr in dict.fromkeys((info[0], info[4]) for info in infos):  # distinct addresses, in order
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        socks.append(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+            # as asyncio does: the IPv6 socket must not claim the IPv4 address bound beside it
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            for bound in socks:
+                bound.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise SpecError("--port", f"{host}:{port} is already in use (another agent running?): stop it or choose another --port") from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise SpecError("--host", f"{host} is not an address of this host: give one of its addresses, or 0.0.0.0 for all") from None
+            if exc.errno == errno.EACCES:
+                raise SpecError("--port", f"no permission to listen on port {port} (ports below 1024 need root): choose another --port") from None
+            raise SpecError("--port", f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        sock.set_inheritable(True)
+    return socks
 
 
-def serve(cfg: AgentConfig, port: int, host: str = "127.0.0.1", log_level: str = "warning", *, sock: socket.socket | None = None) -> None:
+def serve(cfg: AgentConfig, port: int, host: str = "127.0.0.1", log_level: str = "warning", *,
+          sockets: list[socket.socket] | None = None) -> None:
     """Run one agent until SIGINT/SIGTERM; its stages are killed before it stops answering."""
     app = create_app(cfg)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, timeout_keep_alive=30)
-    _AgentServer(config, app.state.runner).run(sockets=[sock or bind(host, port)])
+    _AgentServer(config, app.state.runner).run(sockets=sockets or bind(host, port))
 
 
 async def serve_many(items: Iterable[tuple[AgentConfig, int]], host: str = "127.0.0.1") -> None:

@@ -79,10 +79,10 @@ def register(app: typer.Typer) -> None:
             workdir=workdir,
             fence_after_s=fence_after,
         )
-        sock = bind(host, port)
+        socks = bind(host, port)
         src = GpuSource.detect(virtual_gpus, virtual_mem_mb=gpu_mem_mb)
         typer.echo(f"qosflow agent {cfg.name} on http://{host}:{port}: {src.count} GPU(s), {src.note}", err=True)
-        serve(cfg, port, host, log_level, sock=sock)
+        serve(cfg, port, host, log_level, sockets=socks)
 
     @agent.command("status")
     def status(cluster: Path = typer.Option(..., "--cluster", help="cluster file (YAML or JSON) listing hosts and agent URLs")) -> None:
