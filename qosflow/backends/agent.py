@@ -206,13 +206,13 @@ class AgentBackend(Backend):
             self._mark_down(h, f"heartbeat answered HTTP {r.status_code}")
             return False
         data = r.json()
-        if not self._is_named(h, data):
+        if not self._accept_agent(h, data):
             return False
         h.running = list(data.get("running", []))
         self._mark_up(h, data["boot_id"])
         return True
 
-    def _is_named(self, h: HostState, data: dict[str, Any]) -> bool:
+    def _accept_agent(self, h: HostState, data: dict[str, Any]) -> bool:
         """The agent at h.url calls itself h.name (its --name, default its hostname), and its fence
         leaves room for our heartbeats; else it is down."""
         if data.get("host") and data["host"] != h.name:
@@ -259,7 +259,7 @@ class AgentBackend(Backend):
             self._mark_down(h, f"inventory answered HTTP {r.status_code}")
             return
         d = r.json()
-        if not self._is_named(h, d):
+        if not self._accept_agent(h, d):
             return
         h.virtual, h.note, h.gpus = bool(d["virtual"]), d.get("note", ""), list(d["gpus"])
         h.cpu_cores, h.mem_mb, h.labels = float(d["cpu_cores"]), float(d.get("mem_mb") or 0), dict(d.get("labels") or {})
