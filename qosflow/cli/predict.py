@@ -116,8 +116,8 @@ def profile_cmd(
             core_list = [int(c) for c in cores.split(",") if c.strip()]
         except ValueError:
             raise SpecError("--cores", f"{cores!r} is not a comma-separated list of integers") from None
-    if not budget > 0:
-        raise SpecError("--budget", f"must be a number of seconds > 0, got {budget:g}")
+    if not 0 < budget < float("inf"):
+        raise SpecError("--budget", f"must be a finite number of seconds > 0, got {budget:g}")
     if json_out is not None:
         _check_output_file(json_out)
     store = None
