@@ -191,9 +191,19 @@ def test_sub_batch_plan():
         ("NVIDIA A100-SXM4-40GB", "a100"), ("NVIDIA H100 80GB HBM3", "h100"), ("Tesla T4", "t4"),
         ("NVIDIA GeForce RTX 3090", "rtx3090"), ("NVIDIA RTX A6000", "rtxa6000"),
         ("NVIDIA GeForce GTX 1080 Ti", "gtx1080ti"), ("v100", "v100"), ("", "generic"), (None, "generic"),
+        ("NVIDIA-A100-SXM4-40GB", "a100"), ("Tesla-V100-SXM2-16GB", "v100"), ("NVIDIA-GeForce-RTX-3090", "rtx3090"),
     ],
 )
 def test_nvml_product_names_shorten_to_the_model_the_reference_data_uses(nvml, short):
     from qosflow.core.gpu_names import short_gpu_model
 
     assert short_gpu_model(nvml) == short
+
+
+def test_gpu_models_match_without_regard_to_case():
+    """A stage's gpu_model="V100" runs on a host whose agent or node label says v100."""
+    spec = ClusterSpec(ClusterSpec.uniform(1, 2, gpu_model="v100", prefix="v").nodes + ClusterSpec.uniform(1, 2, gpu_model="A100", prefix="a").nodes)
+    assert list(spec.model_mask("V100")) == [True, False]
+    assert list(spec.model_mask("a100|H100")) == [False, True]
+    assert QoSSpec(gpus=1, gpu_model="V100|a100").accepts_gpu_model("v100")
+    assert spec.why_never_fits(QoSSpec(gpus=1, gpu_model="V100")) is None

@@ -43,6 +43,7 @@ from typing import Any, AsyncIterator
 
 from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle, placement_env
 from qosflow.core.cluster import ClusterSpec, NodeSpec
+from qosflow.core.gpu_names import short_gpu_model
 from qosflow.errors import QosflowError, SpecError
 
 log = logging.getLogger("qosflow.backends.kubernetes")
@@ -175,7 +176,7 @@ class KubernetesBackend(Backend):
             cpu_cores=max(0.001, quantity(alloc.get("cpu", "1"))),
             mem_mb=max(1.0, quantity(alloc.get("memory", "1Gi")) / 2**20),
             switch=sw,
-            gpu_model=labels.get("nvidia.com/gpu.product", "generic"),
+            gpu_model=short_gpu_model(labels.get("nvidia.com/gpu.product")),
             virtual=labels.get(VIRTUAL_LABEL) == "true",
             labels={k: v for k, v in labels.items() if k.startswith("nvidia.com/gpu") or k.startswith("qosflow.dev/") or k.startswith("topology.")},
         )

@@ -20,6 +20,7 @@ from typing import Any
 
 from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle, placement_env
 from qosflow.core.cluster import ClusterSpec, NodeSpec
+from qosflow.core.gpu_names import short_gpu_model
 from qosflow.placement_api import PROGRESS_FILE_ENV
 
 
@@ -84,7 +85,7 @@ def local_inventory(declared: ClusterSpec | None = None) -> tuple[ClusterSpec, s
             gpus=len(gpus),
             gpu_mem_mb=min(g.memory_mb for g in gpus),
             cpu_cores=float(len(usable_cpus())),
-            gpu_model=gpus[0].name,
+            gpu_model=short_gpu_model(gpus[0].name),
             virtual=False,
         )
         return ClusterSpec((node,), name="local"), why

@@ -135,8 +135,9 @@ class ClusterSpec:
         cache = self._model_masks
         mask = cache.get(gpu_model)
         if mask is None:
-            accepted = None if gpu_model is None else set(gpu_model.split("|"))
-            mask = np.fromiter((accepted is None or n.gpu_model in accepted for n in self.nodes), bool, len(self.nodes))
+            # without regard to case: a stage's "V100" is the host's "v100"
+            accepted = None if gpu_model is None else {m.lower() for m in gpu_model.split("|")}
+            mask = np.fromiter((accepted is None or n.gpu_model.lower() in accepted for n in self.nodes), bool, len(self.nodes))
             mask.flags.writeable = False
             cache[gpu_model] = mask
         return mask

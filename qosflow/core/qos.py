@@ -151,7 +151,7 @@ class QoSSpec:
         return None if self.gpu_model is None else tuple(self.gpu_model.split("|"))
 
     def accepts_gpu_model(self, model: str) -> bool:
-        return self.gpu_model is None or model == self.gpu_model or model in self.gpu_model.split("|")
+        return self.gpu_model is None or model.lower() in {m.lower() for m in self.gpu_model.split("|")}
 
     @property
     def fractional(self) -> bool:
