@@ -200,6 +200,21 @@ def test_makespan_guard_counts_the_work_still_arriving():
         get_policy("qosflow", makespan_inflow="yes")
 
 
+def test_arrival_log_stays_bounded_without_changing_decisions(monkeypatch):
+    """A worker that runs for months must not keep every arrival: past MAX_KEEP the log forgets what lies
+    beyond twice the longest remaining time -- outside every window the guard asks for, so the schedule
+    is the same."""
+    from qosflow.policies.qosflow_policy import _ArrivalLog
+
+    jobs, spec = _burst_after_a_steady_stream()
+    full = simulate(jobs, spec, get_policy("qosflow"), config=SimConfig(restart_overhead=0)).jobs
+    monkeypatch.setattr(_ArrivalLog, "MAX_KEEP", 10)
+    pol = get_policy("qosflow")
+    bounded = simulate(jobs, spec, pol, config=SimConfig(restart_overhead=0)).jobs
+    assert [(j.job_id, j.first_start, j.finish_time) for j in bounded] == [(j.job_id, j.first_start, j.finish_time) for j in full]
+    assert len(pol._arrivals.times) < len(jobs) and len(pol._arrivals.seen) < len(jobs)
+
+
 def test_makespan_guard_with_inflow_still_guards_a_job_longer_than_the_backlog_and_restarts_its_log():
     """A job as long as the whole backlog ends after all known work whatever arrives meanwhile: still
     guarded. The policy object reused for a second run (its clock goes back) starts a fresh arrival log."""

@@ -105,18 +105,25 @@ class _ArrivalLog:
 
     A job's work is its predicted remaining time x GPU demand when first seen. Kept across rounds
     (the snapshot holds no finished jobs); a clock that goes back (the policy object reused for a
-    new simulation) starts it afresh."""
+    new simulation) starts it afresh. Bounded for a worker that runs for months: past `MAX_KEEP`
+    arrivals it forgets those older than twice the longest remaining time it has seen (older ones
+    lie outside any window asked for so far) and the ids of jobs no longer in the snapshot."""
+
+    MAX_KEEP = 100_000
 
     def __init__(self) -> None:
         self.times: list[float] = []  # submit times, non-decreasing
         self.cum: list[float] = [0.0]  # cum[i]: work of the first i arrivals
         self.seen: set[str] = set()
         self.now = -math.inf
+        self.longest = 0.0  # longest remaining time seen
 
     def record(self, view: SchedulerView, rem: dict[str, float]) -> None:
         if view.now < self.now:
             self.__init__()
         self.now = view.now
+        if len(self.times) > self.MAX_KEEP:
+            self._forget(view)
         new = [js for js in (*view.pending, *view.running) if js.job_id not in self.seen]
         new.sort(key=lambda js: js.job.submit_time)
         for js in new:
@@ -126,6 +133,16 @@ class _ArrivalLog:
                 t = self.times[-1]  # seen late (e.g. by a restarted worker): counted as arriving now-ish
             self.times.append(t)
             self.cum.append(self.cum[-1] + rem[js.job_id] * js.job.qos.gpu_demand)
+            self.longest = max(self.longest, rem[js.job_id])
+
+    def _forget(self, view: SchedulerView) -> None:
+        cut = bisect.bisect_left(self.times, self.now - 2.0 * self.longest)
+        if cut == 0:
+            return
+        base = self.cum[cut]
+        self.times = self.times[cut:]
+        self.cum = [c - base for c in self.cum[cut:]]
+        self.seen = {js.job_id for js in (*view.pending, *view.running)}
 
     def work_since(self, t: float) -> float:
         """GPU-seconds of the jobs that arrived at or after `t`."""
