@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec
+from qosflow.backends.base import AGENT_STOPPING, Backend, ExitKind, ExitStatus, LaunchSpec
 
 if TYPE_CHECKING:
     from qosflow.store.leases import LeaseStore
@@ -36,7 +36,7 @@ def classify_process_exit(returncode: int | None, *, killed_reason: str | None =
     if error:
         return ExitStatus(ExitKind.USER, returncode, f"the stage could not start: {error} (check the command and its working directory)")
     if killed_reason:
-        if killed_reason.startswith(("fenced", "agent shutting down")):
+        if killed_reason.startswith(("fenced", AGENT_STOPPING)):
             return ExitStatus(ExitKind.INFRA, returncode, f"stopped by its agent: {killed_reason}")
         if returncode == 0:
             return ExitStatus(ExitKind.OK, 0, "")

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+from qosflow.backends.base import AGENT_STOPPING
+
 _PR_SET_PDEATHSIG = 1
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
-#: the killed_reason of stages killed because their agent is stopping (an infrastructure failure)
-AGENT_STOPPING = "agent shutting down"
 #: environment variables of the agent that a stage must never see
 _SECRET_ENV = ("QOSFLOW_AGENT_TOKEN",)
 

@@ -3,6 +3,7 @@ written would otherwise end in a traceback, with the results lost."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from qosflow.errors import QosflowError
@@ -36,3 +37,12 @@ def check_output_dir(path: Path, option: str = "--out") -> None:
     except OSError as exc:
         raise QosflowError(f"{option} {path}: cannot write there ({exc.strerror or exc}); "
                            "give a writable directory") from None
+
+
+def write_json_file(path: Path, data: dict, option: str = "--json") -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as exc:
+        raise QosflowError(f"{option} {path}: cannot write there ({exc.strerror or exc}); "
+                           "give a path in a writable directory") from None

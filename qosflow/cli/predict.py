@@ -9,18 +9,10 @@ from typing import Optional
 import typer
 
 from qosflow.cli.output import check_output_file as _check_output_file
+from qosflow.cli.output import write_json_file as _write_json
 from qosflow.errors import QosflowError
 
 predict_app = typer.Typer(help="The predictor: evaluate it on reference tables.", no_args_is_help=True)
-
-
-def _write_json(path: Path, data: dict, option: str = "--json") -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
-    except OSError as exc:
-        raise QosflowError(f"{option} {path}: cannot write there ({exc.strerror or exc}); "
-                           "give a path in a writable directory") from None
 
 
 def _pct(x):
