@@ -253,6 +253,9 @@ class Store:
                 hint = ("; the database file and its directory must be writable (SQLite also writes -wal and -shm "
                         f"files beside it): fix the permissions or {how}")
             raise QosflowError(f"cannot open the qosflow database {safe}{origin}: {exc.orig}{hint}") from exc
+        except BaseException:  # e.g. a schema newer than this qosflow: no pooled connection left behind
+            engine.dispose()
+            raise
         return store
 
     @staticmethod
