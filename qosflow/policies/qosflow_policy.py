@@ -56,7 +56,9 @@ and in the live worker):
       waiting for a consolidated slot;
    d. otherwise it waits, and a blocked multi-GPU job near the head of the queue (or one with a
       deadline) reserves the node(s) that free up soonest (EASY backfilling: others may still use
-      them if predicted to finish before the reservation starts; at most `reserve_share` of nodes).
+      them if predicted to finish before the reservation starts; new reservations only while fewer
+      than `reserve_share` of the nodes are reserved -- the last one may take all the nodes its gang
+      needs, or a gang wider than that share could never start).
    e. *express nodes* (`express_share` of the nodes, once any job has a deadline): a standing
       reservation `express_max_s` ahead, so they only take jobs done by then -- and a deadline job
       of at most `express_deadline_s` whose slack is shorter than the predicted wait for a
