@@ -215,6 +215,21 @@ def test_arrival_log_stays_bounded_without_changing_decisions(monkeypatch):
     assert len(pol._arrivals.times) < len(jobs) and len(pol._arrivals.seen) < len(jobs)
 
 
+def test_arrival_log_ignores_an_estimate_that_is_not_a_number():
+    """One job the estimator cannot size (inf, NaN) must not poison the inflow of every later window."""
+    from types import SimpleNamespace
+
+    from qosflow.policies.qosflow_policy import _ArrivalLog
+
+    def js(jid, t):
+        return SimpleNamespace(job_id=jid, job=SimpleNamespace(submit_time=t, qos=QoSSpec(gpus=2)))
+
+    log = _ArrivalLog()
+    view = SimpleNamespace(now=100.0, pending=[js("a", 10.0), js("b", 20.0), js("c", 30.0)], running=[])
+    log.record(view, {"a": 50.0, "b": float("inf"), "c": float("nan")})
+    assert log.work_since(0.0) == 100.0 and log.work_since(15.0) == 0.0
+
+
 def test_makespan_guard_with_inflow_still_guards_a_job_longer_than_the_backlog_and_restarts_its_log():
     """A job as long as the whole backlog ends after all known work whatever arrives meanwhile: still
     guarded. The policy object reused for a second run (its clock goes back) starts a fresh arrival log."""

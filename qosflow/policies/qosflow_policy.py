@@ -133,9 +133,12 @@ class _ArrivalLog:
             t = js.job.submit_time
             if self.times and t < self.times[-1]:
                 t = self.times[-1]  # seen late (e.g. by a restarted worker): counted as arriving now-ish
+            r = rem[js.job_id]
+            if not math.isfinite(r) or r < 0:  # an estimator without an answer: no work to count
+                r = 0.0
             self.times.append(t)
-            self.cum.append(self.cum[-1] + rem[js.job_id] * js.job.qos.gpu_demand)
-            self.longest = max(self.longest, rem[js.job_id])
+            self.cum.append(self.cum[-1] + r * js.job.qos.gpu_demand)
+            self.longest = max(self.longest, r)
 
     def _forget(self, view: SchedulerView) -> None:
         cut = bisect.bisect_left(self.times, self.now - 2.0 * self.longest)
