@@ -286,9 +286,12 @@ def test_stopped_agent_kills_its_stages_before_it_refuses_connections(stage_scri
                 pid = records(out)[0]["pid"]
                 a.proc.send_signal(signal.SIGTERM)
                 async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as c:
-                    deadline = time.monotonic() + 15
+                    # liveness only (a loaded machine may be slow): the order is what is tested below
+                    deadline = time.monotonic() + 45
                     while True:
-                        assert time.monotonic() < deadline, "the stopped agent kept answering"
+                        assert time.monotonic() < deadline, (
+                            "the stopped agent kept answering for 45 s; its log:\n" + (tmp_path / "a.log").read_text(errors="replace")[-4000:]
+                        )
                         try:
                             await c.get(f"{a.url}/v1/health", timeout=0.5)
                         except httpx.HTTPError:
