@@ -21,8 +21,7 @@ def check_output_file(path: Path, option: str = "--json") -> None:
         if not existed:
             path.unlink()
     except OSError as exc:
-        raise QosflowError(f"{option} {path}: cannot write there ({exc.strerror or exc}); "
-                           "give a path in a writable directory") from None
+        raise _unwritable(option, path, exc, "a path in a writable directory") from None
 
 
 def check_output_dir(path: Path, option: str = "--out") -> None:
@@ -35,14 +34,18 @@ def check_output_dir(path: Path, option: str = "--out") -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise QosflowError(f"{option} {path}: cannot write there ({exc.strerror or exc}); "
-                           "give a writable directory") from None
+        raise _unwritable(option, path, exc, "a writable directory") from None
 
 
-def write_json_file(path: Path, data: dict, option: str = "--json") -> None:
+def write_json_file(path: Path, data: dict, option: str = "--json") -> Path:
+    """The one JSON writer of the CLI commands (results of simulate, pack, predict eval, profile)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2) + "\n")
     except OSError as exc:
-        raise QosflowError(f"{option} {path}: cannot write there ({exc.strerror or exc}); "
-                           "give a path in a writable directory") from None
+        raise _unwritable(option, path, exc, "a path in a writable directory") from None
+    return path
+
+
+def _unwritable(option: str, path: Path, exc: OSError, give: str) -> QosflowError:
+    return QosflowError(f"{option} {path}: cannot write there ({exc.strerror or exc}); give {give}")

@@ -46,10 +46,10 @@ def register(app: typer.Typer) -> None:
         from qosflow.packing.experiment import run_experiment
         from qosflow.packing.model import PackState, never_fitting, nodes_from_records, pods_from_records
         from qosflow.packing.policies import make_policy
-        from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png, write_json
+        from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png
         from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
 
-        from qosflow.cli.output import check_output_dir, check_output_file
+        from qosflow.cli.output import check_output_dir, check_output_file, write_json_file
 
         console = Console()
         if json_out is not None:
@@ -140,7 +140,7 @@ def register(app: typer.Typer) -> None:
 
         out_dir = out if out is not None else (json_out.parent if json_out is not None else None)
         if json_out is not None:
-            write_json(json_out, data)
+            write_json_file(json_out, data)
             console.print(f"wrote {json_out}")
         if out_dir is not None:
             console.print(f"wrote {write_curve_csv(out_dir / 'pack_curve.csv', summaries)}")

@@ -50,11 +50,11 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.interference import default_speed_model
         from qosflow.sim.metrics import compute_bounds, compute_metrics
         from qosflow.errors import UnknownNameError
-        from qosflow.sim.report import estimator_deltas, plot_results, render_estimator_table, render_table, results_json, write_json
+        from qosflow.sim.report import estimator_deltas, plot_results, render_estimator_table, render_table, results_json
         from qosflow.sim.runner import resolve_workload
 
         console = Console(width=max(120, Console().width))
-        from qosflow.cli.output import check_output_dir, check_output_file
+        from qosflow.cli.output import check_output_dir, check_output_file, write_json_file
 
         if json_out is not None:
             check_output_file(json_out)
@@ -121,7 +121,7 @@ def register(app: typer.Typer) -> None:
             data["estimator_baseline"] = baseline
             data["estimator_deltas"] = estimator_deltas(by_est, baseline)
         if json_out:
-            console.print(f"JSON: {write_json(json_out, data)}")
+            console.print(f"JSON: {write_json_file(json_out, data)}")
         plot_dir = out or (json_out.parent if json_out else None)
         if plot_dir and not no_plots:
             files = plot_results(results, metrics, bounds, plot_dir)

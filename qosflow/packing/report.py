@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
 import warnings
 from pathlib import Path
@@ -27,13 +26,6 @@ def summaries_to_json(summaries: Mapping[str, PolicySummary], config: Mapping[st
         "policies": {name: s.to_dict(100) for name, s in summaries.items()},
         "config": dict(config or {}),
     }
-
-
-def write_json(path: str | Path, data: Mapping[str, Any]) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data, indent=2) + "\n")
-    return p
 
 
 def curve_table(summaries: Mapping[str, PolicySummary]) -> tuple[list[str], list[list[float | int | str]]]:

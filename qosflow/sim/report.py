@@ -13,7 +13,6 @@ runs (oracle when present), "by_estimator" every run ({"<estimator>": {"<policy>
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -41,13 +40,6 @@ def results_json(metrics: Mapping[str, Metrics], bounds: Bounds, extra: dict[str
     if extra:
         out.update(extra)
     return out
-
-
-def write_json(path: str | Path, data: dict) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    return p
 
 
 def _fmt_s(x: float) -> str:
