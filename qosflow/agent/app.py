@@ -29,7 +29,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from qosflow.agent.gpus import GpuSource
-from qosflow.agent.runner import AGENT_STOPPING, Runner, usable_cpus
+from qosflow.agent.runner import Runner, usable_cpus
+from qosflow.backends.base import AGENT_STOPPING
 
 
 @dataclass

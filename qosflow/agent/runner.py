@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from qosflow.backends.base import AGENT_STOPPING
-
 _PR_SET_PDEATHSIG = 1
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 #: environment variables of the agent that a stage must never see

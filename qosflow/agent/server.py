@@ -17,7 +17,7 @@ from typing import Iterable
 import uvicorn
 
 from qosflow.agent.app import AgentConfig, create_app
-from qosflow.agent.runner import AGENT_STOPPING
+from qosflow.backends.base import AGENT_STOPPING
 
 
 class _QuietServer(uvicorn.Server):
