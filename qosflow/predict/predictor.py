@@ -166,8 +166,7 @@ class Predictor:
         if skipped:
             import logging
 
-            where = getattr(store, "url", "the store")
-            where = where.split("@")[-1] if isinstance(where, str) else where
+            where = getattr(store, "safe_url", "the store")
             logging.getLogger(__name__).warning(
                 "skipped %d invalid sample(s) in %s (fix or delete those rows of table 'sample'): %s",
                 len(skipped), where, "; ".join(f"id={i}: {m}" for i, m in skipped[:5]))

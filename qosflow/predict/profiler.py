@@ -273,12 +273,13 @@ def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s
     for c in cores:
         result.configs.append(run_config(target, steps, c, budget_s, gpu))
     if store is not None:
+        gpu_type = short_gpu_model(gpu.name) if gpu.name else "cpu"
         samples = []
         for r in result.configs:
             if r.step_time_s is None:
                 continue
             samples.append({
-                "signature": result.signature, "gpus": r.gpus, "gpu_type": short_gpu_model(gpu.name) if gpu.name else "cpu",
+                "signature": result.signature, "gpus": r.gpus, "gpu_type": gpu_type,
                 "cpu_cores": r.cpu_cores, "step_time_s": r.step_time_s, "steps": r.steps, "source": "profile",
                 "gpu_util_pct": r.gpu_util_pct, "gpu_mem_mb": r.gpu_mem_mb,
             })
@@ -286,6 +287,6 @@ def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s
         result.stored_samples = len(samples)
         best = min((r for r in result.configs if r.step_time_s), key=lambda r: r.step_time_s, default=None)
         if best is not None:
-            store.add_profile(result.signature, best.step_time_s, gpu_type=short_gpu_model(gpu.name) if gpu.name else "cpu", cpu_cores=best.cpu_cores)
-        result.database = store.url.split("@")[-1]
+            store.add_profile(result.signature, best.step_time_s, gpu_type=gpu_type, cpu_cores=best.cpu_cores)
+        result.database = store.safe_url
     return result

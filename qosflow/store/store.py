@@ -204,6 +204,11 @@ class Store:
         self.engine = engine
         self.url = url
 
+    @property
+    def safe_url(self) -> str:
+        """The URL without its user and password, for messages."""
+        return _safe_url(self.url)
+
     # ---- opening
 
     @classmethod
