@@ -134,18 +134,23 @@ async def check_pool(pool: str) -> None:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from qosflow.errors import SpecError
-
     try:
         async with get_client() as client:
             wp = await client.read_work_pool(pool)
     except ObjectNotFound:
-        raise SpecError("pool", f"work pool {pool!r} does not exist; create it with `qosflow init --pool {pool}` "
-                                f"(or `prefect work-pool create {pool} --type qosflow`)") from None
+        raise missing_pool(pool) from None
     except (httpx.HTTPError, OSError, RuntimeError):
         return
     if wp.type != "qosflow":
         raise wrong_pool_type(pool, wp.type)
+
+
+def missing_pool(pool: str) -> Exception:
+    """The error for a qosflow pool that does not exist, with how to create it (worker and stages)."""
+    from qosflow.errors import SpecError
+
+    return SpecError("pool", f"work pool {pool!r} does not exist; create it with `qosflow init --pool {pool}` "
+                             f"(or `prefect work-pool create {pool} --type qosflow`)")
 
 
 def wrong_pool_type(pool: str, pool_type: str) -> Exception:

@@ -463,7 +463,9 @@ def ensure_stage_deployment(pool: str) -> str:
             try:
                 wp = client.read_work_pool(pool)
             except ObjectNotFound:
-                raise SpecError("pool", f"work pool {pool!r} does not exist; create it with `qosflow init --pool {pool}` or `prefect work-pool create {pool} --type qosflow`") from None
+                from qosflow.prefect.local import missing_pool
+
+                raise missing_pool(pool) from None
             if wp.type != "qosflow":
                 raise SpecError(
                     "pool",
