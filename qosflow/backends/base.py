@@ -20,6 +20,7 @@ from qosflow.core.placement import Placement
 #: the killed_reason of stages an agent killed because it is stopping (an infrastructure failure)
 AGENT_STOPPING = "agent shutting down"
 
+
 class ExitKind(str, Enum):
     OK = "ok"
     USER = "user"  # the stage's own code failed: follow its retry settings, do not retry blindly
