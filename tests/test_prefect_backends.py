@@ -299,3 +299,47 @@ def test_the_server_creates_the_runs_of_a_scheduled_deployment(tmp_path):
         server.stop()
     assert runs, "no scheduled run; server log:\n" + log[-3000:]
     assert all(r.state.is_scheduled() and r.expected_start_time.hour == 2 for r in runs)
+
+
+def test_label_write_retries_a_busy_database_at_once_instead_of_backing_off_for_a_minute(monkeypatch):
+    """Prefect's server answers a label merge that lost a SQLite write race with 503; its client's own
+    back-off (2..32 s) made one label write take up to a minute and then drop the labels. The worker
+    retries those itself, with Prefect's retries off, after pauses under a second."""
+    import httpx
+    from prefect.exceptions import PrefectHTTPStatusError
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES
+
+    from qosflow.prefect import worker as W
+
+    def status(code):
+        req = httpx.Request("PATCH", "http://x/api/flow_runs/1/labels")
+        return PrefectHTTPStatusError.from_httpx_error(
+            httpx.HTTPStatusError("busy", request=req, response=httpx.Response(code, request=req)))
+
+    class Client:
+        def __init__(self, codes):
+            self.codes, self.retries_seen, self.written = list(codes), [], None
+
+        async def update_flow_run_labels(self, fid, labels):
+            self.retries_seen.append(PREFECT_CLIENT_MAX_RETRIES.value())
+            if self.codes:
+                raise status(self.codes.pop(0))
+            self.written = labels
+
+    pauses = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(s):
+        pauses.append(s)
+        await real_sleep(0)
+
+    monkeypatch.setattr(W.asyncio, "sleep", sleep)
+    c = Client([503, 503, 503])
+    assert asyncio.run(W.patch_labels(c, "fr", {"qosflow.host": "h"})) == 4
+    assert c.written == {"qosflow.host": "h"} and c.retries_seen == [0, 0, 0, 0]
+    assert len(pauses) == 3 and all(p < 1.0 for p in pauses)
+    assert PREFECT_CLIENT_MAX_RETRIES.value() > 0  # only the label write ran without Prefect's retries
+    with pytest.raises(PrefectHTTPStatusError):  # not a busy database: raised at once
+        asyncio.run(W.patch_labels(Client([404]), "fr", {}))
+    with pytest.raises(PrefectHTTPStatusError):  # busy for longer than the budget: given up
+        asyncio.run(W.patch_labels(Client([503] * 1000), "fr", {}, budget_s=0.0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -384,3 +385,51 @@ def test_decorator_error_names_the_file_and_line_of_the_decorator():
         line = inspect.currentframe().f_lineno + 1
         qos_task(gpus=0.5)
     assert str(ei.value).startswith(f"@qos_task at test_prefect_spec.py:{line}: invalid gpus:")
+
+
+def test_placements_missing_at_a_stage_end_are_read_at_the_pipeline_end(monkeypatch):
+    """A stage whose placement labels had not reached the server when it completed does not hold up
+    the next stage: the pipeline reads them once it has ended, without moving its end time."""
+    from qosflow.prefect import tasks
+    from qosflow.prefect.tasks import PipelineRun, StageRecord
+
+    run = PipelineRun("p", "fid", deadline=3600, priority=None, pool=None, plan=None, expected={})
+    late = StageRecord("train", "tr1", (), 10.0, 5.0, time.time(), None, flow_run_id="fr-late", state="completed", engine_started=100.0)
+    late.started, late.ended = 100.0, 110.0
+    lost = StageRecord("eval", "tr2", (), 10.0, 5.0, time.time(), None, flow_run_id="fr-lost", state="completed")
+    run.add(late)
+    run.add(lost)
+    reads = {"fr-late": 0, "fr-lost": 0}
+    labels = {"qosflow.host": "host1", "qosflow.gpus": "host1:2,host1:3", "qosflow.cpu_cores": "4",
+              "qosflow.virtual_gpus": "true", "qosflow.predicted_s": "9.5", "qosflow.placed_at": "99.0", "qosflow.queued_at": "98.0"}
+
+    def read(fid):
+        reads[fid] += 1
+        return dict(labels) if fid == "fr-late" and reads[fid] >= 2 else None
+
+    monkeypatch.setattr(tasks, "read_placement_labels", read)
+    assert run.catch_up_placements(wait_s=0.6) == ["eval"]
+    assert late.host == "host1" and late.gpus == ["host1:2", "host1:3"] and late.cpu_cores == 4.0
+    assert late.placed == 99.0 and late.queued == 98.0 and late.started == 99.0 and late.virtual_gpus is True
+    assert reads["fr-late"] == 2 and reads["fr-lost"] >= 2 and lost.host is None
+
+
+def test_forecast_artifact_is_not_rewritten_for_every_stage_event(monkeypatch):
+    """A stage's end and the next stage's dispatch publish the forecast within a second: one artifact
+    version for both (each write contends for the Prefect server's SQLite lock); the final one always."""
+    import prefect.artifacts
+
+    from qosflow.prefect.tasks import PipelineRun
+
+    written = []
+    monkeypatch.setattr(prefect.artifacts, "create_markdown_artifact", lambda md, **kw: written.append(md))
+    run = PipelineRun("p", "fid", deadline=3600, priority=None, pool=None, plan={"a": [], "b": ["a"]}, expected={"a": 5.0, "b": 5.0})
+    run.publish_forecast()
+    run.publish_forecast()
+    assert len(written) == 1
+    run._forecast_written_at -= 5.0  # as if the last version were 5 s old
+    run.publish_forecast()
+    assert len(written) == 2
+    run.ended = time.time()
+    run.publish_forecast(final=True)
+    assert len(written) == 3 and "Finished after" in written[-1]

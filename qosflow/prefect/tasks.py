@@ -111,6 +111,10 @@ class StageRecord:
         }
 
 
+#: the forecast artifact is rewritten at most this often (seconds), except for the final one
+FORECAST_MIN_INTERVAL_S = 2.0
+
+
 class PipelineRun:
     """Book-keeping of one running `qos_flow` (its stages, deadline split, forecast, artifacts)."""
 
@@ -136,6 +140,7 @@ class PipelineRun:
         self.state = "running"
         self._split: dict[str, float] | None = None
         self.flow_name = name
+        self._forecast_written_at = -math.inf
 
     # -------------------------------------------------------------- registry
     @classmethod
@@ -244,7 +249,11 @@ class PipelineRun:
                 lines.append("Critical path left: " + " → ".join(fc.remaining_path))
             from prefect.artifacts import create_markdown_artifact
 
-            create_markdown_artifact("\n".join(lines), key=f"qosflow-forecast-{_slug(self.name)}", description="qosflow completion forecast")
+            # a stage's end and its successor's dispatch come within a second of each other: one
+            # artifact version for both (each write contends for the server's database lock)
+            if final or now - self._forecast_written_at >= FORECAST_MIN_INTERVAL_S:
+                create_markdown_artifact("\n".join(lines), key=f"qosflow-forecast-{_slug(self.name)}", description="qosflow completion forecast")
+                self._forecast_written_at = now
             if not final and fc.at_risk and not self.at_risk_sent:
                 self.at_risk_sent = True
                 _emit(
@@ -281,6 +290,7 @@ class PipelineRun:
         self.state = "completed" if ok else "failed"
         if not self.stages:
             return
+        self.catch_up_placements()
         try:
             from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
@@ -309,6 +319,24 @@ class PipelineRun:
             if r.met is False:
                 _emit("qosflow.qos.violated", self, {"pipeline": self.name, "stage": r.name, "deadline": r.deadline_at, "ended": r.ended, "late_by_s": round(r.ended - r.deadline_at, 3), "stage_flow_run_id": r.flow_run_id})
         self._remember_plan()
+
+    def catch_up_placements(self, wait_s: float = 10.0) -> list[str]:
+        """Read the placement labels of completed stages that finished before the worker's labels
+        reached the server (the worker checks and rewrites them once the stage's process has ended).
+        Waits at most `wait_s` in all, after the pipeline's end time is taken. Returns the stages
+        still without a placement."""
+        give_up = time.time() + wait_s
+        missing = [r for r in self.stages.values() if r.host is None and r.flow_run_id and r.state == "completed"]
+        while missing:
+            for r in list(missing):
+                labels = read_placement_labels(r.flow_run_id)
+                if labels is not None:
+                    apply_placement_labels(r, labels)
+                    missing.remove(r)
+            if not missing or time.time() >= give_up:
+                break
+            time.sleep(0.5)
+        return [r.name for r in missing]
 
     def report_markdown(self) -> str:
         el = (self.ended or time.time()) - self.started
@@ -551,28 +579,14 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         pass
     labels = dict(getattr(fr, "labels", None) or {})
     if "qosflow.host" not in labels and fr.state is not None and fr.state.is_completed():
-        # the worker writes the placement labels while it launches the stage: read them once more
-        from prefect.client.orchestration import get_client
-
-        for _ in range(150):  # up to 30 s on a loaded server (the worker re-checks its labels when the stage's process ends)
-            time.sleep(0.2)
-            with get_client(sync_client=True) as client:
-                fr2 = client.read_flow_run(fr.id)
-            labels = dict(getattr(fr2, "labels", None) or {})
-            if "qosflow.host" in labels:
-                break
+        # the worker writes the placement labels while it launches the stage, so they are normally
+        # there by now; if not, look once more, then go on: the next stage must not wait for
+        # bookkeeping (the pipeline reads the missing labels at its end, see PipelineRun.finish)
+        time.sleep(0.2)
+        labels = read_placement_labels(str(fr.id)) or labels
     rec.flow_run_id = str(fr.id)
-    rec.host = labels.get("qosflow.host")
-    rec.gpus = [g for g in (labels.get("qosflow.gpus") or "").split(",") if g and g != "-"]
-    rec.cpu_cores = _f(labels.get("qosflow.cpu_cores"))
-    rec.virtual_gpus = labels.get("qosflow.virtual_gpus") == "true" if "qosflow.virtual_gpus" in labels else None
-    rec.predicted_s = _f(labels.get("qosflow.predicted_s"))
-    rec.placed = _f(labels.get("qosflow.placed_at"))
-    # the worker launches the stage's process right after placing it: that is when the stage starts
-    # (predictions cover the process start-up too); the engine's own start is kept as engine_started
     rec.engine_started = fr.start_time.timestamp() if fr.start_time else None
-    rec.queued = _f(labels.get("qosflow.queued_at"))
-    rec.started = rec.placed or rec.engine_started
+    apply_placement_labels(rec, labels)
     rec.ended = fr.end_time.timestamp() if fr.end_time else time.time()
     state = fr.state
     ok = state is not None and state.is_completed()
@@ -587,6 +601,32 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         return state.result(raise_on_failure=True)
     finally:
         delete_payload(key)
+
+
+def read_placement_labels(flow_run_id: str) -> dict[str, str] | None:
+    """The stage flow run's labels if the worker's placement labels are among them, else None."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            labels = dict(getattr(client.read_flow_run(flow_run_id), "labels", None) or {})
+    except Exception:  # bookkeeping only: the stage's own outcome is already known
+        return None
+    return labels if "qosflow.host" in labels else None
+
+
+def apply_placement_labels(rec: StageRecord, labels: Mapping[str, str]) -> None:
+    """Copy the placement the worker wrote on the stage's flow run (labels `qosflow.*`) into `rec`."""
+    rec.host = labels.get("qosflow.host")
+    rec.gpus = [g for g in (labels.get("qosflow.gpus") or "").split(",") if g and g != "-"]
+    rec.cpu_cores = _f(labels.get("qosflow.cpu_cores"))
+    rec.virtual_gpus = labels.get("qosflow.virtual_gpus") == "true" if "qosflow.virtual_gpus" in labels else None
+    rec.predicted_s = _f(labels.get("qosflow.predicted_s"))
+    rec.placed = _f(labels.get("qosflow.placed_at"))
+    rec.queued = _f(labels.get("qosflow.queued_at"))
+    # the worker launches the stage's process right after placing it: that is when the stage starts
+    # (predictions cover the process start-up too); the engine's own start is kept as engine_started
+    rec.started = rec.placed or rec.engine_started
 
 
 def _f(x: Any) -> float | None:

@@ -145,6 +145,40 @@ class QosflowJobConfiguration(BaseJobConfiguration):
         return any(getattr(self, k) is not None for k in QOS_FIELDS)
 
 
+
+#: how long a label write keeps retrying while the server's database is busy
+LABEL_WRITE_BUDGET_S = 60.0
+
+
+async def patch_labels(client: Any, flow_run_id: Any, labels: dict[str, str], *, budget_s: float = LABEL_WRITE_BUDGET_S) -> int:
+    """Merge `labels` into a flow run's labels; return the number of attempts it took.
+
+    Prefect's server merges labels by reading the row and then writing it, in one deferred SQLite
+    transaction: any write that commits in between makes it fail with SQLITE_BUSY_SNAPSHOT, which it
+    answers with 503. Prefect's client then backs off 2, 4, 8, 16, 32 s, so on a busy server one
+    label write took up to a minute, and five failures in a row lost it (measured in the demo). The
+    failure is immediate and retrying at once usually succeeds, so this retries a 503 itself after
+    a short, growing, jittered pause (0.05-1 s) until `budget_s` is spent; other errors are raised.
+    """
+    import random
+
+    from prefect.exceptions import PrefectHTTPStatusError
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    give_up = time.monotonic() + budget_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
+                await client.update_flow_run_labels(flow_run_id, labels)
+            return attempt
+        except PrefectHTTPStatusError as exc:
+            if exc.response.status_code != 503 or time.monotonic() >= give_up:
+                raise
+        await asyncio.sleep(random.uniform(0.05, 0.2) * min(attempt, 5))
+
+
 class QosflowWorkerResult(BaseWorkerResult):
     """How a stage process ended."""
 
@@ -995,7 +1029,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             labels["qosflow.sub_batch"] = json.dumps(info["sub_batch"])
         self._labels_written[str(flow_run_id)] = labels
         try:
-            await self.client.update_flow_run_labels(flow_run_id, labels)
+            await patch_labels(self.client, flow_run_id, labels)
         except Exception as exc:
             self._logger.warning("could not label flow run %s: %s", flow_run_id, exc)
 
@@ -1011,7 +1045,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 have = dict(getattr(fr, "labels", None) or {})
                 if all(have.get(k) == v for k, v in labels.items()):
                     return
-                await self.client.update_flow_run_labels(flow_run_id, labels)
+                await patch_labels(self.client, flow_run_id, labels)
         except Exception as exc:
             self._logger.warning("could not check the labels of flow run %s: %s", flow_run_id, exc)
 
