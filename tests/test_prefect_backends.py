@@ -343,3 +343,71 @@ def test_label_write_retries_a_busy_database_at_once_instead_of_backing_off_for_
         asyncio.run(W.patch_labels(Client([404]), "fr", {}))
     with pytest.raises(PrefectHTTPStatusError):  # busy for longer than the budget: given up
         asyncio.run(W.patch_labels(Client([503] * 1000), "fr", {}, budget_s=0.0))
+
+
+def test_server_database_url_takes_postgresql_and_names_a_bad_one_without_its_password():
+    from qosflow.prefect.local import prefect_database_url, server_env
+
+    assert prefect_database_url(None, "/h") == "sqlite+aiosqlite:////h/prefect.db"
+    for given in ("postgresql://u:p@db:5432/prefect", "postgres://u:p@db:5432/prefect", "postgresql+psycopg://u:p@db:5432/prefect"):
+        assert prefect_database_url(given, "/h") == "postgresql+asyncpg://u:p@db:5432/prefect"
+    assert server_env("/h", 1234, database_url="postgresql://u:p@db/x")["PREFECT_API_DATABASE_CONNECTION_URL"] == "postgresql+asyncpg://u:p@db/x"
+    for bad, says in (("mysql://u:secret@db/x", "PostgreSQL or SQLite only"), ("u:secret@db/x", "no scheme")):
+        with pytest.raises(ValueError, match=says) as e:
+            prefect_database_url(bad, "/h")
+        assert "secret" not in str(e.value) and "postgresql://USER:PASSWORD@HOST:PORT/DB" in str(e.value)
+
+
+def test_demo_refuses_a_bad_database_url_before_starting_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from qosflow.cli.main import app
+
+    r = CliRunner().invoke(app, ["demo", "--no-ui", "--home", str(tmp_path / "demo"), "--database-url", "mysql://u:secret@db/x"])
+    assert r.exit_code == 2 and "--database-url" in r.output and "PostgreSQL or SQLite only" in r.output
+    assert "secret" not in r.output and not (tmp_path / "demo").exists()
+
+
+@pytest.mark.postgres
+def test_local_server_keeps_its_data_in_postgresql(tmp_path):
+    """`qosflow demo --database-url` / LocalServer(database_url=...): Prefect's server on PostgreSQL,
+    the remedy for SQLite's write-lock stalls on a busy machine (docs/prefect.md)."""
+    import os
+    import uuid
+
+    pg = os.environ.get("QOSFLOW_TEST_POSTGRES_URL")
+    if not pg:
+        pytest.skip("QOSFLOW_TEST_POSTGRES_URL is not set (e.g. postgresql+psycopg://qosflow:qosflow@localhost/qosflow_test)")
+    import psycopg
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from qosflow.prefect.local import LocalServer
+
+    admin = "postgresql://" + pg.split("://", 1)[1]
+    db = f"qosflow_prefect_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin, autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {db}")
+    server = None
+    try:
+        server = LocalServer(tmp_path / "server", ui=False, database_url=admin.rsplit("/", 1)[0] + "/" + db).start(timeout=180)
+
+        async def go():
+            async with get_client() as c:
+                fid = await c.create_flow_from_name("on-postgres")
+                run = await c.create_flow_run_from_deployment(
+                    await c.create_deployment(flow_id=fid, name="d", entrypoint="flows/retrain.py:retrain"))
+                await c.update_flow_run_labels(run.id, {"qosflow.host": "host0"})
+                return (await c.read_flow_run(run.id)).labels
+
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            labels = asyncio.run(go())
+        assert labels["qosflow.host"] == "host0"
+        assert not (tmp_path / "server" / "prefect.db").exists()
+        with psycopg.connect(admin.rsplit("/", 1)[0] + "/" + db) as c:
+            assert c.execute("SELECT count(*) FROM flow_run").fetchone()[0] == 1
+    finally:
+        if server is not None:
+            server.stop()
+        with psycopg.connect(admin, autocommit=True) as c:
+            c.execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")

@@ -41,6 +41,11 @@ def register(app: typer.Typer) -> None:
         gpus: int = typer.Option(4, "--gpus-per-host", min=1, help="virtual GPUs per host"),
         cores: float = typer.Option(16.0, "--cores-per-host", min=1, help="CPU cores each virtual host offers stages (folded onto the real CPUs)"),
         cluster: Optional[Path] = typer.Option(None, "--cluster", help="cluster file (YAML/JSON: hosts, agent URLs, token): run the stages through those agents"),
+        database_url: Optional[str] = typer.Option(
+            None, "--database-url", envvar="QOSFLOW_DEMO_DATABASE_URL",
+            help="the demo's Prefect server keeps its data in this PostgreSQL database "
+                 "(postgresql://USER:PASSWORD@HOST:PORT/DB) instead of SQLite under --home: "
+                 "steadier on a busy machine (see docs/prefect.md)"),
     ) -> None:
         import sys
 
@@ -52,6 +57,13 @@ def register(app: typer.Typer) -> None:
         import os
 
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        if database_url is not None:
+            from qosflow.prefect.local import prefect_database_url
+
+            try:
+                prefect_database_url(database_url, ".")
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--database-url") from None
         if cluster is not None:
             from qosflow.backends.agent import load_cluster_file
 
@@ -60,7 +72,7 @@ def register(app: typer.Typer) -> None:
 
         report = run_demo(ui=ui, json_out=str(json_out) if json_out else None, port=port, home=str(home) if home else None,
                           policy=policy, hosts=hosts, gpus_per_host=gpus, cores_per_host=cores, keep_open=ui,
-                          cluster_file=str(cluster.resolve()) if cluster is not None else None)
+                          cluster_file=str(cluster.resolve()) if cluster is not None else None, database_url=database_url)
         failed = [p["name"] for p in report["pipelines"] if p.get("state") != "completed"]
         if failed:
             typer.secho(f"pipelines that did not complete: {', '.join(failed)}", err=True, fg="red")

@@ -49,6 +49,7 @@ def run_demo(
     keep_open: bool = True,
     console: Console | None = None,
     cluster_file: str | None = None,
+    database_url: str | None = None,
 ) -> dict[str, Any]:
     """Run the demo. With `cluster_file` (hosts and agent URLs, see docs/infrastructure.md) the stages run
     on those hosts through their `qosflow agent`s instead of on virtual hosts of this machine."""
@@ -63,8 +64,9 @@ def run_demo(
     if port is None:
         port = 4200 if ui and _port_free(4200) else free_port()
     policy_name = choose_policy(policy)
-    server = LocalServer(home_p / "prefect", port, ui=ui)
-    with console.status(f"starting a local Prefect server (SQLite in {server.home}, UI {'on' if ui else 'off'})..."):
+    server = LocalServer(home_p / "prefect", port, ui=ui, database_url=database_url)
+    where = "PostgreSQL" if database_url else f"SQLite in {server.home}"
+    with console.status(f"starting a local Prefect server ({where}, UI {'on' if ui else 'off'})..."):
         server.start()
     server.apply_env()
     quiet_console_logs()
@@ -136,7 +138,8 @@ def run_demo(
                 time.sleep(0.5)
         runs = {r.name: r for r in PipelineRun.finished}
         report = {"pipelines": [], "policy": policy_name, "cluster": {"hosts": hosts, "gpus_per_host": gpus_per_host, "cores_per_host": cores_per_host, "virtual_gpus": virtual, "file": cluster_file,
-                               "backend": worker.worker._backend.name if worker.worker and worker.worker._backend else None}, "ui": server.ui_url if ui else None, "elapsed_s": round(time.time() - t0, 2)}
+                               "backend": worker.worker._backend.name if worker.worker and worker.worker._backend else None}, "ui": server.ui_url if ui else None, "elapsed_s": round(time.time() - t0, 2),
+                  "server_database": "postgresql" if database_url else "sqlite"}
         for name, prio, deadline, _ in PIPELINES:
             r = runs.get(name)
             s = r.summary() if r else {"name": name, "deadline": deadline, "finished_at": None, "met": False, "stages": [], "state": "failed"}

@@ -26,7 +26,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env(home: str | Path, port: int, *, ui: bool = True) -> dict[str, str]:
+def prefect_database_url(url: str | None, home: str | Path) -> str:
+    """The Prefect server's database URL: SQLite under `home` by default, else `url` with the async
+    driver Prefect's server needs (`postgresql://...` becomes `postgresql+asyncpg://...`).
+
+    PostgreSQL avoids SQLite's single write lock, which stalls a busy server (docs/prefect.md)."""
+    if url is None or not str(url).strip():
+        return f"sqlite+aiosqlite:///{home}/prefect.db"
+    url = str(url).strip()
+    scheme, sep, rest = url.partition("://")
+    shown = (f"{scheme}://" if sep else "") + f"...@{url.rpartition('@')[2]}" if "@" in url else url  # no password in messages
+    if not sep:
+        raise ValueError(f"database URL {shown!r} has no scheme: write it as postgresql://USER:PASSWORD@HOST:PORT/DB "
+                         "or sqlite:///PATH")
+    base = scheme.split("+", 1)[0].lower()
+    if base in ("postgresql", "postgres"):
+        return f"postgresql+asyncpg://{rest}"
+    if base == "sqlite":
+        return f"sqlite+aiosqlite://{rest}"
+    raise ValueError(f"database URL {shown!r}: Prefect's server runs on PostgreSQL or SQLite only; "
+                     "write it as postgresql://USER:PASSWORD@HOST:PORT/DB or sqlite:///PATH")
+
+
+def server_env(home: str | Path, port: int, *, ui: bool = True, database_url: str | None = None) -> dict[str, str]:
     home = str(home)
     api = f"http://127.0.0.1:{port}/api"
     return {
@@ -37,7 +59,7 @@ def server_env(home: str | Path, port: int, *, ui: bool = True) -> dict[str, str
         "PREFECT_UI_ENABLED": "true" if ui else "false",
         "PREFECT_SERVER_API_HOST": "127.0.0.1",
         "PREFECT_SERVER_API_PORT": str(port),
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
+        "PREFECT_API_DATABASE_CONNECTION_URL": prefect_database_url(database_url, home),
         "PREFECT_LOCAL_STORAGE_PATH": f"{home}/storage",
         "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
         "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
@@ -45,14 +67,16 @@ def server_env(home: str | Path, port: int, *, ui: bool = True) -> dict[str, str
 
 
 class LocalServer:
-    """`prefect server start` as a child process (SQLite under `home`, UI on unless `ui=False`)."""
+    """`prefect server start` as a child process (SQLite under `home` unless `database_url` names a
+    PostgreSQL database, UI on unless `ui=False`)."""
 
-    def __init__(self, home: str | Path, port: int | None = None, *, ui: bool = True, log: str | Path | None = None):
+    def __init__(self, home: str | Path, port: int | None = None, *, ui: bool = True, log: str | Path | None = None,
+                 database_url: str | None = None):
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.ui = ui
-        self.env = server_env(self.home, self.port, ui=ui)
+        self.env = server_env(self.home, self.port, ui=ui, database_url=database_url)
         self.log_path = Path(log) if log else self.home / "server.log"
         self.proc: subprocess.Popen | None = None
 
