@@ -11,8 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from qosflow.errors import QosflowError, SpecError
-from qosflow.store import LATEST_VERSION, Store
-from qosflow.store.models import SQLModel
+from qosflow.store import LATEST_VERSION, Store, validate_sample
+from qosflow.store.models import Sample, SQLModel
 
 PG_URL = os.environ.get("QOSFLOW_TEST_POSTGRES_URL")
 
@@ -118,6 +118,9 @@ def test_default_url_comes_from_env(tmp_path, monkeypatch):
         ({"signature": "a", "step_time_s": 1.0, "gpu_mem_mb": float("nan")}, "gpu_mem_mb"),
         ({"signature": "a", "step_time_s": 1.0, "cpu_cores": 0}, "cpu_cores"),
         ({"signature": "a", "step_time_s": 1.0, "cross_node": "yes"}, "cross_node"),
+        ({"signature": "a", "step_time_s": 1.0, "gpus": 2, "cross_node": True, "placement": "consolidated"},
+         "cross_node"),  # was stored as is: a contradiction the predictor then read as consolidated
+        ({"signature": "a", "step_time_s": 1.0, "gpus": 2, "cross_node": False, "placement": "spread"}, "cross_node"),
         ({"signature": "a", "step_time_s": 1.0, "step_tme": 2}, "step_tme"),
         ({"signature": "a", "step_time": 1e308, "unit": "min"}, "step_time"),  # overflowed to inf and was stored
         ({"signature": "a", "step_time": 1e-320, "unit": "ns"}, "step_time"),  # underflowed to 0
@@ -132,6 +135,29 @@ def test_bad_samples_are_rejected_naming_the_field(tmp_path, bad, field):
         assert err.value.field == field
         assert "sample 1" in str(err.value) and field in str(err.value)
         assert store.count() == 0  # all or nothing
+
+
+def test_contradictory_placement_names_the_fix(tmp_path):
+    with Store.open(_sqlite_url(tmp_path)) as store:
+        with pytest.raises(SpecError) as err:
+            store.add_sample(signature="a", step_time_s=1.0, gpus=2, cross_node=True, placement="consolidated")
+        msg = str(err.value)
+        assert "cross_node=True contradicts placement='consolidated'" in msg and "give placement='spread'" in msg
+
+
+def test_sample_objects_default_placement_follows_the_field_given(tmp_path):
+    """A Sample built in code states only the fields given: the other one follows (was: the default
+    cross_node=False stored beside placement='spread')."""
+    with Store.open(_sqlite_url(tmp_path)) as store:
+        store.add_samples([Sample(signature="s", step_time_s=1.0, gpus=2, placement="spread"),
+                           Sample(signature="x", step_time_s=1.0, gpus=2, cross_node=True),
+                           Sample(signature="c", step_time_s=1.0, gpus=2)])
+        got = {r.signature: (r.placement, r.cross_node) for r in store.samples_for()}
+        assert got == {"s": ("spread", True), "x": ("spread", True), "c": ("consolidated", False)}
+        with pytest.raises(SpecError, match="cross_node"):
+            store.add_samples([Sample(signature="a", step_time_s=1.0, gpus=2, cross_node=True, placement="consolidated")])
+        for row in store.samples_for():  # rows read back validate as they are
+            assert validate_sample(row)["placement"] == row.placement
 
 
 def _old_v1_database(url: str) -> None:

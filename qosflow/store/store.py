@@ -103,7 +103,12 @@ def validate_sample(raw: Mapping[str, Any] | Sample, where: str = "sample") -> d
     (one of s, ms, us, ns, min).
     """
     if isinstance(raw, Sample):
-        raw = raw.model_dump(exclude={"id"}, exclude_none=True)
+        dump = raw.model_dump(exclude={"id"}, exclude_none=True)
+        if raw.model_fields_set:  # built in code (rows read back from the database have an empty set):
+            for key in ("placement", "cross_node"):  # a field left at its default says nothing about the sample
+                if key not in raw.model_fields_set:
+                    dump.pop(key, None)
+        raw = dump
     if not isinstance(raw, Mapping):
         raise SpecError("sample", f"expected a mapping of field -> value, got {type(raw).__name__}", where=where)
     unknown = set(raw) - _SAMPLE_FIELDS - _SAMPLE_ALIASES
@@ -151,6 +156,15 @@ def validate_sample(raw: Mapping[str, Any] | Sample, where: str = "sample") -> d
         raise SpecError("placement", f"{placement!r} is not one of {list(PLACEMENTS)}", where=where)
     if cross is None:
         cross = placement == "spread"
+    elif cross != (placement == "spread"):
+        raise SpecError(
+            "cross_node",
+            f"cross_node={cross} contradicts placement={placement!r} ('consolidated' is all GPUs on one node, "
+            f"'spread' is over nodes): give placement={'spread' if cross else 'consolidated'!r} "
+            f"{'for a sample spread over nodes' if cross else 'for a sample on one node'}, "
+            "or give only one of the two fields",
+            where=where,
+        )
     out["placement"], out["cross_node"] = placement, bool(cross)
     if raw.get("cpu_cores") is not None:
         out["cpu_cores"] = _int("cpu_cores", raw["cpu_cores"], where, minimum=1)
