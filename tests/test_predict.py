@@ -502,3 +502,32 @@ def test_scaling_sibling_overhead_transfers_through_the_step_time():
     # a super-linear sibling (negative overhead) is bounded: t1 + c >= t1 / 5
     fast = ScalingModel(n_estimators=10).fit([ScalingRow("net128", "v100", 4, True, 400.0)] + rows[-2:], meta, {})
     assert fast._sibling_overhead("net64", row) == pytest.approx(math.log(4 * 5))
+
+
+def test_cpu_only_profile_informs_the_cpu_curve_not_gpu_step_times(tmp_path, caplog):
+    """What `qosflow profile` stores without a GPU (0-GPU samples and a profile with gpu_type='cpu') was read
+    back as a 1-GPU step time on a GPU type named 'cpu'."""
+    from qosflow.errors import SpecError
+    from qosflow.store import Store
+
+    with Store.open(f"sqlite:///{tmp_path / 'p.db'}") as store:
+        store.add_samples([{"signature": "cpujob/bs1", "gpus": 0, "gpu_type": "cpu", "cpu_cores": c,
+                            "step_time_s": 0.5 + 2.0 / c, "source": "profile"} for c in (1, 2, 4)])
+        store.add_profile("cpujob/bs1", 1.0, gpu_type="cpu", cpu_cores=4)
+        p = Predictor.open(store, reference=None, gpu_type="v100")
+        p.refit()
+        # no GPU step time came from it, on any GPU type
+        for gt in ("cpu", "v100"):
+            assert p.predict_solo_step_time("cpujob/bs1", 1, gpu_type=gt).basis.startswith("prior:none(1 s)")
+        assert p.predict_solo_step_time("other/bs8", 1, gpu_type="cpu").basis == "prior:none(1 s)"
+        # ... but the CPU-core curve learns from the samples and the profile
+        curve = p.cpu_curve("cpujob/bs1")
+        assert curve.n_samples == 4 and curve.basis.startswith("samples(")
+        # a CPU-only profile cannot carry co-located (GPU-sharing) speeds: named error, and skipped on load
+        with pytest.raises(SpecError) as err:
+            p.observe_profile("cpujob/bs1", 1.0, gpu_type="cpu", ref_speeds={"A3C": 0.5})
+        assert err.value.field == "ref_speeds" and "CPU-only" in str(err.value)
+        store.add_profile("cpujob/bs2", 1.0, gpu_type="cpu", ref_speeds={"A3C": 0.5})
+        with caplog.at_level("WARNING"):
+            q = Predictor.open(store, reference=None)
+        assert [i for i, _m in q.skipped_profiles] == [2] and "skipped 1 invalid profile" in caplog.text

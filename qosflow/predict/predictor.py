@@ -36,6 +36,8 @@ DEFAULT_PAIR_SLOWDOWN = 1.4
 #: relative spread (log) assumed for a single measurement and for fallbacks
 SINGLE_SAMPLE_LOG_SD = 0.10
 Z90 = 1.2816
+#: the GPU type of a profile or sample taken without a GPU (`qosflow profile` on a CPU-only machine)
+CPU_ONLY = "cpu"
 
 
 def canonical(signature: str) -> str:
@@ -170,13 +172,25 @@ class Predictor:
             logging.getLogger(__name__).warning(
                 "skipped %d invalid sample(s) in %s (fix or delete those rows of table 'sample'): %s",
                 len(skipped), where, "; ".join(f"id={i}: {m}" for i, m in skipped[:5]))
+        bad_profiles: list[tuple[int, str]] = []
         for prof in store.profiles_for():
             import json
 
-            self.observe_profile(prof.signature, prof.solo_step_time_s, gpu_type=prof.gpu_type,
-                                 ref_speeds=json.loads(prof.ref_speeds_json),
-                                 ref_partner_speeds=json.loads(prof.ref_partner_speeds_json),
-                                 cpu_cores=prof.cpu_cores)
+            try:
+                self.observe_profile(prof.signature, prof.solo_step_time_s, gpu_type=prof.gpu_type,
+                                     ref_speeds=json.loads(prof.ref_speeds_json),
+                                     ref_partner_speeds=json.loads(prof.ref_partner_speeds_json),
+                                     cpu_cores=prof.cpu_cores)
+            except SpecError as exc:
+                bad_profiles.append((prof.id, str(exc)))
+        self.skipped_profiles = getattr(self, "skipped_profiles", []) + bad_profiles
+        if bad_profiles:
+            import logging
+
+            where = getattr(store, "safe_url", "the store")
+            logging.getLogger(__name__).warning(
+                "skipped %d invalid profile(s) in %s (fix or delete those rows of table 'profile'): %s",
+                len(bad_profiles), where, "; ".join(f"id={i}: {m}" for i, m in bad_profiles[:5]))
         return last
 
     # ------------------------------------------------------------------ online updates
@@ -211,7 +225,23 @@ class Predictor:
     def observe_profile(self, signature: str, solo_step_time_s: float, *, gpu_type: str | None = None,
                         ref_speeds: Mapping[str, float] | None = None,
                         ref_partner_speeds: Mapping[str, float] | None = None, cpu_cores: int | None = None) -> None:
-        """A lightweight profile: solo 1-GPU step time and co-located speeds with the reference jobs."""
+        """A lightweight profile: solo 1-GPU step time and co-located speeds with the reference jobs.
+
+        A CPU-only profile (`gpu_type="cpu"`, what `qosflow profile` stores on a machine without a GPU) is a
+        step time on `cpu_cores` cores and no GPU: it is observed as a 0-GPU sample, so it informs the job's
+        CPU-core curve but no GPU step-time or scaling model (it was taken as a 1-GPU time on a GPU type
+        named "cpu"). It cannot carry co-located speeds, which are measured sharing a GPU."""
+        if gpu_type == CPU_ONLY:
+            for name, speeds in (("ref_speeds", ref_speeds), ("ref_partner_speeds", ref_partner_speeds)):
+                if speeds:
+                    from qosflow.errors import SpecError
+
+                    raise SpecError(name, "co-located speeds are measured sharing a GPU, but this profile is "
+                                    f"CPU-only (gpu_type={CPU_ONLY!r}): give the GPU type they were measured on, "
+                                    f"or leave {name} out", where=f"profile of {signature!r}")
+            self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": 0, "gpu_type": CPU_ONLY,
+                          "cpu_cores": cpu_cores, "source": "profile"})
+            return
         gt = gpu_type if gpu_type and gpu_type != "unknown" else self.gpu_type
         self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": 1, "gpu_type": gt,
                       "cpu_cores": cpu_cores, "source": "profile"})
