@@ -88,3 +88,24 @@ def test_pack_cli_names_seeds_whose_arrivals_stop_short(tmp_path, capsys):
     assert "never reached 100 % of capacity with seed(s) 42" in " ".join(capsys.readouterr().out.split())
     d = json.loads(out_json.read_text())["policies"]["best-fit"]
     assert d["seeds_short_of_demand"] == [42]
+
+
+def test_a_failed_run_leaves_no_output_directories(tmp_path, capsys):
+    """The output checks made --json's and --out's missing directories before the run; a run that then
+    failed left them behind, empty."""
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text(NODES)
+    rc = main(["pack", "--pods", str(tmp_path / "missing.csv"), "--nodes", str(nodes), "--seeds", "1",
+               "--json", str(tmp_path / "j" / "deep" / "p.json"), "--out", str(tmp_path / "res" / "deep")])
+    assert rc == 2 and "missing.csv" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nodes.csv"]
+    # an unwritable place is still found before the run, and a good one still made when writing
+    (tmp_path / "file").write_text("")
+    rc = main(["pack", "--pods", str(tmp_path / "missing.csv"), "--nodes", str(nodes), "--seeds", "1",
+               "--out", str(tmp_path / "file" / "res")])
+    assert rc == 2 and f"--out {tmp_path / 'file' / 'res'}: cannot write there" in capsys.readouterr().err
+    pods = tmp_path / "pods.csv"
+    pods.write_text(PODS)
+    rc = main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit", "--seeds", "1",
+               "--json", str(tmp_path / "j" / "p.json"), "--out", str(tmp_path / "res" / "deep"), "--no-plots"])
+    assert rc == 0 and (tmp_path / "j" / "p.json").exists() and (tmp_path / "res" / "deep" / "pack_curve.csv").exists()

@@ -213,3 +213,11 @@ def test_json_output_is_checked_before_the_work(stage_module, tmp_path, capsys):
     good = tmp_path / "new" / "p.json"
     assert main(["profile", "toy_stage:train", "--steps", "2", "--cores", "1", "--no-store", "--json", str(good)]) == 0
     assert json.loads(good.read_text())["configs"][0]["steps"] == 2
+
+
+def test_failed_eval_leaves_no_output_directories(tmp_path, capsys):
+    """The --json check made its missing directories before the run; an evaluation that then failed left them."""
+    out = tmp_path / "results" / "deep" / "eval.json"
+    assert main(["predict", "eval", "--pairs", str(tmp_path / "missing.csv"), "--json", str(out)]) == 2
+    assert "missing.csv" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -144,3 +144,12 @@ def test_a_stalling_policy_does_not_hide_the_others(tmp_path, capsys, monkeypatc
     assert set(data["policies"]) == {"fifo"} and data["policies"]["fifo"]["jobs"] == 10
     assert "pending on an idle cluster" in data["failed_policies"]["idle-test"]
     assert "idle-test failed" in capsys.readouterr().out
+
+
+def test_a_failed_run_leaves_no_output_directories(tmp_path, capsys):
+    """The output checks made --json's and --out's missing directories before the run; a run that then
+    failed left them behind, empty."""
+    rc = main(["simulate", "--jobs", "10", "--trace", str(tmp_path / "missing.csv"), "--policies", "fifo",
+               "--json", str(tmp_path / "j" / "deep" / "r.json"), "--out", str(tmp_path / "plots" / "deep")])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -4,37 +4,54 @@ written would otherwise end in a traceback, with the results lost."""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from qosflow.errors import QosflowError
 
 
 def check_output_file(path: Path, option: str = "--json") -> None:
-    """Fail now if `path` cannot be written (a directory, an unwritable or missing place)."""
+    """Fail now if `path` cannot be written (a directory, an unwritable or missing place). Leaves nothing
+    behind: a missing parent directory is made only when the file is written."""
     if path.is_dir():
         raise QosflowError(f"{option} {path}: is a directory; give a file name, e.g. {path / 'out.json'}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        existed = path.exists()
-        with open(path, "a", encoding="utf-8"):
-            pass
-        if not existed:
-            path.unlink()
+        if path.parent.exists():
+            existed = path.exists()
+            with open(path, "a", encoding="utf-8"):
+                pass
+            if not existed:
+                path.unlink()
+        else:
+            _probe_mkdir(path.parent)
     except OSError as exc:
         raise _unwritable(option, path, exc, "a path in a writable directory") from None
 
 
 def check_output_dir(path: Path, option: str = "--out") -> None:
-    """Fail now if `path` cannot be made a directory we can write files in."""
+    """Fail now if `path` cannot be made a directory we can write files in. Leaves nothing behind: a
+    missing directory is made only when the first file is written into it."""
     if path.exists() and not path.is_dir():
         raise QosflowError(f"{option} {path}: is a file, not a directory; give a directory")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".qosflow-write-check"
-        probe.write_text("")
-        probe.unlink()
+        if path.is_dir():
+            probe = path / ".qosflow-write-check"
+            probe.write_text("")
+            probe.unlink()
+        else:
+            _probe_mkdir(path)
     except OSError as exc:
         raise _unwritable(option, path, exc, "a writable directory") from None
+
+
+def _probe_mkdir(missing: Path) -> None:
+    """Raise OSError unless a directory can be made in the nearest existing ancestor of `missing` (the first
+    directory `mkdir(parents=True)` would make): a directory is made there and removed again."""
+    ancestor = missing
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    os.rmdir(tempfile.mkdtemp(prefix=".qosflow-write-check-", dir=ancestor))
 
 
 def write_json_file(path: Path, data: dict, option: str = "--json") -> Path:
