@@ -371,6 +371,31 @@ def test_pair_csv_errors_name_file_line_and_column(tmp_path):
         read_pairs_csv(p)
 
 
+def test_pair_csv_implausible_speed_names_line_and_column(tmp_path, capsys):
+    """A speed of 50 (a per-cent figure or a throughput) was accepted and evaluated as a 50-fold speed-up."""
+    from qosflow.cli.main import main
+    from qosflow.predict.reference import MAX_PAIR_SPEED
+
+    p = tmp_path / "pairs.csv"
+    head = "model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2\n"
+    p.write_text(head + "A,32,1,0.9,B,64,1,1.03\nA,32,1,50,C,64,1,0.8\n")
+    with pytest.raises(TraceFormatError, match=r"pairs.csv:3: column speed1: '50' is not a plausible speed \(at most 2"):
+        read_pairs_csv(p)
+    assert main(["predict", "eval", "--pairs", str(p)]) == 2
+    assert "pairs.csv:3: column speed1: '50'" in capsys.readouterr().err
+    # noise a little above 1 and the bound itself are measurements
+    p.write_text(head + f"A,32,1,1.03,B,64,1,{MAX_PAIR_SPEED}\n")
+    assert [(r.speed1, r.speed2) for r in read_pairs_csv(p)] == [(1.03, MAX_PAIR_SPEED)]
+
+
+@needs_gavel
+def test_shared_pair_tables_are_within_the_speed_bound(tmp_path):
+    t = ThroughputTable.load()
+    for w in t.workers:
+        write_pairs_csv(t.pair_rows(w), tmp_path / f"{w}.csv")
+        assert len(read_pairs_csv(tmp_path / f"{w}.csv")) == len(t.pair_rows(w))
+
+
 def test_pair_csv_file_variants(tmp_path):
     """Header case and spaces, a leading index column, quoted cells, extra cells, tab delimiter, Latin-1 text."""
     p = tmp_path / "pairs.csv"

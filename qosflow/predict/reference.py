@@ -204,6 +204,10 @@ class PairRow:
 
 #: cell values read as "empty" (not measured / unknown) in a pair table
 MISSING = ("", "nan", "na", "n/a", "null", "none")
+#: largest co-located speed a pair table may hold. A speed is throughput next to the partner over throughput
+#: alone, so at most about 1; a little above 1 is measurement noise (Gavel's table tops out at 1.0), but
+#: twice as fast next to a partner is not a measurement: a per-cent figure (85) or a throughput in steps/s
+MAX_PAIR_SPEED = 2.0
 
 
 def job_key(model: str, batch_size: float, gpus: int) -> str:
@@ -282,6 +286,12 @@ def read_pairs_csv(path: str | Path) -> list[PairRow]:
                 raise TraceFormatError(path, lineno, f"column {c}: {v!r} is not a number; {hint}") from None
             if math.isnan(x) or math.isinf(x) or x < 0:
                 raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a finite number >= 0; {hint}")
+            if c.startswith("speed") and x > MAX_PAIR_SPEED:
+                raise TraceFormatError(
+                    path, lineno, f"column {c}: {v!r} is not a plausible speed (at most {MAX_PAIR_SPEED:g}; up to about 1 "
+                    "is expected, a little above 1 is measurement noise): a speed is the job's throughput next to the "
+                    "partner divided by its throughput alone, e.g. 0.85, not a per cent figure (85) or a throughput "
+                    "in steps/s; divide by 100 or by the solo throughput")
             if c.startswith("gpu_num"):
                 if not x.is_integer() or x < 1:
                     raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a whole number >= 1; {hint}")
