@@ -356,3 +356,33 @@ def test_unreachable_api_or_bad_kubeconfig_says_where_and_what_to_fix(tmp_path):
         run(be.inventory())
     with pytest.raises(QosflowError, match=rf"cluster 'k8s-a100': cannot load kubeconfig {tmp_path}/nokube: .*kubeconfig .* context, or api_url"):
         KubernetesBackend(kubeconfig=str(tmp_path / "nokube"), cluster_name="k8s-a100")
+
+
+def test_unreachable_api_is_one_message_not_urllib3_retry_warnings(caplog):
+    """With the client's default retries, every call to an unreachable API server logged urllib3's
+    'Retrying (Retry(total=2, ...)) after connection broken by ...' three times before qosflow's error,
+    again at every heartbeat. Now the error alone; the retries are in qosflow's debug log; urllib3's
+    warnings outside qosflow's calls are untouched."""
+    import logging
+    import socket
+
+    import urllib3
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    cfg = client.Configuration()
+    cfg.host = f"http://127.0.0.1:{port}"  # retries left at the client's default
+    be = KubernetesBackend(api_client=client.ApiClient(cfg), cluster_name="k8s-a100")
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(2):
+            with pytest.raises(QosflowError, match=rf"cluster 'k8s-a100': cannot reach the API server at http://127.0.0.1:{port}"):
+                run(be.healthy_nodes())
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == []
+    retried = [r for r in caplog.records if r.name == "qosflow.backends.kubernetes" and "urllib3: Retrying" in r.getMessage()]
+    assert len(retried) >= 2 and all(r.levelno == logging.DEBUG for r in retried)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(urllib3.exceptions.MaxRetryError):
+        urllib3.PoolManager(retries=1).request("GET", f"http://127.0.0.1:{port}/")
+    assert any(r.name == "urllib3.connectionpool" and "Retrying" in r.getMessage() for r in caplog.records)

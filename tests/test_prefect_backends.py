@@ -411,3 +411,39 @@ def test_local_server_keeps_its_data_in_postgresql(tmp_path):
             server.stop()
         with psycopg.connect(admin, autocommit=True) as c:
             c.execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+
+
+def test_worker_says_once_that_the_hosts_health_cannot_be_read(caplog):
+    """An unreachable cluster API at every heartbeat: the reason was logged at debug level only (what showed
+    was urllib3's retry warnings, every 2 s); now one warning per outage naming it, and a note when it ends."""
+    import logging
+    from types import SimpleNamespace
+
+    from qosflow.errors import QosflowError
+    from qosflow.prefect.worker import QosflowWorker
+
+    class Flaky:
+        error: Exception | None = QosflowError("Kubernetes cluster 'k8s': cannot reach the API server at http://x")
+
+        async def healthy_nodes(self):
+            if self.error is not None:
+                raise self.error
+            return set()
+
+    w = QosflowWorker(work_pool_name="health-test", backend=Flaky())
+    w.scheduler = SimpleNamespace(cluster=SimpleNamespace(nodes=[]))
+
+    async def beats(n):
+        for _ in range(n):
+            await w._sync_health()
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(beats(3))
+        w._backend.error = QosflowError("the API server answered 403 Forbidden")
+        asyncio.run(beats(2))
+        w._backend.error = None
+        asyncio.run(beats(2))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "health" in r.getMessage()]
+    warned = [m for lvl, m in said if lvl == "WARNING"]
+    assert len(warned) == 2 and "cannot reach the API server at http://x" in warned[0] and "403" in warned[1]
+    assert [m for lvl, m in said if lvl == "INFO"] == ["the hosts' health can be read again"]

@@ -55,6 +55,39 @@ ANN_PLACEMENT = "qosflow.dev/placement"
 VIRTUAL_LABEL = "qosflow.dev/virtual-gpus"
 GPU = "nvidia.com/gpu"
 GPU_SHARED = "nvidia.com/gpu.shared"
+_in_api_call = threading.local()
+
+
+class _QuietRetries(logging.Filter):
+    """urllib3 warns "Retrying (Retry(total=2, ...)) after connection broken by ..." at every retry of a
+    request: three warnings per call while the API server is unreachable, again at every heartbeat. In
+    qosflow's own API calls (this thread is inside `_quiet_retries`) they go to qosflow's debug log instead:
+    if the retries run out, the call raises and its caller reports that once, naming the cluster; if one
+    succeeds, nothing needs saying. Other warnings, and other code's requests, are left alone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(_in_api_call, "depth", 0) and record.levelno == logging.WARNING and str(record.msg).startswith("Retrying"):
+            log.debug("urllib3: %s", record.getMessage())
+            return False
+        return True
+
+
+_QUIET_RETRIES = _QuietRetries()
+
+
+class _quiet_retries:
+    """Within this block (this thread only), urllib3's retry warnings are qosflow debug records."""
+
+    def __enter__(self) -> None:
+        pool_log = logging.getLogger("urllib3.connectionpool")
+        if _QUIET_RETRIES not in pool_log.filters:
+            pool_log.addFilter(_QUIET_RETRIES)
+        _in_api_call.depth = getattr(_in_api_call, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _in_api_call.depth -= 1
+
+
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
@@ -146,15 +179,16 @@ class KubernetesBackend(Backend):
     def _call(self, fn, *args, **kw):
         from kubernetes.client.exceptions import ApiException
 
-        for i in range(self.api_retries + 1):
-            try:
-                return fn(*args, **kw)
-            except ApiException as e:
-                if e.status in (429, 500, 502, 503, 504) and i < self.api_retries:
-                    self.stats["api_5xx_retried"] += 1
-                    time.sleep(0.05 * 2**i)
-                    continue
-                raise
+        with _quiet_retries():
+            for i in range(self.api_retries + 1):
+                try:
+                    return fn(*args, **kw)
+                except ApiException as e:
+                    if e.status in (429, 500, 502, 503, 504) and i < self.api_retries:
+                        self.stats["api_5xx_retried"] += 1
+                        time.sleep(0.05 * 2**i)
+                        continue
+                    raise
 
     async def _acall(self, fn, *args, **kw):
         return await asyncio.to_thread(self._call, fn, *args, **kw)
@@ -400,6 +434,10 @@ class KubernetesBackend(Backend):
         return st
 
     def _wait_sync(self, handle: StageHandle, stop: threading.Event) -> ExitStatus:
+        with _quiet_retries():  # the watch's requests too
+            return self._wait_loop(handle, stop)
+
+    def _wait_loop(self, handle: StageHandle, stop: threading.Event) -> ExitStatus:
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 

@@ -241,6 +241,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self.inventory_note = ""
         self.policy_block: Any = None
         self.node_events: list[tuple[float, str, str]] = []  # (time, host, "down" | "up") as the worker saw them
+        self._health_error: str | None = None  # why the hosts' health cannot be read (logged once per outage)
 
     # ------------------------------------------------------------------ setup
     def _pool_default(self, name: str) -> Any:
@@ -771,11 +772,21 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         sched, be = self.scheduler, self._backend
         if sched is None or be is None:
             return
+        failing = self._health_error
         try:
             healthy = await be.healthy_nodes()
         except Exception as exc:
-            self._logger.debug("healthy_nodes failed: %s", exc)
+            # once per outage (and again if the reason changes), not at every heartbeat
+            if str(exc) != failing:
+                self._logger.warning("cannot read the hosts' health: %s (no host is marked down or up until this "
+                                     "works again; retrying at every heartbeat)", exc)
+            else:
+                self._logger.debug("healthy_nodes failed: %s", exc)
+            self._health_error = str(exc)
             return
+        if failing is not None:
+            self._logger.info("the hosts' health can be read again")
+            self._health_error = None
         for i, node in enumerate(sched.cluster.nodes):
             down = node.name not in healthy
             if bool(sched.state.down[i]) == down:
