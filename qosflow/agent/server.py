@@ -36,6 +36,24 @@ def make_server(cfg: AgentConfig, port: int, host: str = "127.0.0.1", log_level:
     return _QuietServer(config)
 
 
+class _Connections(set):
+    """uvicorn's set of open connections, closing the ones that join it once the server is stopping.
+
+    uvicorn's shutdown closes its listeners, then shuts down the connections in this set. A connection
+    accepted just before the listeners closed joins the set a loop iteration or two later (asyncio makes
+    its protocol in a task) and was never shut down: it stayed open as keep-alive, so the stopped agent
+    answered on it for as long as its client kept asking (a worker's heartbeat every 2 s, long-polls),
+    never finished stopping, and could still be asked to launch a stage."""
+
+    stopping = False
+
+    def add(self, connection) -> None:
+        super().add(connection)
+        if self.stopping:
+            # after connection_made has set the protocol up (it adds itself first)
+            asyncio.get_running_loop().call_soon(connection.shutdown)
+
+
 class _AgentServer(uvicorn.Server):
     """Kills the agent's stages as soon as it is told to stop, *before* it stops answering.
 
@@ -52,6 +70,11 @@ class _AgentServer(uvicorn.Server):
         self.runner = runner
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self.server_state.connections = _Connections()
+
+    async def shutdown(self, sockets=None) -> None:
+        self.server_state.connections.stopping = True
+        await super().shutdown(sockets)
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
