@@ -386,3 +386,110 @@ def test_unreachable_api_is_one_message_not_urllib3_retry_warnings(caplog):
     with caplog.at_level(logging.WARNING), pytest.raises(urllib3.exceptions.MaxRetryError):
         urllib3.PoolManager(retries=1).request("GET", f"http://127.0.0.1:{port}/")
     assert any(r.name == "urllib3.connectionpool" and "Retrying" in r.getMessage() for r in caplog.records)
+
+
+class _CuttableProxy:
+    """A TCP proxy to the emulator that can be cut (listener and connections closed: the API server is
+    unreachable, connections are refused) and restored on the same port."""
+
+    def __init__(self, target_port: int):
+        import socket
+
+        self.target = target_port
+        self.socket_mod = socket
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self.conns: list = []
+        self.listener = None
+        self.restore()
+
+    def restore(self) -> None:
+        import threading
+
+        s = self.socket_mod.socket()
+        s.setsockopt(self.socket_mod.SOL_SOCKET, self.socket_mod.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", self.port))
+        s.listen(16)
+        self.listener = s
+        threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+
+    def _accept(self, s) -> None:
+        import threading
+
+        while True:
+            try:
+                c, _ = s.accept()
+            except OSError:
+                return
+            u = self.socket_mod.create_connection(("127.0.0.1", self.target))
+            self.conns += [c, u]
+            for a, b in ((c, u), (u, c)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a, b) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        for x in (a, b):
+            try:
+                x.close()
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        try:
+            self.listener.shutdown(self.socket_mod.SHUT_RDWR)  # wakes the accept() (close alone does not)
+        except OSError:
+            pass
+        self.listener.close()
+        for c in self.conns:
+            try:
+                c.shutdown(self.socket_mod.SHUT_RDWR)
+                c.close()
+            except OSError:
+                pass
+        self.conns = []
+
+
+@emulator_only
+def test_a_stage_is_followed_through_an_api_outage(caplog):
+    """The API server unreachable while a stage runs (urllib3's retries run out): the pods run on, so the
+    wait keeps looking, says so once, and reports the stage's real end; it used to raise at once."""
+    import logging
+
+    from kubernetes import client
+
+    with EmulatorServer([gpu_node("gpu-0", 2)]) as emu:
+        proxy = _CuttableProxy(emu.port)
+        cfg = client.Configuration()
+        cfg.host = f"http://127.0.0.1:{proxy.port}"
+        cfg.retries = 1
+
+        async def go():
+            be = KubernetesBackend(api_client=client.ApiClient(cfg), watch_timeout_s=2)
+            try:
+                cluster = await be.inventory()
+                emu.add_rule(selector="qosflow.dev/stage-id=o", run_s=3.0)
+                h = await be.launch(LaunchSpec("o", ["x"], Placement("o", ((0, 0),), ((0, 1.0),)), cluster))
+                waiter = asyncio.ensure_future(be.wait(h))
+                await asyncio.sleep(0.5)
+                proxy.cut()
+                await asyncio.sleep(2.0)
+                assert not waiter.done(), "the wait gave up during the outage"
+                proxy.restore()
+                return await asyncio.wait_for(waiter, 30), dict(be.stats)
+            finally:
+                await be.aclose()
+
+        with caplog.at_level(logging.WARNING, logger="qosflow"):
+            st, stats = asyncio.run(go())
+    assert st.ok, st
+    assert stats["wait_api_unreachable"] >= 1
+    said = [r.getMessage() for r in caplog.records if "cannot reach the API server" in r.getMessage()]
+    assert len(said) == 1 and "stage o" in said[0], said
+    assert any("answers again" in r.getMessage() for r in caplog.records)

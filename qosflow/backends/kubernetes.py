@@ -173,7 +173,7 @@ class KubernetesBackend(Backend):
         self.custom = client.CustomObjectsApi(self.api_client)
         self._killed: dict[str, str] = {}
         self._stop: dict[str, threading.Event] = {}
-        self.stats = {"watch_410": 0, "api_5xx_retried": 0, "adopted_409": 0}
+        self.stats = {"watch_410": 0, "api_5xx_retried": 0, "adopted_409": 0, "wait_api_unreachable": 0}
 
     # ------------------------------------------------------------------ API calls with retries
     def _call(self, fn, *args, **kw):
@@ -438,12 +438,14 @@ class KubernetesBackend(Backend):
             return self._wait_loop(handle, stop)
 
     def _wait_loop(self, handle: StageHandle, stop: threading.Event) -> ExitStatus:
+        import urllib3
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
         ref = handle.ref
         ns, sel = ref["namespace"], ref["selector"]
         track: dict[str, Any] = {"unsched": {}, "notready": {}, "deleted": set(), "seen": set()}
+        outage: float | None = None  # since when the API has been unreachable
         while not stop.is_set():
             try:
                 lst = self._call(self.core.list_namespaced_pod, ns, label_selector=sel)
@@ -451,6 +453,21 @@ class KubernetesBackend(Backend):
                 log.warning("listing pods of %s: %s", handle.stage_id, e.reason)
                 time.sleep(0.5)
                 continue
+            except (urllib3.exceptions.HTTPError, OSError) as e:  # API server unreachable (urllib3's retries ran
+                # out): the pods run on without us, so keep waiting for them, saying so once per outage
+                if outage is None:
+                    outage = time.monotonic()
+                    host = getattr(getattr(self.api_client, "configuration", None), "host", "?")
+                    log.warning("Kubernetes cluster %r: cannot reach the API server at %s while waiting for stage %s (%s); "
+                                "its pods run on, qosflow keeps looking", self.cluster_name, host, handle.stage_id,
+                                getattr(e, "reason", None) or e)
+                self.stats["wait_api_unreachable"] += 1
+                stop.wait(min(5.0, 0.5 + 0.5 * (time.monotonic() - outage)))
+                continue
+            if outage is not None:
+                log.warning("the Kubernetes API answers again after %.0f s; stage %s is followed again",
+                            time.monotonic() - outage, handle.stage_id)
+                outage = None
             pods = {p.metadata.name: p for p in lst.items}
             st = self._evaluate(handle, pods, track, check_nodes=True)
             if st is not None:
