@@ -556,3 +556,42 @@ def test_cpu_only_profile_informs_the_cpu_curve_not_gpu_step_times(tmp_path, cap
         with caplog.at_level("WARNING"):
             q = Predictor.open(store, reference=None)
         assert [i for i, _m in q.skipped_profiles] == [2] and "skipped 1 invalid profile" in caplog.text
+
+
+def test_scaling_new_family_answers_from_its_profile():
+    """A job of a family nobody measured has no sibling features, which every training job of a family
+    with several batch sizes has: its spread penalty comes from a forest fitted without them, so a job
+    that profiles like the communication-bound family is predicted to spread like it. (The forest with
+    the sibling features answered it like the one family measured at a single batch size -- the only
+    training rows without siblings -- whatever its profile: on the Muri trace, 1.2-1.4 for types whose
+    truth is 2.4-5.4.)"""
+    from qosflow.predict.interference import JobMeta
+    from qosflow.predict.scaling import ScalingModel, ScalingRow
+
+    meta, profiles, rows = {}, {}, []
+    # 'talk' pays 3x when spread over nodes, 'calc' and 'lone' (one batch size: no siblings) 1.1x; the
+    # profile (speed next to the reference job) tells them apart
+    for fam, with_ref, penalty, sizes in (("talk", 0.45, 3.0, (16, 32, 64, 128)), ("calc", 0.9, 1.1, (16, 32, 64, 128)),
+                                          ("lone", 0.7, 1.1, (32,))):
+        for bs in sizes:
+            job = f"{fam}{bs}"
+            meta[job] = JobMeta(fam, bs, 1, math.log(0.01 * bs))
+            profiles[job] = {"with:ref": with_ref + 0.001 * bs, "of:ref": 0.8}
+            for n in (2, 4, 8):
+                cons = n * 0.9
+                rows += [ScalingRow(job, "v100", n, True, cons), ScalingRow(job, "v100", n, False, cons / penalty)]
+    meta["new"] = JobMeta("new", 48, 1, math.log(0.5))
+    profiles["new"] = {"with:ref": 0.47, "of:ref": 0.8}
+
+    def penalty(model: ScalingModel) -> float:
+        r, _lo, _hi = model.predict([("new", "v100", 8, True), ("new", "v100", 8, False)])
+        return float(r[0] / r[1])
+
+    new = ScalingModel(["ref"], n_estimators=50).fit(rows, meta, profiles)
+    assert math.isnan(new._sibling("new", ("v100", 8, False))[0])  # no sibling: the new-family forest answers
+    assert penalty(new) == pytest.approx(3.0, rel=0.15)
+    old = ScalingModel(["ref"], n_estimators=50, new_family_model=False).fit(rows, meta, profiles)
+    assert penalty(old) < 2.0
+    # a job of a known family is answered as before
+    q = [("calc32", "v100", 8, False), ("talk64", "v100", 4, True)]
+    assert new.predict(q)[0] == pytest.approx(old.predict(q)[0])

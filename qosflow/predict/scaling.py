@@ -38,10 +38,17 @@ class ScalingRow:
     ratio: float  # thr(n) / thr(1), > 0
 
 
+#: the last features of a row (`_sibling` value and distance, `_sibling_overhead`): what a job of a family
+#: nobody measured lacks
+_SIBLING_FEATURES = 3
+
+
 class ScalingModel:
-    def __init__(self, refs: Sequence[str] = (), *, n_estimators: int = 200, seed: int = 0, n_jobs: int = 1):
+    def __init__(self, refs: Sequence[str] = (), *, n_estimators: int = 200, seed: int = 0, n_jobs: int = 1,
+                 new_family_model: bool = True):
         self.refs = list(refs)
         self.n_estimators, self.seed, self.n_jobs = n_estimators, seed, n_jobs
+        self.new_family_model = new_family_model
 
     def _prior(self, gpu_type: str, gpus: int, consolidated: bool) -> float:
         v = self.hw_prior.get((gpu_type, gpus, consolidated))
@@ -150,11 +157,20 @@ class ScalingModel:
         # already, and the hardware prior is a median over many jobs)
         X = [self._features(r.job, r.gpu_type, r.gpus, r.consolidated, self.profiles.get(r.job)) for r in rows]
         y = [math.log(r.ratio) for r in rows]
-        self.n_train = len(y)
+        self.n_train = len(rows)
         self.forest = ExtraTreesRegressor(
             n_estimators=self.n_estimators, max_features=0.7, min_samples_leaf=1, random_state=self.seed, n_jobs=self.n_jobs
         ).fit(_nan_to(np.array(X)), np.array(y))
         flatten(self.forest)
+        # a job of a family nobody measured has no sibling features, while in training every job of a
+        # family with several batch sizes has them: its queries go to a forest fitted without them
+        self.forest_new_family = None
+        if self.new_family_model:
+            Xn = [x[:-_SIBLING_FEATURES] for x in X]
+            self.forest_new_family = ExtraTreesRegressor(
+                n_estimators=self.n_estimators, max_features=0.7, min_samples_leaf=1, random_state=self.seed,
+                n_jobs=self.n_jobs).fit(_nan_to(np.array(Xn)), np.array(y))
+            flatten(self.forest_new_family)
         return self
 
     def predict(self, queries: Sequence[tuple[str, str, int, bool]], *, profiles: Mapping[str, Mapping[str, float]] | None = None,
@@ -164,8 +180,12 @@ class ScalingModel:
             self.meta.update(extra_meta)
         profs = dict(self.profiles)
         profs.update(profiles or {})
-        X = _nan_to(np.array([self._features(j, g, n, c, profs.get(j)) for j, g, n, c in queries], dtype=float))
-        per_tree = per_tree_predictions(self.forest, X)
+        F = np.array([self._features(j, g, n, c, profs.get(j)) for j, g, n, c in queries], dtype=float).reshape(len(queries), -1)
+        new = ~np.isfinite(F[:, -_SIBLING_FEATURES:]).any(axis=1) if self.forest_new_family is not None else np.zeros(len(F), bool)
+        X = _nan_to(F)
+        per_tree = per_tree_predictions(self.forest, X) if not new.all() else np.zeros((self.n_estimators, len(F)))
+        if new.any():
+            per_tree[:, new] = per_tree_predictions(self.forest_new_family, X[new][:, :-_SIBLING_FEATURES])
         mean = np.exp(per_tree.mean(0))
         lo, hi = np.exp(np.percentile(per_tree, [10, 90], axis=0))
         # one GPU is the unit by definition
