@@ -10,12 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["sim", "decisions", "packing", "prefect", "predictor", "learned_sim", "infra"]
+ORDER = ["sim", "decisions", "packing", "prefect", "demo_db", "predictor", "learned_sim", "infra"]
 TITLES = {
     "sim": "Simulator fidelity and qosflow's policy (issues 2, 3)",
     "decisions": "Placement decision rate (issues 2, 3)",
     "packing": "GPU-sharing packing on the Alibaba trace (issues 2, 3)",
     "prefect": "Prefect integration (issue 5)",
+    "demo_db": "The demo on SQLite and on PostgreSQL (issue 5)",
     "predictor": "Predictor accuracy and speed (issue 4)",
     "learned_sim": "Learned estimates in the simulator (issue 4)",
     "infra": "Infrastructure: agents and Kubernetes (issue 6)",
