@@ -121,6 +121,8 @@ def test_default_url_comes_from_env(tmp_path, monkeypatch):
         ({"signature": "a", "step_time_s": 1.0, "gpus": 2, "cross_node": True, "placement": "consolidated"},
          "cross_node"),  # was stored as is: a contradiction the predictor then read as consolidated
         ({"signature": "a", "step_time_s": 1.0, "gpus": 2, "cross_node": False, "placement": "spread"}, "cross_node"),
+        ({"signature": "a", "step_time_s": 1.0, "gpus": 1, "placement": "spread"}, "placement"),  # one GPU cannot be spread
+        ({"signature": "a", "step_time_s": 1.0, "cross_node": True}, "placement"),  # nor can the default 1 GPU
         ({"signature": "a", "step_time_s": 1.0, "step_tme": 2}, "step_tme"),
         ({"signature": "a", "step_time": 1e308, "unit": "min"}, "step_time"),  # overflowed to inf and was stored
         ({"signature": "a", "step_time": 1e-320, "unit": "ns"}, "step_time"),  # underflowed to 0

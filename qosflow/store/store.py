@@ -165,6 +165,13 @@ def validate_sample(raw: Mapping[str, Any] | Sample, where: str = "sample") -> d
             "or give only one of the two fields",
             where=where,
         )
+    if placement == "spread" and out["gpus"] < 2:
+        raise SpecError(
+            "placement",
+            f"'spread' (over nodes) needs at least 2 GPUs, but gpus={out['gpus']}: give placement='consolidated' "
+            "(or leave it out) for a sample on fewer than 2 GPUs",
+            where=where,
+        )
     out["placement"], out["cross_node"] = placement, bool(cross)
     if raw.get("cpu_cores") is not None:
         out["cpu_cores"] = _int("cpu_cores", raw["cpu_cores"], where, minimum=1)
