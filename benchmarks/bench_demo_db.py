@@ -1,14 +1,17 @@
 """The demo on SQLite and on PostgreSQL, side by side, written to docs/bench/demo_db.md.
 
-`qosflow demo --no-ui --json` is run in pairs, alternating the Prefect server's database: SQLite under
-the demo's home (the default), then a fresh PostgreSQL database (`--database-url`). Each run reports,
+`qosflow demo --no-ui --json` is run in rounds, alternating the Prefect server's set-up ("arms"):
+`sqlite` (the default: SQLite under the demo's home, the server's garbage collection in a thread of
+its own, qosflow/prefect/server_process.py), `sqlite-loop-gc` (the same with Python's usual garbage
+collection, in the event loop: plain `python -m prefect server start`, QOSFLOW_SERVER_GC_THREAD=0) and
+`postgresql` (a fresh PostgreSQL database, `--database-url`). Each run reports,
 per pipeline, the time it took and whether it met its deadline, and per stage the time from its
 dispatch by the pipeline ("ready") to the worker queueing it: the Prefect part of a stage's start
 (creating its flow run, the worker picking it up), where a busy SQLite server stalls (docs/prefect.md).
 The machine is shared and its load changes between runs: alternating keeps both arms under the same
 mix, and the load average is recorded with each run.
 
-    python benchmarks/bench_demo_db.py --pairs 3 \\
+    python benchmarks/bench_demo_db.py --rounds 3 --arms sqlite,sqlite-loop-gc,postgresql \\
         --postgres postgresql://qosflow:qosflow@127.0.0.1:5432/qosflow_test
 
 `--postgres` names any database of a role that may create databases: each PostgreSQL run creates its
@@ -46,6 +49,9 @@ def one_run(db: str, admin: str | None, work: Path, i: int) -> dict:
     out = work / f"{db}-{i}.json"
     cmd = [sys.executable, "-m", "qosflow", "demo", "--no-ui", "--json", str(out), "--home", str(home)]
     name = None
+    env = dict(os.environ)
+    if db == "sqlite-loop-gc":
+        env["QOSFLOW_SERVER_GC_THREAD"] = "0"
     if db == "postgresql":
         name = f"qosflow_bench_{uuid.uuid4().hex[:8]}"
         with _pg(admin) as c:
@@ -54,7 +60,7 @@ def one_run(db: str, admin: str | None, work: Path, i: int) -> dict:
     load = os.getloadavg()[0]
     t0 = time.time()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     finally:
         if name:
             with _pg(admin) as c:
@@ -75,12 +81,17 @@ def one_run(db: str, admin: str | None, work: Path, i: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="runs per arm")
+    ap.add_argument("--arms", default="sqlite,sqlite-loop-gc,postgresql", help="comma-separated: sqlite, sqlite-loop-gc, postgresql")
     ap.add_argument("--postgres", default=os.environ.get("QOSFLOW_TEST_POSTGRES_URL"),
                     help="a PostgreSQL URL whose role may create databases (default: $QOSFLOW_TEST_POSTGRES_URL)")
     ap.add_argument("--no-write", action="store_true", help="print only; do not write docs/bench/demo_db.md")
     a = ap.parse_args()
-    if not a.postgres:
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    bad = [x for x in arms if x not in ("sqlite", "sqlite-loop-gc", "postgresql")]
+    if bad:
+        sys.exit(f"--arms: unknown {bad}; use sqlite, sqlite-loop-gc, postgresql")
+    if "postgresql" in arms and not a.postgres:
         sys.exit("--postgres (or QOSFLOW_TEST_POSTGRES_URL) is needed: a PostgreSQL URL whose role may create databases")
     from rich.progress import Progress
 
@@ -88,10 +99,10 @@ def main() -> None:
     runs: list[dict] = []
     t0 = time.time()
     with Progress() as prog:
-        task = prog.add_task("demo runs", total=2 * a.pairs)
-        for i in range(a.pairs):
-            for db in ("sqlite", "postgresql"):
-                prog.update(task, description=f"demo on {db} ({i + 1}/{a.pairs})")
+        task = prog.add_task("demo runs", total=len(arms) * a.rounds)
+        for i in range(a.rounds):
+            for db in arms:
+                prog.update(task, description=f"demo on {db} ({i + 1}/{a.rounds})")
                 runs.append(one_run(db, a.postgres, work, i))
                 prog.advance(task)
     took = time.time() - t0
@@ -114,7 +125,7 @@ def main() -> None:
                      f"{be.get('elapsed_s', float('nan')):.0f} s",
                      f"{statistics.median(pk):.1f}", f"{q(pk, 0.9):.1f}", f"{max(pk):.1f}"])
     summary = []
-    for db in ("sqlite", "postgresql"):
+    for db in arms:
         ok = [r for r in runs if r["db"] == db and r["ok"]]
         pk = [x for r in ok for x in r["pickup_s"]]
         slow = [max(p["elapsed_s"] for p in r["pipelines"].values()) for r in ok]
@@ -128,21 +139,23 @@ def main() -> None:
         "# The demo on SQLite and on PostgreSQL",
         "",
         f"- machine: {machine()}",
-        f"- command: `python benchmarks/bench_demo_db.py --pairs {a.pairs}` ({took / 60:.1f} min)",
+        f"- command: `python benchmarks/bench_demo_db.py --rounds {a.rounds} --arms {','.join(arms)}` ({took / 60:.1f} min)",
         "- each run: `qosflow demo --no-ui --json` (3 pipelines, 18 stage processes, 2 hosts x 4 **virtual** GPUs: "
-        "no GPU here); the Prefect server on SQLite under the demo's home, or on a fresh PostgreSQL database "
-        "(`--database-url`); the two alternate, the machine's other work goes on",
+        "no GPU here); arms: `sqlite` = SQLite under the demo's home with the server's garbage collection in a "
+        "thread of its own (the default), `sqlite-loop-gc` = the same with Python's usual collection in the event loop "
+        "(QOSFLOW_SERVER_GC_THREAD=0), `postgresql` = a fresh PostgreSQL database (`--database-url`); the arms "
+        "alternate, the machine's other work goes on",
         "- pickup: a stage's dispatch by its pipeline -> the worker queueing it (creating the stage's flow run, "
         "the worker's poll); the worker's own placement and the stage's process start come after",
         "",
         "## Per database",
         "",
-        md_table(["server database", "runs completed", "slowest pipeline, median run", "slowest pipeline, worst run",
+        md_table(["server", "runs completed", "slowest pipeline, median run", "slowest pipeline, worst run",
                   "deadlines met", "pickup median", "pickup p90", "pickup max"], summary),
         "",
         "## Per run (in the order run)",
         "",
-        md_table(["server database", "load (1 min)", "fraud-critical (150 s)", "ranking-guaranteed (300 s)",
+        md_table(["server", "load (1 min)", "fraud-critical (150 s)", "ranking-guaranteed (300 s)",
                   "reports-best-effort", "pickup median (s)", "p90", "max"], rows),
     ]
     text = "\n".join(md)

@@ -447,3 +447,50 @@ def test_worker_says_once_that_the_hosts_health_cannot_be_read(caplog):
     warned = [m for lvl, m in said if lvl == "WARNING"]
     assert len(warned) == 2 and "cannot reach the API server at http://x" in warned[0] and "403" in warned[1]
     assert [m for lvl, m in said if lvl == "INFO"] == ["the hosts' health can be read again"]
+
+
+def test_sqlite_server_collects_garbage_off_its_event_loop(tmp_path, monkeypatch):
+    """A garbage collection in the server's event loop could finalize an aiosqlite cursor and wait, in
+    the loop, for a SQLite connection that waited 60 s on a write lock: every request stalled
+    (docs/prefect.md). The SQLite server LocalServer starts runs automatic collection off, and a thread
+    collects instead: a reference cycle still goes away."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, time, weakref\n"
+        "from qosflow.prefect.server_process import collect_off_the_event_loop\n"
+        "t = collect_off_the_event_loop()\n"
+        "class Node: pass\n"
+        "a = Node(); a.me = a; r = weakref.ref(a); del a\n"
+        "deadline = time.monotonic() + 60\n"
+        "while r() is not None and time.monotonic() < deadline: time.sleep(0.05)\n"
+        "print(gc.isenabled(), t.is_alive(), r() is None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True", "True"], out.stderr
+
+    from qosflow.prefect.local import LocalServer
+
+    assert "qosflow.prefect.server_process" in _server_cmd(LocalServer(tmp_path / "a", ui=False), monkeypatch)
+    assert "qosflow.prefect.server_process" not in _server_cmd(LocalServer(tmp_path / "b", ui=False, database_url="postgresql://u:p@h/d"), monkeypatch)
+
+
+def _server_cmd(server, monkeypatch) -> list[str]:
+    """The command LocalServer.start would run (captured without starting it)."""
+    import subprocess
+
+    seen: list[str] = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, **kw):
+        seen.extend(cmd)
+        raise Stop
+
+    with monkeypatch.context() as m:
+        m.setattr(subprocess, "Popen", popen)
+        with pytest.raises(Stop):
+            server.start(timeout=1)
+    return seen

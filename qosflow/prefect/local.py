@@ -92,7 +92,13 @@ class LocalServer:
         env = dict(os.environ)
         env.update(self.env)
         logf = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
+        # on SQLite, the server's garbage collection runs off its event loop (see server_process.py:
+        # a collection in the loop could stall every request for the 60 s of SQLite's busy timeout);
+        # QOSFLOW_SERVER_GC_THREAD=0 runs plain `python -m prefect`
+        sqlite = self.env["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("sqlite")
+        gc_thread = sqlite and os.environ.get("QOSFLOW_SERVER_GC_THREAD", "1").lower() not in ("0", "false", "off", "no")
+        module = "qosflow.prefect.server_process" if gc_thread else "prefect"
+        cmd = [sys.executable, "-m", module, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         if not self.ui:
             cmd.append("--no-ui")
         self.proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
