@@ -165,13 +165,7 @@ class Predictor:
                 skipped.append((s.id, str(exc)))
             last = s.id
         self.skipped_samples = getattr(self, "skipped_samples", []) + skipped
-        if skipped:
-            import logging
-
-            where = getattr(store, "safe_url", "the store")
-            logging.getLogger(__name__).warning(
-                "skipped %d invalid sample(s) in %s (fix or delete those rows of table 'sample'): %s",
-                len(skipped), where, "; ".join(f"id={i}: {m}" for i, m in skipped[:5]))
+        _warn_skipped(store, skipped, "sample")
         bad_profiles: list[tuple[int, str]] = []
         for prof in store.profiles_for():
             import json
@@ -184,13 +178,7 @@ class Predictor:
             except SpecError as exc:
                 bad_profiles.append((prof.id, str(exc)))
         self.skipped_profiles = getattr(self, "skipped_profiles", []) + bad_profiles
-        if bad_profiles:
-            import logging
-
-            where = getattr(store, "safe_url", "the store")
-            logging.getLogger(__name__).warning(
-                "skipped %d invalid profile(s) in %s (fix or delete those rows of table 'profile'): %s",
-                len(bad_profiles), where, "; ".join(f"id={i}: {m}" for i, m in bad_profiles[:5]))
+        _warn_skipped(store, bad_profiles, "profile")
         return last
 
     # ------------------------------------------------------------------ online updates
@@ -583,3 +571,15 @@ class Predictor:
         return Prediction(v, min(v / (1 + rel), prior.low if w < 0.5 else v / (1 + rel)),
                           max(v * (1 + rel), prior.high if w < 0.5 else v * (1 + rel)), prior.n_samples,
                           f"progress(f={f:.2f})+prior:{prior.basis}")
+
+
+def _warn_skipped(store: Any, skipped: list[tuple[int, str]], table: str) -> None:
+    """One warning naming the invalid rows of `table` that loading the store skipped."""
+    if not skipped:
+        return
+    import logging
+
+    where = getattr(store, "safe_url", "the store")
+    logging.getLogger(__name__).warning(
+        "skipped %d invalid %s(s) in %s (fix or delete those rows of table '%s'): %s",
+        len(skipped), table, where, table, "; ".join(f"id={i}: {m}" for i, m in skipped[:5]))
