@@ -60,3 +60,43 @@ def test_demo_across_two_real_agents_from_a_cluster_file(tmp_path):
     hosts = {s["host"] for p in d["pipelines"] for s in p["stages"]}
     assert all(p["state"] == "completed" for p in d["pipelines"])
     assert hosts and hosts <= {"lab-a", "lab-b"}
+
+
+def test_a_terminated_demo_stops_its_prefect_server(tmp_path):
+    """SIGTERM ended the demo at once and left its Prefect server (its own session) running."""
+    import signal
+    import time
+
+    import httpx
+
+    from qosflow.prefect.local import free_port
+
+    port = free_port()
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"),
+           "QOSFLOW_HOME": str(tmp_path / "qosflow")}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "qosflow", "demo", "--no-ui", "--port", str(port), "--home", str(tmp_path / "demo")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        up = False
+        while time.monotonic() < deadline and not up:
+            try:
+                up = httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert up, "the demo's server did not come up"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) != 0
+        gone = False
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not gone:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2)
+                time.sleep(0.5)
+            except httpx.HTTPError:
+                gone = True
+        assert gone, "the demo's Prefect server still answers after the demo was terminated"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -64,14 +64,15 @@ def run_demo(
     if port is None:
         port = 4200 if ui and _port_free(4200) else free_port()
     policy_name = choose_policy(policy)
+    _exit_on_sigterm()
     server = LocalServer(home_p / "prefect", port, ui=ui, database_url=database_url)
     where = "PostgreSQL" if database_url else f"SQLite in {server.home}"
     with console.status(f"starting a local Prefect server ({where}, UI {'on' if ui else 'off'})..."):
         server.start()
-    server.apply_env()
-    quiet_console_logs()
     worker = None
     try:
+        server.apply_env()
+        quiet_console_logs()
         from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
 
         from qosflow.paths import repo_root
@@ -168,6 +169,17 @@ def run_demo(
             worker.stop()
         drain_prefect()
         server.stop()
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM (a process manager, `timeout`, `kill`) ends the demo as Ctrl-C does: through its
+    `finally`, which stops the worker and the Prefect server. Python's default ends the process at
+    once, and the server (its own session) ran on with nothing to stop it."""
+    import signal
+    import sys
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _port_free(port: int) -> bool:

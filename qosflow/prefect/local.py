@@ -103,15 +103,19 @@ class LocalServer:
             cmd.append("--no-ui")
         self.proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        try:
+            while time.time() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"prefect server exited with {self.proc.returncode}; see {self.log_path}")
+                try:
+                    if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        except BaseException:  # Ctrl-C or SIGTERM while it starts: the server runs in its own session
+            self.stop()
+            raise
         self.stop()
         raise RuntimeError(f"prefect server did not answer within {timeout:.0f}s; see {self.log_path}")
 
