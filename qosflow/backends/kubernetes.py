@@ -228,12 +228,17 @@ class KubernetesBackend(Backend):
             where = f"kubeconfig {os.environ.get('KUBECONFIG') or '~/.kube/config'} (the default: no kubeconfig given)"
         return where + (f", context {self.context!r}" if self.context else "")
 
+    @property
+    def _api_host(self) -> str:
+        """The API server's URL, for messages."""
+        return getattr(getattr(self.api_client, "configuration", None), "host", "?")
+
     async def _list_nodes(self) -> list:
         """The nodes; an unreachable API server or refused credentials is an error saying where and what to fix."""
         import urllib3
         from kubernetes.client.exceptions import ApiException
 
-        host = getattr(getattr(self.api_client, "configuration", None), "host", "?")
+        host = self._api_host
         try:
             return (await self._acall(self.core.list_node, label_selector=self._selector())).items
         except ApiException as e:
@@ -457,9 +462,8 @@ class KubernetesBackend(Backend):
                 # out): the pods run on without us, so keep waiting for them, saying so once per outage
                 if outage is None:
                     outage = time.monotonic()
-                    host = getattr(getattr(self.api_client, "configuration", None), "host", "?")
                     log.warning("Kubernetes cluster %r: cannot reach the API server at %s while waiting for stage %s (%s); "
-                                "its pods run on, qosflow keeps looking", self.cluster_name, host, handle.stage_id,
+                                "its pods run on, qosflow keeps looking", self.cluster_name, self._api_host, handle.stage_id,
                                 getattr(e, "reason", None) or e)
                 self.stats["wait_api_unreachable"] += 1
                 stop.wait(min(5.0, 0.5 + 0.5 * (time.monotonic() - outage)))

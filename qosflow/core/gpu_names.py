@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+#: the GPU type of a profile or sample taken without a GPU (`qosflow profile` on a CPU-only machine)
+CPU_ONLY = "cpu"
 #: words that name the vendor or the product line, not the model
 _LINE = {"nvidia", "tesla", "geforce", "quadro", "grid"}
 #: words that need the next one to name a model (``RTX 3090``, ``TITAN V``)

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from qosflow.core.gpu_names import CPU_ONLY
 from qosflow.predict.cpu import CpuCurve, default_curve, fit_curve
 from qosflow.predict.interference import InterferenceModel, JobMeta
 from qosflow.predict.prediction import Prediction
@@ -36,8 +37,6 @@ DEFAULT_PAIR_SLOWDOWN = 1.4
 #: relative spread (log) assumed for a single measurement and for fallbacks
 SINGLE_SAMPLE_LOG_SD = 0.10
 Z90 = 1.2816
-#: the GPU type of a profile or sample taken without a GPU (`qosflow profile` on a CPU-only machine)
-CPU_ONLY = "cpu"
 
 
 def canonical(signature: str) -> str:

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from qosflow.core.gpu_names import short_gpu_model
+from qosflow.core.gpu_names import CPU_ONLY, short_gpu_model
 from qosflow.errors import QosflowError, SpecError
 from qosflow.progress import ENV_VAR, read_progress
 
@@ -273,7 +273,7 @@ def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s
     for c in cores:
         result.configs.append(run_config(target, steps, c, budget_s, gpu))
     if store is not None:
-        gpu_type = short_gpu_model(gpu.name) if gpu.name else "cpu"
+        gpu_type = short_gpu_model(gpu.name) if gpu.name else CPU_ONLY
         samples = []
         for r in result.configs:
             if r.step_time_s is None:

@@ -139,8 +139,6 @@ class ScalingModel:
         return f
 
     def fit(self, rows: Sequence[ScalingRow], meta: Mapping[str, JobMeta], profiles: Mapping[str, Mapping[str, float]]):
-        from sklearn.ensemble import ExtraTreesRegressor
-
         self.meta = dict(meta)
         self.profiles = dict(profiles)
         rows = [r for r in rows if r.ratio > 0 and r.gpus >= 1]
@@ -158,20 +156,20 @@ class ScalingModel:
         X = [self._features(r.job, r.gpu_type, r.gpus, r.consolidated, self.profiles.get(r.job)) for r in rows]
         y = [math.log(r.ratio) for r in rows]
         self.n_train = len(rows)
-        self.forest = ExtraTreesRegressor(
-            n_estimators=self.n_estimators, max_features=0.7, min_samples_leaf=1, random_state=self.seed, n_jobs=self.n_jobs
-        ).fit(_nan_to(np.array(X)), np.array(y))
-        flatten(self.forest)
+        self.forest = self._fit_forest(X, y)
         # a job of a family nobody measured has no sibling features, while in training every job of a
         # family with several batch sizes has them: its queries go to a forest fitted without them
-        self.forest_new_family = None
-        if self.new_family_model:
-            Xn = [x[:-_SIBLING_FEATURES] for x in X]
-            self.forest_new_family = ExtraTreesRegressor(
-                n_estimators=self.n_estimators, max_features=0.7, min_samples_leaf=1, random_state=self.seed,
-                n_jobs=self.n_jobs).fit(_nan_to(np.array(Xn)), np.array(y))
-            flatten(self.forest_new_family)
+        self.forest_new_family = self._fit_forest([x[:-_SIBLING_FEATURES] for x in X], y) if self.new_family_model else None
         return self
+
+    def _fit_forest(self, X: list, y: list[float]):
+        from sklearn.ensemble import ExtraTreesRegressor
+
+        forest = ExtraTreesRegressor(
+            n_estimators=self.n_estimators, max_features=0.7, min_samples_leaf=1, random_state=self.seed, n_jobs=self.n_jobs
+        ).fit(_nan_to(np.array(X)), np.array(y))
+        flatten(forest)
+        return forest
 
     def predict(self, queries: Sequence[tuple[str, str, int, bool]], *, profiles: Mapping[str, Mapping[str, float]] | None = None,
                 extra_meta: Mapping[str, JobMeta] | None = None):
