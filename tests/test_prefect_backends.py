@@ -494,3 +494,14 @@ def _server_cmd(server, monkeypatch) -> list[str]:
         with pytest.raises(Stop):
             server.start(timeout=1)
     return seen
+
+
+def test_demo_refuses_an_unwritable_json_before_starting_anything(tmp_path, capsys):
+    """`qosflow demo --json DIR` failed with a traceback after the whole demo had run."""
+    from qosflow.cli.main import main
+
+    (tmp_path / "out").mkdir()
+    assert main(["demo", "--no-ui", "--home", str(tmp_path / "demo"), "--json", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "is a directory" in err and "Traceback" not in err
+    assert not (tmp_path / "demo").exists()
