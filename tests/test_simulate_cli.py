@@ -62,6 +62,10 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         # output places are checked before the runs, not after them
         (["--policies", "fifo", "--json", "/proc/no/such/dir/out.json"], "--json /proc/no/such/dir/out.json: cannot write there"),
         (["--policies", "fifo", "--json", "/"], "--json /: is a directory"),
+        # checked whatever the estimator (it used to run, or crash with a traceback under noisy)
+        (["--policies", "fifo", "--error", "2"], "invalid --error: must be in [0, 1)"),
+        (["--policies", "fifo", "--estimator", "noisy", "--error", "-0.1"], "invalid --error: must be in [0, 1)"),
+        (["--policies", "fifo", "--failures", "1.5"], "invalid --failures: must be a share of jobs in [0, 1]"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message, capsys):
@@ -153,3 +157,18 @@ def test_a_failed_run_leaves_no_output_directories(tmp_path, capsys):
                "--json", str(tmp_path / "j" / "deep" / "r.json"), "--out", str(tmp_path / "plots" / "deep")])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_sim_config_and_noisy_estimator_reject_out_of_range_values():
+    from qosflow.core.estimate import NoisyEstimator
+    from qosflow.errors import SpecError
+    from qosflow.sim.engine import SimConfig
+
+    with pytest.raises(SpecError, match="failure_share"):
+        SimConfig(failure_share=-0.1)
+    with pytest.raises(SpecError, match="checkpoint_fraction"):
+        SimConfig(checkpoint_fraction=2)
+    with pytest.raises(SpecError, match="restart_overhead"):
+        SimConfig(restart_overhead=-1)
+    with pytest.raises(SpecError, match=r"relative error must be in \[0, 1\)"):
+        NoisyEstimator(error=1.0)

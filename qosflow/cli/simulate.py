@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.engine import SimConfig, SimulationError, Simulator
         from qosflow.sim.interference import default_speed_model
         from qosflow.sim.metrics import compute_bounds, compute_metrics
-        from qosflow.errors import UnknownNameError
+        from qosflow.errors import SpecError, UnknownNameError
         from qosflow.sim.report import estimator_deltas, plot_results, render_estimator_table, render_table, results_json
         from qosflow.sim.runner import resolve_workload
 
@@ -66,6 +66,11 @@ def register(app: typer.Typer) -> None:
         for k in kinds:
             if k not in ("oracle", "noisy", "learned", "declared"):
                 raise UnknownNameError("estimator", k, ["declared", "learned", "noisy", "oracle"])
+        if not 0 <= error < 1:  # checked before the trace loads, whatever the estimator
+            raise SpecError("--error", f"must be in [0, 1) (0.3 = +-30 %), got {error!r}")
+        if not 0 <= failures <= 1:
+            raise SpecError("--failures", f"must be a share of jobs in [0, 1] (Philly: ~0.3), got {failures!r}")
+        cfg = SimConfig(seed=seed, failure_share=failures)
         wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs)
         speed = default_speed_model()
         console.print(
@@ -79,7 +84,6 @@ def register(app: typer.Typer) -> None:
         results, metrics = {}, {}
         by_est: dict = {}  # estimator name -> policy -> Metrics
         failed: dict[str, str] = {}  # policy label -> why its run stopped (SimulationError)
-        cfg = SimConfig(seed=seed, failure_share=failures)
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
         ) as prog:

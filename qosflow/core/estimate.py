@@ -74,7 +74,9 @@ class NoisyEstimator(OracleEstimator):
     def __init__(self, speed: SpeedModel | None = None, *, error: float = 0.3, seed: int = 0):
         super().__init__(speed)
         if not 0 <= error < 1:
-            raise ValueError(f"error must be in [0, 1), got {error}")
+            from qosflow.errors import SpecError
+
+            raise SpecError("error", f"the noisy estimator's relative error must be in [0, 1) (0.3 = +-30 %), got {error!r}")
         self.error = error
         self.seed = seed
         self.name = f"noisy±{error * 100:g}%"

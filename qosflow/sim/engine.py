@@ -58,6 +58,16 @@ class SimConfig:
     #: check the cluster state's invariants after every round (tests; slows large runs)
     check_invariants: bool = False
 
+    def __post_init__(self) -> None:
+        from qosflow.errors import SpecError
+
+        for name in ("failure_share", "checkpoint_fraction", "infra_failure_share"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
+                raise SpecError(name, f"must be a fraction in [0, 1], got {v!r}")
+        if not (isinstance(self.restart_overhead, (int, float)) and self.restart_overhead >= 0):
+            raise SpecError("restart_overhead", f"must be >= 0 seconds, got {self.restart_overhead!r}")
+
 
 @dataclass
 class SimResult:
