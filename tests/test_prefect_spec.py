@@ -70,6 +70,38 @@ def test_number_given_as_string_says_how_to_write_it():
         qos_task(f, cpu_cores="4")
 
 
+def test_durations_may_be_written_with_units():
+    from datetime import timedelta
+
+    t = qos_task(f, deadline="1h30m", latency_slo="250s", expected_duration=timedelta(minutes=10), early_check="30s")
+    assert (t.qos.deadline, t.qos.latency_slo, t.expected_duration, t.early_check) == (5400.0, 250.0, 600.0, 30.0)
+    assert qos_from_tags(t.tags)[0].deadline == 5400.0  # the tags carry seconds
+    assert t.with_options(deadline="2 hours").qos.deadline == 7200.0
+    with pytest.raises(SpecError, match=r"invalid deadline: must be a number of seconds after submission or a duration \(.*'2h'"):
+        qos_task(f, deadline="in two hours")
+    with pytest.raises(SpecError, match=r"got '45'; write deadline=45 \(seconds\) or deadline='45s'"):
+        qos_task(f, deadline="45")
+    with pytest.raises(SpecError, match="expected_duration"):
+        qos_task(f, expected_duration="-5m")
+    with pytest.raises(SpecError, match="invalid deadline: 3600s is shorter than the stage's own expected_duration"):
+        qos_task(f, deadline="1h", expected_duration="2h")
+
+
+@pytest.mark.parametrize("text, seconds", [("90s", 90.0), ("15min", 900.0), ("15 min", 900.0), ("2h", 7200.0), ("1h30m", 5400.0),
+                                           ("1.5d", 129600.0), ("3 mins 4 secs", 184.0), ("1h, 30m", 5400.0), (" 2 Hours ", 7200.0)])
+def test_duration_strings(text, seconds):
+    from qosflow.core.qos import to_seconds
+
+    assert to_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["45", "2x", "h", "500ms", "5 months", "-5m", "1hh", "soon", ""])
+def test_strings_that_are_not_durations_are_left_for_the_check_to_name(text):
+    from qosflow.core.qos import to_seconds
+
+    assert to_seconds(text) == text
+
+
 def test_error_names_the_function():
     with pytest.raises(SpecError, match="'f'"):
         qos_task(f, gpus=-1)
@@ -334,6 +366,26 @@ def test_bad_per_run_qos_parameters_fail_before_any_stage(kwargs, field):
     assert ei.value.field == field and "'pipe', run parameter" in str(ei.value) and not calls
     pipe.fn(qos_deadline=30, qos_priority="critical")
     assert calls == [1]
+
+
+def test_pipeline_deadlines_may_be_written_with_units(monkeypatch):
+    from qosflow.prefect.tasks import PipelineRun
+
+    seen = []
+    register = PipelineRun.register
+    monkeypatch.setattr(PipelineRun, "register", lambda self: (seen.append(self.deadline), register(self))[1])
+
+    @qos_flow(deadline="2h")
+    def pipe(qos_deadline: str | None = None):
+        pass
+
+    pipe.fn()
+    pipe.fn(qos_deadline="30min")  # a run parameter typed in the UI
+    assert seen == [7200.0, 1800.0]
+    with pytest.raises(SpecError, match="qos_deadline.*'2h'"):
+        pipe.fn(qos_deadline="half an hour")
+    with pytest.raises(SpecError, match="invalid deadline"):
+        qos_flow(deadline="tomorrow")
 
 
 @pytest.mark.parametrize("kwargs, field, text", [(dict(round_interval_s=0), "round_interval_s", "greater than 0"),

@@ -8,7 +8,9 @@ A spec says what a job needs (GPUs or a fraction of one, GPU memory, CPU cores),
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from enum import Enum
 from typing import Any
 
@@ -220,3 +222,29 @@ def _finite(x: Any) -> bool:
         return math.isfinite(float(x))
     except (TypeError, ValueError):
         return False
+
+
+_UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(days?|d|hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s)(?![a-z])")
+
+#: how to write a duration (for error messages)
+DURATION_FORMS = "seconds, a datetime.timedelta or a string such as '90s', '15min', '2h' or '1h30m'"
+
+
+def to_seconds(value: Any) -> Any:
+    """Seconds from a `datetime.timedelta` or a duration string ('90s', '15 min', '2h', '1h30m',
+    '1.5d'); any other value is returned as it is, for the caller's own check to accept or name."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower()
+    pos, total, parts = 0, 0.0, 0
+    for m in _PART.finditer(text):
+        if text[pos:m.start()].strip(" ,"):
+            return value
+        total += float(m.group(1)) * _UNIT_S[m.group(2)[0]]
+        pos, parts = m.end(), parts + 1
+    if parts == 0 or text[pos:].strip():
+        return value
+    return total

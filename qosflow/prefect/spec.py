@@ -7,7 +7,7 @@ import math
 import numbers
 from typing import Any, Iterable
 
-from qosflow.core.qos import NUMBER_FIELDS, PriorityClass, QoSSpec
+from qosflow.core.qos import DURATION_FORMS, NUMBER_FIELDS, PriorityClass, QoSSpec, to_seconds
 from qosflow.errors import SpecError
 
 #: QoSSpec fields a stage may set
@@ -44,11 +44,13 @@ def build_spec(where: str, **kw: Any) -> QoSSpec:
     for k in ("shareable", "gang"):
         if k in kw and not isinstance(kw[k], bool):
             raise SpecError(k, f"must be True or False, got {kw[k]!r}", where=where)
+    for k in DURATION_KW:
+        if k in kw:
+            kw[k] = to_seconds(kw[k])
     for k, unit in NUMBER_FIELDS.items():  # here with a hint how to write it
         v = kw.get(k)
         if v is not None and not _is_number(v):
-            hint = f"; write {k}={v.strip()}" if isinstance(v, str) and _finite(v) else ""
-            raise SpecError(k, f"must be a number ({unit}), got {v!r}{hint}", where=where)
+            raise SpecError(k, f"must be {_number_of(k, unit)}, got {v!r}{_hint(k, v)}", where=where)
     if "priority" in kw:
         kw["priority"] = PriorityClass.parse(kw["priority"], where=where)
     if kw.get("gpu_model") is not None and not isinstance(kw["gpu_model"], str):
@@ -62,6 +64,26 @@ def build_spec(where: str, **kw: Any) -> QoSSpec:
     except TypeError as exc:
         raise SpecError("qos", str(exc), where=where) from None
     return spec
+
+
+#: arguments that take a duration: a number of seconds, a timedelta or a string such as '2h'
+DURATION_KW = ("deadline", "latency_slo", "expected_duration", "early_check")
+
+
+def _number_of(k: str, unit: str) -> str:
+    return f"a number of {unit} or a duration ({DURATION_FORMS})" if k in DURATION_KW else f"a number ({unit})"
+
+
+def _hint(k: str, v: Any) -> str:
+    if isinstance(v, str) and _finite(v):
+        return f"; write {k}={v.strip()}" + (f" (seconds) or {k}='{v.strip()}s'" if k in DURATION_KW else "")
+    return ""
+
+
+def stage_durations(stage_kw: dict[str, Any]) -> dict[str, Any]:
+    """`stage_kw` with its duration arguments (expected_duration, early_check) in seconds where they were
+    given as a timedelta or a duration string; other values are left for `check_stage_args` to judge."""
+    return {k: to_seconds(v) if k in DURATION_KW else v for k, v in stage_kw.items()}
 
 
 def check_stage_args(
@@ -84,7 +106,7 @@ def check_stage_args(
 
     if expected_duration is not None:
         if isinstance(expected_duration, bool) or not _finite(expected_duration) or float(expected_duration) <= 0:
-            raise bad("expected_duration", f"must be a positive number of seconds, got {expected_duration!r}")
+            raise bad("expected_duration", f"must be a positive number of seconds or a duration ({DURATION_FORMS}), got {expected_duration!r}{_hint('expected_duration', expected_duration)}")
         if spec.deadline is not None and float(expected_duration) > spec.deadline:
             raise bad(
                 "deadline",
@@ -94,7 +116,7 @@ def check_stage_args(
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
         raise bad("batch_size", f"must be a positive integer (the global batch), got {batch_size!r}")
     if early_check is not None and (isinstance(early_check, bool) or not _finite(early_check) or float(early_check) < 0):
-        raise bad("early_check", f"must be seconds >= 0 (0: never check), got {early_check!r}")
+        raise bad("early_check", f"must be seconds >= 0 (0: never check) or a duration ({DURATION_FORMS}), got {early_check!r}")
     if early_check and spec.gpus < 1:
         raise bad("early_check", "runs a stage briefly on one GPU first; this stage uses no GPU (gpus=0), so there is nothing to check")
     if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):

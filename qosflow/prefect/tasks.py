@@ -33,15 +33,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from prefect import Task
 from prefect import flow as prefect_flow
 
-from qosflow.core.qos import PriorityClass, QoSSpec
+from qosflow.core.qos import DURATION_FORMS, PriorityClass, QoSSpec, to_seconds
 from qosflow.errors import QosflowError, SpecError
 from qosflow.prefect.dag import StageNode, forecast, split_deadline
-from qosflow.prefect.spec import QOS_FIELDS, STAGE_FIELDS, build_spec, check_stage_args, job_variables, qos_tags
+from qosflow.prefect.spec import QOS_FIELDS, STAGE_FIELDS, build_spec, check_stage_args, job_variables, qos_tags, stage_durations
 
 _TASK_PARAMS = set(inspect.signature(Task.__init__).parameters) - {"self", "fn"}
 _FLOW_PARAMS = set(inspect.signature(prefect_flow).parameters) - {"__fn"}
@@ -644,6 +645,7 @@ def _build(fn: Callable, qos_kw: dict[str, Any], explicit: Iterable[str], stage_
     if unknown:
         raise SpecError(unknown[0], f"not a QoS argument nor a @task argument; QoS: {', '.join(QOS_FIELDS + STAGE_FIELDS)}", where=where)
     spec = build_spec(where, **qos_kw)
+    stage_kw = stage_durations(stage_kw)
     check_stage_args(
         where,
         spec,
@@ -670,16 +672,16 @@ def qos_task(
     gpu_mem_mb: float | None = None,
     cpu_cores: float = 1.0,
     mem_mb: float = 0.0,
-    deadline: float | None = None,
-    latency_slo: float | None = None,
+    deadline: Duration | None = None,
+    latency_slo: Duration | None = None,
     min_throughput: float | None = None,
     priority: str | int | PriorityClass = "normal",
     shareable: bool = False,
     gang: bool = True,
     gpu_model: str | None = None,
-    expected_duration: float | None = None,
+    expected_duration: Duration | None = None,
     batch_size: int | None = None,
-    early_check: float | None = None,
+    early_check: Duration | None = None,
     **task_kwargs: Any,
 ):
     """Declare a pipeline stage with its QoS; everything `@task` takes is accepted too.
@@ -687,6 +689,9 @@ def qos_task(
     `early_check=S` runs the stage for S seconds on one GPU before it takes its full placement, so
     that a user error fails it early (0: never; unset: the pool's QoS policy decides for new
     multi-GPU stages). The stage sees `QOSFLOW_EARLY_CHECK=1` while it is checked.
+
+    Durations (`deadline`, `latency_slo`, `expected_duration`, `early_check`) are seconds, a
+    `datetime.timedelta` or a string such as ``"90s"``, ``"15min"``, ``"2h"`` or ``"1h30m"``.
 
     Bad arguments raise `SpecError` here, at decoration time, naming the argument.
     """
@@ -714,10 +719,24 @@ def _placeholder() -> None:  # used to validate arguments before the function is
 
 
 # ------------------------------------------------------------------------------------ the flow
+#: a duration argument: seconds, a timedelta, or a string such as '90s', '15min', '2h', '1h30m'
+Duration = float | str | timedelta
+
+
+def _pipeline_deadline(value: Any, name: str, where: str) -> float | None:
+    """A pipeline deadline in seconds (a number, a timedelta or a string such as '2h'), or None."""
+    d = to_seconds(value)
+    if d is None:
+        return None
+    if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d <= 0:
+        raise SpecError(name, f"must be a positive number of seconds after the pipeline starts or a duration ({DURATION_FORMS}), got {value!r}", where=where)
+    return float(d)
+
+
 def qos_flow(
     __fn: Callable | None = None,
     *,
-    deadline: float | None = None,
+    deadline: Duration | None = None,
     priority: str | int | PriorityClass | None = None,
     pool: str | None = None,
     plan: Mapping[str, Sequence[str]] | None = None,
@@ -725,15 +744,14 @@ def qos_flow(
 ):
     """A Prefect flow whose `@qos_task` stages are placed by the `qosflow` worker of `pool`.
 
-    `deadline` (seconds after the run starts) is split into stage deadlines along the critical path of
+    `deadline` (seconds after the run starts, a timedelta or a string such as ``"2h"``) is split into stage deadlines along the critical path of
     `plan` (stage name -> upstream stage names; default: the DAG recorded from the previous run).
     `priority` is the class of stages that do not set one. A flow parameter named `qos_deadline` or
     `qos_priority` overrides them per run; a QoS policy block referenced by the deployment's job
     variables (`qos_policy`) gives defaults. `pool` defaults to `QOSFLOW_POOL`; with no pool, stages run in-process.
     """
     where = "@qos_flow"
-    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline) or deadline <= 0):
-        raise SpecError("deadline", f"must be a positive number of seconds after the pipeline starts, got {deadline!r}", where=where)
+    deadline = _pipeline_deadline(deadline, "deadline", where)
     prio = None if priority is None else PriorityClass.parse(priority, where=where)
     if pool is not None and (not isinstance(pool, str) or not pool.strip()):
         raise SpecError("pool", f"must be a work pool name, got {pool!r}", where=where)
@@ -769,8 +787,7 @@ def qos_flow(
             policy = _policy_defaults()
             d = bound.arguments.get("qos_deadline", None)
             run_where = f"@qos_flow {flow_name!r}, run parameter"
-            if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d <= 0):
-                raise SpecError("qos_deadline", f"must be a positive number of seconds after the pipeline starts, got {d!r}", where=run_where)
+            d = _pipeline_deadline(d, "qos_deadline", run_where)
             d = d if d is not None else deadline if deadline is not None else policy.get("deadline_s")
             pr = bound.arguments.get("qos_priority", None)
             pr = _run_priority(pr, run_where) if pr is not None else prio if prio is not None else (PriorityClass.parse(policy["priority"]) if policy.get("priority") else None)
