@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from qosflow.core.cluster import ClusterSpec
+from qosflow.env import env_flag
 
 
 def free_port() -> int:
@@ -96,7 +97,7 @@ class LocalServer:
         # a collection in the loop could stall every request for the 60 s of SQLite's busy timeout);
         # QOSFLOW_SERVER_GC_THREAD=0 runs plain `python -m prefect`
         sqlite = self.env["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("sqlite")
-        gc_thread = sqlite and os.environ.get("QOSFLOW_SERVER_GC_THREAD", "1").lower() not in ("0", "false", "off", "no")
+        gc_thread = sqlite and env_flag("QOSFLOW_SERVER_GC_THREAD")
         module = "qosflow.prefect.server_process" if gc_thread else "prefect"
         cmd = [sys.executable, "-m", module, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         if not self.ui:

@@ -36,6 +36,7 @@ from pydantic import Field
 from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job, JobState
+from qosflow.env import env_flag, env_number
 from qosflow.failures import Action, decide
 from qosflow.prefect.scheduler import QoSScheduler, StageCancelled, StageEntry, make_live_estimator
 from qosflow.prefect.spec import QOS_FIELDS, spec_from_job_variables
@@ -214,8 +215,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         super().__init__(*args, **kwargs)
         self._cluster_file_arg = cluster_file
         self._leases_arg = leases
-        self.lease_ttl_s = float(lease_ttl_s or os.environ.get("QOSFLOW_LEASE_TTL_SECONDS", 30.0))
-        self.max_infra_retries = int(max_infra_retries if max_infra_retries is not None else os.environ.get("QOSFLOW_MAX_INFRA_RETRIES", 3))
+        self.lease_ttl_s = float(lease_ttl_s or env_number("QOSFLOW_LEASE_TTL_SECONDS", 30.0, minimum=1.0))
+        self.max_infra_retries = int(max_infra_retries if max_infra_retries is not None else env_number("QOSFLOW_MAX_INFRA_RETRIES", 3, integer=True))
         self.leases: Any = None  # qosflow.store.leases.LeaseStore, or None when disabled
         self.holder = ""
         self.recovered: list[dict[str, Any]] = []  # what recover() found at start (tests, logs)
@@ -335,7 +336,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     async def _fast_poll(self) -> None:
         """Look for new stage runs every QOSFLOW_WORKER_POLL_SECONDS (default 0.5 s), besides Prefect's own
         (slower) polling loop, so that a ready stage reaches the QoS queue within a second."""
-        interval = float(os.environ.get("QOSFLOW_WORKER_POLL_SECONDS", "0.5"))
+        interval = env_number("QOSFLOW_WORKER_POLL_SECONDS", 0.5, minimum=0.01)
         while True:
             await asyncio.sleep(interval)
             if self._work_pool is None or self._runs_task_group is None:
@@ -592,7 +593,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     async def _setup_leases(self) -> None:
         arg = self._leases_arg
         self.holder = str(self.name)
-        if arg is False or os.environ.get("QOSFLOW_LEASES", "1").lower() in ("0", "false", "off"):
+        if arg is False or not env_flag("QOSFLOW_LEASES"):
             self.leases = None
             return
         if arg is None or arg is True:
