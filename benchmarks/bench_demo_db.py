@@ -2,8 +2,10 @@
 
 `qosflow demo --no-ui --json` is run in rounds, alternating the Prefect server's set-up ("arms"):
 `sqlite` (the default: SQLite under the demo's home, the server's garbage collection in a thread of
-its own, qosflow/prefect/server_process.py), `sqlite-loop-gc` (the same with Python's usual garbage
-collection, in the event loop: plain `python -m prefect server start`, QOSFLOW_SERVER_GC_THREAD=0) and
+its own and Retry-After of about 1 s on its 503 answers, qosflow/prefect/server_process.py),
+`sqlite-backoff` (the same without Retry-After: Prefect's client backs off 2, 4, 8, 16, 32 s;
+QOSFLOW_SERVER_RETRY_AFTER=0), `sqlite-loop-gc` (plain `python -m prefect server start`: Python's usual
+garbage collection in the event loop and Prefect's back-off; QOSFLOW_SERVER_GC_THREAD=0 as well) and
 `postgresql` (a fresh PostgreSQL database, `--database-url`). Each run reports,
 per pipeline, the time it took and whether it met its deadline, and per stage the time from its
 dispatch by the pipeline ("ready") to the worker queueing it: the Prefect part of a stage's start
@@ -11,7 +13,7 @@ dispatch by the pipeline ("ready") to the worker queueing it: the Prefect part o
 The machine is shared and its load changes between runs: alternating keeps both arms under the same
 mix, and the load average is recorded with each run.
 
-    python benchmarks/bench_demo_db.py --rounds 3 --arms sqlite,sqlite-loop-gc,postgresql \\
+    python benchmarks/bench_demo_db.py --rounds 3 --arms sqlite,sqlite-backoff,postgresql \\
         --postgres postgresql://qosflow:qosflow@127.0.0.1:5432/qosflow_test
 
 `--postgres` names any database of a role that may create databases: each PostgreSQL run creates its
@@ -44,14 +46,26 @@ def _pg(admin: str):
     return psycopg.connect("postgresql://" + admin.split("://", 1)[1], autocommit=True)
 
 
+#: arm -> (environment it sets, what it is)
+ARMS = {
+    "sqlite": ({}, "SQLite under the demo's home, the server's garbage collection in a thread of its own and "
+                   "Retry-After of about 1 s on its 503 answers (the default)"),
+    "sqlite-backoff": ({"QOSFLOW_SERVER_RETRY_AFTER": "0"}, "the same without Retry-After: Prefect's client backs off "
+                                                             "2, 4, 8, 16, 32 s after a 503 (QOSFLOW_SERVER_RETRY_AFTER=0)"),
+    "sqlite-loop-gc": ({"QOSFLOW_SERVER_RETRY_AFTER": "0", "QOSFLOW_SERVER_GC_THREAD": "0"},
+                       "plain `prefect server start`: Python's usual garbage collection in the event loop and "
+                       "Prefect's back-off (QOSFLOW_SERVER_GC_THREAD=0 as well)"),
+    "postgresql": ({}, "a fresh PostgreSQL database (`--database-url`)"),
+}
+
+
 def one_run(db: str, admin: str | None, work: Path, i: int) -> dict:
     home = work / f"{db}-{i}"
     out = work / f"{db}-{i}.json"
     cmd = [sys.executable, "-m", "qosflow", "demo", "--no-ui", "--json", str(out), "--home", str(home)]
     name = None
     env = dict(os.environ)
-    if db == "sqlite-loop-gc":
-        env["QOSFLOW_SERVER_GC_THREAD"] = "0"
+    env.update(ARMS[db][0])
     if db == "postgresql":
         name = f"qosflow_bench_{uuid.uuid4().hex[:8]}"
         with _pg(admin) as c:
@@ -82,15 +96,15 @@ def one_run(db: str, admin: str | None, work: Path, i: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="runs per arm")
-    ap.add_argument("--arms", default="sqlite,sqlite-loop-gc,postgresql", help="comma-separated: sqlite, sqlite-loop-gc, postgresql")
+    ap.add_argument("--arms", default="sqlite,sqlite-backoff,postgresql", help=f"comma-separated: {', '.join(ARMS)}")
     ap.add_argument("--postgres", default=os.environ.get("QOSFLOW_TEST_POSTGRES_URL"),
                     help="a PostgreSQL URL whose role may create databases (default: $QOSFLOW_TEST_POSTGRES_URL)")
     ap.add_argument("--no-write", action="store_true", help="print only; do not write docs/bench/demo_db.md")
     a = ap.parse_args()
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    bad = [x for x in arms if x not in ("sqlite", "sqlite-loop-gc", "postgresql")]
+    bad = [x for x in arms if x not in ARMS]
     if bad:
-        sys.exit(f"--arms: unknown {bad}; use sqlite, sqlite-loop-gc, postgresql")
+        sys.exit(f"--arms: unknown {bad}; use {', '.join(ARMS)}")
     if "postgresql" in arms and not a.postgres:
         sys.exit("--postgres (or QOSFLOW_TEST_POSTGRES_URL) is needed: a PostgreSQL URL whose role may create databases")
     from rich.progress import Progress
@@ -141,10 +155,8 @@ def main() -> None:
         f"- machine: {machine()}",
         f"- command: `python benchmarks/bench_demo_db.py --rounds {a.rounds} --arms {','.join(arms)}` ({took / 60:.1f} min)",
         "- each run: `qosflow demo --no-ui --json` (3 pipelines, 18 stage processes, 2 hosts x 4 **virtual** GPUs: "
-        "no GPU here); arms: `sqlite` = SQLite under the demo's home with the server's garbage collection in a "
-        "thread of its own (the default), `sqlite-loop-gc` = the same with Python's usual collection in the event loop "
-        "(QOSFLOW_SERVER_GC_THREAD=0), `postgresql` = a fresh PostgreSQL database (`--database-url`); the arms "
-        "alternate, the machine's other work goes on",
+        "no GPU here); arms: " + "; ".join(f"`{x}` = {ARMS[x][1]}" for x in arms) + "; the arms alternate, the "
+        "machine's other work goes on",
         "- pickup: a stage's dispatch by its pipeline -> the worker queueing it (creating the stage's flow run, "
         "the worker's poll); the worker's own placement and the stage's process start come after",
         "",

@@ -476,6 +476,41 @@ def test_sqlite_server_collects_garbage_off_its_event_loop(tmp_path, monkeypatch
     assert "qosflow.prefect.server_process" not in _server_cmd(LocalServer(tmp_path / "b", ui=False, database_url="postgresql://u:p@h/d"), monkeypatch)
 
 
+def test_sqlite_server_asks_for_a_quick_retry_after_a_lost_write_race(tmp_path, monkeypatch):
+    """A write that lost SQLite's write race got a 503 that Prefect's client retried after 2, 4, 8, 16
+    and 32 s (stage pickups of up to 52 s in the demo). The server qosflow starts answers it with
+    Retry-After of about a second, and its clients allow as many retries as keep a minute of patience."""
+    import asyncio
+    import sqlite3
+
+    import sqlalchemy as sa
+    from prefect.server.api import server
+
+    from qosflow.prefect.local import LocalServer, server_env
+    from qosflow.prefect.server_process import retry_soon
+
+    monkeypatch.setattr(server, "custom_internal_exception_handler", server.custom_internal_exception_handler)  # restored after
+    retry_soon(1.0)
+    locked = sa.exc.OperationalError("UPDATE flow_run ...", {}, sqlite3.OperationalError("database is locked"))
+    waits = []
+    for _ in range(20):
+        r = asyncio.run(server.custom_internal_exception_handler(None, locked))
+        assert r.status_code == 503
+        waits.append(float(r.headers["Retry-After"]))
+    assert 0.5 <= min(waits) < max(waits) <= 1.5  # spread, so that the losers do not meet again
+    monkeypatch.setattr(server, "logger", server.logger)
+    other = asyncio.run(server.custom_internal_exception_handler(None, RuntimeError("a bug")))
+    assert other.status_code == 500 and "retry-after" not in other.headers
+
+    assert server_env(tmp_path, 4200)["PREFECT_CLIENT_MAX_RETRIES"] == "60"
+    assert "PREFECT_CLIENT_MAX_RETRIES" not in server_env(tmp_path, 4200, database_url="postgresql://u:p@h/d")
+    monkeypatch.setenv("QOSFLOW_SERVER_GC_THREAD", "0")
+    assert "qosflow.prefect.server_process" in _server_cmd(LocalServer(tmp_path / "c", ui=False), monkeypatch)
+    monkeypatch.setenv("QOSFLOW_SERVER_RETRY_AFTER", "0")  # both off: Prefect's own server and back-off
+    assert "PREFECT_CLIENT_MAX_RETRIES" not in server_env(tmp_path, 4200)
+    assert "qosflow.prefect.server_process" not in _server_cmd(LocalServer(tmp_path / "d", ui=False), monkeypatch)
+
+
 def _server_cmd(server, monkeypatch) -> list[str]:
     """The command LocalServer.start would run (captured without starting it)."""
     import subprocess

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from qosflow.core.cluster import ClusterSpec
-from qosflow.env import env_flag
+from qosflow.env import env_flag, env_number
 
 
 def free_port() -> int:
@@ -52,7 +52,8 @@ def prefect_database_url(url: str | None, home: str | Path) -> str:
 def server_env(home: str | Path, port: int, *, ui: bool = True, database_url: str | None = None) -> dict[str, str]:
     home = str(home)
     api = f"http://127.0.0.1:{port}/api"
-    return {
+    db = prefect_database_url(database_url, home)
+    env = {
         "PREFECT_HOME": home,
         "PREFECT_API_URL": api,
         "PREFECT_UI_API_URL": api,
@@ -60,11 +61,21 @@ def server_env(home: str | Path, port: int, *, ui: bool = True, database_url: st
         "PREFECT_UI_ENABLED": "true" if ui else "false",
         "PREFECT_SERVER_API_HOST": "127.0.0.1",
         "PREFECT_SERVER_API_PORT": str(port),
-        "PREFECT_API_DATABASE_CONNECTION_URL": prefect_database_url(database_url, home),
+        "PREFECT_API_DATABASE_CONNECTION_URL": db,
         "PREFECT_LOCAL_STORAGE_PATH": f"{home}/storage",
         "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
         "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
     }
+    if db.startswith("sqlite") and retry_after_s() > 0:
+        # the SQLite server answers a lost write race with 503 and Retry-After of about a second
+        # (server_process.retry_soon): 60 such retries keep the minute of patience of Prefect's 2..32 s back-off
+        env["PREFECT_CLIENT_MAX_RETRIES"] = "60"
+    return env
+
+
+def retry_after_s() -> float:
+    """Mean Retry-After of the SQLite server's 503 answers (QOSFLOW_SERVER_RETRY_AFTER, default 1 s; 0: off)."""
+    return env_number("QOSFLOW_SERVER_RETRY_AFTER", 1.0)
 
 
 class LocalServer:
@@ -97,8 +108,8 @@ class LocalServer:
         # a collection in the loop could stall every request for the 60 s of SQLite's busy timeout);
         # QOSFLOW_SERVER_GC_THREAD=0 runs plain `python -m prefect`
         sqlite = self.env["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("sqlite")
-        gc_thread = sqlite and env_flag("QOSFLOW_SERVER_GC_THREAD")
-        module = "qosflow.prefect.server_process" if gc_thread else "prefect"
+        patched = sqlite and (env_flag("QOSFLOW_SERVER_GC_THREAD") or retry_after_s() > 0)
+        module = "qosflow.prefect.server_process" if patched else "prefect"
         cmd = [sys.executable, "-m", module, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         if not self.ui:
             cmd.append("--no-ui")
