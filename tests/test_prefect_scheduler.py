@@ -370,3 +370,42 @@ def test_impossible_request_is_rejected_at_once_naming_stage_cluster_and_fix():
     msg = asyncio.run(main())
     assert "'big'" in msg and "16 GPUs" in msg
     assert "ask for less in its @qos_task" in msg and "cluster block or file" in msg
+
+
+def test_a_waiting_stage_is_told_why_in_its_log_and_its_start_drops_the_stale_reason():
+    """The policy's note on a waiting stage reached nobody: the worker now logs it to the stage's flow
+    run (shown in the UI) while the stage waits, once per reason; the note a stage waited with is not
+    reported as the reason of its start."""
+    import types
+
+    from qosflow.prefect.worker import QosflowWorker
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def info(self, msg, *args):
+            self.lines.append(msg % args)
+
+    async def main():
+        s = QoSScheduler(CL, PriorityFirstFit(), HistoryEstimator(), coda=False)
+        full = [await enqueue(s, entry(f"a{i}")) for i in range(4)]
+        s.round()
+        waiting = entry("w")
+        t = await enqueue(s, waiting)
+        s.round()
+        assert waiting.state.note == "waiting"
+        log = Log()
+        me = types.SimpleNamespace(WHY_WAITING_EVERY_S=0.0)
+        watch = asyncio.ensure_future(QosflowWorker._say_why_waiting(me, waiting, s, "train", log))
+        await asyncio.sleep(2.5)
+        s.round()  # the same reason again: not repeated
+        await asyncio.sleep(1.2)
+        assert len(log.lines) == 1 and log.lines[0].startswith("stage train waits in the QoS queue (") and log.lines[0].endswith("s so far): waiting")
+        s.release(full[0].result().placement.job_id)
+        s.round()
+        await settle()
+        assert t.done() and t.result().note == "" and waiting.state.note == ""
+        watch.cancel()
+
+    asyncio.run(main())

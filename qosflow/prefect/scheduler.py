@@ -295,6 +295,8 @@ class QoSScheduler:
             e = self.entries.get(p.job_id)
             if e is None or e.state.status is not JobStatus.PENDING or e.future is None or e.future.done():
                 continue
+            if p.job_id not in decision.notes:
+                e.state.note = ""  # the reason it waited is over; a start without a note needs no explaining
             if self._grant(e, p, now):
                 granted.append(e)
         for jid, node, cores in decision.resize:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import shlex
 import sys
@@ -35,7 +36,7 @@ from pydantic import Field
 
 from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle
 from qosflow.core.cluster import ClusterSpec
-from qosflow.core.job import Job, JobState
+from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.env import env_flag, env_number
 from qosflow.failures import Action, decide
 from qosflow.prefect.scheduler import QoSScheduler, StageCancelled, StageEntry, make_live_estimator
@@ -449,6 +450,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if outcome.get("result") is not None:
                 return outcome["result"]
         while True:
+            why = asyncio.ensure_future(self._say_why_waiting(entry, sched, name, run_logger))
             try:
                 grant = await sched.request(entry)
             except StageCancelled as exc:
@@ -458,6 +460,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 if not started:
                     task_status.started(-1)
                 return QosflowWorkerResult(status_code=0, identifier="-1")
+            finally:
+                why.cancel()
             n = len(attempts) + 1
             launch = LaunchSpec(
                 stage_id=fid if n == 1 else f"{fid}-r{n - 1}",  # one id per attempt: an agent never starts one twice
@@ -490,7 +494,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             info = sched.describe_grant(entry)
             info["attempt"] = n
             run_logger.info(
-                "%s %s on %s (GPUs %s%s, %g cores) after %.2fs in the QoS queue; predicted %.1fs (%s)%s",
+                "%s %s on %s (GPUs %s%s, %g cores) after %.2fs in the QoS queue; predicted %.1fs (%s)%s%s",
                 "placed" if n == 1 else "re-placed",
                 name,
                 info["host"],
@@ -501,6 +505,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 grant.predicted_s,
                 info["estimator"],
                 "" if n == 1 else f"; attempt {n} after an infrastructure failure",
+                f"; policy: {grant.note}" if grant.note else "",
             )
             info["queued_at"] = now
             if label_task is not None:
@@ -576,6 +581,25 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         return QosflowWorkerResult(status_code=code, identifier=_infra_id(handle, fid))
 
     # ------------------------------------------------------------------ helpers
+    #: seconds between two "waits because ..." lines of one stage whose reason keeps changing
+    WHY_WAITING_EVERY_S = 15.0
+
+    async def _say_why_waiting(self, entry: Any, sched: QoSScheduler, name: str, run_logger: Any) -> None:
+        """While a stage waits in the QoS queue, say why in its flow run's log (the UI shows it): the
+        policy's note once the stage has waited a second, then whenever the note changes, at most every
+        WHY_WAITING_EVERY_S seconds (notes carry numbers that change every round)."""
+        said, said_at = "", -math.inf
+        while True:
+            await asyncio.sleep(1.0)
+            note = entry.state.note
+            if not note or note == said or entry.state.status is not JobStatus.PENDING:
+                continue
+            now = sched.clock()
+            if now - said_at < self.WHY_WAITING_EVERY_S:
+                continue
+            run_logger.info("stage %s waits in the QoS queue (%.0fs so far): %s", name, now - entry.ready_at, note)
+            said, said_at = note, now
+
     def _register(self, fid: str, handle: StageHandle) -> None:
         self._handles[fid] = handle
         self._pids[str(_infra_id(handle, fid))] = fid
