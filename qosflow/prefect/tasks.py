@@ -695,10 +695,8 @@ def qos_task(
 
     Bad arguments raise `SpecError` here, at decoration time, naming the argument.
     """
-    given = {k for k, v in dict(gpus=gpus, gpu_milli=gpu_milli, gpu_mem_mb=gpu_mem_mb, cpu_cores=cpu_cores, mem_mb=mem_mb, deadline=deadline, latency_slo=latency_slo, min_throughput=min_throughput, priority=priority, shareable=shareable, gang=gang, gpu_model=gpu_model).items()}
-    defaults = {"gpus": 1, "gpu_milli": 1000, "gpu_mem_mb": None, "cpu_cores": 1.0, "mem_mb": 0.0, "deadline": None, "latency_slo": None, "min_throughput": None, "priority": "normal", "shareable": False, "gang": True, "gpu_model": None}
-    qos_kw = dict(gpus=gpus, gpu_milli=gpu_milli, gpu_mem_mb=gpu_mem_mb, cpu_cores=cpu_cores, mem_mb=mem_mb, deadline=deadline, latency_slo=latency_slo, min_throughput=min_throughput, priority=priority, shareable=shareable, gang=gang, gpu_model=gpu_model)
-    explicit = {k for k in given if qos_kw[k] != defaults[k]}
+    qos_kw = {k: v for k, v in locals().items() if k in QOS_FIELDS}  # the parameters: nothing else is bound yet
+    explicit = {k for k, v in qos_kw.items() if v != _QOS_DEFAULTS[k]}  # what a pipeline's defaults must not override
     stage_kw = dict(expected_duration=expected_duration, batch_size=batch_size, early_check=early_check)
     if __fn is not None:
         if not callable(__fn):
@@ -712,6 +710,10 @@ def qos_task(
         return _build(fn, qos_kw, explicit, stage_kw, task_kwargs)
 
     return deco
+
+
+#: qos_task's own defaults of the QoS arguments
+_QOS_DEFAULTS = {k: p.default for k, p in inspect.signature(qos_task).parameters.items() if k in QOS_FIELDS}
 
 
 def _placeholder() -> None:  # used to validate arguments before the function is known
