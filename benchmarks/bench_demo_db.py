@@ -2,10 +2,11 @@
 
 `qosflow demo --no-ui --json` is run in rounds, alternating the Prefect server's set-up ("arms"):
 `sqlite` (the default: SQLite under the demo's home, the server's garbage collection in a thread of
-its own and Retry-After of about 1 s on its 503 answers, qosflow/prefect/server_process.py),
-`sqlite-backoff` (the same without Retry-After: Prefect's client backs off 2, 4, 8, 16, 32 s;
-QOSFLOW_SERVER_RETRY_AFTER=0), `sqlite-loop-gc` (plain `python -m prefect server start`: Python's usual
-garbage collection in the event loop and Prefect's back-off; QOSFLOW_SERVER_GC_THREAD=0 as well) and
+its own, and a request that lost SQLite's write race retried by the server itself,
+qosflow/prefect/server_process.py), `sqlite-backoff` (the same without the server's retries: the
+client gets the 503 and backs off 2, 4, 8, 16, 32 s; QOSFLOW_SERVER_RETRY_S=0), `sqlite-loop-gc` (plain
+`python -m prefect server start`: Python's usual garbage collection in the event loop and the client's
+back-off; QOSFLOW_SERVER_GC_THREAD=0 as well) and
 `postgresql` (a fresh PostgreSQL database, `--database-url`). Each run reports,
 per pipeline, the time it took and whether it met its deadline, and per stage the time from its
 dispatch by the pipeline ("ready") to the worker queueing it: the Prefect part of a stage's start
@@ -48,11 +49,11 @@ def _pg(admin: str):
 
 #: arm -> (environment it sets, what it is)
 ARMS = {
-    "sqlite": ({}, "SQLite under the demo's home, the server's garbage collection in a thread of its own and "
-                   "Retry-After of about 1 s on its 503 answers (the default)"),
-    "sqlite-backoff": ({"QOSFLOW_SERVER_RETRY_AFTER": "0"}, "the same without Retry-After: Prefect's client backs off "
-                                                             "2, 4, 8, 16, 32 s after a 503 (QOSFLOW_SERVER_RETRY_AFTER=0)"),
-    "sqlite-loop-gc": ({"QOSFLOW_SERVER_RETRY_AFTER": "0", "QOSFLOW_SERVER_GC_THREAD": "0"},
+    "sqlite": ({}, "SQLite under the demo's home, the server's garbage collection in a thread of its own, and "
+                   "requests that lost SQLite's write race retried by the server itself (the default)"),
+    "sqlite-backoff": ({"QOSFLOW_SERVER_RETRY_S": "0"}, "the same without the server's retries: the client gets the 503 "
+                                                         "and backs off 2, 4, 8, 16, 32 s (QOSFLOW_SERVER_RETRY_S=0)"),
+    "sqlite-loop-gc": ({"QOSFLOW_SERVER_RETRY_S": "0", "QOSFLOW_SERVER_GC_THREAD": "0"},
                        "plain `prefect server start`: Python's usual garbage collection in the event loop and "
                        "Prefect's back-off (QOSFLOW_SERVER_GC_THREAD=0 as well)"),
     "postgresql": ({}, "a fresh PostgreSQL database (`--database-url`)"),

@@ -476,38 +476,61 @@ def test_sqlite_server_collects_garbage_off_its_event_loop(tmp_path, monkeypatch
     assert "qosflow.prefect.server_process" not in _server_cmd(LocalServer(tmp_path / "b", ui=False, database_url="postgresql://u:p@h/d"), monkeypatch)
 
 
-def test_sqlite_server_asks_for_a_quick_retry_after_a_lost_write_race(tmp_path, monkeypatch):
+def test_sqlite_server_retries_a_request_that_lost_the_write_race_itself(tmp_path, monkeypatch):
     """A write that lost SQLite's write race got a 503 that Prefect's client retried after 2, 4, 8, 16
-    and 32 s (stage pickups of up to 52 s in the demo). The server qosflow starts answers it with
-    Retry-After of about a second, and its clients allow as many retries as keep a minute of patience."""
+    and 32 s (stage pickups of up to 52 s in the demo). The server qosflow starts runs such a request
+    again itself, body and all, within its budget; other answers and errors pass at once."""
     import asyncio
     import sqlite3
 
+    import httpx
     import sqlalchemy as sa
-    from prefect.server.api import server
+    from prefect.server.api.server import custom_internal_exception_handler
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
 
-    from qosflow.prefect.local import LocalServer, server_env
-    from qosflow.prefect.server_process import retry_soon
+    from qosflow.prefect.local import LocalServer
+    from qosflow.prefect.server_process import RetryLostWriteRaces
 
-    monkeypatch.setattr(server, "custom_internal_exception_handler", server.custom_internal_exception_handler)  # restored after
-    retry_soon(1.0)
+    calls = {"write": 0, "bug": 0, "health": 0}
     locked = sa.exc.OperationalError("UPDATE flow_run ...", {}, sqlite3.OperationalError("database is locked"))
-    waits = []
-    for _ in range(20):
-        r = asyncio.run(server.custom_internal_exception_handler(None, locked))
-        assert r.status_code == 503
-        waits.append(float(r.headers["Retry-After"]))
-    assert 0.5 <= min(waits) < max(waits) <= 1.5  # spread, so that the losers do not meet again
-    monkeypatch.setattr(server, "logger", server.logger)
-    other = asyncio.run(server.custom_internal_exception_handler(None, RuntimeError("a bug")))
-    assert other.status_code == 500 and "retry-after" not in other.headers
 
-    assert server_env(tmp_path, 4200)["PREFECT_CLIENT_MAX_RETRIES"] == "60"
-    assert "PREFECT_CLIENT_MAX_RETRIES" not in server_env(tmp_path, 4200, database_url="postgresql://u:p@h/d")
+    async def write(request: Request):
+        calls["write"] += 1
+        body = await request.json()
+        if calls["write"] <= body["lose"]:
+            raise locked
+        return JSONResponse({"got": body, "try": calls["write"]})
+
+    async def bug(request: Request):
+        calls["bug"] += 1
+        raise RuntimeError("a bug")
+
+    async def health(request: Request):
+        calls["health"] += 1
+        return Response(status_code=503)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"]), Route("/bug", bug, methods=["POST"]), Route("/health", health)],
+                    exception_handlers={Exception: custom_internal_exception_handler})  # Prefect's own 503/500 answers
+
+    async def main(budget, lose):
+        mw = RetryLostWriteRaces(app, budget_s=budget)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=mw, raise_app_exceptions=False), base_url="http://s") as c:
+            return mw, [await c.post("/write", json={"lose": lose, "x": "y" * 100_000}), await c.post("/bug", json={}), await c.get("/health")]
+
+    mw, (won, bugged, sick) = asyncio.run(main(15.0, 2))
+    assert won.status_code == 200 and won.json()["got"]["x"] == "y" * 100_000 and won.json()["try"] == 3 and mw.retries == 2
+    assert bugged.status_code == 500 and calls["bug"] == 1  # not a lost race: not run again
+    assert sick.status_code == 503 and calls["health"] == 1  # a 503 without a database error: answered at once
+    calls["write"] = 0
+    mw, (lost, _, _) = asyncio.run(main(0.3, 100))  # the race outlasts the budget: the client gets the 503
+    assert lost.status_code == 503 and 2 <= calls["write"] <= 6
+
     monkeypatch.setenv("QOSFLOW_SERVER_GC_THREAD", "0")
     assert "qosflow.prefect.server_process" in _server_cmd(LocalServer(tmp_path / "c", ui=False), monkeypatch)
-    monkeypatch.setenv("QOSFLOW_SERVER_RETRY_AFTER", "0")  # both off: Prefect's own server and back-off
-    assert "PREFECT_CLIENT_MAX_RETRIES" not in server_env(tmp_path, 4200)
+    monkeypatch.setenv("QOSFLOW_SERVER_RETRY_S", "0")  # both off: Prefect's own server
     assert "qosflow.prefect.server_process" not in _server_cmd(LocalServer(tmp_path / "d", ui=False), monkeypatch)
 
 

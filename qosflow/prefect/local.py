@@ -52,8 +52,7 @@ def prefect_database_url(url: str | None, home: str | Path) -> str:
 def server_env(home: str | Path, port: int, *, ui: bool = True, database_url: str | None = None) -> dict[str, str]:
     home = str(home)
     api = f"http://127.0.0.1:{port}/api"
-    db = prefect_database_url(database_url, home)
-    env = {
+    return {
         "PREFECT_HOME": home,
         "PREFECT_API_URL": api,
         "PREFECT_UI_API_URL": api,
@@ -61,21 +60,17 @@ def server_env(home: str | Path, port: int, *, ui: bool = True, database_url: st
         "PREFECT_UI_ENABLED": "true" if ui else "false",
         "PREFECT_SERVER_API_HOST": "127.0.0.1",
         "PREFECT_SERVER_API_PORT": str(port),
-        "PREFECT_API_DATABASE_CONNECTION_URL": db,
+        "PREFECT_API_DATABASE_CONNECTION_URL": prefect_database_url(database_url, home),
         "PREFECT_LOCAL_STORAGE_PATH": f"{home}/storage",
         "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
         "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
     }
-    if db.startswith("sqlite") and retry_after_s() > 0:
-        # the SQLite server answers a lost write race with 503 and Retry-After of about a second
-        # (server_process.retry_soon): 60 such retries keep the minute of patience of Prefect's 2..32 s back-off
-        env["PREFECT_CLIENT_MAX_RETRIES"] = "60"
-    return env
 
 
-def retry_after_s() -> float:
-    """Mean Retry-After of the SQLite server's 503 answers (QOSFLOW_SERVER_RETRY_AFTER, default 1 s; 0: off)."""
-    return env_number("QOSFLOW_SERVER_RETRY_AFTER", 1.0)
+def server_retry_s() -> float:
+    """How long the SQLite server retries a request that lost SQLite's write race itself
+    (QOSFLOW_SERVER_RETRY_S, default 15 s; 0: off), server_process.RetryLostWriteRaces."""
+    return env_number("QOSFLOW_SERVER_RETRY_S", 15.0)
 
 
 class LocalServer:
@@ -106,9 +101,10 @@ class LocalServer:
         logf = open(self.log_path, "ab")
         # on SQLite, the server's garbage collection runs off its event loop (see server_process.py:
         # a collection in the loop could stall every request for the 60 s of SQLite's busy timeout);
-        # QOSFLOW_SERVER_GC_THREAD=0 runs plain `python -m prefect`
+        # and it retries requests that lost SQLite's write race itself; QOSFLOW_SERVER_GC_THREAD=0 with
+        # QOSFLOW_SERVER_RETRY_S=0 runs plain `python -m prefect`
         sqlite = self.env["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("sqlite")
-        patched = sqlite and (env_flag("QOSFLOW_SERVER_GC_THREAD") or retry_after_s() > 0)
+        patched = sqlite and (env_flag("QOSFLOW_SERVER_GC_THREAD") or server_retry_s() > 0)
         module = "qosflow.prefect.server_process" if patched else "prefect"
         cmd = [sys.executable, "-m", module, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         if not self.ui:

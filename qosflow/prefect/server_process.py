@@ -17,18 +17,18 @@ collection in another thread may wait on the same mutex, but it waits alone: the
 serving, the write transaction commits, and the mutex comes free.
 
 A second change, for the same SQLite server: a write that loses SQLite's write race (SQLITE_BUSY /
-SQLITE_BUSY_SNAPSHOT: WAL mode answers a deferred transaction that read, then wants to write after
-another writer committed, at once, without waiting) gets Prefect's 503 "Service Unavailable". Prefect's
-client retries a 503 after 2, 4, 8, 16 and 32 s unless the answer carries a ``Retry-After`` header;
-in the demo these back-offs held a stage's start for up to 52 s while the server was idle again
-within a second. So the server's 503 answers say ``Retry-After`` a random 0.5-1.5 s
-(`QOSFLOW_SERVER_RETRY_AFTER`, the mean in seconds; 0 leaves Prefect's answer as it is), and the
-clients qosflow starts against this server allow 60 retries (`PREFECT_CLIENT_MAX_RETRIES`, set by
-`qosflow.prefect.local.server_env`), about the minute of patience Prefect's own back-off gives.
+SQLITE_BUSY_SNAPSHOT: in WAL mode a deferred transaction that read, then wants to write after
+another writer committed, fails at once, without waiting) gets Prefect's 503 "Service Unavailable",
+and Prefect's client retries it after 2, 4, 8, 16 and 32 s. In the demo these back-offs held a
+stage's start for up to 52 s while the race was over within a second. The server now retries such a
+request itself (`RetryLostWriteRaces`): the transaction was rolled back, so the request is replayed
+(its body kept) after 0.05-1 s, doubling, for up to `QOSFLOW_SERVER_RETRY_S` seconds (default 15; 0:
+off), and only then answers the 503, after which the client's own back-off applies as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import random
 import threading
@@ -59,29 +59,103 @@ def collect_off_the_event_loop() -> threading.Thread:
     return t
 
 
-def retry_soon(mean_s: float) -> None:
-    """Make the Prefect server's retryable 503 answers carry ``Retry-After`` (uniform in
-    [0.5, 1.5] x `mean_s` seconds, so that clients that lost the same race do not meet again)."""
-    if mean_s <= 0:
+class RetryLostWriteRaces:
+    """ASGI middleware around Prefect's app: a request whose handling ended in a retryable database
+    error (Prefect answers those with 503, `is_client_retryable_exception`) is run again, with the same
+    body, after a short pause, for at most `budget_s` seconds; the client sees the first other answer,
+    or the last 503. A 503 without such an error (e.g. a health check) is answered at once."""
+
+    def __init__(self, app, *, budget_s: float = 15.0, max_body: int = 8 << 20):
+        self.app = app
+        self.budget_s = budget_s
+        self.max_body = max_body
+        self.retries = 0  # requests run again (tests, logs)
+
+    def __getattr__(self, name):  # the wrapped app's attributes (state, routes, ...) stay reachable
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.budget_s <= 0:
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client left while sending: nothing to replay
+                return await self.app(scope, _replay(chunks, receive, last=msg), send)
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if not msg.get("more_body", False):
+                break
+            if size > self.max_body:  # too large to keep: run once, as it comes
+                return await self.app(scope, _replay(chunks, receive, more=True), send)
+        body = b"".join(chunks)
+        from prefect.server.api.server import is_client_retryable_exception
+
+        start, pause = time.monotonic(), 0.05
+        while True:
+            held: list[dict] = []
+            passed = False
+
+            async def hold_503(msg) -> None:
+                nonlocal passed
+                if passed or (msg["type"] == "http.response.start" and msg["status"] != 503):
+                    passed = True
+                    await send(msg)
+                else:
+                    held.append(msg)
+
+            try:
+                await self.app(scope, _replay([body], receive), hold_503)
+                error = None
+            except Exception as exc:  # noqa: BLE001 (re-raised below unless retried)
+                error = exc
+            if (held and not passed and error is not None and is_client_retryable_exception(error)
+                    and time.monotonic() - start + pause <= self.budget_s):
+                self.retries += 1
+                await asyncio.sleep(pause * random.uniform(0.5, 1.5))
+                pause = min(1.0, pause * 2)
+                continue
+            for msg in held:
+                await send(msg)
+            if error is not None:
+                raise error
+            return
+
+
+def _replay(chunks: list[bytes], receive, *, more: bool = False, last: dict | None = None):
+    """An ASGI `receive` that hands out the body read so far, then defers to the real one."""
+    pending = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+    if pending and not more:
+        pending[-1]["more_body"] = False
+    if last is not None:
+        pending.append(last)
+
+    async def _receive():
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return _receive
+
+
+def retry_lost_write_races(budget_s: float) -> None:
+    """Wrap the app Prefect's server command creates in `RetryLostWriteRaces` (budget 0: leave it)."""
+    if budget_s <= 0:
         return
     from prefect.server.api import server
 
-    handler = server.custom_internal_exception_handler
+    create_app = server.create_app
 
-    async def custom_internal_exception_handler(request, exc):  # the name create_app() looks up
-        response = await handler(request, exc)
-        if response.status_code == 503 and "retry-after" not in response.headers:
-            response.headers["Retry-After"] = f"{mean_s * random.uniform(0.5, 1.5):.2f}"
-        return response
+    def create_app_retrying(*args, **kwargs):
+        return RetryLostWriteRaces(create_app(*args, **kwargs), budget_s=budget_s)
 
-    custom_internal_exception_handler.__wrapped__ = handler  # type: ignore[attr-defined]
-    server.custom_internal_exception_handler = custom_internal_exception_handler
+    server.create_app = create_app_retrying
 
 
 def main() -> None:
     if env_flag("QOSFLOW_SERVER_GC_THREAD"):
         collect_off_the_event_loop()
-    retry_soon(env_number("QOSFLOW_SERVER_RETRY_AFTER", 1.0))
+    retry_lost_write_races(env_number("QOSFLOW_SERVER_RETRY_S", 15.0))
     from prefect.cli import app
 
     app()
