@@ -624,3 +624,36 @@ def test_connection_accepted_as_the_agent_stops_is_closed_too(tmp_path):
             await asyncio.gather(serving, return_exceptions=True)
 
     asyncio.run(go())
+
+
+def test_worker_start_takes_a_cluster_file(tmp_path, monkeypatch, capsys):
+    """`qosflow worker start --cluster-file lab.yaml` (before: only QOSFLOW_CLUSTER_FILE): the file is
+    checked before anything starts and handed to the worker."""
+    import qosflow.prefect.local as local
+    import qosflow.prefect.worker as worker
+    from qosflow.cli.main import main
+
+    f = tmp_path / "lab.yaml"
+    f.write_text("token: x\nhosts:\n  - {name: h, agent_url: 'http://127.0.0.1:7800'}\n")
+    seen = {}
+
+    class FakeWorker:
+        def __init__(self, **kw):
+            seen.update(kw)
+
+        async def start(self):
+            return None
+
+    async def pool_ok(pool):
+        return None
+
+    monkeypatch.setattr(local, "require_api_url", lambda who: "http://127.0.0.1:9/api")
+    monkeypatch.setattr(local, "check_pool", pool_ok)
+    monkeypatch.setattr(worker, "QosflowWorker", FakeWorker)
+    assert main(["worker", "start", "--pool", "gpu", "--cluster-file", str(f)]) == 0
+    assert seen["cluster_file"] == str(f.resolve()) and seen["work_pool_name"] == "gpu"
+    (tmp_path / "bad.yaml").write_text("token: x\nhosts:\n  - {name: h}\n")
+    assert main(["worker", "start", "--pool", "gpu", "--cluster-file", str(tmp_path / "bad.yaml")]) == 2
+    assert "bad.yaml: hosts[0]" in capsys.readouterr().err
+    assert main(["worker", "start", "--pool", "gpu", "--cluster-file", str(f), "--cluster-block", "lab"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -9,14 +10,14 @@ import typer
 HELP = """Start the qosflow worker on a `qosflow` work pool.
 
 Its cluster and policy come from the pool's `cluster_block`/`policy_block` defaults (see `qosflow init`),
-or from --cluster-block/--policy; QOSFLOW_CLUSTER_FILE=lab.yaml runs the stages through the host agents
-listed in that file. Equivalent to `prefect worker start --pool POOL` for a qosflow pool.
+or from --cluster-block/--policy; --cluster-file lab.yaml (or QOSFLOW_CLUSTER_FILE) runs the stages through
+the host agents listed in that file. Equivalent to `prefect worker start --pool POOL` for a qosflow pool.
 
 Examples:
 
   qosflow worker start --pool gpu
 
-  QOSFLOW_CLUSTER_FILE=lab.yaml qosflow worker start --pool gpu
+  qosflow worker start --pool gpu --cluster-file lab.yaml
 
   qosflow worker start --pool gpu --cluster-block k8s-a100
 """
@@ -30,6 +31,7 @@ def register(app: typer.Typer) -> None:
         pool: str = typer.Option(..., "--pool", "-p", help="work pool name"),
         name: Optional[str] = typer.Option(None, "--name", help="worker name"),
         cluster_block: Optional[str] = typer.Option(None, "--cluster-block", help="cluster block name: a qosflow-bare-metal-cluster, else a qosflow-kubernetes-cluster block (or SLUG/NAME); default: the pool's cluster_block"),
+        cluster_file: Optional[Path] = typer.Option(None, "--cluster-file", help="cluster file (YAML/JSON: hosts, agent URLs, token): run the stages through those agents (default: $QOSFLOW_CLUSTER_FILE, else the pool's cluster)"),
         policy: Optional[str] = typer.Option(None, "--policy", help="policy name (overrides the pool's policy block)"),
         estimator: Optional[str] = typer.Option(None, "--estimator", help="history | declared | learned | module:attr"),
         limit: Optional[int] = typer.Option(None, "--limit", help="most stage runs at once"),
@@ -40,6 +42,14 @@ def register(app: typer.Typer) -> None:
         from qosflow.prefect.local import check_pool, require_api_url
         from qosflow.prefect.worker import QosflowWorker
 
+        if cluster_file is not None and cluster_block:
+            from qosflow.errors import SpecError
+
+            raise SpecError("--cluster-file", "give either --cluster-file or --cluster-block, not both")
+        if cluster_file is not None:
+            from qosflow.backends.agent import load_cluster_file
+
+            load_cluster_file(cluster_file)  # a bad file fails here, naming the file and the field
         require_api_url("the qosflow worker")
         if policy:
             from qosflow.policies import get_policy
@@ -54,7 +64,8 @@ def register(app: typer.Typer) -> None:
             os.environ["QOSFLOW_CLUSTER_BLOCK"] = cluster_block
 
         async def main() -> None:
-            w = QosflowWorker(work_pool_name=pool, name=name, policy=policy, estimator=estimator, limit=limit, create_pool_if_not_found=False)
+            w = QosflowWorker(work_pool_name=pool, name=name, policy=policy, estimator=estimator, limit=limit, create_pool_if_not_found=False,
+                              cluster_file=str(cluster_file.resolve()) if cluster_file is not None else None)
             await w.start()
 
         try:
