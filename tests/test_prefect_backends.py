@@ -489,7 +489,7 @@ def test_sqlite_server_retries_a_request_that_lost_the_write_race_itself(tmp_pat
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
+    from starlette.routing import Mount, Route
 
     from qosflow.prefect.local import LocalServer
     from qosflow.prefect.server_process import RetryLostWriteRaces
@@ -512,13 +512,14 @@ def test_sqlite_server_retries_a_request_that_lost_the_write_race_itself(tmp_pat
         calls["health"] += 1
         return Response(status_code=503)
 
-    app = Starlette(routes=[Route("/write", write, methods=["POST"]), Route("/bug", bug, methods=["POST"]), Route("/health", health)],
+    api = Starlette(routes=[Route("/write", write, methods=["POST"]), Route("/bug", bug, methods=["POST"]), Route("/health", health)],
                     exception_handlers={Exception: custom_internal_exception_handler})  # Prefect's own 503/500 answers
+    app = Starlette(routes=[Mount("/api", app=api)])  # as Prefect mounts its API (routing rewrites the scope's path)
 
     async def main(budget, lose):
         mw = RetryLostWriteRaces(app, budget_s=budget)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=mw, raise_app_exceptions=False), base_url="http://s") as c:
-            return mw, [await c.post("/write", json={"lose": lose, "x": "y" * 100_000}), await c.post("/bug", json={}), await c.get("/health")]
+            return mw, [await c.post("/api/write", json={"lose": lose, "x": "y" * 100_000}), await c.post("/api/bug", json={}), await c.get("/api/health")]
 
     mw, (won, bugged, sick) = asyncio.run(main(15.0, 2))
     assert won.status_code == 200 and won.json()["got"]["x"] == "y" * 100_000 and won.json()["try"] == 3 and mw.retries == 2

@@ -104,8 +104,8 @@ class RetryLostWriteRaces:
                 else:
                     held.append(msg)
 
-            try:
-                await self.app(scope, _replay([body], receive), hold_503)
+            try:  # a fresh copy of the scope each time: routing rewrites it in place (e.g. a mount's path)
+                await self.app(dict(scope), _replay([body], receive), hold_503)
                 error = None
             except Exception as exc:  # noqa: BLE001 (re-raised below unless retried)
                 error = exc
