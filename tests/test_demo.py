@@ -63,7 +63,9 @@ def test_demo_across_two_real_agents_from_a_cluster_file(tmp_path):
 
 
 def test_a_terminated_demo_stops_its_prefect_server(tmp_path):
-    """SIGTERM ended the demo at once and left its Prefect server (its own session) running."""
+    """SIGTERM ended the demo at once and left its Prefect server (its own session) running; once that
+    was fixed, a demo terminated while its pipelines ran stopped its server but never exited (its
+    pipelines' threads waited for stages that would never end)."""
     import signal
     import time
 
@@ -86,8 +88,17 @@ def test_a_terminated_demo_stops_its_prefect_server(tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.5)
         assert up, "the demo's server did not come up"
+        running = False  # terminate it while its pipelines run
+        while time.monotonic() < deadline and not running:
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/api/flow_runs/count", json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}, timeout=5)
+                running = r.status_code == 200 and r.json() >= 2
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert running, "the demo's pipelines did not start"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) != 0
+        assert proc.wait(120) == 128 + signal.SIGTERM
         gone = False
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not gone:

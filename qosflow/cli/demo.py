@@ -74,10 +74,25 @@ def register(app: typer.Typer) -> None:
             load_cluster_file(cluster)  # a bad file fails here, naming the file and the field
         from qosflow.prefect.demo import run_demo
 
-        report = run_demo(ui=ui, json_out=str(json_out) if json_out else None, port=port, home=str(home) if home else None,
-                          policy=policy, hosts=hosts, gpus_per_host=gpus, cores_per_host=cores, keep_open=ui,
-                          cluster_file=str(cluster.resolve()) if cluster is not None else None, database_url=database_url)
+        try:
+            report = run_demo(ui=ui, json_out=str(json_out) if json_out else None, port=port, home=str(home) if home else None,
+                              policy=policy, hosts=hosts, gpus_per_host=gpus, cores_per_host=cores, keep_open=ui,
+                              cluster_file=str(cluster.resolve()) if cluster is not None else None, database_url=database_url)
+        except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM: the worker and server are stopped by now
+            _exit_now(130 if isinstance(exc, KeyboardInterrupt) else exc.code)
         failed = [p["name"] for p in report["pipelines"] if p.get("state") != "completed"]
         if failed:
             typer.secho(f"pipelines that did not complete: {', '.join(failed)}", err=True, fg="red")
             raise typer.Exit(1)
+
+
+def _exit_now(code) -> None:
+    """End the process at once. Interrupted pipelines leave threads (Prefect's task runners) waiting
+    for stages that will never end now that the worker and the server are stopped; Python's exit
+    would join them, and the demo hung after Ctrl-C or SIGTERM."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)
