@@ -6,6 +6,12 @@ Policies never read a job's true duration. They ask an `Estimator`:
 * `NoisyEstimator` -- the truth times a seeded per-job error (e.g. +-30 %), for sensitivity studies;
 * `DeclaredEstimator` -- what the user declared (`expected_duration`) or, failing that, a default;
 * the learned predictor (`qosflow.predict`) implements the same protocol.
+
+An estimator may also say how far off it may be: `remaining_high` and `pair_slowdown_high` give
+pessimistic values (about the `HIGH_QUANTILE` quantile of the truth given the estimate). They are
+optional; `remaining_high(est, js)` and `pair_slowdown_high(est, a, b)` below fall back to the point
+estimate, i.e. no stated uncertainty -- which is exact for the oracle. The qosflow policy checks
+deadline promises against them (docs/policies.md, "Deadline checks on the stated error band").
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from typing import Protocol, runtime_checkable
 
 from qosflow.core.job import Job, JobState
 from qosflow.core.speed import SpeedModel
+
+
+#: the quantile of the truth a pessimistic ("high") estimate stands for
+HIGH_QUANTILE = 0.9
 
 
 @runtime_checkable
@@ -35,6 +45,20 @@ class Estimator(Protocol):
     def cpu_factor(self, job: Job, cores: float) -> float: ...
 
 
+def remaining_high(est, js: JobState) -> float:
+    """A pessimistic remaining time of `js` (about the HIGH_QUANTILE quantile of the truth), from an
+    estimator that states one; otherwise its point estimate (no stated uncertainty)."""
+    f = getattr(est, "remaining_high", None)
+    return f(js) if f is not None else est.remaining(js)
+
+
+def pair_slowdown_high(est, a: Job, b: Job) -> tuple[float, float]:
+    """Pessimistic (xi_a, xi_b) if a and b share GPUs; the point estimate from an estimator that
+    states no uncertainty."""
+    f = getattr(est, "pair_slowdown_high", None)
+    return f(a, b) if f is not None else est.pair_slowdown(a, b)
+
+
 class OracleEstimator:
     """Exact knowledge of every job (the simulator's truth)."""
 
@@ -51,6 +75,14 @@ class OracleEstimator:
 
     def pair_slowdown(self, a: Job, b: Job) -> tuple[float, float]:
         return self.speed.pair_slowdown(a, b)
+
+    # the truth has no error band: the pessimistic values are the point estimates (subclasses that
+    # override the point estimates without these state no band either)
+    def remaining_high(self, js: JobState) -> float:
+        return self.remaining(js)
+
+    def pair_slowdown_high(self, a: Job, b: Job) -> tuple[float, float]:
+        return self.pair_slowdown(a, b)
 
     def spread_slowdown(self, job: Job, num_nodes: int, min_nodes: int) -> float:
         return self.speed.spread_slowdown(job, num_nodes, min_nodes)
@@ -69,6 +101,12 @@ class NoisyEstimator(OracleEstimator):
     """The truth times a per-job error drawn once, uniformly in [1 - error, 1 + error] (seeded).
 
     Slowdown estimates get the same relative error on their excess over 1.
+
+    It states its error band honestly: the truth is the estimate over f, f uniform in
+    [1 - error, 1 + error] and independent of the truth (with a scale-free prior on the truth, the
+    posterior of f given the estimate is that same uniform law). So the q-quantile of the truth is
+    the estimate / (1 - error * (2q - 1)) -- for q = HIGH_QUANTILE and +-30 %, x 1.316. The error of
+    a running job's remaining time is its duration's (its progress does not correct the estimate).
     """
 
     def __init__(self, speed: SpeedModel | None = None, *, error: float = 0.3, seed: int = 0):
@@ -81,6 +119,8 @@ class NoisyEstimator(OracleEstimator):
         self.seed = seed
         self.name = f"noisy±{error * 100:g}%"
         self._dur: dict[str, float] = {}
+        #: the truth is at most the estimate times this, with probability HIGH_QUANTILE
+        self.high_factor = 1.0 / (1.0 - error * (2.0 * HIGH_QUANTILE - 1.0))
 
     def _factor(self, key: str) -> float:
         return 1.0 + self.error * (2.0 * _unit(self.seed, key) - 1.0)
@@ -97,6 +137,14 @@ class NoisyEstimator(OracleEstimator):
         fa = self._factor(f"xi:{a.job_id}:{b.job_id}")
         fb = self._factor(f"xi:{b.job_id}:{a.job_id}")
         return 1.0 + (xa - 1.0) * fa, 1.0 + (xb - 1.0) * fb
+
+    def remaining_high(self, js: JobState) -> float:
+        return self.remaining(js) * self.high_factor
+
+    def pair_slowdown_high(self, a: Job, b: Job) -> tuple[float, float]:
+        xa, xb = self.pair_slowdown(a, b)
+        h = self.high_factor
+        return 1.0 + (xa - 1.0) * h, 1.0 + (xb - 1.0) * h
 
 
 class DeclaredEstimator(OracleEstimator):

@@ -727,6 +727,22 @@ class LearnedEstimator:
         self.predict_pair(a, b)
         return self._pair_val[(self._sig_of(a)[1], self._sig_of(b)[1])]
 
+    def remaining_high(self, js: JobState) -> float:
+        """The 90th percentile of the remaining time: its Prediction's `high` (the step time's or the
+        history's band; once the job's signature has measured samples the band narrows to theirs)."""
+        if js.placement is None and js.progress <= 0:
+            hit = self._dur.get(js.job_id)
+            p = hit[1] if hit is not None and self._version.get(hit[2], 0) == hit[0] else self.predict_duration(js.job)
+        else:
+            p = self.predict_remaining(js)
+        return max(p.high, p.value) if math.isfinite(p.high) else p.value
+
+    def pair_slowdown_high(self, a: Job, b: Job) -> tuple[float, float]:
+        """The 90th percentiles of the pair's slowdowns (never below the values planned with)."""
+        pa, pb = self.predict_pair(a, b)
+        va, vb = self.pair_slowdown(a, b)
+        return max(pa.high, va), max(pb.high, vb)
+
     def spread_slowdown(self, job: Job, num_nodes: int, min_nodes: int) -> float:
         if num_nodes <= min_nodes:
             return 1.0
