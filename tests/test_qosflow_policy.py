@@ -445,3 +445,110 @@ def test_partner_rank_chooses_by_benefit_or_by_throughput(rank, partner):
 def test_partner_rank_is_validated():
     with pytest.raises(ValueError, match="partner_rank"):
         get_policy("qosflow", partner_rank="luck")
+
+
+# ---------------------------------------------------------------- deadline checks on the error band
+
+
+class _PairTable:
+    """Two models that slow each other 1.8x when they share a GPU."""
+
+    def pair_slowdown(self, a, b, gpus=1):
+        return (1.8, 1.8)
+
+    def spread_slowdown(self, model, gpus):
+        return 1.5
+
+
+class _Banded:
+    """Exact point estimates with a stated band: the truth may be up to `h` x the remaining time
+    (and the excess of a slowdown over 1 up to `h` x its estimate)."""
+
+    def __new__(cls, speed, h):
+        from qosflow.core.estimate import OracleEstimator
+
+        class Banded(OracleEstimator):
+            name = "banded"
+
+            def remaining_high(self, js):
+                return self.remaining(js) * h
+
+            def pair_slowdown_high(self, a, b):
+                xa, xb = self.pair_slowdown(a, b)
+                return 1.0 + (xa - 1.0) * h, 1.0 + (xb - 1.0) * h
+
+        return Banded(speed)
+
+
+def _urgent_next_to(blocker_s: float, estimator_band: float | None, **opts):
+    """A 100 s deadline job (210 s after time 0) arrives at 10 s on the one GPU, held by a shareable
+    job of `blocker_s`; sharing slows it 1.8x (done at 190 s at the point estimates)."""
+    from qosflow.core.estimate import OracleEstimator
+
+    spec = ClusterSpec.uniform(1, 1, gpu_mem_mb=32000)
+    sm = SpeedModel(_PairTable())
+    jobs = [
+        Job("blocker", 0.0, QoSSpec(shareable=True, gpu_mem_mb=4000), blocker_s, model="a"),
+        Job("urgent", 10.0, QoSSpec(shareable=True, gpu_mem_mb=4000, deadline=200.0), 100.0, model="b"),
+    ]
+    est = OracleEstimator(sm) if estimator_band is None else _Banded(sm, estimator_band)
+    res = simulate(jobs, spec, get_policy("qosflow", **opts), estimator=est, speed=sm, config=SimConfig(restart_overhead=0))
+    return {j.job_id: j for j in res.jobs}
+
+
+def test_a_stated_band_makes_a_deadline_job_wait_rather_than_share():
+    """At the point estimates the share meets the deadline (10 + 1.8 x 100 = 190 <= 210), so without
+    a band the job shares at once. With a stated band of 1.3 x, shared it may end at
+    10 + 2.04 x 130 = 275 (a miss), while the GPU of its own frees at 30 s, and 30 + 130 = 160 meets
+    the deadline even pessimistically: it waits for it."""
+    plain = _urgent_next_to(30.0, None)
+    assert plain["urgent"].first_start == pytest.approx(10.0)
+    assert "sharing GPUs with blocker" in plain["urgent"].note
+    banded = _urgent_next_to(30.0, 1.3)
+    assert banded["urgent"].first_start == pytest.approx(30.0)
+    assert "sharing" not in banded["urgent"].note
+    assert banded["urgent"].finish_time <= 210.0
+    # without deadline_band the same estimator's band is not used
+    off = _urgent_next_to(30.0, 1.3, deadline_band=False)
+    assert off["urgent"].first_start == pytest.approx(10.0)
+
+
+def test_a_stated_band_still_shares_when_waiting_would_miss_too():
+    """If the GPU of its own frees too late to meet the deadline even at the point estimates, sharing
+    at once is the job's best chance, band or not."""
+    # (no makespan guard: it keeps partners off the job that ends last)
+    banded = _urgent_next_to(1000.0, 1.3, makespan_beta=None)
+    assert banded["urgent"].first_start == pytest.approx(10.0)
+    assert "sharing GPUs with blocker" in banded["urgent"].note
+
+
+def test_deadline_band_must_be_a_bool():
+    with pytest.raises(ValueError, match="deadline_band must be true or false"):
+        get_policy("qosflow", deadline_band="yes")
+
+
+def _backfill_before_a_deadline_gang(estimator_band: float | None, **opts):
+    """One node of 2 GPUs: a 100 s job holds one; a 2-GPU deadline gang arrives and reserves the node
+    for when it empties (t = 100); an 80 s job could backfill the free GPU meanwhile (done at 82 at
+    its point estimate, at 106 at 1.3 x)."""
+    from qosflow.core.estimate import OracleEstimator
+
+    spec = ClusterSpec.uniform(1, 2)
+    sm = SpeedModel(Table())
+    jobs = [
+        Job("a", 0.0, QoSSpec(gpus=1), 100.0, model="a"),
+        Job("gang", 1.0, QoSSpec(gpus=2, deadline=250.0), 100.0, model="b"),
+        Job("filler", 2.0, QoSSpec(gpus=1), 80.0, model="c"),
+    ]
+    est = OracleEstimator(sm) if estimator_band is None else _Banded(sm, estimator_band)
+    pol = get_policy("qosflow", makespan_beta=None, **opts)
+    return {j.job_id: j for j in simulate(jobs, spec, pol, estimator=est, speed=sm, config=SimConfig(restart_overhead=0)).jobs}
+
+
+def test_a_stated_band_keeps_backfill_off_a_deadline_gangs_reservation():
+    plain = _backfill_before_a_deadline_gang(None)
+    assert plain["filler"].first_start == pytest.approx(2.0)
+    banded = _backfill_before_a_deadline_gang(1.3)
+    assert banded["filler"].first_start >= banded["gang"].first_start
+    assert banded["gang"].first_start == pytest.approx(100.0)
+    assert _backfill_before_a_deadline_gang(1.3, deadline_band=False)["filler"].first_start == pytest.approx(2.0)
