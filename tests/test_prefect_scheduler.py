@@ -409,3 +409,22 @@ def test_a_waiting_stage_is_told_why_in_its_log_and_its_start_drops_the_stale_re
         watch.cancel()
 
     asyncio.run(main())
+
+
+def test_history_estimator_states_a_band_from_the_stages_own_runs(tmp_path):
+    """The policy checks deadline promises on an estimator's stated band (remaining_high); the live
+    worker's default estimator states one from a stage's own run-to-run spread, and none before the
+    stage has run twice (a declared duration's error is unknown)."""
+    from qosflow.core.estimate import remaining_high
+
+    h = HistoryEstimator(str(tmp_path / "h.json"))
+    e = entry("s", expected=10.0)
+    assert remaining_high(h, e.state) == h.remaining(e.state) == 10.0
+    h.observe(e.job, 12.0)
+    assert remaining_high(h, e.state) == 12.0  # one run: a point, no spread yet
+    for x in (10.0, 14.0):
+        h.observe(e.job, x)
+    r, hi = h.remaining(e.state), remaining_high(h, e.state)
+    assert r == 12.0 and hi == pytest.approx(12.0 + 1.2816 * h.spread(e.job), rel=1e-3) and hi > 13.5
+    e.state.progress = 0.5
+    assert remaining_high(h, e.state) == pytest.approx(hi / 2)
