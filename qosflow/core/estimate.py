@@ -17,6 +17,7 @@ deadline promises against them (docs/policies.md, "Deadline checks on the stated
 from __future__ import annotations
 
 import hashlib
+from statistics import NormalDist
 from typing import Protocol, runtime_checkable
 
 from qosflow.core.job import Job, JobState
@@ -25,6 +26,8 @@ from qosflow.core.speed import SpeedModel
 
 #: the quantile of the truth a pessimistic ("high") estimate stands for
 HIGH_QUANTILE = 0.9
+#: the standard normal's HIGH_QUANTILE quantile (1.2816): a normal band's "high" is the mean + Z_HIGH sd
+Z_HIGH = round(NormalDist().inv_cdf(HIGH_QUANTILE), 4)
 
 
 @runtime_checkable

@@ -53,6 +53,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from qosflow.core.estimate import Z_HIGH as Z90
 from qosflow.core.estimate import _unit
 from qosflow.core.job import Job, JobState
 from qosflow.predict.cpu import CpuCurve, fit_curve
@@ -87,7 +88,6 @@ MAX_SLOWDOWN = 10.0
 PAIR_REFIT_EVERY = 8
 #: simulation: a running job's slowdown is read from its progress over intervals of at least this (seconds)
 IN_FLIGHT_INTERVAL = 1800.0
-Z90 = 1.2816
 
 
 def job_signature(job: Job) -> str:
@@ -731,8 +731,7 @@ class LearnedEstimator:
         """The 90th percentile of the remaining time: its Prediction's `high` (the step time's or the
         history's band; once the job's signature has measured samples the band narrows to theirs)."""
         if js.placement is None and js.progress <= 0:
-            hit = self._dur.get(js.job_id)
-            p = hit[1] if hit is not None and self._version.get(hit[2], 0) == hit[0] else self.predict_duration(js.job)
+            p = self.predict_duration(js.job)  # cached per job, as `duration` reads it
         else:
             p = self.predict_remaining(js)
         return max(p.high, p.value) if math.isfinite(p.high) else p.value

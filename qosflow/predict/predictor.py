@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from qosflow.core.estimate import Z_HIGH as Z90
 from qosflow.core.gpu_names import CPU_ONLY
 from qosflow.predict.cpu import CpuCurve, default_curve, fit_curve
 from qosflow.predict.interference import InterferenceModel, JobMeta
@@ -36,7 +37,6 @@ INFEASIBLE_SLOWDOWN = 10.0
 DEFAULT_PAIR_SLOWDOWN = 1.4
 #: relative spread (log) assumed for a single measurement and for fallbacks
 SINGLE_SAMPLE_LOG_SD = 0.10
-Z90 = 1.2816
 
 
 def canonical(signature: str) -> str:

@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 
 from qosflow.core.cluster import ClusterSpec
-from qosflow.env import env_flag, env_number
+from qosflow.env import env_flag
+from qosflow.prefect.server_process import retry_budget_s
 
 
 def free_port() -> int:
@@ -67,12 +68,6 @@ def server_env(home: str | Path, port: int, *, ui: bool = True, database_url: st
     }
 
 
-def server_retry_s() -> float:
-    """How long the SQLite server retries a request that lost SQLite's write race itself
-    (QOSFLOW_SERVER_RETRY_S, default 15 s; 0: off), server_process.RetryLostWriteRaces."""
-    return env_number("QOSFLOW_SERVER_RETRY_S", 15.0)
-
-
 class LocalServer:
     """`prefect server start` as a child process (SQLite under `home` unless `database_url` names a
     PostgreSQL database, UI on unless `ui=False`)."""
@@ -104,7 +99,7 @@ class LocalServer:
         # and it retries requests that lost SQLite's write race itself; QOSFLOW_SERVER_GC_THREAD=0 with
         # QOSFLOW_SERVER_RETRY_S=0 runs plain `python -m prefect`
         sqlite = self.env["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("sqlite")
-        patched = sqlite and (env_flag("QOSFLOW_SERVER_GC_THREAD") or server_retry_s() > 0)
+        patched = sqlite and (env_flag("QOSFLOW_SERVER_GC_THREAD") or retry_budget_s() > 0)
         module = "qosflow.prefect.server_process" if patched else "prefect"
         cmd = [sys.executable, "-m", module, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         if not self.ui:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from qosflow.core.cluster import ClusterSpec, ClusterState, PlacementError
-from qosflow.core.estimate import HIGH_QUANTILE, DeclaredEstimator, Estimator
+from qosflow.core.estimate import Z_HIGH, DeclaredEstimator, Estimator
 from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.core.placement import Placement
 from qosflow.placement_api import read_progress
@@ -583,9 +583,6 @@ class HistoryEstimator(DeclaredEstimator):
             return max(float(statistics.pstdev(xs)), 0.05 * d)
         return 0.5 * d if not xs else 0.25 * d
 
-    #: the standard normal's HIGH_QUANTILE quantile (1.28 for the 90th percentile)
-    Z_HIGH = statistics.NormalDist().inv_cdf(HIGH_QUANTILE)
-
     def remaining_high(self, js: JobState) -> float:
         """About the 90th percentile of the remaining time, for the policy's deadline promises: the
         point estimate stretched by the stage's own run-to-run spread once it has run at least twice
@@ -594,7 +591,7 @@ class HistoryEstimator(DeclaredEstimator):
         d = self.duration(js.job)
         if len(self.runs.get(js.job.model, ())) < 2 or d <= 0:
             return r
-        return r * (1.0 + self.Z_HIGH * self.spread(js.job) / d)
+        return r * (1.0 + Z_HIGH * self.spread(js.job) / d)
 
     def observe(self, job: Job, actual_s: float) -> None:
         if actual_s <= 0 or not math.isfinite(actual_s):

@@ -40,6 +40,12 @@ from qosflow.env import env_flag, env_number
 PERIODS = (0.1, 1.0, 10.0)
 
 
+def retry_budget_s() -> float:
+    """How long the server retries a request that lost SQLite's write race itself
+    (QOSFLOW_SERVER_RETRY_S, default 15 s; 0: off)."""
+    return env_number("QOSFLOW_SERVER_RETRY_S", 15.0)
+
+
 def _collector() -> None:
     n = 0
     step = PERIODS[0]
@@ -155,7 +161,7 @@ def retry_lost_write_races(budget_s: float) -> None:
 def main() -> None:
     if env_flag("QOSFLOW_SERVER_GC_THREAD"):
         collect_off_the_event_loop()
-    retry_lost_write_races(env_number("QOSFLOW_SERVER_RETRY_S", 15.0))
+    retry_lost_write_races(retry_budget_s())
     from prefect.cli import app
 
     app()
