@@ -506,7 +506,9 @@ def test_a_stated_band_makes_a_deadline_job_wait_rather_than_share():
     assert "sharing GPUs with blocker" in plain["urgent"].note
     banded = _urgent_next_to(30.0, 1.3)
     assert banded["urgent"].first_start == pytest.approx(30.0)
-    assert "sharing" not in banded["urgent"].note
+    assert "sharing GPUs with" not in banded["urgent"].note
+    # and it says why it did not share
+    assert "not shared: sharing meets its deadline at the predicted slowdown, not at the estimator's pessimistic one" in banded["urgent"].note
     assert banded["urgent"].finish_time <= 210.0
     # without deadline_band the same estimator's band is not used
     off = _urgent_next_to(30.0, 1.3, deadline_band=False)

@@ -84,7 +84,11 @@ sharing, the makespan guard) it keeps the point estimates:
 With +-30 % noise this halves the DSR lost against the oracle on the Muri trace
 (docs/policies.md, "Deadline promises on the estimator's error band").
 
-Every choice is explained in `Decision.notes` (why a job waits, shares, or jumped the queue).
+Every choice is explained in `Decision.notes` (why a job waits, shares, or jumped the queue). A job
+that waits although GPUs it might share exist says why it did not share, in the words of the check
+that refused it: its deadline would be missed shared (with the least slowdown on offer), the pair
+would not pay, partners would lose too much or miss their own deadline, or the partners are on the
+critical path.
 """
 
 from __future__ import annotations
@@ -385,18 +389,22 @@ class QosflowPolicy(Policy):
             # newcomer does not share (two long jobs would lock both slots of the GPUs for long)
             limit = self.makespan_beta * self._backlog
             if t_a >= limit and not self._has_deadline(js):
+                self._reject = "LONG"
                 return None
             if t_b >= limit and xi_a * t_a > CRITICAL_SHARE * t_b:
+                self._reject = "CRITICAL"
                 return None
             # the job that ends last (the longest, and at least as long as the whole backlog) sets
             # the makespan: any slowdown of it lengthens the makespan one for one
             if t_b >= self._backlog and t_b >= LAST_END_SHARE * self._max_rem and xi_b > 1.0:
+                self._reject = "CRITICAL"
                 return None
         dl_b = partner.job.deadline
         if dl_b is not None and now + t_b <= dl_b:
             a_hat, b_hat = xi_a * t_a, xi_b * t_b
             fin_b = now + (b_hat if a_hat >= b_hat else a_hat + (t_b - a_hat / xi_b))
             if fin_b > dl_b:
+                self._reject = "PARTNER_DEADLINE"
                 return None
         t_con, t_seq = bsbf_times(t_a, t_b, xi_a, xi_b)
         g_b = max(1, partner.job.qos.gpus)
@@ -408,7 +416,9 @@ class QosflowPolicy(Policy):
         """Co-locate `js` on GPUs that each hold one shareable job, where it pays (see module doc)."""
         job = js.job
         q = job.qos
+        self._why_not = None
         if not q.shareable or q.gpu_mem_mb is None:
+            self._why_not = "it may not share a GPU" if not q.shareable else "it declares no GPU memory, so no partner is known to fit"
             return None
         k = q.gpus
         gmax = max(1, st.spec.max_gpus_per_node)
@@ -417,7 +427,9 @@ class QosflowPolicy(Policy):
             node_ok &= st.spec.model_mask(q.gpu_model)
         sig = (k, q.gpu_model, q.gpu_mem_mb, job.batch_size is not None, q.cpu_cores)
         if self._nofit.get(sig) == self._ver:
-            return None  # nothing changed since the same request found no shareable slot this round
+            # nothing changed since the same request found no shareable slot this round
+            self._why_not = self._nofit_why.get(sig)
+            return None
         base_key = (q.gpu_model,)
         cached = self._elig_cache.get(base_key)
         if cached is None or cached[0] != self._ver:
@@ -440,11 +452,9 @@ class QosflowPolicy(Policy):
             full = (per_node == st.gpu_count) & (st.gpu_count > 0) & (st.cpu_free >= cpu_need / k * st.gpu_count - 1e-9)
             cand = np.flatnonzero(full)
             if st.gpu_count[cand].sum() < k:
-                self._nofit[sig] = self._ver
-                return None
+                return self._no_slot(sig, f"no {k} GPUs on whole nodes each hold a single shareable job with {min_mem:.0f} MB free")
         if cand.size == 0:
-            self._nofit[sig] = self._ver
-            return None
+            return self._no_slot(sig, f"no {'GPU holds' if k == 1 else f'{k} GPUs on one node hold'} a single shareable job with {min_mem:.0f} MB free")
         if cand.size > self.SHARE_NODES:
             cand = cand[np.argsort(-per_node[cand], kind="stable")[: self.SHARE_NODES]]
         cache: dict[str, tuple | None] = {}
@@ -452,17 +462,22 @@ class QosflowPolicy(Policy):
         def value(pid: str, n_here: int, sbp: float):
             key = pid
             if key not in cache:
-                cache[key] = self._partner_value(js, states[pid], n_here, rem, est, now, queued, sbp)
+                cache[key] = v = self._partner_value(js, states[pid], n_here, rem, est, now, queued, sbp)
+                if v is None:
+                    cache[("why", pid)] = self._reject
             return cache[key]
 
         # score every candidate GPU by its occupant (a partner's penalty is counted once per partner)
         node_choices = []
+        rejects: dict[str, int] = {}
         for n in cand.tolist():
             by_partner = self._node_partners(st, n, elig, min_mem, states)
             scored = []
             for pid, gpus in by_partner.items():
                 v = value(pid, 1, 1.0)
                 if v is None:
+                    code = cache[("why", pid)]
+                    rejects[code] = rejects.get(code, 0) + 1
                     continue
                 tput, xi_a, xi_b, gain = v
                 per_gpu = 1.0 / xi_a - max(1, states[pid].job.qos.gpus) * (1.0 - 1.0 / xi_b) / len(gpus)
@@ -475,6 +490,7 @@ class QosflowPolicy(Policy):
             scored.sort(key=(lambda x: -x[5]) if self.partner_rank == "benefit" else (lambda x: -x[0]))
             node_choices.append((n, scored))
         best = None
+        tried: list[tuple[float, float]] = []  # (GPU-throughput gain per GPU, slowdown) of pairs not taken
         if k <= gmax:
             for n, scored in node_choices:
                 take: list[tuple[int, int]] = []
@@ -490,6 +506,8 @@ class QosflowPolicy(Policy):
                 total = self._accept(js, partners, k, queued)
                 if total is not None and (best is None or total > best[0]):
                     best = (total, take, partners)
+                elif total is None:
+                    tried.append((self._pair_total(partners, k) / k, max(x[2] for x in partners), self._reject))
         else:
             nodes_sorted = sorted(node_choices, key=lambda x: -sum(s[0] * len(s[2]) for s in x[1]))
             take, partners = [], []
@@ -504,12 +522,16 @@ class QosflowPolicy(Policy):
                 total = self._accept(js, partners, k, queued)
                 if total is not None:
                     best = (total, take, partners)
+                else:
+                    tried.append((self._pair_total(partners, k) / k, max(x[2] for x in partners), self._reject))
         if best is None:
+            self._why_not = self._share_refusal(js, tried, rejects, k)
             return None
         total, take, partners = best
         free_mem = float(min(st.gmem_free[n, g] for n, g in take))
         plan = memory_plan(job, free_mem, allow_sub_batch=self.sub_batch)
         if plan is None:
+            self._why_not = f"the best partner's GPUs have {free_mem:.0f} MB free, too little even with the smallest sub-batch"
             return None
         mem, sb = plan
         cpu: dict[int, float] = {}
@@ -517,6 +539,7 @@ class QosflowPolicy(Policy):
             cpu[n] = cpu.get(n, 0.0) + q.cpu_cores / k
         for n, c in cpu.items():
             if st.cpu_free[n] < c - 1e-9:
+                self._why_not = f"the best partner's node has {st.cpu_free[n]:g} free cores, it needs {c:g}"
                 return None
         pids = tuple(dict.fromkeys(p[0] for p in partners))
         p = Placement(job.job_id, tuple(take), cpu=tuple(cpu.items()), gpu_mem_mb=float(mem), mem_mb=q.mem_mb, colocated_with=pids, sub_batch=sb)
@@ -673,28 +696,80 @@ class QosflowPolicy(Policy):
         share now rather than wait for the partner), or, while work is queued, when the GPUs do more
         work shared than alone by `throughput_gain` per GPU."""
         xa = max(p[2] for p in partners)
-        total = k / xa
-        all_gain = True
-        for pid, n_here, _xa, xb, gain in partners:
-            g_b = self._gpus_of(pid)
-            total -= g_b * (1.0 - 1.0 / xb)
-            all_gain &= gain > 0
+        total = self._pair_total(partners, k)
+        all_gain = all(p[4] > 0 for p in partners)
         dl = js.job.deadline
         r = self._rem[js.job_id]
         if dl is not None and self._now + r <= dl:
             # a job that can still meet its deadline joins if it still meets it shared
-            if self._now + xa * r <= dl and total > -0.5 * k:
+            if self._now + xa * r <= dl and total > self.DL_COST_FLOOR * k:
                 if self.deadline_band:
                     xa_h = max(pair_slowdown_high(self._est, js.job, self._states[p[0]].job)[0] for p in partners)
                     if not self._band_ok(js, xa_h):
+                        self._reject = "DL_BAND"
                         return None
                 return total + k
+            self._reject = "DL_MISS" if self._now + xa * r > dl else "DL_COST"
             return None
         if all_gain and total > 0:
             return total
         if queued and total >= self.throughput_gain * k:
             return total
+        self._reject = "NO_GAIN"
         return None
+
+    def _pair_total(self, partners, k: int) -> float:
+        """GPU-throughput balance of a co-location: the newcomer's k GPUs at 1/xi_a, minus what each
+        partner's whole gang loses."""
+        total = k / max(p[2] for p in partners)
+        for pid, _n, _xa, xb, _gain in partners:
+            total -= self._gpus_of(pid) * (1.0 - 1.0 / xb)
+        return total
+
+    def _no_slot(self, sig: tuple, why: str) -> None:
+        """Remember (until the next placement) that requests shaped `sig` find no GPU to share."""
+        self._nofit[sig] = self._ver
+        self._nofit_why[sig] = why
+        self._why_not = why
+        return None
+
+    #: a deadline job shares only if the GPUs lose less than this GPU-throughput per GPU it takes
+    DL_COST_FLOOR = -0.5
+
+    #: why a partner was refused (`_partner_value`), in words for the job's note
+    REJECT_WORDS = {
+        "LONG": "it is long against the backlog (on the critical path), and two long jobs would hold both slots of a GPU for long",
+        "CRITICAL": "the jobs it could join are on the critical path (the longest ones) and take only short partners",
+        "PARTNER_DEADLINE": "joining would push a partner past a deadline it can still meet",
+    }
+
+    def _share_refusal(self, js: JobState, tried, rejects: dict[str, int], k: int) -> str:
+        """Why `js` found no GPUs to share, in words (for `Decision.notes`)."""
+        if tried:
+            gain, xa, _code = max(tried)
+            codes = {c for _g, _x, c in tried}
+            if "DL_BAND" in codes:
+                return "sharing meets its deadline at the predicted slowdown, not at the estimator's pessimistic one"
+            if "DL_COST" in codes:
+                worst = max(g for g, _x, c in tried if c == "DL_COST")
+                return f"sharing meets its deadline but slows its partners' gangs too much ({worst:+.0%} GPU-throughput per GPU)"
+            if "DL_MISS" in codes:
+                least = min(x for _g, x, _c in tried)
+                r = self._rem[js.job_id]
+                return (
+                    f"sharing would miss its deadline: the least slowdown on offer is {least:.2f}x "
+                    f"({least * r:.0f}s to run, {js.job.deadline - self._now:.0f}s left)"
+                )
+            return (
+                f"no pair pays: the best does {gain:+.0%} GPU-throughput per GPU at slowdown {xa:.2f}x "
+                f"(needs {self.throughput_gain:+.0%} while jobs queue, or a shorter average completion of the pair)"
+            )
+        if rejects:
+            top = sorted(rejects, key=lambda c: -rejects[c])[:2]
+            return "; ".join(self.REJECT_WORDS.get(c, c) for c in top)
+        if self._plan:
+            return "no partner left: the pairing plan keeps the shareable GPUs for other job types"
+        return "no GPU it could share has room for it"
 
     # ------------------------------------------------------------------ round
     def schedule(self, view: SchedulerView) -> Decision:
@@ -735,6 +810,9 @@ class QosflowPolicy(Policy):
         share_tries = 0
         self._ver = 0
         self._nofit: dict[tuple, int] = {}
+        self._nofit_why: dict[tuple, str] = {}
+        self._reject: str | None = None
+        self._why_not: str | None = None
         self._elig_cache: dict[tuple, tuple] = {}
         self._partners_cache: dict[tuple, tuple] = {}
 
@@ -761,6 +839,7 @@ class QosflowPolicy(Policy):
             r = rem[js.job_id]
             p: Placement | None = None
             why = ""
+            not_shared = None
             if q.gpus == 0:
                 p = self._cpu_only(st, js)
             elif q.fractional:
@@ -779,6 +858,10 @@ class QosflowPolicy(Policy):
                     found = self._shared_slot(st, js, rem, states, est, now, queued_gpus > 0)
                     if found is not None and not (reserved and blocked(found[0], now + r * 1.5)):
                         p, why = found
+                    elif found is not None:
+                        not_shared = "the GPUs it could share are reserved for a job that starts before it would end"
+                    else:
+                        not_shared = self._why_not
                 if p is None and has_dl and q.gpus > 1:
                     found = self._deadline_rescue(st, js, rem, states, est, now, gpn)
                     if found is not None and not (reserved and blocked(found[0], now + r * 1.5)):
@@ -788,7 +871,8 @@ class QosflowPolicy(Policy):
                     if p is not None:
                         why = "locality relaxed after waiting: spread over nodes"
             if p is None:
-                d.notes.setdefault(js.job_id, why_waiting(st, js))
+                if js.job_id not in d.notes:
+                    d.notes[js.job_id] = why_waiting(st, js) + (f"; not shared: {not_shared}" if not_shared else "")
                 important = js.job.deadline is not None and now + r <= js.job.deadline or js in starving
                 if q.gpus > 1 and not q.fractional and len(reserved) < max_res and (important or rank < 3):
                     got = self._reserve(st, js, rem, reserved)
