@@ -142,7 +142,6 @@ async def _latency(n: int) -> dict:
         def run_process_worker():
             async def main():
                 w = ProcessWorker(work_pool_name="bench-process", create_pool_if_not_found=False)
-                orig = w.client.update_flow_run if False else None  # noqa: F841
                 task = asyncio.create_task(w.start(printer=lambda *a, **k: None))
                 while not stop.is_set():
                     await asyncio.sleep(0.1)

@@ -245,7 +245,7 @@ def main() -> None:
             for row in verdicts(r, b):
                 rows.append([tr.stem] + row)
         parts.append(
-            f"### Three 2,000-job Gavel traces on a loaded 8x8 cluster (64 GPUs)\n\n"
+            "### Three 2,000-job Gavel traces on a loaded 8x8 cluster (64 GPUs)\n\n"
             "Baselines in the run: FIFO, SJF, SRTF, Tiresias, SJF-BSBF, GENIE (the others are dominated on the Muri trace; "
             "the full set would not fit the benchmark's time budget on this 2-core machine).\n\n"
             + md_table(["trace", "measure", "value", "target", ""], rows)

@@ -125,7 +125,7 @@ def decide(
 
 def prefect_state(status: ExitStatus, *, attempt: int | None = None):
     """A Prefect state for how a stage attempt ended, with a clear message."""
-    from prefect.states import AwaitingRetry, Cancelled, Completed, Crashed, Failed
+    from prefect.states import Cancelled, Completed, Crashed, Failed
 
     suffix = f" (attempt {attempt})" if attempt else ""
     if status.kind is ExitKind.OK:

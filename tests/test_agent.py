@@ -88,7 +88,6 @@ def test_wrong_token_gets_401_and_nothing_runs(agents, tmp_path):
     async def go():
         be = backend_for(a, token="wrong")
         try:
-            cluster = AgentBackend([AgentHost(a.name, a.url)], TOKEN).hosts  # noqa: F841
             from qosflow.core.cluster import ClusterSpec, NodeSpec
 
             spec = ClusterSpec((NodeSpec("host-a", 2, virtual=True, address=a.url),))

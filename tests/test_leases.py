@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from pathlib import Path
 
 import pytest
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
-import uuid
 
 import pytest
 import sqlalchemy as sa

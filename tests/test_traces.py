@@ -105,7 +105,7 @@ def test_muri_bad_rows_name_file_line_and_column(tmp_path, row, where):
     with pytest.raises(TraceFormatError) as ei:
         load_muri(p)
     assert ei.value.line == 3 and ei.value.path.endswith("bad.csv")
-    assert f"bad.csv:3" in str(ei.value) and where in str(ei.value)
+    assert "bad.csv:3" in str(ei.value) and where in str(ei.value)
 
 
 def test_muri_zero_duration_rows_are_rejected_not_fatal(tmp_path):

@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
                 raise
             raise QosflowError(f"cannot reach the Prefect server at {api} ({exc}); is `prefect server start` running there?") from None
         c = Console()
-        c.print(f"blocks registered: qosflow-qos-policy, qosflow-bare-metal-cluster, qosflow-kubernetes-cluster")
+        c.print("blocks registered: qosflow-qos-policy, qosflow-bare-metal-cluster, qosflow-kubernetes-cluster")
         c.print(f"cluster block [cyan]{info['cluster_block']}[/]: {hosts} x {gpus} {'virtual ' if not real_gpus else ''}GPUs, {cores:g} cores per host")
         c.print(f"policy block [cyan]{info['policy_block']}[/]: {policy}, estimator {estimator}")
         c.print(f"work pool [cyan]{pool}[/] ({'created' if info['created'] else 'updated'}), stage deployment {info['stage_deployment']}")

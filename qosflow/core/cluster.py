@@ -18,17 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import numpy as np
 
 from qosflow.core.placement import Placement
 from qosflow.core.qos import QoSSpec
 from qosflow.errors import SpecError
-
-if TYPE_CHECKING:
-    from qosflow.core.job import Job
-
 
 class PlacementError(SpecError):
     """A placement conflicts with the cluster state (over-allocation, missing node...)."""

@@ -9,6 +9,7 @@ accumulation (same global batch). Non-preemptive.
 
 from __future__ import annotations
 
+from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from qosflow.errors import TraceFormatError
-from qosflow.predict.interference import InterferenceModel, JobMeta, _nan_to
+from qosflow.predict.interference import InterferenceModel, JobMeta
 from qosflow.predict.reference import PairRow, ThroughputTable, parse_signature
 from qosflow.predict.scaling import ScalingModel, ScalingRow
 

@@ -11,7 +11,6 @@ number is ever made up.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics

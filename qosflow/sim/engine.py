@@ -170,7 +170,6 @@ class Simulator:
         timeline: list[tuple[float, float]] = []
         finished = 0
         wake_heap: list[float] = []
-        dirty = True
         last_busy_gpus = 0.0
 
         st_ = self.state
@@ -212,7 +211,6 @@ class Simulator:
             t_next = math.inf
             if ai < len(arrivals):
                 t_next = arrivals[ai].submit_time
-            ev_job = None
             for jid, js in running.items():
                 r = rate[jid]
                 if r <= EPS:
@@ -223,7 +221,7 @@ class Simulator:
                     w = fw
                 t = now + w / r
                 if t < t_next - EPS:
-                    t_next, ev_job = t, jid
+                    t_next = t
             while wake_heap and wake_heap[0] <= now + EPS:
                 heapq.heappop(wake_heap)
             if wake_heap and wake_heap[0] < t_next:
