@@ -2,11 +2,12 @@
 
 `qosflow demo --no-ui --json` is run in rounds, alternating the Prefect server's set-up ("arms"):
 `sqlite` (the default: SQLite under the demo's home, the server's garbage collection in a thread of
-its own, and a request that lost SQLite's write race retried by the server itself,
-qosflow/prefect/server_process.py), `sqlite-backoff` (the same without the server's retries: the
+its own, write transactions begun IMMEDIATE, and a request that lost SQLite's write race retried by
+the server itself, qosflow/prefect/server_process.py), `sqlite-deferred` (the same with Prefect's
+BEGIN DEFERRED; QOSFLOW_SERVER_SQLITE_IMMEDIATE=0), `sqlite-backoff` (the same without the server's retries: the
 client gets the 503 and backs off 2, 4, 8, 16, 32 s; QOSFLOW_SERVER_RETRY_S=0), `sqlite-loop-gc` (plain
-`python -m prefect server start`: Python's usual garbage collection in the event loop and the client's
-back-off; QOSFLOW_SERVER_GC_THREAD=0 as well) and
+`python -m prefect server start`: Python's usual garbage collection in the event loop, BEGIN DEFERRED and
+the client's back-off; QOSFLOW_SERVER_GC_THREAD=0 and QOSFLOW_SERVER_SQLITE_IMMEDIATE=0 as well) and
 `postgresql` (a fresh PostgreSQL database, `--database-url`). Each run reports,
 per pipeline, the time it took and whether it met its deadline, and per stage the time from its
 dispatch by the pipeline ("ready") to the worker queueing it: the Prefect part of a stage's start
@@ -49,13 +50,17 @@ def _pg(admin: str):
 
 #: arm -> (environment it sets, what it is)
 ARMS = {
-    "sqlite": ({}, "SQLite under the demo's home, the server's garbage collection in a thread of its own, and "
-                   "requests that lost SQLite's write race retried by the server itself (the default)"),
+    "sqlite": ({}, "SQLite under the demo's home, the server's garbage collection in a thread of its own, write "
+                   "transactions that take SQLite's write lock at their start (BEGIN IMMEDIATE), and requests that "
+                   "lost SQLite's write race retried by the server itself (the default)"),
+    "sqlite-deferred": ({"QOSFLOW_SERVER_SQLITE_IMMEDIATE": "0"},
+                        "the same with Prefect's own BEGIN DEFERRED write transactions, which may lose the write "
+                        "race half-way (QOSFLOW_SERVER_SQLITE_IMMEDIATE=0)"),
     "sqlite-backoff": ({"QOSFLOW_SERVER_RETRY_S": "0"}, "the same without the server's retries: the client gets the 503 "
                                                          "and backs off 2, 4, 8, 16, 32 s (QOSFLOW_SERVER_RETRY_S=0)"),
-    "sqlite-loop-gc": ({"QOSFLOW_SERVER_RETRY_S": "0", "QOSFLOW_SERVER_GC_THREAD": "0"},
+    "sqlite-loop-gc": ({"QOSFLOW_SERVER_RETRY_S": "0", "QOSFLOW_SERVER_GC_THREAD": "0", "QOSFLOW_SERVER_SQLITE_IMMEDIATE": "0"},
                        "plain `prefect server start`: Python's usual garbage collection in the event loop and "
-                       "Prefect's back-off (QOSFLOW_SERVER_GC_THREAD=0 as well)"),
+                       "Prefect's back-off (QOSFLOW_SERVER_GC_THREAD=0 and QOSFLOW_SERVER_SQLITE_IMMEDIATE=0 as well)"),
     "postgresql": ({}, "a fresh PostgreSQL database (`--database-url`)"),
 }
 

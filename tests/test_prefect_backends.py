@@ -531,8 +531,84 @@ def test_sqlite_server_retries_a_request_that_lost_the_write_race_itself(tmp_pat
 
     monkeypatch.setenv("QOSFLOW_SERVER_GC_THREAD", "0")
     assert "qosflow.prefect.server_process" in _server_cmd(LocalServer(tmp_path / "c", ui=False), monkeypatch)
-    monkeypatch.setenv("QOSFLOW_SERVER_RETRY_S", "0")  # both off: Prefect's own server
+    monkeypatch.setenv("QOSFLOW_SERVER_RETRY_S", "0")
+    monkeypatch.setenv("QOSFLOW_SERVER_SQLITE_IMMEDIATE", "0")  # all off: Prefect's own server
     assert "qosflow.prefect.server_process" not in _server_cmd(LocalServer(tmp_path / "d", ui=False), monkeypatch)
+
+
+def test_sqlite_server_begins_its_write_transactions_immediate(tmp_path, monkeypatch):
+    """Prefect begins a write transaction DEFERRED unless it asks `with_for_update`; in WAL mode such a
+    transaction that read, then writes after another writer committed, fails at once ('database is
+    locked', SQLITE_BUSY_SNAPSHOT) and the request has to be replayed: in the demo creating a stage's
+    flow run took up to 12 s (docs/prefect.md). The SQLite server qosflow starts begins them
+    IMMEDIATE: the second writer waits for the lock instead of failing half-way."""
+    import asyncio
+    import contextlib
+
+    import sqlalchemy as sa
+    from prefect.server.database import configurations
+
+    from qosflow.prefect.local import LocalServer
+    from qosflow.prefect import server_process
+
+    cls = configurations.AioSqliteConfiguration
+    url = f"sqlite+aiosqlite:///{tmp_path / 'race.db'}"
+
+    async def race() -> list[str]:
+        conf = cls(connection_url=url)
+        engine = await conf.engine()
+        async with engine.begin() as c:
+            await c.execute(sa.text("CREATE TABLE t (k INTEGER PRIMARY KEY, v INTEGER)"))
+            await c.execute(sa.text("INSERT INTO t VALUES (1, 0)"))
+        read = asyncio.Event()
+        other_done = asyncio.Event()
+        out: list[str] = []
+
+        async def slow_writer():  # reads, lets the other writer commit, then writes
+            try:
+                session = await conf.session(engine)
+                async with session:
+                    async with conf.begin_transaction(session):
+                        v = (await session.execute(sa.text("SELECT v FROM t WHERE k = 1"))).scalar()
+                        read.set()
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(other_done.wait(), 1.0)
+                        await session.execute(sa.text("UPDATE t SET v = :v WHERE k = 1"), {"v": v + 1})
+                out.append("slow ok")
+            except sa.exc.OperationalError as exc:
+                out.append(f"slow failed: {exc.orig}")
+
+        async def quick_writer():
+            await read.wait()
+            session = await conf.session(engine)
+            async with session:
+                async with conf.begin_transaction(session):
+                    await session.execute(sa.text("UPDATE t SET v = v + 10 WHERE k = 1"))
+            other_done.set()
+            out.append("quick ok")
+
+        await asyncio.gather(slow_writer(), quick_writer())
+        async with engine.connect() as c:
+            out.append(f"v={(await c.execute(sa.text('SELECT v FROM t WHERE k = 1'))).scalar()}")
+        await engine.dispose()
+        return out
+
+    plain = asyncio.run(race())
+    # Prefect's own: the deferred reader loses the race and must be run again by someone
+    assert plain[:2] == ["quick ok", "slow failed: database is locked"] and plain[2] == "v=10", plain
+    monkeypatch.setattr(cls, "begin_transaction", cls.begin_transaction)  # restored after the test
+    (tmp_path / "race.db").unlink()
+    server_process.immediate_write_transactions()
+    server_process.immediate_write_transactions()  # twice: patched once
+    immediate = asyncio.run(race())
+    # the second writer waits until the first commits: both writes land, none fails
+    assert sorted(immediate[:2]) == ["quick ok", "slow ok"] and immediate[2] == "v=11", immediate
+
+    for flag in ("QOSFLOW_SERVER_GC_THREAD", "QOSFLOW_SERVER_RETRY_S"):
+        monkeypatch.setenv(flag, "0")
+    assert "qosflow.prefect.server_process" in _server_cmd(LocalServer(tmp_path / "e", ui=False), monkeypatch)
+    monkeypatch.setenv("QOSFLOW_SERVER_SQLITE_IMMEDIATE", "0")  # all three off: Prefect's own server
+    assert "qosflow.prefect.server_process" not in _server_cmd(LocalServer(tmp_path / "f", ui=False), monkeypatch)
 
 
 def _server_cmd(server, monkeypatch) -> list[str]:

@@ -96,10 +96,12 @@ class LocalServer:
         logf = open(self.log_path, "ab")
         # on SQLite, the server's garbage collection runs off its event loop (see server_process.py:
         # a collection in the loop could stall every request for the 60 s of SQLite's busy timeout);
-        # and it retries requests that lost SQLite's write race itself; QOSFLOW_SERVER_GC_THREAD=0 with
-        # QOSFLOW_SERVER_RETRY_S=0 runs plain `python -m prefect`
+        # its write transactions take the write lock at their start (BEGIN IMMEDIATE), and it retries
+        # requests that lost SQLite's write race itself; QOSFLOW_SERVER_GC_THREAD=0,
+        # QOSFLOW_SERVER_SQLITE_IMMEDIATE=0 and QOSFLOW_SERVER_RETRY_S=0 together run plain `python -m prefect`
         sqlite = self.env["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("sqlite")
-        patched = sqlite and (env_flag("QOSFLOW_SERVER_GC_THREAD") or retry_budget_s() > 0)
+        patched = sqlite and (env_flag("QOSFLOW_SERVER_GC_THREAD") or env_flag("QOSFLOW_SERVER_SQLITE_IMMEDIATE")
+                              or retry_budget_s() > 0)
         module = "qosflow.prefect.server_process" if patched else "prefect"
         cmd = [sys.executable, "-m", module, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         if not self.ui:
