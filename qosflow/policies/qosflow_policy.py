@@ -490,7 +490,7 @@ class QosflowPolicy(Policy):
             scored.sort(key=(lambda x: -x[5]) if self.partner_rank == "benefit" else (lambda x: -x[0]))
             node_choices.append((n, scored))
         best = None
-        tried: list[tuple[float, float]] = []  # (GPU-throughput gain per GPU, slowdown) of pairs not taken
+        tried: list[tuple[float, float, str | None]] = []  # (GPU-throughput gain per GPU, slowdown, why) of pairs not taken
         if k <= gmax:
             for n, scored in node_choices:
                 take: list[tuple[int, int]] = []
