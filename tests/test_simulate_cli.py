@@ -59,6 +59,10 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         (["--policies", "qosflow", "--set", "qosflow.express_share=2"], "express_share must be in [0, 1)"),
         (["--policies", "fifo", "--set", "qosflow.express_share=0.1"], "policy 'qosflow' is not among --policies"),
         (["--policies", "qosflow", "--set", "express_share"], "POLICY.OPTION=VALUE"),
+        # a value of the wrong type: a text failed mid-run with a traceback, "False" or "maybe" turned a switch on
+        (["--policies", "qosflow", "--set", "qosflow.qos_weight=abc"], "option 'qos_weight' of policy 'qosflow' takes a number, got 'abc'"),
+        (["--policies", "qosflow", "--set", "qosflow.align=False"], "option 'align' of policy 'qosflow' takes true or false, got 'False'"),
+        (["--policies", "fifo", "--set", "fifo.backfill=maybe"], "takes true or false, got 'maybe'"),
         # output places are checked before the runs, not after them
         (["--policies", "fifo", "--json", "/proc/no/such/dir/out.json"], "--json /proc/no/such/dir/out.json: cannot write there"),
         (["--policies", "fifo", "--json", "/"], "--json /: is a directory"),
@@ -87,6 +91,18 @@ def test_policy_options_reach_the_policy(tmp_path):
     assert runs[0]["policy_options"] == {}
     assert runs[4]["policy_options"] == {"qosflow": {"express_share": 0.5, "express_max_s": 60}}
     assert runs[0]["policies"]["qosflow"]["makespan"] != runs[4]["policies"]["qosflow"]["makespan"]
+
+
+def test_policy_option_values_of_the_declared_type_pass():
+    from qosflow.policies import parse_policy_options
+
+    got = parse_policy_options(
+        ["qosflow.align=true", "qosflow.makespan_beta=null", "qosflow.qos_weight=5", "qosflow.partner_rank=benefit",
+         "tiresias.thresholds=[100, 2000]"],
+        ["qosflow", "tiresias"],
+    )
+    assert got == {"qosflow": {"align": True, "makespan_beta": None, "qos_weight": 5, "partner_rank": "benefit"},
+                   "tiresias": {"thresholds": [100, 2000]}}
 
 
 def test_malformed_trace_row_names_file_and_line(tmp_path, capsys):

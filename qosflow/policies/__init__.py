@@ -8,6 +8,7 @@ requests (first-fit, best-fit, fgd) live in `qosflow.packing`.
 from __future__ import annotations
 
 import importlib
+import types
 from typing import Any
 
 from qosflow.errors import UnknownNameError
@@ -72,7 +73,7 @@ def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str,
 
     Values are read as JSON (numbers, true/false, null, quoted strings), else kept as text. Each
     option is checked against the policy's constructor, so a typo fails here naming the option and
-    the ones the policy has."""
+    the ones the policy has, and so is its value's type (`align=False` or `qos_weight=abc` fail here)."""
     import inspect
     import json
 
@@ -96,6 +97,9 @@ def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str,
             value = json.loads(raw)
         except ValueError:
             value = raw
+        wants = _option_kind(_REGISTRY[pol], opt, value)
+        if wants is not None:
+            raise SpecError("--set", f"{item!r}: option {opt!r} of policy {pol!r} takes {wants}, got {raw.strip()!r}")
         out.setdefault(pol, {})[opt] = value
     for pol, opts in out.items():
         try:
@@ -103,6 +107,43 @@ def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str,
         except (TypeError, ValueError) as exc:
             raise SpecError("--set", f"policy {pol!r}: {exc}") from exc
     return out
+
+
+def _option_kind(cls: type, opt: str, value: Any) -> str | None:
+    """None when `value` (as read from `--set`) fits the type the policy's constructor declares for
+    `opt`, else what the option takes: a text such as "maybe" or "False" is truthy and would turn a
+    true/false option on, and a text for a number failed mid-run with a traceback."""
+    import typing
+
+    try:
+        hint = typing.get_type_hints(cls.__init__).get(opt)
+    except Exception:  # an annotation that does not resolve: leave the check to the policy
+        return None
+    if hint is None:
+        return None
+    kinds = [a for a in (typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,))]
+    number = (int, float)
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        float: lambda v: isinstance(v, number) and not isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        type(None): lambda v: v is None,
+    }
+    said = {bool: "true or false", float: "a number", int: "a whole number", str: "a name", type(None): "null"}
+    wants = []
+    for k in kinds:
+        if typing.get_origin(k) in (tuple, list):
+            if isinstance(value, list) and all(ok[float](v) for v in value):
+                return None
+            wants.append("a list of numbers, e.g. [3250, 7200]")
+        elif k in ok:
+            if ok[k](value):
+                return None
+            wants.append(said[k])
+        else:  # a type --set cannot check
+            return None
+    return " or ".join(wants) if wants else None
 
 
 __all__ = ["Decision", "Policy", "SchedulerView", "available", "commit", "get_policy", "parse_policies", "parse_policy_options", "register"]
