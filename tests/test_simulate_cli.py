@@ -55,6 +55,7 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         (["--cluster", "8y8"], "8y8"),
         (["--trace", "/does/not/exist.csv"], "does not exist"),
         (["--estimator", "psychic"], "unknown estimator 'psychic'"),
+        (["--trace", "/"], "/ is a directory; give a trace file in it"),  # was "cannot tell the trace format from its header"
         (["--policies", "qosflow", "--set", "qosflow.expres_share=0.1"], "has no option 'expres_share'; it has: "),
         (["--policies", "qosflow", "--set", "qosflow.express_share=2"], "express_share must be in [0, 1)"),
         (["--policies", "fifo", "--set", "qosflow.express_share=0.1"], "policy 'qosflow' is not among --policies"),
@@ -119,6 +120,17 @@ def test_malformed_trace_row_names_file_and_line(tmp_path, capsys):
 
 
 MURI_COLS = "job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,interval,iteration_time,resource_time_0,resource_time_1,resource_time_2,priority"
+
+
+def test_jobs_with_a_trace_file_is_a_clear_error(tmp_path, capsys):
+    """--jobs sizes the synthetic workload only; with a trace file it ended in a TypeError traceback."""
+    trace = tmp_path / "t.csv"
+    trace.write_text(MURI_COLS + "\n0,1,0,10,resnet18,128,1000,0,100,50,40,0,0\n")
+    assert main(["simulate", "--trace", str(trace), "--jobs", "5", "--policies", "fifo", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid --jobs: only the synthetic workload takes a number of jobs" in err and "Traceback" not in err
+    assert main(["simulate", "--jobs", "0", "--policies", "fifo", "--no-plots"]) == 2
+    assert "invalid --jobs: must be a positive number of jobs, got 0" in capsys.readouterr().err
 
 
 def test_format_guessed_despite_bom_reordered_and_extra_columns(tmp_path):

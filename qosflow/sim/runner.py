@@ -16,6 +16,8 @@ def guess_format(trace: str) -> str:
         raise QosflowError(f"trace file {trace!r} does not exist (use --trace synthetic for the embedded workload)")
     if p.suffix == ".trace":
         return "gavel"
+    if p.is_dir():
+        raise QosflowError(f"{trace} is a directory; give a trace file in it (e.g. a Gavel .trace, a Muri or Alibaba CSV)")
     head = ""
     if p.is_file():
         with open(p, encoding="utf-8-sig", errors="replace") as f:  # a BOM is not part of the header
@@ -34,6 +36,13 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
     from qosflow.sim.workload import load_workload
 
     fmt = fmt or guess_format(trace)
+    if jobs is not None:
+        from qosflow.errors import SpecError
+
+        if str(fmt).strip().lower() != "synthetic":
+            raise SpecError("--jobs", f"only the synthetic workload takes a number of jobs; {trace} ({fmt}) is simulated whole: leave --jobs out, or use --trace synthetic")
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs <= 0:
+            raise SpecError("--jobs", f"must be a positive number of jobs, got {jobs!r}")
     spec: ClusterSpec = load_cluster(cluster or "8x8")
     opts = {}
     if jobs is not None:
