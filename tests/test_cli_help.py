@@ -51,7 +51,25 @@ def test_usage_errors_are_messages_not_tracebacks(capsys):
         (["agent", "start", "--bogus"], "No such option: --bogus"),
         (["agent", "start", "--port", "abc"], "Invalid value for '--port'"),
         (["init", "--hosts", "0"], "Invalid value for '--hosts'"),
+        (["worker", "start", "--pool", "gpu", "--limit", "0"], "Invalid value for '--limit'"),
     ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err and "--help' for help" in err, err
+
+
+def test_bad_option_values_are_errors_before_any_server_or_port(capsys, monkeypatch):
+    """`init --deadline -5` printed a pydantic traceback (after asking for a Prefect server first), and
+    `agent start --log-level loud` a KeyError traceback from uvicorn once the port was bound."""
+    from qosflow.cli.main import main
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    for argv, says in (
+        (["init", "--deadline", "-5"], "invalid --deadline: must be a positive number of seconds, got -5"),
+        (["init", "--policy", "nope"], "unknown policy 'nope'"),  # not "PREFECT_API_URL is not set"
+        (["worker", "start", "--pool", "gpu", "--policy", "nope"], "unknown policy 'nope'"),
+        (["agent", "start", "--token", "t", "--log-level", "loud"], "invalid --log-level: 'loud' is not one of critical | error"),
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err

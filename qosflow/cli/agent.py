@@ -19,9 +19,9 @@ def _read_token(token: str | None, token_file: Path | None) -> str:
         try:
             token = token_file.expanduser().read_text().strip()
         except OSError as exc:
-            raise SpecError("token-file", f"cannot read {token_file}: {exc.strerror}") from None
+            raise SpecError("--token-file", f"cannot read {token_file}: {exc.strerror}") from None
         if not token:
-            raise SpecError("token-file", f"{token_file} is empty; put the cluster's secret token in it")
+            raise SpecError("--token-file", f"{token_file} is empty; put the cluster's secret token in it")
     token = token or os.environ.get("QOSFLOW_AGENT_TOKEN", "")
     if not token:
         raise SpecError(
@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
         ),
         label: list[str] = typer.Option([], "--label", help="node label KEY=VALUE (repeatable)"),
         workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a temp dir)"),
-        log_level: str = typer.Option("warning", "--log-level"),
+        log_level: str = typer.Option("warning", "--log-level", help="critical | error | warning | info | debug | trace (the agent's HTTP server log)"),
     ) -> None:
         """Run the agent: report GPUs, launch stages with their placement, stream logs, kill on request."""
         import socket
@@ -63,10 +63,13 @@ def register(app: typer.Typer) -> None:
         for opt, value, floor in (("--gpu-mem-mb", gpu_mem_mb, 0), ("--cpu-cores", cpu_cores, 0), ("--fence-after", fence_after, 0)):
             if value is not None and not value > floor:
                 raise SpecError(opt, f"must be > 0, got {value:g}")
+        levels = ("critical", "error", "warning", "info", "debug", "trace")
+        if log_level.lower() not in levels:  # uvicorn raised a KeyError traceback once the port was bound
+            raise SpecError("--log-level", f"{log_level!r} is not one of {' | '.join(levels)}")
         labels = {}
         for item in label:
             if "=" not in item:
-                raise SpecError("label", f"{item!r} is not KEY=VALUE")
+                raise SpecError("--label", f"{item!r} is not KEY=VALUE")
             k, v = item.split("=", 1)
             labels[k] = v
         cfg = AgentConfig(

@@ -44,11 +44,15 @@ def register(app: typer.Typer) -> None:
         from qosflow.errors import QosflowError
         from qosflow.prefect.local import require_api_url, setup_pool
 
-        api = require_api_url("qosflow init")
+        from qosflow.errors import SpecError
         from qosflow.prefect.scheduler import check_estimator_name
 
+        # the options are checked before the server, so a typo is not found only once a server runs
         get_policy(policy)  # unknown names fail here with the list of known ones
         check_estimator_name(estimator)
+        if deadline is not None and not 0 < deadline < float("inf"):  # was a pydantic traceback from QoSPolicy
+            raise SpecError("--deadline", f"must be a positive number of seconds, got {deadline:g}")
+        api = require_api_url("qosflow init")
         cluster = BareMetalGPUCluster(hosts=[f"host{i}" for i in range(hosts)], gpus_per_host=gpus, cpu_cores=cores, virtual_gpus=not real_gpus)
         pol = QoSPolicy(policy=policy, estimator=estimator, deadline_s=deadline)
         try:

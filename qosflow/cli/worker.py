@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         cluster_file: Optional[Path] = typer.Option(None, "--cluster-file", help="cluster file (YAML/JSON: hosts, agent URLs, token): run the stages through those agents (default: $QOSFLOW_CLUSTER_FILE, else the pool's cluster)"),
         policy: Optional[str] = typer.Option(None, "--policy", help="policy name (overrides the pool's policy block)"),
         estimator: Optional[str] = typer.Option(None, "--estimator", help="history | declared | learned | module:attr"),
-        limit: Optional[int] = typer.Option(None, "--limit", help="most stage runs at once"),
+        limit: Optional[int] = typer.Option(None, "--limit", min=1, help="most stage runs at once"),
     ) -> None:
         import asyncio
         import os
@@ -50,7 +50,6 @@ def register(app: typer.Typer) -> None:
             from qosflow.backends.agent import load_cluster_file
 
             load_cluster_file(cluster_file)  # a bad file fails here, naming the file and the field
-        require_api_url("the qosflow worker")
         if policy:
             from qosflow.policies import get_policy
 
@@ -59,6 +58,7 @@ def register(app: typer.Typer) -> None:
             from qosflow.prefect.scheduler import check_estimator_name
 
             check_estimator_name(estimator)
+        require_api_url("the qosflow worker")
         asyncio.run(check_pool(pool))
         if cluster_block:
             os.environ["QOSFLOW_CLUSTER_BLOCK"] = cluster_block
