@@ -23,6 +23,11 @@ def stage_module(tmp_path, monkeypatch):
                 for i in range(20000):
                     x += i
 
+        def exact(steps=50):
+            import time
+            for _ in qosflow.track(range(steps)):   # exactly the steps it is given
+                time.sleep(0.01)
+
         def silent():
             pass
 
@@ -120,6 +125,13 @@ def test_profile_counts_steps_reported_without_a_step_zero(stage_module):
     [cfg] = res.configs
     assert cfg.steps == 3 and cfg.stopped == "3 steps reached"
     assert cfg.step_time_s > 0.015  # each step sleeps 0.02 s
+
+
+def test_a_function_running_exactly_its_steps_argument_gives_n_measured_steps(stage_module):
+    # it is given steps=N+1 (the warm-up and N); given N, its own loop ended after N-1 measured steps
+    res = profile("toy_stage:exact", 3, cores=[1], budget_s=60)
+    [cfg] = res.configs
+    assert cfg.steps == 3 and cfg.step_time_s > 0.005
 
 
 def test_measured_step_times_drop_exactly_one_warm_up_step():

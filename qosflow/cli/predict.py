@@ -93,7 +93,7 @@ def profile_cmd(
 ) -> None:
     """Run a stage function briefly at one or two configurations and store its step times.
 
-    TARGET is MODULE:FUNCTION, imported with the current directory on the path and called with no arguments (or steps=N if it takes `steps`, `max_steps` or `num_steps`). It must report its steps with qosflow.track(iterable) or qosflow.report_progress(step, total); step 1 is a warm-up, the next N are measured. The function and anything it started are stopped after N steps or --budget seconds. Without a GPU this says so and measures CPU time only. Exits 1 when no step could be measured.
+    TARGET is MODULE:FUNCTION, imported with the current directory on the path and called with no arguments (or steps=N+1, the warm-up step and the N measured, if it takes `steps`, `max_steps` or `num_steps`). It must report its steps with qosflow.track(iterable) or qosflow.report_progress(step, total); step 1 is a warm-up, the next N are measured. The function and anything it started are stopped after N steps or --budget seconds. Without a GPU this says so and measures CPU time only. Exits 1 when no step could be measured.
     """
     from rich.console import Console
     from rich.table import Table

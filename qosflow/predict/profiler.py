@@ -3,8 +3,8 @@
 The function runs in a child process, once per configuration (by default two CPU core counts, pinned
 with os.sched_setaffinity), for at most `steps` reported steps or `budget_s` seconds, whichever comes
 first. It reports steps through `qosflow.track` / `qosflow.report_progress` (the child sets
-QOSFLOW_PROGRESS_FILE); if it accepts a `steps` (or `max_steps`) argument it is given N. The first
-step is treated as warm-up. Step times, CPU time and -- when NVML finds a GPU -- GPU utilisation and
+QOSFLOW_PROGRESS_FILE); if it accepts a `steps` (or `max_steps`, `num_steps`) argument it is given
+N+1: the first step is treated as warm-up, the next N are measured. Step times, CPU time and -- when NVML finds a GPU -- GPU utilisation and
 memory are stored as samples. Without a GPU this is said plainly and only CPU time is profiled: no GPU
 number is ever made up.
 """
@@ -149,13 +149,13 @@ except (TypeError, ValueError):
 kw = {}
 for name in ("steps", "max_steps", "num_steps"):
     if name in params:
-        kw[name] = steps
+        kw[name] = steps + 1  # the warm-up step and the N measured: a loop of exactly `steps` gave N-1
         break
 required = [p.name for p in params.values() if p.default is p.empty and p.name not in kw
             and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 if required:
     fail(f"{target} needs the argument(s) {', '.join(required)}; qosflow profile calls it with no arguments "
-         "(only steps/max_steps/num_steps=N when it takes one): give them defaults, or profile a small wrapper "
+         "(only steps/max_steps/num_steps=N+1 when it takes one): give them defaults, or profile a small wrapper "
          "function that calls it")
 f(**kw)
 """
