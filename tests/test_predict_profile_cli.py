@@ -233,3 +233,14 @@ def test_failed_eval_leaves_no_output_directories(tmp_path, capsys):
     assert main(["predict", "eval", "--pairs", str(tmp_path / "missing.csv"), "--json", str(out)]) == 2
     assert "missing.csv" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_profile_table_without_gpu_fits_100_columns(stage_module, capsys, monkeypatch):
+    # two "n/a (no GPU)" columns wrapped every header and cut the stopped reason ("finish…") at 100 columns
+    if detect_gpu().present:
+        pytest.skip("a GPU is present: the GPU columns are shown")
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["profile", "toy_stage:train", "--steps", "2", "--cores", "1", "--no-store"]) == 0
+    out = capsys.readouterr().out
+    assert "no GPU" in out and "n/a (no GPU)" not in out and "GPU util" not in out
+    assert "2 steps reached" in out and "CPU cores" in out

@@ -124,16 +124,22 @@ def profile_cmd(
             store.close()
     console.print(res.gpu.message, style="yellow" if not res.gpu.present else None)
     table = Table(title=f"profile of {res.signature}")
-    for col in ("CPU cores", "GPUs", "steps", "step time", "sd", "CPU time", "wall", "GPU util", "GPU mem", "stopped"):
-        table.add_column(col)
+    # without a GPU (said on the line above) the GPU columns are left out: two columns of "n/a (no GPU)"
+    # made the table wrap its headers and cut "finished" to "finish…" at 100 columns
+    gpu_cols = ("GPU util", "GPU mem") if res.gpu.present else ()
+    for col in ("CPU cores", "GPUs", "steps", "step time", "sd", "CPU time", "wall", *gpu_cols, "stopped"):
+        table.add_column(col, no_wrap=col != "stopped")
     for c in res.configs:
+        gpu_cells = (
+            "-" if c.gpu_util_pct is None else f"{c.gpu_util_pct:.0f} %",
+            "-" if c.gpu_mem_mb is None else f"{c.gpu_mem_mb:.0f} MiB",
+        ) if res.gpu.present else ()
         table.add_row(
             str(c.cpu_cores), str(c.gpus), str(c.steps),
             "-" if c.step_time_s is None else f"{c.step_time_s * 1e3:.2f} ms",
             "-" if c.step_time_sd_s is None else f"{c.step_time_sd_s * 1e3:.2f} ms",
             f"{c.cpu_time_s:.2f} s", f"{c.wall_s:.2f} s",
-            "n/a (no GPU)" if not res.gpu.present else ("-" if c.gpu_util_pct is None else f"{c.gpu_util_pct:.0f} %"),
-            "n/a (no GPU)" if not res.gpu.present else ("-" if c.gpu_mem_mb is None else f"{c.gpu_mem_mb:.0f} MiB"),
+            *gpu_cells,
             c.stopped,
         )
     console.print(table)
