@@ -73,3 +73,24 @@ def test_bad_option_values_are_errors_before_any_server_or_port(capsys, monkeypa
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err, err
+
+
+def test_every_option_says_what_it_does():
+    """`--help` showed options with no text at all (predict eval --seed, agent start --log-level)."""
+    import typer.main
+
+    def walk(cmd, path):
+        subs = getattr(cmd, "commands", None)
+        if subs:
+            for name, sub in subs.items():
+                yield from walk(sub, f"{path} {name}")
+        else:
+            yield path, cmd
+
+    missing = [
+        f"{path} {p.opts[0]}"
+        for path, cmd in walk(typer.main.get_command(app), "qosflow")
+        for p in cmd.params
+        if getattr(p, "param_type_name", "") == "option" and p.opts[0] != "--help" and not (p.help or "").strip()
+    ]
+    assert not missing, missing

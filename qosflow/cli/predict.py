@@ -51,9 +51,20 @@ def eval_cmd(
     pairs: Optional[Path] = typer.Option(None, "--pairs", help="co-location CSV (model1,batchsize1,gpu_num1,speed1,model2,...): k-fold"),
     folds: int = typer.Option(5, "--folds", min=2, help="folds for --pairs"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="seed of the fold split (--pairs) and of the models' randomness"),
 ) -> None:
-    """Cross-validate the predictor on a throughput table or a co-location pair table."""
+    """Cross-validate the predictor on a throughput table or a co-location pair table.
+
+    Give exactly one of --throughputs or --pairs. Prints MAPE and 90th-percentile error next to simple
+    baselines (a constant, a random forest); details: docs/predictor.md.
+
+    Examples:
+
+      qosflow predict eval --json out/pred.json \\
+          --throughputs ../shared/data/throughputs/gavel_simulation_throughputs.json
+
+      qosflow predict eval --pairs pairs.csv --folds 5 --json out/pairs.json
+    """
     from rich.progress import Progress
 
     from qosflow.predict import evaluate
