@@ -4,6 +4,7 @@ written would otherwise end in a traceback, with the results lost."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -55,13 +56,25 @@ def _probe_mkdir(missing: Path) -> None:
 
 
 def write_json_file(path: Path, data: dict, option: str = "--json") -> Path:
-    """The one JSON writer of the CLI commands (results of simulate, pack, predict eval, profile)."""
+    """The one JSON writer of the CLI commands (results of simulate, pack, predict eval, profile).
+    A figure that does not exist (NaN, infinity) is written as null: Python's `NaN` is not JSON, and
+    jq, JavaScript and most JSON readers refuse the whole file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
+        path.write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
     except OSError as exc:
         raise _unwritable(option, path, exc, "a path in a writable directory") from None
     return path
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _unwritable(option: str, path: Path, exc: OSError, give: str) -> QosflowError:
