@@ -23,6 +23,13 @@ def test_simulate_synthetic_writes_json_and_plots(tmp_path, capsys):
     assert set(data["bounds"]) >= {"avg_jct", "dsr"}
     for png in ("jct_cdf.png", "dsr.png", "gpu_util.png"):
         assert (tmp_path / png).stat().st_size > 1000
+    # the help names every plot written (it left out the average JCT and the GPU timeline)
+    from qosflow.cli.simulate import HELP
+
+    said = {"jct_cdf.png": "JCT CDF", "avg_jct.png": "average JCT", "dsr.png": "DSR", "gpu_util.png": "GPU allocation",
+            "gpu_timeline.png": "GPU timeline"}
+    assert {p.name for p in tmp_path.glob("*.png")} == set(said)
+    assert all(words in HELP for words in said.values())
     text = capsys.readouterr().out
     assert "qosflow" in text and "bound" in text
 

@@ -11,7 +11,7 @@ HELP = """Replay a GPU-cluster trace under several scheduling policies and compa
 
 Policies run exactly as in the live worker; the simulator advances jobs with their true durations
 and slowdowns while policies see only estimates (--estimator). Prints a table, writes JSON
-(--json) and PNG plots (--out: JCT CDF, DSR, GPU allocation).
+(--json) and PNG plots (--out: JCT CDF, average JCT, DSR, GPU allocation, GPU timeline).
 
 Examples:
 
