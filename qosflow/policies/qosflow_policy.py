@@ -507,7 +507,7 @@ class QosflowPolicy(Policy):
                 if total is not None and (best is None or total > best[0]):
                     best = (total, take, partners)
                 elif total is None:
-                    tried.append((self._pair_total(partners, k) / k, max(x[2] for x in partners), self._reject))
+                    tried.append((*self._refused, self._reject))
         else:
             nodes_sorted = sorted(node_choices, key=lambda x: -sum(s[0] * len(s[2]) for s in x[1]))
             take, partners = [], []
@@ -523,7 +523,7 @@ class QosflowPolicy(Policy):
                 if total is not None:
                     best = (total, take, partners)
                 else:
-                    tried.append((self._pair_total(partners, k) / k, max(x[2] for x in partners), self._reject))
+                    tried.append((*self._refused, self._reject))
         if best is None:
             self._why_not = self._share_refusal(js, tried, rejects, k)
             return None
@@ -697,6 +697,7 @@ class QosflowPolicy(Policy):
         work shared than alone by `throughput_gain` per GPU."""
         xa = max(p[2] for p in partners)
         total = self._pair_total(partners, k)
+        self._refused = (total / k, xa)  # what the refusal note quotes if this pair is not taken
         all_gain = all(p[4] > 0 for p in partners)
         dl = js.job.deadline
         r = self._rem[js.job_id]
