@@ -252,6 +252,26 @@ def test_blocks_validate_and_build_clusters():
     assert QoSPolicy(policy="fifo").make_policy().name == "fifo"
 
 
+def test_policy_block_checks_its_policy_and_options_where_they_are_given():
+    """A QoS policy block with options of the wrong type used to be saved and only fail in the worker,
+    or, for a text "false" (as a form sends it), silently turn a true/false option on."""
+    from qosflow.prefect.blocks import QoSPolicy
+
+    with pytest.raises(ValueError, match=r"options: option 'align' of policy 'qosflow' takes true or false, got 'false'"):
+        QoSPolicy(policy="qosflow", options={"align": "false"})
+    with pytest.raises(ValueError, match=r"options: option 'qos_weight' of policy 'qosflow' takes a number, got 'abc'"):
+        QoSPolicy(policy="qosflow", options={"qos_weight": "abc"})
+    with pytest.raises(ValueError, match=r"policy 'qosflow' has no option 'qos_wieght'; it has: .*qos_weight"):
+        QoSPolicy(policy="qosflow", options={"qos_wieght": 2})
+    with pytest.raises(ValueError, match=r"express_share must be in \[0, 1\)"):
+        QoSPolicy(policy="qosflow", options={"express_share": 1.5})
+    with pytest.raises(ValueError, match=r"unknown policy 'qosflw'"):
+        QoSPolicy(policy="qosflw")
+    ok = QoSPolicy(policy="qosflow", options={"align": False, "qos_weight": 2, "makespan_beta": None})
+    pol = ok.make_policy()
+    assert pol.align is False and pol.qos_weight == 2 and pol.makespan_beta is None
+
+
 def _code_blocks(doc: str) -> list[str]:
     import re
     from pathlib import Path

@@ -113,6 +113,17 @@ def test_policy_option_values_of_the_declared_type_pass():
                    "tiresias": {"thresholds": [100, 2000]}}
 
 
+def test_locality_takes_one_of_its_names():
+    """`--set fifo.locality=foo` used to run, placing as if 'spread'."""
+    from qosflow.errors import SpecError
+    from qosflow.policies import parse_policy_options
+
+    for pol in ("fifo", "sjf", "srtf", "sjf-ffs", "sjf-bsbf"):
+        with pytest.raises(SpecError, match=rf"option 'locality' of policy '{pol}' takes one of consolidated, spread, any, got 'foo'"):
+            parse_policy_options([f"{pol}.locality=foo"], [pol])
+        assert parse_policy_options([f"{pol}.locality=spread"], [pol]) == {pol: {"locality": "spread"}}
+
+
 def test_malformed_trace_row_names_file_and_line(tmp_path, capsys):
     bad = tmp_path / "t.csv"
     bad.write_text(

@@ -74,7 +74,6 @@ def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str,
     Values are read as JSON (numbers, true/false, null, quoted strings), else kept as text. Each
     option is checked against the policy's constructor, so a typo fails here naming the option and
     the ones the policy has, and so is its value's type (`align=False` or `qos_weight=abc` fail here)."""
-    import inspect
     import json
 
     from qosflow.errors import SpecError
@@ -88,18 +87,13 @@ def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str,
             raise SpecError("--set", f"{item!r}: write POLICY.OPTION=VALUE, e.g. qosflow.express_share=0.125")
         if pol not in names:
             raise SpecError("--set", f"{item!r}: policy {pol!r} is not among --policies ({', '.join(names)})")
-        get_policy(pol)  # imports it (unknown names fail with the list of known ones)
-        params = inspect.signature(_REGISTRY[pol].__init__).parameters
-        known = sorted(n for n, p in params.items() if n != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
-        if opt not in known:
-            raise SpecError("--set", f"{item!r}: policy {pol!r} has no option {opt!r}; it has: {', '.join(known) or 'none'}")
         try:
             value = json.loads(raw)
         except ValueError:
             value = raw
-        wants = _option_kind(_REGISTRY[pol], opt, value)
-        if wants is not None:
-            raise SpecError("--set", f"{item!r}: option {opt!r} of policy {pol!r} takes {wants}, got {raw.strip()!r}")
+        problem = option_problem(pol, opt, value, shown=repr(raw.strip()))
+        if problem is not None:
+            raise SpecError("--set", f"{item!r}: {problem}")
         out.setdefault(pol, {})[opt] = value
     for pol, opts in out.items():
         try:
@@ -107,6 +101,25 @@ def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str,
         except (TypeError, ValueError) as exc:
             raise SpecError("--set", f"policy {pol!r}: {exc}") from exc
     return out
+
+
+def option_problem(policy: str, opt: str, value: Any, *, shown: str | None = None) -> str | None:
+    """What is wrong with option `opt`=`value` of `policy` (None: nothing): an option the policy does
+    not have, or a value not of the type its constructor declares (`shown`: how to show the value).
+    Unknown policy names raise `UnknownNameError` with the known ones. Used by `simulate --set` and
+    the QoS policy block."""
+    import inspect
+
+    get_policy(policy)  # imports it (unknown names fail with the list of known ones)
+    cls = _REGISTRY[policy.strip().lower()]
+    params = inspect.signature(cls.__init__).parameters
+    known = sorted(n for n, p in params.items() if n != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+    if opt not in known:
+        return f"policy {policy!r} has no option {opt!r}; it has: {', '.join(known) or 'none'}"
+    wants = _option_kind(cls, opt, value)
+    if wants is not None:
+        return f"option {opt!r} of policy {policy!r} takes {wants}, got {shown if shown is not None else repr(value)}"
+    return None
 
 
 def _option_kind(cls: type, opt: str, value: Any) -> str | None:
@@ -133,7 +146,11 @@ def _option_kind(cls: type, opt: str, value: Any) -> str | None:
     said = {bool: "true or false", float: "a number", int: "a whole number", str: "a name", type(None): "null"}
     wants = []
     for k in kinds:
-        if typing.get_origin(k) in (tuple, list):
+        if typing.get_origin(k) is typing.Literal:
+            if value in typing.get_args(k):
+                return None
+            wants.append("one of " + ", ".join(str(a) for a in typing.get_args(k)))
+        elif typing.get_origin(k) in (tuple, list):
             if isinstance(value, list) and all(ok[float](v) for v in value):
                 return None
             wants.append("a list of numbers, e.g. [3250, 7200]")
@@ -146,4 +163,5 @@ def _option_kind(cls: type, opt: str, value: Any) -> str | None:
     return " or ".join(wants) if wants else None
 
 
-__all__ = ["Decision", "Policy", "SchedulerView", "available", "commit", "get_policy", "parse_policies", "parse_policy_options", "register"]
+__all__ = ["Decision", "Policy", "SchedulerView", "available", "commit", "get_policy", "option_problem", "parse_policies",
+           "parse_policy_options", "register"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import place_in_order
+from qosflow.policies.placement import Locality
 
 
 @register
@@ -16,7 +17,7 @@ class FifoPolicy(Policy):
     name = "fifo"
     description = "first in, first out; strict (the head of the queue blocks)"
 
-    def __init__(self, backfill: bool = False, locality: str = "consolidated"):
+    def __init__(self, backfill: bool = False, locality: Locality = "consolidated"):
         self.backfill = backfill
         self.locality = locality
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import place_in_order, sjf_order
+from qosflow.policies.placement import Locality
 
 
 @register
@@ -12,7 +13,7 @@ class SjfPolicy(Policy):
     name = "sjf"
     description = "shortest estimated job first (non-preemptive)"
 
-    def __init__(self, locality: str = "consolidated"):
+    def __init__(self, locality: Locality = "consolidated"):
         self.locality = locality
 
     def schedule(self, view: SchedulerView) -> Decision:

@@ -14,7 +14,7 @@ from qosflow.core.placement import Placement
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import place_in_order, sjf_order, states_of
-from qosflow.policies.placement import find_colocation, find_for
+from qosflow.policies.placement import Locality, find_colocation, find_for
 from qosflow.policies.sharing import PartnerIndex, bsbf_times, memory_plan
 
 
@@ -23,7 +23,7 @@ class SjfBsbfPolicy(Policy):
     name = "sjf-bsbf"
     description = "SJF with best-sharing-benefit-first GPU sharing and sub-batching"
 
-    def __init__(self, locality: str = "consolidated", sub_batch: bool = True):
+    def __init__(self, locality: Locality = "consolidated", sub_batch: bool = True):
         self.locality = locality
         self.sub_batch = sub_batch
 

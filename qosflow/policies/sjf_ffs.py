@@ -11,7 +11,7 @@ from qosflow.policies import register
 from qosflow.core.job import JobState
 from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import place_in_order, sjf_order, states_of
-from qosflow.policies.placement import find_colocation, find_for
+from qosflow.policies.placement import Locality, find_colocation, find_for
 from qosflow.policies.sharing import PartnerIndex, memory_plan
 
 
@@ -20,7 +20,7 @@ class SjfFfsPolicy(Policy):
     name = "sjf-ffs"
     description = "SJF with first-fit GPU sharing (no benefit test)"
 
-    def __init__(self, locality: str = "consolidated", sub_batch: bool = False):
+    def __init__(self, locality: Locality = "consolidated", sub_batch: bool = False):
         self.locality = locality
         self.sub_batch = sub_batch
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import preempt_and_place
+from qosflow.policies.placement import Locality
 
 
 @register
@@ -20,7 +21,7 @@ class SrtfPolicy(Policy):
     preemptive = True
     description = "shortest remaining time first (preemptive)"
 
-    def __init__(self, locality: str = "consolidated"):
+    def __init__(self, locality: Locality = "consolidated"):
         self.locality = locality
 
     def schedule(self, view: SchedulerView) -> Decision:

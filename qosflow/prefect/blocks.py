@@ -95,6 +95,25 @@ class QoSPolicy(Block):
         _no_unknown_fields(self)
         return self
 
+    @model_validator(mode="after")
+    def _policy_and_options(self) -> "QoSPolicy":
+        """The policy must exist and take every option, each of the type it declares: a text "false"
+        from the UI would turn a true/false option on, and a bad value would only fail in the worker."""
+        from qosflow.errors import UnknownNameError
+        from qosflow.policies import get_policy, option_problem
+
+        try:
+            for opt, value in (self.options or {}).items():
+                problem = option_problem(self.policy, opt, value)
+                if problem is not None:
+                    raise ValueError(f"options: {problem}")
+            get_policy(self.policy, **(self.options or {}))
+        except UnknownNameError as exc:  # a KeyError: pydantic reports ValueErrors on the field
+            raise ValueError(str(exc)) from None
+        except TypeError as exc:
+            raise ValueError(f"options: {exc}") from None
+        return self
+
     def make_policy(self):
         from qosflow.policies import get_policy
 
