@@ -1,6 +1,8 @@
 """qosflow's policy says why a waiting job did not share GPUs (shown in `qosflow simulate` JSON and in
 the flow-run log of a waiting stage): each reason of refusal has its own words."""
 
+import pytest
+
 from qosflow.core import ClusterSpec, Job, QoSSpec
 from qosflow.core.speed import SpeedModel
 from qosflow.policies import get_policy
@@ -104,21 +106,21 @@ def test_partner_deadline_and_not_shareable():
     assert res["tight"].finish_time <= jobs[0].deadline + 1e-6
 
 
-def test_critical_partner():
-    spec = ClusterSpec.uniform(1, 1, gpu_mem_mb=32000)
+@pytest.mark.parametrize(
+    "gpu_mem, occupant, newcomer, note",
+    [
+        # the occupant is on the critical path (it alone is longer than the backlog): it takes only short partners
+        (32000, (100_000.0, 4000), (20_000.0, 4000), "not shared: the jobs it could join are on the critical path"),
+        # the occupant leaves 1000 MB of its GPU; the newcomer needs 8000 (no batch size: no smaller sub-batch)
+        (16000, (10_000.0, 15000), (50.0, 8000), "not shared: no GPU holds a single shareable job with 8000 MB free"),
+    ],
+    ids=["critical-partner", "no-room"],
+)
+def test_newcomer_next_to_one_occupant(gpu_mem, occupant, newcomer, note):
+    spec = ClusterSpec.uniform(1, 1, gpu_mem_mb=gpu_mem)
     jobs = [
-        Job("long", 0.0, QoSSpec(shareable=True, gpu_mem_mb=4000), 100_000.0, model="a"),
-        Job("medium", 10.0, QoSSpec(shareable=True, gpu_mem_mb=4000), 20_000.0, model="b"),
+        Job("occupant", 0.0, QoSSpec(shareable=True, gpu_mem_mb=occupant[1]), occupant[0], model="a"),
+        Job("newcomer", 10.0, QoSSpec(shareable=True, gpu_mem_mb=newcomer[1]), newcomer[0], model="b"),
     ]
     notes, _ = waiting_notes(jobs, spec, Table({("b", "a"): (1.1, 1.1)}))
-    assert "not shared: the jobs it could join are on the critical path" in notes["medium"][0], notes["medium"]
-
-
-def test_no_gpu_with_room():
-    spec = ClusterSpec.uniform(1, 1, gpu_mem_mb=16000)
-    jobs = [
-        Job("big", 0.0, QoSSpec(shareable=True, gpu_mem_mb=15000), 10_000.0, model="a"),
-        Job("other", 10.0, QoSSpec(shareable=True, gpu_mem_mb=8000), 50.0, model="b"),
-    ]
-    notes, _ = waiting_notes(jobs, spec, Table({("b", "a"): (1.1, 1.1)}))
-    assert "not shared: no GPU holds a single shareable job with 8000 MB free" in notes["other"][0], notes["other"]
+    assert note in notes["newcomer"][0], notes["newcomer"]
