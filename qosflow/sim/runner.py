@@ -24,11 +24,26 @@ def guess_format(trace: str) -> str:
             head = f.readline()
     cols = {c.strip().strip('"') for c in head.split(",")}
     # by the columns each loader requires, in any order and with extra columns
-    if {"job_id", "num_gpu", "submit_time", "duration", "model_name"} <= cols:
-        return "muri"
-    if {"name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli"} <= cols:
-        return "alibaba"
-    raise QosflowError(f"{trace}: cannot tell the trace format from its header; pass --format muri|gavel|alibaba|synthetic")
+    for fmt, need in REQUIRED_COLUMNS.items():
+        if need <= cols:
+            return fmt
+    # a header that has most of one format's columns: name the ones it lacks
+    fmt, need = max(REQUIRED_COLUMNS.items(), key=lambda kv: len(kv[1] & cols))
+    if len(need & cols) >= len(need) / 2:
+        missing = ", ".join(sorted(need - cols))
+        raise QosflowError(
+            f"{trace}: the header looks like a {fmt} trace but lacks the column(s) {missing} "
+            f"(a {fmt} trace needs {', '.join(sorted(need))}); add them, or pass --format if it is another format")
+    shown = ", ".join(c for c in head.strip().split(",")[:8] if c) or "(empty)"
+    raise QosflowError(f"{trace}: cannot tell the trace format from its header ({shown}); "
+                       "pass --format muri|gavel|alibaba|synthetic")
+
+
+#: columns a CSV trace must have for each loader (in any order, extra columns allowed)
+REQUIRED_COLUMNS = {
+    "muri": frozenset({"job_id", "num_gpu", "submit_time", "duration", "model_name"}),
+    "alibaba": frozenset({"name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli"}),
+}
 
 
 def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: int = 0, deadline_share: float = 0.5, jobs: int | None = None):
