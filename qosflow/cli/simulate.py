@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
         speed = default_speed_model()
         console.print(
             f"[bold]{wl.name}[/]: {len(wl.jobs)} jobs on {spec.name} ({len(spec.nodes)} nodes, {spec.num_gpus} GPUs); "
-            f"estimates: {estimator}" + (f" (noisy ±{error:.0%})" if "noisy" in kinds else "")
+            "estimates: " + ", ".join(f"noisy (±{error:.0%})" if k == "noisy" else k for k in kinds)
         )
         for jid, why in wl.rejected[:10]:
             console.print(f"[yellow]rejected[/] {jid}: {why}")
