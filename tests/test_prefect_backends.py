@@ -175,6 +175,21 @@ def test_init_and_worker_without_a_server_say_how_to_start_one(tmp_path, cmd):
     assert "Traceback" not in out.stderr
 
 
+def test_init_names_a_server_it_cannot_reach(tmp_path):
+    """Prefect reports a refused connection as RuntimeError("Failed to reach API ...") raised from the
+    httpx error; init says which server it could not reach and how to start one, without a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), QOSFLOW_HOME=str(tmp_path / "q"), PREFECT_API_URL="http://127.0.0.1:9/api")
+    out = subprocess.run([sys.executable, "-m", "qosflow", "init", "--pool", "gpu"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "cannot reach the Prefect server at http://127.0.0.1:9/api" in out.stderr and "prefect server start" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_an_invalid_saved_block_is_named_with_its_bad_fields(prefect_server):
     """A block document that no longer validates (edited in the UI or through the API) was reported as
     'no cluster block named ...' with Prefect's 'try validate=False'; now its bad fields are named."""

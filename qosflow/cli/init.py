@@ -58,7 +58,12 @@ def register(app: typer.Typer) -> None:
         try:
             info = asyncio.run(setup_pool(pool, cluster=cluster, cluster_block=f"{pool}-cluster", policy=pol, policy_block=f"{pool}-policy"))
         except (httpx.TransportError, RuntimeError) as exc:
-            if isinstance(exc, RuntimeError) and "reach" not in str(exc):
+            # Prefect wraps a failed connection in RuntimeError("Failed to reach API ...") raised from
+            # the httpx error: any other RuntimeError is not about the server being away
+            cause: BaseException | None = exc
+            while cause is not None and not isinstance(cause, httpx.HTTPError):
+                cause = cause.__cause__
+            if cause is None:
                 raise
             raise QosflowError(f"cannot reach the Prefect server at {api} ({exc}); is `prefect server start` running there?") from None
         c = Console()
