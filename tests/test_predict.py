@@ -545,9 +545,15 @@ def test_cpu_only_profile_informs_the_cpu_curve_not_gpu_step_times(tmp_path, cap
         for gt in ("cpu", "v100"):
             assert p.predict_solo_step_time("cpujob/bs1", 1, gpu_type=gt).basis.startswith("prior:none(1 s)")
         assert p.predict_solo_step_time("other/bs8", 1, gpu_type="cpu").basis == "prior:none(1 s)"
-        # ... but the CPU-core curve learns from the samples and the profile
+        # ... but the CPU-core curve learns from the samples; the profile is the 4-core sample again (as
+        # `qosflow profile` stores its best run next to its samples): the same run counts once
         curve = p.cpu_curve("cpujob/bs1")
-        assert curve.n_samples == 4 and curve.basis.startswith("samples(")
+        assert curve.n_samples == 3 and curve.basis.startswith("samples(")
+        # a profile that is not one of the samples is a measurement of its own
+        store.add_profile("cpujob/bs1", 0.75, gpu_type="cpu", cpu_cores=8)
+        p2 = Predictor.open(store, reference=None, gpu_type="v100")
+        p2.refit()
+        assert p2.cpu_curve("cpujob/bs1").n_samples == 4
         # a CPU-only profile cannot carry co-located (GPU-sharing) speeds: named error, and skipped on load
         with pytest.raises(SpecError) as err:
             p.observe_profile("cpujob/bs1", 1.0, gpu_type="cpu", ref_speeds={"A3C": 0.5})
@@ -555,7 +561,7 @@ def test_cpu_only_profile_informs_the_cpu_curve_not_gpu_step_times(tmp_path, cap
         store.add_profile("cpujob/bs2", 1.0, gpu_type="cpu", ref_speeds={"A3C": 0.5})
         with caplog.at_level("WARNING"):
             q = Predictor.open(store, reference=None)
-        assert [i for i, _m in q.skipped_profiles] == [2] and "skipped 1 invalid profile" in caplog.text
+        assert [i for i, _m in q.skipped_profiles] == [3] and "skipped 1 invalid profile" in caplog.text
 
 
 def test_scaling_new_family_answers_from_its_profile():

@@ -81,6 +81,22 @@ def test_profile_without_gpu_reports_it_and_stores_cpu_samples(stage_module, tmp
     store.close()
 
 
+def test_a_profiled_run_counts_once_in_the_predictor(stage_module, tmp_path):
+    """`qosflow profile` stores each run as a sample and its best run as the profile too; the predictor
+    used to observe that run twice."""
+    from qosflow.predict import Predictor
+
+    if detect_gpu().present:
+        pytest.skip("checks the CPU-core curve of a CPU-only profile")
+    store = Store.open(f"sqlite:///{tmp_path / 'p.db'}")
+    res = profile("toy_stage:train", 3, cores=[1, 2], budget_s=60, store=store, signature="toy/bs1")
+    assert len(res.configs) == 2 and len(store.samples_for("toy/bs1")) == 2 and len(store.profiles_for("toy/bs1")) == 1
+    p = Predictor.open(store, reference=None)
+    p.refit()
+    assert p.cpu_curve("toy/bs1").n_samples == 2
+    store.close()
+
+
 def test_profile_cli_no_gpu_message_and_errors(stage_module, tmp_path, capsys):
     db = f"sqlite:///{tmp_path / 'c.db'}"
     assert main(["profile", "toy_stage:train", "--steps", "3", "--cores", "1", "--db", db]) == 0

@@ -157,11 +157,15 @@ class Predictor:
 
         last = since_id
         skipped: list[tuple[int, str]] = []
+        profiled: set[tuple] = set()  # the runs `qosflow profile` stored as samples (it stores its best as a profile too)
         for s in store.iter_samples(since_id=since_id):
             try:
                 self.observe(s)
             except SpecError as exc:
                 skipped.append((s.id, str(exc)))
+            else:
+                if getattr(s, "source", None) == "profile":
+                    profiled.add(_profile_key(s.signature, s.gpu_type, s.gpus, s.cpu_cores, s.step_time_s))
             last = s.id
         self.skipped_samples = getattr(self, "skipped_samples", []) + skipped
         _warn_skipped(store, skipped, "sample")
@@ -169,11 +173,14 @@ class Predictor:
         for prof in store.profiles_for():
             import json
 
+            gpus = 0 if prof.gpu_type == CPU_ONLY else 1
+            # a profile whose solo run is also a stored sample is that run once, not twice
+            solo = _profile_key(prof.signature, prof.gpu_type, gpus, prof.cpu_cores, prof.solo_step_time_s) not in profiled
             try:
                 self.observe_profile(prof.signature, prof.solo_step_time_s, gpu_type=prof.gpu_type,
                                      ref_speeds=json.loads(prof.ref_speeds_json),
                                      ref_partner_speeds=json.loads(prof.ref_partner_speeds_json),
-                                     cpu_cores=prof.cpu_cores)
+                                     cpu_cores=prof.cpu_cores, solo=solo)
             except SpecError as exc:
                 bad_profiles.append((prof.id, str(exc)))
         self.skipped_profiles = getattr(self, "skipped_profiles", []) + bad_profiles
@@ -211,8 +218,12 @@ class Predictor:
 
     def observe_profile(self, signature: str, solo_step_time_s: float, *, gpu_type: str | None = None,
                         ref_speeds: Mapping[str, float] | None = None,
-                        ref_partner_speeds: Mapping[str, float] | None = None, cpu_cores: int | None = None) -> None:
+                        ref_partner_speeds: Mapping[str, float] | None = None, cpu_cores: int | None = None,
+                        solo: bool = True) -> None:
         """A lightweight profile: solo 1-GPU step time and co-located speeds with the reference jobs.
+        With `solo=False` the solo step time is not observed again (it is already a sample: `load_store`
+        passes that for the profiles `qosflow profile` stores next to its samples); it still scales the
+        co-located speeds.
 
         A CPU-only profile (`gpu_type="cpu"`, what `qosflow profile` stores on a machine without a GPU) is a
         step time on `cpu_cores` cores and no GPU: it is observed as a 0-GPU sample, so it informs the job's
@@ -226,12 +237,14 @@ class Predictor:
                     raise SpecError(name, "co-located speeds are measured sharing a GPU, but this profile is "
                                     f"CPU-only (gpu_type={CPU_ONLY!r}): give the GPU type they were measured on, "
                                     f"or leave {name} out", where=f"profile of {signature!r}")
-            self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": 0, "gpu_type": CPU_ONLY,
-                          "cpu_cores": cpu_cores, "source": "profile"})
+            if solo:
+                self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": 0, "gpu_type": CPU_ONLY,
+                              "cpu_cores": cpu_cores, "source": "profile"})
             return
         gt = gpu_type if gpu_type and gpu_type != "unknown" else self.gpu_type
-        self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": 1, "gpu_type": gt,
-                      "cpu_cores": cpu_cores, "source": "profile"})
+        if solo:
+            self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": 1, "gpu_type": gt,
+                          "cpu_cores": cpu_cores, "source": "profile"})
         for ref, speed in (ref_speeds or {}).items():
             if speed > 0:
                 self.observe({"signature": signature, "co_runner": ref, "gpu_type": gt, "gpus": 1,
@@ -570,6 +583,12 @@ class Predictor:
         return Prediction(v, min(v / (1 + rel), prior.low if w < 0.5 else v / (1 + rel)),
                           max(v * (1 + rel), prior.high if w < 0.5 else v * (1 + rel)), prior.n_samples,
                           f"progress(f={f:.2f})+prior:{prior.basis}")
+
+
+def _profile_key(signature: str, gpu_type: str | None, gpus: int | None, cpu_cores: Any, step_time_s: float) -> tuple:
+    """What identifies one profiling run, to match a stored profile with the sample of the same run."""
+    cores = None if cpu_cores is None else round(float(cpu_cores), 6)
+    return (signature, gpu_type, int(gpus or 0), cores, round(float(step_time_s), 12))
 
 
 def _warn_skipped(store: Any, skipped: list[tuple[int, str]], table: str) -> None:
