@@ -112,7 +112,8 @@ def register(app: typer.Typer) -> None:
         snap = asyncio.run(go())
         t = Table(title=f"{cf.name}: {len(snap.hosts)} hosts, refreshed in {snap.elapsed_s * 1000:.0f} ms")
         for col in ("host", "url", "up", "GPUs", "GPU util", "cores", "running", "note"):
-            t.add_column(col)
+            # on a narrow terminal long cells (a URL, a connection error) wrap instead of ending in '…'
+            t.add_column(col, overflow="fold")
         for h in snap.hosts:
             util = "-" if h.virtual or not h.gpus else ",".join(str(g.get("utilization_gpu")) for g in h.gpus)
             t.add_row(h.name, h.url, "yes" if h.up else f"no ({h.error})", str(len(h.gpus)), util, f"{h.cpu_cores:g}", str(len(h.running)), h.note)
