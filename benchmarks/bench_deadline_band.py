@@ -5,7 +5,8 @@ promises on the estimator's error band").
 Reproduces `bench_sim.seed_section`'s estimates (per seed the exact oracle and NOISE_DRAWS draws of
 +-30 % noise, SRTF under the same kind of estimates as the reference) for any set of qosflow option
 sets, two simulations at a time, with results cached in a JSON file (`--cache`) so a rerun only simulates what
-is new -- keyed by label only: delete it after changing the policy.
+is new. A result is keyed by the variant's options and a fingerprint of the code that decides a schedule
+(`qosflow/core`, `policies`, `sim`, `predict`): after a change to it, everything is simulated again.
 
     python benchmarks/bench_deadline_band.py qosflow-noband qosflow     # labels from VARIANTS below
     python benchmarks/bench_deadline_band.py --seeds 0 express-noband express
@@ -43,15 +44,32 @@ SEEDS = (0, 1, 2)
 NOISE_DRAWS = bench_sim.NOISE_DRAWS
 
 
+def code_fingerprint() -> str:
+    """A short hash of the sources a simulated schedule depends on."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1] / "qosflow"
+    h = hashlib.sha1()
+    for sub in ("core", "policies", "sim", "predict"):
+        for f in sorted((root / sub).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _key(label: str, seed: int, draw: int, fingerprint: str) -> str:
+    return f"{fingerprint}|{label}|{json.dumps(VARIANTS[label], sort_keys=True)}|{seed}|{draw}"
+
+
 def _job(args):
-    label, seed, draw = args  # draw -1: the exact oracle
+    label, seed, draw, fp = args  # draw -1: the exact oracle
     bench_sim.VARIANTS[label] = VARIANTS[label]
     data = shared_data() / "traces"
     wl, spec = resolve_workload(str(data / "muri_philly_trace1.csv"), "muri", str(data / "muri_cluster_n8g8.csv"), seed=seed)
     speed = default_speed_model()
     est = OracleEstimator(speed) if draw < 0 else NoisyEstimator(speed, error=0.3, seed=seed + 100 * draw)
     m, wall = bench_sim.simulate_one(wl, spec, label, est, seed=seed)
-    return f"{label}|{seed}|{draw}", {"jct": m.avg_jct, "dsr": m.dsr, "makespan": m.makespan, "wall": wall}
+    return _key(label, seed, draw, fp), {"jct": m.avg_jct, "dsr": m.dsr, "makespan": m.makespan, "wall": wall}
 
 
 def main() -> None:
@@ -64,8 +82,9 @@ def main() -> None:
     seeds = [int(s) for s in a.seeds.split(",")]
     cache = json.loads(Path(a.cache).read_text()) if os.path.exists(a.cache) else {}
     labels = ["srtf"] + [x for x in a.labels if x != "srtf"]
-    todo = [(lab, s, d) for lab in labels for s in seeds for d in range(-1, NOISE_DRAWS if lab != "srtf" else 1)
-            if f"{lab}|{s}|{d}" not in cache]
+    fp = code_fingerprint()
+    todo = [(lab, s, d, fp) for lab in labels for s in seeds for d in range(-1, NOISE_DRAWS if lab != "srtf" else 1)
+            if _key(lab, s, d, fp) not in cache]
     if todo:
         with get_context("fork").Pool(a.jobs) as pool:
             for key, val in pool.imap_unordered(_job, todo):
@@ -73,7 +92,7 @@ def main() -> None:
                 Path(a.cache).write_text(json.dumps(cache, indent=1))
 
     def get(lab, s, d):
-        return cache[f"{lab}|{s}|{d}"]
+        return cache[_key(lab, s, d, fp)]
 
     rows = []
     for lab in labels[1:]:
