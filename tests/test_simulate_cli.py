@@ -221,12 +221,13 @@ def test_sim_config_and_noisy_estimator_reject_out_of_range_values():
 
 
 def test_a_trace_missing_a_column_is_named_by_what_it_lacks(tmp_path, capsys):
-    """A Muri CSV without its duration column used to get 'cannot tell the trace format'."""
+    """A Muri CSV without its duration column used to get 'cannot tell the trace format'; it is taken
+    as a Muri trace, whose loader names the file, the line and the column it lacks."""
     trace = tmp_path / "t.csv"
     trace.write_text(MURI_COLS.replace(",duration", "") + "\n0,1,0,10,resnet18,128,0,100,50,40,0,0\n")
     assert main(["simulate", "--trace", str(trace), "--policies", "fifo", "--no-plots"]) == 2
     err = capsys.readouterr().err
-    assert "the header looks like a muri trace but lacks the column(s) duration" in err, err
+    assert f"{trace}:1" in err and "missing column(s) 'duration'; a Muri trace needs" in err, err
     other = tmp_path / "o.csv"
     other.write_text("a,b,c\n1,2,3\n")
     assert main(["simulate", "--trace", str(other), "--policies", "fifo", "--no-plots"]) == 2

@@ -23,24 +23,19 @@ def guess_format(trace: str) -> str:
         with open(p, encoding="utf-8-sig", errors="replace") as f:  # a BOM is not part of the header
             head = f.readline()
     cols = {c.strip().strip('"') for c in head.split(",")}
-    # by the columns each loader requires, in any order and with extra columns
-    for fmt, need in REQUIRED_COLUMNS.items():
-        if need <= cols:
-            return fmt
-    # a header that has most of one format's columns: name the ones it lacks
-    fmt, need = max(REQUIRED_COLUMNS.items(), key=lambda kv: len(kv[1] & cols))
-    if len(need & cols) >= len(need) / 2:
-        missing = ", ".join(sorted(need - cols))
-        raise QosflowError(
-            f"{trace}: the header looks like a {fmt} trace but lacks the column(s) {missing} "
-            f"(a {fmt} trace needs {', '.join(sorted(need))}); add them, or pass --format if it is another format")
+    # by the columns that mark each format, in any order and with extra columns; a header with at least
+    # half of one format's marks is taken as that format, whose loader then names the columns it lacks
+    # (file, line and the columns it needs)
+    fmt, marks = max(FORMAT_MARKS.items(), key=lambda kv: len(kv[1] & cols))
+    if len(marks & cols) >= len(marks) / 2:
+        return fmt
     shown = ", ".join(c for c in head.strip().split(",")[:8] if c) or "(empty)"
     raise QosflowError(f"{trace}: cannot tell the trace format from its header ({shown}); "
                        "pass --format muri|gavel|alibaba|synthetic")
 
 
-#: columns a CSV trace must have for each loader (in any order, extra columns allowed)
-REQUIRED_COLUMNS = {
+#: columns that mark a CSV trace's format (each loader checks the full list it needs)
+FORMAT_MARKS = {
     "muri": frozenset({"job_id", "num_gpu", "submit_time", "duration", "model_name"}),
     "alibaba": frozenset({"name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli"}),
 }
