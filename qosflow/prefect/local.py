@@ -18,8 +18,7 @@ from typing import Any
 import httpx
 
 from qosflow.core.cluster import ClusterSpec
-from qosflow.env import env_flag
-from qosflow.prefect.server_process import retry_budget_s
+from qosflow.prefect.server_process import any_patch
 
 
 def free_port() -> int:
@@ -100,8 +99,7 @@ class LocalServer:
         # requests that lost SQLite's write race itself; QOSFLOW_SERVER_GC_THREAD=0,
         # QOSFLOW_SERVER_SQLITE_IMMEDIATE=0 and QOSFLOW_SERVER_RETRY_S=0 together run plain `python -m prefect`
         sqlite = self.env["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("sqlite")
-        patched = sqlite and (env_flag("QOSFLOW_SERVER_GC_THREAD") or env_flag("QOSFLOW_SERVER_SQLITE_IMMEDIATE")
-                              or retry_budget_s() > 0)
+        patched = sqlite and any_patch()
         module = "qosflow.prefect.server_process" if patched else "prefect"
         cmd = [sys.executable, "-m", module, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         if not self.ui:

@@ -189,6 +189,11 @@ def immediate_write_transactions() -> None:
     cls.begin_transaction = begin_transaction
 
 
+def any_patch() -> bool:
+    """Is any of this module's changes switched on (else plain `python -m prefect` is the same)?"""
+    return env_flag("QOSFLOW_SERVER_GC_THREAD") or env_flag("QOSFLOW_SERVER_SQLITE_IMMEDIATE") or retry_budget_s() > 0
+
+
 def main() -> None:
     if env_flag("QOSFLOW_SERVER_GC_THREAD"):
         collect_off_the_event_loop()
