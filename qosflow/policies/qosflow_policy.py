@@ -525,7 +525,7 @@ class QosflowPolicy(Policy):
                 else:
                     tried.append((*self._refused, self._reject))
         if best is None:
-            self._why_not = self._share_refusal(js, tried, rejects, k)
+            self._why_not = self._share_refusal(js, tried, rejects)
             return None
         total, take, partners = best
         free_mem = float(min(st.gmem_free[n, g] for n, g in take))
@@ -744,7 +744,7 @@ class QosflowPolicy(Policy):
         "PARTNER_DEADLINE": "joining would push a partner past a deadline it can still meet",
     }
 
-    def _share_refusal(self, js: JobState, tried, rejects: dict[str, int], k: int) -> str:
+    def _share_refusal(self, js: JobState, tried, rejects: dict[str, int]) -> str:
         """Why `js` found no GPUs to share, in words (for `Decision.notes`)."""
         if tried:
             gain, xa, _code = max(tried)
