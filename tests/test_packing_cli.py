@@ -112,3 +112,21 @@ def test_a_failed_run_leaves_no_output_directories(tmp_path, capsys):
     rc = main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit", "--seeds", "1",
                "--json", str(tmp_path / "j" / "p.json"), "--out", str(tmp_path / "res" / "deep"), "--no-plots"])
     assert rc == 0 and (tmp_path / "j" / "p.json").exists() and (tmp_path / "res" / "deep" / "pack_curve.csv").exists()
+
+
+def test_pack_cli_rejects_a_ratio_below_1(tmp_path, capsys):
+    """The headline is read at 100 % arrived demand; with --ratio below 1 arrivals stop before it,
+    so every seed of every policy was short and the table was all nan (exit 0). Now refused up front."""
+    pods, nodes = tmp_path / "pods.csv", tmp_path / "nodes.csv"
+    pods.write_text(PODS)
+    nodes.write_text(NODES)
+    out_json = tmp_path / "pack.json"
+    rc = main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit", "--seeds", "1",
+               "--ratio", "0.5", "--json", str(out_json), "--no-plots"])
+    captured = capsys.readouterr()
+    assert rc == 2 and not out_json.exists() and "nan" not in captured.out
+    assert "invalid --ratio: must be in [1, 10]" in captured.err and "got 0.5" in captured.err
+    # 1 itself is accepted (whether a seed's arrivals then reach 100 % depends on the pods' sizes)
+    rc = main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit", "--seeds", "1",
+               "--ratio", "1", "--json", str(out_json), "--no-plots"])
+    assert rc == 0 and out_json.exists()

@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         seeds: int = typer.Option(10, "--seeds", help="number of seeds to average over"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
         out: Optional[Path] = typer.Option(None, "--out", help="directory for pack_curve.csv/.png (default: next to --json)"),
-        ratio: float = typer.Option(1.3, "--ratio", help="stop arrivals when the GPU requested reaches this share of capacity"),
+        ratio: float = typer.Option(1.3, "--ratio", help="stop arrivals when the GPU requested reaches this share of capacity (1 to 10)"),
         popularity: float = typer.Option(0.95, "--popularity", help="FGD target workload: the most frequent pod types covering this share of pods"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plot"),
     ) -> None:
@@ -63,8 +63,9 @@ def register(app: typer.Typer) -> None:
             make_policy(name)  # UnknownNameError lists the known names
         if seeds < 1:
             raise SpecError("--seeds", f"must be >= 1, got {seeds}")
-        if not 0 < ratio <= 10:
-            raise SpecError("--ratio", f"must be in (0, 10], got {ratio}")
+        if not 1 <= ratio <= 10:
+            # the headline is read at 100 % arrived demand: arrivals stopped below it never reach it
+            raise SpecError("--ratio", f"must be in [1, 10] (the headline is read at 100 % arrived demand), got {ratio}")
         if not 0 < popularity <= 1:
             raise SpecError("--popularity", f"must be in (0, 1], got {popularity}")
         pods_path = pods or default_pod_list()
@@ -134,8 +135,8 @@ def register(app: typer.Typer) -> None:
             if d["seeds_short_of_demand"]:
                 console.print(
                     f"[yellow]{name}: the arrived GPU requests never reached 100 % of capacity with seed(s) "
-                    f"{', '.join(map(str, d['seeds_short_of_demand']))} (pods too large a share of this cluster, or "
-                    "--ratio below 1); those seeds are left out of the mean.[/]"
+                    f"{', '.join(map(str, d['seeds_short_of_demand']))} (pods too large a share of this cluster); "
+                    "those seeds are left out of the mean.[/]"
                 )
 
         out_dir = out if out is not None else (json_out.parent if json_out is not None else None)
