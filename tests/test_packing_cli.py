@@ -130,3 +130,19 @@ def test_pack_cli_rejects_a_ratio_below_1(tmp_path, capsys):
     rc = main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit", "--seeds", "1",
                "--ratio", "1", "--json", str(out_json), "--no-plots"])
     assert rc == 0 and out_json.exists()
+
+
+def test_an_error_inside_the_progress_bar_follows_the_output_without_a_blank_line(tmp_path, capsys):
+    """rich's Progress prints an empty line when it stops on a console that is not interactive (a pipe, a
+    log, TERM=dumb), where a transient bar shows nothing at all: a run failing inside the bar printed its
+    error after a stray blank line (and a successful one its table)."""
+    pods, nodes = tmp_path / "pods.csv", tmp_path / "nodes.csv"
+    pods.write_text(PODS.splitlines()[0] + "\np4,16000,8192,0,0,,BE,Running,4,100,4\n")  # asks for no GPU
+    nodes.write_text(NODES)
+    rc = main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit", "--seeds", "1"])
+    captured = capsys.readouterr()
+    assert rc == 2 and "no pod asks for a GPU" in captured.err  # raised by the run, inside the bar
+    assert captured.out.startswith("1 pods (pods.csv) on 3 nodes") and "" not in captured.out.splitlines()
+    pods.write_text(PODS)
+    assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit", "--seeds", "1"]) == 0
+    assert "" not in capsys.readouterr().out.splitlines()

@@ -1,5 +1,6 @@
-"""Output paths of the CLI commands, checked before the work starts: a long run whose results cannot be
-written would otherwise end in a traceback, with the results lost."""
+"""Output of the CLI commands: their output paths, checked before the work starts (a long run whose results
+cannot be written would otherwise end in a traceback, with the results lost), the JSON writer and the
+progress bar."""
 
 from __future__ import annotations
 
@@ -65,6 +66,19 @@ def write_json_file(path: Path, data: dict, option: str = "--json") -> Path:
     except OSError as exc:
         raise _unwritable(option, path, exc, "a path in a writable directory") from None
     return path
+
+
+def progress_bar(*columns, console=None):
+    """The transient progress bar of a long CLI run (rich's `Progress`; its default columns if none given).
+
+    Started only on an interactive console: elsewhere (a pipe, a log, TERM=dumb) a transient bar shows
+    nothing, yet rich's `Progress.stop` prints an empty line there, so the run's next output, or the
+    error of a run that failed inside the bar, came after a stray blank line."""
+    from rich import get_console
+    from rich.progress import Progress
+
+    console = console or get_console()
+    return Progress(*columns, console=console, transient=True, disable=not console.is_interactive)
 
 
 def _finite(obj):

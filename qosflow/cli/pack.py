@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plot"),
     ) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
         from rich.table import Table
 
         from qosflow.errors import SpecError
@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png
         from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
 
-        from qosflow.cli.output import check_output_dir, check_output_file, write_json_file
+        from qosflow.cli.output import check_output_dir, check_output_file, progress_bar, write_json_file
 
         console = Console()
         if json_out is not None:
@@ -91,9 +91,7 @@ def register(app: typer.Typer) -> None:
             f"({nodes_path.name}); arrivals up to {ratio:.0%} of capacity; "
             + (f"seed {seed}" if seeds == 1 else f"seeds {seed_list[0]}..{seed_list[-1]}")
         )
-        with Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
-        ) as prog:
+        with progress_bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
             task = prog.add_task("packing", total=len(seed_list) * len(names))
 
             def on_run(run) -> None:

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from qosflow.cli.output import check_output_file as _check_output_file
+from qosflow.cli.output import progress_bar as _progress_bar
 from qosflow.cli.output import write_json_file as _write_json
 from qosflow.errors import QosflowError
 
@@ -65,8 +66,6 @@ def eval_cmd(
 
       qosflow predict eval --pairs pairs.csv --folds 5 --json out/pairs.json
     """
-    from rich.progress import Progress
-
     from qosflow.predict import evaluate
     from qosflow.predict.reference import ThroughputTable, read_pairs_csv
 
@@ -74,7 +73,7 @@ def eval_cmd(
         raise QosflowError("give exactly one of --throughputs FILE or --pairs CSV")
     if json_out is not None:
         _check_output_file(json_out)
-    with Progress(transient=True) as bar:
+    with _progress_bar() as bar:
         if throughputs is not None:
             table = ThroughputTable.load(throughputs)
             folds_total = len(table.jobs) * (1 + len(table.pair_speed))

@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
         settings: Optional[list[str]] = typer.Option(None, "--set", help="a policy option, POLICY.OPTION=VALUE (repeatable), e.g. --set qosflow.express_share=0.125"),
     ) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
         from qosflow.core.estimate import make_estimator
         from qosflow.policies import get_policy, parse_policies, parse_policy_options
@@ -54,7 +54,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.runner import resolve_workload
 
         console = Console(width=max(120, Console().width))
-        from qosflow.cli.output import check_output_dir, check_output_file, write_json_file
+        from qosflow.cli.output import check_output_dir, check_output_file, progress_bar, write_json_file
 
         if json_out is not None:
             check_output_file(json_out)
@@ -84,9 +84,7 @@ def register(app: typer.Typer) -> None:
         results, metrics = {}, {}
         by_est: dict = {}  # estimator name -> policy -> Metrics
         failed: dict[str, str] = {}  # policy label -> why its run stopped (SimulationError)
-        with Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
-        ) as prog:
+        with progress_bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
             for kind in kinds:
                 for name in names:
                     label = name if len(kinds) == 1 else f"{name} ({kind})"
