@@ -564,6 +564,25 @@ def test_cpu_only_profile_informs_the_cpu_curve_not_gpu_step_times(tmp_path, cap
         assert [i for i, _m in q.skipped_profiles] == [3] and "skipped 1 invalid profile" in caplog.text
 
 
+def test_the_gpu_count_of_a_profiled_run_is_one_rule(tmp_path, monkeypatch):
+    """`load_store` restated the rule `observe_profile` observes a profile's solo run by (0 GPUs when
+    CPU-only, else 1) to find that run among the stored samples; the two could drift apart and count the
+    run twice. Both now ask `_profile_gpus`: with another rule put there, both follow it."""
+    from qosflow.predict import predictor as mod
+    from qosflow.store import Store
+
+    monkeypatch.setattr(mod, "_profile_gpus", lambda gpu_type: 2)
+    with Store.open(f"sqlite:///{tmp_path / 'p.db'}") as store:
+        store.add_samples([{"signature": "job/bs8", "gpus": 2, "gpu_type": "v100", "cpu_cores": 8,
+                            "step_time_s": 0.25, "source": "profile"}])
+        store.add_profile("job/bs8", 0.25, gpu_type="v100", cpu_cores=8)  # the same run, stored as the profile
+        p = Predictor.open(store, reference=None, gpu_type="v100")
+    # load_store found the profile's run among the samples by the rule: observed once, not twice
+    assert p._stats[(canonical("job/bs8"), "v100", 2, True, None, None)].n == 1 and p.n_observed == 1
+    p.observe_profile("job/bs9", 0.5, gpu_type="v100")  # observe_profile records its run by the same rule
+    assert p._stats[(canonical("job/bs9"), "v100", 2, True, None, None)].n == 1
+
+
 def test_scaling_new_family_answers_from_its_profile():
     """A job of a family nobody measured has no sibling features, which every training job of a family
     with several batch sizes has: its spread penalty comes from a forest fitted without them, so a job

@@ -173,7 +173,7 @@ class Predictor:
         for prof in store.profiles_for():
             import json
 
-            gpus = 0 if prof.gpu_type == CPU_ONLY else 1
+            gpus = _profile_gpus(prof.gpu_type)
             # a profile whose solo run is also a stored sample is that run once, not twice
             solo = _profile_key(prof.signature, prof.gpu_type, gpus, prof.cpu_cores, prof.solo_step_time_s) not in profiled
             try:
@@ -229,7 +229,8 @@ class Predictor:
         step time on `cpu_cores` cores and no GPU: it is observed as a 0-GPU sample, so it informs the job's
         CPU-core curve but no GPU step-time or scaling model (it was taken as a 1-GPU time on a GPU type
         named "cpu"). It cannot carry co-located speeds, which are measured sharing a GPU."""
-        if gpu_type == CPU_ONLY:
+        gpus = _profile_gpus(gpu_type)
+        if gpus == 0:
             for name, speeds in (("ref_speeds", ref_speeds), ("ref_partner_speeds", ref_partner_speeds)):
                 if speeds:
                     from qosflow.errors import SpecError
@@ -238,12 +239,12 @@ class Predictor:
                                     f"CPU-only (gpu_type={CPU_ONLY!r}): give the GPU type they were measured on, "
                                     f"or leave {name} out", where=f"profile of {signature!r}")
             if solo:
-                self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": 0, "gpu_type": CPU_ONLY,
+                self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": gpus, "gpu_type": CPU_ONLY,
                               "cpu_cores": cpu_cores, "source": "profile"})
             return
         gt = gpu_type if gpu_type and gpu_type != "unknown" else self.gpu_type
         if solo:
-            self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": 1, "gpu_type": gt,
+            self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": gpus, "gpu_type": gt,
                           "cpu_cores": cpu_cores, "source": "profile"})
         for ref, speed in (ref_speeds or {}).items():
             if speed > 0:
@@ -583,6 +584,12 @@ class Predictor:
         return Prediction(v, min(v / (1 + rel), prior.low if w < 0.5 else v / (1 + rel)),
                           max(v * (1 + rel), prior.high if w < 0.5 else v * (1 + rel)), prior.n_samples,
                           f"progress(f={f:.2f})+prior:{prior.basis}")
+
+
+def _profile_gpus(gpu_type: str | None) -> int:
+    """GPUs of a profile's solo run: none for a CPU-only profile, else one. `observe_profile` observes the
+    run with it and `load_store` finds the run among the stored samples with it."""
+    return 0 if gpu_type == CPU_ONLY else 1
 
 
 def _profile_key(signature: str, gpu_type: str | None, gpus: int | None, cpu_cores: Any, step_time_s: float) -> tuple:
