@@ -272,6 +272,35 @@ def test_policy_block_checks_its_policy_and_options_where_they_are_given():
     assert pol.align is False and pol.qos_weight == 2 and pol.makespan_beta is None
 
 
+def test_policy_options_are_checked_without_making_the_policy_once_per_option(monkeypatch):
+    """`option_problem` made the policy (get_policy) to check each option, so a block with n options
+    made it n + 1 times; it reads the class alone now, and the block makes it once, with all its options."""
+    from qosflow.errors import UnknownNameError
+    from qosflow.policies import Decision, Policy, _REGISTRY, option_problem
+    from qosflow.prefect.blocks import QoSPolicy
+
+    made = []
+
+    class Counted(Policy):
+        name = "counted-test"
+
+        def __init__(self, align: bool = True, weight: float = 1.0, label: str = "x"):
+            made.append((align, weight, label))
+
+        def schedule(self, view):
+            return Decision()
+
+    monkeypatch.setitem(_REGISTRY, "counted-test", Counted)
+    assert option_problem("counted-test", "weight", 2.0) is None
+    assert option_problem("counted-test", "align", "false") == "option 'align' of policy 'counted-test' takes true or false, got 'false'"
+    assert option_problem("counted-test", "wieght", 2.0) == "policy 'counted-test' has no option 'wieght'; it has: align, label, weight"
+    assert made == []
+    QoSPolicy(policy="counted-test", options={"align": False, "weight": 2.0, "label": "y"})
+    assert made == [(False, 2.0, "y")]
+    with pytest.raises(UnknownNameError, match=r"unknown policy 'counted-tst'"):
+        option_problem("counted-tst", "weight", 2.0)
+
+
 def _code_blocks(doc: str) -> list[str]:
     import re
     from pathlib import Path

@@ -46,6 +46,12 @@ def available() -> list[str]:
 
 
 def get_policy(name: str, **options: Any) -> Policy:
+    return _policy_class(name)(**options)
+
+
+def _policy_class(name: str) -> type[Policy]:
+    """The class registered as `name`, its module imported on first use (unknown names fail with the
+    list of known ones)."""
     key = name.strip().lower()
     if key not in _REGISTRY and key in BUILTIN:
         try:
@@ -55,7 +61,7 @@ def get_policy(name: str, **options: Any) -> Policy:
                 raise
     if key not in _REGISTRY:
         raise UnknownNameError("policy", name, available())
-    return _REGISTRY[key](**options)
+    return _REGISTRY[key]
 
 
 def parse_policies(spec: str) -> list[str]:
@@ -107,11 +113,11 @@ def option_problem(policy: str, opt: str, value: Any, *, shown: str | None = Non
     """What is wrong with option `opt`=`value` of `policy` (None: nothing): an option the policy does
     not have, or a value not of the type its constructor declares (`shown`: how to show the value).
     Unknown policy names raise `UnknownNameError` with the known ones. Used by `simulate --set` and
-    the QoS policy block."""
+    the QoS policy block. Reads the policy's class only: the policy is not made (its constructor's own
+    checks run where the caller makes it, once, with all the options)."""
     import inspect
 
-    get_policy(policy)  # imports it (unknown names fail with the list of known ones)
-    cls = _REGISTRY[policy.strip().lower()]
+    cls = _policy_class(policy)  # unknown names fail with the list of known ones
     params = inspect.signature(cls.__init__).parameters
     known = sorted(n for n, p in params.items() if n != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
     if opt not in known:
