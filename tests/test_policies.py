@@ -233,3 +233,57 @@ def test_placements_respect_host_memory(name):
     jobs += [Job(f"w{i}", 0.0, QoSSpec(gpus=6, mem_mb=150_000), duration=100.0 + i) for i in range(2)]
     res = simulate(jobs, cluster, get_policy(name), config=SimConfig(seed=0))
     assert all(j.status is JobStatus.DONE for j in res.jobs)
+
+
+def _one_node_reference(st, job, node_rank):
+    """Best fit on one node, written out plainly: the up nodes with the job's GPU memory, enough empty
+    GPUs, cores and host memory; among them the lowest rank, then the fewest empty GPUs, then the
+    lowest index; its first empty GPUs."""
+    q = job.qos
+    cands = [n for n in range(st.num_nodes)
+             if not st.down[n] and st.spec.nodes[n].gpu_mem_mb >= q.gpu_mem_mb and st.empty[n] >= q.gpus
+             and st.cpu_free[n] >= q.cpu_cores - 1e-9 and st.mem_free[n] >= q.mem_mb - 1e-6]
+    if not cands:
+        return None
+    if node_rank is not None:
+        low = min(node_rank[n] for n in cands)
+        cands = [n for n in cands if node_rank[n] <= low]
+    n = min(cands, key=lambda c: (st.empty[c], c))
+    gpus = [g for g in range(st.spec.nodes[n].gpus) if st.njobs[n, g] == 0][: q.gpus]
+    return n, gpus
+
+
+def test_one_node_search_in_two_steps_matches_a_plain_best_fit():
+    """`one_node_candidates` + `place_on_one_node` (which the qosflow policy uses to search once per
+    request shape and cluster state, and which `find_whole` is made of) choose what a plainly written
+    best fit chooses, ranked or not."""
+    from qosflow.core.cluster import ClusterState, NodeSpec
+    from qosflow.policies.placement import find_whole, one_node_candidates, place_on_one_node
+
+    rng = np.random.default_rng(7)
+    nodes = [NodeSpec(f"n{i}", int(g), gpu_mem_mb=float(m), cpu_cores=16.0, mem_mb=65_536.0)
+             for i, (g, m) in enumerate(zip(rng.choice([2, 4, 8], 12), rng.choice([16_000, 32_000], 12)))]
+    placed = 0
+    for trial in range(40):
+        st = ClusterState(ClusterSpec(nodes))
+        # fill it partly with single-GPU jobs
+        for i in range(int(rng.integers(0, 40))):
+            j = Job(f"f{trial}-{i}", 0.0, QoSSpec(gpus=1, cpu_cores=float(rng.integers(1, 4)), mem_mb=1024.0), 60.0)
+            p = find_whole(st, j, fit="first-fit")
+            if p is not None:
+                st.allocate(p, j.qos)
+        for k in (1, 2, 3, 4, 8, 16):
+            job = Job(f"q{k}", 0.0, QoSSpec(gpus=k, cpu_cores=2.0 * k, mem_mb=2048.0 * k,
+                                           gpu_mem_mb=float(rng.choice([8_000, 20_000]))), 60.0)
+            rank = rng.integers(0, 3, st.num_nodes).astype(float)
+            for node_rank in (None, rank):
+                cands = one_node_candidates(st, job)
+                if cands is None:  # wider than every node: a multi-node placement, not this search's
+                    assert k > 8
+                    continue
+                got = place_on_one_node(st, job, cands, fit="best-fit", node_rank=node_rank) if cands.size else None
+                want = _one_node_reference(st, job, node_rank)
+                assert (None if got is None else (got.nodes[0], [g for _n, g in got.gpus])) == want, (trial, k)
+                assert got == find_whole(st, job, locality="consolidated", fit="best-fit", node_rank=node_rank)
+                placed += got is not None
+    assert placed > 50  # the comparison covered many actual placements, not only failures

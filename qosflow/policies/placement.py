@@ -52,6 +52,61 @@ def find_cpu_only(state: ClusterState, job: Job, fit: Fit = "best-fit", cores: f
     return Placement(job.job_id, (), cpu=((n, float(c)),), mem_mb=qos.mem_mb)
 
 
+def _whole_candidates(state: ClusterState, qos: QoSSpec, cpg: float) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """(nodes the job may use that are up, the largest GPU count among the nodes it may use, the nodes
+    that can hold it alone now -- None when it is wider than that largest node)."""
+    k = qos.gpus
+    # the largest node the job may use (its GPU model and memory), up or not: a job wider than every
+    # such node spans whole nodes even if some other, larger node would hold it alone
+    eligible = _node_mask(state, qos, include_down=True)
+    mask = eligible & ~state.down
+    gmax = max(1, int(state.gpu_count[eligible].max())) if eligible.any() else max(1, state.spec.max_gpus_per_node)
+    if k > gmax:
+        return mask, gmax, None
+    ok = mask & (state.empty >= k) & (state.cpu_free >= cpg * k - 1e-9) & (state.mem_free >= qos.mem_mb - 1e-6)
+    return mask, gmax, np.flatnonzero(ok)
+
+
+def one_node_candidates(state: ClusterState, job: Job) -> np.ndarray | None:
+    """The nodes that can hold whole-GPU `job` alone now (empty GPUs, cores and memory), in node order;
+    None if it is wider than every node it may use. With `place_on_one_node` this is `find_whole`'s
+    single-node search split in two, so a caller can reuse the candidates for jobs of the same shape."""
+    qos = job.qos
+    if qos.gpus <= 0:
+        raise ValueError(f"job {job.job_id!r} asks for no whole GPU")
+    mask, gmax, cands = _whole_candidates(state, qos, qos.cpu_cores / qos.gpus)
+    if cands is not None and state.total_empty_gpus() < qos.gpus:
+        return cands[:0]
+    return cands
+
+
+def place_on_one_node(
+    state: ClusterState,
+    job: Job,
+    cands: np.ndarray,
+    *,
+    fit: Fit = "best-fit",
+    node_rank: np.ndarray | None = None,
+    cores_per_gpu: float | None = None,
+) -> Placement:
+    """Place `job` on one of the non-empty candidate nodes `cands` (see `find_whole` for `node_rank`)."""
+    qos = job.qos
+    k = qos.gpus
+    cpg = (qos.cpu_cores / k) if cores_per_gpu is None else cores_per_gpu
+    if node_rank is not None:
+        r = node_rank[cands]
+        cands = cands[r <= r.min()]
+    n = _pick(cands, state.empty, fit)
+    gl = state.empty_gpus_on(n)[:k]
+    return Placement(
+        job.job_id,
+        tuple((n, int(g)) for g in gl),
+        cpu=((n, cpg * k),),
+        gpu_mem_mb=qos.gpu_mem_mb if qos.gpu_mem_mb is not None else 0.0,
+        mem_mb=qos.mem_mb,
+    )
+
+
 def find_whole(
     state: ClusterState,
     job: Job,
@@ -78,30 +133,12 @@ def find_whole(
     if state.total_empty_gpus() < k:
         return None
     cpg = (qos.cpu_cores / k) if cores_per_gpu is None else cores_per_gpu
-    # the largest node the job may use (its GPU model and memory), up or not: a job wider than every
-    # such node spans whole nodes even if some other, larger node would hold it alone
-    eligible = _node_mask(state, qos, include_down=True)
-    mask = eligible & ~state.down
-    gmax = max(1, int(state.gpu_count[eligible].max())) if eligible.any() else max(1, state.spec.max_gpus_per_node)
-    mem_per_gpu = qos.mem_mb / k
+    mask, gmax, cands = _whole_candidates(state, qos, cpg)
     gmem = qos.gpu_mem_mb if qos.gpu_mem_mb is not None else 0.0
 
-    if k <= gmax:
-        ok = mask & (state.empty >= k) & (state.cpu_free >= cpg * k - 1e-9) & (state.mem_free >= mem_per_gpu * k - 1e-6)
-        cands = np.flatnonzero(ok)
+    if cands is not None:
         if cands.size:
-            if node_rank is not None:
-                r = node_rank[cands]
-                cands = cands[r <= r.min()]
-            n = _pick(cands, state.empty, fit)
-            gl = state.empty_gpus_on(n)[:k]
-            return Placement(
-                job.job_id,
-                tuple((n, int(g)) for g in gl),
-                cpu=((n, cpg * k),),
-                gpu_mem_mb=gmem,
-                mem_mb=qos.mem_mb,
-            )
+            return place_on_one_node(state, job, cands, fit=fit, node_rank=node_rank, cores_per_gpu=cpg)
         if locality == "consolidated":
             return None
 

@@ -106,7 +106,7 @@ from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import why_waiting
 import numpy as np
 
-from qosflow.policies.placement import find_cpu_only, find_share, find_whole, min_nodes_for
+from qosflow.policies.placement import find_cpu_only, find_share, find_whole, min_nodes_for, one_node_candidates, place_on_one_node
 from qosflow.policies.sharing import FIXED_MEMORY_SHARE, MAX_ACCUMULATION, bsbf_times, memory_plan
 
 #: cores per GPU kept free for a node's idle GPUs when a CPU-only job is placed (CODA: a training
@@ -114,6 +114,8 @@ from qosflow.policies.sharing import FIXED_MEMORY_SHARE, MAX_ACCUMULATION, bsbf_
 GPU_FEED_CORES = 2.0
 #: owner of an express node's standing reservation
 EXPRESS = "<express>"
+#: "not remembered" in the per-round memos (None is a remembered failure)
+_MISS = object()
 #: a job on the critical path shares its GPUs only with jobs done within this share of its own time
 CRITICAL_SHARE = 0.05
 #: a running job within this share of the longest remaining time counts as the one that ends last
@@ -441,10 +443,10 @@ class QosflowPolicy(Policy):
         mkey = (base_key, min_mem)
         mc = self._elig_cache.get(mkey)
         if mc is None or mc[0] != self._ver:
-            mc = (self._ver, elig & (st.gmem_free >= min_mem - 1e-6))
+            e = elig & (st.gmem_free >= min_mem - 1e-6)
+            mc = (self._ver, e, e.sum(axis=1))
             self._elig_cache[mkey] = mc
-        elig = mc[1]
-        per_node = elig.sum(axis=1)
+        elig, per_node = mc[1], mc[2]
         cpu_need = q.cpu_cores
         if k <= gmax:
             cand = np.flatnonzero((per_node >= k) & (st.cpu_free >= cpu_need - 1e-9))
@@ -559,21 +561,27 @@ class QosflowPolicy(Policy):
         k = q.gpus
         dl = job.deadline
         r = rem[js.job_id]
-        node_ok = ~st.down
-        if q.gpu_model is not None:
-            node_ok &= st.spec.model_mask(q.gpu_model)
         per_gpu_cpu = q.cpu_cores / k
-        free = st.exists & (st.njobs == 0) & node_ok[:, None]
         can_share = q.shareable and q.gpu_mem_mb is not None
-        single = st.exists & (st.njobs == 1) & (st.whole == 1) & st.share_ok & node_ok[:, None]
-        if can_share:
-            single &= st.gmem_free >= q.gpu_mem_mb - 1e-6
-        else:
-            single &= False
-        # a node gives as many GPUs as its free cores can feed
-        cap = np.floor((st.cpu_free + 1e-9) / max(per_gpu_cpu, 1e-9)).astype(np.int64) if per_gpu_cpu > 0 else np.full(st.num_nodes, 1 << 30)
-        usable = np.minimum(free.sum(axis=1) + single.sum(axis=1), cap)
-        if usable.sum() < k:
+        # the GPUs on offer depend on the request's shape and the cluster only: one search per state
+        key = ("rescue", q.gpu_model, can_share, q.gpu_mem_mb if can_share else None, per_gpu_cpu)
+        hit = self._elig_cache.get(key)
+        if hit is None or hit[0] != self._ver:
+            node_ok = ~st.down
+            if q.gpu_model is not None:
+                node_ok &= st.spec.model_mask(q.gpu_model)
+            free = st.exists & (st.njobs == 0) & node_ok[:, None]
+            single = st.exists & (st.njobs == 1) & (st.whole == 1) & st.share_ok & node_ok[:, None]
+            if can_share:
+                single &= st.gmem_free >= q.gpu_mem_mb - 1e-6
+            else:
+                single &= False
+            # a node gives as many GPUs as its free cores can feed
+            cap = np.floor((st.cpu_free + 1e-9) / max(per_gpu_cpu, 1e-9)).astype(np.int64) if per_gpu_cpu > 0 else np.full(st.num_nodes, 1 << 30)
+            usable = np.minimum(free.sum(axis=1) + single.sum(axis=1), cap)
+            hit = self._elig_cache[key] = (self._ver, (free, single, usable, int(usable.sum())))
+        free, single, usable, total = hit[1]
+        if total < k:
             return None
         take: list[tuple[int, int]] = []
         partners: dict[str, float] = {}
@@ -810,6 +818,8 @@ class QosflowPolicy(Policy):
                 self._end_max[ng] = max(self._end_max[ng], e)
         share_tries = 0
         self._ver = 0
+        self._whole_memo: dict[tuple, tuple[int, Placement | np.ndarray | None]] = {}
+        self._drain: tuple[int, np.ndarray | None] = (-1, None)
         self._nofit: dict[tuple, int] = {}
         self._nofit_why: dict[tuple, str] = {}
         self._reject: str | None = None
@@ -848,7 +858,7 @@ class QosflowPolicy(Policy):
             else:
                 sig = (q.gpu_model, q.gpu_mem_mb, q.cpu_cores / q.gpus)
                 if st.total_empty_gpus() >= q.gpus and failed_k.get(sig, 1 << 30) > q.gpus:
-                    p = find_whole(st, js.job, locality="consolidated", fit="best-fit", node_rank=self._align_rank(st, r))
+                    p = self._whole(st, js.job, "consolidated", r)
                     if p is not None and reserved and blocked(p, now + r):
                         p = self._unreserved_whole(st, js, reserved, now + r)
                     if p is None and not reserved:
@@ -907,13 +917,15 @@ class QosflowPolicy(Policy):
 
     def _unreserved_whole(self, st: ClusterState, js: JobState, reserved, finish: float) -> Placement | None:
         """Exclusive placement avoiding nodes reserved for others (unless done before they need them)."""
+        fin_h = self._finish_high(js, finish)
+        masked = tuple(n for n, (t, owner) in reserved.items()
+                       if (fin_h if self._promised(owner) else finish) > t and not (owner == EXPRESS and self._express_ok(js, finish)))
+        if not masked:
+            return self._whole(st, js.job, "consolidated", finish - self._now)
         saved = st.empty.copy()
         try:
-            fin_h = self._finish_high(js, finish)
-            for n, (t, owner) in reserved.items():
-                if (fin_h if self._promised(owner) else finish) > t and not (owner == EXPRESS and self._express_ok(js, finish)):
-                    st.empty[n] = 0
-            return find_whole(st, js.job, locality="consolidated", fit="best-fit", node_rank=self._align_rank(st, finish - self._now))
+            st.empty[list(masked)] = 0
+            return self._whole(st, js.job, "consolidated", finish - self._now, masked=masked)
         finally:
             st.empty[:] = saved
 
@@ -967,6 +979,31 @@ class QosflowPolicy(Policy):
             memo[sig] = spec is None or spec.why_never_fits(q) is not None
         return memo[sig]
 
+    def _whole(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = ()) -> Placement | None:
+        """`find_whole` (best fit; with `align`, consolidated placements ranked by `_align_rank(r)`),
+        remembered until the next placement: the search depends on the request's shape and the
+        cluster's state only, so jobs of the same shape share one search per state. Nodes in `masked`
+        are hidden from this search (reservations); they are part of the key. With `align` the choice
+        among the candidate nodes depends on the job's remaining time, so the candidates are what is
+        remembered and the choice is made per job."""
+        q = job.qos
+        key = (q.gpus, q.cpu_cores, q.mem_mb, q.gpu_mem_mb, q.gpu_model, locality, masked)
+        hit = self._whole_memo.get(key, _MISS)
+        if hit is _MISS or hit[0] != self._ver:
+            if self.align and locality == "consolidated":
+                # ranked by the job's own remaining time: remember the candidate nodes, not the choice
+                cands = one_node_candidates(st, job)
+                found = cands if cands is not None and cands.size else find_whole(st, job, locality="consolidated", fit="best-fit")
+            else:
+                found = find_whole(st, job, locality=locality, fit="best-fit")  # type: ignore[arg-type]
+            hit = self._whole_memo[key] = (self._ver, found)
+        found = hit[1]
+        if found is None:
+            return None
+        if isinstance(found, Placement):
+            return replace(found, job_id=job.job_id)
+        return place_on_one_node(st, job, found, fit="best-fit", node_rank=self._align_rank(st, r))
+
     def _align_rank(self, st: ClusterState, r: float) -> np.ndarray | None:
         """Per node: how much later than now it would drain if a job of remaining time `r` joined it.
 
@@ -974,8 +1011,9 @@ class QosflowPolicy(Policy):
         chance to start without preemption) instead of one straggler at a time."""
         if not self.align:
             return None
-        drain = np.where(st.njobs > 0, self._end_max, 0.0).max(axis=1)
-        return np.maximum(0.0, r - drain)
+        if self._drain[0] != self._ver:
+            self._drain = (self._ver, np.where(st.njobs > 0, self._end_max, 0.0).max(axis=1))
+        return np.maximum(0.0, r - self._drain[1])
 
     def _with_cores(self, st: ClusterState, job, p: Placement, est) -> Placement:
         """CODA: give a single-node GPU job spare cores up to where its predicted speed stops growing.
@@ -1011,7 +1049,7 @@ class QosflowPolicy(Policy):
         return p
 
     def _relaxed(self, st, js, rem, est, gpn, reserved) -> Placement | None:
-        p = find_whole(st, js.job, locality="spread", fit="best-fit")
+        p = self._whole(st, js.job, "spread")
         if p is None or any(n in reserved for n in p.nodes):
             return None
         nodes = len(p.nodes)
