@@ -554,3 +554,59 @@ def test_a_stated_band_keeps_backfill_off_a_deadline_gangs_reservation():
     assert banded["filler"].first_start >= banded["gang"].first_start
     assert banded["gang"].first_start == pytest.approx(100.0)
     assert _backfill_before_a_deadline_gang(1.3, deadline_band=False)["filler"].first_start == pytest.approx(2.0)
+
+
+def test_a_remembered_whole_gpu_search_serves_each_job_as_its_own():
+    """Within one cluster state the policy reuses a whole-GPU search for jobs of the same shape:
+    a job whose GPU memory admits other nodes gets its own search, and a reused placement carries
+    the asking job's id and GPU memory."""
+    from qosflow.core.cluster import ClusterState, NodeSpec
+    from qosflow.policies.placement import find_whole
+
+    spec = ClusterSpec([NodeSpec("small", 4, gpu_mem_mb=8_000.0), NodeSpec("big", 4, gpu_mem_mb=32_000.0)])
+    st = ClusterState(spec)
+    filler = Job("fill", 0.0, QoSSpec(gpus=4, cpu_cores=4.0, gpu_mem_mb=20_000.0), 60.0)
+    st.allocate(find_whole(st, filler), filler.qos)  # the big node is full
+    policy = get_policy("qosflow")
+    policy._ver, policy._whole_memo, policy._gmem_caps = 0, {}, [8_000.0, 32_000.0]
+
+    def job(name, mem):
+        return Job(name, 0.0, QoSSpec(gpus=1, cpu_cores=2.0, gpu_mem_mb=mem), 60.0)
+
+    assert policy._whole(st, job("large", 20_000.0), "consolidated") is None  # only the full node admits it
+    p = policy._whole(st, job("a", 2_000.0), "consolidated")
+    assert p is not None and p.nodes == (0,) and (p.job_id, p.gpu_mem_mb) == ("a", 2_000.0)
+    q = policy._whole(st, job("b", 6_000.0), "consolidated")  # same nodes admitted: the search is reused
+    assert q is not None and q.gpus == p.gpus and (q.job_id, q.gpu_mem_mb) == ("b", 6_000.0)
+
+
+@pytest.mark.parametrize("align", [False, True])
+def test_whole_gpu_searches_shared_within_a_round_respect_each_jobs_gpu_memory(align):
+    """The policy searches once per request shape and cluster state; jobs that differ only in GPU
+    memory share a search only when they admit the same nodes, and each placement carries its own
+    job's GPU memory (a remembered placement reused for another job must not carry the first's)."""
+    from qosflow.core.cluster import NodeSpec
+
+    cluster = ClusterSpec([NodeSpec(f"small{i}", 4, gpu_mem_mb=8_000.0) for i in range(3)]
+                          + [NodeSpec(f"big{i}", 4, gpu_mem_mb=32_000.0) for i in range(2)])
+    mems = [2_000.0, 6_000.0, 12_000.0, 30_000.0]
+    jobs = [Job(f"j{i}", float(i // 6) * 50.0, QoSSpec(gpus=1 + (i % 3 == 0), cpu_cores=2.0, gpu_mem_mb=mems[i % 4], shareable=False),
+                duration=300.0 + 7 * i) for i in range(40)]
+    policy = get_policy("qosflow", align=align)
+    starts = []
+    schedule = policy.schedule
+
+    def spy(view):
+        d = schedule(view)
+        starts.extend(d.starts)
+        return d
+
+    policy.schedule = spy
+    res = simulate(jobs, cluster, policy, config=SimConfig(seed=0))
+    assert all(js.status is JobStatus.DONE for js in res.jobs)
+    by_id = {j.job_id: j for j in jobs}
+    assert len(starts) == len(jobs)
+    for p in starts:
+        want = by_id[p.job_id].qos.gpu_mem_mb
+        assert p.gpu_mem_mb == want, p
+        assert all(cluster.nodes[n].gpu_mem_mb >= want for n, _g in p.gpus), p

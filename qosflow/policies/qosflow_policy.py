@@ -448,17 +448,24 @@ class QosflowPolicy(Policy):
             self._elig_cache[mkey] = mc
         elig, per_node = mc[1], mc[2]
         cpu_need = q.cpu_cores
-        if k <= gmax:
-            cand = np.flatnonzero((per_node >= k) & (st.cpu_free >= cpu_need - 1e-9))
-        else:
-            full = (per_node == st.gpu_count) & (st.gpu_count > 0) & (st.cpu_free >= cpu_need / k * st.gpu_count - 1e-9)
-            cand = np.flatnonzero(full)
-            if st.gpu_count[cand].sum() < k:
-                return self._no_slot(sig, f"no {k} GPUs on whole nodes each hold a single shareable job with {min_mem:.0f} MB free")
-        if cand.size == 0:
+        ckey = (mkey, k, cpu_need)
+        cc = self._elig_cache.get(ckey)
+        if cc is None or cc[0] != self._ver:
+            if k <= gmax:
+                cand = np.flatnonzero((per_node >= k) & (st.cpu_free >= cpu_need - 1e-9))
+            else:
+                full = (per_node == st.gpu_count) & (st.gpu_count > 0) & (st.cpu_free >= cpu_need / k * st.gpu_count - 1e-9)
+                cand = np.flatnonzero(full)
+                if st.gpu_count[cand].sum() < k:
+                    cand = None
+            if cand is not None and cand.size > self.SHARE_NODES:
+                cand = cand[np.argsort(-per_node[cand], kind="stable")[: self.SHARE_NODES]]
+            cc = self._elig_cache[ckey] = (self._ver, None if cand is None else cand.tolist())
+        cand = cc[1]
+        if cand is None:
+            return self._no_slot(sig, f"no {k} GPUs on whole nodes each hold a single shareable job with {min_mem:.0f} MB free")
+        if not cand:
             return self._no_slot(sig, f"no {'GPU holds' if k == 1 else f'{k} GPUs on one node hold'} a single shareable job with {min_mem:.0f} MB free")
-        if cand.size > self.SHARE_NODES:
-            cand = cand[np.argsort(-per_node[cand], kind="stable")[: self.SHARE_NODES]]
         cache: dict[str, tuple | None] = {}
 
         def value(pid: str, n_here: int, sbp: float):
@@ -472,7 +479,7 @@ class QosflowPolicy(Policy):
         # score every candidate GPU by its occupant (a partner's penalty is counted once per partner)
         node_choices = []
         rejects: dict[str, int] = {}
-        for n in cand.tolist():
+        for n in cand:
             by_partner = self._node_partners(st, n, elig, min_mem, states)
             scored = []
             for pid, gpus in by_partner.items():
@@ -819,6 +826,7 @@ class QosflowPolicy(Policy):
         share_tries = 0
         self._ver = 0
         self._whole_memo: dict[tuple, tuple[int, Placement | np.ndarray | None]] = {}
+        self._gmem_caps = sorted(set(np.asarray(st.gmem_cap).ravel().tolist()))
         self._drain: tuple[int, np.ndarray | None] = (-1, None)
         self._nofit: dict[tuple, int] = {}
         self._nofit_why: dict[tuple, str] = {}
@@ -982,12 +990,14 @@ class QosflowPolicy(Policy):
     def _whole(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = ()) -> Placement | None:
         """`find_whole` (best fit; with `align`, consolidated placements ranked by `_align_rank(r)`),
         remembered until the next placement: the search depends on the request's shape and the
-        cluster's state only, so jobs of the same shape share one search per state. Nodes in `masked`
-        are hidden from this search (reservations); they are part of the key. With `align` the choice
-        among the candidate nodes depends on the job's remaining time, so the candidates are what is
-        remembered and the choice is made per job."""
+        cluster's state only, so jobs of the same shape (GPU memory counted by the nodes it admits)
+        share one search per state. Nodes in `masked` are hidden from this search (reservations); they
+        are part of the key. With `align` the choice among the candidate nodes depends on the job's
+        remaining time, so the candidates are what is remembered and the choice is made per job."""
         q = job.qos
-        key = (q.gpus, q.cpu_cores, q.mem_mb, q.gpu_mem_mb, q.gpu_model, locality, masked)
+        # GPU memory matters only through the nodes whose GPUs are large enough: key it by those
+        mem_class = None if q.gpu_mem_mb is None else bisect.bisect_left(self._gmem_caps, q.gpu_mem_mb)
+        key = (q.gpus, q.cpu_cores, q.mem_mb, mem_class, q.gpu_model, locality, masked)
         hit = self._whole_memo.get(key, _MISS)
         if hit is _MISS or hit[0] != self._ver:
             if self.align and locality == "consolidated":
@@ -1001,7 +1011,7 @@ class QosflowPolicy(Policy):
         if found is None:
             return None
         if isinstance(found, Placement):
-            return replace(found, job_id=job.job_id)
+            return replace(found, job_id=job.job_id, gpu_mem_mb=q.gpu_mem_mb if q.gpu_mem_mb is not None else 0.0)
         return place_on_one_node(st, job, found, fit="best-fit", node_rank=self._align_rank(st, r))
 
     def _align_rank(self, st: ClusterState, r: float) -> np.ndarray | None:
