@@ -89,6 +89,12 @@ that waits although GPUs it might share exist says why it did not share, in the 
 that refused it: its deadline would be missed shared (with the least slowdown on offer), the pair
 would not pay, partners would lose too much or miss their own deadline, or the partners are on the
 critical path.
+
+**Cost of a round.** Placement searches that depend only on a request's shape and the cluster's
+state (free whole GPUs, the GPUs a deadline rescue may take, the nodes a share may use) run once per
+shape and state: the state changes only when a job is placed, and a long queue holds few shapes.
+What depends on the job itself (its partners, its deadline, the node ranked by its remaining time)
+is decided per job. docs/bench/decisions.md measures a round.
 """
 
 from __future__ import annotations
