@@ -287,3 +287,34 @@ def test_one_node_search_in_two_steps_matches_a_plain_best_fit():
                 assert got == find_whole(st, job, locality="consolidated", fit="best-fit", node_rank=node_rank)
                 placed += got is not None
     assert placed > 50  # the comparison covered many actual placements, not only failures
+
+
+def test_exclusive_search_skips_only_what_cannot_fit(monkeypatch):
+    """Within a round a whole-GPU request of k GPUs that found nothing is not searched again, nor is
+    any request with the same needs per GPU and more GPUs; smaller requests, other shapes and
+    fractional ones still are, and every answer equals `find_for`'s."""
+    import qosflow.policies.common as common
+    from qosflow.core.cluster import ClusterState
+    from qosflow.policies.placement import find_for
+
+    st = ClusterState(ClusterSpec.uniform(2, 4, cpu_cores=16.0))
+    for i in range(2):  # three GPUs busy on each node: one free GPU per node
+        j = Job(f"busy{i}", 0.0, QoSSpec(gpus=3, cpu_cores=3.0), 60.0)
+        st.allocate(find_for(st, j), j.qos)
+    calls = []
+    monkeypatch.setattr(common, "find_for", lambda *a, **k: calls.append(a[1].job_id) or find_for(*a, **k))
+    search = common.ExclusiveSearch()
+
+    def ask(name, **qos):
+        job = Job(name, 0.0, QoSSpec(**qos), 60.0)
+        got = search(st, job)
+        assert got == find_for(st, job)
+        return got
+
+    assert ask("two", gpus=2, cpu_cores=2.0) is None  # no node has two free GPUs
+    assert ask("two-again", gpus=2, cpu_cores=2.0) is None
+    assert ask("four", gpus=4, cpu_cores=4.0) is None
+    assert ask("one", gpus=1, cpu_cores=1.0) is not None
+    assert ask("two-more-cores", gpus=2, cpu_cores=6.0) is None  # another shape: searched
+    assert ask("half", gpus=1, gpu_milli=500, cpu_cores=1.0) is not None
+    assert calls == ["two", "one", "two-more-cores", "half"]

@@ -41,6 +41,32 @@ def why_waiting(state: ClusterState, js: JobState, largest: int | None = None) -
     return f"waiting: needs {q.gpus} GPUs on whole free nodes; {free} GPUs free but scattered"
 
 
+class ExclusiveSearch:
+    """`find_for` for one round, skipping whole-GPU searches that cannot succeed.
+
+    Allocations only shrink free capacity within a round (GPUs, cores, memory), so once a whole-GPU
+    request of k GPUs finds nothing, every request with the same other needs per GPU and k or more
+    GPUs finds nothing too until the round ends. Make one per round; it must not outlive it (a job
+    that ends or is preempted frees capacity)."""
+
+    def __init__(self, *, locality: Locality = "consolidated", fit: Fit = "best-fit"):
+        self.locality: Locality = locality
+        self.fit: Fit = fit
+        self.failed_k: dict[tuple, int] = {}
+
+    def __call__(self, st: ClusterState, job) -> Placement | None:
+        q = job.qos
+        whole = q.gpus > 0 and not q.fractional
+        if whole:
+            sig = (q.gpu_model, q.gpu_mem_mb, q.cpu_cores / q.gpus, q.mem_mb / q.gpus)
+            if st.total_empty_gpus() < q.gpus or self.failed_k.get(sig, 1 << 30) <= q.gpus:
+                return None
+        p = find_for(st, job, locality=self.locality, fit=self.fit)
+        if p is None and whole:
+            self.failed_k[sig] = min(self.failed_k.get(sig, 1 << 30), q.gpus)
+        return p
+
+
 def place_in_order(
     view: SchedulerView,
     order: Iterable[JobState],
@@ -55,21 +81,11 @@ def place_in_order(
     (`blocking`, strict FIFO). Allocates on the view's snapshot so later jobs see earlier ones."""
     st = view.cluster
     d = decision if decision is not None else Decision()
-    # Allocations only shrink free capacity within a round, so once a whole-GPU request of k GPUs
-    # fails, every request with the same other needs and k or more GPUs fails too: skip those.
-    failed_k: dict[tuple, int] = {}
+    search = ExclusiveSearch(locality=locality, fit=fit)
     largest: int | None = None  # largest free block, recomputed after each start
     for js in order:
         q = js.job.qos
-        p = None
-        whole = q.gpus > 0 and not q.fractional
-        sig = (q.gpu_model, q.gpu_mem_mb, q.cpu_cores / max(q.gpus, 1), q.mem_mb / max(q.gpus, 1)) if whole else None
-        if finder is not None:
-            p = finder(st, js)
-        elif not (whole and (st.total_empty_gpus() < q.gpus or failed_k.get(sig, 1 << 30) <= q.gpus)):
-            p = find_for(st, js.job, locality=locality, fit=fit)
-            if p is None and whole:
-                failed_k[sig] = min(failed_k.get(sig, 1 << 30), q.gpus)
+        p = finder(st, js) if finder is not None else search(st, js.job)
         if p is None:
             if largest is None:
                 largest = int(st.empty[~st.down].max())

@@ -18,8 +18,8 @@ import math
 from qosflow.core.placement import Placement
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
-from qosflow.policies.common import place_in_order
-from qosflow.policies.placement import find_for, min_nodes_for
+from qosflow.policies.common import ExclusiveSearch, place_in_order
+from qosflow.policies.placement import min_nodes_for
 
 
 @register
@@ -49,10 +49,12 @@ class GeniePolicy(Policy):
                 r *= est.cpu_factor(js.job, p.cpu_cores)
             return r
 
+        searches = {loc: ExclusiveSearch(locality=loc) for loc in ("consolidated", "spread")}
+
         def finder(st, js) -> Placement | None:
             cands = []
             for loc in ("consolidated", "spread"):
-                p = find_for(st, js.job, locality=loc)
+                p = searches[loc](st, js.job)
                 if p is not None:
                     cands.append(p)
                     if loc == "consolidated":

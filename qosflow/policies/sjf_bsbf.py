@@ -13,8 +13,8 @@ from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
-from qosflow.policies.common import place_in_order, sjf_order, states_of
-from qosflow.policies.placement import Locality, find_colocation, find_for
+from qosflow.policies.common import ExclusiveSearch, place_in_order, sjf_order, states_of
+from qosflow.policies.placement import Locality, find_colocation
 from qosflow.policies.sharing import PartnerIndex, bsbf_times, memory_plan
 
 
@@ -34,11 +34,12 @@ class SjfBsbfPolicy(Policy):
         notes: dict[str, str] = {}
         index = PartnerIndex(view.cluster, states, est.remaining)
         started: list[JobState] = []
+        exclusive = ExclusiveSearch(locality=self.locality)
 
         def finder(st, js) -> Placement | None:
             while started:  # jobs started earlier this round are allocated by now: partners too
                 index.add(started.pop())
-            p = find_for(st, js.job, locality=self.locality)
+            p = exclusive(st, js.job)
             if p is not None:
                 started.append(js)
                 return p

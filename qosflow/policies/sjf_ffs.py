@@ -10,8 +10,8 @@ from qosflow.core.placement import Placement
 from qosflow.policies import register
 from qosflow.core.job import JobState
 from qosflow.policies.base import Decision, Policy, SchedulerView
-from qosflow.policies.common import place_in_order, sjf_order, states_of
-from qosflow.policies.placement import Locality, find_colocation, find_for
+from qosflow.policies.common import ExclusiveSearch, place_in_order, sjf_order, states_of
+from qosflow.policies.placement import Locality, find_colocation
 from qosflow.policies.sharing import PartnerIndex, memory_plan
 
 
@@ -30,9 +30,10 @@ class SjfFfsPolicy(Policy):
         order = sjf_order(view)
 
         index = PartnerIndex(view.cluster, states, est.remaining)
+        exclusive = ExclusiveSearch(locality=self.locality)
 
         def finder(st, js) -> Placement | None:
-            p = find_for(st, js.job, locality=self.locality)
+            p = exclusive(st, js.job)
             if p is not None:
                 index_add(js, p)
                 return p

@@ -23,8 +23,8 @@ import math
 
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
-from qosflow.policies.common import preempt_and_place
-from qosflow.policies.placement import find_for, min_nodes_for
+from qosflow.policies.common import ExclusiveSearch, preempt_and_place
+from qosflow.policies.placement import min_nodes_for
 
 
 @register
@@ -52,11 +52,13 @@ class TiresiasPolicy(Policy):
         est = view.estimator
         gpn = view.gpus_per_node
 
+        consolidated, spread = ExclusiveSearch(locality="consolidated"), ExclusiveSearch(locality="spread")
+
         def finder(st, js):
-            p = find_for(st, js.job, locality="consolidated")
+            p = consolidated(st, js.job)
             if p is not None or js.job.qos.gpus <= 1:
                 return p
-            p = find_for(st, js.job, locality="spread")
+            p = spread(st, js.job)
             if p is None:
                 return None
             nodes = len({n for n, _ in p.gpus})
