@@ -131,6 +131,27 @@ def test_muri_missing_column_and_duplicates(tmp_path):
         load_muri(p)
 
 
+def test_muri_priority_column_is_optional(tmp_path):
+    # Muri's simulator draws a random priority when a trace has none: the column may be left out
+    header = MURI_HEADER.removesuffix(",priority")
+    row = MURI_ROW.format(prio=0).removesuffix(",0")
+    p = write(tmp_path, "np.csv", f"{header}\n{row}\n")
+    jobs, rej = load_muri(p)
+    assert rej == [] and [j.job_id for j in jobs] == ["7"]
+    j = jobs[0]
+    assert j.meta["trace_priority"] is None and j.meta["priority_from_trace"] is False
+    assert j.qos.priority is PriorityClass.NORMAL
+    # without a trace priority, a job without a deadline becomes best-effort (as for Gavel's traces)
+    wl = load_workload(str(p), "muri", cluster=load_cluster("8x8"), deadline_share=0.0)
+    assert wl.jobs[0].qos.priority is PriorityClass.BEST_EFFORT
+    # an empty cell is unknown too; a present value still counts
+    p = write(tmp_path, "mixed.csv", MURI_HEADER + "\n" + MURI_ROW.format(prio="") + "\n"
+              + MURI_ROW.replace("7,", "8,", 1).format(prio=1) + "\n")
+    jobs, _ = load_muri(p)
+    assert [j.meta["priority_from_trace"] for j in jobs] == [False, True]
+    assert jobs[1].qos.priority is PriorityClass.BEST_EFFORT
+
+
 def test_muri_shared_trace():
     need(MURI, MURI_CLUSTER)
     cluster = load_cluster(str(MURI_CLUSTER))

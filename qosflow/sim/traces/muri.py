@@ -18,6 +18,9 @@ Each row becomes a `Job`:
   ``gpu_mem_mb`` from SJF-BSBF's profile of the model, 4 CPU cores per GPU;
 * priority: Muri's column (as used by its AntMan baseline) is 0 for a resource-guaranteed job and
   1 for an opportunistic one, so 0 -> `normal`, 1 -> `best-effort` (kept in ``meta["trace_priority"]``).
+  The column (and ``interval``, ``resource_time_*``) may be missing, or a cell empty: Muri's simulator
+  then draws a random priority; we leave the job without a trace priority (``meta["trace_priority"]``
+  None), so deadlines decide its class as for Gavel's traces.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ REQUIRED = (
     "batch_size",
     "duration",
     "iteration_time",
-    "priority",
 )
+#: optional: Muri's simulator draws a random priority for AntMan when a trace has no such column
+OPTIONAL = ("interval", "priority")
 MS = 1000.0
 
 
@@ -83,7 +87,11 @@ def load_muri(
         batch = int(number(p, line, "batch_size", row["batch_size"], "batch size", integer=True, positive=True))
         duration = number(p, line, "duration", row["duration"], "duration in ms") / MS
         it_time = number(p, line, "iteration_time", row["iteration_time"], "iteration time in ms") / MS
-        prio_raw = int(number(p, line, "priority", row["priority"], "priority (0 or 1)", integer=True, minimum=None))
+        prio_raw = (
+            int(number(p, line, "priority", row["priority"], "priority (0 or 1)", integer=True, minimum=None))
+            if row.get("priority", "") != ""
+            else None
+        )
         interval = (
             number(p, line, "interval", row["interval"], "interval in ms") / MS if row.get("interval", "") != "" else None
         )
@@ -98,7 +106,7 @@ def load_muri(
                 gpus=gpus,
                 gpu_mem_mb=MURI_GPU_MEM_MB.get(model.lower()),
                 cpu_cores=cores_per_gpu * gpus,
-                priority=muri_priority(prio_raw),
+                priority=muri_priority(prio_raw) if prio_raw is not None else PriorityClass.NORMAL,
                 shareable=True,
                 gang=True,
             )
@@ -120,7 +128,7 @@ def load_muri(
                     "trace": "muri",
                     "line": line,
                     "trace_priority": prio_raw,
-                    "priority_from_trace": True,
+                    "priority_from_trace": prio_raw is not None,
                     "iteration_time": it_time * iteration_overhead,
                     "interval": interval,
                 },
