@@ -232,3 +232,13 @@ def test_a_trace_missing_a_column_is_named_by_what_it_lacks(tmp_path, capsys):
     other.write_text("a,b,c\n1,2,3\n")
     assert main(["simulate", "--trace", str(other), "--policies", "fifo", "--no-plots"]) == 2
     assert "cannot tell the trace format from its header (a, b, c); pass --format" in capsys.readouterr().err
+
+
+def test_no_job_left_groups_the_same_reason_across_lines(tmp_path, capsys):
+    # every row rejected for the same reason: one group naming its lines, not one group per line
+    rows = "".join(f"{i},1,{i * 1000},0,resnet18,128,0,0,0,0,0,0,0\n" for i in range(7))
+    p = tmp_path / "zero.csv"
+    p.write_text(MURI_COLS + "\n" + rows)
+    assert main(["simulate", "--trace", str(p), "--cluster", "2x4", "--policies", "fifo", "--no-plots"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "all 7 were rejected (7 x duration 0 ms, nothing to run (lines 2, 3, 4, 5, 6, ...))" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from qosflow.core.cluster import ClusterSpec
@@ -62,10 +63,19 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
         spec = load_cluster(wl.cluster_hint) if isinstance(wl.cluster_hint, str) else wl.cluster_hint
         wl = load_workload(trace, fmt, cluster=spec, seed=seed, deadline_share=deadline_share, **opts)
     if not wl.jobs:
-        reasons: dict[str, int] = {}
+        # grouped by reason without its "line N: " prefix (each rejected row has its own line), the
+        # first few lines of each kept so the user can look them up
+        reasons: dict[str, list[str]] = {}
         for _, why in wl.rejected:
-            reasons[why] = reasons.get(why, 0) + 1
-        top = "; ".join(f"{n} x {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
+            m = re.match(r"line (\d+): ", why)
+            reasons.setdefault(why[m.end():] if m else why, []).append(m.group(1) if m else "")
+
+        def shown(why: str, lines: list[str]) -> str:
+            at = [ln for ln in lines if ln]
+            where = f" (line{'s' if len(at) > 1 else ''} {', '.join(at[:5])}{', ...' if len(at) > 5 else ''})" if at else ""
+            return f"{len(lines)} x {why}{where}"
+
+        top = "; ".join(shown(why, lines) for why, lines in sorted(reasons.items(), key=lambda kv: -len(kv[1]))[:3])
         raise QosflowError(
             f"{trace}: no job left to simulate on {spec.name}: all {len(wl.rejected)} were rejected ({top}); "
             "check the trace's columns and --cluster"
