@@ -242,3 +242,26 @@ def test_no_job_left_groups_the_same_reason_across_lines(tmp_path, capsys):
     assert main(["simulate", "--trace", str(p), "--cluster", "2x4", "--policies", "fifo", "--no-plots"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "all 7 were rejected (7 x duration 0 ms, nothing to run (lines 2, 3, 4, 5, 6, ...))" in err
+
+
+def test_format_guess_tells_other_inputs_apart(tmp_path):
+    from qosflow.errors import QosflowError
+    from qosflow.sim.runner import guess_format
+
+    cases = {
+        "nodes.csv": ("sn,cpu_milli,memory_mib,gpu,model\nn0,64000,262144,2,P100\n", "an Alibaba node list", "--cluster"),
+        "spec.csv": ("num_switch,num_node_p_switch,num_gpu_p_node,num_cpu_p_node,mem_p_node\n1,8,8,92,520\n",
+                     "a Muri cluster spec", "--cluster"),
+        "pairs.csv": ("Model1,batchsize1,gpu_num1,Speed1,model2,batchsize2,gpu_num2,speed2\nlm,20,1,0.5,lm,20,1,0.5\n",
+                      "a co-location pair table", "predict eval --pairs"),
+    }
+    for name, (text, what, hint) in cases.items():
+        p = tmp_path / name
+        p.write_text(text)
+        with pytest.raises(QosflowError) as ei:
+            guess_format(str(p))
+        assert what in str(ei.value) and hint in str(ei.value) and name in str(ei.value)
+    # a Gavel trace under another suffix: 7 tab-separated fields, no header
+    p = tmp_path / "vc.txt"
+    p.write_text("ResNet-18 (batch size 32)\tcd %s && python3 main.py\t--num_steps\t1\t1000\t0\t1\n")
+    assert guess_format(str(p)) == "gavel"

@@ -30,7 +30,13 @@ def guess_format(trace: str) -> str:
     fmt, marks = max(FORMAT_MARKS.items(), key=lambda kv: len(kv[1] & cols))
     if len(marks & cols) >= len(marks) / 2:
         return fmt
+    if head.count("\t") in (6, 8):  # a Gavel trace under another name: 7 (or 9) tab-separated fields, no header
+        return "gavel"
     shown = ", ".join(c for c in head.strip().split(",")[:8] if c) or "(empty)"
+    lower = {c.lower() for c in cols}
+    for what, marks, hint in NOT_TRACES:
+        if marks <= lower:
+            raise QosflowError(f"{trace}: this is {what}, not a trace ({shown}); {hint}")
     raise QosflowError(f"{trace}: cannot tell the trace format from its header ({shown}); "
                        "pass --format muri|gavel|alibaba|synthetic")
 
@@ -40,6 +46,15 @@ FORMAT_MARKS = {
     "muri": frozenset({"job_id", "num_gpu", "submit_time", "duration", "model_name"}),
     "alibaba": frozenset({"name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli"}),
 }
+#: files of the other inputs, told apart from traces so the error says where they go
+NOT_TRACES = (
+    ("an Alibaba node list", frozenset({"sn", "gpu", "cpu_milli"}),
+     "pass it as --cluster, with an Alibaba pod list as --trace"),
+    ("a Muri cluster spec", frozenset({"num_switch", "num_node_p_switch", "num_gpu_p_node"}),
+     "pass it as --cluster, with a Muri trace as --trace"),
+    ("a co-location pair table", frozenset({"model1", "model2", "speed1", "speed2"}),
+     "evaluate the predictor on it with 'qosflow predict eval --pairs FILE'"),
+)
 
 
 def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: int = 0, deadline_share: float = 0.5, jobs: int | None = None):
