@@ -610,3 +610,19 @@ def test_whole_gpu_searches_shared_within_a_round_respect_each_jobs_gpu_memory(a
         want = by_id[p.job_id].qos.gpu_mem_mb
         assert p.gpu_mem_mb == want, p
         assert all(cluster.nodes[n].gpu_mem_mb >= want for n, _g in p.gpus), p
+
+
+def test_deadline_rescue_skips_free_gpus_too_small_for_the_job():
+    """A deadline gang rescued across nodes took any free GPU: on a V100+P100+K80 cluster (16, 16,
+    12 GiB) it was placed on the K80s for a 15000 MB job, and the placement was refused."""
+    from qosflow.sim.clusters import load_cluster
+
+    spec = load_cluster("4:4:4")
+    jobs = [
+        Job("small", 0.0, QoSSpec(gpus=1, gpu_mem_mb=15000, shareable=False), 3600.0),
+        Job("gang", 10.0, QoSSpec(gpus=8, gpu_mem_mb=15000, gang=True, shareable=True, deadline=4 * 3600.0), 600.0),
+    ]
+    res = simulate(jobs, spec, get_policy("qosflow"), config=SimConfig(restart_overhead=0))
+    assert all(j.status is JobStatus.DONE for j in res.jobs)
+    gang = next(j for j in res.jobs if j.job_id == "gang")
+    assert gang.first_start == pytest.approx(3600.0)  # once the V100 is free again, on the 16 GiB GPUs

@@ -577,13 +577,15 @@ class QosflowPolicy(Policy):
         per_gpu_cpu = q.cpu_cores / k
         can_share = q.shareable and q.gpu_mem_mb is not None
         # the GPUs on offer depend on the request's shape and the cluster only: one search per state
-        key = ("rescue", q.gpu_model, can_share, q.gpu_mem_mb if can_share else None, per_gpu_cpu)
+        key = ("rescue", q.gpu_model, can_share, q.gpu_mem_mb, per_gpu_cpu)
         hit = self._elig_cache.get(key)
         if hit is None or hit[0] != self._ver:
             node_ok = ~st.down
             if q.gpu_model is not None:
                 node_ok &= st.spec.model_mask(q.gpu_model)
             free = st.exists & (st.njobs == 0) & node_ok[:, None]
+            if q.gpu_mem_mb is not None:  # a free GPU too small for the job (e.g. a 12 GiB K80) is no offer
+                free &= st.gmem_free >= q.gpu_mem_mb - 1e-6
             single = st.exists & (st.njobs == 1) & (st.whole == 1) & st.share_ok & node_ok[:, None]
             if can_share:
                 single &= st.gmem_free >= q.gpu_mem_mb - 1e-6
