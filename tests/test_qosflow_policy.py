@@ -626,3 +626,18 @@ def test_deadline_rescue_skips_free_gpus_too_small_for_the_job():
     assert all(j.status is JobStatus.DONE for j in res.jobs)
     gang = next(j for j in res.jobs if j.job_id == "gang")
     assert gang.first_start == pytest.approx(3600.0)  # once the V100 is free again, on the 16 GiB GPUs
+
+
+def test_reservation_skips_nodes_whose_gpus_are_too_small_for_the_job():
+    """A waiting gang reserved the K80 server (12 GiB GPUs) for a 15000 MB job, saying it was free for
+    it at once, instead of the V100 server it actually waits for."""
+    from qosflow.sim.clusters import load_cluster
+
+    spec = load_cluster("4:4:4")
+    jobs = [
+        Job("small", 0.0, QoSSpec(gpus=1, gpu_mem_mb=15000, shareable=False), 3600.0),
+        Job("gang", 10.0, QoSSpec(gpus=8, gpu_mem_mb=15000, gang=True, shareable=True, deadline=4 * 3600.0), 600.0),
+    ]
+    res = simulate(jobs, spec, get_policy("qosflow"), config=SimConfig(restart_overhead=0))
+    gang = next(j for j in res.jobs if j.job_id == "gang")
+    assert "reserved p100-0, v100-0 (free for it in about 1.0 h)" in gang.note, gang.note

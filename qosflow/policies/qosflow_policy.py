@@ -1107,16 +1107,19 @@ class QosflowPolicy(Policy):
         """
         q = js.job.qos
         gmax = max(1, st.spec.max_gpus_per_node)
+        # GPUs with too little memory for the job (a 12 GiB K80 for a 15000 MB job) count as absent
+        fits = st.exists if q.gpu_mem_mb is None else st.exists & (st.gmem_cap[:, None] >= q.gpu_mem_mb - 1e-6)
+        count = fits.sum(axis=1)
         t = np.where(st.njobs == 0, 0.0, self._end_max)
-        t = np.where(st.exists, t, np.inf)
+        t = np.where(fits, t, np.inf)
         bad = st.down.copy()
         if reserved:
             bad[list(reserved)] = True
         if q.gpu_model is not None:
             bad |= ~st.spec.model_mask(q.gpu_model)
-        bad |= st.gpu_count == 0
+        bad |= count == 0
         if q.gpus <= gmax:
-            ok = ~bad & (st.gpu_count >= q.gpus)
+            ok = ~bad & (count >= q.gpus)
             if not ok.any():
                 return None
             kth = np.partition(t, q.gpus - 1, axis=1)[:, q.gpus - 1]
@@ -1125,7 +1128,7 @@ class QosflowPolicy(Policy):
             return [n], float(kth[n])
         need = min_nodes_for(q.gpus, gmax)
         full = t.copy()
-        full[~st.exists] = -np.inf
+        full[~fits] = -np.inf
         last = full.max(axis=1)
         last[bad] = np.inf
         order = np.argsort(last, kind="stable")[:need]
