@@ -265,3 +265,26 @@ def test_format_guess_tells_other_inputs_apart(tmp_path):
     p = tmp_path / "vc.txt"
     p.write_text("ResNet-18 (batch size 32)\tcd %s && python3 main.py\t--num_steps\t1\t1000\t0\t1\n")
     assert guess_format(str(p)) == "gavel"
+
+
+def test_an_invalid_placement_ends_that_policy_only(tmp_path, capsys, monkeypatch):
+    """A policy placing a job where it does not fit (on a mixed cluster, a GPU with too little memory)
+    made the whole comparison die with 'invalid placement'; it now fails that policy's run only."""
+    from qosflow.core.placement import Placement
+    from qosflow.policies import Decision, Policy, _REGISTRY, register
+
+    class Greedy(Policy):  # every pending job on GPU 0 of node 0, whatever is there
+        name = "greedy-test"
+
+        def schedule(self, view):
+            return Decision(starts=[Placement(s.job_id, ((0, 0),)) for s in view.pending])
+
+    monkeypatch.setitem(_REGISTRY, "greedy-test", Greedy)
+    register(Greedy)
+    out = tmp_path / "r.json"
+    rc = main(["simulate", "--jobs", "10", "--cluster", "2x4", "--policies", "greedy-test,fifo", "--json", str(out), "--no-plots"])
+    assert rc == 2
+    data = json.loads(out.read_text())
+    assert set(data["policies"]) == {"fifo"} and data["policies"]["fifo"]["jobs"] == 10
+    assert "policy 'greedy-test' at t=" in data["failed_policies"]["greedy-test"]
+    assert "invalid placement" in data["failed_policies"]["greedy-test"]

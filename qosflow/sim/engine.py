@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from qosflow.core.cluster import ClusterSpec, ClusterState
+from qosflow.core.cluster import ClusterSpec, ClusterState, PlacementError
 from qosflow.core.estimate import Estimator, OracleEstimator
 from qosflow.core.job import FailurePlan, Job, JobState, JobStatus
 from qosflow.core.speed import SpeedModel
@@ -348,11 +348,14 @@ class Simulator:
                     estimator=self.estimator,
                 )
                 t0 = _time.perf_counter()
-                decision: Decision = self.policy.schedule(view)
-                sched_seconds += _time.perf_counter() - t0
-                rounds += 1
-                all_states = states
-                commit(self.state, decision, all_states)
+                try:
+                    decision: Decision = self.policy.schedule(view)
+                    sched_seconds += _time.perf_counter() - t0
+                    rounds += 1
+                    all_states = states
+                    commit(self.state, decision, all_states)
+                except PlacementError as exc:  # a policy's invalid placement ends its run, not the comparison
+                    raise SimulationError(f"policy {self.policy.name!r} at t={now:.0f} s: {exc}") from exc
                 if cfg.check_invariants:
                     self.state.check_invariants()
                 for jid in decision.preempt:
