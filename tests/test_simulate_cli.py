@@ -176,8 +176,23 @@ def test_no_job_left_is_a_clear_error(tmp_path, capsys):
     assert "no job left to simulate" in err and "all 2 were rejected" in err and "no scheduled_time" in err
 
 
+def _simulate_next_to_fifo(policy_cls, tmp_path, monkeypatch) -> dict:
+    """Register a test policy, simulate it next to FIFO (exit code 2: one policy failed) and return
+    the JSON, after checking that FIFO's results are all there."""
+    from qosflow.policies import _REGISTRY, register
+
+    monkeypatch.setitem(_REGISTRY, policy_cls.name, policy_cls)
+    register(policy_cls)
+    out = tmp_path / "r.json"
+    rc = main(["simulate", "--jobs", "10", "--cluster", "2x4", "--policies", f"{policy_cls.name},fifo", "--json", str(out), "--no-plots"])
+    assert rc == 2
+    data = json.loads(out.read_text())
+    assert set(data["policies"]) == {"fifo"} and data["policies"]["fifo"]["jobs"] == 10
+    return data
+
+
 def test_a_stalling_policy_does_not_hide_the_others(tmp_path, capsys, monkeypatch):
-    from qosflow.policies import Decision, Policy, _REGISTRY, register
+    from qosflow.policies import Decision, Policy
 
     class Idle(Policy):  # never starts anything: the simulator stops it as stalled
         name = "idle-test"
@@ -185,13 +200,7 @@ def test_a_stalling_policy_does_not_hide_the_others(tmp_path, capsys, monkeypatc
         def schedule(self, view):
             return Decision()
 
-    monkeypatch.setitem(_REGISTRY, "idle-test", Idle)
-    register(Idle)
-    out = tmp_path / "r.json"
-    rc = main(["simulate", "--jobs", "10", "--cluster", "2x4", "--policies", "idle-test,fifo", "--json", str(out), "--no-plots"])
-    assert rc == 2
-    data = json.loads(out.read_text())
-    assert set(data["policies"]) == {"fifo"} and data["policies"]["fifo"]["jobs"] == 10
+    data = _simulate_next_to_fifo(Idle, tmp_path, monkeypatch)
     assert "pending on an idle cluster" in data["failed_policies"]["idle-test"]
     assert "idle-test failed" in capsys.readouterr().out
 
@@ -271,7 +280,7 @@ def test_an_invalid_placement_ends_that_policy_only(tmp_path, capsys, monkeypatc
     """A policy placing a job where it does not fit (on a mixed cluster, a GPU with too little memory)
     made the whole comparison die with 'invalid placement'; it now fails that policy's run only."""
     from qosflow.core.placement import Placement
-    from qosflow.policies import Decision, Policy, _REGISTRY, register
+    from qosflow.policies import Decision, Policy
 
     class Greedy(Policy):  # every pending job on GPU 0 of node 0, whatever is there
         name = "greedy-test"
@@ -279,12 +288,6 @@ def test_an_invalid_placement_ends_that_policy_only(tmp_path, capsys, monkeypatc
         def schedule(self, view):
             return Decision(starts=[Placement(s.job_id, ((0, 0),)) for s in view.pending])
 
-    monkeypatch.setitem(_REGISTRY, "greedy-test", Greedy)
-    register(Greedy)
-    out = tmp_path / "r.json"
-    rc = main(["simulate", "--jobs", "10", "--cluster", "2x4", "--policies", "greedy-test,fifo", "--json", str(out), "--no-plots"])
-    assert rc == 2
-    data = json.loads(out.read_text())
-    assert set(data["policies"]) == {"fifo"} and data["policies"]["fifo"]["jobs"] == 10
+    data = _simulate_next_to_fifo(Greedy, tmp_path, monkeypatch)
     assert "policy 'greedy-test' at t=" in data["failed_policies"]["greedy-test"]
     assert "invalid placement" in data["failed_policies"]["greedy-test"]
