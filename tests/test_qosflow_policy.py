@@ -641,3 +641,24 @@ def test_reservation_skips_nodes_whose_gpus_are_too_small_for_the_job():
     res = simulate(jobs, spec, get_policy("qosflow"), config=SimConfig(restart_overhead=0))
     gang = next(j for j in res.jobs if j.job_id == "gang")
     assert "reserved p100-0, v100-0 (free for it in about 1.0 h)" in gang.note, gang.note
+
+
+def test_wait_for_a_consolidated_slot_counts_only_gpus_the_job_can_use():
+    """The predicted wait for GPUs of its own (which decides when a job spreads over nodes, and when
+    a deadline job may take an express node) counted GPUs too small for the job as usable: an empty
+    8 GB node made a 16 GB job's wait 0 while the node it can use was busy for 1000 s."""
+    from qosflow.core.cluster import ClusterState, NodeSpec
+    from qosflow.core.job import JobState
+    from qosflow.policies.placement import find_whole
+
+    st = ClusterState(ClusterSpec([NodeSpec("small", 4, gpu_mem_mb=8_000.0), NodeSpec("big", 4, gpu_mem_mb=32_000.0)]))
+    busy = Job("busy", 0.0, QoSSpec(gpus=4, cpu_cores=4.0, gpu_mem_mb=20_000.0), 1000.0)
+    st.allocate(find_whole(st, busy), busy.qos)
+    policy = get_policy("qosflow")
+    policy._end_max = np.where(st.njobs > 0, 1000.0, 0.0)
+
+    def wait(mem):
+        return policy._consolidated_wait(st, JobState(Job("j", 0.0, QoSSpec(gpus=2, gpu_mem_mb=mem), 60.0)), {})
+
+    assert wait(16_000.0) == 1000.0
+    assert wait(4_000.0) == 0.0

@@ -1078,6 +1078,17 @@ class QosflowPolicy(Policy):
         wait = self._consolidated_wait(st, js, rem)
         return p if extra < wait else None
 
+    @staticmethod
+    def _gpus_for(st: ClusterState, q) -> np.ndarray:
+        """GPUs (node x slot) the job could ever use: they exist, on a node of its GPU model, with its
+        GPU memory (a 12 GiB K80 is no GPU for a 15000 MB job, however soon it empties)."""
+        fits = st.exists
+        if q.gpu_mem_mb is not None:
+            fits = fits & (st.gmem_cap[:, None] >= q.gpu_mem_mb - 1e-6)
+        if q.gpu_model is not None:
+            fits = fits & st.spec.model_mask(q.gpu_model)[:, None]
+        return fits
+
     def _consolidated_wait(self, st: ClusterState, js: JobState, rem, exclude=(), all_nodes: bool = False) -> float:
         """Predicted wait until some node has enough empty GPUs for `js`, consolidated (no new starts
         assumed; nodes in `exclude` not counted). With `all_nodes`, a gang wider than a node waits
@@ -1086,7 +1097,7 @@ class QosflowPolicy(Policy):
         gmax = max(1, st.spec.max_gpus_per_node)
         k = min(js.job.qos.gpus, gmax)
         t = np.where(st.njobs == 0, 0.0, self._end_max)  # a GPU is empty once its last job ends
-        t = np.where(st.exists, t, np.inf)
+        t = np.where(self._gpus_for(st, js.job.qos), t, np.inf)
         t[st.down] = np.inf
         if len(exclude):
             t[list(exclude)] = np.inf
@@ -1107,8 +1118,7 @@ class QosflowPolicy(Policy):
         """
         q = js.job.qos
         gmax = max(1, st.spec.max_gpus_per_node)
-        # GPUs with too little memory for the job (a 12 GiB K80 for a 15000 MB job) count as absent
-        fits = st.exists if q.gpu_mem_mb is None else st.exists & (st.gmem_cap[:, None] >= q.gpu_mem_mb - 1e-6)
+        fits = self._gpus_for(st, q)
         count = fits.sum(axis=1)
         t = np.where(st.njobs == 0, 0.0, self._end_max)
         t = np.where(fits, t, np.inf)
