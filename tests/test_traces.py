@@ -152,6 +152,21 @@ def test_muri_priority_column_is_optional(tmp_path):
     assert jobs[1].qos.priority is PriorityClass.BEST_EFFORT
 
 
+def test_muri_model_without_a_memory_profile_gets_the_largest_figure(tmp_path):
+    """A model SJF-BSBF did not profile used to get no GPU memory, so qosflow never co-located it
+    (the baselines placed it as if it needed none); it now gets the largest profiled figure, and the
+    job says the figure was assumed."""
+    from qosflow.sim.interference import MURI_GPU_MEM_MB
+
+    p = write(tmp_path, "new.csv", MURI_HEADER + "\n" + MURI_ROW.format(prio=0) + "\n"
+              + MURI_ROW.replace("7,", "8,", 1).replace("resnet18", "inception_v3").format(prio=0) + "\n")
+    jobs, rej = load_muri(p)
+    assert rej == []
+    known, new = jobs
+    assert (known.qos.gpu_mem_mb, known.meta["gpu_mem_assumed"]) == (MURI_GPU_MEM_MB["resnet18"], False)
+    assert (new.qos.gpu_mem_mb, new.meta["gpu_mem_assumed"]) == (max(MURI_GPU_MEM_MB.values()), True)
+
+
 def test_muri_shared_trace():
     need(MURI, MURI_CLUSTER)
     cluster = load_cluster(str(MURI_CLUSTER))

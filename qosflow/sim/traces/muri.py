@@ -15,7 +15,8 @@ Each row becomes a `Job`:
 * ``resource_profile`` = the ``resource_time_*`` columns / 1000: seconds per iteration spent on
   data loading/CPU, GPU compute and network (Muri's interleaving model);
 * QoS: ``gpus=num_gpu``, shareable (two jobs may share GPUs, as in Muri and SJF-BSBF), gang,
-  ``gpu_mem_mb`` from SJF-BSBF's profile of the model, 4 CPU cores per GPU;
+  ``gpu_mem_mb`` from SJF-BSBF's profile of the model (for a model it did not profile, the largest
+  profiled figure, with ``meta["gpu_mem_assumed"]``), 4 CPU cores per GPU;
 * priority: Muri's column (as used by its AntMan baseline) is 0 for a resource-guaranteed job and
   1 for an opportunistic one, so 0 -> `normal`, 1 -> `best-effort` (kept in ``meta["trace_priority"]``).
   The column (and ``interval``, ``resource_time_*``) may be missing, or a cell empty: Muri's simulator
@@ -33,6 +34,12 @@ from qosflow.core.qos import PriorityClass, QoSSpec
 from qosflow.errors import SpecError, TraceFormatError
 from qosflow.sim.interference import MURI_GPU_MEM_MB
 from qosflow.sim.traces._common import CORES_PER_GPU, Rejected, csv_rows, make_job, number, split_rejected
+
+#: GPU memory (MiB) assumed for a model SJF-BSBF did not profile: the largest profiled figure (GPT-2),
+#: so such a job shares a GPU only with partners that leave that much room (or with a sub-batch).
+#: Without a figure, qosflow would never co-locate it, while the baselines placed it as if it
+#: needed no memory at all.
+UNKNOWN_MODEL_GPU_MEM_MB = max(MURI_GPU_MEM_MB.values())
 
 REQUIRED = (
     "job_id",
@@ -101,10 +108,11 @@ def load_muri(
         if duration == 0:
             zero.append((jid, f"line {line}: duration 0 ms, nothing to run"))
             continue
+        mem = MURI_GPU_MEM_MB.get(model.lower())
         try:
             qos = QoSSpec(
                 gpus=gpus,
-                gpu_mem_mb=MURI_GPU_MEM_MB.get(model.lower()),
+                gpu_mem_mb=mem if mem is not None else UNKNOWN_MODEL_GPU_MEM_MB,
                 cpu_cores=cores_per_gpu * gpus,
                 priority=muri_priority(prio_raw) if prio_raw is not None else PriorityClass.NORMAL,
                 shareable=True,
@@ -131,6 +139,8 @@ def load_muri(
                     "priority_from_trace": prio_raw is not None,
                     "iteration_time": it_time * iteration_overhead,
                     "interval": interval,
+                    # no profile of this model's GPU memory: the largest profiled figure was assumed
+                    "gpu_mem_assumed": mem is None,
                 },
             )
         )
