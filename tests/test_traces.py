@@ -213,6 +213,20 @@ def test_gavel_nine_field_form(tmp_path, tiny):
     assert jobs[0].submit_time == 42.0 and jobs[0].qos.gpus == 1 and jobs[0].meta["SLO"] == -1
 
 
+def test_gavel_ten_field_form(tmp_path, tiny):
+    """Gavel's latest parse_trace reads a working directory after the command."""
+    from qosflow.sim.runner import guess_format
+
+    line = "A3C\tcd x\t/workspace/a3c\t--max-steps\t0\t5000\t2\t1.5\t-1\t42"
+    p = write(tmp_path, "g.txt", line + "\n")
+    jobs, _ = load_gavel(p, throughputs=tiny)
+    j = jobs[0]
+    assert (j.submit_time, j.qos.gpus, j.iterations, j.meta["priority_weight"]) == (42.0, 2, 5000, 1.5)
+    assert guess_format(str(p)) == "gavel"
+    with pytest.raises(TraceFormatError, match="got 8"):
+        load_gavel(write(tmp_path, "bad.trace", "\t".join(line.split("\t")[:8]) + "\n"), throughputs=tiny)
+
+
 @pytest.mark.parametrize(
     "line, where",
     [

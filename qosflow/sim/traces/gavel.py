@@ -5,7 +5,8 @@ One job per line, tab-separated, no header. The published msr traces have 7 fiel
     job_type  command  num_steps_arg  needs_data_dir  total_steps  arrival_time(s)  scale_factor
 
 Gavel's later generator writes 9 fields (``... total_steps scale_factor priority_weight SLO
-arrival_time``); both are read. A job's isolated duration is ``total_steps / throughput``, the
+arrival_time``), and its latest ``parse_trace`` reads 10 (the same with ``working_directory`` after
+the command); all three are read. A job's isolated duration is ``total_steps / throughput``, the
 solo, consolidated throughput of its job type at its scale factor on a V100 from Gavel's throughput
 table (exactly how Gavel's generator turned durations into steps). Scale factors the table lacks
 (16, 32, ..., or multi-GPU A3C/CycleGAN/Recommendation) use the largest measured scale below,
@@ -47,6 +48,9 @@ FIELDS_9 = (
     "SLO",
     "arrival_time",
 )
+#: the form of Gavel's later `parse_trace`: the 9 fields with the job's working directory after the command
+FIELDS_10 = FIELDS_9[:2] + ("working_directory",) + FIELDS_9[2:]
+FORMS = {7: FIELDS_7, 9: FIELDS_9, 10: FIELDS_10}
 
 
 def load_gavel(
@@ -80,13 +84,11 @@ def load_gavel(
             if not text.strip():
                 continue
             parts = text.split("\t")
-            if len(parts) == 7:
-                names = FIELDS_7
-            elif len(parts) == 9:
-                names = FIELDS_9
-            else:
+            names = FORMS.get(len(parts))
+            if names is None:
                 raise TraceFormatError(
-                    p, line, f"expected 7 tab-separated fields ({', '.join(FIELDS_7)}) or Gavel's 9-field form, got {len(parts)}"
+                    p, line, f"expected 7 tab-separated fields ({', '.join(FIELDS_7)}), or Gavel's 9- or 10-field "
+                             f"form (10: {', '.join(FIELDS_10)}), got {len(parts)}"
                 )
             row = dict(zip(names, (x.strip() for x in parts)))
             jt = row["job_type"]
@@ -117,7 +119,7 @@ def load_gavel(
                 "priority_from_trace": False,
                 "command": row["command"],
             }
-            if names is FIELDS_9:
+            if "SLO" in row:
                 meta["priority_weight"] = number(p, line, "priority_weight", row["priority_weight"], "priority weight")
                 meta["SLO"] = number(p, line, "SLO", row["SLO"], "SLO factor", minimum=None)
             try:
