@@ -74,7 +74,7 @@ def one_node_candidates(state: ClusterState, job: Job) -> np.ndarray | None:
     qos = job.qos
     if qos.gpus <= 0:
         raise ValueError(f"job {job.job_id!r} asks for no whole GPU")
-    mask, gmax, cands = _whole_candidates(state, qos, qos.cpu_cores / qos.gpus)
+    cands = _whole_candidates(state, qos, qos.cpu_cores / qos.gpus)[2]
     if cands is not None and state.total_empty_gpus() < qos.gpus:
         return cands[:0]
     return cands

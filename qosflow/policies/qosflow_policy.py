@@ -1080,14 +1080,10 @@ class QosflowPolicy(Policy):
 
     @staticmethod
     def _gpus_for(st: ClusterState, q) -> np.ndarray:
-        """GPUs (node x slot) the job could ever use: they exist, on a node of its GPU model, with its
-        GPU memory (a 12 GiB K80 is no GPU for a 15000 MB job, however soon it empties)."""
-        fits = st.exists
-        if q.gpu_mem_mb is not None:
-            fits = fits & (st.gmem_cap[:, None] >= q.gpu_mem_mb - 1e-6)
-        if q.gpu_model is not None:
-            fits = fits & st.spec.model_mask(q.gpu_model)[:, None]
-        return fits
+        """GPUs (node x slot) the job could use: they exist, on an up node of its GPU model, with its GPU
+        memory (a 12 GiB K80 is no GPU for a 15000 MB job, however soon it empties) -- the nodes the
+        placement search admits (`ClusterState.usable_nodes`)."""
+        return st.exists & st.usable_nodes(q)[:, None]
 
     def _consolidated_wait(self, st: ClusterState, js: JobState, rem, exclude=(), all_nodes: bool = False) -> float:
         """Predicted wait until some node has enough empty GPUs for `js`, consolidated (no new starts
@@ -1125,9 +1121,7 @@ class QosflowPolicy(Policy):
         bad = st.down.copy()
         if reserved:
             bad[list(reserved)] = True
-        if q.gpu_model is not None:
-            bad |= ~st.spec.model_mask(q.gpu_model)
-        bad |= count == 0
+        bad |= count == 0  # also every node of another GPU model, or with GPUs too small for the job
         if q.gpus <= gmax:
             ok = ~bad & (count >= q.gpus)
             if not ok.any():
