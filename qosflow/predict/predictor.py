@@ -238,11 +238,9 @@ class Predictor:
                     raise SpecError(name, "co-located speeds are measured sharing a GPU, but this profile is "
                                     f"CPU-only (gpu_type={CPU_ONLY!r}): give the GPU type they were measured on, "
                                     f"or leave {name} out", where=f"profile of {signature!r}")
-            if solo:
-                self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": gpus, "gpu_type": CPU_ONLY,
-                              "cpu_cores": cpu_cores, "source": "profile"})
-            return
-        gt = gpu_type if gpu_type and gpu_type != "unknown" else self.gpu_type
+            gt = CPU_ONLY  # and no co-located speeds below: checked above
+        else:
+            gt = gpu_type if gpu_type and gpu_type != "unknown" else self.gpu_type
         if solo:
             self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": gpus, "gpu_type": gt,
                           "cpu_cores": cpu_cores, "source": "profile"})

@@ -50,9 +50,9 @@ REQUIRED = (
     "batch_size",
     "duration",
     "iteration_time",
+    # optional: interval, resource_time_*, priority (Muri's simulator draws a random priority for
+    # AntMan when a trace has no such column)
 )
-#: optional: Muri's simulator draws a random priority for AntMan when a trace has no such column
-OPTIONAL = ("interval", "priority")
 MS = 1000.0
 
 
