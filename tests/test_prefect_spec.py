@@ -83,6 +83,13 @@ def test_durations_may_be_written_with_units():
         qos_task(f, deadline="45")
     with pytest.raises(SpecError, match="expected_duration"):
         qos_task(f, expected_duration="-5m")
+    # a bare number in a string is an error for every duration (docs/prefect.md), not read as seconds
+    # for some: expected_duration="45" and early_check="45" were accepted
+    for kw in ("expected_duration", "early_check"):
+        with pytest.raises(SpecError, match=rf"invalid {kw}: .*got '45'; write {kw}=45 \(seconds\) or {kw}='45s'"):
+            qos_task(f, **{kw: "45"})
+    with pytest.raises(SpecError, match=r"@qos_flow: invalid deadline: .*got '45'; write deadline=45 \(seconds\) or deadline='45s'"):
+        qos_flow(deadline="45")
     with pytest.raises(SpecError, match="invalid deadline: 3600s is shorter than the stage's own expected_duration"):
         qos_task(f, deadline="1h", expected_duration="2h")
 

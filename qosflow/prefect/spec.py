@@ -74,9 +74,11 @@ def _number_of(k: str, unit: str) -> str:
     return f"a number of {unit} or a duration ({DURATION_FORMS})" if k in DURATION_KW else f"a number ({unit})"
 
 
-def _hint(k: str, v: Any) -> str:
+def _hint(k: str, v: Any, *, duration: bool | None = None) -> str:
+    """How to write a number given as a string ('45'): as a number, or for a duration with its unit."""
     if isinstance(v, str) and _finite(v):
-        return f"; write {k}={v.strip()}" + (f" (seconds) or {k}='{v.strip()}s'" if k in DURATION_KW else "")
+        duration = k in DURATION_KW if duration is None else duration
+        return f"; write {k}={v.strip()}" + (f" (seconds) or {k}='{v.strip()}s'" if duration else "")
     return ""
 
 
@@ -105,7 +107,7 @@ def check_stage_args(
         return SpecError(f, msg, where=where)
 
     if expected_duration is not None:
-        if isinstance(expected_duration, bool) or not _finite(expected_duration) or float(expected_duration) <= 0:
+        if not _is_number(expected_duration) or not _finite(expected_duration) or float(expected_duration) <= 0:
             raise bad("expected_duration", f"must be a positive number of seconds or a duration ({DURATION_FORMS}), got {expected_duration!r}{_hint('expected_duration', expected_duration)}")
         if spec.deadline is not None and float(expected_duration) > spec.deadline:
             raise bad(
@@ -115,8 +117,8 @@ def check_stage_args(
             )
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
         raise bad("batch_size", f"must be a positive integer (the global batch), got {batch_size!r}")
-    if early_check is not None and (isinstance(early_check, bool) or not _finite(early_check) or float(early_check) < 0):
-        raise bad("early_check", f"must be seconds >= 0 (0: never check) or a duration ({DURATION_FORMS}), got {early_check!r}")
+    if early_check is not None and (not _is_number(early_check) or not _finite(early_check) or float(early_check) < 0):
+        raise bad("early_check", f"must be seconds >= 0 (0: never check) or a duration ({DURATION_FORMS}), got {early_check!r}{_hint('early_check', early_check)}")
     if early_check and spec.gpus < 1:
         raise bad("early_check", "runs a stage briefly on one GPU first; this stage uses no GPU (gpus=0), so there is nothing to check")
     if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
