@@ -72,7 +72,8 @@ def _reflow_help(typer_app: typer.Typer) -> None:
     if isinstance(typer_app.info.help, str):
         typer_app.info.help = _reflow(typer_app.info.help)
     for cmd in typer_app.registered_commands:
-        cmd.help = _reflow(cmd.help)
+        # a command without help= shows its function's docstring (as typer would): reflow that too
+        cmd.help = _reflow(cmd.help if cmd.help is not None else inspect.getdoc(cmd.callback))
     for group in typer_app.registered_groups:
         if group.help:
             group.help = _reflow(group.help)
