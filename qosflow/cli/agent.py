@@ -43,16 +43,29 @@ def register(app: typer.Typer) -> None:
         gpu_mem_mb: float = typer.Option(16_384.0, "--gpu-mem-mb", help="memory of each virtual GPU (MiB)"),
         cpu_cores: Optional[float] = typer.Option(None, "--cpu-cores", help="cores to offer (default: the cores this process may use)"),
         name: Optional[str] = typer.Option(None, "--name", help="host name the worker sees (default: hostname)"),
-        token: Optional[str] = typer.Option(None, "--token", help="secret token (visible in `ps`; prefer --token-file)"),
+        token: Optional[str] = typer.Option(None, "--token", help="secret token (visible in `ps`; prefer --token-file; default: $QOSFLOW_AGENT_TOKEN)"),
         token_file: Optional[Path] = typer.Option(None, "--token-file", help="file holding the secret token"),
         fence_after: Optional[float] = typer.Option(
-            None, "--fence-after", help="kill running stages when no heartbeat came for this many seconds (avoids running a stage twice after a network split)"
+            None, "--fence-after", help="kill running stages when no heartbeat came for this many seconds (avoids running a stage twice after a network split); 1.5 x the worker's heartbeat_s is a good choice (default: never)"
         ),
         label: list[str] = typer.Option([], "--label", help="node label KEY=VALUE (repeatable)"),
         workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a temp dir)"),
         log_level: str = typer.Option("warning", "--log-level", help="critical | error | warning | info | debug | trace (the agent's HTTP server log)"),
     ) -> None:
-        """Run the agent: report GPUs, launch stages with their placement, stream logs, kill on request."""
+        """Run the agent: report GPUs, launch stages with their placement, stream logs, kill on request.
+
+        One agent per GPU host; the qosflow worker reaches it over HTTP (a cluster file or a bare-metal
+        cluster block lists the hosts' URLs). Every request must carry the cluster's secret token
+        (--token-file, --token or QOSFLOW_AGENT_TOKEN). GPUs come from NVML; a host without one offers
+        --virtual-gpus, reported as virtual. Details: docs/infrastructure.md.
+
+        Examples:
+
+          qosflow agent start --host 0.0.0.0 --fence-after 3 \\
+              --token-file /etc/qosflow/agent-token
+
+          qosflow agent start --virtual-gpus 4 --token-file token --name lab-1
+        """
         import socket
 
         from qosflow.agent.app import AgentConfig

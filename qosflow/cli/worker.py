@@ -24,16 +24,16 @@ Examples:
 
 
 def register(app: typer.Typer) -> None:
-    worker_app = typer.Typer(help="The qosflow worker.", no_args_is_help=True)
+    worker_app = typer.Typer(help="The qosflow worker: queues, places and launches the stages of a `qosflow` work pool.", no_args_is_help=True)
 
     @worker_app.command("start", help=HELP)
     def start_cmd(
         pool: str = typer.Option(..., "--pool", "-p", help="work pool name"),
-        name: Optional[str] = typer.Option(None, "--name", help="worker name"),
+        name: Optional[str] = typer.Option(None, "--name", help="worker name (default: a new random one; the same name after a restart takes over this worker's leases at once instead of when they expire)"),
         cluster_block: Optional[str] = typer.Option(None, "--cluster-block", help="cluster block name: a qosflow-bare-metal-cluster, else a qosflow-kubernetes-cluster block (or SLUG/NAME); default: the pool's cluster_block"),
         cluster_file: Optional[Path] = typer.Option(None, "--cluster-file", help="cluster file (YAML/JSON: hosts, agent URLs, token): run the stages through those agents (default: $QOSFLOW_CLUSTER_FILE, else the pool's cluster)"),
         policy: Optional[str] = typer.Option(None, "--policy", help="policy name (overrides the pool's policy block)"),
-        estimator: Optional[str] = typer.Option(None, "--estimator", help="history | declared | learned | module:attr"),
+        estimator: Optional[str] = typer.Option(None, "--estimator", help="duration estimates: history | declared | learned | module:attr (overrides the pool's policy block)"),
         limit: Optional[int] = typer.Option(None, "--limit", min=1, help="most stage runs at once"),
     ) -> None:
         import asyncio
