@@ -97,3 +97,17 @@ def test_every_option_says_what_it_does():
         if getattr(p, "param_type_name", "") == "option" and p.opts[0] != "--help" and not (p.help or "").strip()
     ]
     assert not missing, missing
+
+
+def test_init_real_gpus_warns_when_this_machine_has_none(capsys, monkeypatch):
+    """`init --real-gpus` on a machine without NVML said "1 x 4 GPUs" and created a pool whose worker
+    there then refused every run ("the local backend has no real GPUs here")."""
+    import qosflow.backends.local as local
+    from qosflow.cli.main import main
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setattr(local, "nvml_gpus", lambda: (None, "no GPU: NVML unavailable (Library Not Found); using virtual GPUs"))
+    assert main(["init", "--real-gpus"]) == 2  # no server here: the warning comes first
+    err = capsys.readouterr().err
+    assert "warning: --real-gpus, but this machine has no GPU (NVML unavailable (Library Not Found))" in err, err
+    assert "leave --real-gpus out" in err and "PREFECT_API_URL is not set" in err, err

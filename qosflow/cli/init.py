@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
         hosts: int = typer.Option(1, "--hosts", min=1, help="hosts (all this machine with the local backend)"),
         gpus: int = typer.Option(4, "--gpus-per-host", min=0, help="GPUs per host"),
         cores: float = typer.Option(16.0, "--cores-per-host", min=1, help="CPU cores per host"),
-        real_gpus: bool = typer.Option(False, "--real-gpus", help="detect GPUs with NVML instead of declaring virtual ones"),
+        real_gpus: bool = typer.Option(False, "--real-gpus", help="the worker uses the GPUs NVML finds on its host instead of declaring virtual ones (one host: --hosts, --gpus-per-host and --cores-per-host are then not used)"),
         policy: str = typer.Option("qosflow", "--policy", help="scheduling policy"),
         estimator: str = typer.Option("history", "--estimator", help="history | declared | learned | module:attr"),
         deadline: Optional[float] = typer.Option(None, "--deadline", help="default pipeline deadline (seconds)"),
@@ -52,6 +52,23 @@ def register(app: typer.Typer) -> None:
         check_estimator_name(estimator)
         if deadline is not None and not 0 < deadline < float("inf"):  # was a pydantic traceback from QoSPolicy
             raise SpecError("--deadline", f"must be a positive number of seconds, got {deadline:g}")
+        here = None
+        if real_gpus:
+            from qosflow.backends.local import nvml_gpus
+            from qosflow.core.gpu_names import short_gpu_model
+
+            found, why = nvml_gpus()
+            if found is None:  # the worker would refuse this pool's cluster block on this machine
+                why = why.removeprefix("no GPU: ").removesuffix("; using virtual GPUs")
+                typer.secho(
+                    f"warning: --real-gpus, but this machine has no GPU ({why}): a qosflow worker started here takes no run "
+                    "from this pool. Start the worker on a GPU host, or leave --real-gpus out to declare virtual GPUs.",
+                    err=True,
+                    fg="yellow",
+                )
+                here = "none"
+            else:
+                here = f"{len(found)} x {short_gpu_model(found[0].name)}"
         api = require_api_url("qosflow init")
         cluster = BareMetalGPUCluster(hosts=[f"host{i}" for i in range(hosts)], gpus_per_host=gpus, cpu_cores=cores, virtual_gpus=not real_gpus)
         pol = QoSPolicy(policy=policy, estimator=estimator, deadline_s=deadline)
@@ -68,7 +85,10 @@ def register(app: typer.Typer) -> None:
             raise QosflowError(f"cannot reach the Prefect server at {api} ({exc}); is `prefect server start` running there?") from None
         c = Console()
         c.print("blocks registered: qosflow-qos-policy, qosflow-bare-metal-cluster, qosflow-kubernetes-cluster")
-        c.print(f"cluster block [cyan]{info['cluster_block']}[/]: {hosts} x {gpus} {'virtual ' if not real_gpus else ''}GPUs, {cores:g} cores per host")
+        if real_gpus:
+            c.print(f"cluster block [cyan]{info['cluster_block']}[/]: the GPUs NVML finds on the worker's host (this machine: {here})")
+        else:
+            c.print(f"cluster block [cyan]{info['cluster_block']}[/]: {hosts} x {gpus} virtual GPUs, {cores:g} cores per host")
         c.print(f"policy block [cyan]{info['policy_block']}[/]: {policy}, estimator {estimator}")
         c.print(f"work pool [cyan]{pool}[/] ({'created' if info['created'] else 'updated'}), stage deployment {info['stage_deployment']}")
         c.print(f"next: [bold]qosflow worker start --pool {pool}[/]")
