@@ -344,7 +344,10 @@ def test_express_node_keeps_a_node_for_a_short_urgent_gang():
     without = {j.job_id: j for j in simulate(_express_workload(), spec, get_policy("qosflow", share=False), config=cfg).jobs}
     # no express node: the long jobs hold both nodes for 10 h, the urgent gang misses its deadline
     assert without["urgent"].finish_time > without["urgent"].job.deadline
-    res = {j.job_id: j for j in simulate(_express_workload(), spec, get_policy("qosflow", share=False, express_share=0.5), config=cfg).jobs}
+    # (express_release=0: the lane stays for the whole 60 h; by default it would close a day after
+    # the last deadline job, see the next test)
+    pol = get_policy("qosflow", share=False, express_share=0.5, express_release=0)
+    res = {j.job_id: j for j in simulate(_express_workload(), spec, pol, config=cfg).jobs}
     assert all(j.status is JobStatus.DONE for j in res.values())
     urgent = res["urgent"]
     assert urgent.first_start == pytest.approx(urgent.job.submit_time)
@@ -353,6 +356,54 @@ def test_express_node_keeps_a_node_for_a_short_urgent_gang():
     # the long jobs never took the express node: they ran one after the other on the other node
     starts = sorted(res[f"long{i}"].first_start for i in range(6))
     assert all(b - a >= 10 * 3600.0 - 1e-6 for a, b in zip(starts, starts[1:]))
+
+
+def test_express_lane_closes_when_deadline_jobs_stop_arriving():
+    """Deadline jobs arrive at 0 and 30 min, then none: with a 1 h lane window and express_release 2
+    (twice the 30-min gap) the lane closes at 1.5 h, and the long jobs queued behind the regular node
+    then use the express node too -- instead of leaving it idle for the rest of the schedule."""
+    spec = ClusterSpec.uniform(2, 4)
+    jobs = [Job("dl0", 0.0, QoSSpec(gpus=1, deadline=3600.0), 600.0), Job("dl1", 1800.0, QoSSpec(gpus=1, deadline=3600.0), 600.0)]
+    jobs += [Job(f"long{i}", 10.0 + i, QoSSpec(gpus=4), 10 * 3600.0) for i in range(4)]
+    jobs.append(Job("tick", 2 * 3600.0, QoSSpec(gpus=0, cpu_cores=1.0), 60.0))  # a CPU stage: a round after the lane closed
+    cfg = SimConfig(restart_overhead=0)
+    starts = {}
+    for release in (0.0, 2.0):
+        pol = get_policy("qosflow", share=False, express_share=0.5, express_deadline_s=3600.0, express_release=release)
+        res = {j.job_id: j for j in simulate(jobs, spec, pol, config=cfg).jobs}
+        assert all(j.status is JobStatus.DONE for j in res.values())
+        starts[release] = sorted(res[f"long{i}"].first_start for i in range(4))
+    # lane kept for good: the long jobs run one after the other on the regular node
+    assert all(b - a >= 10 * 3600.0 - 1e-6 for a, b in zip(starts[0.0], starts[0.0][1:]))
+    # lane released after 1.5 h: the second long job starts on the former express node at the next round
+    assert 1.5 * 3600.0 <= starts[2.0][1] <= 2 * 3600.0 + 1e-6, starts[2.0]
+
+
+def test_express_lane_opens_again_with_the_next_deadline_job():
+    from qosflow.core.cluster import ClusterState
+    from qosflow.core.estimate import OracleEstimator
+    from qosflow.core.job import JobState
+    from qosflow.policies.base import SchedulerView
+
+    spec = ClusterSpec.uniform(8, 4)
+    pol = get_policy("qosflow", express_share=0.125, express_deadline_s=100.0, express_release=2.0)
+    st = ClusterState(spec)
+
+    def lane(now, *pending):
+        view = SchedulerView(now=now, cluster=st.snapshot(), pending=list(pending), running=[], estimator=OracleEstimator())
+        return pol._express_nodes(st, view)
+
+    def dl(name, t):
+        return JobState(Job(name, t, QoSSpec(gpus=1, deadline=50.0), 10.0))
+
+    assert lane(0.0, JobState(Job("be", 0.0, QoSSpec(gpus=1), 10.0))) == []  # no deadline job yet
+    assert lane(0.0, dl("a", 0.0)) == [7]  # the last of the largest nodes
+    assert lane(300.0, dl("b", 300.0)) == [7]  # gap 300 s: open until 300 + 2 x 300
+    assert lane(850.0) == [7]
+    assert lane(950.0) == []  # closed: none for 650 s > 600 s
+    assert lane(5000.0, dl("c", 5000.0)) == [7]  # open again; the gap is now 4,700 s
+    assert lane(5000.0 + 9000.0) == [7]
+    assert lane(5000.0 + 9500.0) == []
 
 
 def test_express_option_is_validated():
@@ -365,6 +416,8 @@ def test_express_option_is_validated():
         get_policy("qosflow", express_share="half")
     with pytest.raises(ValueError, match=r"express_deadline_s must be >= 0 \(seconds\), got 'soon'"):
         get_policy("qosflow", express_deadline_s="soon")
+    with pytest.raises(ValueError, match=r"express_release must be >= 0"):
+        get_policy("qosflow", express_release=-1)
     for bad in (1.5, -0.1, "half", True):
         with pytest.raises(ValueError, match="reserve_share must be in"):
             get_policy("qosflow", reserve_share=bad)

@@ -184,6 +184,36 @@ class _ArrivalLog:
         return self.cum[-1] - self.cum[bisect.bisect_left(self.times, t)]
 
 
+class _DeadlineArrivals:
+    """When deadline jobs arrive: the latest submit time seen and the longest gap between two
+    successive ones -- what decides whether the express lane is still needed (`express_release`).
+
+    Updated from each round's snapshot (pending and running jobs: a restarted worker sees its
+    running ones); a clock that goes back (the policy object reused for a new simulation) starts it
+    afresh."""
+
+    def __init__(self) -> None:
+        self.last = -math.inf  # submit time of the latest deadline job seen
+        self.gap = 0.0  # longest gap seen between two successive deadline-job arrivals
+        self.now = -math.inf
+
+    def update(self, view: SchedulerView) -> None:
+        if view.now < self.now:
+            self.__init__()
+        self.now = view.now
+        new = sorted(
+            t for t in (js.job.submit_time for js in (*view.pending, *view.running) if js.job.deadline is not None) if t > self.last
+        )
+        for t in new:
+            if self.last > -math.inf:
+                self.gap = max(self.gap, t - self.last)
+            self.last = t
+
+    @property
+    def seen(self) -> bool:
+        return self.last > -math.inf
+
+
 def _check_number(name: str, value, ok, want: str) -> None:
     """Refuse an option that is not a number (a bool is not one) or fails `ok`, naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
@@ -219,11 +249,13 @@ class QosflowPolicy(Policy):
         express_share: float = 0.0,
         express_max_s: float = 600.0,
         express_deadline_s: float = 86400.0,
+        express_release: float = 2.0,
         deadline_band: bool = True,
     ):
         _check_number("express_share", express_share, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
         for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
             _check_number(name, value, lambda v: v >= 0, ">= 0 (seconds)")
+        _check_number("express_release", express_release, lambda v: v >= 0, ">= 0 (0: the lane never closes)")
         _check_number("reserve_share", reserve_share, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (a share of the nodes)")
         if not isinstance(makespan_inflow, bool):
             raise ValueError(f"qosflow policy: makespan_inflow must be true or false, got {makespan_inflow!r}")
@@ -244,6 +276,10 @@ class QosflowPolicy(Policy):
         self.express_max_s = express_max_s
         #: a deadline job this short that cannot wait for a regular node may take an express node
         self.express_deadline_s = express_deadline_s
+        #: the lane closes (its nodes become regular ones) once no deadline job has arrived for
+        #: max(express_deadline_s, express_release x the longest gap seen between deadline arrivals),
+        #: and opens again with the next one; 0: never closes
+        self.express_release = express_release
         #: place single-node jobs where they extend the node's busy time least (time-aligned packing)
         self.align = align
         #: a job that can still meet its deadline is ordered as if `qos_weight` times shorter
@@ -275,7 +311,7 @@ class QosflowPolicy(Policy):
         self.plan_interval = plan_interval
         self._plan_at = -float("inf")
         self._plan: dict[tuple[str, str], float] = {}
-        self._seen_deadline = False
+        self._dl_arrivals = _DeadlineArrivals()
         self._regular: tuple = (None, None, {})
         #: scorer for fractional shares (e.g. `qosflow.packing` FGD); None: best fit
         self.fractional_scorer = fractional_scorer
@@ -299,6 +335,7 @@ class QosflowPolicy(Policy):
             "express_share": self.express_share,
             "express_max_s": self.express_max_s,
             "express_deadline_s": self.express_deadline_s,
+            "express_release": self.express_release,
             "deadline_band": self.deadline_band,
         }
 
@@ -951,7 +988,7 @@ class QosflowPolicy(Policy):
         (rounded down), the largest ones, last in the cluster's order first -- the same nodes every
         round while the cluster does not change. None while no job has a deadline: the lane exists
         for deadline jobs only."""
-        if self.express_share <= 0 or not self._deadlines_seen(view):
+        if self.express_share <= 0 or not self._lane_open(view):
             return []
         up = np.flatnonzero(~st.down & (st.gpu_count > 0))
         n = int(self.express_share * len(up) + 1e-9)
@@ -960,11 +997,18 @@ class QosflowPolicy(Policy):
         order = sorted(up.tolist(), key=lambda i: (-int(st.gpu_count[i]), -i))
         return order[:n]
 
-    def _deadlines_seen(self, view: SchedulerView) -> bool:
-        if not self._seen_deadline:
-            self._seen_deadline = any(js.job.deadline is not None for js in view.pending) or any(
-                js.job.deadline is not None for js in view.running)
-        return self._seen_deadline
+    def _lane_open(self, view: SchedulerView) -> bool:
+        """Is the express lane needed now? Not before the first deadline job, and not once deadline
+        jobs have stopped arriving: none for `express_deadline_s` and for `express_release` times the
+        longest gap seen between two of them (on the Muri trace the arrivals end on day 125 of a
+        schedule of 240-265 days; a lane kept after that only idles its nodes)."""
+        arr = self._dl_arrivals
+        arr.update(view)
+        if not arr.seen:
+            return False
+        if self.express_release <= 0:
+            return True
+        return view.now - arr.last <= max(self.express_deadline_s, self.express_release * arr.gap)
 
     def _express_ok(self, js: JobState | None, finish: float) -> bool:
         """May `js`, finishing at `finish`, use an express node past its standing reservation? Only a
