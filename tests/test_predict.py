@@ -218,8 +218,49 @@ def test_new_pair_features_include_the_family_estimates():
     a, b = sorted(obs)[5]
     plain, _ = _Context(obs, meta, [], 2, 0.3, neighbours=False).features(a, b)
     rich, _ = _Context(obs, meta, [], 2, 0.3, neighbours=True).features(a, b)
-    assert len(rich) == len(plain) + 2 + 4 + 8  # extra low-rank fits, neighbours, family estimates
-    assert all(math.isfinite(v) for v in rich[-8:])  # every job of the synthetic table has siblings
+    # extra low-rank fits, neighbours, family estimates, block estimates; the reverse direction's
+    # low-rank fits (3) and neighbour estimates (4)
+    assert len(rich) == len(plain) + 2 + 4 + 8 + 3 + 3 + 4
+    assert all(math.isfinite(v) for v in rich[-18:-7])  # every job of the synthetic table has siblings
+    ctx = _Context(obs, meta, [], 2, 0.3, neighbours=True)
+    back, _ = ctx.features(b, a)
+    assert rich[-7] == pytest.approx(back[0])  # s(b, a) by the rank-2 fit, as the query (b, a) sees it
+    cols, fill = ctx.estimate_columns()
+    assert cols[0] == 0 and fill in cols and rich[fill] == pytest.approx(ctx.extra_mf[-1].predict_log(a, b)[0])
+
+
+def test_block_estimates_recover_an_additive_block():
+    from qosflow.predict.interference import _block_estimates
+
+    fam = np.array(["x", "x", "x", "y", "y", "y", "y"])
+    rng = np.random.default_rng(1)
+    M = rng.normal(-0.5, 0.3, (7, 7))
+    row, col = np.array([0.1, -0.2, 0.05]), np.array([0.0, -0.3, 0.2, 0.1])
+    M[:3, 3:] = -0.4 + row[:, None] + col[None, :]  # family x next to family y: additive
+    truth = M[1, 5]
+    M[1, 5] = np.nan
+    mean, additive, rms = _block_estimates(M, 1, 5, fam)
+    assert additive == pytest.approx(truth, abs=1e-3)
+    assert rms == pytest.approx(0.0, abs=1e-3)
+    assert mean == pytest.approx(np.nanmean(M[:3, 3:]))
+    M[0, 3] += 0.5  # an erratic cell: the block's RMS says so
+    assert _block_estimates(M, 1, 5, fam)[2] > 0.05
+    empty = np.full((7, 7), np.nan)
+    assert all(math.isnan(v) for v in _block_estimates(empty, 1, 5, fam))
+
+
+def test_new_pair_trees_get_the_stacked_estimate():
+    from qosflow.predict.interference import InterferenceModel
+
+    rows = _synthetic_pairs(n_models=3)
+    obs = {}
+    for r in rows:
+        obs[(r.key1, r.key2)] = r.speed1
+        obs[(r.key2, r.key1)] = r.speed2
+    m = InterferenceModel(regime="new_pair").fit(obs)
+    n_feats = len(m._ctx.features(*sorted(obs)[0])[0])
+    assert m.forest.n_features_in_ == n_feats + 1  # the ridge over the estimates is one more column
+    assert InterferenceModel(regime="new_job").fit(obs)._stack is None
 
 
 def test_mape_point_is_the_one_over_speed_weighted_median():

@@ -23,7 +23,16 @@ the features are (all computed from K only):
 6. only for ``regime="new_pair"``: family estimates (`_family_estimates`) -- s(a, b) from the known
    speeds of a next to b's family siblings b' (and of a's siblings next to b): by analogy (s(a, b') times
    the typical ratio of column b to column b'), from the rows nearest to a over b's family only, their
-   plain mean, and a weighted line in log batch size.
+   plain mean, and a weighted line in log batch size;
+7. only for ``regime="new_pair"``: block estimates (`_block_estimates`) -- over the block of a's family
+   next to b's family (the cell excluded): its mean, a two-way additive estimate (block mean + row effect
+   + column effect) and the RMS the additive fit leaves (how erratic the block is); and the other
+   direction of the pair -- the low-rank and nearest-neighbour estimates of s(b, a), hidden with s(a, b)
+   (a row of a pair table holds both) but slowed by the same contention;
+8. only for ``regime="new_pair"``: a stacked estimate (`_Stack`) -- a ridge regression of log speed on
+   the cell's log-speed estimates (1, 5 and 6; a missing one replaced by the rank-6 fit, with a 0/1
+   column saying so), fitted on the training rows; the trees combine the estimates piecewise, and a
+   linear combination is what they approximate worst from a few hundred rows.
 
 An extra-trees ensemble maps these to log speed; the spread of its trees gives the interval. To
 train it in the regime it will be used in, the features of training pairs are computed out of fold:
@@ -203,6 +212,32 @@ def _family_estimates(M: np.ndarray, i: int, j: int, fam: np.ndarray, lbs: np.nd
     return [analogy, local, pool, line]
 
 
+def _block_estimates(M: np.ndarray, i: int, j: int, fam: np.ndarray, iters: int = 10) -> list[float]:
+    """Three figures of the block of M (log speeds, NaN = unknown) whose rows are i's family and whose
+    columns are j's, cell (i, j) excluded: its mean; the two-way additive estimate of M[i, j] (block mean +
+    row effect + column effect, fitted by alternating means over the known cells, a row or column with none
+    known has effect 0); and the RMS of what that additive fit leaves (how erratic the block is).
+    NaN where the block has no known cell (the RMS: fewer than 3)."""
+    rows, cols = np.flatnonzero(fam == fam[i]), np.flatnonzero(fam == fam[j])
+    B = M[np.ix_(rows, cols)].copy()
+    ri, cj = int(np.flatnonzero(rows == i)[0]), int(np.flatnonzero(cols == j)[0])
+    B[ri, cj] = np.nan
+    known = ~np.isnan(B)
+    n = int(known.sum())
+    if not n:
+        return [float("nan")] * 3
+    Bz = np.where(known, B, 0.0)
+    mu = float(Bz.sum() / n)
+    n_r, n_c = known.sum(1), known.sum(0)
+    re, ce = np.zeros(len(rows)), np.zeros(len(cols))
+    for _ in range(iters):
+        re = np.where(known, Bz - mu - ce[None, :], 0.0).sum(1) / np.maximum(n_r, 1)
+        ce = np.where(known, Bz - mu - re[:, None], 0.0).sum(0) / np.maximum(n_c, 1)
+    left = np.where(known, Bz - mu - re[:, None] - ce[None, :], 0.0)
+    rms = float(np.sqrt((left ** 2).sum() / n)) if n > 2 else float("nan")
+    return [mu, mu + float(re[ri] + ce[cj]), rms]
+
+
 def _neighbour_estimates(M: np.ndarray, i: int, j: int, ks: Sequence[int]) -> list[float]:
     """Estimates of M[i, j] (log speeds, NaN = unknown) from the rows nearest to row i.
 
@@ -321,13 +356,57 @@ class _Context:
             f += [m.predict_log(a, b)[0] if m else 0.0 for m in self.extra_mf]
             ia, ib = self.index.get(a), self.index.get(b)
             if ia is None or ib is None:
-                f += [float("nan")] * (2 * len(NEIGHBOURS) + 8)
+                f += [float("nan")] * (2 * len(NEIGHBOURS) + 8 + 3)
             else:
                 f += _neighbour_estimates(self.M, ia, ib, NEIGHBOURS)
                 f += _neighbour_estimates(self.M.T, ib, ia, NEIGHBOURS)
                 f += _family_estimates(self.M, ia, ib, self.fam_of, self.lbs_of)  # b's family, row a
                 f += _family_estimates(self.M.T, ib, ia, self.fam_of, self.lbs_of)  # a's family, column b
+                f += _block_estimates(self.M, ia, ib, self.fam_of)
+            # the other direction of the pair, s(b, a): hidden with it, but the same contention slows both
+            f.append(self.mf.predict_log(b, a)[0] if self.mf else 0.0)
+            f += [m.predict_log(b, a)[0] if m else 0.0 for m in self.extra_mf]
+            if ia is None or ib is None:
+                f += [float("nan")] * (2 * len(NEIGHBOURS))
+            else:
+                f += _neighbour_estimates(self.M, ib, ia, NEIGHBOURS)
+                f += _neighbour_estimates(self.M.T, ia, ib, NEIGHBOURS)
         return f, support
+
+    def estimate_columns(self) -> tuple[list[int], int]:
+        """Positions in `features` of the log-speed estimates of the query's cell (``new_pair`` regime):
+        the rank-2 fit, the higher-rank fits, the neighbour and the family estimates; and the position of
+        the rank-6 fit (never NaN), which stands in for a missing one in `_Stack`."""
+        start = 2 + 4 * len(self.refs) + 2 + 6 + 2
+        n_extra = len(EXTRA_LOW_RANK) + 2 * len(NEIGHBOURS) + 8
+        cols = [0] + list(range(start, start + n_extra))
+        return cols, start + len(EXTRA_LOW_RANK) - 1
+
+
+#: ridge penalty of `_Stack` (its inputs are log speeds on one scale and 0/1 flags)
+STACK_ALPHA = 1.0
+
+
+class _Stack:
+    """A ridge regression of log speed on the cell's log-speed estimates (a missing one replaced by the
+    rank-6 fit, plus a 0/1 column saying it was missing); its answer is one more feature of the trees."""
+
+    def __init__(self, cols: Sequence[int], fill: int, alpha: float = 1.0):
+        self.cols, self.fill, self.alpha = list(cols), fill, alpha
+
+    def _design(self, X: np.ndarray) -> np.ndarray:
+        E = X[:, self.cols]
+        miss = ~np.isfinite(E)
+        return np.hstack([np.where(miss, X[:, [self.fill]], E), miss.astype(float)])
+
+    def fit(self, X: np.ndarray, y: np.ndarray) -> "_Stack":
+        from sklearn.linear_model import Ridge
+
+        self.ridge = Ridge(alpha=self.alpha).fit(self._design(X), y)
+        return self
+
+    def augment(self, X: np.ndarray) -> np.ndarray:
+        return np.hstack([X, self.ridge.predict(self._design(X))[:, None]])
 
 
 def _mape_point(per_tree: np.ndarray) -> np.ndarray:
@@ -433,9 +512,14 @@ class InterferenceModel:
                     X.append(ctx.features(a, b)[0])
                     y.append(_log(self.obs[(a, b)]))
         self.n_train = len(y)
-        self.forest = self._forest(self.n_estimators).fit(_nan_to(np.array(X)), np.array(y))
-        flatten(self.forest)
         self._ctx = _Context(self.obs, meta, self.refs, self.rank, self.lam, self.neighbours)
+        X = np.array(X, dtype=float)
+        self._stack = None
+        if self.neighbours and len(y):
+            self._stack = _Stack(*self._ctx.estimate_columns(), alpha=STACK_ALPHA).fit(X, np.array(y))
+            X = self._stack.augment(X)
+        self.forest = self._forest(self.n_estimators).fit(_nan_to(X), np.array(y))
+        flatten(self.forest)
         self._exact: dict[tuple[Key, Key], tuple[float, int]] = {}
         self.exact_k: float | None = None
         self.exact_loo_n = 0
@@ -514,7 +598,10 @@ class InterferenceModel:
             meta.update(extra_meta or {})
             ctx = _Context(obs, meta, self.refs, self.rank, self.lam, self.neighbours)
         feats = [ctx.features(a, b) for a, b in queries]
-        X = _nan_to(np.array([f for f, _ in feats], dtype=float).reshape(len(queries), -1))
+        X = np.array([f for f, _ in feats], dtype=float).reshape(len(queries), -1)
+        if self._stack is not None:
+            X = self._stack.augment(X)
+        X = _nan_to(X)
         support = np.array([s for _, s in feats])
         per_tree = per_tree_predictions(self.forest, X)
         point = _mape_point(per_tree) if self.point == "mape" else per_tree.mean(0)
