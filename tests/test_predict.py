@@ -142,6 +142,16 @@ def _synthetic_pairs(n_models=6, seed=1) -> list[PairRow]:
     return rows
 
 
+def _synthetic_obs(n_models=3) -> tuple[list[PairRow], dict]:
+    """`_synthetic_pairs` as the model's observations {(a, b): speed of a next to b}."""
+    rows = _synthetic_pairs(n_models=n_models)
+    obs = {}
+    for r in rows:
+        obs[(r.key1, r.key2)] = r.speed1
+        obs[(r.key2, r.key1)] = r.speed2
+    return rows, obs
+
+
 def test_pair_table_cross_validation_beats_baselines_on_a_synthetic_table(tmp_path):
     rows = _synthetic_pairs()
     path = tmp_path / "pairs.csv"
@@ -209,11 +219,7 @@ def test_new_pair_features_include_the_family_estimates():
     from qosflow.predict.evaluate import _pair_meta
     from qosflow.predict.interference import _Context
 
-    rows = _synthetic_pairs(n_models=3)
-    obs = {}
-    for r in rows:
-        obs[(r.key1, r.key2)] = r.speed1
-        obs[(r.key2, r.key1)] = r.speed2
+    rows, obs = _synthetic_obs()
     meta = _pair_meta(rows)
     a, b = sorted(obs)[5]
     plain, _ = _Context(obs, meta, [], 2, 0.3, neighbours=False).features(a, b)
@@ -252,11 +258,7 @@ def test_block_estimates_recover_an_additive_block():
 def test_new_pair_trees_get_the_stacked_estimate():
     from qosflow.predict.interference import InterferenceModel
 
-    rows = _synthetic_pairs(n_models=3)
-    obs = {}
-    for r in rows:
-        obs[(r.key1, r.key2)] = r.speed1
-        obs[(r.key2, r.key1)] = r.speed2
+    rows, obs = _synthetic_obs()
     m = InterferenceModel(regime="new_pair").fit(obs)
     n_feats = len(m._ctx.features(*sorted(obs)[0])[0])
     assert m.forest.n_features_in_ == n_feats + 1  # the ridge over the estimates is one more column
@@ -282,11 +284,7 @@ def test_interference_point_estimate_choice():
     assert InterferenceModel(regime="new_job").point == "mean"
     with pytest.raises(ValueError, match="point"):
         InterferenceModel(point="median")
-    rows = _synthetic_pairs(n_models=3)
-    obs = {}
-    for r in rows:
-        obs[(r.key1, r.key2)] = r.speed1
-        obs[(r.key2, r.key1)] = r.speed2
+    rows, obs = _synthetic_obs()
     q = sorted(obs)[:10]
     mean = InterferenceModel(regime="new_pair", point="mean").fit(obs).predict(q)
     mape = InterferenceModel(regime="new_pair").fit(obs).predict(q)
