@@ -1,4 +1,4 @@
-"""`qosflow worker start`: the predictive qosflow worker (same as `prefect worker start --type qosflow`)."""
+"""`qosflow worker start`: the predictive qosflow worker (for a qosflow pool, the same as `prefect worker start --pool POOL`)."""
 
 from __future__ import annotations
 
