@@ -30,7 +30,9 @@ def guess_format(trace: str) -> str:
     fmt, marks = max(FORMAT_MARKS.items(), key=lambda kv: len(kv[1] & cols))
     if len(marks & cols) >= len(marks) / 2:
         return fmt
-    if head.count("\t") in (6, 8, 9):  # a Gavel trace under another name: 7, 9 or 10 tab-separated fields, no header
+    from qosflow.sim.traces.gavel import FORMS as GAVEL_FORMS
+
+    if head.count("\t") + 1 in GAVEL_FORMS:  # a Gavel trace under another name: one of its tab-separated forms, no header
         return "gavel"
     shown = ", ".join(c for c in head.strip().split(",")[:8] if c) or "(empty)"
     lower = {c.lower() for c in cols}
