@@ -32,6 +32,21 @@ def test_simulate_synthetic_writes_json_and_plots(tmp_path, capsys):
     assert all(words in HELP for words in said.values())
     text = capsys.readouterr().out
     assert "qosflow" in text and "bound" in text
+    # 60 jobs load 8 GPUs: no note, and the JSON says how loaded the cluster is while jobs arrive
+    assert "few for" not in text
+    offered = data["workload"]["offered_load"]
+    assert offered["gpus"] == 8 and offered["load"] == pytest.approx(1.0) and offered["thin"] is False
+
+
+def test_simulate_notes_a_synthetic_workload_too_small_for_the_cluster(tmp_path, capsys):
+    """`--jobs 60` on the default 8x8 showed no queueing and identical policies without a word: its
+    long jobs run after the last arrival, and the jobs never ask for all 64 GPUs."""
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--jobs", "60", "--policies", "fifo,srtf", "--no-plots", "--json", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "note: 60 jobs are few for 64 GPUs" in text and "--jobs 384" in text and "60 jobs on about 10 GPUs" in text
+    offered = json.loads(out.read_text())["workload"]["offered_load"]
+    assert offered["thin"] is True and offered["peak_gpus"] <= 64 and offered["during_arrivals"] < 0.5
 
 
 def test_default_policies_compare_qosflow_with_the_baselines(tmp_path):

@@ -26,6 +26,7 @@ from qosflow.sim.traces.synthetic import (
     generate_synthetic,
     mean_duration,
     mean_gpus,
+    offered_load,
     rate_for_load,
 )
 from qosflow.sim.workload import FORMATS, load_workload
@@ -412,6 +413,37 @@ def test_synthetic_rate_and_load():
         generate_synthetic(10, load=-1.0)
     with pytest.raises(SpecError, match="rate_per_hour"):
         generate_synthetic(10, rate_per_hour=0.0)
+
+
+def test_offered_load_by_hand():
+    jobs = [Job("a", 0.0, QoSSpec(gpus=1), 100.0), Job("b", 10.0, QoSSpec(gpus=2), 100.0), Job("c", 20.0, QoSSpec(gpus=1), 5.0)]
+    o = offered_load(jobs, 2)
+    assert o.window == 20.0 and o.jobs == 3
+    assert o.load == pytest.approx((100 + 200 + 5) / (2 * 20))
+    assert o.during_arrivals == pytest.approx((20 + 2 * 10 + 0) / (2 * 20))  # what falls in [0, 20]
+    assert o.peak_gpus == 4 and o.over_capacity == pytest.approx(0.5)  # 3 GPUs asked for from 10 to 20
+    assert not o.thin
+    assert offered_load(jobs, 8).thin  # never more than 4 of 8 GPUs asked for
+    assert offered_load(jobs[:1], 2).window == 0.0 and offered_load(jobs[:1], 2).thin
+    with pytest.raises(SpecError, match="gpus"):
+        offered_load(jobs, 0)
+
+
+@pytest.mark.parametrize("num_jobs, gpus, thin", [(30, 64, True), (60, 64, True), (400, 64, False), (60, 8, False)])
+def test_synthetic_small_samples_offer_their_load_after_the_arrivals(num_jobs, gpus, thin):
+    """`--jobs 60` on 64 GPUs barely queued: the sample does offer load 1.0 over its arrival window,
+    but most of that work is its long jobs', run after the last arrival; `offered_load` says so
+    (`thin`), and `qosflow simulate` prints a note. About 6 jobs per GPU keep the cluster loaded."""
+    for seed in range(5):
+        jobs, _ = generate_synthetic(num_jobs, seed=seed, cluster_gpus=gpus)
+        o = offered_load(jobs, gpus)
+        assert o.load == pytest.approx(1.0)  # the target is met by every sample, whatever its size
+        assert o.during_arrivals < o.load
+        assert o.thin is thin, (seed, o)
+        if thin:  # no more than two thirds of the cluster asked for while jobs arrive
+            assert o.during_arrivals < 0.5 and o.over_capacity < 0.1
+        else:
+            assert o.during_arrivals > 0.5 and o.peak_gpus > gpus
 
 
 # ====================================================================== deadlines

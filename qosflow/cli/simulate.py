@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         error: float = typer.Option(0.3, "--error", help="relative error of the noisy estimator (0.3 = +-30 %)"),
         failures: float = typer.Option(0.0, "--failures", help="share of jobs that fail part-way and are retried (Philly: ~0.3)"),
         deadline_share: float = typer.Option(0.5, "--deadline-share", help="share of jobs given a deadline (traces carry none)"),
-        jobs: Optional[int] = typer.Option(None, "--jobs", help="number of jobs of the synthetic workload (default: 400); traces are simulated whole"),
+        jobs: Optional[int] = typer.Option(None, "--jobs", help="number of jobs of the synthetic workload (default: 400); traces are simulated whole. The synthetic load is 1.0 in the steady-state sense: with far fewer than ~6 jobs per GPU most of the work (the long jobs') runs after the last arrival and jobs hardly queue (a note says so)"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots"),
         settings: Optional[list[str]] = typer.Option(None, "--set", help="a policy option, POLICY.OPTION=VALUE (repeatable), e.g. --set qosflow.express_share=0.125"),
     ) -> None:
@@ -77,6 +77,24 @@ def register(app: typer.Typer) -> None:
             f"[bold]{wl.name}[/]: {len(wl.jobs)} jobs on {spec.name} ({len(spec.nodes)} nodes, {spec.num_gpus} GPUs); "
             "estimates: " + ", ".join(f"noisy (±{error:.0%})" if k == "noisy" else k for k in kinds)
         )
+        offered = None
+        if wl.info.get("format") == "synthetic":
+            from qosflow.sim.traces.synthetic import JOBS_PER_GPU, offered_load
+
+            offered = offered_load(wl.jobs, spec.num_gpus)
+            if offered.thin:
+                n, g = len(wl.jobs), spec.num_gpus
+                why = (
+                    f"Their load {offered.load:.2f} counts all their work over the {offered.window / 3600:.0f} h from first to last "
+                    f"arrival, but most of it (the long jobs') runs after the last arrival: while jobs arrive they ask for "
+                    f"{offered.during_arrivals:.0%} of the GPUs on average, at most {offered.peak_gpus} at once"
+                    if offered.window > 0 else f"Started on arrival they would ask for at most {offered.peak_gpus} GPUs at once"
+                )
+                console.print(
+                    f"[yellow]note:[/] {n} job{'s are' if n > 1 else ' is'} few for {g} GPUs. {why}, so jobs hardly wait and the "
+                    f"policies will look alike. For a loaded cluster give about {JOBS_PER_GPU} jobs per GPU: --jobs "
+                    f"{JOBS_PER_GPU * g}, or {n} jobs on about {max(1, round(n / JOBS_PER_GPU))} GPUs (see docs/workloads.md)."
+                )
         for jid, why in wl.rejected[:10]:
             console.print(f"[yellow]rejected[/] {jid}: {why}")
         if len(wl.rejected) > 10:
@@ -109,7 +127,8 @@ def register(app: typer.Typer) -> None:
         if len(kinds) > 1:
             console.print(render_estimator_table(by_est, baseline, title=f"QoS lost to prediction error (vs {baseline})"))
         extra = {
-            "workload": {"name": wl.name, "jobs": len(wl.jobs), "rejected": [{"job": j, "reason": r} for j, r in wl.rejected]},
+            "workload": {"name": wl.name, "jobs": len(wl.jobs), "rejected": [{"job": j, "reason": r} for j, r in wl.rejected],
+                         **({"offered_load": offered.to_json()} if offered is not None else {})},
             "cluster": {"name": spec.name, "nodes": len(spec.nodes), "gpus": spec.num_gpus},
             "estimator": estimator,
             "seed": seed,

@@ -14,6 +14,17 @@ Per job (Narayanan et al., OSDI'20, the distribution behind Gavel's generated tr
   `rate_for_load`, would leave a 400-job sample anywhere between 0.7x and 1.1x the target, the
   duration tail being that heavy.)
 
+That load is the steady-state one (arrival rate x mean GPU-seconds per job / GPUs): it reaches the
+cluster only once the arrival window is long against the long jobs (up to 6.9 days). A sample with
+few jobs per GPU arrives within a day or two, so most of its work (that of its few long jobs) runs
+after the last arrival: `--jobs 60` on 64 GPUs asks, while its jobs arrive, for a quarter to a half
+of the GPUs on average and hardly ever for more than the cluster has, so jobs barely wait and the
+policies give nearly the same schedule. A faster arrival rate would not make it a steady load 1.0:
+60 jobs ask for about 110 GPUs in all, so however close together they arrive, their mean demand
+over the arrival window stays under about half of that (bunched up, they are a burst, not a load).
+`offered_load` measures this and `qosflow simulate` warns; about 6 jobs per GPU (the default 400
+on 64 GPUs) keep three quarters of the work inside the window.
+
 Deterministic for a seed (numpy's PCG64). QoS as for Gavel's traces: shareable, gang, GPU memory
 from the job type, 4 cores per GPU.
 """
@@ -21,6 +32,8 @@ from the job type, 4 cores per GPU.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -60,6 +73,76 @@ def mean_gpus() -> float:
 def rate_for_load(load: float, cluster_gpus: int) -> float:
     """Jobs per hour that offer `load` x the cluster's GPU capacity (GPUs and duration independent)."""
     return load * cluster_gpus / (mean_gpus() * mean_duration()) * 3600.0
+
+
+#: jobs per GPU at which a sample keeps most of its work inside its arrival window (median share
+#: of the work inside it for 10 seeds on 64 GPUs: 0.38 at 1 job per GPU, 0.59 at 3, 0.77 at 6,
+#: 0.93 at 16)
+JOBS_PER_GPU = 6
+#: below this share of its load (at most 1) inside the arrival window a sample barely queues (`OfferedLoad.thin`)
+THIN_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class OfferedLoad:
+    """The load a workload offers `gpus` GPUs, as if every job started on arrival (`offered_load`)."""
+
+    gpus: int
+    jobs: int
+    #: seconds from the first arrival to the last
+    window: float
+    #: all the jobs' GPU-seconds over gpus x window: what `generate_synthetic`'s `load` sets
+    load: float
+    #: the GPU-seconds that fall inside the window, over gpus x window: the cluster's mean demand while
+    #: jobs arrive (the rest, mostly long jobs' work, runs after the last arrival)
+    during_arrivals: float
+    #: most GPUs asked for at once
+    peak_gpus: int
+    #: share of the window in which more GPUs are asked for than the cluster has
+    over_capacity: float
+
+    @property
+    def thin(self) -> bool:
+        """Too few jobs for the GPUs: jobs will hardly wait, whatever the policy. They never ask for
+        more than the GPUs, or less than half their load (at most the whole cluster) while they arrive."""
+        return self.peak_gpus <= self.gpus or self.during_arrivals < THIN_SHARE * min(self.load, 1.0)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "thin": self.thin}
+
+
+def offered_load(jobs: Sequence[Job], gpus: int) -> OfferedLoad:
+    """How much of `gpus` GPUs `jobs` ask for if each starts on arrival and runs its duration alone."""
+    if gpus <= 0:
+        raise SpecError("gpus", f"must be > 0, got {gpus}")
+    if not jobs:
+        return OfferedLoad(gpus, 0, 0.0, 0.0, 0.0, 0, 0.0)
+    a = np.array([j.submit_time for j in jobs], dtype=float)
+    d = np.array([j.duration for j in jobs], dtype=float)
+    g = np.array([j.qos.gpus for j in jobs], dtype=float)
+    start, end = float(a.min()), float(a.max())
+    window = end - start
+    # demand over time: +g at arrival, -g at arrival + duration (ends before starts at the same time)
+    times = np.concatenate([a, a + d])
+    steps = np.concatenate([g, -g])
+    order = np.lexsort((steps, times))
+    times, level = times[order], np.cumsum(steps[order])
+    peak = int(level.max())
+    if window <= 0:
+        return OfferedLoad(gpus, len(jobs), 0.0, math.inf, math.inf, peak, 1.0 if peak > gpus else 0.0)
+    inside = float(np.sum(g * np.minimum(d, end - a)))
+    # time in [start, end] during which the level after an event exceeds the GPUs
+    nxt = np.minimum(np.append(times[1:], end), end)
+    over = float(np.sum(np.clip(nxt - np.clip(times, start, end), 0.0, None)[level > gpus]))
+    return OfferedLoad(
+        gpus=gpus,
+        jobs=len(jobs),
+        window=window,
+        load=float(np.sum(g * d)) / (gpus * window),
+        during_arrivals=inside / (gpus * window),
+        peak_gpus=peak,
+        over_capacity=over / window,
+    )
 
 
 def job_types(table: GavelInterference | None = None) -> dict[int, tuple[str, ...]]:
