@@ -415,6 +415,19 @@ def test_synthetic_rate_and_load():
         generate_synthetic(10, rate_per_hour=0.0)
 
 
+def test_synthetic_load_counts_only_the_jobs_the_cluster_can_run():
+    """8-GPU jobs never fit 4-GPU nodes: they were rejected after the arrivals were stretched for
+    their work too, so the jobs simulated offered less than the target (0.54 of 1.0 for 60 jobs on
+    1x4, seed 3; 0.43 of 0.8 here)."""
+    for spec, rejects in (("1x4", True), ("1x2", True), ("2x4", False)):
+        cluster = load_cluster(spec)
+        for seed in range(4):
+            jobs, rej = generate_synthetic(60, seed=seed, cluster=cluster, load=0.8)
+            assert bool(rej) is rejects
+            assert jobs[0].submit_time == 0.0 and len(jobs) + len(rej) == 60
+            assert offered_load(jobs, cluster.num_gpus).load == pytest.approx(0.8)
+
+
 def test_offered_load_by_hand():
     jobs = [Job("a", 0.0, QoSSpec(gpus=1), 100.0), Job("b", 10.0, QoSSpec(gpus=2), 100.0), Job("c", 20.0, QoSSpec(gpus=1), 5.0)]
     o = offered_load(jobs, 2)

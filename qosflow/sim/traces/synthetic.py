@@ -10,7 +10,8 @@ Per job (Narayanan et al., OSDI'20, the distribution behind Gavel's generated tr
   throughput come from the measured table;
 * arrivals: Poisson, at `rate_per_hour` jobs per hour; or, given a target `load`, a Poisson process
   stretched so that the sample offers exactly that load: its GPU-seconds equal
-  ``load x cluster GPUs x (last arrival - first arrival)``. (The expected rate for a load,
+  ``load x cluster GPUs x (last arrival - first arrival)``, counting only the jobs that can run on
+  the cluster (rejected ones offer it nothing). (The expected rate for a load,
   `rate_for_load`, would leave a 400-job sample anywhere between 0.7x and 1.1x the target, the
   duration tail being that heavy.)
 
@@ -171,7 +172,8 @@ def generate_synthetic(
 
     Give `rate_per_hour` (it wins if both are given), or `load`: the GPU load this sample offers
     over its arrival window, relative to `cluster_gpus` (or to the cluster's GPUs when `cluster` is
-    given). The first job arrives at t=0.
+    given); only the jobs that can run on `cluster` count. The first job (that can run, given a
+    `load`) arrives at t=0.
     """
     if isinstance(num_jobs, bool) or not isinstance(num_jobs, int) or num_jobs <= 0:
         raise SpecError("num_jobs", f"must be a positive number of jobs, got {num_jobs!r}")
@@ -195,15 +197,6 @@ def generate_synthetic(
     exps = np.where(short, SHORT_EXP[0] + u * (SHORT_EXP[1] - SHORT_EXP[0]), LONG_EXP[0] + u * (LONG_EXP[1] - LONG_EXP[0]))
     durations = 60.0 * np.power(10.0, exps)
     gpu_counts = np.array(GPU_CHOICES)[gpu_idx]
-    if rate_per_hour is not None:
-        arrivals = unit_arrivals * (3600.0 / rate_per_hour)
-    else:
-        # the heavy duration tail makes one sample's load stray far from its expectation (0.7-1.1x
-        # for 400 jobs): stretch the Poisson process so that this sample offers exactly `load`, i.e.
-        # its GPU-seconds equal load x GPUs x its arrival window (first to last arrival)
-        work = float(np.sum(gpu_counts * durations))
-        span = float(unit_arrivals[-1])
-        arrivals = unit_arrivals * (work / (load * cluster_gpus) / span) if span > 0 else unit_arrivals
     picks = rng.random(num_jobs)
     jobs: list[Job] = []
     for i in range(num_jobs):
@@ -221,7 +214,7 @@ def generate_synthetic(
         jobs.append(
             Job(
                 job_id=f"syn-{i}",
-                submit_time=float(arrivals[i]),
+                submit_time=float(unit_arrivals[i]),  # scaled below
                 qos=qos,
                 duration=float(durations[i]),
                 model=model,
@@ -230,4 +223,22 @@ def generate_synthetic(
                 meta=meta,
             )
         )
-    return split_rejected(jobs, cluster)
+    index = {j.job_id: i for i, j in enumerate(jobs)}
+    jobs, rejected = split_rejected(jobs, cluster)
+    if rate_per_hour is not None:
+        for j in jobs:
+            j.submit_time *= 3600.0 / rate_per_hour
+    elif jobs:
+        # the heavy duration tail makes one sample's load stray far from its expectation (0.7-1.1x
+        # for 400 jobs): stretch the Poisson process so that this sample offers exactly `load`, i.e.
+        # its GPU-seconds equal load x GPUs x its arrival window (first to last arrival). Only the
+        # jobs that can run on the cluster count: the rejected ones offer it nothing (8-GPU jobs on
+        # 4-GPU nodes left 60 jobs at 0.54-0.97 of the target), and the first of them arrives at 0
+        kept = np.array([index[j.job_id] for j in jobs])
+        work = float(np.sum(gpu_counts[kept] * durations[kept]))
+        first = float(unit_arrivals[kept[0]])
+        span = float(unit_arrivals[kept[-1]]) - first
+        stretch = work / (load * cluster_gpus) / span if span > 0 else 1.0
+        for j in jobs:
+            j.submit_time = (j.submit_time - first) * stretch
+    return jobs, rejected
