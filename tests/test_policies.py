@@ -235,6 +235,22 @@ def test_placements_respect_host_memory(name):
     assert all(j.status is JobStatus.DONE for j in res.jobs)
 
 
+@pytest.mark.parametrize("name", ["sjf", "sjf-ffs", "sjf-bsbf", "genie", "qosflow"])
+def test_a_failed_search_does_not_skip_a_job_needing_less_host_memory(name):
+    """Within a round, a whole-GPU search that failed lets the policy skip later jobs that cannot fit
+    either. A job of the same GPU count, cores and GPU memory per GPU but less host memory can fit,
+    so it starts at once (qosflow's skip key left host memory out and kept it waiting), and the job
+    that does not fit is told it is host memory, not GPUs, that it lacks."""
+    cluster = ClusterSpec.uniform(2, 4, mem_mb=100_000)
+    jobs = [Job(f"hog{i}", 0.0, QoSSpec(gpus=1, mem_mb=60_000), 1000.0) for i in range(2)]
+    jobs += [Job("heavy", 1.0, QoSSpec(gpus=2, mem_mb=100_000), 100.0),
+             Job("light", 1.0, QoSSpec(gpus=2, mem_mb=20_000), 101.0)]
+    res = {j.job_id: j for j in simulate(jobs, cluster, get_policy(name), config=SimConfig(restart_overhead=0)).jobs}
+    assert res["light"].first_start == 1.0, res["light"].note
+    assert res["heavy"].first_start == 1000.0
+    assert "at most 40000 MB free host memory of the 100000 MB it needs" in res["heavy"].note, res["heavy"].note
+
+
 def _one_node_reference(st, job, node_rank):
     """Best fit on one node, written out plainly: the up nodes with the job's GPU memory, enough empty
     GPUs, cores and host memory; among them the lowest rank, then the fewest empty GPUs, then the

@@ -37,8 +37,34 @@ def why_waiting(state: ClusterState, js: JobState, largest: int | None = None) -
     if largest is None:
         largest = int(state.empty[~state.down].max()) if state.num_nodes else 0
     if q.gpus <= state.spec.max_gpus_per_node:
+        if largest >= q.gpus:
+            return f"waiting: needs {q.gpus} GPUs on one node; {_short_of(state, q)}"
         return f"waiting: needs {q.gpus} GPUs on one node; largest free block is {largest}"
     return f"waiting: needs {q.gpus} GPUs on whole free nodes; {free} GPUs free but scattered"
+
+
+def exclusive_key(q) -> tuple:
+    """What decides, besides the GPU count, whether a whole-GPU request fits: GPU model and memory,
+    and cores and host memory per GPU. Allocations only shrink free capacity within a round, so once
+    k GPUs with one key find nothing, k or more GPUs with that key find nothing either."""
+    return (q.gpu_model, q.gpu_mem_mb, q.cpu_cores / q.gpus, q.mem_mb / q.gpus)
+
+
+def _short_of(state: ClusterState, q) -> str:
+    """What the nodes with enough free GPUs for whole-GPU request `q` lack (they have the GPUs)."""
+    nodes = (~state.down) & (state.empty >= q.gpus)
+    n = int(nodes.sum())
+    where = f"the {n} node{'s' if n > 1 else ''} with {q.gpus} free GPUs"
+    fits = nodes & state.usable_nodes(q)
+    if not fits.any():
+        return f"{where} have another GPU model or less GPU memory than it asks for"
+    if q.cpu_cores > 0 and not (state.cpu_free[fits] >= q.cpu_cores - 1e-9).any():
+        return f"{where} have at most {state.cpu_free[fits].max():g} free cores of the {q.cpu_cores:g} it needs"
+    if q.mem_mb > 0 and not (state.mem_free[fits] >= q.mem_mb - 1e-6).any():
+        return f"{where} have at most {state.mem_free[fits].max():.0f} MB free host memory of the {q.mem_mb:.0f} MB it needs"
+    if not (fits & (state.cpu_free >= q.cpu_cores - 1e-9) & (state.mem_free >= q.mem_mb - 1e-6)).any():
+        return f"{where} lack free cores or host memory for it"
+    return f"largest free block is {int(state.empty[~state.down].max())}"
 
 
 class ExclusiveSearch:
@@ -58,7 +84,7 @@ class ExclusiveSearch:
         q = job.qos
         whole = q.gpus > 0 and not q.fractional
         if whole:
-            sig = (q.gpu_model, q.gpu_mem_mb, q.cpu_cores / q.gpus, q.mem_mb / q.gpus)
+            sig = exclusive_key(q)
             if st.total_empty_gpus() < q.gpus or self.failed_k.get(sig, 1 << 30) <= q.gpus:
                 return None
         p = find_for(st, job, locality=self.locality, fit=self.fit)

@@ -109,7 +109,7 @@ from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
-from qosflow.policies.common import why_waiting
+from qosflow.policies.common import exclusive_key, why_waiting
 import numpy as np
 
 from qosflow.policies.placement import find_cpu_only, find_share, find_whole, min_nodes_for, one_node_candidates, place_on_one_node
@@ -904,16 +904,18 @@ class QosflowPolicy(Policy):
             p: Placement | None = None
             why = ""
             not_shared = None
+            held = False  # GPUs of its own were free, but only on nodes reserved for others
             if q.gpus == 0:
                 p = self._cpu_only(st, js)
             elif q.fractional:
                 p = find_share(st, js.job, scorer=self.fractional_scorer)
             else:
-                sig = (q.gpu_model, q.gpu_mem_mb, q.cpu_cores / q.gpus)
+                sig = exclusive_key(q)
                 if st.total_empty_gpus() >= q.gpus and failed_k.get(sig, 1 << 30) > q.gpus:
                     p = self._whole(st, js.job, "consolidated", r)
                     if p is not None and reserved and blocked(p, now + r):
                         p = self._unreserved_whole(st, js, reserved, now + r)
+                        held = p is None
                     if p is None and not reserved:
                         failed_k[sig] = min(failed_k.get(sig, 1 << 30), q.gpus)
                 has_dl = js.job.deadline is not None and now + r <= js.job.deadline
@@ -936,7 +938,11 @@ class QosflowPolicy(Policy):
                         why = "locality relaxed after waiting: spread over nodes"
             if p is None:
                 if js.job_id not in d.notes:
-                    d.notes[js.job_id] = why_waiting(st, js) + (f"; not shared: {not_shared}" if not_shared else "")
+                    d.notes[js.job_id] = (
+                        why_waiting(st, js)
+                        + ("; the free nodes that fit it are reserved for jobs that start before it would end" if held else "")
+                        + (f"; not shared: {not_shared}" if not_shared else "")
+                    )
                 important = js.job.deadline is not None and now + r <= js.job.deadline or js in starving
                 if q.gpus > 1 and not q.fractional and len(reserved) < max_res and (important or rank < 3):
                     got = self._reserve(st, js, rem, reserved)
