@@ -124,3 +124,18 @@ def test_newcomer_next_to_one_occupant(gpu_mem, occupant, newcomer, note):
     ]
     notes, _ = waiting_notes(jobs, spec, Table({("b", "a"): (1.1, 1.1)}))
     assert note in notes["newcomer"][0], notes["newcomer"]
+
+
+def test_job_held_off_a_node_reserved_for_a_gang_says_so():
+    """Two GPUs are free, but the node is reserved for a 4-GPU gang that starts before the 2-GPU job
+    would end: the waiting job's note says the GPUs are there and reserved, not that they are missing."""
+    spec = ClusterSpec.uniform(1, 4)
+    jobs = [
+        Job("a", 0.0, QoSSpec(gpus=2), 1000.0),
+        Job("wide", 1.0, QoSSpec(gpus=4), 100.0),
+        Job("long", 1.0, QoSSpec(gpus=2), 5000.0),
+    ]
+    notes, res = waiting_notes(jobs, spec, Table({}), share=False, makespan_beta=None)
+    first = notes["long"][0]
+    assert "largest free block is 2" in first and "reserved for jobs that start before it would end" in first, first
+    assert res["long"].first_start >= res["wide"].finish_time - 1e-6
