@@ -20,7 +20,10 @@ if [[ "${1:-}" == "--create-kind" ]]; then
   shift
 fi
 command -v kubectl >/dev/null || { echo "kubectl is not installed" >&2; exit 2; }
-kubectl cluster-info >/dev/null || { echo "no reachable cluster in the current kubectl context ($(kubectl config current-context 2>/dev/null || echo none))" >&2; exit 2; }
+# without a context kubectl falls back to localhost:8080, which is also the emulator's default port:
+# refuse, so that a run against the emulator is never reported as one against a real cluster
+kubectl config current-context >/dev/null 2>&1 || { echo "no current kubectl context: point KUBECONFIG at a real cluster, or use --create-kind" >&2; exit 2; }
+kubectl cluster-info >/dev/null 2>&1 || { echo "no reachable cluster in the current kubectl context ($(kubectl config current-context 2>/dev/null || echo none))" >&2; exit 2; }
 
 cleanup() {
   kubectl delete namespace "$NS" --ignore-not-found --wait=false >/dev/null || true
