@@ -19,8 +19,6 @@ Alibaba list, the simulator's ``MaxSpecCpu``/``MaxSpecGpu``).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import numpy as np
 
 from qosflow.packing.model import MILLI, PackState, Placement, Pod
@@ -30,7 +28,6 @@ from qosflow.packing.policies import (
     share_gpu_tightest,
     whole_gpus_first,
 )
-from qosflow.packing.workload import WorkloadDistribution
 
 
 def best_fit_scores(state: PackState, pod: Pod, max_cpu: float, max_gpu_milli: float) -> np.ndarray:
@@ -51,14 +48,7 @@ class BestFit(PackingPolicy):
         self.max_cpu = 0.0
         self.max_gpu_milli = 0.0
 
-    def prepare(
-        self,
-        state: PackState,
-        workload: WorkloadDistribution | None = None,
-        rng: np.random.Generator | None = None,
-        knowledge: Mapping[str, Any] | None = None,
-    ) -> None:
-        super().prepare(state, workload, rng, knowledge)
+    def setup(self, state: PackState) -> None:
         self.max_cpu = float(self._max_cpu_arg or max(1, int(state.cpu_cap.max())))
         self.max_gpu_milli = float((self._max_gpus_arg or max(1, int(state.gpu_count.max()))) * MILLI)
 

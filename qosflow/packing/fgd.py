@@ -41,7 +41,7 @@ few seconds instead of the reference simulator's minutes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -262,16 +262,8 @@ class FGD(PackingPolicy):
 
     description = "least growth of fragmentation against the target workload (ATC'23)"
 
-    def prepare(
-        self,
-        state: PackState,
-        workload: WorkloadDistribution | None = None,
-        rng: np.random.Generator | None = None,
-        knowledge: Mapping[str, Any] | None = None,
-    ) -> None:
-        super().prepare(state, workload, rng, knowledge)
-        if workload is None:
-            raise SpecError("workload", "FGD needs the target workload (WorkloadDistribution.from_pods(pods))")
+    def setup(self, state: PackState) -> None:
+        workload = self.required_workload("FGD")
         self.fm = FragModel(workload, state.models)
         n, t = len(state), len(workload)
         self._state_id = id(state)

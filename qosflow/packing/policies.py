@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from qosflow.errors import UnknownNameError
+from qosflow.errors import SpecError, UnknownNameError
 from qosflow.packing.model import MILLI, PackState, Placement, Pod
 from qosflow.packing.workload import WorkloadDistribution
 
@@ -58,11 +58,24 @@ class PackingPolicy:
         rng: np.random.Generator | None = None,
         knowledge: Mapping[str, Any] | None = None,
     ) -> None:
-        """Called once before the first pod. ``knowledge`` is the hook for extra information."""
+        """Called once before the first pod. ``knowledge`` is the hook for extra information.
+
+        Records the workload, rng and knowledge, then calls `setup` for the policy's own set-up."""
         self.workload = workload
         if rng is not None:
             self.rng = rng
         self.knowledge = dict(knowledge or {})
+        self.setup(state)
+
+    def setup(self, state: PackState) -> None:
+        """A policy's own set-up for ``state``, called by `prepare` once ``self.workload``,
+        ``self.rng`` and ``self.knowledge`` are set (no-op by default)."""
+
+    def required_workload(self, who: str) -> WorkloadDistribution:
+        """``self.workload``, or a SpecError saying that ``who`` needs the target workload."""
+        if self.workload is None:
+            raise SpecError("workload", f"{who} needs the target workload (WorkloadDistribution.from_pods(pods))")
+        return self.workload
 
     def choose(self, state: PackState, pod: Pod) -> Placement | None:  # pragma: no cover - abstract
         raise NotImplementedError

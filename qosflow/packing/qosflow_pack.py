@@ -210,16 +210,8 @@ class QosflowPacker(PackingPolicy):
         self.model: CapacityModel | None = None
 
     # -- setup ------------------------------------------------------------------------------------
-    def prepare(
-        self,
-        state: PackState,
-        workload: WorkloadDistribution | None = None,
-        rng: np.random.Generator | None = None,
-        knowledge: Mapping[str, Any] | None = None,
-    ) -> None:
-        super().prepare(state, workload, rng, knowledge)
-        if workload is None:
-            raise SpecError("workload", "the qosflow packer needs the target workload (WorkloadDistribution.from_pods(pods))")
+    def setup(self, state: PackState) -> None:
+        workload = self.required_workload("the qosflow packer")
         self.model = CapacityModel(workload, state.models, memory=self.use_memory, balance=self.use_balance)
         n, t = len(state), len(self.model)
         self._state_id = id(state)
