@@ -40,19 +40,25 @@ def csv_rows(path: Path, required: Iterable[str], kind: str) -> Iterator[tuple[i
                 f"missing column(s) {', '.join(repr(c) for c in missing)}; a {kind} needs {','.join(required)} "
                 f"(found: {','.join(header)})",
             )
-        width = len(header)
-        while True:
-            try:
-                row = next(reader)
-            except StopIteration:
-                return
-            except csv.Error as exc:
-                raise TraceFormatError(path, reader.line_num, f"unreadable CSV row: {exc}") from None
-            if not row or all(not c.strip() for c in row):
-                continue
-            if len(row) != width:
-                raise TraceFormatError(path, reader.line_num, f"expected {width} fields ({','.join(header)}), got {len(row)}")
-            yield reader.line_num, {h: v.strip() for h, v in zip(header, row)}
+        yield from data_rows(path, reader, header)
+
+
+def data_rows(path: Path, reader, header: list[str]) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line number, row) for every row `reader` (a `csv.reader` past the header) yields, blank rows
+    skipped, each row checked to have one field per column of `header` (stripped names)."""
+    width = len(header)
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise TraceFormatError(path, reader.line_num, f"unreadable CSV row: {exc}") from None
+        if not row or all(not c.strip() for c in row):
+            continue
+        if len(row) != width:
+            raise TraceFormatError(path, reader.line_num, f"expected {width} fields ({','.join(header)}), got {len(row)}")
+        yield reader.line_num, {h: v.strip() for h, v in zip(header, row)}
 
 
 def number(path: Path, line: int, col: str, raw: str, what: str, *, integer: bool = False, minimum: float | None = 0.0,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from qosflow.errors import TraceFormatError
+from qosflow.sim.traces._common import data_rows
 
 MILLI = 1000
 
@@ -93,22 +94,7 @@ def _rows(path: Path, required: tuple[str, ...], kind: str) -> Iterator[tuple[in
         dup = sorted({h for h in header if header.count(h) > 1})
         if dup:
             raise TraceFormatError(path, 1, f"duplicate column(s) {', '.join(dup)} in the header")
-        width = len(header)
-        while True:
-            try:
-                row = next(reader)
-            except StopIteration:
-                return
-            except csv.Error as exc:
-                raise TraceFormatError(path, reader.line_num, f"unreadable CSV row: {exc}") from None
-            line = reader.line_num
-            if not row or all(not c.strip() for c in row):
-                continue  # blank line
-            if len(row) != width:
-                raise TraceFormatError(
-                    path, line, f"expected {width} fields ({','.join(header)}), got {len(row)}"
-                )
-            yield line, {h: v.strip() for h, v in zip(header, row)}
+        yield from data_rows(path, reader, header)
 
 
 def _int(path: Path, line: int, row: dict[str, str], col: str, what: str, lo: int = 0, hi: int | None = None) -> int:
