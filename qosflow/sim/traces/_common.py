@@ -9,6 +9,7 @@ from typing import Iterable, Iterator
 
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job
+from qosflow.core.qos import QoSSpec
 from qosflow.errors import SpecError, TraceFormatError
 
 #: (job id, reason) of a job that can never run on the cluster; never silently dropped
@@ -81,8 +82,17 @@ def number(path: Path, line: int, col: str, raw: str, what: str, *, integer: boo
 
 def make_job(path: Path, line: int, **kwargs) -> Job:
     """A Job, turning a SpecError from its validation into a TraceFormatError at this line."""
+    return _at_line(path, line, Job, kwargs)
+
+
+def make_qos(path: Path, line: int, **kwargs) -> QoSSpec:
+    """A QoSSpec, turning a SpecError from its validation into a TraceFormatError at this line."""
+    return _at_line(path, line, QoSSpec, kwargs)
+
+
+def _at_line(path: Path, line: int, cls, kwargs: dict):
     try:
-        return Job(**kwargs)
+        return cls(**kwargs)
     except SpecError as exc:
         raise TraceFormatError(path, line, str(exc)) from None
 

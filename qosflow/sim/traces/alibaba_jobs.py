@@ -26,9 +26,9 @@ from pathlib import Path
 
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job
-from qosflow.core.qos import PriorityClass, QoSSpec
-from qosflow.errors import SpecError, TraceFormatError
-from qosflow.sim.traces._common import Rejected, make_job, split_rejected
+from qosflow.core.qos import PriorityClass
+from qosflow.errors import TraceFormatError
+from qosflow.sim.traces._common import Rejected, make_job, make_qos, split_rejected
 
 #: trace QoS class -> (priority, wants a deadline)
 QOS_CLASSES: dict[str, tuple[PriorityClass, bool]] = {
@@ -71,19 +71,18 @@ def load_alibaba_jobs(path: str | Path, *, cluster: ClusterSpec | None = None) -
         else:
             gpus, milli = pod.num_gpu, 1000
         model = "|".join(pod.gpu_spec) or None
-        try:
-            qos = QoSSpec(
-                gpus=gpus,
-                gpu_milli=milli,
-                cpu_cores=pod.cpu_milli / 1000.0,
-                mem_mb=float(pod.memory_mib),
-                priority=prio,
-                shareable=False,
-                gang=True,
-                gpu_model=model,
-            )
-        except SpecError as exc:
-            raise TraceFormatError(p, pod.line, str(exc)) from None
+        qos = make_qos(
+            p,
+            pod.line,
+            gpus=gpus,
+            gpu_milli=milli,
+            cpu_cores=pod.cpu_milli / 1000.0,
+            mem_mb=float(pod.memory_mib),
+            priority=prio,
+            shareable=False,
+            gang=True,
+            gpu_model=model,
+        )
         jobs.append(
             make_job(
                 p,

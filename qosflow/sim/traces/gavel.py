@@ -25,8 +25,7 @@ from pathlib import Path
 
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job
-from qosflow.core.qos import QoSSpec
-from qosflow.errors import SpecError, TraceFormatError
+from qosflow.errors import TraceFormatError
 from qosflow.sim.interference import (
     DEFAULT_GPU_TYPE,
     GavelInterference,
@@ -34,7 +33,7 @@ from qosflow.sim.interference import (
     gpu_mem_mb,
     load_gavel_interference,
 )
-from qosflow.sim.traces._common import CORES_PER_GPU, Rejected, make_job, number, split_rejected
+from qosflow.sim.traces._common import CORES_PER_GPU, Rejected, make_job, make_qos, number, split_rejected
 
 FIELDS_7 = ("job_type", "command", "num_steps_arg", "needs_data_dir", "total_steps", "arrival_time", "scale_factor")
 FIELDS_9 = (
@@ -122,10 +121,7 @@ def load_gavel(
             if "SLO" in row:
                 meta["priority_weight"] = number(p, line, "priority_weight", row["priority_weight"], "priority weight")
                 meta["SLO"] = number(p, line, "SLO", row["SLO"], "SLO factor", minimum=None)
-            try:
-                qos = QoSSpec(gpus=sf, gpu_mem_mb=gpu_mem_mb(resolved), cpu_cores=cores_per_gpu * sf, shareable=True, gang=True)
-            except SpecError as exc:
-                raise TraceFormatError(p, line, str(exc)) from None
+            qos = make_qos(p, line, gpus=sf, gpu_mem_mb=gpu_mem_mb(resolved), cpu_cores=cores_per_gpu * sf, shareable=True, gang=True)
             jobs.append(
                 make_job(
                     p,

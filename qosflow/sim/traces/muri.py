@@ -30,10 +30,10 @@ from pathlib import Path
 
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job
-from qosflow.core.qos import PriorityClass, QoSSpec
+from qosflow.core.qos import PriorityClass
 from qosflow.errors import SpecError, TraceFormatError
 from qosflow.sim.interference import MURI_GPU_MEM_MB
-from qosflow.sim.traces._common import CORES_PER_GPU, Rejected, csv_rows, make_job, number, split_rejected
+from qosflow.sim.traces._common import CORES_PER_GPU, Rejected, csv_rows, make_job, make_qos, number, split_rejected
 
 #: GPU memory (MiB) assumed for a model SJF-BSBF did not profile: the largest profiled figure (GPT-2),
 #: so such a job shares a GPU only with partners that leave that much room (or with a sub-batch).
@@ -109,17 +109,16 @@ def load_muri(
             zero.append((jid, f"line {line}: duration 0 ms, nothing to run"))
             continue
         mem = MURI_GPU_MEM_MB.get(model.lower())
-        try:
-            qos = QoSSpec(
-                gpus=gpus,
-                gpu_mem_mb=mem if mem is not None else UNKNOWN_MODEL_GPU_MEM_MB,
-                cpu_cores=cores_per_gpu * gpus,
-                priority=muri_priority(prio_raw) if prio_raw is not None else PriorityClass.NORMAL,
-                shareable=True,
-                gang=True,
-            )
-        except SpecError as exc:
-            raise TraceFormatError(p, line, str(exc)) from None
+        qos = make_qos(
+            p,
+            line,
+            gpus=gpus,
+            gpu_mem_mb=mem if mem is not None else UNKNOWN_MODEL_GPU_MEM_MB,
+            cpu_cores=cores_per_gpu * gpus,
+            priority=muri_priority(prio_raw) if prio_raw is not None else PriorityClass.NORMAL,
+            shareable=True,
+            gang=True,
+        )
         jobs.append(
             make_job(
                 p,
