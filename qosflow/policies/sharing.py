@@ -4,7 +4,9 @@
   versus running one after the other;
 * `memory_plan` -- fit a job next to a partner, if need be with a smaller sub-batch and gradient
   accumulation (same global batch, so the same convergence);
-* `partners_for` -- running jobs a pending job could join (same GPU count, alone on their GPUs).
+* `partners_for` -- running jobs a pending job could join (same GPU count, alone on their GPUs);
+* `SjfSharingPolicy` -- the round SJF-BSBF and SJF-FFS share: SJF order, free GPUs first, else a
+  partner chosen by the policy's `share`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ from __future__ import annotations
 from typing import Iterable
 
 from qosflow.core.cluster import ClusterState
+from qosflow.core.estimate import Estimator
 from qosflow.core.job import Job, JobState
-from qosflow.core.placement import SubBatchPlan
+from qosflow.core.placement import Placement, SubBatchPlan
+from qosflow.policies.base import Decision, Policy, SchedulerView
+from qosflow.policies.common import ExclusiveSearch, place_in_order, sjf_order, states_of
+from qosflow.policies.placement import Locality
 
 #: share of a job's GPU memory that does not shrink with the batch (weights, optimizer state,
 #: workspace); the rest scales with the (sub-)batch. An assumption, documented in docs/policies.md.
@@ -139,3 +145,41 @@ def partners_for(st: ClusterState, job: Job, states: dict[str, JobState]) -> Ite
         other = states.get(jid)
         if other is not None:
             yield other
+
+
+class SjfSharingPolicy(Policy):
+    """Jobs in SJF order; a job takes free GPUs if there are any, otherwise `share` may place it next
+    to one of the running jobs it could join (`PartnerIndex.heads`). Jobs started earlier in the
+    round become partners too. Non-preemptive."""
+
+    def __init__(self, locality: Locality, sub_batch: bool):
+        self.locality = locality
+        self.sub_batch = sub_batch
+
+    def share(
+        self, st: ClusterState, js: JobState, partners: list[JobState], est: Estimator, notes: dict[str, str]
+    ) -> Placement | None:
+        """Where `js` runs next to one of `partners` (None: it waits); may explain in `notes`."""
+        raise NotImplementedError
+
+    def schedule(self, view: SchedulerView) -> Decision:
+        est = view.estimator
+        states = states_of(view)
+        order = sjf_order(view)
+        notes: dict[str, str] = {}
+        index = PartnerIndex(view.cluster, states, est.remaining)
+        started: list[JobState] = []
+        exclusive = ExclusiveSearch(locality=self.locality)
+
+        def finder(st, js) -> Placement | None:
+            while started:  # jobs started earlier this round are allocated by now: partners too
+                index.add(started.pop())
+            p = exclusive(st, js.job)
+            if p is not None:
+                started.append(js)
+                return p
+            return self.share(st, js, index.heads(js.job), est, notes)
+
+        d = place_in_order(view, order, finder=finder)
+        d.notes.update(notes)
+        return d

@@ -9,63 +9,40 @@ accumulation (same global batch). Non-preemptive.
 
 from __future__ import annotations
 
-from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
-from qosflow.policies.base import Decision, Policy, SchedulerView
-from qosflow.policies.common import ExclusiveSearch, place_in_order, sjf_order, states_of
 from qosflow.policies.placement import Locality, find_colocation
-from qosflow.policies.sharing import PartnerIndex, bsbf_times, memory_plan
+from qosflow.policies.sharing import SjfSharingPolicy, bsbf_times, memory_plan
 
 
 @register
-class SjfBsbfPolicy(Policy):
+class SjfBsbfPolicy(SjfSharingPolicy):
     name = "sjf-bsbf"
     description = "SJF with best-sharing-benefit-first GPU sharing and sub-batching"
 
     def __init__(self, locality: Locality = "consolidated", sub_batch: bool = True):
-        self.locality = locality
-        self.sub_batch = sub_batch
+        super().__init__(locality, sub_batch)
 
-    def schedule(self, view: SchedulerView) -> Decision:
-        est = view.estimator
-        states = states_of(view)
-        order = sjf_order(view)
-        notes: dict[str, str] = {}
-        index = PartnerIndex(view.cluster, states, est.remaining)
-        started: list[JobState] = []
-        exclusive = ExclusiveSearch(locality=self.locality)
-
-        def finder(st, js) -> Placement | None:
-            while started:  # jobs started earlier this round are allocated by now: partners too
-                index.add(started.pop())
-            p = exclusive(st, js.job)
-            if p is not None:
-                started.append(js)
-                return p
-            t_a = est.remaining(js)
-            best = None
-            for partner in index.heads(js.job):
-                pp = st.allocs[partner.job_id]
-                plan = memory_plan(js.job, float(st.gmem_free[pp.gpus[0]]), allow_sub_batch=self.sub_batch)
-                if plan is None:
-                    continue
-                xi_a, xi_b = est.pair_slowdown(js.job, partner.job)
-                t_con, t_seq = bsbf_times(t_a, est.remaining(partner), xi_a, xi_b)
-                gain = t_seq - t_con
-                if gain > 0 and (best is None or gain > best[0]):
-                    best = (gain, partner, plan, xi_a, xi_b)
-            if best is None:
-                return None
-            gain, partner, (mem, sb), xi_a, xi_b = best
-            p = find_colocation(st, js.job, partner.job, sub_batch=sb, gpu_mem_mb=mem)
-            if p is not None:
-                notes[js.job_id] = (
-                    f"sharing with {partner.job_id}: slowdowns {xi_a:.2f}/{xi_b:.2f}, pair's average JCT "
-                    f"{gain:.0f}s better than waiting" + (f"; sub-batch {sb.sub_batch}x{sb.accumulation_steps}" if sb else "")
-                )
-            return p
-
-        d = place_in_order(view, order, finder=finder)
-        d.notes.update(notes)
-        return d
+    def share(self, st, js, partners, est, notes) -> Placement | None:
+        t_a = est.remaining(js)
+        best = None
+        for partner in partners:
+            pp = st.allocs[partner.job_id]
+            plan = memory_plan(js.job, float(st.gmem_free[pp.gpus[0]]), allow_sub_batch=self.sub_batch)
+            if plan is None:
+                continue
+            xi_a, xi_b = est.pair_slowdown(js.job, partner.job)
+            t_con, t_seq = bsbf_times(t_a, est.remaining(partner), xi_a, xi_b)
+            gain = t_seq - t_con
+            if gain > 0 and (best is None or gain > best[0]):
+                best = (gain, partner, plan, xi_a, xi_b)
+        if best is None:
+            return None
+        gain, partner, (mem, sb), xi_a, xi_b = best
+        p = find_colocation(st, js.job, partner.job, sub_batch=sb, gpu_mem_mb=mem)
+        if p is not None:
+            notes[js.job_id] = (
+                f"sharing with {partner.job_id}: slowdowns {xi_a:.2f}/{xi_b:.2f}, pair's average JCT "
+                f"{gain:.0f}s better than waiting" + (f"; sub-batch {sb.sub_batch}x{sb.accumulation_steps}" if sb else "")
+            )
+        return p
