@@ -22,6 +22,14 @@ def _prepared(nodes, wl, knowledge=None, **kw) -> tuple[PackState, QosflowPacker
     return st, pol
 
 
+def _fgd_node(nodes, wl, pod) -> int:
+    """The node FGD picks for `pod` on the empty `nodes`."""
+    st = PackState(nodes)
+    fgd = make_policy("fgd")
+    fgd.prepare(st, wl)
+    return fgd.choose(st, pod).node
+
+
 # ---------------------------------------------------------------------------- registry, invariants
 def test_registered_and_listed():
     assert "qosflow" in policy_names()
@@ -100,10 +108,7 @@ def test_cpu_only_pod_avoids_stranding_gpus():
     nodes = [Node("n0", 32000, 262144, 8, "A"), Node("n1", 64000, 262144, 2, "A")]
     wl = WorkloadDistribution.from_types([(4000, 1, MILLI, ()), (16000, 0, 0, ())], [9, 1], memory_mib=[1024, 1024])
     pod = Pod("cpu", 16000, 1024)
-    fgd = make_policy("fgd")
-    st = PackState(nodes)
-    fgd.prepare(st, wl)
-    assert fgd.choose(st, pod).node == 0
+    assert _fgd_node(nodes, wl, pod) == 0
     st, pol = _prepared(nodes, wl)
     assert pol.choose(st, pod).node == 1
     ex = pol.explain(st, pod)
@@ -115,10 +120,7 @@ def test_memory_counts_as_well_as_cpu():
     nodes = [Node("n0", 64000, 65536, 4, "A"), Node("n1", 64000, 524288, 4, "A")]
     wl = WorkloadDistribution.from_types([(4000, 1, MILLI, ())], [1], memory_mib=[16384])
     pod = Pod("mem", 2000, 49152)  # CPU-only, 48 GiB: on n0 only 16 GiB stay for 4 GPU pods of 16 GiB
-    fgd = make_policy("fgd")
-    st = PackState(nodes)
-    fgd.prepare(st, wl)
-    assert fgd.choose(st, pod).node == 0
+    assert _fgd_node(nodes, wl, pod) == 0
     st, pol = _prepared(nodes, wl)
     assert pol.choose(st, pod).node == 1
     st, pol = _prepared(nodes, wl, memory=False, balance=False)
