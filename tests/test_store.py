@@ -224,16 +224,21 @@ def _writer(url: str, tag: str, n: int, batch: int) -> None:
     store.close()
 
 
-def test_concurrent_writers_lose_nothing(url):
-    Store.open(url).close()
-    n, batch = 200, 10
+def _run_two_writers(url: str, tag: str, n: int, batch: int) -> None:
+    """`_writer` in two processes at once (tags tag0 and tag1); both must succeed."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(url, f"w{k}", n, batch)) for k in range(2)]
+    procs = [ctx.Process(target=_writer, args=(url, f"{tag}{k}", n, batch)) for k in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
+
+
+def test_concurrent_writers_lose_nothing(url):
+    Store.open(url).close()
+    n, batch = 200, 10
+    _run_two_writers(url, "w", n, batch)
     with Store.open(url) as store:
         for k in range(2):
             rows = store.samples_for(f"w{k}")
@@ -244,13 +249,7 @@ def test_concurrent_writers_lose_nothing(url):
 
 def test_concurrent_first_open_migrates_once(tmp_path):
     url = _sqlite_url(tmp_path)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(url, f"x{k}", 20, 10)) for k in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
+    _run_two_writers(url, "x", 20, 10)
     with Store.open(url) as store:
         with store.engine.connect() as conn:
             versions = [r[0] for r in conn.exec_driver_sql("SELECT version FROM schema_version ORDER BY version")]
