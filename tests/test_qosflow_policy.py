@@ -21,14 +21,20 @@ class Table:
         return 1.5
 
 
-def test_never_starves_a_wide_job_under_sustained_overload():
-    spec = ClusterSpec.uniform(2, 4)
+def _wide_job_and_short_stream(n: int) -> list[Job]:
+    """An 8-GPU job at t=50 s, and a stream of n short 1-GPU jobs (10 min, one a minute from t=0)
+    that alone keeps every GPU of a 2x4 cluster busy."""
     jobs = [Job("wide", 50.0, QoSSpec(gpus=8), 3600.0)]
-    # a stream of short 1-GPU jobs that alone keeps every GPU busy for days
     t = 0.0
-    for i in range(1500):
+    for i in range(n):
         jobs.append(Job(f"s{i}", t, QoSSpec(gpus=1), 600.0))
         t += 60.0
+    return jobs
+
+
+def test_never_starves_a_wide_job_under_sustained_overload():
+    spec = ClusterSpec.uniform(2, 4)
+    jobs = _wide_job_and_short_stream(1500)  # the short jobs alone keep every GPU busy for days
     pol = get_policy("qosflow", starvation_bound=6 * 3600.0, share=False)
     res = simulate(jobs, spec, pol, config=SimConfig(restart_overhead=0, check_invariants=False))
     wide = next(j for j in res.jobs if j.job_id == "wide")
@@ -90,14 +96,10 @@ def test_starvation_backlog_must_be_a_bool():
 def test_sjf_alone_would_starve_it():
     """The guard above is what saves the wide job: plain SJF backfilling starves it."""
     spec = ClusterSpec.uniform(2, 4)
-    jobs = [Job("wide", 50.0, QoSSpec(gpus=8), 3600.0)]
-    t = 0.0
-    for i in range(600):
-        jobs.append(Job(f"s{i}", t, QoSSpec(gpus=1), 600.0))
-        t += 60.0
+    jobs = _wide_job_and_short_stream(600)
     res = simulate(jobs, spec, get_policy("sjf"), config=SimConfig(restart_overhead=0))
     wide = next(j for j in res.jobs if j.job_id == "wide")
-    assert wide.first_start > t  # only after the stream ended
+    assert wide.first_start > 600 * 60.0  # only after the stream ended (one job a minute)
 
 
 def test_explains_waiting_sharing_and_deadline_demotion():
