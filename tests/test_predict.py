@@ -233,6 +233,11 @@ def test_new_pair_features_include_the_family_estimates():
     assert rich[-7] == pytest.approx(back[0])  # s(b, a) by the rank-2 fit, as the query (b, a) sees it
     cols, fill = ctx.estimate_columns()
     assert cols[0] == 0 and fill in cols and rich[fill] == pytest.approx(ctx.extra_mf[-1].predict_log(a, b)[0])
+    # the layout `features` records: its segments tile the vector, and sit where they are appended
+    L = ctx.layout
+    assert L.size == len(rich) and _Context(obs, meta, [], 2, 0.3).layout.size == len(plain)
+    assert L["reverse_low_rank"].start == len(rich) - 7 and L["family"].start == len(rich) - 18
+    assert rich[L["extra_low_rank"]] == [m.predict_log(a, b)[0] for m in ctx.extra_mf]
 
 
 def test_block_estimates_recover_an_additive_block():

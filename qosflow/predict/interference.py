@@ -159,6 +159,10 @@ EXACT_OOF_SPLITS, EXACT_OOF_TREES = 4, 50
 
 #: neighbours of the family-local nearest-neighbour estimate ("new_pair" regime)
 FAMILY_NEIGHBOURS = 3
+#: the estimates `_family_estimates` returns, in order
+FAMILY_ESTIMATES = ("analogy", "family_neighbours", "family_mean", "family_line")
+#: the figures `_block_estimates` returns, in order
+BLOCK_ESTIMATES = ("block_mean", "block_additive", "block_rms")
 
 
 def _family_estimates(M: np.ndarray, i: int, j: int, fam: np.ndarray, lbs: np.ndarray) -> list[float]:
@@ -176,7 +180,7 @@ def _family_estimates(M: np.ndarray, i: int, j: int, fam: np.ndarray, lbs: np.nd
     sib = np.flatnonzero(fam == fam[j])
     sib = sib[sib != j]
     if not len(sib):
-        return [float("nan")] * 4
+        return [float("nan")] * len(FAMILY_ESTIMATES)
     # analogy over the family's columns
     ests, wts = [], []
     for s in sib:
@@ -225,7 +229,7 @@ def _block_estimates(M: np.ndarray, i: int, j: int, fam: np.ndarray, iters: int 
     known = ~np.isnan(B)
     n = int(known.sum())
     if not n:
-        return [float("nan")] * 3
+        return [float("nan")] * len(BLOCK_ESTIMATES)
     Bz = np.where(known, B, 0.0)
     mu = float(Bz.sum() / n)
     n_r, n_c = known.sum(1), known.sum(0)
@@ -277,6 +281,30 @@ def _neighbour_mean(M: np.ndarray, j: int, top: np.ndarray, off: np.ndarray, dis
     return float(np.dot(w, M[top, j] + off[top]) / w.sum())
 
 
+class _Layout:
+    """Consecutive named segments of a feature vector, from their lengths: ``layout[name]`` is the slice
+    segment `name` occupies, `size` the vector's length."""
+
+    def __init__(self, segments: Sequence[tuple[str, int]]):
+        self.slices: dict[str, slice] = {}
+        pos = 0
+        for name, n in segments:
+            self.slices[name] = slice(pos, pos + n)
+            pos += n
+        self.size = pos
+
+    def __getitem__(self, name: str) -> slice:
+        return self.slices[name]
+
+    def width(self, *names: str) -> int:
+        """Total length of the named segments."""
+        return sum(self.slices[n].stop - self.slices[n].start for n in names)
+
+    def span(self, first: str, last: str) -> range:
+        """The positions from the start of segment `first` to the end of segment `last`."""
+        return range(self.slices[first].start, self.slices[last].stop)
+
+
 class _Context:
     """Look-ups over a set of observations, shared by every feature of one batch of queries."""
 
@@ -287,7 +315,11 @@ class _Context:
         self.refs = list(refs)
         self.mf = LowRank(rank=rank, lam=lam).fit(obs) if obs else None
         self.neighbours = neighbours
+        self.layout = _Layout(self.segments(len(self.refs), neighbours))
         if neighbours:
+            # stand-ins for the matrix-based estimates of a query whose job is not in the matrix
+            self._nan_cell = [float("nan")] * self.layout.width("neighbours", "family", "block")
+            self._nan_reverse = [float("nan")] * self.layout.width("reverse_neighbours")
             self.extra_mf = [LowRank(rank=r, lam=lm, iters=30).fit(obs) if obs else None for r, lm in EXTRA_LOW_RANK]
             keys = sorted({k for ab in obs for k in ab})
             self.index = {k: n for n, k in enumerate(keys)}
@@ -336,7 +368,31 @@ class _Context:
             return float("nan")
         return float(np.mean([_log(v) for v in best]))
 
+    @staticmethod
+    def segments(n_refs: int, neighbours: bool) -> list[tuple[str, int]]:
+        """(name, length) of the segments of `features`, in the order it appends them; `layout` holds
+        their positions."""
+        segs = [
+            ("low_rank", 2),  # the rank-2 fit's log speed, log1p of its support
+            ("profile", 2 * 2 * n_refs),  # for a, then b: s(k, r), s(r, k) per reference job r
+            ("siblings", 2),  # a's nearest sibling next to b, a next to b's nearest sibling
+            ("meta", 2 * 3),  # for a, then b: log2 batch size, GPUs, log solo step time
+            ("flags", 2),  # same family, same job
+        ]
+        if neighbours:
+            segs += [
+                ("extra_low_rank", len(EXTRA_LOW_RANK)),
+                ("neighbours", 2 * len(NEIGHBOURS)),  # over the rows nearest to a, the columns nearest to b
+                ("family", 2 * len(FAMILY_ESTIMATES)),  # over b's family (row a), a's family (column b)
+                ("block", len(BLOCK_ESTIMATES)),
+                ("reverse_low_rank", 1 + len(EXTRA_LOW_RANK)),  # s(b, a): the rank-2 fit, the extra fits
+                ("reverse_neighbours", 2 * len(NEIGHBOURS)),
+            ]
+        return segs
+
     def features(self, a: Key, b: Key) -> tuple[list[float], int]:
+        """The feature vector of the query (a, b), segment by segment as `segments` lists them; and the
+        rank-2 fit's support."""
         f: list[float] = []
         mfv, support = self.mf.predict_log(a, b) if self.mf else (0.0, 0)
         f += [mfv, math.log1p(support)]
@@ -356,7 +412,7 @@ class _Context:
             f += [m.predict_log(a, b)[0] if m else 0.0 for m in self.extra_mf]
             ia, ib = self.index.get(a), self.index.get(b)
             if ia is None or ib is None:
-                f += [float("nan")] * (2 * len(NEIGHBOURS) + 8 + 3)
+                f += self._nan_cell
             else:
                 f += _neighbour_estimates(self.M, ia, ib, NEIGHBOURS)
                 f += _neighbour_estimates(self.M.T, ib, ia, NEIGHBOURS)
@@ -367,7 +423,7 @@ class _Context:
             f.append(self.mf.predict_log(b, a)[0] if self.mf else 0.0)
             f += [m.predict_log(b, a)[0] if m else 0.0 for m in self.extra_mf]
             if ia is None or ib is None:
-                f += [float("nan")] * (2 * len(NEIGHBOURS))
+                f += self._nan_reverse
             else:
                 f += _neighbour_estimates(self.M, ib, ia, NEIGHBOURS)
                 f += _neighbour_estimates(self.M.T, ia, ib, NEIGHBOURS)
@@ -377,10 +433,9 @@ class _Context:
         """Positions in `features` of the log-speed estimates of the query's cell (``new_pair`` regime):
         the rank-2 fit, the higher-rank fits, the neighbour and the family estimates; and the position of
         the rank-6 fit (never NaN), which stands in for a missing one in `_Stack`."""
-        start = 2 + 4 * len(self.refs) + 2 + 6 + 2
-        n_extra = len(EXTRA_LOW_RANK) + 2 * len(NEIGHBOURS) + 8
-        cols = [0] + list(range(start, start + n_extra))
-        return cols, start + len(EXTRA_LOW_RANK) - 1
+        L = self.layout
+        cols = [L["low_rank"].start] + list(L.span("extra_low_rank", "family"))
+        return cols, L["extra_low_rank"].stop - 1  # EXTRA_LOW_RANK ends with the rank-6 fit
 
 
 #: ridge penalty of `_Stack` (its inputs are log speeds on one scale and 0/1 flags)
