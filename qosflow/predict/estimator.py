@@ -59,6 +59,7 @@ from qosflow.core.job import Job, JobState
 from qosflow.predict.cpu import CpuCurve, fit_curve
 from qosflow.predict.prediction import Prediction
 from qosflow.predict.reference import parse_signature
+from qosflow.predict.stats import LogStat
 
 if TYPE_CHECKING:
     from qosflow.core.speed import SpeedModel
@@ -75,8 +76,6 @@ PROFILE_NOISE = 0.05
 #: sharing. Measured pairs (samples, Gavel's reference table) are planned with their estimate. On the
 #: Muri trace (8 seeds) this halved the deadlines lost to learned estimates (docs/bench/learned_sim.md).
 UNMEASURED_PAIR_CAUTION = 0.5
-#: log sd assumed for a single measurement (as the predictor does)
-SINGLE_LOG_SD = 0.10
 #: duration assumed when nothing is known (seconds), and its log sd
 DEFAULT_DURATION = 600.0
 DEFAULT_LOG_SD = 1.0
@@ -104,24 +103,8 @@ def _key(signature: str) -> str:
     return canonical(signature)
 
 
-@dataclass
-class _LogStat:
-    """Running count / mean / M2 of log values (Welford)."""
-
-    n: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-
-    def add(self, x: float) -> None:
-        lx = math.log(x)
-        self.n += 1
-        d = lx - self.mean
-        self.mean += d / self.n
-        self.m2 += d * (lx - self.mean)
-
-    @property
-    def sd(self) -> float:
-        return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else SINGLE_LOG_SD
+class _LogStat(LogStat):
+    """A `LogStat` that also gives its values as a prediction."""
 
     def prediction(self, factor: float, basis: str) -> Prediction:
         # geometric mean; the interval is that of one more value (their spread), never narrower than +-2 %

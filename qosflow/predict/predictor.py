@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -29,14 +28,13 @@ from qosflow.predict.interference import InterferenceModel, JobMeta
 from qosflow.predict.prediction import Prediction
 from qosflow.predict.reference import ThroughputTable, parse_signature
 from qosflow.predict.scaling import ScalingModel, ScalingRow
+from qosflow.predict.stats import SINGLE_SAMPLE_LOG_SD, LogStat
 
 #: samples of the exact configuration needed before they alone are trusted
 MIN_SAMPLES = 3
 #: slowdown returned for pairs measured as unable to run together (e.g. out of GPU memory)
 INFEASIBLE_SLOWDOWN = 10.0
 DEFAULT_PAIR_SLOWDOWN = 1.4
-#: relative spread (log) assumed for a single measurement and for fallbacks
-SINGLE_SAMPLE_LOG_SD = 0.10
 
 
 def canonical(signature: str) -> str:
@@ -45,27 +43,6 @@ def canonical(signature: str) -> str:
     fam, bs = parse_signature(signature)
     f = re.sub(r"[^a-z0-9]", "", fam.lower()) or fam
     return f"{f}|bs{bs}" if bs is not None else f
-
-
-@dataclass
-class _Stat:
-    """Running count / mean / M2 of log step time (Welford)."""
-
-    n: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-    cores: list = field(default_factory=list)
-
-    def add(self, log_t: float, w: int = 1) -> None:
-        for _ in range(max(1, min(w, 1))):
-            self.n += 1
-            d = log_t - self.mean
-            self.mean += d / self.n
-            self.m2 += d * (log_t - self.mean)
-
-    @property
-    def sd(self) -> float:
-        return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else SINGLE_SAMPLE_LOG_SD
 
 
 def _interval(log_mean: float, log_sd: float) -> tuple[float, float, float]:
@@ -95,8 +72,8 @@ class Predictor:
             choose_references(reference.jobs) if reference is not None else list(REFERENCE_JOBS))
         self.refs = [canonical(r) for r in ref_names]
         self._names: dict[str, str] = {}  # canonical -> a display signature
-        # (canonical sig, gpu_type, gpus, consolidated, cpu_cores|None, co_runner canonical|None) -> _Stat
-        self._stats: dict[tuple, _Stat] = {}
+        # (canonical sig, gpu_type, gpus, consolidated, cpu_cores|None, co_runner canonical|None) -> LogStat
+        self._stats: dict[tuple, LogStat] = {}
         self._cpu: dict[str, list[tuple[float, float]]] = {}  # sig -> [(cores, step time)] at 1 GPU solo
         self._ref_solo: dict[tuple[str, str, int, bool], float] = {}  # (sig, gpu_type, gpus, cons) -> step time
         self._ref_pair: dict[tuple[str, str, str], float] = {}  # (a, b, gpu_type) -> speed of a next to b
@@ -205,12 +182,12 @@ class Predictor:
         for key in dict.fromkeys([(sig, gt, d["gpus"], cons, None, co), (sig, gt, d["gpus"], cons, cores, co)]):
             st = self._stats.get(key)
             if st is None:  # a configuration not seen before changes what the models train on
-                st = self._stats[key] = _Stat()
+                st = self._stats[key] = LogStat()
                 if co is not None or d["gpus"] == 1:
                     self._dirty_pairs.add(gt)
                 if co is None or sig in self.refs or co in self.refs:
                     self._dirty_scaling = True
-            st.add(log_t)
+            st.add_log(log_t)
         if cores is not None and co is None and d["gpus"] <= 1:
             self._cpu.setdefault(sig, []).append((float(cores), d["step_time_s"]))
         self.n_observed += 1
