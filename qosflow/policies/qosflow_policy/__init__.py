@@ -99,13 +99,14 @@ is decided per job. docs/bench/decisions.md measures a round.
 **Where it lives.** This package holds the policy, one module per concern:
 
 * `policy` -- `QosflowPolicy`: its options and the round (`schedule`).
+* `cores` -- step 4, CPU cores (`GPU_FEED_CORES`).
 """
 
+from qosflow.policies.qosflow_policy.cores import GPU_FEED_CORES
 from qosflow.policies.qosflow_policy.policy import (
     BACKLOG_CAP,
     CRITICAL_SHARE,
     EXPRESS,
-    GPU_FEED_CORES,
     LAST_END_SHARE,
     QosflowPolicy,
     _ArrivalLog,

@@ -15,12 +15,10 @@ from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import exclusive_key, why_waiting
 import numpy as np
 
-from qosflow.policies.placement import find_cpu_only, find_share, find_whole, min_nodes_for, one_node_candidates, place_on_one_node
+from qosflow.policies.placement import find_share, find_whole, min_nodes_for, one_node_candidates, place_on_one_node
+from qosflow.policies.qosflow_policy.cores import CpuCoresMixin
 from qosflow.policies.sharing import FIXED_MEMORY_SHARE, MAX_ACCUMULATION, bsbf_times, memory_plan
 
-#: cores per GPU kept free for a node's idle GPUs when a CPU-only job is placed (CODA: a training
-#: job needs a few cores per GPU to feed it)
-GPU_FEED_CORES = 2.0
 #: owner of an express node's standing reservation
 EXPRESS = "<express>"
 #: "not remembered" in the per-round memos (None is a remembered failure)
@@ -124,7 +122,7 @@ def _check_number(name: str, value, ok, want: str) -> None:
 
 
 @register
-class QosflowPolicy(Policy):
+class QosflowPolicy(CpuCoresMixin, Policy):
     name = "qosflow"
     preemptive = False
     description = "QoS-aware, sharing-aware, CPU-aware, non-preemptive (qosflow)"
@@ -985,39 +983,6 @@ class QosflowPolicy(Policy):
         if self._drain[0] != self._ver:
             self._drain = (self._ver, np.where(st.njobs > 0, self._end_max, 0.0).max(axis=1))
         return np.maximum(0.0, r - self._drain[1])
-
-    def _with_cores(self, st: ClusterState, job, p: Placement, est) -> Placement:
-        """CODA: give a single-node GPU job spare cores up to where its predicted speed stops growing.
-
-        Spare means beyond what the node's other idle GPUs need to be fed (GPU_FEED_CORES each)."""
-        if job.qos.gpus == 0 or len(p.cpu) != 1:
-            return p
-        n, base = p.cpu[0]
-        spare = float(st.cpu_free[n]) - base - GPU_FEED_CORES * max(0, int(st.empty[n]) - len(p.gpus))
-        if spare < 1.0:
-            return p
-        top = est.cpu_factor(job, base + spare)
-        if top <= est.cpu_factor(job, base) * 1.01:
-            return p  # more cores would not help (or the estimator knows no curve for it)
-        cores = base
-        while cores < base + spare and est.cpu_factor(job, cores) < 0.99 * top:
-            cores += 1.0
-        return replace(p, cpu=((n, min(cores, base + spare)),), note=f"{cores:g} cores (asked {base:g}): faster up to there")
-
-    def _cpu_only(self, st: ClusterState, js: JobState) -> Placement | None:
-        """A CPU-only stage, keeping enough cores on each node to feed its idle GPUs (CODA) -- as
-        long as some GPU job waits for them; otherwise the cores would only sit idle."""
-        if not self._gpu_jobs_waiting:
-            return find_cpu_only(st, js.job)
-        saved = st.cpu_free.copy()
-        try:
-            # never more than half a node's cores, so small hosts still run CPU stages
-            total = np.array([s.cpu_cores for s in st.spec.nodes])
-            st.cpu_free -= np.minimum(st.empty * GPU_FEED_CORES, 0.5 * total)
-            p = find_cpu_only(st, js.job)
-        finally:
-            st.cpu_free[:] = saved
-        return p
 
     def _relaxed(self, st, js, rem, est, gpn, reserved) -> Placement | None:
         p = self._whole(st, js.job, "spread")
