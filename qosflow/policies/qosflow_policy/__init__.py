@@ -99,6 +99,7 @@ is decided per job. docs/bench/decisions.md measures a round.
 **Where it lives.** This package holds the policy, one module per concern:
 
 * `policy` -- `QosflowPolicy`: its options and the round (`schedule`).
+* `reservations` -- step 3d, when GPUs free up: the wait for a consolidated slot, reservations.
 * `cores` -- step 4, CPU cores (`GPU_FEED_CORES`).
 """
 
