@@ -100,19 +100,13 @@ is decided per job. docs/bench/decisions.md measures a round.
 
 * `policy` -- `QosflowPolicy`: its options and the round (`schedule`).
 * `reservations` -- step 3d, when GPUs free up: the wait for a consolidated slot, reservations.
+* `express` -- step 3e, express nodes (`EXPRESS`) and when the lane is open.
 * `cores` -- step 4, CPU cores (`GPU_FEED_CORES`).
 """
 
 from qosflow.policies.qosflow_policy.cores import GPU_FEED_CORES
-from qosflow.policies.qosflow_policy.policy import (
-    BACKLOG_CAP,
-    CRITICAL_SHARE,
-    EXPRESS,
-    LAST_END_SHARE,
-    QosflowPolicy,
-    _ArrivalLog,
-    _DeadlineArrivals,
-)
+from qosflow.policies.qosflow_policy.express import EXPRESS, _DeadlineArrivals
+from qosflow.policies.qosflow_policy.policy import BACKLOG_CAP, CRITICAL_SHARE, LAST_END_SHARE, QosflowPolicy, _ArrivalLog
 
 # (the arrival logs are re-exported for the tests that drive them directly)
 __all__ = [
