@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import replace
 
 from qosflow.core.cluster import ClusterState
 from qosflow.core.estimate import pair_slowdown_high, remaining_high
@@ -15,14 +14,13 @@ from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import exclusive_key, why_waiting
 import numpy as np
 
-from qosflow.policies.placement import find_share, find_whole, min_nodes_for, one_node_candidates, place_on_one_node
+from qosflow.policies.placement import find_share, min_nodes_for
 from qosflow.policies.qosflow_policy.cores import CpuCoresMixin
 from qosflow.policies.qosflow_policy.express import EXPRESS, ExpressLaneMixin, _DeadlineArrivals
 from qosflow.policies.qosflow_policy.reservations import ReservationsMixin
+from qosflow.policies.qosflow_policy.whole_gpus import WholeGpusMixin
 from qosflow.policies.sharing import FIXED_MEMORY_SHARE, MAX_ACCUMULATION, bsbf_times, memory_plan
 
-#: "not remembered" in the per-round memos (None is a remembered failure)
-_MISS = object()
 #: a job on the critical path shares its GPUs only with jobs done within this share of its own time
 CRITICAL_SHARE = 0.05
 #: a running job within this share of the longest remaining time counts as the one that ends last
@@ -92,7 +90,7 @@ def _check_number(name: str, value, ok, want: str) -> None:
 
 
 @register
-class QosflowPolicy(ExpressLaneMixin, ReservationsMixin, CpuCoresMixin, Policy):
+class QosflowPolicy(WholeGpusMixin, ExpressLaneMixin, ReservationsMixin, CpuCoresMixin, Policy):
     name = "qosflow"
     preemptive = False
     description = "QoS-aware, sharing-aware, CPU-aware, non-preemptive (qosflow)"
@@ -844,68 +842,3 @@ class QosflowPolicy(ExpressLaneMixin, ReservationsMixin, CpuCoresMixin, Policy):
             if why:
                 d.notes[js.job_id] = why
         return d
-
-    def _unreserved_whole(self, st: ClusterState, js: JobState, reserved, finish: float) -> Placement | None:
-        """Exclusive placement avoiding nodes reserved for others (unless done before they need them)."""
-        fin_h = self._finish_high(js, finish)
-        masked = tuple(n for n, (t, owner) in reserved.items()
-                       if (fin_h if self._promised(owner) else finish) > t and not (owner == EXPRESS and self._express_ok(js, finish)))
-        if not masked:
-            return self._whole(st, js.job, "consolidated", finish - self._now)
-        saved = st.empty.copy()
-        try:
-            st.empty[list(masked)] = 0
-            return self._whole(st, js.job, "consolidated", finish - self._now, masked=masked)
-        finally:
-            st.empty[:] = saved
-
-    # ------------------------------------------------------------------ helpers
-    def _whole(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = ()) -> Placement | None:
-        """`find_whole` (best fit; with `align`, consolidated placements ranked by `_align_rank(r)`),
-        remembered until the next placement: the search depends on the request's shape and the
-        cluster's state only, so jobs of the same shape (GPU memory counted by the nodes it admits)
-        share one search per state. Nodes in `masked` are hidden from this search (reservations); they
-        are part of the key. With `align` the choice among the candidate nodes depends on the job's
-        remaining time, so the candidates are what is remembered and the choice is made per job."""
-        q = job.qos
-        # GPU memory matters only through the nodes whose GPUs are large enough: key it by those
-        mem_class = None if q.gpu_mem_mb is None else bisect.bisect_left(self._gmem_caps, q.gpu_mem_mb)
-        key = (q.gpus, q.cpu_cores, q.mem_mb, mem_class, q.gpu_model, locality, masked)
-        hit = self._whole_memo.get(key, _MISS)
-        if hit is _MISS or hit[0] != self._ver:
-            if self.align and locality == "consolidated":
-                # ranked by the job's own remaining time: remember the candidate nodes, not the choice
-                cands = one_node_candidates(st, job)
-                found = cands if cands is not None and cands.size else find_whole(st, job, locality="consolidated", fit="best-fit")
-            else:
-                found = find_whole(st, job, locality=locality, fit="best-fit")  # type: ignore[arg-type]
-            hit = self._whole_memo[key] = (self._ver, found)
-        found = hit[1]
-        if found is None:
-            return None
-        if isinstance(found, Placement):
-            return replace(found, job_id=job.job_id, gpu_mem_mb=q.gpu_mem_mb if q.gpu_mem_mb is not None else 0.0)
-        return place_on_one_node(st, job, found, fit="best-fit", node_rank=self._align_rank(st, r))
-
-    def _align_rank(self, st: ClusterState, r: float) -> np.ndarray | None:
-        """Per node: how much later than now it would drain if a job of remaining time `r` joined it.
-
-        Jobs that end at about the same time go to the same node, so nodes empty whole (a gang's
-        chance to start without preemption) instead of one straggler at a time."""
-        if not self.align:
-            return None
-        if self._drain[0] != self._ver:
-            self._drain = (self._ver, np.where(st.njobs > 0, self._end_max, 0.0).max(axis=1))
-        return np.maximum(0.0, r - self._drain[1])
-
-    def _relaxed(self, st, js, rem, est, gpn, reserved) -> Placement | None:
-        p = self._whole(st, js.job, "spread")
-        if p is None or any(n in reserved for n in p.nodes):
-            return None
-        nodes = len(p.nodes)
-        s = est.spread_slowdown(js.job, nodes, min_nodes_for(js.job.qos.gpus, gpn))
-        # the extra time spreading costs must be less than the wait for a consolidated slot, which
-        # is at least until the soonest running job on a node frees enough GPUs
-        extra = (s - 1.0) * rem[js.job_id]
-        wait = self._consolidated_wait(st, js, rem)
-        return p if extra < wait else None
