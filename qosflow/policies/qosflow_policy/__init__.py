@@ -99,6 +99,7 @@ is decided per job. docs/bench/decisions.md measures a round.
 **Where it lives.** This package holds the policy, one module per concern:
 
 * `policy` -- `QosflowPolicy`: its options and the round (`schedule`).
+* `deadlines` -- deadline promises: the deadline rescue and the checks on the error band.
 * `whole_gpus` -- steps 3a and 3c, GPUs of a job's own: consolidated (or time-aligned), around
   reservations, or spread once locality is relaxed.
 * `reservations` -- step 3d, when GPUs free up: the wait for a consolidated slot, reservations.

@@ -6,7 +6,7 @@ import bisect
 import math
 
 from qosflow.core.cluster import ClusterState
-from qosflow.core.estimate import pair_slowdown_high, remaining_high
+from qosflow.core.estimate import pair_slowdown_high
 from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
@@ -14,8 +14,9 @@ from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import exclusive_key, why_waiting
 import numpy as np
 
-from qosflow.policies.placement import find_share, min_nodes_for
+from qosflow.policies.placement import find_share
 from qosflow.policies.qosflow_policy.cores import CpuCoresMixin
+from qosflow.policies.qosflow_policy.deadlines import DeadlinesMixin
 from qosflow.policies.qosflow_policy.express import EXPRESS, ExpressLaneMixin, _DeadlineArrivals
 from qosflow.policies.qosflow_policy.reservations import ReservationsMixin
 from qosflow.policies.qosflow_policy.whole_gpus import WholeGpusMixin
@@ -90,7 +91,7 @@ def _check_number(name: str, value, ok, want: str) -> None:
 
 
 @register
-class QosflowPolicy(WholeGpusMixin, ExpressLaneMixin, ReservationsMixin, CpuCoresMixin, Policy):
+class QosflowPolicy(DeadlinesMixin, WholeGpusMixin, ExpressLaneMixin, ReservationsMixin, CpuCoresMixin, Policy):
     name = "qosflow"
     preemptive = False
     description = "QoS-aware, sharing-aware, CPU-aware, non-preemptive (qosflow)"
@@ -471,80 +472,6 @@ class QosflowPolicy(WholeGpusMixin, ExpressLaneMixin, ReservationsMixin, CpuCore
         )
         return p, why
 
-    def _deadline_rescue(self, st: ClusterState, js: JobState, rem, states, est, now: float, gpn: int):
-        """A gang with a deadline it can still meet takes free and shareable GPUs on any nodes, if the
-        predicted slowdown of spreading and sharing together still meets the deadline (locality is
-        relaxed at once for it rather than after a wait)."""
-        job = js.job
-        q = job.qos
-        k = q.gpus
-        dl = job.deadline
-        r = rem[js.job_id]
-        per_gpu_cpu = q.cpu_cores / k
-        can_share = q.shareable and q.gpu_mem_mb is not None
-        # the GPUs on offer depend on the request's shape and the cluster only: one search per state
-        key = ("rescue", q.gpu_model, can_share, q.gpu_mem_mb, per_gpu_cpu)
-        hit = self._elig_cache.get(key)
-        if hit is None or hit[0] != self._ver:
-            node_ok = ~st.down
-            if q.gpu_model is not None:
-                node_ok &= st.spec.model_mask(q.gpu_model)
-            free = st.exists & (st.njobs == 0) & node_ok[:, None]
-            if q.gpu_mem_mb is not None:  # a free GPU too small for the job (e.g. a 12 GiB K80) is no offer
-                free &= st.gmem_free >= q.gpu_mem_mb - 1e-6
-            single = st.exists & (st.njobs == 1) & (st.whole == 1) & st.share_ok & node_ok[:, None]
-            if can_share:
-                single &= st.gmem_free >= q.gpu_mem_mb - 1e-6
-            else:
-                single &= False
-            # a node gives as many GPUs as its free cores can feed
-            cap = np.floor((st.cpu_free + 1e-9) / max(per_gpu_cpu, 1e-9)).astype(np.int64) if per_gpu_cpu > 0 else np.full(st.num_nodes, 1 << 30)
-            usable = np.minimum(free.sum(axis=1) + single.sum(axis=1), cap)
-            hit = self._elig_cache[key] = (self._ver, (free, single, usable, int(usable.sum())))
-        free, single, usable, total = hit[1]
-        if total < k:
-            return None
-        take: list[tuple[int, int]] = []
-        partners: dict[str, float] = {}
-        worst = 1.0
-        for n in np.argsort(-usable, kind="stable").tolist():
-            if len(take) >= k or usable[n] <= 0:
-                break
-            budget = int(min(usable[n], k - len(take)))
-            for g in np.flatnonzero(free[n]).tolist()[:budget]:
-                take.append((n, g))
-            for g in np.flatnonzero(single[n]).tolist():
-                if len(take) >= k or sum(1 for x in take if x[0] == n) >= usable[n]:
-                    break
-                pid = st.gpu_jobs[(n, g)][0]
-                if pid not in states:
-                    continue
-                if pid not in partners:
-                    v = self._partner_value(js, states[pid], 1, rem, est, now, True, 1.0)
-                    if v is None:
-                        continue
-                    partners[pid] = v[1]
-                worst = max(worst, partners[pid])
-                take.append((n, g))
-        if len(take) < k:
-            return None
-        nodes = sorted({n for n, _ in take})
-        spread = est.spread_slowdown(job, len(nodes), min_nodes_for(k, gpn))
-        slow = worst * spread
-        if now + r * slow > dl:
-            return None
-        if self.deadline_band:
-            worst_h = max([1.0] + [pair_slowdown_high(est, job, states[pid].job)[0] for pid in partners])
-            if not self._band_ok(js, worst_h * spread):
-                return None
-        cpu: dict[int, float] = {}
-        for n, _ in take:
-            cpu[n] = cpu.get(n, 0.0) + per_gpu_cpu
-        used = tuple(dict.fromkeys(st.gpu_jobs[x][0] for x in take if st.njobs[x] == 1))
-        p = Placement(job.job_id, tuple(take), cpu=tuple(cpu.items()), gpu_mem_mb=float(q.gpu_mem_mb or 0.0), mem_mb=q.mem_mb, colocated_with=used)
-        why = f"deadline rescue: spread over {len(nodes)} node(s)" + (f", sharing with {', '.join(used)}" if used else "") + f"; predicted slowdown {slow:.2f} still meets the deadline"
-        return p, why
-
     def _node_partners(self, st: ClusterState, n: int, elig, min_mem: float, states) -> dict[str, list[int]]:
         """Shareable occupants of node n and the GPUs they hold there (cached until the next placement)."""
         key = (n, min_mem, id(elig))  # elig is cached per (request shape, version), so its id is stable
@@ -561,44 +488,6 @@ class QosflowPolicy(WholeGpusMixin, ExpressLaneMixin, ReservationsMixin, CpuCore
 
     def _in_plan(self, a: str, b: str) -> bool:
         return (min(a, b), max(a, b)) in self._plan
-
-    def _r_high(self, js: JobState) -> float:
-        """The pessimistic remaining time of `js` (the point estimate without `deadline_band`)."""
-        r = self._rem[js.job_id]
-        if not self.deadline_band:
-            return r
-        h = self._rem_hi.get(js.job_id)
-        if h is None:
-            h = self._rem_hi[js.job_id] = max(r, remaining_high(self._est, js))
-        return h
-
-    def _promised(self, owner: str) -> bool:
-        """Is a reservation a deadline promise (the express lane's, or a deadline job's)?"""
-        return owner == EXPRESS or (owner in self._states and self._has_deadline(self._states[owner]))
-
-    def _finish_high(self, js: JobState, finish: float) -> float:
-        """`finish` (a predicted end of `js`) at its pessimistic remaining time, where a reservation
-        that keeps a deadline promise is checked (the point estimate otherwise)."""
-        r = self._rem[js.job_id]
-        if not self.deadline_band or r <= 0:
-            return finish
-        return self._now + (finish - self._now) * self._r_high(js) / r
-
-    def _band_ok(self, js: JobState, slow_high: float) -> bool:
-        """May deadline job `js` (which meets its deadline at the point estimates) start slowed by
-        `slow_high` (pessimistic)? Yes if it meets its deadline at the pessimistic remaining time too,
-        or if waiting for GPUs of its own would not meet it pessimistically either (then starting now
-        is its best chance)."""
-        dl = js.job.deadline
-        r_h = self._r_high(js)
-        if self._now + slow_high * r_h <= dl:
-            return True
-        wait = self._consolidated_wait(self._st, js, self._rem, exclude=self._express, all_nodes=True)
-        return self._now + wait + r_h > dl
-
-    def _has_deadline(self, js: JobState) -> bool:
-        dl = js.job.deadline
-        return dl is not None and self._now + self._rem[js.job_id] <= dl
 
     def _update_plan(self, view: SchedulerView, rem) -> None:
         if not self.use_plan or view.now - self._plan_at < self.plan_interval:
