@@ -99,6 +99,8 @@ is decided per job. docs/bench/decisions.md measures a round.
 **Where it lives.** This package holds the policy, one module per concern:
 
 * `policy` -- `QosflowPolicy`: its options and the round (`schedule`).
+* `colocation` -- step 3b, GPU co-location: the partner search, whether a pair pays, the pairing
+  plan, why a job did not share (`CRITICAL_SHARE`, `LAST_END_SHARE`).
 * `deadlines` -- deadline promises: the deadline rescue and the checks on the error band.
 * `whole_gpus` -- steps 3a and 3c, GPUs of a job's own: consolidated (or time-aligned), around
   reservations, or spread once locality is relaxed.
@@ -107,9 +109,10 @@ is decided per job. docs/bench/decisions.md measures a round.
 * `cores` -- step 4, CPU cores (`GPU_FEED_CORES`).
 """
 
+from qosflow.policies.qosflow_policy.colocation import CRITICAL_SHARE, LAST_END_SHARE
 from qosflow.policies.qosflow_policy.cores import GPU_FEED_CORES
 from qosflow.policies.qosflow_policy.express import EXPRESS, _DeadlineArrivals
-from qosflow.policies.qosflow_policy.policy import BACKLOG_CAP, CRITICAL_SHARE, LAST_END_SHARE, QosflowPolicy, _ArrivalLog
+from qosflow.policies.qosflow_policy.policy import BACKLOG_CAP, QosflowPolicy, _ArrivalLog
 
 # (the arrival logs are re-exported for the tests that drive them directly)
 __all__ = [

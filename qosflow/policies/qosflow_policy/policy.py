@@ -5,8 +5,6 @@ from __future__ import annotations
 import bisect
 import math
 
-from qosflow.core.cluster import ClusterState
-from qosflow.core.estimate import pair_slowdown_high
 from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
@@ -15,17 +13,13 @@ from qosflow.policies.common import exclusive_key, why_waiting
 import numpy as np
 
 from qosflow.policies.placement import find_share
+from qosflow.policies.qosflow_policy.colocation import CoLocationMixin
 from qosflow.policies.qosflow_policy.cores import CpuCoresMixin
 from qosflow.policies.qosflow_policy.deadlines import DeadlinesMixin
 from qosflow.policies.qosflow_policy.express import EXPRESS, ExpressLaneMixin, _DeadlineArrivals
 from qosflow.policies.qosflow_policy.reservations import ReservationsMixin
 from qosflow.policies.qosflow_policy.whole_gpus import WholeGpusMixin
-from qosflow.policies.sharing import FIXED_MEMORY_SHARE, MAX_ACCUMULATION, bsbf_times, memory_plan
 
-#: a job on the critical path shares its GPUs only with jobs done within this share of its own time
-CRITICAL_SHARE = 0.05
-#: a running job within this share of the longest remaining time counts as the one that ends last
-LAST_END_SHARE = 0.98
 #: with `starvation_backlog`, a job's starvation bound is at most this many times the backlog it
 #: found when it was queued: the bound stays finite even if the backlog grows for ever (sustained
 #: overload above twice the capacity), so the guard still reaches every job
@@ -91,7 +85,7 @@ def _check_number(name: str, value, ok, want: str) -> None:
 
 
 @register
-class QosflowPolicy(DeadlinesMixin, WholeGpusMixin, ExpressLaneMixin, ReservationsMixin, CpuCoresMixin, Policy):
+class QosflowPolicy(CoLocationMixin, DeadlinesMixin, WholeGpusMixin, ExpressLaneMixin, ReservationsMixin, CpuCoresMixin, Policy):
     name = "qosflow"
     preemptive = False
     description = "QoS-aware, sharing-aware, CPU-aware, non-preemptive (qosflow)"
@@ -288,307 +282,6 @@ class QosflowPolicy(DeadlinesMixin, WholeGpusMixin, ExpressLaneMixin, Reservatio
             )
         keyed.sort(key=lambda kv: kv[0])
         return [js for _, js in keyed], [js for k, js in keyed if k[0] == 1 and k[1] == -1e300]
-
-    # ------------------------------------------------------------------ sharing
-    #: nodes examined per sharing search (the ones with most shareable GPUs), bounding a round's cost
-    SHARE_NODES = 16
-
-    def _partner_value(self, js: JobState, partner: JobState, n_gpus_here: int, rem, est, now: float, queued: bool, sb_penalty: float):
-        """(ok, gain in GPU-throughput, xi_a, xi_b, bsbf gain) of `js` joining `partner` on `n_gpus_here` GPUs."""
-        xi_a, xi_b = est.pair_slowdown(js.job, partner.job)
-        xi_a *= sb_penalty
-        t_a, t_b = rem[js.job_id], rem[partner.job_id]
-        if self.makespan_beta is not None:
-            # jobs on the critical path (long against the backlog) are not slowed for long: a critical
-            # partner only takes newcomers done within a small share of its own time, and a critical
-            # newcomer does not share (two long jobs would lock both slots of the GPUs for long)
-            limit = self.makespan_beta * self._backlog
-            if t_a >= limit and not self._has_deadline(js):
-                self._reject = "LONG"
-                return None
-            if t_b >= limit and xi_a * t_a > CRITICAL_SHARE * t_b:
-                self._reject = "CRITICAL"
-                return None
-            # the job that ends last (the longest, and at least as long as the whole backlog) sets
-            # the makespan: any slowdown of it lengthens the makespan one for one
-            if t_b >= self._backlog and t_b >= LAST_END_SHARE * self._max_rem and xi_b > 1.0:
-                self._reject = "CRITICAL"
-                return None
-        dl_b = partner.job.deadline
-        if dl_b is not None and now + t_b <= dl_b:
-            a_hat, b_hat = xi_a * t_a, xi_b * t_b
-            fin_b = now + (b_hat if a_hat >= b_hat else a_hat + (t_b - a_hat / xi_b))
-            if fin_b > dl_b:
-                self._reject = "PARTNER_DEADLINE"
-                return None
-        t_con, t_seq = bsbf_times(t_a, t_b, xi_a, xi_b)
-        g_b = max(1, partner.job.qos.gpus)
-        # GPU-throughput balance: the newcomer's GPUs at 1/xi_a, minus what the partner's whole gang loses
-        tput = n_gpus_here / xi_a - g_b * (1.0 - 1.0 / xi_b)
-        return tput, xi_a, xi_b, t_seq - t_con
-
-    def _shared_slot(self, st: ClusterState, js: JobState, rem, states, est, now: float, queued: bool) -> tuple[Placement, str] | None:
-        """Co-locate `js` on GPUs that each hold one shareable job, where it pays (see module doc)."""
-        job = js.job
-        q = job.qos
-        self._why_not = None
-        if not q.shareable or q.gpu_mem_mb is None:
-            self._why_not = "it may not share a GPU" if not q.shareable else "it declares no GPU memory, so no partner is known to fit"
-            return None
-        k = q.gpus
-        gmax = max(1, st.spec.max_gpus_per_node)
-        node_ok = ~st.down
-        if q.gpu_model is not None:
-            node_ok &= st.spec.model_mask(q.gpu_model)
-        sig = (k, q.gpu_model, q.gpu_mem_mb, job.batch_size is not None, q.cpu_cores)
-        if self._nofit.get(sig) == self._ver:
-            # nothing changed since the same request found no shareable slot this round
-            self._why_not = self._nofit_why.get(sig)
-            return None
-        base_key = (q.gpu_model,)
-        cached = self._elig_cache.get(base_key)
-        if cached is None or cached[0] != self._ver:
-            cached = (self._ver, st.exists & (st.njobs == 1) & (st.whole == 1) & st.share_ok & node_ok[:, None])
-            self._elig_cache[base_key] = cached
-        elig = cached[1]
-        # the smallest memory the job could run in (with the smallest sub-batch tried)
-        min_mem = q.gpu_mem_mb if not (self.sub_batch and job.batch_size) else q.gpu_mem_mb * (FIXED_MEMORY_SHARE + (1 - FIXED_MEMORY_SHARE) / MAX_ACCUMULATION)
-        mkey = (base_key, min_mem)
-        mc = self._elig_cache.get(mkey)
-        if mc is None or mc[0] != self._ver:
-            e = elig & (st.gmem_free >= min_mem - 1e-6)
-            mc = (self._ver, e, e.sum(axis=1))
-            self._elig_cache[mkey] = mc
-        elig, per_node = mc[1], mc[2]
-        cpu_need = q.cpu_cores
-        ckey = (mkey, k, cpu_need)
-        cc = self._elig_cache.get(ckey)
-        if cc is None or cc[0] != self._ver:
-            if k <= gmax:
-                cand = np.flatnonzero((per_node >= k) & (st.cpu_free >= cpu_need - 1e-9))
-            else:
-                full = (per_node == st.gpu_count) & (st.gpu_count > 0) & (st.cpu_free >= cpu_need / k * st.gpu_count - 1e-9)
-                cand = np.flatnonzero(full)
-                if st.gpu_count[cand].sum() < k:
-                    cand = None
-            if cand is not None and cand.size > self.SHARE_NODES:
-                cand = cand[np.argsort(-per_node[cand], kind="stable")[: self.SHARE_NODES]]
-            cc = self._elig_cache[ckey] = (self._ver, None if cand is None else cand.tolist())
-        cand = cc[1]
-        if cand is None:
-            return self._no_slot(sig, f"no {k} GPUs on whole nodes each hold a single shareable job with {min_mem:.0f} MB free")
-        if not cand:
-            return self._no_slot(sig, f"no {'GPU holds' if k == 1 else f'{k} GPUs on one node hold'} a single shareable job with {min_mem:.0f} MB free")
-        cache: dict[str, tuple | None] = {}
-
-        def value(pid: str, n_here: int, sbp: float):
-            key = pid
-            if key not in cache:
-                cache[key] = v = self._partner_value(js, states[pid], n_here, rem, est, now, queued, sbp)
-                if v is None:
-                    cache[("why", pid)] = self._reject
-            return cache[key]
-
-        # score every candidate GPU by its occupant (a partner's penalty is counted once per partner)
-        node_choices = []
-        rejects: dict[str, int] = {}
-        for n in cand:
-            by_partner = self._node_partners(st, n, elig, min_mem, states)
-            scored = []
-            for pid, gpus in by_partner.items():
-                v = value(pid, 1, 1.0)
-                if v is None:
-                    code = cache[("why", pid)]
-                    rejects[code] = rejects.get(code, 0) + 1
-                    continue
-                tput, xi_a, xi_b, gain = v
-                per_gpu = 1.0 / xi_a - max(1, states[pid].job.qos.gpus) * (1.0 - 1.0 / xi_b) / len(gpus)
-                if self._plan and not self._in_plan(job.model, states[pid].job.model):
-                    if not self._has_deadline(js):
-                        continue  # leave this partner for the type the pairing plan saves it for
-                scored.append((per_gpu, pid, gpus, xi_a, xi_b, gain))
-            # partners in order of SJF-BSBF's sharing benefit (the pair's average completion time
-            # saved), or of the GPU-throughput balance
-            scored.sort(key=(lambda x: -x[5]) if self.partner_rank == "benefit" else (lambda x: -x[0]))
-            node_choices.append((n, scored))
-        best = None
-        tried: list[tuple[float, float, str | None]] = []  # (GPU-throughput gain per GPU, slowdown, why) of pairs not taken
-        if k <= gmax:
-            for n, scored in node_choices:
-                take: list[tuple[int, int]] = []
-                partners = []
-                for per_gpu, pid, gpus, xi_a, xi_b, gain in scored:
-                    if len(take) >= k:
-                        break
-                    use = gpus[: k - len(take)]
-                    take.extend((n, g) for g in use)
-                    partners.append((pid, len(use), xi_a, xi_b, gain))
-                if len(take) < k:
-                    continue
-                total = self._accept(js, partners, k, queued)
-                if total is not None and (best is None or total > best[0]):
-                    best = (total, take, partners)
-                elif total is None:
-                    tried.append((*self._refused, self._reject))
-        else:
-            nodes_sorted = sorted(node_choices, key=lambda x: -sum(s[0] * len(s[2]) for s in x[1]))
-            take, partners = [], []
-            for n, scored in nodes_sorted:
-                if len(take) >= k:
-                    break
-                for per_gpu, pid, gpus, xi_a, xi_b, gain in scored:
-                    take.extend((n, g) for g in gpus)
-                    partners.append((pid, len(gpus), xi_a, xi_b, gain))
-            if len(take) >= k:
-                take = take[:k]
-                total = self._accept(js, partners, k, queued)
-                if total is not None:
-                    best = (total, take, partners)
-                else:
-                    tried.append((*self._refused, self._reject))
-        if best is None:
-            self._why_not = self._share_refusal(js, tried, rejects)
-            return None
-        total, take, partners = best
-        free_mem = float(min(st.gmem_free[n, g] for n, g in take))
-        plan = memory_plan(job, free_mem, allow_sub_batch=self.sub_batch)
-        if plan is None:
-            self._why_not = f"the best partner's GPUs have {free_mem:.0f} MB free, too little even with the smallest sub-batch"
-            return None
-        mem, sb = plan
-        cpu: dict[int, float] = {}
-        for n, _ in take:
-            cpu[n] = cpu.get(n, 0.0) + q.cpu_cores / k
-        for n, c in cpu.items():
-            if st.cpu_free[n] < c - 1e-9:
-                self._why_not = f"the best partner's node has {st.cpu_free[n]:g} free cores, it needs {c:g}"
-                return None
-        pids = tuple(dict.fromkeys(p[0] for p in partners))
-        p = Placement(job.job_id, tuple(take), cpu=tuple(cpu.items()), gpu_mem_mb=float(mem), mem_mb=q.mem_mb, colocated_with=pids, sub_batch=sb)
-        xa = max(x[2] for x in partners)
-        why = (
-            f"sharing GPUs with {', '.join(pids)}: predicted slowdown {xa:.2f}, GPU-throughput {total / k:+.0%} per GPU"
-            + (f", sub-batch {sb.sub_batch} x {sb.accumulation_steps} steps" if sb else "")
-        )
-        return p, why
-
-    def _node_partners(self, st: ClusterState, n: int, elig, min_mem: float, states) -> dict[str, list[int]]:
-        """Shareable occupants of node n and the GPUs they hold there (cached until the next placement)."""
-        key = (n, min_mem, id(elig))  # elig is cached per (request shape, version), so its id is stable
-        hit = self._partners_cache.get(key)
-        if hit is not None and hit[0] == self._ver:
-            return hit[1]
-        by_partner: dict[str, list[int]] = {}
-        for g in np.flatnonzero(elig[n]).tolist():
-            occ = st.gpu_jobs.get((n, g), ())
-            if len(occ) == 1 and occ[0] in states:
-                by_partner.setdefault(occ[0], []).append(g)
-        self._partners_cache[key] = (self._ver, by_partner)
-        return by_partner
-
-    def _in_plan(self, a: str, b: str) -> bool:
-        return (min(a, b), max(a, b)) in self._plan
-
-    def _update_plan(self, view: SchedulerView, rem) -> None:
-        if not self.use_plan or view.now - self._plan_at < self.plan_interval:
-            return
-        from qosflow.policies.pairing_plan import pairing_plan
-
-        work: dict[str, float] = {}
-        rep = {}
-        for js in list(view.pending) + list(view.running):
-            q = js.job.qos
-            if q.fractional or q.gpus == 0 or not q.shareable:
-                continue
-            work[js.job.model] = work.get(js.job.model, 0.0) + rem[js.job_id] * q.gpus
-            rep.setdefault(js.job.model, js.job)
-        est = view.estimator
-        plan, _alone, _speedup = pairing_plan(work, lambda a, b: est.pair_slowdown(rep[a], rep[b]))
-        self._plan = plan
-        self._plan_at = view.now
-
-    def _accept(self, js: JobState, partners, k: int, queued: bool) -> float | None:
-        """Total GPU-throughput gain of the co-location, or None if it does not pay.
-
-        It pays when the pair's average completion time improves for every partner (SJF-BSBF's test:
-        share now rather than wait for the partner), or, while work is queued, when the GPUs do more
-        work shared than alone by `throughput_gain` per GPU."""
-        xa = max(p[2] for p in partners)
-        total = self._pair_total(partners, k)
-        self._refused = (total / k, xa)  # what the refusal note quotes if this pair is not taken
-        all_gain = all(p[4] > 0 for p in partners)
-        dl = js.job.deadline
-        r = self._rem[js.job_id]
-        if dl is not None and self._now + r <= dl:
-            # a job that can still meet its deadline joins if it still meets it shared
-            if self._now + xa * r <= dl and total > self.DL_COST_FLOOR * k:
-                if self.deadline_band:
-                    xa_h = max(pair_slowdown_high(self._est, js.job, self._states[p[0]].job)[0] for p in partners)
-                    if not self._band_ok(js, xa_h):
-                        self._reject = "DL_BAND"
-                        return None
-                return total + k
-            self._reject = "DL_MISS" if self._now + xa * r > dl else "DL_COST"
-            return None
-        if all_gain and total > 0:
-            return total
-        if queued and total >= self.throughput_gain * k:
-            return total
-        self._reject = "NO_GAIN"
-        return None
-
-    def _pair_total(self, partners, k: int) -> float:
-        """GPU-throughput balance of a co-location: the newcomer's k GPUs at 1/xi_a, minus what each
-        partner's whole gang loses."""
-        total = k / max(p[2] for p in partners)
-        for pid, _n, _xa, xb, _gain in partners:
-            total -= self._gpus_of(pid) * (1.0 - 1.0 / xb)
-        return total
-
-    def _no_slot(self, sig: tuple, why: str) -> None:
-        """Remember (until the next placement) that requests shaped `sig` find no GPU to share."""
-        self._nofit[sig] = self._ver
-        self._nofit_why[sig] = why
-        self._why_not = why
-        return None
-
-    #: a deadline job shares only if the GPUs lose less than this GPU-throughput per GPU it takes
-    DL_COST_FLOOR = -0.5
-
-    #: why a partner was refused (`_partner_value`), in words for the job's note
-    REJECT_WORDS = {
-        "LONG": "it is long against the backlog (on the critical path), and two long jobs would hold both slots of a GPU for long",
-        "CRITICAL": "the jobs it could join are on the critical path (the longest ones) and take only short partners",
-        "PARTNER_DEADLINE": "joining would push a partner past a deadline it can still meet",
-    }
-
-    def _share_refusal(self, js: JobState, tried, rejects: dict[str, int]) -> str:
-        """Why `js` found no GPUs to share, in words (for `Decision.notes`)."""
-        if tried:
-            gain, xa, _code = max(tried)
-            codes = {c for _g, _x, c in tried}
-            if "DL_BAND" in codes:
-                return "sharing meets its deadline at the predicted slowdown, not at the estimator's pessimistic one"
-            if "DL_COST" in codes:
-                worst = max(g for g, _x, c in tried if c == "DL_COST")
-                return f"sharing meets its deadline but slows its partners' gangs too much ({worst:+.0%} GPU-throughput per GPU)"
-            if "DL_MISS" in codes:
-                least = min(x for _g, x, _c in tried)
-                r = self._rem[js.job_id]
-                return (
-                    f"sharing would miss its deadline: the least slowdown on offer is {least:.2f}x "
-                    f"({least * r:.0f}s to run, {js.job.deadline - self._now:.0f}s left)"
-                )
-            return (
-                f"no pair pays: the best does {gain:+.0%} GPU-throughput per GPU at slowdown {xa:.2f}x "
-                f"(needs {self.throughput_gain:+.0%} while jobs queue, or a shorter average completion of the pair)"
-            )
-        if rejects:
-            top = sorted(rejects, key=lambda c: -rejects[c])[:2]
-            return "; ".join(self.REJECT_WORDS.get(c, c) for c in top)
-        if self._plan:
-            return "no partner left: the pairing plan keeps the shareable GPUs for other job types"
-        return "no GPU it could share has room for it"
 
     # ------------------------------------------------------------------ round
     def schedule(self, view: SchedulerView) -> Decision:
