@@ -99,6 +99,8 @@ is decided per job. docs/bench/decisions.md measures a round.
 **Where it lives.** This package holds the policy, one module per concern:
 
 * `policy` -- `QosflowPolicy`: its options and the round (`schedule`).
+* `ordering` -- steps 1 and 2, admission and ordering: weighted SJF, the makespan guard (with its
+  arrival log) and the starvation guard (`BACKLOG_CAP`).
 * `colocation` -- step 3b, GPU co-location: the partner search, whether a pair pays, the pairing
   plan, why a job did not share (`CRITICAL_SHARE`, `LAST_END_SHARE`).
 * `deadlines` -- deadline promises: the deadline rescue and the checks on the error band.
@@ -112,7 +114,8 @@ is decided per job. docs/bench/decisions.md measures a round.
 from qosflow.policies.qosflow_policy.colocation import CRITICAL_SHARE, LAST_END_SHARE
 from qosflow.policies.qosflow_policy.cores import GPU_FEED_CORES
 from qosflow.policies.qosflow_policy.express import EXPRESS, _DeadlineArrivals
-from qosflow.policies.qosflow_policy.policy import BACKLOG_CAP, QosflowPolicy, _ArrivalLog
+from qosflow.policies.qosflow_policy.ordering import BACKLOG_CAP, _ArrivalLog
+from qosflow.policies.qosflow_policy.policy import QosflowPolicy
 
 # (the arrival logs are re-exported for the tests that drive them directly)
 __all__ = [

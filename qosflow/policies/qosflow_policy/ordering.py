@@ -1,0 +1,152 @@
+"""qosflow policy, steps 1 and 2: admission and ordering -- weighted SJF, with the makespan guard
+(and the arrival log it counts inflow with) and the starvation guard."""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from qosflow.core.job import JobState
+from qosflow.policies.base import SchedulerView
+
+#: with `starvation_backlog`, a job's starvation bound is at most this many times the backlog it
+#: found when it was queued: the bound stays finite even if the backlog grows for ever (sustained
+#: overload above twice the capacity), so the guard still reaches every job
+BACKLOG_CAP = 4.0
+
+
+class _ArrivalLog:
+    """GPU work of the jobs seen so far, by submit time: the inflow the makespan guard counts.
+
+    A job's work is its predicted remaining time x GPU demand when first seen. Kept across rounds
+    (the snapshot holds no finished jobs); a clock that goes back (the policy object reused for a
+    new simulation) starts it afresh. Bounded for a worker that runs for months: past `MAX_KEEP`
+    arrivals it forgets those older than twice the longest remaining time it has seen (older ones
+    lie outside any window asked for so far) and the ids of jobs no longer in the snapshot."""
+
+    MAX_KEEP = 100_000
+
+    def __init__(self) -> None:
+        self.times: list[float] = []  # submit times, non-decreasing
+        self.cum: list[float] = [0.0]  # cum[i]: work of the first i arrivals
+        self.seen: set[str] = set()
+        self.now = -math.inf
+        self.longest = 0.0  # longest remaining time seen
+
+    def record(self, view: SchedulerView, rem: dict[str, float]) -> None:
+        if view.now < self.now:
+            self.__init__()
+        self.now = view.now
+        if len(self.times) > self.MAX_KEEP:
+            self._forget(view)
+        new = [js for js in (*view.pending, *view.running) if js.job_id not in self.seen]
+        new.sort(key=lambda js: js.job.submit_time)
+        for js in new:
+            self.seen.add(js.job_id)
+            t = js.job.submit_time
+            if self.times and t < self.times[-1]:
+                t = self.times[-1]  # seen late (e.g. by a restarted worker): counted as arriving now-ish
+            r = rem[js.job_id]
+            if not math.isfinite(r) or r < 0:  # an estimator without an answer: no work to count
+                r = 0.0
+            self.times.append(t)
+            self.cum.append(self.cum[-1] + r * js.job.qos.gpu_demand)
+            self.longest = max(self.longest, r)
+
+    def _forget(self, view: SchedulerView) -> None:
+        cut = bisect.bisect_left(self.times, self.now - 2.0 * self.longest)
+        if cut == 0:
+            return
+        base = self.cum[cut]
+        self.times = self.times[cut:]
+        self.cum = [c - base for c in self.cum[cut:]]
+        self.seen = {js.job_id for js in (*view.pending, *view.running)}
+
+    def work_since(self, t: float) -> float:
+        """GPU-seconds of the jobs that arrived at or after `t`."""
+        return self.cum[-1] - self.cum[bisect.bisect_left(self.times, t)]
+
+
+class OrderingMixin:
+    """The queue's order for `QosflowPolicy`. Reads the options `qos_weight`, `makespan_beta`,
+    `makespan_inflow`, `starvation_bound`, `starvation_backlog`, `guard_share` and the arrival log
+    `_arrivals` (kept across rounds); sets the round's `_backlog`."""
+
+    def _order(self, view: SchedulerView, rem: dict[str, float], notes: dict[str, str]):
+        now = view.now
+        keyed = []
+        # backlog: how long the cluster needs to finish all work it knows of; a job whose own length is
+        # comparable must start now, or it alone will stretch the makespan (LPT near the end)
+        cap = max(1.0, float(view.cluster.gpu_count[~view.cluster.down].sum()))
+        work = sum(rem[js.job_id] * js.job.qos.gpu_demand for js in view.pending)
+        work += sum(rem[js.job_id] * js.job.qos.gpu_demand for js in view.running)
+        backlog = work / cap
+        self._backlog = backlog
+        # the guard only matters while jobs queue for GPUs
+        queueing = sum(js.job.qos.gpu_demand for js in view.pending) > view.cluster.total_empty_gpus()
+        inflow = self.makespan_beta is not None and self.makespan_inflow
+        if inflow:
+            self._arrivals.record(view, rem)
+        for js in view.pending:
+            r = rem[js.job_id]
+            seen = js.tags.get("qosflow_backlog_at_queue")
+            if seen is None or seen[0] != js.queued_since:  # new, or queued again after a failure
+                js.tags["qosflow_backlog_at_queue"] = (js.queued_since, backlog)
+            dl = js.job.deadline
+            long = False
+            coming = 0.0
+            if self.makespan_beta is not None and queueing:
+                if inflow:
+                    # long against the backlog plus the work that will arrive while it runs -- or
+                    # as long as the whole backlog: it then ends after all known work
+                    coming = self._arrivals.work_since(now - r) / cap
+                    long = r >= self.makespan_beta * (backlog + coming) or r >= backlog
+                else:
+                    long = r >= self.makespan_beta * backlog
+            if dl is not None:
+                allowance = dl - now - r
+                if allowance < 0:
+                    notes[js.job_id] = f"deadline out of reach (needs {r:.0f}s, {max(0.0, dl - now):.0f}s left): best effort"
+                elif not (long and r >= backlog):
+                    # weighted SJF -- unless the job alone is as long as the whole backlog: it then
+                    # ends last whatever else runs, so waiting only eats its slack and stretches the
+                    # makespan; the makespan guard starts it early like any long job
+                    keyed.append(((2, r / self.qos_weight, js.job.submit_time), js))
+                    continue
+            if long:
+                keyed.append(((1, -r, js.job.submit_time), js))
+                guard = (
+                    f"long job ({r / 3600:.0f} h) against a backlog of {backlog / 3600:.0f} h"
+                    + (f" plus {coming / 3600:.0f} h of work arriving meanwhile" if coming > 0 else "")
+                    + ": started early to keep the makespan short"
+                )
+                notes[js.job_id] = f"{notes[js.job_id]}; {guard}" if js.job_id in notes else guard
+                continue
+            keyed.append(((2, r, js.job.submit_time), js))
+        # starvation guard: the job that has waited longest beyond the bound goes first and, if it
+        # cannot start, gets a reservation -- one at a time, so every job eventually starts without
+        # turning the queue into FIFO under sustained overload
+        cap_gpus = float(view.cluster.gpu_count[~view.cluster.down].sum())
+        rescued = sum(js.job.qos.gpu_demand for js in view.running if js.tags.get("qosflow_rescued"))
+
+        def bound(js: JobState) -> float:
+            if not self.starvation_backlog:
+                return self.starvation_bound
+            return max(self.starvation_bound, min(backlog, BACKLOG_CAP * js.tags["qosflow_backlog_at_queue"][1]))
+
+        oldest = None
+        for i, (k, js) in enumerate(keyed):
+            if rescued > 0 and rescued + js.job.qos.gpu_demand > self.guard_share * cap_gpus:
+                continue
+            if k[0] == 2 and now - js.queued_since >= bound(js):
+                if oldest is None or js.queued_since < keyed[oldest][1].queued_since:
+                    oldest = i
+        if oldest is not None:
+            k, js = keyed[oldest]
+            keyed[oldest] = ((1, -1e300, js.job.submit_time), js)
+            notes[js.job_id] = (
+                f"waited {(now - js.queued_since) / 3600:.0f} h (starvation bound {bound(js) / 3600:.0f} h), "
+                "longest of all: served first (starvation guard)"
+            )
+        keyed.sort(key=lambda kv: kv[0])
+        return [js for _, js in keyed], [js for k, js in keyed if k[0] == 1 and k[1] == -1e300]
