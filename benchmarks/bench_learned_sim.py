@@ -39,7 +39,7 @@ TARGET_POINTS = 3.0
 def _policy_revision() -> str:
     import subprocess
 
-    path = "qosflow/policies/qosflow_policy.py"
+    path = "qosflow/policies/qosflow_policy"  # the package: every module of the policy
     try:
         rev = subprocess.run(["git", "log", "-1", "--format=%h", "--", path], cwd=ROOT, capture_output=True,
                              text=True).stdout.strip()
@@ -247,7 +247,7 @@ def main() -> None:
         "50 % of jobs get a deadline (seeded); no failures",
         f"- seeds {', '.join(map(str, seeds))}: each sets the deadlines, the noisy errors and the learned estimator's "
         "measurement noise; policies run exactly as in the live worker",
-        f"- `qosflow/policies/qosflow_policy.py` as of {policy_rev} (the policy is still being tuned: its figures "
+        f"- `qosflow/policies/qosflow_policy/` as of {policy_rev} (the policy is still being tuned: its figures "
         "move between versions)",
         "",
         "## DSR and JCT per policy and estimator (mean over seeds)",
