@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import exclusive_key, why_waiting
-import numpy as np
-
 from qosflow.policies.placement import find_share
 from qosflow.policies.qosflow_policy.colocation import CoLocationMixin
 from qosflow.policies.qosflow_policy.cores import CpuCoresMixin
