@@ -1,4 +1,4 @@
-"""qosflow's policy says why a waiting job did not share GPUs (shown in `qosflow simulate` JSON and in
+"""qosflow's policy says why a waiting job did not share GPUs (in `qosflow simulate`'s per-job CSV and in
 the flow-run log of a waiting stage): each reason of refusal has its own words."""
 
 import pytest

@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
         policies: str = typer.Option("fifo,sjf,srtf,tiresias,sjf-ffs,sjf-bsbf,genie,qosflow", "--policies", help="comma-separated policy names (qosflow: ours; the others are the baselines)"),
         seed: int = typer.Option(0, "--seed", help="seed for deadlines, failures, noise and synthetic traces"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
-        out: Optional[Path] = typer.Option(None, "--out", help="directory for PNG plots (default: next to --json)"),
+        out: Optional[Path] = typer.Option(None, "--out", help="directory for the PNG plots and one CSV per run with every job's times, deadline outcome and the policy's note on it, jobs-<policy>.csv (default: next to --json)"),
         estimator: str = typer.Option("oracle", "--estimator", help="what policies know: oracle | noisy | learned | declared; comma-separated (oracle,noisy,learned) runs every policy under each and shows the QoS lost against oracle"),
         error: float = typer.Option(0.3, "--error", help="relative error of the noisy estimator (0.3 = +-30 %)"),
         failures: float = typer.Option(0.0, "--failures", help="share of jobs that fail part-way and are retried (Philly: ~0.3)"),
@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.interference import default_speed_model
         from qosflow.sim.metrics import compute_bounds, compute_metrics
         from qosflow.errors import SpecError, UnknownNameError
-        from qosflow.sim.report import estimator_deltas, plot_results, render_estimator_table, render_table, results_json
+        from qosflow.sim.report import estimator_deltas, plot_results, render_estimator_table, render_table, results_json, write_job_tables
         from qosflow.sim.runner import resolve_workload
 
         console = Console(width=max(120, Console().width))
@@ -147,6 +147,9 @@ def register(app: typer.Typer) -> None:
         if plot_dir and not no_plots:
             files = plot_results(results, metrics, bounds, plot_dir)
             console.print("plots: " + ", ".join(str(f) for f in files))
+        if plot_dir:
+            files = write_job_tables(results, plot_dir)
+            console.print("per-job CSV: " + ", ".join(str(f) for f in files))
         if failed:
             raise SimulationError(
                 f"{len(failed)} run(s) failed: {', '.join(failed)}; the others' results are above"

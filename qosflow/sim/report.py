@@ -1,4 +1,4 @@
-"""Reports of simulation runs: a table on the terminal, JSON, and PNG plots.
+"""Reports of simulation runs: a table on the terminal, JSON, PNG plots, and a per-job CSV per run.
 
 JSON schema (what `qosflow simulate --json` writes):
     {"policies": {"<name>": {"avg_jct": s, "p99_jct": s, "makespan": s, "dsr": 0..1,
@@ -13,6 +13,8 @@ runs (oracle when present), "by_estimator" every run ({"<estimator>": {"<policy>
 
 from __future__ import annotations
 
+import csv
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -81,6 +83,63 @@ def render_table(metrics: Mapping[str, Metrics], bounds: Bounds, title: str = "S
         )
     t.add_row("bound", _fmt_s(bounds.avg_jct), "", "", _fmt_s(bounds.makespan), "", f"{bounds.dsr:.1%}", "", "", "", style="dim")
     return t
+
+
+#: columns of the per-job CSV (`write_job_tables`); times in seconds of simulated time
+JOB_COLUMNS = (
+    "job_id", "status", "gpus", "model", "submit_s", "first_start_s", "finish_s", "queue_s", "jct_s",
+    "deadline_s", "deadline_met", "preemptions", "restarts", "failures", "note",
+)
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
+def job_rows(res: SimResult) -> list[dict[str, Any]]:
+    """One row per job of a run (`JOB_COLUMNS`): when it arrived, started and ended, whether it met its
+    deadline, and the policy's last word on it (why it waited, shared, or took an express node)."""
+    rows = []
+    for js in res.jobs:
+        j = js.job
+        done = js.status is JobStatus.DONE and js.finish_time is not None
+        if j.deadline is None or js.status is JobStatus.REJECTED:
+            met = ""
+        else:
+            met = "yes" if done and js.finish_time <= j.deadline + 1e-6 else "no"
+        rows.append({
+            "job_id": js.job_id,
+            "status": js.status.value if hasattr(js.status, "value") else str(js.status),
+            "gpus": j.qos.gpus,
+            "model": j.model or "",
+            "submit_s": _num(j.submit_time),
+            "first_start_s": _num(js.first_start),
+            "finish_s": _num(js.finish_time if done else None),
+            "queue_s": _num(js.first_start - j.submit_time if js.first_start is not None else None),
+            "jct_s": _num(js.finish_time - j.submit_time if done else None),
+            "deadline_s": _num(j.deadline),
+            "deadline_met": met,
+            "preemptions": js.preemptions,
+            "restarts": js.restarts,
+            "failures": js.failures,
+            "note": js.note,
+        })
+    return rows
+
+
+def write_job_tables(results: Mapping[str, SimResult], out_dir: str | Path) -> list[Path]:
+    """`jobs-<run>.csv` in `out_dir` for every run (`job_rows`), e.g. jobs-qosflow.csv."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for label, res in results.items():
+        path = out / f"jobs-{re.sub(r'[^A-Za-z0-9_.-]+', '-', label).strip('-')}.csv"
+        with path.open("w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=JOB_COLUMNS)
+            w.writeheader()
+            w.writerows(job_rows(res))
+        files.append(path)
+    return files
 
 
 def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics], bounds: Bounds, out_dir: str | Path) -> list[Path]:
