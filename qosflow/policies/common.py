@@ -37,21 +37,38 @@ def why_waiting(state: ClusterState, js: JobState, largest: int | None = None) -
     if largest is None:
         largest = int(state.empty[~state.down].max()) if state.num_nodes else 0
     if q.gpus <= state.spec.max_gpus_per_node:
-        if largest >= q.gpus:
-            return f"waiting: needs {q.gpus} GPUs on one node; {_short_of(state, q)}"
-        return f"waiting: needs {q.gpus} GPUs on one node; largest free block is {largest}"
+        short = _short_of(state, q) if largest >= q.gpus else None
+        return f"waiting: needs {q.gpus} GPUs on one node; {short or f'largest free block is {largest}'}"
     return f"waiting: needs {q.gpus} GPUs on whole free nodes; {free} GPUs free but scattered"
 
 
-def exclusive_key(q) -> tuple:
-    """What decides, besides the GPU count, whether a whole-GPU request fits: GPU model and memory,
-    and cores and host memory per GPU. Allocations only shrink free capacity within a round, so once
-    k GPUs with one key find nothing, k or more GPUs with that key find nothing either."""
-    return (q.gpu_model, q.gpu_mem_mb, q.cpu_cores / q.gpus, q.mem_mb / q.gpus)
+class WholeFailures:
+    """Whole-GPU requests that found nothing this round. What decides, besides the GPU count, whether
+    such a request fits is its GPU model and memory and its cores and host memory per GPU.
+    Allocations only shrink free capacity within a round, so once k GPUs with those needs find
+    nothing, k or more GPUs with the same needs find nothing either. Make one per round; it must not
+    outlive it (a job that ends or is preempted frees capacity)."""
+
+    def __init__(self) -> None:
+        self.failed_k: dict[tuple, int] = {}
+
+    @staticmethod
+    def _key(q) -> tuple:
+        return (q.gpu_model, q.gpu_mem_mb, q.cpu_cores / q.gpus, q.mem_mb / q.gpus)
+
+    def hopeless(self, st: ClusterState, q) -> bool:
+        """Can whole-GPU request `q` not fit, judging by the free GPUs and the failures so far?"""
+        return st.total_empty_gpus() < q.gpus or self.failed_k.get(self._key(q), 1 << 30) <= q.gpus
+
+    def failed(self, q) -> None:
+        """Whole-GPU request `q` found nothing."""
+        key = self._key(q)
+        self.failed_k[key] = min(self.failed_k.get(key, 1 << 30), q.gpus)
 
 
-def _short_of(state: ClusterState, q) -> str:
-    """What the nodes with enough free GPUs for whole-GPU request `q` lack (they have the GPUs)."""
+def _short_of(state: ClusterState, q) -> str | None:
+    """What the nodes with enough free GPUs for whole-GPU request `q` lack (they have the GPUs), or
+    None if some node has all it needs (something else held it back)."""
     nodes = (~state.down) & (state.empty >= q.gpus)
     n = int(nodes.sum())
     where = f"the {n} node{'s' if n > 1 else ''} with {q.gpus} free GPUs"
@@ -64,32 +81,26 @@ def _short_of(state: ClusterState, q) -> str:
         return f"{where} have at most {state.mem_free[fits].max():.0f} MB free host memory of the {q.mem_mb:.0f} MB it needs"
     if not (fits & (state.cpu_free >= q.cpu_cores - 1e-9) & (state.mem_free >= q.mem_mb - 1e-6)).any():
         return f"{where} lack free cores or host memory for it"
-    return f"largest free block is {int(state.empty[~state.down].max())}"
+    return None
 
 
 class ExclusiveSearch:
-    """`find_for` for one round, skipping whole-GPU searches that cannot succeed.
-
-    Allocations only shrink free capacity within a round (GPUs, cores, memory), so once a whole-GPU
-    request of k GPUs finds nothing, every request with the same other needs per GPU and k or more
-    GPUs finds nothing too until the round ends. Make one per round; it must not outlive it (a job
-    that ends or is preempted frees capacity)."""
+    """`find_for` for one round, skipping whole-GPU searches that cannot succeed (`WholeFailures`).
+    Make one per round; it must not outlive it."""
 
     def __init__(self, *, locality: Locality = "consolidated", fit: Fit = "best-fit"):
         self.locality: Locality = locality
         self.fit: Fit = fit
-        self.failed_k: dict[tuple, int] = {}
+        self.failures = WholeFailures()
 
     def __call__(self, st: ClusterState, job) -> Placement | None:
         q = job.qos
         whole = q.gpus > 0 and not q.fractional
-        if whole:
-            sig = exclusive_key(q)
-            if st.total_empty_gpus() < q.gpus or self.failed_k.get(sig, 1 << 30) <= q.gpus:
-                return None
+        if whole and self.failures.hopeless(st, q):
+            return None
         p = find_for(st, job, locality=self.locality, fit=self.fit)
         if p is None and whole:
-            self.failed_k[sig] = min(self.failed_k.get(sig, 1 << 30), q.gpus)
+            self.failures.failed(q)
         return p
 
 

@@ -8,7 +8,7 @@ from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
-from qosflow.policies.common import exclusive_key, why_waiting
+from qosflow.policies.common import WholeFailures, why_waiting
 from qosflow.policies.placement import find_share
 from qosflow.policies.qosflow_policy.colocation import CoLocationMixin
 from qosflow.policies.qosflow_policy.cores import CpuCoresMixin
@@ -187,7 +187,7 @@ class QosflowPolicy(
         #: reserved node only if they are predicted to be done before the reservation starts
         reserved: dict[int, tuple[float, str]] = {}
         max_res = max(1, int(round(self.reserve_share * st.num_nodes)))
-        failed_k: dict[tuple, int] = {}
+        failures = WholeFailures()
         # per GPU: when its last job is predicted to end (kept up to date this round)
         self._end_max = np.zeros(st.njobs.shape)
         for jid, pl in st.allocs.items():
@@ -236,14 +236,13 @@ class QosflowPolicy(
             elif q.fractional:
                 p = find_share(st, js.job, scorer=self.fractional_scorer)
             else:
-                sig = exclusive_key(q)
-                if st.total_empty_gpus() >= q.gpus and failed_k.get(sig, 1 << 30) > q.gpus:
+                if not failures.hopeless(st, q):
                     p = self._whole(st, js.job, "consolidated", r)
                     if p is not None and reserved and blocked(p, now + r):
                         p = self._unreserved_whole(st, js, reserved, now + r)
                         held = p is None
                     if p is None and not reserved:
-                        failed_k[sig] = min(failed_k.get(sig, 1 << 30), q.gpus)
+                        failures.failed(q)
                 has_dl = js.job.deadline is not None and now + r <= js.job.deadline
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
                     share_tries += 1
