@@ -109,7 +109,7 @@ def job_rows(res: SimResult) -> list[dict[str, Any]]:
             met = "yes" if done and js.finish_time <= j.deadline + 1e-6 else "no"
         rows.append({
             "job_id": js.job_id,
-            "status": js.status.value if hasattr(js.status, "value") else str(js.status),
+            "status": js.status.value,
             "gpus": j.qos.gpus,
             "model": j.model or "",
             "submit_s": _num(j.submit_time),
