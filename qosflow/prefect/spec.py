@@ -50,7 +50,7 @@ def build_spec(where: str, **kw: Any) -> QoSSpec:
     for k, unit in NUMBER_FIELDS.items():  # here with a hint how to write it
         v = kw.get(k)
         if v is not None and not _is_number(v):
-            raise SpecError(k, f"must be {_number_of(k, unit)}, got {v!r}{_hint(k, v)}", where=where)
+            raise SpecError(k, f"must be {_number_of(k, unit)}, got {v!r}{number_hint(k, v)}", where=where)
     if "priority" in kw:
         kw["priority"] = PriorityClass.parse(kw["priority"], where=where)
     if kw.get("gpu_model") is not None and not isinstance(kw["gpu_model"], str):
@@ -74,7 +74,7 @@ def _number_of(k: str, unit: str) -> str:
     return f"a number of {unit} or a duration ({DURATION_FORMS})" if k in DURATION_KW else f"a number ({unit})"
 
 
-def _hint(k: str, v: Any, *, duration: bool | None = None) -> str:
+def number_hint(k: str, v: Any, *, duration: bool | None = None) -> str:
     """How to write a number given as a string ('45'): as a number, or for a duration with its unit."""
     if isinstance(v, str) and _finite(v):
         duration = k in DURATION_KW if duration is None else duration
@@ -108,7 +108,7 @@ def check_stage_args(
 
     if expected_duration is not None:
         if not _is_number(expected_duration) or not _finite(expected_duration) or float(expected_duration) <= 0:
-            raise bad("expected_duration", f"must be a positive number of seconds or a duration ({DURATION_FORMS}), got {expected_duration!r}{_hint('expected_duration', expected_duration)}")
+            raise bad("expected_duration", f"must be a positive number of seconds or a duration ({DURATION_FORMS}), got {expected_duration!r}{number_hint('expected_duration', expected_duration)}")
         if spec.deadline is not None and float(expected_duration) > spec.deadline:
             raise bad(
                 "deadline",
@@ -118,7 +118,7 @@ def check_stage_args(
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
         raise bad("batch_size", f"must be a positive integer (the global batch), got {batch_size!r}")
     if early_check is not None and (not _is_number(early_check) or not _finite(early_check) or float(early_check) < 0):
-        raise bad("early_check", f"must be seconds >= 0 (0: never check) or a duration ({DURATION_FORMS}), got {early_check!r}{_hint('early_check', early_check)}")
+        raise bad("early_check", f"must be seconds >= 0 (0: never check) or a duration ({DURATION_FORMS}), got {early_check!r}{number_hint('early_check', early_check)}")
     if early_check and spec.gpus < 1:
         raise bad("early_check", "runs a stage briefly on one GPU first; this stage uses no GPU (gpus=0), so there is nothing to check")
     if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):

@@ -42,7 +42,7 @@ from prefect import flow as prefect_flow
 from qosflow.core.qos import DURATION_FORMS, PriorityClass, QoSSpec, to_seconds
 from qosflow.errors import QosflowError, SpecError
 from qosflow.prefect.dag import StageNode, forecast, split_deadline
-from qosflow.prefect.spec import QOS_FIELDS, STAGE_FIELDS, _hint, build_spec, check_stage_args, job_variables, qos_tags, stage_durations
+from qosflow.prefect.spec import QOS_FIELDS, STAGE_FIELDS, build_spec, check_stage_args, job_variables, number_hint, qos_tags, stage_durations
 
 _TASK_PARAMS = set(inspect.signature(Task.__init__).parameters) - {"self", "fn"}
 _FLOW_PARAMS = set(inspect.signature(prefect_flow).parameters) - {"__fn"}
@@ -731,7 +731,7 @@ def _pipeline_deadline(value: Any, name: str, where: str) -> float | None:
     if d is None:
         return None
     if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d <= 0:
-        raise SpecError(name, f"must be a positive number of seconds after the pipeline starts or a duration ({DURATION_FORMS}), got {value!r}{_hint(name, value, duration=True)}", where=where)
+        raise SpecError(name, f"must be a positive number of seconds after the pipeline starts or a duration ({DURATION_FORMS}), got {value!r}{number_hint(name, value, duration=True)}", where=where)
     return float(d)
 
 
