@@ -143,12 +143,12 @@ def register(app: typer.Typer) -> None:
             data["estimator_deltas"] = estimator_deltas(by_est, baseline)
         if json_out:
             console.print(f"JSON: {write_json_file(json_out, data)}")
-        plot_dir = out or (json_out.parent if json_out else None)
-        if plot_dir and not no_plots:
-            files = plot_results(results, metrics, bounds, plot_dir)
+        out_dir = out or (json_out.parent if json_out else None)
+        if out_dir and not no_plots:
+            files = plot_results(results, metrics, bounds, out_dir)
             console.print("plots: " + ", ".join(str(f) for f in files))
-        if plot_dir:
-            files = write_job_tables(results, plot_dir)
+        if out_dir:
+            files = write_job_tables(results, out_dir)
             console.print("per-job CSV: " + ", ".join(str(f) for f in files))
         if failed:
             raise SimulationError(
