@@ -18,7 +18,9 @@ and in the live worker):
      in the last r seconds (a stand-in for what will arrive while it runs), so under steady load
      only jobs longer than the backlog itself are guarded, and the old rule returns once arrivals
      stop. Without it, a load near 1 (backlog of hours) made most multi-day jobs "long" and every
-     burst was served longest first (docs/policies.md). A deadline job is guarded only
+     burst was served longest first (docs/policies.md). With `makespan_longest` that backlog is
+     never taken as shorter than the longest known job's remaining time (no schedule ends before
+     that job does), so a job with slack against it waits its turn. A deadline job is guarded only
      once it alone is as long as the whole backlog (it ends last whatever else runs); and the job
      that ends last is never slowed by a partner (every hour it loses is an hour of makespan);
    * *starvation guard*: the job that has waited longest past the starvation bound goes first

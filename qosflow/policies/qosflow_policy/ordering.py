@@ -69,8 +69,8 @@ class _ArrivalLog:
 
 class OrderingMixin:
     """The queue's order for `QosflowPolicy`. Reads the options `qos_weight`, `makespan_beta`,
-    `makespan_inflow`, `starvation_bound`, `starvation_backlog`, `guard_share` and the arrival log
-    `_arrivals` (kept across rounds); sets the round's `_backlog`."""
+    `makespan_inflow`, `makespan_longest`, `starvation_bound`, `starvation_backlog`, `guard_share`
+    and the arrival log `_arrivals` (kept across rounds); sets the round's `_backlog`."""
 
     def _order(self, view: SchedulerView, rem: dict[str, float], notes: dict[str, str]):
         now = view.now
@@ -87,6 +87,11 @@ class OrderingMixin:
         inflow = self.makespan_beta is not None and self.makespan_inflow
         if inflow:
             self._arrivals.record(view, rem)
+        # no schedule ends before the longest known job does, so the guard measures a job against that
+        # too: one much shorter than the longest has slack however short the backlog, and waits its
+        # turn (with `makespan_longest`; without it, under moderate load, every job as long as the
+        # backlog of the moment jumped the queue while a far longer one ran anyway)
+        longest = max((x for x in rem.values() if 0 <= x < math.inf), default=0.0) if self.makespan_longest else 0.0
         for js in view.pending:
             r = rem[js.job_id]
             seen = js.tags.get("qosflow_backlog_at_queue")
@@ -100,9 +105,9 @@ class OrderingMixin:
                     # long against the backlog plus the work that will arrive while it runs -- or
                     # as long as the whole backlog: it then ends after all known work
                     coming = self._arrivals.work_since(now - r) / cap
-                    long = r >= self.makespan_beta * (backlog + coming) or r >= backlog
+                    long = r >= self.makespan_beta * max(backlog + coming, longest) or r >= max(backlog, longest)
                 else:
-                    long = r >= self.makespan_beta * backlog
+                    long = r >= self.makespan_beta * max(backlog, longest)
             if dl is not None:
                 allowance = dl - now - r
                 if allowance < 0:
@@ -118,6 +123,7 @@ class OrderingMixin:
                 guard = (
                     f"long job ({r / 3600:.0f} h) against a backlog of {backlog / 3600:.0f} h"
                     + (f" plus {coming / 3600:.0f} h of work arriving meanwhile" if coming > 0 else "")
+                    + (f" and the longest job's {longest / 3600:.0f} h" if longest > backlog + coming else "")
                     + ": started early to keep the makespan short"
                 )
                 notes[js.job_id] = f"{notes[js.job_id]}; {guard}" if js.job_id in notes else guard

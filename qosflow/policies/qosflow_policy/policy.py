@@ -51,6 +51,7 @@ class QosflowPolicy(
         qos_weight: float = 4.0,
         makespan_beta: float | None = 0.5,
         makespan_inflow: bool = True,
+        makespan_longest: bool = True,
         starvation_bound: float = 7 * 86400.0,
         starvation_backlog: bool = True,
         guard_share: float = 0.1,
@@ -78,6 +79,8 @@ class QosflowPolicy(
         _check_number("reserve_share", reserve_share, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (a share of the nodes)")
         if not isinstance(makespan_inflow, bool):
             raise ValueError(f"qosflow policy: makespan_inflow must be true or false, got {makespan_inflow!r}")
+        if not isinstance(makespan_longest, bool):
+            raise ValueError(f"qosflow policy: makespan_longest must be true or false, got {makespan_longest!r}")
         if not isinstance(starvation_backlog, bool):
             raise ValueError(f"qosflow policy: starvation_backlog must be true or false, got {starvation_backlog!r}")
         if not isinstance(deadline_band, bool):
@@ -107,6 +110,8 @@ class QosflowPolicy(
         self.makespan_beta = makespan_beta
         #: ... counting in that backlog the work that arrived in the last r seconds (r: the job's remaining time)
         self.makespan_inflow = makespan_inflow
+        #: ... and never less than the longest remaining time of any known job (no schedule ends sooner)
+        self.makespan_longest = makespan_longest
         self._arrivals = _ArrivalLog()
         #: a job starves after waiting this long (seconds) ...
         self.starvation_bound = starvation_bound
@@ -140,6 +145,7 @@ class QosflowPolicy(
             "qos_weight": self.qos_weight,
             "makespan_beta": self.makespan_beta,
             "makespan_inflow": self.makespan_inflow,
+            "makespan_longest": self.makespan_longest,
             "starvation_bound": self.starvation_bound,
             "starvation_backlog": self.starvation_backlog,
             "guard_share": self.guard_share,
