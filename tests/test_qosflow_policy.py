@@ -202,6 +202,49 @@ def test_makespan_guard_counts_the_work_still_arriving():
         get_policy("qosflow", makespan_inflow="yes")
 
 
+def _a_long_job_runs_while_a_burst_queues():
+    """8 GPUs: an 80 h job and seven 5 h jobs run; a 9 h job and twelve 1 h jobs queue behind them. The
+    backlog is 16.25 h, so the 9 h job is "long" against it alone (>= 0.5 x 16.25 h) -- yet the 80 h job
+    ends long after it whatever the order: it has slack, and need not jump the queue."""
+    spec = ClusterSpec.uniform(1, 8)
+    jobs = [Job("huge", 0.0, QoSSpec(gpus=1), 80 * 3600.0)]
+    jobs += [Job(f"busy{i}", 0.0, QoSSpec(gpus=1), 5 * 3600.0) for i in range(7)]
+    jobs.append(Job("nine_h", 60.0, QoSSpec(gpus=1), 9 * 3600.0))
+    jobs += [Job(f"short{i}", 60.0, QoSSpec(gpus=1), 3600.0) for i in range(12)]
+    return jobs, spec
+
+
+def test_makespan_guard_leaves_a_job_with_slack_against_the_longest_one_in_the_queue():
+    jobs, spec = _a_long_job_runs_while_a_burst_queues()
+    run = lambda **kw: {j.job_id: j for j in simulate(  # noqa: E731
+        jobs, spec, get_policy("qosflow", makespan_inflow=False, **kw), config=SimConfig(restart_overhead=0)).jobs}
+    old = run(makespan_longest=False)
+    assert old["nine_h"].first_start == pytest.approx(5 * 3600.0)  # started with the first free GPUs
+    assert "started early to keep the makespan short" in old["nine_h"].note
+    new = run()
+    # shortest first: the seven GPUs freed at 5 h go to 1 h jobs; it starts an hour later
+    assert new["nine_h"].first_start == pytest.approx(6 * 3600.0)
+    assert "started early" not in new["nine_h"].note, new["nine_h"].note
+    assert sum(new[f"short{i}"].first_start < new["nine_h"].first_start for i in range(12)) == 7
+    # the makespan is the 80 h job's either way
+    for res in (old, new):
+        assert max(j.finish_time for j in res.values()) == pytest.approx(80 * 3600.0)
+    with pytest.raises(ValueError, match="makespan_longest"):
+        get_policy("qosflow", makespan_longest=1)
+
+
+def test_makespan_guard_note_names_the_longest_job_when_it_sets_the_horizon():
+    """Two GPUs busy for 5 h; an 80 h job and three 1 h jobs queue. When the GPUs free, the backlog is
+    41.5 h and the 80 h job longer still: it is guarded, and its note says what it was measured against."""
+    spec = ClusterSpec.uniform(1, 2)
+    jobs = [Job(f"busy{i}", 0.0, QoSSpec(gpus=1), 5 * 3600.0) for i in range(2)]
+    jobs.append(Job("huge", 60.0, QoSSpec(gpus=1), 80 * 3600.0))
+    jobs += [Job(f"short{i}", 60.0, QoSSpec(gpus=1), 3600.0) for i in range(3)]
+    res = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow", makespan_inflow=False), config=SimConfig(restart_overhead=0)).jobs}
+    assert res["huge"].first_start == pytest.approx(5 * 3600.0)
+    assert "against a backlog of 42 h and the longest job's 80 h: started early" in res["huge"].note, res["huge"].note
+
+
 def test_arrival_log_stays_bounded_without_changing_decisions(monkeypatch):
     """A worker that runs for months must not keep every arrival: past MAX_KEEP the log forgets what lies
     beyond twice the longest remaining time -- outside every window the guard asks for, so the schedule
