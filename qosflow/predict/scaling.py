@@ -38,11 +38,6 @@ class ScalingRow:
     ratio: float  # thr(n) / thr(1), > 0
 
 
-#: the last features of a row (`_sibling` value and distance, `_sibling_overhead`): what a job of a family
-#: nobody measured lacks
-_SIBLING_FEATURES = 3
-
-
 class ScalingModel:
     def __init__(self, refs: Sequence[str] = (), *, n_estimators: int = 200, seed: int = 0, n_jobs: int = 1,
                  new_family_model: bool = True):
@@ -125,7 +120,10 @@ class ScalingModel:
         return math.log(n * t1 / max(t1 + c, 0.2 * t1))
 
     def _features(self, job: str, gpu_type: str, gpus: int, consolidated: bool, profile: Mapping[str, float] | None,
-                  exclude: str | None = None) -> list[float]:
+                  exclude: str | None = None) -> tuple[list[float], list[float]]:
+        """A row's features in two parts: those every job has, and those from its family's measured
+        siblings (`_sibling` value and distance, `_sibling_overhead`), which a job of a family nobody
+        measured lacks (NaN)."""
         m = self.meta.get(job)
         prof = profile or {}
         f = [math.log2(gpus), float(consolidated), self._prior(gpu_type, gpus, consolidated)]
@@ -134,9 +132,8 @@ class ScalingModel:
             f.append(prof.get(f"with:{r}", float("nan")))
             f.append(prof.get(f"of:{r}", float("nan")))
         f.append(math.log2(m.batch_size) if m and m.batch_size else -1.0)
-        f += list(self._sibling(job, (gpu_type, gpus, consolidated), exclude))
-        f.append(self._sibling_overhead(job, (gpu_type, gpus, consolidated), exclude))
-        return f
+        row = (gpu_type, gpus, consolidated)
+        return f, [*self._sibling(job, row, exclude), self._sibling_overhead(job, row, exclude)]
 
     def fit(self, rows: Sequence[ScalingRow], meta: Mapping[str, JobMeta], profiles: Mapping[str, Mapping[str, float]]):
         self.meta = dict(meta)
@@ -153,13 +150,13 @@ class ScalingModel:
         self.spread_penalty = float(np.mean(spread) - np.mean(cons)) if cons and spread else math.log(1 / 1.2)
         # the features of a training row must not see the row's own job (the sibling look-up skips it
         # already, and the hardware prior is a median over many jobs)
-        X = [self._features(r.job, r.gpu_type, r.gpus, r.consolidated, self.profiles.get(r.job)) for r in rows]
+        parts = [self._features(r.job, r.gpu_type, r.gpus, r.consolidated, self.profiles.get(r.job)) for r in rows]
         y = [math.log(r.ratio) for r in rows]
         self.n_train = len(rows)
-        self.forest = self._fit_forest(X, y)
+        self.forest = self._fit_forest([base + sib for base, sib in parts], y)
         # a job of a family nobody measured has no sibling features, while in training every job of a
         # family with several batch sizes has them: its queries go to a forest fitted without them
-        self.forest_new_family = self._fit_forest([x[:-_SIBLING_FEATURES] for x in X], y) if self.new_family_model else None
+        self.forest_new_family = self._fit_forest([base for base, _sib in parts], y) if self.new_family_model else None
         return self
 
     def _fit_forest(self, X: list, y: list[float]):
@@ -178,12 +175,14 @@ class ScalingModel:
             self.meta.update(extra_meta)
         profs = dict(self.profiles)
         profs.update(profiles or {})
-        F = np.array([self._features(j, g, n, c, profs.get(j)) for j, g, n, c in queries], dtype=float).reshape(len(queries), -1)
-        new = ~np.isfinite(F[:, -_SIBLING_FEATURES:]).any(axis=1) if self.forest_new_family is not None else np.zeros(len(F), bool)
+        parts = [self._features(j, g, n, c, profs.get(j)) for j, g, n, c in queries]
+        nb = len(parts[0][0]) if parts else 0  # where the sibling features start
+        F = np.array([base + sib for base, sib in parts], dtype=float).reshape(len(queries), -1)
+        new = ~np.isfinite(F[:, nb:]).any(axis=1) if self.forest_new_family is not None else np.zeros(len(F), bool)
         X = _nan_to(F)
         per_tree = per_tree_predictions(self.forest, X) if not new.all() else np.zeros((self.n_estimators, len(F)))
         if new.any():
-            per_tree[:, new] = per_tree_predictions(self.forest_new_family, X[new][:, :-_SIBLING_FEATURES])
+            per_tree[:, new] = per_tree_predictions(self.forest_new_family, X[new][:, :nb])
         mean = np.exp(per_tree.mean(0))
         lo, hi = np.exp(np.percentile(per_tree, [10, 90], axis=0))
         # one GPU is the unit by definition
