@@ -57,7 +57,7 @@ from qosflow.core.estimate import Z_HIGH as Z90
 from qosflow.core.estimate import _unit
 from qosflow.core.job import Job, JobState
 from qosflow.predict.cpu import CpuCurve, fit_curve
-from qosflow.predict.prediction import Prediction
+from qosflow.predict.prediction import INFEASIBLE_SLOWDOWN, Prediction
 from qosflow.predict.reference import parse_signature
 from qosflow.predict.stats import LogStat
 
@@ -81,8 +81,8 @@ DEFAULT_DURATION = 600.0
 DEFAULT_LOG_SD = 1.0
 #: relative width of the interval around a declared duration (users' declarations are rough)
 DECLARED_LOG_SD = 0.5
-#: slowdown bounds handed to policies (the predictor says 10 for pairs measured failing together)
-MAX_SLOWDOWN = 10.0
+#: slowdown bounds handed to policies: at most what the predictor says of pairs measured failing together
+MAX_SLOWDOWN = INFEASIBLE_SLOWDOWN
 #: refit the interference model after this many newly measured co-located pairs
 PAIR_REFIT_EVERY = 8
 #: simulation: a running job's slowdown is read from its progress over intervals of at least this (seconds)

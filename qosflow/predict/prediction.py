@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: slowdown said of pairs measured as unable to run together (e.g. out of GPU memory): the predictor
+#: answers it, and the estimator caps every slowdown it hands to policies at it
+INFEASIBLE_SLOWDOWN = 10.0
+
 
 @dataclass(frozen=True, slots=True)
 class Prediction:

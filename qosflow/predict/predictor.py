@@ -25,15 +25,13 @@ from qosflow.core.estimate import Z_HIGH as Z90
 from qosflow.core.gpu_names import CPU_ONLY
 from qosflow.predict.cpu import CpuCurve, default_curve, fit_curve
 from qosflow.predict.interference import InterferenceModel, JobMeta
-from qosflow.predict.prediction import Prediction
+from qosflow.predict.prediction import INFEASIBLE_SLOWDOWN, Prediction
 from qosflow.predict.reference import ThroughputTable, parse_signature
 from qosflow.predict.scaling import ScalingModel, ScalingRow
 from qosflow.predict.stats import SINGLE_SAMPLE_LOG_SD, LogStat
 
 #: samples of the exact configuration needed before they alone are trusted
 MIN_SAMPLES = 3
-#: slowdown returned for pairs measured as unable to run together (e.g. out of GPU memory)
-INFEASIBLE_SLOWDOWN = 10.0
 DEFAULT_PAIR_SLOWDOWN = 1.4
 
 
