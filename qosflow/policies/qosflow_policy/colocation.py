@@ -64,13 +64,30 @@ class CoLocationMixin:
         return tput, xi_a, xi_b, t_seq - t_con
 
     def _shared_slot(self, st: ClusterState, js: JobState, rem, states, est, now: float, queued: bool) -> tuple[Placement, str] | None:
-        """Co-locate `js` on GPUs that each hold one shareable job, where it pays (see module doc)."""
-        job = js.job
-        q = job.qos
+        """Co-locate `js` on GPUs that each hold one shareable job, where it pays (see module doc):
+        the nodes whose GPUs could take it, each GPU scored by its occupant, the best set of GPUs, and
+        the placement with its memory plan. On None, `_why_not` says why."""
+        q = js.job.qos
         self._why_not = None
         if not q.shareable or q.gpu_mem_mb is None:
             self._why_not = "it may not share a GPU" if not q.shareable else "it declares no GPU memory, so no partner is known to fit"
             return None
+        found = self._share_candidates(st, js)
+        if found is None:
+            return None
+        elig, min_mem, cand = found
+        node_choices, rejects = self._score_partners(st, js, cand, elig, min_mem, rem, states, est, now, queued)
+        best, tried = self._pick_gpus(st, js, node_choices, queued)
+        if best is None:
+            self._why_not = self._share_refusal(js, tried, rejects)
+            return None
+        return self._share_placement(st, js, *best)
+
+    def _share_candidates(self, st: ClusterState, js: JobState):
+        """(eligible GPUs, the least memory the job could run in, candidate nodes) for `js`, or None
+        with `_why_not` set. Cached per request shape until the next placement."""
+        job = js.job
+        q = job.qos
         k = q.gpus
         gmax = max(1, st.spec.max_gpus_per_node)
         node_ok = ~st.down
@@ -115,31 +132,34 @@ class CoLocationMixin:
             return self._no_slot(sig, f"no {k} GPUs on whole nodes each hold a single shareable job with {min_mem:.0f} MB free")
         if not cand:
             return self._no_slot(sig, f"no {'GPU holds' if k == 1 else f'{k} GPUs on one node hold'} a single shareable job with {min_mem:.0f} MB free")
-        cache: dict[str, tuple | None] = {}
+        return elig, min_mem, cand
 
-        def value(pid: str, n_here: int, sbp: float):
-            key = pid
-            if key not in cache:
-                cache[key] = v = self._partner_value(js, states[pid], n_here, rem, est, now, queued, sbp)
+    def _score_partners(self, st: ClusterState, js: JobState, cand, elig, min_mem: float, rem, states, est, now: float, queued: bool):
+        """Per candidate node, its shareable occupants that `js` may join, best first; and how many
+        were refused, by reason code. A partner's penalty is counted once per partner."""
+        cache: dict = {}
+
+        def value(pid: str):
+            if pid not in cache:
+                cache[pid] = v = self._partner_value(js, states[pid], 1, rem, est, now, queued, 1.0)
                 if v is None:
                     cache[("why", pid)] = self._reject
-            return cache[key]
+            return cache[pid]
 
-        # score every candidate GPU by its occupant (a partner's penalty is counted once per partner)
         node_choices = []
         rejects: dict[str, int] = {}
         for n in cand:
             by_partner = self._node_partners(st, n, elig, min_mem, states)
             scored = []
             for pid, gpus in by_partner.items():
-                v = value(pid, 1, 1.0)
+                v = value(pid)
                 if v is None:
                     code = cache[("why", pid)]
                     rejects[code] = rejects.get(code, 0) + 1
                     continue
                 tput, xi_a, xi_b, gain = v
                 per_gpu = 1.0 / xi_a - max(1, states[pid].job.qos.gpus) * (1.0 - 1.0 / xi_b) / len(gpus)
-                if self._plan and not self._in_plan(job.model, states[pid].job.model):
+                if self._plan and not self._in_plan(js.job.model, states[pid].job.model):
                     if not self._has_deadline(js):
                         continue  # leave this partner for the type the pairing plan saves it for
                 scored.append((per_gpu, pid, gpus, xi_a, xi_b, gain))
@@ -147,9 +167,16 @@ class CoLocationMixin:
             # saved), or of the GPU-throughput balance
             scored.sort(key=(lambda x: -x[5]) if self.partner_rank == "benefit" else (lambda x: -x[0]))
             node_choices.append((n, scored))
+        return node_choices, rejects
+
+    def _pick_gpus(self, st: ClusterState, js: JobState, node_choices, queued: bool):
+        """The best (total gain, GPUs, partners) for `js`, or None; and the (gain per GPU, slowdown,
+        why) of the sets refused. A job that fits on one node takes the best node's best partners; a
+        wider gang takes whole nodes, the best first."""
+        k = js.job.qos.gpus
         best = None
-        tried: list[tuple[float, float, str | None]] = []  # (GPU-throughput gain per GPU, slowdown, why) of pairs not taken
-        if k <= gmax:
+        tried: list[tuple[float, float, str | None]] = []
+        if k <= max(1, st.spec.max_gpus_per_node):
             for n, scored in node_choices:
                 take: list[tuple[int, int]] = []
                 partners = []
@@ -182,10 +209,15 @@ class CoLocationMixin:
                     best = (total, take, partners)
                 else:
                     tried.append((*self._refused, self._reject))
-        if best is None:
-            self._why_not = self._share_refusal(js, tried, rejects)
-            return None
-        total, take, partners = best
+        return best, tried
+
+    def _share_placement(self, st: ClusterState, js: JobState, total: float, take, partners) -> tuple[Placement, str] | None:
+        """The placement of `js` on the GPUs `take` beside `partners`: its memory (a sub-batch with
+        gradient accumulation if the full batch does not fit) and cores; None with `_why_not` set if
+        either does not fit after all."""
+        job = js.job
+        q = job.qos
+        k = q.gpus
         free_mem = float(min(st.gmem_free[n, g] for n, g in take))
         plan = memory_plan(job, free_mem, allow_sub_batch=self.sub_batch)
         if plan is None:
