@@ -29,10 +29,10 @@ class CoLocationMixin:
     #: nodes examined per sharing search (the ones with most shareable GPUs), bounding a round's cost
     SHARE_NODES = 16
 
-    def _partner_value(self, js: JobState, partner: JobState, n_gpus_here: int, rem, est, now: float, queued: bool, sb_penalty: float):
-        """(ok, gain in GPU-throughput, xi_a, xi_b, bsbf gain) of `js` joining `partner` on `n_gpus_here` GPUs."""
+    def _partner_value(self, js: JobState, partner: JobState, rem, est, now: float):
+        """(GPU-throughput balance of `js` joining `partner` on one of its GPUs, the slowdowns xi_a and
+        xi_b, SJF-BSBF's gain: the pair's completion time saved), or None with `_reject` saying why not."""
         xi_a, xi_b = est.pair_slowdown(js.job, partner.job)
-        xi_a *= sb_penalty
         t_a, t_b = rem[js.job_id], rem[partner.job_id]
         if self.makespan_beta is not None:
             # jobs on the critical path (long against the backlog) are not slowed for long: a critical
@@ -59,8 +59,8 @@ class CoLocationMixin:
                 return None
         t_con, t_seq = bsbf_times(t_a, t_b, xi_a, xi_b)
         g_b = max(1, partner.job.qos.gpus)
-        # GPU-throughput balance: the newcomer's GPUs at 1/xi_a, minus what the partner's whole gang loses
-        tput = n_gpus_here / xi_a - g_b * (1.0 - 1.0 / xi_b)
+        # GPU-throughput balance: the newcomer's GPU at 1/xi_a, minus what the partner's whole gang loses
+        tput = 1.0 / xi_a - g_b * (1.0 - 1.0 / xi_b)
         return tput, xi_a, xi_b, t_seq - t_con
 
     def _shared_slot(self, st: ClusterState, js: JobState, rem, states, est, now: float, queued: bool) -> tuple[Placement, str] | None:
@@ -76,7 +76,7 @@ class CoLocationMixin:
         if found is None:
             return None
         elig, min_mem, cand = found
-        node_choices, rejects = self._score_partners(st, js, cand, elig, min_mem, rem, states, est, now, queued)
+        node_choices, rejects = self._score_partners(st, js, cand, elig, min_mem, rem, states, est, now)
         best, tried = self._pick_gpus(st, js, node_choices, queued)
         if best is None:
             self._why_not = self._share_refusal(js, tried, rejects)
@@ -134,14 +134,14 @@ class CoLocationMixin:
             return self._no_slot(sig, f"no {'GPU holds' if k == 1 else f'{k} GPUs on one node hold'} a single shareable job with {min_mem:.0f} MB free")
         return elig, min_mem, cand
 
-    def _score_partners(self, st: ClusterState, js: JobState, cand, elig, min_mem: float, rem, states, est, now: float, queued: bool):
+    def _score_partners(self, st: ClusterState, js: JobState, cand, elig, min_mem: float, rem, states, est, now: float):
         """Per candidate node, its shareable occupants that `js` may join, best first; and how many
         were refused, by reason code. A partner's penalty is counted once per partner."""
         cache: dict = {}
 
         def value(pid: str):
             if pid not in cache:
-                cache[pid] = v = self._partner_value(js, states[pid], 1, rem, est, now, queued, 1.0)
+                cache[pid] = v = self._partner_value(js, states[pid], rem, est, now)
                 if v is None:
                     cache[("why", pid)] = self._reject
             return cache[pid]

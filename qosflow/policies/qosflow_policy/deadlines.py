@@ -68,7 +68,7 @@ class DeadlinesMixin:
                 if pid not in states:
                     continue
                 if pid not in partners:
-                    v = self._partner_value(js, states[pid], 1, rem, est, now, True, 1.0)
+                    v = self._partner_value(js, states[pid], rem, est, now)
                     if v is None:
                         continue
                     partners[pid] = v[1]
