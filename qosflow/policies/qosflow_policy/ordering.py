@@ -91,7 +91,9 @@ class OrderingMixin:
         # too: one much shorter than the longest has slack however short the backlog, and waits its
         # turn (with `makespan_longest`; without it, under moderate load, every job as long as the
         # backlog of the moment jumped the queue while a far longer one ran anyway)
-        longest = max((x for x in rem.values() if 0 <= x < math.inf), default=0.0) if self.makespan_longest else 0.0
+        longest = 0.0
+        if self.makespan_beta is not None and self.makespan_longest:
+            longest = max((x for x in rem.values() if 0 <= x < math.inf), default=0.0)
         for js in view.pending:
             r = rem[js.job_id]
             seen = js.tags.get("qosflow_backlog_at_queue")
