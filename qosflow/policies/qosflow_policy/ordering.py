@@ -105,7 +105,8 @@ class OrderingMixin:
             if self.makespan_beta is not None and queueing:
                 if inflow:
                     # long against the backlog plus the work that will arrive while it runs -- or
-                    # as long as the whole backlog: it then ends after all known work
+                    # as long as the whole backlog: it then ends after all known work (with both
+                    # measured against the longest job too, see above)
                     coming = self._arrivals.work_since(now - r) / cap
                     long = r >= self.makespan_beta * max(backlog + coming, longest) or r >= max(backlog, longest)
                 else:

@@ -77,14 +77,10 @@ class QosflowPolicy(
             _check_number(name, value, lambda v: v >= 0, ">= 0 (seconds)")
         _check_number("express_release", express_release, lambda v: v >= 0, ">= 0 (0: the lane never closes)")
         _check_number("reserve_share", reserve_share, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (a share of the nodes)")
-        if not isinstance(makespan_inflow, bool):
-            raise ValueError(f"qosflow policy: makespan_inflow must be true or false, got {makespan_inflow!r}")
-        if not isinstance(makespan_longest, bool):
-            raise ValueError(f"qosflow policy: makespan_longest must be true or false, got {makespan_longest!r}")
-        if not isinstance(starvation_backlog, bool):
-            raise ValueError(f"qosflow policy: starvation_backlog must be true or false, got {starvation_backlog!r}")
-        if not isinstance(deadline_band, bool):
-            raise ValueError(f"qosflow policy: deadline_band must be true or false, got {deadline_band!r}")
+        for name, value in (("makespan_inflow", makespan_inflow), ("makespan_longest", makespan_longest),
+                            ("starvation_backlog", starvation_backlog), ("deadline_band", deadline_band)):
+            if not isinstance(value, bool):
+                raise ValueError(f"qosflow policy: {name} must be true or false, got {value!r}")
         #: check deadline promises against the estimator's pessimistic (about 90th percentile) values
         self.deadline_band = deadline_band
         if partner_rank not in ("benefit", "throughput"):
