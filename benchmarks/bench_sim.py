@@ -66,10 +66,24 @@ def days(x):
     return f"{x / 86400:.2f} d"
 
 
-def verdicts(res, bounds, which="qosflow"):
+def baselines(res):
+    """The baselines' metrics in a `run` result (qosflow's runs left out), and the one with the lowest
+    average JCT."""
     base = {n: m for n, (m, _) in res.items() if n not in QOSFLOW}
+    return base, min(base.values(), key=lambda m: m.avg_jct)
+
+
+def tie_runs(wl, spec, name, exact, *, seed=0):
+    """`exact` (the exact oracle's metrics) and `TIE_ORDERS - 1` runs of `name` with the oracle off by
+    `TIE_ERROR`: only how exact ties are broken changes."""
+    speed = default_speed_model()
+    return [exact] + [simulate_one(wl, spec, name, NoisyEstimator(speed, error=TIE_ERROR, seed=1000 + t), seed=seed)[0]
+                      for t in range(TIE_ORDERS - 1)]
+
+
+def verdicts(res, bounds, which="qosflow"):
+    base, best_jct = baselines(res)
     q = res[which][0]
-    best_jct = min(base.values(), key=lambda m: m.avg_jct)
     best_dsr = max(base.values(), key=lambda m: m.dsr)
     fifo = base.get("fifo")
     tir = base.get("tiresias")
@@ -114,10 +128,8 @@ NOISY_KIND = f"noisy, {NOISE_DRAWS} draws"
 def tie_rows(wl, spec, res):
     """Context rows: qosflow over `TIE_ORDERS` tie orders (the exact oracle's run in `res` and
     `TIE_ORDERS - 1` more), since one run of a chaotic schedule can flatter or wrong it."""
-    speed = default_speed_model()
-    runs = [res["qosflow"][0]] + [simulate_one(wl, spec, "qosflow", NoisyEstimator(speed, error=TIE_ERROR, seed=1000 + t))[0] for t in range(TIE_ORDERS - 1)]
-    base = {n: m for n, (m, _) in res.items() if n not in QOSFLOW}
-    best_jct = min(base.values(), key=lambda m: m.avg_jct)
+    runs = tie_runs(wl, spec, "qosflow", res["qosflow"][0])
+    _base, best_jct = baselines(res)
     jct = [m.avg_jct / best_jct.avg_jct for m in runs]
     dsr = [m.dsr for m in runs]
     label = f"over {TIE_ORDERS} tie orders: mean (range)"
@@ -139,7 +151,7 @@ def seed_section(data, seeds=(0, 1, 2)):
         s_n = simulate_one(wl, spec, "srtf", NoisyEstimator(speed, error=0.3, seed=seed), seed=seed)[0]
         for n in QOSFLOW:
             exact = simulate_one(wl, spec, n, OracleEstimator(speed), seed=seed)[0]
-            ties = [exact] + [simulate_one(wl, spec, n, NoisyEstimator(speed, error=TIE_ERROR, seed=1000 + t), seed=seed)[0] for t in range(TIE_ORDERS - 1)]
+            ties = tie_runs(wl, spec, n, exact, seed=seed)
             noisy = [simulate_one(wl, spec, n, NoisyEstimator(speed, error=0.3, seed=seed + 100 * t), seed=seed)[0] for t in range(NOISE_DRAWS)]
             for kind, ms, base in (("oracle", [exact], s_o), (TIES_KIND, ties, s_o), (NOISY_KIND, noisy, s_n)):
                 jct, dsr = np.mean([m.avg_jct for m in ms]), np.mean([m.dsr for m in ms])
