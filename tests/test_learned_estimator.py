@@ -77,7 +77,8 @@ def test_predictions_carry_their_basis():
     est = _learned()
     p = est.predict_duration(_job(1))
     assert p.basis == "iterations×step-time:samples(n=1)" and p.n_samples == 1 and p.low < p.value < p.high
-    assert est.predict_duration(_job(2, declared=123.0)).basis == "declared"
+    assert est.predict_duration(_job(2, declared=123.0)).basis == "declared+iterations×step-time:samples(n=1)"
+    assert est.predict_duration(_job(20, "unprofiled", iterations=None, declared=123.0)).basis == "declared"
     no_iter = _job(3, "stage", iterations=None, bs=None)
     assert est.predict_duration(no_iter).basis.startswith("prior:default")
     r = est.predict_remaining(JobState(_job(1), progress=0.25, attained=10.0))
@@ -185,6 +186,37 @@ def test_from_store_uses_live_samples_and_writes_finished_stages_back(tmp_path):
     again = LearnedEstimator.from_store(Store.open(url), reference=None)
     assert again.predict_duration(_job(3)).basis == "iterations×step-time:samples(n=4)"
     assert again.predict_duration(_job(4, "etl", iterations=None, bs=None)).basis == "history(n=2)"
+
+
+def test_a_declared_duration_gives_way_to_measured_runs(tmp_path):
+    """A stage declared at 100 s that runs in about 32 s: its runs correct the declaration (the worker's
+    case: every @qos_task stage may declare an expected_duration), in this process and after a restart."""
+    from qosflow.store import Store
+
+    url = f"sqlite:///{tmp_path / 'q.db'}"
+    est = LearnedEstimator.from_store(Store.open(url), reference=None)
+
+    def stage(i: int) -> Job:
+        return _job(i, "flows.retrain.train", iterations=None, declared=100.0)
+
+    first = est.predict_duration(stage(0))
+    assert (first.value, first.basis, first.n_samples) == (100.0, "declared", 0) and first.low < 100.0 < first.high
+    est.observe(stage(1), 31.0)
+    one = est.predict_duration(stage(2))
+    assert one.basis == "declared+history(n=1)" and one.n_samples == 1
+    assert 31.0 < one.value < 36.0  # one run outweighs a rough declaration, not entirely
+    assert one.high / one.value < first.high / first.value  # and the band narrows
+    for i, t in enumerate((33.0, 32.0), start=3):
+        est.observe(stage(i), t)
+    three = est.predict_duration(stage(9))
+    assert three.value == pytest.approx(32.0, rel=0.02) and est.samples(stage(9)) == 3
+    assert est.remaining_high(JobState(stage(9))) == pytest.approx(three.high)
+    again = LearnedEstimator.from_store(Store.open(url), reference=None)
+    assert again.predict_duration(stage(10)).value == pytest.approx(three.value)
+    # a declaration that the runs confirm stays where it is
+    fresh = LearnedEstimator.from_store(Store.open(f"sqlite:///{tmp_path / 'other.db'}"), reference=None)
+    fresh.observe(stage(1), 100.0)
+    assert fresh.duration(stage(2)) == pytest.approx(100.0)
 
 
 def test_make_estimator_learned_without_a_speed_model_opens_the_store(tmp_path, monkeypatch):
