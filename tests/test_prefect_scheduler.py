@@ -232,6 +232,52 @@ def test_at_risk_margin_flags_a_forecast_that_eats_into_the_margin():
         QoSScheduler(ClusterSpec.uniform(1, 1, virtual=True), PriorityFirstFit(), at_risk_margin=1.0)
 
 
+def test_a_stage_running_slower_than_predicted_is_forecast_late(tmp_path):
+    """The forecast of a running stage follows its progress reports: declared 40 s, 25 % done after 30 s.
+    The learned estimator blends the observed rate in (the stage is forecast to end well after its
+    deadline, so it is flagged at risk); the policy's view carries the progress and the time run."""
+    from qosflow.predict.estimator import LearnedEstimator
+    from qosflow.store import Store
+
+    seen: list[tuple[float, float, float]] = []
+
+    class Watch(PriorityFirstFit):
+        def schedule(self, view: SchedulerView) -> Decision:
+            seen.extend((js.progress, js.attained, js.gpu_attained) for js in view.running)
+            return super().schedule(view)
+
+    events = []
+
+    async def main():
+        clock = [1000.0]
+        est = LearnedEstimator.from_store(Store.open(f"sqlite:///{tmp_path / 'q.db'}"), reference=None)
+        s = QoSScheduler(ClusterSpec.uniform(1, 2, cpu_cores=4, virtual=True), Watch(), est, coda=False,
+                         clock=lambda: clock[0], on_event=lambda n, e, p: events.append((n, p)))
+        a = entry("slow", expected=40.0, deadline_at=1050.0)
+        t = await enqueue(s, a)
+        s.round()
+        await settle()
+        assert t.done()
+        assert s.forecast_finish(a) == pytest.approx(1040.0)  # no report yet: start + prediction
+        prog = tmp_path / "slow.progress"
+        prog.write_text(json.dumps({"t": 0, "step": 25, "total": 100}) + "\n")
+        s.attach("slow", None, str(prog))
+        clock[0] = 1030.0
+        s.check_at_risk()
+        f = s.forecast_finish(a)
+        # the prediction alone says 30 s left (1060); the observed rate says 90 s (1120)
+        assert 1075.0 < f < 1120.0
+        risky = [p for n, p in events if n == "qosflow.qos.at-risk"]
+        assert risky and risky[0]["forecast_finish"] == pytest.approx(f)
+        t2 = await enqueue(s, entry("next", expected=5.0))
+        s.round()
+        await settle()
+        assert seen[-1] == (0.25, 30.0, 30.0)
+        t2.cancel()
+
+    asyncio.run(main())
+
+
 def test_history_estimator_learns(tmp_path):
     path = str(tmp_path / "h.json")
     est = HistoryEstimator(path)

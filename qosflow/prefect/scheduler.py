@@ -278,6 +278,7 @@ class QoSScheduler:
         pending = rest
         if not pending:
             return granted
+        self.observe_running(now)
         running = [e.state for e in self.running()]
         view = SchedulerView(now=now, cluster=self.state.snapshot(), pending=[e.state for e in pending], running=running, estimator=self.estimator)
         decision: Decision = self.policy.schedule(view)
@@ -373,6 +374,20 @@ class QoSScheduler:
         return [i for i, o in enumerate(self._cores.get(node, [])) if o == job_id]
 
     # ------------------------------------------------------------------ progress / CODA
+    def observe_running(self, now: float | None = None) -> None:
+        """Bring the running stages' states up to date, as the simulator keeps them: the progress they
+        reported and the wall seconds they have run (`attained`; GPU-seconds in `gpu_attained`). The
+        policy's round and the deadline forecasts read them: an estimator that learns from progress
+        (`learned`) turns them into the remaining time. A rerun after an infrastructure failure starts
+        its work again, so its time counts from its own start."""
+        now = self.clock() if now is None else now
+        for e in self.running():
+            if e.grant is None:
+                continue
+            e.state.attained = max(0.0, now - e.grant.granted_at)
+            e.state.gpu_attained = e.state.attained * len(e.grant.placement.gpus)
+            self.progress_of(e)
+
     def progress_of(self, e: StageEntry) -> float | None:
         if not e.progress_file:
             return None
@@ -463,16 +478,25 @@ class QoSScheduler:
 
     # ------------------------------------------------------------------ QoS risk
     def forecast_finish(self, e: StageEntry, now: float | None = None) -> float:
+        """When the stage should end: a waiting one, now plus its predicted duration; a running one
+        without progress reports, its start plus the duration predicted at its grant; once it reports
+        progress, now plus the estimator's remaining time (`learned` blends the observed rate in, so a
+        stage running slower than predicted is forecast late; others scale the prediction by the work
+        left)."""
         now = self.clock() if now is None else now
         if e.grant is not None:
             frac = e.state.progress
-            remaining = e.grant.predicted_s * (1.0 - frac)
-            started = e.grant.granted_at
-            return max(now, started + e.grant.predicted_s if frac <= 0 else now + remaining)
+            if frac <= 0:
+                return max(now, e.grant.granted_at + e.grant.predicted_s)
+            remaining = float(self.estimator.remaining(e.state))
+            if not math.isfinite(remaining) or remaining < 0:
+                remaining = e.grant.predicted_s * (1.0 - frac)
+            return now + remaining
         return now + float(self.estimator.duration(e.job))
 
     def check_at_risk(self) -> None:
         now = self.clock()
+        self.observe_running(now)
         for e in list(self.entries.values()):
             if e.deadline_at is None or e.at_risk_sent:
                 continue
