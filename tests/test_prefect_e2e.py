@@ -78,11 +78,27 @@ def test_three_stage_pipeline_through_the_worker(qos_worker):
             assert fr.labels["qosflow.host"] == "host0" and fr.labels["qosflow.virtual_gpus"] == "true"
             assert float(fr.labels["qosflow.predicted_s"]) > 0 and fr.labels["qosflow.policy"] == "fifo"
             assert "qosflow.deadline_at" in fr.labels
+            assert fr.labels["qosflow.estimator"] == "learned"  # the policy block's default: the predictor
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
         keys = {a.key for a in c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="qosflow-")))}
         assert {"qosflow-placements-" + run.name.replace("_", "-"), "qosflow-qos-" + run.name.replace("_", "-")} <= keys or any(k.startswith("qosflow-placements-") for k in keys)
         assert any(k.startswith("qosflow-forecast-") for k in keys)
+
+    # the learned estimator wrote each stage's prediction, outcome and history to the qosflow store
+    from qosflow.store import Store
+
+    store = Store.open()
+    ids = {str(rec.flow_run_id) for rec in recs.values()}
+
+    def recorded() -> set:
+        return {h.stage_run_id for h in store.stage_history() if h.state == "COMPLETED" and h.duration_s > 0}
+
+    deadline = time.time() + 30  # the worker records a stage once its process has exited, which may follow the flow's return
+    while not ids <= recorded() and time.time() < deadline:
+        time.sleep(0.2)
+    assert ids <= recorded()
+    assert ids <= {p.stage_run_id for p, o in store.prediction_errors("duration") if o.actual > 0}
 
 
 def test_no_gpu_ever_holds_more_than_two_stages(qos_worker):

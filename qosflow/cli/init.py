@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         cores: float = typer.Option(16.0, "--cores-per-host", min=1, help="CPU cores per host"),
         real_gpus: bool = typer.Option(False, "--real-gpus", help="the worker uses the GPUs NVML finds on its host instead of declaring virtual ones (one host: --hosts, --gpus-per-host and --cores-per-host are then not used)"),
         policy: str = typer.Option("qosflow", "--policy", help="scheduling policy"),
-        estimator: str = typer.Option("history", "--estimator", help="history | declared | learned | module:attr"),
+        estimator: str = typer.Option("learned", "--estimator", help="where duration, slowdown and CPU estimates come from: learned (the predictor and its store: profiles and every finished stage) | history (declared, then the median of past runs) | declared | module:attr"),
         deadline: Optional[float] = typer.Option(None, "--deadline", help="default pipeline deadline (seconds)"),
     ) -> None:
         import asyncio

@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         cluster_block: Optional[str] = typer.Option(None, "--cluster-block", help="cluster block name: a qosflow-bare-metal-cluster, else a qosflow-kubernetes-cluster block (or SLUG/NAME); default: the pool's cluster_block"),
         cluster_file: Optional[Path] = typer.Option(None, "--cluster-file", help="cluster file (YAML/JSON: hosts, agent URLs, token): run the stages through those agents (default: $QOSFLOW_CLUSTER_FILE, else the pool's cluster)"),
         policy: Optional[str] = typer.Option(None, "--policy", help="policy name (overrides the pool's policy block)"),
-        estimator: Optional[str] = typer.Option(None, "--estimator", help="duration estimates: history | declared | learned | module:attr (overrides the pool's policy block)"),
+        estimator: Optional[str] = typer.Option(None, "--estimator", help="where estimates come from: learned | history | declared | module:attr (overrides the pool's policy block, whose default is learned)"),
         limit: Optional[int] = typer.Option(None, "--limit", min=1, help="most stage runs at once"),
     ) -> None:
         import asyncio

@@ -571,7 +571,7 @@ class LearnedEstimator:
         hit = self._rem.get(js.job_id)
         if hit is not None and hit[0] == f and hit[1] == js.attained and hit[2] == v:
             return hit[3]
-        if d.basis.startswith("iterations×"):
+        if d.basis.startswith(("iterations×", "declared+iterations×")):
             pred = d.scaled(1.0 - f, f"progress(f={f:.2f})×{d.basis}")
         else:
             pred = self.predictor.predict_remaining(self._sig_of(js.job)[0], f, js.attained, prior_total=d,

@@ -48,8 +48,10 @@ class QoSPolicy(Block):
     policy: str = Field(default="fifo", description="Scheduling policy name (qosflow.policies.get_policy), e.g. fifo, sjf, genie, qosflow.")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options passed to the policy.")
     estimator: str = Field(
-        default="history",
-        description="Where estimates come from: history (declared duration, then the stage's past runs), declared, learned, or module:attr.",
+        default="learned",
+        description="Where estimates come from: learned (the predictor and its store: profiles, every finished stage; "
+        "declared durations are updated by measured runs), history (declared duration, then the median of the stage's "
+        "past runs, in a JSON file), declared, or module:attr.",
     )
     priority: str = Field(default="normal", description="Default priority class: critical, guaranteed, normal, best-effort.")
     deadline_s: Optional[float] = Field(default=None, description="Default pipeline deadline in seconds after it starts (none: no deadline).")

@@ -563,16 +563,21 @@ class QoSScheduler:
 
 
 # ---------------------------------------------------------------------------------------- estimates
+#: what a stage that declares no expected_duration and has never run is assumed to take (seconds)
+STAGE_DEFAULT_DURATION = 60.0
+
+
 class HistoryEstimator(DeclaredEstimator):
     """Declared duration until a stage has run before; then the median of its last runs.
 
     A stage's signature is `Job.model` (the worker sets it to the stage's qualified name). The
-    history is a small JSON file (the predictor issue replaces it with the qosflow store).
+    history is a small JSON file. The worker's default is the learned estimator (`learned`), which keeps
+    the history in the qosflow store and learns from profiles too; this one stays as the `history` option.
     """
 
     name = "history"
 
-    def __init__(self, path: str | None = None, *, keep: int = 20, default_duration: float = 60.0):
+    def __init__(self, path: str | None = None, *, keep: int = 20, default_duration: float = STAGE_DEFAULT_DURATION):
         super().__init__(default_duration=default_duration)
         self.path = path
         self.keep = keep
@@ -634,24 +639,25 @@ class HistoryEstimator(DeclaredEstimator):
                 pass
 
 
+#: the estimators the worker builds by name (`make_live_estimator`), the default first
+LIVE_ESTIMATORS = ("learned", "history", "declared")
+
+
 def check_estimator_name(kind: str) -> str:
-    """`kind` if the worker can build it (history, declared, learned... or module:attr), else UnknownNameError."""
-    from qosflow.core.estimate import make_estimator
+    """`kind` if the worker can build it (learned, history, declared... or module:attr), else UnknownNameError.
+    Only the name is checked: nothing is built (a learned estimator would open the store)."""
     from qosflow.errors import UnknownNameError
 
-    k = (kind or "history").strip()
-    if k == "history" or ":" in k:
+    k = (kind or "learned").strip()
+    if k in LIVE_ESTIMATORS or ":" in k:
         return k
-    try:
-        make_estimator(k)
-    except UnknownNameError:
-        raise UnknownNameError("estimator", k, ["history", "declared", "learned", "module:attr"]) from None
-    return k
+    raise UnknownNameError("estimator", k, [*LIVE_ESTIMATORS, "module:attr"])
 
 
 def make_live_estimator(kind: str, *, history_path: str | None = None) -> Estimator:
-    """The worker's estimator: `history` (default), `declared`, `learned` (predictor issue) or `module:attr`."""
-    kind = (kind or "history").strip()
+    """The worker's estimator: `learned` (default: the predictor, from the qosflow store), `history`, `declared`
+    or `module:attr`."""
+    kind = (kind or "learned").strip()
     if kind == "history":
         return HistoryEstimator(history_path)
     if ":" in kind:
@@ -660,6 +666,10 @@ def make_live_estimator(kind: str, *, history_path: str | None = None) -> Estima
         mod, attr = kind.split(":", 1)
         obj = getattr(importlib.import_module(mod), attr)
         return obj() if isinstance(obj, type) or callable(obj) and not hasattr(obj, "duration") else obj
+    if kind == "learned":
+        from qosflow.predict.estimator import LearnedEstimator
+
+        return LearnedEstimator.from_store(default_duration=STAGE_DEFAULT_DURATION)
     from qosflow.core.estimate import make_estimator
 
     return make_estimator(kind)

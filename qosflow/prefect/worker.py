@@ -39,13 +39,12 @@ from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.env import env_flag, env_number
 from qosflow.failures import Action, decide
-from qosflow.prefect.scheduler import QoSScheduler, StageCancelled, StageEntry, make_live_estimator
+from qosflow.prefect.scheduler import STAGE_DEFAULT_DURATION, QoSScheduler, StageCancelled, StageEntry, make_live_estimator
 from qosflow.prefect.spec import QOS_FIELDS, spec_from_job_variables
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
 
-STAGE_DEFAULT_DURATION = 60.0
 
 
 def _qos_fields() -> dict[str, Any]:
