@@ -128,3 +128,18 @@ def big_sleeper(path: str) -> None:
     """A 2-GPU stage whose early check (120 s) is still running when the test cancels it."""
     Path(path).write_text(str(os.getpid()))
     time.sleep(300)
+
+
+@qos_task(gpus=1, cpu_cores=1, expected_duration=5)
+def lingering(seconds: float) -> str:
+    """Reports its end, then its process takes `seconds` more to exit (as a stage whose data-loader
+    workers shut down slowly does)."""
+    import atexit
+
+    atexit.register(time.sleep, seconds)
+    return "done"
+
+
+@qos_flow(name="e2e-lingering")
+def lingering_pipeline(seconds: float = 4.0) -> str:
+    return lingering.submit(seconds).result()

@@ -245,3 +245,37 @@ def test_cancelling_a_stage_during_its_early_check(qos_worker, tmp_path):
     assert [ch["verdict"] for ch in checks] == ["cancelled"]
     time.sleep(1.0)
     assert not [r for r in w.records if r["flow_run_id"] == fid]  # never placed on its 2 GPUs
+
+
+def test_a_worker_stopped_as_its_pipeline_returns_still_finishes_its_bookkeeping(prefect_server):
+    """A pipeline returns once its last stage reports its end; the stage's process may exit later, and
+    only then does the worker free the slot, release the lease and record the outcome. Stopping the
+    worker right away (as `qosflow demo` does) must not leave a lease behind for the next worker to
+    "recover", and must still record the stage."""
+    import prefect_pipelines as pp
+
+    from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
+    from qosflow.prefect.local import WorkerThread, setup_pool
+    from qosflow.prefect.tasks import PipelineRun
+    from qosflow.store import Store
+    from qosflow.store.leases import LeaseStore
+
+    pool = "e2e-stop"
+    asyncio.run(setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, 1, cpu_cores=4), policy=QoSPolicy(policy="fifo"),
+                           stream_output=False))
+    before = os.environ.get("QOSFLOW_POOL")
+    os.environ["QOSFLOW_POOL"] = pool
+    w = WorkerThread(pool).wait_ready(120)
+    try:
+        assert pp.lingering_pipeline(4.0) == "done"
+        assert w.worker._in_flight  # the stage's process is still exiting
+    finally:
+        w.stop()
+        if before is None:
+            os.environ.pop("QOSFLOW_POOL", None)
+        else:
+            os.environ["QOSFLOW_POOL"] = before
+    assert not w.is_alive()
+    assert LeaseStore().leases(pool) == []
+    [stage] = PipelineRun.finished[-1].stages.values()
+    assert str(stage.flow_run_id) in {h.stage_run_id for h in Store.open().stage_history() if h.state == "COMPLETED"}

@@ -309,6 +309,7 @@ class WorkerThread(threading.Thread):
         self.error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
+        self.drain_s = 10.0
 
     def run(self) -> None:
         try:
@@ -335,6 +336,8 @@ class WorkerThread(threading.Thread):
         self.ready.set()
         stop = asyncio.create_task(self._stop_event.wait())
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and self.drain_s > 0:
+            await worker.drain(self.drain_s)  # let ended stages finish their bookkeeping (slot, lease, outcome)
         if not task.done():
             task.cancel()
             try:
@@ -358,7 +361,11 @@ class WorkerThread(threading.Thread):
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro_fn(*args), self._loop).result(timeout)
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0, *, drain: float = 10.0) -> None:
+        """Stop the worker: wait up to `drain` seconds for the flow runs it is running to be done with
+        (stages that already reported their end still free their slot, release their lease and record
+        their outcome), then cancel it; join the thread for up to `timeout` seconds."""
+        self.drain_s = drain
         if self._loop is not None and self._stop_event is not None:
             self._loop.call_soon_threadsafe(self._stop_event.set)
         self.join(timeout)

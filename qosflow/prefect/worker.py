@@ -233,6 +233,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self.scheduler: QoSScheduler | None = None
         self.records: list[dict[str, Any]] = []  # one per finished stage (benchmarks, tests)
         self._handles: dict[str, StageHandle] = {}
+        #: flow runs whose `run()` has not returned yet (their stage may have reported its end already)
+        self._in_flight: set[str] = set()
         self._labels_written: dict[str, dict[str, str]] = {}  # flow run id -> the placement labels last written
         self._checked_ok: set[str] = set()  # stage signatures that passed an early check (or finished in one)
         self.early_checks: list[dict[str, Any]] = []  # one record per early check (tests, benchmarks)
@@ -385,6 +387,28 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
     # ------------------------------------------------------------------ run
     async def run(
+        self,
+        flow_run: "FlowRun",
+        configuration: QosflowJobConfiguration,
+        task_status: Optional[anyio.abc.TaskStatus[int]] = None,
+    ) -> QosflowWorkerResult:
+        fid = str(flow_run.id)
+        self._in_flight.add(fid)
+        try:
+            return await self._run(flow_run, configuration, task_status)
+        finally:
+            self._in_flight.discard(fid)
+
+    async def drain(self, timeout: float) -> set[str]:
+        """Wait up to `timeout` seconds for the flow runs this worker is running to be done with: a stage
+        reports its end before its process exits, and only then does the worker free its slot, release
+        its lease and record its outcome. Returns the flow runs still in flight (a stop cancels them)."""
+        end = time.monotonic() + max(0.0, timeout)
+        while self._in_flight and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        return set(self._in_flight)
+
+    async def _run(
         self,
         flow_run: "FlowRun",
         configuration: QosflowJobConfiguration,
@@ -732,6 +756,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             handle = None
         self.recovered.append({"stage_key": fid, "attempt": lease.attempt_id, "nodes": list(lease.nodes), "adopted": handle is not None})
         if handle is None:
+            if await self._final(fid):
+                # e.g. the previous worker stopped between the stage's end and its own bookkeeping
+                self._logger.info("recovery: stage %s (attempt %s on %s) had already ended; its lease is released",
+                                  fid, lease.attempt_id, ",".join(lease.nodes))
+                return
             self._logger.warning("recovery: stage %s (attempt %s on %s) is no longer running; rescheduling its flow run",
                                  fid, lease.attempt_id, ",".join(lease.nodes))
             await self._reschedule(fid, f"qosflow: attempt {lease.attempt_id} on {', '.join(lease.nodes)} was lost while no worker "
