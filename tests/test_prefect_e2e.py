@@ -98,6 +98,13 @@ def test_three_stage_pipeline_through_the_worker(qos_worker):
     while not ids <= recorded() and time.time() < deadline:
         time.sleep(0.2)
     assert ids <= recorded()
+    # the worker judges a stage by the end its engine reported, as the pipeline and the UI do (its
+    # process exits a moment later)
+    mine = {r["flow_run_id"]: r for r in qos_worker.worker.records}
+    for rec in recs.values():
+        w = mine[str(rec.flow_run_id)]
+        assert w["ended"] == pytest.approx(rec.ended, abs=1e-3) and w["ended"] <= w["exited"]
+        assert w["actual_s"] == pytest.approx(w["ended"] - w["launched"], abs=2e-3)
     assert ids <= {p.stage_run_id for p, o in store.prediction_errors("duration") if o.actual > 0}
 
 
