@@ -291,8 +291,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 policy = get_policy(policy)
             estimator = self._estimator_arg
             if estimator is None or isinstance(estimator, str):
-                estimator = make_live_estimator(
-                    estimator or pb.estimator, history_path=str(data_dir() / "prefect" / "stage-history.json")
+                # (off the event loop: the learned estimator opens the store and fits its models, a second or two)
+                estimator = await asyncio.to_thread(
+                    make_live_estimator, estimator or pb.estimator, history_path=str(data_dir() / "prefect" / "stage-history.json")
                 )
             if self._backend is None:
                 self._backend = LocalBackend(cluster)
