@@ -219,6 +219,39 @@ def test_a_declared_duration_gives_way_to_measured_runs(tmp_path):
     assert fresh.duration(stage(2)) == pytest.approx(100.0)
 
 
+def test_worker_stages_teach_step_times_and_measured_slowdowns(tmp_path):
+    """`observe_stage`, the worker's hook: a stage that ran alone and reported its steps gives a solo
+    step-time sample; one that shared its GPU with one partner the whole time gives a measured slowdown
+    (its step time over the solo one) and an isolated duration; one whose partners came and went gives
+    its wall time only."""
+    from qosflow.store import Store
+
+    store = Store.open(f"sqlite:///{tmp_path / 'q.db'}")
+    est = LearnedEstimator.from_store(store, reference=None)
+
+    def stage(i: int, model: str = "train") -> Job:
+        return Job(f"s{i}", 0.0, QoSSpec(gpus=1, cpu_cores=2.0, shareable=True), 60.0, model=model)
+
+    partner = stage(99, "etl")
+    est.observe_stage(stage(1), 50.0, steps=100)  # alone: 0.5 s per step
+    [solo] = store.samples_for("train", co_runner=None)
+    assert solo.step_time_s == pytest.approx(0.5) and solo.steps == 100
+    before = est.pair_slowdown(stage(2), partner)[0]
+    est.observe_stage(stage(3), 80.0, steps=100, partners=[partner], ran_alone=False)  # 0.8 s per step shared
+    [pair] = store.samples_for("train", co_runner="etl")
+    assert pair.step_time_s == pytest.approx(0.8) and pair.stage_run_id == "s3"
+    after = est.pair_slowdown(stage(4), partner)[0]
+    assert abs(after - 1.6) < abs(before - 1.6) and est.stats["colocations_observed"] == 1
+    # the history holds isolated durations: 50 s, and 80 s / 1.6
+    assert est.duration(stage(5)) == pytest.approx(50.0, rel=1e-6)
+    est.observe_stage(stage(6), 70.0, steps=100, partners=[partner], ran_alone=True)  # shared part of the time
+    assert len(store.samples_for("train")) == 2 and est.stats["colocations_observed"] == 1
+    assert [h.duration_s for h in store.stage_history(signature="train")] == [50.0, 80.0, 70.0]
+    # no solo measurement yet: a shared run cannot be turned into a slowdown, and gives no sample
+    est.observe_stage(stage(7, "fresh"), 30.0, steps=10, partners=[partner], ran_alone=False)
+    assert store.samples_for("fresh") == [] and est.stats["colocations_observed"] == 1
+
+
 def test_make_estimator_learned_without_a_speed_model_opens_the_store(tmp_path, monkeypatch):
     monkeypatch.setenv("QOSFLOW_DATABASE_URL", f"sqlite:///{tmp_path / 'live.db'}")
     est = make_estimator("learned")

@@ -106,6 +106,10 @@ def test_three_stage_pipeline_through_the_worker(qos_worker):
         assert w["ended"] == pytest.approx(rec.ended, abs=1e-3) and w["ended"] <= w["exited"]
         assert w["actual_s"] == pytest.approx(w["ended"] - w["launched"], abs=2e-3)
     assert ids <= {p.stage_run_id for p, o in store.prediction_errors("duration") if o.actual > 0}
+    # train reported 5 steps and ran alone on its GPU: a solo step-time sample for the predictor
+    [smp] = [x for x in store.samples_for() if x.stage_run_id == str(recs["train"].flow_run_id)]
+    assert smp.steps == 5 and smp.co_runner is None and smp.source == "stage"
+    assert smp.step_time_s == pytest.approx(mine[str(recs["train"].flow_run_id)]["actual_s"] / 5, rel=1e-3)
 
 
 def test_no_gpu_ever_holds_more_than_two_stages(qos_worker):

@@ -278,6 +278,42 @@ def test_a_stage_running_slower_than_predicted_is_forecast_late(tmp_path):
     asyncio.run(main())
 
 
+def test_the_scheduler_records_who_shared_each_stages_gpus():
+    """note_sharing: `a` starts alone, `b` then shares its GPU, `a` ends and `b` runs on alone. What each
+    saw is what the learned estimator is told at its end (a solo run, a shared run, or a mix)."""
+
+    class ShareGpu0(Policy):
+        name = "test-share-gpu0"
+
+        def schedule(self, view: SchedulerView) -> Decision:
+            d = Decision()
+            for js in view.pending:
+                p = Placement(js.job_id, ((0, 0),), cpu=((0, 1.0),), gpu_mem_mb=1000.0)
+                view.cluster.allocate(p, js.job.qos)
+                d.starts.append(p)
+            return d
+
+    async def main():
+        s = QoSScheduler(ClusterSpec.uniform(1, 2, cpu_cores=4, virtual=True), ShareGpu0(), HistoryEstimator(), coda=False)
+        a, b = entry("a", shareable=True, mem=1000), entry("b", shareable=True, mem=1000)
+        ta = await enqueue(s, a)
+        s.round()
+        await settle()
+        assert ta.done() and a.meta.get("ran_alone") and not a.meta.get("partners")
+        tb = await enqueue(s, b)
+        s.round()
+        await settle()
+        assert tb.done()
+        assert set(a.meta["partners"]) == {"b"} and a.meta["partners"]["b"] is b.job and a.meta["ran_alone"]
+        assert set(b.meta["partners"]) == {"a"} and not b.meta.get("ran_alone")  # so far, shared the whole time
+        s.release("a")
+        assert b.meta.get("ran_alone")  # alone from now on: a mixed run
+        assert s.hold("lease:x", Placement("lease:x", ((0, 0),), cpu=((0, 1.0),), gpu_mem_mb=1000.0), QoSSpec(gpus=1, shareable=True, gpu_mem_mb=1000))
+        assert b.meta["partners"]["lease:x"] is None  # another worker's stage: who it is is unknown
+
+    asyncio.run(main())
+
+
 def test_history_estimator_learns(tmp_path):
     path = str(tmp_path / "h.json")
     est = HistoryEstimator(path)

@@ -835,27 +835,70 @@ class LearnedEstimator:
             del self._spread[k]
         self.stats["spreads_observed"] += 1
 
-    def observe(self, job: Job, actual_s: float) -> None:
-        """Worker hook: a stage finished after `actual_s` seconds. Learned, and written to the store."""
+    def observe(self, job: Job, actual_s: float, *, steps: int | None = None) -> None:
+        """Worker hook: a stage finished after `actual_s` seconds, alone on its GPUs (or where nothing is
+        known about who shared them). `steps` is how many steps it reported (`report_progress`'s total),
+        for a stage that does not state its iterations. Learned, and written to the store."""
         if not (isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0):
             return
         sig, key = self._sig_of(job)
-        t = actual_s / job.iterations if job.iterations else None
+        n = job.iterations or (steps if steps and steps > 0 else None)
+        t = actual_s / n if n else None
         pred = self._dur.get(job.job_id)
         self._learn(job, key, float(actual_s), t)
-        if self.store is not None and self.persist:
-            try:
-                if pred is not None:
-                    self.store.record_prediction(pred[1], signature=sig, target="duration", stage_run_id=job.job_id)
-                self.store.record_outcome(job.job_id, float(actual_s), signature=sig, target="duration")
-                self.store.record_stage(stage_run_id=job.job_id, signature=sig, stage=job.model, state="COMPLETED",
-                                        gpus=job.qos.gpus, steps=job.iterations, duration_s=float(actual_s),
-                                        step_time_s=t, flow_run_id=job.pipeline)
-                if t is not None:
-                    self.store.add_sample(signature=sig, gpus=job.qos.gpus, step_time_s=t, steps=job.iterations,
-                                          source="stage", stage_run_id=job.job_id)
-            except Exception as exc:  # noqa: BLE001 - a database hiccup must not take the worker down
-                log.warning("learned estimator: could not record stage %s in the store: %s", job.job_id, exc)
+        self._persist(job, sig, float(actual_s), pred, t, n)
+
+    def observe_stage(self, job: Job, actual_s: float, *, steps: int | None = None, partners: Sequence[Job] = (),
+                      ran_alone: bool = True) -> None:
+        """Worker hook with what the worker saw of the stage's GPUs: `partners`, every stage that shared
+        them at some point, and `ran_alone`, whether it also ran without one.
+
+        * alone the whole time: as `observe` (a solo step-time sample when it reported its steps);
+        * one partner the whole time, with its steps reported and the signature's solo step time already
+          measured: the ratio is a measured slowdown next to that partner (`observe_colocated`, and a
+          co-located sample in the store); its duration history gets the isolated time (wall / slowdown);
+        * anything else (partners coming and going): the wall time goes to the history as it is, and no
+          step-time sample is taken (it would mix solo and shared intervals).
+        """
+        if not (isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0):
+            return
+        if not partners:
+            self.observe(job, actual_s, steps=steps)
+            return
+        sig, key = self._sig_of(job)
+        n = job.iterations or (steps if steps and steps > 0 else None)
+        pred = self._dur.get(job.job_id)
+        solo = self._steps.get((key, job.qos.gpus))
+        if len(partners) == 1 and not ran_alone and n and solo is not None and solo.n:
+            t = float(actual_s) / n
+            slowdown = t / math.exp(solo.mean)
+            if math.isfinite(slowdown) and slowdown > 0:
+                partner = partners[0]
+                self.observe_colocated(job, partner, max(slowdown, 1.0), _base=math.exp(solo.mean))
+                self._learn(job, key, float(actual_s) / max(slowdown, 1.0), None)
+                self._persist(job, sig, float(actual_s), pred, t, n, co_runner=self._sig_of(partner)[0])
+                return
+        self._learn(job, key, float(actual_s), None)
+        self._persist(job, sig, float(actual_s), pred, None, n)
+
+    def _persist(self, job: Job, sig: str, actual_s: float, pred: Any, t: float | None, n: int | None, *,
+                 co_runner: str | None = None) -> None:
+        """Write a finished stage to the store: the duration prediction it was planned with and its
+        outcome, its history row, and its step time as a sample (solo, or next to `co_runner`)."""
+        if self.store is None or not self.persist:
+            return
+        try:
+            if pred is not None:
+                self.store.record_prediction(pred[1], signature=sig, target="duration", stage_run_id=job.job_id)
+            self.store.record_outcome(job.job_id, actual_s, signature=sig, target="duration")
+            self.store.record_stage(stage_run_id=job.job_id, signature=sig, stage=job.model, state="COMPLETED",
+                                    gpus=job.qos.gpus, steps=n, duration_s=actual_s, step_time_s=t,
+                                    flow_run_id=job.pipeline)
+            if t is not None:
+                self.store.add_sample(signature=sig, gpus=job.qos.gpus, step_time_s=t, steps=n, source="stage",
+                                      stage_run_id=job.job_id, co_runner=co_runner)
+        except Exception as exc:  # noqa: BLE001 - a database hiccup must not take the worker down
+            log.warning("learned estimator: could not record stage %s in the store: %s", job.job_id, exc)
 
     def observe_colocated(self, job: Job, partner: Job, slowdown: float, *, _base: float | None = None,
                           to_predictor: bool = True) -> None:

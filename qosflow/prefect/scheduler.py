@@ -164,6 +164,7 @@ class QoSScheduler:
                     owners[i] = ""
         e.state.status = JobStatus.DONE if ok else JobStatus.FAILED
         e.state.finish_time = self.clock()
+        self.note_sharing()  # the stages it shared GPUs with may run alone from now on
         self.wake()
         return e
 
@@ -185,6 +186,8 @@ class QoSScheduler:
         pred = float(predicted_s if predicted_s is not None else self.estimator.duration(entry.job))
         entry.grant = Grant(placement, dict(cpusets), pred, now, 0.0, "adopted after a worker restart")
         self.entries[entry.job_id] = entry
+        entry.meta["ran_alone"] = True  # (what it shared before the restart is unknown: no shared-run sample)
+        self.note_sharing()
         return entry.grant
 
     def hold(self, key: str, placement: Placement, qos: Any, cores: dict[int, list[int]] | None = None) -> bool:
@@ -201,6 +204,7 @@ class QoSScheduler:
             for c in ids:
                 if 0 <= c < len(owners) and not owners[c]:
                     owners[c] = key
+        self.note_sharing()
         return True
 
     def unhold(self, key: str) -> None:
@@ -210,6 +214,7 @@ class QoSScheduler:
             for i, o in enumerate(owners):
                 if o == key:
                     owners[i] = ""
+        self.note_sharing()
 
     def drop(self, job_id: str, reason: str = "cancelled") -> None:
         """Forget a queued (or running) stage, e.g. when its flow run was cancelled."""
@@ -320,6 +325,7 @@ class QoSScheduler:
         e.state.first_start = e.state.first_start or now
         e.state.last_start = now
         e.grant = Grant(p, cpusets, predicted, now, now - e.ready_at, e.state.note)
+        self.note_sharing()
         assert e.future is not None
         e.future.set_result(e.grant)
         self._emit("qosflow.stage.placed", e, self.describe_grant(e))
@@ -387,6 +393,27 @@ class QoSScheduler:
             e.state.attained = max(0.0, now - e.grant.granted_at)
             e.state.gpu_attained = e.state.attained * len(e.grant.placement.gpus)
             self.progress_of(e)
+
+    def note_sharing(self) -> None:
+        """Record, for every running stage, who shares its GPUs now: `meta["partners"]` collects every
+        stage seen on them (job id -> Job; a slot held for another worker counts with no Job), and
+        `meta["ran_alone"]` is set once it ran with nobody. Sharing changes only when a stage is
+        granted, adopted or released, which is when this runs; the learned estimator then tells a
+        solo run from a shared one (`LearnedEstimator.observe_stage`)."""
+        on: dict[tuple[int, int], list[str]] = {}
+        for jid, pl in self.state.allocs.items():
+            for g in pl.gpus:
+                on.setdefault(g, []).append(jid)
+        for e in self.running():
+            if e.grant is None or not e.grant.placement.gpus:
+                continue
+            here = {j for g in e.grant.placement.gpus for j in on.get(g, ()) if j != e.job_id}
+            partners = e.meta.setdefault("partners", {})
+            for j in here:
+                other = self.entries.get(j)
+                partners.setdefault(j, other.job if other is not None else None)
+            if not here:
+                e.meta["ran_alone"] = True
 
     def progress_of(self, e: StageEntry) -> float | None:
         if not e.progress_file:

@@ -39,6 +39,7 @@ from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.env import env_flag, env_number
 from qosflow.failures import Action, decide
+from qosflow.placement_api import read_progress
 from qosflow.prefect.scheduler import STAGE_DEFAULT_DURATION, QoSScheduler, StageCancelled, StageEntry, make_live_estimator
 from qosflow.prefect.spec import QOS_FIELDS, spec_from_job_variables
 
@@ -596,8 +597,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if reported is not None and launched_at <= reported <= ended:  # (another clock: the process exit)
                 finished = reported
         actual = finished - launched_at
-        if status.ok and hasattr(sched.estimator, "observe"):
-            sched.estimator.observe(job, actual)
+        if status.ok:
+            self._observe(sched, entry, actual)
         rec = dict(info, flow_run_id=fid, ready=entry.ready_at, queued=now, placed=grant.granted_at, launched=launched_at, ended=finished,
                    exited=ended, actual_s=round(actual, 3), exit=status.kind.value, exit_reason=status.reason, attempts=attempts)
         rec["deadline_met"] = None if deadline_at is None else finished <= deadline_at
@@ -1047,6 +1048,24 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         except Exception:
             return None
         return fr.state
+
+    @staticmethod
+    def _observe(sched: QoSScheduler, entry: StageEntry, actual: float) -> None:
+        """Tell the estimator how long a stage took, and -- when it can learn from it (`observe_stage`)
+        -- how many steps it reported and who shared its GPUs (`QoSScheduler.note_sharing`)."""
+        est, job = sched.estimator, entry.state.job
+        observe_stage = getattr(est, "observe_stage", None)
+        if observe_stage is None:
+            if hasattr(est, "observe"):
+                est.observe(job, actual)
+            return
+        rec = read_progress(entry.progress_file) if entry.progress_file else None
+        steps = int(rec["step"]) if rec and isinstance(rec.get("step"), (int, float)) and rec["step"] >= 1 else None
+        partners = entry.meta.get("partners", {})
+        known = [j for j in partners.values() if j is not None]
+        if len(known) < len(partners):  # a slot held for another worker's stage: who it was is unknown
+            steps = None
+        observe_stage(job, actual, steps=steps, partners=known, ran_alone=bool(entry.meta.get("ran_alone")))
 
     async def _reported_end(self, flow_run_id: Any) -> float | None:
         """When the stage's engine reported its flow run's end (epoch seconds), or None if it has not or
