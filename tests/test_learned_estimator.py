@@ -14,6 +14,7 @@ import pytest
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.estimate import Estimator, make_estimator
 from qosflow.core.job import Job, JobState
+from qosflow.core.placement import Placement
 from qosflow.core.qos import QoSSpec
 from qosflow.core.speed import SpeedModel
 from qosflow.predict.estimator import LearnedEstimator, SimulatedProfiler, job_signature
@@ -250,6 +251,13 @@ def test_worker_stages_teach_step_times_and_measured_slowdowns(tmp_path):
     # no solo measurement yet: a shared run cannot be turned into a slowdown, and gives no sample
     est.observe_stage(stage(7, "fresh"), 30.0, steps=10, partners=[partner], ran_alone=False)
     assert store.samples_for("fresh") == [] and est.stats["colocations_observed"] == 1
+    # the worker forgets every stage it is done with: nothing per job stays behind
+    running = stage(8)
+    est.remaining(JobState(running, placement=Placement("s8", ((0, 0),)), progress=0.5, attained=10.0))
+    assert "s8" in est._sig and "s8" in est._where
+    for i in (*range(1, 9), 99):
+        est.forget(stage(i))
+    assert not (est._sig or est._dur or est._rem or est._where or est._jobs)
 
 
 def test_make_estimator_learned_without_a_speed_model_opens_the_store(tmp_path, monkeypatch):

@@ -881,6 +881,12 @@ class LearnedEstimator:
         self._learn(job, key, float(actual_s), None)
         self._persist(job, sig, float(actual_s), pred, None, n)
 
+    def forget(self, job: Job) -> None:
+        """The worker is done with a stage (whatever its end): drop what is kept per job, so that a
+        long-running worker's memory does not grow with every stage it has run."""
+        for per_job in (self._sig, self._dur, self._rem, self._where, self._jobs, self.first_duration):
+            per_job.pop(job.job_id, None)
+
     def _persist(self, job: Job, sig: str, actual_s: float, pred: Any, t: float | None, n: int | None, *,
                  co_runner: str | None = None) -> None:
         """Write a finished stage to the store: the duration prediction it was planned with and its

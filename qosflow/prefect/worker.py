@@ -599,6 +599,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         actual = finished - launched_at
         if status.ok:
             self._observe(sched, entry, actual)
+        if hasattr(sched.estimator, "forget"):
+            sched.estimator.forget(job)
         rec = dict(info, flow_run_id=fid, ready=entry.ready_at, queued=now, placed=grant.granted_at, launched=launched_at, ended=finished,
                    exited=ended, actual_s=round(actual, 3), exit=status.kind.value, exit_reason=status.reason, attempts=attempts)
         rec["deadline_met"] = None if deadline_at is None else finished <= deadline_at
