@@ -243,8 +243,9 @@ def test_worker_stages_teach_step_times_and_measured_slowdowns(tmp_path):
     assert pair.step_time_s == pytest.approx(0.8) and pair.stage_run_id == "s3"
     after = est.pair_slowdown(stage(4), partner)[0]
     assert abs(after - 1.6) < abs(before - 1.6) and est.stats["colocations_observed"] == 1
-    # the history holds isolated durations: 50 s, and 80 s / 1.6
+    # the duration history holds isolated durations: the shared run's 80 s stays out of it
     assert est.duration(stage(5)) == pytest.approx(50.0, rel=1e-6)
+    assert LearnedEstimator.from_store(store, reference=None).duration(stage(5)) == pytest.approx(50.0, rel=1e-6)
     est.observe_stage(stage(6), 70.0, steps=100, partners=[partner], ran_alone=True)  # shared part of the time
     assert len(store.samples_for("train")) == 2 and est.stats["colocations_observed"] == 1
     assert [h.duration_s for h in store.stage_history(signature="train")] == [50.0, 80.0, 70.0]

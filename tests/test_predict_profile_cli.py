@@ -260,3 +260,38 @@ def test_profile_table_without_gpu_fits_100_columns(stage_module, capsys, monkey
     out = capsys.readouterr().out
     assert "no GPU" in out and "n/a (no GPU)" not in out and "GPU util" not in out
     assert "2 steps reached" in out and "CPU cores" in out
+
+
+def test_predict_stages_shows_what_finished_stages_taught(tmp_path, capsys):
+    """`qosflow predict stages` reads what a worker recorded: runs, the duration predicted now and its
+    basis, the error of the predictions the runs were scheduled on, and the step-time samples."""
+    from qosflow.core.job import Job
+    from qosflow.core.qos import QoSSpec
+    from qosflow.predict.estimator import LearnedEstimator
+
+    url = f"sqlite:///{tmp_path / 'w.db'}"
+    est = LearnedEstimator.from_store(Store.open(url), reference=None)
+
+    def stage(i: int, model: str) -> Job:
+        return Job(f"s{i}", 0.0, QoSSpec(gpus=1, cpu_cores=1.0, shareable=True), 60.0, model=model, expected_duration=40.0)
+
+    for i, t in enumerate((20.0, 22.0, 21.0)):
+        j = stage(i, "pipe.train")
+        est.duration(j)  # the prediction the stage is scheduled on (recorded with its outcome)
+        est.observe_stage(j, t, steps=10)
+    est.observe_stage(stage(9, "pipe.train"), 42.0, steps=10, partners=[stage(8, "pipe.etl")], ran_alone=False)
+    est.observe_stage(stage(10, "pipe.etl"), 5.0)
+    out = tmp_path / "stages.json"
+    assert main(["predict", "stages", "--db", url, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pipe.train" in text and "pipe.etl" in text and "MAPE" in text
+    rows = {r["signature"]: r for r in json.loads(out.read_text())}
+    train = rows["pipe.train"]
+    assert train["runs"] == 4 and (train["solo_samples"], train["shared_samples"]) == (3, 1)
+    assert train["co_runners"] == ["pipe.etl"] and train["predictions_scored"] == 3
+    # the first run was planned on the declaration (40 s against 20 s: 100 %); the next on what it had measured
+    assert 1.0 / 3 < train["mape"] < 0.4 and train["last_ape"] < 0.05
+    assert train["basis"] == "history(n=3)" and 20.0 < train["predicts_s"] < 22.0  # the shared run's 42 s left out
+    assert rows["pipe.etl"]["runs"] == 1 and rows["pipe.etl"]["mape"] is None
+    assert main(["predict", "stages", "--db", url, "--signature", "nothing"]) == 0
+    assert "no completed run of signature 'nothing'" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""`qosflow predict eval` (cross-validation on reference tables) and `qosflow profile` (lightweight profiling)."""
+"""`qosflow predict eval` (cross-validation on reference tables), `qosflow predict stages` (what the predictor
+learned from finished stages) and `qosflow profile` (lightweight profiling)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from qosflow.cli.output import progress_bar as _progress_bar
 from qosflow.cli.output import write_json_file as _write_json
 from qosflow.errors import QosflowError
 
-predict_app = typer.Typer(help="The predictor: evaluate it on reference tables.", no_args_is_help=True)
+predict_app = typer.Typer(help="The predictor: evaluate it on reference tables, and see what it learned from finished stages.", no_args_is_help=True)
 
 
 def _pct(x):
@@ -89,6 +90,65 @@ def eval_cmd(
     if json_out is not None:
         _write_json(json_out, result)
         typer.echo(f"wrote {json_out}")
+
+
+@predict_app.command("stages")
+def stages_cmd(
+    signature: Optional[str] = typer.Option(None, "--signature", help="one stage signature only (as the table shows it)"),
+    db: Optional[str] = typer.Option(None, "--db", help="database URL, sqlite:///PATH or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB (default: $QOSFLOW_DATABASE_URL or the SQLite file in $QOSFLOW_HOME)"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the rows here"),
+) -> None:
+    """What the predictor has learned from finished stages, per stage signature.
+
+    Reads the qosflow store a worker writes to (its default estimator, `learned`): runs and durations,
+    the duration it would predict now from them and on what basis (a stage that declares an
+    expected_duration has it blended in as a prior), how far the predictions the stages were scheduled
+    on were off (MAPE), and how many step-time samples it has, solo and shared with another stage.
+
+    Examples:
+
+      qosflow predict stages
+
+      qosflow predict stages --db postgresql+psycopg://qosflow:secret@db/qosflow --json stages.json
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from qosflow.predict.stage_report import stage_report
+    from qosflow.store import Store
+
+    if json_out is not None:
+        _check_output_file(json_out)
+    store = Store.open(db)
+    try:
+        rows = stage_report(store, signature=signature)
+        where = store.safe_url
+    finally:
+        store.close()
+    console = Console()
+    if not rows:
+        what = f"signature {signature!r}" if signature else "any stage"
+        console.print(f"no completed run of {what} in {where} yet: stages are recorded by a qosflow worker with the "
+                      "learned estimator (the QoSPolicy block's default); `qosflow profile` adds step-time samples",
+                      style="yellow")
+    else:
+        from rich import box
+
+        table = Table(title=f"what the predictor learned from finished stages\n({where})", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+        for col in ("stage signature", "runs", "predicts", "basis", "MAPE", "samples"):
+            table.add_column(col, justify="left" if col in ("stage signature", "basis") else "right",
+                             no_wrap=col == "stage signature")
+        for r in rows:
+            mape = "-" if r["mape"] is None else f"{100 * r['mape']:.0f} %"
+            table.add_row(r["signature"], str(r["runs"]), f"{r['predicts_s']:.1f} s", r["basis"], mape,
+                          f"{r['solo_samples']}+{r['shared_samples']}")
+        console.print(table)
+        console.print("predicts: the duration planned with now (its 80 % band and the runs' last and median durations "
+                      "are in --json); MAPE: error of the predictions the runs were scheduled on (how many: in --json); samples: step-time "
+                      "samples solo + shared with another stage")
+    if json_out is not None:
+        _write_json(json_out, rows)
+        console.print(f"wrote {json_out}")
 
 
 def profile_cmd(

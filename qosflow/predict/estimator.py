@@ -386,7 +386,8 @@ class LearnedEstimator:
             if s.co_runner is None and s.placement == "consolidated" and s.source != "reference":
                 self._steps.setdefault((_key(s.signature), int(s.gpus)), _LogStat()).add(s.step_time_s)
         for h in store.stage_history():
-            if h.duration_s and h.duration_s > 0 and h.state == "COMPLETED" and h.signature:
+            # (a run shared with one partner the whole time is not an isolated duration: see observe_stage)
+            if h.duration_s and h.duration_s > 0 and h.state == "COMPLETED" and h.signature and not h.co_runner:
                 self._hist.setdefault((_key(h.signature), None), _LogStat()).add(h.duration_s)
 
     # ------------------------------------------------------------------ helpers
@@ -856,7 +857,8 @@ class LearnedEstimator:
         * alone the whole time: as `observe` (a solo step-time sample when it reported its steps);
         * one partner the whole time, with its steps reported and the signature's solo step time already
           measured: the ratio is a measured slowdown next to that partner (`observe_colocated`, and a
-          co-located sample in the store); its duration history gets the isolated time (wall / slowdown);
+          co-located sample in the store); its wall time stays out of the duration history, which
+          holds isolated durations (the store's row names the partner, so a restart skips it too);
         * anything else (partners coming and going): the wall time goes to the history as it is, and no
           step-time sample is taken (it would mix solo and shared intervals).
         """
@@ -875,7 +877,7 @@ class LearnedEstimator:
             if math.isfinite(slowdown) and slowdown > 0:
                 partner = partners[0]
                 self.observe_colocated(job, partner, max(slowdown, 1.0), _base=math.exp(solo.mean))
-                self._learn(job, key, float(actual_s) / max(slowdown, 1.0), None)
+                self._learn(job, key, None, None)  # (its wall time includes the partner's slowdown)
                 self._persist(job, sig, float(actual_s), pred, t, n, co_runner=self._sig_of(partner)[0])
                 return
         self._learn(job, key, float(actual_s), None)
@@ -899,7 +901,7 @@ class LearnedEstimator:
             self.store.record_outcome(job.job_id, actual_s, signature=sig, target="duration")
             self.store.record_stage(stage_run_id=job.job_id, signature=sig, stage=job.model, state="COMPLETED",
                                     gpus=job.qos.gpus, steps=n, duration_s=actual_s, step_time_s=t,
-                                    flow_run_id=job.pipeline)
+                                    flow_run_id=job.pipeline, co_runner=co_runner)
             if t is not None:
                 self.store.add_sample(signature=sig, gpus=job.qos.gpus, step_time_s=t, steps=n, source="stage",
                                       stage_run_id=job.job_id, co_runner=co_runner)

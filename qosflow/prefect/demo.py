@@ -156,6 +156,8 @@ def run_demo(
             Path(json_out).parent.mkdir(parents=True, exist_ok=True)
             Path(json_out).write_text(json.dumps(report, indent=2, default=str))
             console.print(f"wrote {json_out}")
+        console.print(f"what the predictor learned from these stages (it plans the next runs with it): "
+                      f"QOSFLOW_HOME={os.environ['QOSFLOW_HOME']} qosflow predict stages")
         if ui and keep_open:
             console.print(f"\n[bold green]Prefect UI: {server.ui_url}[/]  (flow runs, placements as labels, artifacts, events). Ctrl-C to stop.")
             try:

@@ -1,0 +1,67 @@
+"""What the predictor has learned from finished stages, per stage signature (`qosflow predict stages`).
+
+Reads the qosflow store the worker writes to (its default estimator, `learned`): the stage history, the
+duration predictions the stages were scheduled on with their outcomes, and the step-time samples. For each
+signature it gives the runs, the duration the learned estimator would predict now (and on what basis), how
+far the recorded predictions were off, and how many solo and shared step-time samples there are.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from qosflow.core.job import Job
+from qosflow.core.qos import QoSSpec
+
+
+def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, Any]]:
+    """One row per stage signature with at least one completed run (all of them, or `signature`'s),
+    most recently run first."""
+    from qosflow.predict.estimator import LearnedEstimator
+
+    runs: dict[str, list[Any]] = defaultdict(list)
+    for h in store.stage_history(signature=signature):
+        if h.signature and h.state == "COMPLETED" and h.duration_s and h.duration_s > 0:
+            runs[h.signature].append(h)
+    if not runs:
+        return []
+    errors: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for pred, out in store.prediction_errors("duration"):
+        if pred.signature in runs and out.actual > 0:
+            errors[pred.signature].append((pred.value, out.actual))
+    samples: dict[str, list[Any]] = defaultdict(list)
+    for smp in store.samples_for(signature):
+        if smp.signature in runs and smp.source == "stage":
+            samples[smp.signature].append(smp)
+    # what the worker would plan with now, from the same store (models unused: durations come from history)
+    est = LearnedEstimator.from_store(store, reference=None, persist=False)
+    rows = []
+    for sig, hs in runs.items():
+        durations = [h.duration_s for h in hs]
+        last = hs[-1]
+        job = Job(f"report:{sig}", 0.0, QoSSpec(gpus=last.gpus, cpu_cores=1.0), durations[-1], model=sig)
+        now = est.predict_duration(job)
+        apes = [abs(p - a) / a for p, a in errors.get(sig, ())]
+        shared = [s for s in samples.get(sig, ()) if s.co_runner]
+        rows.append({
+            "signature": sig,
+            "stage": last.stage,
+            "runs": len(hs),
+            "last_s": round(durations[-1], 3),
+            "median_s": round(statistics.median(durations), 3),
+            "last_run": last.created_at.isoformat() if last.created_at else None,
+            "predicts_s": round(now.value, 3),
+            "predicts_low_s": round(now.low, 3),
+            "predicts_high_s": round(now.high, 3),
+            "basis": now.basis,
+            "predictions_scored": len(apes),
+            "mape": round(statistics.fmean(apes), 4) if apes else None,
+            "last_ape": round(apes[-1], 4) if apes else None,
+            "solo_samples": len(samples.get(sig, ())) - len(shared),
+            "shared_samples": len(shared),
+            "co_runners": sorted({s.co_runner for s in shared}),
+        })
+    rows.sort(key=lambda r: r["last_run"] or "", reverse=True)
+    return rows
