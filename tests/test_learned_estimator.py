@@ -261,6 +261,39 @@ def test_worker_stages_teach_step_times_and_measured_slowdowns(tmp_path):
     assert not (est._sig or est._dur or est._rem or est._where or est._jobs)
 
 
+def test_background_writes_keep_the_database_off_the_callers_thread(tmp_path, monkeypatch):
+    """The worker's estimator writes finished stages from a thread of its own: `observe_stage` returns
+    while the database is still busy (here: held at a gate), learning has happened already, and
+    `flush`/`close` wait for the writes, which land in order."""
+    import threading
+
+    from qosflow.store import Store
+
+    store = Store.open(f"sqlite:///{tmp_path / 'q.db'}")
+    est = LearnedEstimator.from_store(store, reference=None, background_writes=True)
+    gate, entered = threading.Event(), threading.Event()
+    real = store.record_outcome
+
+    def held(*a, **kw):
+        entered.set()
+        gate.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(store, "record_outcome", held)
+    stage = lambda i: Job(f"s{i}", 0.0, QoSSpec(gpus=0, cpu_cores=1.0), 60.0, model="etl")  # noqa: E731
+    est.observe_stage(stage(1), 30.0)
+    est.observe_stage(stage(2), 32.0)
+    assert entered.wait(5) and store.stage_history() == []  # returned; the write waits at the gate
+    assert est.duration(stage(3)) == pytest.approx((30.0 * 32.0) ** 0.5)  # learned all the same
+    assert est.flush(timeout=0.2) is False
+    gate.set()
+    assert est.flush(timeout=10)
+    assert [h.stage_run_id for h in store.stage_history()] == ["s1", "s2"]
+    est.observe_stage(stage(4), 31.0)
+    est.close()
+    assert [h.stage_run_id for h in store.stage_history()] == ["s1", "s2", "s4"]
+
+
 def test_make_estimator_learned_without_a_speed_model_opens_the_store(tmp_path, monkeypatch):
     monkeypatch.setenv("QOSFLOW_DATABASE_URL", f"sqlite:///{tmp_path / 'live.db'}")
     est = make_estimator("learned")

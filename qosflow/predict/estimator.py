@@ -308,6 +308,7 @@ class LearnedEstimator:
         default_duration: float = DEFAULT_DURATION,
         profile_noise: float = PROFILE_NOISE,
         persist: bool | None = None,
+        background_writes: bool = False,
     ):
         if profiler is None and speed is not None:
             profiler = SimulatedProfiler(speed, seed=seed, noise=profile_noise)
@@ -329,6 +330,10 @@ class LearnedEstimator:
         self.profiler = profiler
         self.store = store
         self.persist = (store is not None) if persist is None else persist
+        #: write finished stages to the store from one background thread, in order (the worker: its event
+        #: loop must not wait on the database); `flush()` waits for them, `close()` also ends the thread
+        self.background_writes = background_writes
+        self._writer: Any = None
         self.default_duration = float(default_duration)
         self._sig: dict[str, tuple[str, str]] = {}  # job id -> (signature, canonical key)
         self._steps: dict[tuple[str, int], _LogStat] = {}  # (key, gpus) -> per-iteration solo times
@@ -895,6 +900,36 @@ class LearnedEstimator:
         outcome, its history row, and its step time as a sample (solo, or next to `co_runner`)."""
         if self.store is None or not self.persist:
             return
+        if self.background_writes:
+            if self._writer is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qosflow-store")
+            self._writer.submit(self._write_stage, job, sig, actual_s, pred, t, n, co_runner)
+        else:
+            self._write_stage(job, sig, actual_s, pred, t, n, co_runner)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the finished stages handed to the store so far are written (background writes);
+        False if `timeout` seconds passed first."""
+        if self._writer is None:
+            return True
+        import concurrent.futures
+
+        try:
+            self._writer.submit(lambda: None).result(timeout)  # one thread, in order: the last to run
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Write what is pending and end the background writer (the worker's teardown)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    def _write_stage(self, job: Job, sig: str, actual_s: float, pred: Any, t: float | None, n: int | None,
+                     co_runner: str | None) -> None:
         try:
             if pred is not None:
                 self.store.record_prediction(pred[1], signature=sig, target="duration", stage_run_id=job.job_id)

@@ -696,7 +696,7 @@ def make_live_estimator(kind: str, *, history_path: str | None = None) -> Estima
     if kind == "learned":
         from qosflow.predict.estimator import LearnedEstimator
 
-        return LearnedEstimator.from_store(default_duration=STAGE_DEFAULT_DURATION)
+        return LearnedEstimator.from_store(default_duration=STAGE_DEFAULT_DURATION, background_writes=True)
     from qosflow.core.estimate import make_estimator
 
     return make_estimator(kind)

@@ -383,6 +383,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             t.cancel()
         if self.scheduler is not None:
             await self.scheduler.stop()
+            close = getattr(self.scheduler.estimator, "close", None)
+            if close is not None:  # (the learned estimator writes finished stages in the background)
+                await asyncio.to_thread(close)
         if self._backend is not None:
             await self._backend.aclose()
         await super().teardown(*exc_info)
