@@ -510,3 +510,18 @@ def test_history_estimator_states_a_band_from_the_stages_own_runs(tmp_path):
     assert r == 12.0 and hi == pytest.approx(12.0 + 1.2816 * h.spread(e.job), rel=1e-3) and hi > 13.5
     e.state.progress = 0.5
     assert remaining_high(h, e.state) == pytest.approx(hi / 2)
+
+
+def test_the_learned_estimator_says_how_to_fix_an_unreachable_store(monkeypatch):
+    """The worker's default estimator keeps its data in the qosflow store: a store it cannot open fails
+    its setup (the worker then takes no run and says why every 5 s) with the database's error and the
+    two ways out."""
+    from qosflow.errors import QosflowError
+    from qosflow.prefect.scheduler import make_live_estimator
+
+    monkeypatch.setenv("QOSFLOW_DATABASE_URL", "mysql://nobody@nowhere/qosflow")
+    with pytest.raises(QosflowError) as ei:
+        make_live_estimator("learned")
+    text = str(ei.value)
+    assert "not 'mysql'" in text and "QOSFLOW_DATABASE_URL" in text and "estimator to `history`" in text
+    assert make_live_estimator("history").name == "history"  # the way out works without the database

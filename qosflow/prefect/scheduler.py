@@ -694,9 +694,16 @@ def make_live_estimator(kind: str, *, history_path: str | None = None) -> Estima
         obj = getattr(importlib.import_module(mod), attr)
         return obj() if isinstance(obj, type) or callable(obj) and not hasattr(obj, "duration") else obj
     if kind == "learned":
+        from qosflow.errors import QosflowError
         from qosflow.predict.estimator import LearnedEstimator
 
-        return LearnedEstimator.from_store(default_duration=STAGE_DEFAULT_DURATION, background_writes=True)
+        try:
+            return LearnedEstimator.from_store(default_duration=STAGE_DEFAULT_DURATION, background_writes=True)
+        except QosflowError as exc:
+            raise QosflowError(
+                f"{str(exc).rstrip()}\nThe worker's estimator `learned` keeps what it learns in that database: make it reachable "
+                "(or point $QOSFLOW_DATABASE_URL at one that is), or set the QoS policy block's estimator to `history`"
+            ) from exc
     from qosflow.core.estimate import make_estimator
 
     return make_estimator(kind)
