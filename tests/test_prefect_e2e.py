@@ -28,6 +28,7 @@ def qos_worker(prefect_server, tmp_path_factory):
     pool = "e2e-gpu"
     cluster = BareMetalGPUCluster.virtual(1, 2, cpu_cores=8)  # one host, 2 virtual GPUs
     asyncio.run(setup_pool(pool, cluster=cluster, policy=QoSPolicy(policy="fifo", options={"backfill": True}), stream_output=False))
+    os.environ["QOSFLOW_PREDICTOR_ARTIFACT_SECONDS"] = "0.5"
     w = WorkerThread(pool).wait_ready(120)
     os.environ["QOSFLOW_POOL"] = pool
     yield w
@@ -84,6 +85,28 @@ def test_three_stage_pipeline_through_the_worker(qos_worker):
         keys = {a.key for a in c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="qosflow-")))}
         assert {"qosflow-placements-" + run.name.replace("_", "-"), "qosflow-qos-" + run.name.replace("_", "-")} <= keys or any(k.startswith("qosflow-placements-") for k in keys)
         assert any(k.startswith("qosflow-forecast-") for k in keys)
+
+    # the predictor table in the UI: what the worker's estimator learned from the stages it ran
+    import json
+
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    key = "qosflow-predictor-e2e-gpu"
+    names: set = set()
+    end = time.time() + 30
+    while time.time() < end:
+        with _client() as c:
+            arts = c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+        if arts:
+            latest = max(arts, key=lambda a: a.created)
+            rows = json.loads(latest.data) if isinstance(latest.data, str) else latest.data
+            names = {r["stage"].rsplit(".", 1)[-1] for r in rows}
+            if {"load", "train", "evaluate"} <= names:
+                break
+        time.sleep(0.5)
+    assert {"load", "train", "evaluate"} <= names, names
+    row = next(r for r in rows if r["stage"].endswith("train"))
+    assert row["runs"] >= 1 and row["predicts next (s)"] > 0 and row["basis"].startswith("declared+")
 
     # the learned estimator wrote each stage's prediction, outcome and history to the qosflow store
     from qosflow.store import Store

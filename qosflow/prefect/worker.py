@@ -236,6 +236,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._handles: dict[str, StageHandle] = {}
         #: flow runs whose `run()` has not returned yet (their stage may have reported its end already)
         self._in_flight: set[str] = set()
+        #: what the estimator learned from the stages this worker ran, per stage (the UI's predictor table)
+        self._learned: dict[str, dict[str, Any]] = {}
+        self._learned_published = -math.inf
+        self._learned_task: asyncio.Task | None = None
+        self._learned_run: str | None = None
+        self.predictor_artifact_s = env_number("QOSFLOW_PREDICTOR_ARTIFACT_SECONDS", 30.0, minimum=0.0)
         self._labels_written: dict[str, dict[str, str]] = {}  # flow run id -> the placement labels last written
         self._checked_ok: set[str] = set()  # stage signatures that passed an early check (or finished in one)
         self.early_checks: list[dict[str, Any]] = []  # one record per early check (tests, benchmarks)
@@ -381,6 +387,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._health_task.cancel()
         for t in list(self._adopted_tasks):
             t.cancel()
+        if self._learned_task is not None:
+            self._learned_task.cancel()
         if self.scheduler is not None:
             await self.scheduler.stop()
             close = getattr(self.scheduler.estimator, "close", None)
@@ -602,6 +610,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         actual = finished - launched_at
         if status.ok:
             self._observe(sched, entry, actual)
+            self._note_learned(sched, entry, actual)
         if hasattr(sched.estimator, "forget"):
             sched.estimator.forget(job)
         rec = dict(info, flow_run_id=fid, ready=entry.ready_at, queued=now, placed=grant.granted_at, launched=launched_at, ended=finished,
@@ -1071,6 +1080,56 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if len(known) < len(partners):  # a slot held for another worker's stage: who it was is unknown
             steps = None
         observe_stage(job, actual, steps=steps, partners=known, ran_alone=bool(entry.meta.get("ran_alone")))
+
+    def _note_learned(self, sched: QoSScheduler, entry: StageEntry, actual: float) -> None:
+        """Keep, per stage, what the UI's predictor table shows: runs, the last duration, the error of the
+        predictions the runs were placed on, and the duration the estimator predicts for the next run."""
+        est, job = sched.estimator, entry.state.job
+        r = self._learned.setdefault(job.model, {"runs": 0, "apes": []})
+        r["runs"] += 1
+        r["last_s"] = actual
+        if entry.grant is not None and entry.grant.predicted_s > 0 and actual > 0:
+            r["apes"] = (r["apes"] + [abs(entry.grant.predicted_s - actual) / actual])[-50:]
+        nxt = dataclasses.replace(job, job_id=f"next:{job.job_id}")
+        try:
+            predict = getattr(est, "predict_duration", None)
+            if predict is not None:
+                p = predict(nxt)
+                r["predicts_s"], r["basis"] = p.value, p.basis
+            else:
+                r["predicts_s"] = float(est.duration(nxt))
+                r["basis"] = est.basis(nxt) if hasattr(est, "basis") else getattr(est, "name", "")
+        finally:
+            if hasattr(est, "forget"):
+                est.forget(nxt)
+        self._learned_run = entry.flow_run_id or entry.job_id  # the version is linked to the stage run that updated it
+        if self._learned_task is None or self._learned_task.done():
+            self._learned_task = asyncio.get_running_loop().create_task(self._publish_learned(), name="qosflow-predictor-artifact")
+
+    async def _publish_learned(self) -> None:
+        """The predictor table artifact (`qosflow-predictor-<pool>`, a new version at most every
+        QOSFLOW_PREDICTOR_ARTIFACT_SECONDS): what the worker's estimator learned from the stages it ran."""
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        from qosflow.prefect.tasks import _slug
+
+        wait = self._learned_published + self.predictor_artifact_s - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._learned_published = time.monotonic()
+        est = self.scheduler.estimator if self.scheduler is not None else None
+        rows = [{"stage": name, "runs": r["runs"], "last (s)": round(r["last_s"], 1),
+                 "predicts next (s)": round(r["predicts_s"], 1), "basis": r["basis"],
+                 "MAPE of placed predictions": "-" if not r["apes"] else f"{100 * sum(r['apes']) / len(r['apes']):.0f} %"}
+                for name, r in sorted(self._learned.items())]
+        try:
+            await self.client.create_artifact(ArtifactCreate(
+                key=f"qosflow-predictor-{_slug(self._work_pool_name)}", type="table", data=json.dumps(rows),
+                flow_run_id=self._learned_run,
+                description=f"What the qosflow worker's estimator ({getattr(est, 'name', 'estimator')}) learned from the stages it "
+                            "ran since it started; the whole store: `qosflow predict stages`"))
+        except Exception as exc:  # the UI's table is a view: never let it fail a stage
+            self._logger.warning("could not write the predictor artifact: %s", exc)
 
     async def _reported_end(self, flow_run_id: Any) -> float | None:
         """When the stage's engine reported its flow run's end (epoch seconds), or None if it has not or
