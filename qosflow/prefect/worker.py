@@ -610,7 +610,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         actual = finished - launched_at
         if status.ok:
             self._observe(sched, entry, actual)
-            self._note_learned(sched, entry, actual)
+            try:
+                self._note_learned(sched, entry, actual)
+            except Exception as exc:  # the UI's predictor table is a view: never let it fail a stage
+                self._logger.warning("predictor table: could not note stage %s: %s", name, exc)
         if hasattr(sched.estimator, "forget"):
             sched.estimator.forget(job)
         rec = dict(info, flow_run_id=fid, ready=entry.ready_at, queued=now, placed=grant.granted_at, launched=launched_at, ended=finished,
