@@ -295,3 +295,36 @@ def test_predict_stages_shows_what_finished_stages_taught(tmp_path, capsys):
     assert rows["pipe.etl"]["runs"] == 1 and rows["pipe.etl"]["mape"] is None
     assert main(["predict", "stages", "--db", url, "--signature", "nothing"]) == 0
     assert "no completed run of signature 'nothing'" in capsys.readouterr().out
+
+
+def test_profile_stores_under_the_signature_the_worker_gives_the_stage(stage_module, tmp_path):
+    """A profile is only worth something to the worker if its samples carry the stage's signature:
+    module.function, plus /bsN for a @qos_task with a batch size (whose function is run directly, not as a
+    Prefect task). --signature still overrides it."""
+    from qosflow.core.job import Job
+    from qosflow.core.qos import QoSSpec
+    from qosflow.predict.estimator import LearnedEstimator, job_signature
+
+    store = Store.open(f"sqlite:///{tmp_path / 's.db'}")
+    (tmp_path / "toy_qos_stage.py").write_text(textwrap.dedent("""
+        import qosflow
+        from qosflow import qos_task
+
+        @qos_task(gpus=1, cpu_cores=1, batch_size=32, expected_duration=30)
+        def stage(steps=4):
+            for _ in qosflow.track(range(steps)):
+                pass
+    """))
+    res = profile("toy_qos_stage:stage", 3, cores=[1], budget_s=60, store=store)
+    assert res.signature == "toy_qos_stage.stage/bs32" and res.configs[0].steps == 3
+    worker_job = Job("f1", 0.0, QoSSpec(gpus=1, cpu_cores=1.0), 30.0, model="toy_qos_stage.stage", batch_size=32)
+    assert job_signature(worker_job) == res.signature  # what the worker calls the stage
+    assert {x.signature for x in store.samples_for()} == {"toy_qos_stage.stage/bs32"}
+    est = LearnedEstimator.from_store(store, reference=None)
+    if detect_gpu().present:  # the worker's estimate of the stage rests on the profile
+        assert est.predict_duration(Job("f2", 0.0, QoSSpec(gpus=1, cpu_cores=1.0), 30.0, model="toy_qos_stage.stage",
+                                        batch_size=32, iterations=100)).basis.startswith("iterations×step-time:samples(")
+    else:  # a CPU-only profile (its CPU curve needs two core counts) never gives a GPU step time
+        assert [x.gpus for x in store.samples_for(res.signature)] == [0]
+    assert profile("toy_stage:train", 2, cores=[1], budget_s=60).signature == "toy_stage.train"
+    assert profile("toy_stage:train", 2, cores=[1], budget_s=60, signature="mine").signature == "mine"

@@ -156,7 +156,7 @@ def profile_cmd(
     steps: int = typer.Option(20, "--steps", min=1, help="steps to measure per configuration (after one warm-up step)"),
     cores: Optional[str] = typer.Option(None, "--cores", help="comma-separated CPU core counts (default: half and all)"),
     budget: float = typer.Option(60.0, "--budget", help="seconds per configuration at most (> 0); the function is stopped then"),
-    signature: Optional[str] = typer.Option(None, "--signature", help="job signature to store the samples under (default: TARGET)"),
+    signature: Optional[str] = typer.Option(None, "--signature", help="job signature to store the samples under (default: the one the worker gives the stage, MODULE.FUNCTION, plus /bsN for a @qos_task with a batch_size)"),
     db: Optional[str] = typer.Option(None, "--db", help="database URL, sqlite:///PATH or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB (default: $QOSFLOW_DATABASE_URL or the SQLite file in $QOSFLOW_HOME)"),
     no_store: bool = typer.Option(False, "--no-store", help="measure only, store nothing"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the measurements here"),

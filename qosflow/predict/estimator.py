@@ -93,9 +93,15 @@ IN_FLIGHT_INTERVAL = 1800.0
 def job_signature(job: Job) -> str:
     """The predictor signature of a job: its model and batch size ('resnet18/bs128'); a model name that
     already carries its batch size ('ResNet-50 (batch size 64)') or has none is used as it is."""
-    if job.batch_size and parse_signature(job.model)[1] is None:
-        return f"{job.model}/bs{job.batch_size}"
-    return job.model
+    return signature_of(job.model, job.batch_size)
+
+
+def signature_of(model: str, batch_size: int | None) -> str:
+    """`job_signature` from its parts (what `qosflow profile` stores a @qos_task's samples under: the
+    signature the worker gives the stage, module.function plus its batch size)."""
+    if batch_size and parse_signature(model)[1] is None:
+        return f"{model}/bs{batch_size}"
+    return model
 
 
 def _key(signature: str) -> str:

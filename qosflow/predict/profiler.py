@@ -95,6 +95,8 @@ class ConfigResult:
     gpu_util_pct: float | None = None
     gpu_mem_mb: float | None = None
     stopped: str = "finished"
+    #: the signature the target's process derived (module.function; a @qos_task's stage signature)
+    signature: str | None = None
 
 
 @dataclass
@@ -113,11 +115,13 @@ class ProfileResult:
 #: exit status and stderr marker of the child when the target cannot be loaded or called
 _SETUP_EXIT = 87
 _SETUP_MARK = "qosflow-profile-setup-error: "
+#: stderr marker of the signature the child derived from the target (what the worker calls the stage)
+_SIG_MARK = "qosflow-profile-signature: "
 
 _RUNNER = r"""
 import importlib, inspect, os, sys, traceback
 target, steps, cores = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-MARK, EXIT = sys.argv[4], int(sys.argv[5])
+MARK, EXIT, SIG_MARK = sys.argv[4], int(sys.argv[5]), sys.argv[6]
 os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
 mod, _, fn = target.partition(":")
 sys.path.insert(0, os.getcwd())
@@ -142,6 +146,15 @@ if f is None:
     fail(f"module {mod!r} ({getattr(m, '__file__', '?')}) has no function {fn!r}; its functions: {names[:20]}")
 if not callable(f):
     fail(f"{target} is not a function (it is a {type(f).__name__!r} object)")
+inner = getattr(f, "qos_fn", None)
+if inner is not None:  # a @qos_task: run its function, and store under the signature the worker gives the stage
+    from qosflow.predict.estimator import signature_of
+    sig = signature_of(f.signature, getattr(f, "batch_size", None))
+    f = inner
+else:
+    sig = f"{getattr(f, '__module__', None) or mod}.{getattr(f, '__qualname__', None) or fn}"
+sys.stderr.write("\n" + SIG_MARK + sig + "\n")
+sys.stderr.flush()
 try:
     params = inspect.signature(f).parameters
 except (TypeError, ValueError):
@@ -202,7 +215,7 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
         # runs and block; its own session lets the profile kill whatever the function started
         with open(os.path.join(tmp, "stderr.txt"), "w+", encoding="utf-8", errors="replace") as errf:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _RUNNER, target, str(steps), str(cores), _SETUP_MARK, str(_SETUP_EXIT)],
+                [sys.executable, "-c", _RUNNER, target, str(steps), str(cores), _SETUP_MARK, str(_SETUP_EXIT), _SIG_MARK],
                 env=env, stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True,
             )
             stopped = "finished"
@@ -236,13 +249,14 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
             tail = (err or "").strip().splitlines()[-5:]
             raise QosflowError(f"{target} failed with exit code {proc.returncode}:\n" + "\n".join(tail))
         ev = read_progress(prog)
+    derived = next((ln[len(_SIG_MARK):].strip() for ln in err.splitlines() if ln.startswith(_SIG_MARK)), None)
     times = measured_step_times(ev, steps)
     cpu = (ru1.children_user - ru0.children_user) + (ru1.children_system - ru0.children_system)
     res = ConfigResult(
         cpu_cores=cores, gpus=1 if gpu.present else 0, steps=len(times),
         step_time_s=statistics.median(times) if times else None,
         step_time_sd_s=statistics.stdev(times) if len(times) > 1 else None,
-        cpu_time_s=cpu, wall_s=wall, stopped=stopped,
+        cpu_time_s=cpu, wall_s=wall, stopped=stopped, signature=derived or None,
     )
     if sampler and sampler.util:
         res.gpu_util_pct = statistics.mean(sampler.util)
@@ -271,6 +285,8 @@ def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s
     result = ProfileResult(target=target, signature=signature or target, gpu=gpu)
     for c in cores:
         result.configs.append(run_config(target, steps, c, budget_s, gpu))
+    if signature is None:  # what the worker will call the stage, so that its estimates use this profile
+        result.signature = next((c.signature for c in result.configs if c.signature), None) or target
     if store is not None:
         gpu_type = short_gpu_model(gpu.name) if gpu.name else CPU_ONLY
         samples = []
