@@ -495,13 +495,18 @@ def test_a_waiting_stage_is_told_why_in_its_log_and_its_start_drops_the_stale_re
 
 def test_history_estimator_states_a_band_from_the_stages_own_runs(tmp_path):
     """The policy checks deadline promises on an estimator's stated band (remaining_high); the live
-    worker's default estimator states one from a stage's own run-to-run spread, and none before the
-    stage has run twice (a declared duration's error is unknown)."""
+    worker's `history` estimator states one from a stage's own run-to-run spread once it has run twice,
+    and before any run the band of a declared duration (log-normal, sd 0.5, as `learned` states it)."""
+    import math
+
     from qosflow.core.estimate import remaining_high
 
     h = HistoryEstimator(str(tmp_path / "h.json"))
     e = entry("s", expected=10.0)
-    assert remaining_high(h, e.state) == h.remaining(e.state) == 10.0
+    assert h.remaining(e.state) == 10.0
+    assert remaining_high(h, e.state) == pytest.approx(10.0 * math.exp(1.2816 * 0.5), rel=1e-3)  # about 19 s
+    undeclared = JobState(Job("u", time.time(), QoSSpec(gpus=1), 60.0, model="sig-u"))
+    assert remaining_high(h, undeclared) == h.remaining(undeclared) == 60.0  # the default states no band
     h.observe(e.job, 12.0)
     assert remaining_high(h, e.state) == 12.0  # one run: a point, no spread yet
     for x in (10.0, 14.0):

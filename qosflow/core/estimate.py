@@ -28,6 +28,9 @@ from qosflow.core.speed import SpeedModel
 HIGH_QUANTILE = 0.9
 #: the standard normal's HIGH_QUANTILE quantile (1.2816): a normal band's "high" is the mean + Z_HIGH sd
 Z_HIGH = round(NormalDist().inv_cdf(HIGH_QUANTILE), 4)
+#: the log-normal sd of a user's declared duration (declarations are rough): the band every live
+#: estimator states around one until the stage's own runs say more
+DECLARED_LOG_SD = 0.5
 
 
 @runtime_checkable

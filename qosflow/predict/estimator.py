@@ -54,6 +54,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from qosflow.core.estimate import DECLARED_LOG_SD  # noqa: F401  (the prior's width; defined with the other bands)
 from qosflow.core.estimate import Z_HIGH as Z90
 from qosflow.core.estimate import _unit
 from qosflow.core.job import Job, JobState
@@ -80,8 +81,6 @@ UNMEASURED_PAIR_CAUTION = 0.5
 #: duration assumed when nothing is known (seconds), and its log sd
 DEFAULT_DURATION = 600.0
 DEFAULT_LOG_SD = 1.0
-#: relative width of the interval around a declared duration (users' declarations are rough)
-DECLARED_LOG_SD = 0.5
 #: slowdown bounds handed to policies: at most what the predictor says of pairs measured failing together
 MAX_SLOWDOWN = INFEASIBLE_SLOWDOWN
 #: refit the interference model after this many newly measured co-located pairs
