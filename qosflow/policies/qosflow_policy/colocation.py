@@ -89,10 +89,6 @@ class CoLocationMixin:
         job = js.job
         q = job.qos
         k = q.gpus
-        gmax = max(1, st.spec.max_gpus_per_node)
-        node_ok = ~st.down
-        if q.gpu_model is not None:
-            node_ok &= st.spec.model_mask(q.gpu_model)
         sig = (k, q.gpu_model, q.gpu_mem_mb, job.batch_size is not None, q.cpu_cores)
         if self._nofit.get(sig) == self._ver:
             # nothing changed since the same request found no shareable slot this round
@@ -101,6 +97,9 @@ class CoLocationMixin:
         base_key = (q.gpu_model,)
         cached = self._elig_cache.get(base_key)
         if cached is None or cached[0] != self._ver:
+            node_ok = ~st.down
+            if q.gpu_model is not None:
+                node_ok &= st.spec.model_mask(q.gpu_model)
             cached = (self._ver, st.exists & (st.njobs == 1) & (st.whole == 1) & st.share_ok & node_ok[:, None])
             self._elig_cache[base_key] = cached
         elig = cached[1]
@@ -117,7 +116,7 @@ class CoLocationMixin:
         ckey = (mkey, k, cpu_need)
         cc = self._elig_cache.get(ckey)
         if cc is None or cc[0] != self._ver:
-            if k <= gmax:
+            if k <= max(1, st.spec.max_gpus_per_node):
                 cand = np.flatnonzero((per_node >= k) & (st.cpu_free >= cpu_need - 1e-9))
             else:
                 full = (per_node == st.gpu_count) & (st.gpu_count > 0) & (st.cpu_free >= cpu_need / k * st.gpu_count - 1e-9)
@@ -137,35 +136,35 @@ class CoLocationMixin:
     def _score_partners(self, st: ClusterState, js: JobState, cand, elig, min_mem: float, rem, states, est, now: float):
         """Per candidate node, its shareable occupants that `js` may join, best first; and how many
         were refused, by reason code. A partner's penalty is counted once per partner."""
-        cache: dict = {}
-
-        def value(pid: str):
-            if pid not in cache:
-                cache[pid] = v = self._partner_value(js, states[pid], rem, est, now)
-                if v is None:
-                    cache[("why", pid)] = self._reject
-            return cache[pid]
-
+        values: dict[str, tuple | None] = {}  # partner -> `_partner_value` (None: refused) ...
+        why: dict[str, str | None] = {}  # ... and why it was refused
+        rank_key = (lambda x: -x[5]) if self.partner_rank == "benefit" else (lambda x: -x[0])
+        plan = self._plan
         node_choices = []
         rejects: dict[str, int] = {}
         for n in cand:
             by_partner = self._node_partners(st, n, elig, min_mem, states)
             scored = []
             for pid, gpus in by_partner.items():
-                v = value(pid)
+                if pid in values:
+                    v = values[pid]
+                else:
+                    v = values[pid] = self._partner_value(js, states[pid], rem, est, now)
+                    if v is None:
+                        why[pid] = self._reject
                 if v is None:
-                    code = cache[("why", pid)]
+                    code = why[pid]
                     rejects[code] = rejects.get(code, 0) + 1
                     continue
                 tput, xi_a, xi_b, gain = v
                 per_gpu = 1.0 / xi_a - max(1, states[pid].job.qos.gpus) * (1.0 - 1.0 / xi_b) / len(gpus)
-                if self._plan and not self._in_plan(js.job.model, states[pid].job.model):
+                if plan and not self._in_plan(js.job.model, states[pid].job.model):
                     if not self._has_deadline(js):
                         continue  # leave this partner for the type the pairing plan saves it for
                 scored.append((per_gpu, pid, gpus, xi_a, xi_b, gain))
             # partners in order of SJF-BSBF's sharing benefit (the pair's average completion time
             # saved), or of the GPU-throughput balance
-            scored.sort(key=(lambda x: -x[5]) if self.partner_rank == "benefit" else (lambda x: -x[0]))
+            scored.sort(key=rank_key)
             node_choices.append((n, scored))
         return node_choices, rejects
 
@@ -281,12 +280,11 @@ class CoLocationMixin:
         It pays when the pair's average completion time improves for every partner (SJF-BSBF's test:
         share now rather than wait for the partner), or, while work is queued, when the GPUs do more
         work shared than alone by `throughput_gain` per GPU."""
-        xa = max(p[2] for p in partners)
-        total = self._pair_total(partners, k)
+        xa = max([p[2] for p in partners])
+        total = self._pair_total(partners, k, xa)
         self._refused = (total / k, xa)  # what the refusal note quotes if this pair is not taken
-        all_gain = all(p[4] > 0 for p in partners)
         dl = js.job.deadline
-        r = self._rem[js.job_id]
+        r = self._rem[js.job.job_id]
         if dl is not None and self._now + r <= dl:
             # a job that can still meet its deadline joins if it still meets it shared
             if self._now + xa * r <= dl and total > self.DL_COST_FLOOR * k:
@@ -298,19 +296,20 @@ class CoLocationMixin:
                 return total + k
             self._reject = "DL_MISS" if self._now + xa * r > dl else "DL_COST"
             return None
-        if all_gain and total > 0:
+        if total > 0 and all(p[4] > 0 for p in partners):
             return total
         if queued and total >= self.throughput_gain * k:
             return total
         self._reject = "NO_GAIN"
         return None
 
-    def _pair_total(self, partners, k: int) -> float:
+    def _pair_total(self, partners, k: int, xa: float | None = None) -> float:
         """GPU-throughput balance of a co-location: the newcomer's k GPUs at 1/xi_a, minus what each
-        partner's whole gang loses."""
-        total = k / max(p[2] for p in partners)
+        partner's whole gang loses (`xa`: the largest xi_a of `partners`, if known)."""
+        total = k / (max([p[2] for p in partners]) if xa is None else xa)
+        states = self._states
         for pid, _n, _xa, xb, _gain in partners:
-            total -= self._gpus_of(pid) * (1.0 - 1.0 / xb)
+            total -= max(1, states[pid].job.qos.gpus) * (1.0 - 1.0 / xb)  # (as `_gpus_of`)
         return total
 
     def _no_slot(self, sig: tuple, why: str) -> None:

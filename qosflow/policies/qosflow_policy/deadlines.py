@@ -48,21 +48,32 @@ class DeadlinesMixin:
             # a node gives as many GPUs as its free cores can feed
             cap = np.floor((st.cpu_free + 1e-9) / max(per_gpu_cpu, 1e-9)).astype(np.int64) if per_gpu_cpu > 0 else np.full(st.num_nodes, 1 << 30)
             usable = np.minimum(free.sum(axis=1) + single.sum(axis=1), cap)
-            hit = self._elig_cache[key] = (self._ver, (free, single, usable, int(usable.sum())))
-        free, single, usable, total = hit[1]
+            # the nodes with usable GPUs, most first; their GPU lists are read when first reached
+            order = [(n, int(usable[n])) for n in np.argsort(-usable, kind="stable").tolist() if usable[n] > 0]
+            hit = self._elig_cache[key] = (self._ver, (order, free, single, {}, int(usable.sum())))
+        order, free, single, rows, total = hit[1]
         if total < k:
             return None
         take: list[tuple[int, int]] = []
         partners: dict[str, float] = {}
         worst = 1.0
-        for n in np.argsort(-usable, kind="stable").tolist():
-            if len(take) >= k or usable[n] <= 0:
+        for n, use_n in order:
+            if len(take) >= k:
                 break
-            budget = int(min(usable[n], k - len(take)))
-            for g in np.flatnonzero(free[n]).tolist()[:budget]:
+            free_n = rows.get(("free", n))
+            if free_n is None:  # node n's free GPUs, as of `_ver`
+                free_n = rows[("free", n)] = np.flatnonzero(free[n]).tolist()
+            start = len(take)  # GPUs taken on node n so far: len(take) - start
+            budget = min(use_n, k - len(take))
+            for g in free_n[:budget]:
                 take.append((n, g))
-            for g in np.flatnonzero(single[n]).tolist():
-                if len(take) >= k or sum(1 for x in take if x[0] == n) >= usable[n]:
+            if len(take) >= k or len(take) - start >= use_n:
+                continue  # (the loop below would take no shared GPU)
+            single_n = rows.get(("single", n))
+            if single_n is None:  # node n's GPUs holding one shareable job, as of `_ver`
+                single_n = rows[("single", n)] = np.flatnonzero(single[n]).tolist()
+            for g in single_n:
+                if len(take) >= k or len(take) - start >= use_n:
                     break
                 pid = st.gpu_jobs[(n, g)][0]
                 if pid not in states:

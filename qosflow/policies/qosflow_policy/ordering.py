@@ -77,13 +77,20 @@ class OrderingMixin:
         keyed = []
         # backlog: how long the cluster needs to finish all work it knows of; a job whose own length is
         # comparable must start now, or it alone will stretch the makespan (LPT near the end)
-        cap = max(1.0, float(view.cluster.gpu_count[~view.cluster.down].sum()))
-        work = sum(rem[js.job_id] * js.job.qos.gpu_demand for js in view.pending)
-        work += sum(rem[js.job_id] * js.job.qos.gpu_demand for js in view.running)
+        cap_gpus = float(view.cluster.gpu_count[~view.cluster.down].sum())
+        cap = max(1.0, cap_gpus)
+        # each pending job's id and GPU demand, read once (the sums below add in the same order as
+        # summing over `view.pending` would); the round reads the demands too (`_pending_demand`)
+        pending = view.pending
+        ids = [js.job.job_id for js in pending]
+        demands = [js.job.qos.gpu_demand for js in pending]
+        self._pending_demand = dict(zip(ids, demands))
+        work = sum([rem[jid] * g for jid, g in zip(ids, demands)])
+        work += sum([rem[js.job.job_id] * js.job.qos.gpu_demand for js in view.running])
         backlog = work / cap
         self._backlog = backlog
         # the guard only matters while jobs queue for GPUs
-        queueing = sum(js.job.qos.gpu_demand for js in view.pending) > view.cluster.total_empty_gpus()
+        queueing = sum(demands) > view.cluster.total_empty_gpus()
         inflow = self.makespan_beta is not None and self.makespan_inflow
         if inflow:
             self._arrivals.record(view, rem)
@@ -93,28 +100,30 @@ class OrderingMixin:
         # backlog of the moment jumped the queue while a far longer one ran anyway)
         longest = 0.0
         if self.makespan_beta is not None and self.makespan_longest:
-            longest = max((x for x in rem.values() if 0 <= x < math.inf), default=0.0)
-        for js in view.pending:
-            r = rem[js.job_id]
+            longest = max([x for x in rem.values() if 0 <= x < math.inf], default=0.0)
+        guarded = self.makespan_beta is not None and queueing
+        whole = max(backlog, longest)  # (the same for every job)
+        for js, jid in zip(pending, ids):
+            r = rem[jid]
             seen = js.tags.get("qosflow_backlog_at_queue")
             if seen is None or seen[0] != js.queued_since:  # new, or queued again after a failure
                 js.tags["qosflow_backlog_at_queue"] = (js.queued_since, backlog)
             dl = js.job.deadline
             long = False
             coming = 0.0
-            if self.makespan_beta is not None and queueing:
+            if guarded:
                 if inflow:
                     # long against the backlog plus the work that will arrive while it runs -- or
                     # as long as the whole backlog: it then ends after all known work (with both
                     # measured against the longest job too, see above)
                     coming = self._arrivals.work_since(now - r) / cap
-                    long = r >= self.makespan_beta * max(backlog + coming, longest) or r >= max(backlog, longest)
+                    long = r >= self.makespan_beta * max(backlog + coming, longest) or r >= whole
                 else:
-                    long = r >= self.makespan_beta * max(backlog, longest)
+                    long = r >= self.makespan_beta * whole
             if dl is not None:
                 allowance = dl - now - r
                 if allowance < 0:
-                    notes[js.job_id] = f"deadline out of reach (needs {r:.0f}s, {max(0.0, dl - now):.0f}s left): best effort"
+                    notes[jid] = f"deadline out of reach (needs {r:.0f}s, {max(0.0, dl - now):.0f}s left): best effort"
                 elif not (long and r >= backlog):
                     # weighted SJF -- unless the job alone is as long as the whole backlog: it then
                     # ends last whatever else runs, so waiting only eats its slack and stretches the
@@ -129,13 +138,12 @@ class OrderingMixin:
                     + (f" and the longest job's {longest / 3600:.0f} h" if longest > backlog + coming else "")
                     + ": started early to keep the makespan short"
                 )
-                notes[js.job_id] = f"{notes[js.job_id]}; {guard}" if js.job_id in notes else guard
+                notes[jid] = f"{notes[jid]}; {guard}" if jid in notes else guard
                 continue
             keyed.append(((2, r, js.job.submit_time), js))
         # starvation guard: the job that has waited longest beyond the bound goes first and, if it
         # cannot start, gets a reservation -- one at a time, so every job eventually starts without
         # turning the queue into FIFO under sustained overload
-        cap_gpus = float(view.cluster.gpu_count[~view.cluster.down].sum())
         rescued = sum(js.job.qos.gpu_demand for js in view.running if js.tags.get("qosflow_rescued"))
 
         def bound(js: JobState) -> float:
@@ -147,7 +155,8 @@ class OrderingMixin:
         for i, (k, js) in enumerate(keyed):
             if rescued > 0 and rescued + js.job.qos.gpu_demand > self.guard_share * cap_gpus:
                 continue
-            if k[0] == 2 and now - js.queued_since >= bound(js):
+            # (a bound is never below `starvation_bound`: shorter waits need not work it out)
+            if k[0] == 2 and now - js.queued_since >= self.starvation_bound and now - js.queued_since >= bound(js):
                 if oldest is None or js.queued_since < keyed[oldest][1].queued_since:
                     oldest = i
         if oldest is not None:

@@ -170,11 +170,13 @@ class QosflowPolicy(
         rem: dict[str, float] = {}
         states: dict[str, JobState] = {}
         for js in view.running:
-            rem[js.job_id] = est.remaining(js)
-            states[js.job_id] = js
+            jid = js.job.job_id
+            rem[jid] = est.remaining(js)
+            states[jid] = js
         for js in view.pending:
-            rem[js.job_id] = est.remaining(js)
-            states[js.job_id] = js
+            jid = js.job.job_id
+            rem[jid] = est.remaining(js)
+            states[jid] = js
         self._rem, self._now = rem, now
         self._est, self._states, self._rem_hi = est, states, {}
         order, starving = self._order(view, rem, d.notes)
@@ -184,18 +186,24 @@ class QosflowPolicy(
         self._st = st
         self._gpu_jobs_waiting = any(js.job.qos.gpus > 0 for js in view.pending)
         # GPU demand still waiting behind each job: sharing for throughput only pays while work queues
-        queued_gpus = sum(js.job.qos.gpu_demand for js in view.pending)
+        # (`_order` left each pending job's demand, in the order of `view.pending`)
+        demand = self._pending_demand
+        queued_gpus = sum(demand.values())
         #: node -> (time the reservation starts, job holding it): EASY backfilling -- others may use a
         #: reserved node only if they are predicted to be done before the reservation starts
         reserved: dict[int, tuple[float, str]] = {}
         max_res = max(1, int(round(self.reserve_share * st.num_nodes)))
         failures = WholeFailures()
         # per GPU: when its last job is predicted to end (kept up to date this round)
-        self._end_max = np.zeros(st.njobs.shape)
+        # (the maxima are taken in plain Python, in the same order, then written once)
+        end_max: dict[tuple[int, int], float] = {}
         for jid, pl in st.allocs.items():
             e = rem.get(jid, 0.0)
             for ng in pl.gpus:
-                self._end_max[ng] = max(self._end_max[ng], e)
+                end_max[ng] = max(end_max.get(ng, 0.0), e)
+        self._end_max = np.zeros(st.njobs.shape)
+        for ng, e in end_max.items():
+            self._end_max[ng] = e
         share_tries = 0
         self._ver = 0
         self._whole_memo: dict[tuple, tuple[int, Placement | np.ndarray | None]] = {}
@@ -217,18 +225,33 @@ class QosflowPolicy(
         max_res += len(self._express)
 
         def blocked(p: Placement, finish: float) -> bool:
-            fin_h = self._finish_high(states[p.job_id], finish)
+            fin_h = None  # the pessimistic finish, worked out only if a reserved node is in the way
             for n in p.nodes:
-                if n in reserved and (fin_h if self._promised(reserved[n][1]) else finish) > reserved[n][0]:
+                if n not in reserved:
+                    continue
+                if self._promised(reserved[n][1]):
+                    if fin_h is None:
+                        fin_h = self._finish_high(states[p.job_id], finish)
+                    end = fin_h
+                else:
+                    end = finish
+                if end > reserved[n][0]:
                     if reserved[n][1] == EXPRESS and self._express_ok(states.get(p.job_id), finish):
                         continue
                     return True
             return False
 
+        # why a job waits depends on the cluster and the request fields `why_waiting` reads only: one
+        # answer per request shape and state (`_ver`)
+        waiting_memo: dict = {}
         for rank, js in enumerate(order):
-            q = js.job.qos
-            queued_gpus -= q.gpu_demand
-            r = rem[js.job_id]
+            job = js.job
+            jid = job.job_id
+            q = job.qos
+            queued_gpus -= demand[jid]
+            r = rem[jid]
+            dl = job.deadline
+            has_dl = dl is not None and now + r <= dl
             p: Placement | None = None
             why = ""
             not_shared = None
@@ -239,13 +262,12 @@ class QosflowPolicy(
                 p = find_share(st, js.job, scorer=self.fractional_scorer)
             else:
                 if not failures.hopeless(st, q):
-                    p = self._whole(st, js.job, "consolidated", r)
+                    p = self._whole(st, job, "consolidated", r)
                     if p is not None and reserved and blocked(p, now + r):
                         p = self._unreserved_whole(st, js, reserved, now + r)
                         held = p is None
                     if p is None and not reserved:
                         failures.failed(q)
-                has_dl = js.job.deadline is not None and now + r <= js.job.deadline
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
                     share_tries += 1
                     found = self._shared_slot(st, js, rem, states, est, now, queued_gpus > 0)
@@ -264,32 +286,36 @@ class QosflowPolicy(
                     if p is not None:
                         why = "locality relaxed after waiting: spread over nodes"
             if p is None:
-                if js.job_id not in d.notes:
-                    d.notes[js.job_id] = (
-                        why_waiting(st, js)
+                if jid not in d.notes:
+                    shape = (q.gpus, q.gpu_milli, q.cpu_cores, q.mem_mb, q.gpu_model, q.gpu_mem_mb)
+                    w = waiting_memo.get(shape)
+                    if w is None or w[0] != self._ver:
+                        w = waiting_memo[shape] = (self._ver, why_waiting(st, js))
+                    d.notes[jid] = (
+                        w[1]
                         + ("; the free nodes that fit it are reserved for jobs that start before it would end" if held else "")
                         + (f"; not shared: {not_shared}" if not_shared else "")
                     )
-                important = js.job.deadline is not None and now + r <= js.job.deadline or js in starving
+                important = has_dl or js in starving
                 if q.gpus > 1 and not q.fractional and len(reserved) < max_res and (important or rank < 3):
                     got = self._reserve(st, js, rem, reserved)
                     if got is not None:
                         nodes, ready = got
                         for n in nodes:
-                            reserved[n] = (now + ready, js.job_id)
-                        d.notes[js.job_id] += (
+                            reserved[n] = (now + ready, jid)
+                        d.notes[jid] += (
                             f"; reserved {', '.join(st.spec.nodes[n].name for n in nodes)} "
                             f"(free for it in about {ready / 3600:.1f} h)"
                         )
                 continue
             # (whole-GPU jobs only: fractional and CPU-only placements do not look at reservations)
             if self._express and q.gpus > 0 and not q.fractional and r > self.express_max_s and any(n in self._express for n in p.nodes):
-                if js.job.deadline is not None and now + r <= js.job.deadline:
-                    lane = f"express node: the deadline ({js.job.deadline - now - r:.0f}s of slack) cannot wait for a regular node"
+                if has_dl:
+                    lane = f"express node: the deadline ({dl - now - r:.0f}s of slack) cannot wait for a regular node"
                 else:
                     lane = "express node: the regular nodes can never fit it"
                 why = f"{why}; {lane}" if why else lane
-            p = self._with_cores(st, js.job, p, est)
+            p = self._with_cores(st, job, p, est)
             st.allocate(p, q)
             self._ver += 1
             for ng in p.gpus:
@@ -298,5 +324,5 @@ class QosflowPolicy(
             if js in starving:
                 js.tags["qosflow_rescued"] = True
             if why:
-                d.notes[js.job_id] = why
+                d.notes[jid] = why
         return d
