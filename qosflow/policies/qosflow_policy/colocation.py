@@ -177,19 +177,21 @@ class CoLocationMixin:
         tried: list[tuple[float, float, str | None]] = []
         if k <= max(1, st.spec.max_gpus_per_node):
             for n, scored in node_choices:
-                take: list[tuple[int, int]] = []
+                taken = 0
+                uses: list[list[int]] = []  # the GPUs of node n taken beside each partner
                 partners = []
                 for per_gpu, pid, gpus, xi_a, xi_b, gain in scored:
-                    if len(take) >= k:
+                    if taken >= k:
                         break
-                    use = gpus[: k - len(take)]
-                    take.extend((n, g) for g in use)
+                    use = gpus[: k - taken]
+                    uses.append(use)
+                    taken += len(use)
                     partners.append((pid, len(use), xi_a, xi_b, gain))
-                if len(take) < k:
+                if taken < k:
                     continue
                 total = self._accept(js, partners, k, queued)
                 if total is not None and (best is None or total > best[0]):
-                    best = (total, take, partners)
+                    best = (total, [(n, g) for use in uses for g in use], partners)
                 elif total is None:
                     tried.append((*self._refused, self._reject))
         else:

@@ -103,6 +103,7 @@ class OrderingMixin:
             longest = max([x for x in rem.values() if 0 <= x < math.inf], default=0.0)
         guarded = self.makespan_beta is not None and queueing
         whole = max(backlog, longest)  # (the same for every job)
+        arrived_at, arrived_cum = self._arrivals.times, self._arrivals.cum  # (`_ArrivalLog.work_since`, inlined)
         for js, jid in zip(pending, ids):
             r = rem[jid]
             seen = js.tags.get("qosflow_backlog_at_queue")
@@ -116,7 +117,7 @@ class OrderingMixin:
                     # long against the backlog plus the work that will arrive while it runs -- or
                     # as long as the whole backlog: it then ends after all known work (with both
                     # measured against the longest job too, see above)
-                    coming = self._arrivals.work_since(now - r) / cap
+                    coming = (arrived_cum[-1] - arrived_cum[bisect.bisect_left(arrived_at, now - r)]) / cap
                     long = r >= self.makespan_beta * max(backlog + coming, longest) or r >= whole
                 else:
                     long = r >= self.makespan_beta * whole
