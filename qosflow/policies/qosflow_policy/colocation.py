@@ -166,6 +166,9 @@ class CoLocationMixin:
             # saved), or of the GPU-throughput balance
             scored.sort(key=rank_key)
             node_choices.append((n, scored))
+        # the deadline rescue of the same job (this round) weighs partners again: they are worth the
+        # same (a partner's value depends on the round's estimates, not on the GPUs taken)
+        self._last_values = (js, values, why)
         return node_choices, rejects
 
     def _pick_gpus(self, st: ClusterState, js: JobState, node_choices, queued: bool):

@@ -34,17 +34,11 @@ class DeadlinesMixin:
         key = ("rescue", q.gpu_model, can_share, q.gpu_mem_mb, per_gpu_cpu)
         hit = self._elig_cache.get(key)
         if hit is None or hit[0] != self._ver:
-            node_ok = ~st.down
-            if q.gpu_model is not None:
-                node_ok &= st.spec.model_mask(q.gpu_model)
-            free = st.exists & (st.njobs == 0) & node_ok[:, None]
+            free, single = self._rescue_masks(st, q.gpu_model)
             if q.gpu_mem_mb is not None:  # a free GPU too small for the job (e.g. a 12 GiB K80) is no offer
-                free &= st.gmem_free >= q.gpu_mem_mb - 1e-6
-            single = st.exists & (st.njobs == 1) & (st.whole == 1) & st.share_ok & node_ok[:, None]
-            if can_share:
-                single &= st.gmem_free >= q.gpu_mem_mb - 1e-6
-            else:
-                single &= False
+                mem_ok = self._mem_ok(st, q.gpu_mem_mb)
+                free = free & mem_ok
+            single = single & mem_ok if can_share else np.zeros_like(single)
             # a node gives as many GPUs as its free cores can feed
             cap = np.floor((st.cpu_free + 1e-9) / max(per_gpu_cpu, 1e-9)).astype(np.int64) if per_gpu_cpu > 0 else np.full(st.num_nodes, 1 << 30)
             usable = np.minimum(free.sum(axis=1) + single.sum(axis=1), cap)
@@ -79,7 +73,7 @@ class DeadlinesMixin:
                 if pid not in states:
                     continue
                 if pid not in partners:
-                    v = self._partner_value(js, states[pid], rem, est, now)
+                    v = self._known_partner_value(js, states[pid], rem, est, now)
                     if v is None:
                         continue
                     partners[pid] = v[1]
@@ -103,6 +97,41 @@ class DeadlinesMixin:
         p = Placement(job.job_id, tuple(take), cpu=tuple(cpu.items()), gpu_mem_mb=float(q.gpu_mem_mb or 0.0), mem_mb=q.mem_mb, colocated_with=used)
         why = f"deadline rescue: spread over {len(nodes)} node(s)" + (f", sharing with {', '.join(used)}" if used else "") + f"; predicted slowdown {slow:.2f} still meets the deadline"
         return p, why
+
+    def _known_partner_value(self, js: JobState, partner: JobState, rem, est, now: float):
+        """`_partner_value`, reusing what this round's sharing search for `js` found (`_last_values`,
+        set by `_score_partners`, reset at every round's start)."""
+        last_js, values, why = self._last_values
+        pid = partner.job.job_id
+        if last_js is js and pid in values:
+            v = values[pid]
+            if v is None:
+                self._reject = why[pid]
+            return v
+        return self._partner_value(js, partner, rem, est, now)
+
+    def _rescue_masks(self, st: ClusterState, gpu_model: str | None):
+        """(empty GPUs, GPUs holding one shareable job) on the up nodes of `gpu_model` (any: None), as
+        of `_ver` (cached until the next placement; the callers combine them into new arrays, never
+        in place)."""
+        key = ("rescue-masks", gpu_model)
+        hit = self._elig_cache.get(key)
+        if hit is None or hit[0] != self._ver:
+            node_ok = ~st.down
+            if gpu_model is not None:
+                node_ok &= st.spec.model_mask(gpu_model)
+            ok = st.exists & node_ok[:, None]
+            hit = self._elig_cache[key] = (self._ver, ok & (st.njobs == 0), ok & (st.njobs == 1) & (st.whole == 1) & st.share_ok)
+        return hit[1], hit[2]
+
+    def _mem_ok(self, st: ClusterState, gpu_mem_mb: float):
+        """GPUs with `gpu_mem_mb` free, as of `_ver` (cached until the next placement; not to be
+        changed in place)."""
+        key = ("mem-ok", gpu_mem_mb)
+        hit = self._elig_cache.get(key)
+        if hit is None or hit[0] != self._ver:
+            hit = self._elig_cache[key] = (self._ver, st.gmem_free >= gpu_mem_mb - 1e-6)
+        return hit[1]
 
     def _r_high(self, js: JobState) -> float:
         """The pessimistic remaining time of `js` (the point estimate without `deadline_band`)."""

@@ -215,6 +215,7 @@ class QosflowPolicy(
         self._why_not: str | None = None
         self._elig_cache: dict[tuple, tuple] = {}
         self._partners_cache: dict[tuple, tuple] = {}
+        self._last_values: tuple = (None, {}, {})  # (job, partner values) of the last sharing search
 
         # express nodes: a standing reservation (as in EASY backfilling) that starts
         # `express_max_s` from now, so they always drain soon and a short job with a tight deadline
