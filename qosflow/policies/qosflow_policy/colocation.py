@@ -23,7 +23,7 @@ class CoLocationMixin:
     `partner_rank`, `throughput_gain`, `deadline_band`, `use_plan`, `plan_interval` and the plan
     (`_plan`, `_plan_at`, kept across rounds), and the round's `_rem`, `_now`, `_est`, `_states`,
     `_backlog`, `_max_rem`, `_gpus_of`, `_ver` with the memos `_elig_cache`, `_partners_cache`,
-    `_nofit`, `_nofit_why`, and asks the deadline checks (`_has_deadline`, `_band_ok`); it leaves why
+    `_nofit`, `_nofit_why`, and asks the deadline checks (`_has_deadline`, `_band_ok`) and the per-state GPU masks (`_gpu_masks`); it leaves why
     it refused in `_reject`, `_refused` and `_why_not`."""
 
     #: nodes examined per sharing search (the ones with most shareable GPUs), bounding a round's cost
@@ -95,14 +95,7 @@ class CoLocationMixin:
             self._why_not = self._nofit_why.get(sig)
             return None
         base_key = (q.gpu_model,)
-        cached = self._elig_cache.get(base_key)
-        if cached is None or cached[0] != self._ver:
-            node_ok = ~st.down
-            if q.gpu_model is not None:
-                node_ok &= st.spec.model_mask(q.gpu_model)
-            cached = (self._ver, st.exists & (st.njobs == 1) & (st.whole == 1) & st.share_ok & node_ok[:, None])
-            self._elig_cache[base_key] = cached
-        elig = cached[1]
+        elig = self._gpu_masks(st, q.gpu_model)[1]
         # the smallest memory the job could run in (with the smallest sub-batch tried)
         min_mem = q.gpu_mem_mb if not (self.sub_batch and job.batch_size) else q.gpu_mem_mb * (FIXED_MEMORY_SHARE + (1 - FIXED_MEMORY_SHARE) / MAX_ACCUMULATION)
         mkey = (base_key, min_mem)
@@ -312,9 +305,8 @@ class CoLocationMixin:
         """GPU-throughput balance of a co-location: the newcomer's k GPUs at 1/xi_a, minus what each
         partner's whole gang loses (`xa`: the largest xi_a of `partners`, if known)."""
         total = k / (max([p[2] for p in partners]) if xa is None else xa)
-        states = self._states
         for pid, _n, _xa, xb, _gain in partners:
-            total -= max(1, states[pid].job.qos.gpus) * (1.0 - 1.0 / xb)  # (as `_gpus_of`)
+            total -= self._gpus_of(pid) * (1.0 - 1.0 / xb)
         return total
 
     def _no_slot(self, sig: tuple, why: str) -> None:

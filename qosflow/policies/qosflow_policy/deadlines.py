@@ -34,7 +34,7 @@ class DeadlinesMixin:
         key = ("rescue", q.gpu_model, can_share, q.gpu_mem_mb, per_gpu_cpu)
         hit = self._elig_cache.get(key)
         if hit is None or hit[0] != self._ver:
-            free, single = self._rescue_masks(st, q.gpu_model)
+            free, single = self._gpu_masks(st, q.gpu_model)
             if q.gpu_mem_mb is not None:  # a free GPU too small for the job (e.g. a 12 GiB K80) is no offer
                 mem_ok = self._mem_ok(st, q.gpu_mem_mb)
                 free = free & mem_ok
@@ -110,11 +110,11 @@ class DeadlinesMixin:
             return v
         return self._partner_value(js, partner, rem, est, now)
 
-    def _rescue_masks(self, st: ClusterState, gpu_model: str | None):
+    def _gpu_masks(self, st: ClusterState, gpu_model: str | None):
         """(empty GPUs, GPUs holding one shareable job) on the up nodes of `gpu_model` (any: None), as
-        of `_ver` (cached until the next placement; the callers combine them into new arrays, never
-        in place)."""
-        key = ("rescue-masks", gpu_model)
+        of `_ver` (cached until the next placement; the callers -- the deadline rescue and the sharing
+        search -- combine them into new arrays, never in place)."""
+        key = ("gpu-masks", gpu_model)
         hit = self._elig_cache.get(key)
         if hit is None or hit[0] != self._ver:
             node_ok = ~st.down

@@ -72,25 +72,23 @@ class OrderingMixin:
     `makespan_inflow`, `makespan_longest`, `starvation_bound`, `starvation_backlog`, `guard_share`
     and the arrival log `_arrivals` (kept across rounds); sets the round's `_backlog`."""
 
-    def _order(self, view: SchedulerView, rem: dict[str, float], notes: dict[str, str]):
+    def _order(self, view: SchedulerView, rem: dict[str, float], demand: dict[str, float], notes: dict[str, str]):
         now = view.now
         keyed = []
         # backlog: how long the cluster needs to finish all work it knows of; a job whose own length is
         # comparable must start now, or it alone will stretch the makespan (LPT near the end)
         cap_gpus = float(view.cluster.gpu_count[~view.cluster.down].sum())
         cap = max(1.0, cap_gpus)
-        # each pending job's id and GPU demand, read once (the sums below add in the same order as
-        # summing over `view.pending` would); the round reads the demands too (`_pending_demand`)
+        # `demand`: each pending job's GPU demand by id, in the order of `view.pending` (the round
+        # reads it once; the sums below add in the same order as summing over `view.pending` would)
         pending = view.pending
-        ids = [js.job.job_id for js in pending]
-        demands = [js.job.qos.gpu_demand for js in pending]
-        self._pending_demand = dict(zip(ids, demands))
-        work = sum([rem[jid] * g for jid, g in zip(ids, demands)])
+        ids = list(demand)
+        work = sum([rem[jid] * g for jid, g in demand.items()])
         work += sum([rem[js.job.job_id] * js.job.qos.gpu_demand for js in view.running])
         backlog = work / cap
         self._backlog = backlog
         # the guard only matters while jobs queue for GPUs
-        queueing = sum(demands) > view.cluster.total_empty_gpus()
+        queueing = sum(demand.values()) > view.cluster.total_empty_gpus()
         inflow = self.makespan_beta is not None and self.makespan_inflow
         if inflow:
             self._arrivals.record(view, rem)
@@ -103,7 +101,6 @@ class OrderingMixin:
             longest = max([x for x in rem.values() if 0 <= x < math.inf], default=0.0)
         guarded = self.makespan_beta is not None and queueing
         whole = max(backlog, longest)  # (the same for every job)
-        arrived_at, arrived_cum = self._arrivals.times, self._arrivals.cum  # (`_ArrivalLog.work_since`, inlined)
         for js, jid in zip(pending, ids):
             r = rem[jid]
             seen = js.tags.get("qosflow_backlog_at_queue")
@@ -117,7 +114,7 @@ class OrderingMixin:
                     # long against the backlog plus the work that will arrive while it runs -- or
                     # as long as the whole backlog: it then ends after all known work (with both
                     # measured against the longest job too, see above)
-                    coming = (arrived_cum[-1] - arrived_cum[bisect.bisect_left(arrived_at, now - r)]) / cap
+                    coming = self._arrivals.work_since(now - r) / cap
                     long = r >= self.makespan_beta * max(backlog + coming, longest) or r >= whole
                 else:
                     long = r >= self.makespan_beta * whole

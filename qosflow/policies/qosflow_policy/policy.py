@@ -179,15 +179,15 @@ class QosflowPolicy(
             states[jid] = js
         self._rem, self._now = rem, now
         self._est, self._states, self._rem_hi = est, states, {}
-        order, starving = self._order(view, rem, d.notes)
+        # each pending job's GPU demand, in the order of `view.pending` (read once per round)
+        demand = {js.job.job_id: js.job.qos.gpu_demand for js in view.pending}
+        order, starving = self._order(view, rem, demand, d.notes)
         self._max_rem = max(rem.values(), default=0.0)
         self._update_plan(view, rem)
         self._gpus_of = lambda jid: max(1, states[jid].job.qos.gpus)
         self._st = st
         self._gpu_jobs_waiting = any(js.job.qos.gpus > 0 for js in view.pending)
         # GPU demand still waiting behind each job: sharing for throughput only pays while work queues
-        # (`_order` left each pending job's demand, in the order of `view.pending`)
-        demand = self._pending_demand
         queued_gpus = sum(demand.values())
         #: node -> (time the reservation starts, job holding it): EASY backfilling -- others may use a
         #: reserved node only if they are predicted to be done before the reservation starts
