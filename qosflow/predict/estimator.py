@@ -54,7 +54,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from qosflow.core.estimate import DECLARED_LOG_SD  # noqa: F401  (the prior's width; defined with the other bands)
+from qosflow.core.estimate import DECLARED_LOG_SD
 from qosflow.core.estimate import Z_HIGH as Z90
 from qosflow.core.estimate import _unit
 from qosflow.core.job import Job, JobState
@@ -101,6 +101,11 @@ def signature_of(model: str, batch_size: int | None) -> str:
     if batch_size and parse_signature(model)[1] is None:
         return f"{model}/bs{batch_size}"
     return model
+
+
+def _steps_run(job: Job, steps: int | None) -> int | None:
+    """How many steps a finished stage ran: its declared iterations, else the steps it reported."""
+    return job.iterations or (steps if steps and steps > 0 else None)
 
 
 def _key(signature: str) -> str:
@@ -853,7 +858,7 @@ class LearnedEstimator:
         if not (isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0):
             return
         sig, key = self._sig_of(job)
-        n = job.iterations or (steps if steps and steps > 0 else None)
+        n = _steps_run(job, steps)
         t = actual_s / n if n else None
         pred = self._dur.get(job.job_id)
         self._learn(job, key, float(actual_s), t)
@@ -878,7 +883,7 @@ class LearnedEstimator:
             self.observe(job, actual_s, steps=steps)
             return
         sig, key = self._sig_of(job)
-        n = job.iterations or (steps if steps and steps > 0 else None)
+        n = _steps_run(job, steps)
         pred = self._dur.get(job.job_id)
         solo = self._steps.get((key, job.qos.gpus))
         if len(partners) == 1 and not ran_alone and n and solo is not None and solo.n:

@@ -400,14 +400,10 @@ class QoSScheduler:
         `meta["ran_alone"]` is set once it ran with nobody. Sharing changes only when a stage is
         granted, adopted or released, which is when this runs; the learned estimator then tells a
         solo run from a shared one (`LearnedEstimator.observe_stage`)."""
-        on: dict[tuple[int, int], list[str]] = {}
-        for jid, pl in self.state.allocs.items():
-            for g in pl.gpus:
-                on.setdefault(g, []).append(jid)
         for e in self.running():
             if e.grant is None or not e.grant.placement.gpus:
                 continue
-            here = {j for g in e.grant.placement.gpus for j in on.get(g, ()) if j != e.job_id}
+            here = {j for g in e.grant.placement.gpus for j in self.state.jobs_on_gpu(*g) if j != e.job_id}
             partners = e.meta.setdefault("partners", {})
             for j in here:
                 other = self.entries.get(j)

@@ -1058,13 +1058,17 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         out["result"] = QosflowWorkerResult(status_code=code, identifier=out["infra_id"])
         return out
 
-    async def _state(self, flow_run_id: Any) -> Any:
-        """The flow run's current Prefect state (None if it has none or cannot be read)."""
+    async def _flow_run(self, flow_run_id: Any) -> Any:
+        """The flow run as the server has it now (None if it cannot be read)."""
         try:
-            fr = await self.client.read_flow_run(flow_run_id)
+            return await self.client.read_flow_run(flow_run_id)
         except Exception:
             return None
-        return fr.state
+
+    async def _state(self, flow_run_id: Any) -> Any:
+        """The flow run's current Prefect state (None if it has none or cannot be read)."""
+        fr = await self._flow_run(flow_run_id)
+        return None if fr is None else fr.state
 
     @staticmethod
     def _observe(sched: QoSScheduler, entry: StageEntry, actual: float) -> None:
@@ -1137,19 +1141,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     async def _reported_end(self, flow_run_id: Any) -> float | None:
         """When the stage's engine reported its flow run's end (epoch seconds), or None if it has not or
         the server cannot say."""
-        try:
-            fr = await self.client.read_flow_run(flow_run_id)
-        except Exception:
-            return None
-        if fr.state is None or not fr.state.is_final() or fr.end_time is None:
+        fr = await self._flow_run(flow_run_id)
+        if fr is None or fr.state is None or not fr.state.is_final() or fr.end_time is None:
             return None
         return fr.end_time.timestamp()
 
     async def _final(self, flow_run_id: Any) -> bool | None:
         """Has the flow run ended (None: unknown)?"""
-        try:
-            fr = await self.client.read_flow_run(flow_run_id)
-        except Exception:
+        fr = await self._flow_run(flow_run_id)
+        if fr is None:
             return None
         return fr.state is not None and fr.state.is_final()
 
