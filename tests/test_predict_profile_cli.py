@@ -328,3 +328,12 @@ def test_profile_stores_under_the_signature_the_worker_gives_the_stage(stage_mod
         assert [x.gpus for x in store.samples_for(res.signature)] == [0]
     assert profile("toy_stage:train", 2, cores=[1], budget_s=60).signature == "toy_stage.train"
     assert profile("toy_stage:train", 2, cores=[1], budget_s=60, signature="mine").signature == "mine"
+
+
+def test_predict_stages_does_not_create_a_database_it_was_asked_to_read(tmp_path, capsys):
+    """A mistyped --db path is an error that names it, not a new empty database and an empty report."""
+    missing = tmp_path / "nowhere" / "qosflow.db"
+    assert main(["predict", "stages", "--db", f"sqlite:///{missing}"]) == 2
+    err = capsys.readouterr().err
+    assert f"no qosflow database at {missing}" in err and "sqlite:///PATH/qosflow.db" in err
+    assert not missing.exists() and not missing.parent.exists()

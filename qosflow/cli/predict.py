@@ -119,7 +119,7 @@ def stages_cmd(
 
     if json_out is not None:
         _check_output_file(json_out)
-    store = Store.open(db)
+    store = Store.open(db, must_exist=True)
     try:
         rows = stage_report(store, signature=signature)
         where = store.safe_url

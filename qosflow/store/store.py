@@ -42,6 +42,12 @@ _SAMPLE_FIELDS = {
 _SAMPLE_ALIASES = {"step_time", "unit", "units"}
 
 
+def _sqlite_path(url: str) -> str | None:
+    """The file of a sqlite:/// URL (None for an in-memory database)."""
+    path = url.split("///", 1)[-1] if "///" in url else ""
+    return path if path and path != ":memory:" else None
+
+
 def default_url() -> str:
     env = os.environ.get(ENV_URL)
     if env:
@@ -233,11 +239,13 @@ class Store:
     # ---- opening
 
     @classmethod
-    def open(cls, url: str | None = None, *, migrate_to: int | None = None, echo: bool = False) -> "Store":
+    def open(cls, url: str | None = None, *, migrate_to: int | None = None, echo: bool = False,
+             must_exist: bool = False) -> "Store":
         """Open (and create or upgrade) the database at `url`.
 
         `url` defaults to $QOSFLOW_DATABASE_URL, else `sqlite:///<data_dir>/qosflow.db`.
-        `migrate_to` stops at an older schema version (tests of upgrades use it).
+        `migrate_to` stops at an older schema version (tests of upgrades use it). `must_exist` (commands
+        that only read) refuses a SQLite file that is not there rather than create an empty one.
         """
         from_env = url is None and bool(os.environ.get(ENV_URL))
         if not url:
@@ -259,6 +267,10 @@ class Store:
         if backend not in ("sqlite", "postgresql"):
             raise QosflowError(f"cannot open {safe}{origin}: qosflow stores its data in SQLite or PostgreSQL, "
                                f"not {backend!r}: {how}")
+        path = _sqlite_path(url) if backend == "sqlite" else None
+        if must_exist and path and not os.path.exists(path):
+            raise QosflowError(f"no qosflow database at {path}{origin}, so nothing to read: {how}, the store a qosflow "
+                               "worker writes to (the qosflow.db in its QOSFLOW_HOME by default)")
         try:
             engine = cls._make_engine(url, echo=echo)
         except ModuleNotFoundError as exc:
@@ -287,8 +299,8 @@ class Store:
     @staticmethod
     def _make_engine(url: str, echo: bool = False) -> sa.Engine:
         if url.startswith("sqlite"):
-            path = url.split("///", 1)[-1] if "///" in url else ""
-            if path and path != ":memory:":
+            path = _sqlite_path(url)
+            if path:
                 os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
             engine = sa.create_engine(url, echo=echo, connect_args={"timeout": 30, "check_same_thread": False})
 
