@@ -664,3 +664,33 @@ def test_scaling_new_family_answers_from_its_profile():
     # a job of a known family is answered as before
     q = [("calc32", "v100", 8, False), ("talk64", "v100", 4, True)]
     assert new.predict(q)[0] == pytest.approx(old.predict(q)[0])
+
+
+def test_throughput_table_file_and_structure_errors(tmp_path, capsys):
+    """A directory, a binary file, a worker type without entries or without 1-GPU entries were tracebacks
+    (IsADirectoryError, UnicodeDecodeError, KeyError in the evaluation); a pair CSV given as --throughputs
+    said only 'not valid JSON'."""
+    from qosflow.cli.main import main
+
+    with pytest.raises(TraceFormatError, match="is a directory; give the throughput table's JSON file"):
+        ThroughputTable.load(tmp_path)
+    binary = tmp_path / "table.bin"
+    binary.write_bytes(b"\x80\x81\xfe\x00" * 8)
+    with pytest.raises(TraceFormatError, match="not a text file"):
+        ThroughputTable.load(binary)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"v100": {}}))
+    with pytest.raises(TraceFormatError, match=r"worker 'v100': no job entries"):
+        ThroughputTable.load(bad)
+    bad.write_text(json.dumps({"v100": {"('A', 2)": {"null": 1.0}, "('B', 2)": {"null": 2.0}}}))
+    with pytest.raises(TraceFormatError, match=r"worker 'v100': no 1-GPU job entry"):
+        ThroughputTable.load(bad)
+    # spread placements alone are no error (nothing is divided by them)
+    bad.write_text(json.dumps({"v100_unconsolidated": {"('A', 2)": {"null": 1.0}}}))
+    assert ThroughputTable.load(bad).workers == ["v100"]
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2\nA,32,1,0.9,B,64,1,0.8\n")
+    assert main(["predict", "eval", "--throughputs", str(pairs)]) == 2
+    assert "give it as --pairs, not --throughputs" in capsys.readouterr().err
+    assert main(["predict", "eval", "--throughputs", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err

@@ -78,11 +78,25 @@ class ThroughputTable:
     def load(cls, path: str | Path | None = None) -> "ThroughputTable":
         path = Path(path) if path is not None else default_gavel_path()
         try:
-            raw = json.loads(path.read_text())
+            text = path.read_text(encoding="utf-8-sig")
         except FileNotFoundError:
             raise TraceFormatError(path, None, "throughput table not found") from None
+        except IsADirectoryError:
+            raise TraceFormatError(path, None, "is a directory; give the throughput table's JSON file in it "
+                                               f"(e.g. {GAVEL_FILE.name})") from None
+        except OSError as exc:
+            raise TraceFormatError(path, None, f"cannot read the throughput table: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise TraceFormatError(path, None, "not a text file; expected a JSON throughput table "
+                                               "(worker type -> job -> throughputs)") from None
+        try:
+            raw = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise TraceFormatError(path, exc.lineno, f"not valid JSON: {exc.msg}") from None
+            first = next((ln for ln in text.splitlines() if ln.strip()), "").lower()
+            hint = ("; this looks like a co-location pair table (a CSV): give it as --pairs, not --throughputs"
+                    if all(c in first for c in ("model1", "speed1", "model2")) else
+                    "; expected Gavel's JSON throughput table (worker type -> job -> throughputs)")
+            raise TraceFormatError(path, exc.lineno, f"not valid JSON: {exc.msg}{hint}") from None
         if not isinstance(raw, dict) or not raw:
             raise TraceFormatError(path, None, "expected an object: worker type -> job -> throughputs")
         workers = sorted({w.removesuffix("_unconsolidated") for w in raw})
@@ -103,6 +117,15 @@ class ThroughputTable:
                 parsed[wk][(job, scale)] = val
                 if job not in jobs:
                     jobs.append(job)
+            # every other figure is relative to a job's solo 1-GPU throughput on its worker type: without one
+            # the evaluation and the predictor's references had nothing to divide by (a KeyError)
+            if not entries:
+                raise TraceFormatError(path, None, f"worker {wk!r}: no job entries; expected \"('<job>', <gpus>)\": "
+                                                   "{\"null\": <solo throughput>, ...}, or drop the worker type")
+            if not wk.endswith("_unconsolidated") and all(scale != 1 for _job, scale in parsed[wk]):
+                raise TraceFormatError(path, None, f"worker {wk!r}: no 1-GPU job entry (\"('<job>', 1)\"); the solo "
+                                                   "1-GPU throughputs are the base of the others: add them, or drop "
+                                                   "the worker type")
         def num(x, where: str) -> float:
             """A throughput: a number >= 0, or null (not measured: NaN)."""
             if x is None:
