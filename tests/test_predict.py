@@ -694,3 +694,22 @@ def test_throughput_table_file_and_structure_errors(tmp_path, capsys):
     assert "give it as --pairs, not --throughputs" in capsys.readouterr().err
     assert main(["predict", "eval", "--throughputs", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_throughput_eval_with_nothing_to_predict_is_an_error(tmp_path, capsys):
+    """A table with nothing to leave out and predict printed a table of dashes and exited 0 (or, with one job
+    type that has multi-GPU entries, ended in a scikit-learn traceback)."""
+    from qosflow.cli.main import main
+
+    p = tmp_path / "one.json"
+    p.write_text(json.dumps({"v100": {"('A', 1)": {"null": 1.0}}, "v100_unconsolidated": {"('A', 2)": {"null": 1.5}}}))
+    out = tmp_path / "res.json"
+    assert main(["predict", "eval", "--throughputs", str(p), "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "one.json: nothing to cross-validate in its 1 job type(s)" in err and "at least two job types" in err
+    assert not out.exists()
+    # two job types measured alone on one GPU only: no target either
+    p.write_text(json.dumps({"v100": {"('A', 1)": {"null": 1.0}, "('B', 1)": {"null": 2.0}}}))
+    assert main(["predict", "eval", "--throughputs", str(p), "--json", str(out)]) == 2
+    assert "nothing to cross-validate in its 2 job type(s)" in capsys.readouterr().err
+    assert not out.exists()

@@ -77,9 +77,18 @@ def eval_cmd(
     with _progress_bar() as bar:
         if throughputs is not None:
             table = ThroughputTable.load(throughputs)
+            nothing = QosflowError(
+                f"{throughputs}: nothing to cross-validate in its {len(table.jobs)} job type(s): leave-one-job-type-out "
+                "predicts a held-out job type's multi-GPU throughputs and co-located speeds from the other types', "
+                "so the table needs at least two job types with such measurements (2/4/8-GPU entries or co-runner "
+                "pairs on the same worker type)")
+            if len(table.jobs) < 2:
+                raise nothing
             folds_total = len(table.jobs) * (1 + len(table.pair_speed))
             task = bar.add_task("leave-one-job-type-out", total=folds_total)
             result = evaluate.eval_throughputs(table, seed=seed, progress=lambda: bar.advance(task))
+            if not result["n"]:  # was a table of dashes and exit 0
+                raise nothing
             title = f"leave-one-job-type-out on {throughputs.name}"
         else:
             rows = read_pairs_csv(pairs)
