@@ -337,3 +337,33 @@ def test_predict_stages_does_not_create_a_database_it_was_asked_to_read(tmp_path
     err = capsys.readouterr().err
     assert f"no qosflow database at {missing}" in err and "sqlite:///PATH/qosflow.db" in err
     assert not missing.exists() and not missing.parent.exists()
+
+
+def test_db_that_is_not_a_sqlite_database_is_named(stage_module, tmp_path, capsys, monkeypatch):
+    """--db at a CSV ended in a sqlalchemy traceback ('file is not a database'), at a directory in 'unable to open
+    database file ... must be writable', and `predict stages` turned an empty file into a new database."""
+    text = tmp_path / "results.csv"
+    text.write_text("a,b\n1,2\n")
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    for argv in (["predict", "stages"], ["profile", "toy_stage:train", "--steps", "2", "--cores", "1"]):
+        assert main([*argv, "--db", f"sqlite:///{text}"]) == 2
+        assert f"{text} is not a SQLite database" in capsys.readouterr().err
+        assert main([*argv, "--db", f"sqlite:///{tmp_path}"]) == 2
+        assert f"{tmp_path} is a directory, not a database file" in capsys.readouterr().err
+    assert text.read_text() == "a,b\n1,2\n"
+    assert main(["predict", "stages", "--db", f"sqlite:///{empty}"]) == 2
+    assert f"{empty} is an empty file, not a qosflow database" in capsys.readouterr().err
+    assert empty.read_bytes() == b""
+    monkeypatch.setenv("QOSFLOW_DATABASE_URL", f"sqlite:///{text}")
+    assert main(["predict", "stages"]) == 2
+    assert "$QOSFLOW_DATABASE_URL" in capsys.readouterr().err
+
+
+def test_predict_stages_says_three_slashes_are_a_relative_path(tmp_path, capsys, monkeypatch):
+    db = tmp_path / "qosflow.db"
+    Store.open(f"sqlite:///{db}").close()
+    monkeypatch.chdir(tmp_path)
+    assert main(["predict", "stages", "--db", f"sqlite://{db}"]) == 2  # sqlite:// + /abs = three slashes
+    err = capsys.readouterr().err
+    assert "three slashes is a relative path" in err and f"write sqlite:///{db}" in err
