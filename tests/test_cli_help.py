@@ -111,3 +111,14 @@ def test_init_real_gpus_warns_when_this_machine_has_none(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "warning: --real-gpus, but this machine has no GPU (NVML unavailable (Library Not Found))" in err, err
     assert "leave --real-gpus out" in err and "PREFECT_API_URL is not set" in err, err
+
+
+def test_demo_home_that_is_a_file_is_an_error_before_anything_starts(tmp_path, capsys):
+    """`demo --home FILE` ended in a FileExistsError traceback."""
+    from qosflow.cli.main import main
+
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    assert main(["demo", "--no-ui", "--home", str(home)]) == 2
+    err = capsys.readouterr().err
+    assert f"--home {home}: is a file, not a directory" in err and "Traceback" not in err, err

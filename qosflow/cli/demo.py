@@ -57,10 +57,12 @@ def register(app: typer.Typer) -> None:
         import os
 
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        if json_out is not None:
-            from qosflow.cli.output import check_output_file
+        from qosflow.cli.output import check_output_dir, check_output_file
 
+        if json_out is not None:
             check_output_file(json_out)  # before the server starts, not after the pipelines ran
+        if home is not None:
+            check_output_dir(home, "--home")  # a file there was a FileExistsError traceback
         if database_url is not None:
             from qosflow.prefect.local import prefect_database_url
 
