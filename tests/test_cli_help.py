@@ -122,3 +122,19 @@ def test_demo_home_that_is_a_file_is_an_error_before_anything_starts(tmp_path, c
     assert main(["demo", "--no-ui", "--home", str(home)]) == 2
     err = capsys.readouterr().err
     assert f"--home {home}: is a file, not a directory" in err and "Traceback" not in err, err
+
+
+def test_agent_workdir_that_is_a_file_is_an_error_before_the_port_is_bound(tmp_path, capsys, monkeypatch):
+    """`agent start --workdir FILE` bound the port, then ended in a FileExistsError traceback."""
+    import qosflow.agent.server as server
+    from qosflow.cli.main import main
+
+    def no_bind(*_a, **_k):
+        raise AssertionError("the port was bound before --workdir was checked")
+
+    monkeypatch.setattr(server, "bind", no_bind)
+    workdir = tmp_path / "logs"
+    workdir.write_text("not a directory")
+    assert main(["agent", "start", "--token", "t", "--virtual-gpus", "1", "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err
+    assert f"--workdir {workdir}: is a file, not a directory" in err and "Traceback" not in err, err

@@ -79,6 +79,10 @@ def register(app: typer.Typer) -> None:
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         if log_level.lower() not in levels:  # uvicorn raised a KeyError traceback once the port was bound
             raise SpecError("--log-level", f"{log_level!r} is not one of {' | '.join(levels)}")
+        if workdir is not None:  # a file there was a FileExistsError traceback, after the port was bound
+            from qosflow.cli.output import check_output_dir
+
+            check_output_dir(workdir, "--workdir")
         labels = {}
         for item in label:
             if "=" not in item:
