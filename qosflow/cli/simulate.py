@@ -40,13 +40,14 @@ def register(app: typer.Typer) -> None:
         jobs: Optional[int] = typer.Option(None, "--jobs", help="number of jobs of the synthetic workload (default: 400); traces are simulated whole. The synthetic load is 1.0 in the steady-state sense: with far fewer than ~6 jobs per GPU most of the work (the long jobs') runs after the last arrival and jobs hardly queue (a note says so)"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots"),
         settings: Optional[list[str]] = typer.Option(None, "--set", help="a policy option, POLICY.OPTION=VALUE (repeatable), e.g. --set qosflow.express_share=0.125"),
+        parallel: Optional[int] = typer.Option(None, "--parallel", help="simulations run at once, each in a process of its own (default: one per CPU core, at most one per run, except for small batches: under 2,000 jobs x runs they run in this process; 1: one after another in this process). Results are the same either way; policies registered from your own code run in this process"),
     ) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-        from qosflow.core.estimate import make_estimator
-        from qosflow.policies import get_policy, parse_policies, parse_policy_options
-        from qosflow.sim.engine import SimConfig, SimulationError, Simulator
+        from qosflow.policies import parse_policies, parse_policy_options
+        from qosflow.sim.batch import Batch, RunSpec, default_workers
+        from qosflow.sim.engine import SimConfig, SimulationError
         from qosflow.sim.interference import default_speed_model
         from qosflow.sim.metrics import compute_bounds, compute_metrics
         from qosflow.errors import SpecError, UnknownNameError
@@ -70,6 +71,8 @@ def register(app: typer.Typer) -> None:
             raise SpecError("--error", f"must be in [0, 1) (0.3 = +-30 %), got {error!r}")
         if not 0 <= failures <= 1:
             raise SpecError("--failures", f"must be a share of jobs in [0, 1] (Philly: ~0.3), got {failures!r}")
+        if parallel is not None and parallel < 1:
+            raise SpecError("--parallel", f"must be at least 1 (1: one run after another), got {parallel}")
         cfg = SimConfig(seed=seed, failure_share=failures)
         wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs)
         speed = default_speed_model()
@@ -102,23 +105,25 @@ def register(app: typer.Typer) -> None:
         results, metrics = {}, {}
         by_est: dict = {}  # estimator name -> policy -> Metrics
         failed: dict[str, str] = {}  # policy label -> why its run stopped (SimulationError)
-        with progress_bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
-            for kind in kinds:
-                for name in names:
-                    label = name if len(kinds) == 1 else f"{name} ({kind})"
-                    task = prog.add_task(f"{label:>9}", total=len(wl.jobs))
-                    est = make_estimator(kind, speed, seed=seed, error=error)
-                    sim = Simulator(wl.jobs, spec, get_policy(name, **popts.get(name, {})), estimator=est, speed=speed, config=cfg)
-                    try:
-                        res = sim.run(on_progress=lambda done, total, t=task: prog.update(t, completed=done))
-                    except SimulationError as exc:  # one policy stalling must not hide the others' results
-                        failed[label] = str(exc)
-                        prog.remove_task(task)
-                        console.print(f"[red]{label} failed:[/] {exc}")
-                        continue
-                    results[label] = res
-                    metrics[label] = compute_metrics(res)
-                    by_est.setdefault(getattr(est, "name", kind), {})[name] = metrics[label]
+        specs = [
+            RunSpec(name if len(kinds) == 1 else f"{name} ({kind})", name, kind, popts.get(name, {}))
+            for kind in kinds for name in names
+        ]
+        workers = parallel if parallel is not None else default_workers(len(specs), len(wl.jobs))
+        # the batch's worker processes start before the bar's redraw thread (see `Batch`)
+        with Batch(specs, wl.jobs, spec, speed, cfg, seed=seed, error=error, workers=workers) as batch, \
+                progress_bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
+            tasks = {s.label: prog.add_task(f"{s.label:>9}", total=len(wl.jobs)) for s in specs}
+            outcomes = batch.run(on_progress=lambda label, done, total: prog.update(tasks[label], completed=done))
+        for o in outcomes:
+            label = o.spec.label
+            if o.result is None:  # one policy stalling must not hide the others' results
+                failed[label] = o.error or "stopped"
+                console.print(f"[red]{label} failed:[/] {o.error}")
+                continue
+            results[label] = o.result
+            metrics[label] = compute_metrics(o.result)
+            by_est.setdefault(o.estimator, {})[o.spec.policy] = metrics[label]
         if not metrics:
             raise SimulationError("every policy failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
         bounds = compute_bounds(wl.jobs, spec)
@@ -135,6 +140,7 @@ def register(app: typer.Typer) -> None:
             "failures": failures,
             "policy_options": popts,
             "failed_policies": failed,
+            "workers": {"processes": batch.workers if batch.remote else 0, "start_method": batch.start_method},
         }
         data = results_json(metrics if len(kinds) == 1 else by_est[baseline], bounds, extra)
         if len(kinds) > 1:

@@ -64,6 +64,13 @@ def _policy_class(name: str) -> type[Policy]:
     return _REGISTRY[key]
 
 
+def is_builtin(name: str) -> bool:
+    """Is `name` one of qosflow's own policies (not one registered over it at run time), so that a
+    fresh interpreter finds the same class under that name?"""
+    key = name.strip().lower()
+    return key in BUILTIN and _policy_class(key).__module__.startswith(BUILTIN[key])
+
+
 def parse_policies(spec: str) -> list[str]:
     names = [s.strip().lower() for s in spec.split(",") if s.strip()]
     if not names:
