@@ -121,3 +121,13 @@ def test_bad_node_row(tmp_path, row, column):
     with pytest.raises(TraceFormatError) as ei:
         load_nodes(p)
     assert str(ei.value).startswith(f"{p}:3:") and repr(column) in str(ei.value)
+
+
+def test_pod_and_node_lists_that_are_not_utf8_text_or_are_directories(tmp_path):
+    """A Latin-1 pod list ended in a UnicodeDecodeError traceback; a directory said 'file not found'."""
+    p = tmp_path / "pods.csv"
+    p.write_bytes((POD_HEADER + "\n" + "pod-\xe9,1000,1024,1,500,,LS,Running,0,10,0\n").encode("latin-1"))
+    with pytest.raises(TraceFormatError, match=r"pods\.csv:2: not UTF-8 text \(byte 0xe9\); a pod list is a UTF-8 text file"):
+        load_pods(p)
+    with pytest.raises(TraceFormatError, match=r"is a directory; give the node list file"):
+        load_nodes(tmp_path)

@@ -329,3 +329,18 @@ def test_out_writes_a_per_job_csv_that_adds_up_to_the_summary(tmp_path):
         assert all(float(r["queue_s"]) >= 0 for r in rows)
     notes = [r["note"] for r in csv.DictReader((tmp_path / "o" / "jobs-qosflow.csv").open()) if r["note"]]
     assert any(n.startswith("waiting") or "shar" in n for n in notes), notes[:5]
+
+
+def test_trace_that_is_compressed_or_starts_empty_says_so(tmp_path, capsys):
+    """A gzip-compressed trace said 'cannot tell the trace format from its header (<binary>)'; an empty file
+    'cannot tell the trace format from its header ((empty))'."""
+    import gzip
+
+    p = tmp_path / "muri.csv.gz"
+    p.write_bytes(gzip.compress(b"job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,iteration_time\n"))
+    assert main(["simulate", "--trace", str(p), "--policies", "fifo", "--no-plots"]) == 2
+    assert "muri.csv.gz: is gzip-compressed: unpack it first (gunzip); a trace is a text file" in capsys.readouterr().err
+    p = tmp_path / "empty.csv"
+    p.write_text("")
+    assert main(["simulate", "--trace", str(p), "--policies", "fifo", "--no-plots"]) == 2
+    assert "empty.csv: the first line is empty; a trace starts with its header" in capsys.readouterr().err

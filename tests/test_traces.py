@@ -556,3 +556,33 @@ def test_alibaba_trace_picks_the_gpu_node_list_next_to_it(tmp_path):
     pods = write(tmp_path, "openb_pod_list_x.csv", ALI_HEADER + "\np0,8000,8192,2,1000,,LS,Running,0,500,10\n")
     wl, spec = resolve_workload(str(pods), None, None)
     assert [n.name for n in spec.nodes] == ["t0", "t1"] and [j.job_id for j in wl.jobs] == ["p0"]
+
+
+def test_loaders_name_files_that_are_not_utf8_text(tmp_path, tiny):
+    """A Latin-1 trace, a gzip-compressed one, a spreadsheet or a directory ended in a UnicodeDecodeError
+    traceback, or in 'not found' for a directory given with --format."""
+    import gzip
+
+    rows = [MURI_ROW.replace("7,", f"{i},", 1).format(prio=0) for i in range(1, 60)]
+    rows[55] = rows[55].replace("resnet18", "r\xe9snet")  # line 57 of the file
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes((MURI_HEADER + "\n" + "\n".join(rows) + "\n").encode("latin-1"))
+    with pytest.raises(TraceFormatError, match=r"latin\.csv:57: not UTF-8 text \(byte 0xe9\); a Muri trace is a UTF-8 "
+                                               r"text file: save it as UTF-8"):
+        load_muri(latin)
+    packed = tmp_path / "m.csv.gz"
+    packed.write_bytes(gzip.compress((MURI_HEADER + "\n" + MURI_ROW.format(prio=0) + "\n").encode()))
+    with pytest.raises(TraceFormatError, match=r"m\.csv\.gz: is gzip-compressed: unpack it first"):
+        load_muri(packed)
+    sheet = tmp_path / "m.xlsx"
+    sheet.write_bytes(b"PK\x03\x04" + bytes(range(256)))
+    with pytest.raises(TraceFormatError, match=r"export the sheet as CSV"):
+        load_muri(sheet)
+    with pytest.raises(TraceFormatError, match=r"is a directory; give the Muri trace file"):
+        load_muri(tmp_path)
+    gz_trace = tmp_path / "vc.trace"
+    gz_trace.write_bytes(gzip.compress(b"A3C\tcd\t-n\t1\t100\t0\t1\n"))
+    with pytest.raises(TraceFormatError, match=r"vc\.trace: is gzip-compressed"):
+        load_gavel(gz_trace, throughputs=tiny)
+    with pytest.raises(TraceFormatError, match=r"m\.csv\.gz: is gzip-compressed: unpack it first \(gunzip\); a cluster file"):
+        load_cluster(str(packed))

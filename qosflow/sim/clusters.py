@@ -25,6 +25,7 @@ from pathlib import Path
 
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.errors import SpecError, TraceFormatError
+from qosflow.sim.traces._common import check_text
 
 GIB = 1024.0
 
@@ -99,6 +100,7 @@ def load_cluster(spec: str | Path, *, name: str | None = None) -> ClusterSpec:
 
 def load_cluster_file(path: str | Path, *, vc: str | None = None, name: str | None = None) -> ClusterSpec:
     p = Path(path)
+    check_text(p, "cluster file")
     with open(p, encoding="utf-8-sig") as f:
         head = f.read(4096)
     first = head.lstrip().split("\n", 1)[0].strip()

@@ -21,8 +21,14 @@ def guess_format(trace: str) -> str:
         raise QosflowError(f"{trace} is a directory; give a trace file in it (e.g. a Gavel .trace, a Muri or Alibaba CSV)")
     head = ""
     if p.is_file():
+        from qosflow.sim.traces._common import check_text
+
+        check_text(p, "trace")  # a gzip file or a spreadsheet: say so, not "cannot tell the format"
         with open(p, encoding="utf-8-sig", errors="replace") as f:  # a BOM is not part of the header
             head = f.readline()
+        if not head.strip():
+            raise QosflowError(f"{trace}: the first line is empty; a trace starts with its header (a Muri or an "
+                               "Alibaba CSV) or, for Gavel, with its first tab-separated job line")
     cols = {c.strip().strip('"') for c in head.split(",")}
     # by the columns that mark each format, in any order and with extra columns; a header with at least
     # half of one format's marks is taken as that format, whose loader then names the columns it lacks

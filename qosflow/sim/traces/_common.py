@@ -20,9 +20,38 @@ Rejected = tuple[str, str]
 CORES_PER_GPU = 4.0
 
 
+#: leading bytes of files that are not text: (magic, what the file is and how to fix it)
+_PACKED = (
+    (b"\x1f\x8b", "gzip-compressed: unpack it first (gunzip)"),
+    (b"PK\x03\x04", "a ZIP archive or a spreadsheet (.xlsx): unpack it, or export the sheet as CSV"),
+)
+
+
+def check_text(path: Path, kind: str) -> None:
+    """Fail with a TraceFormatError naming `path` when it is a directory, a compressed file or a spreadsheet,
+    or not UTF-8 text (then with the line of the first bad byte); a missing file is left to the caller.
+    Reading such files ended in a UnicodeDecodeError traceback."""
+    if path.is_dir():
+        raise TraceFormatError(path, None, f"is a directory; give the {kind} file")
+    if not path.is_file():
+        return
+    raw = path.read_bytes()
+    for magic, what in _PACKED:
+        if raw.startswith(magic):
+            raise TraceFormatError(path, None, f"is {what}; a {kind} is a text file")
+    try:
+        raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise TraceFormatError(
+            path, line, f"not UTF-8 text (byte 0x{raw[exc.start]:02x}); a {kind} is a UTF-8 text file: save it as "
+                        "UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE)") from None
+
+
 def csv_rows(path: Path, required: Iterable[str], kind: str) -> Iterator[tuple[int, dict[str, str]]]:
     """(line number, row) for every data row, after checking the header names every required column."""
     required = tuple(required)
+    check_text(path, kind)
     if not path.is_file():
         raise TraceFormatError(path, None, f"{kind} not found")
     with open(path, newline="", encoding="utf-8-sig") as f:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from qosflow.errors import TraceFormatError
-from qosflow.sim.traces._common import data_rows
+from qosflow.sim.traces._common import check_text, data_rows
 
 MILLI = 1000
 
@@ -72,6 +72,7 @@ class AlibabaNode:
 
 def _rows(path: Path, required: tuple[str, ...], kind: str) -> Iterator[tuple[int, dict[str, str]]]:
     """(line number, row dict) for every data row; header and field-count checks."""
+    check_text(path, kind)
     if not path.is_file():
         raise TraceFormatError(path, None, f"{kind} file not found")
     with open(path, newline="", encoding="utf-8-sig") as f:

@@ -33,7 +33,7 @@ from qosflow.sim.interference import (
     gpu_mem_mb,
     load_gavel_interference,
 )
-from qosflow.sim.traces._common import CORES_PER_GPU, Rejected, make_job, make_qos, number, split_rejected
+from qosflow.sim.traces._common import CORES_PER_GPU, Rejected, check_text, make_job, make_qos, number, split_rejected
 
 FIELDS_7 = ("job_type", "command", "num_steps_arg", "needs_data_dir", "total_steps", "arrival_time", "scale_factor")
 FIELDS_9 = (
@@ -66,6 +66,7 @@ def load_gavel(
         raise TraceFormatError(p, None, "is a directory; give one .trace file (one virtual cluster)")
     if not p.is_file():
         raise TraceFormatError(p, None, "Gavel trace not found")
+    check_text(p, "Gavel trace")
     table = throughputs if isinstance(throughputs, GavelInterference) else load_gavel_interference(throughputs, gpu_type=gpu_type)
     if table is None:
         raise TraceFormatError(
