@@ -131,3 +131,14 @@ def test_pod_and_node_lists_that_are_not_utf8_text_or_are_directories(tmp_path):
         load_pods(p)
     with pytest.raises(TraceFormatError, match=r"is a directory; give the node list file"):
         load_nodes(tmp_path)
+
+
+def test_a_pod_list_saved_with_semicolons_says_so(tmp_path):
+    p = _write(tmp_path, "pods.csv", POD_HEADER.replace(",", ";") + "\np0;1000;1024;1;500;;LS;Running;0;10;0\n")
+    with pytest.raises(TraceFormatError, match=r"pods\.csv:1: missing column.*its header is separated by semicolons"):
+        load_pods(p)
+    # a comma-separated header without the columns gets no delimiter hint
+    p = _write(tmp_path, "other.csv", "a,b\n1,2\n")
+    with pytest.raises(TraceFormatError) as ei:
+        load_pods(p)
+    assert "separated by" not in str(ei.value)

@@ -344,3 +344,20 @@ def test_trace_that_is_compressed_or_starts_empty_says_so(tmp_path, capsys):
     p.write_text("")
     assert main(["simulate", "--trace", str(p), "--policies", "fifo", "--no-plots"]) == 2
     assert "empty.csv: the first line is empty; a trace starts with its header" in capsys.readouterr().err
+
+
+def test_format_guess_names_a_semicolon_or_tab_separated_header(tmp_path):
+    """A Muri trace saved with semicolons said 'cannot tell the trace format ...; pass --format', and --format
+    muri then said every column was missing."""
+    from qosflow.errors import QosflowError
+    from qosflow.sim.runner import guess_format
+
+    header = "job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,iteration_time"
+    for delim, name in ((";", "semicolons"), ("\t", "tabs")):
+        p = tmp_path / "t.csv"
+        p.write_text(header.replace(",", delim) + "\n")
+        with pytest.raises(QosflowError, match=f"t.csv: its header is separated by {name} .*must be comma-separated"):
+            guess_format(str(p))
+    p.write_text("a\tb\tc\td\n")  # neither a trace header nor a Gavel line: no delimiter advice
+    with pytest.raises(QosflowError, match="cannot tell the trace format"):
+        guess_format(str(p))

@@ -586,3 +586,14 @@ def test_loaders_name_files_that_are_not_utf8_text(tmp_path, tiny):
         load_gavel(gz_trace, throughputs=tiny)
     with pytest.raises(TraceFormatError, match=r"m\.csv\.gz: is gzip-compressed: unpack it first \(gunzip\); a cluster file"):
         load_cluster(str(packed))
+
+
+def test_a_trace_saved_with_semicolons_says_so(tmp_path):
+    """A spreadsheet's semicolon CSV said only that every column was missing."""
+    p = write(tmp_path, "semi.csv", MURI_HEADER.replace(",", ";") + "\n" + MURI_ROW.format(prio=0).replace(",", ";") + "\n")
+    with pytest.raises(TraceFormatError, match=r"semi\.csv:1: missing column.*its header is separated by semicolons, but "
+                                               r"the file must be comma-separated"):
+        load_muri(p)
+    p = write(tmp_path, "nodes.csv", "sn;cpu_milli;memory_mib;gpu;model\nn0;64000;262144;2;P100\n")
+    with pytest.raises(TraceFormatError, match=r"not a cluster file qosflow knows.*separated by semicolons"):
+        load_cluster(str(p))

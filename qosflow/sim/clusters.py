@@ -25,7 +25,7 @@ from pathlib import Path
 
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.errors import SpecError, TraceFormatError
-from qosflow.sim.traces._common import check_text
+from qosflow.sim.traces._common import check_text, delimiter_hint
 
 GIB = 1024.0
 
@@ -116,7 +116,7 @@ def load_cluster_file(path: str | Path, *, vc: str | None = None, name: str | No
         1,
         "not a cluster file qosflow knows: expected a Muri CSV header "
         f"({','.join(MURI_COLUMNS)}), an Alibaba node list header (sn,cpu_milli,memory_mib,gpu,model) "
-        "or a Gavel cluster_specs.json",
+        "or a Gavel cluster_specs.json" + delimiter_hint(cols),
     )
 
 

@@ -45,6 +45,13 @@ def guess_format(trace: str) -> str:
     for what, marks, hint in NOT_TRACES:
         if marks <= lower:
             raise QosflowError(f"{trace}: this is {what}, not a trace ({shown}); {hint}")
+    for delim, name in ((";", "semicolons"), ("\t", "tabs")):
+        # a Muri or Alibaba trace saved with another delimiter (spreadsheets write semicolons in many
+        # locales): --format would only lead to "missing columns"
+        alt = {c.strip().strip('"') for c in head.split(delim)}
+        if any(len(m & alt) >= len(m) / 2 for m in FORMAT_MARKS.values()):
+            raise QosflowError(f"{trace}: its header is separated by {name} ({shown}); a Muri or Alibaba trace "
+                               "must be comma-separated: save it as CSV with commas")
     raise QosflowError(f"{trace}: cannot tell the trace format from its header ({shown}); "
                        "pass --format muri|gavel|alibaba|synthetic")
 

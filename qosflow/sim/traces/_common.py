@@ -48,6 +48,16 @@ def check_text(path: Path, kind: str) -> None:
                         "UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE)") from None
 
 
+def delimiter_hint(header: list[str]) -> str:
+    """'; the header is separated by ...' when a one-column header holds another delimiter than the comma
+    (a CSV saved with semicolons, as spreadsheets do in many locales, or with tabs), else ''."""
+    if len(header) == 1:
+        for delim, name in ((";", "semicolons"), ("\t", "tabs"), ("|", "'|'")):
+            if delim in header[0]:
+                return f"; its header is separated by {name}, but the file must be comma-separated: save it as CSV with commas"
+    return ""
+
+
 def csv_rows(path: Path, required: Iterable[str], kind: str) -> Iterator[tuple[int, dict[str, str]]]:
     """(line number, row) for every data row, after checking the header names every required column."""
     required = tuple(required)
@@ -68,7 +78,7 @@ def csv_rows(path: Path, required: Iterable[str], kind: str) -> Iterator[tuple[i
                 path,
                 1,
                 f"missing column(s) {', '.join(repr(c) for c in missing)}; a {kind} needs {','.join(required)} "
-                f"(found: {','.join(header)})",
+                f"(found: {','.join(header)}){delimiter_hint(header)}",
             )
         yield from data_rows(path, reader, header)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from qosflow.errors import TraceFormatError
-from qosflow.sim.traces._common import check_text, data_rows
+from qosflow.sim.traces._common import check_text, data_rows, delimiter_hint
 
 MILLI = 1000
 
@@ -90,7 +90,7 @@ def _rows(path: Path, required: tuple[str, ...], kind: str) -> Iterator[tuple[in
                 path,
                 1,
                 f"missing column(s) {', '.join(repr(c) for c in missing)} in the header; "
-                f"a {kind} needs {','.join(required)} (found: {','.join(header)})",
+                f"a {kind} needs {','.join(required)} (found: {','.join(header)}){delimiter_hint(header)}",
             )
         dup = sorted({h for h in header if header.count(h) > 1})
         if dup:
