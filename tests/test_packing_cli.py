@@ -146,3 +146,29 @@ def test_an_error_inside_the_progress_bar_follows_the_output_without_a_blank_lin
     pods.write_text(PODS)
     assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit", "--seeds", "1"]) == 0
     assert "" not in capsys.readouterr().out.splitlines()
+
+
+def test_pack_cli_parallel_gives_the_same_results(tmp_path, capsys):
+    """`--parallel 2` runs the policy x seed runs in two worker processes: the same JSON as one after
+    another (but the runs' own timing); `--parallel 0` is refused, naming the option."""
+    pods, nodes = tmp_path / "pods.csv", tmp_path / "nodes.csv"
+    pods.write_text(PODS)
+    nodes.write_text(NODES)
+    data = {}
+    for p in ("1", "2"):
+        out = tmp_path / f"p{p}.json"
+        assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit,best-fit,fgd,qosflow",
+                     "--seeds", "3", "--parallel", p, "--no-plots", "--json", str(out)]) == 0
+        data[p] = json.loads(out.read_text())
+
+    def strip(d):
+        if isinstance(d, dict):
+            return {k: strip(v) for k, v in d.items() if k not in ("seconds_per_run", "seconds")}
+        if isinstance(d, list):
+            return [strip(x) for x in d]
+        return d
+
+    assert strip(data["1"]) == strip(data["2"])
+    assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--seeds", "1", "--parallel", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--parallel" in err and "at least 1" in err

@@ -219,6 +219,34 @@ def test_same_seed_same_run(policy):
     assert a.placements != c.placements
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_worker_processes_give_the_same_experiment(method, monkeypatch):
+    """`run_experiment(workers=2)` (`qosflow pack --parallel`): every run the same, in the same order,
+    as one after another; a policy registered by the caller's code runs in this process."""
+    from qosflow.packing.best_fit import BestFit
+    from qosflow.packing.policies import _REGISTRY
+
+    class Mine(BestFit):
+        pass
+
+    monkeypatch.setitem(_REGISTRY, "mine-test", Mine)
+    Mine.name = "mine-test"
+    pods, nodes = synthetic_cluster(seed=3, n_pods=300)
+    names = ["best-fit", "fgd", "mine-test", "random"]
+    here = run_experiment(pods, nodes, names, seeds=[1, 2])
+    seen, started = [], []
+    there = run_experiment(pods, nodes, names, seeds=[1, 2], workers=2, start_method=method,
+                           on_start=lambda: started.append(len(seen)), on_run=lambda r: seen.append((r.policy, r.seed)))
+    assert started == [0] and sorted(seen) == sorted((n, s) for n in names for s in (1, 2))
+    for name in names:
+        assert [r.seed for r in there[name].runs] == [1, 2]
+        for a, b in zip(here[name].runs, there[name].runs):
+            assert np.array_equal(a.allocated_milli, b.allocated_milli) and np.array_equal(a.failed, b.failed), name
+    mine, bf = there["mine-test"].to_dict(), there["best-fit"].to_dict()  # best fit under another name, run here
+    assert (mine["alloc_ratio"], mine["failed_pods"]) == (bf["alloc_ratio"], bf["failed_pods"])
+    assert here["random"].runs[0].allocated_milli.tolist() != here["random"].runs[1].allocated_milli.tolist()
+
+
 def test_arrivals_shuffle_then_draw_with_replacement_up_to_ratio():
     pods, nodes = synthetic_cluster(seed=4, n_pods=100)
     cap = PackState(nodes).total_gpu_milli

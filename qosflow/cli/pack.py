@@ -37,13 +37,15 @@ def register(app: typer.Typer) -> None:
         ratio: float = typer.Option(1.3, "--ratio", help="stop arrivals when the GPU requested reaches this share of capacity (1 to 10)"),
         popularity: float = typer.Option(0.95, "--popularity", help="FGD target workload: the most frequent pod types covering this share of pods"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plot"),
+        parallel: Optional[int] = typer.Option(None, "--parallel", help="runs (policy x seed) at once, each in a process of its own (default: one per CPU core, at most one per run, except for small experiments: under 20,000 pod arrivals in all they run in this process; 1: one after another in this process). Results are the same either way"),
     ) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
         from rich.table import Table
 
         from qosflow.errors import SpecError
-        from qosflow.packing.experiment import run_experiment
+        from qosflow.packing.experiment import SMALL_EXPERIMENT, run_experiment
+        from qosflow.workers import default_workers
         from qosflow.packing.model import PackState, never_fitting, nodes_from_records, pods_from_records
         from qosflow.packing.policies import make_policy
         from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png
@@ -63,6 +65,8 @@ def register(app: typer.Typer) -> None:
             make_policy(name)  # UnknownNameError lists the known names
         if seeds < 1:
             raise SpecError("--seeds", f"must be >= 1, got {seeds}")
+        if parallel is not None and parallel < 1:
+            raise SpecError("--parallel", f"must be at least 1 (1: one run after another), got {parallel}")
         if not 1 <= ratio <= 10:
             # the headline is read at 100 % arrived demand: arrivals stopped below it never reach it
             raise SpecError("--ratio", f"must be in [1, 10] (the headline is read at 100 % arrived demand), got {ratio}")
@@ -91,13 +95,21 @@ def register(app: typer.Typer) -> None:
             f"({nodes_path.name}); arrivals up to {ratio:.0%} of capacity; "
             + (f"seed {seed}" if seeds == 1 else f"seeds {seed_list[0]}..{seed_list[-1]}")
         )
-        with progress_bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
-            task = prog.add_task("packing", total=len(seed_list) * len(names))
+        runs = len(seed_list) * len(names)
+        # about 1.3 x the pods arrive per run (the list, then draws, up to --ratio of capacity)
+        workers = parallel if parallel is not None else default_workers(runs, len(pod_list), SMALL_EXPERIMENT)
+        progress = progress_bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+        task = progress.add_task("packing", total=runs)
 
-            def on_run(run) -> None:
-                prog.update(task, advance=1, description=f"{run.policy} seed {run.seed}")
+        def on_run(run) -> None:
+            progress.update(task, advance=1, description=f"{run.policy} seed {run.seed}")
 
-            summaries = run_experiment(pod_list, node_list, names, seed_list, ratio=ratio, popularity=popularity, on_run=on_run)
+        try:
+            # the bar (and its redraw thread) starts once the workers have started: see qosflow.workers
+            summaries = run_experiment(pod_list, node_list, names, seed_list, ratio=ratio, popularity=popularity,
+                                       on_start=progress.start, on_run=on_run, workers=workers)
+        finally:
+            progress.stop()
 
         data = summaries_to_json(
             summaries,
@@ -112,6 +124,7 @@ def register(app: typer.Typer) -> None:
                 "popularity": popularity,
                 "never_fit_pods": [{"pod": n, "reason": why} for n, why in never],
                 "headline": "share of GPU capacity allocated when the arrived GPU requests equal 100 % of capacity",
+                "parallel": workers,
             },
         )
         table = Table(title=f"GPU allocation at 100 % arrived demand (mean of {len(seed_list)} seed{'s' if len(seed_list) > 1 else ''})")

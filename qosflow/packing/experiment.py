@@ -29,7 +29,7 @@ import numpy as np
 
 from qosflow.errors import SpecError
 from qosflow.packing.model import Node, PackState, Pod
-from qosflow.packing.policies import PackingPolicy, make_policy
+from qosflow.packing.policies import PackingPolicy, is_builtin_policy, make_policy
 from qosflow.packing.workload import DEFAULT_POPULARITY, WorkloadDistribution
 
 DEFAULT_RATIO = 1.3
@@ -222,6 +222,25 @@ class PolicySummary:
         }
 
 
+#: below this many pod arrivals over all runs the experiment runs in this process by default:
+#: worker processes would take longer to start than the runs
+SMALL_EXPERIMENT = 20_000
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(_queue, pods, nodes, ratio, knowledge, workloads, sequences) -> None:
+    _WORKER.update(pods=pods, nodes=nodes, ratio=ratio, knowledge=knowledge, workloads=workloads, sequences=sequences)
+
+
+def _worker_run(task: tuple[int, str]) -> tuple[int, str, PackingRun]:
+    seed, name = task
+    w = _WORKER
+    run = run_packing(w["pods"], w["nodes"], name, seed, ratio=w["ratio"], workload=w["workloads"][name],
+                      knowledge=w["knowledge"], sequence=w["sequences"][seed])
+    return seed, name, run
+
+
 def run_experiment(
     pods: Sequence[Pod],
     nodes: Sequence[Node],
@@ -231,27 +250,63 @@ def run_experiment(
     ratio: float = DEFAULT_RATIO,
     popularity: float = DEFAULT_POPULARITY,
     knowledge: Mapping[str, Any] | None = None,
+    on_start: Callable[[], None] | None = None,
     on_run: Callable[[PackingRun], None] | None = None,
+    workers: int = 1,
+    start_method: str | None = None,
 ) -> dict[str, PolicySummary]:
-    """Every policy on every seed, with the same arrivals per seed for all policies."""
+    """Every policy on every seed, with the same arrivals per seed for all policies.
+
+    With `workers` > 1 the runs of qosflow's own policies go to that many worker processes
+    (`qosflow.workers`; a policy registered by the caller's code runs here). The results are the
+    same, in the same order. `on_start` is called once the workers have started (before any run),
+    `on_run` with each run as it finishes."""
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     for name in policies:
         make_policy(name)  # fail fast on an unknown name
     if not seeds:
         raise SpecError("seeds", "need at least one seed")
     workload = WorkloadDistribution.from_pods(pods, popularity)
-    own = {}  # policies that derive their own target workload (e.g. qosflow: every request type)
+    # each policy's target workload: the experiment's, or its own (e.g. qosflow: every request type)
+    workloads = {}
     for name in policies:
         pop = make_policy(name).workload_popularity
-        if pop is not None:
-            own[name] = WorkloadDistribution.from_pods(pods, pop)
+        workloads[name] = workload if pop is None else WorkloadDistribution.from_pods(pods, pop)
     capacity = PackState(nodes).total_gpu_milli
-    out = {name: PolicySummary(make_policy(name).name, []) for name in policies}
-    for seed in seeds:
-        seq = arrival_sequence(pods, capacity, seed, ratio)
-        for name in policies:
-            wl = own.get(name, workload)
-            run = run_packing(pods, nodes, name, seed, ratio=ratio, workload=wl, knowledge=knowledge, sequence=seq)
-            out[name].runs.append(run)
+    sequences = {seed: arrival_sequence(pods, capacity, seed, ratio) for seed in seeds}
+    tasks = [(seed, name) for seed in seeds for name in policies]
+    remote = [t for t in tasks if workers > 1 and is_builtin_policy(t[1])]
+    if len(remote) < 2:
+        remote = []
+    runs: dict[tuple[int, str], PackingRun] = {}
+    pool = None
+    try:
+        if remote:
+            from qosflow.workers import start_pool
+
+            pool, _queue, _method = start_pool(min(workers, len(remote)), _worker_init,
+                                               (list(pods), list(nodes), ratio, knowledge, workloads, sequences), start_method)
+            results = pool.imap_unordered(_worker_run, remote)
+        if on_start is not None:
+            on_start()
+        for seed, name in tasks:
+            if (seed, name) in remote:
+                continue
+            run = runs[seed, name] = run_packing(pods, nodes, name, seed, ratio=ratio, workload=workloads[name],
+                                                 knowledge=knowledge, sequence=sequences[seed])
             if on_run is not None:
                 on_run(run)
+        if remote:
+            for seed, name, run in results:
+                runs[seed, name] = run
+                if on_run is not None:
+                    on_run(run)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    out = {name: PolicySummary(make_policy(name).name, []) for name in policies}
+    for seed, name in tasks:
+        out[name].runs.append(runs[seed, name])
     return out

@@ -145,6 +145,13 @@ def _load_builtin() -> None:
     from qosflow.packing import best_fit, fgd, first_fit, qosflow_pack, random_fit  # noqa: F401
 
 
+def is_builtin_policy(name: str) -> bool:
+    """Is `name` one of qosflow's own packing policies (so that a fresh interpreter has it too)?"""
+    _load_builtin()
+    cls = _REGISTRY.get(name.strip().lower())
+    return cls is not None and getattr(cls, "__module__", "").startswith("qosflow.packing.")
+
+
 def policy_names() -> list[str]:
     _load_builtin()
     return list(_REGISTRY)

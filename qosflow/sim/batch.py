@@ -12,9 +12,7 @@ process.
 
 from __future__ import annotations
 
-import os
 import queue as queue_mod
-import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -22,6 +20,8 @@ from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job
 from qosflow.core.speed import SpeedModel
 from qosflow.sim.engine import SimConfig, SimResult, SimulationError, Simulator
+from qosflow.workers import default_workers as workers_for
+from qosflow.workers import start_pool
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,6 @@ _WORKER: dict[str, Any] = {}
 
 
 def _worker_init(progress_queue, jobs, cluster, speed, config, seed, error) -> None:
-    # Ctrl-C reaches the whole process group: the parent stops the workers (Pool.terminate), so a
-    # worker does not print a KeyboardInterrupt traceback of its own
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER.update(queue=progress_queue, args=(jobs, cluster, speed, config, seed, error))
 
 
@@ -102,13 +99,7 @@ SMALL_BATCH = 2000
 
 def default_workers(runs: int, jobs: int) -> int:
     """One worker per CPU core this process may use, at most one per run; 1 for a small batch."""
-    if runs * jobs < SMALL_BATCH:
-        return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(runs, cores))
+    return workers_for(runs, jobs, SMALL_BATCH)
 
 
 class Batch:
@@ -116,11 +107,8 @@ class Batch:
     in this process, one after another). Use it as a context manager; `run` returns the outcomes in
     the order of `specs`.
 
-    The worker processes start when the batch is entered. In a process with no other thread they
-    are forked (they start at once and share the loaded workload); otherwise they are spawned (a
-    fresh interpreter each, a second or so to start), because a forked child of a threaded process can
-    deadlock on a lock some other thread held at the fork. So enter the batch before starting a
-    progress bar that redraws from a thread of its own. `start_method` chooses instead.
+    The worker processes start when the batch is entered, forked or spawned as `qosflow.workers`
+    says: enter the batch before starting a progress bar. `start_method` chooses instead.
 
     Results are the same job by job whichever way the runs go (tests/test_sim_batch.py checks it)."""
 
@@ -151,15 +139,7 @@ class Batch:
 
     def __enter__(self) -> "Batch":
         if self.remote:
-            import multiprocessing as mp
-            import threading
-
-            method = self.start_method or (
-                "fork" if threading.active_count() == 1 and "fork" in mp.get_all_start_methods() else "spawn")
-            ctx = mp.get_context(method)
-            self._queue = ctx.Queue()
-            self._pool = ctx.Pool(self.workers, initializer=_worker_init, initargs=(self._queue, *self.args))
-            self.start_method = method
+            self._pool, self._queue, self.start_method = start_pool(self.workers, _worker_init, self.args, self.start_method)
         return self
 
     def __exit__(self, *exc) -> None:
