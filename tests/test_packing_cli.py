@@ -169,6 +169,7 @@ def test_pack_cli_parallel_gives_the_same_results(tmp_path, capsys):
         return d
 
     assert strip(data["1"]) == strip(data["2"])
+    assert (data["1"]["config"]["parallel"], data["2"]["config"]["parallel"]) == (1, 2)
     assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--seeds", "1", "--parallel", "0"]) == 2
     err = capsys.readouterr().err
     assert "--parallel" in err and "at least 1" in err
