@@ -713,3 +713,16 @@ def test_throughput_eval_with_nothing_to_predict_is_an_error(tmp_path, capsys):
     assert main(["predict", "eval", "--throughputs", str(p), "--json", str(out)]) == 2
     assert "nothing to cross-validate in its 2 job type(s)" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_pair_csv_empty_or_json_says_what_it_is(tmp_path, capsys):
+    """An empty file said 'missing column(s) ... found: []'; Gavel's JSON given as --pairs 'found: ['{']'."""
+    from qosflow.cli.main import main
+
+    p = tmp_path / "pairs.csv"
+    p.write_text("\n\n")
+    with pytest.raises(TraceFormatError, match=r"pairs\.csv: empty file; a pair table is a CSV whose header names model1,"):
+        read_pairs_csv(p)
+    p.write_text(json.dumps({"v100": {"('A', 1)": {"null": 1.0}}}, indent=2))
+    assert main(["predict", "eval", "--pairs", str(p)]) == 2
+    assert "this is JSON, not a CSV pair table: a Gavel-style throughput table goes to --throughputs" in capsys.readouterr().err

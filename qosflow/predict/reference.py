@@ -278,6 +278,11 @@ def read_pairs_csv(path: str | Path) -> list[PairRow]:
         if any(c.strip() for c in cells):
             header = [h.strip().lower() for h in cells]
             break
+    if not header:
+        raise TraceFormatError(path, None, f"empty file; a pair table is a CSV whose header names {','.join(PAIR_COLUMNS)}")
+    if first.lstrip().startswith(("{", "[")):
+        raise TraceFormatError(path, None, "this is JSON, not a CSV pair table: a Gavel-style throughput table goes to "
+                                        "--throughputs; a pair table's header names " + ",".join(PAIR_COLUMNS))
     missing = [c for c in PAIR_COLUMNS if c not in header]
     if missing:
         raise TraceFormatError(path, reader.line_num or 1, f"missing column(s) {', '.join(missing)}; the header must name "
