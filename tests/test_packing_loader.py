@@ -142,3 +142,14 @@ def test_a_pod_list_saved_with_semicolons_says_so(tmp_path):
     with pytest.raises(TraceFormatError) as ei:
         load_pods(p)
     assert "separated by" not in str(ei.value)
+
+
+def test_pod_and_node_lists_swapped_say_so(tmp_path):
+    """`qosflow pack --pods NODES --nodes PODS` listed missing columns only."""
+    nodes = _write(tmp_path, "nodes.csv", NODE_HEADER + "\nn0,64000,262144,2,P100\n")
+    pods = _write(tmp_path, "pods.csv", POD_HEADER + "\np0,1000,1024,1,500,,LS,Running,0,10,0\n")
+    with pytest.raises(TraceFormatError, match=r"nodes\.csv:1: missing column.*this is a node list, not a pod list "
+                                               r"\(qosflow pack takes it as --nodes\)"):
+        load_pods(nodes)
+    with pytest.raises(TraceFormatError, match=r"this is a pod list, not a node list \(qosflow pack takes it as --pods\)"):
+        load_nodes(pods)

@@ -86,11 +86,15 @@ def _rows(path: Path, required: tuple[str, ...], kind: str) -> Iterator[tuple[in
         header = [h.strip() for h in header]
         missing = [c for c in required if c not in header]
         if missing:
+            # the other list of the pair (qosflow pack --pods/--nodes swapped)
+            other = {"pod list": (NODE_REQUIRED, "node list", "--nodes"), "node list": (POD_REQUIRED, "pod list", "--pods")}.get(kind)
+            swapped = (f"; this is a {other[1]}, not a {kind} (qosflow pack takes it as {other[2]})"
+                       if other and set(other[0]) <= set(header) else "")
             raise TraceFormatError(
                 path,
                 1,
                 f"missing column(s) {', '.join(repr(c) for c in missing)} in the header; "
-                f"a {kind} needs {','.join(required)} (found: {','.join(header)}){delimiter_hint(header)}",
+                f"a {kind} needs {','.join(required)} (found: {','.join(header)}){delimiter_hint(header)}{swapped}",
             )
         dup = sorted({h for h in header if header.count(h) > 1})
         if dup:
