@@ -82,6 +82,10 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         (["--policies", "qosflow", "--set", "qosflow.express_share=2"], "express_share must be in [0, 1)"),
         (["--policies", "fifo", "--set", "qosflow.express_share=0.1"], "policy 'qosflow' is not among --policies"),
         (["--policies", "qosflow", "--set", "express_share"], "POLICY.OPTION=VALUE"),
+        # options written into --policies, or no name at all: were "unknown policy 'qosflow:express_share=0.1'" / "''"
+        (["--policies", "fifo,qosflow:express_share=0.1"], "'qosflow:express_share=0.1': --policies takes policy names "
+                                                            "only; give a policy's options with --set qosflow.OPTION=VALUE"),
+        (["--policies", ","], "invalid --policies: give at least one policy name"),
         # a value of the wrong type: a text failed mid-run with a traceback, "False" or "maybe" turned a switch on
         (["--policies", "qosflow", "--set", "qosflow.qos_weight=abc"], "option 'qos_weight' of policy 'qosflow' takes a number, got 'abc'"),
         (["--policies", "qosflow", "--set", "qosflow.align=False"], "option 'align' of policy 'qosflow' takes true or false, got 'False'"),
