@@ -97,6 +97,7 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         (["--policies", "fifo", "--error", "2"], "invalid --error: must be in [0, 1)"),
         (["--policies", "fifo", "--estimator", "noisy", "--error", "-0.1"], "invalid --error: must be in [0, 1)"),
         (["--policies", "fifo", "--failures", "1.5"], "invalid --failures: must be a share of jobs in [0, 1]"),
+        (["--policies", "fifo", "--deadline-share", "2"], "invalid --deadline-share: must be a share of jobs in [0, 1]"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message, capsys):

@@ -79,6 +79,8 @@ def register(app: typer.Typer) -> None:
             raise SpecError("--error", f"must be in [0, 1) (0.3 = +-30 %), got {error!r}")
         if not 0 <= failures <= 1:
             raise SpecError("--failures", f"must be a share of jobs in [0, 1] (Philly: ~0.3), got {failures!r}")
+        if not 0 <= deadline_share <= 1:  # was "invalid deadline_share", once the trace had loaded
+            raise SpecError("--deadline-share", f"must be a share of jobs in [0, 1] (0.5: half get a deadline), got {deadline_share!r}")
         if parallel is not None and parallel < 1:
             raise SpecError("--parallel", f"must be at least 1 (1: one run after another), got {parallel}")
         cfg = SimConfig(seed=seed, failure_share=failures)
