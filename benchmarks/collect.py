@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["sim", "decisions", "packing", "prefect", "demo_db", "predictor", "learned_sim", "infra"]
+ORDER = ["sim", "parallel", "decisions", "packing", "prefect", "demo_db", "predictor", "learned_sim", "infra"]
 TITLES = {
     "sim": "Simulator fidelity and qosflow's policy (issues 2, 3)",
+    "parallel": "Runs in worker processes (simulate, pack)",
     "decisions": "Placement decision rate (issues 2, 3)",
     "packing": "GPU-sharing packing on the Alibaba trace (issues 2, 3)",
     "prefect": "Prefect integration (issue 5)",

@@ -287,7 +287,9 @@ def run_experiment(
 
             pool, _queue, _method = start_pool(min(workers, len(remote)), _worker_init,
                                                (list(pods), list(nodes), ratio, knowledge, workloads, sequences), start_method)
-            results = pool.imap_unordered(_worker_run, remote)
+            # the costliest runs first, so that no long run starts last while the other workers idle
+            by_cost = sorted(remote, key=lambda t: -make_policy(t[1]).relative_cost)
+            results = pool.imap_unordered(_worker_run, by_cost)
         if on_start is not None:
             on_start()
         for seed, name in tasks:

@@ -43,6 +43,9 @@ class PackingPolicy:
     #: if set, experiments derive this policy's target workload from the pod list with this
     #: popularity (share of pods the kept types cover) instead of the shared FGD one (95 %)
     workload_popularity: float | None = None
+    #: rough time of a run against first fit (1): only the order in which parallel runs start
+    #: (`run_experiment`: the costliest first), never a result
+    relative_cost: float = 1.0
 
     def __init__(self, random_ties: bool = False) -> None:
         #: break ties uniformly at random (stock kube-scheduler) instead of by node order

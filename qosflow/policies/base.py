@@ -56,6 +56,9 @@ class Policy(ABC):
     #: may stop running jobs (checkpoint and restart later)
     preemptive: ClassVar[bool] = False
     description: ClassVar[str] = ""
+    #: rough cost of a simulation under this policy against a simple one (1): only the order in
+    #: which parallel runs start (`qosflow.sim.batch`: the costliest first), never a result
+    relative_cost: ClassVar[float] = 1.0
 
     @abstractmethod
     def schedule(self, view: SchedulerView) -> Decision:

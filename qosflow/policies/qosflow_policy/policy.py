@@ -44,6 +44,8 @@ class QosflowPolicy(
     name = "qosflow"
     preemptive = False
     description = "QoS-aware, sharing-aware, CPU-aware, non-preemptive (qosflow)"
+    #: about 4 x the baselines' time per round on the Muri trace (docs/benchmarks.md)
+    relative_cost = 4.0
 
     def __init__(
         self,
