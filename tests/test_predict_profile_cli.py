@@ -222,6 +222,15 @@ def test_profile_budget_must_be_positive(stage_module, tmp_path, capsys):
         assert "invalid --budget: must be a finite number of seconds > 0" in capsys.readouterr().err
 
 
+def test_profile_core_counts_out_of_range_name_the_option(stage_module, tmp_path, capsys):
+    """--cores 0 said 'invalid cores' (the library's word), after the store had been opened."""
+    db = f"sqlite:///{tmp_path / 'p.db'}"
+    for cores in ("0", "1,100000"):
+        assert main(["profile", "toy_stage:train", "--cores", cores, "--db", db]) == 2
+        assert "invalid --cores: " in capsys.readouterr().err
+    assert not (tmp_path / "p.db").exists()
+
+
 def test_profile_of_a_silent_function_fails(stage_module, capsys):
     assert main(["profile", "toy_stage:silent", "--steps", "2", "--cores", "1", "--no-store"]) == 1
     out = capsys.readouterr().out

@@ -225,7 +225,7 @@ def profile_cmd(
     from rich.table import Table
 
     from qosflow.errors import SpecError
-    from qosflow.predict.profiler import profile
+    from qosflow.predict.profiler import check_core_counts, profile
 
     core_list = None
     if cores:
@@ -233,6 +233,7 @@ def profile_cmd(
             core_list = [int(c) for c in cores.split(",") if c.strip()]
         except ValueError:
             raise SpecError("--cores", f"{cores!r} is not a comma-separated list of integers") from None
+        check_core_counts(core_list, "--cores")
     if not 0 < budget < float("inf"):
         raise SpecError("--budget", f"must be a finite number of seconds > 0, got {budget:g}")
     if json_out is not None:

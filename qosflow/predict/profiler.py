@@ -269,6 +269,14 @@ def default_core_counts() -> list[int]:
     return sorted({max(1, n // 2), n})
 
 
+def check_core_counts(cores: list[int], option: str = "cores") -> None:
+    """Refuse a core count below 1 or above the cores this process may use, naming `option`."""
+    avail = len(os.sched_getaffinity(0))
+    for c in cores:
+        if c < 1 or c > avail:
+            raise SpecError(option, f"{c} is not between 1 and the {avail} cores this process may use")
+
+
 def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s: float = 60.0,
             signature: str | None = None, store: Any = None) -> ProfileResult:
     _check_target(target)
@@ -276,11 +284,8 @@ def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s
         raise SpecError("steps", f"must be >= 1, got {steps}")
     if not budget_s > 0 or budget_s == float("inf"):
         raise SpecError("budget", f"must be a number of seconds > 0, got {budget_s}")
-    avail = len(os.sched_getaffinity(0))
     cores = cores or default_core_counts()
-    for c in cores:
-        if c < 1 or c > avail:
-            raise SpecError("cores", f"{c} is not between 1 and the {avail} cores this process may use")
+    check_core_counts(cores)
     gpu = detect_gpu()
     result = ProfileResult(target=target, signature=signature or target, gpu=gpu)
     for c in cores:
