@@ -21,6 +21,11 @@ class SpecError(QosflowError, ValueError):
         super().__init__(f"{prefix}invalid {field}: {message}")
 
 
+class NotEnoughData(QosflowError, ValueError):
+    """A model has no row to learn from (e.g. every training job is a reference job of the profile);
+    callers fall back or skip, and the message says what was missing."""
+
+
 class TraceFormatError(QosflowError, ValueError):
     """A trace or table file is malformed. The message names the file and line."""
 

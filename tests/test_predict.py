@@ -726,3 +726,50 @@ def test_pair_csv_empty_or_json_says_what_it_is(tmp_path, capsys):
     p.write_text(json.dumps({"v100": {"('A', 1)": {"null": 1.0}}}, indent=2))
     assert main(["predict", "eval", "--pairs", str(p)]) == 2
     assert "this is JSON, not a CSV pair table: a Gavel-style throughput table goes to --throughputs" in capsys.readouterr().err
+
+
+def _gavel_subset(jobs, multi, pairs):
+    """A Gavel-format table of the shared one's v100 entries for `jobs`: multi-GPU entries only of the
+    types in `multi`, co-runner pairs among `jobs` if `pairs`."""
+    import ast
+
+    src = json.loads(default_gavel_path().read_text())["v100"]
+    out = {}
+    for k, v in src.items():
+        name, sf = ast.literal_eval(k)
+        if name not in jobs or (sf > 1 and name not in multi):
+            continue
+        ent = {"null": v["null"]}
+        if pairs:
+            ent.update({k2: v2 for k2, v2 in v.items() if k2 != "null" and ast.literal_eval(k2)[0] in jobs
+                        and ast.literal_eval(k2)[1] == sf})
+        out[k] = ent
+    return {"v100": out}
+
+
+@needs_gavel
+def test_throughput_eval_skips_folds_with_nothing_to_learn_from(tmp_path, capsys):
+    """A held-out type whose fold has no training row (no other type with a multi-GPU entry; co-runner pairs
+    only among the profile's reference jobs) ended the evaluation in a scikit-learn traceback. Such a fold is
+    skipped and named (`untrained_folds`); if no fold is left, the error says what the table lacks."""
+    from qosflow.cli.main import main
+    from qosflow.predict.evaluate import eval_throughputs
+    types = ["ResNet-18 (batch size 16)", "ResNet-50 (batch size 16)", "Transformer (batch size 16)",
+             "LM (batch size 5)", "A3C", "CycleGAN", "Recommendation (batch size 512)"]
+    p = tmp_path / "t.json"
+    # 7 types with pairs, multi-GPU entries of one type only: no scaling target can be learned
+    p.write_text(json.dumps(_gavel_subset(types, types[:1], True)))
+    table = ThroughputTable.load(p)
+    assert len(table.jobs) == 7
+    res = eval_throughputs(table)
+    assert res["solo_scaling"]["n"] == 0 and res["solo_scaling"]["untrained_folds"] == types[:1]
+    assert res["interference"]["n"] > 0 and res["interference"]["mape"] is not None
+    # 3 types: every pair is among reference jobs
+    p.write_text(json.dumps(_gavel_subset(types[:3], types[:1], True)))
+    assert main(["predict", "eval", "--throughputs", str(p)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "co-runner pairs are all among the profile's reference jobs" in err and "at least 5 job types" in err
+    assert "Traceback" not in err
+    p.write_text(json.dumps(_gavel_subset(types[:3], types[:1], False)))
+    assert main(["predict", "eval", "--throughputs", str(p)]) == 2
+    assert "nothing to cross-validate in its 3 job type(s)" in capsys.readouterr().err

@@ -134,6 +134,12 @@ def eval_cmd(
             task = bar.add_task("leave-one-job-type-out", total=folds_total)
             result = evaluate.eval_throughputs(table, seed=seed, progress=lambda: bar.advance(task))
             if not result["n"]:  # was a table of dashes and exit 0
+                if result["interference"].get("untrained_folds"):  # pairs there, but only among reference jobs
+                    raise QosflowError(
+                        f"{throughputs}: nothing to cross-validate: its co-runner pairs are all among the profile's "
+                        f"reference jobs ({', '.join(result['reference_jobs'])}), and a held-out job type's co-located "
+                        "speeds are learned from the other, non-reference types; give pairs of at least "
+                        f"{len(result['reference_jobs']) + 2} job types (or 2/4/8-GPU entries of at least two)")
                 raise nothing
             title = f"leave-one-job-type-out on {throughputs.name}"
         else:

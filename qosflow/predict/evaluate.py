@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from qosflow.errors import TraceFormatError
+from qosflow.errors import NotEnoughData, TraceFormatError
 from qosflow.predict.interference import InterferenceModel, JobMeta
 from qosflow.predict.reference import PairRow, ThroughputTable, parse_signature
 from qosflow.predict.scaling import ScalingModel, ScalingRow
@@ -96,6 +96,7 @@ def eval_throughputs_interference(table: ThroughputTable, refs: Sequence[str], *
 
     err = {"qosflow": [], "constant": [], "random_forest": []}
     zeros = 0
+    untrained: list[str] = []
     for w in table.workers:
         M = table.pair_speed.get(w)
         if M is None:
@@ -131,8 +132,12 @@ def eval_throughputs_interference(table: ThroughputTable, refs: Sequence[str], *
                     truth.append(float(y))
             if not queries:
                 continue
+            try:
+                model = InterferenceModel(fold_refs, regime="new_job", seed=seed).fit(obs, meta)
+            except NotEnoughData:
+                untrained.append(A)  # e.g. the other types are all reference jobs: nothing to learn from
+                continue
             truth = np.array(truth)
-            model = InterferenceModel(fold_refs, regime="new_job", seed=seed).fit(obs, meta)
             p, _lo, _hi, _s = model.predict(queries, extra_obs=prof_obs)
             err["qosflow"] += list(_errors(p, truth))
             pos = [v for v in obs.values() if v > 0]
@@ -143,7 +148,7 @@ def eval_throughputs_interference(table: ThroughputTable, refs: Sequence[str], *
             ytr = [v for v in obs.values() if v > 0]
             rf = RandomForestRegressor(n_estimators=100, random_state=seed, n_jobs=1).fit(Xtr, ytr)
             err["random_forest"] += list(_errors(rf.predict([P[a] + P[b] for a, b in queries]), truth))
-    block = summarise(err["qosflow"], n_zero_excluded=zeros)
+    block = summarise(err["qosflow"], n_zero_excluded=zeros, untrained_folds=untrained)
     block["baselines"] = {k: summarise(v) for k, v in err.items() if k != "qosflow"}
     return block
 
@@ -172,6 +177,7 @@ def eval_throughputs_scaling(table: ThroughputTable, refs: Sequence[str], *, see
     err = {"qosflow": [], "constant": [], "random_forest": []}
     by_gpus: dict[int, list[float]] = {}
     by_place: dict[str, list[float]] = {}
+    untrained: list[str] = []
     for A in table.jobs:
         test = [r for r in rows_all if r.job == A]
         if not test:
@@ -188,7 +194,11 @@ def eval_throughputs_scaling(table: ThroughputTable, refs: Sequence[str], *, see
                 metas[f"{j}@{w}"] = m[j]
                 profs[f"{j}@{w}"] = _profile(table, w, j, fold_refs) if w in table.pair_speed else {}
         tr = [ScalingRow(f"{r.job}@{r.gpu_type}", r.gpu_type, r.gpus, r.consolidated, r.ratio) for r in train]
-        model = ScalingModel(fold_refs, seed=seed).fit(tr, metas, profs)
+        try:
+            model = ScalingModel(fold_refs, seed=seed).fit(tr, metas, profs)
+        except NotEnoughData:
+            untrained.append(A)  # no other job type has a multi-GPU measurement: nothing to learn from
+            continue
         q = [(f"{r.job}@{r.gpu_type}", r.gpu_type, r.gpus, r.consolidated) for r in test]
         truth = np.array([r.ratio for r in test])
         p, _lo, _hi = model.predict(q)
@@ -211,7 +221,7 @@ def eval_throughputs_scaling(table: ThroughputTable, refs: Sequence[str], *, see
         rf = RandomForestRegressor(n_estimators=100, random_state=seed, n_jobs=1).fit(
             [rf_x(r) for r in train], [r.ratio for r in train])
         err["random_forest"] += list(_errors(rf.predict([rf_x(r) for r in test]), truth))
-    block = summarise(err["qosflow"])
+    block = summarise(err["qosflow"], untrained_folds=untrained)
     block["by_gpus"] = {str(k): summarise(v) for k, v in sorted(by_gpus.items())}
     block["by_placement"] = {k: summarise(v) for k, v in sorted(by_place.items())}
     block["baselines"] = {k: summarise(v) for k, v in err.items() if k != "qosflow"}

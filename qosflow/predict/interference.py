@@ -567,6 +567,14 @@ class InterferenceModel:
                     X.append(ctx.features(a, b)[0])
                     y.append(_log(self.obs[(a, b)]))
         self.n_train = len(y)
+        if not y:
+            from qosflow.errors import NotEnoughData
+
+            raise NotEnoughData(
+                "no pair to train the interference model on: "
+                + ("no positive speed was given" if not self.obs else
+                   "every measured pair involves only reference jobs of the profile" if self.regime == "new_job" else
+                   "too few pairs"))
         self._ctx = _Context(self.obs, meta, self.refs, self.rank, self.lam, self.neighbours)
         X = np.array(X, dtype=float)
         self._stack = None

@@ -153,6 +153,10 @@ class ScalingModel:
         parts = [self._features(r.job, r.gpu_type, r.gpus, r.consolidated, self.profiles.get(r.job)) for r in rows]
         y = [math.log(r.ratio) for r in rows]
         self.n_train = len(rows)
+        if not rows:
+            from qosflow.errors import NotEnoughData
+
+            raise NotEnoughData("no multi-GPU measurement to train the scaling model on")
         self.forest = self._fit_forest([base + sib for base, sib in parts], y)
         # a job of a family nobody measured has no sibling features, while in training every job of a
         # family with several batch sizes has them: its queries go to a forest fitted without them
