@@ -286,8 +286,26 @@ def test_sqlite_in_a_place_that_cannot_be_created_is_a_clear_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(QosflowError, match="cannot create the directory .*file"):  # was a PermissionError/NotADirectoryError traceback
         Store.open(f"sqlite:///{tmp_path / 'file' / 'sub' / 'q.db'}")
-    with pytest.raises(QosflowError, match="must be writable"):
-        Store.open(f"sqlite:///{tmp_path}")  # a directory, not a database file
+    with pytest.raises(QosflowError, match="is a directory, not a database file"):  # said 'must be writable'
+        Store.open(f"sqlite:///{tmp_path}")
+
+
+def test_store_refuses_a_file_that_is_not_a_sqlite_database(tmp_path, monkeypatch):
+    """Every user of the store (the worker too, through $QOSFLOW_DATABASE_URL), not only the CLI, gets the
+    clear error; the file is left as it was, and an empty file is a new database only for a writer."""
+    csv = tmp_path / "samples.csv"
+    csv.write_text("a,b\n1,2\n")
+    monkeypatch.setenv("QOSFLOW_DATABASE_URL", f"sqlite:///{csv}")
+    with pytest.raises(QosflowError, match=r"samples.csv is not a SQLite database .*\(from \$QOSFLOW_DATABASE_URL\)|"
+                                           r"from \$QOSFLOW_DATABASE_URL\).*samples.csv is not a SQLite database"):
+        Store.open()
+    assert csv.read_text() == "a,b\n1,2\n"
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    with pytest.raises(QosflowError, match="is an empty file, not a qosflow database"):
+        Store.open(f"sqlite:///{empty}", must_exist=True)
+    Store.open(f"sqlite:///{empty}").close()  # a writer may start a database there
+    assert empty.read_bytes().startswith(b"SQLite format 3")
 
 
 def test_predictor_loads_a_store_with_an_invalid_old_row(tmp_path, caplog):

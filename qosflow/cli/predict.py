@@ -16,52 +16,6 @@ from qosflow.errors import QosflowError
 predict_app = typer.Typer(help="The predictor: evaluate it on reference tables, and see what it learned from finished stages.", no_args_is_help=True)
 
 
-#: the first 16 bytes of every SQLite database file
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-
-
-def _check_sqlite_file(db: str | None, *, reading: bool) -> None:
-    """Fail with a message naming --db (or $QOSFLOW_DATABASE_URL) when a SQLite URL points at something that is not a
-    SQLite database: a directory, a file of another kind (was a sqlalchemy traceback, 'file is not a database'), or,
-    for a command that only reads (`reading`), an empty file, which SQLite would quietly turn into a new database.
-    A missing file under a three-slash URL whose absolute twin exists gets the four-slash spelling. Everything else
-    (other URLs, a missing file, no URL at all) is left to `Store.open`."""
-    import os
-
-    import sqlalchemy as sa
-
-    where = "--db" if db else "$QOSFLOW_DATABASE_URL"
-    url = db or os.environ.get("QOSFLOW_DATABASE_URL")
-    if not url:
-        return
-    try:
-        parsed = sa.engine.make_url(url)
-    except sa.exc.ArgumentError:
-        return
-    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
-        return
-    path = Path(parsed.database)
-    how = "give sqlite:///PATH/qosflow.db (the store a qosflow worker writes to; four slashes for an absolute path)"
-    if path.is_dir():
-        raise QosflowError(f"{where} {url}: {path} is a directory, not a database file; give the file, e.g. "
-                           f"sqlite:///{path / 'qosflow.db'}")
-    if not path.exists():
-        twin = Path("/") / path
-        if reading and not path.is_absolute() and twin.exists():
-            raise QosflowError(f"{where} {url}: no file {path} in {Path.cwd()} (sqlite:/// with three slashes is a "
-                               f"relative path); for {twin} write sqlite:///{twin}")
-        return
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(_SQLITE_MAGIC))
-    except OSError as exc:
-        raise QosflowError(f"{where} {url}: cannot read {path} ({exc.strerror or exc}); {how}") from None
-    if not head and reading:
-        raise QosflowError(f"{where} {url}: {path} is an empty file, not a qosflow database; {how}")
-    if head and head != _SQLITE_MAGIC:
-        raise QosflowError(f"{where} {url}: {path} is not a SQLite database (a qosflow store); {how}")
-
-
 def _pct(x):
     return "-" if x is None else f"{100 * x:.1f} %"
 
@@ -180,7 +134,6 @@ def stages_cmd(
 
     if json_out is not None:
         _check_output_file(json_out)
-    _check_sqlite_file(db, reading=True)
     store = Store.open(db, must_exist=True)
     try:
         rows = stage_report(store, signature=signature)
@@ -248,7 +201,6 @@ def profile_cmd(
     if not no_store:
         from qosflow.store import Store
 
-        _check_sqlite_file(db, reading=False)
         store = Store.open(db)
     console = Console()
     try:

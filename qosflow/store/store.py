@@ -17,6 +17,7 @@ import os
 import random
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import sqlalchemy as sa
@@ -46,6 +47,37 @@ def _sqlite_path(url: str) -> str | None:
     """The file of a sqlite:/// URL (None for an in-memory database)."""
     path = url.split("///", 1)[-1] if "///" in url else ""
     return path if path and path != ":memory:" else None
+
+
+#: the first 16 bytes of every SQLite database file
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _check_sqlite_file(path: str, url: str, origin: str, *, reading: bool) -> None:
+    """Refuse a SQLite path that is not a database: a directory, a file of another kind (was a sqlalchemy
+    traceback, 'file is not a database'), or, for a reader (`reading`), an empty file, which SQLite would
+    quietly turn into a new database. A reader's missing relative path (three slashes) whose absolute
+    twin exists gets the four-slash spelling. A missing file is left to the caller."""
+    p = Path(path)
+    how = "give sqlite:///PATH/qosflow.db (the store a qosflow worker writes to; four slashes for an absolute path)"
+    where = f"{url}{origin}"
+    if p.is_dir():
+        raise QosflowError(f"{where}: {p} is a directory, not a database file; give the file, e.g. sqlite:///{p / 'qosflow.db'}")
+    if not p.exists():
+        twin = Path("/") / p
+        if reading and not p.is_absolute() and twin.exists():
+            raise QosflowError(f"{where}: no file {p} in {Path.cwd()} (sqlite:/// with three slashes is a "
+                               f"relative path); for {twin} write sqlite:///{twin}")
+        return
+    try:
+        with open(p, "rb") as f:
+            head = f.read(len(_SQLITE_MAGIC))
+    except OSError as exc:
+        raise QosflowError(f"{where}: cannot read {p} ({exc.strerror or exc}); {how}") from None
+    if not head and reading:
+        raise QosflowError(f"{where}: {p} is an empty file, not a qosflow database; {how}")
+    if head and head != _SQLITE_MAGIC:
+        raise QosflowError(f"{where}: {p} is not a SQLite database (a qosflow store); {how}")
 
 
 def default_url() -> str:
@@ -268,6 +300,8 @@ class Store:
             raise QosflowError(f"cannot open {safe}{origin}: qosflow stores its data in SQLite or PostgreSQL, "
                                f"not {backend!r}: {how}")
         path = _sqlite_path(url) if backend == "sqlite" else None
+        if path:
+            _check_sqlite_file(path, safe, origin, reading=must_exist)
         if must_exist and path and not os.path.exists(path):
             raise QosflowError(f"no qosflow database at {path}{origin}, so nothing to read: {how}, the store a qosflow "
                                "worker writes to (the qosflow.db in its QOSFLOW_HOME by default)")
