@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         ratio: float = typer.Option(1.3, "--ratio", help="stop arrivals when the GPU requested reaches this share of capacity (1 to 10)"),
         popularity: float = typer.Option(0.95, "--popularity", help="FGD target workload: the most frequent pod types covering this share of pods"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plot"),
-        parallel: Optional[int] = typer.Option(None, "--parallel", help="runs (policy x seed) at once, each in a process of its own (default: one per CPU core, at most one per run, except for small experiments: under 20,000 pod arrivals in all they run in this process; 1: one after another in this process). Results are the same either way"),
+        parallel: Optional[int] = typer.Option(None, "--parallel", help="runs (policy x seed) at once, each in a process of its own (default: one per CPU core, at most one per run, except for small experiments: under 20,000 pods x runs they run in this process; 1: one after another in this process). Results are the same either way"),
     ) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
