@@ -72,9 +72,22 @@ def is_builtin(name: str) -> bool:
 
 
 def parse_policies(spec: str) -> list[str]:
-    names = [s.strip().lower() for s in spec.split(",") if s.strip()]
-    if not names:
-        raise UnknownNameError("policy", spec, available())
+    """`"fifo, QoSflow"` -> `["fifo", "qosflow"]` (`qosflow simulate --policies`): names only, each known.
+
+    An empty list, or an item with options written into it (`qosflow:foo=1`, `qosflow(foo=1)`), fails
+    naming --policies and saying what to give instead (they said "unknown policy ''" / "'qosflow:foo=1'")."""
+    from qosflow.errors import SpecError
+
+    given = [s.strip() for s in spec.split(",") if s.strip()]
+    if not given:
+        raise SpecError("--policies", "give at least one policy name, e.g. --policies fifo,qosflow")
+    known = available()
+    for item in given:
+        base = item.split(":")[0].split("=")[0].split("(")[0].strip() or "POLICY"
+        if base != item and item.lower() not in known:
+            raise SpecError("--policies", f"{item!r}: --policies takes policy names only; give a policy's options "
+                                          f"with --set {base}.OPTION=VALUE (repeatable), e.g. --set qosflow.express_share=0.125")
+    names = [s.lower() for s in given]
     for n in names:
         if n not in BUILTIN and n not in _REGISTRY:
             raise UnknownNameError("policy", n, available())
