@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 def cpu_cores() -> int:
@@ -34,6 +36,15 @@ def default_workers(runs: int, size: int, small: int) -> int:
     if runs * size < small:
         return 1
     return max(1, min(runs, cpu_cores()))
+
+
+def remote_runs(runs: Sequence[T], workers: int, movable: Callable[[T], bool]) -> list[T]:
+    """The runs that go to worker processes, in their order: those `movable` (importable in a fresh
+    interpreter), when `workers` > 1; none if fewer than two (one run alone gains nothing from a
+    worker). Callers submit them costliest first, so that no long run starts last while the other
+    workers idle."""
+    remote = [r for r in runs if workers > 1 and movable(r)]
+    return remote if len(remote) >= 2 else []
 
 
 def _init(initializer: Callable[..., None], args: tuple) -> None:

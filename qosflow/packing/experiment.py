@@ -276,24 +276,22 @@ def run_experiment(
     capacity = PackState(nodes).total_gpu_milli
     sequences = {seed: arrival_sequence(pods, capacity, seed, ratio) for seed in seeds}
     tasks = [(seed, name) for seed in seeds for name in policies]
-    remote = [t for t in tasks if workers > 1 and is_builtin_policy(t[1])]
-    if len(remote) < 2:
-        remote = []
+    from qosflow.workers import remote_runs, start_pool
+
+    remote = remote_runs(tasks, workers, lambda t: is_builtin_policy(t[1]))
     runs: dict[tuple[int, str], PackingRun] = {}
     pool = None
     try:
         if remote:
-            from qosflow.workers import start_pool
-
             pool, _queue, _method = start_pool(min(workers, len(remote)), _worker_init,
                                                (list(pods), list(nodes), ratio, knowledge, workloads, sequences), start_method)
-            # the costliest runs first, so that no long run starts last while the other workers idle
-            by_cost = sorted(remote, key=lambda t: -make_policy(t[1]).relative_cost)
-            results = pool.imap_unordered(_worker_run, by_cost)
+            # the costliest first (`qosflow.workers.remote_runs`)
+            results = pool.imap_unordered(_worker_run, sorted(remote, key=lambda t: -make_policy(t[1]).relative_cost))
         if on_start is not None:
             on_start()
+        here = set(tasks) - set(remote)
         for seed, name in tasks:
-            if (seed, name) in remote:
+            if (seed, name) not in here:
                 continue
             run = runs[seed, name] = run_packing(pods, nodes, name, seed, ratio=ratio, workload=workloads[name],
                                                  knowledge=knowledge, sequence=sequences[seed])

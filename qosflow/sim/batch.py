@@ -21,7 +21,7 @@ from qosflow.core.job import Job
 from qosflow.core.speed import SpeedModel
 from qosflow.sim.engine import SimConfig, SimResult, SimulationError, Simulator
 from qosflow.workers import default_workers as workers_for
-from qosflow.workers import start_pool
+from qosflow.workers import remote_runs, start_pool
 
 
 @dataclass(frozen=True)
@@ -129,9 +129,8 @@ class Batch:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.specs = list(specs)
         self.args = (list(jobs), cluster, speed, config, seed, error)
-        remote = [i for i, s in enumerate(self.specs) if workers > 1 and _in_worker(s)]
-        #: indexes of the runs that go to worker processes (one run alone gains nothing from one)
-        self.remote = remote if len(remote) >= 2 else []
+        #: indexes of the runs that go to worker processes
+        self.remote = remote_runs(range(len(self.specs)), workers, lambda i: _in_worker(self.specs[i]))
         self.workers = min(workers, len(self.remote)) if self.remote else 1
         #: how the workers start: "fork", "spawn", or None (chosen when the batch is entered)
         self.start_method = start_method
@@ -152,8 +151,7 @@ class Batch:
         specs, out = self.specs, [None] * len(self.specs)
         if self.remote and self._pool is None:
             raise RuntimeError("enter the batch (`with Batch(...) as batch:`) before running it")
-        # the costliest runs first, so that no long run starts last while the other workers idle
-        # (longest-processing-time-first; the order of the outcomes does not change)
+        # the costliest first (`qosflow.workers.remote_runs`); the outcomes keep the order of `specs`
         order = sorted(self.remote, key=lambda i: -_cost(specs[i]))
         pending = {i: self._pool.apply_async(_worker_run, (i, specs[i])) for i in order}
         # the runs that stay here go while the workers compute
