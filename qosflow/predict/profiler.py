@@ -25,6 +25,7 @@ from typing import Any
 from qosflow.core.gpu_names import CPU_ONLY, short_gpu_model
 from qosflow.errors import QosflowError, SpecError
 from qosflow.progress import ENV_VAR, read_progress
+from qosflow.workers import cpu_cores
 
 
 @dataclass
@@ -265,13 +266,13 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
 
 
 def default_core_counts() -> list[int]:
-    n = len(os.sched_getaffinity(0))
+    n = cpu_cores()
     return sorted({max(1, n // 2), n})
 
 
 def check_core_counts(cores: list[int], option: str = "cores") -> None:
     """Refuse a core count below 1 or above the cores this process may use, naming `option`."""
-    avail = len(os.sched_getaffinity(0))
+    avail = cpu_cores()
     for c in cores:
         if c < 1 or c > avail:
             raise SpecError(option, f"{c} is not between 1 and the {avail} cores this process may use")
