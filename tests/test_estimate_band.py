@@ -1,11 +1,16 @@
 """Estimators state their error band: pessimistic remaining times and pair slowdowns."""
 
+import math
+
 import numpy as np
 import pytest
 
 from qosflow.core import Job, QoSSpec
 from qosflow.core.estimate import (
+    DECLARED_HIGH_FACTOR,
+    DECLARED_LOG_SD,
     HIGH_QUANTILE,
+    Z_HIGH,
     DeclaredEstimator,
     NoisyEstimator,
     OracleEstimator,
@@ -21,13 +26,28 @@ def _jobs(n=2000):
     return [Job(f"j{i}", 0.0, QoSSpec(gpus=1), 100.0 + 37.0 * i, model=models[i % 4]) for i in range(n)]
 
 
-def test_the_oracle_and_declared_estimators_state_no_band():
+def test_the_oracle_and_an_undeclared_job_state_no_band():
     speed = default_speed_model()
     a, b = _jobs(2)
     for est in (OracleEstimator(speed), DeclaredEstimator(speed)):
         for js in (JobState(a), JobState(b)):
             assert remaining_high(est, js) == est.remaining(js)
         assert pair_slowdown_high(est, a, b) == est.pair_slowdown(a, b)
+
+
+def test_a_declared_duration_states_the_declared_band():
+    """A declaration is rough: the declared estimator states the same log-normal band (x 1.9 at the
+    90th percentile) as the live estimators do, on the time left; the default duration states none."""
+    est = DeclaredEstimator(default_speed_model(), default_duration=600.0)
+    declared = Job("d", 0.0, QoSSpec(gpus=1), 1000.0, model="resnet18", expected_duration=300.0)
+    js = JobState(declared)
+    assert est.remaining(js) == 300.0
+    assert remaining_high(est, js) == pytest.approx(300.0 * math.exp(Z_HIGH * DECLARED_LOG_SD))
+    assert remaining_high(est, js) == pytest.approx(300.0 * 1.898, rel=1e-3)
+    js.progress = 0.5
+    assert remaining_high(est, js) == pytest.approx(150.0 * DECLARED_HIGH_FACTOR)
+    undeclared = JobState(Job("u", 0.0, QoSSpec(gpus=1), 1000.0, model="resnet18"))
+    assert remaining_high(est, undeclared) == est.remaining(undeclared) == 600.0
 
 
 def test_an_estimator_without_a_band_falls_back_to_its_point_estimates():

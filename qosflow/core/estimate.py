@@ -17,6 +17,7 @@ deadline promises against them (docs/policies.md, "Deadline checks on the stated
 from __future__ import annotations
 
 import hashlib
+import math
 from statistics import NormalDist
 from typing import Protocol, runtime_checkable
 
@@ -31,6 +32,8 @@ Z_HIGH = round(NormalDist().inv_cdf(HIGH_QUANTILE), 4)
 #: the log-normal sd of a user's declared duration (declarations are rough): the band every live
 #: estimator states around one until the stage's own runs say more
 DECLARED_LOG_SD = 0.5
+#: a declared duration's pessimistic factor: the HIGH_QUANTILE quantile of that log-normal band (x 1.9)
+DECLARED_HIGH_FACTOR = math.exp(Z_HIGH * DECLARED_LOG_SD)
 
 
 @runtime_checkable
@@ -157,6 +160,11 @@ class DeclaredEstimator(OracleEstimator):
     """Only what was declared: `Job.expected_duration`, else `default_duration`.
 
     Used by the live worker before the learned predictor has data; the truth is never read.
+
+    A declaration is rough, so it states the band every live estimator states around one: log-normal
+    with sd DECLARED_LOG_SD (the truth is below the declared time x 1.9 with probability
+    HIGH_QUANTILE). The default duration is no statement about the job at all and states no band;
+    pair slowdowns are the speed model's, without a band.
     """
 
     name = "declared"
@@ -167,6 +175,10 @@ class DeclaredEstimator(OracleEstimator):
 
     def duration(self, job: Job) -> float:
         return job.expected_duration or self.default_duration
+
+    def remaining_high(self, js: JobState) -> float:
+        r = self.remaining(js)
+        return r * DECLARED_HIGH_FACTOR if js.job.expected_duration else r
 
 
 def make_estimator(kind: str, speed: SpeedModel | None = None, *, seed: int = 0, error: float = 0.3):

@@ -54,7 +54,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from qosflow.core.estimate import DECLARED_LOG_SD
+from qosflow.core.estimate import DECLARED_HIGH_FACTOR, DECLARED_LOG_SD
 from qosflow.core.estimate import Z_HIGH as Z90
 from qosflow.core.estimate import _unit
 from qosflow.core.job import Job, JobState
@@ -493,7 +493,7 @@ class LearnedEstimator:
         measured = self._measured_duration(job, key)
         d = job.expected_duration
         if d:
-            declared = Prediction(d, d * math.exp(-Z90 * DECLARED_LOG_SD), d * math.exp(Z90 * DECLARED_LOG_SD), 0, "declared")
+            declared = Prediction(d, d / DECLARED_HIGH_FACTOR, d * DECLARED_HIGH_FACTOR, 0, "declared")
             return declared if measured is None else _declared_and_measured(declared, measured)
         if measured is not None:
             return measured

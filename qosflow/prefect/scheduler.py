@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from qosflow.core.cluster import ClusterSpec, ClusterState, PlacementError
-from qosflow.core.estimate import DECLARED_LOG_SD, Z_HIGH, DeclaredEstimator, Estimator
+from qosflow.core.estimate import Z_HIGH, DeclaredEstimator, Estimator
 from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.core.placement import Placement
 from qosflow.placement_api import read_progress
@@ -638,13 +638,13 @@ class HistoryEstimator(DeclaredEstimator):
     def remaining_high(self, js: JobState) -> float:
         """About the 90th percentile of the remaining time, for the policy's deadline promises: the
         point estimate stretched by the stage's own run-to-run spread once it has run at least twice
-        (normal approximation); before that, a declared duration's log-normal band (sd DECLARED_LOG_SD,
+        (normal approximation); before that, DeclaredEstimator's band on a declared duration (sd DECLARED_LOG_SD,
         as the learned estimator states it: x1.9) -- a single run or the default duration states none."""
+        n = len(self.runs.get(js.job.model, ()))
+        if n == 0:
+            return super().remaining_high(js)
         r = self.remaining(js)
         d = self.duration(js.job)
-        n = len(self.runs.get(js.job.model, ()))
-        if n == 0 and js.job.expected_duration:
-            return r * math.exp(Z_HIGH * DECLARED_LOG_SD)
         if n < 2 or d <= 0:
             return r
         return r * (1.0 + Z_HIGH * self.spread(js.job) / d)
