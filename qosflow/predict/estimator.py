@@ -123,6 +123,21 @@ class _LogStat(LogStat):
         v = math.exp(self.mean) * factor
         return Prediction(v, v * math.exp(-Z90 * sd), v * math.exp(Z90 * sd), self.n, basis)
 
+    def calibrate(self, model: Prediction) -> Prediction:
+        """The measurements (factor 1) in place of the model's prediction from `min_samples` values on;
+        with fewer, the two blended in log space with weight n/(n+1) on the measurements, the interval
+        covering both. No measurement: the model's prediction."""
+        if not self.n:
+            return model
+        from qosflow.predict.predictor import MIN_SAMPLES
+
+        m = self.prediction(1.0, f"samples(n={self.n})")
+        if self.n >= MIN_SAMPLES:
+            return m
+        w = self.n / (self.n + 1.0)
+        v = math.exp(w * math.log(m.value) + (1 - w) * math.log(max(model.value, 1e-9)))
+        return Prediction(v, min(m.low, model.low, v), max(m.high, model.high, v), self.n, f"samples(n={self.n})+{model.basis}")
+
 
 def _declared_and_measured(declared: Prediction, measured: Prediction) -> Prediction:
     """A declared duration updated by what the signature's runs measured (log-normal, conjugate).
@@ -626,19 +641,9 @@ class LearnedEstimator:
     def _with_obs(self, x: str, y: str) -> Prediction:
         """The model's slowdown of x next to y, corrected by measured co-locations of the two: the
         measurements alone from MIN_SAMPLES on, blended (weight n/(n+1)) before."""
-        from qosflow.predict.predictor import MIN_SAMPLES
-
         p = self._pmodel[(x, y)]
         st = self._co_obs.get((x, y))
-        if st is not None and st.n:
-            m = st.prediction(1.0, f"samples(n={st.n})")
-            if st.n >= MIN_SAMPLES:
-                p = m
-            else:
-                w = st.n / (st.n + 1.0)
-                v = math.exp(w * math.log(m.value) + (1 - w) * math.log(max(p.value, 1e-9)))
-                p = Prediction(v, min(m.low, p.low, v), max(m.high, p.high, v), st.n, f"samples(n={st.n})+{p.basis}")
-        return self._clamp(p)
+        return self._clamp(p if st is None else st.calibrate(p))
 
     @staticmethod
     def _clamp(p: Prediction) -> Prediction:
@@ -660,8 +665,6 @@ class LearnedEstimator:
         if gpus <= 1:
             pred = Prediction(1.0, 1.0, 1.0, 0, "single-gpu")
         else:
-            from qosflow.predict.predictor import MIN_SAMPLES
-
             pred = self._spread_model(job, sig, key)
             r = self._spread_resid.get(key)
             if r is not None and r.n:
@@ -669,15 +672,8 @@ class LearnedEstimator:
                 pred = Prediction(max(1.0, pred.value * f), max(1.0, pred.low * f), max(1.0, pred.high * f),
                                   r.n, f"{pred.basis}×calibration(n={r.n})")
             st = self._spread_obs.get((key, gpus))
-            if st is not None and st.n:
-                m = st.prediction(1.0, f"samples(n={st.n})")
-                if st.n >= MIN_SAMPLES:
-                    pred = m
-                else:
-                    w = st.n / (st.n + 1.0)
-                    lv = w * math.log(m.value) + (1 - w) * math.log(pred.value)
-                    pred = Prediction(math.exp(lv), min(m.low, pred.low), max(m.high, pred.high), st.n,
-                                      f"samples(n={st.n})+{pred.basis}")
+            if st is not None:
+                pred = st.calibrate(pred)
         self._spread[(key, gpus)] = pred
         return pred
 
