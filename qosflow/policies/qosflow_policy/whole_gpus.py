@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import bisect
-from dataclasses import replace
+from dataclasses import fields
 
 import numpy as np
 
@@ -17,6 +17,12 @@ from qosflow.policies.qosflow_policy.express import EXPRESS
 #: "not remembered" in the per-round memos (None is a remembered failure)
 _MISS = object()
 
+# `_whole` copies a remembered Placement field by field (dataclasses.replace costs twice as much in
+# the round's loop): a field added to Placement must be added there too
+assert tuple(f.name for f in fields(Placement)) == (
+    "job_id", "gpus", "cpu", "gpu_milli", "gpu_mem_mb", "mem_mb", "colocated_with", "sub_batch", "note", "extra"
+), "Placement's fields changed: update WholeGpusMixin._whole"
+
 
 class WholeGpusMixin:
     """Whole-GPU placement for `QosflowPolicy`. Reads the option `align` and the round's `_now`, `_ver`
@@ -28,14 +34,7 @@ class WholeGpusMixin:
         fin_h = self._finish_high(js, finish)
         masked = tuple(n for n, (t, owner) in reserved.items()
                        if (fin_h if self._promised(owner) else finish) > t and not (owner == EXPRESS and self._express_ok(js, finish)))
-        if not masked:
-            return self._whole(st, js.job, "consolidated", finish - self._now)
-        saved = st.empty.copy()
-        try:
-            st.empty[list(masked)] = 0
-            return self._whole(st, js.job, "consolidated", finish - self._now, masked=masked)
-        finally:
-            st.empty[:] = saved
+        return self._whole(st, js.job, "consolidated", finish - self._now, masked=masked)
 
     def _whole(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = ()) -> Placement | None:
         """`find_whole` (best fit; with `align`, consolidated placements ranked by `_align_rank(r)`),
@@ -50,19 +49,34 @@ class WholeGpusMixin:
         key = (q.gpus, q.cpu_cores, q.mem_mb, mem_class, q.gpu_model, locality, masked)
         hit = self._whole_memo.get(key, _MISS)
         if hit is _MISS or hit[0] != self._ver:
-            if self.align and locality == "consolidated":
-                # ranked by the job's own remaining time: remember the candidate nodes, not the choice
-                cands = one_node_candidates(st, job)
-                found = cands if cands is not None and cands.size else find_whole(st, job, locality="consolidated", fit="best-fit")
-            else:
-                found = find_whole(st, job, locality=locality, fit="best-fit")  # type: ignore[arg-type]
-            hit = self._whole_memo[key] = (self._ver, found)
+            hit = self._whole_memo[key] = (self._ver, self._whole_search(st, job, locality, masked))
         found = hit[1]
         if found is None:
             return None
         if isinstance(found, Placement):
-            return replace(found, job_id=job.job_id, gpu_mem_mb=q.gpu_mem_mb if q.gpu_mem_mb is not None else 0.0)
+            # (dataclasses.replace(found, job_id=..., gpu_mem_mb=...), written out: see the check above)
+            return Placement(job.job_id, found.gpus, found.cpu, found.gpu_milli,
+                             q.gpu_mem_mb if q.gpu_mem_mb is not None else 0.0, found.mem_mb,
+                             found.colocated_with, found.sub_batch, found.note, found.extra)
+        # (the candidates exclude the masked nodes, and the choice reads the candidates only)
         return place_on_one_node(st, job, found, fit="best-fit", node_rank=self._align_rank(st, r))
+
+    def _whole_search(self, st: ClusterState, job, locality: str, masked: tuple):
+        """What `_whole` remembers: the placement found (None: none), or with `align` the candidate
+        nodes. Nodes in `masked` are hidden from the search (their empty GPUs counted as none)."""
+        saved = None
+        if masked:
+            saved = st.empty.copy()
+            st.empty[list(masked)] = 0
+        try:
+            if self.align and locality == "consolidated":
+                # ranked by the job's own remaining time: remember the candidate nodes, not the choice
+                cands = one_node_candidates(st, job)
+                return cands if cands is not None and cands.size else find_whole(st, job, locality="consolidated", fit="best-fit")
+            return find_whole(st, job, locality=locality, fit="best-fit")  # type: ignore[arg-type]
+        finally:
+            if saved is not None:
+                st.empty[:] = saved
 
     def _align_rank(self, st: ClusterState, r: float) -> np.ndarray | None:
         """Per node: how much later than now it would drain if a job of remaining time `r` joined it.
