@@ -94,11 +94,10 @@ class CoLocationMixin:
             # nothing changed since the same request found no shareable slot this round
             self._why_not = self._nofit_why.get(sig)
             return None
-        base_key = (q.gpu_model,)
         elig = self._gpu_masks(st, q.gpu_model)[1]
         # the smallest memory the job could run in (with the smallest sub-batch tried)
         min_mem = q.gpu_mem_mb if not (self.sub_batch and job.batch_size) else q.gpu_mem_mb * (FIXED_MEMORY_SHARE + (1 - FIXED_MEMORY_SHARE) / MAX_ACCUMULATION)
-        mkey = (base_key, min_mem)
+        mkey = ("share-mem", q.gpu_model, self._mem_class(st, q.gpu_model, min_mem))
         mc = self._elig_cache.get(mkey)
         if mc is None or mc[0] != self._ver:
             e = elig & (st.gmem_free >= min_mem - 1e-6)
@@ -239,7 +238,7 @@ class CoLocationMixin:
 
     def _node_partners(self, st: ClusterState, n: int, elig, min_mem: float, states) -> dict[str, list[int]]:
         """Shareable occupants of node n and the GPUs they hold there (cached until the next placement)."""
-        key = (n, min_mem, id(elig))  # elig is cached per (request shape, version), so its id is stable
+        key = (n, id(elig))  # elig is cached per (GPU model, memory class, version), so its id is stable
         hit = self._partners_cache.get(key)
         if hit is not None and hit[0] == self._ver:
             return hit[1]

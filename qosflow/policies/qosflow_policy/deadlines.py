@@ -4,6 +4,8 @@ spreads and shares at once), and the checks of a promise on the estimator's erro
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from qosflow.core.cluster import ClusterState
@@ -31,7 +33,9 @@ class DeadlinesMixin:
         per_gpu_cpu = q.cpu_cores / k
         can_share = q.shareable and q.gpu_mem_mb is not None
         # the GPUs on offer depend on the request's shape and the cluster only: one search per state
-        key = ("rescue", q.gpu_model, can_share, q.gpu_mem_mb, per_gpu_cpu)
+        # (the memory asked for counts by its class among the GPUs on offer: `_mem_class`)
+        mem_class = None if q.gpu_mem_mb is None else self._mem_class(st, q.gpu_model, q.gpu_mem_mb)
+        key = ("rescue", q.gpu_model, can_share, mem_class, per_gpu_cpu)
         hit = self._elig_cache.get(key)
         if hit is None or hit[0] != self._ver:
             free, single = self._gpu_masks(st, q.gpu_model)
@@ -123,6 +127,18 @@ class DeadlinesMixin:
             ok = st.exists & node_ok[:, None]
             hit = self._elig_cache[key] = (self._ver, ok & (st.njobs == 0), ok & (st.njobs == 1) & (st.whole == 1) & st.share_ok)
         return hit[1], hit[2]
+
+    def _mem_class(self, st: ClusterState, gpu_model: str | None, gpu_mem_mb: float) -> int:
+        """Which of the GPUs in `_gpu_masks(gpu_model)` have `gpu_mem_mb` free (the test `_mem_ok` and
+        the sharing search make) is the same for every amount between two successive free amounts of
+        those GPUs: the class of `gpu_mem_mb` among them, as of `_ver`, so that searches that differ
+        only in the memory asked for are made once per class."""
+        key = ("mem-levels", gpu_model)
+        hit = self._elig_cache.get(key)
+        if hit is None or hit[0] != self._ver:
+            free, single = self._gpu_masks(st, gpu_model)
+            hit = self._elig_cache[key] = (self._ver, sorted(set(st.gmem_free[free | single].tolist())))
+        return bisect.bisect_left(hit[1], gpu_mem_mb - 1e-6)
 
     def _mem_ok(self, st: ClusterState, gpu_mem_mb: float):
         """GPUs with `gpu_mem_mb` free, as of `_ver` (cached until the next placement; not to be
