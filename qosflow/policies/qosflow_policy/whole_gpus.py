@@ -32,8 +32,11 @@ class WholeGpusMixin:
     def _unreserved_whole(self, st: ClusterState, js: JobState, reserved, finish: float) -> Placement | None:
         """Exclusive placement avoiding nodes reserved for others (unless done before they need them)."""
         fin_h = self._finish_high(js, finish)
+        # (a node without an empty GPU offers nothing to hide: leaving it out changes no search, and
+        # jobs whose reservations differ only there share one search)
+        empty = st.empty
         masked = tuple(n for n, (t, owner) in reserved.items()
-                       if (fin_h if self._promised(owner) else finish) > t and not (owner == EXPRESS and self._express_ok(js, finish)))
+                       if empty[n] > 0 and (fin_h if self._promised(owner) else finish) > t and not (owner == EXPRESS and self._express_ok(js, finish)))
         return self._whole(st, js.job, "consolidated", finish - self._now, masked=masked)
 
     def _whole(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = ()) -> Placement | None:
