@@ -18,8 +18,9 @@ from qosflow.policies.qosflow_policy.express import EXPRESS
 
 class DeadlinesMixin:
     """Deadline promises for `QosflowPolicy`. Reads the option `deadline_band` and the round's `_rem`,
-    `_rem_hi` (memo of pessimistic remaining times), `_est`, `_states`, `_now`, `_st`, `_express`,
-    `_ver`, `_elig_cache`; the rescue weighs partners with the co-location search's `_partner_value`."""
+    `_rem_hi` (memo of pessimistic remaining times), `_promises` (memo of `_promised`), `_est`,
+    `_states`, `_now`, `_st`, `_express`, `_ver`, `_elig_cache`; the rescue weighs partners with the
+    co-location search's `_partner_value`."""
 
     def _deadline_rescue(self, st: ClusterState, js: JobState, rem, states, est, now: float, gpn: int):
         """A gang with a deadline it can still meet takes free and shareable GPUs on any nodes, if the
@@ -160,8 +161,12 @@ class DeadlinesMixin:
         return h
 
     def _promised(self, owner: str) -> bool:
-        """Is a reservation a deadline promise (the express lane's, or a deadline job's)?"""
-        return owner == EXPRESS or (owner in self._states and self._has_deadline(self._states[owner]))
+        """Is a reservation a deadline promise (the express lane's, or a deadline job's)? (Remembered
+        for the round, in `_promises`: the answer depends on the round's estimates only.)"""
+        hit = self._promises.get(owner)
+        if hit is None:
+            hit = self._promises[owner] = owner == EXPRESS or (owner in self._states and self._has_deadline(self._states[owner]))
+        return hit
 
     def _finish_high(self, js: JobState, finish: float) -> float:
         """`finish` (a predicted end of `js`) at its pessimistic remaining time, where a reservation

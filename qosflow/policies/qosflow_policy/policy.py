@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from qosflow.core.job import JobState
@@ -180,7 +182,7 @@ class QosflowPolicy(
             rem[jid] = est.remaining(js)
             states[jid] = js
         self._rem, self._now = rem, now
-        self._est, self._states, self._rem_hi = est, states, {}
+        self._est, self._states, self._rem_hi, self._promises = est, states, {}, {}
         # each pending job's GPU demand, in the order of `view.pending` (read once per round)
         demand = {js.job.job_id: js.job.qos.gpu_demand for js in view.pending}
         order, starving = self._order(view, rem, demand, d.notes)
@@ -247,6 +249,7 @@ class QosflowPolicy(
         # why a job waits depends on the cluster and the request fields `why_waiting` reads only: one
         # answer per request shape and state (`_ver`)
         waiting_memo: dict = {}
+        largest = (-1, 0)
         for rank, js in enumerate(order):
             job = js.job
             jid = job.job_id
@@ -290,10 +293,15 @@ class QosflowPolicy(
                         why = "locality relaxed after waiting: spread over nodes"
             if p is None:
                 if jid not in d.notes:
-                    shape = (q.gpus, q.gpu_milli, q.cpu_cores, q.mem_mb, q.gpu_model, q.gpu_mem_mb)
+                    # (GPU memory counts by the nodes whose GPUs are large enough, as in `_whole`)
+                    mem_class = None if q.gpu_mem_mb is None else bisect.bisect_left(self._gmem_caps, q.gpu_mem_mb)
+                    shape = (q.gpus, q.gpu_milli, q.cpu_cores, q.mem_mb, q.gpu_model, mem_class)
                     w = waiting_memo.get(shape)
                     if w is None or w[0] != self._ver:
-                        w = waiting_memo[shape] = (self._ver, why_waiting(st, js))
+                        if largest[0] != self._ver:  # the largest block of free GPUs on a node that is up
+                            up = st.empty[~st.down]  # (none up: why_waiting decides what to say)
+                            largest = (self._ver, int(up.max()) if up.size else None)
+                        w = waiting_memo[shape] = (self._ver, why_waiting(st, js, largest[1]))
                     d.notes[jid] = (
                         w[1]
                         + ("; the free nodes that fit it are reserved for jobs that start before it would end" if held else "")
