@@ -47,6 +47,8 @@ class WholeGpusMixin:
         are part of the key. With `align` the choice among the candidate nodes depends on the job's
         remaining time, so the candidates are what is remembered and the choice is made per job."""
         q = job.qos
+        if st.total_empty_gpus() < q.gpus:
+            return None  # (find_whole's first test, hidden nodes or not: most waiting jobs stop here)
         # GPU memory matters only through the nodes whose GPUs are large enough: key it by those
         mem_class = None if q.gpu_mem_mb is None else bisect.bisect_left(self._gmem_caps, q.gpu_mem_mb)
         key = (q.gpus, q.cpu_cores, q.mem_mb, mem_class, q.gpu_model, locality, masked)
