@@ -229,19 +229,20 @@ class QosflowPolicy(
             reserved[n] = (now + self.express_max_s, EXPRESS)
         max_res += len(self._express)
 
-        def blocked(p: Placement, finish: float) -> bool:
+        def blocked(p: Placement, js: JobState, finish: float) -> bool:
+            """Would `js` on the nodes of `p`, finishing at `finish`, be in a reservation's way?"""
             fin_h = None  # the pessimistic finish, worked out only if a reserved node is in the way
             for n in p.nodes:
                 if n not in reserved:
                     continue
                 if self._promised(reserved[n][1]):
                     if fin_h is None:
-                        fin_h = self._finish_high(states[p.job_id], finish)
+                        fin_h = self._finish_high(js, finish)
                     end = fin_h
                 else:
                     end = finish
                 if end > reserved[n][0]:
-                    if reserved[n][1] == EXPRESS and self._express_ok(states.get(p.job_id), finish):
+                    if reserved[n][1] == EXPRESS and self._express_ok(js, finish):
                         continue
                     return True
             return False
@@ -268,8 +269,9 @@ class QosflowPolicy(
                 p = find_share(st, js.job, scorer=self.fractional_scorer)
             else:
                 if not failures.hopeless(st, q):
-                    p = self._whole(st, job, "consolidated", r)
-                    if p is not None and reserved and blocked(p, now + r):
+                    # (the GPUs found: `_own` makes the placement the job's if it starts)
+                    p = self._whole_gpus(st, job, "consolidated", r)
+                    if p is not None and reserved and blocked(p, js, now + r):
                         p = self._unreserved_whole(st, js, reserved, now + r)
                         held = p is None
                     if p is None and not reserved:
@@ -277,7 +279,7 @@ class QosflowPolicy(
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
                     share_tries += 1
                     found = self._shared_slot(st, js, rem, states, est, now, queued_gpus > 0)
-                    if found is not None and not (reserved and blocked(found[0], now + r * 1.5)):
+                    if found is not None and not (reserved and blocked(found[0], js, now + r * 1.5)):
                         p, why = found
                     elif found is not None:
                         not_shared = "the GPUs it could share are reserved for a job that starts before it would end"
@@ -285,7 +287,7 @@ class QosflowPolicy(
                         not_shared = self._why_not
                 if p is None and has_dl and q.gpus > 1:
                     found = self._deadline_rescue(st, js, rem, states, est, now, gpn)
-                    if found is not None and not (reserved and blocked(found[0], now + r * 1.5)):
+                    if found is not None and not (reserved and blocked(found[0], js, now + r * 1.5)):
                         p, why = found
                 if p is None and q.gpus > 1 and now - js.queued_since >= self.relax_after:
                     p = self._relaxed(st, js, rem, est, gpn, reserved)
@@ -326,7 +328,7 @@ class QosflowPolicy(
                 else:
                     lane = "express node: the regular nodes can never fit it"
                 why = f"{why}; {lane}" if why else lane
-            p = self._with_cores(st, job, p, est)
+            p = self._with_cores(st, job, self._own(p, job), est)
             st.allocate(p, q)
             self._ver += 1
             for ng in p.gpus:

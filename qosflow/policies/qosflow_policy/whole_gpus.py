@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import bisect
-from dataclasses import fields
+from dataclasses import replace
 
 import numpy as np
 
@@ -17,12 +17,6 @@ from qosflow.policies.qosflow_policy.express import EXPRESS
 #: "not remembered" in the per-round memos (None is a remembered failure)
 _MISS = object()
 
-# `_whole` copies a remembered Placement field by field (dataclasses.replace costs twice as much in
-# the round's loop): a field added to Placement must be added there too
-assert tuple(f.name for f in fields(Placement)) == (
-    "job_id", "gpus", "cpu", "gpu_milli", "gpu_mem_mb", "mem_mb", "colocated_with", "sub_batch", "note", "extra"
-), "Placement's fields changed: update WholeGpusMixin._whole"
-
 
 class WholeGpusMixin:
     """Whole-GPU placement for `QosflowPolicy`. Reads the option `align` and the round's `_now`, `_ver`
@@ -30,22 +24,32 @@ class WholeGpusMixin:
     it asks the deadline checks (`_finish_high`, `_promised`) and the express lane (`_express_ok`)."""
 
     def _unreserved_whole(self, st: ClusterState, js: JobState, reserved, finish: float) -> Placement | None:
-        """Exclusive placement avoiding nodes reserved for others (unless done before they need them)."""
+        """Exclusive placement avoiding nodes reserved for others (unless done before they need them);
+        as `_whole_gpus` answers it (`_own` makes it the job's)."""
         fin_h = self._finish_high(js, finish)
         # (a node without an empty GPU offers nothing to hide: leaving it out changes no search, and
         # jobs whose reservations differ only there share one search)
         empty = st.empty
         masked = tuple(n for n, (t, owner) in reserved.items()
                        if empty[n] > 0 and (fin_h if self._promised(owner) else finish) > t and not (owner == EXPRESS and self._express_ok(js, finish)))
-        return self._whole(st, js.job, "consolidated", finish - self._now, masked=masked)
+        return self._whole_gpus(st, js.job, "consolidated", finish - self._now, masked=masked)
 
     def _whole(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = ()) -> Placement | None:
+        """`job`'s own placement on the GPUs `_whole_gpus` finds (None: none)."""
+        p = self._whole_gpus(st, job, locality, r, masked)
+        return None if p is None else self._own(p, job)
+
+    def _whole_gpus(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = ()) -> Placement | None:
         """`find_whole` (best fit; with `align`, consolidated placements ranked by `_align_rank(r)`),
         remembered until the next placement: the search depends on the request's shape and the
         cluster's state only, so jobs of the same shape (GPU memory counted by the nodes it admits)
         share one search per state. Nodes in `masked` are hidden from this search (reservations); they
         are part of the key. With `align` the choice among the candidate nodes depends on the job's
-        remaining time, so the candidates are what is remembered and the choice is made per job."""
+        remaining time, so the candidates are what is remembered and the choice is made per job.
+
+        A remembered placement is returned as it is, made for the first job of the shape: most are
+        only looked at (and refused for a reservation in the way), so `_own` makes one the job's own
+        when it starts."""
         q = job.qos
         if st.total_empty_gpus() < q.gpus:
             return None  # (find_whole's first test, hidden nodes or not: most waiting jobs stop here)
@@ -56,18 +60,22 @@ class WholeGpusMixin:
         if hit is _MISS or hit[0] != self._ver:
             hit = self._whole_memo[key] = (self._ver, self._whole_search(st, job, locality, masked))
         found = hit[1]
-        if found is None:
-            return None
-        if isinstance(found, Placement):
-            # (dataclasses.replace(found, job_id=..., gpu_mem_mb=...), written out: see the check above)
-            return Placement(job.job_id, found.gpus, found.cpu, found.gpu_milli,
-                             q.gpu_mem_mb if q.gpu_mem_mb is not None else 0.0, found.mem_mb,
-                             found.colocated_with, found.sub_batch, found.note, found.extra)
+        if found is None or isinstance(found, Placement):
+            return found  # (made for the first job of this shape: `_own` makes it this job's)
         # (the candidates exclude the masked nodes, and the choice reads the candidates only)
         return place_on_one_node(st, job, found, fit="best-fit", node_rank=self._align_rank(st, r))
 
+    @staticmethod
+    def _own(p: Placement, job) -> Placement:
+        """`p` as `job`'s own placement (a placement `_whole_gpus` remembered carries the id and GPU
+        memory of the job it was made for; other placements are the job's already)."""
+        if p.job_id == job.job_id:
+            return p
+        q = job.qos
+        return replace(p, job_id=job.job_id, gpu_mem_mb=q.gpu_mem_mb if q.gpu_mem_mb is not None else 0.0)
+
     def _whole_search(self, st: ClusterState, job, locality: str, masked: tuple):
-        """What `_whole` remembers: the placement found (None: none), or with `align` the candidate
+        """What `_whole_gpus` remembers: the placement found (None: none), or with `align` the candidate
         nodes. Nodes in `masked` are hidden from the search (their empty GPUs counted as none)."""
         saved = None
         if masked:
@@ -95,7 +103,9 @@ class WholeGpusMixin:
         return np.maximum(0.0, r - self._drain[1])
 
     def _relaxed(self, st, js, rem, est, gpn, reserved) -> Placement | None:
-        p = self._whole(st, js.job, "spread")
+        """GPUs spread over nodes (`_whole_gpus`: `_own` makes the placement the job's), if spreading
+        costs less than waiting for a consolidated slot."""
+        p = self._whole_gpus(st, js.job, "spread")
         if p is None or any(n in reserved for n in p.nodes):
             return None
         nodes = len(p.nodes)
