@@ -436,8 +436,21 @@ class QoSTask(Task):
 
     @property
     def signature(self) -> str:
+        """The name the predictor learns this stage under: its function's module and qualified name.
+        A script's module is `__main__`; it is named as it is imported elsewhere instead (`python -m
+        flows.retrain`: `flows.retrain`; `python flows/retrain.py`: `retrain`), so that what the worker
+        learns from a run from the shell counts for the same pipeline deployed or imported."""
         fn = self.qos_fn
-        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', self.name)}"
+        module = getattr(fn, "__module__", None) or "?"
+        if module == "__main__":
+            main = sys.modules.get("__main__")
+            spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+            file = getattr(main, "__file__", None)
+            if spec_name and spec_name != "__main__":
+                module = spec_name.removesuffix(".__main__")
+            elif file:
+                module = os.path.splitext(os.path.basename(file))[0]
+        return f"{module}.{getattr(fn, '__qualname__', self.name)}"
 
     def with_options(self, **kwargs: Any) -> "QoSTask":  # type: ignore[override]
         qos_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in QOS_FIELDS}
@@ -566,18 +579,20 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         early_check_s=task.early_check,
         deadline_at=deadline_at,
     )
+    fr = run_deployment(
+        deployment,
+        parameters={"payload": key, "stage": name, "pipeline": pipeline or ""},
+        flow_run_name=f"{pipeline or 'stage'}.{name}",
+        tags=[t for t in task.tags if not t.startswith("qos:")] + qos_tags(spec, expected_duration=task.expected_duration),
+        job_variables=jv,
+        timeout=0,  # created, not waited for: wait_for_stage waits (and says so when no worker takes it)
+        as_subflow=True,
+    )
     try:
-        fr = run_deployment(
-            deployment,
-            parameters={"payload": key, "stage": name, "pipeline": pipeline or ""},
-            flow_run_name=f"{pipeline or 'stage'}.{name}",
-            tags=[t for t in task.tags if not t.startswith("qos:")] + qos_tags(spec, expected_duration=task.expected_duration),
-            job_variables=jv,
-            poll_interval=0.25,
-            as_subflow=True,
-        )
-    finally:
-        pass
+        fr = wait_for_stage(fr, pool, name)
+    except BaseException:
+        delete_payload(key)
+        raise
     labels = dict(getattr(fr, "labels", None) or {})
     if "qosflow.host" not in labels and fr.state is not None and fr.state.is_completed():
         # the worker writes the placement labels while it launches the stage, so they are normally
@@ -602,6 +617,93 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         return state.result(raise_on_failure=True)
     finally:
         delete_payload(key)
+
+
+class PipelineEnded(QosflowError):
+    """The pipeline's own run was interrupted (Ctrl-C, SIGTERM, a timeout) while one of its stages was waited for."""
+
+
+def _pipeline_ended() -> str | None:
+    """Why the pipeline run this thread dispatches for is going away while it still runs, else None.
+
+    On Ctrl-C, SIGTERM or a flow timeout Prefect's flow engine leaves its run context, and its thread
+    pool task runner sets the cancel event of every task run (`cancel_all`) and then waits for its
+    threads, before the engine marks the run Crashed: a stage's wait that did not look would keep
+    the process alive until the stage ended, or forever when no worker takes it. A flow whose body
+    returned (its state is final) without waiting for a stage still waits for it, as Prefect does."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    ctx, trc = FlowRunContext.get(), TaskRunContext.get()
+    if ctx is None or trc is None or trc.task_run is None:
+        return None
+    event = (getattr(ctx.task_runner, "_cancel_events", None) or {}).get(trc.task_run.id)
+    state = getattr(ctx.flow_run, "state", None)
+    if event is None or not event.is_set() or (state is not None and state.is_final()):
+        return None
+    return "interrupted"
+
+
+def _pickup_hint(client: Any, pool: str) -> str:
+    """Why a stage run is still Scheduled: no worker polls the pool, or the ones that do took nothing."""
+    try:
+        workers = client.read_workers_for_work_pool(pool)
+    except Exception:  # only a hint
+        return f"is a `qosflow worker start --pool {pool}` running?"
+    online = [w.name for w in workers if str(getattr(w, "status", "")).upper().endswith("ONLINE")]
+    if not online:
+        return f"no worker polls work pool {pool!r}: start one with `qosflow worker start --pool {pool}` (the stage starts when it does)"
+    return (f"worker(s) {', '.join(sorted(online))} of work pool {pool!r} took no run: see their log (a worker whose "
+            "cluster or policy cannot be set up takes no run until that is fixed; one that just stopped still shows "
+            "as online for a minute or two)")
+
+
+def wait_for_stage(fr: Any, pool: str, name: str, *, poll: float = 0.25) -> Any:
+    """Poll the stage's flow run until it is final. A run still Scheduled after
+    QOSFLOW_STAGE_PICKUP_WARN_SECONDS (30 s) is logged on the pipeline with why (no worker polls the
+    pool, ...), again every 10 x that; when the pipeline's own run is interrupted first, the stage's run is
+    cancelled (the worker kills its process) and PipelineEnded is raised."""
+    import logging
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled, Cancelling
+
+    from qosflow.env import env_number
+
+    try:
+        from prefect.logging import get_run_logger
+
+        logger: Any = get_run_logger()
+    except Exception:
+        logger = logging.getLogger("qosflow.dispatch")
+    warn_after = env_number("QOSFLOW_STAGE_PICKUP_WARN_SECONDS", 30.0)
+    waiting_since: float | None = None  # since when its run has been Scheduled (again, after a worker stopped)
+    next_warn = 0.0
+    with get_client(sync_client=True) as client:
+        while True:
+            state = fr.state
+            if state is not None and state.is_final():
+                return fr
+            ended = _pipeline_ended()
+            if ended is not None:
+                scheduled = state is None or state.is_scheduled()
+                new = Cancelled if scheduled else Cancelling
+                try:
+                    client.set_flow_run_state(fr.id, new(message=f"its pipeline's run was {ended}"), force=True)
+                except Exception as exc:  # the process is going away: say so, do not hang on it
+                    logger.warning("stage %s: could not cancel its run %s: %s", name, fr.id, exc)
+                raise PipelineEnded(f"the pipeline's run was {ended} while stage {name!r} was {state.name if state else 'new'}; "
+                                    f"its run {fr.id} was {'cancelled' if scheduled else 'told to cancel'}")
+            now = time.monotonic()
+            if state is not None and not state.is_scheduled():
+                waiting_since = None
+            elif waiting_since is None:
+                waiting_since, next_warn = now, now + warn_after
+            elif warn_after > 0 and now >= next_warn:
+                logger.warning("stage %s has waited %.0fs for a worker to take its run %s: %s",
+                               name, now - waiting_since, fr.id, _pickup_hint(client, pool))
+                next_warn = now + 10 * warn_after
+            time.sleep(poll)
+            fr = client.read_flow_run(fr.id)
 
 
 def read_placement_labels(flow_run_id: str) -> dict[str, str] | None:
