@@ -1,11 +1,13 @@
 """The mistakes of a first use, against the session's Prefect server: a pipeline run with no worker
 says why its stage is not taken, and a Ctrl-C/SIGTERM ends it (and cancels the stage's run) instead
-of leaving the process waiting forever; a stage of a pipeline run as a script learns under the name
-its module has when imported."""
+of leaving the process waiting forever; a worker whose pool does not exist (yet) says how to create it;
+a worker stopped mid-stage puts the stage back in the queue; a stage of a pipeline run as a script
+learns under the name its module has when imported; a stage's progress artifact has its run's context."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -16,7 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from qosflow import qos_task
+
 ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
 
 PIPELINE = textwrap.dedent(
     """
@@ -75,6 +80,34 @@ def test_a_stage_nobody_takes_is_explained_and_sigterm_ends_the_pipeline(prefect
     assert runs and all(r.state is not None and r.state.is_cancelled() for r in runs), [(r.name, r.state) for r in runs]
 
 
+@pytest.mark.slow
+def test_a_worker_whose_pool_does_not_exist_says_how_to_create_it(prefect_server):
+    """`qosflow worker start` checks the pool first, unless the server did not answer yet: the worker
+    then waits for it, and Prefect only said "Work pool 'gpu' not found!" every 30 s."""
+    from qosflow.prefect.local import WorkerThread
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Keep(level=logging.ERROR)
+    logging.getLogger("prefect.workers").addHandler(handler)
+    w = WorkerThread("not-created-yet", name="first-use-worker")
+    w.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any("qosflow init --pool not-created-yet" in m for m in seen) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert any("work pool 'not-created-yet' does not exist; create it with `qosflow init --pool not-created-yet`" in m
+                   for m in seen), seen
+    finally:
+        logging.getLogger("prefect.workers").removeHandler(handler)
+        w.stop(drain=0)
+    assert not w.is_alive()  # a worker thread stopped before its pool came ends too
+
+
 def test_a_script_stage_learns_under_its_module_name_not_main(tmp_path):
     """`python -m flows.retrain` (the README's command) named every stage `__main__.load_data`, ..., so
     what the worker learned from it never counted for the same pipeline deployed (`retrain.load_data`)
@@ -103,3 +136,101 @@ def test_a_script_stage_learns_under_its_module_name_not_main(tmp_path):
     assert sig("-m", "mypkg.pipe") == "mypkg.pipe.stage"
     assert sig("-c", "import mypkg.pipe") == "mypkg.pipe.stage"
     assert sig(str(pkg / "pipe.py")) == "pipe.stage"  # as `prefect deploy` loads mypkg/pipe.py:flow
+
+
+@pytest.mark.slow
+def test_a_stages_progress_artifact_belongs_to_its_run_without_a_deprecation_warning(prefect_server, tmp_path, monkeypatch):
+    """The progress mirror posts from its own thread, which had no flow run context: every stage
+    that reported progress printed Prefect's "Artifact creation outside of a flow or task run is
+    deprecated" FutureWarning into the worker's output."""
+    import warnings
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    from qosflow.placement_api import PROGRESS_FILE_ENV, write_progress
+    from qosflow.prefect.stage import _ProgressMirror
+
+    monkeypatch.setenv(PROGRESS_FILE_ENV, str(tmp_path / "progress.json"))
+
+    @flow(name="first-use-progress")
+    def reports() -> str:
+        mirror = _ProgressMirror(str(tmp_path / "progress.json"), "s", interval=0.05)
+        write_progress(3, 10)
+        mirror.start()
+        deadline = time.monotonic() + 30
+        while mirror.artifact_id is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        mirror.stop.set()
+        mirror.join(5)
+        return str(FlowRunContext.get().flow_run.id)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_id = reports()
+    assert not [w for w in caught if "outside of a flow or task run" in str(w.message)], [str(w.message) for w in caught]
+    with get_client(sync_client=True) as client:
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType
+
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])))
+    assert any(str(a.flow_run_id) == run_id and a.data == 30.0 for a in arts), [(a.flow_run_id, a.data) for a in arts]
+
+
+@qos_task(gpus=1, cpu_cores=1, expected_duration=5)
+def stopped_midway(path: str) -> int:
+    """Its first run sleeps (the worker is stopped under it); its next one returns at once."""
+    p = Path(path)
+    n = len(p.read_text().split()) if p.exists() else 0
+    with p.open("a") as f:
+        f.write(f"{os.getpid()}\n")
+    if n == 0:
+        time.sleep(120)
+    return n + 1
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_mid_stage_puts_it_back_in_the_queue_and_the_next_worker_runs_it(prefect_server, tmp_path, monkeypatch):
+    """Ctrl-C on `qosflow worker start` killed the running stage and released its lease but left its
+    flow run Running: no worker ever took it again and its pipeline waited for ever."""
+    import threading
+
+    from prefect.client.orchestration import get_client
+
+    from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
+    from qosflow.prefect.local import WorkerThread, setup_pool
+    from qosflow.prefect.tasks import qos_flow
+
+    pool = "first-use-stop"
+    asyncio.run(setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, 1, cpu_cores=2), policy=QoSPolicy(policy="fifo"), stream_output=False))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    marks = tmp_path / "pids"
+
+    @qos_flow(name="first-use-stop", pool=pool)
+    def pipeline() -> int:
+        return stopped_midway.submit(str(marks)).result()
+
+    w1 = WorkerThread(pool).wait_ready(120)
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("state", pipeline(return_state=True)), daemon=True)
+    th.start()
+    w2 = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (marks.exists() and marks.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pid = int(marks.read_text().split()[0])
+        fid = next(iter(w1.worker._handles))
+        w1.stop(drain=0)
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(fid).state
+        assert state.is_scheduled() and state.name == "AwaitingRetry" and "stopped" in (state.message or ""), state
+        w2 = WorkerThread(pool).wait_ready(120)
+        th.join(180)
+        assert not th.is_alive()
+        assert out["state"].is_completed() and out["state"].result() == 2, out["state"]
+    finally:
+        for w in (w1, w2):
+            if w is not None and w.is_alive():
+                w.stop(drain=0)

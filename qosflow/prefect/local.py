@@ -327,8 +327,8 @@ class WorkerThread(threading.Thread):
         self.worker = worker
         printer = lambda *a, **k: None  # noqa: E731
         task = asyncio.create_task(worker.start(printer=printer))
-        # ready once synced with the pool and the scheduler exists
-        while not task.done():
+        # ready once synced with the pool and the scheduler exists (or stopped before: a pool that never came)
+        while not task.done() and not self._stop_event.is_set():
             if worker._work_pool is not None and worker._runs_task_group is not None:
                 await worker._ensure_qos()
                 break

@@ -8,6 +8,7 @@ stage's return value is persisted by Prefect and read back by the parent.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 import threading
@@ -109,6 +110,9 @@ class _ProgressMirror(threading.Thread):
         self.stop = threading.Event()
         self.artifact_id = None
         self.last = -1.0
+        # the stage flow's run context, for the artifact calls made from this thread: without it Prefect
+        # warns that artifacts created outside of a flow run are deprecated (and will stop working)
+        self.context = contextvars.copy_context()
 
     def push(self) -> None:
         from qosflow.placement_api import read_progress
@@ -134,7 +138,7 @@ class _ProgressMirror(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(self.interval):
-            self.push()
+            self.context.run(self.push)
 
 
 @flow(name=STAGE_FLOW_NAME, persist_result=True, result_serializer="pickle", log_prints=True, validate_parameters=False)

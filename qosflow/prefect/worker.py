@@ -236,6 +236,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._handles: dict[str, StageHandle] = {}
         #: flow runs whose `run()` has not returned yet (their stage may have reported its end already)
         self._in_flight: set[str] = set()
+        self._stages_in_flight: set[str] = set()  # (the stage runs among them; pipeline runs are not placed)
+        self._stopping = False  # set when the worker stops: its stages in flight go back to the pool's queue
         #: what the estimator learned from the stages this worker ran, per stage (the UI's predictor table)
         self._learned: dict[str, dict[str, Any]] = {}
         self._learned_published = -math.inf
@@ -347,9 +349,21 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         """Look for new stage runs every QOSFLOW_WORKER_POLL_SECONDS (default 0.5 s), besides Prefect's own
         (slower) polling loop, so that a ready stage reaches the QoS queue within a second."""
         interval = env_number("QOSFLOW_WORKER_POLL_SECONDS", 0.5, minimum=0.01)
+        no_pool_since: float | None = None
+        next_pool_check = 0.0
         while True:
             await asyncio.sleep(interval)
-            if self._work_pool is None or self._runs_task_group is None:
+            if self._work_pool is None:
+                # Prefect only logs "Work pool 'gpu' not found!"; say how to fix it (a worker started
+                # before `qosflow init`, or before its server answered, so that the CLI could not check)
+                now = time.monotonic()
+                no_pool_since = now if no_pool_since is None else no_pool_since
+                if now - no_pool_since >= 5.0 and now >= next_pool_check:
+                    next_pool_check = now + 30.0
+                    await self._explain_missing_pool()
+                continue
+            no_pool_since = None
+            if self._runs_task_group is None:
                 continue
             if self.scheduler is None:
                 # set up as soon as the pool is known, not at the first stage: a restarted worker must
@@ -367,9 +381,52 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             except Exception as exc:
                 self._logger.debug("fast poll failed: %s", exc)
 
+    async def _explain_missing_pool(self) -> None:
+        """Log why this worker has no pool yet and the fix, when the server answers and says why."""
+        from prefect.client.orchestration import get_client
+        from prefect.exceptions import ObjectNotFound
+
+        from qosflow.prefect.local import missing_pool, wrong_pool_type
+
+        pool = self._work_pool_name
+        try:
+            async with get_client() as client:
+                wp = await client.read_work_pool(pool)
+        except ObjectNotFound:
+            self._logger.error("%s; this worker takes the pool's runs as soon as it exists", missing_pool(pool))
+            return
+        except Exception:  # the server is away: Prefect says so itself and keeps trying
+            return
+        if wp.type != "qosflow":
+            self._logger.error("%s", wrong_pool_type(pool, wp.type))
+
+    async def _requeue_in_flight(self) -> None:
+        """The worker stops (Ctrl-C, SIGTERM) with stage runs in flight: kill the processes of the ones
+        it launched (no stage outlives its worker) and put every one back in the pool's queue
+        (AwaitingRetry), so that the next worker runs it and its pipeline goes on. They were left
+        Running or Pending, with their leases released: no worker ever took them again and their
+        pipelines waited for ever."""
+        self._stopping = True
+        fids = sorted(self._stages_in_flight)
+        self._logger.warning(
+            "qosflow worker stopping: %d stage run(s) in flight go back to the pool's queue and run again when a "
+            "qosflow worker takes them (%s)", len(fids), ", ".join(fids))
+        for fid in fids:
+            handle = self._handles.get(fid)
+            if handle is not None and self._backend is not None:
+                try:
+                    # at once: a stage engine told to stop (SIGTERM) reports Crashed, which would end its pipeline
+                    await asyncio.wait_for(self._backend.kill(handle, reason="the qosflow worker stopped", grace=0), 10.0)
+                except Exception as exc:
+                    self._logger.warning("could not kill stage run %s: %s", fid, exc)
+            where = "while the stage ran (its process was killed)" if handle is not None else "while the stage waited in its QoS queue"
+            await self._reschedule(fid, f"qosflow: worker {self.name} stopped {where}; it runs again when a qosflow worker takes it")
+
     async def get_and_submit_flow_runs(self) -> list["FlowRun"]:
         """Take flow runs only once the cluster, backend and policy are set up: a worker with a broken
         cluster file or block would otherwise take every run and report it Crashed."""
+        if self._stopping:
+            return []
         if self.scheduler is None and self._work_pool is not None:
             try:
                 await self._ensure_qos()
@@ -381,6 +438,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     async def teardown(self, *exc_info: Any) -> None:
         if getattr(self, "_poll_task", None) is not None:
             self._poll_task.cancel()
+        if self._stages_in_flight:
+            await self._requeue_in_flight()
         if self._cancel_task is not None:
             self._cancel_task.cancel()
         if self._health_task is not None:
@@ -407,10 +466,13 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     ) -> QosflowWorkerResult:
         fid = str(flow_run.id)
         self._in_flight.add(fid)
+        if configuration.is_stage:
+            self._stages_in_flight.add(fid)
         try:
             return await self._run(flow_run, configuration, task_status)
         finally:
             self._in_flight.discard(fid)
+            self._stages_in_flight.discard(fid)
 
     async def drain(self, timeout: float) -> set[str]:
         """Wait up to `timeout` seconds for the flow runs this worker is running to be done with: a stage
@@ -570,6 +632,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 sched.release(fid, ok=True)
                 self._unregister(fid)
                 await self._release_lease(fid)
+            if self._stopping and not status.ok:  # killed by the stop: back in the queue already (_requeue_in_flight)
+                if label_task is not None:
+                    await label_task
+                return QosflowWorkerResult(status_code=0, identifier=_infra_id(handle, fid))
             attempts.append({"attempt": n, "attempt_id": launch.stage_id, "host": info["host"], "hosts": info["hosts"],
                              "launched": launched_at, "ended": ended, "exit": status.kind.value, "exit_reason": status.reason})
             if status.kind is not ExitKind.INFRA:
