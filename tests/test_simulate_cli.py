@@ -49,6 +49,27 @@ def test_simulate_notes_a_synthetic_workload_too_small_for_the_cluster(tmp_path,
     assert offered["thin"] is True and offered["peak_gpus"] <= 64 and offered["during_arrivals"] < 0.5
 
 
+def test_simulate_says_where_pair_slowdowns_come_from(tmp_path, capsys, monkeypatch):
+    """Without Gavel's table (a pip-installed qosflow does not find ../shared/data) the simulator fell
+    back to its default slowdowns without a word, so results differed from a checkout's unexplained."""
+    from qosflow.paths import shared_data
+
+    if not (shared_data() / "throughputs" / "gavel_simulation_throughputs.json").is_file():
+        pytest.skip(f"Gavel's throughput table is not under {shared_data()} (set QOSFLOW_SHARED_DATA)")
+    out = tmp_path / "r.json"
+    args = ["simulate", "--jobs", "12", "--cluster", "2x4", "--policies", "fifo", "--no-plots", "--json", str(out)]
+    assert main(args) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Gavel's measured table (v100, 26 job types" in text and "was not found" not in text
+    assert json.loads(out.read_text())["speed_model"].startswith("pair and spread slowdowns: Gavel's measured table")
+    monkeypatch.setenv("QOSFLOW_SHARED_DATA", str(tmp_path / "nowhere"))
+    assert main(args) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Gavel's measured throughput table was not found at " + str(tmp_path / "nowhere") in text
+    assert "Point QOSFLOW_SHARED_DATA at" in text
+    assert json.loads(out.read_text())["speed_model"].startswith("pair slowdowns: the jobs' per-iteration resource profiles")
+
+
 def test_default_policies_compare_qosflow_with_the_baselines(tmp_path):
     out = tmp_path / "d.json"
     assert main(["simulate", "--jobs", "12", "--cluster", "2x4", "--no-plots", "--json", str(out)]) == 0

@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.policies import parse_policies, parse_policy_options
         from qosflow.sim.batch import Batch, RunSpec, default_workers
         from qosflow.sim.engine import SimConfig, SimulationError
-        from qosflow.sim.interference import default_speed_model
+        from qosflow.sim.interference import default_speed_model, default_throughputs_path
         from qosflow.sim.metrics import compute_bounds, compute_metrics
         from qosflow.errors import SpecError, UnknownNameError
         from qosflow.sim.report import estimator_deltas, plot_results, render_estimator_table, render_table, results_json, write_job_tables
@@ -82,6 +82,13 @@ def register(app: typer.Typer) -> None:
             f"[bold]{wl.name}[/]: {len(wl.jobs)} jobs on {spec.name} ({len(spec.nodes)} nodes, {spec.num_gpus} GPUs); "
             "estimates: " + ", ".join(f"noisy (±{error:.0%})" if k == "noisy" else k for k in kinds)
         )
+        console.print(speed.describe(), style="dim", highlight=False)
+        if speed.interference is None:
+            console.print(
+                f"[yellow]note:[/] Gavel's measured throughput table was not found at {default_throughputs_path()}, so jobs "
+                "that share GPUs slow down by the fallback above, not by measured pairs. Point QOSFLOW_SHARED_DATA at the "
+                "directory holding throughputs/gavel_simulation_throughputs.json to use it.", highlight=False
+            )
         offered = None
         if wl.info.get("format") == "synthetic":
             from qosflow.sim.traces.synthetic import JOBS_PER_GPU, offered_load
@@ -138,6 +145,7 @@ def register(app: typer.Typer) -> None:
                          **({"offered_load": offered.to_json()} if offered is not None else {})},
             "cluster": {"name": spec.name, "nodes": len(spec.nodes), "gpus": spec.num_gpus},
             "estimator": estimator,
+            "speed_model": speed.describe(),
             "seed": seed,
             "failures": failures,
             "policy_options": popts,

@@ -78,6 +78,14 @@ class SpeedModel:
         self.cpu_exponent = cpu_exponent
         self._pair_cache: dict[tuple[str, str, int, tuple | None, tuple | None], tuple[float, float]] = {}
 
+    def describe(self) -> str:
+        """Where pair and spread slowdowns come from, in a line (the simulate report prints it)."""
+        fallback = f"the jobs' per-iteration resource profiles where both have one, else {self.default_pair:g}x per pair"
+        if self.interference is None:
+            return f"pair slowdowns: {fallback}; spread: {self.default_spread:g}x"
+        src = getattr(self.interference, "describe", None)
+        return f"pair and spread slowdowns: {src() if src is not None else repr(self.interference)}; other models: {fallback}"
+
     # -------------------------------------------------------------- components
     def pair_slowdown(self, a: Job, b: Job) -> tuple[float, float]:
         key = (a.model, b.model, a.qos.gpus, a.resource_profile, b.resource_profile)

@@ -338,6 +338,9 @@ class GavelInterference:
     def __repr__(self) -> str:
         return f"GavelInterference({str(self.path)!r}, gpu_type={self.gpu_type!r}, {len(self.job_types)} job types)"
 
+    def describe(self) -> str:
+        return f"Gavel's measured table ({self.gpu_type}, {len(self.job_types)} job types; {self.path})"
+
 
 _CACHE: dict[tuple[str, str, float], GavelInterference] = {}
 
