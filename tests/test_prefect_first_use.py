@@ -234,3 +234,22 @@ def test_a_worker_stopped_mid_stage_puts_it_back_in_the_queue_and_the_next_worke
         for w in (w1, w2):
             if w is not None and w.is_alive():
                 w.stop(drain=0)
+
+
+@pytest.mark.slow
+def test_init_again_says_that_a_running_worker_keeps_its_old_cluster(prefect_server, capsys):
+    """`qosflow init --pool gpu --hosts 2` while a worker ran said only "next: qosflow worker start":
+    the running worker went on with the cluster it had started with."""
+    from qosflow.cli.main import main
+    from qosflow.prefect.local import WorkerThread
+
+    pool = "first-use-reinit"
+    assert main(["init", "--pool", pool]) == 0
+    assert "next: qosflow worker start --pool first-use-reinit" in " ".join(capsys.readouterr().out.split())
+    w = WorkerThread(pool, name="first-use-reinit-worker").wait_ready(120)
+    try:
+        assert main(["init", "--pool", pool, "--hosts", "2"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "first-use-reinit-worker of pool first-use-reinit keep the cluster and policy they started with: restart them" in out, out
+    finally:
+        w.stop(drain=0)

@@ -91,4 +91,21 @@ def register(app: typer.Typer) -> None:
             c.print(f"cluster block [cyan]{info['cluster_block']}[/]: {hosts} x {gpus} virtual GPUs, {cores:g} cores per host")
         c.print(f"policy block [cyan]{info['policy_block']}[/]: {policy}, estimator {estimator}")
         c.print(f"work pool [cyan]{pool}[/] ({'created' if info['created'] else 'updated'}), stage deployment {info['stage_deployment']}")
-        c.print(f"next: [bold]qosflow worker start --pool {pool}[/]")
+        running = [] if info["created"] else asyncio.run(_online_workers(pool))
+        if running:  # they set up their cluster and policy when they started: this init does not reach them
+            c.print(f"worker(s) {', '.join(running)} of pool [cyan]{pool}[/] keep the cluster and policy they started with: "
+                    "restart them to use these (Ctrl-C; the stages they hold go back to the pool's queue)")
+        else:
+            c.print(f"next: [bold]qosflow worker start --pool {pool}[/]")
+
+
+async def _online_workers(pool: str) -> list[str]:
+    """The names of the workers Prefect sees online on `pool` (empty when it cannot say)."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        async with get_client() as client:
+            workers = await client.read_workers_for_work_pool(pool)
+    except Exception:  # only a hint
+        return []
+    return sorted(w.name for w in workers if str(getattr(w, "status", "")).upper().endswith("ONLINE"))
