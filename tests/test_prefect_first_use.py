@@ -253,3 +253,36 @@ def test_init_again_says_that_a_running_worker_keeps_its_old_cluster(prefect_ser
         assert "first-use-reinit-worker of pool first-use-reinit keep the cluster and policy they started with: restart them" in out, out
     finally:
         w.stop(drain=0)
+
+
+@pytest.mark.slow
+def test_worker_start_with_a_missing_or_invalid_cluster_block_exits_with_the_fix(prefect_server, capsys):
+    """`qosflow worker start --cluster-block nosuch` started, then logged the same error every 5 s
+    (a bad --cluster-file was refused at once)."""
+    import httpx
+
+    from qosflow.cli.main import main
+    from qosflow.prefect.blocks import BareMetalGPUCluster
+
+    pool = "first-use-cluster-block"
+    assert main(["init", "--pool", pool]) == 0
+    capsys.readouterr()
+    env = dict(os.environ, PREFECT_API_URL=prefect_server,
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+
+    def worker(block: str) -> subprocess.CompletedProcess:  # before: ran until the timeout
+        return subprocess.run([sys.executable, "-m", "qosflow", "worker", "start", "--pool", pool, "--cluster-block", block],
+                              capture_output=True, text=True, env=env, timeout=120)
+
+    out = worker("no-such-cluster")
+    assert out.returncode == 2 and "no cluster block named 'no-such-cluster'" in out.stderr, out.stderr
+    good = BareMetalGPUCluster.virtual(1, 1, cpu_cores=2)
+    good.save("first-use-bad-cluster", overwrite=True)
+    doc = good._block_document_id
+    with httpx.Client(base_url=prefect_server, timeout=30) as c:  # edited through the API into an invalid one
+        data = c.get(f"/block_documents/{doc}").json()["data"]
+        data["gpus_per_host"] = -3
+        assert c.patch(f"/block_documents/{doc}", json={"data": data, "merge_existing_data": False}).status_code == 204
+    out = worker("first-use-bad-cluster")
+    err = " ".join(out.stderr.split())
+    assert out.returncode == 2 and "first-use-bad-cluster is invalid: gpus_per_host" in err, err

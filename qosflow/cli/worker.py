@@ -61,6 +61,14 @@ def register(app: typer.Typer) -> None:
         require_api_url("the qosflow worker")
         asyncio.run(check_pool(pool))
         if cluster_block:
+            import httpx
+
+            from qosflow.prefect.worker import load_cluster_block
+
+            try:  # a missing or invalid block fails here, as a bad --cluster-file does (the worker would log it every 5 s)
+                asyncio.run(load_cluster_block(cluster_block))
+            except (httpx.HTTPError, OSError, RuntimeError):
+                pass  # the server does not answer: the worker waits for it and says so
             os.environ["QOSFLOW_CLUSTER_BLOCK"] = cluster_block
 
         async def main() -> None:
