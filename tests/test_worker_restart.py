@@ -47,7 +47,11 @@ def wait_log(log: Path, text: str, proc: subprocess.Popen, timeout: float = 120.
         time.sleep(0.2)
 
 
-def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_server, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "stopped"])
+def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_server, tmp_path, sig):
+    """SIGKILL: nothing is cleaned up. SIGTERM (or Ctrl-C): the worker stops cleanly, and a stage on a
+    host agent keeps running with its lease for the next worker to adopt (it used to release the lease,
+    and the stage's run stayed Running for ever with nobody watching it)."""
     import infra_pipelines as ip
 
     from qosflow.agent.testing import AgentProcess
@@ -82,9 +86,12 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
             store = LeaseStore()
             [lease] = store.leases(POOL)
             assert lease.holder == WORKER and lease.nodes == ["host-r"]
-            os.killpg(w1.pid, signal.SIGKILL)  # the worker dies: nothing is cleaned up
-            w1.wait(10)
+            os.killpg(w1.pid, sig)  # SIGKILL: the worker dies, nothing is cleaned up; SIGTERM: it stops
+            w1.wait(60)
             assert [le.lease_id for le in store.leases(POOL)] == [lease.lease_id]  # its lease outlives it
+            if sig == signal.SIGTERM:
+                assert "keep running on their hosts with their leases" in wlog.read_text(errors="replace")
+                assert [e["event"] for e in marks(marker)] == ["start"]  # still running: not killed by the stop
 
             w2 = start_worker(env, wlog)
             procs.append(w2)

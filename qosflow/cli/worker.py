@@ -38,6 +38,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         import asyncio
         import os
+        import signal
 
         from qosflow.prefect.local import check_pool, require_api_url
         from qosflow.prefect.worker import QosflowWorker
@@ -74,11 +75,15 @@ def register(app: typer.Typer) -> None:
         async def main() -> None:
             w = QosflowWorker(work_pool_name=pool, name=name, policy=policy, estimator=estimator, limit=limit, create_pool_if_not_found=False,
                               cluster_file=str(cluster_file.resolve()) if cluster_file is not None else None)
+            # a service manager's stop (systemd, a Kubernetes rollout) sends SIGTERM: stop as on Ctrl-C, which
+            # cancels this task (the stages in flight are requeued or left to the next worker to adopt)
+            # instead of dying without a word
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
             await w.start()
 
         try:
             asyncio.run(main())
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, asyncio.CancelledError):
             pass
 
     app.add_typer(worker_app, name="worker")

@@ -238,6 +238,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._in_flight: set[str] = set()
         self._stages_in_flight: set[str] = set()  # (the stage runs among them; pipeline runs are not placed)
         self._stopping = False  # set when the worker stops: its stages in flight go back to the pool's queue
+        self._left_running: set[str] = set()  # stages left running at a stop, their leases kept for the next worker
         #: what the estimator learned from the stages this worker ran, per stage (the UI's predictor table)
         self._learned: dict[str, dict[str, Any]] = {}
         self._learned_published = -math.inf
@@ -400,14 +401,36 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if wp.type != "qosflow":
             self._logger.error("%s", wrong_pool_type(pool, wp.type))
 
+    def _adoptable(self, fid: str) -> bool:
+        """Whether the running stage `fid` can outlive this worker: it holds a lease and runs on a
+        backend that finds its stages again (`adopt`: host agents, Kubernetes), so the next worker of
+        the pool adopts it (`_recover`) instead of running it again."""
+        return (fid in self._handles and fid in self._lease_ids and self.leases is not None
+                and getattr(self._backend, "adopt", None) is not None)
+
     async def _requeue_in_flight(self) -> None:
-        """The worker stops (Ctrl-C, SIGTERM) with stage runs in flight: kill the processes of the ones
-        it launched (no stage outlives its worker) and put every one back in the pool's queue
-        (AwaitingRetry), so that the next worker runs it and its pipeline goes on. They were left
-        Running or Pending, with their leases released: no worker ever took them again and their
-        pipelines waited for ever."""
+        """The worker stops (Ctrl-C, SIGTERM) with stage runs in flight. They were left Running or
+        Pending with their leases released: no worker ever took them again and their pipelines waited
+        for ever. Now:
+
+        * a stage running where the next worker can adopt it (`_adoptable`) keeps running and keeps
+          its lease: a worker of the same name adopts it when it starts, any other worker of the pool
+          once the lease expires (a worker restarted for an upgrade costs no training time);
+        * the others -- waiting in the QoS queue, or processes of this worker (the local backend: no
+          stage outlives its worker) -- are killed and put back in the pool's queue (AwaitingRetry),
+          so that the next worker runs them and their pipelines go on."""
         self._stopping = True
         fids = sorted(self._stages_in_flight)
+        kept = [fid for fid in fids if self._adoptable(fid)]
+        self._left_running.update(kept)
+        fids = [fid for fid in fids if fid not in self._left_running]
+        if kept:
+            self._logger.warning(
+                "qosflow worker stopping: %d stage run(s) keep running on their hosts with their leases (%s); a worker "
+                "named %r adopts them when it starts, another worker of the pool once the leases expire (%gs)",
+                len(kept), ", ".join(kept), self.holder, self.lease_ttl_s)
+        if not fids:
+            return
         self._logger.warning(
             "qosflow worker stopping: %d stage run(s) in flight go back to the pool's queue and run again when a "
             "qosflow worker takes them (%s)", len(fids), ", ".join(fids))
@@ -438,6 +461,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     async def teardown(self, *exc_info: Any) -> None:
         if getattr(self, "_poll_task", None) is not None:
             self._poll_task.cancel()
+        self._stopping = True
         if self._stages_in_flight:
             await self._requeue_in_flight()
         if self._cancel_task is not None:
@@ -631,7 +655,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 ended = time.time()
                 sched.release(fid, ok=True)
                 self._unregister(fid)
-                await self._release_lease(fid)
+                if fid not in self._left_running:  # (left running at a stop: the next worker adopts it)
+                    await self._release_lease(fid)
             if self._stopping and not status.ok:  # killed by the stop: back in the queue already (_requeue_in_flight)
                 if label_task is not None:
                     await label_task
@@ -879,13 +904,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
     async def _watch_adopted(self, fid: str, handle: StageHandle, allocated: bool) -> None:
         assert self._backend is not None
+        ended = False
         try:
             status = await self._backend.wait(handle)
+            ended = True
         finally:
             if allocated and self.scheduler is not None:
                 self.scheduler.release(fid, ok=True)
             self._unregister(fid)
-            await self._release_lease(fid)
+            if ended or not self._stopping:  # (the worker stops: the stage runs on, for the next worker to adopt)
+                await self._release_lease(fid)
         if status.kind is ExitKind.INFRA:
             await self._reschedule(fid, f"qosflow: infrastructure failure of an adopted stage ({status.reason}); placed again")
         elif not status.ok and status.kind is not ExitKind.CANCELLED:
