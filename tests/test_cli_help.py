@@ -105,9 +105,13 @@ def test_init_real_gpus_warns_when_this_machine_has_none(capsys, monkeypatch):
     import qosflow.backends.local as local
     from qosflow.cli.main import main
 
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setattr(local, "nvml_gpus", lambda: (None, "no GPU: NVML unavailable (Library Not Found); using virtual GPUs"))
-    assert main(["init", "--real-gpus"]) == 2  # no server here: the warning comes first
+    # (no server, also when the session's test server is up: its harness sets the URL in Prefect's settings)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert main(["init", "--real-gpus"]) == 2  # no server here: the warning comes first
     err = capsys.readouterr().err
     assert "warning: --real-gpus, but this machine has no GPU (NVML unavailable (Library Not Found))" in err, err
     assert "leave --real-gpus out" in err and "PREFECT_API_URL is not set" in err, err
