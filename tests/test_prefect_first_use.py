@@ -135,7 +135,17 @@ def test_a_script_stage_learns_under_its_module_name_not_main(tmp_path):
 
     assert sig("-m", "mypkg.pipe") == "mypkg.pipe.stage"
     assert sig("-c", "import mypkg.pipe") == "mypkg.pipe.stage"
-    assert sig(str(pkg / "pipe.py")) == "pipe.stage"  # as `prefect deploy` loads mypkg/pipe.py:flow
+    # run by its path, or loaded by its path as `prefect deploy`'s entrypoint mypkg/pipe.py:flow is (as
+    # `pipe`): the same name, so the README's `python -m` runs and the deployment share what was learned
+    assert sig(str(pkg / "pipe.py")) == "mypkg.pipe.stage"
+    assert sig("-c", "import sys; sys.path.insert(0, 'mypkg'); import pipe") == "mypkg.pipe.stage"
+    from prefect.utilities.importtools import load_script_as_module
+
+    loaded = load_script_as_module(str(pkg / "pipe.py"))
+    assert loaded.stage.signature == "mypkg.pipe.stage", loaded.__name__
+    # a module outside any package keeps its name
+    (tmp_path / "loose.py").write_text((pkg / "pipe.py").read_text())
+    assert sig(str(tmp_path / "loose.py")) == "loose.stage"
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from prefect import Task
@@ -419,6 +420,23 @@ def _emit(name: str, run: PipelineRun, payload: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------ the task
+@functools.lru_cache(maxsize=256)
+def _import_name(module: str, file: str | None) -> str:
+    """`module` as imported from its package: walking up from its file through the directories that
+    hold an ``__init__.py`` gives the package-qualified name (``flows/retrain.py`` in the package
+    ``flows``: ``flows.retrain``), which replaces `module` when it is a tail of it (a module loaded by
+    its path is called ``retrain``); anything else stays as it is."""
+    if not file:
+        return module
+    path = Path(file).resolve()
+    parts, d = [path.stem], path.parent
+    while (d / "__init__.py").is_file() and d.parent != d:
+        parts.append(d.name)
+        d = d.parent
+    full = ".".join(reversed(parts))
+    return full if full.endswith("." + module) else module
+
+
 class QoSTask(Task):
     """A Prefect task carrying a QoS spec (also encoded in its tags, which survive `with_options`)."""
 
@@ -437,20 +455,22 @@ class QoSTask(Task):
     @property
     def signature(self) -> str:
         """The name the predictor learns this stage under: its function's module and qualified name.
-        A script's module is `__main__`; it is named as it is imported elsewhere instead (`python -m
-        flows.retrain`: `flows.retrain`; `python flows/retrain.py`: `retrain`), so that what the worker
-        learns from a run from the shell counts for the same pipeline deployed or imported."""
+        A script's module is `__main__`, and a module loaded by its file's path (`python flows/retrain.py`,
+        `prefect deploy`'s entrypoint `flows/retrain.py:retrain`) is called by its file's stem; both are
+        named as the module is imported from its package instead (`flows.retrain`, `_import_name`), so
+        that what the worker learns from a run from the shell counts for the same pipeline deployed or
+        imported."""
         fn = self.qos_fn
         module = getattr(fn, "__module__", None) or "?"
+        file = getattr(sys.modules.get(module), "__file__", None)
         if module == "__main__":
             main = sys.modules.get("__main__")
             spec_name = getattr(getattr(main, "__spec__", None), "name", None)
-            file = getattr(main, "__file__", None)
             if spec_name and spec_name != "__main__":
                 module = spec_name.removesuffix(".__main__")
             elif file:
                 module = os.path.splitext(os.path.basename(file))[0]
-        return f"{module}.{getattr(fn, '__qualname__', self.name)}"
+        return f"{_import_name(module, file)}.{getattr(fn, '__qualname__', self.name)}"
 
     def with_options(self, **kwargs: Any) -> "QoSTask":  # type: ignore[override]
         qos_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in QOS_FIELDS}
