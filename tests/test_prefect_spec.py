@@ -541,3 +541,35 @@ def test_forecast_artifact_is_not_rewritten_for_every_stage_event(monkeypatch):
     run.ended = time.time()
     run.publish_forecast(final=True)
     assert len(written) == 3 and "Finished after" in written[-1]
+
+
+def test_a_pipelines_policy_block_says_which_of_its_fields_it_applies(monkeypatch, caplog):
+    """The `nightly` block says `estimator: history`, but its stages ran with the worker's `learned`
+    without a word: a deployment's `qos_policy` gives a run its deadline and class only."""
+    import json
+    import logging
+
+    seen = []
+    from qosflow.prefect.tasks import PipelineRun
+
+    register = PipelineRun.register
+    monkeypatch.setattr(PipelineRun, "register", lambda self: (seen.append((self.deadline, self.priority)), register(self))[1])
+    monkeypatch.setenv("QOSFLOW_QOS_POLICY", json.dumps({"policy": "qosflow", "estimator": "history", "options": {},
+                                                         "priority": "guaranteed", "deadline_s": 3600}))
+
+    @qos_flow()
+    def pipe():
+        pass
+
+    with caplog.at_level(logging.INFO, logger="qosflow"):
+        pipe.fn()
+    said = [r.getMessage() for r in caplog.records if "QoS policy block" in r.getMessage()]
+    assert seen and seen[0][0] == 3600.0 and getattr(seen[0][1], "value", seen[0][1]) == "guaranteed"
+    assert len(said) == 1 and "deadline 3600s and class guaranteed" in said[0], said
+    assert "its estimator, policy are the worker's settings" in said[0] and "POOL-policy" in said[0], said
+    caplog.clear()
+    monkeypatch.setenv("QOSFLOW_QOS_POLICY", json.dumps({"deadline_s": 60}))
+    with caplog.at_level(logging.INFO, logger="qosflow"):
+        pipe.fn()
+    said = [r.getMessage() for r in caplog.records if "QoS policy block" in r.getMessage()]
+    assert said == ["QoS policy block: this run's deadline 60s and class default"], said

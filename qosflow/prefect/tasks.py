@@ -923,6 +923,8 @@ def qos_flow(
             for t in _stages_used_by(fn):  # declared durations of planned stages not dispatched yet
                 if the_plan and t.name in the_plan and t.expected_duration and t.name not in expected:
                     expected[t.name] = float(t.expected_duration)
+            if policy:
+                _say_what_the_policy_block_sets(policy, d, pr, pool or os.environ.get("QOSFLOW_POOL"))
             run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=pool or os.environ.get("QOSFLOW_POOL"), plan=the_plan, expected=expected)
             run.flow_name = flow_name
             run.register()
@@ -987,6 +989,30 @@ def _policy_defaults() -> dict[str, Any]:
         return json.loads(raw)
     except json.JSONDecodeError:
         return {}
+
+
+#: QoS policy block fields that a pipeline run takes from its deployment's `qos_policy` (the others are the worker's)
+PIPELINE_POLICY_FIELDS = ("deadline_s", "priority")
+
+
+def _say_what_the_policy_block_sets(policy: Mapping[str, Any], deadline: Any, priority: Any, pool: str | None) -> None:
+    """Log, on the pipeline's run, what its deployment's QoS policy block set: a user who put
+    `estimator: history` in the `nightly` block saw the stages run with the worker's `learned`."""
+    from prefect.logging import get_logger
+    from prefect.logging.loggers import get_run_logger
+
+    try:
+        logger = get_run_logger()
+    except Exception:  # noqa: BLE001 - not in a flow run (called directly)
+        logger = get_logger("qosflow")
+    worker_side = sorted(k for k, v in policy.items() if k not in PIPELINE_POLICY_FIELDS and not k.startswith("_") and v not in (None, {}, []))
+    logger.info(
+        "QoS policy block: this run's deadline %s and class %s%s",
+        "none" if deadline is None else f"{float(deadline):g}s", getattr(priority, "value", priority) or "default",
+        "" if not worker_side else
+        f"; its {', '.join(worker_side)} are the worker's settings: they apply in the pool's policy block "
+        f"({pool or 'POOL'}-policy, which qosflow init --pool {pool or 'POOL'} --policy ... --estimator ... writes), not per pipeline",
+    )
 
 
 def register_expected(run: PipelineRun, stages: Iterable[QoSTask]) -> None:
