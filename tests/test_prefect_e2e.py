@@ -80,6 +80,7 @@ def test_three_stage_pipeline_through_the_worker(qos_worker):
             assert float(fr.labels["qosflow.predicted_s"]) > 0 and fr.labels["qosflow.policy"] == "fifo"
             assert "qosflow.deadline_at" in fr.labels
             assert fr.labels["qosflow.estimator"] == "learned"  # the policy block's default: the predictor
+            assert fr.labels["qosflow.gpu_milli"] == ("1000" if rec.gpus else "0")  # (a CPU-only stage holds no GPU share)
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
         keys = {a.key for a in c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="qosflow-")))}

@@ -1272,7 +1272,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         labels = {
             "qosflow.host": str(info["host"]),
             "qosflow.gpus": ",".join(info["gpus"]) or "-",
-            "qosflow.gpu_milli": str(info["gpu_milli"]),
+            "qosflow.gpu_milli": str(info["gpu_milli"]) if info["gpus"] else "0",  # (a CPU-only stage holds no GPU share)
             "qosflow.cpu_cores": f"{info['cpu_cores']:g}",
             "qosflow.cpuset": json.dumps(info["cpuset"]),
             "qosflow.virtual_gpus": str(info["virtual_gpus"]).lower(),
