@@ -143,3 +143,16 @@ def lingering(seconds: float) -> str:
 @qos_flow(name="e2e-lingering")
 def lingering_pipeline(seconds: float = 4.0) -> str:
     return lingering.submit(seconds).result()
+
+
+@qos_task(gpus=1, cpu_cores=1, expected_duration=8)
+def napper(seconds: float) -> float:
+    """Holds its (only) GPU for `seconds`: a second one waits in the QoS queue meanwhile."""
+    time.sleep(seconds)
+    return seconds
+
+
+@qos_flow(name="status-two-nappers", deadline=600)
+def two_nappers(seconds: float = 8.0) -> list:
+    a, b = napper.submit(seconds), napper.submit(seconds)
+    return [a.result(), b.result()]

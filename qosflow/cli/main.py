@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "worker",  # qosflow worker ...
     "predict",  # qosflow predict eval, qosflow profile
     "agent",  # qosflow agent start
+    "status",  # qosflow status
 ]
 
 app = typer.Typer(

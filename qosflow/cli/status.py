@@ -1,0 +1,83 @@
+"""`qosflow status`: a pool's workers and stage runs (running where, queued and why), from the server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+HELP = """Show what a `qosflow` work pool is doing: its workers, the stage runs running (host, GPUs,
+how long, predicted duration, time to the deadline), and those waiting in the QoS queue with the
+policy's latest reason (or not taken by any worker yet).
+
+Read from the Prefect server at PREFECT_API_URL, as the UI shows it.
+
+Examples:
+
+  qosflow status --pool gpu
+
+  qosflow status --pool gpu --json status.json
+"""
+
+
+def _dur(x: float | None) -> str:
+    if x is None:
+        return "-"
+    sign, x = ("-" if x < 0 else ""), abs(x)
+    if x >= 2 * 86400:
+        return f"{sign}{x / 86400:.1f} d"
+    if x >= 7200:
+        return f"{sign}{x / 3600:.1f} h"
+    if x >= 120:
+        return f"{sign}{x / 60:.1f} min"
+    return f"{sign}{x:.0f} s"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("status", help=HELP)
+    def status_cmd(
+        pool: str = typer.Option("gpu", "--pool", "-p", help="work pool name"),
+        limit: int = typer.Option(200, "--limit", min=1, help="most stage runs to read"),
+        json_out: Optional[Path] = typer.Option(None, "--json", help="also write the status as JSON here"),
+    ) -> None:
+        import asyncio
+
+        from rich.console import Console
+        from rich.table import Table
+
+        from qosflow.cli.output import check_output_file, write_json_file
+        from qosflow.prefect.local import check_pool, require_api_url
+        from qosflow.prefect.status import pool_status
+
+        if json_out is not None:
+            check_output_file(json_out)
+        url = require_api_url("qosflow status")
+        asyncio.run(check_pool(pool))
+        st = asyncio.run(pool_status(pool, limit=limit))
+        console = Console(width=max(120, Console().width))
+        online = [w for w in st.workers if w.status.upper() == "ONLINE"]
+        console.print(f"[bold]pool {pool}[/] on {url}: {len(online)} of {len(st.workers)} worker(s) online, "
+                      f"{st.pipelines_running} pipeline run(s) of its deployments not finished")
+        if st.workers:
+            wt = Table(title="workers")
+            for col in ("worker", "status", "last heartbeat"):
+                wt.add_column(col)
+            for w in st.workers:
+                wt.add_row(w.name, w.status, f"{_dur(w.heartbeat_ago_s)} ago")
+            console.print(wt)
+        elif any(s.phase == "unclaimed" for s in st.stages):
+            console.print(f"[yellow]no worker polls pool {pool!r}:[/] start one with `qosflow worker start --pool {pool}`")
+        if not st.stages:
+            console.print("no stage run is running or waiting")
+        else:
+            t = Table(title="stage runs")
+            for col in ("stage", "pipeline", "class", "phase", "where", "for", "predicted", "deadline in", "why it waits"):
+                t.add_column(col, overflow="fold")
+            for s in st.stages:
+                where = f"{s.host} {s.gpus}".strip() if s.phase == "running" else "QoS queue" if s.phase == "queued" else "no worker yet"
+                t.add_row(s.name, s.pipeline or "-", s.priority or "-", s.phase, where, _dur(s.since_s), _dur(s.predicted_s),
+                          _dur(s.deadline_in_s), s.why_waiting or "")
+            console.print(t)
+        if json_out is not None:
+            console.print(f"JSON: {write_json_file(json_out, st.to_json())}")

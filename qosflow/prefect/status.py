@@ -1,0 +1,132 @@
+"""What a `qosflow` pool is doing now, read from the Prefect server: its workers, and its stage runs
+waiting in the QoS queue or running where the worker placed them (with why a waiting one waits).
+
+Everything comes from Prefect's API (flow runs, their labels and logs, the pool's workers), as the
+UI shows it, so it works from any machine that can reach the server. `qosflow status` prints it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: the worker's log line for a waiting stage (QosflowWorker._say_why_waiting)
+WAITING_LINE = "waits in the QoS queue"
+
+
+@dataclass
+class StageStatus:
+    flow_run_id: str
+    name: str
+    pipeline: str
+    state: str
+    #: "running" (placed: host and GPUs known), "queued" (taken by a worker, waiting in its QoS queue) or
+    #: "unclaimed" (no worker has taken it yet)
+    phase: str
+    host: str = ""
+    gpus: str = ""
+    priority: str = ""
+    since_s: float | None = None  # running for, or waiting for
+    predicted_s: float | None = None
+    deadline_in_s: float | None = None  # negative: past its deadline
+    why_waiting: str = ""
+
+
+@dataclass
+class WorkerStatus:
+    name: str
+    status: str
+    heartbeat_ago_s: float | None
+
+
+@dataclass
+class PoolStatus:
+    pool: str
+    workers: list[WorkerStatus] = field(default_factory=list)
+    stages: list[StageStatus] = field(default_factory=list)
+    pipelines_running: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _float(x: Any) -> float | None:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _stage_status(fr: Any, now: float) -> StageStatus:
+    labels = dict(getattr(fr, "labels", None) or {})
+    params = fr.parameters or {}
+    state = fr.state.name if fr.state is not None else "?"
+    placed = "qosflow.host" in labels and fr.state is not None and fr.state.is_running()
+    taken = fr.state is not None and (fr.state.is_pending() or fr.state.is_running())
+    phase = "running" if placed else "queued" if taken else "unclaimed"
+    prio = next((t.split("=", 1)[1] for t in fr.tags or () if t.startswith("qos:class=")), "")
+    deadline = _float(labels.get("qosflow.deadline_at")) or _float((fr.job_variables or {}).get("deadline_at"))
+    if placed:
+        since = _float(labels.get("qosflow.placed_at"))
+    else:
+        since = fr.expected_start_time.timestamp() if fr.expected_start_time else fr.created.timestamp() if fr.created else None
+    return StageStatus(
+        flow_run_id=str(fr.id),
+        name=str(params.get("stage") or fr.name),
+        pipeline=str(params.get("pipeline") or ""),
+        state=state,
+        phase=phase,
+        host=labels.get("qosflow.host", "") if placed else "",
+        gpus=labels.get("qosflow.gpus", "") if placed else "",
+        priority=prio,
+        since_s=None if since is None else max(0.0, now - since),
+        predicted_s=_float(labels.get("qosflow.predicted_s")) if placed else None,
+        deadline_in_s=None if deadline is None else deadline - now,
+    )
+
+
+async def pool_status(pool: str, *, limit: int = 200) -> PoolStatus:
+    """The pool's workers and its stage runs that are not final yet (at most `limit`), oldest first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        LogFilter,
+        LogFilterFlowRunId,
+        WorkPoolFilter,
+        WorkPoolFilterName,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort, LogSort
+
+    out = PoolStatus(pool)
+    now = time.time()
+    async with get_client() as client:
+        for w in await client.read_workers_for_work_pool(pool):
+            beat = getattr(w, "last_heartbeat_time", None)
+            status = getattr(w, "status", None)
+            out.workers.append(WorkerStatus(w.name, str(getattr(status, "value", status) or "?"),
+                                            None if beat is None else max(0.0, now - beat.timestamp())))
+        runs = await client.read_flow_runs(
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+                any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]))),
+            sort=FlowRunSort.EXPECTED_START_TIME_ASC,
+            limit=limit,
+        )
+        for fr in runs:
+            params = fr.parameters or {}
+            if "payload" not in params or "stage" not in params:  # a pipeline run (it holds no slot)
+                out.pipelines_running += 1
+                continue
+            st = _stage_status(fr, now)
+            if st.phase == "queued":
+                logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fr.id])), limit=50, sort=LogSort.TIMESTAMP_DESC)
+                line = next((lg.message for lg in logs if WAITING_LINE in lg.message), "")
+                st.why_waiting = line.split("so far): ", 1)[1] if "so far): " in line else line
+            out.stages.append(st)
+    order = {"running": 0, "queued": 1, "unclaimed": 2}
+    out.stages.sort(key=lambda s: (order[s.phase], -(s.since_s or 0.0)))
+    return out

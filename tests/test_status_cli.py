@@ -1,0 +1,63 @@
+"""`qosflow status` against the session's Prefect server: a 1-GPU pool running one stage while the
+other waits in the QoS queue, each shown with where it runs or why it waits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_status_shows_the_running_stage_and_why_the_other_waits(prefect_server, tmp_path, monkeypatch, capsys):
+    import prefect_pipelines as pp
+
+    from qosflow.cli.main import main
+    from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
+    from qosflow.prefect.local import WorkerThread, setup_pool
+
+    pool = "status-one-gpu"
+    asyncio.run(setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, 1, cpu_cores=2), policy=QoSPolicy(policy="fifo"), stream_output=False))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    monkeypatch.setenv("QOSFLOW_POOL", pool)
+    out = tmp_path / "status.json"
+    assert main(["status", "--pool", pool, "--json", str(out)]) == 0  # nothing yet: no worker, no stage
+    data = json.loads(out.read_text())
+    assert data["workers"] == [] and data["stages"] == []
+    assert "no stage run is running or waiting" in capsys.readouterr().out
+
+    w = WorkerThread(pool).wait_ready(120)
+    result: dict = {}
+    th = threading.Thread(target=lambda: result.setdefault("r", pp.two_nappers(12.0)), daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert main(["status", "--pool", pool, "--json", str(out)]) == 0
+            data = json.loads(out.read_text())
+            phases = sorted(s["phase"] for s in data["stages"])
+            waiting = [s for s in data["stages"] if s["phase"] == "queued"]
+            if phases == ["queued", "running"] and waiting[0]["why_waiting"]:
+                break
+            assert time.monotonic() < deadline, data
+            time.sleep(1.0)
+        text = " ".join(capsys.readouterr().out.split())
+        [running] = [s for s in data["stages"] if s["phase"] == "running"]
+        assert running["name"].startswith("napper") and running["host"] and running["gpus"] and running["predicted_s"] > 0
+        assert 0 < running["deadline_in_s"] <= 600 and running["priority"]
+        assert [x["name"] for x in data["workers"]] == [w.worker.name] and data["workers"][0]["status"] == "ONLINE"
+        assert data["pipelines_running"] == 0  # (this pipeline runs here, not as a deployment's run in the pool)
+        assert "QoS queue" in text and "stage runs" in text and "workers" in text
+        th.join(120)
+        assert result.get("r") == [12.0, 12.0]
+    finally:
+        w.stop(drain=0)
