@@ -84,6 +84,10 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
                 assert time.monotonic() < end and th.is_alive(), "the stage never started"
                 time.sleep(0.1)
             store = LeaseStore()
+            end = time.monotonic() + 15  # (a CI run once read none just as the stage started: poll, and show the log if not)
+            while not store.leases(POOL):
+                assert time.monotonic() < end, f"no lease in the store: {wlog.read_text(errors='replace')[-3000:]}"
+                time.sleep(0.2)
             [lease] = store.leases(POOL)
             assert lease.holder == WORKER and lease.nodes == ["host-r"]
             os.killpg(w1.pid, sig)  # SIGKILL: the worker dies, nothing is cleaned up; SIGTERM: it stops
