@@ -61,7 +61,9 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
 
     pypath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
     os.environ["PYTHONPATH"] = pypath
-    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": pypath, "QOSFLOW_LEASE_TTL_SECONDS": "6"}
+    db = f"sqlite:///{tmp_path / 'leases.db'}"  # this test's own store: its workers' and its reads
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": pypath, "QOSFLOW_LEASE_TTL_SECONDS": "6",
+           "QOSFLOW_DATABASE_URL": db}
     marker, wlog = tmp_path / "marks.jsonl", tmp_path / "worker.log"
     procs: list[subprocess.Popen] = []
     with AgentProcess("host-r", TOKEN, virtual_gpus=2, args=["--cpu-cores", "2"], log=tmp_path / "agent.log") as agent:
@@ -83,7 +85,7 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
             while not marks(marker):
                 assert time.monotonic() < end and th.is_alive(), "the stage never started"
                 time.sleep(0.1)
-            store = LeaseStore()
+            store = LeaseStore(url=db)
             end = time.monotonic() + 15  # (a CI run once read none just as the stage started: poll, and show the log if not)
             while not store.leases(POOL):
                 assert time.monotonic() < end, f"no lease in the store: {wlog.read_text(errors='replace')[-3000:]}"
