@@ -22,16 +22,9 @@ Examples:
 
 
 def _dur(x: float | None) -> str:
-    if x is None:
-        return "-"
-    sign, x = ("-" if x < 0 else ""), abs(x)
-    if x >= 2 * 86400:
-        return f"{sign}{x / 86400:.1f} d"
-    if x >= 7200:
-        return f"{sign}{x / 3600:.1f} h"
-    if x >= 120:
-        return f"{sign}{x / 60:.1f} min"
-    return f"{sign}{x:.0f} s"
+    from qosflow.sim.report import fmt_seconds
+
+    return "-" if x is None else ("-" if x < 0 else "") + fmt_seconds(abs(x))
 
 
 def register(app: typer.Typer) -> None:

@@ -44,7 +44,7 @@ def results_json(metrics: Mapping[str, Metrics], bounds: Bounds, extra: dict[str
     return out
 
 
-def _fmt_s(x: float) -> str:
+def fmt_seconds(x: float) -> str:
     if x >= 86400 * 2:
         return f"{x / 86400:,.1f} d"
     if x >= 7200:
@@ -70,18 +70,18 @@ def render_table(metrics: Mapping[str, Metrics], bounds: Bounds, title: str = "S
         style = "bold green" if name == best else None
         t.add_row(
             name,
-            _fmt_s(m.avg_jct),
-            _fmt_s(m.median_jct),
-            _fmt_s(m.p99_jct),
-            _fmt_s(m.makespan),
-            _fmt_s(m.avg_queue),
+            fmt_seconds(m.avg_jct),
+            fmt_seconds(m.median_jct),
+            fmt_seconds(m.p99_jct),
+            fmt_seconds(m.makespan),
+            fmt_seconds(m.avg_queue),
             f"{m.dsr:.1%}" if m.deadline_jobs else "-",
             f"{m.gpu_util:.1%}",
             str(m.preemptions),
             f"{m.finished}" + (f" (+{m.rejected} rejected)" if m.rejected else ""),
             style=style,
         )
-    t.add_row("bound", _fmt_s(bounds.avg_jct), "", "", _fmt_s(bounds.makespan), "", f"{bounds.dsr:.1%}", "", "", "", style="dim")
+    t.add_row("bound", fmt_seconds(bounds.avg_jct), "", "", fmt_seconds(bounds.makespan), "", f"{bounds.dsr:.1%}", "", "", "", style="dim")
     return t
 
 
@@ -252,10 +252,10 @@ def render_estimator_table(by_estimator: Mapping[str, Mapping[str, Metrics]], ba
                 est,
                 f"{m.dsr:.1%}" if m.deadline_jobs else "-",
                 "" if is_base else f"{dd.get('dsr_delta_points', 0.0):+.1f} pt",
-                _fmt_s(m.avg_jct),
+                fmt_seconds(m.avg_jct),
                 "" if is_base else f"{dd.get('avg_jct_delta_pct', 0.0):+.1f} %",
-                _fmt_s(m.p99_jct),
-                _fmt_s(m.makespan),
+                fmt_seconds(m.p99_jct),
+                fmt_seconds(m.makespan),
                 style="dim" if is_base else None,
                 end_section=est == list(by_estimator)[-1],
             )
