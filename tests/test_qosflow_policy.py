@@ -671,10 +671,14 @@ def test_a_remembered_whole_gpu_search_serves_each_job_as_its_own():
     def job(name, mem):
         return Job(name, 0.0, QoSSpec(gpus=1, cpu_cores=2.0, gpu_mem_mb=mem), 60.0)
 
-    assert policy._whole(st, job("large", 20_000.0), "consolidated") is None  # only the full node admits it
-    p = policy._whole(st, job("a", 2_000.0), "consolidated")
+    def whole(st, j, locality):  # what the round starts: the GPUs found, made the job's own
+        found = policy._whole_gpus(st, j, locality)
+        return None if found is None else policy._own(found, j)
+
+    assert whole(st, job("large", 20_000.0), "consolidated") is None  # only the full node admits it
+    p = whole(st, job("a", 2_000.0), "consolidated")
     assert p is not None and p.nodes == (0,) and (p.job_id, p.gpu_mem_mb) == ("a", 2_000.0)
-    q = policy._whole(st, job("b", 6_000.0), "consolidated")  # same nodes admitted: the search is reused
+    q = whole(st, job("b", 6_000.0), "consolidated")  # same nodes admitted: the search is reused
     assert q is not None and q.gpus == p.gpus and (q.job_id, q.gpu_mem_mb) == ("b", 6_000.0)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 
 import numpy as np
 
@@ -295,9 +294,8 @@ class QosflowPolicy(
                         why = "locality relaxed after waiting: spread over nodes"
             if p is None:
                 if jid not in d.notes:
-                    # (GPU memory counts by the nodes whose GPUs are large enough, as in `_whole`)
-                    mem_class = None if q.gpu_mem_mb is None else bisect.bisect_left(self._gmem_caps, q.gpu_mem_mb)
-                    shape = (q.gpus, q.gpu_milli, q.cpu_cores, q.mem_mb, q.gpu_model, mem_class)
+                    # (GPU memory counts by the nodes whose GPUs are large enough, as in `_whole_gpus`)
+                    shape = (q.gpus, q.gpu_milli, q.cpu_cores, q.mem_mb, q.gpu_model, self._cap_class(q))
                     w = waiting_memo.get(shape)
                     if w is None or w[0] != self._ver:
                         if largest[0] != self._ver:  # the largest block of free GPUs on a node that is up

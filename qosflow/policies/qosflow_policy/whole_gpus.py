@@ -34,11 +34,6 @@ class WholeGpusMixin:
                        if empty[n] > 0 and (fin_h if self._promised(owner) else finish) > t and not (owner == EXPRESS and self._express_ok(js, finish)))
         return self._whole_gpus(st, js.job, "consolidated", finish - self._now, masked=masked)
 
-    def _whole(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = ()) -> Placement | None:
-        """`job`'s own placement on the GPUs `_whole_gpus` finds (None: none)."""
-        p = self._whole_gpus(st, job, locality, r, masked)
-        return None if p is None else self._own(p, job)
-
     def _whole_gpus(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = ()) -> Placement | None:
         """`find_whole` (best fit; with `align`, consolidated placements ranked by `_align_rank(r)`),
         remembered until the next placement: the search depends on the request's shape and the
@@ -53,9 +48,7 @@ class WholeGpusMixin:
         q = job.qos
         if st.total_empty_gpus() < q.gpus:
             return None  # (find_whole's first test, hidden nodes or not: most waiting jobs stop here)
-        # GPU memory matters only through the nodes whose GPUs are large enough: key it by those
-        mem_class = None if q.gpu_mem_mb is None else bisect.bisect_left(self._gmem_caps, q.gpu_mem_mb)
-        key = (q.gpus, q.cpu_cores, q.mem_mb, mem_class, q.gpu_model, locality, masked)
+        key = (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), q.gpu_model, locality, masked)
         hit = self._whole_memo.get(key, _MISS)
         if hit is _MISS or hit[0] != self._ver:
             hit = self._whole_memo[key] = (self._ver, self._whole_search(st, job, locality, masked))
@@ -64,6 +57,11 @@ class WholeGpusMixin:
             return found  # (made for the first job of this shape: `_own` makes it this job's)
         # (the candidates exclude the masked nodes, and the choice reads the candidates only)
         return place_on_one_node(st, job, found, fit="best-fit", node_rank=self._align_rank(st, r))
+
+    def _cap_class(self, q) -> int | None:
+        """A request's GPU memory as a whole-GPU search sees it: only through the nodes whose GPUs are
+        large enough, so by its class among the cluster's GPU sizes (`_gmem_caps`); None: none asked."""
+        return None if q.gpu_mem_mb is None else bisect.bisect_left(self._gmem_caps, q.gpu_mem_mb)
 
     @staticmethod
     def _own(p: Placement, job) -> Placement:
