@@ -103,9 +103,11 @@ async def _online_workers(pool: str) -> list[str]:
     """The names of the workers Prefect sees online on `pool` (empty when it cannot say)."""
     from prefect.client.orchestration import get_client
 
+    from qosflow.prefect.local import worker_online
+
     try:
         async with get_client() as client:
             workers = await client.read_workers_for_work_pool(pool)
     except Exception:  # only a hint
         return []
-    return sorted(w.name for w in workers if str(getattr(w, "status", "")).upper().endswith("ONLINE"))
+    return sorted(w.name for w in workers if worker_online(w))

@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         asyncio.run(check_pool(pool))
         st = asyncio.run(pool_status(pool, limit=limit))
         console = Console(width=max(120, Console().width))
-        online = [w for w in st.workers if w.status.upper() == "ONLINE"]
+        online = [w for w in st.workers if w.online]
         console.print(f"[bold]pool {pool}[/] on {url}: {len(online)} of {len(st.workers)} worker(s) online, "
                       f"{st.pipelines_running} pipeline run(s) of its deployments not finished")
         if st.workers:

@@ -182,6 +182,12 @@ async def check_pool(pool: str) -> None:
         raise wrong_pool_type(pool, wp.type)
 
 
+def worker_online(worker: Any) -> bool:
+    """Whether Prefect shows a pool's worker (`read_workers_for_work_pool`) as online."""
+    status = getattr(worker, "status", None)
+    return str(getattr(status, "value", status) or "").upper() == "ONLINE"
+
+
 def missing_pool(pool: str) -> Exception:
     """The error for a qosflow pool that does not exist, with how to create it (worker and stages)."""
     from qosflow.errors import SpecError

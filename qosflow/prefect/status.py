@@ -37,6 +37,7 @@ class StageStatus:
 class WorkerStatus:
     name: str
     status: str
+    online: bool
     heartbeat_ago_s: float | None
 
 
@@ -101,13 +102,15 @@ async def pool_status(pool: str, *, limit: int = 200) -> PoolStatus:
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.sorting import FlowRunSort, LogSort
 
+    from qosflow.prefect.local import worker_online
+
     out = PoolStatus(pool)
     now = time.time()
     async with get_client() as client:
         for w in await client.read_workers_for_work_pool(pool):
             beat = getattr(w, "last_heartbeat_time", None)
             status = getattr(w, "status", None)
-            out.workers.append(WorkerStatus(w.name, str(getattr(status, "value", status) or "?"),
+            out.workers.append(WorkerStatus(w.name, str(getattr(status, "value", status) or "?"), worker_online(w),
                                             None if beat is None else max(0.0, now - beat.timestamp())))
         runs = await client.read_flow_runs(
             work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])),

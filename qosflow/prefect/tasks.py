@@ -639,6 +639,19 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         delete_payload(key)
 
 
+def _run_logger(fallback: str) -> Any:
+    """The pipeline run's logger (its lines show on the run in the UI); the logger `fallback` outside
+    a flow run (a pipeline function called directly)."""
+    import logging
+
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except Exception:  # noqa: BLE001 - no run context
+        return logging.getLogger(fallback)
+
+
 class PipelineEnded(QosflowError):
     """The pipeline's own run was interrupted (Ctrl-C, SIGTERM, a timeout) while one of its stages was waited for."""
 
@@ -669,7 +682,9 @@ def _pickup_hint(client: Any, pool: str) -> str:
         workers = client.read_workers_for_work_pool(pool)
     except Exception:  # only a hint
         return f"is a `qosflow worker start --pool {pool}` running?"
-    online = [w.name for w in workers if str(getattr(w, "status", "")).upper().endswith("ONLINE")]
+    from qosflow.prefect.local import worker_online
+
+    online = [w.name for w in workers if worker_online(w)]
     if not online:
         return f"no worker polls work pool {pool!r}: start one with `qosflow worker start --pool {pool}` (the stage starts when it does)"
     return (f"worker(s) {', '.join(sorted(online))} of work pool {pool!r} took no run: see their log (a worker whose "
@@ -682,19 +697,12 @@ def wait_for_stage(fr: Any, pool: str, name: str, *, poll: float = 0.25) -> Any:
     QOSFLOW_STAGE_PICKUP_WARN_SECONDS (30 s) is logged on the pipeline with why (no worker polls the
     pool, ...), again every 10 x that; when the pipeline's own run is interrupted first, the stage's run is
     cancelled (the worker kills its process) and PipelineEnded is raised."""
-    import logging
-
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelled, Cancelling
 
     from qosflow.env import env_number
 
-    try:
-        from prefect.logging import get_run_logger
-
-        logger: Any = get_run_logger()
-    except Exception:
-        logger = logging.getLogger("qosflow.dispatch")
+    logger = _run_logger("qosflow.dispatch")
     warn_after = env_number("QOSFLOW_STAGE_PICKUP_WARN_SECONDS", 30.0)
     waiting_since: float | None = None  # since when its run has been Scheduled (again, after a worker stopped)
     next_warn = 0.0
@@ -923,9 +931,10 @@ def qos_flow(
             for t in _stages_used_by(fn):  # declared durations of planned stages not dispatched yet
                 if the_plan and t.name in the_plan and t.expected_duration and t.name not in expected:
                     expected[t.name] = float(t.expected_duration)
+            run_pool = pool or os.environ.get("QOSFLOW_POOL")
             if policy:
-                _say_what_the_policy_block_sets(policy, d, pr, pool or os.environ.get("QOSFLOW_POOL"))
-            run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=pool or os.environ.get("QOSFLOW_POOL"), plan=the_plan, expected=expected)
+                _say_what_the_policy_block_sets(policy, d, pr, run_pool)
+            run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=run_pool, plan=the_plan, expected=expected)
             run.flow_name = flow_name
             run.register()
             ok = False
@@ -998,13 +1007,7 @@ PIPELINE_POLICY_FIELDS = ("deadline_s", "priority")
 def _say_what_the_policy_block_sets(policy: Mapping[str, Any], deadline: Any, priority: Any, pool: str | None) -> None:
     """Log, on the pipeline's run, what its deployment's QoS policy block set: a user who put
     `estimator: history` in the `nightly` block saw the stages run with the worker's `learned`."""
-    from prefect.logging import get_logger
-    from prefect.logging.loggers import get_run_logger
-
-    try:
-        logger = get_run_logger()
-    except Exception:  # noqa: BLE001 - not in a flow run (called directly)
-        logger = get_logger("qosflow")
+    logger = _run_logger("qosflow")
     worker_side = sorted(k for k, v in policy.items() if k not in PIPELINE_POLICY_FIELDS and not k.startswith("_") and v not in (None, {}, []))
     logger.info(
         "QoS policy block: this run's deadline %s and class %s%s",

@@ -419,11 +419,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         * the others -- waiting in the QoS queue, or processes of this worker (the local backend: no
           stage outlives its worker) -- are killed and put back in the pool's queue (AwaitingRetry),
           so that the next worker runs them and their pipelines go on."""
-        self._stopping = True
         fids = sorted(self._stages_in_flight)
         kept = [fid for fid in fids if self._adoptable(fid)]
         self._left_running.update(kept)
-        fids = [fid for fid in fids if fid not in self._left_running]
+        fids = [fid for fid in fids if fid not in kept]
         if kept:
             self._logger.warning(
                 "qosflow worker stopping: %d stage run(s) keep running on their hosts with their leases (%s); a worker "
