@@ -15,6 +15,7 @@ _LAZY = {
     # predictor (qosflow.progress)
     "report_progress": ("qosflow.progress", "report_progress"),
     "track": ("qosflow.progress", "track"),
+    "report_resumed": ("qosflow.progress", "report_resumed"),
 }
 
 

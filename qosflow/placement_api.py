@@ -115,6 +115,26 @@ def write_progress(step: float, total: float | None = None, **extra: Any) -> boo
     return True
 
 
+def read_resumed(path: str) -> int:
+    """Steps an earlier run had done when this one started (a run resumed from a checkpoint that said so
+    with `qosflow.report_resumed` or `qosflow.track(..., start=k)`), else 0. A run says it before its
+    first step, so only the head of the file is read."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return 0
+    start = 0
+    for line in head.splitlines()[:-1] if not head.endswith("\n") else head.splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(d, dict) and d.get("resumed") and isinstance(d.get("step"), (int, float)) and d["step"] >= 0:
+            start = int(d["step"])
+    return start
+
+
 def read_progress(path: str) -> dict[str, Any] | None:
     """The last progress record in a progress file, or None."""
     try:

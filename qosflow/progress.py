@@ -6,6 +6,14 @@ Stage code calls
     for batch in qosflow.track(loader):         # or wrap the training loop's iterable
         ...
 
+A stage that picks its work up from a checkpoint says so before its first step, so that the worker
+learns the duration of a whole run, not of the part this run did, and reads its speed from the steps
+done since it started:
+
+    qosflow.report_resumed(done, total)         # `done` steps of `total` were done by an earlier run
+    for batch in qosflow.track(rest, total=total, start=done):   # or: the iterable of the steps left
+        ...
+
 Each call appends one JSON line ``{"t": <unix time>, "step": s, "total": n, "pid": p}`` to the file
 named by the environment variable ``QOSFLOW_PROGRESS_FILE`` (the worker sets it and reads the file).
 Without that variable both are no-ops costing a dictionary look-up, so stage code can call them
@@ -57,18 +65,39 @@ def report_progress(step: int, total: int | None = None) -> None:
         fh.write('{"t":%.6f,"step":%d,"total":%d,"pid":%d}\n' % (time.time(), step, total, _fh_pid))
 
 
-def track(iterable: Iterable[T], total: int | None = None) -> Iterator[T]:
-    """Yield the items of `iterable`, reporting a step each time the loop body for one item finishes."""
+def report_resumed(step: int, total: int | None = None) -> None:
+    """Record that this run starts with `step` steps (of `total`) already done by an earlier run, e.g. from
+    a checkpoint. Call it once, before the first `report_progress`."""
+    if step < 0:
+        raise ValueError(f"report_resumed: step must be >= 0 (the steps an earlier run did), got {step}")
+    fh = _channel()
+    if fh is None:
+        return
+    total_part = "" if total is None else ',"total":%d' % total
+    fh.write('{"t":%.6f,"step":%d%s,"resumed":true,"pid":%d}\n' % (time.time(), step, total_part, _fh_pid))
+
+
+def track(iterable: Iterable[T], total: int | None = None, *, start: int = 0) -> Iterator[T]:
+    """Yield the items of `iterable`, reporting a step each time the loop body for one item finishes.
+
+    `start`: steps an earlier run already did (a run resumed from a checkpoint; `iterable` then holds the
+    steps left): reported with `report_resumed`, and the steps counted on from it. `total` (default
+    `start` + the iterable's length, when it has one) is the whole run's step count."""
+    if start < 0:
+        raise ValueError(f"track: start must be >= 0 (the steps an earlier run did), got {start}")
     if total is None:
         try:
-            total = len(iterable)  # type: ignore[arg-type]
+            total = start + len(iterable)  # type: ignore[arg-type]
         except TypeError:
             total = None
     if _channel() is None:
         yield from iterable
         return
-    report_progress(0, total)
-    step = 0
+    if start:
+        report_resumed(start, total)
+    else:
+        report_progress(0, total)
+    step = start
     for item in iterable:
         yield item
         step += 1
@@ -81,6 +110,8 @@ class ProgressEvent:
     step: int
     total: int | None
     pid: int | None
+    #: the run starts here with `step` steps done by an earlier run (`report_resumed`)
+    resumed: bool = False
 
 
 def read_progress(path: str | os.PathLike[str]) -> list[ProgressEvent]:
@@ -93,7 +124,8 @@ def read_progress(path: str | os.PathLike[str]) -> list[ProgressEvent]:
                     break  # being written right now
                 try:
                     d = json.loads(line)
-                    out.append(ProgressEvent(float(d["t"]), int(d["step"]), d.get("total"), d.get("pid")))
+                    out.append(ProgressEvent(float(d["t"]), int(d["step"]), d.get("total"), d.get("pid"),
+                                             bool(d.get("resumed", False))))
                 except (ValueError, KeyError, TypeError):
                     continue
     except FileNotFoundError:

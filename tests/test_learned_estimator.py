@@ -431,3 +431,42 @@ def test_unmeasured_pairs_are_planned_cautiously_measured_ones_as_predicted():
     measured = est.predict_pair(_job(9), b)[0]
     assert measured.basis.startswith("samples")
     assert est.pair_slowdown(_job(9), b)[0] == pytest.approx(measured.value)
+
+
+def test_a_run_resumed_from_a_checkpoint_is_learned_as_a_whole_run(tmp_path):
+    """A stage that picked its work up at step 60 of 100 and ran 20 s: its step time is 20 s / 40 steps,
+    and the history gets the 50 s a whole run takes at that pace -- in this process and after a restart,
+    whose store row keeps what the run did (20 s, 40 steps, resumed from 60)."""
+    from qosflow.store import Store
+
+    store = Store.open(f"sqlite:///{tmp_path / 'q.db'}")
+    est = LearnedEstimator.from_store(store, reference=None)
+
+    def stage(i: int) -> Job:
+        return Job(f"s{i}", 0.0, QoSSpec(gpus=1, cpu_cores=2.0), 60.0, model="flows.train")
+
+    est.observe_stage(stage(1), 50.0, steps=100)  # a whole run: 0.5 s per step
+    est.observe_stage(stage(2), 20.0, steps=100, resumed_from=60)
+    assert est.duration(stage(3)) == pytest.approx(50.0, rel=1e-6)  # not pulled towards 20 s
+    rows = store.stage_history(signature="flows.train")
+    assert [(h.duration_s, h.steps, h.resumed_from) for h in rows] == [(50.0, 100, None), (20.0, 40, 60)]
+    assert [s.step_time_s for s in store.samples_for("flows.train")] == pytest.approx([0.5, 0.5])
+    again = LearnedEstimator.from_store(store, reference=None)
+    assert again.duration(stage(4)) == pytest.approx(50.0, rel=1e-6)
+    # steps unknown: what a resumed run did cannot be told from a whole run, so nothing is learned
+    est.observe_stage(stage(5), 5.0, steps=None, resumed_from=60)
+    assert len(store.stage_history(signature="flows.train")) == 2
+
+
+def test_remaining_time_of_a_resumed_run_reads_its_pace_since_it_started():
+    """A live run resumed at half its work, 30 % done after 100 s of its own: it does 20 % per 100 s,
+    so 350 s are left -- not the 233 s that reading 80 % done in 100 s would give."""
+    from qosflow.predict.predictor import Predictor
+
+    pr = Predictor(reference=None)
+    whole = pr.predict_remaining("x", 0.8, 100.0)
+    resumed = pr.predict_remaining("x", 0.8, 100.0, start_fraction=0.5)
+    assert whole.value == pytest.approx(100.0 * 0.2 / 0.8)
+    assert resumed.value == pytest.approx(100.0 * 0.2 / 0.3) and "resumed at 0.50" in resumed.basis
+    # no progress since it started: the prior (here none)
+    assert pr.predict_remaining("x", 0.5, 100.0, start_fraction=0.5).basis.startswith("prior:")

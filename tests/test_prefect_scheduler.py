@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -530,3 +531,74 @@ def test_the_learned_estimator_says_how_to_fix_an_unreachable_store(monkeypatch)
     text = str(ei.value)
     assert "not 'mysql'" in text and "QOSFLOW_DATABASE_URL" in text and "estimator to `history`" in text
     assert make_live_estimator("history").name == "history"  # the way out works without the database
+
+
+def test_a_run_resumed_from_a_checkpoint_is_forecast_and_learned_from_its_own_pace(tmp_path):
+    """A stage declared at 40 s resumes at step 50 of 100 (`qosflow.report_resumed`). After 30 s of its own it
+    reports step 80: 30 steps in 30 s, so about 20 s are left (reading 80 % done in 30 s would say 7.5 s).
+    CODA compares this run's share of the work with its time; at its end the worker teaches the estimator a
+    whole run's time at that pace (100 s), and its step time (1 s over the 50 steps it ran)."""
+    from qosflow.predict.estimator import LearnedEstimator
+    from qosflow.prefect.worker import QosflowWorker
+    from qosflow.store import Store
+
+    store = Store.open(f"sqlite:///{tmp_path / 'q.db'}")
+
+    async def main():
+        clock = [1000.0]
+        est = LearnedEstimator.from_store(store, reference=None)
+        s = QoSScheduler(ClusterSpec.uniform(1, 2, cpu_cores=4, virtual=True), PriorityFirstFit(), est, coda=False,
+                         clock=lambda: clock[0])
+        a = entry("resumed", expected=40.0, deadline_at=1100.0)
+        t = await enqueue(s, a)
+        s.round()
+        await settle()
+        assert t.done()
+        prog = tmp_path / "resumed.progress"
+        lines = [{"t": 0, "step": 50, "total": 100, "resumed": True}, {"t": 30, "step": 80, "total": 100}]
+        prog.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        s.attach("resumed", None, str(prog))
+        clock[0] = 1030.0
+        s.observe_running()
+        assert (a.state.progress, a.state.progress_start, a.resumed) == (0.8, 0.5, 50)
+        assert 1045.0 < s.forecast_finish(a) < 1052.0
+        assert "resumed at 0.50" in est.predict_remaining(a.state).basis
+        # at its end (step 100 after 50 s), as the worker tells the estimator
+        with prog.open("a") as fh:
+            fh.write(json.dumps({"t": 50, "step": 100, "total": 100}) + "\n")
+        QosflowWorker._observe(s, a, 50.0)
+        [row] = store.stage_history()
+        assert (row.duration_s, row.steps, row.resumed_from, row.step_time_s) == (50.0, 50, 50, 1.0)
+        nxt = dataclasses.replace(a.job, job_id="next")  # the stage's next run: 1 declaration, 1 whole run of 100 s
+        assert 80.0 < est.duration(nxt) <= 100.0
+        # the plain history estimator is told the whole run's time too
+        h = HistoryEstimator()
+        s.estimator = h
+        QosflowWorker._observe(s, a, 50.0)
+        assert h.runs[a.job.model] == [100.0]
+
+    asyncio.run(main())
+
+
+def test_coda_reads_a_resumed_runs_share_of_the_work(tmp_path):
+    """Resumed at 50 % and 60 % done when half its predicted time has passed: this run did 10 % of the work
+    in half the time, so it lags and gets a core (read as 60 % done, it would look ahead of time)."""
+
+    async def main():
+        clock = [1000.0]
+        s = QoSScheduler(ClusterSpec.uniform(1, 2, cpu_cores=6, virtual=True), PriorityFirstFit(), coda=True,
+                         coda_min_elapsed=1.0, clock=lambda: clock[0])
+        for e in (entry("cpu-stage", gpus=0, cpu=3.0, expected=100), entry("gpu-stage", gpus=1, cpu=1.0, expected=10)):
+            t = asyncio.ensure_future(s.request(e))
+            await asyncio.sleep(0)
+            s.round()
+            await t
+        prog = tmp_path / "gpu.progress"
+        lines = [{"t": 0, "step": 50, "total": 100, "resumed": True}, {"t": 5, "step": 60, "total": 100}]
+        prog.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        s.attach("gpu-stage", None, str(prog))
+        clock[0] += 5.0
+        moves = await s.coda_round()
+        assert [m["to_stage"] for m in moves] == ["gpu-stage"]
+
+    asyncio.run(main())

@@ -44,3 +44,33 @@ def test_half_written_line_is_ignored(tmp_path):
     assert [e.step for e in ev] == [1, 3]
     assert step_times(ev) == [0.5, 0.5]
     assert read_progress(tmp_path / "missing") == []
+
+
+def test_a_resumed_run_says_where_it_starts(monkeypatch, tmp_path):
+    """`report_resumed` / `track(start=k)`: the worker reads the steps an earlier run did from the file's head."""
+    import pytest
+
+    from qosflow.placement_api import read_resumed
+
+    path = tmp_path / "p.jsonl"
+    monkeypatch.setenv(ENV_VAR, str(path))
+    assert list(qosflow.track(range(60, 100), start=60)) == list(range(60, 100))  # the steps left of 100
+    ev = read_progress(path)
+    assert ev[0].resumed and (ev[0].step, ev[0].total) == (60, 100)
+    assert [e.step for e in ev[1:]] == list(range(61, 101)) and not any(e.resumed for e in ev[1:])
+    assert len(step_times(ev)) == 40  # the steps this run did, timed from its start
+    assert read_resumed(str(path)) == 60
+    fresh = tmp_path / "fresh.jsonl"
+    monkeypatch.setenv(ENV_VAR, str(fresh))
+    list(qosflow.track(range(3)))
+    qosflow.report_progress(4, 10)
+    assert read_resumed(str(fresh)) == 0 and read_resumed(str(tmp_path / "missing")) == 0
+    by_hand = tmp_path / "hand.jsonl"
+    monkeypatch.setenv(ENV_VAR, str(by_hand))
+    qosflow.report_resumed(7, 20)
+    qosflow.report_progress(8, 20)
+    assert read_resumed(str(by_hand)) == 7
+    with pytest.raises(ValueError, match="start must be >= 0"):
+        list(qosflow.track(range(3), start=-1))
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        qosflow.report_resumed(-2, 10)

@@ -324,3 +324,20 @@ def test_predictor_loads_a_store_with_an_invalid_old_row(tmp_path, caplog):
         assert bad_id == 4 and "step_time_s" in msg
         assert "id=4" in caplog.text and "skipped 1 invalid sample" in caplog.text
         assert p.predict_solo_step_time("ok/bs8", 1, True, None).value == pytest.approx(0.5)
+
+
+def test_upgrade_from_v3_keeps_stage_history(url):
+    """Version 4 adds `stage_history.resumed_from`: the runs recorded before read as runs from the start."""
+    with Store.open(url, migrate_to=3) as old:
+        assert "resumed_from" not in {c["name"] for c in sa.inspect(old.engine).get_columns("stage_history")}
+        with old.engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO stage_history (stage_run_id, stage, signature, state, gpu_type, gpus, placement, steps, "
+                "duration_s, created_at) VALUES ('r1', 'train', 'flows.train', 'COMPLETED', 'v100', 1, 'consolidated', "
+                "100, 50.0, '2026-01-01 00:00:00')"))
+    with Store.open(url) as new:
+        assert new.schema_version() == LATEST_VERSION
+        [row] = new.stage_history(signature="flows.train")
+        assert (row.stage_run_id, row.steps, row.duration_s, row.resumed_from) == ("r1", 100, 50.0, None)
+        new.record_stage(stage_run_id="r2", signature="flows.train", steps=40, duration_s=20.0, resumed_from=60)
+        assert [h.resumed_from for h in new.stage_history(signature="flows.train")] == [None, 60]

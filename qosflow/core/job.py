@@ -115,6 +115,10 @@ class JobState:
     #: wall seconds the job has run (all attempts), and GPU-seconds received (for LAS policies)
     attained: float = 0.0
     gpu_attained: float = 0.0
+    #: fraction of the work done before the time counted in `attained` began: a live stage run that
+    #: resumed from a checkpoint (`qosflow.report_resumed`); `progress - progress_start` is the work
+    #: `attained` paid for. 0 in the simulator, whose `attained` counts every attempt
+    progress_start: float = 0.0
     queued_since: float = 0.0
     first_start: float | None = None
     last_start: float | None = None

@@ -108,6 +108,19 @@ def _steps_run(job: Job, steps: int | None) -> int | None:
     return job.iterations or (steps if steps and steps > 0 else None)
 
 
+def _this_run(job: Job, steps: int | None, resumed_from: int) -> tuple[int | None, float] | None:
+    """(steps this run did, the fraction of the whole run's steps they are) of a finished stage run that
+    started with `resumed_from` steps done (1.0 for a run from the start); None when a resumed run's
+    steps are not known, so that what it did cannot be told from a whole run."""
+    total = _steps_run(job, steps)
+    if not resumed_from or resumed_from <= 0:
+        return total, 1.0
+    if not total or total <= resumed_from:
+        return None
+    n = total - int(resumed_from)
+    return n, n / total
+
+
 def _key(signature: str) -> str:
     from qosflow.predict.predictor import canonical
 
@@ -418,7 +431,12 @@ class LearnedEstimator:
         for h in store.stage_history():
             # (a run shared with one partner the whole time is not an isolated duration: see observe_stage)
             if h.duration_s and h.duration_s > 0 and h.state == "COMPLETED" and h.signature and not h.co_runner:
-                self._hist.setdefault((_key(h.signature), None), _LogStat()).add(h.duration_s)
+                whole = h.duration_s
+                if h.resumed_from:  # a run resumed from a checkpoint: the time of a whole run at its pace
+                    if not h.steps:
+                        continue
+                    whole *= (h.steps + h.resumed_from) / h.steps
+                self._hist.setdefault((_key(h.signature), None), _LogStat()).add(whole)
 
     # ------------------------------------------------------------------ helpers
 
@@ -606,7 +624,7 @@ class LearnedEstimator:
             pred = d.scaled(1.0 - f, f"progress(f={f:.2f})×{d.basis}")
         else:
             pred = self.predictor.predict_remaining(self._sig_of(js.job)[0], f, js.attained, prior_total=d,
-                                                    gpus=max(js.job.qos.gpus, 1))
+                                                    gpus=max(js.job.qos.gpus, 1), start_fraction=js.progress_start)
         self._rem[js.job_id] = (f, js.attained, v, pred)
         return pred
 
@@ -847,21 +865,26 @@ class LearnedEstimator:
             del self._spread[k]
         self.stats["spreads_observed"] += 1
 
-    def observe(self, job: Job, actual_s: float, *, steps: int | None = None) -> None:
+    def observe(self, job: Job, actual_s: float, *, steps: int | None = None, resumed_from: int = 0) -> None:
         """Worker hook: a stage finished after `actual_s` seconds, alone on its GPUs (or where nothing is
         known about who shared them). `steps` is how many steps it reported (`report_progress`'s total),
-        for a stage that does not state its iterations. Learned, and written to the store."""
+        for a stage that does not state its iterations; `resumed_from`, how many of them an earlier run
+        had done when this one started (`qosflow.report_resumed`). Learned, and written to the store."""
         if not (isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0):
             return
         sig, key = self._sig_of(job)
-        n = _steps_run(job, steps)
+        run = _this_run(job, steps, resumed_from)
+        if run is None:
+            self._learn(job, key, None, None)
+            return
+        n, covered = run
         t = actual_s / n if n else None
         pred = self._dur.get(job.job_id)
-        self._learn(job, key, float(actual_s), t)
-        self._persist(job, sig, float(actual_s), pred, t, n)
+        self._learn(job, key, float(actual_s) / covered, t)
+        self._persist(job, sig, float(actual_s), pred, t, n, resumed_from=resumed_from)
 
     def observe_stage(self, job: Job, actual_s: float, *, steps: int | None = None, partners: Sequence[Job] = (),
-                      ran_alone: bool = True) -> None:
+                      ran_alone: bool = True, resumed_from: int = 0) -> None:
         """Worker hook with what the worker saw of the stage's GPUs: `partners`, every stage that shared
         them at some point, and `ran_alone`, whether it also ran without one.
 
@@ -872,14 +895,22 @@ class LearnedEstimator:
           holds isolated durations (the store's row names the partner, so a restart skips it too);
         * anything else (partners coming and going): the wall time goes to the history as it is, and no
           step-time sample is taken (it would mix solo and shared intervals).
+
+        A run resumed from a checkpoint (`resumed_from` steps done before it) did only part of the work:
+        its step time is its time over the steps it ran, and the history gets the time a whole run would
+        have taken at its pace (its time over the fraction of the steps it ran).
         """
         if not (isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0):
             return
         if not partners:
-            self.observe(job, actual_s, steps=steps)
+            self.observe(job, actual_s, steps=steps, resumed_from=resumed_from)
             return
         sig, key = self._sig_of(job)
-        n = _steps_run(job, steps)
+        run = _this_run(job, steps, resumed_from)
+        if run is None:
+            self._learn(job, key, None, None)
+            return
+        n, covered = run
         pred = self._dur.get(job.job_id)
         solo = self._steps.get((key, job.qos.gpus))
         if len(partners) == 1 and not ran_alone and n and solo is not None and solo.n:
@@ -889,10 +920,11 @@ class LearnedEstimator:
                 partner = partners[0]
                 self.observe_colocated(job, partner, max(slowdown, 1.0), _base=math.exp(solo.mean))
                 self._learn(job, key, None, None)  # (its wall time includes the partner's slowdown)
-                self._persist(job, sig, float(actual_s), pred, t, n, co_runner=self._sig_of(partner)[0])
+                self._persist(job, sig, float(actual_s), pred, t, n, co_runner=self._sig_of(partner)[0],
+                              resumed_from=resumed_from)
                 return
-        self._learn(job, key, float(actual_s), None)
-        self._persist(job, sig, float(actual_s), pred, None, n)
+        self._learn(job, key, float(actual_s) / covered, None)
+        self._persist(job, sig, float(actual_s), pred, None, n, resumed_from=resumed_from)
 
     def forget(self, job: Job) -> None:
         """The worker is done with a stage (whatever its end): drop what is kept per job, so that a
@@ -901,7 +933,7 @@ class LearnedEstimator:
             per_job.pop(job.job_id, None)
 
     def _persist(self, job: Job, sig: str, actual_s: float, pred: Any, t: float | None, n: int | None, *,
-                 co_runner: str | None = None) -> None:
+                 co_runner: str | None = None, resumed_from: int = 0) -> None:
         """Write a finished stage to the store: the duration prediction it was planned with and its
         outcome, its history row, and its step time as a sample (solo, or next to `co_runner`)."""
         if self.store is None or not self.persist:
@@ -911,9 +943,9 @@ class LearnedEstimator:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qosflow-store")
-            self._writer.submit(self._write_stage, job, sig, actual_s, pred, t, n, co_runner)
+            self._writer.submit(self._write_stage, job, sig, actual_s, pred, t, n, co_runner, resumed_from)
         else:
-            self._write_stage(job, sig, actual_s, pred, t, n, co_runner)
+            self._write_stage(job, sig, actual_s, pred, t, n, co_runner, resumed_from)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the finished stages handed to the store so far are written (background writes);
@@ -935,14 +967,14 @@ class LearnedEstimator:
             self._writer = None
 
     def _write_stage(self, job: Job, sig: str, actual_s: float, pred: Any, t: float | None, n: int | None,
-                     co_runner: str | None) -> None:
+                     co_runner: str | None, resumed_from: int = 0) -> None:
         try:
             if pred is not None:
                 self.store.record_prediction(pred[1], signature=sig, target="duration", stage_run_id=job.job_id)
             self.store.record_outcome(job.job_id, actual_s, signature=sig, target="duration")
             self.store.record_stage(stage_run_id=job.job_id, signature=sig, stage=job.model, state="COMPLETED",
                                     gpus=job.qos.gpus, steps=n, duration_s=actual_s, step_time_s=t,
-                                    flow_run_id=job.pipeline, co_runner=co_runner)
+                                    flow_run_id=job.pipeline, co_runner=co_runner, resumed_from=resumed_from or None)
             if t is not None:
                 self.store.add_sample(signature=sig, gpus=job.qos.gpus, step_time_s=t, steps=n, source="stage",
                                       stage_run_id=job.job_id, co_runner=co_runner)

@@ -525,16 +525,20 @@ class Predictor:
 
     def predict_remaining(self, signature: str, progress_fraction: float, elapsed: float, *,
                           total_steps: int | None = None, gpus: int = 1, consolidated: bool = True,
-                          gpu_type: str | None = None, prior_total: Prediction | None = None) -> Prediction:
+                          gpu_type: str | None = None, prior_total: Prediction | None = None,
+                          start_fraction: float = 0.0) -> Prediction:
         """Time left for a running stage from its progress (fraction done) and time spent so far.
 
         The observed rate (elapsed / progress) is blended with the prior from the predicted step time
         (when `total_steps` is known) or, failing that, from `prior_total` (a prediction of the whole
         stage's time, e.g. from its history), trusting the observation more as progress grows.
+        `start_fraction`: the progress an earlier run had made when this one, whose `elapsed` it is,
+        started (a resumed run): the rate is read from the progress since.
         """
         f = min(max(float(progress_fraction), 0.0), 1.0)
         if f >= 1.0:
             return Prediction(0.0, 0.0, 0.0, 0, "finished")
+        f0 = min(max(float(start_fraction), 0.0), f)
         prior = None
         if total_steps:
             p = self.predict_solo_step_time(signature, gpus, consolidated, gpu_type=gpu_type)
@@ -542,6 +546,9 @@ class Predictor:
             prior = Prediction(p.value * left, p.low * left, p.high * left, p.n_samples, p.basis)
         elif prior_total is not None and math.isfinite(prior_total.value):
             prior = prior_total.scaled(1 - f)
+        label = f"progress(f={f:.2f})" if f0 <= 0 else f"progress(f={f:.2f},resumed at {f0:.2f})"
+        if f0 > 0:  # the observation covers this run's own work only: read it as a run of that work
+            f = (f - f0) / (1.0 - f0)
         if f <= 0 or elapsed <= 0:
             if prior is not None:
                 return Prediction(prior.value, prior.low, prior.high, prior.n_samples, f"prior:{prior.basis}")
@@ -550,13 +557,13 @@ class Predictor:
         # the observed rate's error shrinks as more of the stage is seen
         rel = 0.25 * math.sqrt((1 - f) / max(f, 1e-6)) / (1 + 4 * f) + 0.02
         if prior is None:
-            return Prediction(obs, obs / (1 + rel), obs * (1 + rel), 0, f"progress(f={f:.2f})")
+            return Prediction(obs, obs / (1 + rel), obs * (1 + rel), 0, label)
         w = f / (f + 0.1)
         lv = w * math.log(obs) + (1 - w) * math.log(prior.value)
         v = math.exp(lv)
         return Prediction(v, min(v / (1 + rel), prior.low if w < 0.5 else v / (1 + rel)),
                           max(v * (1 + rel), prior.high if w < 0.5 else v * (1 + rel)), prior.n_samples,
-                          f"progress(f={f:.2f})+prior:{prior.basis}")
+                          f"{label}+prior:{prior.basis}")
 
 
 def _profile_gpus(gpu_type: str | None) -> int:

@@ -27,7 +27,7 @@ from qosflow.core.cluster import ClusterSpec, ClusterState, PlacementError
 from qosflow.core.estimate import Z_HIGH, DeclaredEstimator, Estimator
 from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.core.placement import Placement
-from qosflow.placement_api import read_progress
+from qosflow.placement_api import read_progress, read_resumed
 from qosflow.policies.base import Decision, Policy, SchedulerView
 
 log = logging.getLogger("qosflow.scheduler")
@@ -65,6 +65,8 @@ class StageEntry:
     handle: Any = None
     last_coda: float = 0.0
     at_risk_sent: bool = False
+    #: steps an earlier run had done when this one started (`qosflow.report_resumed`); None: not read yet
+    resumed: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -412,13 +414,19 @@ class QoSScheduler:
                 e.meta["ran_alone"] = True
 
     def progress_of(self, e: StageEntry) -> float | None:
+        """The fraction of its work a running stage reported done (None without a report with a total);
+        kept in its state with the fraction an earlier run had done when this one started (`resumed`)."""
         if not e.progress_file:
             return None
         rec = read_progress(e.progress_file)
         if not rec or not rec.get("total"):
             return None
-        frac = max(0.0, min(1.0, float(rec["step"]) / float(rec["total"])))
+        total = float(rec["total"])
+        frac = max(0.0, min(1.0, float(rec["step"]) / total))
+        if e.resumed is None:  # said before the first step: read once
+            e.resumed = read_resumed(e.progress_file)
         e.state.progress = frac
+        e.state.progress_start = max(0.0, min(frac, e.resumed / total))
         return frac
 
     async def coda_round(self) -> list[dict[str, Any]]:
@@ -435,7 +443,7 @@ class QoSScheduler:
             if elapsed < self.coda_min_elapsed or now - e.last_coda < self.coda_interval * 2:
                 continue
             expected = min(1.0, elapsed / max(e.grant.predicted_s, 1e-6))
-            if frac >= expected * (1.0 - self.coda_lag):
+            if frac - e.state.progress_start >= expected * (1.0 - self.coda_lag):  # (this run's share of the work)
                 continue
             p = self.state.allocs.get(e.job_id)
             if p is None:

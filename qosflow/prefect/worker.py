@@ -39,7 +39,7 @@ from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.env import env_flag, env_number
 from qosflow.failures import Action, decide
-from qosflow.placement_api import read_progress
+from qosflow.placement_api import read_progress, read_resumed
 from qosflow.prefect.scheduler import STAGE_DEFAULT_DURATION, QoSScheduler, StageCancelled, StageEntry, make_live_estimator
 from qosflow.prefect.spec import QOS_FIELDS, spec_from_job_variables
 
@@ -1168,18 +1168,27 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         """Tell the estimator how long a stage took, and -- when it can learn from it (`observe_stage`)
         -- how many steps it reported and who shared its GPUs (`QoSScheduler.note_sharing`)."""
         est, job = sched.estimator, entry.state.job
+        rec = read_progress(entry.progress_file) if entry.progress_file else None
+        steps = int(rec["step"]) if rec and isinstance(rec.get("step"), (int, float)) and rec["step"] >= 1 else None
+        if entry.resumed is None:
+            entry.resumed = read_resumed(entry.progress_file) if entry.progress_file else 0
+        resumed = entry.resumed
         observe_stage = getattr(est, "observe_stage", None)
         if observe_stage is None:
             if hasattr(est, "observe"):
+                if resumed:  # a run resumed from a checkpoint: the time a whole run would take at its pace
+                    total = job.iterations or steps
+                    if not total or total <= resumed:
+                        return
+                    actual *= total / (total - resumed)
                 est.observe(job, actual)
             return
-        rec = read_progress(entry.progress_file) if entry.progress_file else None
-        steps = int(rec["step"]) if rec and isinstance(rec.get("step"), (int, float)) and rec["step"] >= 1 else None
         partners = entry.meta.get("partners", {})
         known = [j for j in partners.values() if j is not None]
         if len(known) < len(partners):  # a slot held for another worker's stage: who it was is unknown
             steps = None
-        observe_stage(job, actual, steps=steps, partners=known, ran_alone=bool(entry.meta.get("ran_alone")))
+        extra = {"resumed_from": resumed} if resumed else {}  # (an estimator of the user's may not take it)
+        observe_stage(job, actual, steps=steps, partners=known, ran_alone=bool(entry.meta.get("ran_alone")), **extra)
 
     def _note_learned(self, sched: QoSScheduler, entry: StageEntry, actual: float) -> None:
         """Keep, per stage, what the UI's predictor table shows: runs, the last duration, the error of the
@@ -1188,7 +1197,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         r = self._learned.setdefault(job.model, {"runs": 0, "apes": []})
         r["runs"] += 1
         r["last_s"] = actual
-        if entry.grant is not None and entry.grant.predicted_s > 0 and actual > 0:
+        if entry.grant is not None and entry.grant.predicted_s > 0 and actual > 0 and not entry.resumed:
+            # (a run resumed from a checkpoint did part of what its grant predicted: no error to show)
             r["apes"] = (r["apes"] + [abs(entry.grant.predicted_s - actual) / actual])[-50:]
         nxt = dataclasses.replace(job, job_id=f"next:{job.job_id}")
         try:

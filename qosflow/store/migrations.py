@@ -116,11 +116,17 @@ def _m3_predictions_outcomes_history(conn: Connection) -> None:
     md.create_all(conn)
 
 
+def _m4_stage_history_resumed(conn: Connection) -> None:
+    """A stage run resumed from a checkpoint says how many steps an earlier run had done."""
+    conn.exec_driver_sql("ALTER TABLE stage_history ADD COLUMN resumed_from INTEGER")
+
+
 #: (description, function); version N = the first N entries applied. Append only.
 MIGRATIONS: list[tuple[str, Callable[[Connection], None]]] = [
     ("initial: profile, sample", _m1_initial),
     ("sample: steps, gpu_util_pct, gpu_mem_mb", _m2_sample_telemetry),
     ("prediction, outcome, stage_history", _m3_predictions_outcomes_history),
+    ("stage_history: resumed_from", _m4_stage_history_resumed),
 ]
 
 LATEST_VERSION = len(MIGRATIONS)

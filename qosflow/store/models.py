@@ -124,9 +124,12 @@ class StageHistory(SQLModel, table=True):
     host: Optional[str] = None
     cpu_cores: Optional[int] = None
     co_runner: Optional[str] = None
+    #: steps this run did (of a resumed run: after `resumed_from`)
     steps: Optional[int] = None
     started_at: Optional[datetime] = None
     finished_at: Optional[datetime] = None
     duration_s: Optional[float] = None
     step_time_s: Optional[float] = None
     created_at: datetime = Field(default_factory=utcnow)
+    #: steps an earlier run had done when this one started (resumed from a checkpoint); None: from the start
+    resumed_from: Optional[int] = None
