@@ -451,6 +451,13 @@ def test_a_run_resumed_from_a_checkpoint_is_learned_as_a_whole_run(tmp_path):
     rows = store.stage_history(signature="flows.train")
     assert [(h.duration_s, h.steps, h.resumed_from) for h in rows] == [(50.0, 100, None), (20.0, 40, 60)]
     assert [s.step_time_s for s in store.samples_for("flows.train")] == pytest.approx([0.5, 0.5])
+    # its prediction was for a whole run: no error is measured against what it did
+    from sqlmodel import Session, select
+
+    from qosflow.store.models import Outcome
+
+    with Session(store.engine) as sess:
+        assert [o.stage_run_id for o in sess.exec(select(Outcome)).all()] == ["s1"]
     again = LearnedEstimator.from_store(store, reference=None)
     assert again.duration(stage(4)) == pytest.approx(50.0, rel=1e-6)
     # steps unknown: what a resumed run did cannot be told from a whole run, so nothing is learned

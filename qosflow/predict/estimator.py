@@ -969,9 +969,10 @@ class LearnedEstimator:
     def _write_stage(self, job: Job, sig: str, actual_s: float, pred: Any, t: float | None, n: int | None,
                      co_runner: str | None, resumed_from: int = 0) -> None:
         try:
-            if pred is not None:
-                self.store.record_prediction(pred[1], signature=sig, target="duration", stage_run_id=job.job_id)
-            self.store.record_outcome(job.job_id, actual_s, signature=sig, target="duration")
+            if not resumed_from:  # (a resumed run did part of what it was predicted on: no error to measure)
+                if pred is not None:
+                    self.store.record_prediction(pred[1], signature=sig, target="duration", stage_run_id=job.job_id)
+                self.store.record_outcome(job.job_id, actual_s, signature=sig, target="duration")
             self.store.record_stage(stage_run_id=job.job_id, signature=sig, stage=job.model, state="COMPLETED",
                                     gpus=job.qos.gpus, steps=n, duration_s=actual_s, step_time_s=t,
                                     flow_run_id=job.pipeline, co_runner=co_runner, resumed_from=resumed_from or None)
