@@ -46,10 +46,10 @@ def available() -> list[str]:
 
 
 def get_policy(name: str, **options: Any) -> Policy:
-    return _policy_class(name)(**options)
+    return policy_class(name)(**options)
 
 
-def _policy_class(name: str) -> type[Policy]:
+def policy_class(name: str) -> type[Policy]:
     """The class registered as `name`, its module imported on first use (unknown names fail with the
     list of known ones)."""
     key = name.strip().lower()
@@ -68,7 +68,7 @@ def is_builtin(name: str) -> bool:
     """Is `name` one of qosflow's own policies (not one registered over it at run time), so that a
     fresh interpreter finds the same class under that name?"""
     key = name.strip().lower()
-    return key in BUILTIN and _policy_class(key).__module__.startswith(BUILTIN[key])
+    return key in BUILTIN and policy_class(key).__module__.startswith(BUILTIN[key])
 
 
 def parse_policies(spec: str) -> list[str]:
@@ -137,7 +137,7 @@ def option_problem(policy: str, opt: str, value: Any, *, shown: str | None = Non
     checks run where the caller makes it, once, with all the options)."""
     import inspect
 
-    cls = _policy_class(policy)  # unknown names fail with the list of known ones
+    cls = policy_class(policy)  # unknown names fail with the list of known ones
     params = inspect.signature(cls.__init__).parameters
     known = sorted(n for n, p in params.items() if n != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
     if opt not in known:
@@ -189,5 +189,5 @@ def _option_kind(cls: type, opt: str, value: Any) -> str | None:
     return " or ".join(wants) if wants else None
 
 
-__all__ = ["Decision", "Policy", "SchedulerView", "available", "commit", "get_policy", "option_problem", "parse_policies",
+__all__ = ["Decision", "Policy", "SchedulerView", "available", "commit", "get_policy", "option_problem", "parse_policies", "policy_class",
            "parse_policy_options", "register"]

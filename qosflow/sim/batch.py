@@ -176,9 +176,9 @@ class Batch:
 def _cost(spec: RunSpec) -> float:
     """A run's rough cost, for the order in which runs start: its policy's `relative_cost` (the
     estimator hardly matters: on the Muri trace a learned run takes about as long as an oracle one)."""
-    from qosflow.policies import _policy_class
+    from qosflow.policies import policy_class
 
-    return _policy_class(spec.policy).relative_cost
+    return policy_class(spec.policy).relative_cost
 
 
 def _reporter(on_progress: Progress | None, label: str) -> Callable[[int, int], None] | None:
