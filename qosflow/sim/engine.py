@@ -182,9 +182,22 @@ class Simulator:
             """GPUs allocated: a GPU holding whole-GPU jobs counts once, shares by their fraction."""
             return (milli_cap - float(st_.milli_free.sum())) / 1000.0
 
+        # what changed since the rates were last worked out: jobs whose own placement is new (started,
+        # resized) and GPUs whose occupants changed (a job started on, or left, them). A running job's
+        # rate depends only on its job, its placement and who else holds its GPUs, so only the jobs
+        # on those GPUs need it again
+        dirty_jobs: set[str] = set()
+        dirty_gpus: set[tuple[int, int]] = set()
+
         def recompute_rates() -> None:
             st = self.state
-            for jid, js in running.items():
+            todo = dirty_jobs
+            for ng in dirty_gpus:
+                todo.update(st.gpu_jobs.get(ng, ()))
+            for jid in todo:
+                js = running.get(jid)
+                if js is None:
+                    continue
                 p = js.placement
                 co: list[Job] = []
                 if p.gpu_milli >= 1000 and p.gpus:
@@ -195,6 +208,8 @@ class Simulator:
                                 seen.append(other)
                     co = [states[o].job for o in seen]
                 rate[jid] = self.speed.rate(js.job, p, co, gpus_per_node=self.gpn)
+            dirty_jobs.clear()
+            dirty_gpus.clear()
 
         fplans = self.failures
 
@@ -283,6 +298,7 @@ class Simulator:
                     done_now.append(jid)
             for jid in done_now:
                 js = running.pop(jid)
+                dirty_gpus.update(js.placement.gpus)
                 self.state.release(jid)
                 js.status = JobStatus.DONE
                 js.finish_time = now
@@ -302,6 +318,7 @@ class Simulator:
             for jid in failed_now:
                 js = running.pop(jid)
                 f = fplans[jid]
+                dirty_gpus.update(js.placement.gpus)
                 self.state.release(jid)
                 lost = (js.progress - attempt_start_progress[jid]) * (1.0 - f.checkpoint_fraction)
                 wasted += lost * js.job.duration * js.job.qos.gpu_demand
@@ -360,6 +377,7 @@ class Simulator:
                     self.state.check_invariants()
                 for jid in decision.preempt:
                     js = running.pop(jid)
+                    dirty_gpus.update(js.placement.gpus)
                     js.status = JobStatus.PENDING
                     js.placement = None
                     js.preemptions += 1
@@ -378,20 +396,24 @@ class Simulator:
                     attempt_start_progress[p.job_id] = js.progress
                     work_left[p.job_id] = cfg.restart_overhead + (1.0 - js.progress) * js.job.duration
                     running[p.job_id] = js
+                    dirty_jobs.add(p.job_id)
+                    dirty_gpus.update(p.gpus)
                 for jid, note in decision.notes.items():
                     if jid in states:
                         states[jid].note = note
                 decisions += len(decision.starts)
                 for jid, _n, _c in decision.resize:
                     running[jid].placement = self.state.allocs[jid]
+                    dirty_jobs.add(jid)
                 wk = self.policy.next_wakeup(
                     SchedulerView(now, self.state, list(pending.values()), list(running.values()), self.estimator)
                 )
                 if wk is not None and wk > now + EPS:
                     heapq.heappush(wake_heap, wk)
-            recompute_rates()
-            last_busy_gpus = busy_gpus()
-            last_shared = float((st_.whole >= 2).sum())
+            if dirty_jobs or dirty_gpus:  # (otherwise no allocation changed: rates and counts stand)
+                recompute_rates()
+                last_busy_gpus = busy_gpus()
+                last_shared = float((st_.whole >= 2).sum())
             timeline.append((now, last_busy_gpus))
             if on_progress is not None:
                 on_progress(finished + len(rejected), total)
