@@ -38,7 +38,12 @@ def shard(marker: str, name: str, secs: float) -> dict:
 
 @qos_task(gpus=1, cpu_cores=1, expected_duration=2)
 def merge(marker: str, a: dict, b: dict) -> list:
+    import qosflow
+
     _mark(marker, "start", "merge")
+    for step in range(1, 4):  # progress on the agent's host, which the worker copies
+        time.sleep(0.05)
+        qosflow.report_progress(step, 3)
     _mark(marker, "done", "merge")
     return sorted([a["node"], b["node"]])
 

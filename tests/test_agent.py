@@ -658,3 +658,48 @@ def test_worker_start_takes_a_cluster_file(tmp_path, monkeypatch, capsys):
     assert "bad.yaml: hosts[0]" in capsys.readouterr().err
     assert main(["worker", "start", "--pool", "gpu", "--cluster-file", str(f), "--cluster-block", "lab"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_a_stages_progress_on_its_host_is_copied_to_the_worker(agents, tmp_path):
+    """A stage on an agent host writes `qosflow.report_progress` lines to a file there (the agent sets
+    QOSFLOW_PROGRESS_FILE); `sync_progress` copies them, from the copy's size on, to the file the worker's
+    scheduler reads, byte for byte -- a run resumed from a checkpoint included."""
+    from qosflow.placement_api import read_progress, read_resumed
+
+    a, _ = agents
+    gate = tmp_path / "go"
+    code = ("import os, time, qosflow\n"
+            "qosflow.report_resumed(40, 100)\n"
+            "for s in range(41, 61): qosflow.report_progress(s, 100)\n"
+            f"while not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
+            "for s in range(61, 101): qosflow.report_progress(s, 100)\n")
+
+    async def go():
+        be = backend_for(a)
+        try:
+            cluster = await be.inventory()
+            h = await be.launch(LaunchSpec("prog-1", [sys.executable, "-c", code], Placement("prog", ((0, 0),), ((0, 1.0),)), cluster))
+            copy = be.progress_file("prog-1")
+            deadline = time.monotonic() + 20
+            mid = None
+            while time.monotonic() < deadline:
+                await be.sync_progress([h])
+                mid = read_progress(copy)
+                if mid and mid["step"] == 60:
+                    break
+                await asyncio.sleep(0.05)
+            first = read_resumed(copy)
+            gate.write_text("")
+            end = await be.wait(h)
+            await be.sync_progress([h])
+            last = read_progress(copy)
+            remote = httpx.get(f"{a.url}/v1/stages/prog-1/progress", headers={"Authorization": f"Bearer {TOKEN}"}).content
+            same = open(copy, "rb").read() == remote
+            return mid, first, end, last, same, copy
+        finally:
+            await be.aclose()
+
+    mid, first, end, last, same, copy = asyncio.run(go())
+    assert mid["step"] == 60 and first == 40
+    assert end.ok and last["step"] == 100 and last["total"] == 100 and same
+    assert not os.path.exists(copy)  # the copies go with the backend

@@ -99,6 +99,11 @@ def test_pipeline_runs_across_both_hosts(lab, tmp_path):
     wait_for(lambda: len([r for r in w.records if r["flow_run_id"] in ids]) == 3)
     recs = [r for r in w.records if r["flow_run_id"] in ids]
     assert len(recs) == 3 and all(len(r["attempts"]) == 1 and r["exit"] == "ok" for r in recs)
+    # merge reported 3 steps on its host: the worker copied them and learned its step time from them
+    est = w.scheduler.estimator
+    assert est.flush(30)
+    merge = [h for h in est.store.stage_history() if h.stage_run_id in ids and h.stage.endswith("merge")]
+    assert len(merge) == 1 and merge[0].steps == 3 and merge[0].step_time_s > 0, merge
 
 
 def test_user_error_is_not_retried_elsewhere(lab):

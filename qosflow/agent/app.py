@@ -7,6 +7,7 @@
     GET    /v1/stages/{id}                 status (state running|exited, returncode, signal, killed_reason)
     GET    /v1/stages/{id}/wait?timeout=S  long-poll until it exits (or S seconds)
     GET    /v1/stages/{id}/logs?offset=&follow=   stream its output
+    GET    /v1/stages/{id}/progress?offset=N      its `qosflow.report_progress` lines from byte N (the worker copies them)
     PUT    /v1/stages/{id}/cpuset          move it to other cores {cpuset: [...]}
     DELETE /v1/stages/{id}?reason=&grace=  kill it (SIGTERM, then SIGKILL after `grace` s); idempotent
 """
@@ -198,6 +199,12 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     async def logs(stage_id: str, offset: int = 0, follow: bool = True):
         st = _get(stage_id)
         return StreamingResponse(runner.follow(st, offset, follow), media_type="text/plain; charset=utf-8")
+
+    @app.get("/v1/stages/{stage_id}/progress")
+    async def progress(stage_id: str, offset: int = 0) -> Response:
+        """The stage's progress lines (JSON lines) from byte `offset`, at most 1 MiB: the worker appends
+        them to its copy and asks again from the copy's size."""
+        return Response(runner.progress(_get(stage_id), offset), media_type="application/x-ndjson")
 
     @app.put("/v1/stages/{stage_id}/cpuset")
     async def cpuset(stage_id: str, req: CpusetRequest) -> dict:

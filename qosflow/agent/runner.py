@@ -4,7 +4,8 @@ Each stage runs in its own process group (so a kill reaches its children), with 
 worker sent (the placement's `CUDA_VISIBLE_DEVICES`, `OMP_NUM_THREADS`, `QOSFLOW_PLACEMENT`...), pinned
 to its CPU cores with `sched_setaffinity` before it executes, and with `PR_SET_PDEATHSIG` so that it
 dies with the agent: a lost agent never leaves a stage running that the worker will start elsewhere.
-Output (stdout and stderr together) goes to a log file that `logs()` follows.
+Output (stdout and stderr together) goes to a log file that `logs()` follows; the stage's progress
+lines (`qosflow.report_progress`) to a file of their own, which the worker copies (`progress()`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
+
+from qosflow.placement_api import PROGRESS_FILE_ENV
 
 _PR_SET_PDEATHSIG = 1
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -46,6 +49,8 @@ class StageProc:
     stage_id: str
     command: list[str]
     log_path: Path
+    #: where the stage's `qosflow.report_progress` lines go (the worker copies them: GET .../progress)
+    progress_path: Path | None = None
     labels: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     cpuset_requested: list[int] | None = None
@@ -106,11 +111,13 @@ class Runner:
         if stage_id in self.stages:
             raise KeyError(stage_id)
         self._prune()
-        log_path = self.workdir / f"{_SAFE.sub('_', stage_id)[:150]}.log"
+        base = _SAFE.sub('_', stage_id)[:150]
+        log_path = self.workdir / f"{base}.log"
         st = StageProc(
             stage_id=stage_id,
             command=list(command),
             log_path=log_path,
+            progress_path=self.workdir / f"{base}.progress",
             labels=dict(labels or {}),
             cwd=cwd,
             cpuset_requested=list(cpuset) if cpuset else None,
@@ -120,6 +127,7 @@ class Runner:
         child_env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}
         child_env.update(env or {})
         child_env["QOSFLOW_STAGE_ID"] = stage_id
+        child_env[PROGRESS_FILE_ENV] = str(st.progress_path)
         if st.cpuset:
             child_env.setdefault("QOSFLOW_CPUSET", ",".join(map(str, st.cpuset)))
         cpus = st.cpuset
@@ -218,6 +226,17 @@ class Runner:
         return [s for s in self.stages.values() if s.running]
 
     # ------------------------------------------------------------------ logs
+    def progress(self, st: StageProc, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        """Up to `limit` bytes of the stage's progress lines from byte `offset` (empty: none yet)."""
+        if st.progress_path is None:
+            return b""
+        try:
+            with open(st.progress_path, "rb") as f:
+                f.seek(max(0, offset))
+                return f.read(max(0, limit))
+        except FileNotFoundError:
+            return b""
+
     async def follow(self, st: StageProc, offset: int = 0, follow: bool = True) -> AsyncIterator[bytes]:
         pos = offset
         while True:

@@ -22,11 +22,11 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable, Sequence
 
 import httpx
 
-from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle, placement_env
+from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, ProgressCopies, StageHandle, placement_env
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.gpu_names import short_gpu_model
 from qosflow.errors import QosflowError, SpecError
@@ -129,6 +129,7 @@ class AgentBackend(Backend):
         self._clients: dict[tuple[str, str], httpx.AsyncClient] = {}
         self._beat_task: asyncio.Task | None = None
         self.events: list[tuple[float, str, str]] = []  # (time, host, "down: why" | "up" | "restarted")
+        self._progress = ProgressCopies("qosflow-agent-progress-")
 
     @classmethod
     def from_cluster(cls, cluster: ClusterSpec, token: str, **kw: Any) -> "AgentBackend":
@@ -444,6 +445,37 @@ class AgentBackend(Backend):
                 where = f"on host {h.name}"
                 return ExitStatus(st.kind, st.code, f"{st.reason} {where}" if st.reason else "")
 
+    # ------------------------------------------------------------------ progress
+    syncs_progress = True
+
+    def progress_file(self, stage_id: str) -> str:
+        return self._progress.path(stage_id)
+
+    async def sync_progress(self, handles: Sequence[StageHandle]) -> None:
+        """Copy what each stage's rank 0 wrote to its progress file since the last copy (the agent serves
+        it from a byte offset: the copy's size)."""
+
+        async def one(handle: StageHandle) -> None:
+            parts = handle.ref.get("parts") or []
+            if handle.backend != self.name or not parts:
+                return
+            h = self.state.get(parts[0]["host"])
+            if h is None or (h.reported and not h.up):
+                return
+            sid = parts[0]["stage_id"]
+            while True:
+                try:
+                    r = await self._client(h).get(f"{h.url}/v1/stages/{sid}/progress", params={"offset": self._progress.size(sid)})
+                except httpx.HTTPError:
+                    return
+                if r.status_code != 200 or not r.content:
+                    return
+                self._progress.append(sid, r.content)
+                if len(r.content) < 1 << 20:
+                    return
+
+        await asyncio.gather(*(one(h) for h in handles))
+
     # ------------------------------------------------------------------ control
     async def kill(self, handle: StageHandle, reason: str = "cancelled", grace: float | None = None) -> None:
         grace = self.kill_grace_s if grace is None else max(0.0, float(grace))
@@ -497,6 +529,7 @@ class AgentBackend(Backend):
                 pass
         clients, self._clients = list(self._clients.values()), {}
         await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+        self._progress.close()
 
 
 # ---------------------------------------------------------------------- cluster files

@@ -8,10 +8,12 @@ environment, and reports how it ended, classified the Philly way (user error or 
 from __future__ import annotations
 
 import json
+import os
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.placement import Placement
@@ -134,9 +136,61 @@ class Backend(ABC):
         """Move a running stage to other cores (CODA's feedback allocator). Optional."""
         raise NotImplementedError(f"{self.name} cannot change a running stage's cores")
 
+    def progress_file(self, stage_id: str) -> str | None:
+        """A file on the worker's host holding the progress lines a stage writes (`qosflow.report_progress`),
+        as the scheduler reads them; None if this backend cannot see them."""
+        return None
+
+    #: whether `sync_progress` has anything to do (a backend whose stages write their progress elsewhere)
+    syncs_progress: bool = False
+
+    async def sync_progress(self, handles: Sequence[StageHandle]) -> None:
+        """Bring the `progress_file`s of these stages up to date with what the stages wrote where they run
+        (a remote backend copies it). Never raises for a stage it cannot reach. Default: nothing to do."""
+        return None
+
     async def healthy_nodes(self) -> set[str]:
         """Names of nodes that answer now (heartbeats). Default: all of the inventory."""
         return {n.name for n in (await self.inventory()).nodes}
 
     async def aclose(self) -> None:
         return None
+
+
+class ProgressCopies:
+    """Copies, on the worker's host, of the progress files that stages write where they run (a remote
+    backend's `progress_file`): the scheduler reads them as it reads a local stage's file. Made in a
+    temporary directory on first use, removed by `close()`."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._dir: str | None = None
+
+    def path(self, stage_id: str) -> str:
+        if self._dir is None:
+            import tempfile
+
+            self._dir = tempfile.mkdtemp(prefix=self.prefix)
+        return os.path.join(self._dir, _SAFE_NAME.sub("_", stage_id)[:150] + ".progress")
+
+    def size(self, stage_id: str) -> int:
+        try:
+            return os.path.getsize(self.path(stage_id))
+        except OSError:
+            return 0
+
+    def append(self, stage_id: str, data: bytes) -> None:
+        if data:
+            with open(self.path(stage_id), "ab") as fh:
+                fh.write(data)
+
+    def close(self) -> None:
+        if self._dir is not None:
+            import shutil
+
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+

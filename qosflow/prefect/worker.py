@@ -224,6 +224,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._foreign: set[str] = set()  # scheduler hold keys of other workers' leases
         self._lease_ids: dict[str, str] = {}  # flow run id -> lease id
         self._health_task: asyncio.Task | None = None
+        self._progress_task: asyncio.Task | None = None
         self._adopted_tasks: set[asyncio.Task] = set()
         self._cluster_arg = cluster
         self._policy_arg = policy
@@ -340,6 +341,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._sync_health()
             await self._recover()
             self._health_task = loop.create_task(self._health_loop(), name="qosflow-heartbeat")
+            if getattr(self._backend, "syncs_progress", False):  # stages report their progress where they run: copy it here
+                self._progress_task = loop.create_task(self._progress_loop(), name="qosflow-progress")
             return self.scheduler
 
     async def setup(self) -> None:
@@ -467,6 +470,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._cancel_task.cancel()
         if self._health_task is not None:
             self._health_task.cancel()
+        if self._progress_task is not None:
+            self._progress_task.cancel()
         for t in list(self._adopted_tasks):
             t.cancel()
         if self._learned_task is not None:
@@ -642,7 +647,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 raise
             await self._lease_handle(fid, handle)
             self._register(fid, handle)
-            progress = self._backend.progress_file(launch.stage_id) if hasattr(self._backend, "progress_file") else None
+            progress = self._backend.progress_file(launch.stage_id)
             sched.attach(fid, handle, progress)
             if not started:
                 task_status.started(_infra_id(handle, fid))
@@ -699,6 +704,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 finished = reported
         actual = finished - launched_at
         if status.ok:
+            if getattr(self._backend, "syncs_progress", False):  # the progress it wrote last, before the estimator learns from it
+                try:
+                    await asyncio.wait_for(self._backend.sync_progress([handle]), 10.0)
+                except Exception as exc:  # noqa: BLE001 - learned from what was copied so far
+                    self._logger.debug("stage %s: last progress copy failed: %s", name, exc)
             self._observe(sched, entry, actual)
             try:
                 self._note_learned(sched, entry, actual)
@@ -919,6 +929,26 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._report_final(fid, status, None)
 
     # ------------------------------------------------------------------ heartbeats
+    async def _progress_loop(self) -> None:
+        """Every QOSFLOW_PROGRESS_SYNC_SECONDS (default 2 s), copy the progress that running stages wrote on
+        their hosts to the files the scheduler reads (`Backend.sync_progress`): its forecasts, CODA and the
+        estimator read a remote stage's progress as a local one's."""
+        interval = env_number("QOSFLOW_PROGRESS_SYNC_SECONDS", 2.0, minimum=0.05)
+        while True:
+            await asyncio.sleep(interval)
+            sched, be = self.scheduler, self._backend
+            if sched is None or be is None:
+                continue
+            handles = [e.handle for e in sched.running() if e.handle is not None and e.progress_file]
+            if not handles:
+                continue
+            try:
+                await be.sync_progress(handles)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a view: never let it stop the worker
+                self._logger.warning("qosflow: could not copy the stages' progress: %s", exc)
+
     async def _health_loop(self) -> None:
         interval = float(getattr(self._backend, "heartbeat_s", 0) or 2.0)
         interval = max(0.2, min(interval, self.lease_ttl_s / 3))
