@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import IO, Iterable, Iterator, TypeVar
 
 ENV_VAR = "QOSFLOW_PROGRESS_FILE"
+#: "stderr": every line also goes to standard error, after ECHO_PREFIX, at most one per ECHO_INTERVAL_S (a
+#: line that starts a resumed run or reaches `total` always; the last one held back at exit), for a worker
+#: that sees the stage only through its log (a Kubernetes pod)
+ECHO_ENV = "QOSFLOW_PROGRESS_ECHO"
+ECHO_PREFIX = "qosflow-progress "
+ECHO_INTERVAL_S = 0.5
 
 T = TypeVar("T")
 
@@ -54,15 +61,67 @@ def _channel() -> IO[str] | None:
     return _fh
 
 
+_echo_last = -1e9
+_echo_held: str | None = None
+_echo_timer: "threading.Timer | None" = None
+_echo_lock = threading.Lock()
+_echo_atexit = False
+
+
+def _echo(line: str, force: bool) -> None:
+    """Copy a progress line to standard error when ECHO_ENV asks for it: at most one per ECHO_INTERVAL_S;
+    a line held back goes out when the interval ends (a timer) unless a newer one replaced it, or at exit."""
+    global _echo_held, _echo_timer, _echo_atexit
+    if os.environ.get(ECHO_ENV) != "stderr":
+        return
+    with _echo_lock:
+        wait = ECHO_INTERVAL_S - (time.monotonic() - _echo_last)
+        if force or wait <= 0:
+            _emit(line)
+            return
+        _echo_held = line
+        if _echo_timer is None:
+            _echo_timer = threading.Timer(wait, _echo_flush)
+            _echo_timer.daemon = True
+            _echo_timer.start()
+        if not _echo_atexit:
+            import atexit
+
+            atexit.register(_echo_flush)
+            _echo_atexit = True
+
+
+def _emit(line: str) -> None:
+    global _echo_last, _echo_held
+    _echo_last, _echo_held = time.monotonic(), None
+    try:
+        os.write(2, (ECHO_PREFIX + line).encode())
+    except OSError:
+        pass
+
+
+def _echo_flush() -> None:
+    global _echo_timer
+    with _echo_lock:
+        _echo_timer = None
+        if _echo_held is not None:
+            _emit(_echo_held)
+
+
+def _write(fh: IO[str], line: str, force_echo: bool) -> None:
+    fh.write(line)
+    _echo(line, force_echo)
+
+
 def report_progress(step: int, total: int | None = None) -> None:
     """Record that `step` steps (of `total`, if known) are done, with the current time."""
     fh = _channel()
     if fh is None:
         return
     if total is None:
-        fh.write('{"t":%.6f,"step":%d,"pid":%d}\n' % (time.time(), step, _fh_pid))
+        _write(fh, '{"t":%.6f,"step":%d,"pid":%d}\n' % (time.time(), step, _fh_pid), False)
     else:
-        fh.write('{"t":%.6f,"step":%d,"total":%d,"pid":%d}\n' % (time.time(), step, total, _fh_pid))
+        _write(fh, '{"t":%.6f,"step":%d,"total":%d,"pid":%d}\n' % (time.time(), step, total, _fh_pid), step >= total)
 
 
 def report_resumed(step: int, total: int | None = None) -> None:
@@ -74,7 +133,7 @@ def report_resumed(step: int, total: int | None = None) -> None:
     if fh is None:
         return
     total_part = "" if total is None else ',"total":%d' % total
-    fh.write('{"t":%.6f,"step":%d%s,"resumed":true,"pid":%d}\n' % (time.time(), step, total_part, _fh_pid))
+    _write(fh, '{"t":%.6f,"step":%d%s,"resumed":true,"pid":%d}\n' % (time.time(), step, total_part, _fh_pid), True)
 
 
 def track(iterable: Iterable[T], total: int | None = None, *, start: int = 0) -> Iterator[T]:

@@ -57,10 +57,13 @@ def two_hosts(marker: str, secs: float = 1.0) -> list:
 
 @qos_task(gpus=1, cpu_cores=1, expected_duration=8)
 def long_stage(marker: str, secs: float) -> str:
+    import qosflow
+
     _mark(marker, "start", "long")
-    end = time.time() + secs
-    while time.time() < end:
+    steps = max(1, round(secs / 0.05))
+    for step in range(1, steps + 1):  # progress where it runs, which the worker copies
         time.sleep(0.05)
+        qosflow.report_progress(step, steps)
     _mark(marker, "done", "long")
     return os.environ.get("QOSFLOW_NODE", "")
 

@@ -80,6 +80,12 @@ def test_stage_runs_in_a_pod_and_its_flow_run_completes(k8s, tmp_path):
     assert len(jobs) == 1 and jobs[0].status.succeeded == 1
     pods = client.CoreV1Api(k8s["emu"].api_client()).list_namespaced_pod("default", label_selector=f"job-name={jobs[0].metadata.name}").items
     assert [p.spec.node_name for p in pods] == [node] and pods[0].status.phase == "Succeeded"
+    # the stage reported 10 steps in its pod: they reached the worker through the pod's log (echoed, at
+    # most two lines a second, the last always), and it learned the stage's step time from them
+    est = k8s["worker"].worker.scheduler.estimator
+    assert est.flush(30)
+    [row] = [h for h in est.store.stage_history() if h.stage_run_id == rec.flow_run_id]
+    assert row.steps == 10 and row.step_time_s > 0, row
 
 
 def test_oomkilled_pod_becomes_a_clear_prefect_state(k8s, tmp_path):

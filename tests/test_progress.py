@@ -74,3 +74,31 @@ def test_a_resumed_run_says_where_it_starts(monkeypatch, tmp_path):
         list(qosflow.track(range(3), start=-1))
     with pytest.raises(ValueError, match="step must be >= 0"):
         qosflow.report_resumed(-2, 10)
+
+
+def test_echo_to_stderr_is_throttled_and_loses_no_last_line(monkeypatch, tmp_path, capfd):
+    """QOSFLOW_PROGRESS_ECHO=stderr (a Kubernetes pod, whose worker reads its log): each line also goes to
+    standard error after the prefix, at most one per ECHO_INTERVAL_S; a resumed run's first line and the
+    line that reaches the total always; a line held back goes out when its interval ends."""
+    import json
+    import time
+
+    from qosflow import progress
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "p.jsonl"))
+    monkeypatch.setenv(progress.ECHO_ENV, "stderr")
+    qosflow.report_resumed(10, 50)
+    for s in range(11, 51):
+        qosflow.report_progress(s, 50)
+    qosflow.report_progress(51)  # no total: held back, then sent by the timer
+    time.sleep(progress.ECHO_INTERVAL_S + 0.3)
+    err = capfd.readouterr().err.splitlines()
+    assert all(x.startswith(progress.ECHO_PREFIX) for x in err)
+    recs = [json.loads(x[len(progress.ECHO_PREFIX):]) for x in err]
+    steps = [r["step"] for r in recs]
+    assert recs[0]["resumed"] and steps[0] == 10 and 50 in steps and steps[-1] == 51
+    assert len(steps) < 10  # 42 reports in well under a second
+    assert [e.step for e in read_progress(tmp_path / "p.jsonl")] == list(range(10, 52))  # the file has them all
+    monkeypatch.delenv(progress.ECHO_ENV)
+    qosflow.report_progress(52)
+    assert capfd.readouterr().err == ""

@@ -27,23 +27,32 @@ phases and reasons map to an `ExitStatus`: OOMKilled, Evicted, NodeLost (or the 
 longer than `node_lost_grace_s`), Unschedulable for longer than `unschedulable_timeout_s` -> INFRA;
 ImagePullBackOff, InvalidImageName, CreateContainerConfigError, a non-zero exit -> USER. `kill`
 deletes the Job (propagationPolicy Background) and its PodGroup.
+
+A pod's progress reports (`qosflow.report_progress`) reach the worker through its log: the stage writes
+them to a file in the container and, prefixed `qosflow-progress `, to standard error (at most two lines a
+second; `QOSFLOW_PROGRESS_ECHO`). `sync_progress` reads rank 0's log (its tail, after a first whole read)
+and keeps the new lines in the local file the scheduler reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
+import math
 import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
-from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle, placement_env
+from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, ProgressCopies, StageHandle, placement_env
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.gpu_names import short_gpu_model
 from qosflow.errors import QosflowError, SpecError
+from qosflow.placement_api import PROGRESS_FILE_ENV
+from qosflow.progress import ECHO_ENV, ECHO_PREFIX
 
 log = logging.getLogger("qosflow.backends.kubernetes")
 
@@ -172,6 +181,9 @@ class KubernetesBackend(Backend):
         self.custom = client.CustomObjectsApi(self.api_client)
         self._killed: dict[str, str] = {}
         self._stop: dict[str, threading.Event] = {}
+        self._progress = ProgressCopies("qosflow-k8s-progress-")
+        #: stage id -> the (t, step) of the last progress line copied (None: the log not read yet)
+        self._progress_seen: dict[str, tuple[float, float] | None] = {}
         self.stats = {"watch_410": 0, "api_5xx_retried": 0, "adopted_409": 0, "wait_api_unreachable": 0}
 
     # ------------------------------------------------------------------ API calls with retries
@@ -291,6 +303,9 @@ class KubernetesBackend(Backend):
             env.pop("QOSFLOW_NODE", None)
             env.update(spec.env)
             env.update({"QOSFLOW_STAGE_ID": spec.stage_id, "QOSFLOW_GANG_SIZE": str(pods_total), "QOSFLOW_GANG_HOSTS": ",".join(names)})
+            # progress: a file in the container, echoed to the log, which is what the worker can read
+            env.setdefault(PROGRESS_FILE_ENV, f"/tmp/qosflow-progress-{base}.jsonl")
+            env.setdefault(ECHO_ENV, "stderr")
             env_list: list[dict] = [{"name": k, "value": v} for k, v in env.items()]
             env_list.append({"name": "QOSFLOW_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
             if len(gnodes) > 1:
@@ -599,10 +614,56 @@ class KubernetesBackend(Backend):
                 if e.status != 404:
                     raise
 
+    async def _pods_rank0_first(self, handle: StageHandle) -> list:
+        pods = (await self._acall(self.core.list_namespaced_pod, handle.ref["namespace"], label_selector=handle.ref["selector"])).items
+        def rank(p) -> tuple[int, str]:
+            idx = (p.metadata.annotations or {}).get("batch.kubernetes.io/job-completion-index", "")
+            return (int(idx) if idx.isdigit() else 0, p.metadata.name)
+
+        return sorted(pods, key=rank)
+
+    # ------------------------------------------------------------------ progress
+    syncs_progress = True
+
+    def progress_file(self, stage_id: str) -> str:
+        return self._progress.path(stage_id)
+
+    async def sync_progress(self, handles: Sequence[StageHandle]) -> None:
+        """Copy the progress lines rank 0's log gained since the last copy: the whole log the first time,
+        then its last PROGRESS_TAIL_LINES lines (lines older than the last one copied are skipped)."""
+        from kubernetes.client.exceptions import ApiException
+
+        async def one(handle: StageHandle) -> None:
+            if handle.backend != self.name or handle.ref.get("launch_error"):
+                return
+            seen = self._progress_seen.get(handle.stage_id)
+            try:
+                pods = await self._pods_rank0_first(handle)
+                if not pods:
+                    return
+                kw = {} if seen is None else {"tail_lines": PROGRESS_TAIL_LINES}
+                text = await self._acall(self.core.read_namespaced_pod_log, pods[0].metadata.name, handle.ref["namespace"], **kw)
+            except (ApiException, OSError, ValueError) as exc:
+                log.debug("progress of %s: %s", handle.stage_id, exc)
+                return
+            new = []
+            for line in (text or "").splitlines():
+                rec = _progress_line(line)
+                if rec is None:
+                    continue
+                key = (rec[0], rec[1])
+                if seen is not None and key <= seen:
+                    continue
+                new.append(rec[2])
+                seen = key
+            self._progress_seen[handle.stage_id] = seen if seen is not None else (-math.inf, -math.inf)
+            self._progress.append(handle.stage_id, "".join(x + "\n" for x in new).encode())
+
+        await asyncio.gather(*(one(h) for h in handles))
+
     async def logs(self, handle: StageHandle) -> AsyncIterator[str]:
         """The output of the stage's pods (rank 0 first), as the API has it now."""
-        pods = (await self._acall(self.core.list_namespaced_pod, handle.ref["namespace"], label_selector=handle.ref["selector"])).items
-        for p in sorted(pods, key=lambda p: p.metadata.name):
+        for p in await self._pods_rank0_first(handle):
             text = await self._acall(self.core.read_namespaced_pod_log, p.metadata.name, handle.ref["namespace"])
             for line in (text or "").splitlines():
                 yield line
@@ -611,6 +672,24 @@ class KubernetesBackend(Backend):
         for ev in self._stop.values():
             ev.set()
         await asyncio.to_thread(self.api_client.close)
+        self._progress.close()
+
+
+#: lines of a pod's log read for its progress after the first read (a stage echoes at most 2 a second)
+PROGRESS_TAIL_LINES = 200
+
+
+def _progress_line(line: str) -> tuple[float, float, str] | None:
+    """(time, step, the JSON) of a progress line a stage echoed to its log (`qosflow.progress.ECHO_PREFIX`)."""
+    i = line.find(ECHO_PREFIX)  # (a log line may carry the runtime's timestamp first)
+    if i < 0:
+        return None
+    body = line[i + len(ECHO_PREFIX):].strip()
+    try:
+        d = json.loads(body)
+        return float(d["t"]), float(d["step"]), body
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _ready(node) -> bool:

@@ -12,7 +12,7 @@ Served paths (core `/api/v1`, `/apis/batch/v1`, and any `/apis/{group}/{version}
     PATCH  .../{plural}/{name}             JSON merge patch
     DELETE .../{plural}/{name}             delete (Jobs: propagationPolicy Background/Foreground
                                            deletes their pods; the default orphans them, as the API does)
-    GET    /api/v1/namespaces/{ns}/pods/{name}/log
+    GET    /api/v1/namespaces/{ns}/pods/{name}/log[?tailLines=N]
 
 Controls (not Kubernetes): POST /emulator/nodes, /emulator/nodes/{name}/lose, /emulator/rules
 (failure injection for new pods), /emulator/faults (HTTP errors such as 500), /emulator/compact
@@ -151,7 +151,13 @@ def create_app(cluster: Cluster):
             if method == "GET":
                 obj = store.get(plural, obj_ns, name)
                 if sub == "log" and plural == "pods":
-                    return PlainTextResponse(cluster.logs(obj))
+                    text = cluster.logs(obj)
+                    tail = q.get("tailLines")
+                    if tail is not None:  # the last N lines, as the API server gives them
+                        n = int(tail)
+                        lines = text.splitlines(keepends=True)
+                        text = "".join(lines[-n:]) if n > 0 else ""
+                    return PlainTextResponse(text)
                 return JSONResponse(obj)
             if method == "PUT":
                 body = await request.json()
