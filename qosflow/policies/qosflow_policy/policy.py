@@ -218,6 +218,7 @@ class QosflowPolicy(
         self._why_not: str | None = None
         self._elig_cache: dict[tuple, tuple] = {}
         self._partners_cache: dict[tuple, tuple] = {}
+        self._relaxed_memo: dict[tuple, tuple] = {}
         self._last_values: tuple = (None, {}, {})  # (job, partner values) of the last sharing search
 
         # express nodes: a standing reservation (as in EASY backfilling) that starts
@@ -267,12 +268,19 @@ class QosflowPolicy(
             elif q.fractional:
                 p = find_share(st, js.job, scorer=self.fractional_scorer)
             else:
+                # the request's shape as the whole-GPU searches key it (worked out once per job)
+                wshape = (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), q.gpu_model)
                 if not failures.hopeless(st, q):
                     # (the GPUs found: `_own` makes the placement the job's if it starts)
-                    p = self._whole_gpus(st, job, "consolidated", r)
-                    if p is not None and reserved and blocked(p, js, now + r):
-                        p = self._unreserved_whole(st, js, reserved, now + r)
-                        held = p is None
+                    p = self._whole_gpus(st, job, "consolidated", r, shape=wshape)
+                    if p is not None and reserved:
+                        # which reserved nodes the job must keep off: one test for the GPUs found and
+                        # for the search around reservations (as `blocked` and `_unreserved_whole` did)
+                        finish = now + r
+                        avoid = self._avoid(js, reserved, finish)
+                        if any(avoid.get(n, False) for n in p.nodes):
+                            p = self._unreserved_whole(st, js, reserved, finish, avoid=avoid, shape=wshape)
+                            held = p is None
                     if p is None and not reserved:
                         failures.failed(q)
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
@@ -289,7 +297,7 @@ class QosflowPolicy(
                     if found is not None and not (reserved and blocked(found[0], js, now + r * 1.5)):
                         p, why = found
                 if p is None and q.gpus > 1 and now - js.queued_since >= self.relax_after:
-                    p = self._relaxed(st, js, rem, est, gpn, reserved)
+                    p = self._relaxed(st, js, rem, est, gpn, reserved, shape=wshape)
                     if p is not None:
                         why = "locality relaxed after waiting: spread over nodes"
             if p is None:

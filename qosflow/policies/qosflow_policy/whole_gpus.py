@@ -23,18 +23,40 @@ class WholeGpusMixin:
     (bumped at every placement), `_whole_memo`, `_gmem_caps`, `_drain`, `_end_max`; around reservations
     it asks the deadline checks (`_finish_high`, `_promised`) and the express lane (`_express_ok`)."""
 
-    def _unreserved_whole(self, st: ClusterState, js: JobState, reserved, finish: float) -> Placement | None:
-        """Exclusive placement avoiding nodes reserved for others (unless done before they need them);
-        as `_whole_gpus` answers it (`_own` makes it the job's)."""
-        fin_h = self._finish_high(js, finish)
+    def _avoid(self, js: JobState, reserved, finish: float) -> dict[int, bool]:
+        """Per reserved node: must `js`, finishing at `finish`, keep off it? Yes if it would still run
+        when the reservation starts (at its pessimistic finish where the reservation keeps a deadline
+        promise), unless it may use an express node past the lane's reservation (`_express_ok`)."""
+        fin_h = None
+        ok = None  # `_express_ok(js, finish)`, worked out once if an express node is in the way
+        out = {}
+        for n, (t, owner) in reserved.items():
+            if self._promised(owner):
+                if fin_h is None:
+                    fin_h = self._finish_high(js, finish)
+                end = fin_h
+            else:
+                end = finish
+            if end > t and owner == EXPRESS:
+                if ok is None:
+                    ok = self._express_ok(js, finish)
+                out[n] = not ok
+            else:
+                out[n] = end > t
+        return out
+
+    def _unreserved_whole(self, st: ClusterState, js: JobState, reserved, finish: float, avoid=None, shape=None) -> Placement | None:
+        """Exclusive placement avoiding nodes reserved for others (unless done before they need them:
+        `_avoid`, given or worked out); as `_whole_gpus` answers it (`_own` makes it the job's)."""
+        if avoid is None:
+            avoid = self._avoid(js, reserved, finish)
         # (a node without an empty GPU offers nothing to hide: leaving it out changes no search, and
         # jobs whose reservations differ only there share one search)
         empty = st.empty
-        masked = tuple(n for n, (t, owner) in reserved.items()
-                       if empty[n] > 0 and (fin_h if self._promised(owner) else finish) > t and not (owner == EXPRESS and self._express_ok(js, finish)))
-        return self._whole_gpus(st, js.job, "consolidated", finish - self._now, masked=masked)
+        masked = tuple(n for n in reserved if avoid[n] and empty[n] > 0)
+        return self._whole_gpus(st, js.job, "consolidated", finish - self._now, masked=masked, shape=shape)
 
-    def _whole_gpus(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = ()) -> Placement | None:
+    def _whole_gpus(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = (), shape: tuple | None = None) -> Placement | None:
         """`find_whole` (best fit; with `align`, consolidated placements ranked by `_align_rank(r)`),
         remembered until the next placement: the search depends on the request's shape and the
         cluster's state only, so jobs of the same shape (GPU memory counted by the nodes it admits)
@@ -44,11 +66,13 @@ class WholeGpusMixin:
 
         A remembered placement is returned as it is, made for the first job of the shape: most are
         only looked at (and refused for a reservation in the way), so `_own` makes one the job's own
-        when it starts."""
+        when it starts. `shape`: the request's part of the key, if the caller has it already."""
         q = job.qos
         if st.total_empty_gpus() < q.gpus:
             return None  # (find_whole's first test, hidden nodes or not: most waiting jobs stop here)
-        key = (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), q.gpu_model, locality, masked)
+        if shape is None:
+            shape = (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), q.gpu_model)
+        key = (shape, locality, masked)
         hit = self._whole_memo.get(key, _MISS)
         if hit is _MISS or hit[0] != self._ver:
             hit = self._whole_memo[key] = (self._ver, self._whole_search(st, job, locality, masked))
@@ -100,11 +124,22 @@ class WholeGpusMixin:
             self._drain = (self._ver, np.where(st.njobs > 0, self._end_max, 0.0).max(axis=1))
         return np.maximum(0.0, r - self._drain[1])
 
-    def _relaxed(self, st, js, rem, est, gpn, reserved) -> Placement | None:
+    def _relaxed(self, st, js, rem, est, gpn, reserved, shape=None) -> Placement | None:
         """GPUs spread over nodes (`_whole_gpus`: `_own` makes the placement the job's), if spreading
         costs less than waiting for a consolidated slot."""
-        p = self._whole_gpus(st, js.job, "spread")
-        if p is None or any(n in reserved for n in p.nodes):
+        q = js.job.qos
+        if shape is None:
+            shape = (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), q.gpu_model)
+        # the spread GPUs, and whether they are clear of reservations, depend on the shape and the
+        # state only: remembered per `_ver` and number of reserved nodes (a round only adds some)
+        hit = self._relaxed_memo.get(shape)
+        if hit is None or hit[0] != self._ver or hit[1] != len(reserved):
+            p = self._whole_gpus(st, js.job, "spread", shape=shape)
+            if p is not None and any(n in reserved for n in p.nodes):
+                p = None
+            hit = self._relaxed_memo[shape] = (self._ver, len(reserved), p)
+        p = hit[2]
+        if p is None:
             return None
         nodes = len(p.nodes)
         s = est.spread_slowdown(js.job, nodes, min_nodes_for(js.job.qos.gpus, gpn))
