@@ -477,3 +477,32 @@ def test_remaining_time_of_a_resumed_run_reads_its_pace_since_it_started():
     assert resumed.value == pytest.approx(100.0 * 0.2 / 0.3) and "resumed at 0.50" in resumed.basis
     # no progress since it started: the prior (here none)
     assert pr.predict_remaining("x", 0.5, 100.0, start_fraction=0.5).basis.startswith("prior:")
+
+
+def test_where_a_stage_ran_goes_into_its_store_rows(tmp_path):
+    """The worker passes where a stage ran (`QoSScheduler.where_ran` and its times): its history row
+    keeps it, and its step-time sample its placement and cores -- a stage spread over two nodes gives a
+    spread sample, which the solo step times read back on a restart leave out."""
+    from datetime import datetime, timezone
+
+    from qosflow.store import Store
+
+    store = Store.open(f"sqlite:///{tmp_path / 'q.db'}")
+    est = LearnedEstimator.from_store(store, reference=None)
+    t0, t1 = datetime(2026, 1, 1, tzinfo=timezone.utc), datetime(2026, 1, 1, 0, 1, tzinfo=timezone.utc)
+
+    def stage(i: int, gpus: int = 1) -> Job:
+        return Job(f"s{i}", 0.0, QoSSpec(gpus=gpus, cpu_cores=4.0), 60.0, model="flows.train")
+
+    est.observe_stage(stage(1), 60.0, steps=100, where={"host": "gpu-a", "gpu_type": "a100", "placement": "consolidated",
+                                                       "cpu_cores": 4, "started_at": t0, "finished_at": t1, "ignored": 1})
+    est.observe_stage(stage(2, gpus=16), 30.0, steps=100, where={"host": "gpu-a,gpu-b", "placement": "spread", "cpu_cores": None})
+    a, b = store.stage_history(signature="flows.train")
+    assert (a.host, a.gpu_type, a.placement, a.cpu_cores) == ("gpu-a", "a100", "consolidated", 4)
+    assert a.started_at.replace(tzinfo=timezone.utc) == t0 and a.finished_at.replace(tzinfo=timezone.utc) == t1
+    assert (b.host, b.placement, b.cpu_cores, b.gpu_type) == ("gpu-a,gpu-b", "spread", None, "unknown")
+    sa, sb = store.samples_for("flows.train")
+    assert (sa.placement, sa.cpu_cores, sa.cross_node) == ("consolidated", 4, False)
+    assert (sb.placement, sb.cross_node, sb.gpus) == ("spread", True, 16)
+    again = LearnedEstimator.from_store(store, reference=None)
+    assert again._steps.get((again._sig_of(stage(3, gpus=16))[1], 16)) is None  # the spread run is no solo step time

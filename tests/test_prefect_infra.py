@@ -104,6 +104,12 @@ def test_pipeline_runs_across_both_hosts(lab, tmp_path):
     assert est.flush(30)
     merge = [h for h in est.store.stage_history() if h.stage_run_id in ids and h.stage.endswith("merge")]
     assert len(merge) == 1 and merge[0].steps == 3 and merge[0].step_time_s > 0, merge
+    # and where it ran: its host, one node, its one core, when
+    m = merge[0]
+    assert m.host in ("host-a", "host-b") and m.placement == "consolidated" and m.cpu_cores == 1, m
+    assert m.started_at is not None and m.finished_at is not None and m.started_at < m.finished_at
+    [sample] = [x for x in est.store.samples_for(m.signature) if x.stage_run_id == m.stage_run_id]
+    assert (sample.cpu_cores, sample.placement, sample.steps) == (1, "consolidated", 3)
 
 
 def test_user_error_is_not_retried_elsewhere(lab):

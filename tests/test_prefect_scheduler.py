@@ -588,7 +588,9 @@ def test_coda_reads_a_resumed_runs_share_of_the_work(tmp_path):
         clock = [1000.0]
         s = QoSScheduler(ClusterSpec.uniform(1, 2, cpu_cores=6, virtual=True), PriorityFirstFit(), coda=True,
                          coda_min_elapsed=1.0, clock=lambda: clock[0])
-        for e in (entry("cpu-stage", gpus=0, cpu=3.0, expected=100), entry("gpu-stage", gpus=1, cpu=1.0, expected=10)):
+        cpu_e, gpu_e = entry("cpu-stage", gpus=0, cpu=3.0, expected=100), entry("gpu-stage", gpus=1, cpu=1.0, expected=10)
+        assert s.where_ran(gpu_e) == {}  # not granted yet
+        for e in (cpu_e, gpu_e):
             t = asyncio.ensure_future(s.request(e))
             await asyncio.sleep(0)
             s.round()
@@ -598,7 +600,12 @@ def test_coda_reads_a_resumed_runs_share_of_the_work(tmp_path):
         prog.write_text("".join(json.dumps(x) + "\n" for x in lines))
         s.attach("gpu-stage", None, str(prog))
         clock[0] += 5.0
+        before = s.where_ran(gpu_e)
         moves = await s.coda_round()
         assert [m["to_stage"] for m in moves] == ["gpu-stage"]
+        # where it ran, for the store: its cores are no longer one number once CODA moved some
+        assert before == {"host": "node0", "gpu_type": "generic", "placement": "consolidated", "cpu_cores": 1}
+        assert s.where_ran(gpu_e)["cpu_cores"] is None and s.where_ran(cpu_e)["cpu_cores"] is None
+        assert s.where_ran(cpu_e)["gpu_type"] == "cpu"
 
     asyncio.run(main())

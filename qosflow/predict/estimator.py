@@ -52,7 +52,7 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from qosflow.core.estimate import DECLARED_HIGH_FACTOR, DECLARED_LOG_SD
 from qosflow.core.estimate import Z_HIGH as Z90
@@ -106,6 +106,10 @@ def signature_of(model: str, batch_size: int | None) -> str:
 def _steps_run(job: Job, steps: int | None) -> int | None:
     """How many steps a finished stage ran: its declared iterations, else the steps it reported."""
     return job.iterations or (steps if steps and steps > 0 else None)
+
+
+#: what `where` may give a stage's store rows (the stage_history columns)
+_WHERE_FIELDS = ("host", "gpu_type", "placement", "cpu_cores", "started_at", "finished_at")
 
 
 def _this_run(job: Job, steps: int | None, resumed_from: int) -> tuple[int | None, float] | None:
@@ -865,11 +869,14 @@ class LearnedEstimator:
             del self._spread[k]
         self.stats["spreads_observed"] += 1
 
-    def observe(self, job: Job, actual_s: float, *, steps: int | None = None, resumed_from: int = 0) -> None:
+    def observe(self, job: Job, actual_s: float, *, steps: int | None = None, resumed_from: int = 0,
+                where: Mapping[str, Any] | None = None) -> None:
         """Worker hook: a stage finished after `actual_s` seconds, alone on its GPUs (or where nothing is
         known about who shared them). `steps` is how many steps it reported (`report_progress`'s total),
         for a stage that does not state its iterations; `resumed_from`, how many of them an earlier run
-        had done when this one started (`qosflow.report_resumed`). Learned, and written to the store."""
+        had done when this one started (`qosflow.report_resumed`); `where`, where it ran, for the store's rows
+        (`QoSScheduler.where_ran`: host, gpu_type, placement, cpu_cores, started_at, finished_at). Learned, and
+        written to the store."""
         if not (isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0):
             return
         sig, key = self._sig_of(job)
@@ -881,10 +888,10 @@ class LearnedEstimator:
         t = actual_s / n if n else None
         pred = self._dur.get(job.job_id)
         self._learn(job, key, float(actual_s) / covered, t)
-        self._persist(job, sig, float(actual_s), pred, t, n, resumed_from=resumed_from)
+        self._persist(job, sig, float(actual_s), pred, t, n, resumed_from=resumed_from, where=where)
 
     def observe_stage(self, job: Job, actual_s: float, *, steps: int | None = None, partners: Sequence[Job] = (),
-                      ran_alone: bool = True, resumed_from: int = 0) -> None:
+                      ran_alone: bool = True, resumed_from: int = 0, where: Mapping[str, Any] | None = None) -> None:
         """Worker hook with what the worker saw of the stage's GPUs: `partners`, every stage that shared
         them at some point, and `ran_alone`, whether it also ran without one.
 
@@ -903,7 +910,7 @@ class LearnedEstimator:
         if not (isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0):
             return
         if not partners:
-            self.observe(job, actual_s, steps=steps, resumed_from=resumed_from)
+            self.observe(job, actual_s, steps=steps, resumed_from=resumed_from, where=where)
             return
         sig, key = self._sig_of(job)
         run = _this_run(job, steps, resumed_from)
@@ -921,10 +928,10 @@ class LearnedEstimator:
                 self.observe_colocated(job, partner, max(slowdown, 1.0), _base=math.exp(solo.mean))
                 self._learn(job, key, None, None)  # (its wall time includes the partner's slowdown)
                 self._persist(job, sig, float(actual_s), pred, t, n, co_runner=self._sig_of(partner)[0],
-                              resumed_from=resumed_from)
+                              resumed_from=resumed_from, where=where)
                 return
         self._learn(job, key, float(actual_s) / covered, None)
-        self._persist(job, sig, float(actual_s), pred, None, n, resumed_from=resumed_from)
+        self._persist(job, sig, float(actual_s), pred, None, n, resumed_from=resumed_from, where=where)
 
     def forget(self, job: Job) -> None:
         """The worker is done with a stage (whatever its end): drop what is kept per job, so that a
@@ -933,7 +940,7 @@ class LearnedEstimator:
             per_job.pop(job.job_id, None)
 
     def _persist(self, job: Job, sig: str, actual_s: float, pred: Any, t: float | None, n: int | None, *,
-                 co_runner: str | None = None, resumed_from: int = 0) -> None:
+                 co_runner: str | None = None, resumed_from: int = 0, where: Mapping[str, Any] | None = None) -> None:
         """Write a finished stage to the store: the duration prediction it was planned with and its
         outcome, its history row, and its step time as a sample (solo, or next to `co_runner`)."""
         if self.store is None or not self.persist:
@@ -943,9 +950,9 @@ class LearnedEstimator:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qosflow-store")
-            self._writer.submit(self._write_stage, job, sig, actual_s, pred, t, n, co_runner, resumed_from)
+            self._writer.submit(self._write_stage, job, sig, actual_s, pred, t, n, co_runner, resumed_from, where)
         else:
-            self._write_stage(job, sig, actual_s, pred, t, n, co_runner, resumed_from)
+            self._write_stage(job, sig, actual_s, pred, t, n, co_runner, resumed_from, where)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the finished stages handed to the store so far are written (background writes);
@@ -967,7 +974,8 @@ class LearnedEstimator:
             self._writer = None
 
     def _write_stage(self, job: Job, sig: str, actual_s: float, pred: Any, t: float | None, n: int | None,
-                     co_runner: str | None, resumed_from: int = 0) -> None:
+                     co_runner: str | None, resumed_from: int = 0, where: Mapping[str, Any] | None = None) -> None:
+        here = {k: v for k, v in (where or {}).items() if k in _WHERE_FIELDS and v is not None}
         try:
             if not resumed_from:  # (a resumed run did part of what it was predicted on: no error to measure)
                 if pred is not None:
@@ -975,10 +983,11 @@ class LearnedEstimator:
                 self.store.record_outcome(job.job_id, actual_s, signature=sig, target="duration")
             self.store.record_stage(stage_run_id=job.job_id, signature=sig, stage=job.model, state="COMPLETED",
                                     gpus=job.qos.gpus, steps=n, duration_s=actual_s, step_time_s=t,
-                                    flow_run_id=job.pipeline, co_runner=co_runner, resumed_from=resumed_from or None)
+                                    flow_run_id=job.pipeline, co_runner=co_runner, resumed_from=resumed_from or None, **here)
             if t is not None:
                 self.store.add_sample(signature=sig, gpus=job.qos.gpus, step_time_s=t, steps=n, source="stage",
-                                      stage_run_id=job.job_id, co_runner=co_runner)
+                                      stage_run_id=job.job_id, co_runner=co_runner,
+                                      **{k: here[k] for k in ("placement", "cpu_cores") if k in here})
         except Exception as exc:  # noqa: BLE001 - a database hiccup must not take the worker down
             log.warning("learned estimator: could not record stage %s in the store: %s", job.job_id, exc)
 

@@ -477,6 +477,7 @@ class QoSScheduler:
         try:
             self.state.resize_cpu(donor.job_id, node, d_cores - 1)
             self.state.resize_cpu(taker.job_id, node, t_cores + 1)
+            donor.meta["cores_moved"] = taker.meta["cores_moved"] = True
         except PlacementError as exc:
             log.info("CODA move refused: %s", exc)
             return None
@@ -550,6 +551,23 @@ class QoSScheduler:
                 )
 
     # ------------------------------------------------------------------ helpers
+    def where_ran(self, e: StageEntry) -> dict[str, Any]:
+        """Where a granted stage ran, as its stage-history row and step-time sample record it: hosts, GPU
+        model, consolidated (one node) or spread, and its CPU cores (None once CODA moved some, or for a
+        share of one core)."""
+        p = e.grant.placement if e.grant is not None else None
+        if p is None:
+            return {}
+        names = self.cluster.node_names
+        gpu_type = "cpu" if not p.gpus else (self.cluster.nodes[p.nodes[0]].gpu_model or "unknown") if p.nodes else "unknown"
+        cores = p.cpu_cores
+        return {
+            "host": ",".join(names[n] for n in p.nodes) or None,
+            "gpu_type": gpu_type,
+            "placement": "spread" if len(p.nodes) > 1 else "consolidated",
+            "cpu_cores": None if e.meta.get("cores_moved") or cores < 1 else int(round(cores)),
+        }
+
     def describe_grant(self, e: StageEntry) -> dict[str, Any]:
         g = e.grant
         assert g is not None

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import math
 import os
 import shlex
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -709,7 +711,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     await asyncio.wait_for(self._backend.sync_progress([handle]), 10.0)
                 except Exception as exc:  # noqa: BLE001 - learned from what was copied so far
                     self._logger.debug("stage %s: last progress copy failed: %s", name, exc)
-            self._observe(sched, entry, actual)
+            where = dict(sched.where_ran(entry), started_at=datetime.fromtimestamp(launched_at, timezone.utc),
+                         finished_at=datetime.fromtimestamp(finished, timezone.utc))
+            self._observe(sched, entry, actual, where)
             try:
                 self._note_learned(sched, entry, actual)
             except Exception as exc:  # the UI's predictor table is a view: never let it fail a stage
@@ -1194,7 +1198,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         return None if fr is None else fr.state
 
     @staticmethod
-    def _observe(sched: QoSScheduler, entry: StageEntry, actual: float) -> None:
+    def _observe(sched: QoSScheduler, entry: StageEntry, actual: float, where: dict[str, Any] | None = None) -> None:
         """Tell the estimator how long a stage took, and -- when it can learn from it (`observe_stage`)
         -- how many steps it reported and who shared its GPUs (`QoSScheduler.note_sharing`)."""
         est, job = sched.estimator, entry.state.job
@@ -1217,7 +1221,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         known = [j for j in partners.values() if j is not None]
         if len(known) < len(partners):  # a slot held for another worker's stage: who it was is unknown
             steps = None
-        extra = {"resumed_from": resumed} if resumed else {}  # (an estimator of the user's may not take it)
+        extra: dict[str, Any] = {"resumed_from": resumed} if resumed else {}
+        if where:
+            extra["where"] = where
+        if extra and not _takes(observe_stage, *extra):  # an estimator of the user's
+            extra = {}
         observe_stage(job, actual, steps=steps, partners=known, ran_alone=bool(entry.meta.get("ran_alone")), **extra)
 
     def _note_learned(self, sched: QoSScheduler, entry: StageEntry, actual: float) -> None:
@@ -1536,3 +1544,12 @@ def _ready_time(flow_run: Any, now: float) -> float:
     except Exception:
         t = now
     return min(t, now)
+
+
+def _takes(fn: Any, *names: str) -> bool:
+    """Does `fn` accept these keyword arguments (or any, through **kwargs)?"""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(n in params for n in names) or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
