@@ -136,6 +136,10 @@ class QosflowPolicy(
         self._plan: dict[tuple[str, str], float] = {}
         self._dl_arrivals = _DeadlineArrivals()
         self._regular: tuple = (None, None, {})
+        #: the cluster as the last round left it, and whether every job holding GPUs was one of that
+        #: round's (`_same_state`: the round's shape-and-state searches carry over while it holds)
+        self._memo_state = None
+        self._memo_all_known = False
         #: scorer for fractional shares (e.g. `qosflow.packing` FGD); None: best fit
         self.fractional_scorer = fractional_scorer
 
@@ -208,17 +212,23 @@ class QosflowPolicy(
         for ng, e in end_max.items():
             self._end_max[ng] = e
         share_tries = 0
-        self._ver = 0
-        self._whole_memo: dict[tuple, tuple[int, Placement | np.ndarray | None]] = {}
-        self._gmem_caps = sorted(set(np.asarray(st.gmem_cap).ravel().tolist()))
-        self._drain: tuple[int, np.ndarray | None] = (-1, None)
-        self._nofit: dict[tuple, int] = {}
-        self._nofit_why: dict[tuple, str] = {}
+        if not self._same_state(st, states):
+            # the searches that depend on the request's shape and the cluster's state only: kept
+            # from the last round while the cluster is exactly as that round left it (`_same_state`:
+            # e.g. a round for an arrival that started nothing), else begun afresh
+            self._ver = 0
+            self._whole_memo: dict[tuple, tuple[int, Placement | np.ndarray | None]] = {}
+            self._gmem_caps = sorted(set(np.asarray(st.gmem_cap).ravel().tolist()))
+            self._nofit: dict[tuple, int] = {}
+            self._nofit_why: dict[tuple, str] = {}
+            self._elig_cache: dict[tuple, tuple] = {}
+            self._partners_cache: dict[tuple, tuple] = {}
+            self._waiting_memo: dict[tuple, tuple[int, str]] = {}
+            self._largest: tuple[int, int | None] = (-1, 0)
+        self._relaxed_memo: dict[tuple, tuple] = {}  # (depends on the round's reservations too)
+        self._drain: tuple[int, np.ndarray | None] = (-1, None)  # (depends on the round's estimates)
         self._reject: str | None = None
         self._why_not: str | None = None
-        self._elig_cache: dict[tuple, tuple] = {}
-        self._partners_cache: dict[tuple, tuple] = {}
-        self._relaxed_memo: dict[tuple, tuple] = {}
         self._last_values: tuple = (None, {}, {})  # (job, partner values) of the last sharing search
 
         # express nodes: a standing reservation (as in EASY backfilling) that starts
@@ -249,8 +259,7 @@ class QosflowPolicy(
 
         # why a job waits depends on the cluster and the request fields `why_waiting` reads only: one
         # answer per request shape and state (`_ver`)
-        waiting_memo: dict = {}
-        largest = (-1, 0)
+        waiting_memo = self._waiting_memo
         for rank, js in enumerate(order):
             job = js.job
             jid = job.job_id
@@ -274,8 +283,8 @@ class QosflowPolicy(
                     # (the GPUs found: `_own` makes the placement the job's if it starts)
                     p = self._whole_gpus(st, job, "consolidated", r, shape=wshape)
                     if p is not None and reserved:
-                        # which reserved nodes the job must keep off: one test for the GPUs found and
-                        # for the search around reservations (as `blocked` and `_unreserved_whole` did)
+                        # which reserved nodes the job must keep off (the same test for the GPUs found
+                        # and for the search around reservations: `blocked`, `_unreserved_whole`)
                         finish = now + r
                         avoid = self._avoid(js, reserved, finish)
                         if any(avoid.get(n, False) for n in p.nodes):
@@ -306,10 +315,10 @@ class QosflowPolicy(
                     shape = (q.gpus, q.gpu_milli, q.cpu_cores, q.mem_mb, q.gpu_model, self._cap_class(q))
                     w = waiting_memo.get(shape)
                     if w is None or w[0] != self._ver:
-                        if largest[0] != self._ver:  # the largest block of free GPUs on a node that is up
+                        if self._largest[0] != self._ver:  # the largest block of free GPUs on a node that is up
                             up = st.empty[~st.down]  # (none up: why_waiting decides what to say)
-                            largest = (self._ver, int(up.max()) if up.size else None)
-                        w = waiting_memo[shape] = (self._ver, why_waiting(st, js, largest[1]))
+                            self._largest = (self._ver, int(up.max()) if up.size else None)
+                        w = waiting_memo[shape] = (self._ver, why_waiting(st, js, self._largest[1]))
                     d.notes[jid] = (
                         w[1]
                         + ("; the free nodes that fit it are reserved for jobs that start before it would end" if held else "")
@@ -344,4 +353,36 @@ class QosflowPolicy(
                 js.tags["qosflow_rescued"] = True
             if why:
                 d.notes[jid] = why
+        self._memo_state = (st, self.align, self.sub_batch, self.SHARE_NODES)  # (as this round leaves it: `_same_state`)
         return d
+
+    #: cluster-state arrays that the remembered searches read (besides the spec and the allocations)
+    _STATE_ARRAYS = ("milli_free", "njobs", "whole", "share_ok", "gmem_free", "empty", "cpu_free", "mem_free", "down")
+
+    def _same_state(self, st, states) -> bool:
+        """Is `st` exactly the cluster the last round left (`_memo_state`: its snapshot after the
+        round's own placements, with the options the searches read), so that what that round
+        remembered at its last `_ver` still holds? The same spec, the same placement objects, the
+        same occupants per GPU, every array equal to the bit -- and every job holding GPUs is one of
+        the round's jobs (the sharing search only takes those as partners), as it was then. A
+        cluster whose placements are new objects (rebuilt, not a snapshot of the same state) starts
+        afresh."""
+        prev = self._memo_state
+        self._memo_state = None
+        allocs = st.allocs
+        if not all(jid in states for jid in allocs):
+            self._memo_all_known = False
+            return False
+        if prev is None or not self._memo_all_known or prev[1:] != (self.align, self.sub_batch, self.SHARE_NODES):
+            self._memo_all_known = True
+            return False
+        self._memo_all_known = True
+        prev = prev[0]
+        if prev.spec is not st.spec:
+            return False
+        pa = prev.allocs
+        if len(pa) != len(allocs) or any(pa.get(jid) is not p for jid, p in allocs.items()):
+            return False
+        if st.gpu_jobs != prev.gpu_jobs or st.n_empty != prev.n_empty:
+            return False
+        return all(getattr(st, a).tobytes() == getattr(prev, a).tobytes() for a in self._STATE_ARRAYS)
