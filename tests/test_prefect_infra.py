@@ -110,6 +110,8 @@ def test_pipeline_runs_across_both_hosts(lab, tmp_path):
     assert m.started_at is not None and m.finished_at is not None and m.started_at < m.finished_at
     [sample] = [x for x in est.store.samples_for(m.signature) if x.stage_run_id == m.stage_run_id]
     assert (sample.cpu_cores, sample.placement, sample.steps) == (1, "consolidated", 3)
+    # the worker read the copies of their progress for the last time: none is left behind
+    assert not any(os.path.exists(w._backend.progress_file(a["attempt_id"])) for r in recs for a in r["attempts"])
 
 
 def test_user_error_is_not_retried_elsewhere(lab):

@@ -141,6 +141,15 @@ class Backend(ABC):
         as the scheduler reads them; None if this backend cannot see them."""
         return None
 
+    def drop_progress(self, stage_id: str) -> None:
+        """The worker has read the stage's progress for the last time: remove its `progress_file`."""
+        path = self.progress_file(stage_id)
+        if path:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
     #: whether `sync_progress` has anything to do (a backend whose stages write their progress elsewhere)
     syncs_progress: bool = False
 

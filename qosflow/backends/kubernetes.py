@@ -628,6 +628,10 @@ class KubernetesBackend(Backend):
     def progress_file(self, stage_id: str) -> str:
         return self._progress.path(stage_id)
 
+    def drop_progress(self, stage_id: str) -> None:
+        super().drop_progress(stage_id)
+        self._progress_seen.pop(stage_id, None)
+
     async def sync_progress(self, handles: Sequence[StageHandle]) -> None:
         """Copy the progress lines rank 0's log gained since the last copy: the whole log the first time,
         then its last PROGRESS_TAIL_LINES lines (lines older than the last one copied are skipped)."""

@@ -720,6 +720,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._logger.warning("predictor table: could not note stage %s: %s", name, exc)
         if hasattr(sched.estimator, "forget"):
             sched.estimator.forget(job)
+        for a in attempts:  # read: a long-running worker keeps no file per stage it ran
+            self._backend.drop_progress(a["attempt_id"])
         rec = dict(info, flow_run_id=fid, ready=entry.ready_at, queued=now, placed=grant.granted_at, launched=launched_at, ended=finished,
                    exited=ended, actual_s=round(actual, 3), exit=status.kind.value, exit_reason=status.reason, attempts=attempts)
         rec["deadline_met"] = None if deadline_at is None else finished <= deadline_at
