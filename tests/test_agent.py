@@ -703,3 +703,23 @@ def test_a_stages_progress_on_its_host_is_copied_to_the_worker(agents, tmp_path)
     assert mid["step"] == 60 and first == 40
     assert end.ok and last["step"] == 100 and last["total"] == 100 and same
     assert not os.path.exists(copy)  # the copies go with the backend
+
+
+def test_records_beyond_max_records_go_with_their_files(tmp_path):
+    """An agent keeps at most `max_records` stage records; the oldest finished one goes, with its log and
+    progress files, so a long-running agent's work directory does not grow without end."""
+    from qosflow.agent.runner import Runner
+
+    async def go():
+        r = Runner(tmp_path / "work", max_records=2)
+        done = []
+        for i in range(3):
+            st = await r.launch(f"s{i}", [sys.executable, "-c", "import qosflow; qosflow.report_progress(1, 1); print('hi')"])
+            await r.wait(st, 30)
+            done.append(st)
+        return r, done
+
+    r, done = asyncio.run(go())
+    assert sorted(r.stages) == ["s1", "s2"]
+    assert not done[0].log_path.exists() and not done[0].progress_path.exists()
+    assert done[2].log_path.exists() and done[2].progress_path.read_text().count('"step":1') == 1

@@ -179,6 +179,12 @@ class Runner:
         finished = sorted((s for s in self.stages.values() if not s.running), key=lambda s: s.ended_at or 0)
         for s in finished[: len(self.stages) - self.max_records + 1]:
             self.stages.pop(s.stage_id, None)
+            for path in (s.log_path, s.progress_path):  # the record is gone: so are its files
+                if path is not None:
+                    try:
+                        path.unlink()
+                    except OSError:
+                        pass
 
     # ------------------------------------------------------------------ control
     async def wait(self, st: StageProc, timeout: float) -> None:
