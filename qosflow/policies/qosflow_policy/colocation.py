@@ -16,13 +16,15 @@ from qosflow.policies.sharing import FIXED_MEMORY_SHARE, MAX_ACCUMULATION, bsbf_
 CRITICAL_SHARE = 0.05
 #: a running job within this share of the longest remaining time counts as the one that ends last
 LAST_END_SHARE = 0.98
+#: what `_shared_slot` returns when the placement it found is in a reservation's way (`keep_off`)
+KEPT_OFF = "kept off"
 
 
 class CoLocationMixin:
     """GPU co-location for `QosflowPolicy`. Reads the options `makespan_beta`, `sub_batch`,
     `partner_rank`, `throughput_gain`, `deadline_band`, `use_plan`, `plan_interval` and the plan
     (`_plan`, `_plan_at`, kept across rounds), and the round's `_rem`, `_now`, `_est`, `_states`,
-    `_backlog`, `_max_rem`, `_gpus_of`, `_ver` with the memos `_elig_cache`, `_partners_cache`,
+    `_backlog`, `_max_rem`, `_ver` with the memos `_elig_cache`, `_partners_cache`,
     `_nofit`, `_nofit_why`, and asks the deadline checks (`_has_deadline`, `_band_ok`) and the per-state GPU masks (`_gpu_masks`); it leaves why
     it refused in `_reject`, `_refused` and `_why_not`."""
 
@@ -31,7 +33,8 @@ class CoLocationMixin:
 
     def _partner_value(self, js: JobState, partner: JobState, rem, est, now: float):
         """(GPU-throughput balance of `js` joining `partner` on one of its GPUs, the slowdowns xi_a and
-        xi_b, SJF-BSBF's gain: the pair's completion time saved), or None with `_reject` saying why not."""
+        xi_b, SJF-BSBF's gain: the pair's completion time saved, the partner's gang size counted at
+        least 1), or None with `_reject` saying why not."""
         xi_a, xi_b = est.pair_slowdown(js.job, partner.job)
         t_a, t_b = rem[js.job_id], rem[partner.job_id]
         if self.makespan_beta is not None:
@@ -61,12 +64,14 @@ class CoLocationMixin:
         g_b = max(1, partner.job.qos.gpus)
         # GPU-throughput balance: the newcomer's GPU at 1/xi_a, minus what the partner's whole gang loses
         tput = 1.0 / xi_a - g_b * (1.0 - 1.0 / xi_b)
-        return tput, xi_a, xi_b, t_seq - t_con
+        return tput, xi_a, xi_b, t_seq - t_con, g_b
 
-    def _shared_slot(self, st: ClusterState, js: JobState, rem, states, est, now: float, queued: bool) -> tuple[Placement, str] | None:
+    def _shared_slot(self, st: ClusterState, js: JobState, rem, states, est, now: float, queued: bool, keep_off=None) -> tuple[Placement, str] | None:
         """Co-locate `js` on GPUs that each hold one shareable job, where it pays (see module doc):
         the nodes whose GPUs could take it, each GPU scored by its occupant, the best set of GPUs, and
-        the placement with its memory plan. On None, `_why_not` says why."""
+        the placement with its memory plan. On None, `_why_not` says why. `keep_off(nodes)`: if it
+        says the nodes of the placement found are in the way of a reservation, the placement is not
+        made and `KEPT_OFF` is returned instead."""
         q = js.job.qos
         self._why_not = None
         if not q.shareable or q.gpu_mem_mb is None:
@@ -81,7 +86,7 @@ class CoLocationMixin:
         if best is None:
             self._why_not = self._share_refusal(js, tried, rejects)
             return None
-        return self._share_placement(st, js, *best)
+        return self._share_placement(st, js, *best, keep_off=keep_off)
 
     def _share_candidates(self, st: ClusterState, js: JobState):
         """(eligible GPUs, the least memory the job could run in, candidate nodes) for `js`, or None
@@ -94,6 +99,11 @@ class CoLocationMixin:
             # nothing changed since the same request found no shareable slot this round
             self._why_not = self._nofit_why.get(sig)
             return None
+        # the same for every request of this shape (and batch or not) until the next placement
+        rkey = ("share-cands", sig, bool(job.batch_size))
+        hit = self._elig_cache.get(rkey)
+        if hit is not None and hit[0] == self._ver:
+            return hit[1]
         elig = self._gpu_masks(st, q.gpu_model)[1]
         # the smallest memory the job could run in (with the smallest sub-batch tried)
         min_mem = q.gpu_mem_mb if not (self.sub_batch and job.batch_size) else q.gpu_mem_mb * (FIXED_MEMORY_SHARE + (1 - FIXED_MEMORY_SHARE) / MAX_ACCUMULATION)
@@ -123,6 +133,7 @@ class CoLocationMixin:
             return self._no_slot(sig, f"no {k} GPUs on whole nodes each hold a single shareable job with {min_mem:.0f} MB free")
         if not cand:
             return self._no_slot(sig, f"no {'GPU holds' if k == 1 else f'{k} GPUs on one node hold'} a single shareable job with {min_mem:.0f} MB free")
+        self._elig_cache[rkey] = (self._ver, (elig, min_mem, cand))
         return elig, min_mem, cand
 
     def _score_partners(self, st: ClusterState, js: JobState, cand, elig, min_mem: float, rem, states, est, now: float):
@@ -148,12 +159,12 @@ class CoLocationMixin:
                     code = why[pid]
                     rejects[code] = rejects.get(code, 0) + 1
                     continue
-                tput, xi_a, xi_b, gain = v
-                per_gpu = 1.0 / xi_a - max(1, states[pid].job.qos.gpus) * (1.0 - 1.0 / xi_b) / len(gpus)
+                tput, xi_a, xi_b, gain, g_b = v
+                per_gpu = 1.0 / xi_a - g_b * (1.0 - 1.0 / xi_b) / len(gpus)
                 if plan and not self._in_plan(js.job.model, states[pid].job.model):
                     if not self._has_deadline(js):
                         continue  # leave this partner for the type the pairing plan saves it for
-                scored.append((per_gpu, pid, gpus, xi_a, xi_b, gain))
+                scored.append((per_gpu, pid, gpus, xi_a, xi_b, gain, g_b))
             # partners in order of SJF-BSBF's sharing benefit (the pair's average completion time
             # saved), or of the GPU-throughput balance
             scored.sort(key=rank_key)
@@ -175,13 +186,13 @@ class CoLocationMixin:
                 taken = 0
                 uses: list[list[int]] = []  # the GPUs of node n taken beside each partner
                 partners = []
-                for per_gpu, pid, gpus, xi_a, xi_b, gain in scored:
+                for per_gpu, pid, gpus, xi_a, xi_b, gain, g_b in scored:
                     if taken >= k:
                         break
                     use = gpus[: k - taken]
                     uses.append(use)
                     taken += len(use)
-                    partners.append((pid, len(use), xi_a, xi_b, gain))
+                    partners.append((pid, len(use), xi_a, xi_b, gain, g_b))
                 if taken < k:
                     continue
                 total = self._accept(js, partners, k, queued)
@@ -195,9 +206,9 @@ class CoLocationMixin:
             for n, scored in nodes_sorted:
                 if len(take) >= k:
                     break
-                for per_gpu, pid, gpus, xi_a, xi_b, gain in scored:
+                for per_gpu, pid, gpus, xi_a, xi_b, gain, g_b in scored:
                     take.extend((n, g) for g in gpus)
-                    partners.append((pid, len(gpus), xi_a, xi_b, gain))
+                    partners.append((pid, len(gpus), xi_a, xi_b, gain, g_b))
             if len(take) >= k:
                 take = take[:k]
                 total = self._accept(js, partners, k, queued)
@@ -207,10 +218,10 @@ class CoLocationMixin:
                     tried.append((*self._refused, self._reject))
         return best, tried
 
-    def _share_placement(self, st: ClusterState, js: JobState, total: float, take, partners) -> tuple[Placement, str] | None:
+    def _share_placement(self, st: ClusterState, js: JobState, total: float, take, partners, keep_off=None) -> tuple[Placement, str] | None:
         """The placement of `js` on the GPUs `take` beside `partners`: its memory (a sub-batch with
         gradient accumulation if the full batch does not fit) and cores; None with `_why_not` set if
-        either does not fit after all."""
+        either does not fit after all; `KEPT_OFF` if `keep_off` refuses its nodes."""
         job = js.job
         q = job.qos
         k = q.gpus
@@ -227,6 +238,8 @@ class CoLocationMixin:
             if st.cpu_free[n] < c - 1e-9:
                 self._why_not = f"the best partner's node has {st.cpu_free[n]:g} free cores, it needs {c:g}"
                 return None
+        if keep_off is not None and keep_off(tuple(cpu)):  # (the placement's nodes, in its order)
+            return KEPT_OFF
         pids = tuple(dict.fromkeys(p[0] for p in partners))
         p = Placement(job.job_id, tuple(take), cpu=tuple(cpu.items()), gpu_mem_mb=float(mem), mem_mb=q.mem_mb, colocated_with=pids, sub_batch=sb)
         xa = max(x[2] for x in partners)
@@ -304,8 +317,8 @@ class CoLocationMixin:
         """GPU-throughput balance of a co-location: the newcomer's k GPUs at 1/xi_a, minus what each
         partner's whole gang loses (`xa`: the largest xi_a of `partners`, if known)."""
         total = k / (max([p[2] for p in partners]) if xa is None else xa)
-        for pid, _n, _xa, xb, _gain in partners:
-            total -= self._gpus_of(pid) * (1.0 - 1.0 / xb)
+        for _pid, _n, _xa, xb, _gain, g_b in partners:
+            total -= g_b * (1.0 - 1.0 / xb)
         return total
 
     def _no_slot(self, sig: tuple, why: str) -> None:

@@ -11,7 +11,7 @@ from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
 from qosflow.policies.common import WholeFailures, why_waiting
 from qosflow.policies.placement import find_share
-from qosflow.policies.qosflow_policy.colocation import CoLocationMixin
+from qosflow.policies.qosflow_policy.colocation import KEPT_OFF, CoLocationMixin
 from qosflow.policies.qosflow_policy.cores import CpuCoresMixin
 from qosflow.policies.qosflow_policy.deadlines import DeadlinesMixin
 from qosflow.policies.qosflow_policy.express import EXPRESS, ExpressLaneMixin, _DeadlineArrivals
@@ -191,7 +191,6 @@ class QosflowPolicy(
         order, starving = self._order(view, rem, demand, d.notes)
         self._max_rem = max(rem.values(), default=0.0)
         self._update_plan(view, rem)
-        self._gpus_of = lambda jid: max(1, states[jid].job.qos.gpus)
         self._st = st
         self._gpu_jobs_waiting = any(js.job.qos.gpus > 0 for js in view.pending)
         # GPU demand still waiting behind each job: sharing for throughput only pays while work queues
@@ -241,8 +240,12 @@ class QosflowPolicy(
 
         def blocked(p: Placement, js: JobState, finish: float) -> bool:
             """Would `js` on the nodes of `p`, finishing at `finish`, be in a reservation's way?"""
+            return blocked_on(p.nodes, js, finish)
+
+        def blocked_on(nodes, js: JobState, finish: float) -> bool:
+            """Would `js` on `nodes`, finishing at `finish`, be in a reservation's way?"""
             fin_h = None  # the pessimistic finish, worked out only if a reserved node is in the way
-            for n in p.nodes:
+            for n in nodes:
                 if n not in reserved:
                     continue
                 if self._promised(reserved[n][1]):
@@ -294,11 +297,13 @@ class QosflowPolicy(
                         failures.failed(q)
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
                     share_tries += 1
-                    found = self._shared_slot(st, js, rem, states, est, now, queued_gpus > 0)
-                    if found is not None and not (reserved and blocked(found[0], js, now + r * 1.5)):
-                        p, why = found
-                    elif found is not None:
+                    # (a placement in a reservation's way is not made: `keep_off`)
+                    keep_off = (lambda nodes: blocked_on(nodes, js, now + r * 1.5)) if reserved else None
+                    found = self._shared_slot(st, js, rem, states, est, now, queued_gpus > 0, keep_off=keep_off)
+                    if found is KEPT_OFF:
                         not_shared = "the GPUs it could share are reserved for a job that starts before it would end"
+                    elif found is not None:
+                        p, why = found
                     else:
                         not_shared = self._why_not
                 if p is None and has_dl and q.gpus > 1:
