@@ -113,6 +113,21 @@ def big_good(marker: str, secs: float) -> str:
     return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
 
+@qos_task(gpus=2, cpu_cores=1, expected_duration=5, early_check=1, retries=0)
+def big_late_bad(marker: str, fail: bool) -> str:
+    """A 2-GPU stage whose user error (when `fail`) shows only after 1.5 s: after its early check."""
+    _check_mark(marker, "start")
+    time.sleep(1.5)
+    if fail:
+        raise ValueError("bad input: found late")
+    return "ok"
+
+
+@qos_flow(name="e2e-early-check-late")
+def early_late(marker: str, fail: bool) -> str:
+    return big_late_bad.submit(marker, fail).result()
+
+
 @qos_flow(name="e2e-early-check-bad")
 def early_bad(marker: str) -> None:
     big_bad.submit(marker).result()

@@ -269,6 +269,33 @@ def test_early_check_passes_then_the_stage_runs_on_all_its_gpus(qos_worker, tmp_
     assert [e["check"] for e in _check_marks(marker2)] == [False, False]
 
 
+def test_a_stage_whose_last_run_failed_is_checked_early_again(qos_worker, tmp_path):
+    """Philly: failures repeat. A stage that passed its early check is not checked again -- until a run of
+    it fails with a user error (here after its check); its next run is checked first."""
+    import prefect_pipelines as pp
+
+    m1, m2, m3 = (tmp_path / f"{i}.jsonl" for i in (1, 2, 3))
+    assert pp.early_late(str(m1), False) == "ok"
+    assert [e["check"] for e in _check_marks(m1)] == [True, False]  # checked, then the real run
+    with pytest.raises(Exception, match="found late"):
+        pp.early_late(str(m2), True)
+    assert [e["check"] for e in _check_marks(m2)] == [False]  # passed before: not checked; fails late
+    # its process exited 0 (the engine reported the failure): the worker reads the flow run's state, and
+    # learns nothing from the failed run
+    from qosflow.prefect.tasks import PipelineRun
+
+    failed_id = next(iter(PipelineRun.finished[-1].stages.values())).flow_run_id
+    w = qos_worker.worker
+    [rec] = _eventually(lambda: [r for r in w.records if r["flow_run_id"] == failed_id])
+    assert (rec["exit"], rec["flow_state"]) == ("ok", "FAILED")
+    est = w.scheduler.estimator
+    if hasattr(est, "flush"):
+        assert est.flush(30)
+        assert not [h for h in est.store.stage_history() if h.stage_run_id == failed_id]
+    assert pp.early_late(str(m3), False) == "ok"
+    assert [e["check"] for e in _check_marks(m3)] == [True, False]  # its last run failed: checked again
+
+
 def test_cancelling_a_stage_during_its_early_check(qos_worker, tmp_path):
     """Cancelled while it is checked on one GPU: the check's process is killed, the run ends Cancelled,
     the check says `cancelled` (not a user error), and the stage is not placed for real."""

@@ -250,6 +250,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self.predictor_artifact_s = env_number("QOSFLOW_PREDICTOR_ARTIFACT_SECONDS", 30.0, minimum=0.0)
         self._labels_written: dict[str, dict[str, str]] = {}  # flow run id -> the placement labels last written
         self._checked_ok: set[str] = set()  # stage signatures that passed an early check (or finished in one)
+        #: stage signatures whose last run failed with a user error: checked early again (Philly: failures repeat)
+        self._failed_last: set[str] = set()
         self.early_checks: list[dict[str, Any]] = []  # one record per early check (tests, benchmarks)
         self._pids: dict[str, str] = {}  # pid -> job id
         self._cancel_task: asyncio.Task | None = None
@@ -700,12 +702,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         # the stage ended when its engine reported it (what the UI and the pipeline show, and what its
         # deadline is judged on); its process may take a few seconds more to exit
         finished = ended
+        # a stage whose code raised still exits 0: its engine reported the flow run Failed. Only a run
+        # whose flow run completed is learned from (its time, steps and where it ran)
+        flow_state: str | None = None
         if status.ok:
-            reported = await self._reported_end(flow_run.id)
+            reported, flow_state = await self._reported_end(flow_run.id)
             if reported is not None and launched_at <= reported <= ended:  # (another clock: the process exit)
                 finished = reported
         actual = finished - launched_at
-        if status.ok:
+        succeeded = status.ok and flow_state in (None, "COMPLETED")
+        if succeeded:
             if getattr(self._backend, "syncs_progress", False):  # the progress it wrote last, before the estimator learns from it
                 try:
                     await asyncio.wait_for(self._backend.sync_progress([handle]), 10.0)
@@ -720,10 +726,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._logger.warning("predictor table: could not note stage %s: %s", name, exc)
         if hasattr(sched.estimator, "forget"):
             sched.estimator.forget(job)
+        if status.kind is ExitKind.USER or flow_state == "FAILED":
+            self._failed_last.add(job.model)
+        elif succeeded:
+            self._failed_last.discard(job.model)
         for a in attempts:  # read: a long-running worker keeps no file per stage it ran
             self._backend.drop_progress(a["attempt_id"])
         rec = dict(info, flow_run_id=fid, ready=entry.ready_at, queued=now, placed=grant.granted_at, launched=launched_at, ended=finished,
-                   exited=ended, actual_s=round(actual, 3), exit=status.kind.value, exit_reason=status.reason, attempts=attempts)
+                   exited=ended, actual_s=round(actual, 3), exit=status.kind.value, exit_reason=status.reason, attempts=attempts,
+                   flow_state=flow_state)
         rec["deadline_met"] = None if deadline_at is None else finished <= deadline_at
         self.records.append(rec)
         if deadline_at is not None and finished > deadline_at and status.kind is not ExitKind.CANCELLED:
@@ -1042,7 +1053,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         Philly's failures are mostly user errors that show within the first minutes and repeat; a large
         gang stage that fails at once wastes the GPUs it waited for. A stage is checked if it asks for
         it (`early_check_s` > 0), or if the QoS policy block's `early_check_s` is set and the stage needs
-        at least `early_check_min_gpus` GPUs, as long as its signature has no successful run yet.
+        at least `early_check_min_gpus` GPUs, as long as its signature has no successful run yet -- or its
+        last run failed with a user error (failures repeat: the code was changed, a new bug is as likely).
         """
         pb = self.policy_block
         own = configuration.early_check_s
@@ -1057,6 +1069,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if spec.gpus == 1 and not spec.gang and spec.gpu_milli >= 1000 and own is None:
             return 0.0  # nothing smaller to check on
         sig = job.model
+        if sig in self._failed_last:
+            return secs
         if sig in self._checked_ok:
             return 0.0
         samples = getattr(self.scheduler.estimator if self.scheduler else None, "samples", None)
@@ -1281,13 +1295,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         except Exception as exc:  # the UI's table is a view: never let it fail a stage
             self._logger.warning("could not write the predictor artifact: %s", exc)
 
-    async def _reported_end(self, flow_run_id: Any) -> float | None:
-        """When the stage's engine reported its flow run's end (epoch seconds), or None if it has not or
-        the server cannot say."""
+    async def _reported_end(self, flow_run_id: Any) -> tuple[float | None, str | None]:
+        """When the stage's engine reported its flow run's end (epoch seconds) and the final state's type
+        (COMPLETED, FAILED...); None for what it has not reported or the server cannot say."""
         fr = await self._flow_run(flow_run_id)
-        if fr is None or fr.state is None or not fr.state.is_final() or fr.end_time is None:
-            return None
-        return fr.end_time.timestamp()
+        if fr is None or fr.state is None or not fr.state.is_final():
+            return None, None
+        kind = getattr(fr.state.type, "value", None) or str(fr.state.type)
+        return (fr.end_time.timestamp() if fr.end_time is not None else None), kind
 
     async def _final(self, flow_run_id: Any) -> bool | None:
         """Has the flow run ended (None: unknown)?"""
