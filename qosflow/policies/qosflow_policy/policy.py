@@ -286,13 +286,27 @@ class QosflowPolicy(
                     # (the GPUs found: `_own` makes the placement the job's if it starts)
                     p = self._whole_gpus(st, job, "consolidated", r, shape=wshape)
                     if p is not None and reserved:
-                        # which reserved nodes the job must keep off (the same test for the GPUs found
-                        # and for the search around reservations: `blocked`, `_unreserved_whole`)
                         finish = now + r
-                        avoid = self._avoid(js, reserved, finish)
-                        if any(avoid.get(n, False) for n in p.nodes):
-                            p = self._unreserved_whole(st, js, reserved, finish, avoid=avoid, shape=wshape)
-                            held = p is None
+                        on = p.nodes
+                        if len(on) == 1:
+                            # GPUs on one node: if the job must keep off it and the search without that
+                            # node finds nothing, the search around all the reservations it must keep
+                            # off finds nothing either (hiding nodes only takes candidates away), and
+                            # the other reserved nodes need no test
+                            n0 = on[0]
+                            if n0 in reserved and self._avoid(js, {n0: reserved[n0]}, finish)[n0]:
+                                if self._whole_gpus(st, job, "consolidated", finish - now, masked=(n0,), shape=wshape) is None:
+                                    p = None
+                                else:
+                                    p = self._unreserved_whole(st, js, reserved, finish, shape=wshape)
+                                held = p is None
+                        else:
+                            # which reserved nodes the job must keep off (the same test for the GPUs
+                            # found and for the search around reservations: `blocked`, `_unreserved_whole`)
+                            avoid = self._avoid(js, reserved, finish)
+                            if any(avoid.get(n, False) for n in on):
+                                p = self._unreserved_whole(st, js, reserved, finish, avoid=avoid, shape=wshape)
+                                held = p is None
                     if p is None and not reserved:
                         failures.failed(q)
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
