@@ -7,7 +7,8 @@
     GET    /v1/stages/{id}                 status (state running|exited, returncode, signal, killed_reason)
     GET    /v1/stages/{id}/wait?timeout=S  long-poll until it exits (or S seconds)
     GET    /v1/stages/{id}/logs?offset=&follow=   stream its output
-    GET    /v1/stages/{id}/progress?offset=N      its `qosflow.report_progress` lines from byte N (the worker copies them)
+    GET    /v1/stages/{id}/progress?offset=N      its `qosflow.report_progress` lines from byte N
+    POST   /v1/progress                    {offsets: {id: N}} -> {stages: {id: lines from byte N}}: what the worker copies
     PUT    /v1/stages/{id}/cpuset          move it to other cores {cpuset: [...]}
     DELETE /v1/stages/{id}?reason=&grace=  kill it (SIGTERM, then SIGKILL after `grace` s); idempotent
 """
@@ -79,6 +80,11 @@ class LaunchRequest(BaseModel):
 
 class CpusetRequest(BaseModel):
     cpuset: list[int] = Field(min_length=1)
+
+
+class ProgressRequest(BaseModel):
+    #: stage id -> the byte offset to read its progress lines from (the size of the worker's copy)
+    offsets: dict[str, int] = Field(default_factory=dict)
 
 
 def _mem_mb() -> float:
@@ -199,6 +205,17 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     async def logs(stage_id: str, offset: int = 0, follow: bool = True):
         st = _get(stage_id)
         return StreamingResponse(runner.follow(st, offset, follow), media_type="text/plain; charset=utf-8")
+
+    @app.post("/v1/progress")
+    async def progress_many(req: ProgressRequest) -> dict:
+        """Several stages' progress lines at once (the worker asks once per host and round): for each
+        stage id this agent knows, its lines from its offset (at most 1 MiB each); unknown ids are left out."""
+        out = {}
+        for sid, offset in req.offsets.items():
+            st = runner.stages.get(sid)
+            if st is not None:
+                out[sid] = runner.progress(st, offset).decode("utf-8", "surrogateescape")
+        return {"stages": out}
 
     @app.get("/v1/stages/{stage_id}/progress")
     async def progress(stage_id: str, offset: int = 0) -> Response:

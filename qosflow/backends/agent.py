@@ -452,29 +452,33 @@ class AgentBackend(Backend):
         return self._progress.path(stage_id)
 
     async def sync_progress(self, handles: Sequence[StageHandle]) -> None:
-        """Copy what each stage's rank 0 wrote to its progress file since the last copy (the agent serves
-        it from a byte offset: the copy's size)."""
-
-        async def one(handle: StageHandle) -> None:
+        """Copy what each stage's rank 0 wrote to its progress file since the last copy: one request per
+        host for all its stages (POST /v1/progress, from each copy's size), again for a stage whose answer
+        filled its 1 MiB."""
+        by_host: dict[str, list[str]] = {}
+        for handle in handles:
             parts = handle.ref.get("parts") or []
-            if handle.backend != self.name or not parts:
-                return
-            h = self.state.get(parts[0]["host"])
-            if h is None or (h.reported and not h.up):
-                return
-            sid = parts[0]["stage_id"]
-            while True:
+            if handle.backend == self.name and parts and parts[0]["host"] in self.state:
+                by_host.setdefault(parts[0]["host"], []).append(parts[0]["stage_id"])
+
+        async def one(host: str, sids: list[str]) -> None:
+            h = self.state[host]
+            while sids and not (h.reported and not h.up):
                 try:
-                    r = await self._client(h).get(f"{h.url}/v1/stages/{sid}/progress", params={"offset": self._progress.size(sid)})
+                    r = await self._client(h).post(f"{h.url}/v1/progress", json={"offsets": {s: self._progress.size(s) for s in sids}})
                 except httpx.HTTPError:
                     return
-                if r.status_code != 200 or not r.content:
+                if r.status_code != 200:
                     return
-                self._progress.append(sid, r.content)
-                if len(r.content) < 1 << 20:
-                    return
+                more = []
+                for sid, text in (r.json().get("stages") or {}).items():
+                    data = text.encode("utf-8", "surrogateescape")
+                    self._progress.append(sid, data)
+                    if len(data) >= 1 << 20:
+                        more.append(sid)
+                sids = more
 
-        await asyncio.gather(*(one(h) for h in handles))
+        await asyncio.gather(*(one(host, sids) for host, sids in by_host.items()))
 
     # ------------------------------------------------------------------ control
     async def kill(self, handle: StageHandle, reason: str = "cancelled", grace: float | None = None) -> None:
