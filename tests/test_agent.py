@@ -693,8 +693,10 @@ def test_a_stages_progress_on_its_host_is_copied_to_the_worker(agents, tmp_path)
             end = await be.wait(h)
             await be.sync_progress([h])
             last = read_progress(copy)
-            remote = httpx.get(f"{a.url}/v1/stages/prog-1/progress", headers={"Authorization": f"Bearer {TOKEN}"}).content
-            same = open(copy, "rb").read() == remote
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            remote = httpx.get(f"{a.url}/v1/stages/prog-1/progress", headers=auth).content
+            many = httpx.post(f"{a.url}/v1/progress", json={"offsets": {"prog-1": 10, "no-such-stage": 0}}, headers=auth).json()
+            same = open(copy, "rb").read() == remote and many == {"stages": {"prog-1": remote[10:].decode()}}
             return mid, first, end, last, same, copy
         finally:
             await be.aclose()
