@@ -82,7 +82,12 @@ def test_stage_runs_in_a_pod_and_its_flow_run_completes(k8s, tmp_path):
     assert [p.spec.node_name for p in pods] == [node] and pods[0].status.phase == "Succeeded"
     # the stage reported 10 steps in its pod: they reached the worker through the pod's log (echoed, at
     # most two lines a second, the last always), and it learned the stage's step time from them
-    est = k8s["worker"].worker.scheduler.estimator
+    w = k8s["worker"].worker
+    end = time.monotonic() + 60
+    while not any(r["flow_run_id"] == rec.flow_run_id for r in w.records):  # its bookkeeping follows the pod's exit
+        assert time.monotonic() < end, "the worker never recorded the stage"
+        time.sleep(0.1)
+    est = w.scheduler.estimator
     assert est.flush(30)
     [row] = [h for h in est.store.stage_history() if h.stage_run_id == rec.flow_run_id]
     assert row.steps == 10 and row.step_time_s > 0, row

@@ -152,6 +152,8 @@ class Backend(ABC):
 
     #: whether `sync_progress` has anything to do (a backend whose stages write their progress elsewhere)
     syncs_progress: bool = False
+    #: seconds between two `sync_progress` rounds of the worker (QOSFLOW_PROGRESS_SYNC_SECONDS overrides it)
+    progress_sync_s: float = 2.0
 
     async def sync_progress(self, handles: Sequence[StageHandle]) -> None:
         """Bring the `progress_file`s of these stages up to date with what the stages wrote where they run

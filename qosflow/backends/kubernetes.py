@@ -616,14 +616,12 @@ class KubernetesBackend(Backend):
 
     async def _pods_rank0_first(self, handle: StageHandle) -> list:
         pods = (await self._acall(self.core.list_namespaced_pod, handle.ref["namespace"], label_selector=handle.ref["selector"])).items
-        def rank(p) -> tuple[int, str]:
-            idx = (p.metadata.annotations or {}).get("batch.kubernetes.io/job-completion-index", "")
-            return (int(idx) if idx.isdigit() else 0, p.metadata.name)
-
-        return sorted(pods, key=rank)
+        return _rank0_first(pods)
 
     # ------------------------------------------------------------------ progress
     syncs_progress = True
+    #: a log read per running stage and round: every 10 s, not 2, to spare the API server
+    progress_sync_s = 10.0
 
     def progress_file(self, stage_id: str) -> str:
         return self._progress.path(stage_id)
@@ -637,14 +635,25 @@ class KubernetesBackend(Backend):
         then its last PROGRESS_TAIL_LINES lines (lines older than the last one copied are skipped)."""
         from kubernetes.client.exceptions import ApiException
 
-        async def one(handle: StageHandle) -> None:
-            if handle.backend != self.name or handle.ref.get("launch_error"):
-                return
-            seen = self._progress_seen.get(handle.stage_id)
+        handles = [h for h in handles if h.backend == self.name and not h.ref.get("launch_error")]
+        if not handles:
+            return
+        by_stage: dict[tuple[str, str], list] = {}  # (namespace, stage label) -> its pods: one list call per namespace
+        for ns in {h.ref["namespace"] for h in handles}:
             try:
-                pods = await self._pods_rank0_first(handle)
-                if not pods:
-                    return
+                pods = (await self._acall(self.core.list_namespaced_pod, ns, label_selector=MANAGED_SELECTOR)).items
+            except (ApiException, OSError, ValueError) as exc:
+                log.debug("progress: listing pods in %s: %s", ns, exc)
+                continue
+            for p in pods:
+                by_stage.setdefault((ns, (p.metadata.labels or {}).get(LABEL_STAGE, "")), []).append(p)
+
+        async def one(handle: StageHandle) -> None:
+            seen = self._progress_seen.get(handle.stage_id)
+            pods = _rank0_first(by_stage.get((handle.ref["namespace"], handle.ref["selector"].split("=", 1)[1]), []))
+            if not pods:
+                return
+            try:
                 kw = {} if seen is None else {"tail_lines": PROGRESS_TAIL_LINES}
                 text = await self._acall(self.core.read_namespaced_pod_log, pods[0].metadata.name, handle.ref["namespace"], **kw)
             except (ApiException, OSError, ValueError) as exc:
@@ -681,6 +690,17 @@ class KubernetesBackend(Backend):
 
 #: lines of a pod's log read for its progress after the first read (a stage echoes at most 2 a second)
 PROGRESS_TAIL_LINES = 200
+MANAGED_SELECTOR = "app.kubernetes.io/managed-by=qosflow"
+
+
+def _rank0_first(pods: list) -> list:
+    """A stage's pods, rank 0 (completion index 0) first."""
+
+    def rank(p) -> tuple[int, str]:
+        idx = (p.metadata.annotations or {}).get("batch.kubernetes.io/job-completion-index", "")
+        return (int(idx) if idx.isdigit() else 0, p.metadata.name)
+
+    return sorted(pods, key=rank)
 
 
 def _progress_line(line: str) -> tuple[float, float, str] | None:

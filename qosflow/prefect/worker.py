@@ -947,10 +947,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
     # ------------------------------------------------------------------ heartbeats
     async def _progress_loop(self) -> None:
-        """Every QOSFLOW_PROGRESS_SYNC_SECONDS (default 2 s), copy the progress that running stages wrote on
-        their hosts to the files the scheduler reads (`Backend.sync_progress`): its forecasts, CODA and the
-        estimator read a remote stage's progress as a local one's."""
-        interval = env_number("QOSFLOW_PROGRESS_SYNC_SECONDS", 2.0, minimum=0.05)
+        """Every QOSFLOW_PROGRESS_SYNC_SECONDS (default: the backend's `progress_sync_s`, 2 s for agents, 10 s
+        on Kubernetes), copy the progress that running stages wrote where they run to the files the
+        scheduler reads (`Backend.sync_progress`): its forecasts, CODA and the estimator read a remote
+        stage's progress as a local one's."""
+        interval = env_number("QOSFLOW_PROGRESS_SYNC_SECONDS", float(getattr(self._backend, "progress_sync_s", 2.0)), minimum=0.05)
         while True:
             await asyncio.sleep(interval)
             sched, be = self.scheduler, self._backend
