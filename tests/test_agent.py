@@ -664,47 +664,26 @@ def test_a_stages_progress_on_its_host_is_copied_to_the_worker(agents, tmp_path)
     """A stage on an agent host writes `qosflow.report_progress` lines to a file there (the agent sets
     QOSFLOW_PROGRESS_FILE); `sync_progress` copies them, from the copy's size on, to the file the worker's
     scheduler reads, byte for byte -- a run resumed from a checkpoint included."""
-    from qosflow.placement_api import read_progress, read_resumed
+    from progress_stage import run_resumed_stage
 
     a, _ = agents
-    gate = tmp_path / "go"
-    code = ("import os, time, qosflow\n"
-            "qosflow.report_resumed(40, 100)\n"
-            "for s in range(41, 61): qosflow.report_progress(s, 100)\n"
-            f"while not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
-            "for s in range(61, 101): qosflow.report_progress(s, 100)\n")
 
     async def go():
         be = backend_for(a)
         try:
-            cluster = await be.inventory()
-            h = await be.launch(LaunchSpec("prog-1", [sys.executable, "-c", code], Placement("prog", ((0, 0),), ((0, 1.0),)), cluster))
-            copy = be.progress_file("prog-1")
-            deadline = time.monotonic() + 20
-            mid = None
-            while time.monotonic() < deadline:
-                await be.sync_progress([h])
-                mid = read_progress(copy)
-                if mid and mid["step"] == 60:
-                    break
-                await asyncio.sleep(0.05)
-            first = read_resumed(copy)
-            gate.write_text("")
-            end = await be.wait(h)
-            await be.sync_progress([h])
-            last = read_progress(copy)
+            r = await run_resumed_stage(be, tmp_path / "go", timeout=20)
             auth = {"Authorization": f"Bearer {TOKEN}"}
             remote = httpx.get(f"{a.url}/v1/stages/prog-1/progress", headers=auth).content
             many = httpx.post(f"{a.url}/v1/progress", json={"offsets": {"prog-1": 10, "no-such-stage": 0}}, headers=auth).json()
-            same = open(copy, "rb").read() == remote and many == {"stages": {"prog-1": remote[10:].decode()}}
-            return mid, first, end, last, same, copy
+            r["same"] = open(r["copy"], "rb").read() == remote and many == {"stages": {"prog-1": remote[10:].decode()}}
+            return r
         finally:
             await be.aclose()
 
-    mid, first, end, last, same, copy = asyncio.run(go())
-    assert mid["step"] == 60 and first == 40
-    assert end.ok and last["step"] == 100 and last["total"] == 100 and same
-    assert not os.path.exists(copy)  # the copies go with the backend
+    r = asyncio.run(go())
+    assert r["mid"]["step"] == 60 and r["resumed"] == 40
+    assert r["status"].ok and r["last"]["step"] == 100 and r["last"]["total"] == 100 and r["same"]
+    assert not os.path.exists(r["copy"])  # the copies go with the backend
 
 
 def test_records_beyond_max_records_go_with_their_files(tmp_path):

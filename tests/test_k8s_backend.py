@@ -502,46 +502,22 @@ def test_a_pods_progress_reaches_the_worker_through_its_log(tmp_path):
     log (at most two lines a second, a resumed run's first line and the last step always); `sync_progress`
     copies the new lines from rank 0's log -- the whole log first, then its tail -- to the file the
     worker's scheduler reads. (The emulator's kubelet runs the container command as a local process.)"""
-    import sys
-
-    from qosflow.placement_api import read_progress, read_resumed
-
-    gate = tmp_path / "go"
-    code = ("import os, sys, time, qosflow\n"
-            "print('training starts', flush=True)\n"
-            "qosflow.report_resumed(40, 100)\n"
-            "for s in range(41, 61): qosflow.report_progress(s, 100); time.sleep(0.01)\n"
-            f"while not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
-            "for s in range(61, 101): qosflow.report_progress(s, 100)\n"
-            "print('done', flush=True)\n")
+    from progress_stage import run_resumed_stage
 
     async def go():
         with EmulatorServer([gpu_node("gpu-0", 2)], run_processes=True) as emu:
             be = KubernetesBackend(namespace="default", image="python:3.11-slim", api_client=emu.api_client())
             try:
-                cluster = await be.inventory()
-                h = await be.launch(LaunchSpec("prog-1", [sys.executable, "-c", code], Placement("prog", ((0, 0),), ((0, 0.5),)), cluster))
-                copy = be.progress_file("prog-1")
-                deadline, mid = time.monotonic() + 30, None
-                while time.monotonic() < deadline:
-                    await be.sync_progress([h])
-                    mid = read_progress(copy)
-                    if mid and mid["step"] == 60:
-                        break
-                    await asyncio.sleep(0.1)
-                resumed = read_resumed(copy)
-                gate.write_text("")
-                st = await be.wait(h)
-                await be.sync_progress([h])
-                lines = [ln async for ln in be.logs(h)]
-                return mid, resumed, st, read_progress(copy), open(copy).read().splitlines(), lines
+                r = await run_resumed_stage(be, tmp_path / "go", cores=0.5)
+                r["log"] = [ln async for ln in be.logs(r["handle"])]
+                return r
             finally:
                 await be.aclose()
 
-    mid, resumed, st, last, copied, log_lines = run(go())
-    assert st.kind is ExitKind.OK, st
-    assert mid["step"] == 60 and resumed == 40  # (step 60, held back by the throttle, goes out when its interval ends)
-    assert last["step"] == 100 and last["total"] == 100  # the last step is always echoed
-    steps = [json.loads(x)["step"] for x in copied]
+    r = run(go())
+    assert r["status"].kind is ExitKind.OK, r["status"]
+    assert r["mid"]["step"] == 60 and r["resumed"] == 40  # (step 60, held back by the throttle, goes out when its interval ends)
+    assert r["last"]["step"] == 100 and r["last"]["total"] == 100  # the last step is always echoed
+    steps = [json.loads(x)["step"] for x in r["lines"]]
     assert steps == sorted(steps) and len(steps) == len(set(steps)) and len(steps) < 60  # throttled, never twice
-    assert "training starts" in log_lines and "done" in log_lines
+    assert "training starts" in r["log"] and "done" in r["log"]
