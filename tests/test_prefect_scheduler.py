@@ -65,6 +65,14 @@ async def enqueue(s: QoSScheduler, e: StageEntry) -> asyncio.Future:
     return t
 
 
+async def grant_each(s: QoSScheduler, *entries: StageEntry) -> None:
+    """Queue the entries one by one, each granted by a round of its own."""
+    for e in entries:
+        t = await enqueue(s, e)
+        s.round()
+        await t
+
+
 async def settle() -> None:
     for _ in range(3):
         await asyncio.sleep(0)
@@ -161,11 +169,7 @@ def test_coda_moves_a_core_to_a_lagging_gpu_stage(tmp_path):
                          on_event=lambda n, e, p: events.append((n, p)), set_cpus=set_cpus, clock=lambda: clock[0])
         cpu = entry("cpu-stage", gpus=0, cpu=3.0, expected=100)
         gpu = entry("gpu-stage", gpus=1, cpu=1.0, expected=10)
-        for e in (cpu, gpu):
-            t = asyncio.ensure_future(s.request(e))
-            await asyncio.sleep(0)
-            s.round()
-            await t
+        await grant_each(s, cpu, gpu)
         prog = tmp_path / "gpu.progress"
         prog.write_text(json.dumps({"t": 0, "step": 1, "total": 10}) + "\n")
         s.attach("gpu-stage", None, str(prog))
@@ -590,11 +594,7 @@ def test_coda_reads_a_resumed_runs_share_of_the_work(tmp_path):
                          coda_min_elapsed=1.0, clock=lambda: clock[0])
         cpu_e, gpu_e = entry("cpu-stage", gpus=0, cpu=3.0, expected=100), entry("gpu-stage", gpus=1, cpu=1.0, expected=10)
         assert s.where_ran(gpu_e) == {}  # not granted yet
-        for e in (cpu_e, gpu_e):
-            t = asyncio.ensure_future(s.request(e))
-            await asyncio.sleep(0)
-            s.round()
-            await t
+        await grant_each(s, cpu_e, gpu_e)
         prog = tmp_path / "gpu.progress"
         lines = [{"t": 0, "step": 50, "total": 100, "resumed": True}, {"t": 5, "step": 60, "total": 100}]
         prog.write_text("".join(json.dumps(x) + "\n" for x in lines))
