@@ -329,8 +329,8 @@ def test_a_worker_stopped_as_its_pipeline_returns_still_finishes_its_bookkeeping
     os.environ["QOSFLOW_POOL"] = pool
     w = WorkerThread(pool).wait_ready(120)
     try:
-        assert pp.lingering_pipeline(4.0) == "done"
-        assert w.worker._in_flight  # the stage's process is still exiting
+        assert pp.lingering_pipeline(10.0) == "done"
+        assert w.worker._in_flight  # the stage's process is still exiting (10 s: the pipeline may see the end seconds late on a loaded machine)
     finally:
         w.stop()
         if before is None:
