@@ -162,8 +162,14 @@ def lingering_pipeline(seconds: float = 4.0) -> str:
 
 @qos_task(gpus=1, cpu_cores=1, expected_duration=8)
 def napper(seconds: float) -> float:
-    """Holds its (only) GPU for `seconds`: a second one waits in the QoS queue meanwhile."""
-    time.sleep(seconds)
+    """Holds its (only) GPU for `seconds`, reporting its progress every half second: a second one waits in
+    the QoS queue meanwhile."""
+    import qosflow
+
+    steps = max(1, round(seconds / 0.5))
+    for step in range(1, steps + 1):
+        time.sleep(seconds / steps)
+        qosflow.report_progress(step, steps)
     return seconds
 
 

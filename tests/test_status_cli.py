@@ -46,7 +46,8 @@ def test_status_shows_the_running_stage_and_why_the_other_waits(prefect_server, 
             data = json.loads(out.read_text())
             phases = sorted(s["phase"] for s in data["stages"])
             waiting = [s for s in data["stages"] if s["phase"] == "queued"]
-            if phases == ["queued", "running"] and waiting[0]["why_waiting"]:
+            running = [s for s in data["stages"] if s["phase"] == "running"]
+            if phases == ["queued", "running"] and waiting[0]["why_waiting"] and running[0]["done_pct"] is not None:
                 break
             assert time.monotonic() < deadline, data
             time.sleep(1.0)
@@ -54,6 +55,7 @@ def test_status_shows_the_running_stage_and_why_the_other_waits(prefect_server, 
         [running] = [s for s in data["stages"] if s["phase"] == "running"]
         assert running["name"].startswith("napper") and running["host"] and running["gpus"] and running["predicted_s"] > 0
         assert 0 < running["deadline_in_s"] <= 600 and running["priority"]
+        assert 0 < running["done_pct"] <= 100 and waiting[0]["done_pct"] is None  # its progress artifact; none while queued
         assert [x["name"] for x in data["workers"]] == [w.worker.name] and data["workers"][0]["status"] == "ONLINE"
         assert data["pipelines_running"] == 0  # (this pipeline runs here, not as a deployment's run in the pool)
         assert "QoS queue" in text and "stage runs" in text and "workers" in text

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 HELP = """Show what a `qosflow` work pool is doing: its workers, the stage runs running (host, GPUs,
-how long, predicted duration, time to the deadline), and those waiting in the QoS queue with the
+how long, per cent done from their progress reports, predicted duration, time to the deadline), and
+those waiting in the QoS queue with the
 policy's latest reason (or not taken by any worker yet).
 
 Read from the Prefect server at PREFECT_API_URL, as the UI shows it.
@@ -65,11 +66,12 @@ def register(app: typer.Typer) -> None:
             console.print("no stage run is running or waiting")
         else:
             t = Table(title="stage runs")
-            for col in ("stage", "pipeline", "class", "phase", "where", "for", "predicted", "deadline in", "why it waits"):
+            for col in ("stage", "pipeline", "class", "phase", "where", "for", "done", "predicted", "deadline in", "why it waits"):
                 t.add_column(col, overflow="fold")
             for s in st.stages:
                 where = f"{s.host} {s.gpus}".strip() if s.phase == "running" else "QoS queue" if s.phase == "queued" else "no worker yet"
-                t.add_row(s.name, s.pipeline or "-", s.priority or "-", s.phase, where, _dur(s.since_s), _dur(s.predicted_s),
+                done = "-" if s.done_pct is None else f"{s.done_pct:.0f} %"
+                t.add_row(s.name, s.pipeline or "-", s.priority or "-", s.phase, where, _dur(s.since_s), done, _dur(s.predicted_s),
                           _dur(s.deadline_in_s), s.why_waiting or "")
             console.print(t)
         if json_out is not None:

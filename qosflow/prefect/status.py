@@ -31,6 +31,8 @@ class StageStatus:
     predicted_s: float | None = None
     deadline_in_s: float | None = None  # negative: past its deadline
     why_waiting: str = ""
+    #: per cent of its work done, from the progress artifact its `qosflow.report_progress` calls keep up to date
+    done_pct: float | None = None
 
 
 @dataclass
@@ -130,6 +132,30 @@ async def pool_status(pool: str, *, limit: int = 200) -> PoolStatus:
                 line = next((lg.message for lg in logs if WAITING_LINE in lg.message), "")
                 st.why_waiting = line.split("so far): ", 1)[1] if "so far): " in line else line
             out.stages.append(st)
+        running = {s.flow_run_id: s for s in out.stages if s.phase == "running"}
+        if running:
+            for fid, pct in (await _progress(client, list(running))).items():
+                running[fid].done_pct = pct
     order = {"running": 0, "queued": 1, "unclaimed": 2}
     out.stages.sort(key=lambda s: (order[s.phase], -(s.since_s or 0.0)))
+    return out
+
+
+async def _progress(client: Any, flow_run_ids: list[str]) -> dict[str, float]:
+    """flow run id -> the value of its newest progress artifact (per cent), in one request."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    try:
+        arts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=flow_run_ids),
+                                           type=ArtifactFilterType(any_=["progress"])),
+            sort=ArtifactSort.UPDATED_DESC, limit=max(200, 4 * len(flow_run_ids)))
+    except Exception:  # a view: status works without it
+        return {}
+    out: dict[str, float] = {}
+    for a in arts:
+        pct = _float(a.data)
+        if a.flow_run_id is not None and pct is not None:
+            out.setdefault(str(a.flow_run_id), pct)
     return out
