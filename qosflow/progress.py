@@ -91,6 +91,16 @@ def _echo(line: str, force: bool) -> None:
             _echo_atexit = True
 
 
+def _echo_after_fork() -> None:
+    """A forked child has no timer thread and must not inherit a lock another thread held."""
+    global _echo_lock, _echo_timer, _echo_held
+    _echo_lock, _echo_timer, _echo_held = threading.Lock(), None, None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_echo_after_fork)
+
+
 def _emit(line: str) -> None:
     global _echo_last, _echo_held
     _echo_last, _echo_held = time.monotonic(), None

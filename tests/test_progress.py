@@ -102,3 +102,31 @@ def test_echo_to_stderr_is_throttled_and_loses_no_last_line(monkeypatch, tmp_pat
     monkeypatch.delenv(progress.ECHO_ENV)
     qosflow.report_progress(52)
     assert capfd.readouterr().err == ""
+
+
+def test_a_forked_child_echoes_its_held_line(monkeypatch, tmp_path):
+    """A line held back in a child forked while the parent's timer was pending still goes out: the child
+    starts its own timer (the parent's thread does not exist there)."""
+    import os
+    import time
+
+    from qosflow import progress
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "p.jsonl"))
+    monkeypatch.setenv(progress.ECHO_ENV, "stderr")
+    err = tmp_path / "child.err"
+    qosflow.report_progress(1)
+    qosflow.report_progress(2)  # held: the parent's timer is pending
+    pid = os.fork()
+    if pid == 0:  # the child: its stderr to a file; a held line must go out within the interval
+        try:
+            fd = os.open(str(err), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 2)
+            qosflow.report_progress(3)
+            qosflow.report_progress(4)
+            time.sleep(progress.ECHO_INTERVAL_S + 0.4)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    steps = [int(x.split('"step":')[1].split(",")[0]) for x in err.read_text().splitlines()]
+    assert steps and steps[-1] == 4
