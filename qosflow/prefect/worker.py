@@ -1149,6 +1149,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             sched.release(fid, ok=True)
             self._unregister(fid)
             await self._release_lease(fid)
+            self._backend.drop_progress(f"{fid}-check")
         took = time.time() - t0
         rec = {"flow_run_id": fid, "stage": entry.name, "host": info["host"], "seconds": round(took, 3), "check_s": check_s}
         if status.kind not in (ExitKind.INFRA, ExitKind.CANCELLED) or passed:
