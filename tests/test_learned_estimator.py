@@ -506,3 +506,27 @@ def test_where_a_stage_ran_goes_into_its_store_rows(tmp_path):
     assert (sb.placement, sb.cross_node, sb.gpus) == ("spread", True, 16)
     again = LearnedEstimator.from_store(store, reference=None)
     assert again._steps.get((again._sig_of(stage(3, gpus=16))[1], 16)) is None  # the spread run is no solo step time
+
+
+def test_a_stages_runs_on_different_cores_teach_its_cpu_curve_at_once(tmp_path):
+    """CODA's curve learns from the worker's stages while it runs, not only from `qosflow profile` or after
+    a restart: runs alone at 1 and 4 cores (0.8 and 0.35 s per step) give a two-point curve, by which 2
+    cores run at about 0.5 s per step."""
+    from qosflow.store import Store
+
+    est = LearnedEstimator.from_store(Store.open(f"sqlite:///{tmp_path / 'q.db'}"), reference=None)
+
+    def stage(i: int) -> Job:
+        return Job(f"s{i}", 0.0, QoSSpec(gpus=1, cpu_cores=4.0), 60.0, model="flows.train")
+
+    before = est.curve(stage(0))
+    est.observe_stage(stage(1), 80.0, steps=100, where={"placement": "consolidated", "cpu_cores": 1})
+    est.observe_stage(stage(2), 35.0, steps=100, where={"placement": "consolidated", "cpu_cores": 4})
+    c = est.curve(stage(3))
+    assert before.n_samples == 0 and c.n_samples == 2
+    assert c.step_time(1) == pytest.approx(0.8, rel=0.01) and c.step_time(4) == pytest.approx(0.35, rel=0.01)
+    assert c.step_time(2) == pytest.approx(0.5, rel=0.01)
+    assert est.predict_cpu(stage(4), 2.0).value == pytest.approx(0.35 / 0.5, rel=0.02)
+    # the same after a restart, from the samples' cores
+    again = LearnedEstimator.from_store(est.store, reference=None)
+    assert again.curve(stage(5)).n_samples == 2

@@ -887,6 +887,10 @@ class LearnedEstimator:
         n, covered = run
         t = actual_s / n if n else None
         pred = self._dur.get(job.job_id)
+        cores = (where or {}).get("cpu_cores")
+        if t is not None and cores and job.qos.gpus <= 1 and (where or {}).get("placement", "consolidated") == "consolidated":
+            self.predictor.observe_cpu(sig, cores, t)  # CODA's curve learns from the stage's own runs
+            self._cpu.pop(key, None)
         self._learn(job, key, float(actual_s) / covered, t)
         self._persist(job, sig, float(actual_s), pred, t, n, resumed_from=resumed_from, where=where)
 

@@ -501,6 +501,12 @@ class Predictor:
 
     # ------------------------------------------------------------------ CPU cores
 
+    def observe_cpu(self, signature: str, cores: float, step_time_s: float) -> None:
+        """A solo step time measured with `cores` CPU cores (at most one GPU): a point of CODA's curve."""
+        if cores > 0 and step_time_s > 0 and math.isfinite(step_time_s):
+            self._cpu.setdefault(canonical(signature), []).append((float(cores), float(step_time_s)))
+            self._cache.clear()
+
     def cpu_curve(self, signature: str) -> CpuCurve:
         sig = canonical(signature)
         pts = self._cpu.get(sig, [])
