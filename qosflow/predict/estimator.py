@@ -112,7 +112,7 @@ def _steps_run(job: Job, steps: int | None) -> int | None:
 _WHERE_FIELDS = ("host", "gpu_type", "placement", "cpu_cores", "started_at", "finished_at")
 
 
-def _this_run(job: Job, steps: int | None, resumed_from: int) -> tuple[int | None, float] | None:
+def run_share(job: Job, steps: int | None, resumed_from: int) -> tuple[int | None, float] | None:
     """(steps this run did, the fraction of the whole run's steps they are) of a finished stage run that
     started with `resumed_from` steps done (1.0 for a run from the start); None when a resumed run's
     steps are not known, so that what it did cannot be told from a whole run."""
@@ -880,15 +880,16 @@ class LearnedEstimator:
         if not (isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0):
             return
         sig, key = self._sig_of(job)
-        run = _this_run(job, steps, resumed_from)
+        run = run_share(job, steps, resumed_from)
         if run is None:
             self._learn(job, key, None, None)
             return
         n, covered = run
         t = actual_s / n if n else None
         pred = self._dur.get(job.job_id)
-        cores = (where or {}).get("cpu_cores")
-        if t is not None and cores and job.qos.gpus <= 1 and (where or {}).get("placement", "consolidated") == "consolidated":
+        here = where or {}
+        cores = here.get("cpu_cores")
+        if t is not None and cores and job.qos.gpus <= 1 and here.get("placement", "consolidated") == "consolidated":
             self.predictor.observe_cpu(sig, cores, t)  # CODA's curve learns from the stage's own runs
             self._cpu.pop(key, None)
         self._learn(job, key, float(actual_s) / covered, t)
@@ -917,7 +918,7 @@ class LearnedEstimator:
             self.observe(job, actual_s, steps=steps, resumed_from=resumed_from, where=where)
             return
         sig, key = self._sig_of(job)
-        run = _this_run(job, steps, resumed_from)
+        run = run_share(job, steps, resumed_from)
         if run is None:
             self._learn(job, key, None, None)
             return

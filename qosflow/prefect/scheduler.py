@@ -73,6 +73,13 @@ class StageEntry:
     def job(self) -> Job:
         return self.state.job
 
+    def resumed_steps(self) -> int:
+        """`resumed`, read from the head of its progress file the first time (a run says it before its
+        first step); 0 without a progress file."""
+        if self.resumed is None:
+            self.resumed = read_resumed(self.progress_file) if self.progress_file else 0
+        return self.resumed
+
     @property
     def job_id(self) -> str:
         return self.state.job.job_id
@@ -423,10 +430,8 @@ class QoSScheduler:
             return None
         total = float(rec["total"])
         frac = max(0.0, min(1.0, float(rec["step"]) / total))
-        if e.resumed is None:  # said before the first step: read once
-            e.resumed = read_resumed(e.progress_file)
         e.state.progress = frac
-        e.state.progress_start = max(0.0, min(frac, e.resumed / total))
+        e.state.progress_start = max(0.0, min(frac, e.resumed_steps() / total))
         return frac
 
     async def coda_round(self) -> list[dict[str, Any]]:
@@ -559,11 +564,10 @@ class QoSScheduler:
         if p is None:
             return {}
         names = self.cluster.node_names
-        gpu_type = "cpu" if not p.gpus else (self.cluster.nodes[p.nodes[0]].gpu_model or "unknown") if p.nodes else "unknown"
         cores = p.cpu_cores
         return {
             "host": ",".join(names[n] for n in p.nodes) or None,
-            "gpu_type": gpu_type,
+            "gpu_type": self.cluster.nodes[p.gpus[0][0]].gpu_model or "unknown" if p.gpus else "cpu",
             "placement": "spread" if len(p.nodes) > 1 else "consolidated",
             "cpu_cores": None if e.meta.get("cores_moved") or cores < 1 else int(round(cores)),
         }

@@ -41,7 +41,7 @@ from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.env import env_flag, env_number
 from qosflow.failures import Action, decide
-from qosflow.placement_api import read_progress, read_resumed
+from qosflow.placement_api import read_progress
 from qosflow.prefect.scheduler import STAGE_DEFAULT_DURATION, QoSScheduler, StageCancelled, StageEntry, make_live_estimator
 from qosflow.prefect.spec import QOS_FIELDS, spec_from_job_variables
 
@@ -345,7 +345,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._sync_health()
             await self._recover()
             self._health_task = loop.create_task(self._health_loop(), name="qosflow-heartbeat")
-            if getattr(self._backend, "syncs_progress", False):  # stages report their progress where they run: copy it here
+            if self._backend.syncs_progress:  # stages report their progress where they run: copy it here
                 self._progress_task = loop.create_task(self._progress_loop(), name="qosflow-progress")
             return self.scheduler
 
@@ -712,7 +712,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         actual = finished - launched_at
         succeeded = status.ok and flow_state in (None, "COMPLETED")
         if succeeded:
-            if getattr(self._backend, "syncs_progress", False):  # the progress it wrote last, before the estimator learns from it
+            if self._backend.syncs_progress:  # the progress it wrote last, before the estimator learns from it
                 try:
                     await asyncio.wait_for(self._backend.sync_progress([handle]), 10.0)
                 except Exception as exc:  # noqa: BLE001 - learned from what was copied so far
@@ -951,7 +951,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         on Kubernetes), copy the progress that running stages wrote where they run to the files the
         scheduler reads (`Backend.sync_progress`): its forecasts, CODA and the estimator read a remote
         stage's progress as a local one's."""
-        interval = env_number("QOSFLOW_PROGRESS_SYNC_SECONDS", float(getattr(self._backend, "progress_sync_s", 2.0)), minimum=0.05)
+        interval = env_number("QOSFLOW_PROGRESS_SYNC_SECONDS", float(self._backend.progress_sync_s), minimum=0.05)
         while True:
             await asyncio.sleep(interval)
             sched, be = self.scheduler, self._backend
@@ -1222,17 +1222,17 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         est, job = sched.estimator, entry.state.job
         rec = read_progress(entry.progress_file) if entry.progress_file else None
         steps = int(rec["step"]) if rec and isinstance(rec.get("step"), (int, float)) and rec["step"] >= 1 else None
-        if entry.resumed is None:
-            entry.resumed = read_resumed(entry.progress_file) if entry.progress_file else 0
-        resumed = entry.resumed
+        resumed = entry.resumed_steps()
         observe_stage = getattr(est, "observe_stage", None)
         if observe_stage is None:
             if hasattr(est, "observe"):
                 if resumed:  # a run resumed from a checkpoint: the time a whole run would take at its pace
-                    total = job.iterations or steps
-                    if not total or total <= resumed:
+                    from qosflow.predict.estimator import run_share
+
+                    run = run_share(job, steps, resumed)
+                    if run is None:
                         return
-                    actual *= total / (total - resumed)
+                    actual /= run[1]
                 est.observe(job, actual)
             return
         partners = entry.meta.get("partners", {})
@@ -1303,8 +1303,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         fr = await self._flow_run(flow_run_id)
         if fr is None or fr.state is None or not fr.state.is_final():
             return None, None
-        kind = getattr(fr.state.type, "value", None) or str(fr.state.type)
-        return (fr.end_time.timestamp() if fr.end_time is not None else None), kind
+        return (fr.end_time.timestamp() if fr.end_time is not None else None), _type(fr.state)
 
     async def _final(self, flow_run_id: Any) -> bool | None:
         """Has the flow run ended (None: unknown)?"""
