@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -33,3 +34,13 @@ def data_dir() -> Path:
         p = Path(base) / "qosflow"
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def file_stem(name: str) -> str:
+    """`name` (a stage id) as a file name's stem: characters other than letters, digits, `_`, `.` and
+    `-` become `_`, at most 150 of them."""
+    return _UNSAFE.sub("_", name)[:150]
+

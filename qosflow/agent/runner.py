@@ -13,17 +13,16 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
-import re
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+from qosflow.paths import file_stem
 from qosflow.placement_api import PROGRESS_FILE_ENV
 
 _PR_SET_PDEATHSIG = 1
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 #: environment variables of the agent that a stage must never see
 _SECRET_ENV = ("QOSFLOW_AGENT_TOKEN",)
 
@@ -49,8 +48,6 @@ class StageProc:
     stage_id: str
     command: list[str]
     log_path: Path
-    #: where the stage's `qosflow.report_progress` lines go (the worker copies them: GET .../progress)
-    progress_path: Path | None = None
     labels: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     cpuset_requested: list[int] | None = None
@@ -63,6 +60,11 @@ class StageProc:
     error: str | None = None
     proc: asyncio.subprocess.Process | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def progress_path(self) -> Path:
+        """Where the stage's `qosflow.report_progress` lines go, beside its log (the worker copies them)."""
+        return self.log_path.with_suffix(".progress")
 
     @property
     def running(self) -> bool:
@@ -111,13 +113,11 @@ class Runner:
         if stage_id in self.stages:
             raise KeyError(stage_id)
         self._prune()
-        base = _SAFE.sub('_', stage_id)[:150]
-        log_path = self.workdir / f"{base}.log"
+        log_path = self.workdir / f"{file_stem(stage_id)}.log"
         st = StageProc(
             stage_id=stage_id,
             command=list(command),
             log_path=log_path,
-            progress_path=self.workdir / f"{base}.progress",
             labels=dict(labels or {}),
             cwd=cwd,
             cpuset_requested=list(cpuset) if cpuset else None,
@@ -180,11 +180,10 @@ class Runner:
         for s in finished[: len(self.stages) - self.max_records + 1]:
             self.stages.pop(s.stage_id, None)
             for path in (s.log_path, s.progress_path):  # the record is gone: so are its files
-                if path is not None:
-                    try:
-                        path.unlink()
-                    except OSError:
-                        pass
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
 
     # ------------------------------------------------------------------ control
     async def wait(self, st: StageProc, timeout: float) -> None:
@@ -234,8 +233,6 @@ class Runner:
     # ------------------------------------------------------------------ logs
     def progress(self, st: StageProc, offset: int = 0, limit: int = 1 << 20) -> bytes:
         """Up to `limit` bytes of the stage's progress lines from byte `offset` (empty: none yet)."""
-        if st.progress_path is None:
-            return b""
         try:
             with open(st.progress_path, "rb") as f:
                 f.seek(max(0, offset))

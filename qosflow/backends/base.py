@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
@@ -17,6 +16,7 @@ from typing import AsyncIterator, Sequence
 
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.placement import Placement
+from qosflow.paths import file_stem
 
 
 #: the killed_reason of stages an agent killed because it is stopping (an infrastructure failure)
@@ -182,7 +182,7 @@ class ProgressCopies:
             import tempfile
 
             self._dir = tempfile.mkdtemp(prefix=self.prefix)
-        return os.path.join(self._dir, _SAFE_NAME.sub("_", stage_id)[:150] + ".progress")
+        return os.path.join(self._dir, file_stem(stage_id) + ".progress")
 
     def size(self, stage_id: str) -> int:
         try:
@@ -201,7 +201,3 @@ class ProgressCopies:
 
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-
-
-_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
-

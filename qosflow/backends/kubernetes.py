@@ -650,7 +650,7 @@ class KubernetesBackend(Backend):
 
         async def one(handle: StageHandle) -> None:
             seen = self._progress_seen.get(handle.stage_id)
-            pods = _rank0_first(by_stage.get((handle.ref["namespace"], handle.ref["selector"].split("=", 1)[1]), []))
+            pods = _rank0_first(by_stage.get((handle.ref["namespace"], label_value(handle.stage_id)), []))
             if not pods:
                 return
             try:
