@@ -137,8 +137,7 @@ def report_progress(step: int, total: int | None = None) -> None:
 def report_resumed(step: int, total: int | None = None) -> None:
     """Record that this run starts with `step` steps (of `total`) already done by an earlier run, e.g. from
     a checkpoint. Call it once, before the first `report_progress`."""
-    if step < 0:
-        raise ValueError(f"report_resumed: step must be >= 0 (the steps an earlier run did), got {step}")
+    _check_resumed("report_resumed", "step", step, total)
     fh = _channel()
     if fh is None:
         return
@@ -146,19 +145,30 @@ def report_resumed(step: int, total: int | None = None) -> None:
     _write(fh, '{"t":%.6f,"step":%d%s,"resumed":true,"pid":%d}\n' % (time.time(), step, total_part, _fh_pid), True)
 
 
+def _check_resumed(fn: str, arg: str, done: int, total: int | None) -> None:
+    if done < 0:
+        raise ValueError(f"{fn}: {arg} must be >= 0 (the steps an earlier run did), got {done}")
+    if total is not None and done > total:
+        raise ValueError(f"{fn}: {arg}={done} is more than the run's total of {total} steps")
+
+
 def track(iterable: Iterable[T], total: int | None = None, *, start: int = 0) -> Iterator[T]:
     """Yield the items of `iterable`, reporting a step each time the loop body for one item finishes.
 
     `start`: steps an earlier run already did (a run resumed from a checkpoint; `iterable` then holds the
     steps left): reported with `report_resumed`, and the steps counted on from it. `total` (default
-    `start` + the iterable's length, when it has one) is the whole run's step count."""
-    if start < 0:
-        raise ValueError(f"track: start must be >= 0 (the steps an earlier run did), got {start}")
+    `start` + the iterable's length, when it has one) is the whole run's step count. A bad `start` fails
+    here, not at the first step."""
     if total is None:
         try:
             total = start + len(iterable)  # type: ignore[arg-type]
         except TypeError:
             total = None
+    _check_resumed("track", "start", start, total)
+    return _tracked(iterable, total, start)
+
+
+def _tracked(iterable: Iterable[T], total: int | None, start: int) -> Iterator[T]:
     if _channel() is None:
         yield from iterable
         return

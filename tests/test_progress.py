@@ -71,9 +71,16 @@ def test_a_resumed_run_says_where_it_starts(monkeypatch, tmp_path):
     qosflow.report_progress(8, 20)
     assert read_resumed(str(by_hand)) == 7
     with pytest.raises(ValueError, match="start must be >= 0"):
-        list(qosflow.track(range(3), start=-1))
+        qosflow.track(range(3), start=-1)  # at the call, not at the first step
     with pytest.raises(ValueError, match="step must be >= 0"):
         qosflow.report_resumed(-2, 10)
+    with pytest.raises(ValueError, match=r"step=12 is more than the run's total of 10 steps"):
+        qosflow.report_resumed(12, 10)
+    with pytest.raises(ValueError, match=r"start=5 is more than the run's total of 4 steps"):
+        qosflow.track(range(3), total=4, start=5)
+    monkeypatch.delenv(ENV_VAR)  # checked whether or not a worker reads the progress
+    with pytest.raises(ValueError, match="start must be >= 0"):
+        qosflow.track(range(3), start=-1)
 
 
 def test_echo_to_stderr_is_throttled_and_loses_no_last_line(monkeypatch, tmp_path, capfd):
