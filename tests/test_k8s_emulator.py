@@ -213,3 +213,19 @@ def test_standalone_emulator_mistakes_are_messages():
         for args, says in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"), (["--nodes", "-1"], "--nodes must be at least 1")):
             r = subprocess.run([sys.executable, "-m", "qosflow.k8s_emulator", *args], capture_output=True, text=True, timeout=60)
             assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_pod_log_tail_lines(api, emu):
+    """GET .../log?tailLines=N gives the last N lines, as the API server does; a value that is not an
+    integer is a 400 naming the parameter."""
+    core, batch = api
+    batch.create_namespaced_job(NS, job("logs-1", labels={"t": "logs"}))
+    [pod] = wait_pods(core, "t=logs", lambda p: p.status.phase in ("Running", "Succeeded"))
+    name = pod.metadata.name
+    whole = core.read_namespaced_pod_log(name, NS)
+    lines = whole.splitlines(keepends=True)
+    assert len(lines) >= 2
+    assert core.read_namespaced_pod_log(name, NS, tail_lines=1) == lines[-1]
+    assert core.read_namespaced_pod_log(name, NS, tail_lines=len(lines) + 5) == whole
+    r = httpx.get(f"{emu.url}/api/v1/namespaces/{NS}/pods/{name}/log", params={"tailLines": "many"})
+    assert r.status_code == 400 and "tailLines" in r.json()["message"]

@@ -154,6 +154,8 @@ def create_app(cluster: Cluster):
                     text = cluster.logs(obj)
                     tail = q.get("tailLines")
                     if tail is not None:  # the last N lines, as the API server gives them
+                        if not tail.lstrip("-").isdigit():
+                            raise ApiError(400, "BadRequest", f"tailLines: invalid value {tail!r}: an integer is expected")
                         n = int(tail)
                         lines = text.splitlines(keepends=True)
                         text = "".join(lines[-n:]) if n > 0 else ""

@@ -314,6 +314,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._backend = LocalBackend(cluster)
             spec = await self._backend.inventory()
             self.inventory_note = getattr(self._backend, "inventory_note", "")
+            # (a bad QOSFLOW_PROGRESS_SYNC_SECONDS fails the setup, saying what is wrong, not a background task)
+            sync_s = env_number("QOSFLOW_PROGRESS_SYNC_SECONDS", float(self._backend.progress_sync_s), minimum=0.05)
             self.scheduler = QoSScheduler(
                 spec,
                 policy,
@@ -346,7 +348,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._recover()
             self._health_task = loop.create_task(self._health_loop(), name="qosflow-heartbeat")
             if self._backend.syncs_progress:  # stages report their progress where they run: copy it here
-                self._progress_task = loop.create_task(self._progress_loop(), name="qosflow-progress")
+                self._progress_task = loop.create_task(self._progress_loop(sync_s), name="qosflow-progress")
             return self.scheduler
 
     async def setup(self) -> None:
@@ -946,12 +948,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._report_final(fid, status, None)
 
     # ------------------------------------------------------------------ heartbeats
-    async def _progress_loop(self) -> None:
-        """Every QOSFLOW_PROGRESS_SYNC_SECONDS (default: the backend's `progress_sync_s`, 2 s for agents, 10 s
-        on Kubernetes), copy the progress that running stages wrote where they run to the files the
-        scheduler reads (`Backend.sync_progress`): its forecasts, CODA and the estimator read a remote
-        stage's progress as a local one's."""
-        interval = env_number("QOSFLOW_PROGRESS_SYNC_SECONDS", float(self._backend.progress_sync_s), minimum=0.05)
+    async def _progress_loop(self, interval: float) -> None:
+        """Every `interval` seconds (QOSFLOW_PROGRESS_SYNC_SECONDS, default the backend's `progress_sync_s`:
+        2 s for agents, 10 s on Kubernetes), copy the progress that running stages wrote where they run to
+        the files the scheduler reads (`Backend.sync_progress`): its forecasts, CODA and the estimator read
+        a remote stage's progress as a local one's."""
         while True:
             await asyncio.sleep(interval)
             sched, be = self.scheduler, self._backend
