@@ -179,3 +179,79 @@ def test_default_speed_model_without_table(tmp_path):
     sm = default_speed_model(tmp_path / "absent.json")
     assert isinstance(sm, SpeedModel) and sm.interference is None
     assert sm.pair_slowdown(_job("a", "x"), _job("b", "y")) == (sm.default_pair, sm.default_pair)
+
+
+# ---------------------------------------------------------------------- GPU models (mixed clusters)
+def _typed_table(tmp_path):
+    """The tiny table plus a K80 section: A runs at half speed there, B (measured at 1 GPU only) faster."""
+    return tiny_table(tmp_path, k80={"('A', 1)": {"null": 5.0}, "('A', 2)": {"null": 6.0}, "('B', 1)": {"null": 6.0}})
+
+
+def test_gpu_speed_relative_to_the_tables_own_type(tmp_path):
+    t = GavelInterference(_typed_table(tmp_path))
+    assert t.gpu_types() == ("k80", "v100")
+    assert t.gpu_speed("A", 1, "k80") == pytest.approx(0.5)
+    assert t.gpu_speed("A", 2, "k80") == pytest.approx(6.0 / 18.0)
+    # a scale the K80 section lacks: both sides extrapolated linearly from their largest scale below
+    assert t.gpu_speed("B", 2, "k80") == pytest.approx((6.0 * 2) / 7.0)
+    assert t.gpu_speed("A", 1, "v100") == 1.0
+    # NVML's and Kubernetes' names are the same model
+    assert t.gpu_speed("A", 1, "Tesla K80") == pytest.approx(0.5)
+    assert t.gpu_speed("A", 1, "NVIDIA-K80") == pytest.approx(0.5)
+    # unknown GPU model or job type: no statement
+    assert t.gpu_speed("A", 1, "a100") is None
+    assert t.gpu_speed("Z", 1, "k80") is None
+
+
+def test_speed_model_runs_a_gang_at_its_slowest_gpu(tmp_path):
+    sm = SpeedModel(GavelInterference(_typed_table(tmp_path)))
+    a1, a2 = _job("a1", "A"), _job("a2", "A", gpus=2)
+    assert sm.gpu_speed(a1, "k80") == pytest.approx(0.5)
+    assert sm.gpu_speed(a1, "a100") == 1.0  # unknown model: the given speed
+    p = Placement("a2", ((0, 0), (1, 0)), cpu=((0, 4.0), (1, 4.0)))
+    # spread over a V100 node and a K80 node: the K80's pace, times the spread penalty
+    r = sm.rate(a2, p, gpus_per_node=2, gpu_models=("v100", "k80"))
+    assert r == pytest.approx((6.0 / 18.0) / sm.spread_slowdown(a2, 2, 1))
+    assert sm.rate(a2, p, gpus_per_node=1) == 1.0  # no models given: the given speed
+    assert sm.gpu_types_matter(["v100", "K80"]) and sm.gpu_types_matter(["k80"])
+    assert not sm.gpu_types_matter(["v100", "generic", "a100"])
+    assert not SpeedModel().gpu_types_matter(["v100", "k80"])
+
+
+def test_simulator_runs_jobs_at_their_gpus_speed(tmp_path):
+    from qosflow.core.cluster import ClusterSpec, NodeSpec
+    from qosflow.policies import get_policy
+    from qosflow.sim.engine import SimConfig, Simulator
+
+    sm = SpeedModel(GavelInterference(_typed_table(tmp_path)))
+    jobs = [Job("a", 0.0, QoSSpec(gpus=1, gpu_mem_mb=1000.0), 100.0, model="A"),
+            Job("b", 0.0, QoSSpec(gpus=1, gpu_mem_mb=1000.0), 100.0, model="B")]
+
+    def run(models):
+        spec = ClusterSpec(tuple(NodeSpec(name=f"n{i}", gpus=1, gpu_mem_mb=16000.0, cpu_cores=8.0, mem_mb=64000.0,
+                                          gpu_model=m) for i, m in enumerate(models)))
+        res = Simulator(jobs, spec, get_policy("fifo"), speed=sm, config=SimConfig(restart_overhead=0.0)).run()
+        return {js.job_id: js.finish_time for js in res.jobs}
+
+    assert run(["v100", "v100"]) == pytest.approx({"a": 100.0, "b": 100.0}, abs=1e-6)
+    # on K80s: A at half speed, B 1.5 x faster (Gavel measured such inversions: its recommender)
+    assert run(["k80", "k80"]) == pytest.approx({"a": 200.0, "b": 100.0 / 1.5}, abs=1e-6)
+    # a GPU model the table does not know runs jobs at their given speed
+    assert run(["a100", "a100"]) == pytest.approx({"a": 100.0, "b": 100.0}, abs=1e-6)
+
+
+def test_estimators_speak_of_gpu_models(tmp_path):
+    from qosflow.core.estimate import NoisyEstimator, OracleEstimator, gpu_speed
+
+    sm = SpeedModel(GavelInterference(_typed_table(tmp_path)))
+    a = _job("a", "A")
+    assert gpu_speed(OracleEstimator(sm), a, "k80") == pytest.approx(0.5)
+    noisy = NoisyEstimator(sm, error=0.3, seed=1)
+    v = gpu_speed(noisy, a, "k80")
+    assert 0.35 <= v <= 0.65 and v != pytest.approx(0.5)
+    assert gpu_speed(noisy, a, "v100") == 1.0  # the GPU the durations are for: no ratio to misjudge
+
+    class Plain:  # an estimator that knows nothing of GPU models
+        name = "plain"
+
+    assert gpu_speed(Plain(), a, "k80") == 1.0

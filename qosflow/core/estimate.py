@@ -12,6 +12,10 @@ pessimistic values (about the `HIGH_QUANTILE` quantile of the truth given the es
 optional; `remaining_high(est, js)` and `pair_slowdown_high(est, a, b)` below fall back to the point
 estimate, i.e. no stated uncertainty -- which is exact for the oracle. The qosflow policy checks
 deadline promises against them (docs/policies.md, "Deadline checks on the stated error band").
+
+On a cluster of mixed GPU models an estimator may also say how fast a job runs on each model:
+`gpu_speed(job, gpu_model)`, relative to the GPU its `duration` is for (optional; `gpu_speed(est, ...)`
+below falls back to 1.0, every model alike).
 """
 
 from __future__ import annotations
@@ -61,6 +65,13 @@ def remaining_high(est, js: JobState) -> float:
     return f(js) if f is not None else est.remaining(js)
 
 
+def gpu_speed(est, job: Job, gpu_model: str) -> float:
+    """The job's speed on a GPU of `gpu_model` relative to the GPU its estimated duration is for, from
+    an estimator that knows GPU models; 1.0 (every model alike) from one that does not."""
+    f = getattr(est, "gpu_speed", None)
+    return f(job, gpu_model) if f is not None else 1.0
+
+
 def pair_slowdown_high(est, a: Job, b: Job) -> tuple[float, float]:
     """Pessimistic (xi_a, xi_b) if a and b share GPUs; the point estimate from an estimator that
     states no uncertainty."""
@@ -98,6 +109,9 @@ class OracleEstimator:
 
     def cpu_factor(self, job: Job, cores: float) -> float:
         return self.speed.cpu_factor(job, cores)
+
+    def gpu_speed(self, job: Job, gpu_model: str) -> float:
+        return self.speed.gpu_speed(job, gpu_model)
 
 
 def _unit(seed: int, key: str) -> float:
@@ -146,6 +160,11 @@ class NoisyEstimator(OracleEstimator):
         fa = self._factor(f"xi:{a.job_id}:{b.job_id}")
         fb = self._factor(f"xi:{b.job_id}:{a.job_id}")
         return 1.0 + (xa - 1.0) * fa, 1.0 + (xb - 1.0) * fb
+
+    def gpu_speed(self, job: Job, gpu_model: str) -> float:
+        # a profile on each model measures the speed ratio: off by the same error as a duration
+        v = self.speed.gpu_speed(job, gpu_model)
+        return v if v == 1.0 else v * self._factor(f"gpu:{job.job_id}:{gpu_model}")
 
     def remaining_high(self, js: JobState) -> float:
         return self.remaining(js) * self.high_factor

@@ -1,12 +1,16 @@
 """How fast a job runs where it is placed: the interference and speed model.
 
-Three effects slow a job below its isolated speed (rate 1.0):
+Three effects slow a job below its isolated speed (rate 1.0), and a fourth sets that speed on a
+cluster of mixed GPU models:
 
 * co-location with another whole-GPU job on the same GPUs (slowdown xi >= 1, from a measured
   interference table such as Gavel's, or from the two jobs' per-iteration resource profiles);
 * spreading a gang over more nodes than it needs (cross-node traffic; Gavel measured
   "unconsolidated" throughputs, the Philly study found locality drives JCT);
-* too few CPU cores to feed its GPUs (CODA: speed grows with cores until it saturates).
+* too few CPU cores to feed its GPUs (CODA: speed grows with cores until it saturates);
+* the GPU model it runs on (`gpu_speed`: its speed there relative to the GPU its duration is given
+  for; a gang spread over models runs at its slowest GPU's pace). Gavel's table measured three models:
+  a K80 runs ResNet-50 at 0.14 x a V100, its recommender at 1.4 x.
 
 The simulator advances jobs with a `SpeedModel` (the truth); policies see the same effects only
 through an `Estimator` (oracle, noisy or learned).
@@ -14,6 +18,7 @@ through an `Estimator` (oracle, noisy or learned).
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, Sequence, runtime_checkable
 
 from qosflow.core.job import Job
@@ -29,6 +34,9 @@ class InterferenceSource(Protocol):
 
     def spread_slowdown(self, model: str, gpus: int) -> float | None:
         """Slowdown of a `gpus`-GPU job spread over nodes instead of consolidated, or None."""
+
+    # optional: gpu_speed(model, gpus, gpu_model) -> float | None, the job type's solo speed on GPUs of
+    # that model relative to the GPU type the table (and a trace's durations) is for
 
 
 #: default cores per GPU that saturate a training job's input pipeline (CODA measured 4-6 for CV models)
@@ -77,6 +85,7 @@ class SpeedModel:
         self.default_spread = default_spread
         self.cpu_exponent = cpu_exponent
         self._pair_cache: dict[tuple[str, str, int, tuple | None, tuple | None], tuple[float, float]] = {}
+        self._speed_cache: dict[tuple[str, int, str], float] = {}
 
     def describe(self) -> str:
         """Where pair and spread slowdowns come from, in a line (the simulate report prints it)."""
@@ -115,6 +124,28 @@ class SpeedModel:
         extra = (num_nodes - min_nodes) / max(1, num_nodes - 1)
         return 1.0 + (max(1.0, s) - 1.0) * min(1.0, extra * 2.0)
 
+    def gpu_speed(self, job: Job, gpu_model: str) -> float:
+        """The job's solo speed on a GPU of `gpu_model` relative to the GPU its duration is for (1.0 where
+        the table does not know the job type or the model, or there is no table)."""
+        key = (job.model, job.qos.gpus, gpu_model)
+        hit = self._speed_cache.get(key)
+        if hit is None:
+            f = getattr(self.interference, "gpu_speed", None)
+            v = f(job.model, max(1, job.qos.gpus), gpu_model) if f is not None else None
+            hit = self._speed_cache[key] = float(v) if v and v > 0 and math.isfinite(v) else 1.0
+        return hit
+
+    def gpu_types_matter(self, gpu_models: Sequence[str]) -> bool:
+        """Do these GPU models (a cluster's) run any job at other than its given speed -- does the table
+        know any of them other than its own type? False without a table that knows GPU types."""
+        types = getattr(self.interference, "type_solo", None)
+        base = getattr(self.interference, "gpu_type", None)
+        if not types:
+            return False
+        from qosflow.core.gpu_names import short_gpu_model  # noqa: PLC0415
+
+        return any(short_gpu_model(m) in types and short_gpu_model(m) != base for m in set(gpu_models))
+
     def cpu_factor(self, job: Job, cores: float) -> float:
         """Speed multiplier (<= 1) from the CPU cores a job holds (CODA's saturating curve).
 
@@ -140,9 +171,12 @@ class SpeedModel:
         co_runners: Sequence[Job] = (),
         *,
         gpus_per_node: int = 8,
+        gpu_models: Sequence[str] = (),
     ) -> float:
-        """Fraction of isolated speed (0..1] the job runs at under this placement."""
-        r = 1.0
+        """Fraction of isolated speed the job runs at under this placement (at most 1, unless a GPU model in
+        `gpu_models` -- those of its GPUs, given on a cluster of mixed models -- runs it faster than the GPU
+        its duration is for). A gang runs at the pace of its slowest GPU."""
+        r = min([self.gpu_speed(job, m) for m in gpu_models]) if gpu_models else 1.0
         if co_runners and placement.gpu_milli >= 1000:
             worst = 1.0
             for other in co_runners:

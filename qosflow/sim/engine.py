@@ -142,6 +142,10 @@ class Simulator:
         #: failure plans: the job's own, or one assigned (seeded) for this run; jobs are never mutated
         self.failures = assign_failures(self.jobs, self.cfg)
         self.gpn = max(1, cluster.max_gpus_per_node)
+        #: per node, its GPU model -- only on a cluster whose models run jobs at different speeds
+        #: (`SpeedModel.gpu_types_matter`); otherwise every job runs at its given speed wherever it is
+        models = [n.gpu_model for n in cluster.nodes]
+        self._node_models: list[str] | None = models if self.speed.gpu_types_matter(models) else None
 
     # ------------------------------------------------------------------ run
     def run(self, on_progress: Callable[[int, int], None] | None = None) -> SimResult:
@@ -189,6 +193,8 @@ class Simulator:
         dirty_jobs: set[str] = set()
         dirty_gpus: set[tuple[int, int]] = set()
 
+        node_models = self._node_models
+
         def recompute_rates() -> None:
             st = self.state
             todo = dirty_jobs
@@ -207,7 +213,8 @@ class Simulator:
                             if other != jid and other not in seen:
                                 seen.append(other)
                     co = [states[o].job for o in seen]
-                rate[jid] = self.speed.rate(js.job, p, co, gpus_per_node=self.gpn)
+                on = () if node_models is None or not p.gpus else sorted({node_models[n] for n, _ in p.gpus})
+                rate[jid] = self.speed.rate(js.job, p, co, gpus_per_node=self.gpn, gpu_models=on)
             dirty_jobs.clear()
             dirty_gpus.clear()
 

@@ -149,6 +149,19 @@ def _parse_key(path: Path, gpu: str, key: str) -> tuple[str, int]:
     return val[0], val[1]
 
 
+def _at_scale(table: dict[tuple[str, int], float], jt: str, gpus: int) -> float | None:
+    """Steps/s of job type `jt` at `gpus` GPUs in a (job type, scale) table: measured, else extrapolated
+    linearly from the largest scale measured below it."""
+    hit = table.get((jt, gpus))
+    if hit:
+        return hit
+    ss = [s for (t, s) in table if t == jt and s <= max(1, gpus)]
+    if not ss:
+        return None
+    s = max(ss)
+    return table[(jt, s)] * max(1, gpus) / s
+
+
 def _num(x: Any) -> float:
     try:
         v = float(x)
@@ -188,6 +201,18 @@ class GavelInterference:
         #: scales at which at least one pair was actually measured (non-zero)
         self.pair_scales: set[int] = set()
         self._load(raw.get(gpu_type), raw.get(f"{gpu_type}_unconsolidated"))
+        #: other GPU types' solo, consolidated steps/s: GPU type -> (job type, scale) -> steps/s (`gpu_speed`)
+        self.type_solo: dict[str, dict[tuple[str, int], float]] = {gpu_type: self.solo}
+        for gt, table in raw.items():
+            if gt == gpu_type or gt.endswith("_unconsolidated") or not isinstance(table, dict):
+                continue
+            solo: dict[tuple[str, int], float] = {}
+            for key, entry in table.items():
+                jt, sf = _parse_key(self.path, gt, key)
+                v = _num(entry.get("null")) if isinstance(entry, dict) else 0.0
+                if v > 0:
+                    solo[(jt, sf)] = v
+            self.type_solo[gt.lower()] = solo
         self.job_types: tuple[str, ...] = tuple(sorted({t for t, _ in self.solo}))
         self._scales: dict[str, tuple[int, ...]] = {}
         for t, s in self.solo:
@@ -271,6 +296,29 @@ class GavelInterference:
         if base is None:
             return None
         return base * scale_factor / s
+
+    def gpu_speed(self, model: str, gpus: int, gpu_model: str) -> float | None:
+        """`model`'s solo, consolidated speed on GPUs of `gpu_model` relative to the table's own type
+        (`gpu_type`, what a trace's durations are computed on): Gavel's throughput on that type over its
+        throughput on this one, at the job's scale factor (extrapolated as in `throughput`). Gavel's
+        K80s run ResNet-50 at 0.14 x a V100 but its recommender at 1.4 x: jobs differ in what a faster
+        GPU is worth to them. None when the table does not know the job type or the GPU model (NVML or
+        Kubernetes names are shortened first: ``Tesla K80`` is ``k80``)."""
+        from qosflow.core.gpu_names import short_gpu_model  # noqa: PLC0415
+
+        gm = short_gpu_model(gpu_model)
+        if gm == self.gpu_type:
+            return 1.0
+        table = self.type_solo.get(gm)
+        jt = self.resolve(model)
+        if table is None or jt is None:
+            return None
+        here, base = _at_scale(table, jt, gpus), _at_scale(self.solo, jt, gpus)
+        return here / base if here and base else None
+
+    def gpu_types(self) -> tuple[str, ...]:
+        """The GPU types the table measured (besides its `_unconsolidated` variants)."""
+        return tuple(sorted(self.type_solo))
 
     def throughput_source(self, model: str, scale_factor: int = 1) -> str:
         jt = self.resolve(model)
