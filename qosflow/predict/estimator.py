@@ -20,7 +20,12 @@ finished stage -- never from a job's true duration:
   measurements once the pair has been seen sharing GPUs;
 * **spread slowdowns** from the solo-scaling model (predicted spread vs consolidated step time),
   calibrated by the measured penalties of the signature's spread jobs;
-* **CPU factor** from the CPU model (CODA's saturating curve, fitted to two core counts when profiled).
+* **CPU factor** from the CPU model (CODA's saturating curve, fitted to two core counts when profiled);
+* **GPU speeds** (`gpu_speed(job, model)`: the job's speed on a GPU model relative to the *reference GPU*,
+  the one its durations are for) from the signature's own measurements on both models, else the
+  reference table's per-type step times, else the ratio pooled over the signatures measured on both,
+  else 1.0 (`predict_gpu_speed` says which). Measurements taken on another model are converted to the
+  reference GPU with it, so that a duration divided by the speed on a model is what that model measured.
 
 Two ways to build one:
 
@@ -57,11 +62,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from qosflow.core.estimate import DECLARED_HIGH_FACTOR, DECLARED_LOG_SD
 from qosflow.core.estimate import Z_HIGH as Z90
 from qosflow.core.estimate import _unit
+from qosflow.core.gpu_names import CPU_ONLY, short_gpu_model
 from qosflow.core.job import Job, JobState
 from qosflow.predict.cpu import CpuCurve, fit_curve
 from qosflow.predict.prediction import INFEASIBLE_SLOWDOWN, Prediction
 from qosflow.predict.reference import parse_signature
-from qosflow.predict.stats import LogStat
+from qosflow.predict.stats import SINGLE_SAMPLE_LOG_SD, LogStat
 
 if TYPE_CHECKING:
     from qosflow.core.speed import SpeedModel
@@ -87,6 +93,14 @@ MAX_SLOWDOWN = INFEASIBLE_SLOWDOWN
 PAIR_REFIT_EVERY = 8
 #: simulation: a running job's slowdown is read from its progress over intervals of at least this (seconds)
 IN_FLIGHT_INTERVAL = 1800.0
+#: log sd of a job's speed on a GPU model taken from *other* signatures' measured ratios, while fewer than
+#: MIN_SAMPLES of them are pooled: jobs differ a lot (Gavel's K80 runs ResNet-50 at 0.14 x a V100, its
+#: recommender at 1.4 x; the log ratios of its table spread by about this much)
+POOLED_SPEED_LOG_SD = 0.6
+#: the band (x/÷) of the speed on a GPU model nothing was measured on
+UNMEASURED_SPEED_BAND = 4.0
+#: GPU type names that say nothing about the GPU model
+_NO_MODEL = frozenset({"generic", "unknown", CPU_ONLY})
 
 
 def job_signature(job: Job) -> str:
@@ -131,6 +145,42 @@ def _key(signature: str) -> str:
     return canonical(signature)
 
 
+def gpu_model_of(name: str | None) -> str | None:
+    """The GPU model measurements and speeds are keyed by (`short_gpu_model`: ``Tesla K80`` -> ``k80``);
+    None when the name says nothing about it (empty, ``generic``, ``unknown``, CPU-only)."""
+    m = short_gpu_model(name)
+    return None if m in _NO_MODEL else m
+
+
+def _merged(a: LogStat, b: LogStat) -> "_LogStat":
+    """Two running statistics as one (the pairwise update of Chan et al.)."""
+    out = _LogStat()
+    out.n = a.n + b.n
+    if out.n:
+        d = b.mean - a.mean
+        out.mean = a.mean + d * b.n / out.n
+        out.m2 = a.m2 + b.m2 + d * d * a.n * b.n / out.n
+    return out
+
+
+def _blend(measured: Prediction, model: Prediction, n: int) -> Prediction:
+    """`measured` (from n measurements) in place of the model's prediction from MIN_SAMPLES measurements
+    on; with fewer, the two blended in log space with weight n/(n+1) on the measurements, the interval
+    covering both."""
+    from qosflow.predict.predictor import MIN_SAMPLES
+
+    if n >= MIN_SAMPLES:
+        return measured
+    w = n / (n + 1.0)
+    v = math.exp(w * math.log(measured.value) + (1 - w) * math.log(max(model.value, 1e-9)))
+    return Prediction(v, min(measured.low, model.low, v), max(measured.high, model.high, v), n,
+                      f"{measured.basis}+{model.basis}")
+
+
+def _same_speed(basis: str) -> Prediction:
+    return Prediction(1.0, 1.0, 1.0, 0, basis)
+
+
 class _LogStat(LogStat):
     """A `LogStat` that also gives its values as a prediction."""
 
@@ -146,14 +196,7 @@ class _LogStat(LogStat):
         covering both. No measurement: the model's prediction."""
         if not self.n:
             return model
-        from qosflow.predict.predictor import MIN_SAMPLES
-
-        m = self.prediction(1.0, f"samples(n={self.n})")
-        if self.n >= MIN_SAMPLES:
-            return m
-        w = self.n / (self.n + 1.0)
-        v = math.exp(w * math.log(m.value) + (1 - w) * math.log(max(model.value, 1e-9)))
-        return Prediction(v, min(m.low, model.low, v), max(m.high, model.high, v), self.n, f"samples(n={self.n})+{model.basis}")
+        return _blend(self.prediction(1.0, f"samples(n={self.n})"), model, self.n)
 
 
 def _declared_and_measured(declared: Prediction, measured: Prediction) -> Prediction:
@@ -254,6 +297,15 @@ class SimulatedProfiler:
         if t is None:
             return None
         return self._noisy(t, f"step:{_key(job_signature(job))}:{job.qos.gpus}")
+
+    def step_time_on(self, job: Job, gpu_model: str) -> float | None:
+        """Measured step time of the job at its own GPU count on a GPU of `gpu_model` (GENIE-style: a few
+        steps on each GPU type it may run on): its true step time over the truth's speed there."""
+        t = self.true_step_time(job)
+        if t is None:
+            return None
+        return self._noisy(t / self.speed.gpu_speed(job, gpu_model),
+                           f"step:{_key(job_signature(job))}:{job.qos.gpus}:{gpu_model}")
 
     def profile(self, job: Job) -> SimulatedProfile:
         sig = job_signature(job)
@@ -408,6 +460,30 @@ class LearnedEstimator:
                       "colocations_observed": 0, "spreads_observed": 0, "in_flight_measured": 0}
         #: simulation: the first duration prediction made for each job (what it was queued on), for error reports
         self.first_duration: dict[str, Prediction] = {}
+        #: the GPU model durations (and `_steps`) are for, that every GPU speed is relative to: the
+        #: predictor's type (v100 with Gavel's table; what a trace's durations are computed on). A live
+        #: estimator adopts the first model its measurements name (its store's, else its first stage's:
+        #: `_set_reference`), so a homogeneous cluster's durations stay as measured there
+        self.reference_gpu: str = gpu_model_of(predictor.gpu_type) or predictor.gpu_type
+        self._reference_fixed = profiler is not None
+        self._ptype = predictor.gpu_type  # the predictor's name of the reference GPU (`Predictor.type_key`)
+        #: simulation: per node, its GPU model, for an engine that runs jobs at their speed on mixed models
+        #: (read by `_in_flight`, which then tells a slow GPU from a slowdown); None: every GPU alike
+        self.node_gpu_models: Sequence[str] | None = None
+        # measured on a model other than the reference GPU, as measured (converted when asked: `_step_stat`,
+        # `_hist_stat`, with the speed there as it is then):
+        self._off: dict[tuple[str, int, str], _LogStat] = {}  # (key, gpus, model) -> solo step times
+        self._hist_off: dict[tuple[str, str | None, str], _LogStat] = {}  # (key, user, model) -> durations
+        self._off_models: dict[str, set[str]] = {}  # key -> the models it has such measurements on
+        #: simulation: (key, gpus, model) -> step times profiled on a model (evidence for its speed only)
+        self._profiled_on: dict[tuple[str, int, str], _LogStat] = {}
+        self._speed_keys: set[str] = set()  # keys with measurements on a model other than the reference
+        self._speed: dict[tuple[str, int, str], tuple[tuple[int, int], Prediction]] = {}
+        #: model -> (generation, per-signature and total (count, sum, sum of squares) of log speed ratios)
+        self._pools: dict[str, tuple[int, dict[str, tuple[int, float, float]], tuple]] = {}
+        self._speed_gen = 0  # bumped when measurements on other models (or their signatures') change
+        self._models: dict[str, str | None] = {}  # GPU name -> `gpu_model_of` it
+        self._model_profiled: set[tuple[str, int, str]] = set()
         if store is not None:
             self._load_history(store)
 
@@ -428,10 +504,14 @@ class LearnedEstimator:
         return cls(speed, seed=seed, **kw)
 
     def _load_history(self, store: Any) -> None:
-        """Per-iteration times (solo, consolidated samples) and stage durations already in the store."""
-        for s in store.iter_samples():
-            if s.co_runner is None and s.placement == "consolidated" and s.source != "reference":
-                self._steps.setdefault((_key(s.signature), int(s.gpus)), _LogStat()).add(s.step_time_s)
+        """Per-iteration times (solo, consolidated samples) and stage durations already in the store.
+
+        The reference GPU is the first model they name (samples first, in the order they were stored: the
+        model the estimator adopted when it measured it, so a restart keeps it); measurements on other
+        models are kept as measured, and converted when asked."""
+        solo = [(s.signature, int(s.gpus), self._model(s.gpu_type), s.step_time_s) for s in store.iter_samples()
+                if s.co_runner is None and s.placement == "consolidated" and s.source != "reference"]
+        hist = []
         for h in store.stage_history():
             # (a run shared with one partner the whole time is not an isolated duration: see observe_stage)
             if h.duration_s and h.duration_s > 0 and h.state == "COMPLETED" and h.signature and not h.co_runner:
@@ -440,7 +520,22 @@ class LearnedEstimator:
                     if not h.steps:
                         continue
                     whole *= (h.steps + h.resumed_from) / h.steps
-                self._hist.setdefault((_key(h.signature), None), _LogStat()).add(whole)
+                hist.append((h.signature, int(h.gpus or 0), self._model(h.gpu_type), whole))
+        first = next((m for rows in (solo, hist) for _s, _g, m, _v in rows if m is not None), None)
+        if first is not None:
+            self._set_reference(first)
+        for sig, gpus, m, t in solo:
+            off = self._off_reference(m)
+            if off is None:
+                self._steps.setdefault((_key(sig), gpus), _LogStat()).add(t)
+            else:
+                self._add_off(self._off, (_key(sig), gpus, off), t)
+        for sig, _gpus, m, d in hist:
+            off = self._off_reference(m)
+            if off is None:
+                self._hist.setdefault((_key(sig), None), _LogStat()).add(d)
+            else:
+                self._add_off(self._hist_off, (_key(sig), None, off), d)
 
     # ------------------------------------------------------------------ helpers
 
@@ -455,11 +550,13 @@ class LearnedEstimator:
 
     def _bump(self, key: str) -> None:
         self._version[key] = self._version.get(key, 0) + 1
+        if key in self._speed_keys:  # its ratios are part of the pooled GPU speeds
+            self._speed_gen += 1
 
     def _in_reference(self, sig: str, key: str) -> bool:
         hit = self._reference_sigs.get(key)
         if hit is None:
-            hit = self.predictor.predict_solo_step_time(sig, 1).basis.startswith("reference:")
+            hit = self.predictor.predict_solo_step_time(sig, 1, gpu_type=self._ptype).basis.startswith("reference:")
             self._reference_sigs[key] = hit
         return hit
 
@@ -508,15 +605,15 @@ class LearnedEstimator:
         """Per-iteration solo time of the job at its GPU count."""
         self._ensure_profiled(job)
         sig, key = self._sig_of(job)
-        st = self._steps.get((key, job.qos.gpus))
+        st = self._step_stat(job)
         if st is not None and st.n:
             return st.prediction(1.0, f"samples(n={st.n})")
-        return self.predictor.predict_solo_step_time(sig, max(job.qos.gpus, 1))
+        return self.predictor.predict_solo_step_time(sig, max(job.qos.gpus, 1), gpu_type=self._ptype)
 
     def predict_duration(self, job: Job) -> Prediction:
         self._ensure_profiled(job)
         sig, key = self._sig_of(job)
-        v = self._version.get(key, 0)
+        v = self._stamp(key)
         hit = self._dur.get(job.job_id)
         if hit is not None and hit[0] == v:
             return hit[1]
@@ -548,7 +645,7 @@ class LearnedEstimator:
                 n = job.iterations
                 return Prediction(p.value * n, p.low * n, p.high * n, p.n_samples, f"iterations×step-time:{p.basis}")
         for hk in ((key, job.user), (key, None)) if job.user else ((key, None),):
-            st = self._hist.get(hk)
+            st = self._hist_stat(job, hk)
             if st is not None and st.n:
                 who = f",user={job.user}" if hk[1] else ""
                 return st.prediction(1.0, f"history(n={st.n}{who})")
@@ -596,7 +693,7 @@ class LearnedEstimator:
         d = self.predict_duration(job)
         if not d.basis.startswith("iterations×"):
             return
-        slow = da / (dp * d.value)
+        slow = da / (dp * d.value) * self._placement_speed(job, p)  # (a slower GPU is no slowdown)
         gpn = max(self.gpus_per_node, 1)
         nodes = len({n for n, _g in p.gpus})
         need = -(-job.qos.gpus // gpn) if job.qos.gpus > 0 else 1
@@ -620,7 +717,7 @@ class LearnedEstimator:
         if f >= 1:
             return Prediction(0.0, 0.0, 0.0, d.n_samples, "finished")
         key = self._sig_of(js.job)[1]
-        v = self._version.get(key, 0)
+        v = self._stamp(key)
         hit = self._rem.get(js.job_id)
         if hit is not None and hit[0] == f and hit[1] == js.attained and hit[2] == v:
             return hit[3]
@@ -654,7 +751,7 @@ class LearnedEstimator:
                         if kk not in self._pmodel and kk not in keys:
                             keys.append(kk)
                             queries.append(q)
-            self._pmodel.update(zip(keys, self.predictor.predict_slowdown_batch(queries)))
+            self._pmodel.update(zip(keys, self.predictor.predict_slowdown_batch(queries, gpu_type=self._ptype)))
             self.stats["pair_batches"] += 1
         hit = self._pair[(ka, kb)] = (self._with_obs(ka, kb), self._with_obs(kb, ka))
         self._pair_val[(ka, kb)] = (_planning_value(hit[0]), _planning_value(hit[1]))
@@ -709,7 +806,7 @@ class LearnedEstimator:
         self._refit_if_dirty()
         # the reference table measured spreading up to its largest GPU count: beyond, the same penalty
         n = min(gpus, self._max_reference_gpus())
-        cons, spread = self.predictor.predict_solo_step_time_batch([(sig, n, True), (sig, n, False)])
+        cons, spread = self.predictor.predict_solo_step_time_batch([(sig, n, True), (sig, n, False)], gpu_type=self._ptype)
         v = max(1.0, spread.value / cons.value)
         lo = max(1.0, spread.low / cons.high) if cons.high > 0 else 1.0
         hi = max(v, spread.high / cons.low) if cons.low > 0 else v
@@ -745,6 +842,207 @@ class LearnedEstimator:
         rel = 0.05 if c.n_samples >= 2 else 0.3
         return Prediction(v, v * (1 - rel), min(1.0, v * (1 + rel)), c.n_samples, c.basis)
 
+    # ------------------------------------------------------------------ GPU models
+
+    def predict_gpu_speed(self, job: Job, gpu_model: str) -> Prediction:
+        """The job's solo speed on a GPU of `gpu_model` relative to the reference GPU (`reference_gpu`, the
+        one its durations are for): 0.5 takes twice as long there. From, in order of trust:
+
+        a. the signature's own step times at its GPU count on both models (finished stages alone on
+           their GPUs and, in the simulator, a profile on each model): alone from MIN_SAMPLES on each,
+           before that blended (weight n/(n+1)) with what follows;
+        b. the reference table's solo step times of the signature on both types (Gavel's K80 runs
+           ResNet-50 at 0.14 x a V100 but its recommender at 1.4 x);
+        c. the ratio pooled over the signatures measured on both models (their geometric mean), for a
+           signature measured on one of them only;
+        d. 1.0: nothing measured on that model.
+
+        The reference GPU itself is exactly 1.0, and so is a model that is not known (``generic``, empty)."""
+        if job.qos.gpus <= 0:
+            return _same_speed("no GPU")
+        m = self._model(gpu_model)
+        if m is None:
+            return _same_speed(f"gpu-model-unknown({gpu_model or ''})")
+        if m == self.reference_gpu:
+            return _same_speed(f"reference-gpu({m})")
+        self._ensure_model_profiled(job, m)
+        return self._speed_on(self._sig_of(job)[0], job.qos.gpus, m)
+
+    def gpu_speed(self, job: Job, gpu_model: str) -> float:
+        """The Estimator protocol's (optional) speed on a GPU model: `predict_gpu_speed`'s value."""
+        return self.predict_gpu_speed(job, gpu_model).value
+
+    def _model(self, name: str | None) -> str | None:
+        """`gpu_model_of(name)`, remembered (policies ask about the same few names all the time)."""
+        try:
+            return self._models[name]
+        except KeyError:
+            m = self._models[name] = gpu_model_of(name)
+            return m
+
+    def _speed_on(self, sig: str, gpus: int, m: str) -> Prediction:
+        """Sources (a) to (d) of `predict_gpu_speed` for a signature at a GPU count on model `m` (not the
+        reference), cached until the signature's or another model's measurements change."""
+        key = _key(sig)
+        stamp = (self._version.get(key, 0), self._speed_gen)
+        hit = self._speed.get((key, gpus, m))
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        prior = self._table_speed(sig, gpus, m) or self._pooled_speed(m, key) or Prediction(
+            1.0, 1.0 / UNMEASURED_SPEED_BAND, UNMEASURED_SPEED_BAND, 0, f"no measurement on {m}")
+        measured = self._measured_speed(key, gpus, m)
+        pred = prior if measured is None else _blend(measured, prior, measured.n_samples)
+        self._speed[(key, gpus, m)] = (stamp, pred)
+        return pred
+
+    def _measured_speed(self, key: str, gpus: int, m: str) -> Prediction | None:
+        """(a): the ratio of the signature's mean step times on the reference GPU and on `m`; its band is
+        that of the ratio of two means. None unless both were measured."""
+        on_m, on_ref = self._measured_on((key, gpus, m)), self._steps.get((key, gpus))
+        if on_m is None or on_ref is None or not (on_m.n and on_ref.n):
+            return None
+        sd = max(math.sqrt(on_ref.sd**2 / on_ref.n + on_m.sd**2 / on_m.n), 0.02)
+        v = math.exp(on_ref.mean - on_m.mean)
+        return Prediction(v, v * math.exp(-Z90 * sd), v * math.exp(Z90 * sd), min(on_m.n, on_ref.n),
+                          f"samples(n={on_m.n} on {m},{on_ref.n} on {self.reference_gpu})")
+
+    def _table_speed(self, sig: str, gpus: int, m: str) -> Prediction | None:
+        """(b): the reference table's speed of the signature on `m` relative to the reference GPU."""
+        v = self.predictor.reference_speed(sig, gpus, m, self.reference_gpu)
+        if v is None:
+            return None
+        band = math.exp(Z90 * SINGLE_SAMPLE_LOG_SD)
+        return Prediction(v, v / band, v * band, 0, f"reference:gavel/{m}÷{self.reference_gpu}")
+
+    def _pooled_speed(self, m: str, own: str) -> Prediction | None:
+        """(c): the geometric mean of the speed ratios on `m` of the *other* signatures measured both on `m`
+        and on the reference GPU (one ratio per signature and GPU count); None if there is none. Its band
+        is their spread, at least POOLED_SPEED_LOG_SD while fewer than MIN_SAMPLES are pooled."""
+        from qosflow.predict.predictor import MIN_SAMPLES
+
+        n, s1, s2 = self._pool_sums(m, own)
+        if not n:
+            return None
+        mean = s1 / n
+        sd = math.sqrt(max(s2 - n * mean * mean, 0.0) / (n - 1)) if n > 1 else POOLED_SPEED_LOG_SD
+        if n < MIN_SAMPLES:
+            sd = max(sd, POOLED_SPEED_LOG_SD)
+        v = math.exp(mean)
+        return Prediction(v, v * math.exp(-Z90 * sd), v * math.exp(Z90 * sd), 0,
+                          f"pooled:{n} other ratio(s) on {m}/{self.reference_gpu}")
+
+    def _pool_sums(self, m: str, own: str) -> tuple[int, float, float]:
+        """(count, sum, sum of squares) of the log speed ratios on `m` of every signature but `own`; the
+        per-signature sums are gathered once per change of the measurements (`_speed_gen`)."""
+        hit = self._pools.get(m)
+        if hit is None or hit[0] != self._speed_gen:
+            per_key: dict[str, tuple[int, float, float]] = {}
+            for key, gpus, model in dict.fromkeys([*self._off, *self._profiled_on]):  # (ordered: the same sums)
+                on_m, on_ref = self._measured_on((key, gpus, model)), self._steps.get((key, gpus))
+                if model == m and on_ref is not None and on_ref.n and on_m.n:
+                    r = on_ref.mean - on_m.mean
+                    c, a, b = per_key.get(key, (0, 0.0, 0.0))
+                    per_key[key] = (c + 1, a + r, b + r * r)
+            total = tuple(sum(v[i] for v in per_key.values()) for i in range(3))
+            hit = self._pools[m] = (self._speed_gen, per_key, total)
+        _gen, per_key, (n, s1, s2) = hit
+        c, a, b = per_key.get(own, (0, 0.0, 0.0))
+        return int(n - c), s1 - a, s2 - b
+
+    def _measured_on(self, k: tuple[str, int, str]) -> "_LogStat | None":
+        """The solo step times of (key, gpus) measured on a model: by finished runs, and profiled."""
+        a, b = self._off.get(k), self._profiled_on.get(k)
+        return a if b is None else b if a is None else _merged(a, b)
+
+    def _ensure_model_profiled(self, job: Job, m: str) -> None:
+        """Simulation only: profile the job's step time on model `m` the first time it is asked about (the
+        simulator's truth speed there, with the profiler's noise), next to its profile on the reference."""
+        if self.profiler is None:
+            return
+        self._ensure_profiled(job)
+        sig, key = self._sig_of(job)
+        mk = (key, job.qos.gpus, m)
+        if mk not in self._model_profiled:
+            self._model_profiled.add(mk)
+            t = self.profiler.step_time_on(job, m)
+            if t is not None:
+                self._add_off(self._profiled_on, mk, t)
+
+    def _add_off(self, table: dict, k: tuple, value: float) -> None:
+        """A value measured on a model other than the reference GPU (`k`: (key, ..., model)), into `table`
+        (`_off`, `_hist_off` or `_profiled_on`); GPU speeds change with it."""
+        table.setdefault(k, _LogStat()).add(value)
+        self._speed_keys.add(k[0])
+        if table is not self._profiled_on:  # (the simulator's profiles inform speeds only, not durations)
+            self._off_models.setdefault(k[0], set()).add(k[-1])
+        self._speed_gen += 1
+
+    def _off_reference(self, m: str | None) -> str | None:
+        """`m` when measurements on it must be converted to the reference GPU (a known model, not the
+        reference); None when they are on the reference (or on a model nobody named, taken as it, as
+        before GPU models were recorded). The first model a live estimator measures on becomes its
+        reference when its store named none."""
+        if m is None:
+            return None
+        if not self._reference_fixed:
+            self._set_reference(m)
+        return None if m == self.reference_gpu else m
+
+    def _set_reference(self, m: str) -> None:
+        """Make model `m` the reference GPU (once). The predictor is then asked about it under its name for
+        `m` (`Predictor.type_key`: its own type for a model its table does not know, as before)."""
+        self._reference_fixed = True
+        if m == self.reference_gpu:
+            return
+        self.reference_gpu = m
+        self._speed_gen += 1
+        ptype = self.predictor.type_key(m)
+        if ptype != self._ptype:
+            self._ptype = ptype
+            for cache in (self._dur, self._rem, self._pair, self._pair_val, self._pmodel, self._spread,
+                          self._spread_m, self._reference_sigs):
+                cache.clear()
+
+    def _to_reference(self, sig: str, gpus: int, m: str) -> float:
+        """The factor that converts a time measured on model `m` to the reference GPU: the speed there."""
+        return self._speed_on(sig, gpus, m).value if gpus > 0 else 1.0
+
+    def _stamp(self, key: str) -> Any:
+        """What a signature's durations rest on: its version, and the GPU speeds when some of its
+        measurements are on another model (they are converted with them)."""
+        v = self._version.get(key, 0)
+        return (v, self._speed_gen) if key in self._off_models else v
+
+    def _with_off(self, st: "_LogStat | None", off: dict, key: str, k: tuple, sig: str, gpus: int) -> "_LogStat | None":
+        """`st` (on the reference GPU) with the signature's measurements on other models in `off` (under
+        `k` + (model,)) converted to it: a value measured t times on a model of speed s counts t x s."""
+        for m in sorted(self._off_models.get(key, ())):
+            o = off.get((*k, m))
+            if o is not None and o.n:
+                conv = _LogStat(o.n, o.mean + math.log(self._to_reference(sig, gpus, m)), o.m2)
+                st = conv if st is None or not st.n else _merged(st, conv)
+        return st
+
+    def _step_stat(self, job: Job) -> "_LogStat | None":
+        """The job signature's solo step times at its GPU count, on the reference GPU."""
+        sig, key = self._sig_of(job)
+        st = self._steps.get((key, job.qos.gpus))
+        return st if key not in self._off_models else self._with_off(st, self._off, key, (key, job.qos.gpus), sig, job.qos.gpus)
+
+    def _hist_stat(self, job: Job, hk: tuple[str, str | None]) -> "_LogStat | None":
+        """The durations of the job signature's past runs (of a user, or everyone's), on the reference GPU."""
+        sig, key = self._sig_of(job)
+        st = self._hist.get(hk)
+        return st if key not in self._off_models else self._with_off(st, self._hist_off, key, hk, sig, job.qos.gpus)
+
+    def _placement_speed(self, job: Job, placement: Any) -> float:
+        """Simulation: the estimated speed of the GPUs a placement holds (a gang runs at its slowest GPU's
+        pace); 1.0 unless the engine gave `node_gpu_models`."""
+        models = self.node_gpu_models
+        if not models or job.qos.gpus <= 0:
+            return 1.0
+        return min(self.gpu_speed(job, models[n]) for n in {n for n, _g in placement.gpus})
+
     # ------------------------------------------------------------------ the Estimator protocol
 
     # (the fast paths below answer cached questions without building Prediction objects: policies ask
@@ -752,7 +1050,7 @@ class LearnedEstimator:
 
     def duration(self, job: Job) -> float:
         hit = self._dur.get(job.job_id)
-        if hit is not None and self._version.get(hit[2], 0) == hit[0]:
+        if hit is not None and self._stamp(hit[2]) == hit[0]:
             return hit[1].value
         return self.predict_duration(job).value
 
@@ -843,7 +1141,7 @@ class LearnedEstimator:
                 if other is None or jid == job.job_id:
                     continue
                 osig, okey = self._sig_of(other)
-                base = self.predictor.predict_solo_step_time(sig, 1)
+                base = self.predictor.predict_solo_step_time(sig, 1, gpu_type=self._ptype)
                 if not (base.value > 0 and math.isfinite(base.value)) or base.basis.startswith("prior:"):
                     continue
                 x = prof.colocated_slowdown(job, other)
@@ -876,7 +1174,10 @@ class LearnedEstimator:
         for a stage that does not state its iterations; `resumed_from`, how many of them an earlier run
         had done when this one started (`qosflow.report_resumed`); `where`, where it ran, for the store's rows
         (`QoSScheduler.where_ran`: host, gpu_type, placement, cpu_cores, started_at, finished_at). Learned, and
-        written to the store."""
+        written to the store. Measured on a GPU model other than the reference GPU (`where`'s gpu_type), its
+        step time is evidence for the speed there; it and the duration are kept as measured and converted
+        to the reference GPU when asked (`_step_stat`, `_hist_stat`), so a duration divided by the speed on
+        that model stays what it measured. The store's sample names the model."""
         if not (isinstance(actual_s, (int, float)) and math.isfinite(actual_s) and actual_s > 0):
             return
         sig, key = self._sig_of(job)
@@ -888,11 +1189,14 @@ class LearnedEstimator:
         t = actual_s / n if n else None
         pred = self._dur.get(job.job_id)
         here = where or {}
+        off = self._off_reference(self._model(here.get("gpu_type")))
+        solo = here.get("placement", "consolidated") == "consolidated"
         cores = here.get("cpu_cores")
-        if t is not None and cores and job.qos.gpus <= 1 and here.get("placement", "consolidated") == "consolidated":
-            self.predictor.observe_cpu(sig, cores, t)  # CODA's curve learns from the stage's own runs
+        if t is not None and cores and job.qos.gpus <= 1 and solo:
+            f = 1.0 if off is None else self._to_reference(sig, job.qos.gpus, off)
+            self.predictor.observe_cpu(sig, cores, t * f)  # CODA's curve learns from the stage's own runs
             self._cpu.pop(key, None)
-        self._learn(job, key, float(actual_s) / covered, t)
+        self._learn(job, key, float(actual_s) / covered, t if solo or off is None else None, model=off)
         self._persist(job, sig, float(actual_s), pred, t, n, resumed_from=resumed_from, where=where)
 
     def observe_stage(self, job: Job, actual_s: float, *, steps: int | None = None, partners: Sequence[Job] = (),
@@ -924,18 +1228,20 @@ class LearnedEstimator:
             return
         n, covered = run
         pred = self._dur.get(job.job_id)
-        solo = self._steps.get((key, job.qos.gpus))
+        solo = self._step_stat(job)
+        off = self._off_reference(self._model((where or {}).get("gpu_type")))
         if len(partners) == 1 and not ran_alone and n and solo is not None and solo.n:
             t = float(actual_s) / n
-            slowdown = t / math.exp(solo.mean)
+            f = 1.0 if off is None else self._to_reference(sig, job.qos.gpus, off)  # (to the reference GPU)
+            slowdown = t * f / math.exp(solo.mean)
             if math.isfinite(slowdown) and slowdown > 0:
                 partner = partners[0]
                 self.observe_colocated(job, partner, max(slowdown, 1.0), _base=math.exp(solo.mean))
-                self._learn(job, key, None, None)  # (its wall time includes the partner's slowdown)
+                self._learn(job, key, None, None, model=off)  # (its wall time includes the partner's slowdown)
                 self._persist(job, sig, float(actual_s), pred, t, n, co_runner=self._sig_of(partner)[0],
                               resumed_from=resumed_from, where=where)
                 return
-        self._learn(job, key, float(actual_s) / covered, None)
+        self._learn(job, key, float(actual_s) / covered, None, model=off)
         self._persist(job, sig, float(actual_s), pred, None, n, resumed_from=resumed_from, where=where)
 
     def forget(self, job: Job) -> None:
@@ -989,9 +1295,11 @@ class LearnedEstimator:
             self.store.record_stage(stage_run_id=job.job_id, signature=sig, stage=job.model, state="COMPLETED",
                                     gpus=job.qos.gpus, steps=n, duration_s=actual_s, step_time_s=t,
                                     flow_run_id=job.pipeline, co_runner=co_runner, resumed_from=resumed_from or None, **here)
-            if t is not None:
+            if t is not None:  # (on the GPU model it ran on, when that is known)
+                model = gpu_model_of(here.get("gpu_type"))  # (pure: this may run on the writer thread)
                 self.store.add_sample(signature=sig, gpus=job.qos.gpus, step_time_s=t, steps=n, source="stage",
                                       stage_run_id=job.job_id, co_runner=co_runner,
+                                      **({"gpu_type": model} if model else {}),
                                       **{k: here[k] for k in ("placement", "cpu_cores") if k in here})
         except Exception as exc:  # noqa: BLE001 - a database hiccup must not take the worker down
             log.warning("learned estimator: could not record stage %s in the store: %s", job.job_id, exc)
@@ -1009,10 +1317,11 @@ class LearnedEstimator:
         osig, okey = self._sig_of(partner)
         self._co_obs.setdefault((key, okey), _LogStat()).add(slowdown)
         if to_predictor:  # (in-flight readings are many per run: kept here only)
-            base = _base if _base is not None else self.predictor.predict_solo_step_time(sig, 1).value
+            base = _base if _base is not None else self.predictor.predict_solo_step_time(
+                sig, 1, gpu_type=self._ptype).value
             if base > 0 and math.isfinite(base):
                 self.predictor.observe({"signature": sig, "co_runner": osig, "gpus": 1, "source": "stage",
-                                        "step_time_s": base * slowdown})
+                                        "step_time_s": base * slowdown, "gpu_type": self._ptype})
                 if (key, okey) not in self._fed_pairs:
                     self._fed_pairs.add((key, okey))
                     self._new_pairs += 1
@@ -1023,13 +1332,23 @@ class LearnedEstimator:
             self._pair_val.pop(k, None)
         self.stats["colocations_observed"] += 1
 
-    def _learn(self, job: Job, key: str, duration: float | None, step: float | None) -> None:
-        if step is not None and step > 0:
-            self._steps.setdefault((key, job.qos.gpus), _LogStat()).add(step)
-        if duration is not None and duration > 0:
-            self._hist.setdefault((key, None), _LogStat()).add(duration)
-            if job.user:
-                self._hist.setdefault((key, job.user), _LogStat()).add(duration)
+    def _learn(self, job: Job, key: str, duration: float | None, step: float | None, *,
+               model: str | None = None) -> None:
+        """A finished run's duration and step time, measured on the reference GPU, or on GPU `model` (kept as
+        measured there, and converted when asked: `_step_stat`, `_hist_stat`)."""
+        if model is None:
+            if step is not None and step > 0:
+                self._steps.setdefault((key, job.qos.gpus), _LogStat()).add(step)
+            if duration is not None and duration > 0:
+                self._hist.setdefault((key, None), _LogStat()).add(duration)
+                if job.user:
+                    self._hist.setdefault((key, job.user), _LogStat()).add(duration)
+        else:
+            if step is not None and step > 0:
+                self._add_off(self._off, (key, job.qos.gpus, model), step)
+            if duration is not None and duration > 0:
+                for user in (None, job.user) if job.user else (None,):
+                    self._add_off(self._hist_off, (key, user, model), duration)
         self._bump(key)
         self._dur.pop(job.job_id, None)
         self._rem.pop(job.job_id, None)

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from qosflow.core.estimate import Z_HIGH as Z90
-from qosflow.core.gpu_names import CPU_ONLY
+from qosflow.core.gpu_names import CPU_ONLY, short_gpu_model
 from qosflow.predict.cpu import CpuCurve, default_curve, fit_curve
 from qosflow.predict.interference import InterferenceModel, JobMeta
 from qosflow.predict.prediction import INFEASIBLE_SLOWDOWN, Prediction
@@ -77,6 +77,8 @@ class Predictor:
         self._ref_pair: dict[tuple[str, str, str], float] = {}  # (a, b, gpu_type) -> speed of a next to b
         if reference is not None:
             self._load_reference(reference)
+        #: the GPU types the reference table measured (`type_key`)
+        self._table_types = frozenset(g for (_s, g, _n, _c) in self._ref_solo)
         self._cache: dict[tuple, Prediction] = {}
         self.scaling: ScalingModel | None = None
         self.interference: dict[str, InterferenceModel] = {}
@@ -172,8 +174,7 @@ class Predictor:
         sig = canonical(d["signature"])
         self._names.setdefault(sig, d["signature"])
         co = canonical(d["co_runner"]) if d.get("co_runner") else None
-        gt = d.get("gpu_type") or self.gpu_type
-        gt = self.gpu_type if gt == "unknown" else gt
+        gt = self.type_key(d.get("gpu_type"))
         cons = d["placement"] == "consolidated"
         log_t = math.log(d["step_time_s"])
         cores = d.get("cpu_cores")
@@ -215,7 +216,7 @@ class Predictor:
                                     f"or leave {name} out", where=f"profile of {signature!r}")
             gt = CPU_ONLY  # and no co-located speeds below: checked above
         else:
-            gt = gpu_type if gpu_type and gpu_type != "unknown" else self.gpu_type
+            gt = self.type_key(gpu_type)
         if solo:
             self.observe({"signature": signature, "step_time_s": solo_step_time_s, "gpus": gpus, "gpu_type": gt,
                           "cpu_cores": cpu_cores, "source": "profile"})
@@ -228,6 +229,37 @@ class Predictor:
             if speed > 0 and base is not None:
                 self.observe({"signature": ref, "co_runner": signature, "gpu_type": gt, "gpus": 1,
                               "step_time_s": math.exp(base[0]) / speed, "source": "profile"})
+
+    def type_key(self, gpu_type: str | None) -> str:
+        """The GPU type a sample measured on `gpu_type` is kept (and asked) under: its own (short) name when
+        the predictor has data of that type to relate it to -- the reference table measured it, or it is the
+        predictor's own type, or CPU-only; otherwise (no type, 'unknown', 'generic', or a model the table
+        does not know, such as an A100 next to Gavel's K80/P100/V100) the predictor's own type, as samples
+        without a type always were. So a homogeneous cluster's samples meet the models whatever its GPUs are
+        called, and a K80's samples are not mistaken for a V100's."""
+        if not gpu_type or gpu_type in (self.gpu_type, CPU_ONLY):
+            return gpu_type or self.gpu_type
+        short = short_gpu_model(gpu_type)
+        return short if short in self._table_types else self.gpu_type
+
+    def reference_speed(self, signature: str, gpus: int, gpu_type: str, base_type: str) -> float | None:
+        """The reference table's solo, consolidated speed of `signature` on `gpu_type` relative to `base_type`
+        at `gpus` GPUs (its step time on `base_type` over that on `gpu_type`). A GPU count the table did not
+        measure is read at the largest one below it, scaled linearly, as the simulator extrapolates
+        (`qosflow.sim.interference.GavelInterference.gpu_speed`). None when the table lacks the signature
+        on either type."""
+        sig = canonical(signature)
+        here, base = (self._reference_step_time(sig, g, gpus) for g in (gpu_type, base_type))
+        return base / here if here and base else None
+
+    def _reference_step_time(self, sig: str, gt: str, gpus: int) -> float | None:
+        """The table's solo consolidated step time of `sig` on `gt` at `gpus` GPUs, or extrapolated."""
+        gpus = max(1, gpus)
+        hit = self._ref_solo.get((sig, gt, gpus, True))
+        if hit:
+            return hit
+        ns = [n for (s, g, n, cons) in self._ref_solo if s == sig and g == gt and cons and n <= gpus]
+        return self._ref_solo[(sig, gt, max(ns), True)] * max(ns) / gpus if ns else None
 
     # ------------------------------------------------------------------ model fitting
 
