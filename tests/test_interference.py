@@ -255,3 +255,30 @@ def test_estimators_speak_of_gpu_models(tmp_path):
         name = "plain"
 
     assert gpu_speed(Plain(), a, "k80") == 1.0
+
+
+@pytest.mark.parametrize("policy", ["fifo", "srtf", "tiresias", "genie", "qosflow"])
+def test_every_policy_on_a_mixed_cluster_stays_above_the_typed_bound(tmp_path, policy):
+    """On V100 + K80 servers every policy finishes every job, no job beats its time on its fastest GPU
+    model, and the bounds count that time (B runs 1.5 x faster on a K80: its bound is shorter)."""
+    from qosflow.core.estimate import OracleEstimator
+    from qosflow.core.job import JobStatus
+    from qosflow.policies import get_policy
+    from qosflow.sim.clusters import load_cluster
+    from qosflow.sim.engine import SimConfig, Simulator
+    from qosflow.sim.metrics import compute_bounds, compute_metrics
+
+    sm = SpeedModel(GavelInterference(_typed_table(tmp_path)))
+    spec = load_cluster("4:0:4")
+    jobs = [Job(f"j{i}", 30.0 * i, QoSSpec(gpus=1 + (i % 3 == 0), gpu_mem_mb=1000.0, shareable=True,
+                                          deadline=1500.0 if i % 2 else None), 200.0 + 50 * (i % 5),
+                model="AB"[i % 2]) for i in range(24)]
+    res = Simulator(jobs, spec, get_policy(policy), estimator=OracleEstimator(sm), speed=sm,
+                    config=SimConfig(check_invariants=True)).run()
+    assert all(j.status is JobStatus.DONE for j in res.jobs)
+    typed, plain = compute_bounds(jobs, spec, sm), compute_bounds(jobs, spec)
+    assert typed.avg_jct < plain.avg_jct  # B's jobs are faster on the K80s
+    for js in res.jobs:
+        fastest = max(sm.gpu_speed(js.job, m) for m in ("v100", "k80"))  # (B: 1.5, and 1.71 at 2 GPUs)
+        assert js.finish_time - js.job.submit_time >= js.job.duration / fastest * 0.999
+    assert compute_metrics(res).avg_jct >= typed.avg_jct * 0.999

@@ -764,3 +764,107 @@ def test_wait_for_a_consolidated_slot_counts_only_gpus_the_job_can_use():
 
     assert wait(16_000.0) == 1000.0
     assert wait(4_000.0) == 0.0
+
+
+# ---------------------------------------------------------------------- mixed GPU models
+class _TwoModels:
+    """Speeds per job type on a V100 + K80 cluster: `slowk80` runs on a K80 at 0.1 x a V100 (ResNet-50
+    at 0.14 in Gavel's table), `fastk80` at 1.5 x (Gavel's recommender: 1.4 x)."""
+
+    gpu_type = "v100"
+    type_solo = {"v100": {}, "k80": {}}
+
+    def pair_slowdown(self, a, b, gpus=1):
+        return None
+
+    def spread_slowdown(self, model, gpus):
+        return None
+
+    def gpu_speed(self, model, gpus, gpu_model):
+        if gpu_model == "v100":
+            return 1.0
+        return {"slowk80": 0.1, "halfk80": 0.5, "fastk80": 1.5}.get(model) if gpu_model == "k80" else None
+
+
+def _two_model_run(jobs, k80_first=True, **opts):
+    from qosflow.core.cluster import NodeSpec
+    from qosflow.core.estimate import OracleEstimator
+
+    # the K80 node first: a search that ignores the model (best fit, then node order) takes it
+    nodes = [NodeSpec("k80-0", 1, gpu_mem_mb=12_000.0, cpu_cores=8.0, gpu_model="k80"),
+             NodeSpec("v100-0", 1, gpu_mem_mb=16_000.0, cpu_cores=8.0, gpu_model="v100")]
+    spec = ClusterSpec(nodes if k80_first else nodes[::-1])
+    speed = SpeedModel(_TwoModels())
+    res = simulate(jobs, spec, get_policy("qosflow", **opts), estimator=OracleEstimator(speed), speed=speed,
+                   config=SimConfig(restart_overhead=0))
+    return {j.job_id: j for j in res.jobs}
+
+
+def _typed_job(jid, model, t=0.0, duration=100.0):
+    return Job(jid, t, QoSSpec(gpus=1, cpu_cores=2.0, gpu_mem_mb=8_000.0, shareable=False), duration, model=model)
+
+
+def test_a_job_gets_the_gpu_model_it_runs_fastest_on():
+    for model, on in (("slowk80", 100.0), ("fastk80", 100.0 / 1.5)):
+        got = _two_model_run([_typed_job("j", model)])["j"]
+        assert got.finish_time == pytest.approx(on), model
+    # without the GPU-model choice the K80 node comes first: ten times as long for `slowk80`
+    assert _two_model_run([_typed_job("j", "slowk80")], gpu_models=False)["j"].finish_time == pytest.approx(1000.0)
+
+
+def test_a_job_waits_for_a_faster_gpu_model_only_if_it_ends_sooner():
+    # the V100 is busy until 200 s: on the free K80 the job would take 1000 s, waiting ends at 300 s
+    got = _two_model_run([_typed_job("busy", "slowk80", duration=200.0), _typed_job("late", "slowk80", t=10.0)])
+    assert got["late"].first_start == pytest.approx(200.0)
+    assert got["late"].finish_time == pytest.approx(300.0)
+    # busy until 5000 s: the K80 now (done at 1010 s) beats waiting, and the note says why
+    got = _two_model_run([_typed_job("busy", "slowk80", duration=5000.0), _typed_job("late", "slowk80", t=10.0)])
+    assert got["late"].first_start == pytest.approx(10.0)
+    assert got["late"].finish_time == pytest.approx(1010.0)
+    assert "GPU model k80 (0.10 x the fastest for it)" in got["late"].note, got["late"].note
+
+
+def test_the_note_of_a_job_waiting_for_a_faster_gpu_model():
+    from qosflow.core.cluster import ClusterState, NodeSpec
+    from qosflow.core.estimate import OracleEstimator
+    from qosflow.core.job import JobState
+    from qosflow.policies.base import SchedulerView
+    from qosflow.policies.placement import find_whole
+
+    spec = ClusterSpec([NodeSpec("k80-0", 1, gpu_mem_mb=12_000.0, cpu_cores=8.0, gpu_model="k80"),
+                        NodeSpec("v100-0", 1, gpu_mem_mb=16_000.0, cpu_cores=8.0, gpu_model="v100")])
+    st = ClusterState(spec)
+    busy = _typed_job("busy", "slowk80", duration=200.0)
+    st.allocate(find_whole(st, busy, node_rank=np.array([1.0, 0.0])), busy.qos)
+    running = JobState(busy, placement=st.allocs["busy"], first_start=0.0)
+    late = JobState(_typed_job("late", "slowk80", t=10.0), queued_since=10.0)
+    view = SchedulerView(now=10.0, running=[running], pending=[late], cluster=st,
+                         estimator=OracleEstimator(SpeedModel(_TwoModels())))
+    d = get_policy("qosflow").schedule(view)
+    assert not d.starts
+    assert d.notes["late"].startswith("waiting: for a faster GPU model: v100 free in about 3 min, done in 5 min, against 17 min on k80 now"), d.notes
+
+
+def test_a_gang_wider_than_any_one_gpu_model_still_starts():
+    """The model-by-model search found no GPUs for a gang wider than every model's servers (an 8-GPU
+    job on a 4:4:4 Gavel cluster) and it waited for ever: it spans models, at its slowest GPU's pace."""
+    gang = Job("gang", 0.0, QoSSpec(gpus=2, cpu_cores=2.0, gpu_mem_mb=8_000.0, gang=True, shareable=False), 100.0, model="slowk80")
+    got = _two_model_run([gang])["gang"]
+    assert got.status is JobStatus.DONE and got.finish_time == pytest.approx(1000.0)
+
+
+def test_under_load_short_jobs_take_the_slow_gpus_and_leave_the_fast_ones_to_longer_jobs():
+    """With work queued, a job takes the slowest model where it runs at most the median waiting job's
+    time longer (100 s more on the K80, within the median's 300 s); the next job takes the V100. Giving
+    each its fastest free model instead left the slow GPUs to the longest jobs."""
+    jobs = [_typed_job("short", "halfk80"), _typed_job("mid", "halfk80", duration=300.0),
+            _typed_job("long", "halfk80", duration=1000.0)]
+    # (in SJF order: without the makespan guard, which would start the longest job first)
+    got = _two_model_run(jobs, k80_first=False, makespan_beta=None)
+    assert got["short"].finish_time == pytest.approx(200.0)  # on the K80, at half speed
+    assert got["mid"].finish_time == pytest.approx(300.0)  # on the V100
+    assert got["short"].note == ("GPU model k80 (0.50 x its fastest): 2 min longer there, within the typical "
+                                 "waiting job's 5 min; the faster GPUs are left to longer jobs"), got["short"].note
+    # ignoring the model, best fit takes the first node (the V100 here) for the shortest job
+    off = _two_model_run(jobs, k80_first=False, gpu_models=False, makespan_beta=None)
+    assert off["short"].finish_time == pytest.approx(100.0) and off["mid"].finish_time == pytest.approx(600.0)

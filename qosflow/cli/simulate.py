@@ -135,7 +135,7 @@ def register(app: typer.Typer) -> None:
             by_est.setdefault(o.estimator, {})[o.spec.policy] = metrics[label]
         if not metrics:
             raise SimulationError("every policy failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
-        bounds = compute_bounds(wl.jobs, spec)
+        bounds = compute_bounds(wl.jobs, spec, speed)
         console.print(render_table(metrics, bounds, title=f"{wl.name} on {spec.name}"))
         baseline = "oracle" if "oracle" in by_est else next(iter(by_est))
         if len(kinds) > 1:

@@ -146,6 +146,9 @@ class Simulator:
         #: (`SpeedModel.gpu_types_matter`); otherwise every job runs at its given speed wherever it is
         models = [n.gpu_model for n in cluster.nodes]
         self._node_models: list[str] | None = models if self.speed.gpu_types_matter(models) else None
+        if self._node_models is not None and hasattr(self.estimator, "node_gpu_models"):
+            # (a learned estimator reads running jobs' progress against the speed of the GPUs they hold)
+            self.estimator.node_gpu_models = self._node_models
 
     # ------------------------------------------------------------------ run
     def run(self, on_progress: Callable[[int, int], None] | None = None) -> SimResult:

@@ -100,17 +100,25 @@ def compute_metrics(res: SimResult) -> Metrics:
     )
 
 
-def compute_bounds(jobs, cluster) -> Bounds:
+def compute_bounds(jobs, cluster, speed=None) -> Bounds:
     """Lower bounds on this workload: for any policy (average JCT, DSR, `span`), and for any
-    policy on exclusive GPUs (`makespan`, which counts the total work at one job per GPU)."""
+    policy on exclusive GPUs (`makespan`, which counts the total work at one job per GPU). On a
+    cluster of mixed GPU models (`speed`: the simulator's `SpeedModel`), each job counts at its speed
+    on the fastest model it may use."""
     admitted = [j for j in jobs if cluster.why_never_fits(j.qos) is None]
     if not admitted:
         return Bounds(0.0, 1.0, 0.0)
-    avg = float(np.mean([j.duration for j in admitted]))
+    best = {j.job_id: j.duration for j in admitted}
+    if speed is not None and speed.gpu_types_matter([n.gpu_model for n in cluster.nodes]):
+        for j in admitted:
+            if j.qos.gpus > 0:
+                ok = cluster.model_mask(j.qos.gpu_model)
+                best[j.job_id] = j.duration / max(speed.gpu_speed(j, n.gpu_model) for n, y in zip(cluster.nodes, ok) if y)
+    avg = float(np.mean([best[j.job_id] for j in admitted]))
     dl = [j for j in admitted if j.qos.deadline is not None]
-    feasible = sum(1 for j in dl if j.qos.deadline >= j.duration)
+    feasible = sum(1 for j in dl if j.qos.deadline >= best[j.job_id])
     first = min(j.submit_time for j in admitted)
     # the last arrival plus its own duration, and total work over capacity
-    span = max(j.submit_time + j.duration for j in admitted) - first
-    work = sum(j.duration * j.qos.gpu_demand for j in admitted) / max(1, cluster.num_gpus)
+    span = max(j.submit_time + best[j.job_id] for j in admitted) - first
+    work = sum(best[j.job_id] * j.qos.gpu_demand for j in admitted) / max(1, cluster.num_gpus)
     return Bounds(avg_jct=avg, dsr=feasible / len(dl) if dl else 1.0, makespan=float(max(span, work)), span=float(span))

@@ -38,7 +38,11 @@ and in the live worker):
       job extends least (time-aligned packing: jobs that end together share a node, so nodes
       empty whole and gangs can start without preemption; it pays with express nodes, not on
       its own: see docs/policies.md); fractional shares by a fragmentation-aware scorer
-      (FGD's gradient, ATC'23) when one is given, best fit otherwise;
+      (FGD's gradient, ATC'23) when one is given, best fit otherwise. On a cluster of mixed GPU
+      models (`gpu_models`, module `gpu_models`) remaining times are read in wall time at each
+      job's speed on its model, and the model is chosen by that speed: the fastest that ends it
+      soonest while nothing queues behind it, else the slowest that costs it at most the median
+      waiting job's time (and keeps its deadline), so the fast GPUs go to the long jobs;
    b. otherwise share GPUs that each hold one shareable job (SJF-BSBF's co-location, at most two
       jobs per GPU): on each node the partners with the largest GPU-throughput balance first
       (or, with `partner_rank="benefit"`, SJF-BSBF's benefit), on the node where the GPUs gain

@@ -157,7 +157,8 @@ class DeadlinesMixin:
             return r
         h = self._rem_hi.get(js.job_id)
         if h is None:
-            h = self._rem_hi[js.job_id] = max(r, remaining_high(self._est, js))
+            # (in wall time where it runs or would run best, as `_rem`: `GpuModelsMixin`)
+            h = self._rem_hi[js.job_id] = max(r, remaining_high(self._est, js) / self._rspeed.get(js.job_id, 1.0))
         return h
 
     def _promised(self, owner: str) -> bool:

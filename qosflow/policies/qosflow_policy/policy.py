@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from qosflow.core.estimate import gpu_speed
 from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
@@ -14,6 +15,7 @@ from qosflow.policies.qosflow_policy.colocation import KEPT_OFF, CoLocationMixin
 from qosflow.policies.qosflow_policy.cores import CpuCoresMixin
 from qosflow.policies.qosflow_policy.deadlines import DeadlinesMixin
 from qosflow.policies.qosflow_policy.express import EXPRESS, ExpressLaneMixin, _DeadlineArrivals
+from qosflow.policies.qosflow_policy.gpu_models import GpuModelsMixin
 from qosflow.policies.qosflow_policy.ordering import OrderingMixin, _ArrivalLog
 from qosflow.policies.qosflow_policy.reservations import ReservationsMixin
 from qosflow.policies.qosflow_policy.whole_gpus import WholeGpusMixin
@@ -31,6 +33,7 @@ class QosflowPolicy(
     CoLocationMixin,
     DeadlinesMixin,
     WholeGpusMixin,
+    GpuModelsMixin,
     ExpressLaneMixin,
     ReservationsMixin,
     CpuCoresMixin,
@@ -73,6 +76,7 @@ class QosflowPolicy(
         express_deadline_s: float = 86400.0,
         express_release: float = 2.0,
         deadline_band: bool = True,
+        gpu_models: bool = True,
     ):
         _check_number("express_share", express_share, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
         for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
@@ -80,11 +84,14 @@ class QosflowPolicy(
         _check_number("express_release", express_release, lambda v: v >= 0, ">= 0 (0: the lane never closes)")
         _check_number("reserve_share", reserve_share, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (a share of the nodes)")
         for name, value in (("makespan_inflow", makespan_inflow), ("makespan_longest", makespan_longest),
-                            ("starvation_backlog", starvation_backlog), ("deadline_band", deadline_band)):
+                            ("starvation_backlog", starvation_backlog), ("deadline_band", deadline_band),
+                            ("gpu_models", gpu_models)):
             if not isinstance(value, bool):
                 raise ValueError(f"qosflow policy: {name} must be true or false, got {value!r}")
         #: check deadline promises against the estimator's pessimistic (about 90th percentile) values
         self.deadline_band = deadline_band
+        #: on a cluster of mixed GPU models, choose each job's GPU model by its speed there (`GpuModelsMixin`)
+        self.gpu_models = gpu_models
         if partner_rank not in ("benefit", "throughput"):
             raise ValueError(f"qosflow policy: partner_rank must be 'benefit' or 'throughput', got {partner_rank!r}")
         #: which GPUs a job shares first: the partners with the largest SJF-BSBF benefit, or the
@@ -164,6 +171,7 @@ class QosflowPolicy(
             "express_deadline_s": self.express_deadline_s,
             "express_release": self.express_release,
             "deadline_band": self.deadline_band,
+            "gpu_models": self.gpu_models,
         }
 
     # ------------------------------------------------------------------ round
@@ -185,6 +193,19 @@ class QosflowPolicy(
             states[jid] = js
         self._rem, self._now = rem, now
         self._est, self._states, self._rem_hi, self._promises = est, states, {}, {}
+        # on a cluster of mixed GPU models: remaining times in wall time where the jobs run (running
+        # jobs) or would run best (waiting ones); `_rspeed` keeps the factor for the pessimistic values
+        models = self._node_models(st)
+        self._rspeed = {}
+        if models is not None:
+            for js in view.running:
+                self._rspeed[js.job.job_id] = self._held_speed(est, js, models)
+            for js in view.pending:
+                self._rspeed[js.job.job_id] = self._best_speed(st, est, js, models)
+            for jid, s in self._rspeed.items():
+                rem[jid] /= s
+            waiting = [rem[js.job.job_id] for js in view.pending if js.job.qos.gpus > 0]
+            self._typical_wait_r = float(np.median(waiting)) if waiting else 0.0
         # each pending job's GPU demand, in the order of `view.pending` (read once per round)
         demand = {js.job.job_id: js.job.qos.gpu_demand for js in view.pending}
         order, starving = self._order(view, rem, demand, d.notes)
@@ -274,6 +295,8 @@ class QosflowPolicy(
             why = ""
             not_shared = None
             held = False  # GPUs of its own were free, but only on nodes reserved for others
+            r_run = r  # its remaining time where it starts (on a slower GPU model: longer)
+            typed_wait = None  # why it waits for GPUs of a faster model
             if q.gpus == 0:
                 p = self._cpu_only(st, js)
             elif q.fractional:
@@ -281,33 +304,15 @@ class QosflowPolicy(
             else:
                 # the request's shape as the whole-GPU searches key it (worked out once per job)
                 wshape = (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), q.gpu_model)
-                if not failures.hopeless(st, q):
-                    # (the GPUs found: `_own` makes the placement the job's if it starts)
-                    p = self._whole_gpus(st, job, "consolidated", r, shape=wshape)
-                    if p is not None and reserved:
-                        finish = now + r
-                        on = p.nodes
-                        if len(on) == 1:
-                            # GPUs on one node: if the job must keep off it and the search without that
-                            # node finds nothing, the search around all the reservations it must keep
-                            # off finds nothing either (hiding nodes only takes candidates away), and
-                            # the other reserved nodes need no test
-                            n0 = on[0]
-                            if n0 in reserved and self._avoid(js, {n0: reserved[n0]}, finish)[n0]:
-                                if self._whole_gpus(st, job, "consolidated", finish - now, masked=(n0,), shape=wshape) is None:
-                                    p = None
-                                else:
-                                    p = self._unreserved_whole(st, js, reserved, finish, shape=wshape)
-                                held = p is None
-                        else:
-                            # which reserved nodes the job must keep off (the same test for the GPUs
-                            # found and for the search around reservations: `blocked`, `_unreserved_whole`)
-                            avoid = self._avoid(js, reserved, finish)
-                            if any(avoid.get(n, False) for n in on):
-                                p = self._unreserved_whole(st, js, reserved, finish, avoid=avoid, shape=wshape)
-                                held = p is None
-                    if p is None and not reserved:
-                        failures.failed(q)
+                groups = self._model_groups(st, est, job, models) if models is not None else ()
+                if len(groups) > 1:
+                    # GPU models that differ for it: the fastest that pays; while work queues behind it,
+                    # the slowest that costs it little (`GpuModelsMixin`)
+                    typed = self._loaded_gpus if queued_gpus > 0 else self._typed_gpus
+                    p, held, why = typed(st, js, groups, r, reserved, failures)
+                    typed_wait = (why or None) if p is None else None
+                else:
+                    p, held = self._own_gpus(st, js, job, r, wshape, reserved, failures)
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
                     share_tries += 1
                     # (a placement in a reservation's way is not made: `keep_off`)
@@ -323,7 +328,7 @@ class QosflowPolicy(
                     found = self._deadline_rescue(st, js, rem, states, est, now, gpn)
                     if found is not None and not (reserved and blocked(found[0], js, now + r * 1.5)):
                         p, why = found
-                if p is None and q.gpus > 1 and now - js.queued_since >= self.relax_after:
+                if p is None and q.gpus > 1 and typed_wait is None and now - js.queued_since >= self.relax_after:
                     p = self._relaxed(st, js, rem, est, gpn, reserved, shape=wshape)
                     if p is not None:
                         why = "locality relaxed after waiting: spread over nodes"
@@ -338,7 +343,7 @@ class QosflowPolicy(
                             self._largest = (self._ver, int(up.max()) if up.size else None)
                         w = waiting_memo[shape] = (self._ver, why_waiting(st, js, self._largest[1]))
                     d.notes[jid] = (
-                        w[1]
+                        (f"waiting: {typed_wait}" if typed_wait else w[1])
                         + ("; the free nodes that fit it are reserved for jobs that start before it would end" if held else "")
                         + (f"; not shared: {not_shared}" if not_shared else "")
                     )
@@ -361,11 +366,14 @@ class QosflowPolicy(
                 else:
                     lane = "express node: the regular nodes can never fit it"
                 why = f"{why}; {lane}" if why else lane
+            if models is not None and p.gpus:
+                # in wall time on the GPU model it got (its slowest GPU's), not at its best case
+                r_run = r * self._rspeed.get(jid, 1.0) / min(gpu_speed(est, job, models[n]) for n in p.nodes)
             p = self._with_cores(st, job, self._own(p, job), est)
             st.allocate(p, q)
             self._ver += 1
             for ng in p.gpus:
-                self._end_max[ng] = max(self._end_max[ng], r)
+                self._end_max[ng] = max(self._end_max[ng], r_run)
             d.starts.append(p)
             if js in starving:
                 js.tags["qosflow_rescued"] = True
@@ -373,6 +381,42 @@ class QosflowPolicy(
                 d.notes[jid] = why
         self._memo_state = (st, self.align, self.sub_batch, self.SHARE_NODES)  # (as this round leaves it: `_same_state`)
         return d
+
+    def _own_gpus(self, st, js: JobState, job, r: float, wshape: tuple, reserved, failures) -> tuple[Placement | None, bool]:
+        """GPUs of `job`'s own (`js`'s request, or it restricted to some GPU models), consolidated, clear
+        of reservations it would be in the way of, for a remaining time `r`: (the placement or None,
+        held -- GPUs were free, but only on nodes reserved for others). `_own` makes a placement the
+        job's if it starts."""
+        q = job.qos
+        if failures.hopeless(st, q):
+            return None, False
+        held = False
+        now = self._now
+        p = self._whole_gpus(st, job, "consolidated", r, shape=wshape)
+        if p is not None and reserved:
+            finish = now + r
+            on = p.nodes
+            if len(on) == 1:
+                # GPUs on one node: if the job must keep off it and the search without that node finds
+                # nothing, the search around all the reservations it must keep off finds nothing either
+                # (hiding nodes only takes candidates away), and the other reserved nodes need no test
+                n0 = on[0]
+                if n0 in reserved and self._avoid(js, {n0: reserved[n0]}, finish)[n0]:
+                    if self._whole_gpus(st, job, "consolidated", finish - now, masked=(n0,), shape=wshape) is None:
+                        p = None
+                    else:
+                        p = self._unreserved_whole(st, js, reserved, finish, shape=wshape, job=job)
+                    held = p is None
+            else:
+                # which reserved nodes the job must keep off (the same test for the GPUs found and for
+                # the search around reservations: `blocked`, `_unreserved_whole`)
+                avoid = self._avoid(js, reserved, finish)
+                if any(avoid.get(n, False) for n in on):
+                    p = self._unreserved_whole(st, js, reserved, finish, avoid=avoid, shape=wshape, job=job)
+                    held = p is None
+        if p is None and not reserved:
+            failures.failed(q)
+        return p, held
 
     #: cluster-state arrays that the remembered searches read (besides the spec and the allocations)
     _STATE_ARRAYS = ("milli_free", "njobs", "whole", "share_ok", "gmem_free", "empty", "cpu_free", "mem_free", "down")

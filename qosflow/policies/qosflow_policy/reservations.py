@@ -23,20 +23,21 @@ class ReservationsMixin:
         placement search admits (`ClusterState.usable_nodes`)."""
         return st.exists & st.usable_nodes(q)[:, None]
 
-    def _consolidated_wait(self, st: ClusterState, js: JobState, rem, exclude=(), all_nodes: bool = False) -> float:
+    def _consolidated_wait(self, st: ClusterState, js: JobState, rem, exclude=(), all_nodes: bool = False, q=None) -> float:
         """Predicted wait until some node has enough empty GPUs for `js`, consolidated (no new starts
         assumed; nodes in `exclude` not counted). With `all_nodes`, a gang wider than a node waits
         for as many whole nodes as it needs (otherwise: for the first one -- a lower bound, which is
-        what relaxing locality compares against)."""
+        what relaxing locality compares against). `q`: its request restricted to some GPU models."""
+        q = js.job.qos if q is None else q
         gmax = max(1, st.spec.max_gpus_per_node)
-        k = min(js.job.qos.gpus, gmax)
+        k = min(q.gpus, gmax)
         t = np.where(st.njobs == 0, 0.0, self._end_max)  # a GPU is empty once its last job ends
-        t = np.where(self._gpus_for(st, js.job.qos), t, np.inf)
+        t = np.where(self._gpus_for(st, q), t, np.inf)
         t[st.down] = np.inf
         if len(exclude):
             t[list(exclude)] = np.inf
         kth = np.partition(t, k - 1, axis=1)[:, k - 1]
-        need = min_nodes_for(js.job.qos.gpus, gmax)
+        need = min_nodes_for(q.gpus, gmax)
         if need <= 1 or not all_nodes:
             return float(kth.min())
         return float(np.partition(kth, need - 1)[need - 1]) if need <= len(kth) else math.inf

@@ -45,16 +45,17 @@ class WholeGpusMixin:
                 out[n] = end > t
         return out
 
-    def _unreserved_whole(self, st: ClusterState, js: JobState, reserved, finish: float, avoid=None, shape=None) -> Placement | None:
+    def _unreserved_whole(self, st: ClusterState, js: JobState, reserved, finish: float, avoid=None, shape=None, job=None) -> Placement | None:
         """Exclusive placement avoiding nodes reserved for others (unless done before they need them:
-        `_avoid`, given or worked out); as `_whole_gpus` answers it (`_own` makes it the job's)."""
+        `_avoid`, given or worked out); as `_whole_gpus` answers it (`_own` makes it the job's). `job`:
+        `js`'s request restricted to some GPU models (`GpuModelsMixin`), if not `js.job` itself."""
         if avoid is None:
             avoid = self._avoid(js, reserved, finish)
         # (a node without an empty GPU offers nothing to hide: leaving it out changes no search, and
         # jobs whose reservations differ only there share one search)
         empty = st.empty
         masked = tuple(n for n in reserved if avoid[n] and empty[n] > 0)
-        return self._whole_gpus(st, js.job, "consolidated", finish - self._now, masked=masked, shape=shape)
+        return self._whole_gpus(st, js.job if job is None else job, "consolidated", finish - self._now, masked=masked, shape=shape)
 
     def _whole_gpus(self, st: ClusterState, job, locality: str, r: float | None = None, masked: tuple = (), shape: tuple | None = None) -> Placement | None:
         """`find_whole` (best fit; with `align`, consolidated placements ranked by `_align_rank(r)`),
