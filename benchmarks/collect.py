@@ -1,7 +1,9 @@
 """Gather the benchmark sections in docs/bench/*.md into docs/benchmarks.md.
 
 Each benchmark script writes its own section (with the machine and date of its run); this keeps
-them in one document, in a fixed order, with a table of contents.
+them in one document, in a fixed order, with a table of contents. Results recorded by hand go in a
+file of their own here too (`*_notes.md`): text added to docs/benchmarks.md itself is lost at the
+next collection.
 Usage: python benchmarks/collect.py
 """
 
@@ -10,9 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["sim", "parallel", "decisions", "packing", "prefect", "demo_db", "predictor", "learned_sim", "infra"]
+ORDER = ["sim", "sim_speed_notes", "gpu_models", "parallel", "decisions", "packing", "prefect", "demo_db", "predictor",
+         "learned_sim", "infra", "infra_notes"]
 TITLES = {
     "sim": "Simulator fidelity and qosflow's policy (issues 2, 3)",
+    "sim_speed_notes": "qosflow's simulation speed: side runs written by hand (issue 2)",
+    "gpu_models": "Mixed GPU models: V100 + P100 + K80 clusters (issue 3, beyond its targets)",
     "parallel": "Runs in worker processes (simulate, pack)",
     "decisions": "Placement decision rate (issues 2, 3)",
     "packing": "GPU-sharing packing on the Alibaba trace (issues 2, 3)",
@@ -21,6 +26,7 @@ TITLES = {
     "predictor": "Predictor accuracy and speed (issue 4)",
     "learned_sim": "Learned estimates in the simulator (issue 4)",
     "infra": "Infrastructure: agents and Kubernetes (issue 6)",
+    "infra_notes": "Progress copies from agent hosts (issue 6, recorded by hand)",
 }
 
 
