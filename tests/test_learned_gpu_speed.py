@@ -189,3 +189,16 @@ def test_in_flight_readings_on_a_slow_gpu_are_no_slowdown():
 
     assert spread_after_running_on_k80s(["k80", "k80"]) < 1.3
     assert spread_after_running_on_k80s(None) > 3.0  # (what it learned without the engine's models)
+
+
+def test_a_gang_takes_its_signatures_speed_ratio_from_another_gpu_count(tmp_path):
+    """A signature measured on both models at 1 GPU only: its 2-GPU gang's speed on the other model is
+    that ratio (the nearest GPU count measured on both), not the ratio pooled over other signatures."""
+    est = _live(tmp_path)
+    for i in range(3):
+        est.observe(_stage(i), 50.0, steps=100, where=_on("a100"))
+        est.observe(_stage(i + 10), 100.0, steps=100, where=_on("rtx3090"))  # half as fast
+        est.observe(_stage(i + 20, "flows.other"), 10.0, steps=10, where=_on("a100"))
+        est.observe(_stage(i + 30, "flows.other"), 5.0, steps=10, where=_on("rtx3090"))  # twice as fast
+    p = est.predict_gpu_speed(_stage(40, gpus=2), "rtx3090")
+    assert p.value == pytest.approx(0.5) and p.basis.endswith("at 1 GPU(s)"), p

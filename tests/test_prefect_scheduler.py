@@ -641,6 +641,16 @@ def test_the_worker_places_a_stage_on_the_gpu_model_its_own_runs_were_fastest_on
             s.round()
             await settle()
             assert cluster.nodes[t.result().placement.gpus[0][0]].name == host, model
+        # a gang over both hosts runs at its slowest GPU's pace: its history records that model
+        for model, slowest in (("flows.train", "rtx3090"), ("flows.embed", "a100")):
+            s = QoSScheduler(cluster, get_policy("qosflow"), est, coda=False)
+            job = Job(f"gang-{model}", time.time(), QoSSpec(gpus=2, cpu_cores=2.0, gang=True), 60.0, model=model)
+            e = StageEntry(JobState(job), job.job_id, flow_run_id=job.job_id)
+            t = await enqueue(s, e)
+            s.round()
+            await settle()
+            assert len(t.result().placement.nodes) == 2
+            assert s.where_ran(e)["gpu_type"] == slowest, model
         # without the GPU-model choice the first node (best fit, node order) takes it whatever it runs at
         s = QoSScheduler(cluster, get_policy("qosflow", gpu_models=False), est, coda=False)
         t = await enqueue(s, stage("plain", "flows.train"))

@@ -851,6 +851,7 @@ class LearnedEstimator:
         a. the signature's own step times at its GPU count on both models (finished stages alone on
            their GPUs and, in the simulator, a profile on each model): alone from MIN_SAMPLES on each,
            before that blended (weight n/(n+1)) with what follows;
+        a'. the same at the nearest other GPU count where both models were measured;
         b. the reference table's solo step times of the signature on both types (Gavel's K80 runs
            ResNet-50 at 0.14 x a V100 but its recommender at 1.4 x);
         c. the ratio pooled over the signatures measured on both models (their geometric mean), for a
@@ -888,7 +889,7 @@ class LearnedEstimator:
         hit = self._speed.get((key, gpus, m))
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        prior = self._table_speed(sig, gpus, m) or self._pooled_speed(m, key) or Prediction(
+        prior = self._other_count_speed(key, gpus, m) or self._table_speed(sig, gpus, m) or self._pooled_speed(m, key) or Prediction(
             1.0, 1.0 / UNMEASURED_SPEED_BAND, UNMEASURED_SPEED_BAND, 0, f"no measurement on {m}")
         measured = self._measured_speed(key, gpus, m)
         pred = prior if measured is None else _blend(measured, prior, measured.n_samples)
@@ -905,6 +906,16 @@ class LearnedEstimator:
         v = math.exp(on_ref.mean - on_m.mean)
         return Prediction(v, v * math.exp(-Z90 * sd), v * math.exp(Z90 * sd), min(on_m.n, on_ref.n),
                           f"samples(n={on_m.n} on {m},{on_ref.n} on {self.reference_gpu})")
+
+    def _other_count_speed(self, key: str, gpus: int, m: str) -> Prediction | None:
+        """(a'): the signature's own speed ratio on `m` measured at another GPU count -- the one nearest to
+        `gpus` (a 2-GPU gang of a signature seen on both models at 1 GPU only); None if there is none."""
+        counts = [g for (k, g) in self._steps if k == key and g != gpus and self._measured_speed(key, g, m) is not None]
+        if not counts:
+            return None
+        g = min(counts, key=lambda c: (abs(math.log(c / max(gpus, 1))), c))
+        p = self._measured_speed(key, g, m)
+        return Prediction(p.value, p.low, p.high, p.n_samples, f"{p.basis} at {g} GPU(s)")
 
     def _table_speed(self, sig: str, gpus: int, m: str) -> Prediction | None:
         """(b): the reference table's speed of the signature on `m` relative to the reference GPU."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from qosflow.core.cluster import ClusterSpec, ClusterState, PlacementError
-from qosflow.core.estimate import Z_HIGH, DeclaredEstimator, Estimator
+from qosflow.core.estimate import Z_HIGH, DeclaredEstimator, Estimator, gpu_speed
 from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.core.placement import Placement
 from qosflow.placement_api import read_progress, read_resumed
@@ -558,16 +558,19 @@ class QoSScheduler:
     # ------------------------------------------------------------------ helpers
     def where_ran(self, e: StageEntry) -> dict[str, Any]:
         """Where a granted stage ran, as its stage-history row and step-time sample record it: hosts, GPU
-        model, consolidated (one node) or spread, and its CPU cores (None once CODA moved some, or for a
-        share of one core)."""
+        model (of a gang over several models, the slowest for it), consolidated (one node) or spread, and its
+        CPU cores (None once CODA moved some, or for a share of one core)."""
         p = e.grant.placement if e.grant is not None else None
         if p is None:
             return {}
         names = self.cluster.node_names
         cores = p.cpu_cores
+        # (a gang over GPUs of several models runs at its slowest GPU's pace: that model, as the estimator sees it)
+        models = sorted({self.cluster.nodes[n].gpu_model or "unknown" for n, _ in p.gpus})
+        slowest = min(models, key=lambda m: gpu_speed(self.estimator, e.job, m)) if models else "cpu"
         return {
             "host": ",".join(names[n] for n in p.nodes) or None,
-            "gpu_type": self.cluster.nodes[p.gpus[0][0]].gpu_model or "unknown" if p.gpus else "cpu",
+            "gpu_type": slowest,
             "placement": "spread" if len(p.nodes) > 1 else "consolidated",
             "cpu_cores": None if e.meta.get("cores_moved") or cores < 1 else int(round(cores)),
         }
