@@ -38,7 +38,7 @@ def _hours(s: float) -> str:
 
 class GpuModelsMixin:
     """Mixed GPU models for `QosflowPolicy`. Reads the option `gpu_models` and the round's `_now`,
-    `_rem`, `_end_max`, `_typical_wait_r`; the search of a model's GPUs is `_own_gpus`, the wait for them `_consolidated_wait`."""
+    `_rem`, `_end_max`, `_typical_wait_r`, `_ver` (with `_empty_memo`); the search of a model's GPUs is `_own_gpus`, the wait for them `_consolidated_wait`."""
 
     def _node_models(self, st: ClusterState) -> list[str] | None:
         """Per node, its GPU model (lower case) -- None if the cluster has only one, or the option is off."""
@@ -90,15 +90,28 @@ class GpuModelsMixin:
         groups = self._model_groups(st, est, js.job, models)
         return groups[0][0] if groups else 1.0
 
-    def _typed_gpus(self, st: ClusterState, js: JobState, groups: tuple, r: float, reserved, failures):
+    def _empty_on(self, st: ClusterState, models: str) -> int:
+        """Empty GPUs on the up nodes of `models` (a `|`-joined group), as of `_ver` (remembered until the
+        next placement): a group with fewer than a job asks for needs no search."""
+        hit = self._empty_memo.get(models)
+        if hit is None or hit[0] != self._ver:
+            hit = self._empty_memo[models] = (self._ver, int(st.empty[st.spec.model_mask(models) & ~st.down].sum()))
+        return hit[1]
+
+    def _typed_gpus(self, st: ClusterState, js: JobState, groups: tuple, r: float, reserved, failures, none_on=()):
         """GPUs of `js`'s own on the fastest model that pays (see the module docstring): (placement or
-        None, held -- free GPUs only on nodes reserved for others --, why it is there or waits)."""
+        None, held -- free GPUs only on nodes reserved for others --, why it is there or waits).
+        `none_on`: model groups already searched in vain for it this round (`_loaded_gpus`)."""
         job = js.job
         q = job.qos
+        if st.total_empty_gpus() < q.gpus:
+            return None, False, ""  # (no model has the GPUs: most waiting jobs stop here)
         best = groups[0][0]
         held = False
         for i, (s, ms, jv) in enumerate(groups):
             r_here = r * best / s
+            if ms in none_on or self._empty_on(st, ms) < q.gpus:
+                continue
             shape = (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), ms)
             p, h = self._own_gpus(st, js, jv, r_here, shape, reserved, failures)
             held = held or h
@@ -134,13 +147,17 @@ class GpuModelsMixin:
         (placement or None, held, why)."""
         job = js.job
         q = job.qos
+        if st.total_empty_gpus() < q.gpus:
+            return None, False, ""  # (as `_typed_gpus`)
         best = groups[0][0]
         held = False
         # (a deadline it can still meet must still be met there, at the pessimistic estimate)
         dl = job.deadline if self._has_deadline(js) else None
+        none_on = []
         for s, ms, jv in reversed(groups):
             extra = r * best / s - r
-            if extra > self._typical_wait_r or (dl is not None and s < best and self._finish_high(js, self._now + r + extra) > dl):
+            if extra > self._typical_wait_r or self._empty_on(st, ms) < q.gpus or (
+                    dl is not None and s < best and self._finish_high(js, self._now + r + extra) > dl):
                 continue
             p, h = self._own_gpus(st, js, jv, r * best / s, (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), ms), reserved, failures)
             held = held or h
@@ -149,7 +166,8 @@ class GpuModelsMixin:
                     f"GPU model {ms} ({s / best:.2f} x its fastest): {_hours(extra)} longer there, within the "
                     f"typical waiting job's {_hours(self._typical_wait_r)}; the faster GPUs are left to longer jobs")
                 return p, held, why
+            none_on.append(ms)
         # else as without work queued: the fastest model that pays (a long job waits for a fast GPU
         # rather than take a slow one for many times its time)
-        p, h, why = self._typed_gpus(st, js, groups, r, reserved, failures)
+        p, h, why = self._typed_gpus(st, js, groups, r, reserved, failures, none_on)
         return p, held or h, why

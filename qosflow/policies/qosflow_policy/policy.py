@@ -196,7 +196,7 @@ class QosflowPolicy(
         # on a cluster of mixed GPU models: remaining times in wall time where the jobs run (running
         # jobs) or would run best (waiting ones); `_rspeed` keeps the factor for the pessimistic values
         models = self._node_models(st)
-        self._rspeed = {}
+        self._rspeed, self._empty_memo = {}, {}
         if models is not None:
             for js in view.running:
                 self._rspeed[js.job.job_id] = self._held_speed(est, js, models)
