@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
     def simulate_cmd(
         trace: str = typer.Option("synthetic", "--trace", help="trace file, or 'synthetic' for the embedded Philly-like generator"),
         fmt: Optional[str] = typer.Option(None, "--format", help="muri | gavel | alibaba | synthetic (default: guessed from --trace)"),
-        cluster: Optional[str] = typer.Option(None, "--cluster", help="NxG (e.g. 8x8), a Muri cluster CSV, an Alibaba node list, or a Gavel spec V:P:K (default: the trace's own, else 8x8)"),
+        cluster: Optional[str] = typer.Option(None, "--cluster", help="NxG (e.g. 8x8), a Muri cluster CSV, an Alibaba node list, or a Gavel spec V:P:K (V100s:P100s:K80s, e.g. 36:36:36; jobs run at their measured speed on each model) (default: the trace's own, else 8x8)"),
         policies: str = typer.Option("fifo,sjf,srtf,tiresias,sjf-ffs,sjf-bsbf,genie,qosflow", "--policies", help="comma-separated policy names (qosflow: ours; the others are the baselines)"),
         seed: int = typer.Option(0, "--seed", help="seed for deadlines, failures, noise and synthetic traces"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
