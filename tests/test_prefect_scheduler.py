@@ -637,10 +637,13 @@ def test_the_worker_places_a_stage_on_the_gpu_model_its_own_runs_were_fastest_on
     async def main():
         for model, host in (("flows.train", "new"), ("flows.embed", "old")):
             s = QoSScheduler(cluster, get_policy("qosflow"), est, coda=False)
-            t = await enqueue(s, stage(f"one-{model}", model))
+            e = stage(f"one-{model}", model)
+            t = await enqueue(s, e)
             s.round()
             await settle()
             assert cluster.nodes[t.result().placement.gpus[0][0]].name == host, model
+            # (the flow run's `qosflow.gpu_model` label and the placement log line say which model it got)
+            assert s.describe_grant(e)["gpu_model"] == ("a100" if host == "new" else "rtx3090")
         # a gang over both hosts runs at its slowest GPU's pace: its history records that model
         for model, slowest in (("flows.train", "rtx3090"), ("flows.embed", "a100")):
             s = QoSScheduler(cluster, get_policy("qosflow"), est, coda=False)

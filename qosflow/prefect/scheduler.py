@@ -587,6 +587,8 @@ class QoSScheduler:
             "host": names[p.nodes[0]] if p.nodes else None,
             "hosts": [names[n] for n in p.nodes],
             "gpus": [f"{names[n]}:{gi}" for n, gi in p.gpus],
+            # (the GPU model(s) it got: on a cluster of mixed models the policy chose it by the stage's speed there)
+            "gpu_model": "+".join(sorted({self.cluster.nodes[n].gpu_model for n, _ in p.gpus})) or "cpu",
             "gpu_milli": p.gpu_milli,
             "cpu_cores": p.cpu_cores,
             "cpuset": {names[n]: c for n, c in g.cpusets.items()},

@@ -626,11 +626,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             info = sched.describe_grant(entry)
             info["attempt"] = n
             run_logger.info(
-                "%s %s on %s (GPUs %s%s, %g cores) after %.2fs in the QoS queue; predicted %.1fs (%s)%s%s",
+                "%s %s on %s (GPUs %s%s%s, %g cores) after %.2fs in the QoS queue; predicted %.1fs (%s)%s%s",
                 "placed" if n == 1 else "re-placed",
                 name,
                 info["host"],
                 ",".join(info["gpus"]) or "-",
+                "" if info["gpu_model"] in ("generic", "cpu") else f" {info['gpu_model']}",
                 " virtual" if info["virtual_gpus"] else "",
                 info["cpu_cores"],
                 grant.waited_s,
@@ -1338,6 +1339,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         labels = {
             "qosflow.host": str(info["host"]),
             "qosflow.gpus": ",".join(info["gpus"]) or "-",
+            "qosflow.gpu_model": str(info["gpu_model"]),
             "qosflow.gpu_milli": str(info["gpu_milli"]) if info["gpus"] else "0",  # (a CPU-only stage holds no GPU share)
             "qosflow.cpu_cores": f"{info['cpu_cores']:g}",
             "qosflow.cpuset": json.dumps(info["cpuset"]),
