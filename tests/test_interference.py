@@ -281,4 +281,8 @@ def test_every_policy_on_a_mixed_cluster_stays_above_the_typed_bound(tmp_path, p
     for js in res.jobs:
         fastest = max(sm.gpu_speed(js.job, m) for m in ("v100", "k80"))  # (B: 1.5, and 1.71 at 2 GPUs)
         assert js.finish_time - js.job.submit_time >= js.job.duration / fastest * 0.999
-    assert compute_metrics(res).avg_jct >= typed.avg_jct * 0.999
+    m = compute_metrics(res)
+    assert m.avg_jct >= typed.avg_jct * 0.999
+    # the GPU-time each model's GPUs were allocated adds up to the cluster's
+    assert set(m.gpu_util_by_model) == {"v100", "k80"}
+    assert sum(u * 4 for u in m.gpu_util_by_model.values()) == pytest.approx(m.gpu_util * spec.num_gpus)  # (4 of each)

@@ -89,6 +89,8 @@ class SimResult:
     shared_gpu_seconds: float = 0.0
     #: (time, busy GPUs) samples at every event, for utilisation plots
     timeline: list[tuple[float, float]] = field(default_factory=list)
+    #: on a cluster of mixed GPU models: per model, the GPU-seconds allocated on its GPUs
+    busy_gpu_seconds_by_model: dict[str, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> list[JobState]:
@@ -197,6 +199,11 @@ class Simulator:
         dirty_gpus: set[tuple[int, int]] = set()
 
         node_models = self._node_models
+        # per model, busy GPU-seconds (a cluster of mixed models only): node -> model index, summed per event
+        by_model = sorted(set(node_models)) if node_models is not None else []
+        model_idx = np.array([by_model.index(m) for m in node_models]) if node_models is not None else None
+        busy_by_model = np.zeros(len(by_model))
+        last_by_model = np.zeros(len(by_model))
 
         def recompute_rates() -> None:
             st = self.state
@@ -270,6 +277,8 @@ class Simulator:
             if dt > 0:
                 bg = last_busy_gpus
                 busy += bg * dt
+                if model_idx is not None:
+                    busy_by_model += last_by_model * dt
                 shared_gpu_seconds += last_shared * dt
                 for jid, js in running.items():
                     p = js.placement
@@ -424,6 +433,9 @@ class Simulator:
                 recompute_rates()
                 last_busy_gpus = busy_gpus()
                 last_shared = float((st_.whole >= 2).sum())
+                if model_idx is not None:
+                    used = np.where(st_.exists, 1000 - st_.milli_free, 0).sum(axis=1) / 1000.0
+                    last_by_model = np.bincount(model_idx, weights=used, minlength=len(by_model))
             timeline.append((now, last_busy_gpus))
             if on_progress is not None:
                 on_progress(finished + len(rejected), total)
@@ -445,6 +457,7 @@ class Simulator:
             sched_seconds=sched_seconds,
             shared_gpu_seconds=shared_gpu_seconds,
             timeline=timeline,
+            busy_gpu_seconds_by_model={m: float(v) for m, v in zip(by_model, busy_by_model)},
         )
 
 

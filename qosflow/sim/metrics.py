@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -43,6 +43,8 @@ class Metrics:
     wasted_gpu_hours: float
     sched_seconds: float
     decisions: int
+    #: on a cluster of mixed GPU models: per model, the share of its GPU-time allocated over the makespan
+    gpu_util_by_model: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -97,7 +99,18 @@ def compute_metrics(res: SimResult) -> Metrics:
         wasted_gpu_hours=res.wasted_gpu_seconds / 3600.0,
         sched_seconds=res.sched_seconds,
         decisions=res.decisions,
+        gpu_util_by_model=_util_by_model(res, makespan),
     )
+
+
+def _util_by_model(res: SimResult, makespan: float) -> dict[str, float]:
+    """Per GPU model, its GPUs' allocated share of the makespan (empty unless the engine ran jobs at
+    per-model speeds, i.e. on a cluster of mixed models)."""
+    gpus: dict[str, int] = {}
+    for n in res.cluster.nodes:
+        gpus[n.gpu_model] = gpus.get(n.gpu_model, 0) + n.gpus
+    return {m: float(v / (gpus[m] * makespan)) for m, v in res.busy_gpu_seconds_by_model.items()
+            if makespan > 0 and gpus.get(m)}
 
 
 def compute_bounds(jobs, cluster, speed=None) -> Bounds:

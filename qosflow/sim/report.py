@@ -63,7 +63,11 @@ def render_table(metrics: Mapping[str, Metrics], bounds: Bounds, title: str = "S
         caption="bound: each job alone on an idle cluster (JCT, DSR); makespan: the later of the last "
         "arrival's end and all work at one job per GPU (GPU sharing can beat the latter)",
     )
-    for col in ("policy", "avg JCT", "median JCT", "p99 JCT", "makespan", "avg queue", "DSR", "GPU alloc", "preempt", "jobs"):
+    # (on a cluster of mixed GPU models: how much of each model's GPU-time each policy used)
+    models = sorted({g for m in metrics.values() for g in m.gpu_util_by_model})
+    cols = ["policy", "avg JCT", "median JCT", "p99 JCT", "makespan", "avg queue", "DSR", "GPU alloc"]
+    cols += ["alloc per GPU model"] * bool(models) + ["preempt", "jobs"]
+    for col in cols:
         t.add_column(col, justify="right" if col != "policy" else "left")
     best = min(metrics.values(), key=lambda m: m.avg_jct).policy if metrics else None
     for name, m in metrics.items():
@@ -77,11 +81,13 @@ def render_table(metrics: Mapping[str, Metrics], bounds: Bounds, title: str = "S
             fmt_seconds(m.avg_queue),
             f"{m.dsr:.1%}" if m.deadline_jobs else "-",
             f"{m.gpu_util:.1%}",
+            *([" ".join(f"{g} {m.gpu_util_by_model.get(g, 0.0):.0%}" for g in models)] if models else []),
             str(m.preemptions),
             f"{m.finished}" + (f" (+{m.rejected} rejected)" if m.rejected else ""),
             style=style,
         )
-    t.add_row("bound", fmt_seconds(bounds.avg_jct), "", "", fmt_seconds(bounds.makespan), "", f"{bounds.dsr:.1%}", "", "", "", style="dim")
+    t.add_row("bound", fmt_seconds(bounds.avg_jct), "", "", fmt_seconds(bounds.makespan), "", f"{bounds.dsr:.1%}", "",
+              *([""] if models else []), "", "", style="dim")
     return t
 
 
