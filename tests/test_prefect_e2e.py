@@ -332,7 +332,9 @@ def test_a_worker_stopped_as_its_pipeline_returns_still_finishes_its_bookkeeping
         assert pp.lingering_pipeline(10.0) == "done"
         assert w.worker._in_flight  # the stage's process is still exiting (10 s: the pipeline may see the end seconds late on a loaded machine)
     finally:
-        w.stop()
+        # (a drain longer than the stage lingers: with the default 10 s against its 10 s the drain lost the race
+        # about every other run, and the stage was put back in the queue instead of recorded)
+        w.stop(timeout=90.0, drain=40.0)
         if before is None:
             os.environ.pop("QOSFLOW_POOL", None)
         else:
