@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["sim", "sim_speed_notes", "gpu_models", "parallel", "decisions", "packing", "prefect", "demo_db", "predictor",
+ORDER = ["sim", "sim_speed_notes", "gpu_models", "parallel", "decisions", "decisions_mixed", "packing", "prefect", "demo_db", "predictor",
          "learned_sim", "infra", "infra_notes"]
 TITLES = {
     "sim": "Simulator fidelity and qosflow's policy (issues 2, 3)",
@@ -20,6 +20,7 @@ TITLES = {
     "gpu_models": "Mixed GPU models: V100 + P100 + K80 clusters (issue 3, beyond its targets)",
     "parallel": "Runs in worker processes (simulate, pack)",
     "decisions": "Placement decision rate (issues 2, 3)",
+    "decisions_mixed": "Placement decision rate on a cluster of mixed GPU models",
     "packing": "GPU-sharing packing on the Alibaba trace (issues 2, 3)",
     "prefect": "Prefect integration (issue 5)",
     "demo_db": "The demo on SQLite and on PostgreSQL (issue 5)",
