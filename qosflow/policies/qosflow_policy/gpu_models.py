@@ -171,3 +171,28 @@ class GpuModelsMixin:
         # rather than take a slow one for many times its time)
         p, h, why = self._typed_gpus(st, js, groups, r, reserved, failures, none_on)
         return p, held or h, why
+
+    def _other_ways(self, js: JobState, groups: tuple, r: float) -> JobState:
+        """`js` as GPUs it shares, a deadline rescue or relaxed locality may give it on a cluster of
+        mixed models: restricted to the models where it runs at most the median waiting job's time
+        longer than on its fastest, and still meets a deadline it can meet (at the pessimistic
+        estimate) -- the fastest always. (They judged a job by its time on its fastest model, and
+        shared a K80 for a deadline job that then ran seven times as long.)"""
+        best = groups[0][0]
+        dl = js.job.deadline if self._has_deadline(js) else None
+        ok = [ms for s, ms, _ in groups if s == best or (
+            r * best / s - r <= self._typical_wait_r and (dl is None or self._finish_high(js, self._now + r * best / s) <= dl))]
+        if len(ok) == len(groups):
+            return js
+        job = js.job
+        key = ("ways", job.job_id, tuple(ok))
+        jv = self._groups.get(key)
+        if jv is None:
+            jv = self._groups[key] = replace(job, qos=replace(job.qos, gpu_model="|".join(ok)))
+        return replace(js, job=jv)  # (a copy of its state as it is now, asking for those models only)
+
+    @staticmethod
+    def _group_speed(job: Job, groups: tuple) -> float:
+        """The speed of `job` (restricted to some of `groups`' models) on the slowest model it may use."""
+        allowed = set(job.qos.gpu_model.split("|"))
+        return min(s for s, ms, _ in groups if set(ms.split("|")) <= allowed)

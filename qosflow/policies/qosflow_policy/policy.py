@@ -313,11 +313,16 @@ class QosflowPolicy(
                     typed_wait = (why or None) if p is None else None
                 else:
                     p, held = self._own_gpus(st, js, job, r, wshape, reserved, failures)
+                # sharing, the deadline rescue and relaxed locality: on a cluster of mixed models, on the
+                # models that cost it little (`_other_ways`), its time taken on the slowest of them
+                ojs = self._other_ways(js, groups, r) if p is None and len(groups) > 1 else js
+                if ojs is not js:
+                    rem[jid] = r * groups[0][0] / self._group_speed(ojs.job, groups)
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
                     share_tries += 1
                     # (a placement in a reservation's way is not made: `keep_off`)
                     keep_off = (lambda nodes: blocked_on(nodes, js, now + r * 1.5)) if reserved else None
-                    found = self._shared_slot(st, js, rem, states, est, now, queued_gpus > 0, keep_off=keep_off)
+                    found = self._shared_slot(st, ojs, rem, states, est, now, queued_gpus > 0, keep_off=keep_off)
                     if found is KEPT_OFF:
                         not_shared = "the GPUs it could share are reserved for a job that starts before it would end"
                     elif found is not None:
@@ -325,13 +330,14 @@ class QosflowPolicy(
                     else:
                         not_shared = self._why_not
                 if p is None and has_dl and q.gpus > 1:
-                    found = self._deadline_rescue(st, js, rem, states, est, now, gpn)
+                    found = self._deadline_rescue(st, ojs, rem, states, est, now, gpn)
                     if found is not None and not (reserved and blocked(found[0], js, now + r * 1.5)):
                         p, why = found
                 if p is None and q.gpus > 1 and typed_wait is None and now - js.queued_since >= self.relax_after:
-                    p = self._relaxed(st, js, rem, est, gpn, reserved, shape=wshape)
+                    p = self._relaxed(st, ojs, rem, est, gpn, reserved, shape=wshape if ojs is js else None)
                     if p is not None:
                         why = "locality relaxed after waiting: spread over nodes"
+                rem[jid] = r
             if p is None:
                 if jid not in d.notes:
                     # (GPU memory counts by the nodes whose GPUs are large enough, as in `_whole_gpus`)
