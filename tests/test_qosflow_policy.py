@@ -868,3 +868,35 @@ def test_under_load_short_jobs_take_the_slow_gpus_and_leave_the_fast_ones_to_lon
     # ignoring the model, best fit takes the first node (the V100 here) for the shortest job
     off = _two_model_run(jobs, k80_first=False, gpu_models=False, makespan_beta=None)
     assert off["short"].finish_time == pytest.approx(100.0) and off["mid"].finish_time == pytest.approx(600.0)
+
+
+def test_a_deadline_job_does_not_share_a_gpu_model_it_would_miss_its_deadline_on():
+    """Sharing judged a job by its time on its fastest model: a deadline job shared a K80 (0.1 x a V100
+    for it), where it would run for ten times as long, and missed its deadline."""
+    from qosflow.core.cluster import ClusterState, NodeSpec
+    from qosflow.core.estimate import OracleEstimator
+    from qosflow.core.job import JobState
+    from qosflow.policies.base import SchedulerView
+    from qosflow.policies.placement import find_whole
+
+    spec = ClusterSpec([NodeSpec("k80-0", 1, gpu_mem_mb=12_000.0, cpu_cores=8.0, gpu_model="k80"),
+                        NodeSpec("v100-0", 1, gpu_mem_mb=16_000.0, cpu_cores=8.0, gpu_model="v100")])
+    st = ClusterState(spec)
+    running = []
+    for jid, node, shareable in (("on-k80", 0, True), ("on-v100", 1, False)):
+        j = Job(jid, 0.0, QoSSpec(gpus=1, cpu_cores=2.0, gpu_mem_mb=2_000.0, shareable=shareable), 10_000.0, model="fastk80")
+        st.allocate(find_whole(st, j, node_rank=np.array([0.0, 1.0]) if node == 0 else np.array([1.0, 0.0])), j.qos)
+        running.append(JobState(j, placement=st.allocs[jid], first_start=0.0))
+    late = Job("late", 10.0, QoSSpec(gpus=1, cpu_cores=2.0, gpu_mem_mb=2_000.0, shareable=True, deadline=500.0), 100.0, model="slowk80")
+    view = SchedulerView(now=10.0, running=running, pending=[JobState(late, queued_since=10.0)], cluster=st,
+                         estimator=OracleEstimator(SpeedModel(_TwoModels())))
+    d = get_policy("qosflow").schedule(view)
+    assert not d.starts, d.starts  # on the K80, shared: 100 s x 10 x the pair's slowdown, past its deadline
+    # without the model choice it shares the K80 (its deadline judged at V100 speed)
+    st2 = ClusterState(spec)
+    for js in running:
+        st2.allocate(js.placement, js.job.qos)
+    view2 = SchedulerView(now=10.0, running=running, pending=[JobState(late, queued_since=10.0)], cluster=st2,
+                          estimator=OracleEstimator(SpeedModel(_TwoModels())))
+    d2 = get_policy("qosflow", gpu_models=False).schedule(view2)
+    assert [p.nodes for p in d2.starts] == [(0,)]
