@@ -38,7 +38,8 @@ def _hours(s: float) -> str:
 
 class GpuModelsMixin:
     """Mixed GPU models for `QosflowPolicy`. Reads the option `gpu_models` and the round's `_now`,
-    `_rem`, `_end_max`, `_typical_wait_r`, `_ver` (with `_empty_memo`); the search of a model's GPUs is `_own_gpus`, the wait for them `_consolidated_wait`."""
+    `_rem`, `_end_max`, `_typical_wait_r`, `_ver` (with `_empty_memo`); the search of a model's GPUs
+    is `_own_gpus`, the wait for them `_consolidated_wait`."""
 
     def _node_models(self, st: ClusterState) -> list[str] | None:
         """Per node, its GPU model (lower case) -- None if the cluster has only one, or the option is off."""
@@ -47,7 +48,8 @@ class GpuModelsMixin:
         if hit is None or hit[0] is not spec:
             models = [n.gpu_model.lower() for n in spec.nodes]
             self._models_of = hit = (spec, models if len(set(models)) > 1 else None)
-            #: per job id its `_model_groups`, per ("held", job id) its placement and `_held_speed`
+            #: per job id its `_model_groups`; per ("held", job id) its placement and `_held_speed`; per
+            #: ("ways", job id, models) its request restricted to those models (`_other_ways`)
             self._groups: dict = {}
         return hit[1] if self.gpu_models else None
 
