@@ -44,6 +44,17 @@ def test_bare_metal_block_gives_local_or_agent_backend(tmp_path):
     fb = BareMetalGPUCluster.from_cluster_file(str(f))
     assert fb.backend == "agents" and fb.agent_urls == {"h1": "http://127.0.0.1:8801", "h2": "http://127.0.0.1:8802"}
     assert fb.agent_token.get_secret_value() == "tok-1" and fb.gpus_per_host == 4 and fb.heartbeat_s == 1
+    # hosts of different GPU models keep theirs (the first host's is the block's gpu_model)
+    f.write_text("name: lab\ntoken_file: tok\nhosts:\n  - {name: h1, agent_url: 'http://127.0.0.1:8801', gpu_model: a100}\n"
+                 "  - {name: h2, agent_url: 'http://127.0.0.1:8802', gpu_model: rtx3090}\n")
+    fb = BareMetalGPUCluster.from_cluster_file(str(f))
+    assert fb.gpu_model == "a100" and fb.host_gpu_models == {"h2": "rtx3090"}
+    assert [n.gpu_model for n in fb.to_cluster_spec().nodes] == ["a100", "rtx3090"]
+    be = fb.make_backend()
+    try:
+        assert {h.name: h.gpu_model for h in be.hosts.values()} == {"h1": "a100", "h2": "rtx3090"}
+    finally:
+        asyncio.run(be.aclose())
 
 
 def test_kubernetes_block_gives_kubernetes_backend_with_inventory_from_nodes():

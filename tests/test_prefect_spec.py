@@ -259,6 +259,18 @@ def test_blocks_validate_and_build_clusters():
     assert QoSPolicy(policy="fifo").make_policy().name == "fifo"
 
 
+def test_a_bare_metal_block_declares_hosts_of_different_gpu_models():
+    """Servers bought over the years differ: `host_gpu_models` gives a host's model where it is not
+    `gpu_model` (what the policy chooses by); a host it names must be one of `hosts`."""
+    from qosflow.prefect.blocks import BareMetalGPUCluster, cluster_from_block_data
+
+    c = BareMetalGPUCluster(hosts=["new-1", "new-2", "old-1"], gpu_model="a100", host_gpu_models={"old-1": "rtx3090"}, virtual_gpus=True)
+    assert [n.gpu_model for n in c.to_cluster_spec().nodes] == ["a100", "a100", "rtx3090"]
+    assert [n.gpu_model for n in cluster_from_block_data(c.model_dump()).nodes] == ["a100", "a100", "rtx3090"]
+    with pytest.raises(ValueError, match=r"host_gpu_models names host\(s\) old-2 that are not in hosts \(new-1, old-1\)"):
+        BareMetalGPUCluster(hosts=["new-1", "old-1"], host_gpu_models={"old-2": "k80"})
+
+
 def test_policy_block_checks_its_policy_and_options_where_they_are_given():
     """A QoS policy block with options of the wrong type used to be saved and only fail in the worker,
     or, for a text "false" (as a form sends it), silently turn a true/false option on."""

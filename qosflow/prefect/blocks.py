@@ -141,6 +141,10 @@ class _ClusterBase(Block, ABC):  # an interface: `prefect block register -m` ski
     def host_names(self) -> list[str]:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def host_gpu_model(self, host: str) -> str:
+        """The GPU model of `host`'s GPUs (`gpu_model`, unless a subclass says otherwise per host)."""
+        return self.gpu_model
+
     def to_cluster_spec(self) -> ClusterSpec:
         names = self.host_names()
         nodes = tuple(
@@ -150,7 +154,7 @@ class _ClusterBase(Block, ABC):  # an interface: `prefect block register -m` ski
                 gpu_mem_mb=self.gpu_mem_mb,
                 cpu_cores=self.cpu_cores,
                 mem_mb=self.mem_mb,
-                gpu_model=self.gpu_model,
+                gpu_model=self.host_gpu_model(h),
                 virtual=self.virtual_gpus,
             )
             for h in names
@@ -182,6 +186,11 @@ class BareMetalGPUCluster(_ClusterBase):
         default_factory=dict,
         description="Agent URL per host (overrides agent_url for that host), e.g. {\"gpu-a\": \"http://10.0.0.11:8701\"}.",
     )
+    host_gpu_models: dict[str, str] = Field(
+        default_factory=dict,
+        description="GPU model per host where the hosts differ (overrides gpu_model for that host), e.g. "
+        "{\"old-1\": \"k80\"}: the qosflow policy places each stage on the model where it runs best.",
+    )
     heartbeat_s: float = Field(default=2.0, gt=0, description="Seconds between the worker's heartbeats to every agent.")
     fence_after_s: Optional[float] = Field(
         default=None, gt=0, description="The agents' --fence-after: a silent host's stages are rerun elsewhere only after it."
@@ -204,13 +213,17 @@ class BareMetalGPUCluster(_ClusterBase):
                 raise ValueError(
                     f"backend 'agents' needs agent_url (e.g. http://{{host}}:8790) or agent_urls for host(s) {', '.join(missing)}"
                 )
-        unknown = sorted(set(self.agent_urls) - set(self.hosts))
-        if unknown:
-            raise ValueError(f"agent_urls names host(s) {', '.join(unknown)} that are not in hosts")
+        for field_name in ("agent_urls", "host_gpu_models"):
+            unknown = sorted(set(getattr(self, field_name)) - set(self.hosts))
+            if unknown:
+                raise ValueError(f"{field_name} names host(s) {', '.join(unknown)} that are not in hosts ({', '.join(self.hosts)})")
         return self
 
     def host_names(self) -> list[str]:
         return list(self.hosts)
+
+    def host_gpu_model(self, host: str) -> str:
+        return self.host_gpu_models.get(host, self.gpu_model)
 
     def agent_address(self, host: str) -> str | None:
         if host in self.agent_urls:
@@ -232,7 +245,7 @@ class BareMetalGPUCluster(_ClusterBase):
             raise SpecError("agent_token", "the bare-metal cluster block has backend 'agents' but no agent_token: set the agents' secret token")
         hosts = [
             AgentHost(h, self.agent_address(h) or "", self.gpus_per_host, self.gpu_mem_mb, self.cpu_cores, self.mem_mb,
-                      None if self.gpu_model == "generic" else self.gpu_model)
+                      None if self.host_gpu_model(h) == "generic" else self.host_gpu_model(h))
             for h in self.hosts
         ]
         name = getattr(self, "_block_document_name", None) or "agents"
@@ -250,8 +263,11 @@ class BareMetalGPUCluster(_ClusterBase):
             v = getattr(first, attr)
             if v is not None:
                 kw[field_name] = v
+        # (hosts whose GPUs are of another model than the first's keep theirs)
+        models = {h.name: h.gpu_model for h in cf.hosts if h.gpu_model and h.gpu_model != kw.get("gpu_model", "generic")}
         return cls(
             hosts=[h.name for h in cf.hosts],
+            host_gpu_models=models,
             backend="agents",
             agent_urls={h.name: h.url for h in cf.hosts},
             agent_token=SecretStr(cf.token),
