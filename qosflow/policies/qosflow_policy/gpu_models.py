@@ -81,8 +81,13 @@ class GpuModelsMixin:
             return 1.0
         hit = self._groups.get(("held", js.job.job_id))
         if hit is None or hit[0] is not p:
-            hit = self._groups[("held", js.job.job_id)] = (p, min(gpu_speed(est, js.job, models[n]) for n in {n for n, _ in p.gpus}))
+            hit = self._groups[("held", js.job.job_id)] = (p, self._placement_speed(est, js.job, p, models))
         return hit[1]
+
+    @staticmethod
+    def _placement_speed(est, job: Job, p, models: list[str]) -> float:
+        """The speed of `job` on the GPUs of placement `p`: its slowest GPU's."""
+        return min(gpu_speed(est, job, models[n]) for n in p.nodes)
 
     def _best_speed(self, st: ClusterState, est, js: JobState, models: list[str]) -> float:
         """The speed of waiting job `js` on the fastest GPU model it may use (1.0 without GPUs of its own)."""
@@ -114,8 +119,7 @@ class GpuModelsMixin:
             r_here = r * best / s
             if ms in none_on or self._empty_on(st, ms) < q.gpus:
                 continue
-            shape = (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), ms)
-            p, h = self._own_gpus(st, js, jv, r_here, shape, reserved, failures)
+            p, h = self._own_gpus(st, js, jv, r_here, self._whole_shape(q, ms), reserved, failures)
             held = held or h
             if p is None:
                 continue
@@ -135,7 +139,7 @@ class GpuModelsMixin:
                 )
             return p, held, f"GPU model {ms} ({s / best:.2f} x the fastest for it): done sooner than waiting for a faster one"
         # no model alone has GPUs for it now (a gang wider than any model's free servers): any GPUs
-        p, h = self._own_gpus(st, js, job, r, (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), q.gpu_model), reserved, failures)
+        p, h = self._own_gpus(st, js, job, r, self._whole_shape(q, q.gpu_model), reserved, failures)
         return p, held or h, ""
 
     def _loaded_gpus(self, st: ClusterState, js: JobState, groups: tuple, r: float, reserved, failures):
@@ -145,28 +149,24 @@ class GpuModelsMixin:
         on a fast one: little for a short job or one that runs almost as fast there, much for a long
         one -- so short jobs take the slow GPUs and leave the fast ones to the long jobs behind them.
         (Placing every job on its fastest free model under load gave the slow GPUs to the long jobs SJF
-        orders last.) A job keeps off a model where it would miss a deadline it can still meet.
-        (placement or None, held, why)."""
+        orders last.) A job keeps off a model where it would miss a deadline it can still meet
+        (`_costing_little`). (placement or None, held, why)."""
         job = js.job
         q = job.qos
         if st.total_empty_gpus() < q.gpus:
             return None, False, ""  # (as `_typed_gpus`)
         best = groups[0][0]
         held = False
-        # (a deadline it can still meet must still be met there, at the pessimistic estimate)
-        dl = job.deadline if self._has_deadline(js) else None
         none_on = []
-        for s, ms, jv in reversed(groups):
-            extra = r * best / s - r
-            if extra > self._typical_wait_r or self._empty_on(st, ms) < q.gpus or (
-                    dl is not None and s < best and self._finish_high(js, self._now + r + extra) > dl):
+        for s, ms, jv in reversed(self._costing_little(js, groups, r)):
+            if self._empty_on(st, ms) < q.gpus:
                 continue
-            p, h = self._own_gpus(st, js, jv, r * best / s, (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), ms), reserved, failures)
+            p, h = self._own_gpus(st, js, jv, r * best / s, self._whole_shape(q, ms), reserved, failures)
             held = held or h
             if p is not None:
                 why = "" if s == best else (
-                    f"GPU model {ms} ({s / best:.2f} x its fastest): {_hours(extra)} longer there, within the "
-                    f"typical waiting job's {_hours(self._typical_wait_r)}; the faster GPUs are left to longer jobs")
+                    f"GPU model {ms} ({s / best:.2f} x its fastest): {_hours(r * best / s - r)} longer there, within "
+                    f"the typical waiting job's {_hours(self._typical_wait_r)}; the faster GPUs are left to longer jobs")
                 return p, held, why
             none_on.append(ms)
         # else as without work queued: the fastest model that pays (a long job waits for a fast GPU
@@ -174,27 +174,28 @@ class GpuModelsMixin:
         p, h, why = self._typed_gpus(st, js, groups, r, reserved, failures, none_on)
         return p, held or h, why
 
-    def _other_ways(self, js: JobState, groups: tuple, r: float) -> JobState:
-        """`js` as GPUs it shares, a deadline rescue or relaxed locality may give it on a cluster of
-        mixed models: restricted to the models where it runs at most the median waiting job's time
-        longer than on its fastest, and still meets a deadline it can meet (at the pessimistic
-        estimate) -- the fastest always. (They judged a job by its time on its fastest model, and
-        shared a K80 for a deadline job that then ran seven times as long.)"""
+    def _costing_little(self, js: JobState, groups: tuple, r: float) -> list[tuple]:
+        """The model groups where `js` (remaining time `r` on its fastest) runs at most the typical
+        waiting job's remaining time (`_typical_wait_r`, the median) longer than on its fastest, and
+        still meets a deadline it can meet, at the pessimistic estimate; fastest first (the fastest
+        always is one)."""
         best = groups[0][0]
         dl = js.job.deadline if self._has_deadline(js) else None
-        ok = [ms for s, ms, _ in groups if s == best or (
-            r * best / s - r <= self._typical_wait_r and (dl is None or self._finish_high(js, self._now + r * best / s) <= dl))]
+        return [g for g in groups if g[0] == best or (
+            r * best / g[0] - r <= self._typical_wait_r and (dl is None or self._finish_high(js, self._now + r * best / g[0]) <= dl))]
+
+    def _other_ways(self, js: JobState, groups: tuple, r: float) -> tuple[JobState, float]:
+        """`js` as GPUs it shares, a deadline rescue or relaxed locality may give it on a cluster of
+        mixed models: restricted to the models that cost it little (`_costing_little`), and its speed on
+        the slowest of them. (They judged a job by its time on its fastest model, and shared a K80 for a
+        deadline job that then ran seven times as long.)"""
+        ok = self._costing_little(js, groups, r)
+        slowest = ok[-1][0]
         if len(ok) == len(groups):
-            return js
+            return js, slowest
         job = js.job
-        key = ("ways", job.job_id, tuple(ok))
+        key = ("ways", job.job_id, tuple(ms for _, ms, _ in ok))
         jv = self._groups.get(key)
         if jv is None:
-            jv = self._groups[key] = replace(job, qos=replace(job.qos, gpu_model="|".join(ok)))
-        return replace(js, job=jv)  # (a copy of its state as it is now, asking for those models only)
-
-    @staticmethod
-    def _group_speed(job: Job, groups: tuple) -> float:
-        """The speed of `job` (restricted to some of `groups`' models) on the slowest model it may use."""
-        allowed = set(job.qos.gpu_model.split("|"))
-        return min(s for s, ms, _ in groups if set(ms.split("|")) <= allowed)
+            jv = self._groups[key] = replace(job, qos=replace(job.qos, gpu_model="|".join(key[2])))
+        return replace(js, job=jv), slowest  # (a copy of its state as it is now, asking for those models only)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from qosflow.core.estimate import gpu_speed
 from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
@@ -303,7 +302,7 @@ class QosflowPolicy(
                 p = find_share(st, js.job, scorer=self.fractional_scorer)
             else:
                 # the request's shape as the whole-GPU searches key it (worked out once per job)
-                wshape = (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), q.gpu_model)
+                wshape = self._whole_shape(q, q.gpu_model)
                 groups = self._model_groups(st, est, job, models) if models is not None else ()
                 if len(groups) > 1:
                     # GPU models that differ for it: the fastest that pays; while work queues behind it,
@@ -315,9 +314,12 @@ class QosflowPolicy(
                     p, held = self._own_gpus(st, js, job, r, wshape, reserved, failures)
                 # sharing, the deadline rescue and relaxed locality: on a cluster of mixed models, on the
                 # models that cost it little (`_other_ways`), its time taken on the slowest of them
-                ojs = self._other_ways(js, groups, r) if p is None and len(groups) > 1 else js
-                if ojs is not js:
-                    rem[jid] = r * groups[0][0] / self._group_speed(ojs.job, groups)
+                # (with every model open to it, it is judged at its fastest model's time)
+                ojs = js
+                if p is None and len(groups) > 1:
+                    ojs, slowest = self._other_ways(js, groups, r)
+                    if ojs is not js:
+                        rem[jid] = r * groups[0][0] / slowest
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
                     share_tries += 1
                     # (a placement in a reservation's way is not made: `keep_off`)
@@ -374,7 +376,7 @@ class QosflowPolicy(
                 why = f"{why}; {lane}" if why else lane
             if models is not None and p.gpus:
                 # in wall time on the GPU model it got (its slowest GPU's), not at its best case
-                r_run = r * self._rspeed.get(jid, 1.0) / min(gpu_speed(est, job, models[n]) for n in p.nodes)
+                r_run = r * self._rspeed.get(jid, 1.0) / self._placement_speed(est, job, p, models)
             p = self._with_cores(st, job, self._own(p, job), est)
             st.allocate(p, q)
             self._ver += 1

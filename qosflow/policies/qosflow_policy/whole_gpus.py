@@ -72,7 +72,7 @@ class WholeGpusMixin:
         if st.total_empty_gpus() < q.gpus:
             return None  # (find_whole's first test, hidden nodes or not: most waiting jobs stop here)
         if shape is None:
-            shape = (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), q.gpu_model)
+            shape = self._whole_shape(q, q.gpu_model)
         key = (shape, locality, masked)
         hit = self._whole_memo.get(key, _MISS)
         if hit is _MISS or hit[0] != self._ver:
@@ -82,6 +82,11 @@ class WholeGpusMixin:
             return found  # (made for the first job of this shape: `_own` makes it this job's)
         # (the candidates exclude the masked nodes, and the choice reads the candidates only)
         return place_on_one_node(st, job, found, fit="best-fit", node_rank=self._align_rank(st, r))
+
+    def _whole_shape(self, q, gpu_model: str | None) -> tuple:
+        """Request `q`, on the GPU models `gpu_model` (its own, or a group `GpuModelsMixin` tries), as the
+        whole-GPU searches key it: GPUs, cores, memory, GPU memory class, models."""
+        return (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), gpu_model)
 
     def _cap_class(self, q) -> int | None:
         """A request's GPU memory as a whole-GPU search sees it: only through the nodes whose GPUs are
@@ -130,7 +135,7 @@ class WholeGpusMixin:
         costs less than waiting for a consolidated slot."""
         q = js.job.qos
         if shape is None:
-            shape = (q.gpus, q.cpu_cores, q.mem_mb, self._cap_class(q), q.gpu_model)
+            shape = self._whole_shape(q, q.gpu_model)
         # the spread GPUs, and whether they are clear of reservations, depend on the shape and the
         # state only: remembered per `_ver` and number of reserved nodes (a round only adds some)
         hit = self._relaxed_memo.get(shape)
