@@ -525,17 +525,9 @@ class LearnedEstimator:
         if first is not None:
             self._set_reference(first)
         for sig, gpus, m, t in solo:
-            off = self._off_reference(m)
-            if off is None:
-                self._steps.setdefault((_key(sig), gpus), _LogStat()).add(t)
-            else:
-                self._add_off(self._off, (_key(sig), gpus, off), t)
+            self._add_measured(self._steps, self._off, (_key(sig), gpus), self._off_reference(m), t)
         for sig, _gpus, m, d in hist:
-            off = self._off_reference(m)
-            if off is None:
-                self._hist.setdefault((_key(sig), None), _LogStat()).add(d)
-            else:
-                self._add_off(self._hist_off, (_key(sig), None, off), d)
+            self._add_measured(self._hist, self._hist_off, (_key(sig), None), self._off_reference(m), d)
 
     # ------------------------------------------------------------------ helpers
 
@@ -979,6 +971,14 @@ class LearnedEstimator:
             if t is not None:
                 self._add_off(self._profiled_on, mk, t)
 
+    def _add_measured(self, on_ref: dict, off: dict, k: tuple, model: str | None, value: float) -> None:
+        """A value measured on the reference GPU (`model` None: into `on_ref` under `k`) or on GPU `model`
+        (into `off` under `k + (model,)`, kept as measured: `_add_off`)."""
+        if model is None:
+            on_ref.setdefault(k, _LogStat()).add(value)
+        else:
+            self._add_off(off, k + (model,), value)
+
     def _add_off(self, table: dict, k: tuple, value: float) -> None:
         """A value measured on a model other than the reference GPU (`k`: (key, ..., model)), into `table`
         (`_off`, `_hist_off` or `_profiled_on`); GPU speeds change with it."""
@@ -1347,19 +1347,11 @@ class LearnedEstimator:
                model: str | None = None) -> None:
         """A finished run's duration and step time, measured on the reference GPU, or on GPU `model` (kept as
         measured there, and converted when asked: `_step_stat`, `_hist_stat`)."""
-        if model is None:
-            if step is not None and step > 0:
-                self._steps.setdefault((key, job.qos.gpus), _LogStat()).add(step)
-            if duration is not None and duration > 0:
-                self._hist.setdefault((key, None), _LogStat()).add(duration)
-                if job.user:
-                    self._hist.setdefault((key, job.user), _LogStat()).add(duration)
-        else:
-            if step is not None and step > 0:
-                self._add_off(self._off, (key, job.qos.gpus, model), step)
-            if duration is not None and duration > 0:
-                for user in (None, job.user) if job.user else (None,):
-                    self._add_off(self._hist_off, (key, user, model), duration)
+        if step is not None and step > 0:
+            self._add_measured(self._steps, self._off, (key, job.qos.gpus), model, step)
+        if duration is not None and duration > 0:
+            for user in (None, job.user) if job.user else (None,):
+                self._add_measured(self._hist, self._hist_off, (key, user), model, duration)
         self._bump(key)
         self._dur.pop(job.job_id, None)
         self._rem.pop(job.job_id, None)

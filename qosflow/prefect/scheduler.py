@@ -566,7 +566,7 @@ class QoSScheduler:
         names = self.cluster.node_names
         cores = p.cpu_cores
         # (a gang over GPUs of several models runs at its slowest GPU's pace: that model, as the estimator sees it)
-        models = sorted({self.cluster.nodes[n].gpu_model or "unknown" for n, _ in p.gpus})
+        models = [m or "unknown" for m in self._gpu_models(p)]
         slowest = min(models, key=lambda m: gpu_speed(self.estimator, e.job, m)) if models else "cpu"
         return {
             "host": ",".join(names[n] for n in p.nodes) or None,
@@ -574,6 +574,10 @@ class QoSScheduler:
             "placement": "spread" if len(p.nodes) > 1 else "consolidated",
             "cpu_cores": None if e.meta.get("cores_moved") or cores < 1 else int(round(cores)),
         }
+
+    def _gpu_models(self, p: Placement) -> list[str]:
+        """The GPU models of placement `p`'s GPUs, sorted, each once (none for a CPU-only stage)."""
+        return sorted({self.cluster.nodes[n].gpu_model for n, _ in p.gpus})
 
     def describe_grant(self, e: StageEntry) -> dict[str, Any]:
         g = e.grant
@@ -588,7 +592,7 @@ class QoSScheduler:
             "hosts": [names[n] for n in p.nodes],
             "gpus": [f"{names[n]}:{gi}" for n, gi in p.gpus],
             # (the GPU model(s) it got: on a cluster of mixed models the policy chose it by the stage's speed there)
-            "gpu_model": "+".join(sorted({self.cluster.nodes[n].gpu_model for n, _ in p.gpus})) or "cpu",
+            "gpu_model": "+".join(self._gpu_models(p)) or "cpu",
             "gpu_milli": p.gpu_milli,
             "cpu_cores": p.cpu_cores,
             "cpuset": {names[n]: c for n, c in g.cpusets.items()},

@@ -286,9 +286,12 @@ class GavelInterference:
         jt = self.resolve(model)
         if jt is None:
             return None
-        table = self.solo if consolidated else self.solo_spread
+        if consolidated:
+            return _at_scale(self.solo, jt, scale_factor)
+        table = self.solo_spread
         if (jt, scale_factor) in table:
             return table[(jt, scale_factor)]
+        # (spread: at the largest scale measured consolidated below it, if measured spread there too)
         s = self._scale_at_most(jt, scale_factor)
         if s is None:
             return None

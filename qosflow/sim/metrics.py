@@ -126,7 +126,7 @@ def compute_bounds(jobs, cluster, speed=None) -> Bounds:
         for j in admitted:
             if j.qos.gpus > 0:
                 ok = cluster.model_mask(j.qos.gpu_model)
-                best[j.job_id] = j.duration / max(speed.gpu_speed(j, n.gpu_model) for n, y in zip(cluster.nodes, ok) if y)
+                best[j.job_id] = j.duration / max(speed.gpu_speed(j, m) for m in {n.gpu_model for n, y in zip(cluster.nodes, ok) if y})
     avg = float(np.mean([best[j.job_id] for j in admitted]))
     dl = [j for j in admitted if j.qos.deadline is not None]
     feasible = sum(1 for j in dl if j.qos.deadline >= best[j.job_id])
