@@ -73,7 +73,8 @@ def run(policies: list[str], repeats: int = 3, mixed: bool = False):
     spec, st, running, pend, est = make_round(mixed=mixed)
     rows = []
     for name in policies:
-        pol = get_policy(*MIXED_RUNS[name][:1], **MIXED_RUNS[name][1]) if mixed else get_policy(name)
+        policy, options = MIXED_RUNS[name] if mixed else (name, {})
+        pol = get_policy(policy, **options)
         best = None
         for r in range(repeats):
             view = SchedulerView(now=10_000.0, cluster=st.snapshot(), pending=list(pend), running=list(running), estimator=est)

@@ -159,6 +159,11 @@ def test_bad_tables(tmp_path):
     badpair.write_text(json.dumps({"v100": {"('A', 1)": {"null": 1.0, "('A', 1)": 3.0}}}))
     with pytest.raises(TraceFormatError, match="this throughput, other throughput"):
         GavelInterference(badpair)
+    # the other GPU types' sections (their speeds on a mixed cluster) are checked as the table's own
+    with pytest.raises(TraceFormatError, match=r"\['k80'\]\[\"\('A', 1\)\"\]: needs a \"null\""):
+        GavelInterference(tiny_table(tmp_path, k80={"('A', 1)": {"('B', 1)": [1.0, 1.0]}}))
+    with pytest.raises(TraceFormatError, match=r"\['k80'\] is not an object of job keys"):
+        GavelInterference(tiny_table(tmp_path, k80=[1, 2]))
 
 
 # ---------------------------------------------------------------------- speed model

@@ -204,12 +204,16 @@ class GavelInterference:
         #: other GPU types' solo, consolidated steps/s: GPU type -> (job type, scale) -> steps/s (`gpu_speed`)
         self.type_solo: dict[str, dict[tuple[str, int], float]] = {gpu_type: self.solo}
         for gt, table in raw.items():
-            if gt == gpu_type or gt.endswith("_unconsolidated") or not isinstance(table, dict):
+            if gt == gpu_type or gt.endswith("_unconsolidated"):
                 continue
+            if not isinstance(table, dict):  # (checked as the table's own type is: `_load`)
+                raise TraceFormatError(self.path, None, f"[{gt!r}] is not an object of job keys")
             solo: dict[tuple[str, int], float] = {}
             for key, entry in table.items():
                 jt, sf = _parse_key(self.path, gt, key)
-                v = _num(entry.get("null")) if isinstance(entry, dict) else 0.0
+                if not isinstance(entry, dict) or "null" not in entry:
+                    raise TraceFormatError(self.path, None, f"[{gt!r}][{key!r}]: needs a \"null\" (solo throughput) entry")
+                v = _num(entry["null"])
                 if v > 0:
                     solo[(jt, sf)] = v
             self.type_solo[gt.lower()] = solo
