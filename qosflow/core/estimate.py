@@ -72,6 +72,12 @@ def gpu_speed(est, job: Job, gpu_model: str) -> float:
     return f(job, gpu_model) if f is not None else 1.0
 
 
+def placement_gpu_speed(est, job: Job, placement, node_models) -> float:
+    """The job's speed on the GPUs of `placement` (`gpu_speed`; `node_models`: per node, its GPU model):
+    its slowest GPU's, the pace of a gang spread over models."""
+    return min(gpu_speed(est, job, node_models[n]) for n in {n for n, _ in placement.gpus})
+
+
 def pair_slowdown_high(est, a: Job, b: Job) -> tuple[float, float]:
     """Pessimistic (xi_a, xi_b) if a and b share GPUs; the point estimate from an estimator that
     states no uncertainty."""

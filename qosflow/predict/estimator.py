@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from qosflow.core.estimate import DECLARED_HIGH_FACTOR, DECLARED_LOG_SD
 from qosflow.core.estimate import Z_HIGH as Z90
-from qosflow.core.estimate import _unit
+from qosflow.core.estimate import _unit, placement_gpu_speed
 from qosflow.core.gpu_names import CPU_ONLY, short_gpu_model
 from qosflow.core.job import Job, JobState
 from qosflow.predict.cpu import CpuCurve, fit_curve
@@ -1052,7 +1052,7 @@ class LearnedEstimator:
         models = self.node_gpu_models
         if not models or job.qos.gpus <= 0:
             return 1.0
-        return min(self.gpu_speed(job, models[n]) for n in {n for n, _g in placement.gpus})
+        return placement_gpu_speed(self, job, placement, models)
 
     # ------------------------------------------------------------------ the Estimator protocol
 

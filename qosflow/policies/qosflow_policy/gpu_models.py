@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from qosflow.core.cluster import ClusterState
-from qosflow.core.estimate import gpu_speed
+from qosflow.core.estimate import gpu_speed, placement_gpu_speed
 from qosflow.core.job import Job, JobState
 
 
@@ -81,13 +81,8 @@ class GpuModelsMixin:
             return 1.0
         hit = self._groups.get(("held", js.job.job_id))
         if hit is None or hit[0] is not p:
-            hit = self._groups[("held", js.job.job_id)] = (p, self._placement_speed(est, js.job, p, models))
+            hit = self._groups[("held", js.job.job_id)] = (p, placement_gpu_speed(est, js.job, p, models))
         return hit[1]
-
-    @staticmethod
-    def _placement_speed(est, job: Job, p, models: list[str]) -> float:
-        """The speed of `job` on the GPUs of placement `p`: its slowest GPU's."""
-        return min(gpu_speed(est, job, models[n]) for n in p.nodes)
 
     def _best_speed(self, st: ClusterState, est, js: JobState, models: list[str]) -> float:
         """The speed of waiting job `js` on the fastest GPU model it may use (1.0 without GPUs of its own)."""

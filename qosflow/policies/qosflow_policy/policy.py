@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from qosflow.core.estimate import placement_gpu_speed
 from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
@@ -376,7 +377,7 @@ class QosflowPolicy(
                 why = f"{why}; {lane}" if why else lane
             if models is not None and p.gpus:
                 # in wall time on the GPU model it got (its slowest GPU's), not at its best case
-                r_run = r * self._rspeed.get(jid, 1.0) / self._placement_speed(est, job, p, models)
+                r_run = r * self._rspeed.get(jid, 1.0) / placement_gpu_speed(est, job, p, models)
             p = self._with_cores(st, job, self._own(p, job), est)
             st.allocate(p, q)
             self._ver += 1
