@@ -206,17 +206,8 @@ class GavelInterference:
         for gt, table in raw.items():
             if gt == gpu_type or gt.endswith("_unconsolidated"):
                 continue
-            if not isinstance(table, dict):  # (checked as the table's own type is: `_load`)
-                raise TraceFormatError(self.path, None, f"[{gt!r}] is not an object of job keys")
-            solo: dict[tuple[str, int], float] = {}
-            for key, entry in table.items():
-                jt, sf = _parse_key(self.path, gt, key)
-                if not isinstance(entry, dict) or "null" not in entry:
-                    raise TraceFormatError(self.path, None, f"[{gt!r}][{key!r}]: needs a \"null\" (solo throughput) entry")
-                v = _num(entry["null"])
-                if v > 0:
-                    solo[(jt, sf)] = v
-            self.type_solo[gt.lower()] = solo
+            # (checked as the table's own type is)
+            self.type_solo[gt.lower()] = {(jt, sf): v for jt, sf, _key, _entry, v in self._solo_entries(gt, table) if v > 0}
         self.job_types: tuple[str, ...] = tuple(sorted({t for t, _ in self.solo}))
         self._scales: dict[str, tuple[int, ...]] = {}
         for t, s in self.solo:
@@ -225,15 +216,20 @@ class GavelInterference:
         self._lower = {t.lower(): t for t in self.job_types}
 
     # ------------------------------------------------------------------ loading
-    def _load(self, table: Any, spread: Any) -> None:
-        gpu = self.gpu_type
+    def _solo_entries(self, gpu: str, table: Any):
+        """(job type, scale, key, entry, solo steps/s) for each job key of GPU type `gpu`'s section; a
+        section that is not an object, or an entry without its "null" solo throughput, is an error."""
         if not isinstance(table, dict):
             raise TraceFormatError(self.path, None, f"[{gpu!r}] is not an object of job keys")
         for key, entry in table.items():
             jt, sf = _parse_key(self.path, gpu, key)
             if not isinstance(entry, dict) or "null" not in entry:
                 raise TraceFormatError(self.path, None, f"[{gpu!r}][{key!r}]: needs a \"null\" (solo throughput) entry")
-            solo = _num(entry["null"])
+            yield jt, sf, key, entry, _num(entry["null"])
+
+    def _load(self, table: Any, spread: Any) -> None:
+        gpu = self.gpu_type
+        for jt, sf, key, entry, solo in self._solo_entries(gpu, table):
             if solo > 0:
                 self.solo[(jt, sf)] = solo
             for other, val in entry.items():
