@@ -182,8 +182,8 @@ class GpuModelsMixin:
     def _other_ways(self, js: JobState, groups: tuple, r: float) -> tuple[JobState, float]:
         """`js` as GPUs it shares, a deadline rescue or relaxed locality may give it on a cluster of
         mixed models: restricted to the models that cost it little (`_costing_little`), and its speed on
-        the slowest of them. (They judged a job by its time on its fastest model, and shared a K80 for a
-        deadline job that then ran seven times as long.)"""
+        the slowest of them -- also when every model costs it little. (They judged a job by its time on its
+        fastest model, and shared a K80 for a deadline job that then ran seven times, or twice, as long.)"""
         ok = self._costing_little(js, groups, r)
         slowest = ok[-1][0]
         if len(ok) == len(groups):

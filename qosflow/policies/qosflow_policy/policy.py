@@ -315,12 +315,10 @@ class QosflowPolicy(
                     p, held = self._own_gpus(st, js, job, r, wshape, reserved, failures)
                 # sharing, the deadline rescue and relaxed locality: on a cluster of mixed models, on the
                 # models that cost it little (`_other_ways`), its time taken on the slowest of them
-                # (with every model open to it, it is judged at its fastest model's time)
                 ojs = js
                 if p is None and len(groups) > 1:
                     ojs, slowest = self._other_ways(js, groups, r)
-                    if ojs is not js:
-                        rem[jid] = r * groups[0][0] / slowest
+                    rem[jid] = r * groups[0][0] / slowest
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
                     share_tries += 1
                     # (a placement in a reservation's way is not made: `keep_off`)
