@@ -902,6 +902,30 @@ def test_a_deadline_job_does_not_share_a_gpu_model_it_would_miss_its_deadline_on
     assert [p.nodes for p in d2.starts] == [(0,)]
 
 
+def test_an_empty_gpu_of_a_faster_model_it_cannot_have_counts_from_when_a_job_there_ends():
+    """The V100 node has an empty GPU but no free cores (its running job holds them all, for 50 s more).
+    Taken as "free now, no wait", it sent a job that runs 10 x as long on a K80 to the K80 (1000 s)."""
+    from qosflow.core.cluster import ClusterState, NodeSpec
+    from qosflow.core.estimate import OracleEstimator
+    from qosflow.core.job import JobState
+    from qosflow.policies.base import SchedulerView
+    from qosflow.policies.placement import find_whole
+
+    spec = ClusterSpec([NodeSpec("k80-0", 1, gpu_mem_mb=12_000.0, cpu_cores=8.0, gpu_model="k80"),
+                        NodeSpec("v100-0", 2, gpu_mem_mb=16_000.0, cpu_cores=4.0, gpu_model="v100")])
+    st = ClusterState(spec)
+    hog = Job("hog", 0.0, QoSSpec(gpus=1, cpu_cores=4.0, gpu_mem_mb=2_000.0), 100.0, model="fastk80")
+    st.allocate(find_whole(st, hog, node_rank=np.array([1.0, 0.0])), hog.qos)
+    assert st.allocs["hog"].nodes == (1,)
+    running = [JobState(hog, placement=st.allocs["hog"], first_start=0.0, progress=0.5)]
+    new = Job("new", 50.0, QoSSpec(gpus=1, cpu_cores=2.0, gpu_mem_mb=2_000.0), 100.0, model="slowk80")
+    view = SchedulerView(now=50.0, running=running, pending=[JobState(new, queued_since=50.0)], cluster=st,
+                         estimator=OracleEstimator(SpeedModel(_TwoModels())))
+    d = get_policy("qosflow").schedule(view)
+    assert not d.starts, d.starts
+    assert d.notes["new"].startswith("waiting: for a faster GPU model: v100 free in about 1 min"), d.notes
+
+
 def test_a_job_every_gpu_model_suits_is_judged_for_sharing_at_its_slowest_models_time():
     """With every model costing it little (a K80 at half a V100's speed for it, its deadline kept solo on
     either), sharing judged it at its V100 time: it shared a K80 where it ran twice as long, and missed."""

@@ -120,11 +120,15 @@ class GpuModelsMixin:
                 continue
             if i == 0:
                 return p, held, ""
-            # a faster model whose GPUs empty soon enough: waiting for them ends sooner. (A wait of 0:
-            # its GPUs are empty but cannot be had -- reservations, cores, memory --, no reason to wait)
+            # a faster model whose GPUs empty soon enough: waiting for them ends sooner. (Empty GPUs of a
+            # faster model the search could not have -- reserved for a gang, the node's cores or memory
+            # short -- count from when a job on their node ends: taken as "no wait", they sent a job of
+            # 9 days on a V100 to a K80 for 100 days while the V100s' jobs ended within hours)
             wait = None
             for s_f, ms_f, jf in groups[:i]:
                 w = self._consolidated_wait(st, js, self._rem, q=jf.qos)
+                if w <= 0:  # its GPUs are empty, but the search could not have them: until a job there ends
+                    w = self._consolidated_wait(st, js, self._rem, q=jf.qos, next_change=True)
                 if 0 < w and (wait is None or w + r * best / s_f < wait[0]):
                     wait = (w + r * best / s_f, ms_f, w)
             if wait is not None and wait[0] < r_here:

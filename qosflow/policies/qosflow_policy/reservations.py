@@ -23,11 +23,15 @@ class ReservationsMixin:
         placement search admits (`ClusterState.usable_nodes`)."""
         return st.exists & st.usable_nodes(q)[:, None]
 
-    def _consolidated_wait(self, st: ClusterState, js: JobState, rem, exclude=(), all_nodes: bool = False, q=None) -> float:
+    def _consolidated_wait(self, st: ClusterState, js: JobState, rem, exclude=(), all_nodes: bool = False, q=None,
+                           next_change: bool = False) -> float:
         """Predicted wait until some node has enough empty GPUs for `js`, consolidated (no new starts
         assumed; nodes in `exclude` not counted). With `all_nodes`, a gang wider than a node waits
         for as many whole nodes as it needs (otherwise: for the first one -- a lower bound, which is
-        what relaxing locality compares against). `q`: its request restricted to some GPU models."""
+        what relaxing locality compares against). `q`: its request restricted to some GPU models. With
+        `next_change`, a node with enough empty GPUs counts only from when one of its jobs ends: called
+        when the search just failed to place the job there (the GPUs are reserved for a gang, or the
+        node's cores or memory are short), so "empty now" would be a wait of 0 it cannot have."""
         q = js.job.qos if q is None else q
         gmax = max(1, st.spec.max_gpus_per_node)
         k = min(q.gpus, gmax)
@@ -37,6 +41,8 @@ class ReservationsMixin:
         if len(exclude):
             t[list(exclude)] = np.inf
         kth = np.partition(t, k - 1, axis=1)[:, k - 1]
+        if next_change:
+            kth = np.where(kth > 0, kth, np.where(st.njobs > 0, t, np.inf).min(axis=1))
         need = min_nodes_for(q.gpus, gmax)
         if need <= 1 or not all_nodes:
             return float(kth.min())
