@@ -114,6 +114,9 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         # output places are checked before the runs, not after them
         (["--policies", "fifo", "--json", "/proc/no/such/dir/out.json"], "--json /proc/no/such/dir/out.json: cannot write there"),
         (["--policies", "fifo", "--json", "/"], "--json /: is a directory"),
+        # --out takes the per-job CSVs even with --no-plots: it was checked only with plots, and an unwritable
+        # --out ended the finished runs in a FileNotFoundError traceback, their results lost
+        (["--policies", "fifo", "--out", "/proc/no/such/dir"], "--out /proc/no/such/dir: cannot write there"),
         # checked whatever the estimator (it used to run, or crash with a traceback under noisy)
         (["--policies", "fifo", "--error", "2"], "invalid --error: must be in [0, 1)"),
         (["--policies", "fifo", "--estimator", "noisy", "--error", "-0.1"], "invalid --error: must be in [0, 1)"),

@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
 
         if json_out is not None:
             check_output_file(json_out)
-        if out is not None and not no_plots:
+        if out is not None:  # the per-job CSVs go there with --no-plots too
             check_output_dir(out)
         names = parse_policies(policies)
         popts = parse_policy_options(settings, names)
