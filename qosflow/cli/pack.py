@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         pods: Optional[Path] = typer.Option(None, "--pods", help="pod list CSV (default: the shared Alibaba openb default list)"),
         nodes: Optional[Path] = typer.Option(None, "--nodes", help="node list CSV (default: the shared Alibaba GPU node list)"),
         policies: str = typer.Option("first-fit,best-fit,fgd,qosflow", "--policies", help="comma-separated: first-fit, best-fit, fgd, qosflow, random"),
-        seed: int = typer.Option(42, "--seed", help="first seed (the FGD paper uses 42..51)"),
+        seed: int = typer.Option(42, "--seed", min=0, help="first seed (the FGD paper uses 42..51)"),
         seeds: int = typer.Option(10, "--seeds", help="number of seeds to average over"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
         out: Optional[Path] = typer.Option(None, "--out", help="directory for pack_curve.csv/.png (default: next to --json)"),

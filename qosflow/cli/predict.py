@@ -53,7 +53,7 @@ def eval_cmd(
     pairs: Optional[Path] = typer.Option(None, "--pairs", help="co-location CSV (model1,batchsize1,gpu_num1,speed1,model2,...): k-fold"),
     folds: int = typer.Option(5, "--folds", min=2, help="folds for --pairs"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
-    seed: int = typer.Option(0, "--seed", help="seed of the fold split (--pairs) and of the models' randomness"),
+    seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="seed of the fold split (--pairs) and of the models' randomness"),
 ) -> None:
     """Cross-validate the predictor on a throughput table or a co-location pair table.
 

@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         fmt: Optional[str] = typer.Option(None, "--format", help="muri | gavel | alibaba | synthetic (default: guessed from --trace)"),
         cluster: Optional[str] = typer.Option(None, "--cluster", help="NxG (e.g. 8x8), a Muri cluster CSV, an Alibaba node list, or a Gavel spec V:P:K (V100s:P100s:K80s, e.g. 36:36:36; jobs run at their measured speed on each model) (default: the trace's own, else 8x8)"),
         policies: str = typer.Option("fifo,sjf,srtf,tiresias,sjf-ffs,sjf-bsbf,genie,qosflow", "--policies", help="comma-separated policy names (qosflow: ours; the others are the baselines)"),
-        seed: int = typer.Option(0, "--seed", help="seed for deadlines, failures, noise and synthetic traces"),
+        seed: int = typer.Option(0, "--seed", min=0, help="seed for deadlines, failures, noise and synthetic traces"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
         out: Optional[Path] = typer.Option(None, "--out", help="directory for the PNG plots and one CSV per run with every job's times, deadline outcome and the policy's note on it, jobs-<policy>.csv (default: next to --json)"),
         estimator: str = typer.Option("oracle", "--estimator", help="what policies know: oracle | noisy | learned | declared; comma-separated (oracle,noisy,learned) runs every policy under each and shows the QoS lost against oracle"),
