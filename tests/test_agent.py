@@ -543,6 +543,8 @@ def test_agent_start_mistakes_are_named_before_it_starts(capsys):
             (base + ["--virtual-gpus", "-1"], "Invalid value for '--virtual-gpus'"),
             (base + ["--fence-after", "0"], "invalid --fence-after: must be > 0"),
             (base + ["--gpu-mem-mb", "-5"], "invalid --gpu-mem-mb: must be > 0"),
+            # a label without a name started the agent
+            (base + ["--port", str(port), "--label", "=gpu"], "invalid --label: '=gpu' has no KEY; write KEY=VALUE"),
         ):
             assert main(argv) == 2, argv
             err = capsys.readouterr().err

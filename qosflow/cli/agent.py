@@ -88,7 +88,9 @@ def register(app: typer.Typer) -> None:
             if "=" not in item:
                 raise SpecError("--label", f"{item!r} is not KEY=VALUE")
             k, v = item.split("=", 1)
-            labels[k] = v
+            if not k.strip():  # '=gpu' started an agent with a label without a name
+                raise SpecError("--label", f"{item!r} has no KEY; write KEY=VALUE, e.g. --label rack=r1")
+            labels[k.strip()] = v
         cfg = AgentConfig(
             token=_read_token(token, token_file),
             name=name or socket.gethostname(),
