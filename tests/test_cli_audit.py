@@ -23,3 +23,28 @@ def test_a_seed_out_of_range_is_a_usage_error(argv, says, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
+
+
+def test_demo_port_out_of_range_or_in_use_is_an_error_before_the_server_starts(tmp_path, capsys, monkeypatch):
+    """`demo --port 99999` (or -1, or a port another server holds) started the Prefect server, which exited
+    at once, and the demo ended in 'RuntimeError: prefect server exited with 1; see .../server.log'."""
+    import socket
+
+    import qosflow.prefect.local as local
+
+    def no_server(*a, **k):
+        raise AssertionError("the Prefect server was started")
+
+    monkeypatch.setattr(local.LocalServer, "start", no_server)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for argv, says in (
+            (["--port", "99999"], "Invalid value for '--port'"),
+            (["--port", "-1"], "Invalid value for '--port'"),
+            (["--port", str(port)], f"invalid --port: 127.0.0.1:{port} is already in use"),
+        ):
+            assert main(["demo", "--no-ui", "--home", str(tmp_path / "home"), *argv]) == 2, argv
+            err = capsys.readouterr().err
+            assert says in err and "Traceback" not in err, err

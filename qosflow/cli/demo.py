@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
     def demo_cmd(
         ui: bool = typer.Option(True, "--ui/--no-ui", help="serve the Prefect UI and keep it open at the end"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the outcome as JSON here"),
-        port: Optional[int] = typer.Option(None, "--port", help="server port (default 4200 with the UI if free, else any free port)"),
+        port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="server port (default 4200 with the UI if free, else any free port)"),
         home: Optional[Path] = typer.Option(None, "--home", help="where the demo keeps its Prefect database and results (default: qosflow's data dir/demo)"),
         policy: Optional[str] = typer.Option(None, "--policy", help="scheduling policy (default: qosflow, else genie, else fifo)"),
         hosts: int = typer.Option(2, "--hosts", min=1, help="virtual hosts"),
@@ -63,6 +63,13 @@ def register(app: typer.Typer) -> None:
             check_output_file(json_out)  # before the server starts, not after the pipelines ran
         if home is not None:
             check_output_dir(home, "--home")  # a file there was a FileExistsError traceback
+        if port is not None:
+            from qosflow.errors import SpecError
+            from qosflow.prefect.demo import _port_free
+
+            if not _port_free(port):  # the server exited at once: a RuntimeError traceback pointing at its log
+                raise SpecError("--port", f"127.0.0.1:{port} is already in use (another Prefect server, or an earlier "
+                                "demo still running?); choose another port, or leave --port out for a free one")
         if database_url is not None:
             from qosflow.prefect.local import prefect_database_url
 
