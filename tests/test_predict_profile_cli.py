@@ -303,7 +303,15 @@ def test_predict_stages_shows_what_finished_stages_taught(tmp_path, capsys):
     assert train["basis"] == "history(n=3)" and 20.0 < train["predicts_s"] < 22.0  # the shared run's 42 s left out
     assert rows["pipe.etl"]["runs"] == 1 and rows["pipe.etl"]["mape"] is None
     assert main(["predict", "stages", "--db", url, "--signature", "nothing"]) == 0
-    assert "no completed run of signature 'nothing'" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no completed run of signature 'nothing'" in out and "it has 2 other signature(s)" in out, out
+    # a signature one step off what the store has (a @qos_task with a batch_size is recorded as .../bsN): named
+    est.observe_stage(stage(11, "pipe.train/bs64"), 30.0)
+    for given, meant in (("pipe.train/bs", "'pipe.train/bs64'"), ("pipe.tran", "'pipe.train'"),
+                         ("pipe.", "'pipe.etl' or 'pipe.train' or 'pipe.train/bs64'")):
+        assert main(["predict", "stages", "--db", url, "--signature", given]) == 0
+        out = " ".join(capsys.readouterr().out.split())  # unwrapped
+        assert f"no completed run of signature '{given}' in sqlite:///" in out and f"did you mean {meant}?" in out, out
 
 
 def test_profile_stores_under_the_signature_the_worker_gives_the_stage(stage_module, tmp_path):

@@ -138,14 +138,27 @@ def stages_cmd(
     try:
         rows = stage_report(store, signature=signature)
         where = store.safe_url
+        # a signature not in the store: the ones it has (the table's), to say which was meant
+        known = sorted({h.signature for h in store.stage_history() if h.signature and h.state == "COMPLETED"}) \
+            if signature and not rows else []
     finally:
         store.close()
     console = Console()
     if not rows:
         what = f"signature {signature!r}" if signature else "any stage"
-        console.print(f"no completed run of {what} in {where} yet: stages are recorded by a qosflow worker with the "
-                      "learned estimator (the QoSPolicy block's default); `qosflow profile` adds step-time samples",
-                      style="yellow")
+        if known:
+            from qosflow.errors import closest_name
+
+            # those it begins (the batch size a @qos_task's signature carries is easy to leave out:
+            # MODULE.FUNCTION/bsN), else the closest
+            near = [k for k in known if k.startswith(signature)] or [k for k in [closest_name(signature, known)] if k]
+            meant = (f"did you mean {' or '.join(repr(k) for k in near[:3])}?" if near
+                     else f"it has {len(known)} other signature(s): `qosflow predict stages` without --signature lists them")
+            console.print(f"no completed run of {what} in {where}; {meant}", style="yellow", highlight=False)
+        else:
+            console.print(f"no completed run of {what} in {where} yet: stages are recorded by a qosflow worker with the "
+                          "learned estimator (the QoSPolicy block's default); `qosflow profile` adds step-time samples",
+                          style="yellow")
     else:
         from rich import box
 
