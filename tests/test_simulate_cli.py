@@ -98,6 +98,8 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         (["--cluster", "8y8"], "8y8"),
         (["--trace", "/does/not/exist.csv"], "does not exist"),
         (["--estimator", "psychic"], "unknown estimator 'psychic'"),
+        # a misspelt --format with --jobs: was "invalid --jobs: ... synthetic (xyz) is simulated whole"
+        (["--policies", "fifo", "--format", "xyz"], "unknown trace format 'xyz'; choose one of: alibaba, gavel, muri, synthetic"),
         (["--trace", "/"], "/ is a directory; give a trace file in it"),  # was "cannot tell the trace format from its header"
         (["--policies", "qosflow", "--set", "qosflow.expres_share=0.1"], "has no option 'expres_share'; it has: "),
         (["--policies", "qosflow", "--set", "qosflow.express_share=2"], "express_share must be in [0, 1)"),

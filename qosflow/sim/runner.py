@@ -77,6 +77,12 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
     from qosflow.sim.workload import load_workload
 
     fmt = fmt or guess_format(trace)
+    from qosflow.sim.workload import FORMATS
+
+    if str(fmt).strip().lower() not in FORMATS:  # before --jobs: "synthetic (xyz) is simulated whole" misled
+        from qosflow.errors import UnknownNameError
+
+        raise UnknownNameError("trace format", str(fmt), FORMATS)
     if jobs is not None:
         from qosflow.errors import SpecError
 
