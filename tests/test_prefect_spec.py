@@ -589,3 +589,11 @@ def test_a_pipelines_policy_block_says_which_of_its_fields_it_applies(monkeypatc
         pipe.fn()
     said = [r.getMessage() for r in caplog.records if "QoS policy block" in r.getMessage()]
     assert said == ["QoS policy block: this run's deadline 60s and class default"], said
+
+
+def test_a_bad_priority_says_what_an_integer_priority_means():
+    """The message offered "or an integer" without saying which way integers go, so `priority=10` meant as
+    "low" (lower is more important in many schedulers) silently became critical."""
+    with pytest.raises(SpecError, match=r"'urgent' is not a priority class; .* or an integer \(as in traces, larger is "
+                                        r"more important: 2 or more critical, 1 guaranteed, 0 normal, below 0 best-effort\)"):
+        qos_task(priority="urgent")
