@@ -74,6 +74,13 @@ def register(app: typer.Typer) -> None:
             raise SpecError("--popularity", f"must be in (0, 1], got {popularity}")
         pods_path = pods or default_pod_list()
         nodes_path = nodes or default_node_list()
+        for given, path, opt, what in ((pods, pods_path, "--pods", "pod list"), (nodes, nodes_path, "--nodes", "node list")):
+            if given is None and not path.exists():  # was "...: pod list file not found", with no hint where it is read from
+                from qosflow.errors import QosflowError
+
+                raise QosflowError(
+                    f"{path}: the default {what} (Alibaba v2023, shared data) is not there: give {opt} FILE, or point "
+                    f"QOSFLOW_SHARED_DATA at the directory that holds traces/{path.name}")
         pod_list = pods_from_records(load_pods(pods_path))
         node_list = nodes_from_records(load_nodes(nodes_path))
         empty = PackState(node_list)
