@@ -210,6 +210,20 @@ def test_placement_api(monkeypatch):
     assert info.placed and info.node == "node1" and info.gpus == (2,) and info.virtual_gpus
     assert info.cpuset == (4, 5, 6) and info.threads == 3 and info.shared
     assert info.sub_batch_size(64) == 16 and info.micro_batches(64) == [16] * 4 and info.micro_batches(10) == [3, 3, 2, 2]
+    # a batch size that is not a whole number fails alike placed or not (text from a config came back unchanged
+    # in a local run and was a TypeError on a shared GPU; 0 became 1 there); numpy ints and 64.0 count
+    import numpy as np
+
+    from qosflow.placement_api import PlacementInfo
+
+    for p in (info, PlacementInfo(placed=False)):
+        assert p.sub_batch_size(np.int64(64)) == p.sub_batch_size(64.0) == p.sub_batch_size(64)
+        for bad in ("64", 0, -8, 2.5, True):
+            with pytest.raises(SpecError, match=r"placement\(\)\.sub_batch_size: invalid global_batch: must be a whole number of samples >= 1"):
+                p.sub_batch_size(bad)
+        with pytest.raises(SpecError, match=r"got '64' \(int\('64'\) if it comes from a config or the environment\)"):
+            p.micro_batches("64")
+    assert info.micro_batches(0) == [] and PlacementInfo(placed=False).micro_batches(0) == [0]  # an empty last batch, as before
 
 
 def test_worker_type_is_discoverable_and_template_has_qos_variables():
