@@ -48,3 +48,29 @@ def test_demo_port_out_of_range_or_in_use_is_an_error_before_the_server_starts(t
             assert main(["demo", "--no-ui", "--home", str(tmp_path / "home"), *argv]) == 2, argv
             err = capsys.readouterr().err
             assert says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        # against a server these were tracebacks: '405 Method Not Allowed' (an empty name), a pydantic
+        # ValidationError (a name its block names POOL-cluster / POOL-policy cannot take: 'GPU', 'my_pool', 'a/b')
+        (["init", "--pool", ""], "invalid --pool: give a work pool name, e.g. --pool gpu"),
+        (["init", "--pool", "a/b"], "invalid --pool: 'a/b': a work pool name cannot contain /"),
+        (["init", "--pool", "GPU"], "Prefect block names take lowercase letters, digits and dashes only; e.g. --pool gpu"),
+        (["init", "--pool", "my_pool"], "blocks my_pool-cluster and my_pool-policy, and Prefect block names take lowercase "
+                                        "letters, digits and dashes only; e.g. --pool my-pool"),
+        (["status", "--pool", " "], "invalid --pool: give a work pool name"),
+        (["status", "--pool", "a&b"], "invalid --pool: 'a&b': a work pool name cannot contain &"),
+        (["worker", "start", "--pool", ""], "invalid --pool: give a work pool name"),
+        (["worker", "start", "--pool", "x>y"], "a work pool name cannot contain >"),
+    ],
+)
+def test_a_pool_name_prefect_refuses_is_an_error_before_the_server(argv, says, capsys, monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):  # no server: the name is checked first
+        assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert says in err and "PREFECT_API_URL" not in err and "Traceback" not in err, err

@@ -42,12 +42,13 @@ def register(app: typer.Typer) -> None:
         import httpx
 
         from qosflow.errors import QosflowError
-        from qosflow.prefect.local import require_api_url, setup_pool
+        from qosflow.prefect.local import check_pool_name, require_api_url, setup_pool
 
         from qosflow.errors import SpecError
         from qosflow.prefect.scheduler import check_estimator_name
 
         # the options are checked before the server, so a typo is not found only once a server runs
+        check_pool_name(pool, blocks=True)
         get_policy(policy)  # unknown names fail here with the list of known ones
         check_estimator_name(estimator)
         if deadline is not None and not 0 < deadline < float("inf"):  # was a pydantic traceback from QoSPolicy

@@ -41,11 +41,12 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from qosflow.cli.output import check_output_file, write_json_file
-        from qosflow.prefect.local import check_pool, require_api_url
+        from qosflow.prefect.local import check_pool, check_pool_name, require_api_url
         from qosflow.prefect.status import pool_status
 
         if json_out is not None:
             check_output_file(json_out)
+        check_pool_name(pool)
         url = require_api_url("qosflow status")
         asyncio.run(check_pool(pool))
         st = asyncio.run(pool_status(pool, limit=limit))

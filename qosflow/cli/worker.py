@@ -40,9 +40,10 @@ def register(app: typer.Typer) -> None:
         import os
         import signal
 
-        from qosflow.prefect.local import check_pool, require_api_url
+        from qosflow.prefect.local import check_pool, check_pool_name, require_api_url
         from qosflow.prefect.worker import QosflowWorker
 
+        check_pool_name(pool)
         if cluster_file is not None and cluster_block:
             from qosflow.errors import SpecError
 

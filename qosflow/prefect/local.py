@@ -165,6 +165,26 @@ def require_api_url(what: str) -> str:
     return url
 
 
+def check_pool_name(pool: str, option: str = "--pool", *, blocks: bool = False) -> None:
+    """Fail now, before any server call, on a work pool name Prefect refuses (empty, or with one of / % & > <:
+    the server answered '405 Method Not Allowed' or '404 Not Found', shown as a traceback). With `blocks`
+    (`qosflow init` names the pool's blocks POOL-cluster and POOL-policy) also on one a block name cannot
+    start with: lowercase letters, digits and dashes only (was a pydantic ValidationError traceback)."""
+    import re
+
+    from qosflow.errors import SpecError
+
+    if not pool.strip():
+        raise SpecError(option, "give a work pool name, e.g. --pool gpu")
+    banned = "".join(c for c in "/%&><" if c in pool)
+    if banned:
+        raise SpecError(option, f"{pool!r}: a work pool name cannot contain {' '.join(banned)}; e.g. --pool gpu-lab")
+    if blocks and not re.fullmatch(r"[a-z0-9-]+", pool):
+        like = re.sub(r"[^a-z0-9-]+", "-", pool.lower()).strip("-") or "gpu"
+        raise SpecError(option, f"{pool!r}: qosflow init names the pool's blocks {pool}-cluster and {pool}-policy, and "
+                                f"Prefect block names take lowercase letters, digits and dashes only; e.g. --pool {like}")
+
+
 async def check_pool(pool: str) -> None:
     """Fail fast, naming the fix, when `pool` does not exist or is not a qosflow pool. An unreachable
     server is left to the worker (it keeps trying to connect)."""
