@@ -41,8 +41,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
         import httpx
 
-        from qosflow.errors import QosflowError
-        from qosflow.prefect.local import check_pool_name, require_api_url, setup_pool
+        from qosflow.prefect.local import check_pool_name, require_api_url, setup_pool, unreachable_server
 
         from qosflow.errors import SpecError
         from qosflow.prefect.scheduler import check_estimator_name
@@ -78,12 +77,10 @@ def register(app: typer.Typer) -> None:
         except (httpx.TransportError, RuntimeError) as exc:
             # Prefect wraps a failed connection in RuntimeError("Failed to reach API ...") raised from
             # the httpx error: any other RuntimeError is not about the server being away
-            cause: BaseException | None = exc
-            while cause is not None and not isinstance(cause, httpx.HTTPError):
-                cause = cause.__cause__
-            if cause is None:
+            away = unreachable_server(exc, api)
+            if away is None:
                 raise
-            raise QosflowError(f"cannot reach the Prefect server at {api} ({exc}); is `prefect server start` running there?") from None
+            raise away from None
         c = Console()
         c.print("blocks registered: qosflow-qos-policy, qosflow-bare-metal-cluster, qosflow-kubernetes-cluster")
         if real_gpus:

@@ -165,6 +165,20 @@ def require_api_url(what: str) -> str:
     return url
 
 
+def unreachable_server(exc: BaseException, api: str) -> Exception | None:
+    """The error to show when `exc` is a failed connection to the Prefect server at `api` (an httpx
+    transport error, or Prefect's RuntimeError("Failed to reach API ...") raised from one), else None:
+    any other error is not about the server being away."""
+    from qosflow.errors import QosflowError
+
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, httpx.TransportError):
+        cause = cause.__cause__
+    if cause is None:
+        return None
+    return QosflowError(f"cannot reach the Prefect server at {api} ({cause or exc}); is `prefect server start` running there?")
+
+
 def check_pool_name(pool: str, option: str = "--pool", *, blocks: bool = False) -> None:
     """Fail now, before any server call, on a work pool name Prefect refuses (empty, or with one of / % & > <:
     the server answered '405 Method Not Allowed' or '404 Not Found', shown as a traceback). With `blocks`
