@@ -162,6 +162,14 @@ def require_api_url(what: str) -> str:
             f"PREFECT_API_URL is not set: {what} needs a running Prefect server. Start one (`prefect server start`) and "
             "point at it (`prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`), or try `qosflow demo`"
         )
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(str(url))
+    if parts.scheme not in ("http", "https") or not parts.netloc:  # a worker retried such a URL for ever
+        raise QosflowError(
+            f"PREFECT_API_URL={url!r} is not an http(s) URL, so {what} can never reach a server there: set it to the "
+            "server's API, e.g. `prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`"
+        )
     return url
 
 
