@@ -142,3 +142,14 @@ def test_agent_workdir_that_is_a_file_is_an_error_before_the_port_is_bound(tmp_p
     assert main(["agent", "start", "--token", "t", "--virtual-gpus", "1", "--workdir", str(workdir)]) == 2
     err = capsys.readouterr().err
     assert f"--workdir {workdir}: is a file, not a directory" in err and "Traceback" not in err, err
+
+
+def test_version_option_prints_the_package_version(capsys):
+    """There was no `qosflow --version` ("No such option"), the first thing a bug report asks for."""
+    import qosflow
+    from qosflow.cli.main import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"qosflow {qosflow.__version__}"
+    assert main([]) == 2  # no arguments still shows the help, as before (no_args_is_help: click's usage code)
+    assert "simulate" in capsys.readouterr().out
