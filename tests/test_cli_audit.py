@@ -74,3 +74,26 @@ def test_a_pool_name_prefect_refuses_is_an_error_before_the_server(argv, says, c
         assert main(argv) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert says in err and "PREFECT_API_URL" not in err and "Traceback" not in err, err
+
+
+def test_json_file_and_output_directory_at_one_path_is_an_error_before_the_work(tmp_path, capsys, monkeypatch):
+    """`--json R --out R` (or --out inside R) passed both checks; simulate and pack then wrote the JSON and
+    ended in a FileExistsError traceback on the plots, and the demo ran its pipelines and then could not
+    write its JSON over its --home directory."""
+    import qosflow.prefect.local as local
+
+    monkeypatch.setattr(local.LocalServer, "start", lambda *a, **k: (_ for _ in ()).throw(AssertionError("server started")))
+    r = tmp_path / "r"
+    for argv, says in (
+        (["simulate", "--jobs", "10", "--policies", "fifo", "--json", str(r), "--out", str(r)],
+         f"--json {r} and --out {r}: --json names a file and --out a directory at the same path; give them different "
+         f"paths, e.g. --json {r / 'results.json'}"),
+        (["simulate", "--jobs", "10", "--policies", "fifo", "--json", str(r), "--out", str(r / "plots")],
+         "--out would be a directory inside the file --json names"),
+        (["pack", "--seeds", "1", "--json", str(r), "--out", str(r)], "--json names a file and --out a directory at the same path"),
+        (["demo", "--no-ui", "--json", str(r), "--home", str(r)], "--json names a file and --home a directory at the same path"),
+    ):
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert says in err and "Traceback" not in err, err
+        assert not r.exists()  # nothing was run or written

@@ -47,6 +47,19 @@ def check_output_dir(path: Path, option: str = "--out") -> None:
         raise _unwritable(option, path, exc, "a writable directory") from None
 
 
+def check_file_and_dir(file: Path | None, directory: Path | None, file_option: str = "--json", dir_option: str = "--out") -> None:
+    """Fail now if the file `file` is the directory `directory` or one of its parents: each check alone
+    passes, and the run then wrote one and ended in a FileExistsError traceback on the other."""
+    if file is None or directory is None:
+        return
+    f, d = file.resolve(), directory.resolve()
+    if f == d or f in d.parents:
+        what = (f"{file_option} names a file and {dir_option} a directory at the same path" if f == d
+                else f"{dir_option} would be a directory inside the file {file_option} names")
+        raise QosflowError(f"{file_option} {file} and {dir_option} {directory}: {what}; give them different paths, e.g. "
+                           f"{file_option} {directory / 'results.json'}")
+
+
 def _probe_mkdir(missing: Path) -> None:
     """Raise OSError unless a directory can be made in the nearest existing ancestor of `missing` (the first
     directory `mkdir(parents=True)` would make): a directory is made there and removed again."""

@@ -51,9 +51,10 @@ def register(app: typer.Typer) -> None:
         from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png
         from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
 
-        from qosflow.cli.output import check_output_dir, check_output_file, progress_bar, write_json_file
+        from qosflow.cli.output import check_file_and_dir, check_output_dir, check_output_file, progress_bar, write_json_file
 
         console = Console()
+        check_file_and_dir(json_out, out)
         if json_out is not None:
             check_output_file(json_out)
         if out is not None:
