@@ -1,6 +1,7 @@
 """`qosflow simulate` end to end: table, JSON schema, plots, and clear errors on bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -392,3 +393,38 @@ def test_format_guess_names_a_semicolon_or_tab_separated_header(tmp_path):
     p.write_text("a\tb\tc\td\n")  # neither a trace header nor a Gavel line: no delimiter advice
     with pytest.raises(QosflowError, match="cannot tell the trace format"):
         guess_format(str(p))
+
+
+def test_a_trace_or_table_given_in_the_wrong_place_says_where_it_goes(tmp_path):
+    """A trace given as --cluster said "not a cluster file qosflow knows: expected a Muri CSV header ..." (a
+    cluster spec given as --trace already said "pass it as --cluster"); Gavel's throughput table as --cluster
+    said "'k80': expected a list of "V:P:K" strings", and as --trace "cannot tell the trace format from its
+    header ({)". Each now says what the file is and where it goes."""
+    import json as _json
+
+    from qosflow.errors import QosflowError
+    from qosflow.sim.clusters import load_cluster
+    from qosflow.sim.runner import guess_format
+
+    muri = tmp_path / "philly.csv"
+    muri.write_text("job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,iteration_time\n0,1,0,10,dqn,128,1000,100\n")
+    pods = tmp_path / "pods.csv"
+    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\n")
+    gavel = tmp_path / "vc.trace"
+    gavel.write_text("ResNet-50 (batch size 64)\tcmd\t--num_steps\t1\t1000\t0\t1\n")
+    table = tmp_path / "throughputs.json"
+    table.write_text(_json.dumps({"k80": {"('ResNet-50 (batch size 64)', 1)": {"null": 1.0}}}))
+    for path, what in ((muri, "this is a Muri trace, not a cluster file; pass it as --trace"),
+                       (pods, "this is an Alibaba pod list, not a cluster file; pass it as --trace"),
+                       (gavel, "this is a Gavel trace (tab-separated job lines), not a cluster file; pass it as --trace"),
+                       (table, "this is a Gavel throughput table (worker type -> job -> throughputs), not a cluster spec")):
+        with pytest.raises(QosflowError, match=re.escape(f"{path.name}")) as ei:
+            load_cluster(str(path))
+        assert what in str(ei.value), ei.value
+    with pytest.raises(QosflowError) as ei:
+        guess_format(str(table))
+    assert "this is JSON, not a trace" in str(ei.value) and "qosflow predict eval --throughputs FILE" in str(ei.value)
+    # the files qosflow does take as clusters still load
+    spec = tmp_path / "cluster_specs.json"
+    spec.write_text(_json.dumps({"vc": ["2:0:0"]}))
+    assert load_cluster(str(spec)).num_gpus == 2
