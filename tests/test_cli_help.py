@@ -153,3 +153,16 @@ def test_version_option_prints_the_package_version(capsys):
     assert capsys.readouterr().out.strip() == f"qosflow {qosflow.__version__}"
     assert main([]) == 2  # no arguments still shows the help, as before (no_args_is_help: click's usage code)
     assert "simulate" in capsys.readouterr().out
+
+
+def test_optional_values_say_what_leaving_them_out_means():
+    """`worker start --limit` and `agent start --virtual-gpus` had no default in --help (no value shown, no
+    words): what does leaving them out do?"""
+    import typer.main
+
+    from qosflow.cli.main import app
+
+    root = typer.main.get_command(app)
+    helps = {(cmd, p.opts[0]): p.help for cmd in ("worker", "agent") for p in root.commands[cmd].commands["start"].params}
+    assert "(default: no limit)" in helps[("worker", "--limit")]
+    assert "(default: none; without NVML the host is then CPU-only)" in helps[("agent", "--virtual-gpus")]

@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
     def start(
         port: int = typer.Option(8701, "--port", "-p", min=1, max=65535, help="TCP port to listen on"),
         host: str = typer.Option("127.0.0.1", "--host", help="address to bind (127.0.0.1 unless the workers are remote)"),
-        virtual_gpus: Optional[int] = typer.Option(None, "--virtual-gpus", min=0, help="declare N virtual GPUs when the host has no NVML GPU"),
+        virtual_gpus: Optional[int] = typer.Option(None, "--virtual-gpus", min=0, help="declare N virtual GPUs when the host has no NVML GPU (default: none; without NVML the host is then CPU-only)"),
         gpu_mem_mb: float = typer.Option(16_384.0, "--gpu-mem-mb", help="memory of each virtual GPU (MiB)"),
         cpu_cores: Optional[float] = typer.Option(None, "--cpu-cores", help="cores to offer (default: the cores this process may use)"),
         name: Optional[str] = typer.Option(None, "--name", help="host name the worker sees (default: hostname)"),

@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         cluster_file: Optional[Path] = typer.Option(None, "--cluster-file", help="cluster file (YAML/JSON: hosts, agent URLs, token): run the stages through those agents (default: $QOSFLOW_CLUSTER_FILE, else the pool's cluster)"),
         policy: Optional[str] = typer.Option(None, "--policy", help="policy name (overrides the pool's policy block)"),
         estimator: Optional[str] = typer.Option(None, "--estimator", help="where estimates come from: learned | history | declared | module:attr (overrides the pool's policy block, whose default is learned)"),
-        limit: Optional[int] = typer.Option(None, "--limit", min=1, help="most stage runs at once"),
+        limit: Optional[int] = typer.Option(None, "--limit", min=1, help="most stage runs at once (default: no limit)"),
     ) -> None:
         import asyncio
         import os
