@@ -97,3 +97,26 @@ def test_json_file_and_output_directory_at_one_path_is_an_error_before_the_work(
         err = " ".join(capsys.readouterr().err.split())
         assert says in err and "Traceback" not in err, err
         assert not r.exists()  # nothing was run or written
+
+
+def test_worker_estimator_module_attr_is_imported_before_the_worker_starts(tmp_path, capsys, monkeypatch):
+    """`worker start --estimator mymod:Est` with a typo started the worker, which then logged 'qosflow worker
+    setup failed: No module named ...; retrying every 5 s' for ever (it cannot be fixed without a restart)."""
+    import sys
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    (tmp_path / "audit_est.py").write_text("from qosflow.core.estimate import OracleEstimator as Mine\nthing = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):  # no server: the estimator is checked first
+        for est, says in (
+            ("audit_nomod:Est", "invalid --estimator: 'audit_nomod:Est': no module named 'audit_nomod' on this worker's Python path"),
+            ("audit_est:Nope", "invalid --estimator: 'audit_est:Nope': module 'audit_est' has no attribute 'Nope'"),
+            ("audit_est:thing", "'audit_est:thing' is of type int, neither an estimator (with a duration method) nor a class"),
+            ("audit_est:Mine", "PREFECT_API_URL is not set"),  # a good one gets as far as the server
+        ):
+            assert main(["worker", "start", "--pool", "gpu", "--estimator", est]) == 2, est
+            err = " ".join(capsys.readouterr().err.split())
+            assert says in err and "Traceback" not in err, err
+    sys.modules.pop("audit_est", None)

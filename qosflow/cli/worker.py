@@ -57,9 +57,10 @@ def register(app: typer.Typer) -> None:
 
             get_policy(policy)  # unknown names fail here with the list of known ones
         if estimator:
-            from qosflow.prefect.scheduler import check_estimator_name
+            from qosflow.prefect.scheduler import check_estimator_import, check_estimator_name
 
             check_estimator_name(estimator)
+            check_estimator_import(estimator)  # module:attr: imported here, where the worker will import it
         require_api_url("the qosflow worker")
         asyncio.run(check_pool(pool))
         if cluster_block:
