@@ -120,3 +120,35 @@ def test_worker_estimator_module_attr_is_imported_before_the_worker_starts(tmp_p
             err = " ".join(capsys.readouterr().err.split())
             assert says in err and "Traceback" not in err, err
     sys.modules.pop("audit_est", None)
+
+
+def test_json_output_that_is_an_input_file_is_an_error_and_the_input_is_kept(tmp_path, capsys, monkeypatch):
+    """`simulate --cluster cl.csv --json cl.csv` ran and wrote its results over the cluster file (likewise the
+    trace, pack's pod or node list, predict eval's table, the demo's cluster file): the output check passed,
+    since the file is writable. Now it is an error before the work, and the input is left as it was."""
+    import qosflow.prefect.local as local
+
+    monkeypatch.setattr(local.LocalServer, "start", lambda *a, **k: (_ for _ in ()).throw(AssertionError("server started")))
+    cluster = tmp_path / "cl.csv"
+    cluster.write_text("num_switch,num_node_p_switch,num_gpu_p_node,num_cpu_p_node,mem_p_node\n1,2,4,32,256\n")
+    trace = tmp_path / "t.csv"
+    trace.write_text("job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,iteration_time\n0,1,0,10,dqn,128,1000,100\n")
+    pods = tmp_path / "pods.csv"
+    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\n")
+    table = tmp_path / "tp.json"
+    table.write_text('{"v100": {}}\n')
+    lab = tmp_path / "lab.yaml"
+    lab.write_text("token: x\nhosts:\n  - {name: a, agent_url: 'http://127.0.0.1:9'}\n")
+    before = {p: p.read_text() for p in (cluster, trace, pods, table, lab)}
+    for argv, opt, path in (
+        (["simulate", "--jobs", "10", "--policies", "fifo", "--cluster", str(cluster), "--json", str(cluster)], "--cluster", cluster),
+        (["simulate", "--trace", str(trace), "--policies", "fifo", "--json", str(tmp_path / "." / "t.csv")], "--trace", trace),
+        (["pack", "--seeds", "1", "--pods", str(pods), "--json", str(pods)], "--pods", pods),
+        (["predict", "eval", "--throughputs", str(table), "--json", str(table)], "--throughputs", table),
+        (["demo", "--no-ui", "--home", str(tmp_path / "home"), "--cluster", str(lab), "--json", str(lab)], "--cluster", lab),
+    ):
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"that is the {opt} file this command reads, and the results would overwrite it; give another file, e.g. " \
+               f"--json {path.with_name(path.stem + '-results.json')}" in err, err
+    assert {p: p.read_text() for p in before} == before

@@ -57,8 +57,9 @@ def register(app: typer.Typer) -> None:
         import os
 
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        from qosflow.cli.output import check_file_and_dir, check_output_dir, check_output_file
+        from qosflow.cli.output import check_file_and_dir, check_not_an_input, check_output_dir, check_output_file
 
+        check_not_an_input(json_out, {"--cluster": cluster})
         check_file_and_dir(json_out, home, "--json", "--home")  # the demo ran, then its JSON hit its home directory
         if json_out is not None:
             check_output_file(json_out)  # before the server starts, not after the pipelines ran

@@ -47,6 +47,25 @@ def check_output_dir(path: Path, option: str = "--out") -> None:
         raise _unwritable(option, path, exc, "a writable directory") from None
 
 
+def check_not_an_input(path: Path | None, inputs: dict, option: str = "--json") -> None:
+    """Fail now if the output file `path` is one of the command's input files (`inputs`: option -> path or
+    spec, None when not given; a cluster's FILE#vc counts as FILE). The check of the output place passed,
+    and the run then wrote its results over the trace, cluster, pod list or table it had read."""
+    if path is None:
+        return
+    for opt, given in inputs.items():
+        if given is None:
+            continue
+        src = Path(str(given).split("#", 1)[0])
+        try:
+            same = src.is_file() and path.exists() and os.path.samefile(path, src) or src.resolve() == path.resolve()
+        except OSError:
+            same = False
+        if same and src.is_file():
+            raise QosflowError(f"{option} {path}: that is the {opt} file this command reads, and the results would "
+                               f"overwrite it; give another file, e.g. {option} {path.with_name(path.stem + '-results.json')}")
+
+
 def check_file_and_dir(file: Path | None, directory: Path | None, file_option: str = "--json", dir_option: str = "--out") -> None:
     """Fail now if the file `file` is the directory `directory` or one of its parents: each check alone
     passes, and the run then wrote one and ended in a FileExistsError traceback on the other."""

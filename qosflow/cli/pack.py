@@ -51,7 +51,8 @@ def register(app: typer.Typer) -> None:
         from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png
         from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
 
-        from qosflow.cli.output import check_file_and_dir, check_output_dir, check_output_file, progress_bar, write_json_file
+        from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, progress_bar,
+                                        write_json_file)
 
         console = Console()
         check_file_and_dir(json_out, out)
@@ -75,6 +76,7 @@ def register(app: typer.Typer) -> None:
             raise SpecError("--popularity", f"must be in (0, 1], got {popularity}")
         pods_path = pods or default_pod_list()
         nodes_path = nodes or default_node_list()
+        check_not_an_input(json_out, {"--pods": pods_path, "--nodes": nodes_path})
         for given, path, opt, what in ((pods, pods_path, "--pods", "pod list"), (nodes, nodes_path, "--nodes", "node list")):
             if given is None and not path.exists():  # was "...: pod list file not found", with no hint where it is read from
                 from qosflow.errors import QosflowError

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from qosflow.cli.output import check_not_an_input
 from qosflow.cli.output import check_output_file as _check_output_file
 from qosflow.cli.output import progress_bar as _progress_bar
 from qosflow.cli.output import write_json_file as _write_json
@@ -74,6 +75,7 @@ def eval_cmd(
         raise QosflowError("give exactly one of --throughputs FILE or --pairs CSV")
     if json_out is not None:
         _check_output_file(json_out)
+        check_not_an_input(json_out, {"--throughputs": throughputs, "--pairs": pairs})
     with _progress_bar() as bar:
         if throughputs is not None:
             table = ThroughputTable.load(throughputs)

@@ -55,9 +55,11 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.runner import resolve_workload
 
         console = Console(width=max(120, Console().width))
-        from qosflow.cli.output import check_file_and_dir, check_output_dir, check_output_file, progress_bar, write_json_file
+        from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, progress_bar,
+                                        write_json_file)
 
         check_file_and_dir(json_out, out)
+        check_not_an_input(json_out, {"--trace": trace, "--cluster": cluster})
         if json_out is not None:
             check_output_file(json_out)
         if out is not None:  # the per-job CSVs go there with --no-plots too
