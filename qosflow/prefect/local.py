@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from qosflow.core.cluster import ClusterSpec
+from qosflow.errors import QosflowError
 from qosflow.prefect.server_process import any_patch
 
 
@@ -67,6 +68,25 @@ def server_env(home: str | Path, port: int, *, ui: bool = True, database_url: st
     }
 
 
+class ServerStartError(QosflowError, RuntimeError):
+    """The local Prefect server exited, or did not answer, at start (the CLI shows it without a traceback)."""
+
+
+def _log_error_line(path: Path, offset: int) -> str:
+    """The last line that names an exception in the part of the server log written since `offset`
+    (e.g. "ConnectionRefusedError: [Errno 111] Connect call failed ('127.0.0.1', 5432)"), or ''."""
+    import re
+
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    hits = [ln.strip() for ln in text.splitlines() if re.match(r"^[\w.]+(Error|Exception)\b.*", ln.strip())]
+    return hits[-1] if hits else ""
+
+
 class LocalServer:
     """`prefect server start` as a child process (SQLite under `home` unless `database_url` names a
     PostgreSQL database, UI on unless `ui=False`)."""
@@ -93,6 +113,7 @@ class LocalServer:
         env = dict(os.environ)
         env.update(self.env)
         logf = open(self.log_path, "ab")
+        log_start = logf.tell()  # the log is appended to: this start's lines begin here
         # on SQLite, the server's garbage collection runs off its event loop (see server_process.py:
         # a collection in the loop could stall every request for the 60 s of SQLite's busy timeout);
         # its write transactions take the write lock at their start (BEGIN IMMEDIATE), and it retries
@@ -108,8 +129,8 @@ class LocalServer:
         deadline = time.time() + timeout
         try:
             while time.time() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"prefect server exited with {self.proc.returncode}; see {self.log_path}")
+                if self.proc.poll() is not None:  # was a RuntimeError traceback that said only the exit code
+                    raise self._start_error(f"exited at start with code {self.proc.returncode}", log_start)
                 try:
                     if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
                         return self
@@ -120,7 +141,14 @@ class LocalServer:
             self.stop()
             raise
         self.stop()
-        raise RuntimeError(f"prefect server did not answer within {timeout:.0f}s; see {self.log_path}")
+        raise self._start_error(f"did not answer within {timeout:.0f} s", log_start)
+
+    def _start_error(self, what: str, log_start: int) -> ServerStartError:
+        why = _log_error_line(self.log_path, log_start)
+        db = self.env["PREFECT_API_DATABASE_CONNECTION_URL"]
+        hint = ("; is PostgreSQL running there, and do the user, password and database of --database-url exist?"
+                if not db.startswith("sqlite") else "")
+        return ServerStartError(f"the local Prefect server {what}{': ' + why if why else ''} (its log: {self.log_path}){hint}")
 
     def apply_env(self) -> None:
         """Point this process's Prefect settings at the server."""
