@@ -206,7 +206,9 @@ def test_profile_survives_chatty_stderr_and_children_that_outlive_the_function(s
     ("toy_stage:not_a_function", ["not a function", "'int'"]),
     ("toy_stage:needs_args", ["needs the argument(s) data", "defaults"]),
     ("no_such_module_xyz:f", ["no module named 'no_such_module_xyz'", "directory"]),
-    ("broken_import:f", ["importing module 'broken_import' failed", "half-installed dependency xyz"]),
+    # the end of the module's traceback comes after the message (which said "the traceback is above")
+    ("broken_import:f", ["importing module 'broken_import' failed", "half-installed dependency xyz",
+                         "(fix the module; the end of its traceback follows)\n"]),
 ])
 def test_profile_bad_target_says_what_and_how_to_fix(stage_module, capsys, target, expected):
     assert main(["profile", target, "--steps", "2", "--cores", "1", "--no-store"]) == 2
