@@ -428,3 +428,16 @@ def test_a_trace_or_table_given_in_the_wrong_place_says_where_it_goes(tmp_path):
     spec = tmp_path / "cluster_specs.json"
     spec.write_text(_json.dumps({"vc": ["2:0:0"]}))
     assert load_cluster(str(spec)).num_gpus == 2
+
+
+def test_without_deadlines_the_bound_row_shows_no_dsr_either(capsys):
+    """With --deadline-share 0 every policy's DSR is '-', but the bound row said 100.0%."""
+    assert main(["simulate", "--jobs", "20", "--cluster", "1x4", "--policies", "fifo", "--deadline-share", "0", "--no-plots"]) == 0
+    rows = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]] for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("│")}
+    dsr = 5  # avg JCT, median JCT, p99 JCT, makespan, avg queue, DSR
+    assert rows["fifo"][dsr] == "-" and rows["bound"][dsr] == "-", rows
+    assert main(["simulate", "--jobs", "20", "--cluster", "1x4", "--policies", "fifo", "--no-plots"]) == 0
+    rows = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]] for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("│")}
+    assert rows["bound"][dsr].endswith("%"), rows  # with deadlines, as before
