@@ -115,6 +115,11 @@ def test_init_real_gpus_warns_when_this_machine_has_none(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "warning: --real-gpus, but this machine has no GPU (NVML unavailable (Library Not Found))" in err, err
     assert "leave --real-gpus out" in err and "PREFECT_API_URL is not set" in err, err
+    # the cluster-size options it does not use are named (they were dropped without a word)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert main(["init", "--real-gpus", "--hosts", "3", "--cores-per-host", "8"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "warning: --hosts 3, --cores-per-host 8 not used with --real-gpus: the worker's own host is the one host" in err, err
 
 
 def test_demo_home_that_is_a_file_is_an_error_before_anything_starts(tmp_path, capsys):

@@ -54,6 +54,11 @@ def register(app: typer.Typer) -> None:
             raise SpecError("--deadline", f"must be a positive number of seconds, got {deadline:g}")
         here = None
         if real_gpus:
+            ignored = [f"{opt} {val:g}" for opt, val, default in (("--hosts", hosts, 1), ("--gpus-per-host", gpus, 4),
+                                                                  ("--cores-per-host", cores, 16.0)) if val != default]
+            if ignored:  # were dropped without a word
+                typer.secho(f"warning: {', '.join(ignored)} not used with --real-gpus: the worker's own host is the one host, "
+                            "with the GPUs NVML finds and the cores it may use", err=True, fg="yellow")
             from qosflow.backends.local import nvml_gpus
             from qosflow.core.gpu_names import short_gpu_model
 
