@@ -205,14 +205,13 @@ def unreachable_server(exc: BaseException, api: str) -> Exception | None:
     """The error to show when `exc` is a failed connection to the Prefect server at `api` (an httpx
     transport error, or Prefect's RuntimeError("Failed to reach API ...") raised from one), else None:
     any other error is not about the server being away."""
-    from qosflow.errors import QosflowError
-
     cause: BaseException | None = exc
     while cause is not None and not isinstance(cause, httpx.TransportError):
         cause = cause.__cause__
     if cause is None:
         return None
-    return QosflowError(f"cannot reach the Prefect server at {api} ({cause or exc}); is `prefect server start` running there?")
+    why = str(cause) or str(exc) or type(cause).__name__  # some httpx errors have no text
+    return QosflowError(f"cannot reach the Prefect server at {api} ({why}); is `prefect server start` running there?")
 
 
 def check_pool_name(pool: str, option: str = "--pool", *, blocks: bool = False) -> None:
