@@ -164,3 +164,16 @@ def test_demo_server_that_cannot_start_says_why_without_a_traceback(tmp_path, ca
     assert rc == 2, err
     assert "the local Prefect server exited at start with code" in err and "Connect call failed ('127.0.0.1', 9)" in err, err
     assert f"(its log: {home / 'prefect' / 'server.log'}); is PostgreSQL running there" in err and "Traceback" not in err, err
+
+
+def test_json_dash_is_not_a_file_named_dash(tmp_path, capsys, monkeypatch):
+    """`--json -` (standard output, in many tools) wrote the results to a file named '-' in the current
+    directory, with the table on standard output as usual."""
+    monkeypatch.chdir(tmp_path)
+    for argv in (["simulate", "--jobs", "10", "--policies", "fifo", "--no-plots", "--json", "-"],
+                 ["pack", "--seeds", "1", "--json", "-"], ["status", "--json", "-"]):
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert "--json -: the results go to a file, not to standard output (the table goes there); give a file name, " \
+               "e.g. --json out.json" in err, err
+    assert not (tmp_path / "-").exists()

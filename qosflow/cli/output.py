@@ -16,6 +16,9 @@ from qosflow.errors import QosflowError
 def check_output_file(path: Path, option: str = "--json") -> None:
     """Fail now if `path` cannot be written (a directory, an unwritable or missing place). Leaves nothing
     behind: a missing parent directory is made only when the file is written."""
+    if str(path) == "-":  # was written to a file named '-' in the current directory
+        raise QosflowError(f"{option} -: the results go to a file, not to standard output (the table goes there); "
+                           f"give a file name, e.g. {option} out.json")
     if path.is_dir():
         raise QosflowError(f"{option} {path}: is a directory; give a file name, e.g. {path / 'out.json'}")
     try:
