@@ -149,7 +149,7 @@ def test_json_output_that_is_an_input_file_is_an_error_and_the_input_is_kept(tmp
     ):
         assert main(argv) == 2, argv
         err = " ".join(capsys.readouterr().err.split())
-        assert f"that is the {opt} file this command reads, and the results would overwrite it; give another file, e.g. " \
+        assert f"that is the {opt} file this command uses, and the results would overwrite it; give another file, e.g. " \
                f"--json {path.with_name(path.stem + '-results.json')}" in err, err
     assert {p: p.read_text() for p in before} == before
 

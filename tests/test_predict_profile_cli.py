@@ -386,3 +386,26 @@ def test_predict_stages_says_three_slashes_are_a_relative_path(tmp_path, capsys,
     assert main(["predict", "stages", "--db", f"sqlite://{db}"]) == 2  # sqlite:// + /abs = three slashes
     err = capsys.readouterr().err
     assert "three slashes is a relative path" in err and f"write sqlite:///{db}" in err
+
+
+def test_json_output_that_is_the_targets_module_or_the_store_is_refused(stage_module, tmp_path, capsys):
+    """`profile toy_stage:train --json toy_stage.py` measured and then wrote its JSON over the stage's own
+    source; `--json` naming the SQLite store (profile's or predict stages' --db) overwrote the store a worker
+    learns from. Both are refused before the work, and the files are left as they were. (The fixture runs
+    from tmp_path.)"""
+    src = tmp_path / "toy_stage.py"
+    code = src.read_text()
+    db = tmp_path / "q.db"
+    assert main(["profile", "toy_stage:train", "--steps", "2", "--cores", "1", "--db", f"sqlite:///{db}"]) == 0
+    store_bytes = db.read_bytes()
+    capsys.readouterr()
+    for argv, says in (
+        (["profile", "toy_stage:train", "--no-store", "--json", "toy_stage.py"],
+         "--json toy_stage.py: that is the TARGET module file this command uses, and the results would overwrite it"),
+        (["profile", "toy_stage:train", "--db", f"sqlite:///{db}", "--json", str(db)], f"--json {db}: that is the --db file"),
+        (["predict", "stages", "--db", f"sqlite:///{db}", "--json", "q.db"], "--json q.db: that is the --db file"),
+    ):
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert says in err, err
+    assert src.read_text() == code and db.read_bytes() == store_bytes

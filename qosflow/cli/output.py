@@ -65,7 +65,7 @@ def check_not_an_input(path: Path | None, inputs: dict, option: str = "--json") 
         except OSError:
             same = False
         if same and src.is_file():
-            raise QosflowError(f"{option} {path}: that is the {opt} file this command reads, and the results would "
+            raise QosflowError(f"{option} {path}: that is the {opt} file this command uses, and the results would "
                                f"overwrite it; give another file, e.g. {option} {path.with_name(path.stem + '-results.json')}")
 
 

@@ -136,6 +136,7 @@ def stages_cmd(
 
     if json_out is not None:
         _check_output_file(json_out)
+        check_not_an_input(json_out, {"--db": _sqlite_file(db)})  # the store a worker writes to
     store = Store.open(db, must_exist=True)
     try:
         rows = stage_report(store, signature=signature)
@@ -212,6 +213,7 @@ def profile_cmd(
         raise SpecError("--budget", f"must be a finite number of seconds > 0, got {budget:g}")
     if json_out is not None:
         _check_output_file(json_out)
+        check_not_an_input(json_out, {"TARGET module": _module_file(target), "--db": None if no_store else _sqlite_file(db)})
     store = None
     if not no_store:
         from qosflow.store import Store
@@ -264,3 +266,31 @@ def profile_cmd(
 def register(app: typer.Typer) -> None:
     app.add_typer(predict_app, name="predict")
     app.command("profile")(profile_cmd)
+
+
+def _sqlite_file(db: str | None) -> str | None:
+    """The file of the store `Store.open(db)` opens, when it is SQLite (None for PostgreSQL or a bad URL,
+    which Store.open reports). Only the URL is read: nothing is opened."""
+    import os
+
+    if not db:
+        db = os.environ.get("QOSFLOW_DATABASE_URL")
+        if not db:
+            home = os.environ.get("QOSFLOW_HOME")
+            return os.path.join(home, "qosflow.db") if home else None  # the user's data directory: not a --json typo
+    return db.split("///", 1)[1] if db.startswith("sqlite") and "///" in db else None
+
+
+def _module_file(target: str) -> str | None:
+    """The source file of TARGET's module in the current directory (MODULE:FUNCTION, imported from there),
+    if there is one; found by its path, nothing is imported."""
+    import os
+
+    mod = target.split(":", 1)[0].strip()
+    if not mod:
+        return None
+    base = os.path.join(os.getcwd(), *mod.split("."))
+    for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
