@@ -177,3 +177,17 @@ def test_json_dash_is_not_a_file_named_dash(tmp_path, capsys, monkeypatch):
         assert "--json -: the results go to a file, not to standard output (the table goes there); give a file name, " \
                "e.g. --json out.json" in err, err
     assert not (tmp_path / "-").exists()
+
+
+def test_demo_on_a_cluster_file_whose_hosts_are_all_down_fails_before_the_server(tmp_path, capsys, monkeypatch):
+    """`demo --cluster lab.yaml` with no agent running started the Prefect server and the worker, logged
+    'host a is down' once, and then waited for ever for stages no host could run."""
+    import qosflow.prefect.local as local
+
+    monkeypatch.setattr(local.LocalServer, "start", lambda *a, **k: (_ for _ in ()).throw(AssertionError("server started")))
+    lab = tmp_path / "lab.yaml"
+    lab.write_text("token: x\nhosts:\n  - {name: a, agent_url: 'http://127.0.0.1:9'}\n  - {name: b, agent_url: 'http://127.0.0.1:9'}\n")
+    assert main(["demo", "--no-ui", "--home", str(tmp_path / "home"), "--cluster", str(lab)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--cluster {lab}: no host answers (a (http://127.0.0.1:9): " in err and "; b (http://127.0.0.1:9): " in err, err
+    assert f"check them with `qosflow agent status --cluster {lab}`" in err and "Traceback" not in err, err

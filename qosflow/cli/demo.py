@@ -82,7 +82,8 @@ def register(app: typer.Typer) -> None:
         if cluster is not None:
             from qosflow.backends.agent import load_cluster_file
 
-            load_cluster_file(cluster)  # a bad file fails here, naming the file and the field
+            cf = load_cluster_file(cluster)  # a bad file fails here, naming the file and the field
+            _some_host_up(cf, cluster)
         from qosflow.prefect.demo import run_demo
 
         try:
@@ -95,6 +96,39 @@ def register(app: typer.Typer) -> None:
         if failed:
             typer.secho(f"pipelines that did not complete: {', '.join(failed)}", err=True, fg="red")
             raise typer.Exit(1)
+
+
+def _some_host_up(cf, path: Path) -> None:
+    """Fail now when no host of the cluster file answers (its agents not started, a wrong URL or token): the
+    demo then started its server and waited for ever, with one 'host ... is down' warning. Hosts that are
+    down while others are up are named in a warning; the worker marks them down as it would."""
+    import asyncio
+
+    from qosflow.errors import QosflowError
+
+    async def refresh():
+        be = cf.backend()
+        try:
+            return await be.refresh()
+        finally:
+            await be.aclose()
+
+    import logging
+
+    log = logging.getLogger("qosflow.backends.agent")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its 'host ... is down' warnings: said below, once
+    try:
+        hosts = asyncio.run(refresh()).hosts
+    finally:
+        log.setLevel(level)
+    down = [h for h in hosts if not h.up]
+    why = "; ".join(f"{h.name} ({h.url}): {h.error}" for h in down)
+    if down and len(down) == len(hosts):
+        raise QosflowError(f"--cluster {path}: no host answers ({why}); start the agents (qosflow agent start ... on each "
+                           f"host) and check them with `qosflow agent status --cluster {path}`")
+    if down:
+        typer.secho(f"warning: {len(down)} of {len(hosts)} hosts down, the demo runs on the others: {why}", err=True, fg="yellow")
 
 
 def _exit_now(code) -> None:
