@@ -77,6 +77,7 @@ def _global_batch(fn: str, value: Any, minimum: int = 1) -> int:
     a batch size read as text ("128" from a config or the environment) or 0 came back unchanged in a local
     run, and on a shared GPU failed the stage with a TypeError (or became 1)."""
     import math
+    import numbers
     import operator
 
     from qosflow.errors import SpecError
@@ -86,8 +87,10 @@ def _global_batch(fn: str, value: Any, minimum: int = 1) -> int:
         try:
             n = operator.index(value)
         except TypeError:
-            if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-                n = int(value)
+            if isinstance(value, numbers.Real):  # a float, numpy's float32 too, such as 128.0
+                f = float(value)
+                if math.isfinite(f) and f.is_integer():
+                    n = int(f)
     if n is None or n < minimum:
         hint = f" (int({value!r}) if it comes from a config or the environment)" if isinstance(value, str) else ""
         raise SpecError("global_batch", f"must be a whole number of samples >= {minimum}, got {value!r}{hint}", where=f"placement().{fn}")

@@ -156,6 +156,7 @@ def _whole(fn: str, arg: str, value) -> int:
     no worker reads the progress (a notebook, a test), and in the worker failed the stage with "%d format:
     a real number is required, not str" or was cut to a whole number."""
     import math
+    import numbers
     import operator
 
     from qosflow.errors import SpecError
@@ -164,8 +165,10 @@ def _whole(fn: str, arg: str, value) -> int:
         try:
             return operator.index(value)
         except TypeError:
-            if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-                return int(value)
+            if isinstance(value, numbers.Real):  # a float, numpy's float32 too, such as 3.0
+                f = float(value)
+                if math.isfinite(f) and f.is_integer():
+                    return int(f)
     raise SpecError(arg, f"must be a whole number of steps, got {value!r}", where=fn)
 
 

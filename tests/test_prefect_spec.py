@@ -217,7 +217,7 @@ def test_placement_api(monkeypatch):
     from qosflow.placement_api import PlacementInfo
 
     for p in (info, PlacementInfo(placed=False)):
-        assert p.sub_batch_size(np.int64(64)) == p.sub_batch_size(64.0) == p.sub_batch_size(64)
+        assert p.sub_batch_size(np.int64(64)) == p.sub_batch_size(64.0) == p.sub_batch_size(np.float32(64)) == p.sub_batch_size(64)
         for bad in ("64", 0, -8, 2.5, True):
             with pytest.raises(SpecError, match=r"placement\(\)\.sub_batch_size: invalid global_batch: must be a whole number of samples >= 1"):
                 p.sub_batch_size(bad)

@@ -173,7 +173,7 @@ def test_bad_step_values_fail_alike_with_and_without_a_worker(monkeypatch, tmp_p
         with pytest.raises(SpecError, match="report_resumed: invalid step: must be a whole number of steps, got 'x'"):
             qosflow.report_resumed("x", 10)
     qosflow.report_progress(np.int64(2), np.int64(4))
-    qosflow.report_progress(3.0, 4.0)
+    qosflow.report_progress(np.float32(3.0), 4.0)  # numpy's float32 too (not a Python float), as '%d' took it
     qosflow.report_progress(0, 0)  # a stage with nothing to do: track(range(0)) reports this
     assert [(e.step, e.total) for e in read_progress(path)] == [(2, 4), (3, 4), (0, 0)]
     assert '"step":3,"total":4' in path.read_text()  # written as integers, as the reader expects
