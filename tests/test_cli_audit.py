@@ -191,3 +191,17 @@ def test_demo_on_a_cluster_file_whose_hosts_are_all_down_fails_before_the_server
     err = " ".join(capsys.readouterr().err.split())
     assert f"--cluster {lab}: no host answers (a (http://127.0.0.1:9): " in err and "; b (http://127.0.0.1:9): " in err, err
     assert f"check them with `qosflow agent status --cluster {lab}`" in err and "Traceback" not in err, err
+
+
+def test_an_option_the_run_does_not_use_is_named_in_a_warning(tmp_path, capsys):
+    """`simulate --error 0.1` without the noisy estimator, and `predict eval --throughputs ... --folds 10`,
+    were validated and then dropped without a word."""
+    assert main(["simulate", "--jobs", "10", "--policies", "fifo", "--no-plots", "--error", "0.1"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "warning: --error 0.1 is the noisy estimator's error, and --estimator oracle has no noisy: add it, e.g. " \
+           "--estimator oracle,noisy" in err, err
+    assert main(["simulate", "--jobs", "10", "--policies", "fifo", "--no-plots", "--error", "0.1", "--estimator", "noisy"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["predict", "eval", "--throughputs", str(tmp_path / "missing.json"), "--folds", "10"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "warning: --folds 10 is for --pairs; a throughput table is cross-validated leaving one job type out" in err, err

@@ -73,6 +73,9 @@ def eval_cmd(
 
     if (throughputs is None) == (pairs is None):
         raise QosflowError("give exactly one of --throughputs FILE or --pairs CSV")
+    if throughputs is not None and folds != 5:  # was dropped without a word
+        typer.secho(f"warning: --folds {folds} is for --pairs; a throughput table is cross-validated leaving one job "
+                    "type out at a time", err=True, fg="yellow")
     if json_out is not None:
         _check_output_file(json_out)
         check_not_an_input(json_out, {"--throughputs": throughputs, "--pairs": pairs})

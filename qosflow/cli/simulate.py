@@ -72,6 +72,9 @@ def register(app: typer.Typer) -> None:
                 raise UnknownNameError("estimator", k, ["declared", "learned", "noisy", "oracle"])
         if not 0 <= error < 1:  # checked before the trace loads, whatever the estimator
             raise SpecError("--error", f"must be in [0, 1) (0.3 = +-30 %), got {error!r}")
+        if error != 0.3 and "noisy" not in kinds:  # was dropped without a word
+            typer.secho(f"warning: --error {error:g} is the noisy estimator's error, and --estimator {estimator} has no "
+                        "noisy: add it, e.g. --estimator oracle,noisy", err=True, fg="yellow")
         if not 0 <= failures <= 1:
             raise SpecError("--failures", f"must be a share of jobs in [0, 1] (Philly: ~0.3), got {failures!r}")
         if not 0 <= deadline_share <= 1:  # was "invalid deadline_share", once the trace had loaded
