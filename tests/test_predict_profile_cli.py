@@ -218,6 +218,15 @@ def test_profile_bad_target_says_what_and_how_to_fix(stage_module, capsys, targe
         assert text in err
 
 
+def test_profile_empty_signature_is_an_error_before_the_measurements(stage_module, tmp_path, capsys):
+    """`--signature '  '` measured, then failed storing ('sample 0: invalid signature'), the measurements lost;
+    `--signature ''` (an unset shell variable) silently meant the default."""
+    for sig in ("  ", ""):
+        assert main(["profile", "toy_stage:train", "--signature", sig, "--db", f"sqlite:///{tmp_path / 'p.db'}"]) == 2
+        out = capsys.readouterr()
+        assert f"invalid --signature: {sig!r} is empty; give the stage's signature" in out.err and "step time" not in out.out
+
+
 def test_profile_budget_must_be_positive(stage_module, tmp_path, capsys):
     for budget in ("0", "-1", "inf"):  # inf passed the option's check and failed in profile() as 'invalid budget'
         assert main(["profile", "toy_stage:train", "--budget", budget, "--no-store"]) == 2

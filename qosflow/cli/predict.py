@@ -214,6 +214,9 @@ def profile_cmd(
         check_core_counts(core_list, "--cores")
     if not 0 < budget < float("inf"):
         raise SpecError("--budget", f"must be a finite number of seconds > 0, got {budget:g}")
+    if signature is not None and not signature.strip():  # '  ' failed after the measurements ('sample 0: ...')
+        raise SpecError("--signature", f"{signature!r} is empty; give the stage's signature (as `qosflow predict stages` "
+                                       "shows it), or leave --signature out for the one the worker gives the stage")
     if json_out is not None:
         _check_output_file(json_out)
         check_not_an_input(json_out, {"TARGET module": _module_file(target), "--db": None if no_store else _sqlite_file(db)})
