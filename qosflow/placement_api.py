@@ -49,6 +49,7 @@ class PlacementInfo:
 
     def sub_batch_size(self, global_batch: int) -> int:
         """The batch size one forward/backward pass should use (the global batch when not sub-batched)."""
+        global_batch = _global_batch("sub_batch_size", global_batch)
         if not self.sub_batch:
             return global_batch
         acc = self.accumulation_steps
@@ -56,6 +57,7 @@ class PlacementInfo:
 
     def micro_batches(self, global_batch: int) -> list[int]:
         """Sizes of the passes that make one optimizer step of `global_batch` samples."""
+        global_batch = _global_batch("micro_batches", global_batch, minimum=0)  # 0: an empty last batch
         acc = self.accumulation_steps
         if acc <= 1:
             return [global_batch]
@@ -68,6 +70,31 @@ class PlacementInfo:
         if self.cpu_cores:
             return max(1, int(self.cpu_cores))
         return max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+
+
+def _global_batch(fn: str, value: Any, minimum: int = 1) -> int:
+    """`value` as an int >= `minimum` (an int, a numpy integer, a float such as 128.0), else a SpecError. Without it
+    a batch size read as text ("128" from a config or the environment) or 0 came back unchanged in a local
+    run, and on a shared GPU failed the stage with a TypeError (or became 1)."""
+    import math
+    import numbers
+    import operator
+
+    from qosflow.errors import SpecError
+
+    n = None
+    if not isinstance(value, bool):
+        try:
+            n = operator.index(value)
+        except TypeError:
+            if isinstance(value, numbers.Real):  # a float, numpy's float32 too, such as 128.0
+                f = float(value)
+                if math.isfinite(f) and f.is_integer():
+                    n = int(f)
+    if n is None or n < minimum:
+        hint = f" (int({value!r}) if it comes from a config or the environment)" if isinstance(value, str) else ""
+        raise SpecError("global_batch", f"must be a whole number of samples >= {minimum}, got {value!r}{hint}", where=f"placement().{fn}")
+    return n
 
 
 def placement() -> PlacementInfo:

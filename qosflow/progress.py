@@ -17,7 +17,7 @@ done since it started:
 Each call appends one JSON line ``{"t": <unix time>, "step": s, "total": n, "pid": p}`` to the file
 named by the environment variable ``QOSFLOW_PROGRESS_FILE`` (the worker sets it and reads the file).
 Without that variable both are no-ops costing a dictionary look-up, so stage code can call them
-unconditionally. `read_progress` parses such a file (tolerating a half-written last line).
+unconditionally; their arguments are checked either way (a bad step fails on a laptop as on the cluster). `read_progress` parses such a file (tolerating a half-written last line).
 """
 
 from __future__ import annotations
@@ -124,7 +124,12 @@ def _write(fh: IO[str], line: str, force_echo: bool) -> None:
 
 
 def report_progress(step: int, total: int | None = None) -> None:
-    """Record that `step` steps (of `total`, if known) are done, with the current time."""
+    """Record that `step` steps (of `total`, if known) are done, with the current time.
+
+    `step` and `total` are whole numbers >= 0 (an int, a numpy integer, or a float such as 3.0); anything
+    else fails here, with or without a worker reading the progress."""
+    if not (type(step) is int and step >= 0 and (total is None or type(total) is int and total >= 0)):
+        step, total = _check_steps("report_progress", "step", step, total)
     fh = _channel()
     if fh is None:
         return
@@ -137,7 +142,7 @@ def report_progress(step: int, total: int | None = None) -> None:
 def report_resumed(step: int, total: int | None = None) -> None:
     """Record that this run starts with `step` steps (of `total`) already done by an earlier run, e.g. from
     a checkpoint. Call it once, before the first `report_progress`."""
-    _check_resumed("report_resumed", "step", step, total)
+    step, total = _check_resumed("report_resumed", "step", step, total)
     fh = _channel()
     if fh is None:
         return
@@ -145,11 +150,50 @@ def report_resumed(step: int, total: int | None = None) -> None:
     _write(fh, '{"t":%.6f,"step":%d%s,"resumed":true,"pid":%d}\n' % (time.time(), step, total_part, _fh_pid), True)
 
 
-def _check_resumed(fn: str, arg: str, done: int, total: int | None) -> None:
+def _whole(fn: str, arg: str, value) -> int:
+    """`value` as an int, if it is a whole number (an int, a numpy integer, a float such as 3.0), else a
+    SpecError naming the call and the argument. Without it a text, NaN or 2.5 was silently ignored where
+    no worker reads the progress (a notebook, a test), and in the worker failed the stage with "%d format:
+    a real number is required, not str" or was cut to a whole number."""
+    import math
+    import numbers
+    import operator
+
+    from qosflow.errors import SpecError
+
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            if isinstance(value, numbers.Real):  # a float, numpy's float32 too, such as 3.0
+                f = float(value)
+                if math.isfinite(f) and f.is_integer():
+                    return int(f)
+    raise SpecError(arg, f"must be a whole number of steps, got {value!r}", where=fn)
+
+
+def _check_steps(fn: str, arg: str, step, total) -> tuple[int, int | None]:
+    """`step` and `total` (None: unknown) as whole numbers >= 0."""
+    from qosflow.errors import SpecError
+
+    step = _whole(fn, arg, step)
+    if step < 0:
+        raise SpecError(arg, f"must be >= 0 (the steps done so far), got {step}", where=fn)
+    if total is not None:
+        total = _whole(fn, "total", total)
+        if total < 0:
+            raise SpecError("total", f"must be >= 0 (the run's number of steps) or None (unknown), got {total}", where=fn)
+    return step, total
+
+
+def _check_resumed(fn: str, arg: str, done: int, total: int | None) -> tuple[int, int | None]:
+    done = _whole(fn, arg, done)
+    total = None if total is None else _whole(fn, "total", total)
     if done < 0:
         raise ValueError(f"{fn}: {arg} must be >= 0 (the steps an earlier run did), got {done}")
     if total is not None and done > total:
         raise ValueError(f"{fn}: {arg}={done} is more than the run's total of {total} steps")
+    return done, total
 
 
 def track(iterable: Iterable[T], total: int | None = None, *, start: int = 0) -> Iterator[T]:
@@ -159,12 +203,13 @@ def track(iterable: Iterable[T], total: int | None = None, *, start: int = 0) ->
     steps left): reported with `report_resumed`, and the steps counted on from it. `total` (default
     `start` + the iterable's length, when it has one) is the whole run's step count. A bad `start` fails
     here, not at the first step."""
+    start = _whole("track", "start", start)  # before len(): a text start is no TypeError of `+`
     if total is None:
         try:
             total = start + len(iterable)  # type: ignore[arg-type]
         except TypeError:
             total = None
-    _check_resumed("track", "start", start, total)
+    start, total = _check_resumed("track", "start", start, total)
     return _tracked(iterable, total, start)
 
 

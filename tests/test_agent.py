@@ -496,6 +496,25 @@ def test_cluster_file_mistakes_are_named(tmp_path, text, where, field, hint):
         load_cluster_file(f)
 
 
+def test_a_cluster_file_that_does_not_parse_is_one_line_at_its_line(tmp_path):
+    """Broken YAML was PyYAML's several lines about '<unicode string>', and a binary file (a token or an
+    archive given by mistake) a UnicodeDecodeError traceback. Now: file:line, what is wrong, one line."""
+    from qosflow.errors import SpecError
+
+    cases = {
+        "lab.yaml": ("token: x\nhosts:\n  - name: a\n    agent_url: http://a:1\n  gpus: 3\n",
+                     r"lab.yaml:5: invalid cluster: not valid YAML: expected <block end>, but found '\?' \(column 3\)$"),
+        "lab.json": ('{"token": "x", "hosts": [}', r"lab.json:1: invalid cluster: not valid JSON: Expecting value \(column 26\)$"),
+        "bin.yaml": (b"\x7fELF\x02\x01\x01\x00\xd0\xff", r"bin.yaml: invalid cluster: not a text file; a cluster file is YAML or JSON"),
+    }
+    for name, (content, says) in cases.items():
+        f = tmp_path / name
+        f.write_bytes(content) if isinstance(content, bytes) else f.write_text(content)
+        with pytest.raises(SpecError, match=says) as err:
+            load_cluster_file(f)
+        assert "\n" not in str(err.value)
+
+
 def test_cluster_file_numbers_may_be_quoted(tmp_path):
     f = tmp_path / "lab.yaml"
     f.write_text("name: lab\ntoken: x\nheartbeat_s: '1.5'\ngpus_per_host: 2\nhosts:\n  - {name: a, agent_url: 'http://a:1', gpus: '4', cpu_cores: 8}\n"
@@ -524,6 +543,8 @@ def test_agent_start_mistakes_are_named_before_it_starts(capsys):
             (base + ["--virtual-gpus", "-1"], "Invalid value for '--virtual-gpus'"),
             (base + ["--fence-after", "0"], "invalid --fence-after: must be > 0"),
             (base + ["--gpu-mem-mb", "-5"], "invalid --gpu-mem-mb: must be > 0"),
+            # a label without a name started the agent
+            (base + ["--port", str(port), "--label", "=gpu"], "invalid --label: '=gpu' has no KEY; write KEY=VALUE"),
         ):
             assert main(argv) == 2, argv
             err = capsys.readouterr().err

@@ -115,6 +115,11 @@ def test_init_real_gpus_warns_when_this_machine_has_none(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "warning: --real-gpus, but this machine has no GPU (NVML unavailable (Library Not Found))" in err, err
     assert "leave --real-gpus out" in err and "PREFECT_API_URL is not set" in err, err
+    # the cluster-size options it does not use are named (they were dropped without a word)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert main(["init", "--real-gpus", "--hosts", "3", "--cores-per-host", "8"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "warning: --hosts 3, --cores-per-host 8 not used with --real-gpus: the worker's own host is the one host" in err, err
 
 
 def test_demo_home_that_is_a_file_is_an_error_before_anything_starts(tmp_path, capsys):
@@ -142,3 +147,27 @@ def test_agent_workdir_that_is_a_file_is_an_error_before_the_port_is_bound(tmp_p
     assert main(["agent", "start", "--token", "t", "--virtual-gpus", "1", "--workdir", str(workdir)]) == 2
     err = capsys.readouterr().err
     assert f"--workdir {workdir}: is a file, not a directory" in err and "Traceback" not in err, err
+
+
+def test_version_option_prints_the_package_version(capsys):
+    """There was no `qosflow --version` ("No such option"), the first thing a bug report asks for."""
+    import qosflow
+    from qosflow.cli.main import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"qosflow {qosflow.__version__}"
+    assert main([]) == 2  # no arguments still shows the help, as before (no_args_is_help: click's usage code)
+    assert "simulate" in capsys.readouterr().out
+
+
+def test_optional_values_say_what_leaving_them_out_means():
+    """`worker start --limit` and `agent start --virtual-gpus` had no default in --help (no value shown, no
+    words): what does leaving them out do?"""
+    import typer.main
+
+    from qosflow.cli.main import app
+
+    root = typer.main.get_command(app)
+    helps = {(cmd, p.opts[0]): p.help for cmd in ("worker", "agent") for p in root.commands[cmd].commands["start"].params}
+    assert "(default: no limit)" in helps[("worker", "--limit")]
+    assert "(default: none; without NVML the host is then CPU-only)" in helps[("agent", "--virtual-gpus")]

@@ -173,3 +173,17 @@ def test_pack_cli_parallel_gives_the_same_results(tmp_path, capsys):
     assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--seeds", "1", "--parallel", "0"]) == 2
     err = capsys.readouterr().err
     assert "--parallel" in err and "at least 1" in err
+
+
+def test_pack_without_the_shared_data_says_where_the_default_lists_are_read_from(tmp_path, capsys, monkeypatch):
+    """`qosflow pack` (its defaults: the shared Alibaba lists) with the shared data elsewhere said only
+    "...: pod list file not found"; it now says how to give the list or where the default is read from."""
+    monkeypatch.setenv("QOSFLOW_SHARED_DATA", str(tmp_path / "nowhere"))
+    assert main(["pack", "--seeds", "1"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "alibaba_v2023_openb_pod_list_default.csv: the default pod list (Alibaba v2023, shared data) is not there: " \
+           "give --pods FILE, or point QOSFLOW_SHARED_DATA at the directory that holds traces/" in err, err
+    pods = tmp_path / "pods.csv"
+    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\n")
+    assert main(["pack", "--seeds", "1", "--pods", str(pods)]) == 2  # the node list: the same
+    assert "the default node list (Alibaba v2023, shared data) is not there: give --nodes FILE" in " ".join(capsys.readouterr().err.split())

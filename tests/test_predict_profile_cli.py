@@ -206,7 +206,9 @@ def test_profile_survives_chatty_stderr_and_children_that_outlive_the_function(s
     ("toy_stage:not_a_function", ["not a function", "'int'"]),
     ("toy_stage:needs_args", ["needs the argument(s) data", "defaults"]),
     ("no_such_module_xyz:f", ["no module named 'no_such_module_xyz'", "directory"]),
-    ("broken_import:f", ["importing module 'broken_import' failed", "half-installed dependency xyz"]),
+    # the end of the module's traceback comes after the message (which said "the traceback is above")
+    ("broken_import:f", ["importing module 'broken_import' failed", "half-installed dependency xyz",
+                         "(fix the module; the end of its traceback follows)\n"]),
 ])
 def test_profile_bad_target_says_what_and_how_to_fix(stage_module, capsys, target, expected):
     assert main(["profile", target, "--steps", "2", "--cores", "1", "--no-store"]) == 2
@@ -214,6 +216,15 @@ def test_profile_bad_target_says_what_and_how_to_fix(stage_module, capsys, targe
     assert err.startswith("error: cannot profile " + target) and "exit code" not in err
     for text in expected:
         assert text in err
+
+
+def test_profile_empty_signature_is_an_error_before_the_measurements(stage_module, tmp_path, capsys):
+    """`--signature '  '` measured, then failed storing ('sample 0: invalid signature'), the measurements lost;
+    `--signature ''` (an unset shell variable) silently meant the default."""
+    for sig in ("  ", ""):
+        assert main(["profile", "toy_stage:train", "--signature", sig, "--db", f"sqlite:///{tmp_path / 'p.db'}"]) == 2
+        out = capsys.readouterr()
+        assert f"invalid --signature: {sig!r} is empty; give the stage's signature" in out.err and "step time" not in out.out
 
 
 def test_profile_budget_must_be_positive(stage_module, tmp_path, capsys):
@@ -303,7 +314,15 @@ def test_predict_stages_shows_what_finished_stages_taught(tmp_path, capsys):
     assert train["basis"] == "history(n=3)" and 20.0 < train["predicts_s"] < 22.0  # the shared run's 42 s left out
     assert rows["pipe.etl"]["runs"] == 1 and rows["pipe.etl"]["mape"] is None
     assert main(["predict", "stages", "--db", url, "--signature", "nothing"]) == 0
-    assert "no completed run of signature 'nothing'" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no completed run of signature 'nothing'" in out and "it has 2 other signature(s)" in out, out
+    # a signature one step off what the store has (a @qos_task with a batch_size is recorded as .../bsN): named
+    est.observe_stage(stage(11, "pipe.train/bs64"), 30.0)
+    for given, meant in (("pipe.train/bs", "'pipe.train/bs64'"), ("pipe.tran", "'pipe.train'"),
+                         ("pipe.", "'pipe.etl' or 'pipe.train' or 'pipe.train/bs64'")):
+        assert main(["predict", "stages", "--db", url, "--signature", given]) == 0
+        out = " ".join(capsys.readouterr().out.split())  # unwrapped
+        assert f"no completed run of signature '{given}' in sqlite:///" in out and f"did you mean {meant}?" in out, out
 
 
 def test_profile_stores_under_the_signature_the_worker_gives_the_stage(stage_module, tmp_path):
@@ -376,3 +395,26 @@ def test_predict_stages_says_three_slashes_are_a_relative_path(tmp_path, capsys,
     assert main(["predict", "stages", "--db", f"sqlite://{db}"]) == 2  # sqlite:// + /abs = three slashes
     err = capsys.readouterr().err
     assert "three slashes is a relative path" in err and f"write sqlite:///{db}" in err
+
+
+def test_json_output_that_is_the_targets_module_or_the_store_is_refused(stage_module, tmp_path, capsys):
+    """`profile toy_stage:train --json toy_stage.py` measured and then wrote its JSON over the stage's own
+    source; `--json` naming the SQLite store (profile's or predict stages' --db) overwrote the store a worker
+    learns from. Both are refused before the work, and the files are left as they were. (The fixture runs
+    from tmp_path.)"""
+    src = tmp_path / "toy_stage.py"
+    code = src.read_text()
+    db = tmp_path / "q.db"
+    assert main(["profile", "toy_stage:train", "--steps", "2", "--cores", "1", "--db", f"sqlite:///{db}"]) == 0
+    store_bytes = db.read_bytes()
+    capsys.readouterr()
+    for argv, says in (
+        (["profile", "toy_stage:train", "--no-store", "--json", "toy_stage.py"],
+         "--json toy_stage.py: that is the TARGET module file this command uses, and the results would overwrite it"),
+        (["profile", "toy_stage:train", "--db", f"sqlite:///{db}", "--json", str(db)], f"--json {db}: that is the --db file"),
+        (["predict", "stages", "--db", f"sqlite:///{db}", "--json", "q.db"], "--json q.db: that is the --db file"),
+    ):
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert says in err, err
+    assert src.read_text() == code and db.read_bytes() == store_bytes

@@ -88,7 +88,11 @@ def test_durations_may_be_written_with_units():
     for kw in ("expected_duration", "early_check"):
         with pytest.raises(SpecError, match=rf"invalid {kw}: .*got '45'; write {kw}=45 \(seconds\) or {kw}='45s'"):
             qos_task(f, **{kw: "45"})
-    with pytest.raises(SpecError, match=r"@qos_flow: invalid deadline: .*got '45'; write deadline=45 \(seconds\) or deadline='45s'"):
+    import inspect
+
+    line = inspect.currentframe().f_lineno + 3  # the decorator's line is named, as @qos_task's is (it was only "@qos_flow")
+    with pytest.raises(SpecError, match=rf"@qos_flow at test_prefect_spec.py:{line}: invalid deadline: .*got '45'; "
+                                        r"write deadline=45 \(seconds\) or deadline='45s'"):
         qos_flow(deadline="45")
     with pytest.raises(SpecError, match="invalid deadline: 3600s is shorter than the stage's own expected_duration"):
         qos_task(f, deadline="1h", expected_duration="2h")
@@ -206,6 +210,20 @@ def test_placement_api(monkeypatch):
     assert info.placed and info.node == "node1" and info.gpus == (2,) and info.virtual_gpus
     assert info.cpuset == (4, 5, 6) and info.threads == 3 and info.shared
     assert info.sub_batch_size(64) == 16 and info.micro_batches(64) == [16] * 4 and info.micro_batches(10) == [3, 3, 2, 2]
+    # a batch size that is not a whole number fails alike placed or not (text from a config came back unchanged
+    # in a local run and was a TypeError on a shared GPU; 0 became 1 there); numpy ints and 64.0 count
+    import numpy as np
+
+    from qosflow.placement_api import PlacementInfo
+
+    for p in (info, PlacementInfo(placed=False)):
+        assert p.sub_batch_size(np.int64(64)) == p.sub_batch_size(64.0) == p.sub_batch_size(np.float32(64)) == p.sub_batch_size(64)
+        for bad in ("64", 0, -8, 2.5, True):
+            with pytest.raises(SpecError, match=r"placement\(\)\.sub_batch_size: invalid global_batch: must be a whole number of samples >= 1"):
+                p.sub_batch_size(bad)
+        with pytest.raises(SpecError, match=r"got '64' \(int\('64'\) if it comes from a config or the environment\)"):
+            p.micro_batches("64")
+    assert info.micro_batches(0) == [] and PlacementInfo(placed=False).micro_batches(0) == [0]  # an empty last batch, as before
 
 
 def test_worker_type_is_discoverable_and_template_has_qos_variables():
@@ -585,3 +603,11 @@ def test_a_pipelines_policy_block_says_which_of_its_fields_it_applies(monkeypatc
         pipe.fn()
     said = [r.getMessage() for r in caplog.records if "QoS policy block" in r.getMessage()]
     assert said == ["QoS policy block: this run's deadline 60s and class default"], said
+
+
+def test_a_bad_priority_says_what_an_integer_priority_means():
+    """The message offered "or an integer" without saying which way integers go, so `priority=10` meant as
+    "low" (lower is more important in many schedulers) silently became critical."""
+    with pytest.raises(SpecError, match=r"'urgent' is not a priority class; .* or an integer \(as in traces, larger is "
+                                        r"more important: 2 or more critical, 1 guaranteed, 0 normal, below 0 best-effort\)"):
+        qos_task(priority="urgent")

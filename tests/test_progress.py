@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import qosflow
 from qosflow.progress import ENV_VAR, read_progress, step_times
 
@@ -137,3 +139,41 @@ def test_a_forked_child_echoes_its_held_line(monkeypatch, tmp_path):
     os.waitpid(pid, 0)
     steps = [int(x.split('"step":')[1].split(",")[0]) for x in err.read_text().splitlines()]
     assert steps and steps[-1] == 4
+
+
+def test_bad_step_values_fail_alike_with_and_without_a_worker(monkeypatch, tmp_path):
+    """A step that is not a whole number >= 0 was ignored where no worker reads the progress (a notebook, a
+    test), and under the worker failed the stage with "%d format: a real number is required, not str" or
+    "cannot convert float NaN to integer" (2.5 was cut to 2). Now it is a SpecError naming the call and the
+    argument, in both places; numpy integers and floats such as 3.0 still count."""
+    import numpy as np
+    import pytest
+
+    from qosflow.errors import SpecError
+
+    path = tmp_path / "p.jsonl"
+    for env in (None, str(path)):
+        if env is None:
+            monkeypatch.delenv(ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(ENV_VAR, env)
+        for args, says in (
+            (("3", 10), "report_progress: invalid step: must be a whole number of steps, got '3'"),
+            ((float("nan"), 10), "invalid step: must be a whole number of steps, got nan"),
+            ((2.5, 10), "invalid step: must be a whole number of steps, got 2.5"),
+            ((True, 10), "invalid step: must be a whole number of steps, got True"),
+            ((-1, 10), "invalid step: must be >= 0"),
+            ((1, "10"), "invalid total: must be a whole number of steps, got '10'"),
+            ((1, -3), "invalid total: must be >= 0"),
+        ):
+            with pytest.raises(SpecError, match=re.escape(says)):
+                qosflow.report_progress(*args)
+        with pytest.raises(SpecError, match="track: invalid total: must be a whole number of steps, got 'all'"):
+            qosflow.track(range(3), total="all")  # at the call, not at the first step
+        with pytest.raises(SpecError, match="report_resumed: invalid step: must be a whole number of steps, got 'x'"):
+            qosflow.report_resumed("x", 10)
+    qosflow.report_progress(np.int64(2), np.int64(4))
+    qosflow.report_progress(np.float32(3.0), 4.0)  # numpy's float32 too (not a Python float), as '%d' took it
+    qosflow.report_progress(0, 0)  # a stage with nothing to do: track(range(0)) reports this
+    assert [(e.step, e.total) for e in read_progress(path)] == [(2, 4), (3, 4), (0, 0)]
+    assert '"step":3,"total":4' in path.read_text()  # written as integers, as the reader expects

@@ -1,6 +1,7 @@
 """`qosflow simulate` end to end: table, JSON schema, plots, and clear errors on bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -98,6 +99,8 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         (["--cluster", "8y8"], "8y8"),
         (["--trace", "/does/not/exist.csv"], "does not exist"),
         (["--estimator", "psychic"], "unknown estimator 'psychic'"),
+        # a misspelt --format with --jobs: was "invalid --jobs: ... synthetic (xyz) is simulated whole"
+        (["--policies", "fifo", "--format", "xyz"], "unknown trace format 'xyz'; choose one of: alibaba, gavel, muri, synthetic"),
         (["--trace", "/"], "/ is a directory; give a trace file in it"),  # was "cannot tell the trace format from its header"
         (["--policies", "qosflow", "--set", "qosflow.expres_share=0.1"], "has no option 'expres_share'; it has: "),
         (["--policies", "qosflow", "--set", "qosflow.express_share=2"], "express_share must be in [0, 1)"),
@@ -114,6 +117,9 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         # output places are checked before the runs, not after them
         (["--policies", "fifo", "--json", "/proc/no/such/dir/out.json"], "--json /proc/no/such/dir/out.json: cannot write there"),
         (["--policies", "fifo", "--json", "/"], "--json /: is a directory"),
+        # --out takes the per-job CSVs even with --no-plots: it was checked only with plots, and an unwritable
+        # --out ended the finished runs in a FileNotFoundError traceback, their results lost
+        (["--policies", "fifo", "--out", "/proc/no/such/dir"], "--out /proc/no/such/dir: cannot write there"),
         # checked whatever the estimator (it used to run, or crash with a traceback under noisy)
         (["--policies", "fifo", "--error", "2"], "invalid --error: must be in [0, 1)"),
         (["--policies", "fifo", "--estimator", "noisy", "--error", "-0.1"], "invalid --error: must be in [0, 1)"),
@@ -387,3 +393,51 @@ def test_format_guess_names_a_semicolon_or_tab_separated_header(tmp_path):
     p.write_text("a\tb\tc\td\n")  # neither a trace header nor a Gavel line: no delimiter advice
     with pytest.raises(QosflowError, match="cannot tell the trace format"):
         guess_format(str(p))
+
+
+def test_a_trace_or_table_given_in_the_wrong_place_says_where_it_goes(tmp_path):
+    """A trace given as --cluster said "not a cluster file qosflow knows: expected a Muri CSV header ..." (a
+    cluster spec given as --trace already said "pass it as --cluster"); Gavel's throughput table as --cluster
+    said "'k80': expected a list of "V:P:K" strings", and as --trace "cannot tell the trace format from its
+    header ({)". Each now says what the file is and where it goes."""
+    import json as _json
+
+    from qosflow.errors import QosflowError
+    from qosflow.sim.clusters import load_cluster
+    from qosflow.sim.runner import guess_format
+
+    muri = tmp_path / "philly.csv"
+    muri.write_text("job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,iteration_time\n0,1,0,10,dqn,128,1000,100\n")
+    pods = tmp_path / "pods.csv"
+    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\n")
+    gavel = tmp_path / "vc.trace"
+    gavel.write_text("ResNet-50 (batch size 64)\tcmd\t--num_steps\t1\t1000\t0\t1\n")
+    table = tmp_path / "throughputs.json"
+    table.write_text(_json.dumps({"k80": {"('ResNet-50 (batch size 64)', 1)": {"null": 1.0}}}))
+    for path, what in ((muri, "this is a Muri trace, not a cluster file; pass it as --trace"),
+                       (pods, "this is an Alibaba pod list, not a cluster file; pass it as --trace"),
+                       (gavel, "this is a Gavel trace (tab-separated job lines), not a cluster file; pass it as --trace"),
+                       (table, "this is a Gavel throughput table (worker type -> job -> throughputs), not a cluster spec")):
+        with pytest.raises(QosflowError, match=re.escape(f"{path.name}")) as ei:
+            load_cluster(str(path))
+        assert what in str(ei.value), ei.value
+    with pytest.raises(QosflowError) as ei:
+        guess_format(str(table))
+    assert "this is JSON, not a trace" in str(ei.value) and "qosflow predict eval --throughputs FILE" in str(ei.value)
+    # the files qosflow does take as clusters still load
+    spec = tmp_path / "cluster_specs.json"
+    spec.write_text(_json.dumps({"vc": ["2:0:0"]}))
+    assert load_cluster(str(spec)).num_gpus == 2
+
+
+def test_without_deadlines_the_bound_row_shows_no_dsr_either(capsys):
+    """With --deadline-share 0 every policy's DSR is '-', but the bound row said 100.0%."""
+    assert main(["simulate", "--jobs", "20", "--cluster", "1x4", "--policies", "fifo", "--deadline-share", "0", "--no-plots"]) == 0
+    rows = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]] for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("│")}
+    dsr = 5  # avg JCT, median JCT, p99 JCT, makespan, avg queue, DSR
+    assert rows["fifo"][dsr] == "-" and rows["bound"][dsr] == "-", rows
+    assert main(["simulate", "--jobs", "20", "--cluster", "1x4", "--policies", "fifo", "--no-plots"]) == 0
+    rows = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]] for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("│")}
+    assert rows["bound"][dsr].endswith("%"), rows  # with deadlines, as before

@@ -63,3 +63,28 @@ def test_status_shows_the_running_stage_and_why_the_other_waits(prefect_server, 
         assert result.get("r") == [12.0, 12.0]
     finally:
         w.stop(drain=0)
+
+
+def test_status_names_a_server_it_cannot_reach_or_a_url_that_is_none(capsys, monkeypatch):
+    """`qosflow status` with no server at PREFECT_API_URL ended in an httpx.ConnectError traceback (and a URL
+    without http:// in httpx.UnsupportedProtocol); `qosflow init` already said which server and what to do."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from qosflow.cli.main import main
+
+    url = "http://127.0.0.1:9/api"
+    monkeypatch.setenv("PREFECT_API_URL", url)
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        assert main(["status", "--pool", "gpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach the Prefect server at {url} (" in err and "is `prefect server start` running there?" in err, err
+    assert "Traceback" not in err, err
+    # a URL without http(s)://: status, init and the worker (which retried it for ever) say so before any call
+    for argv, what in ((["status", "--pool", "gpu"], "qosflow status"), (["init", "--pool", "gpu"], "qosflow init"),
+                       (["worker", "start", "--pool", "gpu"], "the qosflow worker")):
+        for bad in ("127.0.0.1:4200/api", "http:///api"):
+            monkeypatch.setenv("PREFECT_API_URL", bad)
+            with temporary_settings(updates={PREFECT_API_URL: bad}):
+                assert main(argv) == 2, argv
+            err = " ".join(capsys.readouterr().err.split())
+            assert f"PREFECT_API_URL={bad!r} is not an http(s) URL, so {what} can never reach a server there" in err, err

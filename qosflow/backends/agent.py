@@ -584,18 +584,24 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
     path = Path(path)
     where = str(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:  # was a UnicodeDecodeError traceback
+        raise SpecError("cluster", "not a text file; a cluster file is YAML or JSON listing the hosts (name, agent_url) "
+                        "and the agents' token (see docs/infrastructure.md)", where=where) from None
     except OSError as exc:
         raise SpecError("cluster", f"cannot read {path}: {exc.strerror}") from None
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
+    import yaml
 
-            data = yaml.safe_load(text)
-    except Exception as exc:
-        raise SpecError("cluster", f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}", where=where) from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError("cluster", f"not valid JSON: {exc.msg} (column {exc.colno})", where=f"{path}:{exc.lineno}") from None
+    except yaml.YAMLError as exc:
+        # one line at the file's line, not PyYAML's several lines about '<unicode string>'
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).replace("\n", " ")
+        loc, col = (f"{path}:{mark.line + 1}", f" (column {mark.column + 1})") if mark is not None else (where, "")
+        raise SpecError("cluster", f"not valid YAML: {problem}{col}", where=loc) from None
     if not isinstance(data, dict):
         raise SpecError("cluster", "expected a mapping with `hosts:`", where=where)
     token = data.get("token")

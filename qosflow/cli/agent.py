@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
     def start(
         port: int = typer.Option(8701, "--port", "-p", min=1, max=65535, help="TCP port to listen on"),
         host: str = typer.Option("127.0.0.1", "--host", help="address to bind (127.0.0.1 unless the workers are remote)"),
-        virtual_gpus: Optional[int] = typer.Option(None, "--virtual-gpus", min=0, help="declare N virtual GPUs when the host has no NVML GPU"),
+        virtual_gpus: Optional[int] = typer.Option(None, "--virtual-gpus", min=0, help="declare N virtual GPUs when the host has no NVML GPU (default: none; without NVML the host is then CPU-only)"),
         gpu_mem_mb: float = typer.Option(16_384.0, "--gpu-mem-mb", help="memory of each virtual GPU (MiB)"),
         cpu_cores: Optional[float] = typer.Option(None, "--cpu-cores", help="cores to offer (default: the cores this process may use)"),
         name: Optional[str] = typer.Option(None, "--name", help="host name the worker sees (default: hostname)"),
@@ -88,7 +88,9 @@ def register(app: typer.Typer) -> None:
             if "=" not in item:
                 raise SpecError("--label", f"{item!r} is not KEY=VALUE")
             k, v = item.split("=", 1)
-            labels[k] = v
+            if not k.strip():  # '=gpu' started an agent with a label without a name
+                raise SpecError("--label", f"{item!r} has no KEY; write KEY=VALUE, e.g. --label rack=r1")
+            labels[k.strip()] = v
         cfg = AgentConfig(
             token=_read_token(token, token_file),
             name=name or socket.gethostname(),

@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
     def demo_cmd(
         ui: bool = typer.Option(True, "--ui/--no-ui", help="serve the Prefect UI and keep it open at the end"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the outcome as JSON here"),
-        port: Optional[int] = typer.Option(None, "--port", help="server port (default 4200 with the UI if free, else any free port)"),
+        port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="server port (default 4200 with the UI if free, else any free port)"),
         home: Optional[Path] = typer.Option(None, "--home", help="where the demo keeps its Prefect database and results (default: qosflow's data dir/demo)"),
         policy: Optional[str] = typer.Option(None, "--policy", help="scheduling policy (default: qosflow, else genie, else fifo)"),
         hosts: int = typer.Option(2, "--hosts", min=1, help="virtual hosts"),
@@ -57,12 +57,21 @@ def register(app: typer.Typer) -> None:
         import os
 
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        from qosflow.cli.output import check_output_dir, check_output_file
+        from qosflow.cli.output import check_file_and_dir, check_not_an_input, check_output_dir, check_output_file
 
+        check_not_an_input(json_out, {"--cluster": cluster})
+        check_file_and_dir(json_out, home, "--json", "--home")  # the demo ran, then its JSON hit its home directory
         if json_out is not None:
             check_output_file(json_out)  # before the server starts, not after the pipelines ran
         if home is not None:
             check_output_dir(home, "--home")  # a file there was a FileExistsError traceback
+        if port is not None:
+            from qosflow.errors import SpecError
+            from qosflow.prefect.demo import _port_free
+
+            if not _port_free(port):  # the server exited at once: a RuntimeError traceback pointing at its log
+                raise SpecError("--port", f"127.0.0.1:{port} is already in use (another Prefect server, or an earlier "
+                                "demo still running?); choose another port, or leave --port out for a free one")
         if database_url is not None:
             from qosflow.prefect.local import prefect_database_url
 
@@ -73,7 +82,8 @@ def register(app: typer.Typer) -> None:
         if cluster is not None:
             from qosflow.backends.agent import load_cluster_file
 
-            load_cluster_file(cluster)  # a bad file fails here, naming the file and the field
+            cf = load_cluster_file(cluster)  # a bad file fails here, naming the file and the field
+            _some_host_up(cf, cluster)
         from qosflow.prefect.demo import run_demo
 
         try:
@@ -86,6 +96,39 @@ def register(app: typer.Typer) -> None:
         if failed:
             typer.secho(f"pipelines that did not complete: {', '.join(failed)}", err=True, fg="red")
             raise typer.Exit(1)
+
+
+def _some_host_up(cf, path: Path) -> None:
+    """Fail now when no host of the cluster file answers (its agents not started, a wrong URL or token): the
+    demo then started its server and waited for ever, with one 'host ... is down' warning. Hosts that are
+    down while others are up are named in a warning; the worker marks them down as it would."""
+    import asyncio
+
+    from qosflow.errors import QosflowError
+
+    async def refresh():
+        be = cf.backend()
+        try:
+            return await be.refresh()
+        finally:
+            await be.aclose()
+
+    import logging
+
+    log = logging.getLogger("qosflow.backends.agent")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its 'host ... is down' warnings: said below, once
+    try:
+        hosts = asyncio.run(refresh()).hosts
+    finally:
+        log.setLevel(level)
+    down = [h for h in hosts if not h.up]
+    why = "; ".join(f"{h.name} ({h.url}): {h.error}" for h in down)
+    if down and len(down) == len(hosts):
+        raise QosflowError(f"--cluster {path}: no host answers ({why}); start the agents (qosflow agent start ... on each "
+                           f"host) and check them with `qosflow agent status --cluster {path}`")
+    if down:
+        typer.secho(f"warning: {len(down)} of {len(hosts)} hosts down, the demo runs on the others: {why}", err=True, fg="yellow")
 
 
 def _exit_now(code) -> None:

@@ -41,19 +41,24 @@ def register(app: typer.Typer) -> None:
         from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
         import httpx
 
-        from qosflow.errors import QosflowError
-        from qosflow.prefect.local import require_api_url, setup_pool
+        from qosflow.prefect.local import check_pool_name, require_api_url, setup_pool, unreachable_server
 
         from qosflow.errors import SpecError
         from qosflow.prefect.scheduler import check_estimator_name
 
         # the options are checked before the server, so a typo is not found only once a server runs
+        check_pool_name(pool, blocks=True)
         get_policy(policy)  # unknown names fail here with the list of known ones
         check_estimator_name(estimator)
         if deadline is not None and not 0 < deadline < float("inf"):  # was a pydantic traceback from QoSPolicy
             raise SpecError("--deadline", f"must be a positive number of seconds, got {deadline:g}")
         here = None
         if real_gpus:
+            ignored = [f"{opt} {val:g}" for opt, val, default in (("--hosts", hosts, 1), ("--gpus-per-host", gpus, 4),
+                                                                  ("--cores-per-host", cores, 16.0)) if val != default]
+            if ignored:  # were dropped without a word
+                typer.secho(f"warning: {', '.join(ignored)} not used with --real-gpus: the worker's own host is the one host, "
+                            "with the GPUs NVML finds and the cores it may use", err=True, fg="yellow")
             from qosflow.backends.local import nvml_gpus
             from qosflow.core.gpu_names import short_gpu_model
 
@@ -77,12 +82,10 @@ def register(app: typer.Typer) -> None:
         except (httpx.TransportError, RuntimeError) as exc:
             # Prefect wraps a failed connection in RuntimeError("Failed to reach API ...") raised from
             # the httpx error: any other RuntimeError is not about the server being away
-            cause: BaseException | None = exc
-            while cause is not None and not isinstance(cause, httpx.HTTPError):
-                cause = cause.__cause__
-            if cause is None:
+            away = unreachable_server(exc, api)
+            if away is None:
                 raise
-            raise QosflowError(f"cannot reach the Prefect server at {api} ({exc}); is `prefect server start` running there?") from None
+            raise away from None
         c = Console()
         c.print("blocks registered: qosflow-qos-policy, qosflow-bare-metal-cluster, qosflow-kubernetes-cluster")
         if real_gpus:

@@ -38,6 +38,23 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from qosflow import __version__
+
+        typer.echo(f"qosflow {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="print qosflow's version and exit (for bug reports)"),
+) -> None:
+    # the app's own options; its help is the Typer's (no docstring here on purpose)
+    pass
+
+
 def _load_commands() -> None:
     for name in COMMAND_MODULES:
         modname = f"qosflow.cli.{name}"

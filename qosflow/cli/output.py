@@ -16,6 +16,9 @@ from qosflow.errors import QosflowError
 def check_output_file(path: Path, option: str = "--json") -> None:
     """Fail now if `path` cannot be written (a directory, an unwritable or missing place). Leaves nothing
     behind: a missing parent directory is made only when the file is written."""
+    if str(path) == "-":  # was written to a file named '-' in the current directory
+        raise QosflowError(f"{option} -: the results go to a file, not to standard output (the table goes there); "
+                           f"give a file name, e.g. {option} out.json")
     if path.is_dir():
         raise QosflowError(f"{option} {path}: is a directory; give a file name, e.g. {path / 'out.json'}")
     try:
@@ -45,6 +48,38 @@ def check_output_dir(path: Path, option: str = "--out") -> None:
             _probe_mkdir(path)
     except OSError as exc:
         raise _unwritable(option, path, exc, "a writable directory") from None
+
+
+def check_not_an_input(path: Path | None, inputs: dict, option: str = "--json") -> None:
+    """Fail now if the output file `path` is one of the command's input files (`inputs`: option -> path or
+    spec, None when not given; a cluster's FILE#vc counts as FILE). The check of the output place passed,
+    and the run then wrote its results over the trace, cluster, pod list or table it had read."""
+    if path is None:
+        return
+    for opt, given in inputs.items():
+        if given is None:
+            continue
+        src = Path(str(given).split("#", 1)[0])
+        try:
+            same = src.is_file() and path.exists() and os.path.samefile(path, src) or src.resolve() == path.resolve()
+        except OSError:
+            same = False
+        if same and src.is_file():
+            raise QosflowError(f"{option} {path}: that is the {opt} file this command uses, and the results would "
+                               f"overwrite it; give another file, e.g. {option} {path.with_name(path.stem + '-results.json')}")
+
+
+def check_file_and_dir(file: Path | None, directory: Path | None, file_option: str = "--json", dir_option: str = "--out") -> None:
+    """Fail now if the file `file` is the directory `directory` or one of its parents: each check alone
+    passes, and the run then wrote one and ended in a FileExistsError traceback on the other."""
+    if file is None or directory is None:
+        return
+    f, d = file.resolve(), directory.resolve()
+    if f == d or f in d.parents:
+        what = (f"{file_option} names a file and {dir_option} a directory at the same path" if f == d
+                else f"{dir_option} would be a directory inside the file {file_option} names")
+        raise QosflowError(f"{file_option} {file} and {dir_option} {directory}: {what}; give them different paths, e.g. "
+                           f"{file_option} {directory / 'results.json'}")
 
 
 def _probe_mkdir(missing: Path) -> None:

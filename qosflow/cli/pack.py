@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         pods: Optional[Path] = typer.Option(None, "--pods", help="pod list CSV (default: the shared Alibaba openb default list)"),
         nodes: Optional[Path] = typer.Option(None, "--nodes", help="node list CSV (default: the shared Alibaba GPU node list)"),
         policies: str = typer.Option("first-fit,best-fit,fgd,qosflow", "--policies", help="comma-separated: first-fit, best-fit, fgd, qosflow, random"),
-        seed: int = typer.Option(42, "--seed", help="first seed (the FGD paper uses 42..51)"),
+        seed: int = typer.Option(42, "--seed", min=0, help="first seed (the FGD paper uses 42..51)"),
         seeds: int = typer.Option(10, "--seeds", help="number of seeds to average over"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
         out: Optional[Path] = typer.Option(None, "--out", help="directory for pack_curve.csv/.png (default: next to --json)"),
@@ -51,9 +51,11 @@ def register(app: typer.Typer) -> None:
         from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png
         from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
 
-        from qosflow.cli.output import check_output_dir, check_output_file, progress_bar, write_json_file
+        from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, progress_bar,
+                                        write_json_file)
 
         console = Console()
+        check_file_and_dir(json_out, out)
         if json_out is not None:
             check_output_file(json_out)
         if out is not None:
@@ -74,6 +76,14 @@ def register(app: typer.Typer) -> None:
             raise SpecError("--popularity", f"must be in (0, 1], got {popularity}")
         pods_path = pods or default_pod_list()
         nodes_path = nodes or default_node_list()
+        check_not_an_input(json_out, {"--pods": pods_path, "--nodes": nodes_path})
+        for given, path, opt, what in ((pods, pods_path, "--pods", "pod list"), (nodes, nodes_path, "--nodes", "node list")):
+            if given is None and not path.exists():  # was "...: pod list file not found", with no hint where it is read from
+                from qosflow.errors import QosflowError
+
+                raise QosflowError(
+                    f"{path}: the default {what} (Alibaba v2023, shared data) is not there: give {opt} FILE, or point "
+                    f"QOSFLOW_SHARED_DATA at the directory that holds traces/{path.name}")
         pod_list = pods_from_records(load_pods(pods_path))
         node_list = nodes_from_records(load_nodes(nodes_path))
         empty = PackState(node_list)

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from qosflow.cli.output import check_not_an_input
 from qosflow.cli.output import check_output_file as _check_output_file
 from qosflow.cli.output import progress_bar as _progress_bar
 from qosflow.cli.output import write_json_file as _write_json
@@ -53,7 +54,7 @@ def eval_cmd(
     pairs: Optional[Path] = typer.Option(None, "--pairs", help="co-location CSV (model1,batchsize1,gpu_num1,speed1,model2,...): k-fold"),
     folds: int = typer.Option(5, "--folds", min=2, help="folds for --pairs"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
-    seed: int = typer.Option(0, "--seed", help="seed of the fold split (--pairs) and of the models' randomness"),
+    seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="seed of the fold split (--pairs) and of the models' randomness"),
 ) -> None:
     """Cross-validate the predictor on a throughput table or a co-location pair table.
 
@@ -72,8 +73,12 @@ def eval_cmd(
 
     if (throughputs is None) == (pairs is None):
         raise QosflowError("give exactly one of --throughputs FILE or --pairs CSV")
+    if throughputs is not None and folds != 5:  # was dropped without a word
+        typer.secho(f"warning: --folds {folds} is for --pairs; a throughput table is cross-validated leaving one job "
+                    "type out at a time", err=True, fg="yellow")
     if json_out is not None:
         _check_output_file(json_out)
+        check_not_an_input(json_out, {"--throughputs": throughputs, "--pairs": pairs})
     with _progress_bar() as bar:
         if throughputs is not None:
             table = ThroughputTable.load(throughputs)
@@ -134,18 +139,32 @@ def stages_cmd(
 
     if json_out is not None:
         _check_output_file(json_out)
+        check_not_an_input(json_out, {"--db": _sqlite_file(db)})  # the store a worker writes to
     store = Store.open(db, must_exist=True)
     try:
         rows = stage_report(store, signature=signature)
         where = store.safe_url
+        # a signature not in the store: the ones it has (the table's), to say which was meant
+        known = sorted({h.signature for h in store.stage_history() if h.signature and h.state == "COMPLETED"}) \
+            if signature and not rows else []
     finally:
         store.close()
     console = Console()
     if not rows:
         what = f"signature {signature!r}" if signature else "any stage"
-        console.print(f"no completed run of {what} in {where} yet: stages are recorded by a qosflow worker with the "
-                      "learned estimator (the QoSPolicy block's default); `qosflow profile` adds step-time samples",
-                      style="yellow")
+        if known:
+            from qosflow.errors import closest_name
+
+            # those it begins (the batch size a @qos_task's signature carries is easy to leave out:
+            # MODULE.FUNCTION/bsN), else the closest
+            near = [k for k in known if k.startswith(signature)] or [k for k in [closest_name(signature, known)] if k]
+            meant = (f"did you mean {' or '.join(repr(k) for k in near[:3])}?" if near
+                     else f"it has {len(known)} other signature(s): `qosflow predict stages` without --signature lists them")
+            console.print(f"no completed run of {what} in {where}; {meant}", style="yellow", highlight=False)
+        else:
+            console.print(f"no completed run of {what} in {where} yet: stages are recorded by a qosflow worker with the "
+                          "learned estimator (the QoSPolicy block's default); `qosflow profile` adds step-time samples",
+                          style="yellow")
     else:
         from rich import box
 
@@ -195,8 +214,12 @@ def profile_cmd(
         check_core_counts(core_list, "--cores")
     if not 0 < budget < float("inf"):
         raise SpecError("--budget", f"must be a finite number of seconds > 0, got {budget:g}")
+    if signature is not None and not signature.strip():  # '  ' failed after the measurements ('sample 0: ...')
+        raise SpecError("--signature", f"{signature!r} is empty; give the stage's signature (as `qosflow predict stages` "
+                                       "shows it), or leave --signature out for the one the worker gives the stage")
     if json_out is not None:
         _check_output_file(json_out)
+        check_not_an_input(json_out, {"TARGET module": _module_file(target), "--db": None if no_store else _sqlite_file(db)})
     store = None
     if not no_store:
         from qosflow.store import Store
@@ -249,3 +272,31 @@ def profile_cmd(
 def register(app: typer.Typer) -> None:
     app.add_typer(predict_app, name="predict")
     app.command("profile")(profile_cmd)
+
+
+def _sqlite_file(db: str | None) -> str | None:
+    """The file of the store `Store.open(db)` opens, when it is SQLite (None for PostgreSQL or a bad URL,
+    which Store.open reports). Only the URL is read: nothing is opened."""
+    import os
+
+    if not db:
+        db = os.environ.get("QOSFLOW_DATABASE_URL")
+        if not db:
+            home = os.environ.get("QOSFLOW_HOME")
+            return os.path.join(home, "qosflow.db") if home else None  # the user's data directory: not a --json typo
+    return db.split("///", 1)[1] if db.startswith("sqlite") and "///" in db else None
+
+
+def _module_file(target: str) -> str | None:
+    """The source file of TARGET's module in the current directory (MODULE:FUNCTION, imported from there),
+    if there is one; found by its path, nothing is imported."""
+    import os
+
+    mod = target.split(":", 1)[0].strip()
+    if not mod:
+        return None
+    base = os.path.join(os.getcwd(), *mod.split("."))
+    for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(candidate):
+            return candidate
+    return None

@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         fmt: Optional[str] = typer.Option(None, "--format", help="muri | gavel | alibaba | synthetic (default: guessed from --trace)"),
         cluster: Optional[str] = typer.Option(None, "--cluster", help="NxG (e.g. 8x8), a Muri cluster CSV, an Alibaba node list, or a Gavel spec V:P:K (V100s:P100s:K80s, e.g. 36:36:36; jobs run at their measured speed on each model) (default: the trace's own, else 8x8)"),
         policies: str = typer.Option("fifo,sjf,srtf,tiresias,sjf-ffs,sjf-bsbf,genie,qosflow", "--policies", help="comma-separated policy names (qosflow: ours; the others are the baselines)"),
-        seed: int = typer.Option(0, "--seed", help="seed for deadlines, failures, noise and synthetic traces"),
+        seed: int = typer.Option(0, "--seed", min=0, help="seed for deadlines, failures, noise and synthetic traces"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
         out: Optional[Path] = typer.Option(None, "--out", help="directory for the PNG plots and one CSV per run with every job's times, deadline outcome and the policy's note on it, jobs-<policy>.csv (default: next to --json)"),
         estimator: str = typer.Option("oracle", "--estimator", help="what policies know: oracle | noisy | learned | declared; comma-separated (oracle,noisy,learned) runs every policy under each and shows the QoS lost against oracle"),
@@ -55,11 +55,14 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.runner import resolve_workload
 
         console = Console(width=max(120, Console().width))
-        from qosflow.cli.output import check_output_dir, check_output_file, progress_bar, write_json_file
+        from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, progress_bar,
+                                        write_json_file)
 
+        check_file_and_dir(json_out, out)
+        check_not_an_input(json_out, {"--trace": trace, "--cluster": cluster})
         if json_out is not None:
             check_output_file(json_out)
-        if out is not None and not no_plots:
+        if out is not None:  # the per-job CSVs go there with --no-plots too
             check_output_dir(out)
         names = parse_policies(policies)
         popts = parse_policy_options(settings, names)
@@ -69,6 +72,9 @@ def register(app: typer.Typer) -> None:
                 raise UnknownNameError("estimator", k, ["declared", "learned", "noisy", "oracle"])
         if not 0 <= error < 1:  # checked before the trace loads, whatever the estimator
             raise SpecError("--error", f"must be in [0, 1) (0.3 = +-30 %), got {error!r}")
+        if error != 0.3 and "noisy" not in kinds:  # was dropped without a word
+            typer.secho(f"warning: --error {error:g} is the noisy estimator's error, and --estimator {estimator} has no "
+                        "noisy: add it, e.g. --estimator oracle,noisy", err=True, fg="yellow")
         if not 0 <= failures <= 1:
             raise SpecError("--failures", f"must be a share of jobs in [0, 1] (Philly: ~0.3), got {failures!r}")
         if not 0 <= deadline_share <= 1:  # was "invalid deadline_share", once the trace had loaded

@@ -41,14 +41,23 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from qosflow.cli.output import check_output_file, write_json_file
-        from qosflow.prefect.local import check_pool, require_api_url
+        import httpx
+
+        from qosflow.prefect.local import check_pool, check_pool_name, require_api_url, unreachable_server
         from qosflow.prefect.status import pool_status
 
         if json_out is not None:
             check_output_file(json_out)
+        check_pool_name(pool)
         url = require_api_url("qosflow status")
-        asyncio.run(check_pool(pool))
-        st = asyncio.run(pool_status(pool, limit=limit))
+        try:
+            asyncio.run(check_pool(pool))
+            st = asyncio.run(pool_status(pool, limit=limit))
+        except (httpx.TransportError, RuntimeError) as exc:  # no server there: was an httpx.ConnectError traceback
+            away = unreachable_server(exc, url)
+            if away is None:
+                raise
+            raise away from None
         console = Console(width=max(120, Console().width))
         online = [w for w in st.workers if w.online]
         console.print(f"[bold]pool {pool}[/] on {url}: {len(online)} of {len(st.workers)} worker(s) online, "

@@ -34,15 +34,16 @@ def register(app: typer.Typer) -> None:
         cluster_file: Optional[Path] = typer.Option(None, "--cluster-file", help="cluster file (YAML/JSON: hosts, agent URLs, token): run the stages through those agents (default: $QOSFLOW_CLUSTER_FILE, else the pool's cluster)"),
         policy: Optional[str] = typer.Option(None, "--policy", help="policy name (overrides the pool's policy block)"),
         estimator: Optional[str] = typer.Option(None, "--estimator", help="where estimates come from: learned | history | declared | module:attr (overrides the pool's policy block, whose default is learned)"),
-        limit: Optional[int] = typer.Option(None, "--limit", min=1, help="most stage runs at once"),
+        limit: Optional[int] = typer.Option(None, "--limit", min=1, help="most stage runs at once (default: no limit)"),
     ) -> None:
         import asyncio
         import os
         import signal
 
-        from qosflow.prefect.local import check_pool, require_api_url
+        from qosflow.prefect.local import check_pool, check_pool_name, require_api_url
         from qosflow.prefect.worker import QosflowWorker
 
+        check_pool_name(pool)
         if cluster_file is not None and cluster_block:
             from qosflow.errors import SpecError
 
@@ -56,9 +57,10 @@ def register(app: typer.Typer) -> None:
 
             get_policy(policy)  # unknown names fail here with the list of known ones
         if estimator:
-            from qosflow.prefect.scheduler import check_estimator_name
+            from qosflow.prefect.scheduler import check_estimator_import, check_estimator_name
 
             check_estimator_name(estimator)
+            check_estimator_import(estimator)  # module:attr: imported here, where the worker will import it
         require_api_url("the qosflow worker")
         asyncio.run(check_pool(pool))
         if cluster_block:

@@ -46,7 +46,8 @@ class PriorityClass(str, Enum):
                     return member
         raise SpecError(
             "priority",
-            f"{value!r} is not a priority class; use one of {', '.join(m.value for m in cls)} or an integer",
+            f"{value!r} is not a priority class; use one of {', '.join(m.value for m in cls)} or an integer "
+            "(as in traces, larger is more important: 2 or more critical, 1 guaranteed, 0 normal, below 0 best-effort)",
             where=where,
         )
 

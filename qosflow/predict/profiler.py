@@ -140,7 +140,7 @@ except Exception as exc:
     if isinstance(exc, ModuleNotFoundError) and exc.name and (mod == exc.name or mod.startswith(exc.name + ".")):
         fail(f"no module named {mod!r} (looked in the current directory {os.getcwd()} and the installed packages): "
              "run qosflow profile from the directory that holds it, or install its package")
-    fail(f"importing module {mod!r} failed: {type(exc).__name__}: {exc} (fix the module; the traceback is above)")
+    fail(f"importing module {mod!r} failed: {type(exc).__name__}: {exc} (fix the module; the end of its traceback follows)")
 f = getattr(m, fn, None)
 if f is None:
     names = [n for n in dir(m) if not n.startswith("_") and inspect.isfunction(getattr(m, n))]
@@ -244,7 +244,7 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
             msg = next((ln[len(_SETUP_MARK):] for ln in reversed(lines) if ln.startswith(_SETUP_MARK)), None)
             if msg is not None:
                 tail = [ln for ln in lines if not ln.startswith(_SETUP_MARK)][-5:]
-                detail = ("\n" + "\n".join(tail)) if tail and "traceback is above" in msg else ""
+                detail = ("\n" + "\n".join(tail)) if tail and "traceback follows" in msg else ""
                 raise QosflowError(f"cannot profile {target}: {msg}{detail}")
         if proc.returncode not in (0, None) and stopped == "finished":
             tail = (err or "").strip().splitlines()[-5:]

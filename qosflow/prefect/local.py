@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from qosflow.core.cluster import ClusterSpec
+from qosflow.errors import QosflowError
 from qosflow.prefect.server_process import any_patch
 
 
@@ -67,6 +68,25 @@ def server_env(home: str | Path, port: int, *, ui: bool = True, database_url: st
     }
 
 
+class ServerStartError(QosflowError, RuntimeError):
+    """The local Prefect server exited, or did not answer, at start (the CLI shows it without a traceback)."""
+
+
+def _log_error_line(path: Path, offset: int) -> str:
+    """The last line that names an exception in the part of the server log written since `offset`
+    (e.g. "ConnectionRefusedError: [Errno 111] Connect call failed ('127.0.0.1', 5432)"), or ''."""
+    import re
+
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    hits = [ln.strip() for ln in text.splitlines() if re.match(r"^[\w.]+(Error|Exception)\b.*", ln.strip())]
+    return hits[-1] if hits else ""
+
+
 class LocalServer:
     """`prefect server start` as a child process (SQLite under `home` unless `database_url` names a
     PostgreSQL database, UI on unless `ui=False`)."""
@@ -93,6 +113,7 @@ class LocalServer:
         env = dict(os.environ)
         env.update(self.env)
         logf = open(self.log_path, "ab")
+        log_start = logf.tell()  # the log is appended to: this start's lines begin here
         # on SQLite, the server's garbage collection runs off its event loop (see server_process.py:
         # a collection in the loop could stall every request for the 60 s of SQLite's busy timeout);
         # its write transactions take the write lock at their start (BEGIN IMMEDIATE), and it retries
@@ -108,8 +129,8 @@ class LocalServer:
         deadline = time.time() + timeout
         try:
             while time.time() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"prefect server exited with {self.proc.returncode}; see {self.log_path}")
+                if self.proc.poll() is not None:  # was a RuntimeError traceback that said only the exit code
+                    raise self._start_error(f"exited at start with code {self.proc.returncode}", log_start)
                 try:
                     if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
                         return self
@@ -120,7 +141,14 @@ class LocalServer:
             self.stop()
             raise
         self.stop()
-        raise RuntimeError(f"prefect server did not answer within {timeout:.0f}s; see {self.log_path}")
+        raise self._start_error(f"did not answer within {timeout:.0f} s", log_start)
+
+    def _start_error(self, what: str, log_start: int) -> ServerStartError:
+        why = _log_error_line(self.log_path, log_start)
+        db = self.env["PREFECT_API_DATABASE_CONNECTION_URL"]
+        hint = ("; is PostgreSQL running there, and do the user, password and database of --database-url exist?"
+                if not db.startswith("sqlite") else "")
+        return ServerStartError(f"the local Prefect server {what}{': ' + why if why else ''} (its log: {self.log_path}){hint}")
 
     def apply_env(self) -> None:
         """Point this process's Prefect settings at the server."""
@@ -162,7 +190,48 @@ def require_api_url(what: str) -> str:
             f"PREFECT_API_URL is not set: {what} needs a running Prefect server. Start one (`prefect server start`) and "
             "point at it (`prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`), or try `qosflow demo`"
         )
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(str(url))
+    if parts.scheme not in ("http", "https") or not parts.netloc:  # a worker retried such a URL for ever
+        raise QosflowError(
+            f"PREFECT_API_URL={url!r} is not an http(s) URL, so {what} can never reach a server there: set it to the "
+            "server's API, e.g. `prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`"
+        )
     return url
+
+
+def unreachable_server(exc: BaseException, api: str) -> Exception | None:
+    """The error to show when `exc` is a failed connection to the Prefect server at `api` (an httpx
+    transport error, or Prefect's RuntimeError("Failed to reach API ...") raised from one), else None:
+    any other error is not about the server being away."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, httpx.TransportError):
+        cause = cause.__cause__
+    if cause is None:
+        return None
+    why = str(cause) or str(exc) or type(cause).__name__  # some httpx errors have no text
+    return QosflowError(f"cannot reach the Prefect server at {api} ({why}); is `prefect server start` running there?")
+
+
+def check_pool_name(pool: str, option: str = "--pool", *, blocks: bool = False) -> None:
+    """Fail now, before any server call, on a work pool name Prefect refuses (empty, or with one of / % & > <:
+    the server answered '405 Method Not Allowed' or '404 Not Found', shown as a traceback). With `blocks`
+    (`qosflow init` names the pool's blocks POOL-cluster and POOL-policy) also on one a block name cannot
+    start with: lowercase letters, digits and dashes only (was a pydantic ValidationError traceback)."""
+    import re
+
+    from qosflow.errors import SpecError
+
+    if not pool.strip():
+        raise SpecError(option, "give a work pool name, e.g. --pool gpu")
+    banned = "".join(c for c in "/%&><" if c in pool)
+    if banned:
+        raise SpecError(option, f"{pool!r}: a work pool name cannot contain {' '.join(banned)}; e.g. --pool gpu-lab")
+    if blocks and not re.fullmatch(r"[a-z0-9-]+", pool):
+        like = re.sub(r"[^a-z0-9-]+", "-", pool.lower()).strip("-") or "gpu"
+        raise SpecError(option, f"{pool!r}: qosflow init names the pool's blocks {pool}-cluster and {pool}-policy, and "
+                                f"Prefect block names take lowercase letters, digits and dashes only; e.g. --pool {like}")
 
 
 async def check_pool(pool: str) -> None:

@@ -720,6 +720,33 @@ def check_estimator_name(kind: str) -> str:
     raise UnknownNameError("estimator", k, [*LIVE_ESTIMATORS, "module:attr"])
 
 
+def check_estimator_import(kind: str, option: str = "--estimator") -> None:
+    """For a `module:attr` estimator, fail now (a SpecError naming `option`) if this process cannot import it as
+    `make_live_estimator` would, or it is neither an estimator nor a class or factory that makes one. Given to
+    `qosflow worker start`, a typo made the worker log 'setup failed: No module named ...' every 5 s for ever.
+    Nothing is built (the class is not instantiated); other names are left to `check_estimator_name`."""
+    import importlib
+
+    from qosflow.errors import SpecError
+
+    k = (kind or "").strip()
+    if ":" not in k:
+        return
+    mod, attr = k.split(":", 1)
+    try:
+        obj = getattr(importlib.import_module(mod), attr)
+    except ModuleNotFoundError as exc:
+        raise SpecError(option, f"{k!r}: no module named {exc.name!r} on this worker's Python path (the current directory, "
+                                "PYTHONPATH, installed packages); give learned | history | declared or an importable module:attr") from None
+    except AttributeError:
+        raise SpecError(option, f"{k!r}: module {mod!r} has no attribute {attr!r}") from None
+    except Exception as exc:  # the module itself fails to import
+        raise SpecError(option, f"{k!r}: importing {mod!r} failed: {type(exc).__name__}: {exc}") from None
+    if not (callable(obj) or hasattr(obj, "duration")):
+        raise SpecError(option, f"{k!r} is of type {type(obj).__name__}, neither an estimator (with a duration method) nor a class "
+                                "or function that makes one")
+
+
 def make_live_estimator(kind: str, *, history_path: str | None = None) -> Estimator:
     """The worker's estimator: `learned` (default: the predictor, from the qosflow store), `history`, `declared`
     or `module:attr`."""

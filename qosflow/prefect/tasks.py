@@ -882,7 +882,11 @@ def qos_flow(
     `qos_priority` overrides them per run; a QoS policy block referenced by the deployment's job
     variables (`qos_policy`) gives defaults. `pool` defaults to `QOSFLOW_POOL`; with no pool, stages run in-process.
     """
-    where = "@qos_flow"
+    if __fn is None:  # @qos_flow(...): the error names the decorator's line, as @qos_task's does
+        caller = sys._getframe(1)
+        where = f"@qos_flow at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+    else:
+        where = f"@qos_flow {getattr(__fn, '__qualname__', __fn)!r}"
     deadline = _pipeline_deadline(deadline, "deadline", where)
     prio = None if priority is None else PriorityClass.parse(priority, where=where)
     if pool is not None and (not isinstance(pool, str) or not pool.strip()):

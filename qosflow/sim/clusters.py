@@ -111,6 +111,10 @@ def load_cluster_file(path: str | Path, *, vc: str | None = None, name: str | No
         return _muri_csv(p, name)
     if "sn" in cols and "gpu" in cols:
         return _alibaba_nodes(p, name)
+    what = _trace_not_cluster(first)
+    if what:  # a trace given as --cluster (the other way round already said so)
+        raise TraceFormatError(p, 1, f"this is {what}, not a cluster file; pass it as --trace, and as --cluster NxG "
+                                     "(e.g. 8x8), V:P:K (e.g. 36:36:36), a Muri cluster CSV or an Alibaba node list")
     raise TraceFormatError(
         p,
         1,
@@ -118,6 +122,22 @@ def load_cluster_file(path: str | Path, *, vc: str | None = None, name: str | No
         f"({','.join(MURI_COLUMNS)}), an Alibaba node list header (sn,cpu_milli,memory_mib,gpu,model) "
         "or a Gavel cluster_specs.json" + delimiter_hint(cols),
     )
+
+
+def _trace_not_cluster(first_line: str) -> str | None:
+    """What trace (or table) a cluster file's first line shows, if any: a Muri trace or an Alibaba pod list
+    by its columns (as `qosflow.sim.runner` tells them apart), a Gavel trace by its tab-separated fields."""
+    from qosflow.sim.runner import FORMAT_MARKS
+    from qosflow.sim.traces.gavel import FORMS as GAVEL_FORMS
+
+    cols = {c.strip().strip('"') for c in first_line.split(",")}
+    names = {"muri": "a Muri trace", "alibaba": "an Alibaba pod list"}
+    for fmt, marks in FORMAT_MARKS.items():
+        if len(marks & cols) >= len(marks) / 2:
+            return names.get(fmt, f"a {fmt} trace")
+    if "\t" in first_line and first_line.count("\t") + 1 in GAVEL_FORMS:
+        return "a Gavel trace (tab-separated job lines)"
+    return None
 
 
 # ---------------------------------------------------------------------- Muri
@@ -239,6 +259,10 @@ def _gavel_json(p: Path, vc: str | None, name: str | None) -> ClusterSpec:
     if key not in data:
         raise TraceFormatError(p, None, f"no virtual cluster {key!r}; the file has: {', '.join(data)}")
     specs = data[key]
+    if isinstance(specs, dict):  # worker type -> job -> throughputs: was "'k80': expected a list of "V:P:K" strings"
+        raise TraceFormatError(p, None, "this is a Gavel throughput table (worker type -> job -> throughputs), not a cluster "
+                                        "spec: simulate reads it by itself (throughputs/ under QOSFLOW_SHARED_DATA); for a "
+                                        "cluster of those GPU types give --cluster V:P:K (V100s:P100s:K80s, e.g. 36:36:36)")
     if isinstance(specs, str):
         specs = [specs]
     if not isinstance(specs, list) or not specs or not isinstance(specs[0], str):

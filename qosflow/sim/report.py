@@ -86,7 +86,9 @@ def render_table(metrics: Mapping[str, Metrics], bounds: Bounds, title: str = "S
             f"{m.finished}" + (f" (+{m.rejected} rejected)" if m.rejected else ""),
             style=style,
         )
-    t.add_row("bound", fmt_seconds(bounds.avg_jct), "", "", fmt_seconds(bounds.makespan), "", f"{bounds.dsr:.1%}", "",
+    # no deadline anywhere (--deadline-share 0): the policies show "-", and so does the bound (was 100.0%)
+    bound_dsr = f"{bounds.dsr:.1%}" if any(m.deadline_jobs for m in metrics.values()) else "-"
+    t.add_row("bound", fmt_seconds(bounds.avg_jct), "", "", fmt_seconds(bounds.makespan), "", bound_dsr, "",
               *([""] if models else []), "", "", style="dim")
     return t
 

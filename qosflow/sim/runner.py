@@ -29,6 +29,10 @@ def guess_format(trace: str) -> str:
         if not head.strip():
             raise QosflowError(f"{trace}: the first line is empty; a trace starts with its header (a Muri or an "
                                "Alibaba CSV) or, for Gavel, with its first tab-separated job line")
+        if head.lstrip().startswith(("{", "[")):  # was "cannot tell the trace format from its header ({)"
+            raise QosflowError(f"{trace}: this is JSON, not a trace (a Muri or Alibaba CSV, or a Gavel .trace): a Gavel "
+                               "cluster_specs.json goes to --cluster; Gavel's throughput table is read by simulate itself "
+                               "(throughputs/ under QOSFLOW_SHARED_DATA) and evaluated by 'qosflow predict eval --throughputs FILE'")
     cols = {c.strip().strip('"') for c in head.split(",")}
     # by the columns that mark each format, in any order and with extra columns; a header with at least
     # half of one format's marks is taken as that format, whose loader then names the columns it lacks
@@ -77,6 +81,12 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
     from qosflow.sim.workload import load_workload
 
     fmt = fmt or guess_format(trace)
+    from qosflow.sim.workload import FORMATS
+
+    if str(fmt).strip().lower() not in FORMATS:  # before --jobs: "synthetic (xyz) is simulated whole" misled
+        from qosflow.errors import UnknownNameError
+
+        raise UnknownNameError("trace format", str(fmt), FORMATS)
     if jobs is not None:
         from qosflow.errors import SpecError
 
