@@ -167,6 +167,7 @@ def test_overloaded_mixed_run_never_over_allocates_and_finishes_every_job(tmp_pa
     assert sorted(j.job_id for j in res.jobs if j.status is JobStatus.DONE) == sorted(j.job_id for j in jobs)
     assert res.received_gpu_seconds == pytest.approx(res.busy_gpu_seconds, rel=1e-9)
     assert max(v for _, v in res.timeline) <= spec.num_gpus + 1e-9
+    assert res.shared_gpu_seconds == 0.0  # no space sharing: a GPU never holds two jobs
     # a gang never spans two GPU models (its whole gang on one type)
     for js in res.jobs:
         assert set(js.tags["gavel_on"]) <= {"v100", "k80"}
