@@ -262,7 +262,7 @@ def test_estimators_speak_of_gpu_models(tmp_path):
     assert gpu_speed(Plain(), a, "k80") == 1.0
 
 
-@pytest.mark.parametrize("policy", ["fifo", "srtf", "tiresias", "genie", "qosflow"])
+@pytest.mark.parametrize("policy", ["fifo", "srtf", "tiresias", "genie", "gavel", "qosflow"])
 def test_every_policy_on_a_mixed_cluster_stays_above_the_typed_bound(tmp_path, policy):
     """On V100 + K80 servers every policy finishes every job, no job beats its time on its fastest GPU
     model, and the bounds count that time (B runs 1.5 x faster on a K80: its bound is shorter)."""

@@ -13,7 +13,7 @@ from qosflow.policies.sharing import bsbf_times, memory_plan
 from qosflow.sim.engine import SimConfig, simulate
 from qosflow.sim.metrics import compute_bounds, compute_metrics
 
-BASELINES = ["fifo", "sjf", "srtf", "tiresias", "sjf-ffs", "sjf-bsbf", "genie", "qosflow"]
+BASELINES = ["fifo", "sjf", "srtf", "tiresias", "sjf-ffs", "sjf-bsbf", "genie", "gavel", "qosflow"]
 MODELS = ["resnet18", "vgg16", "bert", "dqn"]
 
 

@@ -1,6 +1,7 @@
 """Scheduling policies, one module each, behind one interface (`Policy.schedule`).
 
-Baselines: fifo, sjf, srtf, tiresias, sjf-ffs, sjf-bsbf, genie. qosflow's own policy registers as
+Baselines: fifo, sjf, srtf, tiresias, sjf-ffs, sjf-bsbf, genie, gavel (heterogeneity-aware max-min
+fairness over GPU models, `qosflow.policies.gavel`). qosflow's own policy registers as
 `qosflow` (module `qosflow.policies.qosflow_policy`). Packing policies for fractional-GPU
 requests (first-fit, best-fit, fgd) live in `qosflow.packing`.
 """
@@ -23,6 +24,7 @@ BUILTIN = {
     "sjf-ffs": "qosflow.policies.sjf_ffs",
     "sjf-bsbf": "qosflow.policies.sjf_bsbf",
     "genie": "qosflow.policies.genie",
+    "gavel": "qosflow.policies.gavel",
     "qosflow": "qosflow.policies.qosflow_policy",
 }
 
