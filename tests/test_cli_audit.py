@@ -205,3 +205,25 @@ def test_an_option_the_run_does_not_use_is_named_in_a_warning(tmp_path, capsys):
     assert main(["predict", "eval", "--throughputs", str(tmp_path / "missing.json"), "--folds", "10"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "warning: --folds 10 is for --pairs; a throughput table is cross-validated leaving one job type out" in err, err
+
+
+@pytest.mark.parametrize("cluster,says", [
+    ("100000x100000", "100000 GPUs per node; a node is one server, with at most 128"),  # was a 75 GiB numpy MemoryError
+    ("36:36:36/4:4:400", "k80: 400 GPUs per server"),
+])
+def test_a_server_with_more_gpus_than_any_server_holds_is_a_cluster_error(cluster, says, capsys):
+    assert main(["simulate", "--trace", "synthetic", "--jobs", "10", "--cluster", cluster]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+def test_running_out_of_memory_is_an_error_that_says_what_to_shrink(capsys, monkeypatch):
+    import qosflow.cli.main as cli_main
+
+    def app(**kwargs):
+        raise MemoryError("Unable to allocate 74.5 GiB for an array with shape (100000, 100000) and data type int64")
+
+    monkeypatch.setattr(cli_main, "app", app)
+    assert cli_main.main(["simulate"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of memory (Unable to allocate 74.5 GiB") and "--cluster" in err, err

@@ -112,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as exc:  # typer/click exits
         return int(exc.code or 0)
+    except MemoryError as exc:  # (was numpy's traceback, e.g. "Unable to allocate 74.5 GiB for an array ...")
+        why = f" ({exc})" if str(exc) else ""
+        typer.secho(f"error: out of memory{why}: the cluster, trace or run asked for more memory than this machine has; "
+                    "try a smaller --cluster or trace (--jobs), or fewer parallel runs (--parallel 1)", err=True, fg="red")
+        return 2
     except Exception as exc:  # click usage errors and friends
         usage, abort = _click_exceptions()
         if isinstance(exc, usage):

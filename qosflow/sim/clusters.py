@@ -62,6 +62,10 @@ GAVEL_SERVERS: dict[str, dict[str, float]] = {
 GAVEL_ORDER = ("v100", "p100", "k80")
 GAVEL_GPUS_PER_SERVER = 4
 
+#: GPUs one server of an ``NxG`` or ``V:P:K/v:p:k`` spec may hold: no server holds more (8-16 is usual), and
+#: the simulator's per-GPU arrays are nodes x GPUs per node (`100000x100000` asked for 75 GiB and died)
+MAX_GPUS_PER_NODE = 128
+
 _NXG = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 _GAVEL = re.compile(r"^\s*(\d+):(\d+):(\d+)\s*(?:/\s*(\d+):(\d+):(\d+)\s*)?$")
 
@@ -78,6 +82,9 @@ def load_cluster(spec: str | Path, *, name: str | None = None) -> ClusterSpec:
             raise SpecError("cluster", f"{s!r}: need at least one node")
         if g <= 0:
             raise SpecError("cluster", f"{s!r}: need at least one GPU per node")
+        if g > MAX_GPUS_PER_NODE:
+            raise SpecError("cluster", f"{s!r}: {g} GPUs per node; a node is one server, with at most {MAX_GPUS_PER_NODE} "
+                                       f"(NxG is N servers of G GPUs each: e.g. {max(1, g // 8)}x8)")
         return ClusterSpec.uniform(
             n, g, gpu_mem_mb=NXG_GPU_MEM_MB, cpu_cores=NXG_CPU_CORES, mem_mb=NXG_MEM_MB, name=name or f"{n}x{g}"
         )
@@ -227,6 +234,9 @@ def gavel_cluster(
     for gt, count, per in zip(GAVEL_ORDER, counts, per_server):
         if count and per <= 0:
             raise SpecError("cluster", f"{gt}: GPUs per server must be > 0, got {per}", where=where)
+        if count and per > MAX_GPUS_PER_NODE:
+            raise SpecError("cluster", f"{gt}: {per} GPUs per server; a server holds at most {MAX_GPUS_PER_NODE} "
+                                       f"(V:P:K/v:p:k gives GPUs per type, then GPUs per server: e.g. 36:36:36/4:4:4)", where=where)
         info = GAVEL_SERVERS[gt]
         i = 0
         left = count
