@@ -112,7 +112,7 @@ def test_python_dash_m_works_like_the_script(tmp_path):
         (["--policies", ","], "invalid --policies: give at least one policy name"),
         # a value of the wrong type: a text failed mid-run with a traceback, "False" or "maybe" turned a switch on
         (["--policies", "qosflow", "--set", "qosflow.qos_weight=abc"], "option 'qos_weight' of policy 'qosflow' takes a number, got 'abc'"),
-        (["--policies", "qosflow", "--set", "qosflow.align=False"], "option 'align' of policy 'qosflow' takes true or false, got 'False'"),
+        (["--policies", "qosflow", "--set", "qosflow.align=FALSE"], "option 'align' of policy 'qosflow' takes true or false, got 'FALSE'"),
         (["--policies", "fifo", "--set", "fifo.backfill=maybe"], "takes true or false, got 'maybe'"),
         # output places are checked before the runs, not after them
         (["--policies", "fifo", "--json", "/proc/no/such/dir/out.json"], "--json /proc/no/such/dir/out.json: cannot write there"),
@@ -158,6 +158,9 @@ def test_policy_option_values_of_the_declared_type_pass():
     )
     assert got == {"qosflow": {"align": True, "makespan_beta": None, "qos_weight": 5, "partner_rank": "benefit"},
                    "tiresias": {"thresholds": [100, 2000]}}
+    # Python's spelling, as docs/policies.md writes the options (`align=True`), is read as Python reads it
+    got = parse_policy_options(["qosflow.align=True", "qosflow.makespan_beta=None", "qosflow.gpu_models=False"], ["qosflow"])
+    assert got == {"qosflow": {"align": True, "makespan_beta": None, "gpu_models": False}}
 
 
 def test_locality_takes_one_of_its_names():

@@ -96,10 +96,14 @@ def parse_policies(spec: str) -> list[str]:
     return names
 
 
+_PYTHON_WORDS = {"True": True, "False": False, "None": None}
+
+
 def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str, dict[str, Any]]:
     """`["qosflow.express_share=0.125", ...]` -> `{"qosflow": {"express_share": 0.125}}`.
 
-    Values are read as JSON (numbers, true/false, null, quoted strings), else kept as text. Each
+    Values are read as JSON (numbers, true/false, null, quoted strings) or as Python's True/False/None,
+    else kept as text. Each
     option is checked against the policy's constructor, so a typo fails here naming the option and
     the ones the policy has, and so is its value's type (`align=False` or `qos_weight=abc` fail here)."""
     import json
@@ -118,7 +122,8 @@ def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str,
         try:
             value = json.loads(raw)
         except ValueError:
-            value = raw
+            # Python's spelling, as docs/policies.md writes options (`align=True`): was refused as a text
+            value = _PYTHON_WORDS.get(raw.strip(), raw)
         problem = option_problem(pol, opt, value, shown=repr(raw.strip()))
         if problem is not None:
             raise SpecError("--set", f"{item!r}: {problem}")
