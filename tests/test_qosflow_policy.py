@@ -870,9 +870,9 @@ def test_under_load_short_jobs_take_the_slow_gpus_and_leave_the_fast_ones_to_lon
     assert off["short"].finish_time == pytest.approx(100.0) and off["mid"].finish_time == pytest.approx(600.0)
 
 
-def test_a_deadline_job_does_not_share_a_gpu_model_it_would_miss_its_deadline_on():
-    """Sharing judged a job by its time on its fastest model: a deadline job shared a K80 (0.1 x a V100
-    for it), where it would run for ten times as long, and missed its deadline."""
+def _k80_v100_round(late_model, deadline, **opts):
+    """One qosflow round on a K80 node and a V100 node, one GPU each, both busy for 10,000 s (the K80's job
+    shareable), with job "late" (100 s on a V100, shareable, `deadline`) arriving at 10 s: the decision."""
     from qosflow.core.cluster import ClusterState, NodeSpec
     from qosflow.core.estimate import OracleEstimator
     from qosflow.core.job import JobState
@@ -887,18 +887,20 @@ def test_a_deadline_job_does_not_share_a_gpu_model_it_would_miss_its_deadline_on
         j = Job(jid, 0.0, QoSSpec(gpus=1, cpu_cores=2.0, gpu_mem_mb=2_000.0, shareable=shareable), 10_000.0, model="fastk80")
         st.allocate(find_whole(st, j, node_rank=np.array([0.0, 1.0]) if node == 0 else np.array([1.0, 0.0])), j.qos)
         running.append(JobState(j, placement=st.allocs[jid], first_start=0.0))
-    late = Job("late", 10.0, QoSSpec(gpus=1, cpu_cores=2.0, gpu_mem_mb=2_000.0, shareable=True, deadline=500.0), 100.0, model="slowk80")
+    late = Job("late", 10.0, QoSSpec(gpus=1, cpu_cores=2.0, gpu_mem_mb=2_000.0, shareable=True, deadline=deadline), 100.0,
+               model=late_model)
     view = SchedulerView(now=10.0, running=running, pending=[JobState(late, queued_since=10.0)], cluster=st,
                          estimator=OracleEstimator(SpeedModel(_TwoModels())))
-    d = get_policy("qosflow").schedule(view)
+    return get_policy("qosflow", **opts).schedule(view)
+
+
+def test_a_deadline_job_does_not_share_a_gpu_model_it_would_miss_its_deadline_on():
+    """Sharing judged a job by its time on its fastest model: a deadline job shared a K80 (0.1 x a V100
+    for it), where it would run for ten times as long, and missed its deadline."""
+    d = _k80_v100_round("slowk80", 500.0)
     assert not d.starts, d.starts  # on the K80, shared: 100 s x 10 x the pair's slowdown, past its deadline
     # without the model choice it shares the K80 (its deadline judged at V100 speed)
-    st2 = ClusterState(spec)
-    for js in running:
-        st2.allocate(js.placement, js.job.qos)
-    view2 = SchedulerView(now=10.0, running=running, pending=[JobState(late, queued_since=10.0)], cluster=st2,
-                          estimator=OracleEstimator(SpeedModel(_TwoModels())))
-    d2 = get_policy("qosflow", gpu_models=False).schedule(view2)
+    d2 = _k80_v100_round("slowk80", 500.0, gpu_models=False)
     assert [p.nodes for p in d2.starts] == [(0,)]
 
 
@@ -929,33 +931,11 @@ def test_an_empty_gpu_of_a_faster_model_it_cannot_have_counts_from_when_a_job_th
 def test_a_job_every_gpu_model_suits_is_judged_for_sharing_at_its_slowest_models_time():
     """With every model costing it little (a K80 at half a V100's speed for it, its deadline kept solo on
     either), sharing judged it at its V100 time: it shared a K80 where it ran twice as long, and missed."""
-    from qosflow.core.cluster import ClusterState, NodeSpec
-    from qosflow.core.estimate import OracleEstimator
-    from qosflow.core.job import JobState
-    from qosflow.policies.base import SchedulerView
-    from qosflow.policies.placement import find_whole
-
-    spec = ClusterSpec([NodeSpec("k80-0", 1, gpu_mem_mb=12_000.0, cpu_cores=8.0, gpu_model="k80"),
-                        NodeSpec("v100-0", 1, gpu_mem_mb=16_000.0, cpu_cores=8.0, gpu_model="v100")])
-
-    def round_with(deadline):
-        st = ClusterState(spec)
-        running = []
-        for jid, node, shareable in (("on-k80", 0, True), ("on-v100", 1, False)):
-            j = Job(jid, 0.0, QoSSpec(gpus=1, cpu_cores=2.0, gpu_mem_mb=2_000.0, shareable=shareable), 10_000.0, model="fastk80")
-            st.allocate(find_whole(st, j, node_rank=np.array([0.0, 1.0]) if node == 0 else np.array([1.0, 0.0])), j.qos)
-            running.append(JobState(j, placement=st.allocs[jid], first_start=0.0))
-        late = Job("late", 10.0, QoSSpec(gpus=1, cpu_cores=2.0, gpu_mem_mb=2_000.0, shareable=True, deadline=deadline),
-                   100.0, model="halfk80")
-        view = SchedulerView(now=10.0, running=running, pending=[JobState(late, queued_since=10.0)], cluster=st,
-                             estimator=OracleEstimator(SpeedModel(_TwoModels())))
-        return get_policy("qosflow").schedule(view)
-
     # shared on the K80: 100 s x 2 (K80) x 1.4 (the pair) = 280 s, past a deadline 260 s after it came;
     # alone on the K80 (200 s) it would keep it, so both models cost it little
-    d = round_with(260.0)
+    d = _k80_v100_round("halfk80", 260.0)
     assert not d.starts, d.starts
     assert "sharing would miss its deadline" in d.notes["late"] and "280s to run" in d.notes["late"], d.notes
     # with room for the K80's time it shares, as before
-    d = round_with(300.0)
+    d = _k80_v100_round("halfk80", 300.0)
     assert [p.colocated_with for p in d.starts] == [("on-k80",)], d.starts
