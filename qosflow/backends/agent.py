@@ -578,6 +578,20 @@ class ClusterFile:
         kw.setdefault("fence_after_s", self.fence_after_s)
         return AgentBackend(self.hosts, self.token, cluster_name=self.name, **kw)
 
+    def ask_agents(self):
+        """Ask every agent once, from code that runs no event loop (`qosflow agent status`, the demo's
+        check before it starts): the backend's `refresh()` snapshot, its connections closed."""
+        import asyncio
+
+        async def go():
+            be = self.backend()
+            try:
+                return await be.refresh()
+            finally:
+                await be.aclose()
+
+        return asyncio.run(go())
+
 
 def load_cluster_file(path: str | Path) -> ClusterFile:
     """Read a cluster file; every mistake names the file and the field."""

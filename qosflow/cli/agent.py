@@ -112,23 +112,13 @@ def register(app: typer.Typer) -> None:
 
         Exits 0 when every host is up, 1 when any is down (for scripts and health checks), 2 on a bad
         cluster file."""
-        import asyncio
-
         from rich.console import Console
         from rich.table import Table
 
         from qosflow.backends.agent import load_cluster_file
 
         cf = load_cluster_file(cluster)
-
-        async def go():
-            be = cf.backend()
-            try:
-                return await be.refresh()
-            finally:
-                await be.aclose()
-
-        snap = asyncio.run(go())
+        snap = cf.ask_agents()
         t = Table(title=f"{cf.name}: {len(snap.hosts)} hosts, refreshed in {snap.elapsed_s * 1000:.0f} ms")
         for col in ("host", "url", "up", "GPUs", "GPU util", "cores", "running", "note"):
             # on a narrow terminal long cells (a URL, a connection error) wrap instead of ending in '…'

@@ -102,24 +102,15 @@ def _some_host_up(cf, path: Path) -> None:
     """Fail now when no host of the cluster file answers (its agents not started, a wrong URL or token): the
     demo then started its server and waited for ever, with one 'host ... is down' warning. Hosts that are
     down while others are up are named in a warning; the worker marks them down as it would."""
-    import asyncio
+    import logging
 
     from qosflow.errors import QosflowError
-
-    async def refresh():
-        be = cf.backend()
-        try:
-            return await be.refresh()
-        finally:
-            await be.aclose()
-
-    import logging
 
     log = logging.getLogger("qosflow.backends.agent")
     level = log.level
     log.setLevel(logging.ERROR)  # its 'host ... is down' warnings: said below, once
     try:
-        hosts = asyncio.run(refresh()).hosts
+        hosts = cf.ask_agents().hosts
     finally:
         log.setLevel(level)
     down = [h for h in hosts if not h.up]
