@@ -191,3 +191,23 @@ def test_simulate_cli_runs_gavel(tmp_path):
     data = json.loads(out.read_text())
     assert set(data["policies"]) == {"gavel", "srtf"}
     assert data["policies"]["gavel"]["jobs"] == 40
+
+
+@pytest.mark.timeout(120)  # (before the fix the run never ended: a round every 360 s for ever)
+def test_a_gang_wider_than_every_gpu_type_spans_types_and_finishes(tmp_path):
+    """An 8-GPU gang on 4 V100s + 4 K80s: no one type holds it, and Gavel puts a job on one type, so
+    it could never run. It spans the types instead (at its slowest GPU's pace), on GPUs left over,
+    and every job finishes; the narrower jobs still run on one type each."""
+    sm = _table(tmp_path)
+    spec = load_cluster("4:0:4")
+    jobs = _jobs(12, spacing=30.0, gpus=lambda i: 8 if i == 2 else (1, 2)[i % 2])
+    pol = GavelPolicy()
+    res = Simulator(jobs, spec, pol, estimator=OracleEstimator(sm), speed=sm,
+                    config=SimConfig(check_invariants=True, restart_overhead=0.0)).run()
+    assert all(j.status is JobStatus.DONE for j in res.jobs)
+    wide = next(j for j in res.jobs if j.job_id == "j2")
+    assert wide.finish_time < 1e6  # not left waiting round after round
+    assert max(v for _, v in res.timeline) <= spec.num_gpus + 1e-9
+    # 'A' runs 10x slower on a K80: the gang over both types ran at the K80's pace
+    assert wide.finish_time - wide.first_start >= 10 * wide.job.duration * 0.99
+    assert pol.rounds < 1000

@@ -56,6 +56,9 @@ priority on a type is its allocation over the share of time it has received ther
 * Placement that fails for fragmentation (counting said the type had GPUs) leaves the job waiting
   this round, and the free GPUs go to whichever remaining job fits, fastest type first; a job
   preempted this round whose own GPUs are still empty then keeps them instead of restarting.
+* A gang wider than every GPU type it may use (8 GPUs on a 4:4:4 cluster) could never run on one
+  type: it spans types (at its slowest GPU's pace) on the GPUs left over, least attained service
+  first. The paper's clusters had no such job; without this a run with one never ended.
 * No space sharing (Gavel's packed variant) and no per-round migration cost model beyond the
   simulator's restart overhead.
 
@@ -82,6 +85,8 @@ from qosflow.policies.common import ExclusiveSearch, why_waiting
 NEVER_RECEIVED = 1e9
 #: the second LP keeps the max-min value within this relative slack
 TIEBREAK_SLACK = 1e-6
+#: the "type" of a gang wider than every GPU type it may use: it spans types (see `_too_wide`)
+SPAN = "*"
 
 
 def solve_allocation(T: np.ndarray, sf: np.ndarray, cap: np.ndarray, *, tiebreak: bool = True) -> np.ndarray:
@@ -201,6 +206,7 @@ class GavelPolicy(Policy):
             self._spec, self._node_models, self._type_list, self._ti = st.spec, node_models, types, ti
         up = ~st.down
         cap = np.bincount(self._ti[up], weights=st.gpu_count[up].astype(float), minlength=len(self._type_list))
+        self._cap = cap
         return self._node_models, self._type_list, cap
 
     def _free(self, st) -> dict[str, float]:
@@ -235,7 +241,8 @@ class GavelPolicy(Policy):
                 if tg.get("gavel_p") is not p:  # (a placement's type, worked out once)
                     tg["gavel_p"] = p
                     tg["gavel_model"] = self._model_of(est, js, node_models)
-                current[js.job_id] = tg["gavel_model"]
+                    tg["gavel_spans"] = len({node_models[nd] for nd, _ in p.gpus}) > 1 if p is not None and p.gpus else False
+                current[js.job_id] = SPAN if tg["gavel_spans"] else tg["gavel_model"]
             delta = js.attained - tg["gavel_att"]
             if delta > 0:
                 model = tg.get("gavel_model")  # (a job that failed since: the type it ran on)
@@ -256,8 +263,18 @@ class GavelPolicy(Policy):
         self._lp_key = key
         self.lp_solves += 1
 
+    def _too_wide(self, js: JobState, types: list[str], cap: np.ndarray) -> bool:
+        """Is `js` a gang wider than every GPU type it may use (8 GPUs on a 4:4:4 cluster)? Gavel places
+        each job on one type, so it could never run: it spans types instead (at its slowest GPU's pace),
+        on GPUs left over, least attained service first -- our choice, the paper's clusters had no such
+        job. (Without it a simulation with one waited for ever, a round every 360 s.)"""
+        g = js.job.qos.gpu_demand
+        return not js.job.qos.fractional and all(g > c + 1e-9 for t, c in zip(types, cap.tolist()) if js.job.qos.accepts_gpu_model(t))
+
     def _on_type(self, job: Job, model: str) -> Job:
-        """`job` restricted to GPUs of `model` (for the placement search)."""
+        """`job` restricted to GPUs of `model` (for the placement search); `SPAN`: the job as it is."""
+        if model == SPAN:
+            return job
         key = (job.job_id, model)
         j = self._restricted.get(key)
         if j is None:
@@ -360,6 +377,15 @@ class GavelPolicy(Policy):
                             free[t] -= g
                             order.append(js.job_id)
                             break
+                    else:
+                        ts = fastest_types(js)
+                        if self._too_wide(js, types, cap) and sum(free[t] for t in ts) >= g - 1e-9:
+                            chosen[js.job_id] = SPAN  # over several types, the fastest first
+                            order.append(js.job_id)
+                            for t in ts:
+                                take = min(free[t], g)
+                                free[t] -= take
+                                g -= take
             preempted = set()
             for js in view.running:
                 if js.job.qos.gpu_demand > 0 and chosen.get(js.job_id) != current.get(js.job_id):
@@ -434,7 +460,8 @@ class GavelPolicy(Policy):
                     started.add(js.job_id)
                     free = self._free(st)
                     continue
-            for t in fastest_types(js):
+            ts = fastest_types(js)
+            for t in ts:
                 if not q.fractional and free[t] < q.gpus:
                     continue
                 p = search(st, self._on_type(js.job, t))
@@ -444,6 +471,14 @@ class GavelPolicy(Policy):
                     started.add(js.job_id)
                     free = self._free(st)
                     break
+            else:
+                if self._too_wide(js, self._type_list, self._cap) and sum(free[t] for t in ts) >= q.gpus:
+                    p = search(st, js.job)
+                    if p is not None:
+                        st.allocate(p, q)
+                        d.starts.append(p)
+                        started.add(js.job_id)
+                        free = self._free(st)
 
     def next_wakeup(self, view: SchedulerView) -> float | None:
         """The end of the current round, while there are jobs."""
