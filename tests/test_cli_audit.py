@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from qosflow.cli.main import main
+from tiny_inputs import MURI_ONE_JOB, PODS_ONE
 
 
 @pytest.mark.parametrize(
@@ -132,9 +133,9 @@ def test_json_output_that_is_an_input_file_is_an_error_and_the_input_is_kept(tmp
     cluster = tmp_path / "cl.csv"
     cluster.write_text("num_switch,num_node_p_switch,num_gpu_p_node,num_cpu_p_node,mem_p_node\n1,2,4,32,256\n")
     trace = tmp_path / "t.csv"
-    trace.write_text("job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,iteration_time\n0,1,0,10,dqn,128,1000,100\n")
+    trace.write_text(MURI_ONE_JOB)
     pods = tmp_path / "pods.csv"
-    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\n")
+    pods.write_text(PODS_ONE)
     table = tmp_path / "tp.json"
     table.write_text('{"v100": {}}\n')
     lab = tmp_path / "lab.yaml"

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from qosflow.cli.main import main
+from tiny_inputs import PODS_ONE
 
 PODS = """name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time
 p0,4000,8192,1,1000,,LS,Running,0,100,0
@@ -184,6 +185,6 @@ def test_pack_without_the_shared_data_says_where_the_default_lists_are_read_from
     assert "alibaba_v2023_openb_pod_list_default.csv: the default pod list (Alibaba v2023, shared data) is not there: " \
            "give --pods FILE, or point QOSFLOW_SHARED_DATA at the directory that holds traces/" in err, err
     pods = tmp_path / "pods.csv"
-    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\n")
+    pods.write_text(PODS_ONE)
     assert main(["pack", "--seeds", "1", "--pods", str(pods)]) == 2  # the node list: the same
     assert "the default node list (Alibaba v2023, shared data) is not there: give --nodes FILE" in " ".join(capsys.readouterr().err.split())

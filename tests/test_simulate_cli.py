@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from qosflow.cli.main import main
+from tiny_inputs import MURI_ONE_JOB, PODS_ONE
 
 
 def test_simulate_synthetic_writes_json_and_plots(tmp_path, capsys):
@@ -410,9 +411,9 @@ def test_a_trace_or_table_given_in_the_wrong_place_says_where_it_goes(tmp_path):
     from qosflow.sim.runner import guess_format
 
     muri = tmp_path / "philly.csv"
-    muri.write_text("job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,iteration_time\n0,1,0,10,dqn,128,1000,100\n")
+    muri.write_text(MURI_ONE_JOB)
     pods = tmp_path / "pods.csv"
-    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\n")
+    pods.write_text(PODS_ONE)
     gavel = tmp_path / "vc.trace"
     gavel.write_text("ResNet-50 (batch size 64)\tcmd\t--num_steps\t1\t1000\t0\t1\n")
     table = tmp_path / "throughputs.json"
