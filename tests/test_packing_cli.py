@@ -43,7 +43,7 @@ def test_pack_cli_writes_json_csv_png(tmp_path, capsys):
     assert csv_text[0].startswith("arrived_pct,first-fit,first-fit_std,best-fit")
     assert len(csv_text) == 132
     assert (tmp_path / "res" / "pack_curve.png").stat().st_size > 1000
-    assert "GPU allocation at 100 % arrived demand" in capsys.readouterr().out
+    assert "GPU allocation at 100 % arrived demand" in " ".join(capsys.readouterr().out.split())
 
 
 def test_pack_cli_errors_exit_2(tmp_path, capsys):
@@ -72,7 +72,7 @@ def test_pack_cli_reports_pods_that_never_fit(tmp_path, capsys):
     rc = main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "first-fit", "--seeds", "1",
                "--json", str(out_json), "--no-plots"])
     assert rc == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert "2 of 8 pods fit no node" in out and "p6" in out and "no node has GPU model A100" in out
     never = json.loads(out_json.read_text())["config"]["never_fit_pods"]
     assert [n["pod"] for n in never] == ["p6", "p7"] and "8 GPU(s)" in never[0]["reason"]

@@ -32,7 +32,7 @@ def test_simulate_synthetic_writes_json_and_plots(tmp_path, capsys):
             "gpu_timeline.png": "GPU timeline"}
     assert {p.name for p in tmp_path.glob("*.png")} == set(said)
     assert all(words in HELP for words in said.values())
-    text = capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())
     assert "qosflow" in text and "bound" in text
     # 60 jobs load 8 GPUs: no note, and the JSON says how loaded the cluster is while jobs arrive
     assert "few for" not in text
@@ -253,7 +253,7 @@ def test_a_stalling_policy_does_not_hide_the_others(tmp_path, capsys, monkeypatc
 
     data = _simulate_next_to_fifo(Idle, tmp_path, monkeypatch)
     assert "pending on an idle cluster" in data["failed_policies"]["idle-test"]
-    assert "idle-test failed" in capsys.readouterr().out
+    assert "idle-test failed" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_failed_run_leaves_no_output_directories(tmp_path, capsys):
