@@ -29,7 +29,7 @@ def test_simulate_synthetic_writes_json_and_plots(tmp_path, capsys):
     from qosflow.cli.simulate import HELP
 
     said = {"jct_cdf.png": "JCT CDF", "avg_jct.png": "average JCT", "dsr.png": "DSR", "gpu_util.png": "GPU allocation",
-            "gpu_timeline.png": "GPU timeline"}
+            "gpu_timeline.png": "GPU timeline", "dsr_by_class.png": "DSR by job class"}
     assert {p.name for p in tmp_path.glob("*.png")} == set(said)
     assert all(words in HELP for words in said.values())
     text = " ".join(capsys.readouterr().out.split())
@@ -365,6 +365,46 @@ def test_out_writes_a_per_job_csv_that_adds_up_to_the_summary(tmp_path):
         assert all(float(r["queue_s"]) >= 0 for r in rows)
     notes = [r["note"] for r in csv.DictReader((tmp_path / "o" / "jobs-qosflow.csv").open()) if r["note"]]
     assert any(n.startswith("waiting") or "shar" in n for n in notes), notes[:5]
+
+
+def test_deadlines_met_by_job_class_add_up_to_the_dsr(tmp_path, capsys):
+    """Each policy's deadline jobs per class of GPU count and isolated duration (JSON "dsr_by_class", a
+    terminal table, dsr_by_class.png): the classes hold every deadline job once, their met counts are the
+    per-job CSV's, and the table shows each policy's count per class."""
+    import csv
+
+    from qosflow.core.job import Job
+    from qosflow.core.qos import QoSSpec
+    from qosflow.sim.metrics import job_class
+
+    out = tmp_path / "res.json"
+    assert main(["simulate", "--trace", "synthetic", "--jobs", "80", "--cluster", "2x4", "--policies", "sjf,qosflow",
+                 "--seed", "2", "--json", str(out), "--out", str(tmp_path / "o")]) == 0
+    data = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    assert "Deadlines met by job class" in text
+    assert (tmp_path / "o" / "dsr_by_class.png").stat().st_size > 1000
+    table = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]] for ln in text.splitlines()
+             if ln.startswith("│") and "GPU" in ln.split("│")[1]}
+    jobs = {r.job_id: r for r in __import__("qosflow.sim.runner", fromlist=["x"]).resolve_workload(
+        "synthetic", None, "2x4", seed=2, jobs=80)[0].jobs}
+    for col, name in enumerate(("sjf", "qosflow"), start=1):
+        by = data["policies"][name]["dsr_by_class"]
+        assert sum(c["jobs"] for c in by.values()) == data["policies"][name]["deadline_jobs"] > 0
+        rows = [r for r in csv.DictReader((tmp_path / "o" / f"jobs-{name}.csv").open()) if r["deadline_met"]]
+        want: dict[str, list[int]] = {}
+        for r in rows:
+            c = want.setdefault(job_class(jobs[r["job_id"]])[2], [0, 0])
+            c[0] += 1
+            c[1] += r["deadline_met"] == "yes"
+        assert {k: [v["jobs"], v["met"]] for k, v in by.items()} == want
+        for k, v in by.items():
+            assert table[k][0] == str(v["jobs"]) and table[k][col].startswith(f"{v['met']} ("), (k, table[k])
+    # class boundaries: GPUs none | 1 | 2 | 3-4 | 5-8 | > 8 (a fraction of a GPU counts as one); durations < 1 h | 1-6 h | ...
+    cls = lambda g, d, **q: job_class(Job("x", 0.0, QoSSpec(gpus=g, **q), d))[2]  # noqa: E731
+    assert cls(1, 3599.0) == "1 GPU, < 1 h" and cls(1, 3600.0) == "1 GPU, 1-6 h" and cls(1, 60.0, gpu_milli=500) == "1 GPU, < 1 h"
+    assert cls(0, 60.0) == "no GPU, < 1 h" and cls(2, 60.0) == "2 GPUs, < 1 h"
+    assert cls(4, 86399.0) == "3-4 GPUs, 6 h-1 d" and cls(8, 3 * 86400.0) == "5-8 GPUs, > 3 d" and cls(16, 1e5) == "> 8 GPUs, 1-3 d"
 
 
 def test_trace_that_is_compressed_or_starts_empty_says_so(tmp_path, capsys):

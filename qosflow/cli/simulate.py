@@ -10,8 +10,10 @@ import typer
 HELP = """Replay a GPU-cluster trace under several scheduling policies and compare them.
 
 Policies run exactly as in the live worker; the simulator advances jobs with their true durations
-and slowdowns while policies see only estimates (--estimator). Prints a table, writes JSON
-(--json) and PNG plots (--out: JCT CDF, average JCT, DSR, GPU allocation, GPU timeline).
+and slowdowns while policies see only estimates (--estimator). Prints a table (and, when jobs have
+deadlines, the deadlines each policy met per class of job: GPUs x duration alone), writes JSON
+(--json) and PNG plots (--out: JCT CDF, average JCT, DSR, DSR by job class,
+GPU allocation, GPU timeline).
 
 Examples:
 
@@ -51,7 +53,8 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.interference import default_speed_model, default_throughputs_path
         from qosflow.sim.metrics import compute_bounds, compute_metrics
         from qosflow.errors import SpecError, UnknownNameError
-        from qosflow.sim.report import estimator_deltas, plot_results, render_estimator_table, render_table, results_json, write_job_tables
+        from qosflow.sim.report import (estimator_deltas, plot_results, render_class_table, render_estimator_table, render_table,
+                                        results_json, write_job_tables)
         from qosflow.sim.runner import resolve_workload
 
         console = Console(width=max(120, Console().width))
@@ -143,6 +146,9 @@ def register(app: typer.Typer) -> None:
             raise SimulationError("every policy failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
         bounds = compute_bounds(wl.jobs, spec, speed)
         console.print(render_table(metrics, bounds, title=f"{wl.name} on {spec.name}"))
+        by_class = render_class_table(metrics)
+        if by_class is not None:
+            console.print(by_class)
         baseline = "oracle" if "oracle" in by_est else next(iter(by_est))
         if len(kinds) > 1:
             console.print(render_estimator_table(by_est, baseline, title=f"QoS lost to prediction error (vs {baseline})"))

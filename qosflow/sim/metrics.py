@@ -7,6 +7,9 @@
   utilisation a simulator can honestly report; it is not a measured SM utilisation.
 * bounds: the mean isolated duration (no scheduler can beat it on average JCT) and the DSR of
   deadlines that are feasible at all (deadline >= isolated duration).
+* DSR by job class (`dsr_by_class`): the deadline jobs grouped by GPU count and isolated duration,
+  and how many of each group met their deadline -- which jobs a policy loses (short gangs, say,
+  that a non-preemptive policy cannot start in time) rather than only how many.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Metrics:
     decisions: int
     #: on a cluster of mixed GPU models: per model, the share of its GPU-time allocated over the makespan
     gpu_util_by_model: dict[str, float] = field(default_factory=dict)
+    #: deadline jobs per class (`job_class`), in class order: {"4 GPUs, < 1 h": {"jobs": n, "met": m}}
+    dsr_by_class: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -65,13 +70,39 @@ class Bounds:
         return asdict(self)
 
 
+#: GPU-count groups of `job_class`: (largest count in the group, label)
+GPU_CLASSES = ((0, "no GPU"), (1, "1 GPU"), (2, "2 GPUs"), (4, "3-4 GPUs"), (8, "5-8 GPUs"), (float("inf"), "> 8 GPUs"))
+#: duration groups of `job_class` (the job's isolated duration): (upper end in seconds, label)
+DURATION_CLASSES = ((3600.0, "< 1 h"), (6 * 3600.0, "1-6 h"), (86400.0, "6 h-1 d"), (3 * 86400.0, "1-3 d"), (float("inf"), "> 3 d"))
+
+
+def job_class(job) -> tuple[int, int, str]:
+    """(GPU group, duration group, label) of `job`: its GPU demand (a fraction of a GPU counts as one; a
+    CPU-only stage is "no GPU") and its isolated duration, e.g. (3, 0, "3-4 GPUs, < 1 h")."""
+    g = job.qos.gpu_demand
+    g = 1.0 if 0 < g < 1 else g
+    gi = next(i for i, (top, _) in enumerate(GPU_CLASSES) if g <= top)
+    di = next(i for i, (top, _) in enumerate(DURATION_CLASSES) if job.duration < top)
+    return gi, di, f"{GPU_CLASSES[gi][1]}, {DURATION_CLASSES[di][1]}"
+
+
+def _dsr_by_class(with_dl, met) -> dict[str, dict[str, int]]:
+    counts: dict[tuple[int, int, str], list[int]] = {}
+    for j in with_dl:
+        c = counts.setdefault(job_class(j.job), [0, 0])
+        c[0] += 1
+        c[1] += j.job_id in met
+    return {k[2]: {"jobs": v[0], "met": v[1]} for k, v in sorted(counts.items())}
+
+
 def compute_metrics(res: SimResult) -> Metrics:
     done = [j for j in res.jobs if j.status is JobStatus.DONE]
     jct = np.array([j.finish_time - j.job.submit_time for j in done]) if done else np.array([0.0])
     queue = np.array([(j.first_start if j.first_start is not None else j.finish_time) - j.job.submit_time for j in done]) if done else np.array([0.0])
     slow = np.array([(j.finish_time - j.job.submit_time) / j.job.duration for j in done]) if done else np.array([0.0])
     with_dl = [j for j in res.jobs if j.job.deadline is not None and j.status is not JobStatus.REJECTED]
-    met = sum(1 for j in with_dl if j.status is JobStatus.DONE and j.finish_time <= j.job.deadline + 1e-6)
+    met_ids = {j.job_id for j in with_dl if j.status is JobStatus.DONE and j.finish_time <= j.job.deadline + 1e-6}
+    met = len(met_ids)
     first_submit = min((j.job.submit_time for j in res.jobs), default=0.0)
     last_finish = max((j.finish_time for j in done), default=first_submit)
     makespan = last_finish - first_submit
@@ -100,6 +131,7 @@ def compute_metrics(res: SimResult) -> Metrics:
         sched_seconds=res.sched_seconds,
         decisions=res.decisions,
         gpu_util_by_model=_util_by_model(res, makespan),
+        dsr_by_class=_dsr_by_class(with_dl, met_ids),
     )
 
 

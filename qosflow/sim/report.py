@@ -9,6 +9,10 @@ With several estimators (`--estimator oracle,noisy,learned`), "policies" holds t
 runs (oracle when present), "by_estimator" every run ({"<estimator>": {"<policy>": {...}}}), and
 "estimator_deltas" what each estimator loses against the baseline ({"<estimator>": {"<policy>":
 {"dsr_delta_points": x, "avg_jct_delta_pct": x, ...}}}, see `estimator_deltas`).
+
+Each policy's "dsr_by_class" counts its deadline jobs per class of GPU count and isolated duration
+({"3-4 GPUs, < 1 h": {"jobs": n, "met": m}, ...}; `qosflow.sim.metrics.job_class`); the terminal
+table "Deadlines met by job class" and the plot dsr_by_class.png show the same.
 """
 
 from __future__ import annotations
@@ -91,6 +95,38 @@ def render_table(metrics: Mapping[str, Metrics], bounds: Bounds, title: str = "S
     t.add_row("bound", fmt_seconds(bounds.avg_jct), "", "", fmt_seconds(bounds.makespan), "", bound_dsr, "",
               *([""] if models else []), "", "", style="dim")
     return t
+
+
+def render_class_table(metrics: Mapping[str, Metrics], title: str = "Deadlines met by job class"):
+    """Per class of deadline job (GPU count x isolated duration), how many each policy met; None
+    when no policy had a deadline job."""
+    from rich.table import Table
+
+    classes = _classes(metrics)
+    if not classes:
+        return None
+    t = Table(title=title, header_style="bold",
+              caption="class: GPUs asked for, and the job's duration alone; met / deadline jobs of the class (share)")
+    t.add_column("job class")
+    t.add_column("jobs", justify="right")
+    for name in metrics:
+        t.add_column(name, justify="right")
+    for c in classes:
+        n = max(m.dsr_by_class.get(c, {}).get("jobs", 0) for m in metrics.values())
+        cells = []
+        for m in metrics.values():
+            d = m.dsr_by_class.get(c)
+            cells.append(f"{d['met']} ({d['met'] / d['jobs']:.0%})" if d else "-")
+        t.add_row(c, str(n), *cells)
+    return t
+
+
+def _classes(metrics: Mapping[str, Metrics]) -> list[str]:
+    """The job classes any policy has deadline jobs in, in class order (the metrics keep that order)."""
+    from qosflow.sim.metrics import DURATION_CLASSES, GPU_CLASSES
+
+    order = {f"{g}, {d}": (i, k) for i, (_, g) in enumerate(GPU_CLASSES) for k, (_, d) in enumerate(DURATION_CLASSES)}
+    return sorted({c for m in metrics.values() for c in m.dsr_by_class}, key=lambda c: order.get(c, (99, 99)))
 
 
 #: columns of the per-job CSV (`write_job_tables`); times in seconds of simulated time
@@ -197,6 +233,28 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
         plt.setp(ax.get_xticklabels(), rotation=20)
         fig.tight_layout()
         files.append(out / fname)
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+
+    classes = _classes(metrics)
+    if classes:  # DSR per job class: a group of horizontal bars per class, the first class on top
+        fig, ax = plt.subplots(figsize=(9, min(14.0, 1.5 + 0.1 * len(classes) * max(2, len(names)))))
+        height = 0.8 / max(1, len(names))
+        y = np.arange(len(classes))
+        for i, n in enumerate(names):
+            by = metrics[n].dsr_by_class
+            vals = [by[c]["met"] / by[c]["jobs"] if c in by else 0.0 for c in classes]
+            ax.barh(y + (i - (len(names) - 1) / 2) * height, vals, height, label=n)
+        counts = [max(metrics[n].dsr_by_class.get(c, {}).get("jobs", 0) for n in names) for c in classes]
+        ax.set_yticks(y, [f"{c} ({k} jobs)" for c, k in zip(classes, counts)], fontsize=8)
+        ax.set_ylim(len(classes) - 0.5, -0.5)  # the first class on top, no margin
+        ax.set_xlim(0, 1.0)
+        ax.set_xlabel("deadlines met (share of the class)")
+        ax.set_title("Deadlines met by job class (GPUs asked for, duration alone)")
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        fig.tight_layout()
+        files.append(out / "dsr_by_class.png")
         fig.savefig(files[-1], dpi=120)
         plt.close(fig)
 
