@@ -485,3 +485,15 @@ def test_without_deadlines_the_bound_row_shows_no_dsr_either(capsys):
     rows = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]] for ln in capsys.readouterr().out.splitlines()
             if ln.startswith("│")}
     assert rows["bound"][dsr].endswith("%"), rows  # with deadlines, as before
+
+
+def test_the_class_table_keeps_one_line_per_class_with_every_policy(capsys):
+    """With the nine policies side by side the class table is wider than the 120 columns the summary
+    uses; its cells wrapped ('27' over '(100%)') until it was printed as wide as it needs."""
+    assert main(["simulate", "--jobs", "40", "--cluster", "2x4", "--no-plots", "--parallel", "1",
+                 "--policies", "fifo,sjf,srtf,tiresias,sjf-ffs,sjf-bsbf,genie,gavel,qosflow"]) == 0
+    text = capsys.readouterr().out
+    part = text[text.index("Deadlines met by job class"):]
+    rows = [ln for ln in part.splitlines() if ln.startswith("│")]
+    assert rows and all(ln.split("│")[1].strip() for ln in rows), rows  # no continuation line (empty class cell)
+    assert all(ln.count("%)") == 9 for ln in rows), rows

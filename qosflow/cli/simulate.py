@@ -147,8 +147,11 @@ def register(app: typer.Typer) -> None:
         bounds = compute_bounds(wl.jobs, spec, speed)
         console.print(render_table(metrics, bounds, title=f"{wl.name} on {spec.name}"))
         by_class = render_class_table(metrics)
-        if by_class is not None:
-            console.print(by_class)
+        if by_class is not None:  # one line per class, however many policies: as wide as it needs
+            from rich.measure import Measurement
+
+            need = Measurement.get(console, console.options.update(width=100_000), by_class).maximum
+            (console if need <= console.width else Console(width=need)).print(by_class)
         baseline = "oracle" if "oracle" in by_est else next(iter(by_est))
         if len(kinds) > 1:
             console.print(render_estimator_table(by_est, baseline, title=f"QoS lost to prediction error (vs {baseline})"))

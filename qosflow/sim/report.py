@@ -107,10 +107,10 @@ def render_class_table(metrics: Mapping[str, Metrics], title: str = "Deadlines m
         return None
     t = Table(title=title, header_style="bold",
               caption="class: GPUs asked for, and the job's duration alone; met / deadline jobs of the class (share)")
-    t.add_column("job class")
-    t.add_column("jobs", justify="right")
+    t.add_column("job class", no_wrap=True)
+    t.add_column("jobs", justify="right", no_wrap=True)
     for name in metrics:
-        t.add_column(name, justify="right")
+        t.add_column(name, justify="right", no_wrap=True)
     for c in classes:
         n = max(m.dsr_by_class.get(c, {}).get("jobs", 0) for m in metrics.values())
         cells = []
