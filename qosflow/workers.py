@@ -11,7 +11,8 @@ to worker processes at once and give the same results. Two rules shared by both:
   before a progress bar that redraws from a thread of its own.
 
 Workers ignore Ctrl-C: it reaches the whole process group, and the parent stops them
-(`Pool.terminate`) rather than each printing a traceback of its own.
+(`Pool.terminate`) rather than each printing a traceback of its own. SIGTERM, which that sends, kills
+a worker whatever handler a forked one inherited.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def remote_runs(runs: Sequence[T], workers: int, movable: Callable[[T], bool]) -
 
 def _init(initializer: Callable[..., None], args: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM is how `Pool.terminate` stops a worker. A forked worker inherits the parent's handler, and
+    # one that returns (uvicorn's, which only sets a flag) left a worker idle on the task queue alive
+    # for ever, and the parent's terminate waiting for it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     initializer(*args)
 
 

@@ -123,3 +123,27 @@ def test_simulate_refuses_parallel_zero(capsys):
     assert main(["simulate", "--jobs", "10", "--parallel", "0", "--no-plots"]) == 2
     err = capsys.readouterr().err
     assert "--parallel" in err and "at least 1" in err
+
+
+def test_forked_workers_die_on_sigterm_whatever_handler_they_inherited():
+    """A forked worker inherits the parent's SIGTERM handler, and `Pool.terminate` stops workers with
+    SIGTERM. With a handler that returns (uvicorn's only sets a flag; a test serving an app in the main
+    thread, or a user's process, may have one) a worker that lost the race for the task queue's lock to
+    the terminating parent stayed blocked on it for ever, and the parent's join with it: a full test
+    run hung in this file's fork test until the worker was killed by hand. Workers now reset SIGTERM to
+    its default first. Checked in a process of its own, with such a handler installed before the fork."""
+    import subprocess
+    import sys
+
+    script = (
+        "import signal\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: None)  # returns, as uvicorn's handle_exit does\n"
+        "from qosflow.workers import start_pool\n"
+        "def init(queue): pass\n"
+        "def disposition(): return repr(signal.getsignal(signal.SIGTERM))\n"
+        "pool, queue, method = start_pool(2, init, (), 'fork')\n"
+        "print(method, pool.apply(disposition))\n"
+        "pool.terminate(); pool.join()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "fork <Handlers.SIG_DFL: 0>", (proc.stdout, proc.stderr)

@@ -64,124 +64,138 @@ def run_demo(
     if port is None:
         port = 4200 if ui and _port_free(4200) else free_port()
     policy_name = choose_policy(policy)
-    _exit_on_sigterm()
-    server = LocalServer(home_p / "prefect", port, ui=ui, database_url=database_url)
-    where = "PostgreSQL" if database_url else f"SQLite in {server.home}"
-    with console.status(f"starting a local Prefect server ({where}, UI {'on' if ui else 'off'})..."):
-        server.start()
-    worker = None
+    previous = _exit_on_sigterm()
     try:
-        server.apply_env()
-        quiet_console_logs()
-        from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
+        server = LocalServer(home_p / "prefect", port, ui=ui, database_url=database_url)
+        where = "PostgreSQL" if database_url else f"SQLite in {server.home}"
+        with console.status(f"starting a local Prefect server ({where}, UI {'on' if ui else 'off'})..."):
+            server.start()
+        worker = None
+        try:
+            server.apply_env()
+            quiet_console_logs()
+            from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
 
-        from qosflow.paths import repo_root
+            from qosflow.paths import repo_root
 
-        if cluster_file:
-            cluster = BareMetalGPUCluster.from_cluster_file(cluster_file)
-        else:
-            cluster = BareMetalGPUCluster.virtual(hosts, gpus_per_host, cpu_cores=cores_per_host)
-        # stage processes import flows.retrain: on agents they run with the agent's environment plus this
-        stage_env = {"PYTHONPATH": os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p)}
-        with console.status("registering blocks, the qosflow pool and its stage deployment..."):
-            info = asyncio.run(setup_pool(POOL, cluster=cluster, cluster_block="demo-cluster", policy=QoSPolicy(policy=policy_name), policy_block="demo-policy",
-                                          stream_output=False, env=stage_env))
-        console.print(f"[bold]Prefect UI[/]: {server.ui_url}" if ui else f"Prefect API: {server.api_url} (no UI)")
-        if not cluster_file:
-            console.print(
-                f"pool [cyan]{POOL}[/] (type qosflow), cluster block [cyan]{info['cluster_block']}[/]: {hosts} hosts x {gpus_per_host} "
-                f"[yellow]virtual GPUs[/] (no GPU: NVML not used), {cores_per_host:g} cores each; policy [cyan]{policy_name}[/]"
-            )
-        worker = WorkerThread(POOL).wait_ready(120)
-        note = worker.worker.inventory_note if worker.worker else ""
-        inv = worker.worker.scheduler.cluster if worker.worker and worker.worker.scheduler else None
-        virtual = True if inv is None else any(n.virtual for n in inv.nodes)
-        if cluster_file and inv is not None:
-            hosts, gpus_per_host = len(inv.nodes), max(n.gpus for n in inv.nodes)
-            cores_per_host = max(n.cpu_cores for n in inv.nodes)
-            gpu_word = "[yellow]virtual GPUs[/]" if virtual else "GPUs (NVML)"
-            console.print(
-                f"pool [cyan]{POOL}[/] (type qosflow), cluster file [cyan]{cluster_file}[/] through the agents: "
-                + ", ".join(f"{n.name} ({n.gpus} {gpu_word}, {n.cpu_cores:g} cores, {n.address})" for n in inv.nodes)
-                + f"; policy [cyan]{policy_name}[/]"
-            )
-        if note:
-            console.print(f"[dim]{note}[/]")
+            if cluster_file:
+                cluster = BareMetalGPUCluster.from_cluster_file(cluster_file)
+            else:
+                cluster = BareMetalGPUCluster.virtual(hosts, gpus_per_host, cpu_cores=cores_per_host)
+            # stage processes import flows.retrain: on agents they run with the agent's environment plus this
+            stage_env = {"PYTHONPATH": os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p)}
+            with console.status("registering blocks, the qosflow pool and its stage deployment..."):
+                info = asyncio.run(setup_pool(POOL, cluster=cluster, cluster_block="demo-cluster", policy=QoSPolicy(policy=policy_name), policy_block="demo-policy",
+                                              stream_output=False, env=stage_env))
+            console.print(f"[bold]Prefect UI[/]: {server.ui_url}" if ui else f"Prefect API: {server.api_url} (no UI)")
+            if not cluster_file:
+                console.print(
+                    f"pool [cyan]{POOL}[/] (type qosflow), cluster block [cyan]{info['cluster_block']}[/]: {hosts} hosts x {gpus_per_host} "
+                    f"[yellow]virtual GPUs[/] (no GPU: NVML not used), {cores_per_host:g} cores each; policy [cyan]{policy_name}[/]"
+                )
+            worker = WorkerThread(POOL).wait_ready(120)
+            note = worker.worker.inventory_note if worker.worker else ""
+            inv = worker.worker.scheduler.cluster if worker.worker and worker.worker.scheduler else None
+            virtual = True if inv is None else any(n.virtual for n in inv.nodes)
+            if cluster_file and inv is not None:
+                hosts, gpus_per_host = len(inv.nodes), max(n.gpus for n in inv.nodes)
+                cores_per_host = max(n.cpu_cores for n in inv.nodes)
+                gpu_word = "[yellow]virtual GPUs[/]" if virtual else "GPUs (NVML)"
+                console.print(
+                    f"pool [cyan]{POOL}[/] (type qosflow), cluster file [cyan]{cluster_file}[/] through the agents: "
+                    + ", ".join(f"{n.name} ({n.gpus} {gpu_word}, {n.cpu_cores:g} cores, {n.address})" for n in inv.nodes)
+                    + f"; policy [cyan]{policy_name}[/]"
+                )
+            if note:
+                console.print(f"[dim]{note}[/]")
 
-        os.environ["QOSFLOW_POOL"] = POOL
-        from flows.retrain import retrain
-        from qosflow.prefect.tasks import PipelineRun
+            os.environ["QOSFLOW_POOL"] = POOL
+            from flows.retrain import retrain
+            from qosflow.prefect.tasks import PipelineRun
 
-        results: dict[str, Any] = {}
-        errors: dict[str, BaseException] = {}
+            results: dict[str, Any] = {}
+            errors: dict[str, BaseException] = {}
 
-        def one(name: str, prio: str, deadline: float | None, hidden: int) -> None:
-            try:
-                f = retrain.with_options(flow_run_name=name)
-                results[name] = f(name=name, hidden=hidden, qos_deadline=deadline, qos_priority=prio)
-            except BaseException as exc:  # reported below
-                errors[name] = exc
+            def one(name: str, prio: str, deadline: float | None, hidden: int) -> None:
+                try:
+                    f = retrain.with_options(flow_run_name=name)
+                    results[name] = f(name=name, hidden=hidden, qos_deadline=deadline, qos_priority=prio)
+                except BaseException as exc:  # reported below
+                    errors[name] = exc
 
-        t0 = time.time()
-        threads = [threading.Thread(target=one, args=p, name=f"pipeline-{p[0]}") for p in PIPELINES]
-        for p in PIPELINES:
-            console.print(f"  pipeline [bold]{p[0]}[/]: class {p[1]}, deadline {('%gs' % p[2]) if p[2] else 'none'}")
-        for t in threads:
-            t.start()
-        with console.status("running three pipelines through the qosflow worker...") as st:
-            while any(t.is_alive() for t in threads):
-                sched = worker.worker.scheduler if worker.worker else None
-                if sched is not None:
-                    st.update(
-                        f"running three pipelines: {len(sched.running())} stages placed, {len(sched.queued())} in the QoS queue, "
-                        f"{len(worker.worker.records)} done ({time.time() - t0:.0f}s)"
-                    )
-                time.sleep(0.5)
-        runs = {r.name: r for r in PipelineRun.finished}
-        report = {"pipelines": [], "policy": policy_name, "cluster": {"hosts": hosts, "gpus_per_host": gpus_per_host, "cores_per_host": cores_per_host, "virtual_gpus": virtual, "file": cluster_file,
-                               "backend": worker.worker._backend.name if worker.worker and worker.worker._backend else None}, "ui": server.ui_url if ui else None, "elapsed_s": round(time.time() - t0, 2),
-                  "server_database": "postgresql" if database_url else "sqlite"}
-        for name, prio, deadline, _ in PIPELINES:
-            r = runs.get(name)
-            s = r.summary() if r else {"name": name, "deadline": deadline, "finished_at": None, "met": False, "stages": [], "state": "failed"}
-            s["priority"] = prio
-            s["result"] = _jsonable(results.get(name))
-            if name in errors:
-                s["error"] = f"{type(errors[name]).__name__}: {errors[name]}"
-            report["pipelines"].append(s)
-        report["coda_decisions"] = list(worker.worker.scheduler.decisions) if worker.worker and worker.worker.scheduler else []
-        report["max_stages_per_gpu"] = _max_per_gpu(report)
-        print_report(report, console)
-        if json_out:
-            Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_out).write_text(json.dumps(report, indent=2, default=str))
-            console.print(f"wrote {json_out}")
-        console.print(f"what the predictor learned from these stages (it plans the next runs with it): "
-                      f"QOSFLOW_HOME={os.environ['QOSFLOW_HOME']} qosflow predict stages")
-        if ui and keep_open:
-            console.print(f"\n[bold green]Prefect UI: {server.ui_url}[/]  (flow runs, placements as labels, artifacts, events). Ctrl-C to stop.")
-            try:
-                while True:
-                    time.sleep(3600)
-            except KeyboardInterrupt:
-                console.print("stopping")
-        return report
+            t0 = time.time()
+            threads = [threading.Thread(target=one, args=p, name=f"pipeline-{p[0]}") for p in PIPELINES]
+            for p in PIPELINES:
+                console.print(f"  pipeline [bold]{p[0]}[/]: class {p[1]}, deadline {('%gs' % p[2]) if p[2] else 'none'}")
+            for t in threads:
+                t.start()
+            with console.status("running three pipelines through the qosflow worker...") as st:
+                while any(t.is_alive() for t in threads):
+                    sched = worker.worker.scheduler if worker.worker else None
+                    if sched is not None:
+                        st.update(
+                            f"running three pipelines: {len(sched.running())} stages placed, {len(sched.queued())} in the QoS queue, "
+                            f"{len(worker.worker.records)} done ({time.time() - t0:.0f}s)"
+                        )
+                    time.sleep(0.5)
+            runs = {r.name: r for r in PipelineRun.finished}
+            report = {"pipelines": [], "policy": policy_name, "cluster": {"hosts": hosts, "gpus_per_host": gpus_per_host, "cores_per_host": cores_per_host, "virtual_gpus": virtual, "file": cluster_file,
+                                   "backend": worker.worker._backend.name if worker.worker and worker.worker._backend else None}, "ui": server.ui_url if ui else None, "elapsed_s": round(time.time() - t0, 2),
+                      "server_database": "postgresql" if database_url else "sqlite"}
+            for name, prio, deadline, _ in PIPELINES:
+                r = runs.get(name)
+                s = r.summary() if r else {"name": name, "deadline": deadline, "finished_at": None, "met": False, "stages": [], "state": "failed"}
+                s["priority"] = prio
+                s["result"] = _jsonable(results.get(name))
+                if name in errors:
+                    s["error"] = f"{type(errors[name]).__name__}: {errors[name]}"
+                report["pipelines"].append(s)
+            report["coda_decisions"] = list(worker.worker.scheduler.decisions) if worker.worker and worker.worker.scheduler else []
+            report["max_stages_per_gpu"] = _max_per_gpu(report)
+            print_report(report, console)
+            if json_out:
+                Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+                Path(json_out).write_text(json.dumps(report, indent=2, default=str))
+                console.print(f"wrote {json_out}")
+            console.print(f"what the predictor learned from these stages (it plans the next runs with it): "
+                          f"QOSFLOW_HOME={os.environ['QOSFLOW_HOME']} qosflow predict stages")
+            if ui and keep_open:
+                console.print(f"\n[bold green]Prefect UI: {server.ui_url}[/]  (flow runs, placements as labels, artifacts, events). Ctrl-C to stop.")
+                try:
+                    while True:
+                        time.sleep(3600)
+                except KeyboardInterrupt:
+                    console.print("stopping")
+            return report
+        finally:
+            if worker is not None:
+                worker.stop()
+            drain_prefect()
+            server.stop()
     finally:
-        if worker is not None:
-            worker.stop()
-        drain_prefect()
-        server.stop()
+        _restore_sigterm(previous)  # (a caller in this process keeps its own handler)
 
 
-def _exit_on_sigterm() -> None:
+def _exit_on_sigterm() -> Any:
     """SIGTERM (a process manager, `timeout`, `kill`) ends the demo as Ctrl-C does: through its
     `finally`, which stops the worker and the Prefect server. Python's default ends the process at
-    once, and the server (its own session) ran on with nothing to stop it."""
+    once, and the server (its own session) ran on with nothing to stop it. Returns the handler it
+    replaced (None off the main thread, where it installs none), for `_restore_sigterm`."""
     import signal
     import sys
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        return signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return None
+
+
+def _restore_sigterm(previous: Any) -> None:
+    """Put back the SIGTERM handler `_exit_on_sigterm` replaced. Left installed, it outlived the demo in
+    the calling process (a test run, a notebook): processes forked later inherited it."""
+    import signal
+
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _port_free(port: int) -> bool:
