@@ -206,7 +206,6 @@ class GavelPolicy(Policy):
             self._spec, self._node_models, self._type_list, self._ti = st.spec, node_models, types, ti
         up = ~st.down
         cap = np.bincount(self._ti[up], weights=st.gpu_count[up].astype(float), minlength=len(self._type_list))
-        self._cap = cap
         return self._node_models, self._type_list, cap
 
     def _free(self, st) -> dict[str, float]:
@@ -263,13 +262,14 @@ class GavelPolicy(Policy):
         self._lp_key = key
         self.lp_solves += 1
 
-    def _too_wide(self, js: JobState, types: list[str], cap: np.ndarray) -> bool:
+    def _too_wide(self, js: JobState, cap: np.ndarray) -> bool:
         """Is `js` a gang wider than every GPU type it may use (8 GPUs on a 4:4:4 cluster)? Gavel places
         each job on one type, so it could never run: it spans types instead (at its slowest GPU's pace),
         on GPUs left over, least attained service first -- our choice, the paper's clusters had no such
         job. (Without it a simulation with one waited for ever, a round every 360 s.)"""
         g = js.job.qos.gpu_demand
-        return not js.job.qos.fractional and all(g > c + 1e-9 for t, c in zip(types, cap.tolist()) if js.job.qos.accepts_gpu_model(t))
+        return not js.job.qos.fractional and all(g > c + 1e-9 for t, c in zip(self._type_list, cap.tolist())
+                                                 if js.job.qos.accepts_gpu_model(t))
 
     def _on_type(self, job: Job, model: str) -> Job:
         """`job` restricted to GPUs of `model` (for the placement search); `SPAN`: the job as it is."""
@@ -371,15 +371,15 @@ class GavelPolicy(Policy):
                     if js.job_id in chosen:
                         continue
                     g = js.job.qos.gpu_demand
-                    for t in fastest_types(js):
+                    ts = fastest_types(js)
+                    for t in ts:
                         if g <= free[t] + 1e-9:
                             chosen[js.job_id] = t
                             free[t] -= g
                             order.append(js.job_id)
                             break
                     else:
-                        ts = fastest_types(js)
-                        if self._too_wide(js, types, cap) and sum(free[t] for t in ts) >= g - 1e-9:
+                        if self._too_wide(js, cap) and sum(free[t] for t in ts) >= g - 1e-9:
                             chosen[js.job_id] = SPAN  # over several types, the fastest first
                             order.append(js.job_id)
                             for t in ts:
@@ -407,7 +407,7 @@ class GavelPolicy(Policy):
                     started.add(jid)
             # fragmentation: GPUs the counting gave away but placement could not use
             waiting = [js for js in las if js.job_id not in started and (not js.running or js.job_id in preempted)]
-            self._fill(st, d, search, waiting, fastest_types, started)
+            self._fill(st, d, search, waiting, fastest_types, started, cap)
             for js in waiting:
                 if js.job_id not in started:
                     d.notes.setdefault(js.job_id, "waiting: lower Gavel priority this round than the jobs running")
@@ -432,14 +432,16 @@ class GavelPolicy(Policy):
                     free = self._free(st)
             rest = sorted((js for js in waiting if js.job_id not in started),
                           key=lambda js: (js.gpu_attained, js.job.submit_time, js.job_id))
-            self._fill(st, d, search, rest, fastest_types, started)
+            self._fill(st, d, search, rest, fastest_types, started, cap)
         for js in waiting:
             if js.job_id not in started:
                 d.notes.setdefault(js.job_id, f"waiting: for the next Gavel round ({self.round_seconds:g} s)")
         return d
 
-    def _fill(self, st, d: Decision, search: ExclusiveSearch, jobs: list[JobState], fastest_types, started: set[str]) -> None:
-        """Start `jobs` (in order) wherever GPUs are free, on their fastest type with room."""
+    def _fill(self, st, d: Decision, search: ExclusiveSearch, jobs: list[JobState], fastest_types, started: set[str],
+              cap: np.ndarray) -> None:
+        """Start `jobs` (in order) wherever GPUs are free, on their fastest type with room (`cap`: GPUs per
+        type on nodes that are up, for gangs wider than every type, `_too_wide`)."""
         free = self._free(st)
         for js in jobs:
             if js.job_id in started:
@@ -472,7 +474,7 @@ class GavelPolicy(Policy):
                     free = self._free(st)
                     break
             else:
-                if self._too_wide(js, self._type_list, self._cap) and sum(free[t] for t in ts) >= q.gpus:
+                if self._too_wide(js, cap) and sum(free[t] for t in ts) >= q.gpus:
                     p = search(st, js.job)
                     if p is not None:
                         st.allocate(p, q)
