@@ -50,9 +50,9 @@ def remote_runs(runs: Sequence[T], workers: int, movable: Callable[[T], bool]) -
 
 def _init(initializer: Callable[..., None], args: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM is how `Pool.terminate` stops a worker. A forked worker inherits the parent's handler, and
-    # one that returns (uvicorn's, which only sets a flag) left a worker idle on the task queue alive
-    # for ever, and the parent's terminate waiting for it.
+    # SIGTERM is how `Pool.terminate` stops a worker. A forked worker inherits the parent's handler; one
+    # that returns (uvicorn's only sets a flag) keeps the worker alive, and terminate's join waits for it
+    # (a test run hung so once: a worker idle on the task queue's lock after terminate).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     initializer(*args)
 

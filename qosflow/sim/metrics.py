@@ -83,7 +83,16 @@ def job_class(job) -> tuple[int, int, str]:
     g = 1.0 if 0 < g < 1 else g
     gi = next(i for i, (top, _) in enumerate(GPU_CLASSES) if g <= top)
     di = next(i for i, (top, _) in enumerate(DURATION_CLASSES) if job.duration < top)
-    return gi, di, f"{GPU_CLASSES[gi][1]}, {DURATION_CLASSES[di][1]}"
+    return gi, di, class_label(gi, di)
+
+
+def class_label(gi: int, di: int) -> str:
+    """The label of GPU group `gi` and duration group `di`, e.g. "3-4 GPUs, < 1 h"."""
+    return f"{GPU_CLASSES[gi][1]}, {DURATION_CLASSES[di][1]}"
+
+
+#: label -> (GPU group, duration group): the order classes are listed in
+CLASS_ORDER = {class_label(gi, di): (gi, di) for gi in range(len(GPU_CLASSES)) for di in range(len(DURATION_CLASSES))}
 
 
 def _dsr_by_class(with_dl, met) -> dict[str, dict[str, int]]:

@@ -112,7 +112,7 @@ def render_class_table(metrics: Mapping[str, Metrics], title: str = "Deadlines m
     for name in metrics:
         t.add_column(name, justify="right", no_wrap=True)
     for c in classes:
-        n = max(m.dsr_by_class.get(c, {}).get("jobs", 0) for m in metrics.values())
+        n = _class_jobs(metrics, c)
         cells = []
         for m in metrics.values():
             d = m.dsr_by_class.get(c)
@@ -122,11 +122,15 @@ def render_class_table(metrics: Mapping[str, Metrics], title: str = "Deadlines m
 
 
 def _classes(metrics: Mapping[str, Metrics]) -> list[str]:
-    """The job classes any policy has deadline jobs in, in class order (the metrics keep that order)."""
-    from qosflow.sim.metrics import DURATION_CLASSES, GPU_CLASSES
+    """The job classes any policy has deadline jobs in, in class order."""
+    from qosflow.sim.metrics import CLASS_ORDER
 
-    order = {f"{g}, {d}": (i, k) for i, (_, g) in enumerate(GPU_CLASSES) for k, (_, d) in enumerate(DURATION_CLASSES)}
-    return sorted({c for m in metrics.values() for c in m.dsr_by_class}, key=lambda c: order.get(c, (99, 99)))
+    return sorted({c for m in metrics.values() for c in m.dsr_by_class}, key=lambda c: CLASS_ORDER.get(c, (99, 99)))
+
+
+def _class_jobs(metrics: Mapping[str, Metrics], c: str) -> int:
+    """How many deadline jobs class `c` holds (the most any policy counted: they run the same workload)."""
+    return max(m.dsr_by_class.get(c, {}).get("jobs", 0) for m in metrics.values())
 
 
 #: columns of the per-job CSV (`write_job_tables`); times in seconds of simulated time
@@ -245,7 +249,7 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
             by = metrics[n].dsr_by_class
             vals = [by[c]["met"] / by[c]["jobs"] if c in by else 0.0 for c in classes]
             ax.barh(y + (i - (len(names) - 1) / 2) * height, vals, height, label=n)
-        counts = [max(metrics[n].dsr_by_class.get(c, {}).get("jobs", 0) for n in names) for c in classes]
+        counts = [_class_jobs(metrics, c) for c in classes]
         ax.set_yticks(y, [f"{c} ({k} jobs)" for c, k in zip(classes, counts)], fontsize=8)
         ax.set_ylim(len(classes) - 0.5, -0.5)  # the first class on top, no margin
         ax.set_xlim(0, 1.0)
