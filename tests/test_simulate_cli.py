@@ -376,6 +376,7 @@ def test_deadlines_met_by_job_class_add_up_to_the_dsr(tmp_path, capsys):
     from qosflow.core.job import Job
     from qosflow.core.qos import QoSSpec
     from qosflow.sim.metrics import job_class
+    from qosflow.sim.runner import resolve_workload
 
     out = tmp_path / "res.json"
     assert main(["simulate", "--trace", "synthetic", "--jobs", "80", "--cluster", "2x4", "--policies", "sjf,qosflow",
@@ -386,8 +387,7 @@ def test_deadlines_met_by_job_class_add_up_to_the_dsr(tmp_path, capsys):
     assert (tmp_path / "o" / "dsr_by_class.png").stat().st_size > 1000
     table = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]] for ln in text.splitlines()
              if ln.startswith("│") and "GPU" in ln.split("│")[1]}
-    jobs = {r.job_id: r for r in __import__("qosflow.sim.runner", fromlist=["x"]).resolve_workload(
-        "synthetic", None, "2x4", seed=2, jobs=80)[0].jobs}
+    jobs = {r.job_id: r for r in resolve_workload("synthetic", None, "2x4", seed=2, jobs=80)[0].jobs}
     for col, name in enumerate(("sjf", "qosflow"), start=1):
         by = data["policies"][name]["dsr_by_class"]
         assert sum(c["jobs"] for c in by.values()) == data["policies"][name]["deadline_jobs"] > 0
