@@ -40,6 +40,7 @@ def register(app: typer.Typer) -> None:
         failures: float = typer.Option(0.0, "--failures", help="share of jobs that fail part-way and are retried (Philly: ~0.3)"),
         deadline_share: float = typer.Option(0.5, "--deadline-share", help="share of jobs given a deadline (traces carry none)"),
         jobs: Optional[int] = typer.Option(None, "--jobs", help="number of jobs of the synthetic workload (default: 400); traces are simulated whole. The synthetic load is 1.0 in the steady-state sense: with far fewer than ~6 jobs per GPU most of the work (the long jobs') runs after the last arrival and jobs hardly queue (a note says so)"),
+        min_gpus_share: Optional[float] = typer.Option(None, "--min-gpus-share", help="let every job of 2+ GPUs start on as few as this share of them (0.5: an 8-GPU job on 4, with 2 steps of gradient accumulation, at half speed), as a stage declaring @qos_task(min_gpus=...) may; the qosflow policy does so for a deadline job when its full width is not free. Traces record no such thing: this is an assumption about the jobs (default: every job rigid)"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots"),
         settings: Optional[list[str]] = typer.Option(None, "--set", help="a policy option, POLICY.OPTION=VALUE (repeatable), e.g. --set qosflow.express_share=0.125"),
         parallel: Optional[int] = typer.Option(None, "--parallel", help="simulations run at once, each in a process of its own (default: one per CPU core, at most one per run, except for small batches: under 2,000 jobs x runs they run in this process; 1: one after another in this process). Results are the same either way; policies registered from your own code run in this process"),
@@ -82,10 +83,12 @@ def register(app: typer.Typer) -> None:
             raise SpecError("--failures", f"must be a share of jobs in [0, 1] (Philly: ~0.3), got {failures!r}")
         if not 0 <= deadline_share <= 1:  # was "invalid deadline_share", once the trace had loaded
             raise SpecError("--deadline-share", f"must be a share of jobs in [0, 1] (0.5: half get a deadline), got {deadline_share!r}")
+        if min_gpus_share is not None and not 0 < min_gpus_share <= 1:
+            raise SpecError("--min-gpus-share", f"must be a share of a job's GPUs in (0, 1] (0.5: an 8-GPU job may start on 4), got {min_gpus_share!r}")
         if parallel is not None and parallel < 1:
             raise SpecError("--parallel", f"must be at least 1 (1: one run after another), got {parallel}")
         cfg = SimConfig(seed=seed, failure_share=failures)
-        wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs)
+        wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs, min_gpus_share=min_gpus_share)
         speed = default_speed_model()
         console.print(
             f"[bold]{wl.name}[/]: {len(wl.jobs)} jobs on {spec.name} ({len(spec.nodes)} nodes, {spec.num_gpus} GPUs); "
@@ -157,6 +160,7 @@ def register(app: typer.Typer) -> None:
             console.print(render_estimator_table(by_est, baseline, title=f"QoS lost to prediction error (vs {baseline})"))
         extra = {
             "workload": {"name": wl.name, "jobs": len(wl.jobs), "rejected": [{"job": j, "reason": r} for j, r in wl.rejected],
+                         "min_gpus_share": min_gpus_share,
                          **({"offered_load": offered.to_json()} if offered is not None else {})},
             "cluster": {"name": spec.name, "nodes": len(spec.nodes), "gpus": spec.num_gpus},
             "estimator": estimator,

@@ -419,7 +419,12 @@ class ClusterState:
         n_nodes = self.num_nodes
         if p.job_id in self.allocs:
             raise PlacementError(f"job {p.job_id!r} is already placed")
-        if len(p.gpus) != qos.gpus:
+        if len(p.gpus) != qos.gpus and (qos.min_gpus is None or len(p.gpus) not in qos.widths):
+            if qos.min_gpus is not None:
+                raise PlacementError(
+                    f"job {p.job_id!r} asks for {qos.gpus} GPUs and may start on {', '.join(map(str, qos.widths))}; "
+                    f"placement gives {len(p.gpus)}"
+                )
             raise PlacementError(f"job {p.job_id!r} asks for {qos.gpus} GPUs, placement gives {len(p.gpus)} (gang all-or-nothing)")
         if len(set(p.gpus)) != len(p.gpus):
             raise PlacementError(f"job {p.job_id!r}: a GPU is listed twice")

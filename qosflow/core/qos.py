@@ -77,6 +77,13 @@ class QoSSpec:
 
     `gpu_model` restricts the job to nodes of that GPU model; several accepted models are separated
     by `|` (`"A100|H100"`, as Alibaba's `gpu_spec` lists them). None accepts any model.
+
+    `min_gpus` (elastic start, None: rigid) lets a multi-GPU job start on fewer GPUs than `gpus` when
+    the full width is not free: on `w` GPUs, `w` a divisor of `gpus` and at least `min_gpus`, with
+    `gpus / w` steps of gradient accumulation per optimizer step, so the global batch -- and with it
+    the convergence -- stays as declared, at about `w / gpus` of the speed. The width is fixed at the
+    start; the stage reads it from `QOSFLOW_GPUS` and `QOSFLOW_GRAD_ACCUMULATION`
+    (`qosflow.accumulation_steps()`).
     """
 
     gpus: int = 1
@@ -91,6 +98,7 @@ class QoSSpec:
     shareable: bool = False
     gang: bool = True
     gpu_model: str | None = None
+    min_gpus: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +148,13 @@ class QoSSpec:
             raise bad("min_throughput", f"must be a positive rate (steps/s), got {self.min_throughput!r}")
         if self.shareable and self.gpus == 0:
             raise bad("shareable", "a CPU-only stage (gpus=0) has no GPU to share")
+        if self.min_gpus is not None:
+            if isinstance(self.min_gpus, bool) or not isinstance(self.min_gpus, int):
+                raise bad("min_gpus", f"must be a whole number of GPUs, got {self.min_gpus!r}")
+            if self.gpus < 1 or self.fractional:
+                raise bad("min_gpus", f"only a job of whole GPUs can start on fewer of them (gpus={self.gpus}, gpu_milli={self.gpu_milli})")
+            if not 1 <= self.min_gpus <= self.gpus:
+                raise bad("min_gpus", f"must be in 1..gpus ({self.gpus}), got {self.min_gpus}")
         if self.gpu_model is not None:
             if not isinstance(self.gpu_model, str):
                 raise bad("gpu_model", f"must be a GPU model name (or several separated by '|'), got {self.gpu_model!r}")
@@ -155,6 +170,24 @@ class QoSSpec:
 
     def accepts_gpu_model(self, model: str) -> bool:
         return self.gpu_model is None or model.lower() in {m.lower() for m in self.gpu_model.split("|")}
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The GPU counts the job may start on, widest first: `gpus`, and with `min_gpus` every smaller
+        divisor of `gpus` down to it (gradient accumulation needs a whole number of steps)."""
+        if self.min_gpus is None or self.min_gpus >= self.gpus:
+            return (self.gpus,)
+        return tuple(w for w in range(self.gpus, self.min_gpus - 1, -1) if self.gpus % w == 0)
+
+    def narrowed(self, width: int) -> "QoSSpec":
+        """This request on `width` of its GPUs (one of `widths`): CPU cores and host memory in
+        proportion, GPU memory per GPU as declared (each GPU runs the same per-GPU batch)."""
+        if width == self.gpus:
+            return self
+        if width not in self.widths:
+            raise SpecError("min_gpus", f"{width} GPUs is not a width this job may start on ({', '.join(map(str, self.widths))})")
+        f = width / self.gpus
+        return replace(self, gpus=width, cpu_cores=self.cpu_cores * f, mem_mb=self.mem_mb * f, min_gpus=None)
 
     @property
     def fractional(self) -> bool:
@@ -187,6 +220,8 @@ class QoSSpec:
             "gang": self.gang,
             "gpu_model": self.gpu_model,
         }
+        if self.min_gpus is not None:
+            d["min_gpus"] = self.min_gpus
         if self.extra:
             d["extra"] = dict(self.extra)
         return d

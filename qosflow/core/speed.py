@@ -69,6 +69,14 @@ def profile_pair_slowdown(pa: Sequence[float], pb: Sequence[float]) -> tuple[flo
     return max(1.0, round_time / ta), max(1.0, round_time / tb)
 
 
+def width_fraction(job: Job, placement: Placement) -> float:
+    """The share of its declared GPUs an elastic job (`QoSSpec.min_gpus`) started on: width / gpus,
+    1.0 for a job on all of them (and for fractional and CPU-only placements)."""
+    g = job.qos.gpus
+    w = len(placement.gpus)
+    return w / g if 0 < w < g and placement.gpu_milli >= 1000 else 1.0
+
+
 class SpeedModel:
     """The true speed of jobs in the simulator; also the basis of the oracle estimator."""
 
@@ -182,12 +190,19 @@ class SpeedModel:
             for other in co_runners:
                 worst = max(worst, self.pair_slowdown(job, other)[0])
             r /= worst
-        if job.qos.gpus > 1:
+        width = len(placement.gpus)
+        f = width_fraction(job, placement)
+        if width > 1:
             n_nodes = len({n for n, _ in placement.gpus})
-            min_nodes = -(-job.qos.gpus // max(1, gpus_per_node))
+            min_nodes = -(-width // max(1, gpus_per_node))
             r /= self.spread_slowdown(job, n_nodes, min_nodes)
         if placement.cpu:
-            r *= self.cpu_factor(job, placement.cpu_cores)
+            # (on fewer GPUs than asked for, the cores that feed them are fewer in proportion)
+            r *= self.cpu_factor(job, placement.cpu_cores / f)
+        # an elastic start on fewer GPUs: each optimizer step accumulates gpus / width passes of the same
+        # per-GPU batch, so the job runs at width / gpus of its speed (no credit taken for the gradient
+        # exchange it saves)
+        r *= f
         if placement.sub_batch is not None:
             # gradient accumulation with smaller sub-batches costs a little GPU efficiency (SJF-BSBF measured
             # a few per cent); one small-batch pass per accumulation step

@@ -76,7 +76,8 @@ NOT_TRACES = (
 )
 
 
-def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: int = 0, deadline_share: float = 0.5, jobs: int | None = None):
+def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: int = 0, deadline_share: float = 0.5, jobs: int | None = None,
+                     min_gpus_share: float | None = None):
     from qosflow.sim.clusters import load_cluster
     from qosflow.sim.workload import load_workload
 
@@ -95,9 +96,11 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
         if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs <= 0:
             raise SpecError("--jobs", f"must be a positive number of jobs, got {jobs!r}")
     spec: ClusterSpec = load_cluster(cluster or "8x8")
-    opts = {}
+    opts: dict = {}
     if jobs is not None:
         opts["num_jobs"] = jobs
+    if min_gpus_share is not None:
+        opts["min_gpus_share"] = min_gpus_share
     wl = load_workload(trace, fmt, cluster=spec, seed=seed, deadline_share=deadline_share, **opts)
     if cluster is None and getattr(wl, "cluster_hint", None):
         spec = load_cluster(wl.cluster_hint) if isinstance(wl.cluster_hint, str) else wl.cluster_hint

@@ -87,6 +87,7 @@ def load_workload(
     seed: int = 0,
     deadline_share: float = DEFAULT_SHARE,
     deadline_lambda: tuple[float, float] = DEFAULT_LAMBDA,
+    min_gpus_share: float | None = None,
     **opts: Any,
 ) -> Workload:
     """Load `trace` in format `fmt` for `cluster`, with deadlines assigned reproducibly for `seed`.
@@ -94,6 +95,9 @@ def load_workload(
     `opts` go to the loader: ``muri`` (iteration_overhead, cores_per_gpu), ``gavel`` (throughputs,
     gpu_type, cores_per_gpu), ``synthetic`` (num_jobs, rate_per_hour, load, table); `trace` is
     ignored for ``synthetic``.
+
+    `min_gpus_share` (None: every job rigid, as the traces are) lets every multi-GPU job start on as
+    few as that share of its GPUs (`elastic`), an assumption about the jobs that no trace records.
     """
     key = str(fmt).strip().lower()
     loader = _LOADERS.get(key)
@@ -103,6 +107,8 @@ def load_workload(
         raise SpecError("cluster", f"expected a ClusterSpec (see qosflow.sim.clusters.load_cluster), got {type(cluster).__name__}")
     jobs, rejected, name, hint = loader(str(trace), cluster, seed, dict(opts))
     jobs = assign_deadlines(jobs, share=deadline_share, seed=seed, lam=deadline_lambda)
+    if min_gpus_share is not None:
+        jobs = elastic(jobs, min_gpus_share)
     jobs.sort(key=lambda j: (j.submit_time, j.meta.get("line", 0)))
     with_deadline = sum(1 for j in jobs if j.qos.deadline is not None)
     return Workload(
@@ -110,5 +116,26 @@ def load_workload(
         rejected=rejected,
         name=name,
         cluster_hint=hint,
-        info={"format": key, "seed": seed, "deadline_share": deadline_share, "with_deadline": with_deadline},
+        info={"format": key, "seed": seed, "deadline_share": deadline_share, "with_deadline": with_deadline,
+              "min_gpus_share": min_gpus_share},
     )
+
+
+def elastic(jobs: list[Job], share: float) -> list[Job]:
+    """`jobs` with every job of two or more whole GPUs declaring `min_gpus` = ceil(share x gpus): it may
+    start on fewer GPUs with gradient accumulation (`QoSSpec.min_gpus`). A job that already declares
+    one keeps it; `share` 1 changes nothing."""
+    import math
+    from dataclasses import replace
+
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise SpecError("min_gpus_share", f"must be a share of a job's GPUs in (0, 1] (0.5: an 8-GPU job may start on 4), got {share!r}")
+    out = []
+    for j in jobs:
+        q = j.qos
+        if q.gpus > 1 and not q.fractional and q.min_gpus is None:
+            m = max(1, math.ceil(share * q.gpus - 1e-9))
+            if m < q.gpus:
+                j = replace(j, qos=q.with_(min_gpus=m))
+        out.append(j)
+    return out

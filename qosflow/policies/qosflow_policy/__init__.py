@@ -57,6 +57,10 @@ and in the live worker):
       and never when a partner would miss a deadline it can still meet. If the pair's memory
       does not fit, the newcomer runs a smaller sub-batch with gradient accumulation (same global
       batch, so the same convergence);
+   b'. (before b, for a deadline gang that declared `min_gpus`) an *elastic start*: GPUs of its own
+      on fewer of its GPUs, with gradient accumulation keeping the global batch, if at that share of
+      its speed it still meets its deadline (pessimistically too, on the error band) -- free GPUs of
+      its own slow no partner down (module `elastic`; option `elastic`);
    c. otherwise, once the job has waited `relax_after` (Philly: locality is relaxed after a
       bounded wait), spread it over nodes -- only if the predicted spread slowdown costs less than
       waiting for a consolidated slot;
@@ -112,6 +116,7 @@ is decided per job. docs/bench/decisions.md measures a round.
 * `deadlines` -- deadline promises: the deadline rescue and the checks on the error band.
 * `whole_gpus` -- steps 3a and 3c, GPUs of a job's own: consolidated (or time-aligned), around
   reservations, or spread once locality is relaxed.
+* `elastic` -- step 3b', elastic starts on fewer GPUs (`QoSSpec.min_gpus`).
 * `reservations` -- step 3d, when GPUs free up: the wait for a consolidated slot, reservations.
 * `express` -- step 3e, express nodes (`EXPRESS`) and when the lane is open.
 * `cores` -- step 4, CPU cores (`GPU_FEED_CORES`).

@@ -158,7 +158,8 @@ class DeadlinesMixin:
         h = self._rem_hi.get(js.job_id)
         if h is None:
             # (in wall time where it runs or would run best, as `_rem`: `GpuModelsMixin`)
-            h = self._rem_hi[js.job_id] = max(r, remaining_high(self._est, js) / self._rspeed.get(js.job_id, 1.0))
+            h = remaining_high(self._est, js) / self._rspeed.get(js.job_id, 1.0) / self._wfrac.get(js.job_id, 1.0)
+            h = self._rem_hi[js.job_id] = max(r, h)
         return h
 
     def _promised(self, owner: str) -> bool:

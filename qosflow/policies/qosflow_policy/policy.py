@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from qosflow.core.estimate import placement_gpu_speed
+from qosflow.core.speed import width_fraction
 from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
@@ -14,6 +15,7 @@ from qosflow.policies.placement import find_share
 from qosflow.policies.qosflow_policy.colocation import KEPT_OFF, CoLocationMixin
 from qosflow.policies.qosflow_policy.cores import CpuCoresMixin
 from qosflow.policies.qosflow_policy.deadlines import DeadlinesMixin
+from qosflow.policies.qosflow_policy.elastic import ElasticStartMixin
 from qosflow.policies.qosflow_policy.express import EXPRESS, ExpressLaneMixin, _DeadlineArrivals
 from qosflow.policies.qosflow_policy.gpu_models import GpuModelsMixin
 from qosflow.policies.qosflow_policy.ordering import OrderingMixin, _ArrivalLog
@@ -32,6 +34,7 @@ class QosflowPolicy(
     OrderingMixin,
     CoLocationMixin,
     DeadlinesMixin,
+    ElasticStartMixin,
     WholeGpusMixin,
     GpuModelsMixin,
     ExpressLaneMixin,
@@ -77,6 +80,7 @@ class QosflowPolicy(
         express_release: float = 2.0,
         deadline_band: bool = True,
         gpu_models: bool = True,
+        elastic: bool = True,
     ):
         _check_number("express_share", express_share, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
         for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
@@ -85,13 +89,16 @@ class QosflowPolicy(
         _check_number("reserve_share", reserve_share, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (a share of the nodes)")
         for name, value in (("makespan_inflow", makespan_inflow), ("makespan_longest", makespan_longest),
                             ("starvation_backlog", starvation_backlog), ("deadline_band", deadline_band),
-                            ("gpu_models", gpu_models)):
+                            ("gpu_models", gpu_models), ("elastic", elastic)):
             if not isinstance(value, bool):
                 raise ValueError(f"qosflow policy: {name} must be true or false, got {value!r}")
         #: check deadline promises against the estimator's pessimistic (about 90th percentile) values
         self.deadline_band = deadline_band
         #: on a cluster of mixed GPU models, choose each job's GPU model by its speed there (`GpuModelsMixin`)
         self.gpu_models = gpu_models
+        #: start a deadline gang that declared `min_gpus` on fewer GPUs when that meets its deadline
+        #: (`ElasticStartMixin`)
+        self.elastic = elastic
         if partner_rank not in ("benefit", "throughput"):
             raise ValueError(f"qosflow policy: partner_rank must be 'benefit' or 'throughput', got {partner_rank!r}")
         #: which GPUs a job shares first: the partners with the largest SJF-BSBF benefit, or the
@@ -172,6 +179,7 @@ class QosflowPolicy(
             "express_release": self.express_release,
             "deadline_band": self.deadline_band,
             "gpu_models": self.gpu_models,
+            "elastic": self.elastic,
         }
 
     # ------------------------------------------------------------------ round
@@ -183,10 +191,18 @@ class QosflowPolicy(
         d = Decision()
         rem: dict[str, float] = {}
         states: dict[str, JobState] = {}
+        #: running jobs started on fewer GPUs than they asked for (elastic): the share they got
+        self._wfrac = {}
         for js in view.running:
             jid = js.job.job_id
             rem[jid] = est.remaining(js)
             states[jid] = js
+            if js.job.qos.min_gpus is not None and js.placement is not None:
+                f = width_fraction(js.job, js.placement)
+                if f < 1.0:
+                    # (an estimator's remaining time is on all its GPUs; on fewer it takes longer)
+                    self._wfrac[jid] = f
+                    rem[jid] /= f
         for js in view.pending:
             jid = js.job.job_id
             rem[jid] = est.remaining(js)
@@ -295,7 +311,8 @@ class QosflowPolicy(
             why = ""
             not_shared = None
             held = False  # GPUs of its own were free, but only on nodes reserved for others
-            r_run = r  # its remaining time where it starts (on a slower GPU model: longer)
+            r_run = r  # its remaining time where it starts (on a slower GPU model or fewer GPUs: longer)
+            narrow_job = job  # the request as it starts (fewer GPUs: `_narrow_start`)
             typed_wait = None  # why it waits for GPUs of a faster model
             if q.gpus == 0:
                 p = self._cpu_only(st, js)
@@ -319,6 +336,10 @@ class QosflowPolicy(
                 if p is None and len(groups) > 1:
                     ojs, slowest = self._other_ways(js, groups, r)
                     rem[jid] = r * groups[0][0] / slowest
+                if p is None and has_dl and q.min_gpus is not None and len(groups) <= 1:
+                    found = self._narrow_start(st, js, r, reserved, failures)
+                    if found is not None:
+                        p, narrow_job, r_run, why = found
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
                     share_tries += 1
                     # (a placement in a reservation's way is not made: `keep_off`)
@@ -376,7 +397,8 @@ class QosflowPolicy(
             if models is not None and p.gpus:
                 # in wall time on the GPU model it got (its slowest GPU's), not at its best case
                 r_run = r * self._rspeed.get(jid, 1.0) / placement_gpu_speed(est, job, p, models)
-            p = self._with_cores(st, job, self._own(p, job), est)
+            # (an elastic start gets the cores of the narrowed request: `_narrow_start`)
+            p = self._with_cores(st, narrow_job, self._own(p, job), est)
             st.allocate(p, q)
             self._ver += 1
             for ng in p.gpus:

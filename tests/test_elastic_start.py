@@ -1,0 +1,168 @@
+"""Elastic starts (`QoSSpec.min_gpus`): a gang that declared it may start on fewer GPUs, with gradient
+accumulation, at that share of its speed; the qosflow policy does so for a deadline job when its full
+width is not free and the slower run still meets the deadline."""
+
+import pytest
+from qosflow.cli.main import main
+from qosflow.core import ClusterSpec, Job, QoSSpec
+from qosflow.core.cluster import ClusterState, PlacementError
+from qosflow.core.job import JobStatus
+from qosflow.core.placement import Placement
+from qosflow.core.speed import SpeedModel, width_fraction
+from qosflow.errors import SpecError
+from qosflow.policies import get_policy
+from qosflow.sim.engine import SimConfig, simulate
+from qosflow.sim.workload import elastic
+
+
+def test_min_gpus_is_validated_and_names_the_field():
+    for bad, words in [
+        (dict(gpus=4, min_gpus=5), "1..gpus (4)"),
+        (dict(gpus=4, min_gpus=0), "1..gpus (4)"),
+        (dict(gpus=4, min_gpus=2.0), "whole number"),
+        (dict(gpus=4, min_gpus=True), "whole number"),
+        (dict(gpus=1, gpu_milli=500, min_gpus=1), "only a job of whole GPUs"),
+        (dict(gpus=0, cpu_cores=2, min_gpus=1), "only a job of whole GPUs"),
+    ]:
+        with pytest.raises(SpecError, match="min_gpus") as e:
+            QoSSpec(**bad)
+        assert words in str(e.value)
+
+
+def test_widths_are_the_divisors_down_to_min_gpus_and_narrowing_scales_cores():
+    assert QoSSpec(gpus=8).widths == (8,)
+    assert QoSSpec(gpus=8, min_gpus=3).widths == (8, 4)
+    assert QoSSpec(gpus=8, min_gpus=1).widths == (8, 4, 2, 1)
+    assert QoSSpec(gpus=6, min_gpus=2).widths == (6, 3, 2)
+    q = QoSSpec(gpus=8, min_gpus=4, cpu_cores=16, mem_mb=8000, gpu_mem_mb=10000)
+    n = q.narrowed(4)
+    assert (n.gpus, n.cpu_cores, n.mem_mb, n.gpu_mem_mb, n.min_gpus) == (4, 8, 4000, 10000, None)
+    with pytest.raises(SpecError, match="not a width"):
+        q.narrowed(2)
+    assert QoSSpec.from_dict(q.to_dict()) == q
+    assert "min_gpus" not in QoSSpec(gpus=8).to_dict()
+
+
+def test_cluster_accepts_a_declared_width_only():
+    st = ClusterState(ClusterSpec.uniform(1, 8))
+    half = Placement("j", tuple((0, g) for g in range(4)), cpu=((0, 4.0),))
+    with pytest.raises(PlacementError, match="gang all-or-nothing"):
+        st.allocate(half, QoSSpec(gpus=8, cpu_cores=8))
+    st.allocate(half, QoSSpec(gpus=8, cpu_cores=8, min_gpus=4))
+    assert st.used_gpus() == 4
+    with pytest.raises(PlacementError, match="may start on 8, 4; placement gives 2"):
+        st.allocate(Placement("k", ((0, 4), (0, 5))), QoSSpec(gpus=8, min_gpus=4))
+
+
+def test_a_job_on_half_its_gpus_runs_at_half_speed():
+    sm = SpeedModel()
+    job = Job("j", 0.0, QoSSpec(gpus=8, min_gpus=4, cpu_cores=16), 3600.0)
+    full = Placement("j", tuple((0, g) for g in range(8)), cpu=((0, 16.0),))
+    half = Placement("j", tuple((0, g) for g in range(4)), cpu=((0, 8.0),))
+    assert width_fraction(job, full) == 1.0 and width_fraction(job, half) == 0.5
+    assert sm.rate(job, full) == pytest.approx(1.0)
+    # the narrowed request's cores feed its GPUs fully: only the width slows it
+    assert sm.rate(job, half) == pytest.approx(0.5)
+    # starved of cores it is slower still (CODA's curve, on the cores its four GPUs need)
+    starved = Placement("j", half.gpus, cpu=((0, 4.0),))
+    assert sm.rate(job, starved) < 0.5
+
+
+def _blocked_gang(deadline: float, min_gpus: int | None):
+    """One 8-GPU node, half of it held for 10 h by a long job; then an 8-GPU one-hour gang."""
+    return [
+        Job("long", 0.0, QoSSpec(gpus=4, cpu_cores=4), 10 * 3600.0),
+        Job("gang", 60.0, QoSSpec(gpus=8, cpu_cores=8, deadline=deadline, min_gpus=min_gpus), 3600.0),
+    ]
+
+
+def _run(jobs, **opts):
+    res = simulate(jobs, ClusterSpec.uniform(1, 8), get_policy("qosflow", share=False, **opts), config=SimConfig(restart_overhead=0))
+    return {j.job_id: j for j in res.jobs}
+
+
+def test_a_deadline_gang_starts_on_half_its_gpus_when_that_meets_its_deadline():
+    res = _run(_blocked_gang(3 * 3600.0, min_gpus=4))
+    gang = res["gang"]
+    assert gang.status is JobStatus.DONE
+    assert gang.first_start == pytest.approx(60.0)
+    # two hours on four GPUs: the deadline (3 h) is met
+    assert gang.finish_time == pytest.approx(60.0 + 2 * 3600.0)
+    assert gang.finish_time <= gang.job.deadline
+    assert "elastic start on 4 of its 8 GPUs (gradient accumulation x2)" in gang.note
+    # rigid, the same gang waits the 10 h for the whole node and misses its deadline
+    rigid = _run(_blocked_gang(3 * 3600.0, min_gpus=None))["gang"]
+    assert rigid.first_start == pytest.approx(10 * 3600.0)
+    assert rigid.finish_time > rigid.job.deadline
+    # with the option off it is rigid too
+    off = _run(_blocked_gang(3 * 3600.0, min_gpus=4), elastic=False)["gang"]
+    assert off.first_start == pytest.approx(10 * 3600.0)
+
+
+def test_no_elastic_start_that_would_miss_the_deadline():
+    # 1.5 h of deadline for a 1 h job: on 4 GPUs it would take 2 h, so it waits for all 8
+    gang = _run(_blocked_gang(1.5 * 3600.0, min_gpus=4))["gang"]
+    assert gang.first_start == pytest.approx(10 * 3600.0)
+    assert "elastic" not in gang.note
+
+
+def test_a_job_without_a_deadline_is_not_narrowed():
+    jobs = [Job("long", 0.0, QoSSpec(gpus=4, cpu_cores=4), 10 * 3600.0),
+            Job("gang", 60.0, QoSSpec(gpus=8, cpu_cores=8, min_gpus=4), 3600.0)]
+    assert _run(jobs)["gang"].first_start == pytest.approx(10 * 3600.0)
+
+
+def test_the_policy_counts_a_narrowed_running_job_at_its_own_pace():
+    # the narrowed gang holds 4 GPUs for 2 h; a 4-GPU deadline job that arrives meanwhile must see the
+    # GPUs free at 2 h (not at 1 h, the gang's time on all its GPUs) and reserve them accordingly
+    jobs = _blocked_gang(3 * 3600.0, min_gpus=4) + [Job("next", 120.0, QoSSpec(gpus=4, cpu_cores=4, deadline=4 * 3600.0), 3600.0)]
+    res = _run(jobs)
+    assert res["next"].first_start == pytest.approx(60.0 + 2 * 3600.0)
+    assert "free for it in about 2.0 h" in _first_waiting_note(jobs)
+
+
+def _first_waiting_note(jobs) -> str:
+    """The note the policy gives the third job in the round of its arrival."""
+    from qosflow.policies.base import SchedulerView, commit
+    from qosflow.core.estimate import OracleEstimator
+    from qosflow.core.job import JobState
+
+    spec = ClusterSpec.uniform(1, 8)
+    st = ClusterState(spec)
+    pol = get_policy("qosflow", share=False)
+    states = {j.job_id: JobState(j) for j in jobs[:2]}
+    d = pol.schedule(SchedulerView(60.0, st.snapshot(), list(states.values()), [], OracleEstimator()))
+    commit(st, d, states)
+    for p in d.starts:
+        states[p.job_id].placement = p
+        states[p.job_id].status = JobStatus.RUNNING
+    nxt = JobState(jobs[2], queued_since=120.0)
+    d2 = pol.schedule(SchedulerView(120.0, st.snapshot(), [nxt], list(states.values()), OracleEstimator()))
+    return d2.notes["next"]
+
+
+def test_workload_elastic_declares_min_gpus_and_checks_the_share():
+    jobs = [Job("a", 0.0, QoSSpec(gpus=8), 10.0), Job("b", 0.0, QoSSpec(gpus=1), 10.0),
+            Job("c", 0.0, QoSSpec(gpus=3), 10.0), Job("d", 0.0, QoSSpec(gpus=8, min_gpus=8), 10.0)]
+    out = {j.job_id: j.qos.min_gpus for j in elastic(jobs, 0.5)}
+    assert out == {"a": 4, "b": None, "c": 2, "d": 8}
+    assert all(j.qos.min_gpus is None for j in elastic(jobs[:3], 1.0))
+    for bad in (0, 1.5, "half"):
+        with pytest.raises(SpecError, match="min_gpus_share"):
+            elastic(jobs, bad)
+
+
+def test_simulate_refuses_a_bad_min_gpus_share(capsys):
+    rc = main(["simulate", "--trace", "synthetic", "--jobs", "20", "--policies", "fifo", "--no-plots", "--min-gpus-share", "2"])
+    assert rc == 2
+    assert "invalid --min-gpus-share: must be a share of a job's GPUs in (0, 1]" in capsys.readouterr().err
+
+
+def test_simulate_with_min_gpus_share_records_it(tmp_path):
+    out = tmp_path / "r.json"
+    args = ["simulate", "--trace", "synthetic", "--jobs", "60", "--cluster", "2x4", "--policies", "qosflow", "--no-plots",
+            "--min-gpus-share", "0.5", "--json", str(out)]
+    assert main(args) == 0
+    import json
+
+    assert json.loads(out.read_text())["workload"]["min_gpus_share"] == 0.5
