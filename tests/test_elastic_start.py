@@ -90,6 +90,7 @@ def test_a_deadline_gang_starts_on_half_its_gpus_when_that_meets_its_deadline():
     assert gang.finish_time == pytest.approx(60.0 + 2 * 3600.0)
     assert gang.finish_time <= gang.job.deadline
     assert "elastic start on 4 of its 8 GPUs (gradient accumulation x2)" in gang.note
+    assert gang.tags["qosflow_elastic_width"] == 4
     # rigid, the same gang waits the 10 h for the whole node and misses its deadline
     rigid = _run(_blocked_gang(3 * 3600.0, min_gpus=None))["gang"]
     assert rigid.first_start == pytest.approx(10 * 3600.0)
