@@ -12,11 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["sim", "sim_speed_notes", "gpu_models", "parallel", "decisions", "decisions_mixed", "packing", "prefect", "demo_db", "predictor",
+ORDER = ["sim", "sim_speed_notes", "elastic", "elastic_notes", "gpu_models", "parallel", "decisions", "decisions_mixed", "packing", "prefect", "demo_db", "predictor",
          "learned_sim", "infra", "infra_notes"]
 TITLES = {
     "sim": "Simulator fidelity and qosflow's policy (issues 2, 3)",
     "sim_speed_notes": "qosflow's simulation speed: side runs written by hand (issue 2)",
+    "elastic": "Elastic starts on fewer GPUs (issue 3, beyond its targets)",
+    "elastic_notes": "Elastic starts: verdict (recorded by hand)",
     "gpu_models": "Mixed GPU models: V100 + P100 + K80 clusters (issue 3, beyond its targets)",
     "parallel": "Runs in worker processes (simulate, pack)",
     "decisions": "Placement decision rate (issues 2, 3)",
