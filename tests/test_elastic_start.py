@@ -167,3 +167,20 @@ def test_simulate_with_min_gpus_share_records_it(tmp_path):
     import json
 
     assert json.loads(out.read_text())["workload"]["min_gpus_share"] == 0.5
+
+
+def test_the_learned_estimator_takes_an_elastic_run_at_full_width():
+    """A job that ran on half its GPUs took twice as long by design: what it teaches is its time on all
+    of them (the old code learned 2 h for a 1 h job)."""
+    from qosflow.core.job import JobState
+    from qosflow.predict.estimator import LearnedEstimator, reference_predictor
+
+    def stage(i: int) -> Job:
+        return Job(f"e{i}", 0.0, QoSSpec(gpus=8, min_gpus=4, cpu_cores=8), 3600.0, model="etl")
+
+    for width in (8, 4):
+        est = LearnedEstimator(None, predictor=reference_predictor(None, seed=0))  # (no profiler: the live worker's case)
+        j = stage(1)
+        ran = Placement(j.job_id, tuple((0, g) for g in range(width)))
+        est.observe_finished(JobState(j, progress=1.0, attained=3600.0 * 8 / width, placement=ran), 0.0)
+        assert est.predict_duration(stage(2)).value == pytest.approx(3600.0)

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from qosflow.core.estimate import DECLARED_HIGH_FACTOR, DECLARED_LOG_SD
 from qosflow.core.estimate import Z_HIGH as Z90
 from qosflow.core.estimate import _unit, placement_gpu_speed
+from qosflow.core.speed import width_fraction
 from qosflow.core.gpu_names import CPU_ONLY, short_gpu_model
 from qosflow.core.job import Job, JobState
 from qosflow.predict.cpu import CpuCurve, fit_curve
@@ -678,8 +679,8 @@ class LearnedEstimator:
         partners = self._partners(job.job_id, p, gset) if p.gpu_milli >= 1000 else frozenset()
         self._where[job.job_id] = (p, gset, js.progress, js.attained, partners, looks + 1)
         dp, da = js.progress - prog0, js.attained - att0
-        if looks == 0 or partners != partners0 or dp <= 0 or p.sub_batch is not None:
-            return
+        if looks == 0 or partners != partners0 or dp <= 0 or p.sub_batch is not None or width_fraction(job, p) < 1.0:
+            return  # (on fewer GPUs than asked for, an elastic start, it is slower by design: no slowdown)
         if p.cpu and p.cpu_cores < job.qos.cpu_cores - 1e-9:
             return
         d = self.predict_duration(job)
@@ -1135,6 +1136,9 @@ class LearnedEstimator:
                 self._learn_placement(job, sig, key, where, frozenset(where.gpus))
         else:  # no simulated measurements: what the simulator saw (wall time, slowdowns included)
             d = js.attained if js.attained > 0 else None
+            where = js.placement if js.placement is not None else (last[0] if last is not None else None)
+            if d is not None and where is not None:
+                d *= width_fraction(job, where)  # (an elastic start on fewer GPUs: its time on all of them)
             t = d / job.iterations if d and job.iterations else None
         self._learn(job, key, d, t)
 
