@@ -13,6 +13,7 @@ from qosflow.errors import SpecError
 #: QoSSpec fields a stage may set
 QOS_FIELDS = (
     "gpus",
+    "min_gpus",
     "gpu_milli",
     "gpu_mem_mb",
     "cpu_cores",
@@ -33,7 +34,7 @@ TAG_PREFIX = "qos:"
 
 def build_spec(where: str, **kw: Any) -> QoSSpec:
     """A QoSSpec from decorator arguments; every error names the argument and the stage."""
-    for k in ("gpus", "gpu_milli"):
+    for k in ("gpus", "gpu_milli", "min_gpus"):
         v = kw.get(k)
         if isinstance(v, float) and v.is_integer():
             kw[k] = int(v)
@@ -151,6 +152,8 @@ def check_stage_args(
 def qos_tags(spec: QoSSpec, *, expected_duration: float | None = None) -> list[str]:
     """Tags that carry a stage's QoS (shown in the UI, kept by `with_options`)."""
     tags = [f"{TAG_PREFIX}class={spec.priority.value}", f"{TAG_PREFIX}gpus={spec.gpus}"]
+    if spec.min_gpus is not None:
+        tags.append(f"{TAG_PREFIX}min_gpus={spec.min_gpus}")
     if spec.fractional:
         tags.append(f"{TAG_PREFIX}gpu_milli={spec.gpu_milli}")
     if spec.cpu_cores:
@@ -186,7 +189,7 @@ def qos_from_tags(tags: Iterable[str]) -> tuple[QoSSpec | None, dict[str, Any]]:
         k, v = t[len(TAG_PREFIX):].split("=", 1)
         if k == "class":
             kw["priority"] = v
-        elif k in ("gpus", "gpu_milli"):
+        elif k in ("gpus", "gpu_milli", "min_gpus"):
             kw[k] = int(v)
         elif k in ("shareable", "gang"):
             kw[k] = v == "true"

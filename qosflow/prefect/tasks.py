@@ -798,6 +798,7 @@ def qos_task(
     __fn: Callable | None = None,
     *,
     gpus: int = 1,
+    min_gpus: int | None = None,
     gpu_milli: int = 1000,
     gpu_mem_mb: float | None = None,
     cpu_cores: float = 1.0,
@@ -819,6 +820,12 @@ def qos_task(
     `early_check=S` runs the stage for S seconds on one GPU before it takes its full placement, so
     that a user error fails it early (0: never; unset: the pool's QoS policy decides for new
     multi-GPU stages). The stage sees `QOSFLOW_EARLY_CHECK=1` while it is checked.
+
+    `min_gpus=N` (elastic start) lets a stage of `gpus=G` whole GPUs start on fewer of them, W of them
+    with W a divisor of G and at least N, when its full width is not free and the policy judges the
+    narrower run still meets its deadline. It then runs G // W steps of gradient accumulation per
+    optimizer step, so that the global batch is unchanged: the stage reads the factor with
+    `qosflow.accumulation_steps()` and the GPUs it got with `qosflow.granted_gpus()`.
 
     Durations (`deadline`, `latency_slo`, `expected_duration`, `early_check`) are seconds, a
     `datetime.timedelta` or a string such as ``"90s"``, ``"15min"``, ``"2h"`` or ``"1h30m"``.

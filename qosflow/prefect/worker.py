@@ -39,6 +39,8 @@ from pydantic import Field
 from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job, JobState, JobStatus
+from qosflow.core.qos import QoSSpec
+from qosflow.core.speed import width_fraction
 from qosflow.env import env_flag, env_number
 from qosflow.failures import Action, decide
 from qosflow.placement_api import read_progress
@@ -66,6 +68,11 @@ class QosflowVariables(BaseVariables):
     pipeline_run_id: Optional[str] = Field(default=None, description="Flow run id of the pipeline run.")
     signature: Optional[str] = Field(default=None, description="Key of the stage's run history (estimates).")
     gpus: Optional[int] = Field(default=None, description="Whole GPUs (0: CPU-only stage).")
+    min_gpus: Optional[int] = Field(
+        default=None,
+        description="Elastic start: the stage may start on fewer GPUs than `gpus` (a divisor of it, at least this many), "
+        "with gradient accumulation keeping its global batch.",
+    )
     gpu_milli: Optional[int] = Field(default=None, description="Thousandths of one GPU when sharing (needs gpus=1).")
     gpu_mem_mb: Optional[float] = Field(default=None, description="GPU memory per GPU (MiB).")
     cpu_cores: Optional[float] = Field(default=None, description="CPU cores.")
@@ -111,6 +118,7 @@ class QosflowJobConfiguration(BaseJobConfiguration):
     pipeline_run_id: Optional[str] = Field(default=None)
     signature: Optional[str] = Field(default=None)
     gpus: Optional[int] = Field(default=None)
+    min_gpus: Optional[int] = Field(default=None)
     gpu_milli: Optional[int] = Field(default=None)
     gpu_mem_mb: Optional[float] = Field(default=None)
     cpu_cores: Optional[float] = Field(default=None)
@@ -137,6 +145,10 @@ class QosflowJobConfiguration(BaseJobConfiguration):
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
         if self.command in (None, "", "prefect flow-run execute"):
             self.command = shlex.join([sys.executable, "-m", "prefect.engine"])
+        if self.min_gpus is None and self.role != "pipeline":
+            # a pool whose base job template was made before min_gpus existed drops that job variable
+            # (Prefect keeps only the template's variables); the run's QoS tags carry it as well
+            self.min_gpus = _min_gpus_from_tags(getattr(flow_run, "tags", None) or ())
         if self.qos_policy:
             self.env["QOSFLOW_QOS_POLICY"] = json.dumps({k: v for k, v in self.qos_policy.items() if not k.startswith("_")}, default=str)
 
@@ -148,6 +160,24 @@ class QosflowJobConfiguration(BaseJobConfiguration):
             return False
         return any(getattr(self, k) is not None for k in QOS_FIELDS)
 
+
+
+def early_check_spec(spec: QoSSpec) -> QoSSpec:
+    """The QoS of a stage's early check: one GPU (or its share of one), no gang, at most 2 cores, no
+    deadline, and no elastic start (`min_gpus` is about the stage's full run, not this one GPU)."""
+    return dataclasses.replace(spec, gpus=1, gpu_milli=min(spec.gpu_milli, 1000), gang=False, cpu_cores=min(spec.cpu_cores, 2.0),
+                               deadline=None, min_gpus=None, extra={})
+
+
+def _min_gpus_from_tags(tags: Any) -> int | None:
+    """`min_gpus` from a stage run's QoS tags (`qos:min_gpus=N`), None if it has none."""
+    for t in tags:
+        if isinstance(t, str) and t.startswith("qos:min_gpus="):
+            try:
+                return int(t.split("=", 1)[1])
+            except ValueError:
+                return None  # (not a tag qosflow wrote)
+    return None
 
 
 #: how long a label write keeps retrying while the server's database is busy
@@ -1095,8 +1125,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         assert sched is not None and self._backend is not None
         fid = entry.flow_run_id or entry.job_id
         job = entry.state.job
-        small = dataclasses.replace(spec, gpus=1, gpu_milli=min(spec.gpu_milli, 1000), gang=False, cpu_cores=min(spec.cpu_cores, 2.0),
-                                    deadline=None, extra={})
+        small = early_check_spec(spec)
         # the check is this flow run's entry in the QoS queue while it runs (cancelling the run finds it),
         # with its own attempt id on the infrastructure
         cjob = Job(job_id=fid, submit_time=time.time(), qos=small, duration=check_s, model=f"{job.model} (early check)",
