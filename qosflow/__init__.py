@@ -16,6 +16,9 @@ _LAZY = {
     "report_progress": ("qosflow.progress", "report_progress"),
     "track": ("qosflow.progress", "track"),
     "report_resumed": ("qosflow.progress", "report_resumed"),
+    # elastic start (qosflow.placement_api)
+    "accumulation_steps": ("qosflow.placement_api", "accumulation_steps"),
+    "granted_gpus": ("qosflow.placement_api", "granted_gpus"),
 }
 
 

@@ -22,6 +22,10 @@ from typing import Any
 
 #: env var naming a file the stage appends progress lines to (read by the worker's CODA feedback loop)
 PROGRESS_FILE_ENV = "QOSFLOW_PROGRESS_FILE"
+#: env vars of an elastic start (`@qos_task(min_gpus=...)`): the GPUs a stage got, and the gradient
+#: accumulation that keeps its global batch on them (set by `qosflow.backends.base.placement_env`)
+GPUS_ENV = "QOSFLOW_GPUS"
+GRAD_ACCUMULATION_ENV = "QOSFLOW_GRAD_ACCUMULATION"
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,57 @@ def _global_batch(fn: str, value: Any, minimum: int = 1) -> int:
         hint = f" (int({value!r}) if it comes from a config or the environment)" if isinstance(value, str) else ""
         raise SpecError("global_batch", f"must be a whole number of samples >= {minimum}, got {value!r}{hint}", where=f"placement().{fn}")
     return n
+
+
+def accumulation_steps() -> int:
+    """How many micro-batches a stage accumulates per optimizer step because it was started on fewer
+    GPUs than it asked for (`@qos_task(gpus=G, min_gpus=N)`, an elastic start on W of its G GPUs):
+    G // W, from `QOSFLOW_GRAD_ACCUMULATION`; 1 at full width and outside the worker (unset).
+
+    Each GPU keeps its per-GPU batch; the stage runs this many forward/backward passes per optimizer
+    step, so the global batch -- and with it the training -- is as declared::
+
+        n = qosflow.accumulation_steps()
+        for i, batch in enumerate(loader):
+            loss = model(batch) / n          # average over the n micro-batches of one step
+            loss.backward()
+            if (i + 1) % n == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    (A shared GPU's sub-batch plan, `qosflow.placement().micro_batches(...)`, is separate from this.)
+    A value that is not a whole number >= 1 raises a `QosflowError` naming the variable.
+    """
+    n = _env_count(GRAD_ACCUMULATION_ENV, "accumulation_steps", minimum=1)
+    return 1 if n is None else n
+
+
+def granted_gpus() -> int | None:
+    """The GPUs this stage got, on all its nodes together (`QOSFLOW_GPUS`): its `gpus` at full width,
+    fewer after an elastic start (`min_gpus`). Size data parallelism by it (e.g. the world size of a
+    one-process-per-GPU launch); `accumulation_steps()` gives the matching gradient accumulation.
+    None outside the worker and for a CPU-only stage (unset). A value that is not a whole number >= 1
+    raises a `QosflowError` naming the variable."""
+    return _env_count(GPUS_ENV, "granted_gpus", minimum=1)
+
+
+def _env_count(name: str, fn: str, *, minimum: int) -> int | None:
+    """The whole number >= `minimum` in environment variable `name`; None if it is unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        from qosflow.errors import QosflowError
+
+        raise QosflowError(
+            f"qosflow.{fn}(): environment variable {name}={os.environ[name]!r} is not a whole number >= {minimum}; "
+            "the qosflow worker sets it when it starts a stage: unset it outside the worker"
+        )
+    return value
 
 
 def placement() -> PlacementInfo:

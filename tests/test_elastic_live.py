@@ -102,3 +102,125 @@ def test_the_early_check_of_an_elastic_stage_runs_on_one_gpu():
 
     small = early_check_spec(QoSSpec(gpus=8, min_gpus=2, cpu_cores=8, deadline=600))
     assert (small.gpus, small.min_gpus, small.gang, small.cpu_cores, small.deadline) == (1, None, False, 2.0, None)
+
+
+# ------------------------------------------------------------------------------------ what the stage is told
+def _env_of(p: Placement, requested: int | None, node: int | None = None) -> dict[str, str]:
+    return placement_env(p, CL, node, requested_gpus=requested)
+
+
+def test_placement_env_tells_a_narrow_start_its_gpus_and_accumulation():
+    for node in (0, 1):  # every node of the gang hears the whole width
+        env = _env_of(NARROW, 8, node)
+        assert env["QOSFLOW_GPUS"] == "4" and env["QOSFLOW_GRAD_ACCUMULATION"] == "2"
+        assert env["CUDA_VISIBLE_DEVICES"] == ("0,1" if node == 0 else "2,3")
+        plan = json.loads(env["QOSFLOW_PLACEMENT"])
+        assert plan["requested_gpus"] == 8 and plan["grad_accumulation"] == 2
+    one = _env_of(Placement("train", ((1, 3),), cpu=((1, 1.0),)), 8)
+    assert (one["QOSFLOW_GPUS"], one["QOSFLOW_GRAD_ACCUMULATION"]) == ("1", "8")
+
+
+def test_placement_env_sets_both_on_a_full_width_start_too():
+    for requested in (8, None):  # None: a caller that does not say (as many as placed)
+        env = _env_of(FULL, requested)
+        assert (env["QOSFLOW_GPUS"], env["QOSFLOW_GRAD_ACCUMULATION"]) == ("8", "1")
+        assert json.loads(env["QOSFLOW_PLACEMENT"])["grad_accumulation"] == 1
+    frac = _env_of(Placement("f", ((0, 0),), cpu=((0, 1.0),), gpu_milli=250), 1)
+    assert (frac["QOSFLOW_GPUS"], frac["QOSFLOW_GRAD_ACCUMULATION"]) == ("1", "1")
+    cpu_only = _env_of(Placement("c", (), cpu=((0, 2.0),)), 0)
+    assert "QOSFLOW_GPUS" not in cpu_only and "QOSFLOW_GRAD_ACCUMULATION" not in cpu_only
+
+
+def test_a_width_that_does_not_divide_the_request_is_refused():
+    from qosflow.backends.base import grad_accumulation
+
+    assert grad_accumulation(4, 8) == 2 and grad_accumulation(8, 8) == 1 and grad_accumulation(2, None) == 1
+    with pytest.raises(SpecError, match="min_gpus: a stage of 8 GPUs cannot start on 3"):
+        grad_accumulation(3, 8)
+
+
+def test_the_local_backend_starts_a_narrow_stage_with_them(tmp_path):
+    from qosflow.backends.local import LocalBackend
+
+    out = tmp_path / "env.json"
+    code = ("import json, os, sys; json.dump({k: os.environ.get(k) for k in ('QOSFLOW_GPUS', 'QOSFLOW_GRAD_ACCUMULATION', "
+            "'CUDA_VISIBLE_DEVICES')}, open(sys.argv[1], 'w'))")
+    cluster = ClusterSpec.uniform(1, 4, cpu_cores=4, virtual=True)
+    p = Placement("train", ((0, 1), (0, 2)), cpu=((0, 1.0),))
+
+    async def main():
+        b = LocalBackend(cluster, stream_output=False)
+        try:
+            h = await b.launch(LaunchSpec("train", [sys.executable, "-c", code, str(out)], p, cluster, requested_gpus=4))
+            return await b.wait(h)
+        finally:
+            await b.aclose()
+
+    assert asyncio.run(main()).ok
+    assert json.loads(out.read_text()) == {"QOSFLOW_GPUS": "2", "QOSFLOW_GRAD_ACCUMULATION": "2", "CUDA_VISIBLE_DEVICES": "1,2"}
+
+
+def test_the_agent_backend_sends_them_to_every_host():
+    from qosflow.backends.agent import AgentBackend, AgentHost
+
+    be = AgentBackend([AgentHost("node0", "http://127.0.0.1:1"), AgentHost("node1", "http://127.0.0.1:2")], "token")
+    bodies: list[dict] = []
+
+    async def no_start():
+        return None
+
+    async def post(part, body):
+        bodies.append(body)
+        return None
+
+    be.start, be._post = no_start, post
+    asyncio.run(be.launch(LaunchSpec("train-1", ["true"], NARROW, CL, requested_gpus=8)))
+    assert len(bodies) == 2
+    for b in bodies:
+        assert b["env"]["QOSFLOW_GPUS"] == "4" and b["env"]["QOSFLOW_GRAD_ACCUMULATION"] == "2"
+
+
+def test_the_kubernetes_pod_spec_carries_them():
+    from kubernetes import client
+
+    from qosflow.backends.kubernetes import ANN_PLACEMENT, GPU, KubernetesBackend
+
+    be = KubernetesBackend(api_client=client.ApiClient(), image="img:1")
+
+    def pod_env(spec: LaunchSpec) -> list[dict[str, str | None]]:
+        jobs, _ = be.manifests(spec)
+        out = []
+        for j in jobs:
+            c = j["spec"]["template"]["spec"]["containers"][0]
+            assert c["resources"]["limits"] == {GPU: "2"}  # the pod asks for the GPUs it got, not the 8 it wanted
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            plan = json.loads(j["spec"]["template"]["metadata"]["annotations"][ANN_PLACEMENT])
+            assert str(plan["grad_accumulation"]) == env["QOSFLOW_GRAD_ACCUMULATION"]
+            out.append(env)
+        return out
+
+    for env in pod_env(LaunchSpec("train-1", ["python", "t.py"], NARROW, CL, requested_gpus=8)):
+        assert env["QOSFLOW_GPUS"] == "4" and env["QOSFLOW_GRAD_ACCUMULATION"] == "2"
+    full = Placement("train", ((0, 0), (0, 1), (1, 0), (1, 1)), cpu=((0, 2.0), (1, 2.0)))
+    for env in pod_env(LaunchSpec("train-2", ["python", "t.py"], full, CL, requested_gpus=4)):
+        assert env["QOSFLOW_GPUS"] == "4" and env["QOSFLOW_GRAD_ACCUMULATION"] == "1"
+
+
+# ------------------------------------------------------------------------------------ the helpers
+def test_accumulation_steps_and_granted_gpus(monkeypatch):
+    monkeypatch.delenv("QOSFLOW_GRAD_ACCUMULATION", raising=False)
+    monkeypatch.delenv("QOSFLOW_GPUS", raising=False)
+    assert qosflow.accumulation_steps() == 1 and qosflow.granted_gpus() is None  # outside the worker
+    for k, v in _env_of(NARROW, 8).items():
+        monkeypatch.setenv(k, v)
+    assert qosflow.accumulation_steps() == 2 and qosflow.granted_gpus() == 4
+    monkeypatch.setenv("QOSFLOW_GRAD_ACCUMULATION", "")
+    assert qosflow.accumulation_steps() == 1  # empty is unset
+    for bad in ("0", "-2", "two", "1.5"):
+        monkeypatch.setenv("QOSFLOW_GRAD_ACCUMULATION", bad)
+        with pytest.raises(QosflowError, match=rf"accumulation_steps\(\): environment variable QOSFLOW_GRAD_ACCUMULATION='{bad}' is not a whole number >= 1"):
+            qosflow.accumulation_steps()
+        monkeypatch.setenv("QOSFLOW_GPUS", bad)
+        with pytest.raises(QosflowError, match=rf"granted_gpus\(\): environment variable QOSFLOW_GPUS='{bad}' is not a whole number >= 1"):
+            qosflow.granted_gpus()
+    assert {"accumulation_steps", "granted_gpus"} <= set(dir(qosflow))

@@ -320,7 +320,7 @@ class AgentBackend(Backend):
             node = spec.cluster.nodes[idx]
             h = self._host_for(node)
             cpuset = spec.cpusets.get(idx)
-            env = placement_env(p, spec.cluster, idx, cpuset)
+            env = placement_env(p, spec.cluster, idx, cpuset, requested_gpus=spec.requested_gpus)
             env.update(spec.env)
             env.update({"QOSFLOW_GANG_RANK": str(rank), "QOSFLOW_GANG_SIZE": str(len(nodes)), "QOSFLOW_GANG_HOSTS": ",".join(names)})
             parts.append({"host": h.name, "url": h.url, "node": idx, "stage_id": spec.stage_id, "boot_id": None, "pid": None})

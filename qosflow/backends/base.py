@@ -16,6 +16,7 @@ from typing import AsyncIterator, Sequence
 
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.placement import Placement
+from qosflow.errors import SpecError
 from qosflow.paths import file_stem
 
 
@@ -55,6 +56,9 @@ class LaunchSpec:
     cpusets: dict[int, list[int]] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     image: str | None = None  # container backends
+    #: the GPUs the stage's QoS asks for (`QoSSpec.gpus`); an elastic start (`min_gpus`) places it on
+    #: fewer, and the stage is told so (`placement_env`). None: as many as the placement holds
+    requested_gpus: int | None = None
 
     @property
     def nodes(self) -> list[NodeSpec]:
@@ -69,12 +73,30 @@ class StageHandle:
     ref: dict = field(default_factory=dict)  # backend-specific (pid, pod name, agent URL...)
 
 
-def placement_env(p: Placement, cluster: ClusterSpec, node: int | None = None, cpuset: list[int] | None = None) -> dict[str, str]:
+def grad_accumulation(width: int, requested_gpus: int | None) -> int:
+    """Gradient-accumulation steps of a stage that asked for `requested_gpus` GPUs and got `width` of
+    them (an elastic start, `QoSSpec.min_gpus`): requested // width, 1 at full width (or None asked).
+    A width that does not divide the request would change the global batch: an error."""
+    if not requested_gpus or width <= 0 or width >= requested_gpus:
+        return 1
+    if requested_gpus % width:
+        raise SpecError("min_gpus", f"a stage of {requested_gpus} GPUs cannot start on {width}: not a divisor, so no whole number of "
+                                    "gradient-accumulation steps keeps its global batch")
+    return requested_gpus // width
+
+
+def placement_env(p: Placement, cluster: ClusterSpec, node: int | None = None, cpuset: list[int] | None = None, *,
+                  requested_gpus: int | None = None) -> dict[str, str]:
     """The environment a stage sees on `node` (default: its first node).
 
     CUDA_VISIBLE_DEVICES lists the GPUs there; a fractional or co-located GPU gets an MPS active
     thread percentage; OMP_NUM_THREADS follows the cores; QOSFLOW_PLACEMENT carries the whole plan
     (read it with `qosflow.placement()`), including a sub-batch/gradient-accumulation plan.
+
+    A stage with GPUs also gets QOSFLOW_GPUS, the GPUs it got on all its nodes, and
+    QOSFLOW_GRAD_ACCUMULATION, `requested_gpus // QOSFLOW_GPUS` ("1" at full width): an elastic start
+    (`QoSSpec.min_gpus`) on fewer GPUs than `requested_gpus` (its `QoSSpec.gpus`) accumulates that many
+    passes per optimizer step, to keep its global batch (`qosflow.accumulation_steps()`).
     """
     n = p.nodes[0] if node is None else node
     spec = cluster.nodes[n]
@@ -86,6 +108,11 @@ def placement_env(p: Placement, cluster: ClusterSpec, node: int | None = None, c
         "QOSFLOW_NODE": spec.name,
         "QOSFLOW_VIRTUAL_GPUS": "1" if spec.virtual else "0",
     }
+    width = len(p.gpus)
+    accumulation = grad_accumulation(width, requested_gpus)
+    if width:
+        env["QOSFLOW_GPUS"] = str(width)
+        env["QOSFLOW_GRAD_ACCUMULATION"] = str(accumulation)
     if p.gpu_milli < 1000:
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(p.gpu_milli / 10)))
     elif p.colocated_with:
@@ -102,6 +129,9 @@ def placement_env(p: Placement, cluster: ClusterSpec, node: int | None = None, c
         "sub_batch": p.sub_batch.to_dict() if p.sub_batch else None,
         "virtual_gpus": spec.virtual,
     }
+    if width:
+        plan["requested_gpus"] = max(width, requested_gpus or 0)
+        plan["grad_accumulation"] = accumulation
     env["QOSFLOW_PLACEMENT"] = json.dumps(plan, separators=(",", ":"))
     return env
 

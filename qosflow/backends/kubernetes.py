@@ -298,7 +298,7 @@ class KubernetesBackend(Backend):
         for gi, (gnodes, gnames) in enumerate(groups):
             n0 = gnodes[0]
             k_gpus, cores = len(p.gpus_on(n0)), p.cores_on(n0)
-            env = placement_env(p, spec.cluster, n0, spec.cpusets.get(n0))
+            env = placement_env(p, spec.cluster, n0, spec.cpusets.get(n0), requested_gpus=spec.requested_gpus)
             env.pop("CUDA_VISIBLE_DEVICES", None)  # the device plugin assigns the devices
             env.pop("QOSFLOW_NODE", None)
             env.update(spec.env)

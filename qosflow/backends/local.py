@@ -137,7 +137,7 @@ class LocalBackend(Backend):
         cpuset = spec.cpusets.get(node, [])
         env = dict(os.environ)
         env.update({k: v for k, v in spec.env.items() if v is not None})
-        env.update(placement_env(p, spec.cluster, node=node, cpuset=cpuset))
+        env.update(placement_env(p, spec.cluster, node=node, cpuset=cpuset, requested_gpus=spec.requested_gpus))
         env[PROGRESS_FILE_ENV] = self.progress_file(spec.stage_id)
         env.setdefault("PYTHONUNBUFFERED", "1")
         real = self.real_cpus(cpuset)

@@ -141,6 +141,14 @@ class _ProgressMirror(threading.Thread):
             self.context.run(self.push)
 
 
+def _elastic_note(plan: dict) -> str:
+    """", started on 4 of 8 GPUs, gradient accumulation x2" for a stage started narrower than it asked."""
+    acc, asked = plan.get("grad_accumulation") or 1, plan.get("requested_gpus") or 0
+    if acc <= 1 or not asked:
+        return ""
+    return f", started on {asked // acc} of {asked} GPUs, gradient accumulation x{acc}"
+
+
 @flow(name=STAGE_FLOW_NAME, persist_result=True, result_serializer="pickle", log_prints=True, validate_parameters=False)
 def qosflow_stage(payload: str, stage: str = "", pipeline: str = "") -> Any:
     """Run one `@qos_task` stage on the slot the qosflow worker placed it on."""
@@ -151,7 +159,7 @@ def qosflow_stage(payload: str, stage: str = "", pipeline: str = "") -> Any:
     if p.placed:
         gpus = ",".join(str(g) for g in p.gpus) or "-"
         logger.info(
-            "stage %s on %s: GPU %s%s, %g cores (cpuset %s)%s%s",
+            "stage %s on %s: GPU %s%s, %g cores (cpuset %s)%s%s%s",
             stage,
             p.node,
             gpus,
@@ -160,6 +168,7 @@ def qosflow_stage(payload: str, stage: str = "", pipeline: str = "") -> Any:
             list(p.cpuset),
             f", share {p.gpu_milli}/1000" if p.gpu_milli < 1000 else "",
             f", sub-batch plan {p.sub_batch}" if p.sub_batch else "",
+            _elastic_note(p.raw),
         )
     fn, args, kwargs = read_payload(payload)
     mirror = None

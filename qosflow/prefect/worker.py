@@ -634,6 +634,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 cwd=cwd,
                 cpusets=grant.cpusets,
                 labels={"prefect.io/flow-run-id": fid, "prefect.io/flow-run-name": str(flow_run.name)},
+                requested_gpus=spec.gpus,
             )
             try:
                 await self._acquire_lease(fid, launch, spec.shareable)
