@@ -177,3 +177,38 @@ def napper(seconds: float) -> float:
 def two_nappers(seconds: float = 8.0) -> list:
     a, b = napper.submit(seconds), napper.submit(seconds)
     return [a.result(), b.result()]
+
+
+@qos_task(gpus=2, cpu_cores=1, expected_duration=20)
+def gpu_holder(marker: str, release: str) -> str:
+    """Holds 2 GPUs until `release` exists (at most 120 s); writes `marker` once it runs."""
+    Path(marker).write_text(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    end = time.time() + 120
+    while not Path(release).exists() and time.time() < end:
+        time.sleep(0.1)
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+@qos_task(gpus=4, min_gpus=2, cpu_cores=2, expected_duration=2, deadline=600)
+def elastic_train() -> dict:
+    """An elastic stage: what it was told about its width."""
+    import qosflow
+
+    out = {k: os.environ.get(k) for k in ("QOSFLOW_GPUS", "QOSFLOW_GRAD_ACCUMULATION", "CUDA_VISIBLE_DEVICES")}
+    out.update(steps=qosflow.accumulation_steps(), granted=qosflow.granted_gpus())
+    return out
+
+
+@qos_flow(name="e2e-elastic", pool="e2e-elastic")
+def elastic_pipeline(marker: str, release: str) -> dict:
+    """`elastic_train` asks for 4 GPUs while `gpu_holder` holds 2 of the pool's 4."""
+    held = gpu_holder.submit(marker, release)
+    end = time.time() + 120
+    while not Path(marker).exists() and time.time() < end:
+        time.sleep(0.1)
+    try:
+        out = elastic_train.submit().result()
+    finally:
+        Path(release).touch()
+    out["held"] = held.result()
+    return out

@@ -224,3 +224,74 @@ def test_accumulation_steps_and_granted_gpus(monkeypatch):
         with pytest.raises(QosflowError, match=rf"granted_gpus\(\): environment variable QOSFLOW_GPUS='{bad}' is not a whole number >= 1"):
             qosflow.granted_gpus()
     assert {"accumulation_steps", "granted_gpus"} <= set(dir(qosflow))
+
+
+# ------------------------------------------------------------------------------------ what the worker records and shows
+class HalfWidth:
+    """Test-local policy: starts every pending job on the first half of node 0's GPUs."""
+
+    name = "test-half-width"
+
+    def schedule(self, view):
+        from qosflow.policies.base import Decision
+
+        d = Decision()
+        for js in view.pending:
+            w = js.job.qos.gpus // 2
+            p = Placement(js.job_id, tuple((0, g) for g in range(w)), cpu=((0, 1.0),))
+            view.cluster.allocate(p, js.job.qos)
+            d.starts.append(p)
+        return d
+
+
+def test_the_grant_labels_artifact_and_status_say_how_wide_it_started():
+    from qosflow.prefect.scheduler import QoSScheduler, StageEntry
+    from qosflow.prefect.status import _stage_status
+    from qosflow.prefect.tasks import StageRecord, apply_placement_labels
+    from qosflow.prefect.worker import QosflowWorker
+
+    cluster = ClusterSpec.uniform(1, 8, cpu_cores=8, virtual=True)
+    job = Job("train", time.time(), QoSSpec(gpus=8, min_gpus=2, cpu_cores=1.0), 60.0, expected_duration=60.0, model="sig-train")
+    e = StageEntry(JobState(job), "train", flow_run_id="train")
+
+    async def main():
+        s = QoSScheduler(cluster, HalfWidth(), coda=False)
+        t = asyncio.ensure_future(s.request(e))
+        await asyncio.sleep(0)
+        s.round()
+        await t
+        return s.describe_grant(e)
+
+    info = asyncio.run(main())
+    assert len(info["gpus"]) == 4
+    # on half its GPUs it runs at half its speed: the prediction it was placed on (labels, forecast, CODA's
+    # lag check) says so, and the estimator learns what a run on all 8 would have taken
+    assert info["predicted_s"] == pytest.approx(120.0)
+    learned = []
+    QosflowWorker._observe(SimpleNamespace(estimator=SimpleNamespace(observe=lambda job, s: learned.append(s))), e, 130.0)
+    assert learned == [pytest.approx(65.0)]
+    assert (info["requested_gpus"], info["grad_accumulation"]) == (8, 2)
+    assert info["elastic"] == "started on 4 of 8 GPUs, gradient accumulation x2"
+    # the flow run's labels (what the Prefect UI shows on the run)
+    w = QosflowWorker(work_pool_name="elastic-test")
+    asyncio.run(w._label("fr-1", dict(info), time.time()))  # (no client here: the write fails and is logged; what it wrote is kept)
+    labels = w._labels_written["fr-1"]
+    assert labels["qosflow.elastic"] == "started on 4 of 8 GPUs, gradient accumulation x2"
+    assert (labels["qosflow.requested_gpus"], labels["qosflow.grad_accumulation"]) == ("8", "2")
+    # the pipeline's placements artifact
+    rec = StageRecord("train", None, (), 60.0, 30.0, time.time())
+    apply_placement_labels(rec, labels)
+    assert (rec.requested_gpus, rec.grad_accumulation) == (8, 2)
+    assert rec.elastic_note == " (4 of 8, gradient accumulation x2)" and rec.to_json()["grad_accumulation"] == 2
+    # `qosflow status`
+    fr = SimpleNamespace(id="fr-1", labels=labels, parameters={"stage": "train", "pipeline": "p"}, name="p.train", tags=["qos:class=normal"],
+                         job_variables={}, expected_start_time=None, created=None,
+                         state=SimpleNamespace(name="Running", is_running=lambda: True, is_pending=lambda: False))
+    st = _stage_status(fr, time.time())
+    assert st.elastic_note == "4 of 8 GPUs, gradient accumulation x2" and st.requested_gpus == 8
+    # a rigid stage: nothing of the kind
+    rigid = Job("r", time.time(), QoSSpec(gpus=2), 60.0)
+    from qosflow.prefect.scheduler import elastic_info
+
+    assert elastic_info(rigid.qos, Placement("r", ((0, 0), (0, 1)))) == {}
+    assert elastic_info(QoSSpec(gpus=2, min_gpus=1), Placement("r", ((0, 0), (0, 1))))["elastic"] == "started on all 2 GPUs"

@@ -343,3 +343,39 @@ def test_a_worker_stopped_as_its_pipeline_returns_still_finishes_its_bookkeeping
     assert LeaseStore().leases(pool) == []
     [stage] = PipelineRun.finished[-1].stages.values()
     assert str(stage.flow_run_id) in {h.stage_run_id for h in Store.open().stage_history() if h.state == "COMPLETED"}
+
+
+@pytest.fixture(scope="module")
+def elastic_worker(prefect_server):
+    """A worker with the qosflow policy on one host of 4 virtual GPUs (pool e2e-elastic)."""
+    from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
+    from qosflow.prefect.local import WorkerThread, setup_pool
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    pool = "e2e-elastic"
+    asyncio.run(setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, 4, cpu_cores=8), policy=QoSPolicy(policy="qosflow"),
+                           stream_output=False))
+    w = WorkerThread(pool).wait_ready(120)
+    yield w
+    w.stop()
+
+
+def test_an_elastic_stage_starts_on_the_free_half_and_is_told_so(elastic_worker, tmp_path):
+    """@qos_task(gpus=4, min_gpus=2) while 2 of the 4 GPUs are held: the qosflow policy starts it on the other
+    2, the stage process sees QOSFLOW_GPUS=2 and QOSFLOW_GRAD_ACCUMULATION=2, and the flow run says so."""
+    import prefect_pipelines as pp
+
+    from qosflow.prefect.tasks import PipelineRun
+
+    out = pp.elastic_pipeline(str(tmp_path / "held"), str(tmp_path / "release"))
+    assert (out["QOSFLOW_GPUS"], out["QOSFLOW_GRAD_ACCUMULATION"], out["steps"], out["granted"]) == ("2", "2", 2, 2)
+    mine, held = set(out["CUDA_VISIBLE_DEVICES"].split(",")), set(out["held"].split(","))
+    assert len(mine) == len(held) == 2 and not mine & held
+    run = PipelineRun.finished[-1]
+    rec = next(r for r in run.stages.values() if r.name.startswith("elastic_train"))
+    assert rec.elastic_note == " (2 of 4, gradient accumulation x2)" and len(rec.gpus) == 2
+    with _client() as c:
+        labels = c.read_flow_run(rec.flow_run_id).labels
+    assert labels["qosflow.elastic"] == "started on 2 of 4 GPUs, gradient accumulation x2" and labels["qosflow.policy"] == "qosflow"
+    [w] = _eventually(lambda: [r for r in elastic_worker.worker.records if r["flow_run_id"] == rec.flow_run_id])  # (once its process exited)
+    assert (w["requested_gpus"], w["grad_accumulation"]) == (4, 2)

@@ -79,6 +79,8 @@ def register(app: typer.Typer) -> None:
                 t.add_column(col, overflow="fold")
             for s in st.stages:
                 where = f"{s.host} {s.gpus}".strip() if s.phase == "running" else "QoS queue" if s.phase == "queued" else "no worker yet"
+                if s.elastic_note:
+                    where += f" ({s.elastic_note})"
                 done = "-" if s.done_pct is None else f"{s.done_pct:.0f} %"
                 t.add_row(s.name, s.pipeline or "-", s.priority or "-", s.phase, where, _dur(s.since_s), done, _dur(s.predicted_s),
                           _dur(s.deadline_in_s), s.why_waiting or "")

@@ -23,14 +23,29 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from qosflow.backends.base import grad_accumulation
 from qosflow.core.cluster import ClusterSpec, ClusterState, PlacementError
 from qosflow.core.estimate import Z_HIGH, DeclaredEstimator, Estimator, gpu_speed
 from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.core.placement import Placement
+from qosflow.core.qos import QoSSpec
+from qosflow.core.speed import width_fraction
 from qosflow.placement_api import read_progress, read_resumed
 from qosflow.policies.base import Decision, Policy, SchedulerView
 
 log = logging.getLogger("qosflow.scheduler")
+
+
+def elastic_info(qos: QoSSpec, p: Placement) -> dict[str, Any]:
+    """How wide an elastic stage (`QoSSpec.min_gpus`) started, for its placement record, event and labels:
+    `requested_gpus`, `grad_accumulation` and `elastic`, a line for the UI ("started on 4 of 8 GPUs,
+    gradient accumulation x2"); nothing for a stage that cannot start narrower."""
+    if qos.min_gpus is None or not p.gpus:
+        return {}
+    width = len(p.gpus)
+    acc = grad_accumulation(width, qos.gpus)
+    text = f"started on {width} of {qos.gpus} GPUs, gradient accumulation x{acc}" if acc > 1 else f"started on all {qos.gpus} GPUs"
+    return {"requested_gpus": qos.gpus, "grad_accumulation": acc, "elastic": text}
 
 
 class StageCancelled(Exception):
@@ -328,7 +343,9 @@ class QoSScheduler:
             e.state.note = f"placement rejected: {exc}"
             return False
         cpusets = self._assign_cores(p)
-        predicted = float(self.estimator.duration(e.job))
+        # (an elastic start on fewer GPUs than the stage asked for runs at that share of its speed: the
+        # forecast, the CODA feedback and the prediction shown in the UI count on that)
+        predicted = float(self.estimator.duration(e.job)) / width_fraction(e.job, p)
         e.state.status = JobStatus.RUNNING
         e.state.placement = p
         e.state.first_start = e.state.first_start or now
@@ -598,6 +615,7 @@ class QoSScheduler:
             "cpuset": {names[n]: c for n, c in g.cpusets.items()},
             "colocated_with": list(p.colocated_with),
             "sub_batch": p.sub_batch.to_dict() if p.sub_batch else None,
+            **elastic_info(e.job.qos, p),
             "virtual_gpus": any(self.cluster.nodes[n].virtual for n in p.nodes),
             "predicted_s": round(g.predicted_s, 3),
             "waited_s": round(g.waited_s, 3),

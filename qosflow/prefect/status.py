@@ -33,6 +33,16 @@ class StageStatus:
     why_waiting: str = ""
     #: per cent of its work done, from the progress artifact its `qosflow.report_progress` calls keep up to date
     done_pct: float | None = None
+    #: an elastic start (`min_gpus`): the GPUs it asked for, and its gradient accumulation on those it got
+    requested_gpus: int | None = None
+    grad_accumulation: int | None = None
+
+    @property
+    def elastic_note(self) -> str:
+        """"4 of 8 GPUs, gradient accumulation x2" for a stage running on fewer GPUs than it asked for, else ""."""
+        if not self.grad_accumulation or self.grad_accumulation <= 1 or not self.requested_gpus:
+            return ""
+        return f"{self.requested_gpus // self.grad_accumulation} of {self.requested_gpus} GPUs, gradient accumulation x{self.grad_accumulation}"
 
 
 @dataclass
@@ -57,6 +67,13 @@ class PoolStatus:
 def _float(x: Any) -> float | None:
     try:
         return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _int(x: Any) -> int | None:
+    try:
+        return int(x)
     except (TypeError, ValueError):
         return None
 
@@ -86,6 +103,8 @@ def _stage_status(fr: Any, now: float) -> StageStatus:
         since_s=None if since is None else max(0.0, now - since),
         predicted_s=_float(labels.get("qosflow.predicted_s")) if placed else None,
         deadline_in_s=None if deadline is None else deadline - now,
+        requested_gpus=_int(labels.get("qosflow.requested_gpus")) if placed else None,
+        grad_accumulation=_int(labels.get("qosflow.grad_accumulation")) if placed else None,
     )
 
 

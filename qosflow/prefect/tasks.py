@@ -76,12 +76,22 @@ class StageRecord:
     attempts: int = 1
     engine_started: float | None = None
     queued: float | None = None
+    #: an elastic start (`min_gpus`): the GPUs the stage asked for, and its gradient accumulation on those it got
+    requested_gpus: int | None = None
+    grad_accumulation: int | None = None
 
     @property
     def actual_s(self) -> float | None:
         if self.started is None or self.ended is None:
             return None
         return max(0.0, self.ended - self.started)
+
+    @property
+    def elastic_note(self) -> str:
+        """" (4 of 8, gradient accumulation x2)" after an elastic start on fewer GPUs than asked, else ""."""
+        if not self.grad_accumulation or self.grad_accumulation <= 1 or not self.requested_gpus:
+            return ""
+        return f" ({self.requested_gpus // self.grad_accumulation} of {self.requested_gpus}, gradient accumulation x{self.grad_accumulation})"
 
     @property
     def met(self) -> bool | None:
@@ -94,6 +104,8 @@ class StageRecord:
             "name": self.name,
             "host": self.host,
             "gpus": self.gpus,
+            "requested_gpus": self.requested_gpus,
+            "grad_accumulation": self.grad_accumulation,
             "cpu_cores": self.cpu_cores,
             "virtual_gpus": self.virtual_gpus,
             "deps": list(self.deps),
@@ -302,7 +314,7 @@ class PipelineRun:
                     {
                         "stage": r.name,
                         "host": r.host or "-",
-                        "GPUs": (",".join(r.gpus) or "-") + (" (virtual)" if r.virtual_gpus and r.gpus else ""),
+                        "GPUs": (",".join(r.gpus) or "-") + (" (virtual)" if r.virtual_gpus and r.gpus else "") + r.elastic_note,
                         "cores": "-" if r.cpu_cores is None else f"{r.cpu_cores:g}",
                         "predicted_s": "-" if r.predicted_s is None else f"{r.predicted_s:.1f}",
                         "actual_s": "-" if r.actual_s is None else f"{r.actual_s:.1f}",
@@ -752,12 +764,21 @@ def apply_placement_labels(rec: StageRecord, labels: Mapping[str, str]) -> None:
     rec.gpus = [g for g in (labels.get("qosflow.gpus") or "").split(",") if g and g != "-"]
     rec.cpu_cores = _f(labels.get("qosflow.cpu_cores"))
     rec.virtual_gpus = labels.get("qosflow.virtual_gpus") == "true" if "qosflow.virtual_gpus" in labels else None
+    rec.requested_gpus = _int(labels.get("qosflow.requested_gpus"))
+    rec.grad_accumulation = _int(labels.get("qosflow.grad_accumulation"))
     rec.predicted_s = _f(labels.get("qosflow.predicted_s"))
     rec.placed = _f(labels.get("qosflow.placed_at"))
     rec.queued = _f(labels.get("qosflow.queued_at"))
     # the worker launches the stage's process right after placing it: that is when the stage starts
     # (predictions cover the process start-up too); the engine's own start is kept as engine_started
     rec.started = rec.placed or rec.engine_started
+
+
+def _int(x: Any) -> int | None:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return None
 
 
 def _f(x: Any) -> float | None:

@@ -657,7 +657,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             info = sched.describe_grant(entry)
             info["attempt"] = n
             run_logger.info(
-                "%s %s on %s (GPUs %s%s%s, %g cores) after %.2fs in the QoS queue; predicted %.1fs (%s)%s%s",
+                "%s %s on %s (GPUs %s%s%s, %g cores%s) after %.2fs in the QoS queue; predicted %.1fs (%s)%s%s",
                 "placed" if n == 1 else "re-placed",
                 name,
                 info["host"],
@@ -665,6 +665,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 "" if info["gpu_model"] in ("generic", "cpu") else f" {info['gpu_model']}",
                 " virtual" if info["virtual_gpus"] else "",
                 info["cpu_cores"],
+                f"; {info['elastic']}" if info.get("grad_accumulation", 1) > 1 else "",
                 grant.waited_s,
                 grant.predicted_s,
                 info["estimator"],
@@ -1252,6 +1253,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         """Tell the estimator how long a stage took, and -- when it can learn from it (`observe_stage`)
         -- how many steps it reported and who shared its GPUs (`QoSScheduler.note_sharing`)."""
         est, job = sched.estimator, entry.state.job
+        if entry.grant is not None:
+            # an elastic start on w of its g GPUs ran at about w / g of its speed: the estimator learns the
+            # time it would have taken on all of them (what it predicts is a full-width run)
+            actual *= width_fraction(job, entry.grant.placement)
         rec = read_progress(entry.progress_file) if entry.progress_file else None
         steps = int(rec["step"]) if rec and isinstance(rec.get("step"), (int, float)) and rec["step"] >= 1 else None
         resumed = entry.resumed_steps()
@@ -1388,6 +1393,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             labels["qosflow.colocated_with"] = ",".join(info["colocated_with"])
         if info.get("sub_batch"):
             labels["qosflow.sub_batch"] = json.dumps(info["sub_batch"])
+        if info.get("elastic"):  # (written on every attempt of an elastic stage: a rerun may get another width)
+            labels["qosflow.elastic"] = info["elastic"]
+            labels["qosflow.requested_gpus"] = str(info["requested_gpus"])
+            labels["qosflow.grad_accumulation"] = str(info["grad_accumulation"])
         self._labels_written[str(flow_run_id)] = labels
         try:
             await patch_labels(self.client, flow_run_id, labels)
