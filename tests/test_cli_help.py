@@ -171,3 +171,16 @@ def test_optional_values_say_what_leaving_them_out_means():
     helps = {(cmd, p.opts[0]): p.help for cmd in ("worker", "agent") for p in root.commands[cmd].commands["start"].params}
     assert "(default: no limit)" in helps[("worker", "--limit")]
     assert "(default: none; without NVML the host is then CPU-only)" in helps[("agent", "--virtual-gpus")]
+
+
+def test_flags_show_no_value_in_help():
+    """A flag (--no-plots) takes no value, and --help must not print one after it: typer 0.29 prints
+    '<bool>' there, which is why pyproject pins typer below 0.29."""
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    for args in (["simulate", "--help"], ["demo", "--help"], ["pack", "--help"]):
+        r = runner.invoke(app, args, env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        assert "--no-plots" in r.output or "--no-ui" in r.output
+        assert "<bool>" not in r.output, args
