@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["sim", "sim_speed_notes", "elastic", "elastic_notes", "gpu_models", "parallel", "decisions", "decisions_mixed", "packing", "prefect", "demo_db", "predictor",
-         "learned_sim", "infra", "infra_notes"]
+         "pairs_synthetic", "learned_sim", "infra", "infra_notes"]
 TITLES = {
     "sim": "Simulator fidelity and qosflow's policy (issues 2, 3)",
     "sim_speed_notes": "qosflow's simulation speed: side runs written by hand (issue 2)",
@@ -27,6 +27,7 @@ TITLES = {
     "prefect": "Prefect integration (issue 5)",
     "demo_db": "The demo on SQLite and on PostgreSQL (issue 5)",
     "predictor": "Predictor accuracy and speed (issue 4)",
+    "pairs_synthetic": "Pair-table model on synthetic co-location tables (issue 4, generality)",
     "learned_sim": "Learned estimates in the simulator (issue 4)",
     "infra": "Infrastructure: agents and Kubernetes (issue 6)",
     "infra_notes": "Progress copies from agent hosts (issue 6, recorded by hand)",
