@@ -184,3 +184,31 @@ def test_the_learned_estimator_takes_an_elastic_run_at_full_width():
         ran = Placement(j.job_id, tuple((0, g) for g in range(width)))
         est.observe_finished(JobState(j, progress=1.0, attained=3600.0 * 8 / width, placement=ran), 0.0)
         assert est.predict_duration(stage(2)).value == pytest.approx(3600.0)
+
+
+def test_a_narrowed_start_counts_its_longer_run_on_a_cluster_of_gpu_models():
+    """On a cluster of mixed GPU models the policy reads each start's remaining time in wall time on its
+    model; an elastic start's must still be at its width (twice as long on half its GPUs). The old code
+    took its full-width time there, so a job started after it in the same round saw its GPUs free an
+    hour too soon."""
+    from qosflow.core.cluster import NodeSpec
+    from qosflow.core.estimate import OracleEstimator
+    from qosflow.core.job import JobState
+    from qosflow.policies.base import SchedulerView
+    from qosflow.policies.qosflow_policy.policy import QosflowPolicy
+
+    spec = ClusterSpec([NodeSpec("v", 8, 64, 256000, gpu_model="v100"), NodeSpec("p", 8, 64, 256000, gpu_model="p100")])
+    st = ClusterState(spec)
+    st.allocate(Placement("long", tuple((0, g) for g in range(4)), cpu=((0, 4.0),)), QoSSpec(gpus=4, cpu_cores=4))
+    st.allocate(Placement("long2", tuple((1, g) for g in range(8)), cpu=((1, 8.0),)), QoSSpec(gpus=8, cpu_cores=8))
+    long_js = JobState(Job("long", 0.0, QoSSpec(gpus=4, cpu_cores=4), 36000.0), status=JobStatus.RUNNING)
+    long_js.placement = st.allocs["long"]
+    long2 = JobState(Job("long2", 0.0, QoSSpec(gpus=8, cpu_cores=8), 36000.0), status=JobStatus.RUNNING)
+    long2.placement = st.allocs["long2"]
+    gang = JobState(Job("gang", 60.0, QoSSpec(gpus=8, cpu_cores=8, deadline=3 * 3600.0, min_gpus=4), 3600.0), queued_since=60.0)
+    pol = QosflowPolicy(share=False)
+    d = pol.schedule(SchedulerView(60.0, st.snapshot(), [gang], [long_js, long2], OracleEstimator()))
+    assert [len(p.gpus) for p in d.starts] == [4]
+    assert "elastic start" in d.notes["gang"]
+    # after the round, the gang's GPUs are busy for its 2 h at half width, not its 1 h at full width
+    assert pol._end_max[0, 4:].tolist() == [7200.0] * 4

@@ -26,12 +26,12 @@ class ElasticStartMixin:
     with `_own_gpus` (clear of reservations) and checks the deadline at the pessimistic remaining
     time (`_r_high`) with `deadline_band`."""
 
-    def _narrow_start(self, st, js: JobState, r: float, reserved, failures) -> tuple[Placement, object, float, str] | None:
+    def _narrow_start(self, st, js: JobState, r: float, reserved, failures) -> tuple[Placement, object, str] | None:
         """GPUs for deadline job `js` (remaining time `r` on all its GPUs) on fewer of them: the widest
         of its `widths` below its full width that is free (and clear of reservations) and on which
         it still meets its deadline, at the pessimistic remaining time too where the estimator
-        states one. Returns (placement as the narrowed request's, the narrowed job, remaining time at
-        that width, why), or None."""
+        states one. Returns (placement as the narrowed request's, the narrowed job, why), or None; the
+        caller counts its remaining time at that width (x gpus / width)."""
         job = js.job
         q = job.qos
         dl = job.deadline
@@ -53,5 +53,5 @@ class ElasticStartMixin:
                     f"all {q.gpus} are not free, and at {w / q.gpus:.0%} speed it still meets its deadline "
                     f"({(dl - now - r_w) / 3600:.1f} h of slack)"
                 )
-                return p, jn, r_w, why
+                return p, jn, why
         return None

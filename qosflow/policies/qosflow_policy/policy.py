@@ -339,7 +339,7 @@ class QosflowPolicy(
                 if p is None and has_dl and q.min_gpus is not None and len(groups) <= 1:
                     found = self._narrow_start(st, js, r, reserved, failures)
                     if found is not None:
-                        p, narrow_job, r_run, why = found
+                        p, narrow_job, why = found
                 if p is None and self.share and (has_dl or share_tries < self.share_attempts):
                     share_tries += 1
                     # (a placement in a reservation's way is not made: `keep_off`)
@@ -397,6 +397,8 @@ class QosflowPolicy(
             if models is not None and p.gpus:
                 # in wall time on the GPU model it got (its slowest GPU's), not at its best case
                 r_run = r * self._rspeed.get(jid, 1.0) / placement_gpu_speed(est, job, p, models)
+            if narrow_job is not job:
+                r_run *= q.gpus / len(p.gpus)  # (on fewer GPUs than it asked for: `_narrow_start`)
             # (an elastic start gets the cores of the narrowed request: `_narrow_start`)
             p = self._with_cores(st, narrow_job, self._own(p, job), est)
             st.allocate(p, q)
