@@ -65,7 +65,7 @@ def run(label: str, trace: str, cluster: str, seed: int) -> dict:
     narrowed = 0
     for js in res.jobs:
         j = js.job
-        narrowed += "qosflow_elastic_width" in js.tags
+        narrowed += js.started_gpus is not None and js.started_gpus < j.qos.gpus
         if j.deadline is None or j.qos.gpus < 3:
             continue
         met = js.finish_time is not None and js.finish_time <= j.deadline + 1e-6

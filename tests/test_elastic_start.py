@@ -90,7 +90,7 @@ def test_a_deadline_gang_starts_on_half_its_gpus_when_that_meets_its_deadline():
     assert gang.finish_time == pytest.approx(60.0 + 2 * 3600.0)
     assert gang.finish_time <= gang.job.deadline
     assert "elastic start on 4 of its 8 GPUs (gradient accumulation x2)" in gang.note
-    assert gang.tags["qosflow_elastic_width"] == 4
+    assert gang.started_gpus == 4
     # rigid, the same gang waits the 10 h for the whole node and misses its deadline
     rigid = _run(_blocked_gang(3 * 3600.0, min_gpus=None))["gang"]
     assert rigid.first_start == pytest.approx(10 * 3600.0)
@@ -166,7 +166,14 @@ def test_simulate_with_min_gpus_share_records_it(tmp_path):
     assert main(args) == 0
     import json
 
-    assert json.loads(out.read_text())["workload"]["min_gpus_share"] == 0.5
+    data = json.loads(out.read_text())
+    assert data["workload"]["min_gpus_share"] == 0.5
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "jobs-qosflow.csv")))
+    narrowed = [r for r in rows if r["gpus_started"] and int(r["gpus_started"]) < int(r["gpus"])]
+    assert data["policies"]["qosflow"]["elastic_starts"] == len(narrowed) >= 1
+    assert all("elastic start on" in r["note"] for r in narrowed)
 
 
 def test_the_learned_estimator_takes_an_elastic_run_at_full_width():

@@ -149,6 +149,9 @@ def register(app: typer.Typer) -> None:
             raise SimulationError("every policy failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
         bounds = compute_bounds(wl.jobs, spec, speed)
         console.print(render_table(metrics, bounds, title=f"{wl.name} on {spec.name}"))
+        if any(m.elastic_starts for m in metrics.values()):
+            console.print("elastic starts (jobs started on fewer GPUs than they asked for, with gradient accumulation): "
+                          + ", ".join(f"{k} {m.elastic_starts}" for k, m in metrics.items()), highlight=False)
         by_class = render_class_table(metrics)
         if by_class is not None:  # one line per class, however many policies: as wide as it needs
             from rich.measure import Measurement

@@ -126,6 +126,9 @@ class JobState:
     restarts: int = 0
     failures: int = 0
     preemptions: int = 0
+    #: GPUs of its last start: fewer than `job.qos.gpus` after an elastic start (`QoSSpec.min_gpus`); set
+    #: by the simulator
+    started_gpus: int | None = None
     #: policy-private scratch space (e.g. Tiresias queue index); cleared never
     tags: dict[str, Any] = field(default_factory=dict)
     #: why the job waits or shares, as the policy last explained it

@@ -406,6 +406,7 @@ class Simulator:
                     js = pending.pop(p.job_id)
                     js.status = JobStatus.RUNNING
                     js.placement = p
+                    js.started_gpus = len(p.gpus)
                     if js.first_start is None:
                         js.first_start = now
                     else:

@@ -41,6 +41,8 @@ class Metrics:
     shared_share: float
     avg_slowdown: float
     preemptions: int
+    #: jobs whose last start was on fewer GPUs than they asked for (elastic starts, `QoSSpec.min_gpus`)
+    elastic_starts: int
     restarts: int
     failures: int
     wasted_gpu_hours: float
@@ -134,6 +136,7 @@ def compute_metrics(res: SimResult) -> Metrics:
         shared_share=float(res.shared_gpu_seconds / res.busy_gpu_seconds) if res.busy_gpu_seconds else 0.0,
         avg_slowdown=float(slow.mean()),
         preemptions=sum(j.preemptions for j in res.jobs),
+        elastic_starts=sum(1 for j in res.jobs if j.started_gpus is not None and 0 < j.started_gpus < j.job.qos.gpus),
         restarts=sum(j.restarts for j in res.jobs),
         failures=sum(j.failures for j in res.jobs),
         wasted_gpu_hours=res.wasted_gpu_seconds / 3600.0,

@@ -135,7 +135,7 @@ def _class_jobs(metrics: Mapping[str, Metrics], c: str) -> int:
 
 #: columns of the per-job CSV (`write_job_tables`); times in seconds of simulated time
 JOB_COLUMNS = (
-    "job_id", "status", "gpus", "model", "submit_s", "first_start_s", "finish_s", "queue_s", "jct_s",
+    "job_id", "status", "gpus", "gpus_started", "model", "submit_s", "first_start_s", "finish_s", "queue_s", "jct_s",
     "deadline_s", "deadline_met", "preemptions", "restarts", "failures", "note",
 )
 
@@ -159,6 +159,7 @@ def job_rows(res: SimResult) -> list[dict[str, Any]]:
             "job_id": js.job_id,
             "status": js.status.value,
             "gpus": j.qos.gpus,
+            "gpus_started": "" if js.started_gpus is None else js.started_gpus,
             "model": j.model or "",
             "submit_s": _num(j.submit_time),
             "first_start_s": _num(js.first_start),

@@ -408,8 +408,6 @@ class QosflowPolicy(
             d.starts.append(p)
             if js in starving:
                 js.tags["qosflow_rescued"] = True
-            if narrow_job is not job:
-                js.tags["qosflow_elastic_width"] = len(p.gpus)  # (the last elastic start: benchmarks count them)
             if why:
                 d.notes[jid] = why
         self._memo_state = (st, self.align, self.sub_batch, self.SHARE_NODES)  # (as this round leaves it: `_same_state`)
