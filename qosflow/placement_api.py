@@ -133,6 +133,15 @@ def granted_gpus() -> int | None:
     return _env_count(GPUS_ENV, "granted_gpus", minimum=1)
 
 
+def elastic_note(requested_gpus: int | None, grad_accumulation: int | None, *, unit: str = " GPUs") -> str:
+    """"4 of 8 GPUs, gradient accumulation x2" for a stage started on fewer GPUs than it asked for (an
+    elastic start), from the GPUs it asked for and its gradient accumulation; "" at full width or when
+    either is unknown. `unit` follows the two counts ("" where a column already says GPUs)."""
+    if not grad_accumulation or grad_accumulation <= 1 or not requested_gpus:
+        return ""
+    return f"{requested_gpus // grad_accumulation} of {requested_gpus}{unit}, gradient accumulation x{grad_accumulation}"
+
+
 def _env_count(name: str, fn: str, *, minimum: int) -> int | None:
     """The whole number >= `minimum` in environment variable `name`; None if it is unset or empty."""
     raw = os.environ.get(name, "").strip()

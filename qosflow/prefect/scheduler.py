@@ -30,7 +30,7 @@ from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.core.placement import Placement
 from qosflow.core.qos import QoSSpec
 from qosflow.core.speed import width_fraction
-from qosflow.placement_api import read_progress, read_resumed
+from qosflow.placement_api import elastic_note, read_progress, read_resumed
 from qosflow.policies.base import Decision, Policy, SchedulerView
 
 log = logging.getLogger("qosflow.scheduler")
@@ -44,7 +44,7 @@ def elastic_info(qos: QoSSpec, p: Placement) -> dict[str, Any]:
         return {}
     width = len(p.gpus)
     acc = grad_accumulation(width, qos.gpus)
-    text = f"started on {width} of {qos.gpus} GPUs, gradient accumulation x{acc}" if acc > 1 else f"started on all {qos.gpus} GPUs"
+    text = f"started on {elastic_note(qos.gpus, acc)}" if acc > 1 else f"started on all {qos.gpus} GPUs"
     return {"requested_gpus": qos.gpus, "grad_accumulation": acc, "elastic": text}
 
 

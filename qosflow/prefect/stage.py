@@ -143,10 +143,10 @@ class _ProgressMirror(threading.Thread):
 
 def _elastic_note(plan: dict) -> str:
     """", started on 4 of 8 GPUs, gradient accumulation x2" for a stage started narrower than it asked."""
-    acc, asked = plan.get("grad_accumulation") or 1, plan.get("requested_gpus") or 0
-    if acc <= 1 or not asked:
-        return ""
-    return f", started on {asked // acc} of {asked} GPUs, gradient accumulation x{acc}"
+    from qosflow.placement_api import elastic_note
+
+    note = elastic_note(plan.get("requested_gpus"), plan.get("grad_accumulation"))
+    return f", started on {note}" if note else ""
 
 
 @flow(name=STAGE_FLOW_NAME, persist_result=True, result_serializer="pickle", log_prints=True, validate_parameters=False)

@@ -11,6 +11,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from qosflow.placement_api import elastic_note
+
 #: the worker's log line for a waiting stage (QosflowWorker._say_why_waiting)
 WAITING_LINE = "waits in the QoS queue"
 
@@ -40,9 +42,7 @@ class StageStatus:
     @property
     def elastic_note(self) -> str:
         """"4 of 8 GPUs, gradient accumulation x2" for a stage running on fewer GPUs than it asked for, else ""."""
-        if not self.grad_accumulation or self.grad_accumulation <= 1 or not self.requested_gpus:
-            return ""
-        return f"{self.requested_gpus // self.grad_accumulation} of {self.requested_gpus} GPUs, gradient accumulation x{self.grad_accumulation}"
+        return elastic_note(self.requested_gpus, self.grad_accumulation)
 
 
 @dataclass

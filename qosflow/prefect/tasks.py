@@ -42,6 +42,7 @@ from prefect import flow as prefect_flow
 
 from qosflow.core.qos import DURATION_FORMS, PriorityClass, QoSSpec, to_seconds
 from qosflow.errors import QosflowError, SpecError
+from qosflow.placement_api import elastic_note
 from qosflow.prefect.dag import StageNode, forecast, split_deadline
 from qosflow.prefect.spec import QOS_FIELDS, STAGE_FIELDS, build_spec, check_stage_args, job_variables, number_hint, qos_tags, stage_durations
 
@@ -89,9 +90,8 @@ class StageRecord:
     @property
     def elastic_note(self) -> str:
         """" (4 of 8, gradient accumulation x2)" after an elastic start on fewer GPUs than asked, else ""."""
-        if not self.grad_accumulation or self.grad_accumulation <= 1 or not self.requested_gpus:
-            return ""
-        return f" ({self.requested_gpus // self.grad_accumulation} of {self.requested_gpus}, gradient accumulation x{self.grad_accumulation})"
+        note = elastic_note(self.requested_gpus, self.grad_accumulation, unit="")  # (in the GPUs column)
+        return f" ({note})" if note else ""
 
     @property
     def met(self) -> bool | None:
