@@ -1128,15 +1128,14 @@ class LearnedEstimator:
         sig, key = self._sig_of(job)
         last = self._where.pop(job.job_id, None)
         self._jobs.pop(job.job_id, None)  # finished: no longer anyone's co-runner
+        where = js.placement if js.placement is not None else (last[0] if last is not None else None)
         if self.profiler is not None:
             t = self.profiler.finished_step_time(job)
             d = self.profiler.finished_duration(job)
-            where = js.placement if js.placement is not None else (last[0] if last is not None else None)
             if where is not None:
                 self._learn_placement(job, sig, key, where, frozenset(where.gpus))
         else:  # no simulated measurements: what the simulator saw (wall time, slowdowns included)
             d = js.attained if js.attained > 0 else None
-            where = js.placement if js.placement is not None else (last[0] if last is not None else None)
             if d is not None and where is not None:
                 d *= width_fraction(job, where)  # (an elastic start on fewer GPUs: its time on all of them)
             t = d / job.iterations if d and job.iterations else None

@@ -1,4 +1,4 @@
-"""qosflow policy, step 3d': an elastic start -- a deadline gang that declared `min_gpus` starts on
+"""qosflow policy, step 3b': an elastic start -- a deadline gang that declared `min_gpus` starts on
 fewer GPUs, with gradient accumulation, when its full width is not free and the slower run still
 meets its deadline.
 
@@ -22,7 +22,8 @@ from qosflow.core.placement import Placement
 
 
 class ElasticStartMixin:
-    """Elastic starts for `QosflowPolicy`. Reads the option `elastic` and the round's `_now`; finds GPUs
+    """Elastic starts for `QosflowPolicy` (the round calls it with the option `elastic` on, for a job that
+    declared `min_gpus` and can still meet its deadline). Reads the round's `_now`; finds GPUs
     with `_own_gpus` (clear of reservations) and checks the deadline at the pessimistic remaining
     time (`_r_high`) with `deadline_band`."""
 
@@ -35,8 +36,6 @@ class ElasticStartMixin:
         job = js.job
         q = job.qos
         dl = job.deadline
-        if not self.elastic or q.min_gpus is None or dl is None or q.fractional:
-            return None
         now = self._now
         r_h = self._r_high(js)
         for w in q.widths[1:]:

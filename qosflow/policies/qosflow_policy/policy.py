@@ -336,7 +336,7 @@ class QosflowPolicy(
                 if p is None and len(groups) > 1:
                     ojs, slowest = self._other_ways(js, groups, r)
                     rem[jid] = r * groups[0][0] / slowest
-                if p is None and has_dl and q.min_gpus is not None and len(groups) <= 1:
+                if p is None and self.elastic and has_dl and q.min_gpus is not None and len(groups) <= 1:
                     found = self._narrow_start(st, js, r, reserved, failures)
                     if found is not None:
                         p, narrow_job, why = found
