@@ -1,12 +1,21 @@
 """Shared fixtures. Prefect: ONE test server per session, only for the tests that ask for it.
 
 Prefect and qosflow state go to a temporary directory (PREFECT_HOME, QOSFLOW_HOME), analytics off.
+
+The session's Prefect server keeps its database in PostgreSQL when QOSFLOW_TEST_POSTGRES_URL names one
+(CI starts it: `.ci/run`), in a fresh database of its own that is dropped at the end; otherwise in SQLite,
+as `prefect_test_harness` does. A whole CI run (workers, agents, flows and the server's own background
+services writing at once) once held SQLite's write lock for a minute and a pipeline missed its deadline;
+PostgreSQL is what Prefect recommends for a server with concurrent writers. Set
+QOSFLOW_TEST_PREFECT_SQLITE=1 to keep SQLite anyway.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import uuid
+from contextlib import contextmanager
 
 import pytest
 
@@ -17,11 +26,106 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.5")
 
 
+@contextmanager
+def _postgres_database(admin_url: str):
+    """A fresh PostgreSQL database next to the one `admin_url` names; yields its asyncpg URL (Prefect's driver)."""
+    import sqlalchemy as sa
+
+    url = sa.engine.make_url(admin_url)
+    name = f"prefect_test_{uuid.uuid4().hex[:12]}"
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield url.set(drivername="postgresql+asyncpg", database=name).render_as_string(hide_password=False)
+    finally:
+        with engine.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        engine.dispose()
+
+
+@contextmanager
+def _prefect_server(database_url: str, startup_timeout: int = 120):
+    """`prefect_test_harness` with the database given (the harness always takes a temporary SQLite file)."""
+    from contextlib import ExitStack
+
+    import prefect.context
+    import prefect.settings
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.database.dependencies import temporary_database_interface
+    from prefect.testing.utilities import _find_available_port
+
+    with ExitStack() as stack:
+        stack.enter_context(temporary_database_interface())
+        stack.enter_context(prefect.settings.temporary_settings(
+            updates={prefect.settings.PREFECT_SERVER_DATABASE_CONNECTION_URL: database_url}))
+        server = SubprocessASGIServer(port=_find_available_port())
+        prior = SubprocessASGIServer._instances.get(None)
+        SubprocessASGIServer._instances[None] = server  # flows find this server, not a second one
+        server.start(timeout=startup_timeout)
+        stack.enter_context(prefect.settings.temporary_settings(updates={prefect.settings.PREFECT_API_URL: server.api_url}))
+        stack.enter_context(prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()))
+        try:
+            yield
+        finally:
+            _drain_prefect_workers()
+            server.stop()
+            if prior is not None:
+                SubprocessASGIServer._instances[None] = prior
+            else:
+                SubprocessASGIServer._instances.pop(None, None)
+
+
+def _drain_prefect_workers() -> None:
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain():
+        try:
+            result = APILogWorker.instance().drain()
+            if inspect.isawaitable(result):
+                await result
+        except RuntimeError:  # never started
+            pass
+        result = EventsWorker.drain_all()
+        if inspect.isawaitable(result):
+            await result
+
+    run_coro_as_sync(drain())
+
+
+def _postgres_admin_url() -> str | None:
+    url = os.environ.get("QOSFLOW_TEST_POSTGRES_URL")
+    if not url or os.environ.get("QOSFLOW_TEST_PREFECT_SQLITE") == "1":
+        return None
+    import sqlalchemy as sa
+
+    try:
+        engine = sa.create_engine(url)
+        with engine.connect():
+            pass
+        engine.dispose()
+    except sa.exc.SQLAlchemyError as exc:
+        print(f"[qosflow tests] PostgreSQL at QOSFLOW_TEST_POSTGRES_URL does not answer ({exc.__class__.__name__}): "
+              "the Prefect test server uses SQLite")
+        return None
+    return url
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
-    """A real local Prefect server (SQLite) for the whole session; yields its API URL."""
+    """A real local Prefect server for the whole session (PostgreSQL when available, else SQLite); yields its API URL."""
     from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    admin = _postgres_admin_url()
+    if admin is None:
+        from prefect.testing.utilities import prefect_test_harness
+
+        with prefect_test_harness(server_startup_timeout=120):
+            yield PREFECT_API_URL.value()
+        return
+    with _postgres_database(admin) as db_url, _prefect_server(db_url):
         yield PREFECT_API_URL.value()

@@ -88,3 +88,13 @@ def test_status_names_a_server_it_cannot_reach_or_a_url_that_is_none(capsys, mon
                 assert main(argv) == 2, argv
             err = " ".join(capsys.readouterr().err.split())
             assert f"PREFECT_API_URL={bad!r} is not an http(s) URL, so {what} can never reach a server there" in err, err
+
+
+def test_labels_that_do_not_parse_read_as_unknown():
+    """A `qosflow.*` label is a string another process wrote: garbage, infinities and NaN read as None
+    (a NaN deadline used to pass as a number and print as 'nan' in the status table)."""
+    from qosflow.prefect.labels import label_float, label_int
+
+    assert label_int("4") == 4 and label_float("12.5") == 12.5
+    assert [label_int(x) for x in (None, "", "x", "2.5")] == [None] * 4
+    assert [label_float(x) for x in (None, "", "x", "nan", "inf", "-inf")] == [None] * 6

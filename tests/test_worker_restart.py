@@ -103,7 +103,9 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
             procs.append(w2)
             wait_log(wlog, "recovery: adopted stage", w2)
             th.join(150)
-            assert not th.is_alive(), "the pipeline did not finish after the restart"
+            assert not th.is_alive(), (f"the pipeline did not finish after the restart; marks {marks(marker)}\n"
+                                       f"worker log:\n{wlog.read_text(errors='replace')[-4000:]}\n"
+                                       f"agent log:\n{(tmp_path / 'agent.log').read_text(errors='replace')[-2000:]}")
             assert out.get("r") == "host-r"
             ev = marks(marker)
             assert [e["event"] for e in ev] == ["start", "done"]  # ran once, was not relaunched

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from qosflow.placement_api import elastic_note
+from qosflow.prefect.labels import label_float, label_int
 
 #: the worker's log line for a waiting stage (QosflowWorker._say_why_waiting)
 WAITING_LINE = "waits in the QoS queue"
@@ -64,20 +65,6 @@ class PoolStatus:
         return asdict(self)
 
 
-def _float(x: Any) -> float | None:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return None
-
-
-def _int(x: Any) -> int | None:
-    try:
-        return int(x)
-    except (TypeError, ValueError):
-        return None
-
-
 def _stage_status(fr: Any, now: float) -> StageStatus:
     labels = dict(getattr(fr, "labels", None) or {})
     params = fr.parameters or {}
@@ -86,9 +73,9 @@ def _stage_status(fr: Any, now: float) -> StageStatus:
     taken = fr.state is not None and (fr.state.is_pending() or fr.state.is_running())
     phase = "running" if placed else "queued" if taken else "unclaimed"
     prio = next((t.split("=", 1)[1] for t in fr.tags or () if t.startswith("qos:class=")), "")
-    deadline = _float(labels.get("qosflow.deadline_at")) or _float((fr.job_variables or {}).get("deadline_at"))
+    deadline = label_float(labels.get("qosflow.deadline_at")) or label_float((fr.job_variables or {}).get("deadline_at"))
     if placed:
-        since = _float(labels.get("qosflow.placed_at"))
+        since = label_float(labels.get("qosflow.placed_at"))
     else:
         since = fr.expected_start_time.timestamp() if fr.expected_start_time else fr.created.timestamp() if fr.created else None
     return StageStatus(
@@ -101,10 +88,10 @@ def _stage_status(fr: Any, now: float) -> StageStatus:
         gpus=labels.get("qosflow.gpus", "") if placed else "",
         priority=prio,
         since_s=None if since is None else max(0.0, now - since),
-        predicted_s=_float(labels.get("qosflow.predicted_s")) if placed else None,
+        predicted_s=label_float(labels.get("qosflow.predicted_s")) if placed else None,
         deadline_in_s=None if deadline is None else deadline - now,
-        requested_gpus=_int(labels.get("qosflow.requested_gpus")) if placed else None,
-        grad_accumulation=_int(labels.get("qosflow.grad_accumulation")) if placed else None,
+        requested_gpus=label_int(labels.get("qosflow.requested_gpus")) if placed else None,
+        grad_accumulation=label_int(labels.get("qosflow.grad_accumulation")) if placed else None,
     )
 
 
@@ -174,7 +161,7 @@ async def _progress(client: Any, flow_run_ids: list[str]) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for a in arts:
-        pct = _float(a.data)
+        pct = label_float(a.data)
         if a.flow_run_id is not None and pct is not None:
             out.setdefault(str(a.flow_run_id), pct)
     return out

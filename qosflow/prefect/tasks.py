@@ -44,6 +44,7 @@ from qosflow.core.qos import DURATION_FORMS, PriorityClass, QoSSpec, to_seconds
 from qosflow.errors import QosflowError, SpecError
 from qosflow.placement_api import elastic_note
 from qosflow.prefect.dag import StageNode, forecast, split_deadline
+from qosflow.prefect.labels import label_float, label_int
 from qosflow.prefect.spec import QOS_FIELDS, STAGE_FIELDS, build_spec, check_stage_args, job_variables, number_hint, qos_tags, stage_durations
 
 _TASK_PARAMS = set(inspect.signature(Task.__init__).parameters) - {"self", "fn"}
@@ -762,31 +763,16 @@ def apply_placement_labels(rec: StageRecord, labels: Mapping[str, str]) -> None:
     """Copy the placement the worker wrote on the stage's flow run (labels `qosflow.*`) into `rec`."""
     rec.host = labels.get("qosflow.host")
     rec.gpus = [g for g in (labels.get("qosflow.gpus") or "").split(",") if g and g != "-"]
-    rec.cpu_cores = _f(labels.get("qosflow.cpu_cores"))
+    rec.cpu_cores = label_float(labels.get("qosflow.cpu_cores"))
     rec.virtual_gpus = labels.get("qosflow.virtual_gpus") == "true" if "qosflow.virtual_gpus" in labels else None
-    rec.requested_gpus = _int(labels.get("qosflow.requested_gpus"))
-    rec.grad_accumulation = _int(labels.get("qosflow.grad_accumulation"))
-    rec.predicted_s = _f(labels.get("qosflow.predicted_s"))
-    rec.placed = _f(labels.get("qosflow.placed_at"))
-    rec.queued = _f(labels.get("qosflow.queued_at"))
+    rec.requested_gpus = label_int(labels.get("qosflow.requested_gpus"))
+    rec.grad_accumulation = label_int(labels.get("qosflow.grad_accumulation"))
+    rec.predicted_s = label_float(labels.get("qosflow.predicted_s"))
+    rec.placed = label_float(labels.get("qosflow.placed_at"))
+    rec.queued = label_float(labels.get("qosflow.queued_at"))
     # the worker launches the stage's process right after placing it: that is when the stage starts
     # (predictions cover the process start-up too); the engine's own start is kept as engine_started
     rec.started = rec.placed or rec.engine_started
-
-
-def _int(x: Any) -> int | None:
-    try:
-        return int(x)
-    except (TypeError, ValueError):
-        return None
-
-
-def _f(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def _build(fn: Callable, qos_kw: dict[str, Any], explicit: Iterable[str], stage_kw: dict[str, Any], task_kw: dict[str, Any],
