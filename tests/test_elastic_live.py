@@ -295,3 +295,29 @@ def test_the_grant_labels_artifact_and_status_say_how_wide_it_started():
 
     assert elastic_info(rigid.qos, Placement("r", ((0, 0), (0, 1)))) == {}
     assert elastic_info(QoSSpec(gpus=2, min_gpus=1), Placement("r", ((0, 0), (0, 1))))["elastic"] == "started on all 2 GPUs"
+
+
+def test_a_rerun_after_an_infrastructure_failure_starts_narrower_on_the_other_nodes():
+    """An elastic stage that failed on node 0 for infrastructure reasons, where the other nodes hold only
+    half its GPUs: it starts there, narrower, when the qosflow policy narrows it (a deadline the slower
+    run meets), instead of going back to the node it failed on. When the policy would not narrow it (no
+    deadline), it is placed anywhere rather than waiting for ever."""
+    from qosflow.policies import get_policy
+    from qosflow.prefect.scheduler import QoSScheduler, StageEntry
+
+    cluster = ClusterSpec.uniform(2, 2, cpu_cores=4, virtual=True)
+
+    async def place(qos: QoSSpec):
+        s = QoSScheduler(cluster, get_policy("qosflow"), coda=False)
+        e = StageEntry(JobState(Job("s", time.time(), qos, 60.0, expected_duration=60.0)), "s")
+        e.meta["avoid_nodes"] = {0}
+        s.start()
+        try:
+            return (await asyncio.wait_for(s.request(e), 10)).placement
+        finally:
+            await s.stop()
+
+    p = asyncio.run(place(QoSSpec(gpus=4, min_gpus=2, cpu_cores=1.0, deadline=3600)))
+    assert p.nodes == (1,) and len(p.gpus) == 2
+    p = asyncio.run(place(QoSSpec(gpus=4, min_gpus=2, cpu_cores=1.0)))
+    assert len(p.gpus) == 4

@@ -299,10 +299,10 @@ class QoSScheduler:
         # view where the nodes it failed on are down, so that the policy places it elsewhere
         rest = []
         for e in sorted(pending, key=lambda x: x.ready_at):
-            avoid = self._avoid(e)
-            if avoid:
-                granted.extend(self._round_avoiding(e, avoid, now))
-            else:
+            avoid, strict = self._avoid(e)
+            got = self._round_avoiding(e, avoid, now) if avoid else []
+            granted.extend(got)
+            if not got and not strict:
                 rest.append(e)
         pending = rest
         if not pending:
@@ -357,16 +357,23 @@ class QoSScheduler:
         self._emit("qosflow.stage.placed", e, self.describe_grant(e))
         return True
 
-    def _avoid(self, e: StageEntry) -> set[int]:
-        """Nodes this stage must not be placed on (it failed there for infrastructure reasons), unless
-        the other nodes together could never hold it: then it may go anywhere again."""
+    def _avoid(self, e: StageEntry) -> tuple[set[int], bool]:
+        """Nodes this stage should not be placed on (it failed there for infrastructure reasons), and
+        whether that is strict. Strict when the other nodes together could hold the stage at its full
+        width: it waits for them. When they could hold it only on fewer GPUs (an elastic stage,
+        `min_gpus`), it is placed there if the policy starts it narrower now, and anywhere otherwise (a
+        policy narrows only a stage whose deadline the slower run still meets: waiting for that could
+        be for ever). When the others could never hold it, it may go anywhere again: (set(), False)."""
         avoid = {int(n) for n in e.meta.get("avoid_nodes", ()) if 0 <= int(n) < len(self.cluster.nodes)}
         if not avoid:
-            return set()
+            return set(), False
         others = [n for i, n in enumerate(self.cluster.nodes) if i not in avoid]
-        if not others or sum(n.gpus for n in others) < e.job.qos.gpus:
-            return set()
-        return avoid
+        room = sum(n.gpus for n in others)
+        if others and room >= e.job.qos.gpus:
+            return avoid, True
+        if others and room >= min(e.job.qos.widths):
+            return avoid, False
+        return set(), False
 
     def _round_avoiding(self, e: StageEntry, avoid: set[int], now: float) -> list[StageEntry]:
         snap = self.state.snapshot()
