@@ -39,8 +39,11 @@ def _postgres_database(admin_url: str):
     try:
         yield url.set(drivername="postgresql+asyncpg", database=name).render_as_string(hide_password=False)
     finally:
-        with engine.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        try:  # (WITH (FORCE): PostgreSQL 13+; a database left behind is only a leftover, never a test failure)
+            with engine.connect() as conn:
+                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        except sa.exc.SQLAlchemyError as exc:
+            print(f"[qosflow tests] could not drop the test server's database {name}: {exc.__class__.__name__}")
         engine.dispose()
 
 
