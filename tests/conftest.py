@@ -7,7 +7,9 @@ The session's Prefect server keeps its database in PostgreSQL when QOSFLOW_TEST_
 as `prefect_test_harness` does. A whole CI run (workers, agents, flows and the server's own background
 services writing at once) once held SQLite's write lock for a minute and a pipeline missed its deadline;
 PostgreSQL is what Prefect recommends for a server with concurrent writers. Set
-QOSFLOW_TEST_PREFECT_SQLITE=1 to keep SQLite anyway.
+QOSFLOW_TEST_PREFECT_SQLITE=1 to keep SQLite anyway. On SQLite the server is the one qosflow starts for
+SQLite elsewhere (`qosflow.prefect.server_process`, whose changes address that very stall), not
+Prefect's plain test harness.
 """
 
 from __future__ import annotations
@@ -47,9 +49,33 @@ def _postgres_database(admin_url: str):
         engine.dispose()
 
 
+def _server_class(factory: str | None):
+    """Prefect's subprocess test server; with `factory`, one whose uvicorn builds the app with it."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    if factory is None:
+        return SubprocessASGIServer
+
+    class FactoryServer(SubprocessASGIServer):
+        def _run_uvicorn_command(self):
+            import subprocess
+            import sys
+
+            from prefect.settings import get_current_settings
+
+            args = [sys.executable, "-m", "uvicorn", "--factory", factory, "--host", "127.0.0.1", "--port", str(self.port),
+                    "--log-level", "error", "--lifespan", "on"]
+            env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+                   **get_current_settings().to_environment_variables(exclude_unset=True)}
+            return subprocess.Popen(args=args, env=env)
+
+    return FactoryServer
+
+
 @contextmanager
-def _prefect_server(database_url: str, startup_timeout: int = 120):
-    """`prefect_test_harness` with the database given (the harness always takes a temporary SQLite file)."""
+def _prefect_server(database_url: str, startup_timeout: int = 120, factory: str | None = None):
+    """`prefect_test_harness` with the database given (the harness always takes a temporary SQLite
+    file), and optionally the app built by another uvicorn factory."""
     from contextlib import ExitStack
 
     import prefect.context
@@ -62,7 +88,7 @@ def _prefect_server(database_url: str, startup_timeout: int = 120):
         stack.enter_context(temporary_database_interface())
         stack.enter_context(prefect.settings.temporary_settings(
             updates={prefect.settings.PREFECT_SERVER_DATABASE_CONNECTION_URL: database_url}))
-        server = SubprocessASGIServer(port=_find_available_port())
+        server = _server_class(factory)(port=_find_available_port())
         prior = SubprocessASGIServer._instances.get(None)
         SubprocessASGIServer._instances[None] = server  # flows find this server, not a second one
         server.start(timeout=startup_timeout)
@@ -125,9 +151,11 @@ def prefect_server():
 
     admin = _postgres_admin_url()
     if admin is None:
-        from prefect.testing.utilities import prefect_test_harness
-
-        with prefect_test_harness(server_startup_timeout=120):
+        # SQLite: the server qosflow starts for SQLite everywhere else (demo, benchmarks), with
+        # qosflow.prefect.server_process's changes (collection off the event loop, BEGIN IMMEDIATE
+        # writes, lost write races retried in the server); Prefect's own harness runs the plain app
+        db = os.path.join(tempfile.mkdtemp(prefix="prefect-test-", dir=_TMP), "prefect-test.db")
+        with _prefect_server(f"sqlite+aiosqlite:///{db}", factory="qosflow.prefect.server_process:create_app"):
             yield PREFECT_API_URL.value()
         return
     with _postgres_database(admin) as db_url, _prefect_server(db_url):

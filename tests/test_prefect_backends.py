@@ -666,3 +666,26 @@ def test_demo_refuses_an_unwritable_json_before_starting_anything(tmp_path, caps
     err = capsys.readouterr().err
     assert "--json" in err and "is a directory" in err and "Traceback" not in err
     assert not (tmp_path / "demo").exists()
+
+
+def test_the_uvicorn_factory_builds_prefects_app_with_the_same_changes():
+    """`qosflow.prefect.server_process:create_app` (the test suite's SQLite server, started by uvicorn
+    directly) applies what `python -m qosflow.prefect.server_process server start` does; with the
+    switches off it is Prefect's plain app."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import gc\n"
+        "from prefect.server.database import configurations as c\n"
+        "from qosflow.prefect import server_process as sp\n"
+        "app = sp.create_app()\n"
+        "print(type(app).__name__, gc.isenabled(), getattr(c.AioSqliteConfiguration.begin_transaction, '_qosflow_immediate', False))\n"
+    )
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert out.stdout.split()[-3:] == ["RetryLostWriteRaces", "False", "True"], out.stderr[-2000:]
+    off = {**env, "QOSFLOW_SERVER_GC_THREAD": "0", "QOSFLOW_SERVER_SQLITE_IMMEDIATE": "0", "QOSFLOW_SERVER_RETRY_S": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=off)
+    assert out.stdout.split()[-3:] == ["FastAPI", "True", "False"], out.stderr[-2000:]

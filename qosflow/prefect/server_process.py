@@ -194,6 +194,25 @@ def any_patch() -> bool:
     return env_flag("QOSFLOW_SERVER_GC_THREAD") or env_flag("QOSFLOW_SERVER_SQLITE_IMMEDIATE") or retry_budget_s() > 0
 
 
+_COLLECTOR: threading.Thread | None = None
+
+
+def create_app(*args, **kwargs):
+    """A uvicorn app factory: Prefect's server app with this module's changes, for a server that
+    uvicorn starts directly rather than through `prefect server start`, e.g. the test suite's
+    (`uvicorn --factory qosflow.prefect.server_process:create_app`). The same switches apply."""
+    global _COLLECTOR
+    if env_flag("QOSFLOW_SERVER_GC_THREAD") and _COLLECTOR is None:
+        _COLLECTOR = collect_off_the_event_loop()
+    if env_flag("QOSFLOW_SERVER_SQLITE_IMMEDIATE"):
+        immediate_write_transactions()
+    from prefect.server.api import server
+
+    app = server.create_app(*args, **kwargs)
+    budget = retry_budget_s()
+    return RetryLostWriteRaces(app, budget_s=budget) if budget > 0 else app
+
+
 def main() -> None:
     if env_flag("QOSFLOW_SERVER_GC_THREAD"):
         collect_off_the_event_loop()
