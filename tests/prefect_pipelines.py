@@ -212,3 +212,16 @@ def elastic_pipeline(marker: str, release: str) -> dict:
         Path(release).touch()
     out["held"] = held.result()
     return out
+
+
+@qos_task(gpus=0, cpu_cores=1, expected_duration=2, retries=0)
+def quits_silently(marker: str) -> int:
+    """A stage whose process ends with exit code 0 before its engine can report how the run ended (as a
+    library calling os._exit(0) would): its flow run would stay Running, and its pipeline wait, for ever."""
+    Path(marker).write_text(str(os.getpid()))
+    os._exit(0)
+
+
+@qos_flow(name="e2e-quits-silently")
+def quits_silently_flow(marker: str) -> int:
+    return quits_silently.submit(marker).result()

@@ -689,3 +689,39 @@ def test_the_uvicorn_factory_builds_prefects_app_with_the_same_changes():
     off = {**env, "QOSFLOW_SERVER_GC_THREAD": "0", "QOSFLOW_SERVER_SQLITE_IMMEDIATE": "0", "QOSFLOW_SERVER_RETRY_S": "0"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=off)
     assert out.stdout.split()[-3:] == ["FastAPI", "True", "False"], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("state, expect", [("RUNNING", "CRASHED"), ("PENDING", "CRASHED"), ("PAUSED", None), ("CANCELLING", None),
+                                           ("COMPLETED", "COMPLETED"), (None, None)])
+def test_a_run_left_unended_after_its_process_exited_0(state, expect, monkeypatch):
+    """After the grace, a stage run still Running or Pending is marked Crashed (nobody else would end it);
+    a paused (suspended) or cancelling run is not ours to end; a reported end is taken as it is; a run the
+    server cannot read is left alone."""
+    from types import SimpleNamespace
+
+    from prefect.client.schemas.objects import StateType
+
+    from qosflow.prefect.worker import QosflowWorker
+
+    monkeypatch.setenv("QOSFLOW_UNREPORTED_END_GRACE_S", "0.2")
+    set_to = []
+    fr = None if state is None else SimpleNamespace(end_time=None, state=SimpleNamespace(
+        type=StateType[state], is_final=lambda: state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")))
+
+    async def read_flow_run(_id):
+        if fr is None:
+            raise RuntimeError("server down")
+        return fr
+
+    async def set_flow_run_state(_id, st, force=False):
+        set_to.append(st)
+
+    w = QosflowWorker(work_pool_name="settle-test")
+    w._client = SimpleNamespace(read_flow_run=read_flow_run, set_flow_run_state=set_flow_run_state)
+    logs = []
+    got = asyncio.run(w._settle_unreported("fr", "train", SimpleNamespace(error=logs.append)))
+    assert got[1] == expect
+    if expect == "CRASHED":
+        assert len(set_to) == 1 and set_to[0].is_crashed() and "never reported ended" in set_to[0].message and logs
+    else:
+        assert set_to == [] and logs == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -379,3 +380,36 @@ def test_an_elastic_stage_starts_on_the_free_half_and_is_told_so(elastic_worker,
     assert labels["qosflow.elastic"] == "started on 2 of 4 GPUs, gradient accumulation x2" and labels["qosflow.policy"] == "qosflow"
     [w] = _eventually(lambda: [r for r in elastic_worker.worker.records if r["flow_run_id"] == rec.flow_run_id])  # (once its process exited)
     assert (w["requested_gpus"], w["grad_accumulation"]) == (4, 2)
+
+
+def test_a_stage_that_exits_0_without_reporting_its_end_is_marked_crashed(qos_worker, tmp_path, monkeypatch):
+    """A stage whose code ends its process with exit code 0 (os._exit(0)) before its engine reports how
+    the run ended: its flow run stayed Running and its pipeline waited for ever. After a grace the worker
+    marks it Crashed, saying why, and the pipeline fails with that."""
+    import prefect_pipelines as pp
+
+    monkeypatch.setenv("QOSFLOW_UNREPORTED_END_GRACE_S", "3")
+    marker = tmp_path / "quit.pid"
+    out: dict = {}
+
+    def go():
+        try:
+            out["r"] = pp.quits_silently_flow(str(marker))
+        except BaseException as exc:  # noqa: BLE001 - what the pipeline raised is the point
+            out["exc"] = exc
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    th.join(180)
+    assert not th.is_alive(), "the pipeline still waits for a stage whose process has exited"
+    assert marker.exists()  # the stage ran
+    assert "r" not in out and "exc" in out
+    from qosflow.prefect.tasks import PipelineRun
+
+    run = PipelineRun.finished[-1]
+    rec = next(iter(run.stages.values()))
+    with _client() as c:
+        fr = c.read_flow_run(rec.flow_run_id)
+    assert fr.state.is_crashed() and "exited with code 0, but its flow run was never reported ended" in (fr.state.message or "")
+    rec_w = _eventually(lambda: [r for r in qos_worker.worker.records if r["flow_run_id"] == rec.flow_run_id])
+    assert rec_w[0]["exit"] == "ok" and rec_w[0]["flow_state"] == "CRASHED"

@@ -742,6 +742,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         flow_state: str | None = None
         if status.ok:
             reported, flow_state = await self._reported_end(flow_run.id)
+            if flow_state is None:
+                reported, flow_state = await self._settle_unreported(flow_run.id, name, run_logger)
             if reported is not None and launched_at <= reported <= ended:  # (another clock: the process exit)
                 finished = reported
         actual = finished - launched_at
@@ -979,6 +981,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._reschedule(fid, f"qosflow: infrastructure failure of an adopted stage ({status.reason}); placed again")
         elif not status.ok and status.kind is not ExitKind.CANCELLED:
             await self._report_final(fid, status, None)
+        elif status.ok and (await self._reported_end(fid))[1] is None:
+            await self._settle_unreported(fid, fid, self._logger)
 
     # ------------------------------------------------------------------ heartbeats
     async def _progress_loop(self, interval: float) -> None:
@@ -1341,6 +1345,40 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if fr is None or fr.state is None or not fr.state.is_final():
             return None, None
         return (fr.end_time.timestamp() if fr.end_time is not None else None), _type(fr.state)
+
+    #: states of a stage's flow run that only its engine ends: still in one of them after its process
+    #: exited 0 (and the grace below), nobody else will (a Paused/Suspended or Cancelling run is left alone)
+    UNENDED_STATES = ("RUNNING", "PENDING")
+
+    async def _settle_unreported(self, flow_run_id: Any, name: str, run_logger: Any) -> tuple[float | None, str | None]:
+        """A stage's process exited 0 but its engine has not reported how the flow run ended. Wait for
+        the report up to QOSFLOW_UNREPORTED_END_GRACE_S (120 s: a report may be in Prefect's client
+        retries, 2+4+8+16+32 s, behind a stalled server); if the run is still Running (or Pending)
+        then, nobody will end it -- the stage's code left the process itself (os._exit(0)), or its
+        engine never reached the server -- and its pipeline would wait for it for ever: set it Crashed,
+        saying why. Returns what `_reported_end` does, ("CRASHED" when it was set here)."""
+        from prefect.states import Crashed
+
+        grace = env_number("QOSFLOW_UNREPORTED_END_GRACE_S", 120.0)
+        end = time.monotonic() + grace
+        while True:
+            fr = await self._flow_run(flow_run_id)
+            if fr is not None and fr.state is not None and fr.state.is_final():
+                return (fr.end_time.timestamp() if fr.end_time is not None else None), _type(fr.state)
+            if time.monotonic() >= end:
+                break
+            await asyncio.sleep(min(2.0, max(0.1, end - time.monotonic())))
+        state = _type(fr.state) if fr is not None else None
+        if state not in self.UNENDED_STATES:  # (unknown: the server cannot say; or paused, cancelling...: not ours)
+            return None, None
+        msg = (f"qosflow: the process of stage {name} exited with code 0, but its flow run was never reported ended (still "
+               f"{state.title()} {grace:g} s later): its code may have ended the process itself (os._exit, sys.exit from "
+               "a thread...), or its engine could not reach the Prefect server. Marked Crashed so that its pipeline "
+               "does not wait for it for ever (QOSFLOW_UNREPORTED_END_GRACE_S sets the wait)")
+        run_logger.error(msg)
+        if await self._set_state(flow_run_id, Crashed(message=msg)):
+            return time.time(), "CRASHED"
+        return None, None
 
     async def _final(self, flow_run_id: Any) -> bool | None:
         """Has the flow run ended (None: unknown)?"""
