@@ -81,3 +81,19 @@ def bad_input(x: int) -> int:
 @qos_flow(name="infra-user-error")
 def user_error() -> int:
     return bad_input.submit(7).result()
+
+
+@qos_task(gpus=2, cpu_cores=1, expected_duration=8)
+def gang(marker: str, name: str, secs: float) -> str:
+    """Both GPUs of a 2-GPU host: a second gang waits in the QoS queue until the first ends."""
+    _mark(marker, "start", name)
+    time.sleep(secs)
+    _mark(marker, "done", name)
+    return name
+
+
+@qos_flow(name="infra-two-gangs")
+def two_gangs(marker: str, secs: float = 8.0) -> list:
+    a = gang.submit(marker, "a", secs)
+    b = gang.submit(marker, "b", secs)
+    return [a.result(), b.result()]

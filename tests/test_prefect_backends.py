@@ -13,6 +13,7 @@ from qosflow.backends.kubernetes import KubernetesBackend
 from qosflow.backends.local import LocalBackend
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job, JobState
+from qosflow.core.placement import Placement
 from qosflow.core.qos import QoSSpec
 from qosflow.policies import get_policy
 from qosflow.prefect.blocks import BareMetalGPUCluster, KubernetesGPUCluster
@@ -725,3 +726,91 @@ def test_a_run_left_unended_after_its_process_exited_0(state, expect, monkeypatc
         assert len(set_to) == 1 and set_to[0].is_crashed() and "never reported ended" in set_to[0].message and logs
     else:
         assert set_to == [] and logs == []
+
+
+def test_stage_runs_left_pending_by_a_stopped_worker_go_back_to_the_queue():
+    """Pending runs labelled by a worker that is offline, or by this worker's name but not held by this
+    process, are rescheduled; those of an online worker, held here, or never labelled are left."""
+    from types import SimpleNamespace
+
+    from qosflow.prefect.worker import QUEUED_BY_LABEL, QosflowWorker
+
+    def run(i, who):
+        return SimpleNamespace(id=f"00000000-0000-0000-0000-00000000000{i}", name=f"p.s{i}", labels={QUEUED_BY_LABEL: who} if who else {})
+
+    runs = [run(1, "dead"), run(2, "live"), run(3, "me"), run(4, "me"), run(5, None)]
+    queries, states = [], {}
+
+    async def read_flow_runs(**kw):
+        queries.append(kw)
+        return runs
+
+    async def read_workers_for_work_pool(pool):
+        return [SimpleNamespace(name="live", status=SimpleNamespace(value="ONLINE")), SimpleNamespace(name="dead", status=SimpleNamespace(value="OFFLINE"))]
+
+    async def read_flow_run(fid):
+        return SimpleNamespace(state=SimpleNamespace(is_final=lambda: False))
+
+    async def set_flow_run_state(fid, st, force=False):
+        states[str(fid)] = st
+
+    w = QosflowWorker(work_pool_name="orphans-test", name="me")
+    w._client = SimpleNamespace(read_flow_runs=read_flow_runs, read_workers_for_work_pool=read_workers_for_work_pool,
+                                read_flow_run=read_flow_run, set_flow_run_state=set_flow_run_state)
+    w._in_flight.add(runs[3].id)  # this process holds s4
+    asyncio.run(w._recover_orphans())
+    assert sorted(states) == [runs[0].id, runs[2].id]
+    assert all(st.is_scheduled() for st in states.values())
+    assert "worker dead is offline" in states[runs[0].id].message and "earlier process of worker me" in states[runs[2].id].message
+    assert [r["orphan_of"] for r in w.recovered] == ["dead", "me"]
+    [q] = queries
+    assert q["work_pool_filter"].name.any_ == ["orphans-test"] and q["limit"] <= 200
+
+
+@pytest.mark.parametrize("state, holder, labelled, dropped", [
+    ("SCHEDULED", None, False, True),     # put back in the pool's queue (e.g. by a worker that took this one for dead)
+    ("COMPLETED", None, False, True),
+    ("PENDING", "other", True, True),     # another worker has taken it since this one labelled it
+    ("PENDING", "other", False, False),   # this worker's label is not written yet: an old holder's is still there
+    ("PENDING", "me", True, False),
+])
+def test_a_queued_stage_taken_elsewhere_leaves_this_workers_queue(state, holder, labelled, dropped):
+    from types import SimpleNamespace
+
+    from prefect.client.schemas.objects import StateType
+
+    from qosflow.prefect.scheduler import QoSScheduler, StageCancelled, StageEntry
+    from qosflow.prefect.worker import QUEUED_BY_LABEL, QosflowWorker
+
+    fid = "00000000-0000-0000-0000-0000000000aa"
+    fr = SimpleNamespace(id=fid, labels={QUEUED_BY_LABEL: holder} if holder else {},
+                         state=SimpleNamespace(type=StateType[state], name=state.title(), is_final=lambda: state == "COMPLETED"))
+
+    async def read_flow_runs(**kw):
+        return [fr]
+
+    async def go():
+        w = QosflowWorker(work_pool_name="drop-test", name="me")
+        w._client = SimpleNamespace(read_flow_runs=read_flow_runs)
+        cl = ClusterSpec.uniform(1, 1, virtual=True, cpu_cores=2)
+        w.scheduler = sched = QoSScheduler(cl, get_policy("fifo"), coda=False)
+        sched.state.allocate(Placement("busy", ((0, 0),), cpu=((0, 1.0),)), QoSSpec(gpus=1, cpu_cores=1.0))  # the GPU is taken: it waits
+        e = StageEntry(JobState(Job(fid, 0.0, QoSSpec(gpus=1, cpu_cores=1.0), duration=5.0)), "s", fid)
+        if labelled:
+            w._queued_labelled.add(fid)
+        sched.start()
+        req = asyncio.ensure_future(sched.request(e))
+        watch = asyncio.ensure_future(w._watch_cancellations())
+        try:
+            await asyncio.sleep(1.6)
+            if dropped:
+                with pytest.raises(StageCancelled):
+                    await asyncio.wait_for(req, 1)
+            else:
+                assert not req.done() and fid in sched.entries
+        finally:
+            watch.cancel()
+            req.cancel()
+            await sched.stop()
+
+    asyncio.run(go())

@@ -34,9 +34,21 @@ def marks(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def start_worker(env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "qosflow", "worker", "start", "--pool", POOL, "--name", WORKER],
+def start_worker(env: dict, log: Path, pool: str = POOL) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "qosflow", "worker", "start", "--pool", pool, "--name", WORKER],
                             env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def queued_here(pool: str) -> list:
+    """The stage runs of `pool` that a worker holds in its QoS queue: Pending, labelled qosflow.queued_by."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING]))),
+                                work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])))
+    return [fr for fr in runs if (fr.labels or {}).get("qosflow.queued_by") == WORKER]
 
 
 def wait_log(log: Path, text: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
@@ -114,6 +126,71 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
             while store.leases(POOL):  # the new worker released the adopted lease when the stage ended
                 assert time.monotonic() < end, f"lease not released: {store.leases(POOL)}"
                 time.sleep(0.2)
+        finally:
+            if old_pool is None:
+                os.environ.pop("QOSFLOW_POOL", None)
+            else:
+                os.environ["QOSFLOW_POOL"] = old_pool
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    try:
+                        p.wait(20)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_a_stage_waiting_in_the_queue_of_a_killed_worker_runs_after_the_restart(prefect_server, tmp_path):
+    """SIGKILL while one gang runs on the host and a second waits in the worker's QoS queue: the waiting
+    stage's run was Pending with no lease, and no worker ever took it again (its pipeline waited for
+    ever). The restarted worker adopts the running gang and puts the waiting one back in the pool's
+    queue; it runs once, after the first, and the pipeline ends."""
+    import infra_pipelines as ip
+
+    from qosflow.agent.testing import AgentProcess
+    from qosflow.prefect.blocks import QoSPolicy
+    from qosflow.prefect.local import setup_pool
+
+    pool = "restart-orphans"
+    pypath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    os.environ["PYTHONPATH"] = pypath
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": pypath, "QOSFLOW_LEASE_TTL_SECONDS": "6",
+           "QOSFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'leases.db'}"}
+    marker, wlog = tmp_path / "marks.jsonl", tmp_path / "worker.log"
+    procs: list[subprocess.Popen] = []
+    with AgentProcess("host-o", TOKEN, virtual_gpus=2, args=["--cpu-cores", "2"], log=tmp_path / "agent.log") as agent:
+        (tmp_path / "token").write_text(TOKEN + "\n")
+        cluster = tmp_path / "orphans.yaml"
+        cluster.write_text(f"name: orphans\ntoken_file: token\nheartbeat_s: 0.5\ngpus_per_host: 2\n"
+                           f"hosts:\n  - {{name: host-o, agent_url: '{agent.url}'}}\n")
+        asyncio.run(setup_pool(pool, policy=QoSPolicy(policy="fifo"), stream_output=False, cluster_file=str(cluster), env={"PYTHONPATH": pypath}))
+        old_pool = os.environ.get("QOSFLOW_POOL")
+        os.environ["QOSFLOW_POOL"] = pool
+        try:
+            w1 = start_worker(env, wlog, pool)
+            procs.append(w1)
+            wait_log(wlog, "qosflow worker:", w1)
+            out: dict = {}
+            th = threading.Thread(target=lambda: out.setdefault("r", ip.two_gangs(str(marker), 10.0)), daemon=True)
+            th.start()
+            end = time.monotonic() + 150
+            # one gang runs; the other has reached the worker's QoS queue (Pending, labelled by the worker)
+            while not (marks(marker) and queued_here(pool)):
+                assert time.monotonic() < end and th.is_alive(), f"the stages never got going: {wlog.read_text(errors='replace')[-3000:]}"
+                time.sleep(0.1)
+            first = marks(marker)[0]["stage"]
+            os.killpg(w1.pid, signal.SIGKILL)
+            w1.wait(60)
+            w2 = start_worker(env, wlog, pool)
+            procs.append(w2)
+            wait_log(wlog, "was left Pending", w2)
+            th.join(150)
+            assert not th.is_alive(), (f"the pipeline did not finish after the restart; marks {marks(marker)}\n"
+                                       f"worker log:\n{wlog.read_text(errors='replace')[-4000:]}")
+            assert sorted(out.get("r") or []) == ["a", "b"]
+            ev = [(e["event"], e["stage"]) for e in marks(marker)]
+            second = "b" if first == "a" else "a"
+            assert ev == [("start", first), ("done", first), ("start", second), ("done", second)], ev  # each once, in turn
         finally:
             if old_pool is None:
                 os.environ.pop("QOSFLOW_POOL", None)

@@ -182,6 +182,10 @@ def _min_gpus_from_tags(tags: Any) -> int | None:
 
 #: how long a label write keeps retrying while the server's database is busy
 LABEL_WRITE_BUDGET_S = 60.0
+#: label a qosflow worker writes on a stage run when it takes it into its QoS queue (its name)
+QUEUED_BY_LABEL = "qosflow.queued_by"
+#: heartbeats between two looks for stage runs left Pending by a worker that died (`_recover_orphans`)
+ORPHAN_CHECK_BEATS = 10
 
 
 async def patch_labels(client: Any, flow_run_id: Any, labels: dict[str, str], *, budget_s: float = LABEL_WRITE_BUDGET_S) -> int:
@@ -269,6 +273,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._handles: dict[str, StageHandle] = {}
         #: flow runs whose `run()` has not returned yet (their stage may have reported its end already)
         self._in_flight: set[str] = set()
+        self._queued_label_tasks: set[asyncio.Future] = set()
+        self._orphan_error: str | None = None
+        self._queued_labelled: set[str] = set()  # stage runs whose `qosflow.queued_by` label this worker wrote
         self._stages_in_flight: set[str] = set()  # (the stage runs among them; pipeline runs are not placed)
         self._stopping = False  # set when the worker stops: its stages in flight go back to the pool's queue
         self._left_running: set[str] = set()  # stages left running at a stop, their leases kept for the next worker
@@ -376,6 +383,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._setup_leases()
             await self._sync_health()
             await self._recover()
+            await self._recover_orphans()
             self._health_task = loop.create_task(self._health_loop(), name="qosflow-heartbeat")
             if self._backend.syncs_progress:  # stages report their progress where they run: copy it here
                 self._progress_task = loop.create_task(self._progress_loop(sync_s), name="qosflow-progress")
@@ -537,6 +545,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         finally:
             self._in_flight.discard(fid)
             self._stages_in_flight.discard(fid)
+            self._queued_labelled.discard(fid)
 
     async def drain(self, timeout: float) -> set[str]:
         """Wait up to `timeout` seconds for the flow runs this worker is running to be done with: a stage
@@ -595,6 +604,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             deadline_at = now + spec.deadline
         entry = StageEntry(JobState(job), name, fid, configuration.pipeline, deadline_at, ready_at=_ready_time(flow_run, now))
         entry.meta["queued_at"] = now
+        # which worker queued it: if this worker dies while the stage waits (no lease yet, nothing to
+        # adopt), the next one puts its run back in the pool's queue (`_recover_orphans`)
+        self._queued_label_tasks.add(t := asyncio.ensure_future(self._label_queued(flow_run.id)))
+        t.add_done_callback(self._queued_label_tasks.discard)
         if self._backend.name == "kubernetes" and configuration.command == shlex.join([sys.executable, "-m", "prefect.engine"]):
             command = ["python", "-m", "prefect.engine"]  # the interpreter inside the stage image, not the worker's
         if hasattr(self._backend, "stream_output"):
@@ -918,6 +931,54 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._foreign.discard(key)
             await self._take_back(dataclasses.replace(le, holder=self.holder), handle)
 
+    async def _label_queued(self, flow_run_id: Any) -> None:
+        try:
+            await patch_labels(self.client, flow_run_id, {QUEUED_BY_LABEL: str(self.name)})
+            if str(flow_run_id) in self._in_flight:
+                self._queued_labelled.add(str(flow_run_id))
+        except Exception as exc:  # (only the recovery of this run after a crash of this worker depends on it)
+            self._logger.debug("could not label %s as queued here: %s", flow_run_id, exc)
+
+    async def _recover_orphans(self) -> None:
+        """Put back in the pool's queue the stage runs that a worker took and then died with (SIGKILL, an
+        OOM kill, a host that went down) while they waited in its QoS queue. Such a run stays Pending
+        (Prefect's workers take Scheduled runs only) and holds no lease, so nothing else would ever
+        start it, and its pipeline waited for ever. A Pending run of this pool labelled
+        `qosflow.queued_by` with a worker that is not online in the pool (Prefect marks a worker
+        offline after missed heartbeats), or with this worker's own name while this process does not
+        hold it (an earlier process of the same name), is rescheduled (AwaitingRetry) with why. At start
+        and every `ORPHAN_CHECK_BEATS` heartbeats."""
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName
+        from prefect.client.schemas.objects import StateType
+
+        pool = self._work_pool_name
+        try:
+            runs = await self.client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING]))),
+                work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])), limit=200)  # (the server's maximum; the rest next time)
+            runs = [fr for fr in runs if (fr.labels or {}).get(QUEUED_BY_LABEL)]
+            online = set()
+            if runs:
+                online = {w.name for w in await self.client.read_workers_for_work_pool(pool) if str(getattr(w.status, "value", w.status)).upper() == "ONLINE"}
+        except Exception as exc:  # (the next heartbeat tries again; said once per kind of failure)
+            if str(exc) != self._orphan_error:
+                self._logger.warning("looking for stage runs left by a stopped worker: could not read the pool's runs or workers: %s", exc)
+            self._orphan_error = str(exc)
+            return
+        self._orphan_error = None
+        me = str(self.name)
+        for fr in runs:
+            fid, who = str(fr.id), str(fr.labels[QUEUED_BY_LABEL])
+            if fid in self._in_flight or (who != me and who in online):
+                continue
+            if who == me and fid not in self._in_flight:
+                why = f"an earlier process of worker {who} stopped while the stage waited in its QoS queue"
+            else:
+                why = f"worker {who} is offline (it stopped while the stage waited in its QoS queue)"
+            self._logger.warning("recovery: stage run %s (%s) was left Pending: %s; it goes back to the pool's queue", fid, fr.name, why)
+            self.recovered.append({"stage_key": fid, "attempt": None, "nodes": [], "adopted": False, "orphan_of": who})
+            await self._reschedule(fid, f"qosflow: {why}; it runs again when a qosflow worker takes it")
+
     async def _take_back(self, lease: Any, handle: StageHandle | None) -> None:
         from qosflow.core.cluster import PlacementError
 
@@ -1019,6 +1080,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     await self._sync_foreign()
                     if beats % 5 == 0:
                         await self._recover_expired()
+                if beats % ORPHAN_CHECK_BEATS == 0:
+                    await self._recover_orphans()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -1498,9 +1561,25 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             except Exception:
                 continue
             for fr in runs:
-                if fr.state is None or fr.state.type is not StateType.CANCELLING:
+                if fr.state is None:
                     continue
                 fid = str(fr.id)
+                if fr.state.type is not StateType.CANCELLING:
+                    e = sched.entries.get(fid) if sched is not None else None
+                    holder = (fr.labels or {}).get(QUEUED_BY_LABEL)
+                    if e is not None and e.state.status is JobStatus.PENDING and fid not in self._handles:
+                        # put back in the pool's queue (or ended) while it waited here, or taken by another
+                        # worker since: e.g. one that took this worker for dead (`_recover_orphans`); the
+                        # run is theirs to start, not this worker's too
+                        if fr.state.type is StateType.SCHEDULED or fr.state.is_final():
+                            why = f"its flow run is {fr.state.name} now"
+                        elif holder and holder != str(self.name) and fid in self._queued_labelled:  # (ours was written: it changed since)
+                            why = f"worker {holder} has taken its flow run"
+                        else:
+                            continue
+                        self._logger.warning("stage run %s left this worker's QoS queue: %s", fid, why)
+                        sched.drop(fid, why)
+                    continue
                 h = self._handles.get(fid)
                 if h is not None and self._backend is not None:
                     await self._backend.kill(h, "flow run cancelled")
