@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,61 @@ def wait_log(log: Path, text: str, proc: subprocess.Popen, timeout: float = 120.
         time.sleep(0.2)
 
 
+@contextmanager
+def restart_lab(prefect_server: str, tmp_path: Path, pool: str, host: str):
+    """One `qosflow agent` (2 virtual GPUs) named `host`, a FIFO `qosflow` pool `pool` that reaches it
+    through a cluster file, and this test's own lease store. Yields a namespace: `env` for worker
+    processes, `db`, `marker`, `wlog`, `procs` (worker processes, stopped at the end) and `start()`,
+    which starts a worker process named WORKER and waits until it is set up."""
+    from types import SimpleNamespace
+
+    from qosflow.agent.testing import AgentProcess
+    from qosflow.prefect.blocks import QoSPolicy
+    from qosflow.prefect.local import setup_pool
+
+    pypath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    os.environ["PYTHONPATH"] = pypath
+    db = f"sqlite:///{tmp_path / 'leases.db'}"  # this test's own store: its workers' and its reads
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": pypath, "QOSFLOW_LEASE_TTL_SECONDS": "6",
+           "QOSFLOW_DATABASE_URL": db}
+    lab = SimpleNamespace(env=env, db=db, marker=tmp_path / "marks.jsonl", wlog=tmp_path / "worker.log", procs=[])
+
+    def start() -> subprocess.Popen:
+        w = start_worker(env, lab.wlog, pool)
+        lab.procs.append(w)
+        return w
+
+    lab.start = start
+    with AgentProcess(host, TOKEN, virtual_gpus=2, args=["--cpu-cores", "2"], log=tmp_path / "agent.log") as agent:
+        (tmp_path / "token").write_text(TOKEN + "\n")
+        cluster = tmp_path / "restart.yaml"
+        cluster.write_text(f"name: restart\ntoken_file: token\nheartbeat_s: 0.5\ngpus_per_host: 2\n"
+                           f"hosts:\n  - {{name: {host}, agent_url: '{agent.url}'}}\n")
+        asyncio.run(setup_pool(pool, policy=QoSPolicy(policy="fifo"), stream_output=False, cluster_file=str(cluster), env={"PYTHONPATH": pypath}))
+        old_pool = os.environ.get("QOSFLOW_POOL")
+        os.environ["QOSFLOW_POOL"] = pool
+        try:
+            yield lab
+        finally:
+            if old_pool is None:
+                os.environ.pop("QOSFLOW_POOL", None)
+            else:
+                os.environ["QOSFLOW_POOL"] = old_pool
+            for p in lab.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    try:
+                        p.wait(20)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(p.pid, signal.SIGKILL)
+
+
+def not_finished(lab, tmp_path: Path) -> str:
+    return (f"the pipeline did not finish after the restart; marks {marks(lab.marker)}\n"
+            f"worker log:\n{lab.wlog.read_text(errors='replace')[-4000:]}\n"
+            f"agent log:\n{(tmp_path / 'agent.log').read_text(errors='replace')[-2000:]}")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "stopped"])
 def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_server, tmp_path, sig):
     """SIGKILL: nothing is cleaned up. SIGTERM (or Ctrl-C): the worker stops cleanly, and a stage on a
@@ -66,78 +122,45 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
     and the stage's run stayed Running for ever with nobody watching it)."""
     import infra_pipelines as ip
 
-    from qosflow.agent.testing import AgentProcess
-    from qosflow.prefect.blocks import QoSPolicy
-    from qosflow.prefect.local import setup_pool
     from qosflow.store.leases import LeaseStore
 
-    pypath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
-    os.environ["PYTHONPATH"] = pypath
-    db = f"sqlite:///{tmp_path / 'leases.db'}"  # this test's own store: its workers' and its reads
-    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": pypath, "QOSFLOW_LEASE_TTL_SECONDS": "6",
-           "QOSFLOW_DATABASE_URL": db}
-    marker, wlog = tmp_path / "marks.jsonl", tmp_path / "worker.log"
-    procs: list[subprocess.Popen] = []
-    with AgentProcess("host-r", TOKEN, virtual_gpus=2, args=["--cpu-cores", "2"], log=tmp_path / "agent.log") as agent:
-        (tmp_path / "token").write_text(TOKEN + "\n")
-        cluster = tmp_path / "restart.yaml"
-        cluster.write_text(f"name: restart\ntoken_file: token\nheartbeat_s: 0.5\ngpus_per_host: 2\n"
-                           f"hosts:\n  - {{name: host-r, agent_url: '{agent.url}'}}\n")
-        asyncio.run(setup_pool(POOL, policy=QoSPolicy(policy="fifo"), stream_output=False, cluster_file=str(cluster), env={"PYTHONPATH": pypath}))
-        old_pool = os.environ.get("QOSFLOW_POOL")
-        os.environ["QOSFLOW_POOL"] = POOL
-        try:
-            w1 = start_worker(env, wlog)
-            procs.append(w1)
-            wait_log(wlog, "qosflow worker:", w1)
-            out: dict = {}
-            th = threading.Thread(target=lambda: out.setdefault("r", ip.agent_lost(str(marker), 12.0)), daemon=True)
-            th.start()
-            end = time.monotonic() + 150
-            while not marks(marker):
-                assert time.monotonic() < end and th.is_alive(), "the stage never started"
-                time.sleep(0.1)
-            store = LeaseStore(url=db)
-            end = time.monotonic() + 15  # (a CI run once read none just as the stage started: poll, and show the log if not)
-            while not store.leases(POOL):
-                assert time.monotonic() < end, f"no lease in the store: {wlog.read_text(errors='replace')[-3000:]}"
-                time.sleep(0.2)
-            [lease] = store.leases(POOL)
-            assert lease.holder == WORKER and lease.nodes == ["host-r"]
-            os.killpg(w1.pid, sig)  # SIGKILL: the worker dies, nothing is cleaned up; SIGTERM: it stops
-            w1.wait(60)
-            assert [le.lease_id for le in store.leases(POOL)] == [lease.lease_id]  # its lease outlives it
-            if sig == signal.SIGTERM:
-                assert "keep running on their hosts with their leases" in wlog.read_text(errors="replace")
-                assert [e["event"] for e in marks(marker)] == ["start"]  # still running: not killed by the stop
+    with restart_lab(prefect_server, tmp_path, POOL, "host-r") as lab:
+        marker, wlog = lab.marker, lab.wlog
+        w1 = lab.start()
+        wait_log(wlog, "qosflow worker:", w1)
+        out: dict = {}
+        th = threading.Thread(target=lambda: out.setdefault("r", ip.agent_lost(str(marker), 12.0)), daemon=True)
+        th.start()
+        end = time.monotonic() + 150
+        while not marks(marker):
+            assert time.monotonic() < end and th.is_alive(), "the stage never started"
+            time.sleep(0.1)
+        store = LeaseStore(url=lab.db)
+        end = time.monotonic() + 15  # (a CI run once read none just as the stage started: poll, and show the log if not)
+        while not store.leases(POOL):
+            assert time.monotonic() < end, f"no lease in the store: {wlog.read_text(errors='replace')[-3000:]}"
+            time.sleep(0.2)
+        [lease] = store.leases(POOL)
+        assert lease.holder == WORKER and lease.nodes == ["host-r"]
+        os.killpg(w1.pid, sig)  # SIGKILL: the worker dies, nothing is cleaned up; SIGTERM: it stops
+        w1.wait(60)
+        assert [le.lease_id for le in store.leases(POOL)] == [lease.lease_id]  # its lease outlives it
+        if sig == signal.SIGTERM:
+            assert "keep running on their hosts with their leases" in wlog.read_text(errors="replace")
+            assert [e["event"] for e in marks(marker)] == ["start"]  # still running: not killed by the stop
 
-            w2 = start_worker(env, wlog)
-            procs.append(w2)
-            wait_log(wlog, "recovery: adopted stage", w2)
-            th.join(150)
-            assert not th.is_alive(), (f"the pipeline did not finish after the restart; marks {marks(marker)}\n"
-                                       f"worker log:\n{wlog.read_text(errors='replace')[-4000:]}\n"
-                                       f"agent log:\n{(tmp_path / 'agent.log').read_text(errors='replace')[-2000:]}")
-            assert out.get("r") == "host-r"
-            ev = marks(marker)
-            assert [e["event"] for e in ev] == ["start", "done"]  # ran once, was not relaunched
-            assert ev[0]["attempt"] == lease.attempt_id
-            end = time.monotonic() + 30
-            while store.leases(POOL):  # the new worker released the adopted lease when the stage ended
-                assert time.monotonic() < end, f"lease not released: {store.leases(POOL)}"
-                time.sleep(0.2)
-        finally:
-            if old_pool is None:
-                os.environ.pop("QOSFLOW_POOL", None)
-            else:
-                os.environ["QOSFLOW_POOL"] = old_pool
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    try:
-                        p.wait(20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(p.pid, signal.SIGKILL)
+        w2 = lab.start()
+        wait_log(wlog, "recovery: adopted stage", w2)
+        th.join(150)
+        assert not th.is_alive(), not_finished(lab, tmp_path)
+        assert out.get("r") == "host-r"
+        ev = marks(marker)
+        assert [e["event"] for e in ev] == ["start", "done"]  # ran once, was not relaunched
+        assert ev[0]["attempt"] == lease.attempt_id
+        end = time.monotonic() + 30
+        while store.leases(POOL):  # the new worker released the adopted lease when the stage ended
+            assert time.monotonic() < end, f"lease not released: {store.leases(POOL)}"
+            time.sleep(0.2)
 
 
 def test_a_stage_waiting_in_the_queue_of_a_killed_worker_runs_after_the_restart(prefect_server, tmp_path):
@@ -147,59 +170,27 @@ def test_a_stage_waiting_in_the_queue_of_a_killed_worker_runs_after_the_restart(
     queue; it runs once, after the first, and the pipeline ends."""
     import infra_pipelines as ip
 
-    from qosflow.agent.testing import AgentProcess
-    from qosflow.prefect.blocks import QoSPolicy
-    from qosflow.prefect.local import setup_pool
-
     pool = "restart-orphans"
-    pypath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
-    os.environ["PYTHONPATH"] = pypath
-    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": pypath, "QOSFLOW_LEASE_TTL_SECONDS": "6",
-           "QOSFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'leases.db'}"}
-    marker, wlog = tmp_path / "marks.jsonl", tmp_path / "worker.log"
-    procs: list[subprocess.Popen] = []
-    with AgentProcess("host-o", TOKEN, virtual_gpus=2, args=["--cpu-cores", "2"], log=tmp_path / "agent.log") as agent:
-        (tmp_path / "token").write_text(TOKEN + "\n")
-        cluster = tmp_path / "orphans.yaml"
-        cluster.write_text(f"name: orphans\ntoken_file: token\nheartbeat_s: 0.5\ngpus_per_host: 2\n"
-                           f"hosts:\n  - {{name: host-o, agent_url: '{agent.url}'}}\n")
-        asyncio.run(setup_pool(pool, policy=QoSPolicy(policy="fifo"), stream_output=False, cluster_file=str(cluster), env={"PYTHONPATH": pypath}))
-        old_pool = os.environ.get("QOSFLOW_POOL")
-        os.environ["QOSFLOW_POOL"] = pool
-        try:
-            w1 = start_worker(env, wlog, pool)
-            procs.append(w1)
-            wait_log(wlog, "qosflow worker:", w1)
-            out: dict = {}
-            th = threading.Thread(target=lambda: out.setdefault("r", ip.two_gangs(str(marker), 10.0)), daemon=True)
-            th.start()
-            end = time.monotonic() + 150
-            # one gang runs; the other has reached the worker's QoS queue (Pending, labelled by the worker)
-            while not (marks(marker) and queued_here(pool)):
-                assert time.monotonic() < end and th.is_alive(), f"the stages never got going: {wlog.read_text(errors='replace')[-3000:]}"
-                time.sleep(0.1)
-            first = marks(marker)[0]["stage"]
-            os.killpg(w1.pid, signal.SIGKILL)
-            w1.wait(60)
-            w2 = start_worker(env, wlog, pool)
-            procs.append(w2)
-            wait_log(wlog, "was left Pending", w2)
-            th.join(150)
-            assert not th.is_alive(), (f"the pipeline did not finish after the restart; marks {marks(marker)}\n"
-                                       f"worker log:\n{wlog.read_text(errors='replace')[-4000:]}")
-            assert sorted(out.get("r") or []) == ["a", "b"]
-            ev = [(e["event"], e["stage"]) for e in marks(marker)]
-            second = "b" if first == "a" else "a"
-            assert ev == [("start", first), ("done", first), ("start", second), ("done", second)], ev  # each once, in turn
-        finally:
-            if old_pool is None:
-                os.environ.pop("QOSFLOW_POOL", None)
-            else:
-                os.environ["QOSFLOW_POOL"] = old_pool
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    try:
-                        p.wait(20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(p.pid, signal.SIGKILL)
+    with restart_lab(prefect_server, tmp_path, pool, "host-o") as lab:
+        marker = lab.marker
+        w1 = lab.start()
+        wait_log(lab.wlog, "qosflow worker:", w1)
+        out: dict = {}
+        th = threading.Thread(target=lambda: out.setdefault("r", ip.two_gangs(str(marker), 10.0)), daemon=True)
+        th.start()
+        end = time.monotonic() + 150
+        # one gang runs; the other has reached the worker's QoS queue (Pending, labelled by the worker)
+        while not (marks(marker) and queued_here(pool)):
+            assert time.monotonic() < end and th.is_alive(), f"the stages never got going: {lab.wlog.read_text(errors='replace')[-3000:]}"
+            time.sleep(0.1)
+        first = marks(marker)[0]["stage"]
+        os.killpg(w1.pid, signal.SIGKILL)
+        w1.wait(60)
+        w2 = lab.start()
+        wait_log(lab.wlog, "was left Pending", w2)
+        th.join(150)
+        assert not th.is_alive(), not_finished(lab, tmp_path)
+        assert sorted(out.get("r") or []) == ["a", "b"]
+        ev = [(e["event"], e["stage"]) for e in marks(marker)]
+        second = "b" if first == "a" else "a"
+        assert ev == [("start", first), ("done", first), ("start", second), ("done", second)], ev  # each once, in turn
