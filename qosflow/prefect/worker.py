@@ -758,9 +758,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         # whose flow run completed is learned from (its time, steps and where it ran)
         flow_state: str | None = None
         if status.ok:
-            reported, flow_state = await self._reported_end(flow_run.id)
-            if flow_state is None:
-                reported, flow_state = await self._settle_unreported(flow_run.id, name, run_logger)
+            reported, flow_state = await self._settle_unreported(flow_run.id, name, run_logger)
             if reported is not None and launched_at <= reported <= ended:  # (another clock: the process exit)
                 finished = reported
         actual = finished - launched_at
@@ -980,7 +978,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             fid, who = str(fr.id), str(fr.labels[QUEUED_BY_LABEL])
             if fid in self._in_flight or (who != me and who in online):
                 continue
-            if who == me and fid not in self._in_flight:
+            if who == me:
                 why = f"an earlier process of worker {who} stopped while the stage waited in its QoS queue"
             else:
                 why = f"worker {who} is offline (it stopped while the stage waited in its QoS queue)"
@@ -1051,7 +1049,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._reschedule(fid, f"qosflow: infrastructure failure of an adopted stage ({status.reason}); placed again")
         elif not status.ok and status.kind is not ExitKind.CANCELLED:
             await self._report_final(fid, status, None)
-        elif status.ok and (await self._reported_end(fid))[1] is None:
+        elif status.ok:
             await self._settle_unreported(fid, fid, self._logger)
 
     # ------------------------------------------------------------------ heartbeats
@@ -1410,25 +1408,19 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         except Exception as exc:  # the UI's table is a view: never let it fail a stage
             self._logger.warning("could not write the predictor artifact: %s", exc)
 
-    async def _reported_end(self, flow_run_id: Any) -> tuple[float | None, str | None]:
-        """When the stage's engine reported its flow run's end (epoch seconds) and the final state's type
-        (COMPLETED, FAILED...); None for what it has not reported or the server cannot say."""
-        fr = await self._flow_run(flow_run_id)
-        if fr is None or fr.state is None or not fr.state.is_final():
-            return None, None
-        return (fr.end_time.timestamp() if fr.end_time is not None else None), _type(fr.state)
-
     #: states of a stage's flow run that only its engine ends: still in one of them after its process
     #: exited 0 (and the grace below), nobody else will (a Paused/Suspended or Cancelling run is left alone)
     UNENDED_STATES = ("RUNNING", "PENDING")
 
     async def _settle_unreported(self, flow_run_id: Any, name: str, run_logger: Any) -> tuple[float | None, str | None]:
-        """A stage's process exited 0 but its engine has not reported how the flow run ended. Wait for
-        the report up to QOSFLOW_UNREPORTED_END_GRACE_S (120 s: a report may be in Prefect's client
-        retries, 2+4+8+16+32 s, behind a stalled server); if the run is still Running (or Pending)
-        then, nobody will end it -- the stage's code left the process itself (os._exit(0)), or its
-        engine never reached the server -- and its pipeline would wait for it for ever: set it Crashed,
-        saying why. Returns what `_reported_end` does, ("CRASHED" when it was set here)."""
+        """After a stage's process exited 0: when its engine reported the flow run's end (epoch seconds)
+        and the final state's type (COMPLETED, FAILED...), read at once in the usual case. If the engine
+        has not reported it, wait for the report up to QOSFLOW_UNREPORTED_END_GRACE_S (120 s: a report
+        may be in Prefect's client retries, 2+4+8+16+32 s, behind a stalled server); if the run is still
+        Running (or Pending) then, nobody will end it -- the stage's code left the process itself
+        (os._exit(0)), or its engine never reached the server -- and its pipeline would wait for it for
+        ever: set it Crashed, saying why, and return (now, "CRASHED"). (None, None) where the server
+        cannot say, or the run is in a state not ours to end."""
         from prefect.states import Crashed
 
         grace = env_number("QOSFLOW_UNREPORTED_END_GRACE_S", 120.0)
