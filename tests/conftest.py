@@ -28,25 +28,37 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.5")
 
 
-@contextmanager
-def _postgres_database(admin_url: str):
-    """A fresh PostgreSQL database next to the one `admin_url` names; yields its asyncpg URL (Prefect's driver)."""
+def _new_postgres_database():
+    """A fresh PostgreSQL database for the Prefect test server, next to the one QOSFLOW_TEST_POSTGRES_URL
+    names: (admin engine, its name, its asyncpg URL, Prefect's driver); None, saying why, when that
+    PostgreSQL is not named, does not answer or may not create one (the server then uses SQLite)."""
+    url = os.environ.get("QOSFLOW_TEST_POSTGRES_URL")
+    if not url or os.environ.get("QOSFLOW_TEST_PREFECT_SQLITE") == "1":
+        return None
     import sqlalchemy as sa
 
-    url = sa.engine.make_url(admin_url)
     name = f"prefect_test_{uuid.uuid4().hex[:12]}"
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
     try:
-        yield url.set(drivername="postgresql+asyncpg", database=name).render_as_string(hide_password=False)
-    finally:
-        try:  # (WITH (FORCE): PostgreSQL 13+; a database left behind is only a leftover, never a test failure)
-            with engine.connect() as conn:
-                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        except sa.exc.SQLAlchemyError as exc:
-            print(f"[qosflow tests] could not drop the test server's database {name}: {exc.__class__.__name__}")
+        with engine.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    except sa.exc.SQLAlchemyError as exc:
         engine.dispose()
+        print(f"[qosflow tests] no database for the Prefect test server at QOSFLOW_TEST_POSTGRES_URL "
+              f"({exc.__class__.__name__}: {str(exc).splitlines()[0]}): it uses SQLite")
+        return None
+    return engine, name, engine.url.set(drivername="postgresql+asyncpg", database=name).render_as_string(hide_password=False)
+
+
+def _drop_postgres_database(engine, name: str) -> None:
+    import sqlalchemy as sa
+
+    try:  # (WITH (FORCE): PostgreSQL 13+; a database left behind is only a leftover, never a test failure)
+        with engine.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    except sa.exc.SQLAlchemyError as exc:
+        print(f"[qosflow tests] could not drop the test server's database {name}: {exc.__class__.__name__}")
+    engine.dispose()
 
 
 def _server_class(factory: str | None):
@@ -126,31 +138,13 @@ def _drain_prefect_workers() -> None:
     run_coro_as_sync(drain())
 
 
-def _postgres_admin_url() -> str | None:
-    url = os.environ.get("QOSFLOW_TEST_POSTGRES_URL")
-    if not url or os.environ.get("QOSFLOW_TEST_PREFECT_SQLITE") == "1":
-        return None
-    import sqlalchemy as sa
-
-    try:
-        engine = sa.create_engine(url)
-        with engine.connect():
-            pass
-        engine.dispose()
-    except sa.exc.SQLAlchemyError as exc:
-        print(f"[qosflow tests] PostgreSQL at QOSFLOW_TEST_POSTGRES_URL does not answer ({exc.__class__.__name__}): "
-              "the Prefect test server uses SQLite")
-        return None
-    return url
-
-
 @pytest.fixture(scope="session")
 def prefect_server():
     """A real local Prefect server for the whole session (PostgreSQL when available, else SQLite); yields its API URL."""
     from prefect.settings import PREFECT_API_URL
 
-    admin = _postgres_admin_url()
-    if admin is None:
+    pg = _new_postgres_database()
+    if pg is None:
         # SQLite: the server qosflow starts for SQLite everywhere else (demo, benchmarks), with
         # qosflow.prefect.server_process's changes (collection off the event loop, BEGIN IMMEDIATE
         # writes, lost write races retried in the server); Prefect's own harness runs the plain app
@@ -158,5 +152,9 @@ def prefect_server():
         with _prefect_server(f"sqlite+aiosqlite:///{db}", factory="qosflow.prefect.server_process:create_app"):
             yield PREFECT_API_URL.value()
         return
-    with _postgres_database(admin) as db_url, _prefect_server(db_url):
-        yield PREFECT_API_URL.value()
+    engine, name, db_url = pg
+    try:
+        with _prefect_server(db_url):
+            yield PREFECT_API_URL.value()
+    finally:
+        _drop_postgres_database(engine, name)
