@@ -814,3 +814,16 @@ def test_a_queued_stage_taken_elsewhere_leaves_this_workers_queue(state, holder,
             await sched.stop()
 
     asyncio.run(go())
+
+
+def test_a_bad_unreported_end_grace_is_an_error_naming_it(monkeypatch):
+    """Read when the worker sets up (so a bad value fails the set-up, not the end of the first stage)."""
+    from qosflow.errors import QosflowError
+    from qosflow.prefect.worker import unreported_grace_s
+
+    monkeypatch.delenv("QOSFLOW_UNREPORTED_END_GRACE_S", raising=False)
+    assert unreported_grace_s() == 120.0
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("QOSFLOW_UNREPORTED_END_GRACE_S", bad)
+        with pytest.raises(QosflowError, match=f"QOSFLOW_UNREPORTED_END_GRACE_S='{bad}': expected a number >= 0"):
+            unreported_grace_s()

@@ -182,6 +182,12 @@ def _min_gpus_from_tags(tags: Any) -> int | None:
 
 #: how long a label write keeps retrying while the server's database is busy
 LABEL_WRITE_BUDGET_S = 60.0
+def unreported_grace_s() -> float:
+    """How long the worker waits for a stage whose process exited 0 to report its end before it marks
+    the run Crashed (QOSFLOW_UNREPORTED_END_GRACE_S, default 120 s; `QosflowWorker._settle_unreported`)."""
+    return env_number("QOSFLOW_UNREPORTED_END_GRACE_S", 120.0)
+
+
 #: label a qosflow worker writes on a stage run when it takes it into its QoS queue (its name)
 QUEUED_BY_LABEL = "qosflow.queued_by"
 #: seconds a stage waits in the QoS queue before its run is labelled `QUEUED_BY_LABEL`
@@ -355,6 +361,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self.inventory_note = getattr(self._backend, "inventory_note", "")
             # (a bad QOSFLOW_PROGRESS_SYNC_SECONDS fails the setup, saying what is wrong, not a background task)
             sync_s = env_number("QOSFLOW_PROGRESS_SYNC_SECONDS", float(self._backend.progress_sync_s), minimum=0.05)
+            unreported_grace_s()  # (likewise a bad QOSFLOW_UNREPORTED_END_GRACE_S, not the end of the first stage)
             self.scheduler = QoSScheduler(
                 spec,
                 policy,
@@ -1423,7 +1430,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         cannot say, or the run is in a state not ours to end."""
         from prefect.states import Crashed
 
-        grace = env_number("QOSFLOW_UNREPORTED_END_GRACE_S", 120.0)
+        grace = unreported_grace_s()
         end = time.monotonic() + grace
         while True:
             fr = await self._flow_run(flow_run_id)
