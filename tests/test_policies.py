@@ -131,6 +131,20 @@ def test_srtf_preempts_long_job_for_short_one():
     assert res["long"].finish_time == pytest.approx(1010.0)
 
 
+def test_restart_overhead_is_charged_on_restarts_only():
+    """A trace's duration is the job's whole run, start-up included: the first start costs nothing
+    extra, so a short job with a deadline just above its duration meets it on an idle cluster, as
+    the bound assumes; a preempted job pays the overhead when it starts again."""
+    spec = ClusterSpec.uniform(1, 1)
+    short = Job("short", 10.0, QoSSpec(deadline=6.0), 5.0)
+    jobs = [Job("long", 0.0, QoSSpec(), 1000.0), short]
+    res = simulate(jobs, spec, get_policy("srtf"), config=SimConfig(restart_overhead=7.0))
+    by = {j.job_id: j for j in res.jobs}
+    assert by["short"].finish_time == pytest.approx(15.0)  # started at once, no overhead
+    assert by["long"].preemptions == 1
+    assert by["long"].finish_time == pytest.approx(1005.0 + 7.0)  # 5 s of short, 7 s to restart
+    assert compute_metrics(res).dsr == 1.0 == compute_bounds(jobs, spec).dsr
+
 def test_tiresias_demotes_by_attained_gpu_service():
     spec = ClusterSpec.uniform(1, 1)
     jobs = [Job("old", 0.0, QoSSpec(), 10_000.0), Job("new", 5000.0, QoSSpec(), 100.0)]
