@@ -218,9 +218,10 @@ def test_format_guessed_despite_bom_reordered_and_extra_columns(tmp_path):
 
 
 def test_no_job_left_is_a_clear_error(tmp_path, capsys):
-    # a pod list with only the columns packing needs: no times, so nothing can be simulated
+    # pods that were never scheduled in the trace: no running time, so nothing can be simulated
     pods = tmp_path / "pods.csv"
-    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\np1,1000,1024,1,1000\n")
+    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,creation_time,scheduled_time,deletion_time\n"
+                    "p0,1000,1024,1,500,0,,\np1,1000,1024,1,1000,5,,\n")
     rc = main(["simulate", "--trace", str(pods), "--cluster", "2x4", "--policies", "fifo", "--no-plots"])
     assert rc == 2
     err = capsys.readouterr().err
@@ -485,6 +486,39 @@ def test_without_deadlines_the_bound_row_shows_no_dsr_either(capsys):
     rows = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]] for ln in capsys.readouterr().out.splitlines()
             if ln.startswith("│")}
     assert rows["bound"][dsr].endswith("%"), rows  # with deadlines, as before
+
+
+def test_without_deadlines_the_json_dsr_is_null(tmp_path):
+    """The JSON said "dsr": 1.0 for every policy and the bound, which scripts averaged as 100 %."""
+    out = tmp_path / "r.json"
+    args = ["simulate", "--jobs", "20", "--cluster", "1x4", "--policies", "fifo,qosflow", "--no-plots", "--json", str(out)]
+    assert main([*args, "--deadline-share", "0"]) == 0
+    data = json.loads(out.read_text())
+    assert [m["dsr"] for m in data["policies"].values()] == [None, None] and data["bounds"]["dsr"] is None
+    assert all(m["deadline_jobs"] == 0 for m in data["policies"].values())
+    assert main(args) == 0
+    data = json.loads(out.read_text())
+    assert all(0 <= m["dsr"] <= 1 and m["deadline_jobs"] > 0 for m in data["policies"].values())
+    assert 0 <= data["bounds"]["dsr"] <= 1
+
+
+def test_throughputs_option_names_the_table_for_a_gavel_trace(tmp_path, capsys, monkeypatch):
+    """Without the shared table the error said "pass throughputs=PATH", a Python argument the CLI lacks."""
+    monkeypatch.setenv("QOSFLOW_SHARED_DATA", str(tmp_path / "nowhere"))
+    monkeypatch.delenv("QOSFLOW_THROUGHPUTS", raising=False)
+    trace = tmp_path / "vc.trace"
+    trace.write_text("A3C\tcd x\t--max-steps\t0\t7000\t0\t1\nA3C\tcd x\t--max-steps\t0\t700\t5\t1\n")
+    assert main(["simulate", "--trace", str(trace), "--cluster", "1x4", "--policies", "fifo", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert "--throughputs PATH" in err and "QOSFLOW_SHARED_DATA" in err and "throughputs=PATH)" in err
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"v100": {"('A3C', 1)": {"null": 7.0}}}))
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(trace), "--cluster", "1x4", "--policies", "fifo", "--no-plots",
+                 "--throughputs", str(table), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["policies"]["fifo"]["jobs"] == 2
+    assert main(["simulate", "--trace", str(trace), "--policies", "fifo", "--throughputs", str(tmp_path / "no.json")]) == 2
+    assert "invalid --throughputs" in capsys.readouterr().err
 
 
 def test_the_class_table_keeps_one_line_per_class_with_every_policy(capsys):

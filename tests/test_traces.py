@@ -263,6 +263,32 @@ def test_gavel_needs_a_throughput_table(tmp_path):
         load_gavel(tmp_path)
 
 
+def test_gavel_bom_blank_runs_and_header(tmp_path, tiny):
+    """A byte-order mark made the first job type unknown (the job silently rejected), as did a double
+    blank inside a job type; a header line failed on 'total_steps' without saying traces have none."""
+    lines = ["ResNet-18  (batch size 32)\tcd\t-n\t1\t300\t0\t1", "A3C\tcd\t-n\t1\t700\t9\t1"]
+    p = tmp_path / "vc.trace"
+    p.write_bytes(("\ufeff" + "\r\n".join(lines) + "\r\n").encode())
+    jobs, rej = load_gavel(p, throughputs=tiny)
+    assert rej == [] and [j.model for j in jobs] == ["ResNet-18 (batch size 32)", "A3C"]
+    head = "\t".join(("job_type", "command", "num_steps_arg", "needs_data_dir", "total_steps", "arrival_time", "scale_factor"))
+    with pytest.raises(TraceFormatError, match=r"h.trace:1: looks like a header .*Gavel traces have none"):
+        load_gavel(write(tmp_path, "h.trace", head + "\n" + lines[1] + "\n"), throughputs=tiny)
+
+
+def test_gavel_slo_field_is_the_deadline(tmp_path, tiny):
+    """Gavel's 9-field form carries an SLO: deadline = SLO x duration after arrival; -1 is none."""
+    lines = ["A3C\tcd x\t--max-steps\t0\t7000\t1\t1\t2.5\t10", "A3C\tcd x\t--max-steps\t0\t700\t1\t1\t-1\t20"]
+    p = write(tmp_path, "s.trace", "\n".join(lines) + "\n")
+    jobs, _ = load_gavel(p, throughputs=tiny)
+    for share in (0.0, 1.0):
+        by = {j.job_id: j for j in assign_deadlines(jobs, share=share, seed=0)}
+        assert by["s-0"].qos.deadline == pytest.approx(2.5 * 1000.0) and by["s-0"].meta["deadline_lambda"] == 2.5
+        assert (by["s-1"].qos.deadline is None) == (share == 0.0)  # no SLO: drawn with the share
+        if share:
+            assert 1.2 <= by["s-1"].meta["deadline_lambda"] <= 3.0
+
+
 def test_gavel_shared_traces(table):
     need(GAVEL_DIR)
     files = sorted(GAVEL_DIR.glob("*.trace"))
@@ -306,6 +332,23 @@ def test_alibaba_pods_to_jobs(tmp_path):
     assert by["p2"].qos.gpus == 0 and by["p2"].qos.priority is PriorityClass.NORMAL
     assert by["p3"].qos.gpus == 2 and by["p3"].qos.gpu_model == "T4|P100" and by["p3"].meta["gpu_spec"] == ["T4", "P100"]
     assert by["p3"].qos.gpu_models == ("T4", "P100")
+
+
+def test_alibaba_replay_needs_the_time_columns_and_unique_names(tmp_path):
+    """A list without its times was "all pods never scheduled"; a repeated name failed later with no
+    file or line (and `pack` took it silently)."""
+    from qosflow.sim.traces.alibaba import load_pods
+
+    bare = write(tmp_path, "bare.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\n")
+    assert len(load_pods(bare)) == 1  # enough to pack
+    with pytest.raises(TraceFormatError, match=r"bare.csv:1: missing column\(s\) 'creation_time', 'scheduled_time', "
+                                               r"'deletion_time'.*replayed in time \(qosflow pack needs only the first five\)"):
+        load_alibaba_jobs(bare)
+    rows = ["p0,1000,1024,1,500,,LS,Running,0,50,1", "p1,1000,1024,1,500,,LS,Running,0,50,1", "p0,1000,1024,1,500,,LS,Running,0,50,1"]
+    dup = write(tmp_path, "dup.csv", ALI_HEADER + "\n" + "\n".join(rows) + "\n")
+    for load in (load_pods, load_alibaba_jobs):
+        with pytest.raises(TraceFormatError, match=r"dup.csv:4: column 'name': pod 'p0' already appears on line 2"):
+            load(dup)
 
 
 def test_alibaba_pod_must_fit_one_node(tmp_path):

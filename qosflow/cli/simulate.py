@@ -43,6 +43,7 @@ def register(app: typer.Typer) -> None:
         min_gpus_share: Optional[float] = typer.Option(None, "--min-gpus-share", help="let every job of 2+ GPUs start on as few as this share of them (0.5: an 8-GPU job on 4, with 2 steps of gradient accumulation, at half speed), as a stage declaring @qos_task(min_gpus=...) may; the qosflow policy does so for a deadline job when its full width is not free. Traces record no such thing: this is an assumption about the jobs (default: every job rigid)"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots"),
         settings: Optional[list[str]] = typer.Option(None, "--set", help="a policy option, POLICY.OPTION=VALUE (repeatable), e.g. --set qosflow.express_share=0.125"),
+        throughputs: Optional[Path] = typer.Option(None, "--throughputs", help="a throughput table in Gavel's format (gavel_simulation_throughputs.json: solo and co-located steps/s per job type): turns a Gavel trace's steps into seconds, and gives the measured slowdowns of jobs sharing GPUs (default: the shared data's copy; also QOSFLOW_THROUGHPUTS)"),
         parallel: Optional[int] = typer.Option(None, "--parallel", help="simulations run at once, each in a process of its own (default: one per CPU core, at most one per run, except for small batches: under 2,000 jobs x runs they run in this process; 1: one after another in this process). Results are the same either way; policies registered from your own code run in this process"),
     ) -> None:
         from rich.console import Console
@@ -87,6 +88,16 @@ def register(app: typer.Typer) -> None:
             raise SpecError("--min-gpus-share", f"must be a share of a job's GPUs in (0, 1] (0.5: an 8-GPU job may start on 4), got {min_gpus_share!r}")
         if parallel is not None and parallel < 1:
             raise SpecError("--parallel", f"must be at least 1 (1: one run after another), got {parallel}")
+        if throughputs is not None:
+            if not throughputs.is_file():
+                raise SpecError("--throughputs", f"{throughputs}: no such file; give the path of a throughput table in "
+                                                 "Gavel's format (gavel_simulation_throughputs.json)")
+            import os
+
+            from qosflow.sim.interference import THROUGHPUTS_ENV
+
+            # the loaders, the speed model and the batch's worker processes all read the table from there
+            os.environ[THROUGHPUTS_ENV] = str(throughputs.resolve())
         cfg = SimConfig(seed=seed, failure_share=failures)
         wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs, min_gpus_share=min_gpus_share)
         speed = default_speed_model()

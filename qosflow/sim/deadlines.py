@@ -7,6 +7,8 @@ gave them a priority (``job.meta["priority_from_trace"]``), which they keep.
 
 A trace may also decide per job (``job.meta["wants_deadline"]``): True always gets a deadline
 (Alibaba's latency-sensitive pods), False never (its best-effort pods); None is drawn with the share.
+A trace that gives the factor itself (``job.meta["trace_deadline_factor"]``: Gavel's SLO field, the
+deadline as a multiple of the job's duration) gets that deadline instead of a drawn one.
 
 Every draw is a hash of (seed, job id), not a position in a random stream: a job gets the same
 decision and the same lambda whatever the other jobs are, so truncating or filtering a trace does
@@ -68,7 +70,7 @@ def assign_deadlines(
     for job in jobs:
         meta = dict(job.meta)
         if gets_deadline(job, share, seed):
-            f = deadline_factor(job.job_id, seed, (lo, hi))
+            f = meta.get("trace_deadline_factor") or deadline_factor(job.job_id, seed, (lo, hi))
             meta["deadline_lambda"] = f
             qos = job.qos.with_(deadline=f * job.duration, priority=PriorityClass.GUARANTEED)
         else:

@@ -113,7 +113,16 @@ GAVEL_GPU_MEM_MB: dict[str, float] = {
 _BATCH_RE = re.compile(r"\(batch size (\d+)\)")
 
 
+#: names a throughput table in Gavel's format to use instead of the shared one (`qosflow simulate
+#: --throughputs` sets it for its run)
+THROUGHPUTS_ENV = "QOSFLOW_THROUGHPUTS"
+
+
 def default_throughputs_path() -> Path:
+    """Gavel's throughput table: QOSFLOW_THROUGHPUTS if set, else the shared data's copy."""
+    env = os.environ.get(THROUGHPUTS_ENV)
+    if env:
+        return Path(env).expanduser()
     from qosflow.paths import shared_data
 
     return shared_data() / "throughputs" / "gavel_simulation_throughputs.json"
@@ -260,7 +269,7 @@ class GavelInterference:
         if model in self._scales:
             return model
         key = model.strip()
-        hit = self._lower.get(key.lower())
+        hit = self._lower.get(key.lower()) or self._lower.get(" ".join(key.split()).lower())
         if hit:
             return hit
         mapped = MODEL_TO_GAVEL.get(key.lower())

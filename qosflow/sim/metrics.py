@@ -55,6 +55,8 @@ class Metrics:
 
     def to_json(self) -> dict:
         d = asdict(self)
+        if not self.deadline_jobs:  # no deadline to meet: no ratio (the table shows "-"), not 100 %
+            d["dsr"] = None
         return d
 
 

@@ -1,7 +1,7 @@
 """Reports of simulation runs: a table on the terminal, JSON, PNG plots, and a per-job CSV per run.
 
 JSON schema (what `qosflow simulate --json` writes):
-    {"policies": {"<name>": {"avg_jct": s, "p99_jct": s, "makespan": s, "dsr": 0..1,
+    {"policies": {"<name>": {"avg_jct": s, "p99_jct": s, "makespan": s, "dsr": 0..1 (null without deadline jobs),
                              "gpu_util": 0..1, "avg_queue": s, "jobs": n, ...more}},
      "bounds": {"avg_jct": s, "dsr": 0..1, "makespan": s}, "workload": {...}}
 
@@ -31,6 +31,8 @@ from qosflow.sim.metrics import Bounds, Metrics
 
 def results_json(metrics: Mapping[str, Metrics], bounds: Bounds, extra: dict[str, Any] | None = None) -> dict:
     out: dict[str, Any] = {"policies": {}, "bounds": bounds.to_json()}
+    if not any(m.deadline_jobs for m in metrics.values()):
+        out["bounds"]["dsr"] = None  # no deadline job in the workload, as the policies' "dsr"
     for name, m in metrics.items():
         d = m.to_json()
         out["policies"][name] = {

@@ -70,8 +70,9 @@ class AlibabaNode:
     line: int = 0
 
 
-def _rows(path: Path, required: tuple[str, ...], kind: str) -> Iterator[tuple[int, dict[str, str]]]:
-    """(line number, row dict) for every data row; header and field-count checks."""
+def _rows(path: Path, required: tuple[str, ...], kind: str, why: str = "") -> Iterator[tuple[int, dict[str, str]]]:
+    """(line number, row dict) for every data row; header and field-count checks (`why`: said after
+    the list of required columns when one is missing)."""
     check_text(path, kind)
     if not path.is_file():
         raise TraceFormatError(path, None, f"{kind} file not found")
@@ -94,7 +95,7 @@ def _rows(path: Path, required: tuple[str, ...], kind: str) -> Iterator[tuple[in
                 path,
                 1,
                 f"missing column(s) {', '.join(repr(c) for c in missing)} in the header; "
-                f"a {kind} needs {','.join(required)} (found: {','.join(header)}){delimiter_hint(header)}{swapped}",
+                f"a {kind} needs {','.join(required)}{why} (found: {','.join(header)}){delimiter_hint(header)}{swapped}",
             )
         dup = sorted({h for h in header if header.count(h) > 1})
         if dup:
@@ -133,14 +134,24 @@ def _opt_time(path: Path, line: int, row: dict[str, str], col: str) -> float | N
     return val
 
 
-def load_pods(path: str | Path) -> list[AlibabaPod]:
-    """The pod list, validated row by row."""
+#: the columns that place a pod in time: optional for packing, needed to replay the list (simulate)
+POD_TIMES = ("creation_time", "scheduled_time", "deletion_time")
+
+
+def load_pods(path: str | Path, *, times: bool = False) -> list[AlibabaPod]:
+    """The pod list, validated row by row; `times`: the header must also have `POD_TIMES`."""
     p = Path(path)
     out: list[AlibabaPod] = []
-    for line, row in _rows(p, POD_REQUIRED, "pod list"):
+    seen: dict[str, int] = {}
+    required, why = (POD_REQUIRED + POD_TIMES, " to be replayed in time (qosflow pack needs only the first five)") if times else (POD_REQUIRED, "")
+    for line, row in _rows(p, required, "pod list", why):
         name = row["name"]
         if not name:
             raise TraceFormatError(p, line, "column 'name': empty pod name")
+        if name in seen:
+            raise TraceFormatError(p, line, f"column 'name': pod {name!r} already appears on line {seen[name]}; "
+                                            "every pod of a list needs a name of its own")
+        seen[name] = line
         cpu = _int(p, line, row, "cpu_milli", "milli-CPU")
         mem = _int(p, line, row, "memory_mib", "memory in MiB")
         num = _int(p, line, row, "num_gpu", "number of GPUs")

@@ -47,7 +47,7 @@ def load_alibaba_jobs(path: str | Path, *, cluster: ClusterSpec | None = None) -
     p = Path(path)
     jobs: list[Job] = []
     rejected: list[Rejected] = []
-    for pod in load_pods(p):
+    for pod in load_pods(p, times=True):  # replayed in time: a list without its times says so
         if pod.scheduled_time is None:
             rejected.append((pod.name, f"never scheduled in the trace (pod_phase {pod.pod_phase or '?'}, no scheduled_time): no running time"))
             continue

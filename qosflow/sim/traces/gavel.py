@@ -13,6 +13,10 @@ table (exactly how Gavel's generator turned durations into steps). Scale factors
 scaled linearly in GPUs; ``meta["throughput_source"]`` says which. A job type the table does not
 know has no duration: the job is rejected with that reason (and its line), the others still run.
 
+A positive ``SLO`` (9- and 10-field forms) is the job's deadline as a multiple of its duration, as in
+Gavel's scheduler (``SLO x duration`` after arrival): such a job always gets that deadline
+(`qosflow.sim.deadlines`); ``-1`` (Gavel's "none") leaves it to the drawn deadlines like a 7-field job.
+
 QoS: ``gpus = scale_factor``, shareable, gang, ``gpu_mem_mb`` from
 `qosflow.sim.interference.GAVEL_GPU_MEM_MB`, 4 CPU cores per GPU. Job ids are ``<file stem>-<n>``
 with n counting jobs from 0 (Gavel's own job ids).
@@ -28,7 +32,9 @@ from qosflow.core.job import Job
 from qosflow.errors import TraceFormatError
 from qosflow.sim.interference import (
     DEFAULT_GPU_TYPE,
+    THROUGHPUTS_ENV,
     GavelInterference,
+    default_throughputs_path,
     gavel_batch_size,
     gpu_mem_mb,
     load_gavel_interference,
@@ -52,6 +58,14 @@ FIELDS_10 = FIELDS_9[:2] + ("working_directory",) + FIELDS_9[2:]
 FORMS = {7: FIELDS_7, 9: FIELDS_9, 10: FIELDS_10}
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def load_gavel(
     path: str | Path,
     *,
@@ -70,15 +84,18 @@ def load_gavel(
     table = throughputs if isinstance(throughputs, GavelInterference) else load_gavel_interference(throughputs, gpu_type=gpu_type)
     if table is None:
         raise TraceFormatError(
-            throughputs or "gavel_simulation_throughputs.json",
+            throughputs or default_throughputs_path(),
             None,
-            "Gavel traces need Gavel's throughput table to turn steps into seconds; pass throughputs=PATH",
+            "not found: Gavel traces need Gavel's throughput table (gavel_simulation_throughputs.json) to turn "
+            f"steps into seconds. Give its path with --throughputs PATH (qosflow simulate), {THROUGHPUTS_ENV}=PATH, "
+            "or QOSFLOW_SHARED_DATA=DIR holding throughputs/gavel_simulation_throughputs.json "
+            "(in Python: load_gavel(..., throughputs=PATH))",
         )
     stem = p.stem
     jobs: list[Job] = []
     rejected: list[Rejected] = []  # job types without a throughput
     n = 0  # Gavel's job id: every job line counts
-    with open(p, encoding="utf-8") as f:
+    with open(p, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of the first job type
         for line, text in enumerate(f, 1):
             text = text.rstrip("\r\n")
             if not text.strip():
@@ -91,6 +108,11 @@ def load_gavel(
                              f"form (10: {', '.join(FIELDS_10)}), got {len(parts)}"
                 )
             row = dict(zip(names, (x.strip() for x in parts)))
+            if not jobs and not rejected and not _is_number(row["total_steps"]) and not _is_number(row["arrival_time"]):
+                raise TraceFormatError(
+                    p, line, f"looks like a header ({text.strip()[:60]!r}): Gavel traces have none, every line is a job "
+                             "(fields in the order above); remove this line"
+                )
             jt = row["job_type"]
             if not jt:
                 raise TraceFormatError(p, line, "field 'job_type' is empty")
@@ -121,7 +143,10 @@ def load_gavel(
             }
             if "SLO" in row:
                 meta["priority_weight"] = number(p, line, "priority_weight", row["priority_weight"], "priority weight")
-                meta["SLO"] = number(p, line, "SLO", row["SLO"], "SLO factor", minimum=None)
+                meta["SLO"] = slo = number(p, line, "SLO", row["SLO"], "SLO factor", minimum=None)
+                if slo > 0:  # Gavel: deadline = arrival + SLO x duration; its generator writes -1 for none
+                    meta["wants_deadline"] = True
+                    meta["trace_deadline_factor"] = slo
             qos = make_qos(p, line, gpus=sf, gpu_mem_mb=gpu_mem_mb(resolved), cpu_cores=cores_per_gpu * sf, shareable=True, gang=True)
             jobs.append(
                 make_job(
