@@ -325,6 +325,21 @@ def test_predict_stages_shows_what_finished_stages_taught(tmp_path, capsys):
         assert f"no completed run of signature '{given}' in sqlite:///" in out and f"did you mean {meant}?" in out, out
 
 
+def test_predict_stages_lists_a_signature_only_profiled(stage_module, tmp_path, capsys):
+    """Right after `qosflow profile` the report said "no completed run ... yet" and never showed the
+    samples just stored."""
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    assert main(["profile", "toy_stage:train", "--steps", "2", "--cores", "1", "--db", url, "--signature", "toy/bs1"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "s.json"
+    assert main(["predict", "stages", "--db", url, "--json", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "toy/bs1" in text and "profiled only" in text and "no completed run" not in text, text
+    [row] = json.loads(out.read_text())
+    assert (row["runs"], row["predicts_s"], row["profiled_samples"]) == (0, None, 1)
+    assert "step time" in row["basis"]
+
+
 def test_profile_stores_under_the_signature_the_worker_gives_the_stage(stage_module, tmp_path):
     """A profile is only worth something to the worker if its samples carry the stage's signature:
     module.function, plus /bsN for a @qos_task with a batch size (whose function is run directly, not as a

@@ -1,6 +1,7 @@
 """`qosflow simulate` end to end: table, JSON schema, plots, and clear errors on bad input."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -517,6 +518,7 @@ def test_throughputs_option_names_the_table_for_a_gavel_trace(tmp_path, capsys, 
     assert main(["simulate", "--trace", str(trace), "--cluster", "1x4", "--policies", "fifo", "--no-plots",
                  "--throughputs", str(table), "--json", str(out)]) == 0
     assert json.loads(out.read_text())["policies"]["fifo"]["jobs"] == 2
+    assert "QOSFLOW_THROUGHPUTS" not in os.environ  # for this run only, not for the rest of the process
     assert main(["simulate", "--trace", str(trace), "--policies", "fifo", "--throughputs", str(tmp_path / "no.json")]) == 2
     assert "invalid --throughputs" in capsys.readouterr().err
 

@@ -145,7 +145,7 @@ def register(app: typer.Typer) -> None:
             table.add_row(
                 name,
                 f"{d['alloc_ratio'] * 100:.2f}",
-                f"{d['alloc_ratio_std'] * 100:.2f}",
+                f"{d['alloc_ratio_std'] * 100:.2f}" if len(seed_list) > 1 else "–",  # no spread over one seed
                 f"{d['allocated_gpus']:.0f}",
                 f"{d['unallocated_gpus']:.0f}",
                 f"{d['failed_pods']:.0f}",

@@ -174,12 +174,12 @@ def stages_cmd(
                              no_wrap=col == "stage signature")
         for r in rows:
             mape = "-" if r["mape"] is None else f"{100 * r['mape']:.0f} %"
-            table.add_row(r["signature"], str(r["runs"]), f"{r['predicts_s']:.1f} s", r["basis"], mape,
-                          f"{r['solo_samples']}+{r['shared_samples']}")
+            table.add_row(r["signature"], str(r["runs"]), "-" if r["predicts_s"] is None else f"{r['predicts_s']:.1f} s",
+                          r["basis"], mape, f"{r['solo_samples']}+{r['shared_samples']}+{r['profiled_samples']}")
         console.print(table)
         console.print("predicts: the duration planned with now (its 80 % band and the runs' last and median durations "
                       "are in --json); MAPE: error of the predictions the runs were scheduled on (how many: in --json); samples: step-time "
-                      "samples solo + shared with another stage")
+                      "samples solo + shared with another stage + from `qosflow profile`")
     if json_out is not None:
         _write_json(json_out, rows)
         console.print(f"wrote {json_out}")

@@ -92,20 +92,21 @@ def register(app: typer.Typer) -> None:
             if not throughputs.is_file():
                 raise SpecError("--throughputs", f"{throughputs}: no such file; give the path of a throughput table in "
                                                  "Gavel's format (gavel_simulation_throughputs.json)")
-            import os
-
-            from qosflow.sim.interference import THROUGHPUTS_ENV
-
-            # the loaders, the speed model and the batch's worker processes all read the table from there
-            os.environ[THROUGHPUTS_ENV] = str(throughputs.resolve())
         cfg = SimConfig(seed=seed, failure_share=failures)
-        wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs, min_gpus_share=min_gpus_share)
-        speed = default_speed_model()
+        wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs, min_gpus_share=min_gpus_share,
+                                    throughputs=throughputs)
+        speed = default_speed_model(throughputs)
         console.print(
             f"[bold]{wl.name}[/]: {len(wl.jobs)} jobs on {spec.name} ({len(spec.nodes)} nodes, {spec.num_gpus} GPUs); "
             "estimates: " + ", ".join(f"noisy (±{error:.0%})" if k == "noisy" else k for k in kinds)
         )
         console.print(speed.describe(), style="dim", highlight=False)
+        if cluster is None and wl.info.get("format") != "synthetic" and not getattr(wl, "cluster_hint", None):
+            console.print(
+                f"[yellow]note:[/] no --cluster given and no cluster file found beside the trace, so the default "
+                f"{spec.name} is used. Name the cluster the trace ran on with --cluster (NxG, a Muri cluster CSV, an "
+                "Alibaba node list or a Gavel spec V:P:K).", highlight=False
+            )
         if speed.interference is None:
             console.print(
                 f"[yellow]note:[/] Gavel's measured throughput table was not found at {default_throughputs_path()}, so jobs "

@@ -18,15 +18,20 @@ from qosflow.core.qos import QoSSpec
 
 def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, Any]]:
     """One row per stage signature with at least one completed run (all of them, or `signature`'s),
-    most recently run first."""
+    most recently run first; then one per signature that only `qosflow profile` measured (runs 0, no
+    duration predicted yet: a profile measures step times, not how many steps a run takes)."""
     from qosflow.predict.estimator import LearnedEstimator
 
     runs: dict[str, list[Any]] = defaultdict(list)
     for h in store.stage_history(signature=signature):
         if h.signature and h.state == "COMPLETED" and h.duration_s and h.duration_s > 0:
             runs[h.signature].append(h)
+    profiled: dict[str, list[Any]] = defaultdict(list)
+    for smp in store.samples_for(signature):
+        if smp.source == "profile":  # `qosflow profile`'s (not a shipped reference table's)
+            profiled[smp.signature].append(smp)
     if not runs:
-        return []
+        return [_profiled_only(sig, smps) for sig, smps in profiled.items()]
     errors: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for pred, out in store.prediction_errors("duration"):
         if pred.signature in runs and out.actual > 0:
@@ -62,6 +67,32 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
             "solo_samples": len(samples.get(sig, ())) - len(shared),
             "shared_samples": len(shared),
             "co_runners": sorted({s.co_runner for s in shared}),
+            "profiled_samples": len(profiled.get(sig, ())),
         })
     rows.sort(key=lambda r: r["last_run"] or "", reverse=True)
-    return rows
+    return rows + [_profiled_only(sig, smps) for sig, smps in profiled.items() if sig not in runs]
+
+
+def _profiled_only(sig: str, samples: list[Any]) -> dict[str, Any]:
+    """The row of a signature `qosflow profile` measured and no finished stage has yet."""
+    steps = [s.step_time_s for s in samples if s.step_time_s and s.step_time_s > 0]
+    return {
+        "signature": sig,
+        "stage": None,
+        "runs": 0,
+        "last_s": None,
+        "median_s": None,
+        "last_run": None,
+        "predicts_s": None,
+        "predicts_low_s": None,
+        "predicts_high_s": None,
+        "basis": (f"profiled only: step time {statistics.median(steps):.3g} s (median); the duration comes "
+                  "with the first finished run or the stage's expected_duration") if steps else "profiled only",
+        "predictions_scored": 0,
+        "mape": None,
+        "last_ape": None,
+        "solo_samples": 0,
+        "shared_samples": 0,
+        "co_runners": [],
+        "profiled_samples": len(samples),
+    }

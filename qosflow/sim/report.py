@@ -160,7 +160,7 @@ def job_rows(res: SimResult) -> list[dict[str, Any]]:
         rows.append({
             "job_id": js.job_id,
             "status": js.status.value,
-            "gpus": j.qos.gpus,
+            "gpus": f"{j.qos.gpu_demand:g}",  # a fractional share (0.46) as such, not as 1 GPU
             "gpus_started": "" if js.started_gpus is None else js.started_gpus,
             "model": j.model or "",
             "submit_s": _num(j.submit_time),
@@ -193,6 +193,13 @@ def write_job_tables(results: Mapping[str, SimResult], out_dir: str | Path) -> l
     return files
 
 
+def _series_styles(n: int) -> list[dict[str, str]]:
+    """A colour and line style per run, no two alike: matplotlib's 10 colours, then the same
+    colours dashed, then dotted (more than 10 runs: several policies x estimators)."""
+    palette = [f"C{i}" for i in range(10)]
+    return [{"color": palette[i % 10], "ls": ("-", "--", ":", "-.")[(i // 10) % 4]} for i in range(n)]
+
+
 def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics], bounds: Bounds, out_dir: str | Path) -> list[Path]:
     """JCT CDF, DSR bars and utilisation bars (plus a GPU-allocation timeline), as PNG."""
     import matplotlib
@@ -204,11 +211,12 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
     out.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
 
+    styles = _series_styles(max(len(results), len(metrics)))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, res in results.items():
+    for (name, res), st in zip(results.items(), styles):
         jct = np.sort([j.finish_time - j.job.submit_time for j in res.jobs if j.status is JobStatus.DONE])
         if jct.size:
-            ax.plot(jct / 3600.0, np.arange(1, jct.size + 1) / jct.size, label=name)
+            ax.plot(jct / 3600.0, np.arange(1, jct.size + 1) / jct.size, label=name, **st)
     ax.set_xscale("log")
     ax.set_xlabel("job completion time (hours, log scale)")
     ax.set_ylabel("fraction of jobs")
@@ -229,7 +237,12 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
         vals = [getattr(metrics[n], key) for n in names]
         scale = 3600.0 if key == "avg_jct" else 1.0
         fig, ax = plt.subplots(figsize=(7, 4))
-        bars = ax.bar(names, [v / scale for v in vals], color="#4c72b0")
+        if key == "dsr" and not any(metrics[n].deadline_jobs for n in names):
+            names_shown, vals, bound = [], [], None  # no deadline to meet: no ratio, not bars at 100 %
+            ax.text(0.5, 0.5, "no job has a deadline", ha="center", va="center", transform=ax.transAxes)
+        else:
+            names_shown = names
+        bars = ax.bar(names_shown, [v / scale for v in vals], color="#4c72b0")
         for b, v in zip(bars, vals):
             ax.annotate(f"{v / scale:.2f}" if scale != 1 else f"{v:.1%}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
         if bound is not None:
@@ -251,9 +264,10 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
         for i, n in enumerate(names):
             by = metrics[n].dsr_by_class
             vals = [by[c]["met"] / by[c]["jobs"] if c in by else 0.0 for c in classes]
-            ax.barh(y + (i - (len(names) - 1) / 2) * height, vals, height, label=n)
+            ax.barh(y + (i - (len(names) - 1) / 2) * height, vals, height, label=n, color=styles[i]["color"],
+                    hatch=None if styles[i]["ls"] == "-" else "//")
         counts = [_class_jobs(metrics, c) for c in classes]
-        ax.set_yticks(y, [f"{c} ({k} jobs)" for c, k in zip(classes, counts)], fontsize=8)
+        ax.set_yticks(y, [f"{c} ({k} job{'' if k == 1 else 's'})" for c, k in zip(classes, counts)], fontsize=8)
         ax.set_ylim(len(classes) - 0.5, -0.5)  # the first class on top, no margin
         ax.set_xlim(0, 1.0)
         ax.set_xlabel("deadlines met (share of the class)")
@@ -266,11 +280,11 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
         plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    for name, res in results.items():
+    for (name, res), st in zip(results.items(), styles):
         if res.timeline:
             t = np.array([x for x, _ in res.timeline])
             g = np.array([y for _, y in res.timeline])
-            ax.step((t - res.start_time) / 3600.0, g, where="post", label=name, lw=0.8)
+            ax.step((t - res.start_time) / 3600.0, g, where="post", label=name, lw=0.8, **st)
     ax.set_xlabel("time (hours)")
     ax.set_ylabel("GPUs allocated")
     ax.set_title(f"GPU allocation over time ({next(iter(results.values())).cluster.num_gpus} GPUs)" if results else "")

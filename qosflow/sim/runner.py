@@ -77,7 +77,9 @@ NOT_TRACES = (
 
 
 def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: int = 0, deadline_share: float = 0.5, jobs: int | None = None,
-                     min_gpus_share: float | None = None):
+                     min_gpus_share: float | None = None, throughputs: str | Path | None = None):
+    """(workload, cluster spec) as `qosflow simulate` takes them; `throughputs`: Gavel's throughput
+    table to use instead of the default one (a Gavel trace's durations, the synthetic job types)."""
     from qosflow.sim.clusters import load_cluster
     from qosflow.sim.workload import load_workload
 
@@ -101,6 +103,14 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
         opts["num_jobs"] = jobs
     if min_gpus_share is not None:
         opts["min_gpus_share"] = min_gpus_share
+    if throughputs is not None:
+        key = str(fmt).strip().lower()
+        if key == "gavel":
+            opts["throughputs"] = throughputs
+        elif key == "synthetic":
+            from qosflow.sim.interference import load_gavel_interference
+
+            opts["table"] = load_gavel_interference(throughputs)
     wl = load_workload(trace, fmt, cluster=spec, seed=seed, deadline_share=deadline_share, **opts)
     if cluster is None and getattr(wl, "cluster_hint", None):
         spec = load_cluster(wl.cluster_hint) if isinstance(wl.cluster_hint, str) else wl.cluster_hint

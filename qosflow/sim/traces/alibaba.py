@@ -129,8 +129,8 @@ def _opt_time(path: Path, line: int, row: dict[str, str], col: str) -> float | N
         val = float(raw)
     except ValueError:
         raise TraceFormatError(path, line, f"column {col!r}: expected a time in seconds or empty, got {raw!r}") from None
-    if val < 0 or val != val:
-        raise TraceFormatError(path, line, f"column {col!r}: time must be >= 0, got {raw!r}")
+    if not (0 <= val < float("inf")):  # NaN and inf too: "must be > 0 seconds, got inf" came much later
+        raise TraceFormatError(path, line, f"column {col!r}: time must be a finite number of seconds >= 0, got {raw!r}")
     return val
 
 
