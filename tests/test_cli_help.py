@@ -68,7 +68,9 @@ def test_bad_option_values_are_errors_before_any_server_or_port(capsys, monkeypa
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     for argv, says in (
-        (["init", "--deadline", "-5"], "invalid --deadline: must be a positive number of seconds, got -5"),
+        (["init", "--deadline", "-5"], "invalid --deadline: must be a positive duration, got '-5'"),
+        (["init", "--deadline", "tomorrow"], "invalid --deadline: expected seconds or a duration such as 90s, 15min, 2h"),
+        (["init", "--deadline", "1h30m"], "PREFECT_API_URL"),  # a duration as @qos_flow takes it: accepted ("1h" was not)
         (["init", "--policy", "nope"], "unknown policy 'nope'"),  # not "PREFECT_API_URL is not set"
         (["worker", "start", "--pool", "gpu", "--policy", "nope"], "unknown policy 'nope'"),
         (["agent", "start", "--token", "t", "--log-level", "loud"], "invalid --log-level: 'loud' is not one of critical | error"),

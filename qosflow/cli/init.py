@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         real_gpus: bool = typer.Option(False, "--real-gpus", help="the worker uses the GPUs NVML finds on its host instead of declaring virtual ones (one host: --hosts, --gpus-per-host and --cores-per-host are then not used)"),
         policy: str = typer.Option("qosflow", "--policy", help="scheduling policy"),
         estimator: str = typer.Option("learned", "--estimator", help="where duration, slowdown and CPU estimates come from: learned (the predictor and its store: profiles and every finished stage) | history (declared, then the median of past runs) | declared | module:attr"),
-        deadline: Optional[float] = typer.Option(None, "--deadline", help="default pipeline deadline (seconds)"),
+        deadline: Optional[str] = typer.Option(None, "--deadline", help="default pipeline deadline: seconds or a duration such as 90s, 15min, 2h, 1h30m"),
     ) -> None:
         import asyncio
 
@@ -50,8 +50,16 @@ def register(app: typer.Typer) -> None:
         check_pool_name(pool, blocks=True)
         get_policy(policy)  # unknown names fail here with the list of known ones
         check_estimator_name(estimator)
-        if deadline is not None and not 0 < deadline < float("inf"):  # was a pydantic traceback from QoSPolicy
-            raise SpecError("--deadline", f"must be a positive number of seconds, got {deadline:g}")
+        if deadline is not None:  # a duration string as @qos_flow(deadline=...) takes ("1h" was rejected)
+            from qosflow.core.qos import to_seconds
+
+            raw, secs = deadline, to_seconds(deadline)
+            try:
+                deadline = float(secs)
+            except ValueError:
+                raise SpecError("--deadline", f"expected seconds or a duration such as 90s, 15min, 2h or 1h30m, got {raw!r}") from None
+            if not 0 < deadline < float("inf"):  # was a pydantic traceback from QoSPolicy
+                raise SpecError("--deadline", f"must be a positive duration, got {raw!r}")
         here = None
         if real_gpus:
             ignored = [f"{opt} {val:g}" for opt, val, default in (("--hosts", hosts, 1), ("--gpus-per-host", gpus, 4),
