@@ -225,3 +225,64 @@ def quits_silently(marker: str) -> int:
 @qos_flow(name="e2e-quits-silently")
 def quits_silently_flow(marker: str) -> int:
     return quits_silently.submit(marker).result()
+
+
+# ------------------------------------------------------------ a stage's timeout, and the stage's own exceptions
+@qos_task(gpus=1, cpu_cores=1, expected_duration=2, timeout_seconds=4, retries=1, retry_delay_seconds=0)
+def hangs(path: str) -> None:
+    """Runs past its 4 s timeout: each attempt appends its pid to `path`."""
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(300)
+
+
+@qos_flow(name="e2e-timeout")
+def timeout_pipeline(path: str) -> None:
+    return hangs.submit(path).result()
+
+
+#: the exceptions `parse`'s retry_condition_fn was shown (it runs in the pipeline's process)
+RETRY_CONDITION_SAW: list = []
+
+
+def _note_exception(task, task_run, state) -> bool:
+    RETRY_CONDITION_SAW.append(type(state.result(raise_on_failure=False)).__name__)
+    return False
+
+
+@qos_task(gpus=0, cpu_cores=1, expected_duration=2, retries=1, retry_condition_fn=_note_exception)
+def parse(s: str) -> int:
+    return int(s)  # ValueError on bad input
+
+
+class NeedsTwoArgs(Exception):
+    """Pickles, but does not unpickle (its __init__ wants two arguments, args holds one)."""
+
+    def __init__(self, a: str, b: str):
+        super().__init__(f"{a} and {b}")
+
+
+@qos_task(gpus=0, cpu_cores=1, expected_duration=2)
+def odd_failure() -> None:
+    raise NeedsTwoArgs("this", "that")
+
+
+@qos_flow(name="e2e-stage-exceptions")
+def stage_exceptions() -> dict:
+    from qosflow.prefect.tasks import StageFailed
+
+    out: dict = {}
+    try:
+        parse("abc")  # called directly
+    except ValueError as exc:
+        out["direct"] = (type(exc).__name__, str(exc), list(getattr(exc, "__notes__", [])))
+    try:
+        parse.submit("xyz").result()
+    except ValueError as exc:
+        out["submit"] = (type(exc).__name__, str(exc))
+    try:
+        odd_failure()
+    except StageFailed as exc:  # the fallback: its exception does not unpickle here
+        out["fallback"] = str(exc)
+    out["ok"] = parse("42")
+    return out

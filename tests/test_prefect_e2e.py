@@ -413,3 +413,117 @@ def test_a_stage_that_exits_0_without_reporting_its_end_is_marked_crashed(qos_wo
     assert fr.state.is_crashed() and "exited with code 0, but its flow run was never reported ended" in (fr.state.message or "")
     rec_w = _eventually(lambda: [r for r in qos_worker.worker.records if r["flow_run_id"] == rec.flow_run_id])
     assert rec_w[0]["exit"] == "ok" and rec_w[0]["flow_state"] == "CRASHED"
+
+
+def _stage_runs_named(suffix: str) -> list:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with _client() as c:
+        return c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[suffix])))
+
+
+def test_a_stage_past_its_timeout_is_cancelled_and_retried_one_run_at_a_time(qos_worker, tmp_path):
+    """@qos_task(timeout_seconds=4, retries=1) on a stage that sleeps 300 s: Prefect's thread-based timeout
+    failed the task attempt but left its stage run Running on its GPU, and the retry started a second copy
+    beside it. Each attempt's run is cancelled when the timeout expires (its process killed) before the
+    next starts, and the pipeline ends TimedOut."""
+    import prefect_pipelines as pp
+
+    from qosflow.prefect.tasks import PipelineRun
+
+    path = tmp_path / "hangs.pids"
+    t0 = time.monotonic()
+    state = pp.timeout_pipeline(str(path), return_state=True)
+    assert state.is_failed() and state.name == "TimedOut", state
+    assert "exceeded its timeout of 4 s" in (state.message or ""), state.message
+    assert time.monotonic() - t0 < 150
+    run = PipelineRun.finished[-1]
+    [rec] = run.stages.values()
+    assert (rec.state, rec.attempts) == ("timed out", 2)
+    runs = _stage_runs_named(f"{run.name}.hangs")
+    assert len(runs) == 2 and all(r.state.is_cancelled() for r in runs), [(r.id, r.state) for r in runs]
+    pids = [int(x) for x in path.read_text().split()]
+    assert len(pids) == 2
+    for pid in pids:  # no stage process is left (a zombie is one not yet reaped by the worker's thread)
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    w = qos_worker.worker
+    recs = _eventually(lambda: (lambda rs: rs if len(rs) == 2 else None)(
+        sorted((r for r in w.records if r["flow_run_id"] in {str(x.id) for x in runs}), key=lambda r: r["placed"])))
+    assert recs[0]["exited"] <= recs[1]["placed"], recs  # the retry started once the first attempt's process was gone
+
+
+def test_a_stage_s_own_exception_reaches_the_pipeline(qos_worker):
+    """`try: parse(s) except ValueError:` works through a pool as it does in-process (the pipeline saw
+    StageFailed), and retry_condition_fn sees the ValueError; an exception that cannot be read back
+    is StageFailed."""
+    import prefect_pipelines as pp
+
+    pp.RETRY_CONDITION_SAW.clear()
+    out = pp.stage_exceptions()
+    name, msg, notes = out["direct"]
+    assert (name, msg) == ("ValueError", "invalid literal for int() with base 10: 'abc'")
+    assert any("raised by qosflow stage 'parse'" in n for n in notes), notes
+    assert out["submit"] == ("ValueError", "invalid literal for int() with base 10: 'xyz'")
+    assert "odd_failure" in out["fallback"] and "NeedsTwoArgs: this and that" in out["fallback"]
+    assert out["ok"] == 42
+    assert pp.RETRY_CONDITION_SAW == ["ValueError", "ValueError"]
+
+
+DIRECT_CALL_PIPELINE = """
+import os, sys, time
+from qosflow import qos_flow, qos_task
+
+@qos_task(gpus=1, cpu_cores=1, expected_duration=5)
+def long_step(path):
+    open(path, "w").write(str(os.getpid()))
+    time.sleep(300)
+
+@qos_flow(name="e2e-direct-interrupt", pool=sys.argv[2])
+def pipe(path: str):
+    return long_step(path)  # called directly, not .submit()
+
+if __name__ == "__main__":
+    pipe(sys.argv[1])
+"""
+
+
+def test_ctrl_c_cancels_a_running_stage_called_directly(qos_worker, tmp_path, prefect_server):
+    """`step(x)` (not `step.submit(x)`) waits in the pipeline's own thread, where no task runner's cancel
+    event is set: after Ctrl-C the pipeline ended Crashed and its stage ran on to its end."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "direct.py"
+    script.write_text(DIRECT_CALL_PIPELINE)
+    pidfile = tmp_path / "step.pid"
+    env = dict(os.environ, PREFECT_API_URL=prefect_server)
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(script), str(pidfile), os.environ["QOSFLOW_POOL"]], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        _eventually(lambda: pidfile.exists() and pidfile.read_text() or proc.poll() is not None, timeout=120)
+        assert proc.poll() is None, log.read_text()
+        pid = int(pidfile.read_text())
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the pipeline did not end within 60 s of Ctrl-C:\n" + log.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "KeyboardInterrupt" in log.read_text()
+    [fr] = [r for r in _stage_runs_named_like(".long_step") if r.parameters.get("payload") and r.state is not None]
+    _eventually(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", timeout=60)
+    with _client() as c:
+        _eventually(lambda: c.read_flow_run(fr.id).state.is_cancelled(), timeout=60)
+
+
+def _stage_runs_named_like(suffix: str) -> list:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with _client() as c:
+        return [r for r in c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=suffix)))
+                if (r.name or "").endswith(suffix)]

@@ -81,6 +81,46 @@ def test_a_stage_nobody_takes_is_explained_and_sigterm_ends_the_pipeline(prefect
 
 
 @pytest.mark.slow
+def test_ctrl_c_cancels_a_stage_called_directly_that_no_worker_took(prefect_server, tmp_path):
+    """A stage called directly (`lonely(1)`, not `.submit`) waits in the pipeline's own thread: Ctrl-C
+    crashed the pipeline but left the stage's run Scheduled, and a worker started later ran it (and
+    failed: the pipeline had deleted its payload). Its run is cancelled."""
+    from prefect.client.orchestration import get_client
+
+    from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
+    from qosflow.prefect.local import setup_pool
+
+    pool = "direct-no-worker"
+    asyncio.run(setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, 1, cpu_cores=2), policy=QoSPolicy(policy="fifo")))
+    script = tmp_path / "pipe.py"
+    script.write_text(PIPELINE.replace("{pool}", pool).replace("lonely.submit(1).result()", "lonely(1)")
+                      .replace("def lonely(", "def lonely_direct(").replace("return lonely(", "return lonely_direct("))
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, QOSFLOW_STAGE_PICKUP_WARN_SECONDS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    env.pop("QOSFLOW_POOL", None)
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        while "waited" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert "no worker polls work pool 'direct-no-worker'" in log.read_text(), log.read_text()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the pipeline did not end within 30 s of Ctrl-C:\n" + log.read_text())
+        assert "KeyboardInterrupt" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with get_client(sync_client=True) as client:
+        runs = [r for r in client.read_flow_runs() if (r.name or "").endswith(".lonely_direct")]
+    assert len(runs) == 1 and runs[0].state is not None and runs[0].state.is_cancelled(), [(r.name, r.state) for r in runs]
+
+
+@pytest.mark.slow
 def test_a_worker_whose_pool_does_not_exist_says_how_to_create_it(prefect_server):
     """`qosflow worker start` checks the pool first, unless the server did not answer yet: the worker
     then waits for it, and Prefect only said "Work pool 'gpu' not found!" every 30 s."""

@@ -146,6 +146,23 @@ def test_qos_travels_in_tags_and_survives_with_options():
         t.with_options(gpus=-3)
 
 
+def test_a_dispatched_stage_s_timeout_is_enforced_by_its_wait_not_by_prefect(monkeypatch):
+    """Prefect's thread-based task timeout cannot stop a stage's process (it ran on, holding its GPU):
+    Prefect sees no timeout on a stage that goes to a pool (wait_for_stage enforces it and cancels the
+    stage's run), and the declared one on a stage that runs in-process; with_options keeps it."""
+    t = qos_task(gpus=1, expected_duration=5, timeout_seconds=30, retries=1)(f)
+    monkeypatch.delenv("QOSFLOW_POOL", raising=False)
+    monkeypatch.delenv("QOSFLOW_PLACEMENT", raising=False)
+    assert t.timeout_seconds == 30 and t.stage_timeout_seconds == 30  # in-process: Prefect's own timeout
+    monkeypatch.setenv("QOSFLOW_POOL", "gpu")
+    assert t.timeout_seconds is None and t.stage_timeout_seconds == 30  # dispatched: the wait's
+    t2 = t.with_options(name="other")
+    assert t2.stage_timeout_seconds == 30 and t2.timeout_seconds is None
+    assert t.with_options(timeout_seconds=40).stage_timeout_seconds == 40
+    monkeypatch.setenv("QOSFLOW_PLACEMENT", "{}")  # in a stage's own process a nested stage runs in-process
+    assert t.timeout_seconds == 30
+
+
 def test_local_call_runs_the_function():
     t = qos_task(f, gpus=1, expected_duration=1)
     assert t.fn(1) == 2  # no pool: the stage runs in-process

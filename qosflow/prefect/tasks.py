@@ -52,7 +52,14 @@ _FLOW_PARAMS = set(inspect.signature(prefect_flow).parameters) - {"__fn"}
 
 
 class StageFailed(QosflowError, RuntimeError):
-    """A dispatched stage's flow run did not complete."""
+    """A dispatched stage's flow run did not complete, and the stage's own exception cannot be raised
+    instead: its run crashed or was cancelled, or the exception it raised could not be read back
+    (e.g. it does not unpickle in the pipeline's process)."""
+
+
+class StageTimedOut(QosflowError, TimeoutError):
+    """A dispatched stage ran past its `timeout_seconds`: its run was cancelled (the worker kills its
+    process and frees its slot) and the task attempt failed `TimedOut`, so its `retries` apply."""
 
 
 # ------------------------------------------------------------------------------------ pipeline runs
@@ -465,6 +472,25 @@ class QoSTask(Task):
         wrapper = _make_wrapper(fn, self)
         super().__init__(fn=wrapper, tags=tags, **task_kwargs)
 
+    # `timeout_seconds`: Prefect enforces a task's timeout by injecting an exception into the thread
+    # that runs it, which neither interrupts a blocking wait nor reaches the stage's own process: the
+    # stage ran on, holding its GPU, and each retry started another copy. A dispatched stage's timeout
+    # is enforced by its wait (wait_for_stage), which cancels the stage's run first; Prefect sees None
+    # then and enforces it only for a stage that runs in-process (no pool).
+    @property
+    def timeout_seconds(self) -> float | None:  # type: ignore[override]
+        t = self.__dict__.get("_qos_timeout_seconds")
+        return None if t is not None and _stage_pool() else t
+
+    @timeout_seconds.setter
+    def timeout_seconds(self, value: float | None) -> None:
+        self.__dict__["_qos_timeout_seconds"] = value
+
+    @property
+    def stage_timeout_seconds(self) -> float | None:
+        """The `timeout_seconds` the stage was declared with (whoever enforces it)."""
+        return self.__dict__.get("_qos_timeout_seconds")
+
     @property
     def signature(self) -> str:
         """The name the predictor learns this stage under: its function's module and qualified name.
@@ -493,6 +519,8 @@ class QoSTask(Task):
         base.update(qos_kw)
         explicit = set(self.qos_explicit) | set(qos_kw)
         user_tags = [t for t in (kwargs.pop("tags", None) or self.tags) if not t.startswith("qos:")]
+        if kwargs.get("timeout_seconds") is None:  # (self.timeout_seconds is None where the stage is dispatched)
+            kwargs["timeout_seconds"] = self.stage_timeout_seconds
         plain = super().with_options(**kwargs)  # a plain Task with the merged Prefect options
         opts = {k: getattr(plain, k) for k in ("name", "description", "version", "cache_policy", "cache_key_fn", "cache_expiration", "task_run_name", "retries", "retry_delay_seconds", "retry_jitter_factor", "persist_result", "result_storage", "result_serializer", "result_storage_key", "cache_result_in_memory", "timeout_seconds", "log_prints", "refresh_cache", "retry_condition_fn") if hasattr(plain, k)}
         opts = {k: v for k, v in opts.items() if k in _TASK_PARAMS}
@@ -503,6 +531,19 @@ def _in_stage_process() -> bool:
     return bool(os.environ.get("QOSFLOW_PLACEMENT"))
 
 
+_NO_RUN = object()
+
+
+def _stage_pool(run: Any = _NO_RUN) -> str | None:
+    """The pool a stage called here is dispatched to (the pipeline run's, else QOSFLOW_POOL); None
+    when it runs in-process (no pool, or in a stage's own process)."""
+    if _in_stage_process():
+        return None
+    if run is _NO_RUN:
+        run = PipelineRun.current()
+    return (run.pool if run else None) or os.environ.get("QOSFLOW_POOL") or None
+
+
 def _make_wrapper(fn: Callable, task_ref: "QoSTask") -> Callable:
     if inspect.iscoroutinefunction(fn):
         raise SpecError("fn", f"{fn.__qualname__} is async; @qos_task stages run in their own process, write them as plain functions")
@@ -510,7 +551,7 @@ def _make_wrapper(fn: Callable, task_ref: "QoSTask") -> Callable:
     @functools.wraps(fn)
     def _qos_stage(*args: Any, **kwargs: Any) -> Any:
         run = PipelineRun.current() if not _in_stage_process() else None
-        pool = (run.pool if run else None) or (None if _in_stage_process() else os.environ.get("QOSFLOW_POOL"))
+        pool = _stage_pool(run)
         if not pool:
             return fn(*args, **kwargs)
         return _dispatch(task_ref, run, pool, args, kwargs)
@@ -612,6 +653,7 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         early_check_s=task.early_check,
         deadline_at=deadline_at,
     )
+    t0 = time.monotonic()  # a stage's timeout counts from its call, as Prefect's does: its time in the queue included
     fr = run_deployment(
         deployment,
         parameters={"payload": key, "stage": name, "pipeline": pipeline or ""},
@@ -621,10 +663,15 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         timeout=0,  # created, not waited for: wait_for_stage waits (and says so when no worker takes it)
         as_subflow=True,
     )
+    rec.flow_run_id = str(fr.id)
     try:
-        fr = wait_for_stage(fr, pool, name)
-    except BaseException:
+        fr = wait_for_stage(fr, pool, name, timeout_s=task.stage_timeout_seconds, since=t0)
+    except BaseException as exc:
+        rec.ended = time.time()
+        rec.state = "timed out" if isinstance(exc, StageTimedOut) else "cancelled"
         delete_payload(key)
+        if run is not None:
+            run.publish_forecast()
         raise
     labels = dict(getattr(fr, "labels", None) or {})
     if "qosflow.host" not in labels and fr.state is not None and fr.state.is_completed():
@@ -633,7 +680,6 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         # bookkeeping (the pipeline reads the missing labels at its end, see PipelineRun.finish)
         time.sleep(0.2)
         labels = read_placement_labels(str(fr.id)) or labels
-    rec.flow_run_id = str(fr.id)
     rec.engine_started = fr.start_time.timestamp() if fr.start_time else None
     apply_placement_labels(rec, labels)
     rec.ended = fr.end_time.timestamp() if fr.end_time else time.time()
@@ -644,12 +690,35 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         run.publish_forecast()
     if not ok:
         delete_payload(key)
-        msg = state.message if state is not None else "no state"
-        raise StageFailed(f"stage {name!r} ({rec.flow_run_id}) ended {state.name if state else '?'}: {msg}")
+        raise _stage_error(state, name, rec)
     try:
         return state.result(raise_on_failure=True)
     finally:
         delete_payload(key)
+
+
+def _stage_error(state: Any, name: str, rec: StageRecord) -> BaseException:
+    """What a stage whose run did not complete raises in the pipeline: the exception the stage itself
+    raised, read back from the Failed state its engine persisted (so that `except ValueError:` and
+    `retry_condition_fn` see what they would in-process), with a note saying which stage run raised it;
+    StageFailed when there is none (a crash, a cancellation, a Failed state the worker set) or it
+    cannot be read back (e.g. its class does not unpickle here)."""
+    failed = StageFailed(f"stage {name!r} ({rec.flow_run_id}) ended {state.name if state else '?'}: "
+                         f"{state.message if state is not None else 'no state'}")
+    if state is None or not state.is_failed() or state.data is None:
+        return failed
+    try:
+        exc = state.result(raise_on_failure=False)
+    except Exception:  # noqa: BLE001 - not readable here: StageFailed says what the run said
+        return failed
+    if not isinstance(exc, Exception):
+        return failed
+    try:
+        exc.add_note(f"(raised by qosflow stage {name!r} in its flow run {rec.flow_run_id}"
+                     + (f" on {rec.host}" if rec.host else "") + ")")
+    except Exception:  # noqa: BLE001 - a note is only a courtesy
+        pass
+    return exc
 
 
 def _run_logger(fallback: str) -> Any:
@@ -705,46 +774,94 @@ def _pickup_hint(client: Any, pool: str) -> str:
             "as online for a minute or two)")
 
 
-def wait_for_stage(fr: Any, pool: str, name: str, *, poll: float = 0.25) -> Any:
+def wait_for_stage(fr: Any, pool: str, name: str, *, poll: float = 0.25, timeout_s: float | None = None,
+                   since: float | None = None) -> Any:
     """Poll the stage's flow run until it is final. A run still Scheduled after
     QOSFLOW_STAGE_PICKUP_WARN_SECONDS (30 s) is logged on the pipeline with why (no worker polls the
-    pool, ...), again every 10 x that; when the pipeline's own run is interrupted first, the stage's run is
-    cancelled (the worker kills its process) and PipelineEnded is raised."""
+    pool, ...), again every 10 x that.
+
+    The stage's run is cancelled (the worker kills its process, or takes it out of the queue) on any
+    other way out of this wait: `timeout_s` after `since` (time.monotonic(); default now) it is cancelled,
+    its end awaited (at most QOSFLOW_STAGE_CANCEL_WAIT_SECONDS, 60 s, so that a retry does not start
+    while it still holds its GPUs) and StageTimedOut is raised; when the pipeline's own run is
+    interrupted (`.submit()`: the task runner's cancel event) PipelineEnded is raised; any exception
+    raised into the wait itself (Ctrl-C or SIGTERM in a stage called directly, a crash) is re-raised
+    after the cancel."""
     from prefect.client.orchestration import get_client
-    from prefect.states import Cancelled, Cancelling
 
     from qosflow.env import env_number
 
     logger = _run_logger("qosflow.dispatch")
     warn_after = env_number("QOSFLOW_STAGE_PICKUP_WARN_SECONDS", 30.0)
+    timeout_at = None if not timeout_s else (time.monotonic() if since is None else since) + float(timeout_s)
     waiting_since: float | None = None  # since when its run has been Scheduled (again, after a worker stopped)
     next_warn = 0.0
-    with get_client(sync_client=True) as client:
-        while True:
-            state = fr.state
+    try:
+        with get_client(sync_client=True) as client:
+            while True:
+                state = fr.state
+                if state is not None and state.is_final():
+                    return fr
+                ended = _pipeline_ended()
+                if ended is not None:
+                    was = _cancel_stage_run(fr.id, f"its pipeline's run was {ended}", name, logger)
+                    raise PipelineEnded(f"the pipeline's run was {ended} while stage {name!r} was {state.name if state else 'new'}; "
+                                        f"its run {fr.id} was {was}")
+                now = time.monotonic()
+                if timeout_at is not None and now >= timeout_at:
+                    wait_s = env_number("QOSFLOW_STAGE_CANCEL_WAIT_SECONDS", 60.0)
+                    was = _cancel_stage_run(fr.id, f"stage {name!r} exceeded its timeout of {float(timeout_s):g} s", name, logger,
+                                            wait_s=wait_s)
+                    raise StageTimedOut(f"stage {name!r} exceeded its timeout of {float(timeout_s):g} s "
+                                        f"({state.name if state else 'new'}); its run {fr.id} was {was}")
+                if state is not None and not state.is_scheduled():
+                    waiting_since = None
+                elif waiting_since is None:
+                    waiting_since, next_warn = now, now + warn_after
+                elif warn_after > 0 and now >= next_warn:
+                    logger.warning("stage %s has waited %.0fs for a worker to take its run %s: %s",
+                                   name, now - waiting_since, fr.id, _pickup_hint(client, pool))
+                    next_warn = now + 10 * warn_after
+                time.sleep(poll)
+                fr = client.read_flow_run(fr.id)
+    except (PipelineEnded, StageTimedOut):
+        raise
+    except BaseException as exc:
+        # a stage called directly (`step(x)`) waits in the pipeline's own thread: Ctrl-C, SIGTERM or a
+        # crash lands here, not in a task runner's cancel event; the stage must not run on without it
+        _cancel_stage_run(fr.id, f"its pipeline stopped waiting for it ({type(exc).__name__})", name, logger)
+        raise
+
+
+def _cancel_stage_run(flow_run_id: Any, why: str, name: str, logger: Any, *, wait_s: float = 0.0) -> str:
+    """Cancel a stage's run unless it has ended: a Scheduled one at once, a started one through
+    Cancelling (its worker kills its process and marks it Cancelled); with `wait_s`, wait that long
+    for it to end. Returns what was done, for messages. Never raises an Exception (the pipeline may be
+    going away)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled, Cancelling
+
+    try:
+        with get_client(sync_client=True) as client:  # a new client: the wait's may have been interrupted mid-request
+            state = client.read_flow_run(flow_run_id).state
             if state is not None and state.is_final():
-                return fr
-            ended = _pipeline_ended()
-            if ended is not None:
-                scheduled = state is None or state.is_scheduled()
-                new = Cancelled if scheduled else Cancelling
-                try:
-                    client.set_flow_run_state(fr.id, new(message=f"its pipeline's run was {ended}"), force=True)
-                except Exception as exc:  # the process is going away: say so, do not hang on it
-                    logger.warning("stage %s: could not cancel its run %s: %s", name, fr.id, exc)
-                raise PipelineEnded(f"the pipeline's run was {ended} while stage {name!r} was {state.name if state else 'new'}; "
-                                    f"its run {fr.id} was {'cancelled' if scheduled else 'told to cancel'}")
-            now = time.monotonic()
-            if state is not None and not state.is_scheduled():
-                waiting_since = None
-            elif waiting_since is None:
-                waiting_since, next_warn = now, now + warn_after
-            elif warn_after > 0 and now >= next_warn:
-                logger.warning("stage %s has waited %.0fs for a worker to take its run %s: %s",
-                               name, now - waiting_since, fr.id, _pickup_hint(client, pool))
-                next_warn = now + 10 * warn_after
-            time.sleep(poll)
-            fr = client.read_flow_run(fr.id)
+                return f"already {state.name}"
+            scheduled = state is None or state.is_scheduled()
+            client.set_flow_run_state(flow_run_id, (Cancelled if scheduled else Cancelling)(message=why), force=True)
+            if scheduled:
+                return "cancelled"
+            end = time.monotonic() + wait_s
+            while time.monotonic() < end:
+                state = client.read_flow_run(flow_run_id).state
+                if state is not None and state.is_final():
+                    return f"cancelled (it ended {state.name})"
+                time.sleep(0.25)
+            if wait_s > 0:
+                logger.warning("stage %s: its run %s was told to cancel %.0fs ago and has not ended yet", name, flow_run_id, wait_s)
+            return "told to cancel"
+    except Exception as exc:  # noqa: BLE001 - say so, do not hang on it
+        logger.warning("stage %s: could not cancel its run %s: %s", name, flow_run_id, exc)
+        return "not cancelled (the server did not answer)"
 
 
 def read_placement_labels(flow_run_id: str) -> dict[str, str] | None:
