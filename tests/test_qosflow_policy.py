@@ -176,6 +176,48 @@ def test_a_deadline_job_as_long_as_the_backlog_starts_early():
     assert max(j.finish_time for j in res.values()) == pytest.approx(52 * 3600.0)
 
 
+def test_a_job_the_makespan_guard_ranks_first_but_that_cannot_start_says_why_it_waits():
+    """Three 1-GPU stages declared 20 s (they run 25 s) on 2 GPUs, as in a user review: once the two
+    running ones are past their declared time, the third one, waiting, is long against the backlog.
+    Its note said "long job (0 h) against a backlog of 0 h ...: started early to keep the makespan
+    short" while it waited (the ordering's note kept the policy from saying why it waits). It says
+    why it waits first; the guard's remark follows in its waiting form, in seconds."""
+    from qosflow.core.cluster import ClusterState
+    from qosflow.core.estimate import DeclaredEstimator
+    from qosflow.core.job import JobState
+    from qosflow.core.placement import Placement
+    from qosflow.policies.base import SchedulerView
+
+    st = ClusterState(ClusterSpec.uniform(1, 2))
+    running = []
+    for i in range(2):
+        p = Placement(f"h{i}", ((0, i),), cpu=((0, 1.0),))
+        st.allocate(p, QoSSpec(gpus=1))
+        js = JobState(Job(f"h{i}", 0.0, QoSSpec(gpus=1), 25.0, expected_duration=20.0), status=JobStatus.RUNNING, attained=22.0)
+        js.placement = p
+        running.append(js)
+    waiting = JobState(Job("h2", 0.0, QoSSpec(gpus=1), 25.0, expected_duration=20.0))
+    pol = get_policy("qosflow")
+    d = pol.schedule(SchedulerView(22.0, st.snapshot(), [waiting], running, DeclaredEstimator()))
+    note = d.notes["h2"]
+    assert not d.starts
+    assert note.startswith("waiting: needs 1 GPUs, 0 free"), note
+    assert "started" not in note and "0 h" not in note, note
+    assert "long job (20 s) against a backlog of" in note and "first in line to keep the makespan short" in note, note
+    # once GPUs are free it starts, and its note then says it was started early
+    st2 = ClusterState(ClusterSpec.uniform(1, 2))
+    d = pol.schedule(SchedulerView(22.0, st2.snapshot(), [waiting], [], DeclaredEstimator()))
+    assert [p.job_id for p in d.starts] == ["h2"]
+    assert "waiting" not in d.notes.get("h2", "")
+
+
+def test_ordering_notes_say_short_spans_in_seconds_or_minutes():
+    from qosflow.policies.qosflow_policy.ordering import _span
+
+    assert [_span(s) for s in (0.4, 20.0, 119.0, 120.0, 5400.0, 7200.0, 42 * 3600.0)] == [
+        "0 s", "20 s", "119 s", "2 min", "90 min", "2 h", "42 h"]
+
+
 def _burst_after_a_steady_stream():
     """2 GPUs kept just busy for 20 h by 1 h jobs (load 1, no queue), then a burst: a 6 h job and eight
     1 h jobs. The backlog is 7 h, so the 6 h job is "long" against it alone (>= 0.5 x 7 h) -- but the work

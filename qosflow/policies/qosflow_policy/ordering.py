@@ -15,6 +15,15 @@ from qosflow.policies.base import SchedulerView
 BACKLOG_CAP = 4.0
 
 
+def _span(s: float) -> str:
+    """A duration as the ordering's notes say it: seconds under 2 min, minutes under 2 h, else hours."""
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.0f} h"
+
+
 class _ArrivalLog:
     """GPU work of the jobs seen so far, by submit time: the inflow the makespan guard counts.
 
@@ -73,7 +82,12 @@ class OrderingMixin:
     and the arrival log `_arrivals` (kept across rounds); sets the round's `_backlog`."""
 
     def _order(self, view: SchedulerView, rem: dict[str, float], demand: dict[str, float], notes: dict[str, str]):
+        """The pending jobs in the order they are tried, and those the starvation guard serves. Each
+        remark on a job's place in the queue goes to `notes` as a started job's note; its form for a
+        job that then does not start (which says why it waits first), where it differs, to
+        `_queue_notes`."""
         now = view.now
+        self._queue_notes = queue_notes = {}
         keyed = []
         # backlog: how long the cluster needs to finish all work it knows of; a job whose own length is
         # comparable must start now, or it alone will stretch the makespan (LPT near the end)
@@ -131,12 +145,13 @@ class OrderingMixin:
             if long:
                 keyed.append(((1, -r, js.job.submit_time), js))
                 guard = (
-                    f"long job ({r / 3600:.0f} h) against a backlog of {backlog / 3600:.0f} h"
-                    + (f" plus {coming / 3600:.0f} h of work arriving meanwhile" if coming > 0 else "")
-                    + (f" and the longest job's {longest / 3600:.0f} h" if longest > backlog + coming else "")
-                    + ": started early to keep the makespan short"
+                    f"long job ({_span(r)}) against a backlog of {_span(backlog)}"
+                    + (f" plus {_span(coming)} of work arriving meanwhile" if coming > 0 else "")
+                    + (f" and the longest job's {_span(longest)}" if longest > backlog + coming else "")
                 )
-                notes[jid] = f"{notes[jid]}; {guard}" if jid in notes else guard
+                before = f"{notes[jid]}; " if jid in notes else ""
+                notes[jid] = f"{before}{guard}: started early to keep the makespan short"
+                queue_notes[jid] = f"{before}{guard}: first in line to keep the makespan short"
                 continue
             keyed.append(((2, r, js.job.submit_time), js))
         # starvation guard: the job that has waited longest beyond the bound goes first and, if it
@@ -160,9 +175,10 @@ class OrderingMixin:
         if oldest is not None:
             k, js = keyed[oldest]
             keyed[oldest] = ((1, -1e300, js.job.submit_time), js)
-            notes[js.job_id] = (
-                f"waited {(now - js.queued_since) / 3600:.0f} h (starvation bound {bound(js) / 3600:.0f} h), "
-                "longest of all: served first (starvation guard)"
+            starved = (
+                f"waited {(now - js.queued_since) / 3600:.0f} h (starvation bound {bound(js) / 3600:.0f} h), longest of all"
             )
+            notes[js.job_id] = f"{starved}: served first (starvation guard)"
+            queue_notes[js.job_id] = f"{starved}: first in the queue (starvation guard)"
         keyed.sort(key=lambda kv: kv[0])
         return [js for _, js in keyed], [js for k, js in keyed if k[0] == 1 and k[1] == -1e300]

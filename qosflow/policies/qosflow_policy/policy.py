@@ -361,20 +361,24 @@ class QosflowPolicy(
                         why = "locality relaxed after waiting: spread over nodes"
                 rem[jid] = r
             if p is None:
-                if jid not in d.notes:
-                    # (GPU memory counts by the nodes whose GPUs are large enough, as in `_whole_gpus`)
-                    shape = (q.gpus, q.gpu_milli, q.cpu_cores, q.mem_mb, q.gpu_model, self._cap_class(q))
-                    w = waiting_memo.get(shape)
-                    if w is None or w[0] != self._ver:
-                        if self._largest[0] != self._ver:  # the largest block of free GPUs on a node that is up
-                            up = st.empty[~st.down]  # (none up: why_waiting decides what to say)
-                            self._largest = (self._ver, int(up.max()) if up.size else None)
-                        w = waiting_memo[shape] = (self._ver, why_waiting(st, js, self._largest[1]))
-                    d.notes[jid] = (
-                        (f"waiting: {typed_wait}" if typed_wait else w[1])
-                        + ("; the free nodes that fit it are reserved for jobs that start before it would end" if held else "")
-                        + (f"; not shared: {not_shared}" if not_shared else "")
-                    )
+                # why it waits, always: a note the ordering left (`_order`: the makespan or starvation
+                # guard, a deadline out of reach) says where it stands in the queue, not why it did not
+                # start, and follows in its waiting form
+                # (GPU memory counts by the nodes whose GPUs are large enough, as in `_whole_gpus`)
+                shape = (q.gpus, q.gpu_milli, q.cpu_cores, q.mem_mb, q.gpu_model, self._cap_class(q))
+                w = waiting_memo.get(shape)
+                if w is None or w[0] != self._ver:
+                    if self._largest[0] != self._ver:  # the largest block of free GPUs on a node that is up
+                        up = st.empty[~st.down]  # (none up: why_waiting decides what to say)
+                        self._largest = (self._ver, int(up.max()) if up.size else None)
+                    w = waiting_memo[shape] = (self._ver, why_waiting(st, js, self._largest[1]))
+                queue_note = d.notes.get(jid)
+                d.notes[jid] = (
+                    (f"waiting: {typed_wait}" if typed_wait else w[1])
+                    + ("; the free nodes that fit it are reserved for jobs that start before it would end" if held else "")
+                    + (f"; not shared: {not_shared}" if not_shared else "")
+                    + (f"; {self._queue_notes.get(jid, queue_note)}" if queue_note else "")
+                )
                 important = has_dl or js in starving
                 if q.gpus > 1 and not q.fractional and len(reserved) < max_res and (important or rank < 3):
                     got = self._reserve(st, js, rem, reserved)
