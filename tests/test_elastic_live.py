@@ -64,6 +64,7 @@ def test_min_gpus_travels_in_tags_job_variables_and_with_options():
         (dict(gpus=4, min_gpus=2.5), "must be a whole number of GPUs"),
         (dict(gpus=4, min_gpus="2"), "must be a whole number of GPUs"),
         (dict(gpus=4, min_gpus=True), "must be a whole number of GPUs"),
+        (dict(gpus=4, min_gpus=3), r"3 allows no width below gpus=4, so it would have no effect.*\(4, 2, 1: .*use min_gpus=2 or 1"),
     ],
 )
 def test_bad_min_gpus_fails_at_decoration_naming_it(kwargs, says):
@@ -321,3 +322,35 @@ def test_a_rerun_after_an_infrastructure_failure_starts_narrower_on_the_other_no
     assert p.nodes == (1,) and len(p.gpus) == 2
     p = asyncio.run(place(QoSSpec(gpus=4, min_gpus=2, cpu_cores=1.0)))
     assert len(p.gpus) == 4
+
+
+def test_a_stage_wider_than_the_pool_is_admitted_on_its_widest_width_that_fits():
+    """@qos_task(gpus=4, min_gpus=2, deadline=...) on a pool of one host with 2 GPUs: the worker rejected
+    it as never fitting (asks for 4 GPUs). Under the qosflow policy it starts on the 2, deadline or
+    not; under a baseline it is still rejected, saying that min_gpus would let it start on 2. One whose
+    every width is too big is rejected naming min_gpus."""
+    from qosflow.core.cluster import PlacementError
+    from qosflow.policies import get_policy
+    from qosflow.prefect.scheduler import QoSScheduler, StageEntry
+
+    cluster = ClusterSpec.uniform(1, 2, cpu_cores=4, virtual=True)
+
+    async def place(qos: QoSSpec, policy: str = "qosflow"):
+        s = QoSScheduler(cluster, get_policy(policy), coda=False)
+        e = StageEntry(JobState(Job("wide", time.time(), qos, 5.0, expected_duration=5.0)), "wide")
+        s.start()
+        try:
+            return (await asyncio.wait_for(s.request(e), 10)).placement, e
+        finally:
+            await s.stop()
+
+    for deadline in (600.0, None):
+        p, e = asyncio.run(place(QoSSpec(gpus=4, min_gpus=2, cpu_cores=1.0, deadline=deadline)))
+        assert len(p.gpus) == 2 and p.nodes == (0,)
+        assert "started on 2 of its 4 GPUs (gradient accumulation x2): all 4 never fit this cluster" in e.state.note
+    with pytest.raises(PlacementError) as ei:
+        asyncio.run(place(QoSSpec(gpus=4, min_gpus=2, cpu_cores=1.0, deadline=600.0), "fifo"))
+    assert "its min_gpus=2 would let it start on 2, but this policy ignores min_gpus" in str(ei.value)
+    with pytest.raises(PlacementError) as ei:
+        asyncio.run(place(QoSSpec(gpus=8, min_gpus=4, cpu_cores=1.0, deadline=600.0)))
+    assert "asks for 8 GPUs" in str(ei.value) and "min_gpus=4" in str(ei.value) and "(gpus, min_gpus," in str(ei.value)

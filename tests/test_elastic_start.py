@@ -23,6 +23,11 @@ def test_min_gpus_is_validated_and_names_the_field():
         (dict(gpus=4, min_gpus=True), "whole number"),
         (dict(gpus=1, gpu_milli=500, min_gpus=1), "only a job of whole GPUs"),
         (dict(gpus=0, cpu_cores=2, min_gpus=1), "only a job of whole GPUs"),
+        # (no divisor of 4 below it is 3 or more: it would silently have no effect)
+        (dict(gpus=4, min_gpus=3), "allows no width below gpus=4, so it would have no effect"),
+        (dict(gpus=4, min_gpus=3), "divisor of its GPUs (4, 2, 1"),
+        (dict(gpus=4, min_gpus=3), "use min_gpus=2 or 1"),
+        (dict(gpus=6, min_gpus=4), "(6, 3, 2, 1"),
     ]:
         with pytest.raises(SpecError, match="min_gpus") as e:
             QoSSpec(**bad)
@@ -142,11 +147,53 @@ def _first_waiting_note(jobs) -> str:
     return d2.notes["next"]
 
 
+def test_a_gang_wider_than_the_cluster_starts_on_its_widest_width_that_fits_under_qosflow_only():
+    """gpus=4, min_gpus=1 on one node of 2 GPUs: all 4 never fit, 2 do. The qosflow policy admits it and
+    starts it on 2 (gradient accumulation x2), with a deadline or without; a 4-GPU job without min_gpus,
+    and any job under a baseline (they start every job on all its GPUs), stay rejected, saying why."""
+    spec = ClusterSpec.uniform(1, 2, cpu_cores=8)
+    for deadline in (3600.0, None):
+        jobs = [Job("busy", 0.0, QoSSpec(gpus=1), 100.0),
+                Job("wide", 10.0, QoSSpec(gpus=4, min_gpus=1, cpu_cores=4, deadline=deadline), 60.0),
+                Job("rigid", 10.0, QoSSpec(gpus=4), 60.0)]
+        res = {j.job_id: j for j in simulate(jobs, spec, get_policy("qosflow"), config=SimConfig(restart_overhead=0)).jobs}
+        wide = res["wide"]
+        assert wide.status is JobStatus.DONE, wide.note
+        if deadline is None:  # it waits for its 2 GPUs (not narrower: no deadline to keep)
+            assert wide.started_gpus == 2 and wide.first_start == pytest.approx(100.0)
+            assert wide.finish_time == pytest.approx(100.0 + 120.0)  # 60 s on 4 GPUs: 120 s on 2
+            assert "started on 2 of its 4 GPUs (gradient accumulation x2): all 4 never fit this cluster" in wide.note
+        else:  # a deadline it meets on 1 GPU: an elastic start below its widest width, at once
+            assert wide.started_gpus == 1 and wide.first_start == pytest.approx(10.0)
+            assert wide.finish_time == pytest.approx(10.0 + 240.0)
+            assert "elastic start on 1 of its 4 GPUs" in wide.note
+        assert res["rigid"].status is JobStatus.REJECTED and "min_gpus" not in res["rigid"].note
+        for base in ("fifo", "sjf", "srtf", "tiresias"):
+            out = {j.job_id: j for j in simulate(jobs, spec, get_policy(base), config=SimConfig(restart_overhead=0)).jobs}
+            assert out["wide"].status is JobStatus.REJECTED, base
+            assert "its min_gpus=1 would let it start on 2, but this policy ignores min_gpus" in out["wide"].note
+    # with the option off, qosflow starts every job at full width too: rejected
+    off = simulate(jobs, spec, get_policy("qosflow", elastic=False), config=SimConfig(restart_overhead=0)).jobs
+    assert next(j for j in off if j.job_id == "wide").status is JobStatus.REJECTED
+
+
+def test_a_gang_none_of_whose_widths_fits_is_rejected_naming_min_gpus():
+    spec = ClusterSpec.uniform(1, 2)
+    q = QoSSpec(gpus=8, min_gpus=4, deadline=600.0)
+    why = spec.why_never_fits(q, elastic=True)
+    assert why and "asks for 8 GPUs" in why and "nor on fewer, down to its min_gpus=4 (4 GPUs); on 4: asks for 4 GPUs" in why
+    assert spec.widest_width(q) is None and spec.widest_width(QoSSpec(gpus=8, min_gpus=2)) == 2
+    res = simulate([Job("w", 0.0, q, 60.0)], spec, get_policy("qosflow"), config=SimConfig(restart_overhead=0)).jobs
+    assert res[0].status is JobStatus.REJECTED and "min_gpus=4" in res[0].note
+
+
 def test_workload_elastic_declares_min_gpus_and_checks_the_share():
     jobs = [Job("a", 0.0, QoSSpec(gpus=8), 10.0), Job("b", 0.0, QoSSpec(gpus=1), 10.0),
             Job("c", 0.0, QoSSpec(gpus=3), 10.0), Job("d", 0.0, QoSSpec(gpus=8, min_gpus=8), 10.0)]
     out = {j.job_id: j.qos.min_gpus for j in elastic(jobs, 0.5)}
-    assert out == {"a": 4, "b": None, "c": 2, "d": 8}
+    # (3 GPUs at 0.5: no divisor of 3 below it is 2 or more, so it may start on 3 only and stays rigid)
+    assert out == {"a": 4, "b": None, "c": None, "d": 8}
+    assert elastic([Job("e", 0.0, QoSSpec(gpus=6), 10.0)], 0.5)[0].qos.widths == (6, 3)
     assert all(j.qos.min_gpus is None for j in elastic(jobs[:3], 1.0))
     for bad in (0, 1.5, "half"):
         with pytest.raises(SpecError, match="min_gpus_share"):

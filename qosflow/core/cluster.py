@@ -142,9 +142,36 @@ class ClusterSpec:
     def _model_masks(self) -> dict[str | None, np.ndarray]:
         return {}
 
-    def why_never_fits(self, qos: QoSSpec, *, single_node: bool = False) -> str | None:
+    def why_never_fits(self, qos: QoSSpec, *, single_node: bool = False, elastic: bool = False) -> str | None:
         """None if some placement on an empty cluster can satisfy `qos`, else the reason. With
-        `single_node` the request must also fit on one node (a Kubernetes pod never spans nodes)."""
+        `single_node` the request must also fit on one node (a Kubernetes pod never spans nodes).
+
+        A job that declared `min_gpus` may start on fewer GPUs (`QoSSpec.widths`) under a policy that
+        does so (`elastic`, `Policy.elastic_starts`): it fits if one of its widths does
+        (`widest_width`). Under one that starts every job on all its GPUs it fits only at full width,
+        and the reason says that a narrower width would."""
+        why = self._why_fits_width(qos, single_node)
+        if why is None or len(qos.widths) == 1:
+            return why
+        width = self.widest_width(qos, single_node=single_node)
+        if width is None:
+            narrowest = qos.widths[-1]
+            return (f"{why}; nor on fewer, down to its min_gpus={qos.min_gpus} ({', '.join(map(str, qos.widths[1:]))} GPUs); "
+                    f"on {narrowest}: {self._why_fits_width(qos.narrowed(narrowest), single_node)}")
+        if elastic:
+            return None
+        return (f"{why}; its min_gpus={qos.min_gpus} would let it start on {width}, but this policy ignores min_gpus "
+                f"and starts every job on all its GPUs (the qosflow policy starts it narrower)")
+
+    def widest_width(self, qos: QoSSpec, *, single_node: bool = False) -> int | None:
+        """The widest of `qos.widths` (its GPU count, and with `min_gpus` the narrower ones it may start
+        on) that some placement on an empty cluster can hold; None if none can."""
+        for w in qos.widths:
+            if self._why_fits_width(qos.narrowed(w), single_node) is None:
+                return w
+        return None
+
+    def _why_fits_width(self, qos: QoSSpec, single_node: bool) -> str | None:
         why = self._why_never_fits(qos)
         if why is None and single_node:
             why = self._why_not_one_node(qos)

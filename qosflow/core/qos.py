@@ -83,7 +83,10 @@ class QoSSpec:
     `gpus / w` steps of gradient accumulation per optimizer step, so the global batch -- and with it
     the convergence -- stays as declared, at about `w / gpus` of the speed. The width is fixed at the
     start; the stage reads it from `QOSFLOW_GPUS` and `QOSFLOW_GRAD_ACCUMULATION`
-    (`qosflow.accumulation_steps()`).
+    (`qosflow.accumulation_steps()`). A `min_gpus` below `gpus` must leave such a width below `gpus`
+    (`gpus=4, min_gpus=3` would allow 4 only: a SpecError). A policy that starts jobs narrower
+    (`Policy.elastic_starts`) admits one whose full width never fits the cluster if a narrower
+    width does (`ClusterSpec.why_never_fits`).
     """
 
     gpus: int = 1
@@ -155,6 +158,13 @@ class QoSSpec:
                 raise bad("min_gpus", f"only a job of whole GPUs can start on fewer of them (gpus={self.gpus}, gpu_milli={self.gpu_milli})")
             if not 1 <= self.min_gpus <= self.gpus:
                 raise bad("min_gpus", f"must be in 1..gpus ({self.gpus}), got {self.min_gpus}")
+            if self.min_gpus < self.gpus and len(self.widths) == 1:
+                # (a job starts only on a divisor of its GPUs: below gpus, none is as large as min_gpus)
+                divisors = [w for w in range(self.gpus, 0, -1) if self.gpus % w == 0]
+                smaller = " or ".join(map(str, divisors[1:]))
+                raise bad("min_gpus", f"{self.min_gpus} allows no width below gpus={self.gpus}, so it would have no effect: a job "
+                          f"starts only on a divisor of its GPUs ({', '.join(map(str, divisors))}: gradient accumulation needs a "
+                          f"whole number of steps); use min_gpus={smaller} to let it start narrower, or leave min_gpus unset")
         if self.gpu_model is not None:
             if not isinstance(self.gpu_model, str):
                 raise bad("gpu_model", f"must be a GPU model name (or several separated by '|'), got {self.gpu_model!r}")

@@ -59,6 +59,10 @@ class Policy(ABC):
     #: rough cost of a simulation under this policy against a simple one (1): only the order in
     #: which parallel runs start (`qosflow.sim.batch`: the costliest first), never a result
     relative_cost: ClassVar[float] = 1.0
+    #: may start a job that declared `min_gpus` on fewer GPUs than it asks for (`QoSSpec.widths`): such a
+    #: job whose full width never fits the cluster is then admitted if a narrower width does
+    #: (`ClusterSpec.why_never_fits(..., elastic=...)`). Baselines start every job on all its GPUs.
+    elastic_starts: ClassVar[bool] = False
 
     @abstractmethod
     def schedule(self, view: SchedulerView) -> Decision:

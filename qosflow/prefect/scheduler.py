@@ -146,12 +146,14 @@ class QoSScheduler:
     # ------------------------------------------------------------------ public API
     async def request(self, entry: StageEntry) -> Grant:
         """Queue a stage and wait for its placement. Raises on rejection or cancellation."""
-        reason = self.cluster.why_never_fits(entry.job.qos)
+        # (an elastic stage, `min_gpus`, fits if a width the policy may start it on does: `elastic_starts`)
+        reason = self.cluster.why_never_fits(entry.job.qos, elastic=getattr(self.policy, "elastic_starts", False))
         if reason:
             entry.state.status = JobStatus.REJECTED
             raise PlacementError(
                 f"stage {entry.name!r} can never be placed on cluster {self.cluster.name}: {reason}; ask for less in its "
-                "@qos_task (gpus, gpu_mem_mb, cpu_cores, mem_mb, gpu_model) or describe more capacity in the pool's cluster block or file"
+                "@qos_task (gpus, min_gpus, gpu_mem_mb, cpu_cores, mem_mb, gpu_model) or describe more capacity in the pool's "
+                "cluster block or file"
             )
         loop = asyncio.get_running_loop()
         entry.future = loop.create_future()

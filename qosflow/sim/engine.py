@@ -358,7 +358,8 @@ class Simulator:
                 ai += 1
                 js = JobState(job=job, queued_since=job.submit_time)
                 states[job.job_id] = js
-                reason = self.spec.why_never_fits(job.qos)
+                # (a job that may start narrower, `min_gpus`, fits if a width the policy may start it on does)
+                reason = self.spec.why_never_fits(job.qos, elastic=getattr(self.policy, "elastic_starts", False))
                 if reason:
                     js.status = JobStatus.REJECTED
                     js.note = reason

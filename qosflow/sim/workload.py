@@ -124,7 +124,8 @@ def load_workload(
 def elastic(jobs: list[Job], share: float) -> list[Job]:
     """`jobs` with every job of two or more whole GPUs declaring `min_gpus` = ceil(share x gpus): it may
     start on fewer GPUs with gradient accumulation (`QoSSpec.min_gpus`). A job that already declares
-    one keeps it; `share` 1 changes nothing."""
+    one keeps it; `share` 1 changes nothing, nor does a share that leaves a job no divisor of its GPUs
+    to start on below them (3 GPUs at 0.5: it may start on 3 only, so it stays rigid)."""
     import math
     from dataclasses import replace
 
@@ -135,7 +136,9 @@ def elastic(jobs: list[Job], share: float) -> list[Job]:
         q = j.qos
         if q.gpus > 1 and not q.fractional and q.min_gpus is None:
             m = max(1, math.ceil(share * q.gpus - 1e-9))
-            if m < q.gpus:
+            # (only if some divisor of its GPUs below them is m or more: otherwise it stays rigid, which
+            # `QoSSpec` requires of a min_gpus that would allow no narrower width, e.g. 2 of 3 GPUs)
+            if any(q.gpus % w == 0 for w in range(m, q.gpus)):
                 j = replace(j, qos=q.with_(min_gpus=m))
         out.append(j)
     return out

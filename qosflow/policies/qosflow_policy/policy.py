@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from qosflow.core.estimate import placement_gpu_speed
@@ -153,6 +155,7 @@ class QosflowPolicy(
         #: round's (`_same_state`: the round's shape-and-state searches carry over while it holds)
         self._memo_state = None
         self._memo_all_known = False
+        self._tops_memo: dict = {}  # `_top_width`: request -> width, for one cluster spec (key None)
         #: scorer for fractional shares (e.g. `qosflow.packing` FGD); None: best fit
         self.fractional_scorer = fractional_scorer
 
@@ -182,6 +185,28 @@ class QosflowPolicy(
             "elastic": self.elastic,
         }
 
+    @property
+    def elastic_starts(self) -> bool:
+        """A job that declared `min_gpus` may start narrower (`Policy.elastic_starts`): with the option
+        `elastic`, and then also one whose full width never fits the cluster (on the widest width
+        that does: `_top_width`)."""
+        return self.elastic
+
+    def _top_width(self, spec, q) -> int | None:
+        """For a job that declared `min_gpus` whose full width can never fit cluster `spec` (it was
+        admitted for a narrower one: `ClusterSpec.why_never_fits(..., elastic=True)`), the widest width
+        that can; None for every other job (remembered per spec and request)."""
+        if not self.elastic or q.min_gpus is None or len(q.widths) == 1:
+            return None
+        memo = self._tops_memo
+        if memo.get(None) is not spec:
+            memo.clear()
+            memo[None] = spec
+        if q not in memo:
+            w = spec.widest_width(q)
+            memo[q] = w if w is not None and w < q.gpus else None
+        return memo[q]
+
     # ------------------------------------------------------------------ round
     def schedule(self, view: SchedulerView) -> Decision:
         est = view.estimator
@@ -203,10 +228,19 @@ class QosflowPolicy(
                     # (an estimator's remaining time is on all its GPUs; on fewer it takes longer)
                     self._wfrac[jid] = f
                     rem[jid] /= f
+        #: waiting jobs whose full width never fits the cluster: the widest width that does (`_top_width`);
+        #: their remaining time is counted at that width, as a narrowed running job's is
+        tops: dict[str, int] = {}
         for js in view.pending:
             jid = js.job.job_id
             rem[jid] = est.remaining(js)
             states[jid] = js
+            if js.job.qos.min_gpus is not None:
+                top = self._top_width(st.spec, js.job.qos)
+                if top is not None:
+                    tops[jid] = top
+                    self._wfrac[jid] = top / js.job.qos.gpus
+                    rem[jid] /= self._wfrac[jid]
         self._rem, self._now = rem, now
         self._est, self._states, self._rem_hi, self._promises = est, states, {}, {}
         # on a cluster of mixed GPU models: remaining times in wall time where the jobs run (running
@@ -224,6 +258,8 @@ class QosflowPolicy(
             self._typical_wait_r = float(np.median(waiting)) if waiting else 0.0
         # each pending job's GPU demand, in the order of `view.pending` (read once per round)
         demand = {js.job.job_id: js.job.qos.gpu_demand for js in view.pending}
+        for jid, top in tops.items():
+            demand[jid] = float(top)
         order, starving = self._order(view, rem, demand, d.notes)
         self._max_rem = max(rem.values(), default=0.0)
         self._update_plan(view, rem)
@@ -314,7 +350,15 @@ class QosflowPolicy(
             r_run = r  # its remaining time where it starts (on a slower GPU model or fewer GPUs: longer)
             narrow_job = job  # the request as it starts (fewer GPUs: `_narrow_start`)
             typed_wait = None  # why it waits for GPUs of a faster model
-            if q.gpus == 0:
+            top = tops.get(jid)  # its full width never fits: the widest width that does (r is at that width)
+            if top is not None:
+                # only its narrower widths can ever fit: the widest of them takes the part of its full
+                # width, deadline or not (`_narrow_start`); sharing, the deadline rescue and relaxed
+                # locality look for its full width, which never fits
+                found = self._narrow_start(st, js, r, reserved, failures, top=top)
+                if found is not None:
+                    p, narrow_job, why = found
+            elif q.gpus == 0:
                 p = self._cpu_only(st, js)
             elif q.fractional:
                 p = find_share(st, js.job, scorer=self.fractional_scorer)
@@ -364,24 +408,29 @@ class QosflowPolicy(
                 # why it waits, always: a note the ordering left (`_order`: the makespan or starvation
                 # guard, a deadline out of reach) says where it stands in the queue, not why it did not
                 # start, and follows in its waiting form
+                wjs = js
+                if top is not None:  # (it waits for the GPUs of its widest width that fits)
+                    wjs = JobState(job=replace(job, qos=q.narrowed(top)), queued_since=js.queued_since)
+                wq = wjs.job.qos
                 # (GPU memory counts by the nodes whose GPUs are large enough, as in `_whole_gpus`)
-                shape = (q.gpus, q.gpu_milli, q.cpu_cores, q.mem_mb, q.gpu_model, self._cap_class(q))
+                shape = (wq.gpus, wq.gpu_milli, wq.cpu_cores, wq.mem_mb, wq.gpu_model, self._cap_class(wq))
                 w = waiting_memo.get(shape)
                 if w is None or w[0] != self._ver:
                     if self._largest[0] != self._ver:  # the largest block of free GPUs on a node that is up
                         up = st.empty[~st.down]  # (none up: why_waiting decides what to say)
                         self._largest = (self._ver, int(up.max()) if up.size else None)
-                    w = waiting_memo[shape] = (self._ver, why_waiting(st, js, self._largest[1]))
+                    w = waiting_memo[shape] = (self._ver, why_waiting(st, wjs, self._largest[1]))
                 queue_note = d.notes.get(jid)
                 d.notes[jid] = (
                     (f"waiting: {typed_wait}" if typed_wait else w[1])
+                    + (f" (on {top} of its {q.gpus} GPUs: all {q.gpus} never fit this cluster)" if top is not None else "")
                     + ("; the free nodes that fit it are reserved for jobs that start before it would end" if held else "")
                     + (f"; not shared: {not_shared}" if not_shared else "")
                     + (f"; {self._queue_notes.get(jid, queue_note)}" if queue_note else "")
                 )
                 important = has_dl or js in starving
-                if q.gpus > 1 and not q.fractional and len(reserved) < max_res and (important or rank < 3):
-                    got = self._reserve(st, js, rem, reserved)
+                if q.gpus > 1 and not q.fractional and len(reserved) < max_res and (important or rank < 3) and wq.gpus > 1:
+                    got = self._reserve(st, wjs, rem, reserved)
                     if got is not None:
                         nodes, ready = got
                         for n in nodes:
@@ -402,7 +451,7 @@ class QosflowPolicy(
                 # in wall time on the GPU model it got (its slowest GPU's), not at its best case
                 r_run = r * self._rspeed.get(jid, 1.0) / placement_gpu_speed(est, job, p, models)
             if narrow_job is not job:
-                r_run *= q.gpus / len(p.gpus)  # (on fewer GPUs than it asked for: `_narrow_start`)
+                r_run *= (q.gpus if top is None else top) / len(p.gpus)  # (on fewer GPUs than it asked for: `_narrow_start`)
             # (an elastic start gets the cores of the narrowed request: `_narrow_start`)
             p = self._with_cores(st, narrow_job, self._own(p, job), est)
             st.allocate(p, q)
