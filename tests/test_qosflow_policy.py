@@ -201,7 +201,7 @@ def test_a_job_the_makespan_guard_ranks_first_but_that_cannot_start_says_why_it_
     d = pol.schedule(SchedulerView(22.0, st.snapshot(), [waiting], running, DeclaredEstimator()))
     note = d.notes["h2"]
     assert not d.starts
-    assert note.startswith("waiting: needs 1 GPUs, 0 free"), note
+    assert note.startswith("waiting: needs 1 GPU, 0 free"), note
     assert "started" not in note and "0 h" not in note, note
     assert "long job (20 s) against a backlog of" in note and "first in line to keep the makespan short" in note, note
     # once GPUs are free it starts, and its note then says it was started early

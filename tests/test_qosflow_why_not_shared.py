@@ -51,7 +51,7 @@ def test_best_effort_pair_that_does_not_pay():
     ]
     notes, res = waiting_notes(jobs, spec, Table({}))
     first = notes["twin"][0]
-    assert first.startswith("waiting: needs 1 GPUs, 0 free; not shared: no pair pays"), first
+    assert first.startswith("waiting: needs 1 GPU, 0 free; not shared: no pair pays"), first
     # 1/2.5 - (1 - 1/2.5) = -20 % GPU-throughput per GPU, at slowdown 2.50x
     assert "-20% GPU-throughput per GPU at slowdown 2.50x" in first, first
     assert res["twin"].first_start >= res["long"].finish_time - 1e-6

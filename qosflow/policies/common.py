@@ -33,7 +33,7 @@ def why_waiting(state: ClusterState, js: JobState, largest: int | None = None) -
         return f"waiting: no GPU has {q.gpu_milli}/1000 free"
     free = state.total_empty_gpus()
     if free < q.gpus:
-        return f"waiting: needs {q.gpus} GPUs, {free} free"
+        return f"waiting: needs {q.gpus} GPU{'' if q.gpus == 1 else 's'}, {free} free"
     if largest is None:
         largest = int(state.empty[~state.down].max()) if state.num_nodes else 0
     if q.gpus <= state.spec.max_gpus_per_node:
