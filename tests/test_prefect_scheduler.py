@@ -116,6 +116,22 @@ def test_background_loop_grants_without_help():
     asyncio.run(main())
 
 
+def test_a_cpu_only_stage_is_described_with_no_gpu_share():
+    """The `qosflow.stage.placed` payload said gpu_milli 1000 for a CPU-only stage, while its
+    `qosflow.gpu_milli` label said 0."""
+    async def main():
+        s = QoSScheduler(CL, PriorityFirstFit(), HistoryEstimator(), coda=False)
+        cpu, gpu = entry("cpu", gpus=0), entry("gpu")
+        tasks = [await enqueue(s, e) for e in (cpu, gpu)]
+        s.round()
+        await settle()
+        assert all(t.done() for t in tasks)
+        assert (s.describe_grant(cpu)["gpu_milli"], s.describe_grant(cpu)["gpus"]) == (0, [])
+        assert s.describe_grant(gpu)["gpu_milli"] == 1000
+
+    asyncio.run(main())
+
+
 def test_rejects_a_stage_that_can_never_fit():
     async def main():
         s = QoSScheduler(CL, PriorityFirstFit(), coda=False)

@@ -619,7 +619,7 @@ class QoSScheduler:
             "gpus": [f"{names[n]}:{gi}" for n, gi in p.gpus],
             # (the GPU model(s) it got: on a cluster of mixed models the policy chose it by the stage's speed there)
             "gpu_model": "+".join(self._gpu_models(p)) or "cpu",
-            "gpu_milli": p.gpu_milli,
+            "gpu_milli": p.gpu_milli if p.gpus else 0,  # a CPU-only stage holds no GPU share (as its label says)
             "cpu_cores": p.cpu_cores,
             "cpuset": {names[n]: c for n, c in g.cpusets.items()},
             "colocated_with": list(p.colocated_with),

@@ -681,7 +681,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             info = sched.describe_grant(entry)
             info["attempt"] = n
             run_logger.info(
-                "%s %s on %s (GPUs %s%s%s, %g cores%s) after %.2fs in the QoS queue; predicted %.1fs (%s)%s%s",
+                "%s %s on %s (GPUs %s%s%s, %g cores%s) after %.2fs in the QoS queue%s; predicted %.1fs (%s)%s%s",
                 "placed" if n == 1 else "re-placed",
                 name,
                 info["host"],
@@ -690,7 +690,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 " virtual" if info["virtual_gpus"] else "",
                 info["cpu_cores"],
                 f"; {info['elastic']}" if info.get("grad_accumulation", 1) > 1 else "",
-                grant.waited_s,
+                max(0.0, grant.granted_at - now),
+                # the rest of the wait was before this worker had the run (Prefect's pickup, the server):
+                # said apart, so that it is not blamed on the QoS queue
+                f" ({grant.waited_s:.2f}s since its run was created)" if grant.waited_s - (grant.granted_at - now) > 1.0 else "",
                 grant.predicted_s,
                 info["estimator"],
                 "" if n == 1 else f"; attempt {n} after an infrastructure failure",
