@@ -590,6 +590,32 @@ def test_forecast_artifact_is_not_rewritten_for_every_stage_event(monkeypatch):
     assert len(written) == 3 and "Finished after" in written[-1]
 
 
+def test_a_stage_running_past_the_pipeline_deadline_flags_it_at_risk_while_it_runs(monkeypatch):
+    """The pipeline's at-risk event was computed only at a stage's dispatch and end, so a stage that
+    ran past the deadline raised it with `violated`, at its end. `check_at_risk` (called every 2 s
+    while a stage is waited for) raises it once, and writes no artifact version before that."""
+    import prefect.artifacts
+
+    from qosflow.prefect import tasks
+    from qosflow.prefect.tasks import PipelineRun, StageRecord
+
+    written, events = [], []
+    monkeypatch.setattr(prefect.artifacts, "create_markdown_artifact", lambda md, **kw: written.append(md))
+    monkeypatch.setattr(tasks, "_emit", lambda name, run, payload: events.append(name))
+    run = PipelineRun("p", "fid", deadline=8, priority=None, pool=None, plan=None, expected={})
+    rec = StageRecord("slow", "tr1", (), 3.0, 1.5, time.time(), run.deadline_at, state="running")
+    rec.started = run.started
+    run.add(rec)
+    run.check_at_risk()
+    assert events == [] and written == []  # 3 s expected of an 8 s deadline: on time
+    run.started -= 10.0  # as if the pipeline had run for 10 s, the stage still running
+    run.deadline_at -= 10.0
+    rec.started -= 10.0
+    run.check_at_risk()
+    run.check_at_risk()
+    assert events == ["qosflow.qos.at-risk"] and len(written) == 1 and "AT RISK" in written[0]
+
+
 def test_a_pipelines_policy_block_says_which_of_its_fields_it_applies(monkeypatch, caplog):
     """The `nightly` block says `estimator: history`, but its stages ran with the worker's `learned`
     without a word: a deployment's `qos_policy` gives a run its deadline and class only."""

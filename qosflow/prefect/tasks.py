@@ -243,6 +243,15 @@ class PipelineRun:
                     running[key] = r.started or r.placed or now
         return forecast(nodes, now=now, done=done, running=running, deadline=self.deadline_at)
 
+    def check_at_risk(self) -> None:
+        """While a stage runs: the at-risk event once the forecast finish passes the deadline (with
+        the artifact updated then), without an artifact version per check."""
+        try:
+            if not self.at_risk_sent and self.forecast().at_risk:
+                self.publish_forecast()
+        except Exception:  # monitoring must never fail a pipeline
+            pass
+
     def publish_forecast(self, *, final: bool = False) -> None:
         """Forecast artifact (markdown, versioned under one key) and the at-risk event."""
         try:
@@ -276,8 +285,10 @@ class PipelineRun:
             if final or now - self._forecast_written_at >= FORECAST_MIN_INTERVAL_S:
                 create_markdown_artifact("\n".join(lines), key=f"qosflow-forecast-{_slug(self.name)}", description="qosflow completion forecast")
                 self._forecast_written_at = now
-            if not final and fc.at_risk and not self.at_risk_sent:
-                self.at_risk_sent = True
+            with self.lock:  # stages waited for in several threads: one event
+                first = not final and fc.at_risk and not self.at_risk_sent
+                self.at_risk_sent = self.at_risk_sent or first
+            if first:
                 _emit(
                     "qosflow.qos.at-risk",
                     self,
@@ -665,7 +676,9 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
     )
     rec.flow_run_id = str(fr.id)
     try:
-        fr = wait_for_stage(fr, pool, name, timeout_s=task.stage_timeout_seconds, since=t0)
+        fr = wait_for_stage(fr, pool, name, timeout_s=task.stage_timeout_seconds, since=t0,
+                            # a stage running past the pipeline's deadline is at risk before it ends
+                            on_tick=run.check_at_risk if run is not None and run.deadline_at is not None else None)
     except BaseException as exc:
         rec.ended = time.time()
         rec.state = "timed out" if isinstance(exc, StageTimedOut) else "cancelled"
@@ -775,7 +788,8 @@ def _pickup_hint(client: Any, pool: str) -> str:
 
 
 def wait_for_stage(fr: Any, pool: str, name: str, *, poll: float = 0.25, timeout_s: float | None = None,
-                   since: float | None = None) -> Any:
+                   since: float | None = None, on_tick: Callable[[], None] | None = None,
+                   tick_s: float = FORECAST_MIN_INTERVAL_S) -> Any:
     """Poll the stage's flow run until it is final. A run still Scheduled after
     QOSFLOW_STAGE_PICKUP_WARN_SECONDS (30 s) is logged on the pipeline with why (no worker polls the
     pool, ...), again every 10 x that.
@@ -786,7 +800,8 @@ def wait_for_stage(fr: Any, pool: str, name: str, *, poll: float = 0.25, timeout
     while it still holds its GPUs) and StageTimedOut is raised; when the pipeline's own run is
     interrupted (`.submit()`: the task runner's cancel event) PipelineEnded is raised; any exception
     raised into the wait itself (Ctrl-C or SIGTERM in a stage called directly, a crash) is re-raised
-    after the cancel."""
+    after the cancel. `on_tick` is called every `tick_s` while it waits (the pipeline's forecast, whose
+    at-risk event must not wait for the stage's end)."""
     from prefect.client.orchestration import get_client
 
     from qosflow.env import env_number
@@ -796,6 +811,7 @@ def wait_for_stage(fr: Any, pool: str, name: str, *, poll: float = 0.25, timeout
     timeout_at = None if not timeout_s else (time.monotonic() if since is None else since) + float(timeout_s)
     waiting_since: float | None = None  # since when its run has been Scheduled (again, after a worker stopped)
     next_warn = 0.0
+    next_tick = time.monotonic() + tick_s
     try:
         with get_client(sync_client=True) as client:
             while True:
@@ -822,6 +838,9 @@ def wait_for_stage(fr: Any, pool: str, name: str, *, poll: float = 0.25, timeout
                     logger.warning("stage %s has waited %.0fs for a worker to take its run %s: %s",
                                    name, now - waiting_since, fr.id, _pickup_hint(client, pool))
                     next_warn = now + 10 * warn_after
+                if on_tick is not None and now >= next_tick:
+                    next_tick = now + tick_s
+                    on_tick()
                 time.sleep(poll)
                 fr = client.read_flow_run(fr.id)
     except (PipelineEnded, StageTimedOut):
