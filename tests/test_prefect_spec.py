@@ -144,6 +144,14 @@ def test_qos_travels_in_tags_and_survives_with_options():
     assert qos_from_tags(t2.tags)[0].gpus == 4
     with pytest.raises(SpecError, match="gpus"):
         t.with_options(gpus=-3)
+    # checked as the decorator checks them: a reserved tag was dropped without a word, an unknown
+    # argument was Prefect's TypeError naming no stage
+    with pytest.raises(SpecError, match=r"tag 'qos:x=1' uses the reserved prefix"):
+        t.with_options(tags=["qos:x=1"])
+    with pytest.raises(SpecError, match=r"f.with_options: invalid bogus: not a QoS argument nor a @task argument"):
+        t.with_options(bogus=1)
+    t3 = t.with_options(tags=["team-b"])
+    assert "team-b" in t3.tags and "team-a" not in t3.tags and qos_from_tags(t3.tags)[0] == t.qos
 
 
 def test_a_dispatched_stage_s_timeout_is_enforced_by_its_wait_not_by_prefect(monkeypatch):

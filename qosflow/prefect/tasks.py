@@ -529,7 +529,14 @@ class QoSTask(Task):
         base["priority"] = self.qos.priority.value
         base.update(qos_kw)
         explicit = set(self.qos_explicit) | set(qos_kw)
-        user_tags = [t for t in (kwargs.pop("tags", None) or self.tags) if not t.startswith("qos:")]
+        where = f"{self.name}.with_options"
+        unknown = sorted(set(kwargs) - _TASK_PARAMS)
+        if unknown:  # (was Prefect's TypeError, naming neither the stage nor the QoS arguments)
+            raise SpecError(unknown[0], f"not a QoS argument nor a @task argument; QoS: {', '.join(QOS_FIELDS + STAGE_FIELDS)}", where=where)
+        new_tags = kwargs.pop("tags", None)
+        # tags given here are checked as the decorator's are ("qos:..." tags were dropped without a word);
+        # the stage's own keep only the user's (the qos: ones are made again from the QoS)
+        user_tags = new_tags if new_tags is not None else [t for t in self.tags if not t.startswith("qos:")]
         if kwargs.get("timeout_seconds") is None:  # (self.timeout_seconds is None where the stage is dispatched)
             kwargs["timeout_seconds"] = self.stage_timeout_seconds
         plain = super().with_options(**kwargs)  # a plain Task with the merged Prefect options
@@ -966,7 +973,9 @@ def qos_task(
 
     `min_gpus=N` (elastic start) lets a stage of `gpus=G` whole GPUs start on fewer of them, W of them
     with W a divisor of G and at least N, when its full width is not free and the policy judges the
-    narrower run still meets its deadline. It then runs G // W steps of gradient accumulation per
+    narrower run still meets its deadline, or, on a cluster where G GPUs can never be free together,
+    on the widest such W that fits (with or without a deadline; the qosflow policy only: baselines
+    start every stage on all its GPUs). It then runs G // W steps of gradient accumulation per
     optimizer step, so that the global batch is unchanged: the stage reads the factor with
     `qosflow.accumulation_steps()` and the GPUs it got with `qosflow.granted_gpus()`.
 
