@@ -533,3 +533,15 @@ def test_the_class_table_keeps_one_line_per_class_with_every_policy(capsys):
     rows = [ln for ln in part.splitlines() if ln.startswith("│")]
     assert rows and all(ln.split("│")[1].strip() for ln in rows), rows  # no continuation line (empty class cell)
     assert all(ln.count("%)") == 9 for ln in rows), rows
+
+
+def test_several_estimators_give_a_class_table_each(capsys):
+    """With --estimator oracle,noisy,learned one class table held every policy x estimator (about 330
+    columns); now one per estimator, with a column per policy."""
+    assert main(["simulate", "--jobs", "40", "--cluster", "2x4", "--no-plots", "--parallel", "1",
+                 "--policies", "fifo,qosflow", "--estimator", "oracle,noisy"]) == 0
+    text = capsys.readouterr().out
+    assert "Deadlines met by job class (oracle)" in text and "Deadlines met by job class (noisy" in text
+    part = text[text.index("Deadlines met by job class (oracle)"):text.index("Deadlines met by job class (noisy")]
+    rows = [ln for ln in part.splitlines() if ln.startswith("│")]
+    assert rows and all(ln.count("%)") == 2 for ln in rows), rows

@@ -164,8 +164,13 @@ def register(app: typer.Typer) -> None:
         if any(m.elastic_starts for m in metrics.values()):
             console.print("elastic starts (jobs started on fewer GPUs than they asked for, with gradient accumulation): "
                           + ", ".join(f"{k} {m.elastic_starts}" for k, m in metrics.items()), highlight=False)
-        by_class = render_class_table(metrics)
-        if by_class is not None:  # one line per class, however many policies: as wide as it needs
+        # one line per class, however many policies: as wide as it needs; with several estimators, a
+        # table per estimator (one of every policy x estimator was ~330 columns wide)
+        class_tables = ([render_class_table(metrics)] if len(kinds) == 1 else
+                        [render_class_table(ms, title=f"Deadlines met by job class ({est})") for est, ms in by_est.items()])
+        for by_class in class_tables:
+            if by_class is None:
+                continue
             from rich.measure import Measurement
 
             need = Measurement.get(console, console.options.update(width=100_000), by_class).maximum
