@@ -74,6 +74,7 @@ def write_curve_png(path: str | Path, summaries: Mapping[str, PolicySummary], ti
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     for a in (ax, zoom):
         a.plot(x, np.minimum(x, 100), color="0.75", lw=1, ls="--", label="ideal" if a is ax else None)
+    marks: list[tuple[float, str]] = []  # (value at 100 %, colour) of each policy
     for name in summaries:
         j = header.index(name)
         y = np.array([np.nan if r[j] == "" else r[j] for r in rows], dtype=float)
@@ -81,8 +82,17 @@ def write_curve_png(path: str | Path, summaries: Mapping[str, PolicySummary], ti
             (line,) = a.plot(x, y, lw=1.6, label=name if a is ax else None)
         at = y[100] if len(y) > 100 else np.nan
         if not np.isnan(at):
-            zoom.annotate(f"{at:.1f}", (100, at), textcoords="offset points", xytext=(4, 2), fontsize=8,
-                          color=line.get_color())
+            marks.append((float(at), line.get_color()))
+    # the values at 100 % arrived, their labels pushed apart where the lines end close together
+    # (94.4 and 95.0 were written over each other)
+    placed: list[float] = []
+    for at, color in sorted(marks):
+        y_text = max(at, placed[-1] + 0.9) if placed else at
+        placed.append(y_text)
+        # in the right margin, joined to the line's value at 100 % by a thin leader
+        zoom.annotate(f"{at:.1f}", (100, at), xytext=(131.5, y_text), textcoords="data", fontsize=8, color=color,
+                      va="center", annotation_clip=False,
+                      arrowprops={"arrowstyle": "-", "color": color, "lw": 0.5, "alpha": 0.6})
     ax.set_xlabel("arrived GPU demand (% of capacity)")
     ax.set_ylabel("GPUs allocated (% of capacity)")
     ax.set_xlim(0, 130)
@@ -94,9 +104,10 @@ def write_curve_png(path: str | Path, summaries: Mapping[str, PolicySummary], ti
     zoom.axvline(100, color="0.6", lw=0.8)
     zoom.grid(alpha=0.3)
     zoom.set_xlabel("arrived GPU demand (%), zoom")
+    zoom.set_title("right margin: GPUs allocated at 100 % arrived", fontsize=8)
     n = len(next(iter(summaries.values())).runs) if summaries else 0
     fig.suptitle(title or f"GPU allocation vs arrived demand (mean of {n} seed{'s' if n != 1 else ''})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(p, dpi=120)
+    fig.savefig(p, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return p
