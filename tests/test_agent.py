@@ -725,3 +725,76 @@ def test_records_beyond_max_records_go_with_their_files(tmp_path):
     assert sorted(r.stages) == ["s1", "s2"]
     assert not done[0].log_path.exists() and not done[0].progress_path.exists()
     assert done[2].log_path.exists() and done[2].progress_path.read_text().count('"step":1') == 1
+
+
+# ---------------------------------------------------------------------- agents that restart with another size
+def _inproc(be: AgentBackend, host: str, app) -> None:
+    """Point the backend's clients for `host` at an in-process agent app (a restart: a new app, a new boot id)."""
+    h = be.state[host]
+    for use in ("api", "hb"):
+        be._clients[(h.url, use)] = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), headers=be._headers, timeout=5.0)
+
+
+def _app(name: str, gpus: int, tmp_path: Path, **kw):
+    from qosflow.agent.app import AgentConfig, create_app
+
+    return create_app(AgentConfig(token=TOKEN, name=name, virtual_gpus=gpus, force_virtual=True, workdir=tmp_path, **kw))
+
+
+def test_agent_restarted_with_fewer_gpus_is_down_until_the_worker_restarts(tmp_path, caplog):
+    """gpu-b restarted with --virtual-gpus 1 (it had 4): the worker logged 'restarted' and went on
+    placing stages on gpu-b:1..3. It now reads the new boot's inventory, and the host stays down
+    (the worker's ClusterState keeps its start-up size) with a line saying what changed."""
+
+    async def go():
+        be = AgentBackend([AgentHost("gpu-a", "http://gpu-a:1"), AgentHost("gpu-b", "http://gpu-b:1")], TOKEN, heartbeat_s=60)
+        try:
+            _inproc(be, "gpu-a", _app("gpu-a", 4, tmp_path, cpu_cores=8))
+            _inproc(be, "gpu-b", _app("gpu-b", 4, tmp_path, cpu_cores=8))
+            spec = await be.inventory()
+            assert [n.gpus for n in spec.nodes] == [4, 4]
+            assert await be.healthy_nodes() == {"gpu-a", "gpu-b"}
+            _inproc(be, "gpu-b", _app("gpu-b", 1, tmp_path, cpu_cores=8))  # restarted, smaller
+            assert not await be._probe(be.state["gpu-b"])
+            await be._probe(be.state["gpu-b"])  # the next heartbeats keep it down
+            assert await be.healthy_nodes() == {"gpu-a"}
+            b = be.state["gpu-b"]
+            assert "1 GPU, 8 cores" in b.error and "4 GPUs, 8 cores" in b.error and "restart" in b.error
+            # the worker does not launch there either
+            ls = LaunchSpec("s1", [sys.executable, "-c", "pass"], Placement("s1", ((1, 3),), ((1, 1.0),)), spec)
+            handle = await be.launch(ls)
+            assert "gpu-b is down" in handle.ref["launch_error"]
+            # back at its old size (or bigger): up again
+            _inproc(be, "gpu-b", _app("gpu-b", 4, tmp_path, cpu_cores=8))
+            assert await be._probe(be.state["gpu-b"])
+            assert await be.healthy_nodes() == {"gpu-a", "gpu-b"}
+        finally:
+            await be.aclose()
+
+    with caplog.at_level("WARNING", logger="qosflow.backends.agent"):
+        asyncio.run(go())
+    assert any("restarted" in r.getMessage() for r in caplog.records)
+    assert any("host gpu-b is down: its agent now reports 1 GPU" in r.getMessage() for r in caplog.records)
+
+
+def test_agent_rejects_a_launch_on_gpus_it_does_not_have(tmp_path):
+    """A 1-GPU agent accepted a stage placed on its GPU 1 (CUDA_VISIBLE_DEVICES=1 breaks it on real GPUs)."""
+    marker = tmp_path / "ran"
+    cmd = [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('x')"]
+
+    async def go():
+        app = _app("gpu-b", 1, tmp_path)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gpu-b",
+                                     headers={"Authorization": f"Bearer {TOKEN}"}) as c:
+            r1 = await c.post("/v1/stages", json={"stage_id": "s1", "command": cmd, "gpus": [1]})
+            r2 = await c.post("/v1/stages", json={"stage_id": "s2", "command": cmd, "env": {"CUDA_VISIBLE_DEVICES": "0,1"}})
+            known = [s["stage_id"] for s in (await c.get("/v1/stages")).json()]
+        return r1, r2, known
+
+    r1, r2, known = asyncio.run(go())
+    assert r1.status_code == 422 and r2.status_code == 422
+    assert "agent gpu-b has GPU 0, but stage 's1' was placed on GPU 1" in r1.json()["detail"]
+    assert "placed on GPU 1" in r2.json()["detail"]
+    assert known == []
+    time.sleep(0.2)
+    assert not marker.exists()

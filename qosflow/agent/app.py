@@ -76,6 +76,16 @@ class LaunchRequest(BaseModel):
     cwd: str | None = None
     cpuset: list[int] | None = None
     labels: dict[str, str] = Field(default_factory=dict)
+    #: the GPU indices the worker placed it on (None: read from env CUDA_VISIBLE_DEVICES, as older workers send)
+    gpus: list[int] | None = None
+
+
+def _gpu_indices(req: LaunchRequest) -> list[int]:
+    """The GPU indices a launch names: its `gpus`, else the whole-number entries of CUDA_VISIBLE_DEVICES."""
+    if req.gpus is not None:
+        return list(req.gpus)
+    raw = req.env.get("CUDA_VISIBLE_DEVICES", "")
+    return [int(x) for x in raw.split(",") if x.strip().isdigit()]
 
 
 class CpusetRequest(BaseModel):
@@ -188,6 +198,13 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         if req.stage_id in runner.stages:
             # idempotent for the worker: the same attempt is never started twice
             return JSONResponse(status_code=409, content={"detail": f"stage {req.stage_id!r} exists", "status": runner.stages[req.stage_id].status()})
+        missing = sorted({g for g in _gpu_indices(req) if not 0 <= g < gpus.count})
+        if missing:
+            # CUDA_VISIBLE_DEVICES naming a GPU that is not there breaks the stage (or hides every GPU from it)
+            have = f"GPUs 0-{gpus.count - 1}" if gpus.count > 1 else ("GPU 0" if gpus.count == 1 else "no GPU")
+            raise HTTPException(422, f"agent {cfg.name} has {have}, but stage {req.stage_id!r} was placed on GPU "
+                                     f"{', '.join(map(str, missing))}: the worker's view of this host is out of date "
+                                     f"(restart the worker to pick up the host's size)")
         st = await runner.launch(req.stage_id, req.command, env=req.env, cwd=req.cwd, cpuset=req.cpuset, labels=req.labels)
         return st.status()
 

@@ -77,6 +77,10 @@ class HostState:
     #: the agent's --fence-after as it reports it (None: it never fences; older agents do not say)
     fence_after_s: float | None = None
     warned_no_fence: bool = False
+    #: the boot id whose /v1/inventory `gpus`/`cpu_cores` were read (a restarted agent may have another size)
+    inventory_boot: str | None = None
+    #: why the host stays down although it answers: its agent came back smaller than the worker schedules it
+    size_error: str = ""
     #: set (and replaced) whenever the host goes down or its agent restarts
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -129,6 +133,9 @@ class AgentBackend(Backend):
         self._clients: dict[tuple[str, str], httpx.AsyncClient] = {}
         self._beat_task: asyncio.Task | None = None
         self.events: list[tuple[float, str, str]] = []  # (time, host, "down: why" | "up" | "restarted")
+        #: the size (GPUs, cores) `inventory()` gave each host, which the worker schedules on for its whole
+        #: life (ClusterState's arrays are sized once): a restarted agent is checked against it
+        self._sized: dict[str, tuple[int, float]] = {}
         self._progress = ProgressCopies("qosflow-agent-progress-")
 
     @classmethod
@@ -178,20 +185,27 @@ class AgentBackend(Backend):
             log.warning("host %s is down: %s", h.name, why)
             self._changed(h)
 
-    def _mark_up(self, h: HostState, boot_id: str) -> None:
+    def _note_boot(self, h: HostState, boot_id: str) -> bool:
+        """Record the agent's boot id; True (and logged, and waiters woken) if it restarted."""
         restarted = h.boot_id is not None and boot_id != h.boot_id
         h.boot_id = boot_id
-        h.last_ok = time.time()
-        h.error = ""
         if restarted:
             self.events.append((time.time(), h.name, "restarted"))
             log.warning("agent on host %s restarted: its stages are lost", h.name)
+            self._changed(h)
+        return restarted
+
+    def _mark_up(self, h: HostState, boot_id: str) -> None:
+        self._note_boot(h, boot_id)
+        h.last_ok = time.time()
+        if h.size_error:  # answers, but smaller than the worker schedules it: stays down
+            self._mark_down(h, h.size_error)
+            return
+        h.error = ""
         if not h.up:
             h.up = True
             h.down_since = None
             self.events.append((time.time(), h.name, "up"))
-        if restarted:
-            self._changed(h)
 
     async def _probe(self, h: HostState, timeout: float | None = None) -> bool:
         try:
@@ -209,9 +223,14 @@ class AgentBackend(Backend):
         data = r.json()
         if not self._accept_agent(h, data):
             return False
+        if self._sized and data["boot_id"] != h.inventory_boot:
+            # first contact with this boot of the agent (it restarted, or was down when the worker
+            # started): its GPUs and cores may differ from the size the worker schedules it on
+            await self._inventory_one(h, timeout or self._request_timeout_s)
+            return h.up
         h.running = list(data.get("running", []))
         self._mark_up(h, data["boot_id"])
-        return True
+        return h.up
 
     def _accept_agent(self, h: HostState, data: dict[str, Any]) -> bool:
         """The agent at h.url calls itself h.name (its --name, default its hostname), and its fence
@@ -266,7 +285,32 @@ class AgentBackend(Backend):
         h.cpu_cores, h.mem_mb, h.labels = float(d["cpu_cores"]), float(d.get("mem_mb") or 0), dict(d.get("labels") or {})
         h.running = list(d.get("running", []))
         h.reported = True
+        h.inventory_boot = d["boot_id"]
+        h.size_error = self._size_error(h)
         self._mark_up(h, d["boot_id"])
+
+    def _size_error(self, h: HostState) -> str:
+        """Why host `h`, as its agent now reports it, cannot take the stages the worker would place on
+        it ("" if it can): fewer GPUs or cores than `inventory()` gave the worker, which keeps that
+        size (a stage placed on GPU 3 of a host that now has 1 gets CUDA_VISIBLE_DEVICES=3 there).
+        A bigger host is used at its old size, with a warning."""
+        if h.name not in self._sized:
+            return ""
+        gpus, cores = self._sized[h.name]
+        now_gpus, now_cores = len(h.gpus), h.cpu_cores
+        decl = self.hosts[h.name]
+        # declared cores (a block's or file's cpu_cores) are what the worker schedules; only a host that
+        # now has fewer than the agent-reported cores it was sized on is refused
+        core_short = decl.cpu_cores is None and now_cores + 1e-9 < cores
+        if now_gpus < gpus or core_short:
+            have = f"{_count(now_gpus, 'GPU')}, {_count(now_cores, 'core')}"
+            was = f"{_count(gpus, 'GPU')}, {_count(cores, 'core')}"
+            return (f"its agent now reports {have}, but this worker schedules the host as {was} (its size when the worker "
+                    f"started): no stage goes there until the worker is restarted, which picks up the new size")
+        if now_gpus > gpus or now_cores > cores + 1e-9 and decl.cpu_cores is None:
+            log.warning("host %s: its agent now reports %s and %s; this worker keeps using it as %s and %s until it is restarted",
+                        h.name, _count(now_gpus, "GPU"), _count(now_cores, "core"), _count(gpus, "GPU"), _count(cores, "core"))
+        return ""
 
     async def refresh(self, timeout: float = 1.0) -> ClusterSnapshot:
         """Ask every agent for its GPUs, cores and running stages, all at once."""
@@ -292,6 +336,7 @@ class AgentBackend(Backend):
             else:  # never answered: the declared size, marked down by the heartbeats
                 gpus, mem, model = decl.gpus or 0, decl.gpu_mem_mb or 16_384.0, decl.gpu_model or "generic"
                 cores, virtual = decl.cpu_cores or 1.0, True
+            self._sized[name] = (gpus, cores)
             nodes.append(
                 NodeSpec(
                     name=name, gpus=gpus, gpu_mem_mb=mem, cpu_cores=cores, mem_mb=decl.mem_mb or h.mem_mb or 262_144.0,
@@ -324,7 +369,8 @@ class AgentBackend(Backend):
             env.update(spec.env)
             env.update({"QOSFLOW_GANG_RANK": str(rank), "QOSFLOW_GANG_SIZE": str(len(nodes)), "QOSFLOW_GANG_HOSTS": ",".join(names)})
             parts.append({"host": h.name, "url": h.url, "node": idx, "stage_id": spec.stage_id, "boot_id": None, "pid": None})
-            bodies.append({"stage_id": spec.stage_id, "command": spec.command, "env": env, "cwd": spec.cwd, "cpuset": cpuset, "labels": spec.labels})
+            bodies.append({"stage_id": spec.stage_id, "command": spec.command, "env": env, "cwd": spec.cwd, "cpuset": cpuset,
+                           "labels": spec.labels, "gpus": list(p.gpus_on(idx))})
         handle = StageHandle(spec.stage_id, self.name, names[0], {"parts": parts, "launched_at": time.time(), "launch_error": None})
         results = await asyncio.gather(*(self._post(part, body) for part, body in zip(parts, bodies)))
         errors = [e for e in results if e]
@@ -352,7 +398,11 @@ class AgentBackend(Backend):
                 await self._probe(h)
             part["boot_id"] = h.boot_id
             return None
-        return f"agent {h.name} refused the launch: HTTP {r.status_code} {r.text[:200]}"
+        try:
+            detail = r.json().get("detail")
+        except ValueError:
+            detail = None
+        return f"agent {h.name} refused the launch: HTTP {r.status_code} {detail if isinstance(detail, str) else r.text[:200]}"
 
     async def adopt(self, stage_id: str, hosts: list[str]) -> StageHandle | None:
         """Find an attempt a previous worker started (from its lease) and return a handle to it."""
@@ -692,6 +742,11 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
 _FILE_KEYS = ("name", "token", "token_file", "token_env", "heartbeat_s", "fence_after_s", "gpus_per_host", "gpu_mem_mb",
               "cpu_cores", "mem_mb", "gpu_model", "hosts")
 _HOST_KEYS = ("name", "agent_url", "url", "gpus", "gpu_mem_mb", "cpu_cores", "mem_mb", "gpu_model", "switch", "labels")
+
+
+def _count(n: float, what: str) -> str:
+    """`1 GPU`, `2 GPUs`, `1.5 cores`."""
+    return f"{n:g} {what}{'' if n == 1 else 's'}"
 
 
 def _no_unknown_keys(d: dict[str, Any], known: tuple[str, ...], where: str) -> None:
