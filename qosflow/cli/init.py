@@ -9,15 +9,21 @@ import typer
 HELP = """Register qosflow's blocks with the Prefect server and create a `qosflow` work pool.
 
 Uses the Prefect server of the current profile (PREFECT_API_URL). Saves a bare-metal cluster block
-(virtual GPUs unless --real-gpus) and a QoS policy block, creates or updates the pool with them as
-its defaults (an existing pool keeps its other settings, e.g. env or working_dir set in the UI; a
-pool of another type is left alone), and creates the pool's `qosflow-stage` deployment. Then start a worker:
+POOL-cluster (virtual GPUs unless --real-gpus) and a QoS policy block POOL-policy, creates or updates
+the pool with them as its defaults, and creates the pool's `qosflow-stage` deployment. An existing pool
+keeps its other settings (e.g. env or working_dir set in the UI), and keeps a cluster_block that names
+another block than POOL-cluster (e.g. a block of host agents): init then leaves that block and the
+pool's cluster as they are and says so. --cluster-block NAME points the pool at an existing bare-metal
+or Kubernetes cluster block instead (--cluster-block POOL-cluster: back to the one init saves). A pool
+of another type is left alone. Then start a worker:
 
   qosflow worker start --pool gpu        (or: prefect worker start --pool gpu)
 
 Examples:
 
   qosflow init --pool gpu --hosts 2 --gpus-per-host 4 --policy qosflow
+
+  qosflow init --pool gpu --cluster-block lab --policy qosflow
 """
 
 
@@ -32,6 +38,7 @@ def register(app: typer.Typer) -> None:
         policy: str = typer.Option("qosflow", "--policy", help="scheduling policy"),
         estimator: str = typer.Option("learned", "--estimator", help="where duration, slowdown and CPU estimates come from: learned (the predictor and its store: profiles and every finished stage) | history (declared, then the median of past runs) | declared | module:attr"),
         deadline: Optional[str] = typer.Option(None, "--deadline", help="default pipeline deadline: seconds or a duration such as 90s, 15min, 2h, 1h30m"),
+        cluster_block: Optional[str] = typer.Option(None, "--cluster-block", help="point the pool at this existing cluster block (a qosflow-bare-metal-cluster or qosflow-kubernetes-cluster block, e.g. one of host agents; or SLUG/NAME) instead of the POOL-cluster block init saves; default: an existing pool keeps the cluster block it names"),
     ) -> None:
         import asyncio
 
@@ -60,6 +67,24 @@ def register(app: typer.Typer) -> None:
                 raise SpecError("--deadline", f"expected seconds or a duration such as 90s, 15min, 2h or 1h30m, got {raw!r}") from None
             if not 0 < deadline < float("inf"):  # was a pydantic traceback from QoSPolicy
                 raise SpecError("--deadline", f"must be a positive duration, got {raw!r}")
+        managed = f"{pool}-cluster"
+        if cluster_block is not None:
+            cluster_block = cluster_block.strip()
+            if not cluster_block:
+                raise SpecError("--cluster-block", "give a cluster block name, e.g. --cluster-block lab")
+            if cluster_block == managed or cluster_block == f"qosflow-bare-metal-cluster/{managed}":
+                cluster_block = None  # the block init saves: from the options, as without --cluster-block
+                force_managed = True
+            else:
+                force_managed = False
+                given = [f"{opt} {val}" for opt, val, default in (("--hosts", hosts, 1), ("--gpus-per-host", gpus, 4),
+                                                                  ("--cores-per-host", cores, 16.0), ("--real-gpus", real_gpus, False))
+                         if val != default]
+                if given:  # they describe the block init saves, which the pool would not use
+                    raise SpecError("--cluster-block", f"{', '.join(given)} describe the {managed} block init saves; with "
+                                                       f"--cluster-block {cluster_block} the pool uses that block as it is: give one or the other")
+        else:
+            force_managed = False
         here = None
         if real_gpus:
             ignored = [f"{opt} {val:g}" for opt, val, default in (("--hosts", hosts, 1), ("--gpus-per-host", gpus, 4),
@@ -86,7 +111,7 @@ def register(app: typer.Typer) -> None:
         cluster = BareMetalGPUCluster(hosts=[f"host{i}" for i in range(hosts)], gpus_per_host=gpus, cpu_cores=cores, virtual_gpus=not real_gpus)
         pol = QoSPolicy(policy=policy, estimator=estimator, deadline_s=deadline)
         try:
-            info = asyncio.run(setup_pool(pool, cluster=cluster, cluster_block=f"{pool}-cluster", policy=pol, policy_block=f"{pool}-policy"))
+            info = asyncio.run(_setup(pool, cluster, cluster_block, force_managed, pol))
         except (httpx.TransportError, RuntimeError) as exc:
             # Prefect wraps a failed connection in RuntimeError("Failed to reach API ...") raised from
             # the httpx error: any other RuntimeError is not about the server being away
@@ -96,18 +121,103 @@ def register(app: typer.Typer) -> None:
             raise away from None
         c = Console()
         c.print("blocks registered: qosflow-qos-policy, qosflow-bare-metal-cluster, qosflow-kubernetes-cluster")
-        if real_gpus:
-            c.print(f"cluster block [cyan]{info['cluster_block']}[/]: the GPUs NVML finds on the worker's host (this machine: {here})")
+        previous = info["previous_cluster_block"]
+        if info["cluster_kept"]:  # was set back to POOL-cluster without a word (a pool of agents ran stages on virtual GPUs)
+            c.print(f"cluster block [cyan]{previous}[/]: kept (the pool's cluster_block; {managed}, the block init saves, "
+                    f"is not used by this pool and was not changed; --cluster-block {managed} switches the pool to it)")
+            ignored = [f"{opt} {val}" for opt, val, default in (("--hosts", hosts, 1), ("--gpus-per-host", gpus, 4),
+                                                                ("--cores-per-host", cores, 16.0), ("--real-gpus", real_gpus, False))
+                       if val != default]
+            if ignored:
+                typer.secho(f"warning: {', '.join(ignored)} not used: pool {pool} keeps its cluster block {previous}; "
+                            f"give --cluster-block {managed} to use the block these options describe", err=True, fg="yellow")
         else:
-            c.print(f"cluster block [cyan]{info['cluster_block']}[/]: {hosts} x {gpus} virtual GPUs, {cores:g} cores per host")
+            what = (f"the existing {info['cluster_kind']} cluster block" if cluster_block is not None
+                    else "the GPUs NVML finds on the worker's host (this machine: " + str(here) + ")" if real_gpus
+                    else f"{hosts} x {gpus} virtual GPUs, {cores:g} cores per host")
+            change = ("" if info["created"] else
+                      f" (unchanged)" if previous == info["cluster_block"] else
+                      f" (changed from {previous})" if previous else " (set)")
+            c.print(f"cluster block [cyan]{info['cluster_block']}[/]: {what}{change}")
         c.print(f"policy block [cyan]{info['policy_block']}[/]: {policy}, estimator {estimator}")
         c.print(f"work pool [cyan]{pool}[/] ({'created' if info['created'] else 'updated'}), stage deployment {info['stage_deployment']}")
         running = [] if info["created"] else asyncio.run(_online_workers(pool))
         if running:  # they set up their cluster and policy when they started: this init does not reach them
+            kind = info["previous_kind"]  # what the running workers hold stages on
+            if kind in ("agents", "kubernetes"):
+                where = "on their hosts' agents" if kind == "agents" else "as Kubernetes Jobs"
+                fate = f"the stages they run keep running {where} and the restarted worker adopts them"
+            elif kind == "local":
+                fate = "the stages they run on this machine's local backend stop, and go back to the pool's queue"
+            else:
+                fate = ("with host agents or Kubernetes their stages keep running and the restarted worker adopts them; "
+                        "with the local backend they go back to the pool's queue")
             c.print(f"worker(s) {', '.join(running)} of pool [cyan]{pool}[/] keep the cluster and policy they started with: "
-                    "restart them to use these (Ctrl-C; the stages they hold go back to the pool's queue)")
+                    f"restart them to use these (Ctrl-C; {fate})")
         else:
             c.print(f"next: [bold]qosflow worker start --pool {pool}[/]")
+
+
+async def _setup(pool: str, cluster, cluster_block: Optional[str], force_managed: bool, policy) -> dict:
+    """Decide the pool's cluster block, then `setup_pool`. The pool keeps a cluster_block naming another block
+    than POOL-cluster unless `cluster_block` (an existing cluster block, checked here) or `force_managed` says
+    otherwise. Adds previous_cluster_block, cluster_kept, cluster_kind (of the block the pool now names) and
+    previous_kind (of the one it named: what workers started before this call run stages on)."""
+    from qosflow.prefect.local import pool_variable_defaults, register_blocks, setup_pool
+
+    managed = f"{pool}-cluster"
+    old = await pool_variable_defaults(pool)  # {} for a pool that does not exist yet
+    previous = old.get("cluster_block") or None
+    previous_kind = await _cluster_kind(previous, old.get("cluster_file")) if old else None
+    kept = False
+    kind = None
+    if cluster_block is not None:
+        await register_blocks()  # (a new server: the block types must exist to be looked up)
+        kind = await _cluster_kind(cluster_block, None, check=True)
+        cluster = None
+    elif previous and previous not in (managed, f"qosflow-bare-metal-cluster/{managed}") and not force_managed:
+        kept, cluster, cluster_block, kind = True, None, None, previous_kind
+    else:
+        cluster_block = managed
+    info = await setup_pool(pool, cluster=cluster, cluster_block=cluster_block, policy=policy, policy_block=f"{pool}-policy")
+    if kind is None and cluster is not None:
+        kind = "local" if getattr(cluster, "backend", "local") == "local" else "agents"
+    info.update(previous_cluster_block=previous, cluster_kept=kept, cluster_kind=kind,
+                previous_kind=previous_kind if previous else kind, cluster_block=info["cluster_block"] or previous)
+    return info
+
+
+async def _cluster_kind(name: Optional[str], cluster_file: Optional[str], *, check: bool = False) -> Optional[str]:
+    """'local', 'agents' or 'kubernetes': how the cluster block `name` (or a cluster file: agents) runs stages;
+    None when it cannot say. With `check`, a missing or invalid block, or one that is not a qosflow cluster
+    block, is a SpecError naming --cluster-block."""
+    from qosflow.errors import SpecError
+    from qosflow.prefect.blocks import BareMetalGPUCluster, KubernetesGPUCluster
+
+    if cluster_file:
+        return "agents"
+    if not name:
+        return None
+    from qosflow.prefect.worker import load_cluster_block
+
+    try:
+        block = await load_cluster_block(name)
+    except SpecError as exc:
+        if not check:
+            return None
+        raise SpecError("--cluster-block", str(exc).removeprefix("invalid cluster_block: ")) from None
+    except Exception as exc:  # e.g. SLUG/NAME of a block type that is not a cluster's
+        if not check:
+            return None
+        raise SpecError("--cluster-block", f"cannot load cluster block {name!r}: {exc}") from None
+    if isinstance(block, KubernetesGPUCluster):
+        return "kubernetes"
+    if isinstance(block, BareMetalGPUCluster):
+        return block.backend
+    if check:
+        raise SpecError("--cluster-block", f"block {name!r} is a {type(block).__name__}, not a qosflow cluster block "
+                                           "(qosflow-bare-metal-cluster or qosflow-kubernetes-cluster)")
+    return None
 
 
 async def _online_workers(pool: str) -> list[str]:

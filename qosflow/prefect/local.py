@@ -288,6 +288,23 @@ async def register_blocks() -> list[str]:
     return out
 
 
+async def pool_variable_defaults(pool: str) -> dict[str, Any]:
+    """The variable defaults of the qosflow pool `pool`'s base job template ({} when there is no such pool,
+    or it is of another type)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    async with get_client() as client:
+        try:
+            wp = await client.read_work_pool(pool)
+        except ObjectNotFound:
+            return {}
+    if wp.type != "qosflow":
+        return {}
+    props = ((wp.base_job_template or {}).get("variables") or {}).get("properties") or {}
+    return {k: p["default"] for k, p in props.items() if isinstance(p, dict) and "default" in p}
+
+
 def pool_template(
     cluster_block: str | None = None,
     policy_block: str | None = None,
