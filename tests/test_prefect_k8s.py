@@ -116,3 +116,50 @@ def test_oomkilled_pod_becomes_a_clear_prefect_state(k8s, tmp_path):
             time.sleep(0.5)
     assert fr.state.is_final() and not fr.state.is_completed()
     assert "OOMKilled" in (fr.state.message or ""), fr.state.message
+
+
+def test_api_unreachable_at_launch_waits_for_the_api_instead_of_crashing(k8s, tmp_path):
+    """The Kubernetes API goes away while a stage is being placed: its launch fails with urllib3's
+    MaxRetryError. That is an outage, not the stage's failure: the worker marks the cluster's nodes down
+    (nothing is launched into the outage), the stage waits in the QoS queue, and it is launched and
+    completes once the API answers again -- its flow run never Crashed, no retry of it used (the old
+    worker let the exception reach Prefect: 'Failed to submit flow run', Crashed, pipeline failed)."""
+    import threading
+
+    import infra_pipelines as ip
+
+    from prefect.client.orchestration import get_client
+    from qosflow.prefect.tasks import PipelineRun
+
+    w = k8s["worker"].worker
+    conf = w._backend.api_client.configuration
+    good = conf.host
+    conf.host = "http://127.0.0.1:9"  # nothing listens there: connection refused, as with the emulator killed
+    n_before = len(PipelineRun.finished)
+    out: dict = {}
+    marker = tmp_path / "outage.jsonl"
+
+    def go():
+        try:
+            out["node"] = ip.agent_lost(str(marker), 0.5)
+        except BaseException as exc:  # noqa: BLE001
+            out["error"] = exc
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    try:
+        time.sleep(8.0)  # the stage reached the worker, and several heartbeats' worth of the outage
+        assert t.is_alive() and not marks(marker), out  # the stage waits: it did not run, nor fail
+        assert getattr(w, "outage", None) and w.scheduler.state.down.all()
+    finally:
+        conf.host = good
+    t.join(120)
+    assert not t.is_alive() and "error" not in out, out
+    assert w.outage is None and not w.scheduler.state.down.any()
+    rec = next(iter(PipelineRun.finished[n_before].stages.values()))
+    with get_client(sync_client=True) as c:
+        fr = c.read_flow_run(rec.flow_run_id)
+        states = c.read_flow_run_states(rec.flow_run_id)
+    assert fr.state.is_completed()
+    assert not [s for s in states if s.type.value in ("CRASHED", "FAILED", "AWAITING_RETRY") or s.name == "AwaitingRetry"], [s.name for s in states]
+    assert [e["event"] for e in marks(marker)] == ["start", "done"]

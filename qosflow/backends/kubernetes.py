@@ -56,6 +56,17 @@ from qosflow.progress import ECHO_ENV, ECHO_PREFIX
 
 log = logging.getLogger("qosflow.backends.kubernetes")
 
+class BackendUnreachable(QosflowError):
+    """The Kubernetes API server cannot be reached (refused, reset, timed out after urllib3's retries).
+    The worker treats it as an outage of the whole cluster, not as a failure of a stage: it launches
+    nothing until the API answers again, and a stage whose launch hit it is placed again then."""
+
+
+def _unreachable_error(e: BaseException, host: str, what: str) -> BackendUnreachable:
+    why = getattr(e, "reason", None) or e
+    return BackendUnreachable(f"cannot reach the Kubernetes API server at {host} to {what} ({why})")
+
+
 LABEL_STAGE = "qosflow.dev/stage-id"
 LABEL_JOB = "qosflow.dev/job"
 ANN_STAGE = "qosflow.dev/stage-id"
@@ -259,10 +270,10 @@ class KubernetesBackend(Backend):
                 raise QosflowError(f"Kubernetes cluster {self.cluster_name!r}: the API server at {host} answered {e.status} {e.reason} "
                                    f"to listing nodes; {fix}") from None
             raise
-        except urllib3.exceptions.HTTPError as e:
+        except (urllib3.exceptions.HTTPError, OSError) as e:
             why = getattr(e, "reason", None) or e
-            raise QosflowError(f"Kubernetes cluster {self.cluster_name!r}: cannot reach the API server at {host} ({why}). Is the "
-                               "cluster up, and does the cluster block's api_url or kubeconfig/context point at it?") from None
+            raise BackendUnreachable(f"Kubernetes cluster {self.cluster_name!r}: cannot reach the API server at {host} ({why}). Is the "
+                                     "cluster up, and does the cluster block's api_url or kubeconfig/context point at it?") from None
 
     async def inventory(self) -> ClusterSpec:
         nodes = await self._list_nodes()
@@ -384,6 +395,16 @@ class KubernetesBackend(Backend):
 
     # ------------------------------------------------------------------ launch
     async def launch(self, spec: LaunchSpec) -> StageHandle:
+        """Create the stage's Job(s). An unreachable API server raises `BackendUnreachable` (nothing or
+        part of the stage was created: the same attempt id launched again adopts what exists)."""
+        import urllib3
+
+        try:
+            return await self._launch(spec)
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise _unreachable_error(e, self._api_host, f"launch stage {spec.stage_id}") from None
+
+    async def _launch(self, spec: LaunchSpec) -> StageHandle:
         from kubernetes.client.exceptions import ApiException
 
         jobs, pg = self.manifests(spec)

@@ -305,6 +305,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self.policy_block: Any = None
         self.node_events: list[tuple[float, str, str]] = []  # (time, host, "down" | "up") as the worker saw them
         self._health_error: str | None = None  # why the hosts' health cannot be read (logged once per outage)
+        #: why the backend's API (the Kubernetes API server) cannot be reached: nothing is launched meanwhile
+        self.outage: str | None = None
+        self._outage_down: set[int] = set()  # nodes marked down for the outage (back up when the API answers)
+        self.outages: list[tuple[float, str]] = []  # (time, "down: why" | "up") as the worker saw them (tests)
 
     # ------------------------------------------------------------------ setup
     def _pool_default(self, name: str) -> Any:
@@ -706,11 +710,19 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             label_task = asyncio.ensure_future(self._label(flow_run.id, dict(info), grant.granted_at))
             try:
                 handle = await self._backend.launch(launch)
-            except Exception:
+            except Exception as exc:
                 sched.release(fid, ok=False)
                 await self._release_lease(fid)
                 await label_task
-                raise
+                if not _unreachable(exc):
+                    raise
+                # the API server is away: an outage of the whole cluster, not a failure of this stage. It
+                # waits in the QoS queue (every node is down until the API answers) and is placed again
+                # then, with the same attempt id (what the failed launch created is adopted, never doubled)
+                self._enter_outage(str(exc))
+                run_logger.warning("stage %s not launched: %s; it waits in the QoS queue and is launched when the API "
+                                   "answers again (no retry of the stage is used)", name, exc)
+                continue
             await self._lease_handle(fid, handle)
             self._register(fid, handle)
             progress = self._backend.progress_file(launch.stage_id)
@@ -1081,7 +1093,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a view: never let it stop the worker
-                self._logger.warning("qosflow: could not copy the stages' progress: %s", exc)
+                if self.outage is not None or _unreachable(exc):  # (the outage is logged once, by the heartbeat)
+                    self._logger.debug("qosflow: could not copy the stages' progress: %s", exc)
+                else:
+                    self._logger.warning("qosflow: could not copy the stages' progress: %s", exc)
 
     async def _health_loop(self) -> None:
         interval = float(getattr(self._backend, "heartbeat_s", 0) or 2.0)
@@ -1114,6 +1129,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         try:
             healthy = await be.healthy_nodes()
         except Exception as exc:
+            if _unreachable(exc):
+                self._health_error = str(exc)
+                self._enter_outage(str(exc))
+                return
             # once per outage (and again if the reason changes), not at every heartbeat
             if str(exc) != failing:
                 self._logger.warning("cannot read the hosts' health: %s (no host is marked down or up until this "
@@ -1123,8 +1142,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._health_error = str(exc)
             return
         if failing is not None:
-            self._logger.info("the hosts' health can be read again")
+            if self.outage is None:
+                self._logger.info("the hosts' health can be read again")
             self._health_error = None
+        if self.outage is not None:
+            self._end_outage()
         for i, node in enumerate(sched.cluster.nodes):
             down = node.name not in healthy
             if bool(sched.state.down[i]) == down:
@@ -1142,6 +1164,35 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._logger.info("host %s answers again", node.name)
             self._node_event("qosflow.node.down" if down else "qosflow.node.up", node.name, {"stages": on_it})
             sched.wake()
+
+    def _enter_outage(self, why: str) -> None:
+        """The backend's API cannot be reached: mark every node down in the scheduler's view, so that
+        no stage is placed (and launched) into the outage; stages already running go on. Logged once."""
+        sched = self.scheduler
+        if self.outage is None:
+            self._logger.warning("%s: no stage is launched until it answers (stages waiting stay in the QoS queue; "
+                                 "stages already running go on); checking at every heartbeat", why)
+            self.outages.append((time.time(), f"down: {why}"))
+        self.outage = why
+        if sched is None:
+            return
+        for i in range(len(sched.cluster.nodes)):
+            if not sched.state.down[i]:
+                sched.state.set_node_down(i, True)
+                self._outage_down.add(i)
+
+    def _end_outage(self) -> None:
+        """The backend's API answers again: the nodes marked down for the outage come back (the health
+        just read then marks down the ones that really are), and the waiting stages are placed."""
+        sched = self.scheduler
+        self._logger.info("the backend's API answers again (after: %s): stages are launched again", self.outage)
+        self.outage = None
+        self.outages.append((time.time(), "up"))
+        if sched is not None:
+            for i in sorted(self._outage_down):
+                sched.state.set_node_down(i, False)
+            sched.wake()
+        self._outage_down.clear()
 
     def _node_event(self, name: str, node: str, payload: dict[str, Any]) -> None:
         from prefect.events import emit_event
@@ -1616,6 +1667,13 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         import signal
 
         kill_tree(pid, signal.SIGTERM)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Did a backend call fail because its API server cannot be reached (not because of the stage)?"""
+    from qosflow.backends.kubernetes import BackendUnreachable
+
+    return isinstance(exc, (BackendUnreachable, ConnectionError))
 
 
 def _infra_id(handle: StageHandle, fid: str) -> str:
