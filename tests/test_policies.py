@@ -348,3 +348,63 @@ def test_exclusive_search_skips_only_what_cannot_fit(monkeypatch):
     assert ask("two-more-cores", gpus=2, cpu_cores=6.0) is None  # another shape: searched
     assert ask("half", gpus=1, gpu_milli=500, cpu_cores=1.0) is not None
     assert calls == ["two", "one", "two-more-cores", "half"]
+
+
+@pytest.mark.parametrize("policy", ["qosflow", "fifo", "sjf"])
+def test_a_stage_waiting_because_its_hosts_are_down_says_so(policy):
+    """A wrong agent token marked every host down; the waiting stage said "no node has 1 free cores"
+    (admin review). Now the note says the hosts are down."""
+    from qosflow.core.cluster import ClusterState
+    from qosflow.core.estimate import DeclaredEstimator
+    from qosflow.core.job import JobState
+    from qosflow.policies.base import SchedulerView
+
+    spec = ClusterSpec.uniform(2, 4, prefix="gpu-")
+    names = ", ".join(n.name for n in spec.nodes)
+
+    def note(qos, down):
+        st = ClusterState(spec)
+        for i in down:
+            st.set_node_down(i)
+        js = JobState(Job("s", 0.0, qos, 60.0, expected_duration=60.0))
+        d = get_policy(policy).schedule(SchedulerView(1.0, st.snapshot(), [js], [], DeclaredEstimator()))
+        assert not d.starts
+        return d.notes["s"]
+
+    for qos in (QoSSpec(gpus=0, cpu_cores=1.0), QoSSpec(gpus=1), QoSSpec(gpus=1, gpu_milli=500)):
+        if qos.fractional and policy == "fifo":
+            continue
+        assert note(qos, [0, 1]).startswith(f"waiting: all 2 hosts are down ({names})"), qos
+    # no host could ever hold it: not about the hosts being down
+    assert note(QoSSpec(gpus=0, cpu_cores=64.0), [0]).startswith("waiting: no node has 64 free cores")
+
+
+def test_why_waiting_names_the_down_hosts_that_could_hold_it():
+    from qosflow.core.cluster import ClusterState
+    from qosflow.core.job import JobState
+    from qosflow.core.placement import Placement
+    from qosflow.policies.common import why_waiting
+
+    spec = ClusterSpec.uniform(3, 4, prefix="gpu-")
+    a, b, c = (n.name for n in spec.nodes)
+    st = ClusterState(spec)
+    st.allocate(Placement("x", ((1, 0), (1, 1)), cpu=((1, 2.0),)), QoSSpec(gpus=2))
+    st.allocate(Placement("y", ((2, 0),), cpu=((2, 1.0),)), QoSSpec(gpus=1))
+    st.set_node_down(0)
+    job = JobState(Job("s", 0.0, QoSSpec(gpus=4), 60.0))
+    assert why_waiting(st, job) == f"waiting: needs 4 GPUs on one node; largest free block is 3; host {a} down"
+    st.set_node_down(2)
+    assert why_waiting(st, job) == f"waiting: needs 4 GPUs, 2 free; hosts {a}, {c} down"
+    one = ClusterState(ClusterSpec.uniform(1, 1, cpu_cores=1.0, prefix="gpu-"))
+    cpu = JobState(Job("s", 0.0, QoSSpec(gpus=0, cpu_cores=1.0), 60.0))
+    one.cpu_free[:] = 0.0
+    assert why_waiting(one, cpu) == "waiting: no node has 1 free core"
+    assert why_waiting(one, JobState(Job("s", 0.0, QoSSpec(gpus=0, cpu_cores=0.5), 60.0))) == "waiting: no node has 0.5 free cores"
+    one.set_node_down(0)
+    assert why_waiting(one, cpu) == "waiting: host gpu-0, the cluster's only host, is down"
+    # a GPU model only some hosts have: those being down is the whole reason
+    mixed = ClusterSpec(tuple(spec.nodes[:2]) + (ClusterSpec.uniform(1, 4, gpu_model="a100", prefix="big-").nodes[0],))
+    st = ClusterState(mixed)
+    st.set_node_down(2)
+    assert why_waiting(st, JobState(Job("s", 0.0, QoSSpec(gpus=1, gpu_model="a100"), 60.0))) == (
+        "waiting: the host that could hold it is down (big-0)")

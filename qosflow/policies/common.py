@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
+
 from qosflow.core.cluster import ClusterState
 from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
@@ -26,20 +28,69 @@ def states_of(view: SchedulerView) -> dict[str, JobState]:
 
 
 def why_waiting(state: ClusterState, js: JobState, largest: int | None = None) -> str:
+    """Why `js` did not start this round. When hosts that could hold it are down, that is said: all of
+    them down is the whole reason ("waiting: all 2 hosts are down (gpu-a, gpu-b)"; a wrong agent
+    token read "no node has 1 free cores"), some of them down follows the note ("; host gpu-b down")."""
     q = js.job.qos
+    if not state.down.any():
+        return _why_waiting_up(state, q, largest)
+    cand = _could_hold(state, q)
+    down = cand & state.down
+    if down.any() and not (cand & ~state.down).any():
+        return f"waiting: {_all_down(state, down)}"
+    note = _why_waiting_up(state, q, largest)
+    if down.any():
+        names = _names(state, down)
+        note += f"; host{'s' if int(down.sum()) > 1 else ''} {names} down"
+    return note
+
+
+def _why_waiting_up(state: ClusterState, q, largest: int | None) -> str:
     if q.gpus == 0:
-        return f"waiting: no node has {q.cpu_cores:g} free cores"
+        n = q.cpu_cores
+        return f"waiting: no node has {n:g} free core{'' if n == 1 else 's'}"
     if q.fractional:
         return f"waiting: no GPU has {q.gpu_milli}/1000 free"
     free = state.total_empty_gpus()
     if free < q.gpus:
         return f"waiting: needs {q.gpus} GPU{'' if q.gpus == 1 else 's'}, {free} free"
     if largest is None:
-        largest = int(state.empty[~state.down].max()) if state.num_nodes else 0
+        up = state.empty[~state.down]
+        largest = int(up.max()) if up.size else 0
     if q.gpus <= state.spec.max_gpus_per_node:
         short = _short_of(state, q) if largest >= q.gpus else None
         return f"waiting: needs {q.gpus} GPUs on one node; {short or f'largest free block is {largest}'}"
     return f"waiting: needs {q.gpus} GPUs on whole free nodes; {free} GPUs free but scattered"
+
+
+def _could_hold(state: ClusterState, q) -> "np.ndarray":
+    """The nodes that could hold (part of) request `q` when empty and up: its GPU model and memory, and
+    GPUs for a GPU request or the cores for a CPU-only one."""
+    ok = np.ones(state.num_nodes, dtype=bool)
+    if q.gpu_model is not None:
+        ok = ok & state.spec.model_mask(q.gpu_model)
+    if q.gpu_mem_mb is not None and q.gpus > 0:
+        ok = ok & (state.gmem_cap >= q.gpu_mem_mb)
+    if q.gpus > 0:
+        return ok & (state.gpu_count > 0)
+    cores = np.array([n.cpu_cores for n in state.spec.nodes], dtype=np.float64)
+    return ok & (cores >= q.cpu_cores - 1e-9)
+
+
+def _names(state: ClusterState, mask, most: int = 5) -> str:
+    names = [state.spec.nodes[i].name for i in np.flatnonzero(mask)]
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _all_down(state: ClusterState, down) -> str:
+    n, total = int(down.sum()), state.num_nodes
+    if n == total:
+        if n == 1:
+            return f"host {state.spec.nodes[0].name}, the cluster's only host, is down"
+        return f"all {n} hosts are down ({_names(state, down)})"
+    if n == 1:
+        return f"the host that could hold it is down ({_names(state, down)})"
+    return f"the {n} hosts that could hold it are down ({_names(state, down)})"
 
 
 class WholeFailures:
@@ -125,7 +176,8 @@ def place_in_order(
         p = finder(st, js) if finder is not None else search(st, js.job)
         if p is None:
             if largest is None:
-                largest = int(st.empty[~st.down].max())
+                up = st.empty[~st.down]
+                largest = int(up.max()) if up.size else 0
             d.notes[js.job_id] = why_waiting(st, js, largest)
             if blocking:
                 for rest in order:
