@@ -798,3 +798,43 @@ def test_agent_rejects_a_launch_on_gpus_it_does_not_have(tmp_path):
     assert known == []
     time.sleep(0.2)
     assert not marker.exists()
+
+
+def test_inventory_messages_name_their_source_and_virtual_gpus_have_no_model(tmp_path, caplog):
+    """A block's 8 GPUs were called "cluster file declares 8 GPUs"; a block/agent core mismatch (16 vs 2)
+    got no warning; virtual GPUs got the model "virtual" ("GPUs gpu-a:0 virtual virtual")."""
+
+    async def go(be):
+        try:
+            _inproc(be, "gpu-a", _app("gpu-a", 4, tmp_path, cpu_cores=2))
+            return await be.inventory()
+        finally:
+            await be.aclose()
+
+    with caplog.at_level("WARNING", logger="qosflow.backends.agent"):
+        spec = asyncio.run(go(AgentBackend([AgentHost("gpu-a", "http://gpu-a:1", gpus=8, cpu_cores=16.0)], TOKEN, cluster_name="lab")))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("host gpu-a: cluster block 'lab' declares 8 GPUs, its agent reports 4" in m for m in msgs), msgs
+    assert any("host gpu-a: cluster block 'lab' declares 16 CPU cores, its agent reports 2" in m for m in msgs), msgs
+    assert not any("cluster file" in m for m in msgs)
+    assert spec.nodes[0].gpu_model == "generic" and spec.nodes[0].virtual
+    f = tmp_path / "lab.yaml"
+    f.write_text(f"name: lab\ntoken: {TOKEN}\ngpus_per_host: 8\nhosts:\n  - {{name: gpu-a, agent_url: 'http://gpu-a:1'}}\n")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="qosflow.backends.agent"):
+        asyncio.run(go(load_cluster_file(f).backend()))
+    assert any(f"cluster file {f} declares 8 GPUs" in r.getMessage() for r in caplog.records)
+
+
+def test_a_host_name_that_does_not_resolve_is_named_as_such():
+    async def go():
+        be = AgentBackend([AgentHost("gpu-nosuch", "http://gpu-nosuch.invalid:8721")], TOKEN)
+        try:
+            await be.refresh(timeout=5.0)
+            await be._probe(be.state["gpu-nosuch"], timeout=5.0)
+            return be.state["gpu-nosuch"].error
+        finally:
+            await be.aclose()
+
+    err = asyncio.run(go())
+    assert "cannot resolve the host name 'gpu-nosuch.invalid'" in err and "name lookup failed" in err, err

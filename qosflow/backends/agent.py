@@ -112,6 +112,7 @@ class AgentBackend(Backend):
         kill_grace_s: float = 5.0,
         fence_after_s: float | None = None,
         cluster_name: str = "agents",
+        declared_by: str | None = None,
     ):
         self.hosts = {h.name: h for h in hosts}
         if not self.hosts:
@@ -124,6 +125,8 @@ class AgentBackend(Backend):
         #: the agents' --fence-after: a silent (not refused) host's stages count as stopped only then
         self.fence_after_s = fence_after_s
         self.cluster_name = cluster_name
+        #: where the hosts' declared sizes come from, for messages ("cluster file lab.yaml")
+        self.declared_by = declared_by or (f"cluster block {cluster_name!r}" if cluster_name != "agents" else "the cluster's declaration")
         self.state = {h.name: HostState(h.name, h.url.rstrip("/")) for h in self.hosts.values()}
         self._headers = {"Authorization": f"Bearer {token}"}
         self._request_timeout_s = request_timeout_s
@@ -148,6 +151,7 @@ class AgentBackend(Backend):
             AgentHost(n.name, n.address or "", n.gpus, n.gpu_mem_mb, n.cpu_cores, n.mem_mb, n.gpu_model, n.switch, dict(n.labels))
             for n in cluster.nodes
         ]
+        kw.setdefault("declared_by", f"cluster {cluster.name!r}")
         return cls(hosts, token, cluster_name=cluster.name, **kw)
 
     def _client(self, h: HostState, use: str = "api") -> httpx.AsyncClient:
@@ -212,7 +216,7 @@ class AgentBackend(Backend):
             r = await self._client(h, "hb").get(f"{h.url}/v1/health", timeout=timeout or max(0.2, self.heartbeat_s / 2))
         except httpx.HTTPError as exc:
             h.refused = isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower()
-            self._mark_down(h, f"no heartbeat ({type(exc).__name__} from {h.url})")
+            self._mark_down(h, f"no heartbeat ({_http_error(exc, h.url)})")
             return False
         if r.status_code == 401:
             self._mark_down(h, "the agent rejected our token (401): the worker and agent tokens differ")
@@ -270,7 +274,7 @@ class AgentBackend(Backend):
         try:
             r = await self._client(h).get(f"{h.url}/v1/inventory", timeout=timeout)
         except httpx.HTTPError as exc:
-            self._mark_down(h, f"{type(exc).__name__} from {h.url}")
+            self._mark_down(h, _http_error(exc, h.url))
             return
         if r.status_code == 401:
             self._mark_down(h, "the agent rejected our token (401)")
@@ -328,9 +332,16 @@ class AgentBackend(Backend):
             if h.reported:
                 gpus = len(h.gpus)
                 mem = float(h.gpus[0]["memory_total_mb"]) if h.gpus else (decl.gpu_mem_mb or 16_384.0)
-                model = decl.gpu_model or short_gpu_model(h.gpus[0]["name"] if h.gpus else None)
+                # (a declared, virtual GPU has no model: "generic", not the agent's placeholder name "virtual",
+                # which read "GPUs gpu-a:0 virtual virtual" in the placement lines)
+                model = decl.gpu_model or (short_gpu_model(h.gpus[0]["name"]) if h.gpus and not h.virtual else "generic")
                 if decl.gpus is not None and decl.gpus != gpus:
-                    log.warning("host %s: cluster file declares %d GPUs, its agent reports %d; using the agent's", name, decl.gpus, gpus)
+                    log.warning("host %s: %s declares %s, its agent reports %d; using the agent's", name, self.declared_by,
+                                _count(decl.gpus, "GPU"), gpus)
+                if decl.cpu_cores is not None and h.cpu_cores and abs(decl.cpu_cores - h.cpu_cores) > 1e-9:
+                    log.warning("host %s: %s declares %s, its agent reports %g; using the declared %g (the agent runs "
+                                "the cores it is given on the %g it has)", name, self.declared_by, _count(decl.cpu_cores, "CPU core"),
+                                h.cpu_cores, decl.cpu_cores, h.cpu_cores)
                 cores = decl.cpu_cores or h.cpu_cores or 1.0
                 virtual = h.virtual
             else:  # never answered: the declared size, marked down by the heartbeats
@@ -387,8 +398,9 @@ class AgentBackend(Backend):
         try:
             r = await self._client(h).post(f"{h.url}/v1/stages", json=body)
         except httpx.HTTPError as exc:
-            self._mark_down(h, f"{type(exc).__name__} on launch")
-            return f"cannot reach the agent of host {h.name} at {h.url} ({type(exc).__name__})"
+            why = _http_error(exc, h.url)
+            self._mark_down(h, f"on launch: {why}")
+            return f"cannot reach the agent of host {h.name} at {h.url} ({why})"
         if r.status_code == 401:
             raise AgentAuthError(f"agent {h.name} at {h.url} rejected the token (401): give the worker the cluster's token")
         if r.status_code in (201, 409):  # 409: this very attempt is already there; adopt it, never start it twice
@@ -626,6 +638,7 @@ class ClusterFile:
     def backend(self, **kw: Any) -> AgentBackend:
         kw.setdefault("heartbeat_s", self.heartbeat_s)
         kw.setdefault("fence_after_s", self.fence_after_s)
+        kw.setdefault("declared_by", f"cluster file {self.path}" if self.path else f"cluster file {self.name!r}")
         return AgentBackend(self.hosts, self.token, cluster_name=self.name, **kw)
 
     def ask_agents(self):
@@ -742,6 +755,24 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
 _FILE_KEYS = ("name", "token", "token_file", "token_env", "heartbeat_s", "fence_after_s", "gpus_per_host", "gpu_mem_mb",
               "cpu_cores", "mem_mb", "gpu_model", "hosts")
 _HOST_KEYS = ("name", "agent_url", "url", "gpus", "gpu_mem_mb", "cpu_cores", "mem_mb", "gpu_model", "switch", "labels")
+
+
+def _http_error(exc: httpx.HTTPError, url: str) -> str:
+    """What went wrong reaching `url`, in words: a host name that does not resolve, a refused
+    connection or a timeout, else the exception's type (a name that does not resolve read only
+    "ConnectError from http://gpu-nosuch:8721")."""
+    text = str(exc)
+    low = text.lower()
+    host = httpx.URL(url).host
+    if isinstance(exc, httpx.ConnectError):
+        if any(k in low for k in ("name or service not known", "nodename nor servname", "name resolution",
+                                  "no address associated", "getaddrinfo failed", "errno -2", "errno -3", "errno -5")):
+            return f"cannot resolve the host name {host!r} of {url} (name lookup failed: {text}); check the agent URL"
+        if "refused" in low:
+            return f"connection refused at {url} (is the agent running there?)"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"{type(exc).__name__} from {url} (no answer in time)"
+    return f"{type(exc).__name__} from {url}" + (f" ({text})" if text else "")
 
 
 def _count(n: float, what: str) -> str:
