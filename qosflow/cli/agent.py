@@ -119,7 +119,7 @@ def register(app: typer.Typer) -> None:
 
         cf = load_cluster_file(cluster)
         snap = cf.ask_agents()
-        t = Table(title=f"{cf.name}: {len(snap.hosts)} hosts, refreshed in {snap.elapsed_s * 1000:.0f} ms")
+        t = Table(title=f"{cf.name}: {len(snap.hosts)} host{'' if len(snap.hosts) == 1 else 's'}, refreshed in {snap.elapsed_s * 1000:.0f} ms")
         for col in ("host", "url", "up", "GPUs", "GPU util", "cores", "running", "note"):
             # on a narrow terminal long cells (a URL, a connection error) wrap instead of ending in '…'
             t.add_column(col, overflow="fold")

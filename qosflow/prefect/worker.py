@@ -383,10 +383,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if not self.inventory_note and virt:
                 self.inventory_note = "no GPU: virtual GPUs (declared, not detected)"
             self._logger.info(
-                "qosflow worker: cluster %s (%d hosts, %d GPUs%s) through the %s backend, policy %s, estimator %s. %s",
+                "qosflow worker: cluster %s (%d host%s, %d GPU%s%s) through the %s backend, policy %s, estimator %s. %s",
                 spec.name,
-                len(spec.nodes),
-                spec.num_gpus,
+                len(spec.nodes), "" if len(spec.nodes) == 1 else "s",
+                spec.num_gpus, "" if spec.num_gpus == 1 else "s",
                 ", virtual GPUs" if virt else "",
                 self._backend.name,
                 policy.name,
@@ -685,14 +685,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             info = sched.describe_grant(entry)
             info["attempt"] = n
             run_logger.info(
-                "%s %s on %s (GPUs %s%s%s, %g cores%s) after %.2fs in the QoS queue%s; predicted %.1fs (%s)%s%s",
+                "%s %s on %s (GPUs %s%s%s, %g core%s%s) after %.2fs in the QoS queue%s; predicted %.1fs (%s)%s%s",
                 "placed" if n == 1 else "re-placed",
                 name,
                 info["host"],
                 ",".join(info["gpus"]) or "-",
                 "" if info["gpu_model"] in ("generic", "cpu") else f" {info['gpu_model']}",
                 " virtual" if info["virtual_gpus"] else "",
-                info["cpu_cores"],
+                info["cpu_cores"], "" if info["cpu_cores"] == 1 else "s",
                 f"; {info['elastic']}" if info.get("grad_accumulation", 1) > 1 else "",
                 max(0.0, grant.granted_at - now),
                 # the rest of the wait was before this worker had the run (Prefect's pickup, the server):
@@ -1287,8 +1287,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._release_lease(fid)
             run_logger.warning("stage %s: early check not run (%s); placing it for real", entry.name, exc)
             return {}
-        run_logger.info("stage %s: early check on %s (GPUs %s, %g cores) for up to %gs before it takes %d GPU(s)",
-                        entry.name, info["host"], ",".join(info["gpus"]) or "-", info["cpu_cores"], check_s, spec.gpus)
+        run_logger.info("stage %s: early check on %s (GPUs %s, %g core%s) for up to %gs before it takes %d GPU(s)",
+                        entry.name, info["host"], ",".join(info["gpus"]) or "-", info["cpu_cores"],
+                        "" if info["cpu_cores"] == 1 else "s", check_s, spec.gpus)
         await self._lease_handle(fid, handle)
         self._register(fid, handle)
         out: dict[str, Any] = {"launched": True, "infra_id": _infra_id(handle, fid)}
