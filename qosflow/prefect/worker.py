@@ -433,8 +433,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     await self._ensure_qos()
                 except Exception as exc:
                     self._logger.error(
-                        "qosflow worker setup failed: %s. This worker takes no flow run until that is fixed "
-                        "(runs stay scheduled in the pool); retrying every 5 s", exc)
+                        "qosflow worker setup failed: %s%s This worker takes no flow run until that is fixed "
+                        "(runs stay scheduled in the pool); retrying every 5 s", exc, "" if str(exc).endswith((".", "?", "!")) else ".")
                     await asyncio.sleep(5.0)
                     continue
             try:
