@@ -73,6 +73,10 @@ def register(app: typer.Typer) -> None:
             except (httpx.HTTPError, OSError, RuntimeError):
                 pass  # the server does not answer: the worker waits for it and says so
             os.environ["QOSFLOW_CLUSTER_BLOCK"] = cluster_block
+        elif cluster_file is None and not os.environ.get("QOSFLOW_CLUSTER_BLOCK") and not os.environ.get("QOSFLOW_CLUSTER_FILE"):
+            from qosflow.prefect.local import check_pool_cluster_block
+
+            asyncio.run(check_pool_cluster_block(pool))  # the pool's block: a missing or invalid one fails here too
 
         async def main() -> None:
             w = QosflowWorker(work_pool_name=pool, name=name, policy=policy, estimator=estimator, limit=limit, create_pool_if_not_found=False,

@@ -34,6 +34,27 @@ def _no_unknown_fields(block: Block) -> None:
         raise ValueError(f"unknown field {k!r}" + (f"; did you mean {close!r}?" if close else f"; fields: {', '.join(type(block).model_fields)}"))
 
 
+def _http_url_problem(url: str) -> str | None:
+    """Why `url` is not an http(s) URL with a host (e.g. '127.0.0.1:8721', which httpx refused only at the
+    first request, as 'UnsupportedProtocol'), else None."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in ("http", "https"):
+        return "it has no http:// or https:// scheme" if "://" not in url else f"its scheme {parts.scheme!r} is not http or https"
+    if not parts.hostname:
+        return "it names no host"
+    return None
+
+
+def _blank_to_none(v: Any) -> Any:
+    """An optional text field left empty (the UI saves '') means not set."""
+    return None if isinstance(v, str) and not v.strip() else v
+
+
 class QoSPolicy(Block):
     """How the qosflow worker schedules: the policy, where estimates come from, QoS defaults."""
 
@@ -179,7 +200,7 @@ class BareMetalGPUCluster(_ClusterBase):
     )
     agent_url: Optional[str] = Field(
         default=None,
-        description="Agent URL template, e.g. http://{host}:8790 (agents backend).",
+        description="Agent URL template, e.g. http://{host}:8701 (agents backend).",
     )
     agent_token: Optional[SecretStr] = Field(default=None, description="Secret token every agent request carries.")
     agent_urls: dict[str, str] = Field(
@@ -201,22 +222,43 @@ class BareMetalGPUCluster(_ClusterBase):
     def _hosts(cls, v: list[str]) -> list[str]:
         if not v:
             raise ValueError("hosts must name at least one host")
+        blank = [i + 1 for i, h in enumerate(v) if not str(h).strip()]
+        if blank:  # an empty name ended "agent_urls for host(s) " with the name missing
+            raise ValueError(f"hosts: host {', '.join(map(str, blank))} of {len(v)} has an empty name; give every host its name "
+                             "(e.g. gpu-a)")
         if len(set(v)) != len(v):
             raise ValueError(f"hosts must be unique, got {v}")
         return v
 
     @model_validator(mode="after")
     def _agents(self) -> "BareMetalGPUCluster":
-        if self.backend == "agents":
-            missing = [h for h in self.hosts if h not in self.agent_urls]
-            if missing and not self.agent_url:
-                raise ValueError(
-                    f"backend 'agents' needs agent_url (e.g. http://{{host}}:8790) or agent_urls for host(s) {', '.join(missing)}"
-                )
         for field_name in ("agent_urls", "host_gpu_models"):
             unknown = sorted(set(getattr(self, field_name)) - set(self.hosts))
             if unknown:
                 raise ValueError(f"{field_name} names host(s) {', '.join(unknown)} that are not in hosts ({', '.join(self.hosts)})")
+        if self.backend == "agents":
+            missing = [h for h in self.hosts if h not in self.agent_urls]
+            if missing and not self.agent_url:
+                raise ValueError(
+                    f"backend 'agents' needs agent_url (e.g. http://{{host}}:8701) or agent_urls for host(s) {', '.join(missing)}"
+                )
+            token = self.agent_token.get_secret_value().strip() if self.agent_token is not None else ""
+            if not token:  # was found only when the worker set up its backend, then logged every 5 s
+                raise ValueError("backend 'agents' needs agent_token: the agents' secret token (the contents of the file "
+                                 "given to `qosflow agent start --token-file`)")
+        if self.agent_url:
+            try:
+                example = self.agent_url.format(host=self.hosts[0])
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"agent_url {self.agent_url!r}: the only placeholder it may have is {{host}} ({exc!r}); "
+                                 "e.g. http://{host}:8701") from None
+            problem = _http_url_problem(example)
+            if problem:  # was only "UnsupportedProtocol" from every heartbeat
+                raise ValueError(f"agent_url {self.agent_url!r}: {problem}; write it as http://{{host}}:8701 (or https://)")
+        for h, url in self.agent_urls.items():
+            problem = _http_url_problem(url)
+            if problem:
+                raise ValueError(f"agent_urls[{h!r}] {url!r}: {problem}; write it as http://ADDRESS:8701 (or https://)")
         return self
 
     def host_names(self) -> list[str]:
@@ -304,8 +346,58 @@ class KubernetesGPUCluster(_ClusterBase):
     context: Optional[str] = Field(default=None, description="Kubeconfig context.")
     api_url: Optional[str] = Field(
         default=None,
-        description="Plain API server URL without credentials (`kubectl proxy`, or the qosflow test emulator); overrides kubeconfig.",
+        description="Plain API server URL without credentials (`kubectl proxy`, or the qosflow test emulator); not with kubeconfig/context.",
     )
+
+    @field_validator("kubeconfig", "context", "api_url", mode="before")
+    @classmethod
+    def _unset(cls, v: Any) -> Any:
+        return _blank_to_none(v)
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        import re
+
+        if not (len(v) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", v)):
+            like = re.sub(r"[^a-z0-9-]+", "-", v.lower()).strip("-")[:63].strip("-") or "default"
+            raise ValueError(f"namespace {v!r} is not a Kubernetes namespace name (a DNS-1123 label: at most 63 lowercase "
+                             f"letters, digits and dashes, starting and ending with a letter or digit); e.g. {like!r}")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        if not v.strip() or v != v.strip():
+            raise ValueError(f"image {v!r}: give the container image stages run in, e.g. prefecthq/prefect:3-python3.11")
+        return v
+
+    @field_validator("api_url")
+    @classmethod
+    def _api_url(cls, v: Optional[str]) -> Optional[str]:
+        problem = _http_url_problem(v) if v is not None else None
+        if problem:
+            raise ValueError(f"api_url {v!r}: {problem}; write it as http://HOST:PORT (e.g. `kubectl proxy`'s http://127.0.0.1:8001)")
+        return v
+
+    @field_validator("kubeconfig")
+    @classmethod
+    def _kubeconfig(cls, v: Optional[str]) -> Optional[str]:
+        import os
+
+        if v is not None and not os.path.isfile(os.path.expanduser(v)):
+            raise ValueError(f"kubeconfig {v!r}: no such file on this machine; give the path of a kubeconfig file, or leave "
+                             "kubeconfig empty for the in-cluster config, then ~/.kube/config")
+        return v
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> "KubernetesGPUCluster":
+        if self.api_url is not None:
+            both = [f for f in ("kubeconfig", "context") if getattr(self, f) is not None]
+            if both:  # api_url won without a word: the kubeconfig's credentials were not used
+                raise ValueError(f"give either api_url (a plain API URL, no credentials) or {' and '.join(both)}, not both: "
+                                 f"with api_url the {' and '.join(both)} would not be used")
+        return self
 
     def host_names(self) -> list[str]:
         return list(self.node_names) or ["k8s-node0"]

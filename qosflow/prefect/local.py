@@ -251,6 +251,30 @@ async def check_pool(pool: str) -> None:
         raise wrong_pool_type(pool, wp.type)
 
 
+async def check_pool_cluster_block(pool: str) -> None:
+    """Fail fast, naming the block and the fix, when the cluster block the pool's worker would use (the pool's
+    cluster_block, unless its cluster_file comes first) is missing or invalid: the worker would log it every 5 s.
+    An unreachable server, or an error that is not the block's, is left to the worker."""
+    from qosflow.errors import SpecError
+
+    try:
+        defaults = await pool_variable_defaults(pool)
+    except (httpx.HTTPError, OSError, RuntimeError):
+        return
+    name = defaults.get("cluster_block")
+    if not name or defaults.get("cluster_file"):
+        return
+    from qosflow.prefect.worker import load_cluster_block
+
+    try:
+        await load_cluster_block(name)
+    except SpecError as exc:
+        raise SpecError("cluster_block", f"work pool {pool!r} names cluster block {name!r}: "
+                                         f"{str(exc).removeprefix('invalid cluster_block: ')}") from None
+    except (httpx.HTTPError, OSError, RuntimeError):
+        return
+
+
 def worker_online(worker: Any) -> bool:
     """Whether Prefect shows a pool's worker (`read_workers_for_work_pool`) as online."""
     status = getattr(worker, "status", None)
