@@ -103,3 +103,21 @@ def test_init_help_names_cluster_block(capsys):
     assert main(["init", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "--cluster-block" in out and "keeps a cluster_block that names another block" in out, out
+
+
+def test_docs_start_agents_on_the_agents_default_port():
+    """README said `qosflow agent start --port 7800` while docs/infrastructure.md, the agent_url examples and
+    the agent's own default use 8701 (admin review)."""
+    import re
+    from pathlib import Path
+
+    import typer.main
+
+    from qosflow.cli.main import app
+
+    root = Path(__file__).resolve().parent.parent
+    agent = typer.main.get_command(app).commands["agent"].commands["start"]
+    default = next(p.default for p in agent.params if p.name == "port")
+    ports = {(f.name, int(m)) for f in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+             for m in re.findall(r"qosflow agent start[^\n`]*?--port (\d+)", f.read_text())}
+    assert ports and {p for _, p in ports} == {default}, (default, ports)
