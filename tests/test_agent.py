@@ -96,6 +96,7 @@ def test_wrong_token_gets_401_and_nothing_runs(agents, tmp_path):
                 await be.launch(ls)
             snap = await be.refresh()
             assert not snap.hosts[0].up and "401" in snap.hosts[0].error
+            assert "401" in be.down_reasons()["host-a"]  # for the notes of stages that wait for it
         finally:
             await be.aclose()
 

@@ -514,6 +514,48 @@ def test_a_waiting_stage_is_told_why_in_its_log_and_its_start_drops_the_stale_re
     asyncio.run(main())
 
 
+def test_a_stage_waiting_for_down_hosts_says_they_are_down_and_why():
+    """A wrong agent token (every host down, 401): the waiting stage's log line (and so `qosflow
+    status`) said "waiting: no node has 1 free cores"; the cause was only in the worker's start-up lines."""
+    import types
+
+    from qosflow.policies import get_policy
+    from qosflow.prefect.worker import QosflowWorker
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def info(self, msg, *args):
+            self.lines.append(msg % args)
+
+    why = "the agent rejected our token (401): the worker and agent tokens differ"
+
+    class Backend:
+        def down_reasons(self):
+            return {n.name: why for n in CL.nodes}
+
+    async def main():
+        s = QoSScheduler(CL, get_policy("qosflow"), HistoryEstimator(), coda=False)
+        for i in range(len(CL.nodes)):
+            s.state.set_node_down(i)
+        waiting = entry("w", gpus=0)
+        t = await enqueue(s, waiting)
+        s.round()
+        log = Log()
+        me = types.SimpleNamespace(WHY_WAITING_EVERY_S=0.0, _backend=Backend())
+        watch = asyncio.ensure_future(QosflowWorker._say_why_waiting(me, waiting, s, "train", log))
+        await asyncio.sleep(1.5)
+        watch.cancel()
+        t.cancel()
+        return waiting.state.note, log.lines
+
+    note, lines = asyncio.run(main())
+    names = ", ".join(n.name for n in CL.nodes)
+    assert note.startswith(f"waiting: all 2 hosts are down ({names})"), note
+    assert len(lines) == 1 and lines[0].endswith(f"so far): {note}; why: {why}"), lines
+
+
 def test_history_estimator_states_a_band_from_the_stages_own_runs(tmp_path):
     """The policy checks deadline promises on an estimator's stated band (remaining_high); the live
     worker's `history` estimator states one from a stage's own run-to-run spread once it has run twice,

@@ -269,6 +269,9 @@ class AgentBackend(Backend):
         await self.start()
         return {h.name for h in self.state.values() if h.up}
 
+    def down_reasons(self) -> dict[str, str]:
+        return {h.name: h.error for h in self.state.values() if not h.up and h.error}
+
     # ------------------------------------------------------------------ inventory
     async def _inventory_one(self, h: HostState, timeout: float) -> None:
         try:

@@ -194,6 +194,11 @@ class Backend(ABC):
         """Names of nodes that answer now (heartbeats). Default: all of the inventory."""
         return {n.name for n in (await self.inventory()).nodes}
 
+    def down_reasons(self) -> dict[str, str]:
+        """Why each node that does not answer is down (name -> reason), for the note of a stage that
+        waits for those nodes (`qosflow.policies.common.with_down_causes`). Default: none known."""
+        return {}
+
     async def aclose(self) -> None:
         return None
 

@@ -3,7 +3,8 @@ and the preemptive "which jobs should run" pass."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+import re
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -43,6 +44,26 @@ def why_waiting(state: ClusterState, js: JobState, largest: int | None = None) -
         names = _names(state, down)
         note += f"; host{'s' if int(down.sum()) > 1 else ''} {names} down"
     return note
+
+
+def with_down_causes(note: str, reasons: Mapping[str, str], most: int = 3) -> str:
+    """`note` (a `why_waiting` note) followed by why the down hosts it names are down, as the backend
+    knows it (`Backend.down_reasons`): "waiting: all 2 hosts are down (gpu-a, gpu-b); why: the agent
+    rejected our token (401) ...". The policy sees only that a node is down; its cause (a wrong token,
+    a name that does not resolve) was only in the worker's start-up lines."""
+    if not reasons or " down" not in note:
+        return note
+    named = [h for h in reasons if re.search(rf"(?<![\w.-]){re.escape(h)}(?![\w.-])", note)]
+    if not named:
+        return note
+    by: dict[str, list[str]] = {}
+    for h in named:
+        by.setdefault(reasons[h], []).append(h)
+    if len(by) == 1:
+        return f"{note}; why: {next(iter(by))}"
+    parts = [f"{', '.join(hs)}: {why}" for why, hs in list(by.items())[:most]]
+    more = f"; and {len(by) - most} other reason{'s' if len(by) - most > 1 else ''}" if len(by) > most else ""
+    return f"{note}; why: " + "; ".join(parts) + more
 
 
 def _why_waiting_up(state: ClusterState, q, largest: int | None) -> str:

@@ -828,10 +828,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         """While a stage waits in the QoS queue, say why in its flow run's log (the UI shows it): the
         policy's note once the stage has waited a second, then whenever the note changes, at most every
         WHY_WAITING_EVERY_S seconds (notes carry numbers that change every round)."""
+        from qosflow.policies.common import with_down_causes
+
         said, said_at = "", -math.inf
         while True:
             await asyncio.sleep(1.0)
             note = entry.state.note
+            backend = getattr(self, "_backend", None)
+            if note and backend is not None:  # why the hosts it waits for are down (the policy knows only that)
+                note = with_down_causes(note, backend.down_reasons())
             if not note or note == said or entry.state.status is not JobStatus.PENDING:
                 continue
             now = sched.clock()
