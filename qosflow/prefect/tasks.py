@@ -1095,6 +1095,10 @@ def qos_flow(
                 if the_plan and t.name in the_plan and t.expected_duration and t.name not in expected:
                     expected[t.name] = float(t.expected_duration)
             run_pool = pool or os.environ.get("QOSFLOW_POOL")
+            if run_pool and not _in_stage_process():
+                # a missing pool or one of another type fails the pipeline here, once: found at a stage's dispatch it
+                # was retried as the stage's error (its retries used up) and the pipeline ended "UnfinishedRun: PENDING"
+                ensure_stage_deployment(run_pool)
             if policy:
                 _say_what_the_policy_block_sets(policy, d, pr, run_pool)
             run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=run_pool, plan=the_plan, expected=expected)
