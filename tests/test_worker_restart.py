@@ -194,3 +194,40 @@ def test_a_stage_waiting_in_the_queue_of_a_killed_worker_runs_after_the_restart(
         ev = [(e["event"], e["stage"]) for e in marks(marker)]
         second = "b" if first == "a" else "a"
         assert ev == [("start", first), ("done", first), ("start", second), ("done", second)], ev  # each once, in turn
+
+
+def test_worker_with_unreachable_kubernetes_api_stops_promptly_on_ctrl_c(prefect_server, tmp_path):
+    """A worker whose Kubernetes API is unreachable (nothing listens at the block's api_url) keeps
+    retrying its setup; Ctrl-C (SIGINT) must stop it promptly. It hung in 2 of 4 tries (minutes in
+    asyncio's _cancel_all_tasks / anyio's cancellation delivery, or in Prefect's queue drain at exit)."""
+    import socket
+
+    from qosflow.prefect.blocks import KubernetesGPUCluster, QoSPolicy
+    from qosflow.prefect.local import setup_pool
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now: connection refused
+    KubernetesGPUCluster(api_url=f"http://127.0.0.1:{port}").save("k-down-test", overwrite=True)
+    pool = "k8s-down"
+    asyncio.run(setup_pool(pool, policy=QoSPolicy(policy="fifo"), stream_output=False))
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "QOSFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'leases.db'}"}
+    for i in range(3):
+        log = tmp_path / f"worker{i}.log"
+        p = subprocess.Popen([sys.executable, "-m", "qosflow", "worker", "start", "--pool", pool, "--cluster-block", "k-down-test",
+                              "--name", f"k-down-{i}"], env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_log(log, "setup failed", p, timeout=90)
+            time.sleep(1.0 + 2.5 * i)  # at several points of its retry cycle
+            os.killpg(p.pid, signal.SIGINT)
+            t0 = time.monotonic()
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the worker did not stop within 20 s of SIGINT (try {i}):\n{log.read_text(errors='replace')[-3000:]}")
+            assert time.monotonic() - t0 < 20
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()

@@ -164,6 +164,9 @@ class KubernetesBackend(Backend):
     eviction_toleration_s: int = 30
     watch_timeout_s: int = 30
     api_retries: int = 4
+    #: seconds to connect to / read an answer from the API server, per request (watches have their own)
+    api_connect_timeout_s: float = 10.0
+    api_read_timeout_s: float = 60.0
     cluster_name: str = "kubernetes"
 
     name = "kubernetes"
@@ -201,6 +204,9 @@ class KubernetesBackend(Backend):
     def _call(self, fn, *args, **kw):
         from kubernetes.client.exceptions import ApiException
 
+        # bounded: an API server that accepts no connection (a black-holed address) held a worker
+        # thread for minutes per call, and a stopping worker's interpreter waits for its threads
+        kw.setdefault("_request_timeout", (self.api_connect_timeout_s, self.api_read_timeout_s))
         with _quiet_retries():
             for i in range(self.api_retries + 1):
                 try:

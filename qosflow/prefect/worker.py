@@ -412,8 +412,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         interval = env_number("QOSFLOW_WORKER_POLL_SECONDS", 0.5, minimum=0.01)
         no_pool_since: float | None = None
         next_pool_check = 0.0
-        while True:
+        while not self._stopping:
             await asyncio.sleep(interval)
+            if self._stopping:
+                return
             if self._work_pool is None:
                 # Prefect only logs "Work pool 'gpu' not found!"; say how to fix it (a worker started
                 # before `qosflow init`, or before its server answered, so that the CLI could not check)
@@ -432,6 +434,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 try:
                     await self._ensure_qos()
                 except Exception as exc:
+                    if self._stopping:
+                        return
                     self._logger.error(
                         "qosflow worker setup failed: %s%s This worker takes no flow run until that is fixed "
                         "(runs stay scheduled in the pool); retrying every 5 s", exc, "" if str(exc).endswith((".", "?", "!")) else ".")
@@ -518,9 +522,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         return await super().get_and_submit_flow_runs()
 
     async def teardown(self, *exc_info: Any) -> None:
-        if getattr(self, "_poll_task", None) is not None:
-            self._poll_task.cancel()
         self._stopping = True
+        poll = getattr(self, "_poll_task", None)
+        if poll is not None and not poll.done():
+            # wait for the fast poll to end here, bounded: a plain asyncio task that may be inside Prefect's
+            # submission (anyio cancel scopes of the runs task group) or a setup retry; left running, it was
+            # cancelled only by asyncio.run's final _cancel_all_tasks, after the task groups had closed,
+            # where a stop was seen to hang (anyio re-delivering the cancellation, SIGTERM then ignored)
+            poll.cancel()
+            await asyncio.wait({poll}, timeout=5.0)
         if self._stages_in_flight:
             await self._requeue_in_flight()
         if self._cancel_task is not None:
