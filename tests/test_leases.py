@@ -176,3 +176,46 @@ def test_two_workers_never_double_book(db_url, pool, tmp_path):
         for (a0, a1, wa), (b0, b1, wb) in zip(iv, iv[1:]):
             assert b0 >= a1, f"GPU {g} double-booked by workers {wa} and {wb}"
     assert LeaseStore(url=db_url).booked(pool) == []
+
+
+def test_a_second_live_worker_of_the_same_name_is_refused_and_cannot_take_its_leases(db_url, pool):
+    """Two processes with one worker name: the second is refused while the first is live (it used to
+    adopt the first's leases at once, and both re-planned 'slot already leased ... held by w1' every
+    60 ms). Holder ids carry the process, so even two that raced past the check hold distinct leases;
+    once the first stops, a worker of its name adopts its leases at once (restarts stay immediate)."""
+    import subprocess
+
+    from qosflow.store.leases import WorkerNameTaken, holder_id, holder_name
+
+    st = LeaseStore(url=db_url)
+    h1, h2 = holder_id("w1"), holder_id("w1")
+    assert h1 != h2 and holder_name(h1) == holder_name(h2) == "w1"
+    st.claim_name(pool, h1, 30.0)
+    with pytest.raises(WorkerNameTaken, match=r"a worker named 'w1' is already running on pool .*another --name, or stop that one"):
+        st.claim_name(pool, h2, 30.0)
+    st.claim_name(pool, holder_id("w2"), 30.0)  # another name is fine
+    a = st.acquire(pool, "a", spec("a", [(0, 0)]), holder=h1)
+
+    class B:
+        name = "local"
+
+    # a live same-name process (raced past the check) does not take h1's live lease
+    assert asyncio.run(st.recover(B(), pool, h2, 30.0)) == []
+    assert [le.holder for le in st.leases(pool)] == [h1]
+    # h1 stops (its presence goes): its name's next process adopts its lease at once, not after the TTL
+    st.leave(h1)
+    st.claim_name(pool, h2, 30.0)
+    got = asyncio.run(st.recover(B(), pool, h2, 30.0))
+    assert [le.lease_id for le, _ in got] == [a.lease_id]
+    # a process that died without a word (its pid is gone on this host) frees its name too
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    import socket
+
+    dead = f"w3#{socket.gethostname()}:{p.pid}:abcdef"
+    st.claim_name(pool, dead, 30.0)
+    st.claim_name(pool, holder_id("w3"), 30.0)  # not refused: the holder's process is gone
+    # a bare-name holder (a store written before holder ids) stays its name's to adopt, as before
+    st.acquire(pool, "b", spec("b", [(1, 0)]), holder="w4")
+    got = asyncio.run(st.recover(B(), pool, holder_id("w4"), 30.0))
+    assert [le.stage_key for le, _ in got] == ["b"]

@@ -141,7 +141,10 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
             assert time.monotonic() < end, f"no lease in the store: {wlog.read_text(errors='replace')[-3000:]}"
             time.sleep(0.2)
         [lease] = store.leases(POOL)
-        assert lease.holder == WORKER and lease.nodes == ["host-r"]
+        from qosflow.store.leases import holder_name
+
+        # held by this worker process: its name and its process instance (two processes never share one)
+        assert holder_name(lease.holder) == WORKER and lease.holder != WORKER and lease.nodes == ["host-r"]
         os.killpg(w1.pid, sig)  # SIGKILL: the worker dies, nothing is cleaned up; SIGTERM: it stops
         w1.wait(60)
         assert [le.lease_id for le in store.leases(POOL)] == [lease.lease_id]  # its lease outlives it
@@ -231,3 +234,21 @@ def test_worker_with_unreachable_kubernetes_api_stops_promptly_on_ctrl_c(prefect
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def test_a_second_worker_with_the_same_name_is_refused(prefect_server, tmp_path):
+    """`qosflow worker start --name W` while a worker W is running on the pool: refused with an error
+    naming the live worker and the fix (it used to adopt the live worker's leases, and the two re-planned
+    'slot already leased ... held by W' every 60 ms)."""
+    with restart_lab(prefect_server, tmp_path, "restart-dup", "host-d") as lab:
+        w1 = lab.start()
+        wait_log(lab.wlog, "qosflow worker:", w1)
+        log2 = tmp_path / "second.log"
+        w2 = start_worker(lab.env, log2, "restart-dup")
+        lab.procs.append(w2)
+        rc = w2.wait(90)
+        text = log2.read_text(errors="replace")
+        assert rc == 2, text[-3000:]
+        assert f"a worker named '{WORKER}' is already running on pool" in text and "another --name, or stop that one first" in text
+        assert "Traceback" not in text
+        assert w1.poll() is None  # the first goes on

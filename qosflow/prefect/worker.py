@@ -305,6 +305,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self.policy_block: Any = None
         self.node_events: list[tuple[float, str, str]] = []  # (time, host, "down" | "up") as the worker saw them
         self._health_error: str | None = None  # why the hosts' health cannot be read (logged once per outage)
+        self._lease_store: Any = None  # the lease store, opened at setup (name claim) or with the scheduler
+        self._claimed = False  # this process's presence is recorded in the lease store (`_claim_name`)
+        self._presence_due = 0.0
         #: why the backend's API (the Kubernetes API server) cannot be reached: nothing is launched meanwhile
         self.outage: str | None = None
         self._outage_down: set[int] = set()  # nodes marked down for the outage (back up when the API answers)
@@ -403,6 +406,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             return self.scheduler
 
     async def setup(self) -> None:
+        await self._claim_name()  # (before Prefect's setup: a refused worker never polls nor heartbeats)
         await super().setup()
         self._poll_task = asyncio.get_running_loop().create_task(self._fast_poll(), name="qosflow-fast-poll")
 
@@ -428,6 +432,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             no_pool_since = None
             if self._runs_task_group is None:
                 continue
+            if self.scheduler is None and getattr(self, "_claimed", False) and time.monotonic() >= self._presence_due:
+                self._presence_due = time.monotonic() + self.lease_ttl_s / 3
+                try:  # (set up, the heartbeat renews it)
+                    await asyncio.to_thread(self._lease_store.renew_holder, self.holder, self.lease_ttl_s)
+                except Exception as exc:
+                    self._logger.debug("presence renewal failed: %s", exc)
             if self.scheduler is None:
                 # set up as soon as the pool is known, not at the first stage: a restarted worker must
                 # recover its leases (adopt the stages still running) even if no new stage ever comes
@@ -491,7 +501,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._logger.warning(
                 "qosflow worker stopping: %d stage run(s) keep running on their hosts with their leases (%s); a worker "
                 "named %r adopts them when it starts, another worker of the pool once the leases expire (%gs)",
-                len(kept), ", ".join(kept), self.holder, self.lease_ttl_s)
+                len(kept), ", ".join(kept), str(self.name), self.lease_ttl_s)
         if not fids:
             return
         self._logger.warning(
@@ -550,6 +560,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 await asyncio.to_thread(close)
         if self._backend is not None:
             await self._backend.aclose()
+        if getattr(self, "_claimed", False):
+            try:  # (a worker of this name may start, and adopt what this one left running, at once)
+                await asyncio.to_thread(self._lease_store.leave, self.holder)
+            except Exception as exc:
+                self._logger.warning("could not record this worker's stop in the lease store: %s", exc)
         await super().teardown(*exc_info)
 
     # ------------------------------------------------------------------ run
@@ -869,18 +884,43 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     def _pool_key(self) -> str:
         return str(self._work_pool_name)
 
-    async def _setup_leases(self) -> None:
+    async def _open_leases(self) -> Any:
+        """The lease store (opened once), None when leases are off."""
         arg = self._leases_arg
-        self.holder = str(self.name)
         if arg is False or not env_flag("QOSFLOW_LEASES"):
-            self.leases = None
-            return
-        if arg is None or arg is True:
-            from qosflow.store.leases import LeaseStore
+            return None
+        if getattr(self, "_lease_store", None) is None:
+            if arg is None or arg is True:
+                from qosflow.store.leases import LeaseStore
 
-            self.leases = await asyncio.to_thread(LeaseStore)
-        else:
-            self.leases = arg
+                self._lease_store = await asyncio.to_thread(LeaseStore)
+            else:
+                self._lease_store = arg
+        return self._lease_store
+
+    async def _claim_name(self) -> None:
+        """Refuse to start while a live worker process of this name works on the pool (its presence in
+        the lease store: renewed at its heartbeats, gone when it stops or its process is dead on this
+        host). Prefect's own status is not used: a SIGKILLed worker stays ONLINE there for a minute and
+        more, and a worker restarted under its name must adopt its stages at once. The lease holder id
+        is the name plus this process (`holder_id`), so that even two processes that raced past this
+        check never take each other's leases for their own."""
+        from qosflow.store.leases import holder_id
+
+        self.holder = holder_id(str(self.name))
+        store = await self._open_leases()
+        if store is not None:
+            await asyncio.to_thread(store.claim_name, self._pool_key, self.holder, self.lease_ttl_s)
+            self._claimed = True
+
+    async def _setup_leases(self) -> None:
+        if not self.holder:
+            from qosflow.store.leases import holder_id
+
+            self.holder = holder_id(str(self.name))
+        self.leases = await self._open_leases()
+        if self.leases is None:
+            return
         await self._sync_foreign()
 
     async def _acquire_lease(self, fid: str, launch: LaunchSpec, shareable: bool) -> None:

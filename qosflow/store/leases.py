@@ -74,7 +74,71 @@ class SlotLeaseRow(SQLModel, table=True):
     lease_id: str = Field(index=True, max_length=64)
 
 
-LEASE_TABLES = [StageLeaseRow.__table__, SlotLeaseRow.__table__]
+class WorkerPresenceRow(SQLModel, table=True):
+    """One running worker process (a lease holder): renewed at its heartbeats, deleted when it stops.
+    A second process with the same worker name on the pool is refused while this row is live
+    (`LeaseStore.claim_name`), and a restarted worker of that name adopts the leases of a holder whose
+    row is gone or whose process is dead on this host (`recover`)."""
+
+    __tablename__ = "qosflow_worker_presence"
+
+    holder: str = Field(primary_key=True, max_length=200)
+    pool: str = Field(index=True, max_length=200)
+    name: str = Field(max_length=200)
+    host: str = Field(max_length=250)
+    pid: int
+    started_at: float
+    expires_at: float
+
+
+LEASE_TABLES = [StageLeaseRow.__table__, SlotLeaseRow.__table__, WorkerPresenceRow.__table__]
+
+
+class WorkerNameTaken(QosflowError):
+    """A live worker process of the same name already works on the pool."""
+
+
+#: separates a worker's name from its process instance in a lease holder id
+HOLDER_SEP = "#"
+
+
+def holder_id(name: str) -> str:
+    """A lease holder id that two processes never share, even with the same worker name:
+    `name#host:pid:random`."""
+    import socket
+    import uuid
+
+    return f"{name}{HOLDER_SEP}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def _instance(holder: str) -> tuple[str, str, int] | None:
+    """(name, host, pid) of a holder id, None for a bare name (stores written before holder ids)."""
+    name, sep, inst = holder.rpartition(HOLDER_SEP)
+    parts = inst.split(":")
+    if not sep or len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return name, parts[0], int(parts[1])
+
+
+def holder_name(holder: str) -> str:
+    """The worker name of a holder id (a bare name is its own)."""
+    got = _instance(holder)
+    return holder if got is None else got[0]
+
+
+def _process_gone(host: str, pid: int) -> bool:
+    """Is the process certainly not running (on this host, no such pid)? Other hosts: unknown (False)."""
+    import socket
+
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def create_lease_tables(conn: sa.engine.Connection) -> None:
@@ -300,16 +364,70 @@ class LeaseStore:
             return r.rowcount == 1
 
     def renew_holder(self, holder: str, ttl_s: float) -> int:
-        """Extend every lease a worker holds (call it from the worker's heartbeat)."""
+        """Extend every lease a worker holds, and its presence (call it from the worker's heartbeat)."""
         with Session(self.engine) as s:
             r = s.exec(sa.update(StageLeaseRow).where(StageLeaseRow.holder == holder).values(expires_at=time.time() + ttl_s))  # type: ignore[call-overload]
+            s.exec(sa.update(WorkerPresenceRow).where(WorkerPresenceRow.holder == holder).values(expires_at=time.time() + ttl_s))  # type: ignore[call-overload]
             s.commit()
             return r.rowcount
 
-    def take_over(self, lease_id: str, old_holder: str, new_holder: str, ttl_s: float) -> bool:
-        """Move an expired lease (or one of our own) to `new_holder`; exactly one contender wins."""
+    # ------------------------------------------------------------------ worker presence
+    def live_workers(self, pool: str, name: str | None = None) -> list[WorkerPresenceRow]:
+        """The worker processes on `pool` (of that name) whose presence is live: not expired, and not a
+        process known to be gone (this host, pid not running)."""
         now = time.time()
-        cond = StageLeaseRow.expires_at < now if old_holder != new_holder else sa.true()
+        with Session(self.engine) as s:
+            q = select(WorkerPresenceRow).where(WorkerPresenceRow.pool == pool, WorkerPresenceRow.expires_at >= now)
+            if name is not None:
+                q = q.where(WorkerPresenceRow.name == name)
+            rows = list(s.exec(q).all())
+        return [r for r in rows if not _process_gone(r.host, r.pid)]
+
+    def claim_name(self, pool: str, holder: str, ttl_s: float) -> None:
+        """Record this worker process (`holder`, from `holder_id`) on `pool`; raise WorkerNameTaken if a
+        live process of the same worker name is there already (two workers of one name took each
+        other's leases for their own and re-planned in a loop)."""
+        got = _instance(holder)
+        name, host, pid = got if got is not None else (holder, "", 0)
+        now = time.time()
+        for _ in range(5):
+            others = [r for r in self.live_workers(pool, name) if r.holder != holder]
+            if others:
+                o = others[0]
+                raise WorkerNameTaken(
+                    f"a worker named {name!r} is already running on pool {pool!r} (pid {o.pid} on host {o.host}, started "
+                    f"{time.strftime('%H:%M:%S', time.localtime(o.started_at))}, last seen {max(0.0, now - (o.expires_at - ttl_s)):.0f}s ago): "
+                    "start this one with another --name, or stop that one first")
+            try:
+                with Session(self.engine) as s:
+                    # (a stale row of the same name -- a process that died -- goes)
+                    s.exec(sa.delete(WorkerPresenceRow).where(WorkerPresenceRow.pool == pool, WorkerPresenceRow.name == name))  # type: ignore[call-overload]
+                    s.add(WorkerPresenceRow(holder=holder, pool=pool, name=name, host=host, pid=pid, started_at=now, expires_at=now + ttl_s))
+                    s.commit()
+                return
+            except IntegrityError:  # (a concurrent claim: look again)
+                time.sleep(0.05)
+
+    def leave(self, holder: str) -> None:
+        """The worker process stops: its presence goes (a worker of its name may adopt its leases at once)."""
+        with Session(self.engine) as s:
+            s.exec(sa.delete(WorkerPresenceRow).where(WorkerPresenceRow.holder == holder))  # type: ignore[call-overload]
+            s.commit()
+
+    def _holder_gone(self, holder: str) -> bool:
+        """Has the process behind `holder` stopped: its presence gone or expired, or it is dead on this host?"""
+        got = _instance(holder)
+        if got is None:
+            return True  # a bare name: written by a worker before holder ids (the old rule: its name's to adopt)
+        with Session(self.engine) as s:
+            row = s.get(WorkerPresenceRow, holder)
+        return row is None or row.expires_at < time.time() or _process_gone(row.host, row.pid)
+
+    def take_over(self, lease_id: str, old_holder: str, new_holder: str, ttl_s: float, *, force: bool = False) -> bool:
+        """Move an expired lease (or one of our own, or with `force` one of a stopped process of our
+        name) to `new_holder`; exactly one contender wins."""
+        now = time.time()
+        cond = StageLeaseRow.expires_at < now if old_holder != new_holder and not force else sa.true()
         with Session(self.engine) as s:
             r = s.exec(
                 sa.update(StageLeaseRow)  # type: ignore[call-overload]
@@ -348,9 +466,11 @@ class LeaseStore:
         for lease in self.leases(pool):
             if lease.backend and lease.backend != backend.name:
                 continue
-            if lease.holder != holder and not lease.expired:
-                continue  # a live worker holds it
-            if not self.take_over(lease.lease_id, lease.holder, holder, ttl_s):
+            # an earlier process of this worker's name (stopped, or dead on this host) left it: ours at once
+            mine = lease.holder == holder or (holder_name(lease.holder) == holder_name(holder) and self._holder_gone(lease.holder))
+            if not mine and not lease.expired:
+                continue  # a live worker holds it (another name, or another live process of this name)
+            if not self.take_over(lease.lease_id, lease.holder, holder, ttl_s, force=mine):
                 continue  # another worker recovered it first
             handle = None
             adopt = getattr(backend, "adopt", None)
