@@ -219,3 +219,35 @@ def test_a_second_live_worker_of_the_same_name_is_refused_and_cannot_take_its_le
     st.acquire(pool, "b", spec("b", [(1, 0)]), holder="w4")
     got = asyncio.run(st.recover(B(), pool, holder_id("w4"), 30.0))
     assert [le.stage_key for le, _ in got] == ["b"]
+
+
+def test_leases_are_keyed_by_the_prefect_server_and_the_pool(db_url, pool):
+    """One store (the user's data dir) serves every Prefect server used on the machine: a staging and
+    a production pool `gpu` must not see, book against nor recover each other's leases (they were keyed
+    by the pool's name alone). A store of the old layout keeps working: a worker's own bare-name leases
+    move to the new key (`rekey`), another holder's are left alone."""
+    from qosflow.store.leases import holder_id, pool_key
+
+    staging, prod = pool_key(pool, "http://staging:4200/api"), pool_key(pool, "http://prod:4200/api/")
+    assert staging != prod and pool_key(pool, "http://PROD:4200/api") == prod  # (trailing slash, case: one server)
+    st = LeaseStore(url=db_url)
+    a = st.acquire(staging, "a", spec("a", [(0, 0)]), holder=holder_id("w1"))
+    b = st.acquire(prod, "b", spec("b", [(0, 0)]), holder=holder_id("w1"))  # the same GPU name on another server's cluster
+    assert [le.lease_id for le in st.leases(staging)] == [a.lease_id] and [le.lease_id for le in st.leases(prod)] == [b.lease_id]
+
+    class B:
+        name = "local"
+
+    st.renew_lease(a.lease_id, -1.0)  # staging's lease expired: production's worker does not take it
+    assert asyncio.run(st.recover(B(), prod, holder_id("w9"), 30.0)) == []
+    # old layout: keyed by the bare pool name
+    old_mine = st.acquire(pool, "c", spec("c", [(1, 0)]), holder="w1")
+    old_other = st.acquire(pool, "d", spec("d", [(1, 1)]), holder="w2")
+    assert st.rekey(pool, prod, "w1") == 1
+    assert {le.lease_id for le in st.leases(prod)} == {b.lease_id, old_mine.lease_id}
+    assert [le.lease_id for le in st.leases(pool)] == [old_other.lease_id]
+    with pytest.raises(SlotTaken):  # its slots moved with it
+        st.acquire(prod, "e", spec("e", [(1, 0)]), holder="w3")
+    for k in (staging, prod):
+        for le in st.leases(k):
+            st.release(le.lease_id)

@@ -341,7 +341,11 @@ def test_a_worker_stopped_as_its_pipeline_returns_still_finishes_its_bookkeeping
         else:
             os.environ["QOSFLOW_POOL"] = before
     assert not w.is_alive()
-    assert LeaseStore().leases(pool) == []
+    from prefect.settings import PREFECT_API_URL
+
+    from qosflow.store.leases import pool_key
+
+    assert LeaseStore().leases(pool_key(pool, PREFECT_API_URL.value())) == []  # (keyed by the pool and its server)
     [stage] = PipelineRun.finished[-1].stages.values()
     assert str(stage.flow_run_id) in {h.stage_run_id for h in Store.open().stage_history() if h.state == "COMPLETED"}
 

@@ -71,7 +71,7 @@ def test_worker_picks_the_agents_backend_from_the_cluster_file(lab):
     assert [n.name for n in cl.nodes] == ["host-a", "host-b"]
     assert all(n.virtual and n.gpus == 4 and n.address == lab["agents"][n.name].url for n in cl.nodes)
     assert not w.scheduler.state.down.any()
-    assert w.leases is not None and w.leases.leases(POOL) == []
+    assert w.leases is not None and w.leases.leases(w._pool_key) == []
 
 
 def test_pipeline_runs_across_both_hosts(lab, tmp_path):
@@ -93,7 +93,7 @@ def test_pipeline_runs_across_both_hosts(lab, tmp_path):
     # every placement was a lease, released when its stage ended (the worker hears of the exit just
     # after the stage's engine reported Completed)
     w = lab["worker"].worker
-    wait_for(lambda: w.leases.leases(POOL) == [])
+    wait_for(lambda: w.leases.leases(w._pool_key) == [])
     assert w.leases.booked(POOL) == []
     ids = {s.flow_run_id for s in run.stages.values()}
     wait_for(lambda: len([r for r in w.records if r["flow_run_id"] in ids]) == 3)
@@ -158,7 +158,7 @@ def test_agent_killed_midstage_stage_completes_elsewhere_once(lab, tmp_path):
     victim = first["node"]
     other = "host-b" if victim == "host-a" else "host-a"
     w = lab["worker"].worker
-    [lease] = w.leases.leases(POOL)
+    [lease] = w.leases.leases(w._pool_key)
     assert lease.nodes == [victim] and lease.handle is not None  # the running attempt holds a lease
     lab["agents"][victim].kill(signal.SIGKILL)
     killed_at = time.time()
@@ -183,7 +183,7 @@ def test_agent_killed_midstage_stage_completes_elsewhere_once(lab, tmp_path):
     assert [a["host"] for a in wr["attempts"]] == [victim, other]
     assert wr["attempts"][0]["exit"] == "infra" and victim in wr["attempts"][0]["exit_reason"]
     assert wr["attempts"][1]["launched"] > killed_at
-    wait_for(lambda: w.leases.leases(POOL) == [])
+    wait_for(lambda: w.leases.leases(w._pool_key) == [])
     with get_client(sync_client=True) as c:
         fr = c.read_flow_run(rec.flow_run_id)
         assert fr.state.is_completed() and fr.labels["qosflow.host"] == other

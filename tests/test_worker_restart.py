@@ -122,7 +122,7 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
     and the stage's run stayed Running for ever with nobody watching it)."""
     import infra_pipelines as ip
 
-    from qosflow.store.leases import LeaseStore
+    from qosflow.store.leases import LeaseStore, pool_key
 
     with restart_lab(prefect_server, tmp_path, POOL, "host-r") as lab:
         marker, wlog = lab.marker, lab.wlog
@@ -136,18 +136,19 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
             assert time.monotonic() < end and th.is_alive(), "the stage never started"
             time.sleep(0.1)
         store = LeaseStore(url=lab.db)
+        KEY = pool_key(POOL, prefect_server)  # (the store keys a pool by its name and its Prefect server)
         end = time.monotonic() + 15  # (a CI run once read none just as the stage started: poll, and show the log if not)
-        while not store.leases(POOL):
+        while not store.leases(KEY):
             assert time.monotonic() < end, f"no lease in the store: {wlog.read_text(errors='replace')[-3000:]}"
             time.sleep(0.2)
-        [lease] = store.leases(POOL)
+        [lease] = store.leases(KEY)
         from qosflow.store.leases import holder_name
 
         # held by this worker process: its name and its process instance (two processes never share one)
         assert holder_name(lease.holder) == WORKER and lease.holder != WORKER and lease.nodes == ["host-r"]
         os.killpg(w1.pid, sig)  # SIGKILL: the worker dies, nothing is cleaned up; SIGTERM: it stops
         w1.wait(60)
-        assert [le.lease_id for le in store.leases(POOL)] == [lease.lease_id]  # its lease outlives it
+        assert [le.lease_id for le in store.leases(KEY)] == [lease.lease_id]  # its lease outlives it
         if sig == signal.SIGTERM:
             assert "keep running on their hosts with their leases" in wlog.read_text(errors="replace")
             assert [e["event"] for e in marks(marker)] == ["start"]  # still running: not killed by the stop
@@ -161,8 +162,8 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
         assert [e["event"] for e in ev] == ["start", "done"]  # ran once, was not relaunched
         assert ev[0]["attempt"] == lease.attempt_id
         end = time.monotonic() + 30
-        while store.leases(POOL):  # the new worker released the adopted lease when the stage ended
-            assert time.monotonic() < end, f"lease not released: {store.leases(POOL)}"
+        while store.leases(KEY):  # the new worker released the adopted lease when the stage ended
+            assert time.monotonic() < end, f"lease not released: {store.leases(KEY)}"
             time.sleep(0.2)
 
 

@@ -882,7 +882,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     # ------------------------------------------------------------------ leases
     @property
     def _pool_key(self) -> str:
-        return str(self._work_pool_name)
+        """The pool's key in the lease store: its name and the Prefect server's API URL (`pool_key`)."""
+        from prefect.settings import PREFECT_API_URL
+
+        from qosflow.store.leases import pool_key
+
+        return pool_key(str(self._work_pool_name), PREFECT_API_URL.value())
 
     async def _open_leases(self) -> Any:
         """The lease store (opened once), None when leases are off."""
@@ -912,6 +917,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if store is not None:
             await asyncio.to_thread(store.claim_name, self._pool_key, self.holder, self.lease_ttl_s)
             self._claimed = True
+            # a store of an earlier version keyed this pool's leases by its name alone: this worker's own
+            # (its name's) move to the new key, to be recovered as before
+            moved = await asyncio.to_thread(store.rekey, str(self._work_pool_name), self._pool_key, str(self.name))
+            if moved:
+                self._logger.info("lease store: %d lease(s) of worker %s keyed by the pool's name alone now belong to %s",
+                                  moved, self.name, self._pool_key)
 
     async def _setup_leases(self) -> None:
         if not self.holder:

@@ -102,6 +102,17 @@ class WorkerNameTaken(QosflowError):
 HOLDER_SEP = "#"
 
 
+def pool_key(pool: str, api_url: str | None) -> str:
+    """The key of a work pool's leases: its name and the Prefect server it belongs to
+    (`pool@<12 hex of the API URL>`). The store lives in the user's data dir, shared by every Prefect
+    server used on the machine: keyed by the name alone, a staging and a production pool `gpu` on one
+    host saw (and, once expired, recovered) each other's leases."""
+    import hashlib
+
+    url = (api_url or "ephemeral").strip().rstrip("/").lower()
+    return f"{pool}@{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+
+
 def holder_id(name: str) -> str:
     """A lease holder id that two processes never share, even with the same worker name:
     `name#host:pid:random`."""
@@ -370,6 +381,20 @@ class LeaseStore:
             s.exec(sa.update(WorkerPresenceRow).where(WorkerPresenceRow.holder == holder).values(expires_at=time.time() + ttl_s))  # type: ignore[call-overload]
             s.commit()
             return r.rowcount
+
+    def rekey(self, old_pool: str, new_pool: str, name: str) -> int:
+        """Move the leases a worker of this name holds under `old_pool` (a store written when leases
+        were keyed by the pool's name alone) to `new_pool`; returns how many. Only its own: a bare
+        pool name does not say which Prefect server another holder's lease belongs to."""
+        with Session(self.engine) as s:
+            ids = [r.lease_id for r in s.exec(select(StageLeaseRow).where(StageLeaseRow.pool == old_pool)).all()
+                   if holder_name(r.holder) == name]
+            if not ids:
+                return 0
+            s.exec(sa.update(StageLeaseRow).where(StageLeaseRow.lease_id.in_(ids)).values(pool=new_pool))  # type: ignore[call-overload,attr-defined]
+            s.exec(sa.update(SlotLeaseRow).where(SlotLeaseRow.lease_id.in_(ids)).values(pool=new_pool))  # type: ignore[call-overload,attr-defined]
+            s.commit()
+            return len(ids)
 
     # ------------------------------------------------------------------ worker presence
     def live_workers(self, pool: str, name: str | None = None) -> list[WorkerPresenceRow]:
