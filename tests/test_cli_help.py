@@ -70,7 +70,6 @@ def test_bad_option_values_are_errors_before_any_server_or_port(capsys, monkeypa
     for argv, says in (
         (["init", "--deadline", "-5"], "invalid --deadline: must be a positive duration, got '-5'"),
         (["init", "--deadline", "tomorrow"], "invalid --deadline: expected seconds or a duration such as 90s, 15min, 2h"),
-        (["init", "--deadline", "1h30m"], "PREFECT_API_URL"),  # a duration as @qos_flow takes it: accepted ("1h" was not)
         (["init", "--policy", "nope"], "unknown policy 'nope'"),  # not "PREFECT_API_URL is not set"
         (["worker", "start", "--pool", "gpu", "--policy", "nope"], "unknown policy 'nope'"),
         (["agent", "start", "--token", "t", "--log-level", "loud"], "invalid --log-level: 'loud' is not one of critical | error"),
@@ -78,6 +77,13 @@ def test_bad_option_values_are_errors_before_any_server_or_port(capsys, monkeypa
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err, err
+
+
+def test_init_deadline_takes_a_duration_as_qos_flow_does():
+    """`qosflow init --deadline 1h` was rejected: the option took seconds only."""
+    from qosflow.cli.init import deadline_seconds
+
+    assert deadline_seconds("1h30m") == 5400.0 and deadline_seconds("90") == 90.0 and deadline_seconds("15 min") == 900.0
 
 
 def test_every_option_says_what_it_does():

@@ -104,8 +104,11 @@ def test_oomkilled_pod_becomes_a_clear_prefect_state(k8s, tmp_path):
     emu = k8s["emu"]
     emu.add_rule(fail="OOMKilled", selector="app.kubernetes.io/managed-by=qosflow", times=10, after_s=0.2)
     marker = tmp_path / "oom.jsonl"
-    with pytest.raises(Exception):
-        ip.agent_lost(str(marker), 30.0)
+    try:
+        with pytest.raises(Exception):
+            ip.agent_lost(str(marker), 30.0)
+    finally:  # the rule's pods not used up here would be OOMKilled in the next test
+        emu.clear_rules()
     rec = next(iter(PipelineRun.finished[-1].stages.values()))
     with get_client(sync_client=True) as c:
         end = time.monotonic() + 60

@@ -57,16 +57,7 @@ def register(app: typer.Typer) -> None:
         check_pool_name(pool, blocks=True)
         get_policy(policy)  # unknown names fail here with the list of known ones
         check_estimator_name(estimator)
-        if deadline is not None:  # a duration string as @qos_flow(deadline=...) takes ("1h" was rejected)
-            from qosflow.core.qos import to_seconds
-
-            raw, secs = deadline, to_seconds(deadline)
-            try:
-                deadline = float(secs)
-            except ValueError:
-                raise SpecError("--deadline", f"expected seconds or a duration such as 90s, 15min, 2h or 1h30m, got {raw!r}") from None
-            if not 0 < deadline < float("inf"):  # was a pydantic traceback from QoSPolicy
-                raise SpecError("--deadline", f"must be a positive duration, got {raw!r}")
+        deadline = None if deadline is None else deadline_seconds(deadline)
         managed = f"{pool}-cluster"
         if cluster_block is not None:
             cluster_block = cluster_block.strip()
@@ -232,3 +223,17 @@ async def _online_workers(pool: str) -> list[str]:
     except Exception:  # only a hint
         return []
     return sorted(w.name for w in workers if worker_online(w))
+
+
+def deadline_seconds(raw: str) -> float:
+    """`--deadline`: seconds, or a duration string as @qos_flow(deadline=...) takes ("1h" was rejected)."""
+    from qosflow.core.qos import to_seconds
+    from qosflow.errors import SpecError
+
+    try:
+        secs = float(to_seconds(raw))
+    except ValueError:
+        raise SpecError("--deadline", f"expected seconds or a duration such as 90s, 15min, 2h or 1h30m, got {raw!r}") from None
+    if not 0 < secs < float("inf"):  # was a pydantic traceback from QoSPolicy
+        raise SpecError("--deadline", f"must be a positive duration, got {raw!r}")
+    return secs

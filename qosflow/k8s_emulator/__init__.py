@@ -109,6 +109,10 @@ class EmulatorServer:
         rule = {"fail": fail, "selector": selector, "node": node, "times": times, **kw}
         self._ctl("POST", "rules", {k: v for k, v in rule.items() if v is not None})
 
+    def clear_rules(self) -> None:
+        """Drop the pod rules not used up yet (a test's leftovers would fail the next test's pods)."""
+        self._ctl("DELETE", "rules")
+
     def add_fault(self, path: str, *, method: str | None = None, status: int = 500, count: int = 1) -> None:
         """The next `count` API requests whose path matches the regex `path` get HTTP `status`."""
         f = {"path": path, "status": status, "count": count}
