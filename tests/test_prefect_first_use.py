@@ -41,27 +41,34 @@ PIPELINE = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-def test_a_stage_nobody_takes_is_explained_and_sigterm_ends_the_pipeline(prefect_server, tmp_path):
-    from prefect.client.orchestration import get_client
-
+def _pipeline_waiting_for_a_worker(prefect_server, tmp_path, pool: str, script_text: str):
+    """A pipeline process on `pool` (a virtual 1-GPU pool, no worker) once its stage has been logged as
+    waited for: (process, log path)."""
     from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
     from qosflow.prefect.local import setup_pool
 
-    pool = "dispatch-no-worker"
     asyncio.run(setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, 1, cpu_cores=2), policy=QoSPolicy(policy="fifo")))
     script = tmp_path / "pipe.py"
-    script.write_text(PIPELINE.replace("{pool}", pool))
+    script.write_text(script_text)
     env = dict(os.environ, PREFECT_API_URL=prefect_server, QOSFLOW_STAGE_PICKUP_WARN_SECONDS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     env.pop("QOSFLOW_POOL", None)
     log = tmp_path / "out.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    deadline = time.monotonic() + 90
+    while "waited" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    return proc, log
+
+
+@pytest.mark.slow
+def test_a_stage_nobody_takes_is_explained_and_sigterm_ends_the_pipeline(prefect_server, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    pool = "dispatch-no-worker"
+    proc, log = _pipeline_waiting_for_a_worker(prefect_server, tmp_path, pool, PIPELINE.replace("{pool}", pool))
     try:
-        deadline = time.monotonic() + 90
-        while "waited" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.5)
         text = log.read_text()
         assert "no worker polls work pool 'dispatch-no-worker'" in text, text
         assert "qosflow worker start --pool dispatch-no-worker" in text
@@ -87,24 +94,11 @@ def test_ctrl_c_cancels_a_stage_called_directly_that_no_worker_took(prefect_serv
     failed: the pipeline had deleted its payload). Its run is cancelled."""
     from prefect.client.orchestration import get_client
 
-    from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
-    from qosflow.prefect.local import setup_pool
-
     pool = "direct-no-worker"
-    asyncio.run(setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, 1, cpu_cores=2), policy=QoSPolicy(policy="fifo")))
-    script = tmp_path / "pipe.py"
-    script.write_text(PIPELINE.replace("{pool}", pool).replace("lonely.submit(1).result()", "lonely(1)")
-                      .replace("def lonely(", "def lonely_direct(").replace("return lonely(", "return lonely_direct("))
-    env = dict(os.environ, PREFECT_API_URL=prefect_server, QOSFLOW_STAGE_PICKUP_WARN_SECONDS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    env.pop("QOSFLOW_POOL", None)
-    log = tmp_path / "out.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    proc, log = _pipeline_waiting_for_a_worker(
+        prefect_server, tmp_path, pool, PIPELINE.replace("{pool}", pool).replace("lonely.submit(1).result()", "lonely(1)")
+        .replace("def lonely(", "def lonely_direct(").replace("return lonely(", "return lonely_direct("))
     try:
-        deadline = time.monotonic() + 90
-        while "waited" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.5)
         assert "no worker polls work pool 'direct-no-worker'" in log.read_text(), log.read_text()
         proc.send_signal(signal.SIGINT)
         try:
