@@ -93,3 +93,43 @@ def test_worker_start_on_a_pool_whose_block_was_saved_invalid_exits_with_the_fix
     assert out.returncode == 2, err
     assert "work pool 'validation-old-block' names cluster block 'validation-agents'" in err, err
     assert "agent_url '127.0.0.1:8721': it has no http:// or https:// scheme" in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_a_worker_started_without_the_cli_stops_on_an_invalid_or_missing_cluster_block(prefect_server, monkeypatch):
+    """`prefect worker start --pool P` (the pool's cluster_block) or QOSFLOW_CLUSTER_BLOCK skip the CLI's check:
+    the worker logged "setup failed ... retrying every 5 s" for ever. A block that fails validation or does not
+    exist cannot fix itself: the worker now stops with the error naming the block and the fix."""
+    import asyncio
+
+    import httpx
+
+    from qosflow.cli.main import main
+    from qosflow.errors import SpecError
+    from qosflow.prefect.blocks import BareMetalGPUCluster
+    from qosflow.prefect.worker import QosflowWorker
+
+    pool = "validation-plain-start"
+    blk = BareMetalGPUCluster(hosts=["gpu-a"], backend="agents", agent_url="http://{host}:8701", agent_token=TOK, virtual_gpus=True)
+    blk.save("validation-plain", overwrite=True)
+    assert main(["init", "--pool", pool, "--cluster-block", "validation-plain"]) == 0
+    with httpx.Client(base_url=prefect_server, timeout=30) as c:
+        doc = blk._block_document_id
+        data = c.get(f"/block_documents/{doc}", params={"include_secrets": True}).json()["data"]
+        data["agent_url"] = "127.0.0.1:8721"
+        assert c.patch(f"/block_documents/{doc}", json={"data": data, "merge_existing_data": False}).status_code == 204
+    for k in ("QOSFLOW_CLUSTER_BLOCK", "QOSFLOW_CLUSTER_FILE", "QOSFLOW_POLICY_BLOCK"):
+        monkeypatch.delenv(k, raising=False)
+
+    async def start(name: str) -> BaseException:
+        w = QosflowWorker(work_pool_name=pool, create_pool_if_not_found=False, name=name)
+        with pytest.raises(SpecError) as ei:  # before: still running at the timeout
+            await asyncio.wait_for(w.start(printer=lambda *a, **k: None), 60)
+        return ei.value
+
+    err = str(asyncio.run(start("validation-plain-1")))  # the pool's block, saved invalid
+    assert "block qosflow-bare-metal-cluster/validation-plain is invalid" in err, err
+    assert "agent_url" in err and "fix it in the Prefect UI" in err, err
+    monkeypatch.setenv("QOSFLOW_CLUSTER_BLOCK", "validation-no-such-block")
+    err = str(asyncio.run(start("validation-plain-2")))  # a block that does not exist
+    assert "no cluster block named 'validation-no-such-block'" in err and "prefect block ls" in err, err

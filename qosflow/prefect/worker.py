@@ -312,6 +312,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self.outage: str | None = None
         self._outage_down: set[int] = set()  # nodes marked down for the outage (back up when the API answers)
         self.outages: list[tuple[float, str]] = []  # (time, "down: why" | "up") as the worker saw them (tests)
+        #: a setup error that cannot fix itself (`_fatal_setup_error`): the worker stops with it
+        self._setup_fatal: BaseException | None = None
 
     # ------------------------------------------------------------------ setup
     def _pool_default(self, name: str) -> Any:
@@ -405,6 +407,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._progress_task = loop.create_task(self._progress_loop(sync_s), name="qosflow-progress")
             return self.scheduler
 
+    async def start(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            await super().start(*args, **kwargs)
+        except BaseExceptionGroup:
+            if self._setup_fatal is not None:  # the error itself, not the loops' exception group
+                raise self._setup_fatal from None
+            raise
+
     async def setup(self) -> None:
         await self._claim_name()  # (before Prefect's setup: a refused worker never polls nor heartbeats)
         await super().setup()
@@ -445,6 +455,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     await self._ensure_qos()
                 except Exception as exc:
                     if self._stopping:
+                        return
+                    if _fatal_setup_error(exc):
+                        # a block that is missing or fails validation does not fix itself: retrying every 5 s
+                        # for ever only filled the log; Prefect's polling loop raises it and the worker stops
+                        self._setup_fatal = exc
+                        self._logger.error("qosflow worker setup failed: %s%s This worker stops: fix the block (or the "
+                                           "pool's cluster_block / QOSFLOW_CLUSTER_BLOCK) and start it again",
+                                           exc, "" if str(exc).endswith((".", "?", "!")) else ".")
                         return
                     self._logger.error(
                         "qosflow worker setup failed: %s%s This worker takes no flow run until that is fixed "
@@ -523,10 +541,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         cluster file or block would otherwise take every run and report it Crashed."""
         if self._stopping:
             return []
+        if self._setup_fatal is not None:
+            raise self._setup_fatal  # (ends Prefect's polling loop: the worker stops with it)
         if self.scheduler is None and self._work_pool is not None:
             try:
                 await self._ensure_qos()
             except Exception as exc:
+                if _fatal_setup_error(exc):
+                    self._setup_fatal = exc
+                    raise
                 self._logger.debug("not taking flow runs, setup failed: %s", exc)
                 return []
         return await super().get_and_submit_flow_runs()
@@ -1743,6 +1766,14 @@ def _unreachable(exc: BaseException) -> bool:
     return isinstance(exc, (BackendUnreachable, ConnectionError))
 
 
+def _fatal_setup_error(exc: BaseException) -> bool:
+    """Is a setup error one that retrying cannot fix: the cluster or policy block is missing or fails
+    validation (a SpecError naming the block's field)? An unreachable server is not: it is retried."""
+    from qosflow.errors import SpecError
+
+    return isinstance(exc, SpecError) and exc.field in ("cluster_block", "policy_block")
+
+
 def _infra_id(handle: StageHandle, fid: str) -> str:
     """The infrastructure id Prefect keeps for a stage run: the pid (local), else the flow run id."""
     pid = handle.ref.get("pid")
@@ -1802,7 +1833,7 @@ async def load_cluster_block(name: str):
             return await aload_block(cls, name, "cluster_block")
         except SpecError:
             raise  # the block exists but is invalid
-        except Exception as exc:  # ValueError: no such block document of this type
+        except ValueError as exc:  # no such block document of this type (an unreachable server is raised as is)
             errors.append(f"{cls.get_block_type_slug()}: {exc}")
     raise SpecError("cluster_block", f"no cluster block named {name!r} ({'; '.join(errors)}); `prefect block ls` lists them")
 
