@@ -211,3 +211,40 @@ def test_a_gang_wider_than_every_gpu_type_spans_types_and_finishes(tmp_path):
     # 'A' runs 10x slower on a K80: the gang over both types ran at the K80's pace
     assert wide.finish_time - wide.first_start >= 10 * wide.job.duration * 0.99
     assert pol.rounds < 1000
+
+
+@pytest.mark.parametrize("backfill", [True, False])
+def test_a_job_whose_hosts_are_all_down_says_so_not_gavel_priority(backfill):
+    """Every host that could hold a waiting job down: its note said "lower Gavel priority this round" (or
+    "for the next Gavel round"), hiding that it cannot start anywhere. Now it says the hosts are down, at a
+    round and between rounds; the decisions are unchanged, and with the hosts up the notes are Gavel's."""
+    from qosflow.core.cluster import ClusterSpec, ClusterState
+    from qosflow.core.estimate import DeclaredEstimator
+    from qosflow.core.job import JobState
+    from qosflow.policies.base import SchedulerView
+
+    spec = ClusterSpec.uniform(2, 4, prefix="gpu-")
+    names = ", ".join(n.name for n in spec.nodes)
+
+    def notes(down):
+        pol = GavelPolicy(backfill=backfill)
+        out = []
+        for now in (1.0, 2.0):  # a round's start, then between rounds
+            st = ClusterState(spec)
+            for i in down:
+                st.set_node_down(i)
+            js = JobState(Job("s", 0.0, QoSSpec(gpus=1), 60.0, expected_duration=60.0))
+            d = pol.schedule(SchedulerView(now, st.snapshot(), [js], [], DeclaredEstimator()))
+            assert not d.preempt
+            out.append((d.notes.get("s"), [p.gpus for p in d.starts]))
+        return out
+
+    # (without backfill the job waits for the next round between rounds: that note too)
+    for n, starts in notes([0, 1]):
+        assert n == f"waiting: all 2 hosts are down ({names})" and not starts, n
+    (n0, s0), (n1, s1) = notes([0])  # one host up: as before, it starts there, or waits for Gavel's round
+    assert n0 is None and s0 == [((1, 0),)], (n0, s0)
+    if backfill:
+        assert n1 is None and s1 == [((1, 0),)], (n1, s1)
+    else:
+        assert n1 == "waiting: for the next Gavel round (360 s)" and not s1, n1

@@ -350,7 +350,7 @@ def test_exclusive_search_skips_only_what_cannot_fit(monkeypatch):
     assert calls == ["two", "one", "two-more-cores", "half"]
 
 
-@pytest.mark.parametrize("policy", ["qosflow", "fifo", "sjf"])
+@pytest.mark.parametrize("policy", ["qosflow", "fifo", "sjf", "gavel"])
 def test_a_stage_waiting_because_its_hosts_are_down_says_so(policy):
     """A wrong agent token marked every host down; the waiting stage said "no node has 1 free cores"
     (admin review). Now the note says the hosts are down."""

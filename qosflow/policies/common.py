@@ -46,6 +46,19 @@ def why_waiting(state: ClusterState, js: JobState, largest: int | None = None) -
     return note
 
 
+def hosts_down_note(state: ClusterState, js: JobState) -> str | None:
+    """The `why_waiting` note when every host that could hold `js` is down ("waiting: all 2 hosts are
+    down (gpu-a, gpu-b)"), else None: for a policy whose own waiting note (a Gavel round, a priority)
+    would hide that the job cannot start anywhere. Cheap when no host is down."""
+    if not state.down.any():
+        return None
+    cand = _could_hold(state, js.job.qos)
+    down = cand & state.down
+    if down.any() and not (cand & ~state.down).any():
+        return f"waiting: {_all_down(state, down)}"
+    return None
+
+
 def with_down_causes(note: str, reasons: Mapping[str, str], most: int = 3) -> str:
     """`note` (a `why_waiting` note) followed by why the down hosts it names are down, as the backend
     knows it (`Backend.down_reasons`): "waiting: all 2 hosts are down (gpu-a, gpu-b); why: the agent

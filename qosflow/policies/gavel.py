@@ -79,7 +79,7 @@ from qosflow.core.estimate import gpu_speed
 from qosflow.core.job import Job, JobState
 from qosflow.policies import register
 from qosflow.policies.base import Decision, Policy, SchedulerView
-from qosflow.policies.common import ExclusiveSearch, why_waiting
+from qosflow.policies.common import ExclusiveSearch, hosts_down_note, why_waiting
 
 #: Gavel's priority of a (job, type) pair the job has never run on (its allocation times this)
 NEVER_RECEIVED = 1e9
@@ -333,7 +333,8 @@ class GavelPolicy(Policy):
         if not boundary and not self.backfill:
             for js in pending:
                 if js.job.qos.gpu_demand > 0:
-                    d.notes[js.job_id] = f"waiting: for the next Gavel round ({self.round_seconds:g} s)"
+                    d.notes[js.job_id] = (hosts_down_note(st, js)
+                                          or f"waiting: for the next Gavel round ({self.round_seconds:g} s)")
             return d
 
         def fastest_types(js: JobState) -> list[str]:
@@ -410,7 +411,8 @@ class GavelPolicy(Policy):
             self._fill(st, d, search, waiting, fastest_types, started, cap)
             for js in waiting:
                 if js.job_id not in started:
-                    d.notes.setdefault(js.job_id, "waiting: lower Gavel priority this round than the jobs running")
+                    d.notes.setdefault(js.job_id, hosts_down_note(st, js)
+                                       or "waiting: lower Gavel priority this round than the jobs running")
             return d
 
         # between rounds: nothing is preempted; free GPUs go to waiting jobs in priority order
@@ -435,7 +437,8 @@ class GavelPolicy(Policy):
             self._fill(st, d, search, rest, fastest_types, started, cap)
         for js in waiting:
             if js.job_id not in started:
-                d.notes.setdefault(js.job_id, f"waiting: for the next Gavel round ({self.round_seconds:g} s)")
+                d.notes.setdefault(js.job_id, hosts_down_note(st, js)
+                                   or f"waiting: for the next Gavel round ({self.round_seconds:g} s)")
         return d
 
     def _fill(self, st, d: Decision, search: ExclusiveSearch, jobs: list[JobState], fastest_types, started: set[str],
