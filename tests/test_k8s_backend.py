@@ -521,3 +521,37 @@ def test_a_pods_progress_reaches_the_worker_through_its_log(tmp_path):
     steps = [json.loads(x)["step"] for x in r["lines"]]
     assert steps == sorted(steps) and len(steps) == len(set(steps)) and len(steps) < 60  # throttled, never twice
     assert "training starts" in r["log"] and "done" in r["log"]
+
+
+def test_a_long_api_outage_is_logged_every_5_minutes_and_its_end_with_its_duration():
+    """An outage was logged once, when it began: an hour of it then showed nothing. Now a reminder (how
+    long so far, how many stages wait) at most every OUTAGE_REMINDER_S (5 min) of the heartbeats that see
+    it, and its end with its duration. (The worker's clock is set by hand; no server is needed.)"""
+    from types import SimpleNamespace
+
+    from qosflow.prefect import worker as wmod
+
+    w = wmod.QosflowWorker(work_pool_name="outage-log", name="outage-log")
+    said: list[tuple[str, str]] = []
+    w._logger = SimpleNamespace(**{lvl: (lambda m, *a, lvl=lvl: said.append((lvl, m % a))) for lvl in ("warning", "info", "debug")})
+    w.scheduler = SimpleNamespace(queued=lambda: ["a", "b", "c"], cluster=SimpleNamespace(nodes=[]), wake=lambda: None)
+    clock = [1000.0]
+    w._clock = lambda: clock[0]
+    why = "cannot reach the Kubernetes API server at https://k8s:6443"
+    for t in range(0, 1321, 2):  # heartbeats every 2 s for 22 min
+        clock[0] = 1000.0 + t
+        w._enter_outage(why)
+    assert len(said) == 5, said  # the start, then at 5, 10, 15 and 20 min
+    assert said[0][1].startswith(why + ": no stage is launched")
+    assert said[1] == ("warning", f"the backend's API still does not answer after 5 min 0 s ({why}): 3 stage(s) wait "
+                                  "in the QoS queue; none is launched until it answers"), said[1]
+    assert "after 20 min 0 s" in said[4][1]
+    w._end_outage()
+    assert said[-1][0] == "info" and "answers again after an outage of 22 min 0 s" in said[-1][1], said[-1]
+    assert "(3 waiting)" in said[-1][1] and w.outage is None
+    clock[0] += 10.0
+    w._enter_outage(why)  # a new outage: logged at once, its reminders counted from it
+    clock[0] += 299.0
+    w._enter_outage(why)
+    assert len(said) == 7 and said[-1][1].startswith(why), said[-2:]
+    assert wmod._span(42.4) == "42 s" and wmod._span(7265) == "2 h 01 min"

@@ -192,6 +192,8 @@ def unreported_grace_s() -> float:
 QUEUED_BY_LABEL = "qosflow.queued_by"
 #: seconds a stage waits in the QoS queue before its run is labelled `QUEUED_BY_LABEL`
 QUEUED_LABEL_AFTER_S = 0.5
+#: seconds between two reminders that the backend's API still does not answer (`_enter_outage`)
+OUTAGE_REMINDER_S = 300.0
 #: heartbeats between two looks for stage runs left Pending by a worker that died (`_recover_orphans`)
 ORPHAN_CHECK_BEATS = 10
 
@@ -312,6 +314,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self.outage: str | None = None
         self._outage_down: set[int] = set()  # nodes marked down for the outage (back up when the API answers)
         self.outages: list[tuple[float, str]] = []  # (time, "down: why" | "up") as the worker saw them (tests)
+        self._outage_since = 0.0  # (self._clock) when the outage began
+        self._outage_said = 0.0  # when it was last logged (`OUTAGE_REMINDER_S`)
+        self._clock = time.monotonic
         #: a setup error that cannot fix itself (`_fatal_setup_error`): the worker stops with it
         self._setup_fatal: BaseException | None = None
 
@@ -1258,10 +1263,17 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         """The backend's API cannot be reached: mark every node down in the scheduler's view, so that
         no stage is placed (and launched) into the outage; stages already running go on. Logged once."""
         sched = self.scheduler
+        now = self._clock()
         if self.outage is None:
             self._logger.warning("%s: no stage is launched until it answers (stages waiting stay in the QoS queue; "
                                  "stages already running go on); checking at every heartbeat", why)
             self.outages.append((time.time(), f"down: {why}"))
+            self._outage_since = self._outage_said = now
+        elif now - self._outage_said >= OUTAGE_REMINDER_S:  # a long outage is not silent after its first line
+            self._outage_said = now
+            self._logger.warning("the backend's API still does not answer after %s (%s): %d stage(s) wait in the QoS "
+                                 "queue; none is launched until it answers", _span(now - self._outage_since), why,
+                                 self._waiting())
         self.outage = why
         if sched is None:
             return
@@ -1274,7 +1286,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         """The backend's API answers again: the nodes marked down for the outage come back (the health
         just read then marks down the ones that really are), and the waiting stages are placed."""
         sched = self.scheduler
-        self._logger.info("the backend's API answers again (after: %s): stages are launched again", self.outage)
+        self._logger.info("the backend's API answers again after an outage of %s (%s): stages are launched again "
+                          "(%d waiting)", _span(self._clock() - self._outage_since), self.outage, self._waiting())
         self.outage = None
         self.outages.append((time.time(), "up"))
         if sched is not None:
@@ -1282,6 +1295,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 sched.state.set_node_down(i, False)
             sched.wake()
         self._outage_down.clear()
+
+    def _waiting(self) -> int:
+        """Stages waiting in the QoS queue."""
+        return len(self.scheduler.queued()) if self.scheduler is not None else 0
 
     def _node_event(self, name: str, node: str, payload: dict[str, Any]) -> None:
         from prefect.events import emit_event
@@ -1764,6 +1781,16 @@ def _unreachable(exc: BaseException) -> bool:
     from qosflow.backends.kubernetes import BackendUnreachable
 
     return isinstance(exc, (BackendUnreachable, ConnectionError))
+
+
+def _span(s: float) -> str:
+    """A duration for a log line: '42 s', '7 min 5 s', '2 h 03 min'."""
+    s = max(0, int(round(s)))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 def _fatal_setup_error(exc: BaseException) -> bool:
