@@ -555,3 +555,27 @@ def test_a_long_api_outage_is_logged_every_5_minutes_and_its_end_with_its_durati
     w._enter_outage(why)
     assert len(said) == 7 and said[-1][1].startswith(why), said[-2:]
     assert wmod._span(42.4) == "42 s" and wmod._span(7265) == "2 h 01 min"
+
+
+def test_a_cluster_that_does_not_share_gpus_gives_shared_stages_whole_gpus():
+    """A Kubernetes block's default sharing is 'none': every pod asks for whole nvidia.com/gpu devices.
+    The worker still let the policy put a fractional or shareable stage on a GPU another stage held,
+    so the pod got a device of its own the policy counted as free (or did not fit)."""
+    from types import SimpleNamespace
+
+    from qosflow.core.qos import QoSSpec
+    from qosflow.prefect.worker import _whole_gpus_only
+
+    none, shared = SimpleNamespace(shares_gpus=False), SimpleNamespace(shares_gpus=True)
+    frac = QoSSpec(gpus=1, gpu_milli=250)
+    pair = QoSSpec(gpus=2, shareable=True)
+    cpu = QoSSpec(gpus=0)
+    spec, why = _whole_gpus_only(frac, none)
+    assert (spec.gpu_milli, spec.fractional, spec.shareable) == (1000, False, False) and "250/1000 of a GPU" in why
+    spec, why = _whole_gpus_only(pair, none)
+    assert spec.gpus == 2 and not spec.shareable and "sharing is 'none'" in why
+    assert _whole_gpus_only(cpu, none) == (cpu, "")
+    assert _whole_gpus_only(frac, shared) == (frac, "") and _whole_gpus_only(pair, shared) == (pair, "")
+    assert _whole_gpus_only(frac, object()) == (frac, "")  # backends that share (local, agents)
+    assert not KubernetesBackend(api_client=client.ApiClient(), gpu_sharing="none").shares_gpus
+    assert KubernetesBackend(api_client=client.ApiClient(), gpu_sharing="mps").shares_gpus

@@ -180,6 +180,9 @@ class Backend(ABC):
             except OSError:
                 pass
 
+    #: whether two stages can really share one GPU here (a fractional share, or a co-located pair); a
+    #: backend that cannot gets every stage on whole GPUs of its own (the worker's `_whole_gpus_only`)
+    shares_gpus: bool = True
     #: whether `sync_progress` has anything to do (a backend whose stages write their progress elsewhere)
     syncs_progress: bool = False
     #: seconds between two `sync_progress` rounds of the worker (QOSFLOW_PROGRESS_SYNC_SECONDS overrides it)

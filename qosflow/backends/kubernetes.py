@@ -174,6 +174,9 @@ class KubernetesBackend(Backend):
     def __post_init__(self) -> None:
         if self.gpu_sharing not in ("time-slicing", "mps", "none"):
             raise SpecError("gpu_sharing", f"{self.gpu_sharing!r}: use time-slicing, mps or none")
+        # without the device plugin's sharing (sharing "none"), a pod asks for whole nvidia.com/gpu
+        # devices: two stages the policy put on one GPU would get two devices, or one would not fit
+        self.shares_gpus = self.gpu_sharing != "none"
         if self.gang_scheduler not in (None, "volcano", "kai"):
             raise SpecError("gang_scheduler", f"{self.gang_scheduler!r}: use volcano, kai or nothing")
         from kubernetes import client, config

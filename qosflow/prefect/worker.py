@@ -652,6 +652,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
         name = configuration.stage_name or flow_run.name
         spec = spec_from_job_variables(configuration, where=f"stage {name!r}")
+        spec, why_whole = _whole_gpus_only(spec, self._backend)
+        if why_whole:
+            run_logger.info("stage %s: %s", name, why_whole)
         expected = configuration.expected_duration
         now = time.time()
         job = Job(
@@ -1905,6 +1908,19 @@ def _code(status: Any) -> int:
     if status.kind is ExitKind.OK or status.kind is ExitKind.CANCELLED:
         return 0
     return int(status.code) if status.code not in (None, 0) else 1
+
+
+def _whole_gpus_only(spec: QoSSpec, backend: Any) -> tuple[QoSSpec, str]:
+    """`spec` as the backend can run it: where GPUs cannot be shared (a Kubernetes cluster block with
+    sharing "none": every pod gets whole devices) a fractional or shareable stage gets whole GPUs of its
+    own, and why, for its log; otherwise `spec` unchanged and ""."""
+    if getattr(backend, "shares_gpus", True) or spec.gpus == 0 or not (spec.fractional or spec.shareable):
+        return spec, ""
+    was = f"{spec.gpu_milli}/1000 of a GPU" if spec.fractional else "a shareable GPU"
+    return spec.with_(gpu_milli=1000, shareable=False), (
+        f"asked for {was}, but this cluster does not share GPUs (its block's sharing is 'none': the NVIDIA device "
+        "plugin gives each pod whole devices), so it runs on a whole GPU of its own; set sharing='time-slicing' "
+        "or 'mps' on the cluster block where the device plugin is configured for it")
 
 
 def _ready_time(flow_run: Any, now: float) -> float:
