@@ -35,9 +35,8 @@ def why_waiting(state: ClusterState, js: JobState, largest: int | None = None) -
     q = js.job.qos
     if not state.down.any():
         return _why_waiting_up(state, q, largest)
-    cand = _could_hold(state, q)
-    down = cand & state.down
-    if down.any() and not (cand & ~state.down).any():
+    down, all_down = _down_for(state, q)
+    if all_down:
         return f"waiting: {_all_down(state, down)}"
     note = _why_waiting_up(state, q, largest)
     if down.any():
@@ -52,11 +51,15 @@ def hosts_down_note(state: ClusterState, js: JobState) -> str | None:
     would hide that the job cannot start anywhere. Cheap when no host is down."""
     if not state.down.any():
         return None
-    cand = _could_hold(state, js.job.qos)
+    down, all_down = _down_for(state, js.job.qos)
+    return f"waiting: {_all_down(state, down)}" if all_down else None
+
+
+def _down_for(state: ClusterState, q) -> tuple["np.ndarray", bool]:
+    """(the down nodes among those that could hold `q`, whether all of those are down)."""
+    cand = _could_hold(state, q)
     down = cand & state.down
-    if down.any() and not (cand & ~state.down).any():
-        return f"waiting: {_all_down(state, down)}"
-    return None
+    return down, bool(down.any() and not (cand & ~state.down).any())
 
 
 def with_down_causes(note: str, reasons: Mapping[str, str], most: int = 3) -> str:
