@@ -171,12 +171,15 @@ class KubernetesBackend(Backend):
 
     name = "kubernetes"
 
+    @property
+    def shares_gpus(self) -> bool:  # type: ignore[override]
+        """Without the device plugin's sharing (sharing "none") a pod asks for whole nvidia.com/gpu
+        devices: two stages the policy put on one GPU would get two devices, or one would not fit."""
+        return self.gpu_sharing != "none"
+
     def __post_init__(self) -> None:
         if self.gpu_sharing not in ("time-slicing", "mps", "none"):
             raise SpecError("gpu_sharing", f"{self.gpu_sharing!r}: use time-slicing, mps or none")
-        # without the device plugin's sharing (sharing "none"), a pod asks for whole nvidia.com/gpu
-        # devices: two stages the policy put on one GPU would get two devices, or one would not fit
-        self.shares_gpus = self.gpu_sharing != "none"
         if self.gang_scheduler not in (None, "volcano", "kai"):
             raise SpecError("gang_scheduler", f"{self.gang_scheduler!r}: use volcano, kai or nothing")
         from kubernetes import client, config
@@ -335,7 +338,7 @@ class KubernetesBackend(Backend):
             limits: dict[str, str] = {}
             shared = p.gpu_milli < 1000 or bool(p.colocated_with)
             if k_gpus:
-                if shared and self.gpu_sharing != "none":
+                if shared and self.shares_gpus:
                     limits[self.shared_resource] = str(k_gpus)
                 else:
                     limits[GPU] = str(k_gpus)

@@ -328,6 +328,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         except Exception:
             return None
 
+    async def _setup(self) -> QoSScheduler:
+        """`_ensure_qos`, remembering a setup error that cannot fix itself (`_fatal_setup_error`: a missing
+        or invalid block) in `_setup_fatal`, which stops the worker."""
+        try:
+            return await self._ensure_qos()
+        except Exception as exc:
+            if _fatal_setup_error(exc):
+                self._setup_fatal = exc
+            raise
+
     async def _ensure_qos(self) -> QoSScheduler:
         """Build the backend, the cluster and the scheduler once (after the worker synced its pool)."""
         async with self._qos_setup_lock:
@@ -457,21 +467,20 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 # set up as soon as the pool is known, not at the first stage: a restarted worker must
                 # recover its leases (adopt the stages still running) even if no new stage ever comes
                 try:
-                    await self._ensure_qos()
+                    await self._setup()
                 except Exception as exc:
                     if self._stopping:
                         return
-                    if _fatal_setup_error(exc):
+                    end = "" if str(exc).endswith((".", "?", "!")) else "."
+                    if self._setup_fatal is exc:
                         # a block that is missing or fails validation does not fix itself: retrying every 5 s
                         # for ever only filled the log; Prefect's polling loop raises it and the worker stops
-                        self._setup_fatal = exc
                         self._logger.error("qosflow worker setup failed: %s%s This worker stops: fix the block (or the "
-                                           "pool's cluster_block / QOSFLOW_CLUSTER_BLOCK) and start it again",
-                                           exc, "" if str(exc).endswith((".", "?", "!")) else ".")
+                                           "pool's cluster_block / QOSFLOW_CLUSTER_BLOCK) and start it again", exc, end)
                         return
                     self._logger.error(
                         "qosflow worker setup failed: %s%s This worker takes no flow run until that is fixed "
-                        "(runs stay scheduled in the pool); retrying every 5 s", exc, "" if str(exc).endswith((".", "?", "!")) else ".")
+                        "(runs stay scheduled in the pool); retrying every 5 s", exc, end)
                     await asyncio.sleep(5.0)
                     continue
             try:
@@ -550,10 +559,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             raise self._setup_fatal  # (ends Prefect's polling loop: the worker stops with it)
         if self.scheduler is None and self._work_pool is not None:
             try:
-                await self._ensure_qos()
+                await self._setup()
             except Exception as exc:
-                if _fatal_setup_error(exc):
-                    self._setup_fatal = exc
+                if self._setup_fatal is exc:
                     raise
                 self._logger.debug("not taking flow runs, setup failed: %s", exc)
                 return []
@@ -913,12 +921,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     # ------------------------------------------------------------------ leases
     @property
     def _pool_key(self) -> str:
-        """The pool's key in the lease store: its name and the Prefect server's API URL (`pool_key`)."""
-        from prefect.settings import PREFECT_API_URL
+        """The pool's key in the lease store: its name and the Prefect server's API URL (`pool_key`);
+        worked out once (it is asked at every stage's lease and every heartbeat)."""
+        key = getattr(self, "_pool_key_value", None)
+        if key is None:
+            from prefect.settings import PREFECT_API_URL
 
-        from qosflow.store.leases import pool_key
+            from qosflow.store.leases import pool_key
 
-        return pool_key(str(self._work_pool_name), PREFECT_API_URL.value())
+            key = self._pool_key_value = pool_key(str(self._work_pool_name), PREFECT_API_URL.value())
+        return key
 
     async def _open_leases(self) -> Any:
         """The lease store (opened once), None when leases are off."""
@@ -1085,7 +1097,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             runs = [fr for fr in runs if (fr.labels or {}).get(QUEUED_BY_LABEL)]
             online = set()
             if runs:
-                online = {w.name for w in await self.client.read_workers_for_work_pool(pool) if str(getattr(w.status, "value", w.status)).upper() == "ONLINE"}
+                from qosflow.prefect.local import worker_online
+
+                online = {w.name for w in await self.client.read_workers_for_work_pool(pool) if worker_online(w)}
         except Exception as exc:  # (the next heartbeat tries again; said once per kind of failure)
             if str(exc) != self._orphan_error:
                 self._logger.warning("looking for stage runs left by a stopped worker: could not read the pool's runs or workers: %s", exc)
