@@ -16,12 +16,19 @@ from typing import AsyncIterator, Sequence
 
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.placement import Placement
-from qosflow.errors import SpecError
+from qosflow.errors import QosflowError, SpecError
 from qosflow.paths import file_stem
 
 
 #: the killed_reason of stages an agent killed because it is stopping (an infrastructure failure)
 AGENT_STOPPING = "agent shutting down"
+
+
+class BackendUnreachable(QosflowError):
+    """A backend's control plane cannot be reached (the Kubernetes API server: refused, reset, timed out
+    after urllib3's retries). The worker treats it as an outage of the whole cluster, not as a failure
+    of a stage: it launches nothing until the API answers again, and a stage whose launch hit it is
+    placed again then."""
 
 
 class ExitKind(str, Enum):

@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, ProgressCopies, StageHandle, placement_env
+from qosflow.backends.base import Backend, BackendUnreachable, ExitKind, ExitStatus, LaunchSpec, ProgressCopies, StageHandle, placement_env
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.gpu_names import short_gpu_model
 from qosflow.errors import QosflowError, SpecError
@@ -55,12 +55,6 @@ from qosflow.placement_api import PROGRESS_FILE_ENV
 from qosflow.progress import ECHO_ENV, ECHO_PREFIX
 
 log = logging.getLogger("qosflow.backends.kubernetes")
-
-class BackendUnreachable(QosflowError):
-    """The Kubernetes API server cannot be reached (refused, reset, timed out after urllib3's retries).
-    The worker treats it as an outage of the whole cluster, not as a failure of a stage: it launches
-    nothing until the API answers again, and a stage whose launch hit it is placed again then."""
-
 
 def _unreachable_error(e: BaseException, host: str, what: str) -> BackendUnreachable:
     why = getattr(e, "reason", None) or e

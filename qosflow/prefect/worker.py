@@ -36,7 +36,7 @@ from prefect.exceptions import InfrastructureNotFound
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
 from pydantic import Field
 
-from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle
+from qosflow.backends.base import Backend, BackendUnreachable, ExitKind, ExitStatus, LaunchSpec, StageHandle
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.core.qos import QoSSpec
@@ -1795,8 +1795,6 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
 def _unreachable(exc: BaseException) -> bool:
     """Did a backend call fail because its API server cannot be reached (not because of the stage)?"""
-    from qosflow.backends.kubernetes import BackendUnreachable
-
     return isinstance(exc, (BackendUnreachable, ConnectionError))
 
 
