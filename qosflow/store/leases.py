@@ -439,15 +439,6 @@ class LeaseStore:
             s.exec(sa.delete(WorkerPresenceRow).where(WorkerPresenceRow.holder == holder))  # type: ignore[call-overload]
             s.commit()
 
-    def _holder_gone(self, holder: str) -> bool:
-        """Has the process behind `holder` stopped: its presence gone or expired, or it is dead on this host?"""
-        got = _instance(holder)
-        if got is None:
-            return True  # a bare name: written by a worker before holder ids (the old rule: its name's to adopt)
-        with Session(self.engine) as s:
-            row = s.get(WorkerPresenceRow, holder)
-        return row is None or row.expires_at < time.time() or _process_gone(row.host, row.pid)
-
     def take_over(self, lease_id: str, old_holder: str, new_holder: str, ttl_s: float, *, force: bool = False) -> bool:
         """Move an expired lease (or one of our own, or with `force` one of a stopped process of our
         name) to `new_holder`; exactly one contender wins."""
@@ -488,11 +479,13 @@ class LeaseStore:
         from qosflow.backends.base import StageHandle
 
         out: list[tuple[Lease, StageHandle | None]] = []
+        # the processes whose presence is live (a holder written before holder ids, a bare name, has none)
+        live = {r.holder for r in self.live_workers(pool)}
         for lease in self.leases(pool):
             if lease.backend and lease.backend != backend.name:
                 continue
             # an earlier process of this worker's name (stopped, or dead on this host) left it: ours at once
-            mine = lease.holder == holder or (holder_name(lease.holder) == holder_name(holder) and self._holder_gone(lease.holder))
+            mine = lease.holder == holder or (holder_name(lease.holder) == holder_name(holder) and lease.holder not in live)
             if not mine and not lease.expired:
                 continue  # a live worker holds it (another name, or another live process of this name)
             if not self.take_over(lease.lease_id, lease.holder, holder, ttl_s, force=mine):
