@@ -827,3 +827,30 @@ def test_a_bad_unreported_end_grace_is_an_error_naming_it(monkeypatch):
         monkeypatch.setenv("QOSFLOW_UNREPORTED_END_GRACE_S", bad)
         with pytest.raises(QosflowError, match=f"QOSFLOW_UNREPORTED_END_GRACE_S='{bad}': expected a number >= 0"):
             unreported_grace_s()
+
+
+def test_a_stage_gives_back_its_lease_before_the_policy_may_place_another_stage_on_its_slot():
+    """CI failure: the worker freed the policy's slot first and released the lease after (in a thread); a
+    stage placed on the slot in between found the old lease and was refused (its early check was skipped).
+    The lease goes first, and the policy's slot is freed even if the release fails."""
+    from types import SimpleNamespace
+
+    from qosflow.prefect.worker import QosflowWorker
+
+    order: list[str] = []
+
+    class Leases:
+        def release(self, lid):
+            order.append(f"lease {lid}")
+            if lid == "L2":
+                raise RuntimeError("database is away")
+
+    w = QosflowWorker(work_pool_name="free-test")
+    w.leases = Leases()
+    w.scheduler = SimpleNamespace(release=lambda fid, ok: order.append(f"slot {fid} {ok}"))
+    w._lease_ids.update(a="L1", b="L2", c="L3")
+    asyncio.run(w._free("a", ok=True))
+    asyncio.run(w._free("b", ok=False))  # the release fails: the lease expires; the slot is still freed
+    asyncio.run(w._free("c", ok=True, lease=False))  # left running at a stop: the next worker adopts its lease
+    assert order == ["lease L1", "slot a True", "lease L2", "slot b False", "slot c True"]
+    assert w._lease_ids == {"c": "L3"}

@@ -775,8 +775,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             try:
                 handle = await self._backend.launch(launch)
             except Exception as exc:
-                sched.release(fid, ok=False)
-                await self._release_lease(fid)
+                await self._free(fid, ok=False)
                 await label_task
                 if not _unreachable(exc):
                     raise
@@ -799,10 +798,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 status = await self._backend.wait(handle)
             finally:
                 ended = time.time()
-                sched.release(fid, ok=True)
                 self._unregister(fid)
-                if fid not in self._left_running:  # (left running at a stop: the next worker adopts it)
-                    await self._release_lease(fid)
+                # (left running at a stop: the next worker adopts it, lease and all)
+                await self._free(fid, ok=True, lease=fid not in self._left_running)
             if self._stopping and not status.ok:  # killed by the stop: back in the queue already (_requeue_in_flight)
                 if label_task is not None:
                     await label_task
@@ -989,6 +987,17 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             backend=self._backend.name if self._backend else "", shareable=shareable,
         )
         self._lease_ids[fid] = lease.lease_id
+
+    async def _free(self, fid: str, ok: bool, lease: bool = True) -> None:
+        """Give a stage's slot back: its lease first, then the policy's slot. The other order lets the
+        policy place a waiting stage on the slot while this stage's lease still holds it; that stage's
+        lease is then refused (SlotTaken) and it has to plan again (an early check was skipped so)."""
+        try:
+            if lease:
+                await self._release_lease(fid)
+        finally:
+            if self.scheduler is not None:
+                self.scheduler.release(fid, ok=ok)
 
     async def _lease_handle(self, fid: str, handle: StageHandle) -> None:
         lid = self._lease_ids.get(fid)
@@ -1392,24 +1401,33 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                    expected_duration=check_s, meta=dict(job.meta, early_check=True))
         centry = StageEntry(JobState(cjob), f"{entry.name} (early check)", fid, entry.pipeline, None, ready_at=entry.ready_at)
         t0 = time.time()
-        try:
-            grant = await sched.request(centry)
-        except StageCancelled:
-            return {}
-        launch = LaunchSpec(
-            stage_id=f"{fid}-check", command=command, placement=grant.placement, cluster=sched.cluster,
-            env={**env, "QOSFLOW_EARLY_CHECK": "1", "QOSFLOW_EARLY_CHECK_SECONDS": f"{check_s:g}"}, cwd=cwd, cpusets=grant.cpusets,
-            labels={"prefect.io/flow-run-id": fid, "prefect.io/flow-run-name": str(flow_run.name), "qosflow.io/early-check": "true"},
-        )
-        info = sched.describe_grant(centry)
-        try:
-            await self._acquire_lease(fid, launch, small.shareable)
-            handle = await self._backend.launch(launch)
-        except Exception as exc:
-            sched.release(fid, ok=False)
-            await self._release_lease(fid)
-            run_logger.warning("stage %s: early check not run (%s); placing it for real", entry.name, exc)
-            return {}
+        from qosflow.store.leases import SlotTaken
+
+        for tries_left in range(5, -1, -1):
+            try:
+                grant = await sched.request(centry)
+            except StageCancelled:
+                return {}
+            launch = LaunchSpec(
+                stage_id=f"{fid}-check", command=command, placement=grant.placement, cluster=sched.cluster,
+                env={**env, "QOSFLOW_EARLY_CHECK": "1", "QOSFLOW_EARLY_CHECK_SECONDS": f"{check_s:g}"}, cwd=cwd, cpusets=grant.cpusets,
+                labels={"prefect.io/flow-run-id": fid, "prefect.io/flow-run-name": str(flow_run.name), "qosflow.io/early-check": "true"},
+            )
+            info = sched.describe_grant(centry)
+            try:
+                await self._acquire_lease(fid, launch, small.shareable)
+                handle = await self._backend.launch(launch)
+                break
+            except Exception as exc:
+                await self._free(fid, ok=False)  # (no lease if it was refused)
+                if isinstance(exc, SlotTaken) and tries_left:
+                    # another worker on this pool booked the slot first: learn its leases and plan the check again
+                    run_logger.info("stage %s (early check): %s", entry.name, exc)
+                    await self._sync_foreign()
+                    await asyncio.sleep(0.05)
+                    continue
+                run_logger.warning("stage %s: early check not run (%s); placing it for real", entry.name, exc)
+                return {}
         run_logger.info("stage %s: early check on %s (GPUs %s, %g core%s) for up to %gs before it takes %d GPU(s)",
                         entry.name, info["host"], ",".join(info["gpus"]) or "-", info["cpu_cores"],
                         "" if info["cpu_cores"] == 1 else "s", check_s, spec.gpus)
@@ -1438,9 +1456,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 status = await waiter
                 passed = True
         finally:
-            sched.release(fid, ok=True)
             self._unregister(fid)
-            await self._release_lease(fid)
+            await self._free(fid, ok=True)
             self._backend.drop_progress(f"{fid}-check")
         took = time.time() - t0
         rec = {"flow_run_id": fid, "stage": entry.name, "host": info["host"], "seconds": round(took, 3), "check_s": check_s}
