@@ -662,3 +662,29 @@ def test_a_bad_priority_says_what_an_integer_priority_means():
     with pytest.raises(SpecError, match=r"'urgent' is not a priority class; .* or an integer \(as in traces, larger is "
                                         r"more important: 2 or more critical, 1 guaranteed, 0 normal, below 0 best-effort\)"):
         qos_task(priority="urgent")
+
+
+def test_a_pipeline_forecast_counts_the_time_its_stages_take_to_start():
+    """The forecast put a waiting stage's start at its dependencies' end, but a stage starts seconds
+    later (its flow run is created, a worker picks it up, it waits in the QoS queue): with short stages
+    the forecast was far too early. It now adds the median start gap measured on the run so far."""
+    from qosflow.prefect.tasks import PipelineRun, StageRecord
+
+    run = PipelineRun("p", "fid", deadline=100, priority=None, pool=None,
+                      plan={"a": [], "b": ["a"], "c": ["b"]}, expected={"a": 10.0, "b": 10.0, "c": 10.0})
+    t0 = run.started
+    fc = run.forecast()
+    assert fc.overhead == 0.0 and fc.finish == pytest.approx(t0 + 30.0, abs=0.5)  # nothing measured yet
+    a = StageRecord("a", "tr-a", (), 10.0, 0.0, t0, state="completed")
+    a.started, a.ended = t0 + 3.0, t0 + 13.0  # started 3 s after the pipeline did
+    run.add(a)
+    b = StageRecord("b", "tr-b", ("a",), 10.0, 0.0, t0 + 13.5, state="running")
+    b.started = t0 + 18.0  # 5 s after a ended
+    run.add(b)
+    fc = run.forecast()
+    assert fc.overhead == pytest.approx(4.0)  # the median of 3 and 5
+    # b ends at 28; c starts 4 s later and runs 10 s
+    assert fc.finish == pytest.approx(max(time.time(), t0 + 28.0) + 4.0 + 10.0, abs=0.2)
+    assert fc.remaining_path == ["b", "c"]
+    # a stage whose dependency has not ended is not measured
+    assert run.start_overhead() == pytest.approx(4.0)

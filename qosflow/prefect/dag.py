@@ -83,6 +83,7 @@ class Forecast:
     spread: float  # one standard deviation, seconds
     deadline: float | None
     remaining_path: list[str] = field(default_factory=list)
+    overhead: float = 0.0  # counted before each stage still to start (seconds)
 
     @property
     def at_risk(self) -> bool:
@@ -106,9 +107,12 @@ def forecast(
     done: Mapping[str, float],
     running: Mapping[str, float],
     deadline: float | None,
+    overhead: float = 0.0,
 ) -> Forecast:
     """Completion forecast: finished stages at their end times, running ones at start + expected
-    (never before now), waiting ones after their dependencies. Spreads add along the critical path."""
+    (never before now), waiting ones `overhead` seconds after their dependencies (the time from a
+    stage's dependencies ending to it starting: its dispatch, the worker's pickup, its QoS queue).
+    Spreads add along the critical path."""
     fin: dict[str, float] = {}
     var: dict[str, float] = {}
     prev: dict[str, str | None] = {}
@@ -121,21 +125,22 @@ def forecast(
         for d in node.deps:
             if d in fin and (dep_best is None or fin[d] > fin[dep_best]):
                 dep_best = d
-        start = fin[dep_best] if dep_best else now
         if n in running:
             start = running[n]
+        else:
+            start = max(now, fin[dep_best] if dep_best else now) + max(0.0, overhead)
         fin[n] = max(now, start + node.expected)
         var[n] = (var[dep_best] if dep_best else 0.0) + node.spread**2
         prev[n] = dep_best
     if not fin:
-        return Forecast(now, 0.0, deadline)
+        return Forecast(now, 0.0, deadline, overhead=overhead)
     last = max(fin, key=lambda k: fin[k])
     path = []
     cur: str | None = last
     while cur is not None and cur not in done:
         path.append(cur)
         cur = prev.get(cur)
-    return Forecast(fin[last], math.sqrt(var[last]), deadline, list(reversed(path)))
+    return Forecast(fin[last], math.sqrt(var[last]), deadline, list(reversed(path)), overhead=overhead)
 
 
 def nodes_from_plan(plan: Mapping[str, Sequence[str]], expected: Mapping[str, float], default: float = 60.0) -> dict[str, StageNode]:

@@ -29,6 +29,7 @@ import inspect
 import json
 import math
 import os
+import statistics
 import sys
 import threading
 import time
@@ -241,7 +242,22 @@ class PipelineRun:
                     done[key] = r.ended
                 elif r.started is not None or r.placed is not None:
                     running[key] = r.started or r.placed or now
-        return forecast(nodes, now=now, done=done, running=running, deadline=self.deadline_at)
+            overhead = self.start_overhead()
+        return forecast(nodes, now=now, done=done, running=running, deadline=self.deadline_at, overhead=overhead)
+
+    def start_overhead(self) -> float:
+        """The median time this pipeline's stages took from their dependencies ending (the pipeline's
+        start, for the first ones) to their start: the dispatch of the stage's flow run, the worker's
+        pickup and the QoS queue, seconds a stage's predicted duration does not cover. 0 before a stage
+        has started. (Call with the lock held.)"""
+        ends = {r.name: r.ended for r in self.stages.values()}
+        gaps = []
+        for r in self.stages.values():
+            if r.started is None or any(ends.get(d) is None for d in r.deps if d in ends):
+                continue
+            ready = max((ends[d] for d in r.deps if d in ends), default=self.started)
+            gaps.append(max(0.0, r.started - ready))
+        return float(statistics.median(gaps)) if gaps else 0.0
 
     def check_at_risk(self) -> None:
         """While a stage runs: the at-risk event once the forecast finish passes the deadline (with
@@ -278,6 +294,10 @@ class PipelineRun:
             if fc.remaining_path and not final:
                 lines.append("")
                 lines.append("Critical path left: " + " → ".join(fc.remaining_path))
+                if fc.overhead >= 0.05:
+                    lines.append("")
+                    lines.append(f"Each stage still to start is counted from {fc.overhead:.1f}s after its dependencies end: "
+                                 "the median on this run so far (its dispatch, the worker's pickup, the QoS queue).")
             from prefect.artifacts import create_markdown_artifact
 
             # a stage's end and its successor's dispatch come within a second of each other: one
