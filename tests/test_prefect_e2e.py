@@ -531,3 +531,39 @@ def _stage_runs_named_like(suffix: str) -> list:
     with _client() as c:
         return [r for r in c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=suffix)))
                 if (r.name or "").endswith(suffix)]
+
+
+def test_a_stage_run_created_as_its_creation_fails_is_cancelled_not_left_to_run(qos_worker, tmp_path, monkeypatch):
+    """The server created the stage's run but the pipeline never learned it (Ctrl-C during the request,
+    or its answer lost): the run was left Scheduled, and a worker ran the stage with nobody waiting for
+    it. The pipeline now finds it by the creation's idempotency key and cancels it, and deletes its payload."""
+    import prefect.deployments
+
+    import prefect_pipelines as pp
+    from qosflow.prefect import stage
+    from qosflow.prefect.tasks import qos_flow
+
+    real = prefect.deployments.run_deployment
+    created: list = []
+
+    def lost_answer(*a, **kw):
+        created.append(real(*a, **kw))
+        raise RuntimeError("the server's answer was lost")
+
+    monkeypatch.setattr(prefect.deployments, "run_deployment", lost_answer)
+    deleted: list[str] = []
+    real_delete = stage.delete_payload
+    monkeypatch.setattr(stage, "delete_payload", lambda key: (deleted.append(key), real_delete(key)))
+
+    @qos_flow(name="e2e-lost-answer")
+    def pipeline():
+        return pp.sleeper(str(tmp_path / "never.pid"))
+
+    with pytest.raises(RuntimeError, match="answer was lost"):
+        pipeline()
+    [fr] = created
+    assert deleted == [fr.parameters["payload"]]
+    with _client() as c:
+        _eventually(lambda: c.read_flow_run(fr.id).state.is_cancelled(), timeout=60)
+    time.sleep(1.0)
+    assert not [r for r in qos_worker.worker.records if r["flow_run_id"] == str(fr.id) and r["exit"] == "ok"]

@@ -33,6 +33,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -692,15 +693,27 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         deadline_at=deadline_at,
     )
     t0 = time.monotonic()  # a stage's timeout counts from its call, as Prefect's does: its time in the queue included
-    fr = run_deployment(
-        deployment,
-        parameters={"payload": key, "stage": name, "pipeline": pipeline or ""},
-        flow_run_name=f"{pipeline or 'stage'}.{name}",
-        tags=[t for t in task.tags if not t.startswith("qos:")] + qos_tags(spec, expected_duration=task.expected_duration),
-        job_variables=jv,
-        timeout=0,  # created, not waited for: wait_for_stage waits (and says so when no worker takes it)
-        as_subflow=True,
-    )
+    # a key of this call alone: if the creation is interrupted (Ctrl-C) or its answer lost, the run the
+    # server may have created all the same is found by it and cancelled, not left to run unwatched
+    idem = f"qosflow-stage-{uuid.uuid4()}"
+    try:
+        fr = run_deployment(
+            deployment,
+            parameters={"payload": key, "stage": name, "pipeline": pipeline or ""},
+            flow_run_name=f"{pipeline or 'stage'}.{name}",
+            tags=[t for t in task.tags if not t.startswith("qos:")] + qos_tags(spec, expected_duration=task.expected_duration),
+            job_variables=jv,
+            timeout=0,  # created, not waited for: wait_for_stage waits (and says so when no worker takes it)
+            as_subflow=True,
+            idempotency_key=idem,
+        )
+    except BaseException as exc:
+        rec.ended, rec.state = time.time(), "cancelled"
+        _cancel_created_run(idem, f"its pipeline stopped while creating it ({type(exc).__name__})", name, _run_logger("qosflow.dispatch"))
+        delete_payload(key)
+        if run is not None:
+            run.publish_forecast()
+        raise
     rec.flow_run_id = str(fr.id)
     try:
         fr = wait_for_stage(fr, pool, name, timeout_s=task.stage_timeout_seconds, since=t0,
@@ -877,6 +890,32 @@ def wait_for_stage(fr: Any, pool: str, name: str, *, poll: float = 0.25, timeout
         # crash lands here, not in a task runner's cancel event; the stage must not run on without it
         _cancel_stage_run(fr.id, f"its pipeline stopped waiting for it ({type(exc).__name__})", name, logger)
         raise
+
+
+def _cancel_created_run(idempotency_key: str, why: str, name: str, logger: Any, *, look_s: float = 2.0) -> str | None:
+    """Cancel the stage run created with `idempotency_key`, if the server has one: its creation was
+    interrupted, or failed after the server took it. Looks for up to `look_s` seconds (the request may
+    still be on its way). Returns the run's id, or None. Never raises an Exception."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterIdempotencyKey
+
+    end = time.monotonic() + look_s
+    try:
+        with get_client(sync_client=True) as client:
+            while True:
+                found = client.read_flow_runs(flow_run_filter=FlowRunFilter(idempotency_key=FlowRunFilterIdempotencyKey(any_=[idempotency_key])), limit=1)
+                if found or time.monotonic() >= end:
+                    break
+                time.sleep(0.25)
+    except Exception as exc:  # noqa: BLE001 - say so, do not hang on it
+        logger.warning("stage %s: could not look for the run its interrupted creation may have left: %s", name, exc)
+        return None
+    if not found:
+        return None
+    fid = found[0].id
+    done = _cancel_stage_run(fid, why, name, logger)
+    logger.warning("stage %s: its run %s was created as the pipeline stopped: %s", name, fid, done)
+    return str(fid)
 
 
 def _cancel_stage_run(flow_run_id: Any, why: str, name: str, logger: Any, *, wait_s: float = 0.0) -> str:
