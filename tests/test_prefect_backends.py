@@ -854,3 +854,35 @@ def test_a_stage_gives_back_its_lease_before_the_policy_may_place_another_stage_
     asyncio.run(w._free("c", ok=True, lease=False))  # left running at a stop: the next worker adopts its lease
     assert order == ["lease L1", "slot a True", "lease L2", "slot b False", "slot c True"]
     assert w._lease_ids == {"c": "L3"}
+
+
+def test_an_adopted_stage_gives_back_its_lease_before_the_policy_may_place_another_stage_on_its_slot():
+    """The same race as `_free`'s, in the stages a restarted worker adopted: their watcher freed the
+    policy's slot first and released the lease after (in a thread), so a waiting stage placed on the slot
+    in between was refused its lease and planned again. The lease goes first there too; a stage the
+    policy could not take in (not allocated) only gives back its lease, and a stop keeps it."""
+    from types import SimpleNamespace
+
+    from qosflow.backends.base import ExitKind, ExitStatus, StageHandle
+    from qosflow.prefect.worker import QosflowWorker
+
+    order: list[str] = []
+
+    class Leases:
+        def release(self, lid):
+            order.append(f"lease {lid}")
+
+    class Backend:
+        async def wait(self, handle):
+            return ExitStatus(ExitKind.CANCELLED, None, "ended")
+
+    w = QosflowWorker(work_pool_name="adopted-free-test")
+    w.leases, w._backend = Leases(), Backend()
+    w.scheduler = SimpleNamespace(release=lambda fid, ok: order.append(f"slot {fid} {ok}"))
+    for fid, lid in (("a", "L1"), ("b", "L2")):
+        w._lease_ids[fid] = lid
+        w._register(fid, StageHandle(fid, "agent", "h", ref={}))
+    asyncio.run(w._watch_adopted("a", w._handles["a"], allocated=True))
+    asyncio.run(w._watch_adopted("b", w._handles["b"], allocated=False))
+    assert order == ["lease L1", "slot a True", "lease L2"]
+    assert w._handles == {} and w._lease_ids == {}

@@ -1182,10 +1182,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             status = await self._backend.wait(handle)
             ended = True
         finally:
-            if allocated and self.scheduler is not None:
-                self.scheduler.release(fid, ok=True)
             self._unregister(fid)
-            if ended or not self._stopping:  # (the worker stops: the stage runs on, for the next worker to adopt)
+            release = ended or not self._stopping  # (the worker stops: the stage runs on, for the next worker to adopt)
+            if allocated:  # the lease first, then the policy's slot (`_free`)
+                await self._free(fid, ok=True, lease=release)
+            elif release:
                 await self._release_lease(fid)
         if status.kind is ExitKind.INFRA:
             await self._reschedule(fid, f"qosflow: infrastructure failure of an adopted stage ({status.reason}); placed again")
