@@ -886,3 +886,62 @@ def test_an_adopted_stage_gives_back_its_lease_before_the_policy_may_place_anoth
     asyncio.run(w._watch_adopted("b", w._handles["b"], allocated=False))
     assert order == ["lease L1", "slot a True", "lease L2"]
     assert w._handles == {} and w._lease_ids == {}
+
+
+def test_a_kill_that_fails_does_not_end_the_workers_watch_for_cancelled_runs(caplog):
+    """A cancelled stage whose kill raised (its agent or the API server away) ended the worker's
+    cancellation watch: no later cancel was acted on, silently. The run stays Cancelling, the kill is
+    tried again at the next round (said once), and other runs' cancels go on being acted on."""
+    import logging
+    import uuid
+    from types import SimpleNamespace
+
+    from prefect.client.schemas.objects import StateType
+
+    from qosflow.backends.base import StageHandle
+    from qosflow.prefect.worker import QosflowWorker
+
+    a, b = str(uuid.uuid4()), str(uuid.uuid4())
+    killed: list[str] = []
+    tries = {"n": 0}
+
+    class Backend:
+        async def kill(self, handle, reason="", grace=None):
+            if handle.stage_id == a:
+                tries["n"] += 1
+                if tries["n"] < 3:
+                    raise ConnectionError("agent host0 does not answer")
+            killed.append(handle.stage_id)
+
+    cancelling = SimpleNamespace(type=StateType.CANCELLING, name="Cancelling", is_final=lambda: False)
+    marked: list[str] = []
+
+    class Client:
+        async def read_flow_runs(self, flow_run_filter=None, **kw):
+            ids = [i for i in (a, b) if i not in marked]
+            return [SimpleNamespace(id=uuid.UUID(i), state=cancelling, labels={}) for i in ids]
+
+        async def set_flow_run_state(self, fid, state, force=False):
+            marked.append(str(fid))
+
+    w = QosflowWorker(work_pool_name="cancel-watch-test")
+    w._backend, w._client = Backend(), Client()
+    w.scheduler = SimpleNamespace(entries={}, drop=lambda fid, why: None)
+    for fid in (a, b):
+        w._register(fid, StageHandle(fid, "agent", "host0", ref={}))
+
+    async def watch():
+        task = asyncio.ensure_future(w._watch_cancellations())
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if a in marked:
+                break
+        assert not task.done(), task.exception() if task.done() else None
+        task.cancel()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(watch())
+    assert killed[0] == b and killed[1:] == [a] and tries["n"] == 3  # b at once, a at its third try
+    assert sorted(marked) == sorted([a, b])
+    said = [r.getMessage() for r in caplog.records if "could not stop it yet" in r.getMessage()]
+    assert len(said) == 1 and a in said[0] and "agent host0 does not answer" in said[0]

@@ -289,6 +289,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._stages_in_flight: set[str] = set()  # (the stage runs among them; pipeline runs are not placed)
         self._stopping = False  # set when the worker stops: its stages in flight go back to the pool's queue
         self._left_running: set[str] = set()  # stages left running at a stop, their leases kept for the next worker
+        self._kill_failed: set[str] = set()  # cancelled stage runs whose kill failed (said once; tried again)
         #: what the estimator learned from the stages this worker ran, per stage (the UI's predictor table)
         self._learned: dict[str, dict[str, Any]] = {}
         self._learned_published = -math.inf
@@ -1786,7 +1787,18 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     continue
                 h = self._handles.get(fid)
                 if h is not None and self._backend is not None:
-                    await self._backend.kill(h, "flow run cancelled")
+                    try:
+                        await self._backend.kill(h, "flow run cancelled")
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:
+                        # (an agent or the API server away): the run stays Cancelling and is tried again at
+                        # the next round. Raised here, it ended this watch: no cancel was acted on again
+                        if fid not in self._kill_failed:
+                            self._logger.warning("stage run %s: could not stop it yet (%s); trying again every second", fid, exc)
+                        self._kill_failed.add(fid)
+                        continue
+                    self._kill_failed.discard(fid)
                 elif sched is not None:
                     sched.drop(fid, "flow run cancelled")
                 try:
