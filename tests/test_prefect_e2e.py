@@ -37,6 +37,23 @@ def qos_worker(prefect_server, tmp_path_factory):
     w.stop()
 
 
+@pytest.fixture(autouse=True)
+def _worker_idle_before_each_test(request):
+    """Each test starts with its worker idle. A pipeline returns once its last stage reports its end; the
+    stage's process exits later, and only then does the worker free its GPUs, release its lease and
+    record it. A test that starts meanwhile can find the previous test's stage still on a GPU (its stage
+    or early check goes to the other GPU, and `gpus == "0"` fails) or still in the worker's handles
+    (`_start_and_cancel` took it for its own and cancelled the wrong run)."""
+    for name in ("qos_worker", "elastic_worker"):
+        if name in request.fixturenames:
+            w = request.getfixturevalue(name).worker
+            try:
+                _eventually(lambda: not w._in_flight and not w._handles and not (w.scheduler is not None and w.scheduler.entries),
+                            timeout=120)
+            except AssertionError:
+                raise AssertionError(f"the previous test's stage runs are still in flight on the worker: {sorted(w._in_flight)}") from None
+
+
 def _client():
     from prefect.client.orchestration import get_client
 
@@ -191,12 +208,14 @@ def _start_and_cancel(worker, task, flow_name: str, pidfile: Path) -> str:
     th.start()
     _eventually(lambda: pidfile.exists() and pidfile.read_text(), timeout=120)  # up to 2 min on a loaded machine
     pid = int(pidfile.read_text())
-    fid = _eventually(lambda: next(iter(worker._handles), None))
+    # the run of the process that wrote the pid (not any run the worker holds: another may be exiting)
+    fid = _eventually(lambda: next((f for f, h in list(worker._handles.items()) if h.ref.get("pid") == pid), None))
     with _client() as c:
         c.set_flow_run_state(fid, Cancelling(), force=True)
         _eventually(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z")
         _eventually(lambda: c.read_flow_run(fid).state.is_cancelled(), timeout=30)
     th.join(120)
+    assert not th.is_alive(), "the pipeline did not end after its stage was cancelled"  # (else it ends in a later test's PipelineRun.finished[-1])
     return fid
 
 
