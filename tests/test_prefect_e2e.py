@@ -446,7 +446,7 @@ def _stage_runs_named(suffix: str) -> list:
 
 
 def test_a_stage_past_its_timeout_is_cancelled_and_retried_one_run_at_a_time(qos_worker, tmp_path):
-    """@qos_task(timeout_seconds=4, retries=1) on a stage that sleeps 300 s: Prefect's thread-based timeout
+    """@qos_task(timeout_seconds=12, retries=1) on a stage that sleeps 300 s: Prefect's thread-based timeout
     failed the task attempt but left its stage run Running on its GPU, and the retry started a second copy
     beside it. Each attempt's run is cancelled when the timeout expires (its process killed) before the
     next starts, and the pipeline ends TimedOut."""
@@ -458,21 +458,23 @@ def test_a_stage_past_its_timeout_is_cancelled_and_retried_one_run_at_a_time(qos
     t0 = time.monotonic()
     state = pp.timeout_pipeline(str(path), return_state=True)
     assert state.is_failed() and state.name == "TimedOut", state
-    assert "exceeded its timeout of 4 s" in (state.message or ""), state.message
+    assert "exceeded its timeout of 12 s" in (state.message or ""), state.message
     assert time.monotonic() - t0 < 150
     run = PipelineRun.finished[-1]
     [rec] = run.stages.values()
     assert (rec.state, rec.attempts) == ("timed out", 2)
     runs = _stage_runs_named(f"{run.name}.hangs")
     assert len(runs) == 2 and all(r.state.is_cancelled() for r in runs), [(r.id, r.state) for r in runs]
-    pids = [int(x) for x in path.read_text().split()]
-    assert len(pids) == 2
-    for pid in pids:  # no stage process is left (a zombie is one not yet reaped by the worker's thread)
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    # each attempt's process ran and was stopped (its code too, unless its engine was still starting when
+    # the timeout expired: the timeout counts from the call, its time in the queue and start-up included)
     w = qos_worker.worker
     recs = _eventually(lambda: (lambda rs: rs if len(rs) == 2 else None)(
         sorted((r for r in w.records if r["flow_run_id"] in {str(x.id) for x in runs}), key=lambda r: r["placed"])))
     assert recs[0]["exited"] <= recs[1]["placed"], recs  # the retry started once the first attempt's process was gone
+    pids = [int(x) for x in path.read_text().split()] if path.exists() else []
+    assert len(pids) <= 2
+    for pid in pids:  # no stage process is left (a zombie is one not yet reaped by the worker's thread)
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
 def test_a_stage_s_own_exception_reaches_the_pipeline(qos_worker):
