@@ -181,7 +181,7 @@ PLAN = {
 
 
 @qos_flow(name="retrain", plan=PLAN, log_prints=True)
-def retrain(name: str = "digits", hidden: int = 64, seed: int = 0, qos_deadline: float | None = None, qos_priority: str | None = None) -> dict[str, Any]:
+def retrain(name: str = "digits", hidden: int = 64, seed: int = 0, qos_deadline: float | str | None = None, qos_priority: str | None = None) -> dict[str, Any]:
     data = load_data.submit(seed)
     feats = featurize.submit(data)
     a = train_softmax.submit(feats)
