@@ -268,12 +268,47 @@ def test_unreachable_postgres_is_a_clear_error():
     ("notaurl", "is not a database URL"),            # was ArgumentError traceback
     ("mysql://u:secret@localhost/db", "not 'mysql'"),
     ("postgresql+nodriver://u@localhost/db", "unknown database driver"),
+    ("postgresql+psycopg://u:secret@localhost:54x2/db", "its port is not a number"),  # was a ValueError traceback
 ])
 def test_bad_database_url_says_what_and_how(url, said):
     with pytest.raises(QosflowError) as err:
         Store.open(url)
     msg = str(err.value)
     assert said in msg and "sqlite:///PATH" in msg and "postgresql+psycopg://" in msg and "secret" not in msg
+
+
+def test_sqlite_url_with_two_slashes_names_the_spellings(tmp_path, monkeypatch):
+    """sqlite://tmp/x.db (a slash short) ended in sqlalchemy's traceback, 'Invalid SQLite URL'."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(QosflowError) as err:
+        Store.open("sqlite://data/q.db")
+    msg = str(err.value)
+    assert "'sqlite://data/q.db' is not a valid sqlite URL" in msg
+    assert "for /data/q.db write sqlite:////data/q.db, for ./data/q.db sqlite:///data/q.db" in msg
+    monkeypatch.setenv("QOSFLOW_DATABASE_URL", "sqlite://data/q.db")
+    with pytest.raises(QosflowError, match=r"from \$QOSFLOW_DATABASE_URL\) is not a valid sqlite URL"):
+        Store.open()
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_store_that_cannot_be_written_tells_a_reader_to_read_a_copy(tmp_path, monkeypatch):
+    """`qosflow predict stages` (a reader) on a store in a directory it may not write (a worker's, a read-only
+    share) was told only "must be writable: fix the permissions", which a reader often cannot do."""
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'q.db'}"
+    Store.open(url).close()
+
+    def read_only(self, target):
+        raise sa.exc.OperationalError("PRAGMA journal_mode=WAL", {}, sqlite3.OperationalError("unable to open database file"))
+
+    monkeypatch.setattr(Store, "_migrate", read_only)
+    with pytest.raises(QosflowError) as err:
+        Store.open(url, must_exist=True)
+    assert "must be writable" in str(err.value) and "copy q.db (with its -wal file" in str(err.value)
+    with pytest.raises(QosflowError) as err:  # a writer gets no such advice
+        Store.open(url)
+    assert "must be writable" in str(err.value) and "copy" not in str(err.value)
 
 
 def test_bad_database_url_from_env_names_the_variable(monkeypatch):

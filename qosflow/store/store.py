@@ -296,6 +296,9 @@ class Store:
             backend = sa.engine.make_url(url).get_backend_name()
         except sa.exc.ArgumentError:
             raise QosflowError(f"{safe!r}{origin} is not a database URL: {how}") from None
+        except ValueError:  # postgresql://u:p@host:543x/db: was a traceback, "invalid literal for int()"
+            raise QosflowError(f"{safe!r}{origin} is not a database URL: its port is not a number (a password with "
+                               f"':', '/' or '@' in it must be URL-encoded: %3A, %2F, %40); {how}") from None
         if backend not in ("sqlite", "postgresql"):
             raise QosflowError(f"cannot open {safe}{origin}: qosflow stores its data in SQLite or PostgreSQL, "
                                f"not {backend!r}: {how}")
@@ -312,6 +315,14 @@ class Store:
                                "postgresql+psycopg:// uses psycopg 3 (pip install 'psycopg[binary]')") from exc
         except sa.exc.NoSuchModuleError as exc:
             raise QosflowError(f"cannot open {safe}{origin}: unknown database driver ({exc}): {how}") from None
+        except sa.exc.ArgumentError:  # e.g. sqlite://tmp/x.db: was sqlalchemy's traceback, 'Invalid SQLite URL'
+            how_sqlite = how
+            if backend == "sqlite":
+                how_sqlite = "sqlite:///RELATIVE/PATH or sqlite:////ABSOLUTE/PATH (three slashes, then the path)"
+                rest = url.split("://", 1)[-1].lstrip("/")
+                if rest:
+                    how_sqlite += f": for /{rest} write sqlite:////{rest}, for ./{rest} sqlite:///{rest}"
+            raise QosflowError(f"{safe!r}{origin} is not a valid {backend} URL: give {how_sqlite}") from None
         except OSError as exc:
             raise QosflowError(f"cannot open {safe}{origin}: cannot create the directory "
                                f"{exc.filename or ''} ({exc.strerror or exc}): {how} in a writable place") from None
@@ -324,6 +335,9 @@ class Store:
             if backend == "sqlite":
                 hint = ("; the database file and its directory must be writable (SQLite also writes -wal and -shm "
                         f"files beside it): fix the permissions or {how}")
+                if must_exist and path:  # a reader (`qosflow predict stages`) of a store it may not write
+                    hint += (f"; to read a store you may not write, copy {os.path.basename(path)} (with its -wal "
+                             "file, if there is one) to a writable directory and give the copy")
             raise QosflowError(f"cannot open the qosflow database {safe}{origin}: {exc.orig}{hint}") from exc
         except BaseException:  # e.g. a schema newer than this qosflow: no pooled connection left behind
             engine.dispose()
