@@ -433,3 +433,38 @@ def test_json_output_that_is_the_targets_module_or_the_store_is_refused(stage_mo
         err = " ".join(capsys.readouterr().err.split())
         assert says in err, err
     assert src.read_text() == code and db.read_bytes() == store_bytes
+
+
+
+@pytest.mark.parametrize("target, meant", [
+    ("toy_stage.py:train", "toy_stage:train"),
+    ("./pkg/toy_stage.py:train", "pkg.toy_stage:train"),
+    ("pkg/toy_stage:train", "pkg.toy_stage:train"),
+])
+def test_profile_target_given_as_a_file_path_names_the_module_spelling(stage_module, capsys, target, meant):
+    """`qosflow profile mystages/train.py:train` said "no module named 'mystages/train.py'"."""
+    assert main(["profile", target, "--steps", "2", "--cores", "1", "--no-store"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"invalid target: {target!r} names a file" in err and err.endswith(f"current directory: {meant}"), err
+
+
+def test_profile_missing_function_lists_the_modules_stages_and_the_closest(stage_module, capsys):
+    """The list of "its functions" held what the module imported (qos_task) but not its @qos_task stages,
+    the likeliest targets (Prefect tasks, not functions)."""
+    (stage_module / "toy_qos_mod.py").write_text(textwrap.dedent("""
+        import qosflow
+        from qosflow import qos_task
+        from os.path import join
+
+        @qos_task(gpus=0, cpu_cores=1, expected_duration=30)
+        def train_model(steps=3):
+            for _ in qosflow.track(range(steps)):
+                pass
+
+        def helper():
+            pass
+    """))
+    assert main(["profile", "toy_qos_mod:train_modle", "--steps", "2", "--cores", "1", "--no-store"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "has no function 'train_modle' (did you mean toy_qos_mod:train_model?)" in err, err
+    assert err.endswith("its functions and stages: helper, train_model"), err

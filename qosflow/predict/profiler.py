@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from qosflow.core.gpu_names import CPU_ONLY, short_gpu_model
@@ -143,8 +144,18 @@ except Exception as exc:
     fail(f"importing module {mod!r} failed: {type(exc).__name__}: {exc} (fix the module; the end of its traceback follows)")
 f = getattr(m, fn, None)
 if f is None:
-    names = [n for n in dir(m) if not n.startswith("_") and inspect.isfunction(getattr(m, n))]
-    fail(f"module {mod!r} ({getattr(m, '__file__', '?')}) has no function {fn!r}; its functions: {names[:20]}")
+    # what could be meant: the module's own functions and its @qos_task stages (a Prefect task, not a function,
+    # was left out while the functions it imported, qos_task itself, were listed)
+    def _own(obj):
+        if getattr(obj, "qos_fn", None) is not None:
+            obj = obj.qos_fn
+        return inspect.isfunction(obj) and getattr(obj, "__module__", None) == m.__name__
+    names = [n for n in dir(m) if not n.startswith("_") and _own(getattr(m, n))]
+    import difflib
+    near = difflib.get_close_matches(fn, names, n=1)
+    fail(f"module {mod!r} ({getattr(m, '__file__', '?')}) has no function {fn!r}"
+         + (f" (did you mean {mod}:{near[0]}?)" if near else "")
+         + (f"; its functions and stages: {', '.join(names[:20])}" if names else "; it defines no function"))
 if not callable(f):
     fail(f"{target} is not a function (it is a {type(f).__name__!r} object)")
 inner = getattr(f, "qos_fn", None)
@@ -179,6 +190,21 @@ def _check_target(target: str) -> None:
     mod, sep, fn = target.partition(":")
     if not sep or not mod or not fn or not fn.isidentifier():
         raise SpecError("target", f"{target!r} is not MODULE:FUNCTION (e.g. mypkg.train:step_loop)")
+    if "/" in mod or "\\" in mod or (mod.endswith(".py") and os.path.isfile(mod)):
+        # a file path (what `prefect deploy` takes): was "no module named 'mystages/train.py'"
+        p = Path(mod)
+        if p.is_absolute():
+            try:
+                p = p.relative_to(Path.cwd())
+            except ValueError:
+                pass
+        parts = [x for x in (p.with_suffix("") if p.suffix == ".py" else p).parts if x != "."]
+        if p.is_absolute() or ".." in parts or not all(x.isidentifier() for x in parts):
+            raise SpecError("target", f"{target!r} names a file; TARGET is MODULE:FUNCTION, the module's dotted name "
+                            f"as imported from the current directory: cd to the directory that holds its package "
+                            f"and give PACKAGE.MODULE:{fn}")
+        raise SpecError("target", f"{target!r} names a file; TARGET is MODULE:FUNCTION, the module's dotted name as "
+                        f"imported from the current directory: {'.'.join(parts)}:{fn}")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
