@@ -468,3 +468,38 @@ def test_profile_missing_function_lists_the_modules_stages_and_the_closest(stage
     err = " ".join(capsys.readouterr().err.split())
     assert "has no function 'train_modle' (did you mean toy_qos_mod:train_model?)" in err, err
     assert err.endswith("its functions and stages: helper, train_model"), err
+
+
+def test_profile_and_stages_refuse_an_in_memory_database(stage_module, tmp_path, capsys, monkeypatch):
+    """`--db sqlite://` (a path left out) measured, said "stored 2 samples in sqlite://", and the samples were gone
+    with the process; `predict stages` showed that empty database. Refused before the measurements."""
+    for url in ("sqlite://", "sqlite:///:memory:"):
+        for argv in (["profile", "toy_stage:train", "--steps", "2", "--cores", "1", "--db", url],
+                     ["predict", "stages", "--db", url]):
+            assert main(argv) == 2, argv
+            out = capsys.readouterr()
+            err = " ".join(out.err.split())
+            assert f"invalid --db: '{url}' is an in-memory SQLite database" in err and "give a file" in err, err
+            assert "step time" not in out.out
+    monkeypatch.setenv("QOSFLOW_DATABASE_URL", "sqlite://")
+    assert main(["predict", "stages"]) == 2
+    assert "invalid $QOSFLOW_DATABASE_URL: 'sqlite://' is an in-memory" in " ".join(capsys.readouterr().err.split())
+    assert main(["profile", "toy_stage:train", "--steps", "2", "--cores", "1", "--no-store"]) == 0  # stores nothing
+
+
+def test_predict_stages_signature_hint_covers_profiled_stages_and_the_profile_spelling(stage_module, tmp_path, capsys):
+    """A store holding only a profile of a @qos_task stage (MODULE.FUNCTION/bsN): `--signature MODULE.FUNCTION`
+    said "no completed run ... yet: stages are recorded by a qosflow worker", though the table lists it;
+    `--signature MODULE:FUNCTION` (how `qosflow profile` names it) found nothing either."""
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    store = Store.open(url)
+    for sig in ("toy_stage.train", "toy_stage.train_big/bs32"):
+        store.add_sample(signature=sig, gpu_type="cpu", placement="consolidated", gpus=0, cpu_cores=1,
+                         step_time_s=0.01, source="profile")
+    store.close()
+    for given, meant in (("toy_stage.train_big", "'toy_stage.train_big/bs32'"),
+                         ("toy_stage:train", "'toy_stage.train'"),
+                         ("toy_stage:train_big", "'toy_stage.train_big/bs32'")):
+        assert main(["predict", "stages", "--db", url, "--signature", given]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"no completed run of signature '{given}'" in out and f"did you mean {meant}?" in out, out

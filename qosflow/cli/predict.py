@@ -123,7 +123,8 @@ def stages_cmd(
     Reads the qosflow store a worker writes to (its default estimator, `learned`): runs and durations,
     the duration it would predict now from them and on what basis (a stage that declares an
     expected_duration has it blended in as a prior), how far the predictions the stages were scheduled
-    on were off (MAPE), and how many step-time samples it has, solo and shared with another stage.
+    on were off (MAPE), and how many step-time samples it has: solo, shared with another stage, and from
+    `qosflow profile` (a signature only profiled so far is listed too).
 
     Examples:
 
@@ -140,12 +141,16 @@ def stages_cmd(
     if json_out is not None:
         _check_output_file(json_out)
         check_not_an_input(json_out, {"--db": _sqlite_file(db)})  # the store a worker writes to
+    _refuse_in_memory(db)
     store = Store.open(db, must_exist=True)
     try:
         rows = stage_report(store, signature=signature)
         where = store.safe_url
         # a signature not in the store: the ones it has (the table's), to say which was meant
-        known = sorted({h.signature for h in store.stage_history() if h.signature and h.state == "COMPLETED"}) \
+        # (with those only `qosflow profile` measured, which the table lists too: were left out, so a profiled
+        # stage's signature without its /bsN got "no completed run ... yet" and no hint)
+        known = sorted({h.signature for h in store.stage_history() if h.signature and h.state == "COMPLETED"}
+                       | {s.signature for s in store.samples_for() if s.source == "profile"}) \
             if signature and not rows else []
     finally:
         store.close()
@@ -157,7 +162,11 @@ def stages_cmd(
 
             # those it begins (the batch size a @qos_task's signature carries is easy to leave out:
             # MODULE.FUNCTION/bsN), else the closest
-            near = [k for k in known if k.startswith(signature)] or [k for k in [closest_name(signature, known)] if k]
+            # MODULE:FUNCTION (what `qosflow profile` takes) is stored as MODULE.FUNCTION
+            dotted = signature.replace(":", ".")
+            near = [dotted] if dotted in known else \
+                [k for k in known if k.startswith(signature) or k.startswith(dotted)] \
+                or [k for k in [closest_name(dotted, known)] if k]
             meant = (f"did you mean {' or '.join(repr(k) for k in near[:3])}?" if near
                      else f"it has {len(known)} other signature(s): `qosflow predict stages` without --signature lists them")
             console.print(f"no completed run of {what} in {where}; {meant}", style="yellow", highlight=False)
@@ -224,6 +233,7 @@ def profile_cmd(
     if not no_store:
         from qosflow.store import Store
 
+        _refuse_in_memory(db)
         store = Store.open(db)
     console = Console()
     try:
@@ -285,6 +295,28 @@ def _sqlite_file(db: str | None) -> str | None:
             home = os.environ.get("QOSFLOW_HOME")
             return os.path.join(home, "qosflow.db") if home else None  # the user's data directory: not a --json typo
     return db.split("///", 1)[1] if db.startswith("sqlite") and "///" in db else None
+
+
+def _refuse_in_memory(db: str | None) -> None:
+    """A SQLite URL without a file (sqlite://, sqlite:///:memory:) is a database that ends with this command:
+    `qosflow profile` said "stored 2 samples in sqlite://" and they were gone, `predict stages` showed an
+    empty store. Nothing else reads such a database, so it is refused, naming where the URL came from."""
+    import os
+
+    from qosflow.errors import SpecError
+
+    url, option = db, "--db"
+    if not url:
+        url, option = os.environ.get("QOSFLOW_DATABASE_URL"), "$QOSFLOW_DATABASE_URL"
+    if not url or not url.strip().lower().startswith("sqlite"):
+        return
+    url = url.strip()
+    path = url.split("///", 1)[1] if "///" in url else url.split("://", 1)[-1]
+    if path in ("", ":memory:") or path.startswith(":memory:?"):
+        raise SpecError(option, f"{url!r} is an in-memory SQLite database: it holds nothing a worker or `qosflow "
+                                "profile` stored, and what this command stores there is gone when it ends; give a "
+                                "file, sqlite:////ABSOLUTE/PATH/qosflow.db, or leave the URL out for the qosflow.db in "
+                                "$QOSFLOW_HOME")
 
 
 def _module_file(target: str) -> str | None:
