@@ -359,6 +359,31 @@ def test_unreachable_api_or_bad_kubeconfig_says_where_and_what_to_fix(tmp_path):
         KubernetesBackend(kubeconfig=str(tmp_path / "nokube"), cluster_name="k8s-a100")
 
 
+def test_every_call_to_an_unreachable_api_says_so_alike(tmp_path):
+    """The unreachable API server was recognised in three places (node list, launch, wait): a stage's
+    kill or adoption raised urllib3's 'Max retries exceeded', which the worker did not take for an
+    outage. Every call of the backend now raises BackendUnreachable, saying what it was doing."""
+    import socket
+
+    from qosflow.backends.base import BackendUnreachable, StageHandle
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    cfg = client.Configuration()
+    cfg.host = f"http://127.0.0.1:{port}"
+    cfg.retries = 0
+    be = KubernetesBackend(api_client=client.ApiClient(cfg), cluster_name="k8s-a100")
+    handle = StageHandle("s1", be.name, "gpu-0", {"namespace": "default", "jobs": ["qosflow-s1"], "podgroup": None})
+    where = rf"cluster 'k8s-a100': cannot reach the API server at http://127.0.0.1:{port} to"
+    with pytest.raises(BackendUnreachable, match=where + " list its nodes .*api_url or kubeconfig"):
+        run(be.healthy_nodes())
+    with pytest.raises(BackendUnreachable, match=where + " delete job "):
+        run(be.kill(handle))
+    with pytest.raises(BackendUnreachable, match=where + " list job "):
+        run(be.adopt("s1"))
+
+
 def test_unreachable_api_is_one_message_not_urllib3_retry_warnings(caplog):
     """With the client's default retries, every call to an unreachable API server logged urllib3's
     'Retrying (Retry(total=2, ...)) after connection broken by ...' three times before qosflow's error,

@@ -56,11 +56,6 @@ from qosflow.progress import ECHO_ENV, ECHO_PREFIX
 
 log = logging.getLogger("qosflow.backends.kubernetes")
 
-def _unreachable_error(e: BaseException, host: str, what: str) -> BackendUnreachable:
-    why = getattr(e, "reason", None) or e
-    return BackendUnreachable(f"cannot reach the Kubernetes API server at {host} to {what} ({why})")
-
-
 LABEL_STAGE = "qosflow.dev/stage-id"
 LABEL_JOB = "qosflow.dev/job"
 ANN_STAGE = "qosflow.dev/stage-id"
@@ -201,7 +196,11 @@ class KubernetesBackend(Backend):
         self.stats = {"watch_410": 0, "api_5xx_retried": 0, "adopted_409": 0, "wait_api_unreachable": 0}
 
     # ------------------------------------------------------------------ API calls with retries
-    def _call(self, fn, *args, **kw):
+    def _call(self, fn, *args, _doing: str | None = None, **kw):
+        """fn(*args, **kw), with 429/5xx answers retried. An API server that cannot be reached (refused,
+        reset, timed out after urllib3's retries) raises `BackendUnreachable`, saying what it was
+        `_doing` (default: fn's name), for every call of this backend alike."""
+        import urllib3
         from kubernetes.client.exceptions import ApiException
 
         # bounded: an API server that accepts no connection (a black-holed address) held a worker
@@ -217,6 +216,14 @@ class KubernetesBackend(Backend):
                         time.sleep(0.05 * 2**i)
                         continue
                     raise
+                except (urllib3.exceptions.HTTPError, OSError) as e:
+                    why = getattr(e, "reason", None) or e
+                    doing = _doing or getattr(fn, "__name__", "call it").replace("_namespaced", "").replace("_", " ")
+                    exc = BackendUnreachable(f"Kubernetes cluster {self.cluster_name!r}: cannot reach the API server at {self._api_host} "
+                                             f"to {doing} ({why}). Is the cluster up, and does the cluster block's api_url or "
+                                             "kubeconfig/context point at it?")
+                    exc.reason = str(why)
+                    raise exc from None
 
     async def _acall(self, fn, *args, **kw):
         return await asyncio.to_thread(self._call, fn, *args, **kw)
@@ -263,12 +270,11 @@ class KubernetesBackend(Backend):
 
     async def _list_nodes(self) -> list:
         """The nodes; an unreachable API server or refused credentials is an error saying where and what to fix."""
-        import urllib3
         from kubernetes.client.exceptions import ApiException
 
         host = self._api_host
         try:
-            return (await self._acall(self.core.list_node, label_selector=self._selector())).items
+            return (await self._acall(self.core.list_node, label_selector=self._selector(), _doing="list its nodes")).items
         except ApiException as e:
             if e.status in (401, 403):
                 fix = ("its credentials were refused: check the kubeconfig's user/token" if e.status == 401 else
@@ -276,10 +282,6 @@ class KubernetesBackend(Backend):
                 raise QosflowError(f"Kubernetes cluster {self.cluster_name!r}: the API server at {host} answered {e.status} {e.reason} "
                                    f"to listing nodes; {fix}") from None
             raise
-        except (urllib3.exceptions.HTTPError, OSError) as e:
-            why = getattr(e, "reason", None) or e
-            raise BackendUnreachable(f"Kubernetes cluster {self.cluster_name!r}: cannot reach the API server at {host} ({why}). Is the "
-                                     "cluster up, and does the cluster block's api_url or kubeconfig/context point at it?") from None
 
     async def inventory(self) -> ClusterSpec:
         nodes = await self._list_nodes()
@@ -403,15 +405,9 @@ class KubernetesBackend(Backend):
     async def launch(self, spec: LaunchSpec) -> StageHandle:
         """Create the stage's Job(s). An unreachable API server raises `BackendUnreachable` (nothing or
         part of the stage was created: the same attempt id launched again adopts what exists)."""
-        import urllib3
-
-        try:
-            return await self._launch(spec)
-        except (urllib3.exceptions.HTTPError, OSError) as e:
-            raise _unreachable_error(e, self._api_host, f"launch stage {spec.stage_id}") from None
-
-    async def _launch(self, spec: LaunchSpec) -> StageHandle:
         from kubernetes.client.exceptions import ApiException
+
+        doing = f"launch stage {spec.stage_id}"
 
         jobs, pg = self.manifests(spec)
         ref: dict[str, Any] = {
@@ -428,18 +424,19 @@ class KubernetesBackend(Backend):
             if pg is not None:
                 group, version = pg["apiVersion"].split("/")
                 try:
-                    await self._acall(self.custom.create_namespaced_custom_object, group, version, self.namespace, "podgroups", pg)
+                    await self._acall(self.custom.create_namespaced_custom_object, group, version, self.namespace, "podgroups", pg,
+                                      _doing=doing)
                 except ApiException as e:
                     if e.status != 409:
                         raise
                 ref["podgroup"] = {"group": group, "version": version, "name": pg["metadata"]["name"]}
             for j in jobs:  # back to back: every pod of the gang exists before any can finish
                 try:
-                    await self._acall(self.batch.create_namespaced_job, self.namespace, j)
+                    await self._acall(self.batch.create_namespaced_job, self.namespace, j, _doing=doing)
                 except ApiException as e:
                     if e.status != 409:
                         raise
-                    cur = await self._acall(self.batch.read_namespaced_job, j["metadata"]["name"], self.namespace)
+                    cur = await self._acall(self.batch.read_namespaced_job, j["metadata"]["name"], self.namespace, _doing=doing)
                     if (cur.metadata.annotations or {}).get(ANN_STAGE) != spec.stage_id:
                         raise QosflowError(f"Job {j['metadata']['name']} exists in {self.namespace} and belongs to another stage") from None
                     self.stats["adopted_409"] += 1  # this very attempt already exists: adopt it, never start it twice
@@ -484,7 +481,6 @@ class KubernetesBackend(Backend):
             return self._wait_loop(handle, stop)
 
     def _wait_loop(self, handle: StageHandle, stop: threading.Event) -> ExitStatus:
-        import urllib3
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
@@ -499,8 +495,8 @@ class KubernetesBackend(Backend):
                 log.warning("listing pods of %s: %s", handle.stage_id, e.reason)
                 time.sleep(0.5)
                 continue
-            except (urllib3.exceptions.HTTPError, OSError) as e:  # API server unreachable (urllib3's retries ran
-                # out): the pods run on without us, so keep waiting for them, saying so once per outage
+            except BackendUnreachable as e:  # (urllib3's retries ran out): the pods run on without us, so keep
+                # waiting for them, saying so once per outage
                 if outage is None:
                     outage = time.monotonic()
                     log.warning("Kubernetes cluster %r: cannot reach the API server at %s while waiting for stage %s (%s); "
@@ -669,7 +665,7 @@ class KubernetesBackend(Backend):
         for ns in {h.ref["namespace"] for h in handles}:
             try:
                 pods = (await self._acall(self.core.list_namespaced_pod, ns, label_selector=MANAGED_SELECTOR)).items
-            except (ApiException, OSError, ValueError) as exc:
+            except (ApiException, BackendUnreachable, ValueError) as exc:
                 log.debug("progress: listing pods in %s: %s", ns, exc)
                 continue
             for p in pods:
@@ -683,7 +679,7 @@ class KubernetesBackend(Backend):
             try:
                 kw = {} if seen is None else {"tail_lines": PROGRESS_TAIL_LINES}
                 text = await self._acall(self.core.read_namespaced_pod_log, pods[0].metadata.name, handle.ref["namespace"], **kw)
-            except (ApiException, OSError, ValueError) as exc:
+            except (ApiException, BackendUnreachable, ValueError) as exc:
                 log.debug("progress of %s: %s", handle.stage_id, exc)
                 return
             new = []
