@@ -945,3 +945,55 @@ def test_a_kill_that_fails_does_not_end_the_workers_watch_for_cancelled_runs(cap
     assert sorted(marked) == sorted([a, b])
     said = [r.getMessage() for r in caplog.records if "could not stop it yet" in r.getMessage()]
     assert len(said) == 1 and a in said[0] and "agent host0 does not answer" in said[0]
+
+
+def test_a_stage_cancelled_while_it_is_being_launched_is_killed_once_launched_not_dropped():
+    """A stage run set Cancelling after the policy placed it but before its process was registered (its
+    lease and launch under way): the watch dropped it from the scheduler, which freed its slot while the
+    process was still started, and marked the run Cancelled, so that process was never killed. It is
+    left alone until its handle is registered, then killed and marked Cancelled."""
+    import uuid
+    from types import SimpleNamespace
+
+    from prefect.client.schemas.objects import StateType
+
+    from qosflow.backends.base import StageHandle
+    from qosflow.core.job import JobStatus
+    from qosflow.prefect.worker import QosflowWorker
+
+    fid = str(uuid.uuid4())
+    killed: list[str] = []
+    dropped: list[str] = []
+    marked: list[str] = []
+
+    class Backend:
+        async def kill(self, handle, reason="", grace=None):
+            killed.append(handle.stage_id)
+
+    cancelling = SimpleNamespace(type=StateType.CANCELLING, name="Cancelling", is_final=lambda: False)
+
+    class Client:
+        async def read_flow_runs(self, flow_run_filter=None, **kw):
+            return [] if fid in marked else [SimpleNamespace(id=uuid.UUID(fid), state=cancelling, labels={})]
+
+        async def set_flow_run_state(self, flow_run_id, state, force=False):
+            marked.append(str(flow_run_id))
+
+    w = QosflowWorker(work_pool_name="cancel-launching-test")
+    w._backend, w._client = Backend(), Client()
+    placed = SimpleNamespace(state=SimpleNamespace(status=JobStatus.RUNNING))  # granted: its lease and launch under way
+    w.scheduler = SimpleNamespace(entries={fid: placed}, drop=lambda f, why: dropped.append(f))
+
+    async def watch():
+        task = asyncio.ensure_future(w._watch_cancellations())
+        await asyncio.sleep(2.3)  # two rounds while it is being launched
+        assert (dropped, marked, killed) == ([], [], [])
+        w._register(fid, StageHandle(fid, "local", "host0", ref={"pid": 12345}))  # launched
+        for _ in range(30):
+            await asyncio.sleep(0.1)
+            if marked:
+                break
+        task.cancel()
+
+    asyncio.run(watch())
+    assert (killed, marked, dropped) == ([fid], [fid], [])

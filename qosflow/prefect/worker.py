@@ -1754,10 +1754,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         from prefect.client.schemas.objects import StateType
         from prefect.states import Cancelled
 
+        launching: set[str] = set()  # cancelled while placed but not launched yet (no handle): seen again next round
         while True:
             await asyncio.sleep(1.0)
             sched = self.scheduler
-            ids = set(self._handles) | (set(sched.entries) if sched else set())
+            ids = set(self._handles) | (set(sched.entries) if sched else set()) | launching
             ids = {i for i in ids if _is_uuid(i)}  # one id that is not a flow run's would fail the whole query
             if not ids:
                 continue
@@ -1765,11 +1766,13 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 runs = await self.client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(ids))))
             except Exception:
                 continue
+            launching &= {str(fr.id) for fr in runs}
             for fr in runs:
                 if fr.state is None:
                     continue
                 fid = str(fr.id)
                 if fr.state.type is not StateType.CANCELLING:
+                    launching.discard(fid)
                     e = sched.entries.get(fid) if sched is not None else None
                     holder = (fr.labels or {}).get(QUEUED_BY_LABEL)
                     if e is not None and e.state.status is JobStatus.PENDING and fid not in self._handles:
@@ -1786,6 +1789,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                         sched.drop(fid, why)
                     continue
                 h = self._handles.get(fid)
+                e = sched.entries.get(fid) if sched is not None else None
+                if h is None and e is not None and e.state.status is not JobStatus.PENDING:
+                    # placed, its lease and launch under way (or its slot being given back): dropped here, its
+                    # slot was freed while its process was still started, and that process, its run marked
+                    # Cancelled, was never killed. Its handle is registered by the next round, and killed then
+                    launching.add(fid)
+                    continue
+                launching.discard(fid)
                 if h is not None and self._backend is not None:
                     try:
                         await self._backend.kill(h, "flow run cancelled")
