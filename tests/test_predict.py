@@ -415,6 +415,21 @@ def test_pair_csv_errors_name_file_line_and_column(tmp_path):
         read_pairs_csv(p)
 
 
+def test_pair_csv_row_cut_short_is_an_error_not_an_unmeasured_speed(tmp_path):
+    """A row missing its last cell (a line cut off, a cell left out) was read as speed2 "not measured" and
+    that direction silently left out; a missing cell is not an empty one."""
+    p = tmp_path / "pairs.csv"
+    head = "model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2,gpu_type\n"
+    p.write_text(head + "A,32,1,0.9,B,64,1,0.8,v100\nA,32,1,0.7,C,64,1\n")
+    with pytest.raises(TraceFormatError, match=r"pairs.csv:3: the row has 7 cell\(s\), so no column speed2 \(the "
+                                               r"header has 9\): a cell is missing"):
+        read_pairs_csv(p)
+    # an empty cell is "not measured", and a missing cell that only an ignored column needs is no error
+    p.write_text(head + "A,32,1,0.9,B,64,1,0.8\nA,32,1,0.7,C,64,1,\n")
+    rows = read_pairs_csv(p)
+    assert len(rows) == 2 and math.isnan(rows[1].speed2)
+
+
 def test_pair_csv_implausible_speed_names_line_and_column(tmp_path, capsys):
     """A speed of 50 (a per-cent figure or a throughput) was accepted and evaluated as a 50-fold speed-up."""
     from qosflow.cli.main import main

@@ -295,6 +295,11 @@ def read_pairs_csv(path: str | Path) -> list[PairRow]:
         rec = {c: cells[i].strip() if i < len(cells) else "" for c, i in col.items()}
         if not any(rec.values()):
             continue
+        cut = [c for c in PAIR_COLUMNS if col[c] >= len(cells)]
+        if cut:  # a row cut short: its last speed was read as an empty cell, "not measured", and left out silently
+            raise TraceFormatError(path, lineno, f"the row has {len(cells)} cell(s), so no column {', '.join(cut)} "
+                                   f"(the header has {len(header)}): a cell is missing or the line was cut off; a "
+                                   "speed that was not measured is an empty cell, not a missing one")
         vals = {}
         for c in PAIR_COLUMNS:
             v = rec[c]
