@@ -187,10 +187,14 @@ def _check_steps(fn: str, arg: str, step, total) -> tuple[int, int | None]:
 
 
 def _check_resumed(fn: str, arg: str, done: int, total: int | None) -> tuple[int, int | None]:
+    from qosflow.errors import SpecError
+
     done = _whole(fn, arg, done)
     total = None if total is None else _whole(fn, "total", total)
     if done < 0:
         raise ValueError(f"{fn}: {arg} must be >= 0 (the steps an earlier run did), got {done}")
+    if total is not None and total < 0:  # was "start=0 is more than the run's total of -1 steps"
+        raise SpecError("total", f"must be >= 0 (the run's number of steps) or None (unknown), got {total}", where=fn)
     if total is not None and done > total:
         raise ValueError(f"{fn}: {arg}={done} is more than the run's total of {total} steps")
     return done, total

@@ -80,6 +80,11 @@ def test_a_resumed_run_says_where_it_starts(monkeypatch, tmp_path):
         qosflow.report_resumed(12, 10)
     with pytest.raises(ValueError, match=r"start=5 is more than the run's total of 4 steps"):
         qosflow.track(range(3), total=4, start=5)
+    # a negative total is named as such (was "start=0 is more than the run's total of -1 steps")
+    with pytest.raises(ValueError, match=r"track: invalid total: must be >= 0 .* got -1"):
+        qosflow.track(range(3), total=-1)
+    with pytest.raises(ValueError, match=r"report_resumed: invalid total: must be >= 0 .* got -2"):
+        qosflow.report_resumed(0, -2)
     monkeypatch.delenv(ENV_VAR)  # checked whether or not a worker reads the progress
     with pytest.raises(ValueError, match="start must be >= 0"):
         qosflow.track(range(3), start=-1)
