@@ -280,6 +280,8 @@ def test_profile_table_without_gpu_fits_100_columns(stage_module, capsys, monkey
     out = " ".join(capsys.readouterr().out.split())
     assert "no GPU" in out and "n/a (no GPU)" not in out and "GPU util" not in out
     assert "2 steps reached" in out and "CPU cores" in out
+    # the CPU time is mostly the process starting up, not the steps: said under the table
+    assert "CPU time and wall: the whole run of the function's process, with Python's start-up" in out
 
 
 def test_predict_stages_shows_what_finished_stages_taught(tmp_path, capsys):

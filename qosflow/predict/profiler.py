@@ -4,9 +4,10 @@ The function runs in a child process, once per configuration (by default two CPU
 with os.sched_setaffinity), for at most `steps` reported steps or `budget_s` seconds, whichever comes
 first. It reports steps through `qosflow.track` / `qosflow.report_progress` (the child sets
 QOSFLOW_PROGRESS_FILE); if it accepts a `steps` (or `max_steps`, `num_steps`) argument it is given
-N+1: the first step is treated as warm-up, the next N are measured. Step times, CPU time and -- when NVML finds a GPU -- GPU utilisation and
-memory are stored as samples. Without a GPU this is said plainly and only CPU time is profiled: no GPU
-number is ever made up.
+N+1: the first step is treated as warm-up, the next N are measured. Step times and -- when NVML finds a GPU
+-- GPU utilisation and memory are stored as samples; the CPU time and wall time reported (not stored) cover
+the whole child process, start-up and imports included. Without a GPU this is said plainly and only CPU
+time is profiled: no GPU number is ever made up.
 """
 
 from __future__ import annotations
