@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -125,15 +126,20 @@ def test_restart_recovers_from_leases(db_url, pool):
 
 WORKER = textwrap.dedent(
     """
-    import json, random, sys, time
+    import json, os, random, sys, time
     from qosflow.backends.base import LaunchSpec
     from qosflow.core.cluster import ClusterSpec
     from qosflow.core.placement import Placement
     from qosflow.store.leases import LeaseStore, LeaseError
-    url, pool, name, n, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    url, pool, name, n, seed, gate = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     rnd = random.Random(seed)
     cluster = ClusterSpec.uniform(2, 2, virtual=True, prefix="h")
     st = LeaseStore(url=url)
+    st.leases(pool)  # connected
+    open(f"{gate}.{name}", "w").close()  # ready: both start their loops together
+    end = time.monotonic() + 60
+    while not os.path.exists(gate) and time.monotonic() < end:
+        time.sleep(0.005)
     held, conflicts = [], 0
     for i in range(n):
         k = rnd.choice([1, 1, 2])
@@ -158,10 +164,18 @@ def test_two_workers_never_double_book(db_url, pool, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     LeaseStore(url=db_url).engine.dispose()  # create tables before the race
+    gate = tmp_path / "go"
     procs = [
-        subprocess.Popen([sys.executable, str(script), db_url, pool, f"w{i}", "150", str(i)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, str(script), db_url, pool, f"w{i}", "150", str(i), str(gate)], stdout=subprocess.PIPE, text=True)
         for i in range(2)
     ]
+    # both loops start together: on a loaded machine one process's start-up (imports, connecting) could
+    # take longer than the other's whole loop, and nothing was contended
+    end = time.monotonic() + 60
+    while not all(os.path.exists(f"{gate}.w{i}") for i in range(2)):
+        assert time.monotonic() < end and all(p.poll() is None for p in procs), "the workers did not start"
+        time.sleep(0.01)
+    gate.touch()
     outs = [json.loads(p.communicate(timeout=100)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert all(o["held"] for o in outs), "each worker booked something"
