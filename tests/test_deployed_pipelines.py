@@ -27,3 +27,76 @@ def test_the_example_flow_takes_a_duration_string_as_its_run_deadline():
     jsonschema.validate({"qos_deadline": "5min"}, schema)
     jsonschema.validate({"qos_deadline": 300}, schema)
     assert retrain.validate_parameters({"qos_deadline": "5min"})["qos_deadline"] == "5min"
+
+
+# ------------------------------------------------------------------------------------ the pipeline's pool
+@qos_task(gpus=0, cpu_cores=1, expected_duration=1)
+def deployed_step(x):
+    return x + 1
+
+
+@qos_flow(name="deployed-pipe")
+def deployed_pipe(x: int = 1):
+    return deployed_step(x)
+
+
+def _pools(*pools):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    from qosflow.prefect.local import pool_template
+
+    async def mk():
+        async with get_client() as c:
+            for name, typ in pools:
+                try:
+                    await c.create_work_pool(WorkPoolCreate(name=name, type=typ, base_job_template=pool_template() if typ == "qosflow" else {}))
+                except ObjectAlreadyExists:
+                    pass
+
+    asyncio.run(mk())
+
+
+def _run_as_deployed(flow, pool: str):
+    """Run `flow` in this process as the run of a deployment on `pool` that a worker took would run."""
+    from prefect.client.orchestration import get_client
+    from prefect.flow_engine import run_flow
+
+    with get_client(sync_client=True) as c:
+        fr = c.create_flow_run(flow, work_pool_name=pool)
+    return run_flow(flow, flow_run=fr, return_type="state")
+
+
+def test_a_pipeline_deployed_on_a_qosflow_pool_sends_its_stages_there_without_qosflow_pool(prefect_server, monkeypatch, caplog):
+    """A deployment on the qosflow pool whose job variables do not set QOSFLOW_POOL (deployments/prefect.yaml
+    without its `env:`, or `flow.deploy(work_pool_name="gpu")`) ran every stage in the pipeline's own process,
+    unplaced: no GPU slot, no QoS, nothing said (user review: the run Completed with no stage run). It now
+    dispatches them to the pool it was deployed on, and says so; a run deployed on a pool of another type
+    still runs its stages in-process."""
+    import qosflow.prefect.tasks as tasks
+
+    _pools(("deployed-gpu", "qosflow"), ("deployed-proc", "process"))
+    monkeypatch.delenv("QOSFLOW_POOL", raising=False)
+    seen = []
+    monkeypatch.setattr(tasks, "_dispatch", lambda task, run, pool, args, kwargs: seen.append(pool) or "dispatched")
+    with caplog.at_level(logging.INFO):
+        state = _run_as_deployed(deployed_pipe, "deployed-gpu")
+    assert state.is_completed(), state
+    assert seen == ["deployed-gpu"] and state.result() == "dispatched"
+    assert any("stages go to work pool 'deployed-gpu'" in r.getMessage() for r in caplog.records)
+    state = _run_as_deployed(deployed_pipe, "deployed-proc")
+    assert state.is_completed() and state.result() == 2 and seen == ["deployed-gpu"]  # in-process, as before
+
+
+def test_a_misspelt_pool_names_the_pool_it_meant_and_where_the_name_came_from(prefect_server, monkeypatch):
+    """QOSFLOW_POOL: gpus in a deployment's env (the pool is 'gpu') failed the pipeline with "work pool
+    'gpus' does not exist; create it with `qosflow init --pool gpus`": a second pool was the fix it offered.
+    The error now names the qosflow pools there are, the closest one, and that QOSFLOW_POOL named it."""
+    _pools(("deployed-gpu", "qosflow"))
+    monkeypatch.setenv("QOSFLOW_POOL", "deployed-gpus")
+    state = deployed_pipe(return_state=True)
+    assert state.is_failed()
+    msg = str(state.result(raise_on_failure=False))
+    assert "work pool 'deployed-gpus' does not exist" in msg and "did you mean 'deployed-gpu'?" in msg, msg
+    assert "qosflow pools on this server: " in msg and "came from QOSFLOW_POOL" in msg, msg

@@ -603,6 +603,38 @@ _DEPLOYMENTS: set[str] = set()
 _DEPLOY_LOCK = threading.Lock()
 
 
+def _deployed_on_qosflow_pool(flow_run: Any) -> str | None:
+    """The work pool a deployed pipeline run was taken from, when it is a qosflow pool; else None
+    (not deployed, a pool of another type, or the server does not say)."""
+    name = getattr(flow_run, "work_pool_name", None)
+    if not name:
+        return None
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            return name if client.read_work_pool(name).type == "qosflow" else None
+    except Exception:  # noqa: BLE001 - only a default: without it the stages run in-process, as before
+        return None
+
+
+def _missing_pool(client: Any, pool: str) -> SpecError:
+    """The error for a pool that does not exist, with the server's qosflow pools and the one a
+    misspelt name ('gpus' for 'gpu') most likely meant: "create it" alone sent users to make a second pool."""
+    from qosflow.errors import closest_name
+    from qosflow.prefect.local import missing_pool
+
+    msg = str(missing_pool(pool)).split("invalid pool: ", 1)[-1]
+    try:
+        existing = sorted(wp.name for wp in client.read_work_pools() if wp.type == "qosflow")
+    except Exception:  # noqa: BLE001 - a hint only
+        existing = []
+    if existing:
+        near = closest_name(pool, existing)
+        msg += (f", or did you mean {near!r}?" if near else "") + f" (qosflow pools on this server: {', '.join(existing)})"
+    return SpecError("pool", msg)
+
+
 def ensure_stage_deployment(pool: str) -> str:
     """The `qosflow-stage/<pool>` deployment, created on first use."""
     from prefect.client.orchestration import get_client
@@ -618,9 +650,7 @@ def ensure_stage_deployment(pool: str) -> str:
             try:
                 wp = client.read_work_pool(pool)
             except ObjectNotFound:
-                from qosflow.prefect.local import missing_pool
-
-                raise missing_pool(pool) from None
+                raise _missing_pool(client, pool) from None
             if wp.type != "qosflow":
                 raise SpecError(
                     "pool",
@@ -1098,7 +1128,8 @@ def qos_flow(
     `plan` (stage name -> upstream stage names; default: the DAG recorded from the previous run).
     `priority` is the class of stages that do not set one. A flow parameter named `qos_deadline` or
     `qos_priority` overrides them per run; a QoS policy block referenced by the deployment's job
-    variables (`qos_policy`) gives defaults. `pool` defaults to `QOSFLOW_POOL`; with no pool, stages run in-process.
+    variables (`qos_policy`) gives defaults. `pool` defaults to `QOSFLOW_POOL`, else, for a run deployed on
+    a qosflow work pool, that pool; with no pool, stages run in-process.
     """
     if __fn is None:  # @qos_flow(...): the error names the decorator's line, as @qos_task's does
         caller = sys._getframe(1)
@@ -1154,10 +1185,26 @@ def qos_flow(
                 if the_plan and t.name in the_plan and t.expected_duration and t.name not in expected:
                     expected[t.name] = float(t.expected_duration)
             run_pool = pool or os.environ.get("QOSFLOW_POOL")
+            source = "@qos_flow(pool=...)" if pool else "QOSFLOW_POOL" if run_pool else None
+            if not run_pool and not _in_stage_process() and ctx is not None and ctx.flow_run is not None:
+                # deployed on a qosflow pool without QOSFLOW_POOL: its stages ran in the pipeline's own
+                # process, unplaced (no GPU slot, no QoS), without a word
+                run_pool = _deployed_on_qosflow_pool(ctx.flow_run)
+                if run_pool:
+                    source = "the work pool this run was deployed on"
+                    _run_logger("qosflow").info(
+                        "stages go to work pool %r, the qosflow pool this run was deployed on (QOSFLOW_POOL or "
+                        "@qos_flow(pool=...) chooses another)", run_pool)
             if run_pool and not _in_stage_process():
                 # a missing pool or one of another type fails the pipeline here, once: found at a stage's dispatch it
                 # was retried as the stage's error (its retries used up) and the pipeline ended "UnfinishedRun: PENDING"
-                ensure_stage_deployment(run_pool)
+                try:
+                    ensure_stage_deployment(run_pool)
+                except SpecError as exc:
+                    if exc.field != "pool" or source is None:
+                        raise
+                    # say where the name came from: a typo in the deployment's env was answered "create it"
+                    raise SpecError("pool", f"{str(exc).split('invalid pool: ', 1)[-1]}; the pool's name came from {source}") from None
             if policy:
                 _say_what_the_policy_block_sets(policy, d, pr, run_pool)
             run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=run_pool, plan=the_plan, expected=expected)
