@@ -100,3 +100,16 @@ def test_a_misspelt_pool_names_the_pool_it_meant_and_where_the_name_came_from(pr
     msg = str(state.result(raise_on_failure=False))
     assert "work pool 'deployed-gpus' does not exist" in msg and "did you mean 'deployed-gpu'?" in msg, msg
     assert "qosflow pools on this server: " in msg and "came from QOSFLOW_POOL" in msg, msg
+
+
+def test_the_docs_say_a_deployments_qos_policy_is_a_copy_made_at_deploy_time():
+    """docs/prefect.md called the `qos_policy` job variable "a QoS policy block by reference", but
+    `prefect deploy` resolves `{{ prefect.blocks.qosflow-qos-policy.nightly }}` into the block's values:
+    a user who changed the block's deadline_s saw the nightly runs keep the old one."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "prefect.md").read_text()
+    assert "QoS policy block by reference" not in doc
+    assert "`prefect deploy` copies the block's values" in doc and "run\n  `prefect deploy` again" in doc
+    assert "deploy again after changing the block" in (root / "deployments" / "prefect.yaml").read_text()
