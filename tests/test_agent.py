@@ -667,14 +667,17 @@ def test_worker_start_takes_a_cluster_file(tmp_path, monkeypatch, capsys):
         async def start(self):
             return None
 
-    async def pool_ok(pool):
-        return None
+    async def pool_ok(pool, cluster_block=False):
+        seen["checked_block"] = cluster_block
 
     monkeypatch.setattr(local, "require_api_url", lambda who: "http://127.0.0.1:9/api")
     monkeypatch.setattr(local, "check_pool", pool_ok)
     monkeypatch.setattr(worker, "QosflowWorker", FakeWorker)
+    monkeypatch.delenv("QOSFLOW_CLUSTER_BLOCK", raising=False)
+    monkeypatch.delenv("QOSFLOW_CLUSTER_FILE", raising=False)
     assert main(["worker", "start", "--pool", "gpu", "--cluster-file", str(f)]) == 0
     assert seen["cluster_file"] == str(f.resolve()) and seen["work_pool_name"] == "gpu"
+    assert seen["checked_block"] is False  # the file comes first: no cluster block is checked
     (tmp_path / "bad.yaml").write_text("token: x\nhosts:\n  - {name: h}\n")
     assert main(["worker", "start", "--pool", "gpu", "--cluster-file", str(tmp_path / "bad.yaml")]) == 2
     assert "bad.yaml: hosts[0]" in capsys.readouterr().err

@@ -62,21 +62,12 @@ def register(app: typer.Typer) -> None:
             check_estimator_name(estimator)
             check_estimator_import(estimator)  # module:attr: imported here, where the worker will import it
         require_api_url("the qosflow worker")
-        asyncio.run(check_pool(pool))
+        # the pool, and the cluster block the worker will use (--cluster-block, else the pool's own): a
+        # missing or invalid one fails here, as a bad --cluster-file does, not in the worker every 5 s
+        own_block = cluster_file is None and not os.environ.get("QOSFLOW_CLUSTER_BLOCK") and not os.environ.get("QOSFLOW_CLUSTER_FILE")
+        asyncio.run(check_pool(pool, cluster_block=cluster_block or own_block))
         if cluster_block:
-            import httpx
-
-            from qosflow.prefect.worker import load_cluster_block
-
-            try:  # a missing or invalid block fails here, as a bad --cluster-file does (the worker would log it every 5 s)
-                asyncio.run(load_cluster_block(cluster_block))
-            except (httpx.HTTPError, OSError, RuntimeError):
-                pass  # the server does not answer: the worker waits for it and says so
             os.environ["QOSFLOW_CLUSTER_BLOCK"] = cluster_block
-        elif cluster_file is None and not os.environ.get("QOSFLOW_CLUSTER_BLOCK") and not os.environ.get("QOSFLOW_CLUSTER_FILE"):
-            from qosflow.prefect.local import check_pool_cluster_block
-
-            asyncio.run(check_pool_cluster_block(pool))  # the pool's block: a missing or invalid one fails here too
 
         async def main() -> None:
             w = QosflowWorker(work_pool_name=pool, name=name, policy=policy, estimator=estimator, limit=limit, create_pool_if_not_found=False,

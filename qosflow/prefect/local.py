@@ -234,11 +234,16 @@ def check_pool_name(pool: str, option: str = "--pool", *, blocks: bool = False) 
                                 f"Prefect block names take lowercase letters, digits and dashes only; e.g. --pool {like}")
 
 
-async def check_pool(pool: str) -> None:
-    """Fail fast, naming the fix, when `pool` does not exist or is not a qosflow pool. An unreachable
-    server is left to the worker (it keeps trying to connect)."""
+async def check_pool(pool: str, *, cluster_block: str | bool = False) -> None:
+    """Fail fast, naming the fix, when `pool` does not exist or is not a qosflow pool; with
+    `cluster_block`, also when the cluster block the worker would use is missing or invalid (the
+    worker would log it every 5 s): that name, or with True the pool's own `cluster_block` (unless
+    its `cluster_file` comes first). The pool is read once. An unreachable server is left to the
+    worker (it keeps trying to connect)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
+
+    from qosflow.errors import SpecError
 
     try:
         async with get_client() as client:
@@ -249,30 +254,24 @@ async def check_pool(pool: str) -> None:
         return
     if wp.type != "qosflow":
         raise wrong_pool_type(pool, wp.type)
-
-
-async def check_pool_cluster_block(pool: str) -> None:
-    """Fail fast, naming the block and the fix, when the cluster block the pool's worker would use (the pool's
-    cluster_block, unless its cluster_file comes first) is missing or invalid: the worker would log it every 5 s.
-    An unreachable server, or an error that is not the block's, is left to the worker."""
-    from qosflow.errors import SpecError
-
-    try:
-        defaults = await pool_variable_defaults(pool)
-    except (httpx.HTTPError, OSError, RuntimeError):
-        return
-    name = defaults.get("cluster_block")
-    if not name or defaults.get("cluster_file"):
+    if cluster_block is True:
+        defaults = _variable_defaults(wp)
+        name, of_pool = (None if defaults.get("cluster_file") else defaults.get("cluster_block")), True
+    else:
+        name, of_pool = cluster_block or None, False
+    if not name:
         return
     from qosflow.prefect.worker import load_cluster_block
 
     try:
         await load_cluster_block(name)
     except SpecError as exc:
+        if not of_pool:
+            raise
         raise SpecError("cluster_block", f"work pool {pool!r} names cluster block {name!r}: "
                                          f"{str(exc).removeprefix('invalid cluster_block: ')}") from None
     except (httpx.HTTPError, OSError, RuntimeError):
-        return
+        return  # the server does not answer: the worker waits for it and says so
 
 
 def worker_online(worker: Any) -> bool:
@@ -325,6 +324,10 @@ async def pool_variable_defaults(pool: str) -> dict[str, Any]:
             return {}
     if wp.type != "qosflow":
         return {}
+    return _variable_defaults(wp)
+
+
+def _variable_defaults(wp: Any) -> dict[str, Any]:
     props = ((wp.base_job_template or {}).get("variables") or {}).get("properties") or {}
     return {k: p["default"] for k, p in props.items() if isinstance(p, dict) and "default" in p}
 
