@@ -339,19 +339,26 @@ def test_volcano_gang_all_or_nothing():
     assert bound == []  # all or nothing: not even the member that would fit was bound
 
 
+def _dead_api(retries: int | None = None) -> tuple[int, "client.Configuration"]:
+    """A free local port nothing listens on, and an API client configuration pointing at it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = client.Configuration()
+    cfg.host = f"http://127.0.0.1:{port}"
+    if retries is not None:
+        cfg.retries = retries
+    return port, cfg
+
+
 @emulator_only
 def test_unreachable_api_or_bad_kubeconfig_says_where_and_what_to_fix(tmp_path):
     """A wrong api_url/port or a missing kubeconfig: the worker's set-up error was urllib3's
     'HTTPConnectionPool(...): Max retries exceeded' or kubernetes' 'Invalid kube-config file. No
     configuration found.' with no word of which cluster or which setting; now both name them."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here
-    cfg = client.Configuration()
-    cfg.host = f"http://127.0.0.1:{port}"
-    cfg.retries = 0
+    port, cfg = _dead_api(retries=0)
     be = KubernetesBackend(api_client=client.ApiClient(cfg), cluster_name="k8s-a100")
     with pytest.raises(QosflowError, match=rf"cluster 'k8s-a100': cannot reach the API server at http://127.0.0.1:{port} .*api_url or kubeconfig"):
         run(be.inventory())
@@ -363,16 +370,9 @@ def test_every_call_to_an_unreachable_api_says_so_alike(tmp_path):
     """The unreachable API server was recognised in three places (node list, launch, wait): a stage's
     kill or adoption raised urllib3's 'Max retries exceeded', which the worker did not take for an
     outage. Every call of the backend now raises BackendUnreachable, saying what it was doing."""
-    import socket
-
     from qosflow.backends.base import BackendUnreachable, StageHandle
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here
-    cfg = client.Configuration()
-    cfg.host = f"http://127.0.0.1:{port}"
-    cfg.retries = 0
+    port, cfg = _dead_api(retries=0)
     be = KubernetesBackend(api_client=client.ApiClient(cfg), cluster_name="k8s-a100")
     handle = StageHandle("s1", be.name, "gpu-0", {"namespace": "default", "jobs": ["qosflow-s1"], "podgroup": None})
     where = rf"cluster 'k8s-a100': cannot reach the API server at http://127.0.0.1:{port} to"
@@ -390,15 +390,9 @@ def test_unreachable_api_is_one_message_not_urllib3_retry_warnings(caplog):
     again at every heartbeat. Now the error alone; the retries are in qosflow's debug log; urllib3's
     warnings outside qosflow's calls are untouched."""
     import logging
-    import socket
-
     import urllib3
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here
-    cfg = client.Configuration()
-    cfg.host = f"http://127.0.0.1:{port}"  # retries left at the client's default
+    port, cfg = _dead_api()  # retries left at the client's default
     be = KubernetesBackend(api_client=client.ApiClient(cfg), cluster_name="k8s-a100")
     with caplog.at_level(logging.DEBUG):
         for _ in range(2):
