@@ -40,7 +40,16 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 def file_stem(name: str) -> str:
-    """`name` (a stage id) as a file name's stem: characters other than letters, digits, `_`, `.` and
-    `-` become `_`, at most 150 of them."""
-    return _UNSAFE.sub("_", name)[:150]
+    """`name` (a stage id) as a file name's stem, one per name: a name of at most 150 letters, digits,
+    `_`, `.` and `-` is its own stem; any other has those characters kept (others become `_`, at most
+    130 of them), then `~` and a hash of the whole name. Replacing characters alone gave `a/b` and
+    `a_b` (or two long ids alike in their first 150 characters) the same stem, so the agent gave those
+    stages one log and one progress file: each read the other's output, and pruning one deleted the
+    other's files. No name left as it is contains `~`, so a hashed stem is never another name's."""
+    safe = _UNSAFE.sub("_", name)
+    if safe == name and len(name) <= 150:
+        return name
+    import hashlib
+
+    return f"{safe[:130]}~{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
 

@@ -842,3 +842,99 @@ def test_a_host_name_that_does_not_resolve_is_named_as_such():
 
     err = asyncio.run(go())
     assert "cannot resolve the host name 'gpu-nosuch.invalid'" in err and "name lookup failed" in err, err
+
+
+# ---------------------------------------------------------------------- security review
+def test_the_agents_api_description_needs_the_token_too(tmp_path):
+    """/docs, /redoc and /openapi.json answered 200 without a token (FastAPI serves them outside the
+    app's dependencies): the host's name and every route to anyone who could connect."""
+
+    async def go():
+        app = _app("gpu-a", 1, tmp_path)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gpu-a") as c:
+            return [await c.get(p) for p in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", "/v1/health")]
+
+    for r in asyncio.run(go()):
+        assert r.status_code in (401, 404), (r.request.url, r.status_code)
+        assert "gpu-a" not in r.text and "/v1/stages" not in r.text
+
+
+def test_stage_ids_alike_but_for_unsafe_characters_keep_their_own_files(tmp_path):
+    """'a/b' and 'a_b' (and two ids alike in their first 150 characters) had one file stem: the agent
+    gave them one log and one progress file, so each stage's log showed the other's output."""
+    from qosflow.agent.runner import Runner
+    from qosflow.paths import file_stem
+
+    fid = "0d3f1c9e-8f7a-4b8e-9a4e-1e2f3a4b5c6d-r1"
+    assert file_stem(fid) == fid  # the worker's attempt ids keep their names
+    long1, long2 = "x" * 150 + "1", "x" * 150 + "2"
+    ids = ["a/b", "a_b", "a~b", long1, long2, "../../etc/passwd"]
+    stems = [file_stem(i) for i in ids]
+    assert len(set(stems)) == len(ids) and all("/" not in s and len(s) <= 150 for s in stems)
+
+    async def go():
+        r = Runner(tmp_path / "work")
+        for i in ids:
+            st = await r.launch(i, [sys.executable, "-c", f"import qosflow; print({i!r}); qosflow.report_progress(1, {len(i)})"])
+            await r.wait(st, 30)
+        return r
+
+    r = asyncio.run(go())
+    for i in ids:
+        st = r.stages[i]
+        assert st.log_path.parent == tmp_path / "work"
+        assert st.log_path.read_text() == i + "\n"
+        assert st.progress_path.read_text().count('"step"') == 1 and f'"total":{len(i)}' in st.progress_path.read_text()
+
+
+def test_stage_logs_are_not_readable_by_other_users(tmp_path):
+    """With --workdir, the agent made the directory 0755 and the logs 0644 (umask 022): every user of a
+    shared host could read every stage's output. The default temporary directory was already 0700."""
+    from qosflow.agent.runner import Runner
+
+    old = os.umask(0o022)
+    try:
+        async def go():
+            r = Runner(tmp_path / "new" / "work")
+            st = await r.launch("s1", [sys.executable, "-c", "print('private')"])
+            await r.wait(st, 30)
+            return st
+
+        st = asyncio.run(go())
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new" / "work").stat().st_mode & 0o777 == 0o700
+    assert st.log_path.stat().st_mode & 0o777 == 0o600
+    assert st.log_path.read_text() == "private\n"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_processes_a_stage_leaves_behind_end_with_it(tmp_path):
+    """`sh -c 'sleep 600 &'`: the stage exited, the worker freed its slot, and the sleep ran on; DELETE
+    did nothing (the stage had exited) and a fence neither, so such processes held GPUs given to others."""
+    from qosflow.agent.runner import Runner
+
+    async def go():
+        r = Runner(tmp_path / "work")
+        st = await r.launch("s1", ["sh", "-c", "sleep 600 & echo $!"])
+        await r.wait(st, 30)
+        return st
+
+    st = asyncio.run(go())
+    left = int(st.log_path.read_text().split()[0])
+    try:
+        deadline = time.monotonic() + 5
+        while _alive(left) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(left)
+        assert st.returncode == 0
+    finally:
+        if _alive(left):
+            os.kill(left, signal.SIGKILL)

@@ -150,7 +150,10 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             elif silent > cfg.fence_after_s:
                 await runner.kill_all(f"fenced: no heartbeat from the worker for {silent:.1f}s (> {cfg.fence_after_s:g}s)")
 
-    app = FastAPI(title=f"qosflow agent {cfg.name}", dependencies=[Depends(check_token)], lifespan=lifespan)
+    # no /docs, /redoc or /openapi.json: FastAPI serves those outside the app's dependencies, so they
+    # answered without the token (the host name and the whole API to anyone who could connect)
+    app = FastAPI(title=f"qosflow agent {cfg.name}", dependencies=[Depends(check_token)], lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runner = runner
     app.state.cfg = cfg
 

@@ -11,6 +11,7 @@ lines (`qosflow.report_progress`) to a file of their own, which the worker copie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -94,7 +95,9 @@ class Runner:
 
     def __init__(self, workdir: Path, *, max_records: int = 10_000):
         self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        # stage logs are for the agent's API (behind its token), not for every user of the host: a
+        # --workdir the agent makes is its own (0700) and the logs are 0600, as in the default temp dir
+        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.stages: dict[str, StageProc] = {}
         self.max_records = max_records
         self._usable = usable_cpus()
@@ -141,7 +144,7 @@ class Runner:
                 os.sched_setaffinity(0, cpus)
 
         st.started_at = time.time()
-        logf = open(log_path, "ab", buffering=0)
+        logf = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab", buffering=0)
         try:
             st.proc = await asyncio.create_subprocess_exec(
                 *command,
@@ -169,6 +172,11 @@ class Runner:
     async def _reap(self, st: StageProc) -> None:
         assert st.proc is not None
         rc = await st.proc.wait()
+        # what the stage left behind in its process group (`cmd &`, a launcher's children) ends with it:
+        # the worker frees the stage's slot now, and a DELETE or a fence only looks at running stages, so
+        # such processes kept running, on GPUs given to the next stage, with nothing left to kill them
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(st.pid, signal.SIGKILL)  # type: ignore[arg-type]
         st.returncode = rc
         st.ended_at = time.time()
         st.done.set()
