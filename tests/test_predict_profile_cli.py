@@ -204,7 +204,8 @@ def test_profile_survives_chatty_stderr_and_children_that_outlive_the_function(s
 @pytest.mark.parametrize("target, expected", [
     ("toy_stage:nope", ["has no function 'nope'", "reported"]),
     ("toy_stage:not_a_function", ["not a function", "'int'"]),
-    ("toy_stage:needs_args", ["needs the argument(s) data", "defaults"]),
+    # a wrapper's samples would go under its own name, which no stage carries: the stage's signature is named
+    ("toy_stage:needs_args", ["needs the argument(s) data", "defaults", "with --signature toy_stage.needs_args so"]),
     ("no_such_module_xyz:f", ["no module named 'no_such_module_xyz'", "directory"]),
     # the end of the module's traceback comes after the message (which said "the traceback is above")
     ("broken_import:f", ["importing module 'broken_import' failed", "half-installed dependency xyz",

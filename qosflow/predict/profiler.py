@@ -182,7 +182,8 @@ required = [p.name for p in params.values() if p.default is p.empty and p.name n
 if required:
     fail(f"{target} needs the argument(s) {', '.join(required)}; qosflow profile calls it with no arguments "
          "(only steps/max_steps/num_steps=N+1 when it takes one): give them defaults, or profile a small wrapper "
-         "function that calls it")
+         f"function that calls it, with --signature {sig} so that its samples go to this stage (under the wrapper's "
+         "own name no stage would use them)")
 f(**kw)
 """
 
