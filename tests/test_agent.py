@@ -938,3 +938,19 @@ def test_processes_a_stage_leaves_behind_end_with_it(tmp_path):
     finally:
         if _alive(left):
             os.kill(left, signal.SIGKILL)
+
+
+def test_a_token_file_others_can_read_is_warned_about(tmp_path, capsys):
+    """`--token-file` with mode 0644 was taken without a word: every user of the host could read the
+    token and, with it, launch commands through every agent."""
+    from qosflow.cli.agent import _read_token
+
+    f = tmp_path / "agent-token"
+    f.write_text("s3cret\n")
+    f.chmod(0o644)
+    assert _read_token(None, f) == "s3cret"
+    err = capsys.readouterr().err
+    assert "can be read by other users" in err and "0644" in err and "chmod 600" in err and "s3cret" not in err
+    f.chmod(0o600)
+    assert _read_token(None, f) == "s3cret"
+    assert capsys.readouterr().err == ""
