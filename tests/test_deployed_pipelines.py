@@ -113,3 +113,62 @@ def test_the_docs_say_a_deployments_qos_policy_is_a_copy_made_at_deploy_time():
     assert "QoS policy block by reference" not in doc
     assert "`prefect deploy` copies the block's values" in doc and "run\n  `prefect deploy` again" in doc
     assert "deploy again after changing the block" in (root / "deployments" / "prefect.yaml").read_text()
+
+
+# ------------------------------------------------------------------------------------ a stage cancelled from the CLI
+@qos_task(gpus=0, cpu_cores=1, expected_duration=1)
+def cancelled_step(x):
+    return x
+
+
+def test_a_stage_cancelled_from_outside_is_reported_cancelled_and_not_retried(prefect_server):
+    """`prefect flow-run cancel <stage run>` while the stage ran: its run went Cancelling, then Crashed
+    (its engine reporting the worker's SIGTERM), then Cancelled (the worker). The pipeline read the crash:
+    StageFailed "ended Crashed: Execution was aborted by a termination signal.", and a stage with
+    `retries` was started again. Now it waits for the Cancelled, raises StageCancelled, and the stage's
+    retry condition refuses it (the user's own condition still decides other errors)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled, Cancelling, Crashed, Failed, Running
+
+    from qosflow.prefect.tasks import StageCancelled, StageFailed, StageRecord, _stage_error, wait_for_stage
+
+    with get_client(sync_client=True) as c:
+        fr = c.create_flow_run(deployed_pipe, name="cancelled.stage")
+        for st in (Running(), Cancelling(), Crashed(message="Execution was aborted by a termination signal.")):
+            c.set_flow_run_state(fr.id, st, force=True)
+        fr = c.read_flow_run(fr.id)
+
+    def worker_marks_it_cancelled():
+        time.sleep(0.7)
+        with get_client(sync_client=True) as c:
+            c.set_flow_run_state(fr.id, Cancelled(message="cancelled: the qosflow worker stopped the stage"), force=True)
+
+    t = threading.Thread(target=worker_marks_it_cancelled)
+    t.start()
+    got = wait_for_stage(fr, "no-such-pool", "train")
+    t.join()
+    assert got.state.is_cancelled(), got.state
+    rec = StageRecord("train", "tr", (), 1.0, 0.5, time.time(), None)
+    rec.flow_run_id = str(fr.id)
+    err = _stage_error(got.state, "train", rec)
+    assert isinstance(err, StageCancelled) and isinstance(err, StageFailed), err
+    assert "was cancelled" in str(err) and "Crashed" not in str(err), err
+
+    # without the worker's Cancelled (it died meanwhile) the crash is still said to be a cancellation
+    with get_client(sync_client=True) as c:
+        fr2 = c.create_flow_run(deployed_pipe, name="cancelled.stage2")
+        for st in (Running(), Cancelling(), Crashed(message="Execution was aborted by a termination signal.")):
+            c.set_flow_run_state(fr2.id, st, force=True)
+        fr2 = c.read_flow_run(fr2.id)
+    import qosflow.prefect.tasks as tasks
+
+    got2 = tasks._settled_after_cancel(get_client(sync_client=True).__enter__(), fr2, wait_s=0.3)
+    rec.flow_run_id = str(fr2.id)
+    assert isinstance(_stage_error(got2.state, "train", rec), StageCancelled)
+
+    # the retry condition: never after a cancel; otherwise retry, or the user's condition
+    cond = cancelled_step.with_options(retries=2).retry_condition_fn
+    assert cond(cancelled_step, None, Failed(data=StageCancelled("x"))) is False
+    assert cond(cancelled_step, None, Failed(data=StageFailed("x"))) is True
+    mine = cancelled_step.with_options(retries=2, retry_condition_fn=lambda task, tr, st: False).retry_condition_fn
+    assert mine(cancelled_step, None, Failed(data=StageFailed("x"))) is False

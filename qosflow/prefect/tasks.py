@@ -59,6 +59,11 @@ class StageFailed(QosflowError, RuntimeError):
     (e.g. it does not unpickle in the pipeline's process)."""
 
 
+class StageCancelled(StageFailed):
+    """A dispatched stage's run was cancelled by someone other than its pipeline (`prefect flow-run
+    cancel`, the UI): the stage's `retries` do not start it again."""
+
+
 class StageTimedOut(QosflowError, TimeoutError):
     """A dispatched stage ran past its `timeout_seconds`: its run was cancelled (the worker kills its
     process and frees its slot) and the task attempt failed `TimedOut`, so its `retries` apply."""
@@ -518,6 +523,17 @@ class QoSTask(Task):
     def timeout_seconds(self, value: float | None) -> None:
         self.__dict__["_qos_timeout_seconds"] = value
 
+    # `retry_condition_fn`: a stage whose run was cancelled from outside (`prefect flow-run cancel`,
+    # the UI) raised StageFailed in the pipeline, and its `retries` started it again, as a new run: the
+    # cancel did not stop it. StageCancelled is never retried; the user's own condition decides the rest.
+    @property
+    def retry_condition_fn(self) -> Callable | None:  # type: ignore[override]
+        return _unless_cancelled(self.__dict__.get("_qos_retry_condition_fn"))
+
+    @retry_condition_fn.setter
+    def retry_condition_fn(self, value: Callable | None) -> None:
+        self.__dict__["_qos_retry_condition_fn"] = getattr(value, "__qosflow_user_condition__", value)
+
     @property
     def stage_timeout_seconds(self) -> float | None:
         """The `timeout_seconds` the stage was declared with (whoever enforces it)."""
@@ -564,6 +580,23 @@ class QoSTask(Task):
         opts = {k: getattr(plain, k) for k in ("name", "description", "version", "cache_policy", "cache_key_fn", "cache_expiration", "task_run_name", "retries", "retry_delay_seconds", "retry_jitter_factor", "persist_result", "result_storage", "result_serializer", "result_storage_key", "cache_result_in_memory", "timeout_seconds", "log_prints", "refresh_cache", "retry_condition_fn") if hasattr(plain, k)}
         opts = {k: v for k, v in opts.items() if k in _TASK_PARAMS}
         return _build(self.qos_fn, {k: base[k] for k in base}, explicit, {k: stage_kw.get(k, getattr(self, k)) for k in STAGE_FIELDS}, dict(opts, tags=user_tags))
+
+
+def _unless_cancelled(user: Callable | None) -> Callable:
+    """A task retry condition that refuses StageCancelled and otherwise asks `user` (None: retry)."""
+
+    def cancelled(state: Any) -> bool:
+        return isinstance(getattr(state, "data", None), StageCancelled)
+
+    if user is not None and inspect.iscoroutinefunction(user):
+        async def condition(task: Any, task_run: Any, state: Any) -> bool:
+            return not cancelled(state) and bool(await user(task, task_run, state))
+    else:
+        def condition(task: Any, task_run: Any, state: Any) -> bool:
+            return not cancelled(state) and (user is None or bool(user(task, task_run, state)))
+
+    condition.__qosflow_user_condition__ = user  # type: ignore[attr-defined]
+    return condition
 
 
 def _in_stage_process() -> bool:
@@ -786,6 +819,10 @@ def _stage_error(state: Any, name: str, rec: StageRecord) -> BaseException:
     `retry_condition_fn` see what they would in-process), with a note saying which stage run raised it;
     StageFailed when there is none (a crash, a cancellation, a Failed state the worker set) or it
     cannot be read back (e.g. its class does not unpickle here)."""
+    if state is not None and (state.is_cancelled() or str(rec.flow_run_id) in _TOLD_TO_CANCEL):
+        return StageCancelled(f"stage {name!r} ({rec.flow_run_id}) was cancelled (its run was cancelled from outside the "
+                              f"pipeline, e.g. `prefect flow-run cancel` or the UI) and ended {state.name}: {state.message}; "
+                              "it is not retried")
     failed = StageFailed(f"stage {name!r} ({rec.flow_run_id}) ended {state.name if state else '?'}: "
                          f"{state.message if state is not None else 'no state'}")
     if state is None or not state.is_failed() or state.data is None:
@@ -887,7 +924,7 @@ def wait_for_stage(fr: Any, pool: str, name: str, *, poll: float = 0.25, timeout
             while True:
                 state = fr.state
                 if state is not None and state.is_final():
-                    return fr
+                    return _settled_after_cancel(client, fr) if state.is_crashed() else fr
                 ended = _pipeline_ended()
                 if ended is not None:
                     was = _cancel_stage_run(fr.id, f"its pipeline's run was {ended}", name, logger)
@@ -946,6 +983,34 @@ def _cancel_created_run(idempotency_key: str, why: str, name: str, logger: Any, 
     done = _cancel_stage_run(fid, why, name, logger)
     logger.warning("stage %s: its run %s was created as the pipeline stopped: %s", name, fid, done)
     return str(fid)
+
+
+_TOLD_TO_CANCEL: set[str] = set()  # stage runs that crashed after a Cancelling and were not marked Cancelled
+
+
+def _settled_after_cancel(client: Any, fr: Any, wait_s: float = 5.0) -> Any:
+    """A stage run cancelled while it ran (`prefect flow-run cancel`, the UI) goes Cancelling, then
+    Crashed ("Execution was aborted by a termination signal": its engine reporting the worker's SIGTERM),
+    then Cancelled (the worker, a moment later). The pipeline read the Crashed state and failed the stage
+    as a crash. After a Cancelling, wait up to `wait_s` for the Cancelled; if it does not come, the
+    run is remembered as told to cancel (`_stage_error` says so)."""
+    try:
+        from prefect.client.schemas.objects import StateType
+
+        if not any(s.type == StateType.CANCELLING for s in client.read_flow_run_states(fr.id)):
+            return fr
+        end = time.monotonic() + wait_s
+        while True:
+            cur = client.read_flow_run(fr.id)
+            if cur.state is not None and cur.state.is_cancelled():
+                return cur
+            if time.monotonic() >= end:
+                break
+            time.sleep(0.25)
+        _TOLD_TO_CANCEL.add(str(fr.id))
+    except Exception:  # noqa: BLE001 - the crash is reported as it was
+        pass
+    return fr
 
 
 def _cancel_stage_run(flow_run_id: Any, why: str, name: str, logger: Any, *, wait_s: float = 0.0) -> str:
