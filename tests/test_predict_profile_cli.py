@@ -314,7 +314,11 @@ def test_predict_stages_shows_what_finished_stages_taught(tmp_path, capsys):
     assert train["co_runners"] == ["pipe.etl"] and train["predictions_scored"] == 3
     # the first run was planned on the declaration (40 s against 20 s: 100 %); the next on what it had measured
     assert 1.0 / 3 < train["mape"] < 0.4 and train["last_ape"] < 0.05
-    assert train["basis"] == "history(n=3)" and 20.0 < train["predicts_s"] < 22.0  # the shared run's 42 s left out
+    # what the worker plans with: the runs and the declared 40 s as a prior (the report had the runs alone,
+    # "history(n=3)", though its help says the declaration is blended in); the shared run's 42 s left out
+    assert train["basis"] == "declared+history(n=3)" and 20.0 < train["predicts_s"] < 22.0
+    assert train["predicts_s"] == round(est.predict_duration(stage(20, "pipe.train")).value, 3)
+    assert rows["pipe.etl"]["basis"] == "history(n=1)"  # no prediction recorded for it: its declaration is unknown
     assert rows["pipe.etl"]["runs"] == 1 and rows["pipe.etl"]["mape"] is None
     assert main(["predict", "stages", "--db", url, "--signature", "nothing"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # unwrapped: where the console wraps depends on the temp path's length

@@ -180,7 +180,8 @@ def stages_cmd(
         table = Table(title=f"what the predictor learned from finished stages\n({where})", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
         for col in ("stage signature", "runs", "predicts", "basis", "MAPE", "samples"):
             table.add_column(col, justify="left" if col in ("stage signature", "basis") else "right",
-                             no_wrap=col == "stage signature")
+                             no_wrap=col == "stage signature",
+                             overflow="fold" if col == "basis" else "ellipsis")  # not 'declared+his…' at 80 columns
         for r in rows:
             mape = "-" if r["mape"] is None else f"{100 * r['mape']:.0f} %"
             table.add_row(r["signature"], str(r["runs"]), "-" if r["predicts_s"] is None else f"{r['predicts_s']:.1f} s",

@@ -33,9 +33,16 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
     if not runs:
         return [_profiled_only(sig, smps) for sig, smps in profiled.items()]
     errors: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    # the stage's declared expected_duration, which the worker blends in as a prior: the store keeps no
+    # declaration, but a prediction made on it alone (basis "declared", the runs before any measurement)
+    # has its value. Without it the report answered from the runs alone ("history(n=3)") while the worker
+    # planned with "declared+history(n=3)", though the help says the declaration is blended in.
+    declared: dict[str, float] = {}
     for pred, out in store.prediction_errors("duration"):
         if pred.signature in runs and out.actual > 0:
             errors[pred.signature].append((pred.value, out.actual))
+        if pred.signature in runs and pred.basis == "declared" and pred.value > 0:
+            declared[pred.signature] = pred.value  # the latest
     samples: dict[str, list[Any]] = defaultdict(list)
     for smp in store.samples_for(signature):
         if smp.signature in runs and smp.source == "stage":
@@ -46,7 +53,8 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
     for sig, hs in runs.items():
         durations = [h.duration_s for h in hs]
         last = hs[-1]
-        job = Job(f"report:{sig}", 0.0, QoSSpec(gpus=last.gpus, cpu_cores=1.0), durations[-1], model=sig)
+        job = Job(f"report:{sig}", 0.0, QoSSpec(gpus=last.gpus, cpu_cores=1.0), durations[-1], model=sig,
+                  expected_duration=declared.get(sig))
         now = est.predict_duration(job)
         apes = [abs(p - a) / a for p, a in errors.get(sig, ())]
         shared = [s for s in samples.get(sig, ()) if s.co_runner]
