@@ -172,3 +172,26 @@ def test_a_stage_cancelled_from_outside_is_reported_cancelled_and_not_retried(pr
     assert cond(cancelled_step, None, Failed(data=StageFailed("x"))) is True
     mine = cancelled_step.with_options(retries=2, retry_condition_fn=lambda task, tr, st: False).retry_condition_fn
     assert mine(cancelled_step, None, Failed(data=StageFailed("x"))) is False
+
+
+def test_a_deadline_out_of_reach_is_said_on_the_pipelines_log(monkeypatch, caplog):
+    """`prefect deployment run retrain/hotfix-retrain -p qos_deadline=5` (its stages take ~40 s): the
+    run's log said nothing about its deadline; only an at-risk event and the forecast artifact did. The
+    first at-risk forecast is now a warning on the run's log, with how late and the critical path left."""
+    import prefect.artifacts
+
+    from qosflow.prefect import tasks
+    from qosflow.prefect.tasks import PipelineRun
+
+    monkeypatch.setattr(prefect.artifacts, "create_markdown_artifact", lambda md, **kw: None)
+    events = []
+    monkeypatch.setattr(tasks, "_emit", lambda name, run, payload: events.append(name))
+    run = PipelineRun("hotfix", "fid", deadline=5, priority=None, pool=None,
+                      plan={"load": [], "train": ["load"], "report": ["train"]}, expected={"load": 8, "train": 20, "report": 6})
+    with caplog.at_level(logging.WARNING):
+        run.publish_forecast()
+        run.publish_forecast()
+    lines = [r.getMessage() for r in caplog.records if "at risk" in r.getMessage()]
+    assert events == ["qosflow.qos.at-risk"] and len(lines) == 1, (events, lines)
+    assert "pipeline hotfix is at risk of missing its deadline (5s after its start)" in lines[0]
+    assert "critical path left: load -> train -> report" in lines[0], lines[0]

@@ -320,6 +320,12 @@ class PipelineRun:
                     self,
                     {"pipeline": self.name, "forecast_finish": fc.finish, "spread_s": fc.spread, "deadline": self.deadline_at, "late_by_s": round(fc.finish - self.deadline_at, 3)},
                 )
+                # on the run's log too: a deadline out of reach from the start (qos_deadline=5 for a
+                # 40 s pipeline) showed only as an event and an artifact; the log said nothing
+                _run_logger("qosflow").warning(
+                    "pipeline %s is at risk of missing its deadline (%gs after its start): forecast to finish %.0fs after "
+                    "it%s", self.name, self.deadline, fc.finish - self.deadline_at,
+                    f" (critical path left: {' -> '.join(fc.remaining_path)})" if fc.remaining_path else "")
         except Exception:  # monitoring must never fail a pipeline
             pass
 
