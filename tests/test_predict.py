@@ -562,6 +562,14 @@ def test_throughput_table_errors(tmp_path):
     t = ThroughputTable.load(bad)
     assert t.solo_throughput("B", "v100") is None and t.pair_speed["v100"][0, 1] == pytest.approx(0.5)
     assert np.isnan(t.pair_speed["v100"][1, 0])
+    # a co-located throughput far above the job's solo one (a typo: 5000 for 0.5) was evaluated as a
+    # 2500-fold speed-up; a pair table's speed above MAX_PAIR_SPEED is an error, and so is this
+    bad.write_text(json.dumps({"v100": {a: {"null": 2.0, b: [5000, 0.5]}, b: {"null": 1.0}}}))
+    with pytest.raises(TraceFormatError, match=r"co-runner \('B', 1\): 5000 steps/s next to the co-runner is 2.5e\+03 x "
+                                               r"the job's solo 1-GPU throughput \(2\)"):
+        ThroughputTable.load(bad)
+    bad.write_text(json.dumps({"v100": {a: {"null": 2.0, b: [2.1, 0.5]}, b: {"null": 1.0}}}))  # noise above 1: kept
+    assert ThroughputTable.load(bad).pair_speed["v100"][0, 1] == pytest.approx(1.05)
 
 
 def test_scaling_sibling_overhead_transfers_through_the_step_time():

@@ -171,6 +171,11 @@ class ThroughputTable:
                                                            f"throughput], got {pv!r}")
                     own = num(pv[0], where)
                     num(pv[1], where)
+                    if own / base > MAX_PAIR_SPEED:  # as a pair table's speed: was evaluated, at 1593 % MAPE
+                        raise TraceFormatError(
+                            path, None, f"{where}: {pv[0]!r} steps/s next to the co-runner is {own / base:.3g} x the "
+                            f"job's solo 1-GPU throughput ({base:g}); sharing a GPU does not make a job faster than "
+                            f"about 1 x (at most {MAX_PAIR_SPEED:g}): a typo, or a figure in other units")
                     M[idx[job], idx[pjob]] = own / base
         return cls(jobs=jobs, workers=workers, solo=solo, pair_speed=pair, source=str(path))
 
