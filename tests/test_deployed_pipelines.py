@@ -195,3 +195,35 @@ def test_a_deadline_out_of_reach_is_said_on_the_pipelines_log(monkeypatch, caplo
     assert events == ["qosflow.qos.at-risk"] and len(lines) == 1, (events, lines)
     assert "pipeline hotfix is at risk of missing its deadline (5s after its start)" in lines[0]
     assert "critical path left: load -> train -> report" in lines[0], lines[0]
+
+
+# ------------------------------------------------------------------------------------ the worker
+def test_a_misspelt_job_variable_is_named_on_the_runs_log(prefect_server, caplog):
+    """`qos_polcy: "{{ prefect.blocks.qosflow-qos-policy.nightly }}"` in prefect.yaml, or `prefect deployment
+    run ... -jv prioirty=critical`: Prefect keeps only the pool template's variables, so the run went on
+    without its deadline or class and nothing said so (user review). The worker now names each unknown
+    job variable on the run's log with the one it most likely meant; qosflow's own stage runs are not checked."""
+    import types
+    import uuid
+
+    from prefect.client.schemas.objects import FlowRun, WorkPool
+
+    from qosflow.prefect.worker import QosflowJobConfiguration, QosflowWorker
+
+    pool = WorkPool(name="gpu", type="qosflow", base_job_template=QosflowWorker.get_default_base_job_template())
+    dep = types.SimpleNamespace(id=uuid.uuid4(), name="nightly", updated=None,
+                                job_variables={"role": "pipeline", "qos_polcy": {"deadline_s": 3600}, "env": {"QOSFLOW_POOL": "gpu"}})
+    fr = FlowRun(flow_id=uuid.uuid4(), name="elegant-pudu", job_variables={"prioirty": "critical"})
+    with caplog.at_level(logging.WARNING):
+        QosflowJobConfiguration(role="pipeline").prepare_for_flow_run(fr, dep, None, pool, "w")
+    said = [r.getMessage() for r in caplog.records if "job variable" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "'prioirty', 'qos_polcy' are not variables of work pool 'gpu' and are ignored" in said[0], said
+    assert "did you mean 'priority' for 'prioirty'?" in said[0] and "did you mean 'qos_policy' for 'qos_polcy'?" in said[0], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # well-spelt variables, and a stage run qosflow made: nothing to say
+        QosflowJobConfiguration(role="pipeline").prepare_for_flow_run(
+            FlowRun(flow_id=uuid.uuid4(), name="ok", job_variables={"role": "pipeline", "qos_policy": {}, "env": {}}), None, None, pool, "w")
+        QosflowJobConfiguration(role="stage").prepare_for_flow_run(
+            FlowRun(flow_id=uuid.uuid4(), name="p.s", job_variables={"role": "stage", "gpus": 1, "not_in_an_old_pool": 1}), None, None, pool, "w")
+    assert not [r for r in caplog.records if "job variable" in r.getMessage()]

@@ -151,6 +151,20 @@ class QosflowJobConfiguration(BaseJobConfiguration):
             self.min_gpus = _min_gpus_from_tags(getattr(flow_run, "tags", None) or ())
         if self.qos_policy:
             self.env["QOSFLOW_QOS_POLICY"] = json.dumps({k: v for k, v in self.qos_policy.items() if not k.startswith("_")}, default=str)
+        unknown = unknown_job_variables(flow_run, deployment, work_pool)
+        if unknown:
+            # Prefect keeps only the pool template's variables: `qos_polcy:` in prefect.yaml or
+            # `-jv prioirty=critical` was dropped without a word, and the run had no deadline or class
+            from prefect.logging.loggers import flow_run_logger
+
+            flow_run_logger(flow_run).warning(
+                "job variable%s %s %s not %s of work pool %r and %s ignored; %s",
+                "s" if len(unknown) > 1 else "", ", ".join(repr(k) for k, _ in unknown), "are" if len(unknown) > 1 else "is",
+                "variables" if len(unknown) > 1 else "a variable", getattr(work_pool, "name", "?"),
+                "are" if len(unknown) > 1 else "is",
+                "; ".join(f"did you mean {near!r} for {k!r}?" for k, near in unknown if near)
+                or f"its variables: {', '.join(sorted(_template_variables(work_pool)))}",
+            )
 
     @property
     def is_stage(self) -> bool:
@@ -160,6 +174,24 @@ class QosflowJobConfiguration(BaseJobConfiguration):
             return False
         return any(getattr(self, k) is not None for k in QOS_FIELDS)
 
+
+
+def _template_variables(work_pool: Any) -> dict[str, Any]:
+    return (((getattr(work_pool, "base_job_template", None) or {}).get("variables") or {}).get("properties") or {})
+
+
+def unknown_job_variables(flow_run: Any, deployment: Any, work_pool: Any) -> list[tuple[str, str | None]]:
+    """The job variables a run was given (its deployment's and its own) that the pool's base job
+    template does not have, each with the variable it most likely meant (or None). Prefect drops them.
+    qosflow's own stage runs (role `stage`) are not checked: their variables are qosflow's."""
+    from qosflow.errors import closest_name
+
+    given = dict(getattr(deployment, "job_variables", None) or {})
+    given.update(getattr(flow_run, "job_variables", None) or {})
+    props = _template_variables(work_pool)
+    if not props or given.get("role") == "stage":
+        return []
+    return [(k, closest_name(k, list(props))) for k in sorted(given) if k not in props]
 
 
 def early_check_spec(spec: QoSSpec) -> QoSSpec:
@@ -1813,7 +1845,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 elif sched is not None:
                     sched.drop(fid, "flow run cancelled")
                 try:
-                    await self.client.set_flow_run_state(fr.id, Cancelled(message="cancelled: the qosflow worker stopped the stage"), force=True)
+                    what = "stage" if fid in self._stages_in_flight or (sched is not None and fid in sched.entries) else "pipeline run"
+                    await self.client.set_flow_run_state(fr.id, Cancelled(message=f"cancelled: the qosflow worker stopped the {what}"), force=True)
                 except Exception as exc:
                     self._logger.warning("could not mark %s cancelled: %s", fid, exc)
 
