@@ -212,6 +212,12 @@ def test_newer_database_is_refused(tmp_path):
     eng.dispose()
     with pytest.raises(QosflowError, match="newer than this qosflow"):
         Store.open(url)
+    # the database is named, and where its URL came from: the advice was always "point QOSFLOW_DATABASE_URL at
+    # another database", also to `--db`/Store.open(url), and no database was named
+    with pytest.raises(QosflowError) as err:
+        Store.open(url)
+    assert str(err.value).startswith(f"{url}: the database schema is at version {LATEST_VERSION + 1}, newer")
+    assert str(err.value).endswith("upgrade qosflow, or give another database")
 
 
 def _writer(url: str, tag: str, n: int, batch: int) -> None:

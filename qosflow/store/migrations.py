@@ -20,6 +20,8 @@ from typing import Callable
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from qosflow.errors import QosflowError
+
 _META_KW: dict = {}
 
 
@@ -150,12 +152,20 @@ def current_version(conn: Connection) -> int:
     return int(v or 0)
 
 
+class SchemaTooNew(QosflowError):
+    """The database was written by a newer qosflow (Store.open names the database and where its URL came from)."""
+
+    def __init__(self, version: int, known: int):
+        self.version, self.known = version, known
+        super().__init__(f"the database schema is at version {version}, newer than this qosflow knows ({known}): "
+                         "upgrade qosflow, or point QOSFLOW_DATABASE_URL at another database")
+
+
 def migrate(conn: Connection, target: int | None = None) -> tuple[int, int]:
     """Apply the missing migrations up to `target` (default: latest) in the caller's transaction.
 
     Returns (version before, version after).
     """
-    from qosflow.errors import QosflowError
     from qosflow.store.models import utcnow
 
     target = LATEST_VERSION if target is None else target
@@ -164,10 +174,7 @@ def migrate(conn: Connection, target: int | None = None) -> tuple[int, int]:
     _VERSION_TABLE.create(conn, checkfirst=True)
     before = current_version(conn)
     if before > LATEST_VERSION:
-        raise QosflowError(
-            f"the database schema is at version {before}, newer than this qosflow knows ({LATEST_VERSION}): "
-            "upgrade qosflow, or point QOSFLOW_DATABASE_URL at another database"
-        )
+        raise SchemaTooNew(before, LATEST_VERSION)
     for version in range(before + 1, target + 1):
         description, fn = MIGRATIONS[version - 1]
         fn(conn)

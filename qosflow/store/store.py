@@ -339,7 +339,12 @@ class Store:
                     hint += (f"; to read a store you may not write, copy {os.path.basename(path)} (with its -wal "
                              "file, if there is one) to a writable directory and give the copy")
             raise QosflowError(f"cannot open the qosflow database {safe}{origin}: {exc.orig}{hint}") from exc
-        except BaseException:  # e.g. a schema newer than this qosflow: no pooled connection left behind
+        except migrations.SchemaTooNew as exc:  # named the variable even for --db, and not the database
+            engine.dispose()
+            other = f"point ${ENV_URL} at another database" if from_env else "give another database"
+            raise QosflowError(f"{safe}{origin}: the database schema is at version {exc.version}, newer than this "
+                               f"qosflow knows ({exc.known}): upgrade qosflow, or {other}") from None
+        except BaseException:  # no pooled connection left behind
             engine.dispose()
             raise
         return store
