@@ -100,6 +100,12 @@ def test_a_misspelt_pool_names_the_pool_it_meant_and_where_the_name_came_from(pr
     msg = str(state.result(raise_on_failure=False))
     assert "work pool 'deployed-gpus' does not exist" in msg and "did you mean 'deployed-gpu'?" in msg, msg
     assert "qosflow pools on this server: " in msg and "came from QOSFLOW_POOL" in msg, msg
+    # `qosflow worker start --pool gpus` and `qosflow status --pool gpus` check the pool the same way
+    from qosflow.errors import SpecError
+    from qosflow.prefect.local import check_pool
+
+    with pytest.raises(SpecError, match=r"does not exist; create it with .*, or did you mean 'deployed-gpu'\?"):
+        asyncio.run(check_pool("deployed-gpus"))
 
 
 def test_the_docs_say_a_deployments_qos_policy_is_a_copy_made_at_deploy_time():

@@ -247,9 +247,10 @@ async def check_pool(pool: str, *, cluster_block: str | bool = False) -> None:
 
     try:
         async with get_client() as client:
-            wp = await client.read_work_pool(pool)
-    except ObjectNotFound:
-        raise missing_pool(pool) from None
+            try:
+                wp = await client.read_work_pool(pool)
+            except ObjectNotFound:
+                raise missing_pool(pool, await qosflow_pool_names(client)) from None
     except (httpx.HTTPError, OSError, RuntimeError):
         return
     if wp.type != "qosflow":
@@ -280,12 +281,26 @@ def worker_online(worker: Any) -> bool:
     return str(getattr(status, "value", status) or "").upper() == "ONLINE"
 
 
-def missing_pool(pool: str) -> Exception:
-    """The error for a qosflow pool that does not exist, with how to create it (worker and stages)."""
-    from qosflow.errors import SpecError
+def missing_pool(pool: str, existing: "list[str] | tuple[str, ...]" = ()) -> Exception:
+    """The error for a qosflow pool that does not exist, with how to create it (worker and stages).
+    `existing`: the server's qosflow pools, named with the one a misspelt name ('gpus' for 'gpu') most
+    likely meant: "create it" alone sent users to make a second pool."""
+    from qosflow.errors import SpecError, closest_name
 
-    return SpecError("pool", f"work pool {pool!r} does not exist; create it with `qosflow init --pool {pool}` "
-                             f"(or `prefect work-pool create {pool} --type qosflow`)")
+    msg = (f"work pool {pool!r} does not exist; create it with `qosflow init --pool {pool}` "
+           f"(or `prefect work-pool create {pool} --type qosflow`)")
+    if existing:
+        near = closest_name(pool, list(existing))
+        msg += (f", or did you mean {near!r}?" if near else "") + f" (qosflow pools on this server: {', '.join(existing)})"
+    return SpecError("pool", msg)
+
+
+async def qosflow_pool_names(client: Any) -> list[str]:
+    """The names of the server's qosflow work pools (for `missing_pool`), [] if it does not say."""
+    try:
+        return sorted(wp.name for wp in await client.read_work_pools() if wp.type == "qosflow")
+    except Exception:  # noqa: BLE001 - a hint only
+        return []
 
 
 def wrong_pool_type(pool: str, pool_type: str) -> Exception:

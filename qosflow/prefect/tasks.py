@@ -657,21 +657,15 @@ def _deployed_on_qosflow_pool(flow_run: Any) -> str | None:
         return None
 
 
-def _missing_pool(client: Any, pool: str) -> SpecError:
-    """The error for a pool that does not exist, with the server's qosflow pools and the one a
-    misspelt name ('gpus' for 'gpu') most likely meant: "create it" alone sent users to make a second pool."""
-    from qosflow.errors import closest_name
+def _missing_pool(client: Any, pool: str) -> Exception:
+    """The error for a pool that does not exist, with the server's qosflow pools (`missing_pool`)."""
     from qosflow.prefect.local import missing_pool
 
-    msg = str(missing_pool(pool)).split("invalid pool: ", 1)[-1]
     try:
         existing = sorted(wp.name for wp in client.read_work_pools() if wp.type == "qosflow")
     except Exception:  # noqa: BLE001 - a hint only
         existing = []
-    if existing:
-        near = closest_name(pool, existing)
-        msg += (f", or did you mean {near!r}?" if near else "") + f" (qosflow pools on this server: {', '.join(existing)})"
-    return SpecError("pool", msg)
+    return missing_pool(pool, existing)
 
 
 def ensure_stage_deployment(pool: str) -> str:

@@ -533,7 +533,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             async with get_client() as client:
                 wp = await client.read_work_pool(pool)
         except ObjectNotFound:
-            self._logger.error("%s; this worker takes the pool's runs as soon as it exists", missing_pool(pool))
+            from qosflow.prefect.local import qosflow_pool_names
+
+            async with get_client() as client:
+                existing = await qosflow_pool_names(client)
+            self._logger.error("%s; this worker takes the pool's runs as soon as it exists", missing_pool(pool, existing))
             return
         except Exception:  # the server is away: Prefect says so itself and keeps trying
             return
