@@ -233,3 +233,17 @@ def test_a_misspelt_job_variable_is_named_on_the_runs_log(prefect_server, caplog
         QosflowJobConfiguration(role="stage").prepare_for_flow_run(
             FlowRun(flow_id=uuid.uuid4(), name="p.s", job_variables={"role": "stage", "gpus": 1, "not_in_an_old_pool": 1}), None, None, pool, "w")
     assert not [r for r in caplog.records if "job variable" in r.getMessage()]
+
+
+def test_a_reservation_a_few_seconds_away_is_said_in_seconds():
+    """Two pipelines' 2-GPU stages on one 4-GPU host (user review): the waiting stage's note read
+    "reserved host0 (free for it in about 0.0 h)"."""
+    from qosflow.core import ClusterSpec, Job, QoSSpec
+    from qosflow.policies import get_policy
+    from qosflow.sim.engine import SimConfig, simulate
+
+    jobs = [Job("a", 0.0, QoSSpec(gpus=4), 60.0),
+            Job("b", 20.0, QoSSpec(gpus=2, deadline=180.0), 40.0)]
+    res = simulate(jobs, ClusterSpec.uniform(1, 4, virtual=True), get_policy("qosflow"), config=SimConfig(restart_overhead=0))
+    b = next(j for j in res.jobs if j.job_id == "b")
+    assert "reserved node0 (free for it in about 40 s)" in b.note, b.note  # its last waiting note

@@ -31,6 +31,16 @@ def _check_number(name: str, value, ok, want: str) -> None:
         raise ValueError(f"qosflow policy: {name} must be {want}, got {value!r}")
 
 
+def _soon(s: float) -> str:
+    """When a reserved node is free, for a waiting job's note: '40 s', '12 min', '1.5 h' (a live stage
+    waiting a few seconds read 'free for it in about 0.0 h')."""
+    if s < 90:
+        return f"{max(1.0, s):.0f} s"
+    if s < 2700:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
 @register
 class QosflowPolicy(
     OrderingMixin,
@@ -437,7 +447,7 @@ class QosflowPolicy(
                             reserved[n] = (now + ready, jid)
                         d.notes[jid] += (
                             f"; reserved {', '.join(st.spec.nodes[n].name for n in nodes)} "
-                            f"(free for it in about {ready / 3600:.1f} h)"
+                            f"(free for it in about {_soon(ready)})"
                         )
                 continue
             # (whole-GPU jobs only: fractional and CPU-only placements do not look at reservations)
