@@ -35,6 +35,15 @@ def marks(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def alive(pid: int) -> bool:
+    """A live process (not a zombie its agent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def start_worker(env: dict, log: Path, pool: str = POOL) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "qosflow", "worker", "start", "--pool", pool, "--name", WORKER],
                             env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -151,7 +160,11 @@ def test_worker_killed_midstage_restarts_and_adopts_the_running_stage(prefect_se
         assert [le.lease_id for le in store.leases(KEY)] == [lease.lease_id]  # its lease outlives it
         if sig == signal.SIGTERM:
             assert "keep running on their hosts with their leases" in wlog.read_text(errors="replace")
-            assert [e["event"] for e in marks(marker)] == ["start"]  # still running: not killed by the stop
+            # not killed by the stop: still running, or (a stop slower than the stage's 12 s on a loaded
+            # machine) ended on its own, which it marks "done"; killed, it is neither
+            ev = marks(marker)
+            assert [e["event"] for e in ev][:1] == ["start"]
+            assert "done" in [e["event"] for e in ev] or alive(ev[0]["pid"]), ev
 
         w2 = lab.start()
         wait_log(wlog, "recovery: adopted stage", w2)
