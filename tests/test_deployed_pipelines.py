@@ -247,3 +247,32 @@ def test_a_reservation_a_few_seconds_away_is_said_in_seconds():
     res = simulate(jobs, ClusterSpec.uniform(1, 4, virtual=True), get_policy("qosflow"), config=SimConfig(restart_overhead=0))
     b = next(j for j in res.jobs if j.job_id == "b")
     assert "reserved node0 (free for it in about 40 s)" in b.note, b.note  # its last waiting note
+
+
+def test_status_counts_a_schedules_coming_runs_apart_from_the_running_ones(prefect_server, capsys, monkeypatch):
+    """`qosflow status --pool gpu` said "6 pipeline run(s) of its deployments not finished" with one
+    pipeline running: the others were the nightly deployment's runs for the coming days (user review)."""
+    from datetime import datetime, timedelta, timezone
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Running, Scheduled
+
+    from qosflow.cli.main import main
+    from qosflow.prefect.status import pool_status
+
+    pool = "status-nightly"
+    _pools((pool, "qosflow"))
+    with get_client(sync_client=True) as c:
+        flow_id = c.create_flow_from_name("status-nightly-retrain")
+        dep = c.create_deployment(flow_id=flow_id, name="nightly", work_pool_name=pool, entrypoint="flows/retrain.py:retrain")
+        later = datetime.now(timezone.utc) + timedelta(days=1)
+        for d in (0, 1, 2):
+            c.create_flow_run_from_deployment(dep, state=Scheduled(scheduled_time=later + timedelta(days=d)))
+        now_run = c.create_flow_run_from_deployment(dep)
+        c.set_flow_run_state(now_run.id, Running(), force=True)
+    st = asyncio.run(pool_status(pool))
+    assert (st.pipelines_running, st.pipelines_scheduled) == (1, 3), st
+    assert abs(st.next_pipeline_at - later.timestamp()) < 1.0
+    assert main(["status", "--pool", pool]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "1 pipeline run(s) of its deployments running or due, 3 scheduled later (the next at " in text, text

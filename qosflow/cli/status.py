@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -61,7 +62,10 @@ def register(app: typer.Typer) -> None:
         console = Console(width=max(120, Console().width))
         online = [w for w in st.workers if w.online]
         console.print(f"[bold]pool {pool}[/] on {url}: {len(online)} of {len(st.workers)} worker(s) online, "
-                      f"{st.pipelines_running} pipeline run(s) of its deployments not finished")
+                      f"{st.pipelines_running} pipeline run(s) of its deployments running or due"
+                      + (f", {st.pipelines_scheduled} scheduled later (the next at "
+                         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(st.next_pipeline_at))})"
+                         if st.pipelines_scheduled and st.next_pipeline_at is not None else ""))
         if st.workers:
             wt = Table(title="workers")
             for col in ("worker", "status", "last heartbeat"):

@@ -59,7 +59,9 @@ class PoolStatus:
     pool: str
     workers: list[WorkerStatus] = field(default_factory=list)
     stages: list[StageStatus] = field(default_factory=list)
-    pipelines_running: int = 0
+    pipelines_running: int = 0  # pipeline runs of the pool's deployments started, or due to start
+    pipelines_scheduled: int = 0  # scheduled for later (a nightly deployment's next runs)
+    next_pipeline_at: float | None = None  # when the first of those is due (epoch seconds)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,7 +132,13 @@ async def pool_status(pool: str, *, limit: int = 200) -> PoolStatus:
         for fr in runs:
             params = fr.parameters or {}
             if "payload" not in params or "stage" not in params:  # a pipeline run (it holds no slot)
-                out.pipelines_running += 1
+                due = fr.expected_start_time.timestamp() if fr.expected_start_time is not None else None
+                if fr.state is not None and fr.state.is_scheduled() and due is not None and due > now + 60:
+                    # a schedule's runs for the coming days are not runs "not finished" (they were counted so)
+                    out.pipelines_scheduled += 1
+                    out.next_pipeline_at = due if out.next_pipeline_at is None else min(out.next_pipeline_at, due)
+                else:
+                    out.pipelines_running += 1
                 continue
             st = _stage_status(fr, now)
             if st.phase == "queued":
