@@ -997,3 +997,39 @@ def test_a_stage_cancelled_while_it_is_being_launched_is_killed_once_launched_no
 
     asyncio.run(watch())
     assert (killed, marked, dropped) == ([fid], [fid], [])
+
+
+def test_processes_a_local_stage_leaves_behind_end_with_it(tmp_path):
+    """`sh -c 'sleep 600 &'` on the local backend: the stage ended, the worker freed its slot, and the
+    sleep ran on (kill() and aclose() only look for registered processes), on a GPU given to others."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "left"
+
+    async def go():
+        be = LocalBackend(stream_output=False, workdir=str(tmp_path))
+        handle = await be.launch_unplaced("s1", ["sh", "-c", f"sleep 600 & echo $! > {out}"], {})
+        status = await be.wait(handle)
+        await be.aclose()
+        return status
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    assert asyncio.run(go()).ok
+    left = int(out.read_text())
+    try:
+        deadline = time.monotonic() + 5
+        while alive(left) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(left)
+    finally:
+        if alive(left):
+            os.kill(left, signal.SIGKILL)

@@ -177,6 +177,13 @@ class LocalBackend(Backend):
         if proc is None:
             return ExitStatus(ExitKind.INFRA, None, f"no process for stage {handle.stage_id} on this worker")
         rc = await proc.wait()
+        # what the stage left in its process group (`cmd &`, a launcher's children) ends with it: its slot
+        # is free from now on, and kill() and aclose() only look for processes still registered, so such
+        # processes kept running on GPUs the next stage was given (as on agents: qosflow.agent.runner)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self._procs.pop(handle.stage_id, None)
         killed = self._killed.pop(handle.stage_id, None)
         if rc == 0:
