@@ -796,3 +796,22 @@ def test_throughput_eval_skips_folds_with_nothing_to_learn_from(tmp_path, capsys
     p.write_text(json.dumps(_gavel_subset(types[:3], types[:1], False)))
     assert main(["predict", "eval", "--throughputs", str(p)]) == 2
     assert "nothing to cross-validate in its 3 job type(s)" in capsys.readouterr().err
+
+
+def test_a_step_time_asked_at_the_cores_it_was_measured_at_is_that_measurement():
+    """One sample, 0.2 s at 4 cores: asked at 4 cores the predictor said 0.21 s (the pooled value was
+    taken for a speed at unlimited cores and slowed down by the CPU curve's fraction at 4). It is now the
+    measurement itself, and other core counts are relative to it. A sample's GPU model the predictor
+    keeps under its own type is found when asked by that model's name too (user review)."""
+    from qosflow.predict.predictor import Predictor
+
+    p = Predictor()
+    p.observe({"signature": "resnet50/bs64", "gpu_type": "v100", "gpus": 1, "placement": "consolidated", "cpu_cores": 4, "step_time_s": 0.2})
+    at = {c: p.predict_solo_step_time("resnet50/bs64", 1, True, c).value for c in (1, 2, 4, 8)}
+    assert at[4] == pytest.approx(0.2)
+    assert at[1] > at[2] > at[4] >= at[8]  # fewer cores, slower, on the curve through the measurement
+    assert p.predict_solo_step_time("resnet50/bs64", 1, True, 4, gpu_type="v100").value == pytest.approx(0.2)
+    # samples at several core counts: the base is their mix, so a new count sits between them
+    p.observe({"signature": "resnet50/bs64", "gpu_type": "v100", "gpus": 1, "placement": "consolidated", "cpu_cores": 2, "step_time_s": 0.21})
+    p.observe({"signature": "resnet50/bs64", "gpu_type": "v100", "gpus": 1, "placement": "consolidated", "cpu_cores": 8, "step_time_s": 0.195})
+    assert p.predict_solo_step_time("resnet50/bs64", 1, True, 4).value == pytest.approx(0.2, rel=0.02)  # (pooled over the three)

@@ -73,6 +73,8 @@ class Predictor:
         # (canonical sig, gpu_type, gpus, consolidated, cpu_cores|None, co_runner canonical|None) -> LogStat
         self._stats: dict[tuple, LogStat] = {}
         self._cpu: dict[str, list[tuple[float, float]]] = {}  # sig -> [(cores, step time)] at 1 GPU solo
+        #: a pooled (all core counts) solo stat's key -> {cores the samples ran with (None: not said): count}
+        self._pool_cores: dict[tuple, dict[float | None, int]] = {}
         self._ref_solo: dict[tuple[str, str, int, bool], float] = {}  # (sig, gpu_type, gpus, cons) -> step time
         self._ref_pair: dict[tuple[str, str, str], float] = {}  # (a, b, gpu_type) -> speed of a next to b
         if reference is not None:
@@ -187,6 +189,9 @@ class Predictor:
                 if co is None or sig in self.refs or co in self.refs:
                     self._dirty_scaling = True
             st.add_log(log_t)
+        if co is None:
+            mix = self._pool_cores.setdefault((sig, gt, d["gpus"], cons, None, None), {})
+            mix[cores] = mix.get(cores, 0) + 1
         if cores is not None and co is None and d["gpus"] <= 1:
             self._cpu.setdefault(sig, []).append((float(cores), d["step_time_s"]))
         self.n_observed += 1
@@ -365,7 +370,7 @@ class Predictor:
 
     def predict_solo_step_time_batch(self, queries: Sequence[tuple], *, gpu_type: str | None = None) -> list[Prediction]:
         """Queries are (signature, gpus[, consolidated[, cpu_cores]]) tuples."""
-        gt = gpu_type or self.gpu_type
+        gt = self.type_key(gpu_type)  # (asked under the name its samples are kept under)
         out: list[Prediction | None] = [None] * len(queries)
         need_model: list[tuple[int, str, int, bool, int | None, tuple]] = []
         for i, q in enumerate(queries):
@@ -391,11 +396,19 @@ class Predictor:
                 out[i] = self._cache[key] = pred
         return out  # type: ignore[return-value]
 
-    def _cpu_adjust(self, sig: str, pred: Prediction, cores: int | None, base_cores: float | None = None) -> Prediction:
+    def _cpu_adjust(self, sig: str, pred: Prediction, cores: int | None, measured: tuple | None = None) -> Prediction:
+        """`pred` (a step time) at `cores` CPU cores, on the job's CPU curve. `measured`: the key of the
+        pooled samples `pred` comes from; they ran at their own core counts (their geometric-mean speed
+        fraction is the base), not at unlimited cores: a step time measured at 4 cores and asked at 4
+        cores was slowed down once more by the curve's fraction at 4 (0.2 s -> 0.21 s)."""
         if cores is None:
             return pred
         curve = self.cpu_curve(sig)
-        base = curve.speed_fraction(base_cores) if base_cores else 1.0
+        mix = self._pool_cores.get(measured) if measured is not None else None
+        base = 1.0
+        if mix:
+            n = sum(mix.values())
+            base = math.exp(sum(k * math.log(curve.speed_fraction(c) if c else 1.0) for c, k in mix.items()) / n)
         f = base / curve.speed_fraction(cores)
         if abs(f - 1) < 1e-9:
             return pred
@@ -408,7 +421,8 @@ class Predictor:
                 return Prediction(*_interval(st.mean, st.sd), st.n, f"samples(n={st.n},cores={cores})")
         st = self._stats.get((sig, gt, gpus, cons, None, None))
         if st is not None and st.n >= MIN_SAMPLES:
-            return self._cpu_adjust(sig, Prediction(*_interval(st.mean, st.sd), st.n, f"samples(n={st.n})"), cores)
+            return self._cpu_adjust(sig, Prediction(*_interval(st.mean, st.sd), st.n, f"samples(n={st.n})"), cores,
+                                    (sig, gt, gpus, cons, None, None))
         if st is None:
             ref = self._ref_solo.get((sig, gt, gpus, cons))
             if ref is not None:
@@ -417,7 +431,8 @@ class Predictor:
         if gpus == 1:
             base = self._solo_log(sig, gt, 1, True)
             if base is not None:
-                return self._cpu_adjust(sig, Prediction(*_interval(base[0], base[1]), base[2], base[3]), cores)
+                return self._cpu_adjust(sig, Prediction(*_interval(base[0], base[1]), base[2], base[3]), cores,
+                                        (sig, gt, 1, True, None, None) if base[2] else None)
             return self._cpu_adjust(sig, self._prior(sig, gt), cores)
         return None
 
@@ -467,7 +482,8 @@ class Predictor:
                 lv = w_s * st.mean + (1 - w_s) * math.log(pred.value)
                 pred = Prediction(math.exp(lv), min(pred.low, math.exp(st.mean)) , max(pred.high, math.exp(st.mean)),
                                   st.n + n, f"samples(n={st.n})+{pred.basis}")
-            out[k] = self._cpu_adjust(sig, pred, cores)
+            # (the samples the 1-GPU base comes from, else this configuration's own)
+            out[k] = self._cpu_adjust(sig, pred, cores, (sig, gt, 1, True, None, None) if n else (sig, gt, gpus, cons, None, None))
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ co-location
@@ -481,7 +497,7 @@ class Predictor:
         return Prediction(1.0 / p.value, 1.0 / p.high, 1.0 / p.low, p.n_samples, p.basis)
 
     def predict_slowdown_batch(self, pairs: Sequence[tuple[str, str]], *, gpu_type: str | None = None) -> list[Prediction]:
-        gt = gpu_type or self.gpu_type
+        gt = self.type_key(gpu_type)  # (asked under the name its samples are kept under)
         out: list[Prediction | None] = [None] * len(pairs)
         todo = []
         for i, (a_raw, b_raw) in enumerate(pairs):
