@@ -276,3 +276,15 @@ def test_status_counts_a_schedules_coming_runs_apart_from_the_running_ones(prefe
     assert main(["status", "--pool", pool]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "1 pipeline run(s) of its deployments running or due, 3 scheduled later (the next at " in text, text
+
+
+def test_submitting_a_stage_outside_a_flow_says_what_to_do_instead():
+    """`featurize.submit(d)` in a script (no flow run): Prefect's "Unable to determine task runner ... please
+    use `.delay`" sent users to Prefect's task workers, which do not place stages on GPU slots."""
+    from qosflow.prefect.tasks import QosflowStageOutsideFlow
+
+    with pytest.raises(QosflowStageOutsideFlow, match=r"call it in a @qos_flow function .* call the stage directly, deployed_step\(\.\.\.\)") as ei:
+        deployed_step.submit(1)
+    assert isinstance(ei.value, RuntimeError) and ".delay" not in str(ei.value)
+    with pytest.raises(QosflowStageOutsideFlow, match=r"\.map\(\)"):
+        deployed_step.map([1, 2])

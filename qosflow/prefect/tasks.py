@@ -565,6 +565,17 @@ class QoSTask(Task):
                 module = os.path.splitext(os.path.basename(file))[0]
         return f"{_import_name(module, file)}.{getattr(fn, '__qualname__', self.name)}"
 
+    # `.submit()` / `.map()` outside a flow: Prefect's "Unable to determine task runner ... please use
+    # `.delay`" sent users to Prefect's task workers, which do not place the stage on a GPU slot
+    def submit(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        _need_a_flow(self.name, "submit")
+        return super().submit(*args, **kwargs)
+
+    def map(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if not kwargs.get("deferred"):  # (deferred: Prefect's task workers, asked for by name)
+            _need_a_flow(self.name, "map")
+        return super().map(*args, **kwargs)
+
     def with_options(self, **kwargs: Any) -> "QoSTask":  # type: ignore[override]
         qos_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in QOS_FIELDS}
         stage_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in STAGE_FIELDS}
@@ -586,6 +597,21 @@ class QoSTask(Task):
         opts = {k: getattr(plain, k) for k in ("name", "description", "version", "cache_policy", "cache_key_fn", "cache_expiration", "task_run_name", "retries", "retry_delay_seconds", "retry_jitter_factor", "persist_result", "result_storage", "result_serializer", "result_storage_key", "cache_result_in_memory", "timeout_seconds", "log_prints", "refresh_cache", "retry_condition_fn") if hasattr(plain, k)}
         opts = {k: v for k, v in opts.items() if k in _TASK_PARAMS}
         return _build(self.qos_fn, {k: base[k] for k in base}, explicit, {k: stage_kw.get(k, getattr(self, k)) for k in STAGE_FIELDS}, dict(opts, tags=user_tags))
+
+
+def _need_a_flow(name: str, how: str) -> None:
+    """Refuse `stage.submit()` / `stage.map()` outside a flow run, saying what to do instead."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        raise QosflowStageOutsideFlow(
+            f"stage {name!r}: .{how}() runs stages side by side inside a pipeline: call it in a @qos_flow function "
+            f"(deploy that flow, or call it), or call the stage directly, {name}(...), to run it once (on the qosflow "
+            "worker of QOSFLOW_POOL when that is set, else in this process)")
+
+
+class QosflowStageOutsideFlow(QosflowError, RuntimeError):
+    """A stage's `.submit()` or `.map()` called outside a flow run."""
 
 
 def _unless_cancelled(user: Callable | None) -> Callable:
