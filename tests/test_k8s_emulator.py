@@ -229,3 +229,24 @@ def test_pod_log_tail_lines(api, emu):
     assert core.read_namespaced_pod_log(name, NS, tail_lines=len(lines) + 5) == whole
     r = httpx.get(f"{emu.url}/api/v1/namespaces/{NS}/pods/{name}/log", params={"tailLines": "many"})
     assert r.status_code == 400 and "tailLines" in r.json()["message"]
+
+
+def test_standalone_emulator_says_that_run_processes_answers_anyone():
+    """The emulator has no authentication; with --run-processes any user of the machine who could connect
+    ran commands as the user who started it (POST a Job: its command ran), and neither --help nor the
+    banner said so."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "qosflow.k8s_emulator", "--help"], capture_output=True, text=True, timeout=60)
+    assert "no authentication" in " ".join(r.stdout.split())
+    p = subprocess.Popen([sys.executable, "-m", "qosflow.k8s_emulator", "--port", "0", "--nodes", "1", "--run-processes"],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        banner = p.stdout.readline()  # printed once it listens; the warning is flushed right after it
+        time.sleep(0.5)
+    finally:
+        p.terminate()
+        p.wait(10)
+        warning = p.stdout.read()  # (read through the same buffer as the banner)
+    assert "Kubernetes API emulator" in banner and "no authentication" in warning and "run commands as you" in warning

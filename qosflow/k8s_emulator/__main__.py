@@ -18,7 +18,9 @@ ap.add_argument("--nodes", type=int, default=2, help="GPU nodes gpu-node-0..N-1 
 ap.add_argument("--gpus", type=int, default=4, help="GPUs per node (nvidia.com/gpu; default 4)")
 ap.add_argument("--replicas", type=int, default=None, help="time-slicing replicas per GPU (nvidia.com/gpu.shared)")
 ap.add_argument("--run-processes", action="store_true",
-                help="run each pod's container command as a local process (no image, no isolation), so real stages run")
+                help="run each pod's container command as a local process (no image, no isolation), so real stages run; "
+                     "the emulator has no authentication, so anyone on this machine who can connect to its port then runs "
+                     "commands as you: use it on a machine of your own")
 a = ap.parse_args()
 for opt, v, low in (("--nodes", a.nodes, 1), ("--gpus", a.gpus, 0), ("--replicas", a.replicas, 1)):
     if v is not None and v < low:
@@ -32,6 +34,10 @@ except OSError as exc:
     ap.exit(2, f"error: cannot listen on 127.0.0.1:{a.port}: {exc.strerror} (another emulator running?): stop it or choose another --port\n")
 with emu_server as emu:
     print(f"Kubernetes API emulator (not a real cluster) on {emu.url}; Ctrl-C to stop", flush=True)
+    if a.run_processes:
+        # it answers anyone who connects: another user of a shared machine could run commands as this user
+        print(f"warning: no authentication: any user of this machine who can connect to {emu.url} can create pods, "
+              "and so run commands as you (--run-processes)", flush=True)
     try:
         while True:
             time.sleep(3600)
