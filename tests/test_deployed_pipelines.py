@@ -288,3 +288,16 @@ def test_submitting_a_stage_outside_a_flow_says_what_to_do_instead():
     assert isinstance(ei.value, RuntimeError) and ".delay" not in str(ei.value)
     with pytest.raises(QosflowStageOutsideFlow, match=r"\.map\(\)"):
         deployed_step.map([1, 2])
+
+
+def test_a_cpu_only_stage_says_it_has_no_gpu():
+    """A CPU-only stage's log read "stage load_data on host0: GPU - (virtual), 1 cores (cpuset [0])"."""
+    from qosflow.placement_api import PlacementInfo
+    from qosflow.prefect.stage import where_placed
+
+    cpu = PlacementInfo(placed=True, node="host0", gpus=(), gpu_milli=0, cpu_cores=1.0, cpuset=(0,), virtual_gpus=True)
+    assert where_placed(cpu) == "host0: no GPU, 1 core (cpuset [0])"
+    two = PlacementInfo(placed=True, node="host0", gpus=(0, 1), cpu_cores=2.0, cpuset=(0, 1), virtual_gpus=True)
+    assert where_placed(two) == "host0: GPUs 0,1 (virtual), 2 cores (cpuset [0, 1])"
+    half = PlacementInfo(placed=True, node="host1", gpus=(3,), gpu_milli=500, cpu_cores=1.0, cpuset=(4,))
+    assert where_placed(half) == "host1: GPU 3, 1 core (cpuset [4]), share 500/1000"

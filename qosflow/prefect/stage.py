@@ -149,6 +149,22 @@ def _elastic_note(plan: dict) -> str:
     return f", started on {note}" if note else ""
 
 
+def where_placed(p: Any) -> str:
+    """Where a placed stage runs, for its log: 'host0: GPU 0,1 (virtual), 2 cores (cpuset [0, 1])', or
+    'host0: no GPU, 1 core (cpuset [0])' for a CPU-only stage (it read 'GPU - (virtual), 1 cores')."""
+    gpus = ",".join(str(g) for g in p.gpus)
+    return "%s: %s, %g core%s (cpuset %s)%s%s%s" % (
+        p.node,
+        (f"GPU{'s' if len(p.gpus) > 1 else ''} {gpus}" + (" (virtual)" if p.virtual_gpus else "")) if gpus else "no GPU",
+        p.cpu_cores,
+        "" if p.cpu_cores == 1 else "s",
+        list(p.cpuset),
+        f", share {p.gpu_milli}/1000" if gpus and p.gpu_milli < 1000 else "",
+        f", sub-batch plan {p.sub_batch}" if p.sub_batch else "",
+        _elastic_note(p.raw),
+    )
+
+
 @flow(name=STAGE_FLOW_NAME, persist_result=True, result_serializer="pickle", log_prints=True, validate_parameters=False)
 def qosflow_stage(payload: str, stage: str = "", pipeline: str = "") -> Any:
     """Run one `@qos_task` stage on the slot the qosflow worker placed it on."""
@@ -157,19 +173,7 @@ def qosflow_stage(payload: str, stage: str = "", pipeline: str = "") -> Any:
     logger = get_run_logger()
     p = placement()
     if p.placed:
-        gpus = ",".join(str(g) for g in p.gpus) or "-"
-        logger.info(
-            "stage %s on %s: GPU %s%s, %g cores (cpuset %s)%s%s%s",
-            stage,
-            p.node,
-            gpus,
-            " (virtual)" if p.virtual_gpus else "",
-            p.cpu_cores,
-            list(p.cpuset),
-            f", share {p.gpu_milli}/1000" if p.gpu_milli < 1000 else "",
-            f", sub-batch plan {p.sub_batch}" if p.sub_batch else "",
-            _elastic_note(p.raw),
-        )
+        logger.info("stage %s on %s", stage, where_placed(p))
     fn, args, kwargs = read_payload(payload)
     mirror = None
     if os.environ.get(PROGRESS_FILE_ENV):
