@@ -119,6 +119,10 @@ def test_the_docs_say_a_deployments_qos_policy_is_a_copy_made_at_deploy_time():
     assert "QoS policy block by reference" not in doc
     assert "`prefect deploy` copies the block's values" in doc and "run\n  `prefect deploy` again" in doc
     assert "deploy again after changing the block" in (root / "deployments" / "prefect.yaml").read_text()
+    from qosflow.prefect.worker import QosflowVariables  # the pool's variable, as the UI describes it
+
+    said = QosflowVariables.model_fields["qos_policy"].description
+    assert "by reference" not in said and "deploy again after changing the block" in said, said
 
 
 # ------------------------------------------------------------------------------------ a stage cancelled from the CLI

@@ -95,7 +95,8 @@ class QosflowVariables(BaseVariables):
     )
     qos_policy: Optional[dict[str, Any]] = Field(
         default=None,
-        description="A QoS policy block by reference, e.g. {{ prefect.blocks.qosflow-qos-policy.nightly }}: "
+        description="A QoS policy block, e.g. {{ prefect.blocks.qosflow-qos-policy.nightly }} (prefect deploy copies its values: "
+        "deploy again after changing the block): "
         "a pipeline run gets its deadline and priority from it.",
     )
     cluster_block: Optional[str] = Field(
