@@ -216,7 +216,7 @@ def _start_and_cancel(worker, task, flow_name: str, pidfile: Path) -> str:
     fid = _eventually(lambda: next((f for f, h in list(worker._handles.items()) if h.ref.get("pid") == pid), None))
     with _client() as c:
         c.set_flow_run_state(fid, Cancelling(), force=True)
-        _eventually(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z")
+        _eventually(lambda: _gone(pid))
         _eventually(lambda: c.read_flow_run(fid).state.is_cancelled(), timeout=30)
     th.join(120)
     assert not th.is_alive(), "the pipeline did not end after its stage was cancelled"  # (else it ends in a later test's PipelineRun.finished[-1])
@@ -227,6 +227,16 @@ def test_cancelling_a_stage_run_kills_its_process(qos_worker, tmp_path):
     import prefect_pipelines as pp
 
     _start_and_cancel(qos_worker.worker, pp.sleeper, "e2e-cancel", tmp_path / "sleeper.pid")
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie its worker has not reaped yet. (Not `exists(/proc/pid) and open(...)`:
+    the worker's child watcher reaps it at any moment, between the two as well: FileNotFoundError.)"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def _eventually(fn, timeout: float = 60.0):
@@ -478,7 +488,7 @@ def test_a_stage_past_its_timeout_is_cancelled_and_retried_one_run_at_a_time(qos
     pids = [int(x) for x in path.read_text().split()] if path.exists() else []
     assert len(pids) <= 2
     for pid in pids:  # no stage process is left (a zombie is one not yet reaped by the worker's thread)
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        assert _gone(pid)
 
 
 def test_a_stage_s_own_exception_reaches_the_pipeline(qos_worker):
@@ -545,7 +555,7 @@ def test_ctrl_c_cancels_a_running_stage_called_directly(qos_worker, tmp_path, pr
             proc.kill()
     assert "KeyboardInterrupt" in log.read_text()
     [fr] = [r for r in _stage_runs_named_like(".long_step") if r.parameters.get("payload") and r.state is not None]
-    _eventually(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", timeout=60)
+    _eventually(lambda: _gone(pid), timeout=60)
     with _client() as c:
         _eventually(lambda: c.read_flow_run(fr.id).state.is_cancelled(), timeout=60)
 
