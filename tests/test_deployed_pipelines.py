@@ -305,3 +305,47 @@ def test_a_cpu_only_stage_says_it_has_no_gpu():
     assert where_placed(two) == "host0: GPUs 0,1 (virtual), 2 cores (cpuset [0, 1])"
     half = PlacementInfo(placed=True, node="host1", gpus=(3,), gpu_milli=500, cpu_cores=1.0, cpuset=(4,))
     assert where_placed(half) == "host1: GPU 3, 1 core (cpuset [4]), share 500/1000"
+
+
+@qos_task(gpus=0, cpu_cores=1, expected_duration=1)
+def cut_first(x):
+    return x
+
+
+@qos_task(gpus=0, cpu_cores=1, expected_duration=1)
+def cut_after(x):
+    return x + 1
+
+
+@qos_flow(name="cut-pipe")
+def cut_pipe():
+    a = cut_first.submit(1)
+    return cut_after.submit(a).result()
+
+
+def test_a_pipeline_whose_stage_was_cancelled_names_that_stage(prefect_server, monkeypatch):
+    """Cancelling one stage from the CLI failed the pipeline with "UnfinishedRun: Run is in PENDING state,
+    its result is not available" (the stages after it NotReady): the run's headline named no stage.
+    It now says which stage did not complete, and why."""
+    import uuid
+
+    import prefect.deployments
+    from prefect.states import Cancelled
+
+    import qosflow.prefect.tasks as tasks
+
+    class Run:  # the stage's flow run, as the pipeline reads it once the worker has cancelled it
+        id = uuid.uuid4()
+        state = Cancelled(message="cancelled: the qosflow worker stopped the stage")
+        labels: dict = {}
+        start_time = end_time = None
+
+    monkeypatch.setenv("QOSFLOW_POOL", "cut-pool")
+    monkeypatch.setattr(tasks, "ensure_stage_deployment", lambda pool: f"qosflow-stage/{pool}")
+    monkeypatch.setattr(prefect.deployments, "run_deployment", lambda *a, **k: Run())
+    monkeypatch.setattr(tasks, "wait_for_stage", lambda fr, *a, **k: fr)
+    state = cut_pipe(return_state=True)
+    assert state.is_failed()
+    msg = state.message or ""
+    assert "StageCancelled: stage 'cut_first' did not complete (StageCancelled: stage 'cut_first'" in msg, msg
+    assert "so the stages that need its result did not run (UnfinishedRun" in msg, msg

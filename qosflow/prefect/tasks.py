@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from prefect import Task
 from prefect import flow as prefect_flow
+from prefect.exceptions import UnfinishedRun
 
 from qosflow.core.qos import DURATION_FORMS, PriorityClass, QoSSpec, to_seconds
 from qosflow.errors import QosflowError, SpecError
@@ -95,6 +96,8 @@ class StageRecord:
     #: an elastic start (`min_gpus`): the GPUs the stage asked for, and its gradient accumulation on those it got
     requested_gpus: int | None = None
     grad_accumulation: int | None = None
+    #: what the stage raised in the pipeline when its run did not complete
+    error: str | None = None
 
     @property
     def actual_s(self) -> float | None:
@@ -328,6 +331,12 @@ class PipelineRun:
                     f" (critical path left: {' -> '.join(fc.remaining_path)})" if fc.remaining_path else "")
         except Exception:  # monitoring must never fail a pipeline
             pass
+
+    def first_stage_error(self) -> StageRecord | None:
+        """The stage of this run that ended first without completing (its error recorded), or None."""
+        with self.lock:
+            failed = [r for r in self.stages.values() if r.error and r.state != "completed"]
+        return min(failed, key=lambda r: (r.ended or math.inf, r.dispatched)) if failed else None
 
     # -------------------------------------------------------------- end of run
     @property
@@ -811,6 +820,8 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
     except BaseException as exc:
         rec.ended = time.time()
         rec.state = "timed out" if isinstance(exc, StageTimedOut) else "cancelled"
+        if isinstance(exc, StageTimedOut):
+            rec.error = f"{type(exc).__name__}: {exc}"
         delete_payload(key)
         if run is not None:
             run.publish_forecast()
@@ -832,7 +843,9 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         run.publish_forecast()
     if not ok:
         delete_payload(key)
-        raise _stage_error(state, name, rec)
+        err = _stage_error(state, name, rec)
+        rec.error = f"{type(err).__name__}: {err}"
+        raise err
     try:
         return state.result(raise_on_failure=True)
     finally:
@@ -1307,6 +1320,15 @@ def qos_flow(
                 result = _resolve(result)
                 ok = True
                 return result
+            except UnfinishedRun as exc:
+                # a stage that failed or was cancelled leaves the stages after it NotReady, and the pipeline
+                # failed "UnfinishedRun: Run is in PENDING state, its result is not available", naming no stage
+                cause = run.first_stage_error()
+                if cause is None:
+                    raise
+                raise (StageCancelled if cause.error.startswith("StageCancelled") else StageFailed)(
+                    f"stage {cause.name!r} did not complete ({cause.error}), so the stages that need its result did not "
+                    f"run ({type(exc).__name__}: {exc})") from exc
             finally:
                 run.finish(ok)
                 run.unregister()
