@@ -954,3 +954,32 @@ def test_a_token_file_others_can_read_is_warned_about(tmp_path, capsys):
     f.chmod(0o600)
     assert _read_token(None, f) == "s3cret"
     assert capsys.readouterr().err == ""
+
+
+def test_a_stages_children_die_with_a_killed_agent(tmp_path):
+    """PR_SET_PDEATHSIG reached the stage's main process only: a process it started survived an agent
+    killed by SIGKILL, while the worker, finding the agent's port closed, reran the stage elsewhere at
+    once (docs: 'its stages died with it'): the stage ran twice. The agent's guard now kills the group."""
+    pidfile = tmp_path / "child.pid"
+    code = (f"import subprocess; p = subprocess.Popen(['sleep', '600']); open({str(pidfile)!r}, 'w').write(str(p.pid)); "
+            "p.wait()")
+    a = AgentProcess("host-g", TOKEN, virtual_gpus=1, log=tmp_path / "g.log").start()
+    child = None
+    try:
+        r = httpx.post(f"{a.url}/v1/stages", json={"stage_id": "s1", "command": [sys.executable, "-c", code]},
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 201
+        deadline = time.monotonic() + 30
+        while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(pidfile.read_text())
+        assert _alive(child)
+        a.kill(signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        a.stop()
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)

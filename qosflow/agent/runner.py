@@ -28,6 +28,58 @@ _PR_SET_PDEATHSIG = 1
 _SECRET_ENV = ("QOSFLOW_AGENT_TOKEN",)
 
 
+#: kills the process groups of the stages still running when the agent's process is gone (EOF on its stdin)
+_GUARD = """
+import os, signal, sys
+groups = set()
+for line in sys.stdin:
+    op, _, pg = line.strip().partition(" ")
+    if pg.isdigit():
+        (groups.add if op == "+" else groups.discard)(int(pg))
+for pg in groups:
+    try:
+        os.killpg(pg, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class _Guard:
+    """One small process per agent process that outlives it and kills what its stages left running.
+
+    PR_SET_PDEATHSIG reaches a stage's main process only. A process it started (`sh -c 'python
+    train.py; ...'`'s python, a launcher's workers) survived an agent killed by SIGKILL or the OOM
+    killer, while the worker, finding the agent's port closed, took the stage for dead and ran it again
+    elsewhere: the stage ran twice. The guard is told each running stage's process group; when the
+    agent's end of its pipe closes, however the agent ended, it SIGKILLs those groups."""
+
+    def __init__(self) -> None:
+        self._proc = None
+
+    def _send(self, line: str) -> None:
+        import subprocess
+        import sys
+
+        try:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD], stdin=subprocess.PIPE,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                              start_new_session=True, text=True, bufsize=1)
+            self._proc.stdin.write(line + "\n")  # type: ignore[union-attr]
+            self._proc.stdin.flush()  # type: ignore[union-attr]
+        except (OSError, ValueError):
+            pass  # no guard: the stages' main processes still die with the agent (PR_SET_PDEATHSIG)
+
+    def watch(self, pgid: int) -> None:
+        self._send(f"+ {pgid}")
+
+    def forget(self, pgid: int) -> None:
+        self._send(f"- {pgid}")
+
+
+_guard = _Guard()
+
+
 def usable_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
@@ -166,6 +218,7 @@ class Runner:
             return st
         logf.close()
         st.pid = st.proc.pid
+        _guard.watch(st.pid)
         asyncio.get_running_loop().create_task(self._reap(st))
         return st
 
@@ -177,6 +230,7 @@ class Runner:
         # such processes kept running, on GPUs given to the next stage, with nothing left to kill them
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(st.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        _guard.forget(st.pid)  # type: ignore[arg-type]
         st.returncode = rc
         st.ended_at = time.time()
         st.done.set()
