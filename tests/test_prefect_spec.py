@@ -688,3 +688,62 @@ def test_a_pipeline_forecast_counts_the_time_its_stages_take_to_start():
     assert fc.remaining_path == ["b", "c"]
     # a stage whose dependency has not ended is not measured
     assert run.start_overhead() == pytest.approx(4.0)
+
+
+def test_a_late_pipeline_sends_one_violation_and_each_late_stage_one(monkeypatch):
+    """A late stage was reported twice (by the worker that ran it and again by its pipeline at the end),
+    so the example automation sent ~13 notifications for one late pipeline (user review). The pipeline
+    now sends one event, scope 'pipeline', listing its late stages; the stage's own comes from the worker,
+    scope 'stage'. The example automation matches the pipeline's only, and is a valid Prefect automation."""
+    import uuid
+
+    import prefect.events
+    import yaml
+    from prefect.events.schemas.automations import AutomationCore
+
+    from qosflow.prefect.tasks import PipelineRun, StageRecord
+
+    sent: list[dict] = []
+    monkeypatch.setattr(prefect.events, "emit_event", lambda **kw: sent.append(kw))
+    monkeypatch.setattr(PipelineRun, "catch_up_placements", lambda self, wait_s=10.0: [])
+    monkeypatch.setattr(PipelineRun, "_remember_plan", lambda self: None)
+    import prefect.artifacts
+
+    for f in ("create_table_artifact", "create_markdown_artifact"):  # (no server here)
+        monkeypatch.setattr(prefect.artifacts, f, lambda *a, **kw: None)
+    run = PipelineRun("p", "fid", deadline=10, priority=None, pool="gpu", plan=None, expected={})
+    for name, late in (("a", True), ("b", True), ("c", False)):
+        rec = StageRecord(name, f"tr-{name}", (), 1.0, 0.5, run.started, run.started + 5, flow_run_id=str(uuid.uuid4()), state="completed")
+        rec.ended = run.started + (8 if late else 2)
+        run.add(rec)
+    run.deadline_at = run.started - 1  # the pipeline ended late
+    run.finish(ok=True)
+    violated = [e for e in sent if e["event"] == "qosflow.qos.violated"]
+    assert len(violated) == 1
+    assert violated[0]["resource"]["qosflow.scope"] == "pipeline" and violated[0]["payload"]["late_stages"] == ["a", "b"]
+
+    spec = yaml.safe_load(open("deployments/automation-violation.yaml"))
+    spec["actions"][0]["block_document_id"] = str(uuid.uuid4())
+    auto = AutomationCore.model_validate(spec)
+    assert auto.trigger.match.root.get("qosflow.scope") == "pipeline"
+    assert "late_stages" in spec["actions"][0]["body"]
+
+
+def test_the_workers_stage_events_are_labelled_as_a_stages():
+    from types import SimpleNamespace
+
+    import prefect.events
+
+    from qosflow.prefect.worker import QosflowWorker
+
+    sent: list[dict] = []
+    w = QosflowWorker(work_pool_name="events-test")
+    entry = SimpleNamespace(job=SimpleNamespace(pipeline="pipe-run-id"), flow_run_id="fr-1", name="train")
+    real = prefect.events.emit_event
+    try:
+        prefect.events.emit_event = lambda **kw: sent.append(kw)
+        w._event("qosflow.qos.violated", entry, {"stage": "train", "pipeline": "pipe-run-id"})
+    finally:
+        prefect.events.emit_event = real
+    [e] = sent
+    assert e["resource"]["qosflow.scope"] == "stage" and e["payload"]["pipeline"] == "pipe-run-id"

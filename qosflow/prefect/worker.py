@@ -912,7 +912,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         rec["deadline_met"] = None if deadline_at is None else finished <= deadline_at
         self.records.append(rec)
         if deadline_at is not None and finished > deadline_at and status.kind is not ExitKind.CANCELLED:
-            self._event("qosflow.qos.violated", entry, {"stage": name, "deadline": deadline_at, "ended": finished, "late_by_s": round(finished - deadline_at, 3)})
+            self._event("qosflow.qos.violated", entry, {"stage": name, "pipeline": entry.pipeline, "deadline": deadline_at, "ended": finished,
+                                                        "late_by_s": round(finished - deadline_at, 3)})
         code = _code(status)
         if not status.ok and status.kind is not ExitKind.CANCELLED:
             # the stage's engine may have died before it could say how it ended: say it for it, clearly
@@ -1778,7 +1779,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         try:
             emit_event(
                 event=name,
-                resource={"prefect.resource.id": f"prefect.flow-run.{entry.flow_run_id}", "prefect.resource.name": entry.name},
+                # (qosflow.scope: an automation tells a stage's events from its pipeline's)
+                resource={"prefect.resource.id": f"prefect.flow-run.{entry.flow_run_id}", "prefect.resource.name": entry.name,
+                          "qosflow.scope": "stage"},
                 related=related,
                 payload=json.loads(json.dumps(payload, default=str)),
             )
