@@ -20,6 +20,7 @@ from qosflow.backends.base import ExitKind, LaunchSpec
 from qosflow.core.placement import Placement
 from qosflow.failures import run_with_failover
 from qosflow.store.leases import LeaseStore
+from procs import alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -908,14 +909,6 @@ def test_stage_logs_are_not_readable_by_other_users(tmp_path):
     assert st.log_path.read_text() == "private\n"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_processes_a_stage_leaves_behind_end_with_it(tmp_path):
     """`sh -c 'sleep 600 &'`: the stage exited, the worker freed its slot, and the sleep ran on; DELETE
     did nothing (the stage had exited) and a fence neither, so such processes held GPUs given to others."""
@@ -931,12 +924,12 @@ def test_processes_a_stage_leaves_behind_end_with_it(tmp_path):
     left = int(st.log_path.read_text().split()[0])
     try:
         deadline = time.monotonic() + 5
-        while _alive(left) and time.monotonic() < deadline:
+        while alive(left) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(left)
+        assert not alive(left)
         assert st.returncode == 0
     finally:
-        if _alive(left):
+        if alive(left):
             os.kill(left, signal.SIGKILL)
 
 
@@ -973,13 +966,13 @@ def test_a_stages_children_die_with_a_killed_agent(tmp_path):
         while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
             time.sleep(0.05)
         child = int(pidfile.read_text())
-        assert _alive(child)
+        assert alive(child)
         a.kill(signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while _alive(child) and time.monotonic() < deadline:
+        while alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(child)
+        assert not alive(child)
     finally:
         a.stop()
-        if child and _alive(child):
+        if child and alive(child):
             os.kill(child, signal.SIGKILL)

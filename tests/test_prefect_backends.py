@@ -1016,12 +1016,7 @@ def test_processes_a_local_stage_leaves_behind_end_with_it(tmp_path):
         await be.aclose()
         return status
 
-    def alive(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
+    from procs import alive
 
     assert asyncio.run(go()).ok
     left = int(out.read_text())

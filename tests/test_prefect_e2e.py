@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from procs import alive
 
 pytestmark = pytest.mark.slow
 
@@ -230,13 +231,8 @@ def test_cancelling_a_stage_run_kills_its_process(qos_worker, tmp_path):
 
 
 def _gone(pid: int) -> bool:
-    """No such process, or a zombie its worker has not reaped yet. (Not `exists(/proc/pid) and open(...)`:
-    the worker's child watcher reaps it at any moment, between the two as well: FileNotFoundError.)"""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    """No such process, or a zombie its worker has not reaped yet."""
+    return not alive(pid)
 
 
 def _eventually(fn, timeout: float = 60.0):

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from procs import alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -33,15 +34,6 @@ WORKER = "restart-worker"
 
 def marks(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
-def alive(pid: int) -> bool:
-    """A live process (not a zombie its agent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def start_worker(env: dict, log: Path, pool: str = POOL) -> subprocess.Popen:

@@ -1,0 +1,11 @@
+"""Process checks the live tests share."""
+
+
+def alive(pid: int) -> bool:
+    """A live process: not gone, and not a zombie its parent has not reaped yet. (One open of
+    /proc/PID/stat, not `exists(/proc/PID)` then open: the parent may reap it between the two.)"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
