@@ -1028,3 +1028,26 @@ def test_processes_a_local_stage_leaves_behind_end_with_it(tmp_path):
     finally:
         if alive(left):
             os.kill(left, signal.SIGKILL)
+
+
+def test_a_worker_of_a_pool_that_does_not_exist_names_the_pool_it_likely_meant(prefect_server):
+    from types import SimpleNamespace
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from qosflow.prefect.worker import QosflowWorker
+
+    said: list[str] = []
+
+    async def go():
+        async with get_client() as c:
+            await c.create_work_pool(WorkPoolCreate(name="explain-gpu", type="qosflow"))
+        w = QosflowWorker(work_pool_name="explain-gpus")
+        w._logger = SimpleNamespace(error=lambda m, *a: said.append(m % a))
+        await w._explain_missing_pool()
+
+    asyncio.run(go())
+    [msg] = said
+    assert "work pool 'explain-gpus' does not exist" in msg and "did you mean 'explain-gpu'?" in msg
+    assert msg.endswith("this worker takes the pool's runs as soon as it exists")

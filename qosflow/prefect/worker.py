@@ -322,7 +322,6 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._stages_in_flight: set[str] = set()  # (the stage runs among them; pipeline runs are not placed)
         self._stopping = False  # set when the worker stops: its stages in flight go back to the pool's queue
         self._left_running: set[str] = set()  # stages left running at a stop, their leases kept for the next worker
-        self._kill_failed: set[str] = set()  # cancelled stage runs whose kill failed (said once; tried again)
         #: what the estimator learned from the stages this worker ran, per stage (the UI's predictor table)
         self._learned: dict[str, dict[str, Any]] = {}
         self._learned_published = -math.inf
@@ -527,19 +526,17 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         from prefect.client.orchestration import get_client
         from prefect.exceptions import ObjectNotFound
 
-        from qosflow.prefect.local import missing_pool, wrong_pool_type
+        from qosflow.prefect.local import missing_pool, qosflow_pool_names, wrong_pool_type
 
         pool = self._work_pool_name
         try:
             async with get_client() as client:
-                wp = await client.read_work_pool(pool)
-        except ObjectNotFound:
-            from qosflow.prefect.local import qosflow_pool_names
-
-            async with get_client() as client:
-                existing = await qosflow_pool_names(client)
-            self._logger.error("%s; this worker takes the pool's runs as soon as it exists", missing_pool(pool, existing))
-            return
+                try:
+                    wp = await client.read_work_pool(pool)
+                except ObjectNotFound:
+                    missing = missing_pool(pool, await qosflow_pool_names(client))  # (the same client)
+                    self._logger.error("%s; this worker takes the pool's runs as soon as it exists", missing)
+                    return
         except Exception:  # the server is away: Prefect says so itself and keeps trying
             return
         if wp.type != "qosflow":
@@ -1795,6 +1792,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         from prefect.states import Cancelled
 
         launching: set[str] = set()  # cancelled while placed but not launched yet (no handle): seen again next round
+        kill_failed: set[str] = set()  # cancelled, but their kill failed (said once; tried again each round)
         while True:
             await asyncio.sleep(1.0)
             sched = self.scheduler
@@ -1806,7 +1804,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 runs = await self.client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(ids))))
             except Exception:
                 continue
-            launching &= {str(fr.id) for fr in runs}
+            listed = {str(fr.id) for fr in runs}
+            launching &= listed
+            kill_failed &= listed
             for fr in runs:
                 if fr.state is None:
                     continue
@@ -1845,11 +1845,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     except Exception as exc:
                         # (an agent or the API server away): the run stays Cancelling and is tried again at
                         # the next round. Raised here, it ended this watch: no cancel was acted on again
-                        if fid not in self._kill_failed:
+                        if fid not in kill_failed:
                             self._logger.warning("stage run %s: could not stop it yet (%s); trying again every second", fid, exc)
-                        self._kill_failed.add(fid)
+                        kill_failed.add(fid)
                         continue
-                    self._kill_failed.discard(fid)
+                    kill_failed.discard(fid)
                 elif sched is not None:
                     sched.drop(fid, "flow run cancelled")
                 try:
