@@ -265,3 +265,45 @@ def test_leases_are_keyed_by_the_prefect_server_and_the_pool(db_url, pool):
     for k in (staging, prod):
         for le in st.leases(k):
             st.release(le.lease_id)
+
+
+def test_the_sqlite_lease_database_is_private_to_its_user(tmp_path, caplog):
+    """The lease store holds the stages' commands, and whoever may write it frees or books slots: it was
+    created 0644 (under the usual umask 022), readable by every user of the machine. A database file
+    qosflow creates is 0600 (SQLite gives its -wal and -shm files the same mode), the directories it
+    creates for it 0700; a file that exists already keeps its mode, with a warning."""
+    import logging
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "home" / "sub" / "leases.db"
+        st = LeaseStore(url=f"sqlite:///{path}")
+        st.acquire("p", "a", spec("a", [(0, 0)]), holder="w1")
+        with st.engine.connect() as conn:  # (a connection open: the -wal and -shm files are there)
+            conn.exec_driver_sql("SELECT 1")
+            files = [path, path.with_name("leases.db-wal"), path.with_name("leases.db-shm")]
+            assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o600 for f in files}
+        st.engine.dispose()
+        assert stat.S_IMODE((tmp_path / "home").stat().st_mode) == 0o700
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+        shared = tmp_path / "shared.db"
+        LeaseStore(url=f"sqlite:///{shared}").engine.dispose()
+        shared.chmod(0o664)  # the user's own choice: left as it is, and said
+        with caplog.at_level(logging.WARNING, logger="qosflow.leases"):
+            LeaseStore(url=f"sqlite:///{shared}").engine.dispose()
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o664
+        assert "writable by other users" in caplog.text and f"chmod 600 {shared}" in caplog.text
+    finally:
+        os.umask(old)
+
+
+def test_a_lease_database_that_cannot_be_opened_fails_at_once(tmp_path):
+    """LeaseStore swallowed every error of its table creation (meant for a concurrent creator's race):
+    a database SQLite cannot open made a store whose every booking then failed 'could not book stage
+    ... after 5 tries (heavy contention)', the cause lost."""
+    from sqlalchemy.exc import OperationalError
+
+    with pytest.raises(OperationalError, match="unable to open database file"):
+        LeaseStore(url=f"sqlite:///{tmp_path}")  # a directory

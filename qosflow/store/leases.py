@@ -26,11 +26,13 @@ Engine: `QOSFLOW_DATABASE_URL` (e.g. `postgresql+psycopg://user@host/db`) or SQL
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 import uuid
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import sqlalchemy as sa
@@ -212,9 +214,63 @@ def default_url() -> str:
     return f"sqlite:///{data_dir() / 'qosflow.db'}"
 
 
+log = logging.getLogger("qosflow.leases")
+_warned_modes: set[str] = set()
+
+
+def sqlite_file(url: str) -> str | None:
+    """The file of a SQLite URL (None for PostgreSQL, an in-memory database or a `file:` URI)."""
+    try:
+        u = sa.engine.make_url(url)
+    except sa.exc.ArgumentError:
+        return None
+    if u.get_backend_name() != "sqlite":
+        return None
+    db = u.database or ""
+    return None if not db or db == ":memory:" or db.startswith("file:") else db
+
+
+def private_sqlite_file(path: str | os.PathLike[str]) -> bool:
+    """Create the SQLite database file `path` readable and writable by its owner alone (0600), and the
+    directories missing above it 0700, before SQLite opens it (SQLite gives its -wal and -shm files the
+    database file's mode). The lease store holds the commands of the stages, and anyone who may write
+    it can free or book slots: created under the default umask it was 0644, readable by every user of
+    the machine. An existing file is left as it is, with a warning (once per process and file) if other
+    users may read or write it: it may be shared on purpose. Returns whether the file was created here."""
+    p = Path(os.path.abspath(os.fspath(path)))
+    missing = []
+    d = p.parent
+    while not d.exists() and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:  # a concurrent creator (its own mode stands)
+            pass
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        try:
+            mode = p.stat().st_mode
+        except OSError:
+            return False
+        if mode & 0o077 and str(p) not in _warned_modes and p.is_file():
+            _warned_modes.add(str(p))
+            log.warning("the qosflow database %s is %s by other users of this machine (mode %o): it holds the stages' "
+                        "commands and slot leases; unless it is shared on purpose, run: chmod 600 %s", p,
+                        "writable" if mode & 0o022 else "readable", mode & 0o777, p)
+        return False
+    os.close(fd)
+    return True
+
+
 def make_engine(url: str | None = None) -> sa.engine.Engine:
     url = url or default_url()
     if url.startswith("sqlite"):
+        path = sqlite_file(url)
+        if path:
+            private_sqlite_file(path)
         eng = sa.create_engine(url, connect_args={"timeout": 30})
 
         @sa.event.listens_for(eng, "connect")
@@ -274,12 +330,14 @@ class LeaseStore:
 
     def __init__(self, engine: sa.engine.Engine | None = None, url: str | None = None):
         self.engine = engine or make_engine(url)
-        for _ in range(5):
+        for attempt in range(5):
             try:
                 with self.engine.begin() as conn:
                     create_lease_tables(conn)
                 break
             except (OperationalError, IntegrityError):  # a concurrent creator won the race
+                if attempt == 4:  # (or the database cannot be opened at all: say so here, not later)
+                    raise
                 time.sleep(0.1)
 
     # ------------------------------------------------------------------ acquire / release
