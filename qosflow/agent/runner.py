@@ -11,7 +11,6 @@ lines (`qosflow.report_progress`) to a file of their own, which the worker copie
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import os
 import signal
@@ -22,6 +21,7 @@ from typing import AsyncIterator
 
 from qosflow.paths import file_stem
 from qosflow.placement_api import PROGRESS_FILE_ENV
+from qosflow.procgroup import kill_group
 
 _PR_SET_PDEATHSIG = 1
 #: environment variables of the agent that a stage must never see
@@ -228,8 +228,7 @@ class Runner:
         # what the stage left behind in its process group (`cmd &`, a launcher's children) ends with it:
         # the worker frees the stage's slot now, and a DELETE or a fence only looks at running stages, so
         # such processes kept running, on GPUs given to the next stage, with nothing left to kill them
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(st.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        kill_group(st.pid)  # type: ignore[arg-type]
         _guard.forget(st.pid)  # type: ignore[arg-type]
         st.returncode = rc
         st.ended_at = time.time()

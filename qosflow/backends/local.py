@@ -22,6 +22,7 @@ from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, Sta
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.gpu_names import short_gpu_model
 from qosflow.placement_api import PROGRESS_FILE_ENV
+from qosflow.procgroup import kill_group
 
 
 # ---------------------------------------------------------------------------------------- inventory
@@ -180,10 +181,7 @@ class LocalBackend(Backend):
         # what the stage left in its process group (`cmd &`, a launcher's children) ends with it: its slot
         # is free from now on, and kill() and aclose() only look for processes still registered, so such
         # processes kept running on GPUs the next stage was given (as on agents: qosflow.agent.runner)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(proc.pid)
         self._procs.pop(handle.stage_id, None)
         killed = self._killed.pop(handle.stage_id, None)
         if rc == 0:
@@ -278,10 +276,7 @@ def descendants(pid: int) -> list[int]:
 
 def kill_tree(pid: int, sig: int) -> None:
     """Signal a stage's process group (it is a session leader) and any stray descendants."""
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
+    kill_group(pid, sig)
     for c in descendants(pid):
         try:
             os.kill(c, sig)

@@ -162,17 +162,10 @@ class LocalServer:
             pass
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            import signal
+        if self.proc is not None:
+            from qosflow.procgroup import stop_group
 
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(15)
-            except Exception:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except Exception:
-                    pass
+            stop_group(self.proc, 15.0)  # (its whole session: the server and what it started)
         self.proc = None
 
 
