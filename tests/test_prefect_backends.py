@@ -1051,3 +1051,35 @@ def test_a_worker_of_a_pool_that_does_not_exist_names_the_pool_it_likely_meant(p
     [msg] = said
     assert "work pool 'explain-gpus' does not exist" in msg and "did you mean 'explain-gpu'?" in msg
     assert msg.endswith("this worker takes the pool's runs as soon as it exists")
+
+
+def test_runs_told_to_cancel_are_not_remembered_for_ever():
+    """A stage run cancelled from outside that crashed without the worker's Cancelled was put in a
+    module-level set (so that the pipeline says 'cancelled', not 'crashed'), one entry per such run for
+    the life of the process: a flow server running pipelines nightly only ever added to it. The entry
+    now goes when the pipeline reads it; what it is for stays (StageCancelled)."""
+    import time
+    import uuid
+    from types import SimpleNamespace
+
+    from prefect.states import Cancelling, Crashed
+
+    from qosflow.prefect import tasks
+    from qosflow.prefect.tasks import StageCancelled, StageRecord, _settled_after_cancel, _stage_error
+
+    class Client:
+        def read_flow_run_states(self, _id):
+            return [Cancelling(), Crashed(message="Execution was aborted by a termination signal.")]
+
+        def read_flow_run(self, _id):
+            return fr
+
+    before = set(tasks._TOLD_TO_CANCEL)
+    for _ in range(50):
+        fr = SimpleNamespace(id=uuid.uuid4(), state=Crashed(message="Execution was aborted by a termination signal."))
+        got = _settled_after_cancel(Client(), fr, wait_s=0)
+        assert str(fr.id) in tasks._TOLD_TO_CANCEL
+        rec = StageRecord("train", "tr", (), 1.0, 0.5, time.time(), None)
+        rec.flow_run_id = str(fr.id)
+        assert isinstance(_stage_error(got.state, "train", rec), StageCancelled)
+    assert tasks._TOLD_TO_CANCEL == before

@@ -821,6 +821,7 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
                             # a stage running past the pipeline's deadline is at risk before it ends
                             on_tick=run.check_at_risk if run is not None and run.deadline_at is not None else None)
     except BaseException as exc:
+        _took_cancel(rec.flow_run_id)
         rec.ended = time.time()
         rec.state = "timed out" if isinstance(exc, StageTimedOut) else "cancelled"
         if isinstance(exc, StageTimedOut):
@@ -829,6 +830,7 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         if run is not None:
             run.publish_forecast()
         raise
+    told_to_cancel = _took_cancel(rec.flow_run_id)  # (taken at once: nothing below may leave it in the set)
     labels = dict(getattr(fr, "labels", None) or {})
     if "qosflow.host" not in labels and fr.state is not None and fr.state.is_completed():
         # the worker writes the placement labels while it launches the stage, so they are normally
@@ -846,7 +848,7 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         run.publish_forecast()
     if not ok:
         delete_payload(key)
-        err = _stage_error(state, name, rec)
+        err = _stage_error(state, name, rec, told_to_cancel=told_to_cancel)
         rec.error = f"{type(err).__name__}: {err}"
         raise err
     try:
@@ -855,13 +857,16 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         delete_payload(key)
 
 
-def _stage_error(state: Any, name: str, rec: StageRecord) -> BaseException:
+def _stage_error(state: Any, name: str, rec: StageRecord, *, told_to_cancel: bool | None = None) -> BaseException:
     """What a stage whose run did not complete raises in the pipeline: the exception the stage itself
     raised, read back from the Failed state its engine persisted (so that `except ValueError:` and
     `retry_condition_fn` see what they would in-process), with a note saying which stage run raised it;
     StageFailed when there is none (a crash, a cancellation, a Failed state the worker set) or it
-    cannot be read back (e.g. its class does not unpickle here)."""
-    if state is not None and (state.is_cancelled() or str(rec.flow_run_id) in _TOLD_TO_CANCEL):
+    cannot be read back (e.g. its class does not unpickle here). `told_to_cancel`: whether the run
+    crashed after a Cancelling (`_took_cancel`); None takes it from `_TOLD_TO_CANCEL`."""
+    if told_to_cancel is None:
+        told_to_cancel = _took_cancel(rec.flow_run_id)
+    if state is not None and (state.is_cancelled() or told_to_cancel):
         return StageCancelled(f"stage {name!r} ({rec.flow_run_id}) was cancelled (its run was cancelled from outside the "
                               f"pipeline, e.g. `prefect flow-run cancel` or the UI) and ended {state.name}: {state.message}; "
                               "it is not retried")
@@ -1027,7 +1032,19 @@ def _cancel_created_run(idempotency_key: str, why: str, name: str, logger: Any, 
     return str(fid)
 
 
-_TOLD_TO_CANCEL: set[str] = set()  # stage runs that crashed after a Cancelling and were not marked Cancelled
+#: stage runs that crashed after a Cancelling and were not marked Cancelled, from `_settled_after_cancel`
+#: until the pipeline that waited for the run takes the entry (`_took_cancel`): a long-lived process
+#: (a flow server running pipelines nightly) kept one entry per such run for ever
+_TOLD_TO_CANCEL: set[str] = set()
+
+
+def _took_cancel(flow_run_id: Any) -> bool:
+    """Whether `_settled_after_cancel` found the stage run `flow_run_id` told to cancel; the entry goes."""
+    try:
+        _TOLD_TO_CANCEL.remove(str(flow_run_id))
+    except KeyError:
+        return False
+    return True
 
 
 def _settled_after_cancel(client: Any, fr: Any, wait_s: float = 5.0) -> Any:
