@@ -976,3 +976,36 @@ def test_a_stages_children_die_with_a_killed_agent(tmp_path):
         a.stop()
         if child and alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_gang_whose_launch_raises_on_one_host_leaves_no_rank_running_on_the_others(agents, tmp_path):
+    """A gang over host-a and a host whose agent rejects the token (401): launch() raised AgentAuthError
+    from asyncio.gather while rank 0 on host-a had started, and no one killed it (the handle was never
+    returned, the worker went on heartbeating host-a so its fence never fired): it ran on, on a GPU the
+    worker had given back. A gang starts whole or not at all, also when a launch raises."""
+    from qosflow.core.cluster import ClusterSpec, NodeSpec
+
+    a, _ = agents
+    x = AgentProcess("host-x", "another-token", virtual_gpus=1, log=tmp_path / "x.log").start()
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    sid = "gang-401"
+
+    async def go():
+        be = backend_for(a, x)
+        try:
+            spec = ClusterSpec((NodeSpec("host-a", 2, virtual=True, address=a.url), NodeSpec("host-x", 1, virtual=True, address=x.url)))
+            p = Placement(sid, ((0, 0), (1, 0)), ((0, 1.0), (1, 1.0)))
+            with pytest.raises(AgentAuthError, match="401"):
+                await be.launch(LaunchSpec(sid, [sys.executable, "-c", "import time; time.sleep(600)"], p, spec))
+        finally:
+            await be.aclose()
+
+    try:
+        asyncio.run(go())
+        r = httpx.get(f"{a.url}/v1/stages/{sid}", headers=headers)
+        assert r.status_code == 200  # (rank 0 was started)
+        assert r.json()["state"] == "exited", r.json()
+        assert r.json()["killed_reason"] == "gang launch failed"
+    finally:
+        httpx.delete(f"{a.url}/v1/stages/{sid}", params={"grace": 0}, headers=headers)
+        x.stop()

@@ -386,11 +386,15 @@ class AgentBackend(Backend):
             bodies.append({"stage_id": spec.stage_id, "command": spec.command, "env": env, "cwd": spec.cwd, "cpuset": cpuset,
                            "labels": spec.labels, "gpus": list(p.gpus_on(idx))})
         handle = StageHandle(spec.stage_id, self.name, names[0], {"parts": parts, "launched_at": time.time(), "launch_error": None})
-        results = await asyncio.gather(*(self._post(part, body) for part, body in zip(parts, bodies)))
-        errors = [e for e in results if e]
-        if errors:
+        # (every host's answer, also when one raises: a rank another host started must not be left running)
+        results = await asyncio.gather(*(self._post(part, body) for part, body in zip(parts, bodies)), return_exceptions=True)
+        raised = [e for e in results if isinstance(e, BaseException)]
+        errors = [e for e in results if isinstance(e, str)]
+        if raised or errors:
             # a gang starts whole or not at all
             await self.kill(handle, reason="gang launch failed")
+            if raised:
+                raise raised[0]
             handle.ref["launch_error"] = "; ".join(errors)
         return handle
 
