@@ -1083,3 +1083,30 @@ def test_runs_told_to_cancel_are_not_remembered_for_ever():
         rec.flow_run_id = str(fr.id)
         assert isinstance(_stage_error(got.state, "train", rec), StageCancelled)
     assert tasks._TOLD_TO_CANCEL == before
+
+
+def test_a_worker_thread_whose_worker_fails_at_start_says_so_in_wait_ready(monkeypatch):
+    """WorkerThread set `ready` before it raised its worker's start error: wait_ready(), woken by it,
+    could read no error yet and return a thread whose worker had failed (widened here by an Event
+    whose set() lingers after setting)."""
+    import threading
+    import time
+
+    from qosflow.prefect import local
+    from qosflow.prefect.worker import QosflowWorker
+
+    async def fails(self, **kw):
+        raise RuntimeError("the pool went away")
+
+    monkeypatch.setattr(QosflowWorker, "start", fails)
+
+    class LingeringEvent(threading.Event):
+        def set(self):
+            super().set()
+            time.sleep(0.5)
+
+    t = local.WorkerThread("no-such-pool")
+    t.ready = LingeringEvent()
+    with pytest.raises(RuntimeError, match="the pool went away"):
+        t.wait_ready(30)
+    t.join(10)

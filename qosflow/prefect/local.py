@@ -460,6 +460,10 @@ class WorkerThread(threading.Thread):
                 await worker._ensure_qos()
                 break
             await asyncio.sleep(0.1)
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            # raised before `ready` is set (run() records it first): set first, wait_ready() could read no
+            # error yet and return a thread whose worker had failed
+            raise task.exception()  # type: ignore[misc]
         self.ready.set()
         stop = asyncio.create_task(self._stop_event.wait())
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
