@@ -39,6 +39,8 @@ def register(app: typer.Typer) -> None:
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plot"),
         parallel: Optional[int] = typer.Option(None, "--parallel", help="runs (policy x seed) at once, each in a process of its own (default: one per CPU core, at most one per run, except for small experiments: under 20,000 pods x runs they run in this process; 1: one after another in this process). Results are the same either way"),
     ) -> None:
+        import math
+
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
         from rich.table import Table
@@ -60,7 +62,8 @@ def register(app: typer.Typer) -> None:
             check_output_file(json_out)
         if out is not None:
             check_output_dir(out)
-        names = [p.strip() for p in policies.split(",") if p.strip()]
+        # one run per policy: "fgd,FGD" ran FGD twice, as two rows of the table
+        names = list(dict.fromkeys(p.strip().lower() for p in policies.split(",") if p.strip()))
         if not names:
             raise SpecError("--policies", "give at least one policy, e.g. first-fit,best-fit,fgd")
         for name in names:
@@ -141,19 +144,37 @@ def register(app: typer.Typer) -> None:
         # "idle GPUs" = unallocated GPUs (idle milli over all GPUs / 1000); "failed" = pods failed up to 100 %
         for col in ("policy", "alloc %", "±std", "alloc GPUs", "idle GPUs", "failed", "s/run"):
             table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+        # GPUs and failures are means over seeds: whole numbers on a large cluster; on a small one, where a
+        # fraction of a GPU is a large share, one decimal (7.2 and 6.8 idle GPUs both read "7")
+        gpu_fmt = "{:.0f}" if total_gpus >= 100 else "{:.1f}"
+
+        def shown(value, fmt: str, scale: float = 1.0) -> str:
+            # a figure no seed has (every seed short of 100 %) is "–", not "nan"
+            return fmt.format(value * scale) if value is not None and math.isfinite(value) else "–"
+
         for name, d in data["policies"].items():
+            failed = d["failed_pods"]
             table.add_row(
                 name,
-                f"{d['alloc_ratio'] * 100:.2f}",
-                f"{d['alloc_ratio_std'] * 100:.2f}" if len(seed_list) > 1 else "–",  # no spread over one seed
-                f"{d['allocated_gpus']:.0f}",
-                f"{d['unallocated_gpus']:.0f}",
-                f"{d['failed_pods']:.0f}",
+                shown(d["alloc_ratio"], "{:.2f}", 100),
+                shown(d["alloc_ratio_std"], "{:.2f}", 100) if len(seed_list) - len(d["seeds_short_of_demand"]) > 1 else "–",  # no spread over one seed
+                shown(d["allocated_gpus"], gpu_fmt),
+                shown(d["unallocated_gpus"], gpu_fmt),
+                shown(failed, "{:.0f}" if failed is None or not math.isfinite(failed) or float(failed).is_integer() else "{:.1f}"),
                 f"{d['seconds_per_run']:.2f}",
             )
         console.print(table)
         for name, d in data["policies"].items():
-            if d["seeds_short_of_demand"]:
+            if len(d["seeds_short_of_demand"]) == len(seed_list):
+                console.print(
+                    f"[yellow]{name}: the arrived GPU requests never reached 100 % of capacity with seed(s) "
+                    f"{', '.join(map(str, d['seeds_short_of_demand']))}, all of them, so there is no figure at 100 % "
+                    "('–'; null in the JSON): arrivals stop before the first pod that would take "
+                    f"them past --ratio ({ratio:.0%}), and this list's pods are too large a share of this cluster. Give "
+                    "more or smaller pods, or a larger --ratio; pack_curve.csv has the allocation up to where arrivals "
+                    "stopped.[/]"
+                )
+            elif d["seeds_short_of_demand"]:
                 console.print(
                     f"[yellow]{name}: the arrived GPU requests never reached 100 % of capacity with seed(s) "
                     f"{', '.join(map(str, d['seeds_short_of_demand']))} (pods too large a share of this cluster); "
