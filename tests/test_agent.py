@@ -1009,3 +1009,36 @@ def test_a_gang_whose_launch_raises_on_one_host_leaves_no_rank_running_on_the_ot
     finally:
         httpx.delete(f"{a.url}/v1/stages/{sid}", params={"grace": 0}, headers=headers)
         x.stop()
+
+
+def test_a_fence_whose_kill_fails_once_keeps_fencing(tmp_path, caplog):
+    """The agent's fence ran in a task nobody awaited: one kill that raised (killpg's PermissionError for a
+    stage whose processes are not the agent's to signal, e.g. a setuid command) ended it silently, and
+    the agent never fenced again, for as long as it ran: stages the worker had rerun elsewhere ran on."""
+    from qosflow.agent.app import AgentConfig, create_app
+
+    async def go():
+        app = create_app(AgentConfig(token=TOKEN, name="host-f", virtual_gpus=1, force_virtual=True, workdir=tmp_path / "w",
+                                     fence_after_s=0.3))
+        runner = app.state.runner
+        real, calls = runner.kill_all, []
+
+        async def kill_all(reason, grace=2.0):
+            calls.append(reason)
+            if len(calls) == 1:
+                raise PermissionError(1, "Operation not permitted")
+            await real(reason, grace)
+
+        runner.kill_all = kill_all
+        async with app.router.lifespan_context(app):
+            st = await runner.launch("s1", [sys.executable, "-c", "import time; time.sleep(600)"])
+            try:
+                await runner.wait(st, 10)
+            finally:
+                await real("test over", 0)
+        return st, calls
+
+    st, calls = asyncio.run(go())
+    assert len(calls) >= 2 and calls[0].startswith("fenced")
+    assert st.killed_reason.startswith("fenced"), st.status()
+    assert "fencing its stages failed" in caplog.text

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import os
 import socket
 import tempfile
@@ -33,6 +34,8 @@ from pydantic import BaseModel, Field
 from qosflow.agent.gpus import GpuSource
 from qosflow.agent.runner import Runner, usable_cpus
 from qosflow.backends.base import AGENT_STOPPING
+
+log = logging.getLogger("qosflow.agent")
 
 
 @dataclass
@@ -144,11 +147,14 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             silent = time.time() - state["last_contact"]
             if not runner.running():
                 continue
-            if frozen > cfg.fence_after_s:
-                # this process was stopped (host frozen, SIGSTOP): the worker has given up on us
-                await runner.kill_all(f"fenced: the agent was frozen for {frozen:.1f}s (> {cfg.fence_after_s:g}s)")
-            elif silent > cfg.fence_after_s:
-                await runner.kill_all(f"fenced: no heartbeat from the worker for {silent:.1f}s (> {cfg.fence_after_s:g}s)")
+            try:
+                if frozen > cfg.fence_after_s:
+                    # this process was stopped (host frozen, SIGSTOP): the worker has given up on us
+                    await runner.kill_all(f"fenced: the agent was frozen for {frozen:.1f}s (> {cfg.fence_after_s:g}s)")
+                elif silent > cfg.fence_after_s:
+                    await runner.kill_all(f"fenced: no heartbeat from the worker for {silent:.1f}s (> {cfg.fence_after_s:g}s)")
+            except Exception:  # noqa: BLE001 - a kill that failed (killpg: EPERM) must not end the fence: next tick
+                log.exception("agent %s: fencing its stages failed; trying again", cfg.name)
 
     # no /docs, /redoc or /openapi.json: FastAPI serves those outside the app's dependencies, so they
     # answered without the token (the host name and the whole API to anyone who could connect)
