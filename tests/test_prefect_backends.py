@@ -1110,3 +1110,22 @@ def test_a_worker_thread_whose_worker_fails_at_start_says_so_in_wait_ready(monke
     with pytest.raises(RuntimeError, match="the pool went away"):
         t.wait_ready(30)
     t.join(10)
+
+
+def test_the_in_process_history_of_pipeline_runs_is_bounded():
+    """PipelineRun.finished kept every pipeline run a process ever ran (its stages' records with it): a
+    flow server running pipelines nightly only ever added to it. It keeps the last FINISHED_KEPT."""
+    from qosflow.prefect.tasks import PipelineRun
+
+    kept = PipelineRun.FINISHED_KEPT
+    before = list(PipelineRun.finished)
+    try:
+        for i in range(kept + 5):
+            run = PipelineRun(f"p{i}", f"fid{i}", deadline=None, priority=None, pool=None, plan=None, expected={})
+            run.register()
+            run.unregister()
+        assert len(PipelineRun.finished) == kept and PipelineRun.finished[-1].name == f"p{kept + 4}"
+        assert PipelineRun.current() is None and not any(k.startswith("fid") for k in PipelineRun._by_flow_run)
+    finally:
+        PipelineRun.finished.clear()
+        PipelineRun.finished.extend(before)

@@ -24,6 +24,7 @@ end a table artifact lists every stage (host, GPUs, cores, predicted vs actual, 
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import json
@@ -151,7 +152,10 @@ class PipelineRun:
     """Book-keeping of one running `qos_flow` (its stages, deadline split, forecast, artifacts)."""
 
     _by_flow_run: dict[str, "PipelineRun"] = {}
-    finished: list["PipelineRun"] = []  # in-process history (the demo reads it)
+    #: in-process history (the demo reads it): the last FINISHED_KEPT runs, not every run of a long-lived
+    #: process (a flow server running pipelines nightly kept each run's records for ever)
+    FINISHED_KEPT = 1000
+    finished: "collections.deque[PipelineRun]" = collections.deque(maxlen=FINISHED_KEPT)
     _lock = threading.Lock()
 
     def __init__(self, name: str, flow_run_id: str, *, deadline: float | None, priority: PriorityClass | None, pool: str | None, plan: Mapping[str, Sequence[str]] | None, expected: Mapping[str, float]):
