@@ -1129,3 +1129,25 @@ def test_the_in_process_history_of_pipeline_runs_is_bounded():
     finally:
         PipelineRun.finished.clear()
         PipelineRun.finished.extend(before)
+
+
+def test_a_damaged_plans_file_is_written_anew(tmp_path, monkeypatch):
+    """A pipeline remembers its stage DAG in plans.json for the next run's deadline split. A file that did
+    not parse (a disk that filled up mid-write, two pipelines of one process writing the same temporary
+    file) made every later run give up on it silently: no plan was ever recorded again."""
+    import json
+    import time
+
+    from qosflow.prefect.tasks import PipelineRun, StageRecord, _recorded_plan
+
+    monkeypatch.setenv("QOSFLOW_HOME", str(tmp_path))
+    plans = tmp_path / "prefect" / "plans.json"
+    plans.parent.mkdir(parents=True)
+    plans.write_text('{"other": {"plan": {"a": []}, "exp')
+    run = PipelineRun("nightly", "fid", deadline=None, priority=None, pool=None, plan=None, expected={})
+    run.stages["load"] = StageRecord("load", None, (), 5.0, 0.5, time.time())
+    run.stages["train"] = StageRecord("train", None, ("load",), 20.0, 0.5, time.time())
+    run.state = "completed"
+    run._remember_plan()
+    assert json.loads(plans.read_text())["nightly"]["plan"] == {"load": [], "train": ["load"]}
+    assert _recorded_plan("nightly")[0] == {"load": [], "train": ["load"]}

@@ -451,12 +451,17 @@ class PipelineRun:
 
             path = data_dir() / "prefect" / "plans.json"
             path.parent.mkdir(parents=True, exist_ok=True)
-            plans = json.loads(path.read_text()) if path.exists() else {}
+            try:
+                plans = json.loads(path.read_text()) if path.exists() else {}
+            except ValueError:  # damaged (e.g. a disk that filled up): was never written again, every run's plan lost
+                plans = {}
+            if not isinstance(plans, dict):
+                plans = {}
             plans[self.flow_name] = {
                 "plan": {r.name: list(r.deps) for r in self.stages.values()},
                 "expected": {r.name: r.actual_s or r.expected for r in self.stages.values()},
             }
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # (two pipelines of one process)
             tmp.write_text(json.dumps(plans))
             os.replace(tmp, path)
         except Exception:
