@@ -173,10 +173,9 @@ def _muri_csv(p: Path, name: str | None) -> ClusterSpec:
             raise TraceFormatError(p, line, f"column {col!r}: expected a number, got {raw!r}") from None
         if integer and not v.is_integer():
             raise TraceFormatError(p, line, f"column {col!r}: expected a whole number, got {raw!r}")
-        if v <= 0 and col != "num_gpu_p_node":
-            raise TraceFormatError(p, line, f"column {col!r}: must be > 0, got {raw!r}")
-        if v < 0:
-            raise TraceFormatError(p, line, f"column {col!r}: must be >= 0, got {raw!r}")
+        if v <= 0:  # a node of no GPUs made a cluster of none, on which every job was rejected
+            raise TraceFormatError(p, line, f"column {col!r}: must be > 0, got {raw!r}"
+                                   + (" (GPUs per node)" if col == "num_gpu_p_node" else ""))
         return v
 
     sw = int(num("num_switch", True))

@@ -98,6 +98,7 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
         if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs <= 0:
             raise SpecError("--jobs", f"must be a positive number of jobs, got {jobs!r}")
     spec: ClusterSpec = load_cluster(cluster or "8x8")
+    _check_has_gpus(spec, cluster)
     opts: dict = {}
     if jobs is not None:
         opts["num_jobs"] = jobs
@@ -114,6 +115,7 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
     wl = load_workload(trace, fmt, cluster=spec, seed=seed, deadline_share=deadline_share, **opts)
     if cluster is None and getattr(wl, "cluster_hint", None):
         spec = load_cluster(wl.cluster_hint) if isinstance(wl.cluster_hint, str) else wl.cluster_hint
+        _check_has_gpus(spec, wl.cluster_hint if isinstance(wl.cluster_hint, str) else spec.name)
         wl = load_workload(trace, fmt, cluster=spec, seed=seed, deadline_share=deadline_share, **opts)
     if not wl.jobs:
         # grouped by reason without its "line N: " prefix (each rejected row has its own line), the
@@ -134,3 +136,14 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
             "check the trace's columns and --cluster"
         )
     return wl, spec
+
+
+def _check_has_gpus(spec: ClusterSpec, given) -> None:
+    """A cluster without a single GPU (an Alibaba node list of CPU nodes only) is an error: it was simulated,
+    every GPU job rejected with 'the cluster has 0 that fit it', the rest compared at 0 % GPU allocation."""
+    if spec.num_gpus == 0:
+        from qosflow.errors import SpecError
+
+        raise SpecError("--cluster", f"{given}: the cluster has no GPUs ({len(spec.nodes)} node(s), none with a GPU); "
+                                     "give a cluster with GPU nodes (e.g. 8x8, or a node list whose 'gpu' column is > 0 on "
+                                     "the GPU nodes)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -101,13 +102,37 @@ def data_rows(path: Path, reader, header: list[str]) -> Iterator[tuple[int, dict
         yield reader.line_num, {h: v.strip() for h, v in zip(header, row)}
 
 
+#: seconds per time unit a trace's cell may carry by mistake ('90min', '2 h', '1500ms')
+_UNITS = {
+    "ms": 0.001, "msec": 0.001, "millisecond": 0.001, "milliseconds": 0.001,
+    "s": 1.0, "sec": 1.0, "secs": 1.0, "second": 1.0, "seconds": 1.0,
+    "m": 60.0, "min": 60.0, "mins": 60.0, "minute": 60.0, "minutes": 60.0,
+    "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "hour": 3600.0, "hours": 3600.0,
+    "d": 86400.0, "day": 86400.0, "days": 86400.0,
+}
+_WITH_UNIT = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([A-Za-z]+)\s*$")
+
+
+def unit_hint(raw: str, unit: str) -> str:
+    """'; ...' telling how to write a time given with a unit ('60min') in the column's `unit` ('ms' or 's'),
+    else ''. The error said only "expected duration in ms (a number), got '60min'"."""
+    m = _WITH_UNIT.match(raw)
+    if not m or m.group(2).lower() not in _UNITS:
+        return ""
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()] / (0.001 if unit == "ms" else 1.0)
+    name = "milliseconds" if unit == "ms" else "seconds"
+    return f"; the column is in {name}, written without a unit: {raw.strip()!r} is {value:.12g}"
+
+
 def number(path: Path, line: int, col: str, raw: str, what: str, *, integer: bool = False, minimum: float | None = 0.0,
            positive: bool = False) -> float:
     """A finite number from column `col`, or a TraceFormatError naming file, line and column."""
     try:
         v = float(raw)
     except ValueError:
-        raise TraceFormatError(path, line, f"column {col!r}: expected {what} (a number), got {raw!r}") from None
+        unit = "ms" if what.endswith(" in ms") else "s" if what.endswith(" in seconds") else None
+        hint = unit_hint(raw, unit) if unit else ""
+        raise TraceFormatError(path, line, f"column {col!r}: expected {what} (a number), got {raw!r}{hint}") from None
     if not math.isfinite(v):
         raise TraceFormatError(path, line, f"column {col!r}: expected a finite {what}, got {raw!r}")
     if integer and not v.is_integer():

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from qosflow.errors import TraceFormatError
-from qosflow.sim.traces._common import check_text, data_rows, delimiter_hint
+from qosflow.sim.traces._common import check_text, data_rows, delimiter_hint, unit_hint
 
 MILLI = 1000
 
@@ -128,7 +128,8 @@ def _opt_time(path: Path, line: int, row: dict[str, str], col: str) -> float | N
     try:
         val = float(raw)
     except ValueError:
-        raise TraceFormatError(path, line, f"column {col!r}: expected a time in seconds or empty, got {raw!r}") from None
+        raise TraceFormatError(path, line, f"column {col!r}: expected a time in seconds or empty, got {raw!r}"
+                                           f"{unit_hint(raw, 's')}") from None
     if not (0 <= val < float("inf")):  # NaN and inf too: "must be > 0 seconds, got inf" came much later
         raise TraceFormatError(path, line, f"column {col!r}: time must be a finite number of seconds >= 0, got {raw!r}")
     return val
