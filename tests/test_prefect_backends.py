@@ -1151,3 +1151,29 @@ def test_a_damaged_plans_file_is_written_anew(tmp_path, monkeypatch):
     run._remember_plan()
     assert json.loads(plans.read_text())["nightly"]["plan"] == {"load": [], "train": ["load"]}
     assert _recorded_plan("nightly")[0] == {"load": [], "train": ["load"]}
+
+
+def test_the_local_servers_database_and_log_are_private_to_its_user(tmp_path):
+    """`qosflow demo` (LocalServer) kept the Prefect server's SQLite database 0644 in a 0755 home: it
+    holds the blocks (a cluster file's agent token among them) and the key Prefect encrypts them with,
+    so any user of the machine could read the token and launch commands through the agents. A home
+    LocalServer makes is 0700, its new database 0600 (SQLite's -wal and -shm follow) and its log 0600."""
+    import os
+    import stat
+
+    from qosflow.prefect.local import LocalServer
+
+    old = os.umask(0o022)
+    try:
+        server = LocalServer(tmp_path / "demo" / "prefect", ui=False)
+    finally:
+        os.umask(old)
+    home = tmp_path / "demo" / "prefect"
+    try:
+        server.start()
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in home.iterdir() if p.name.startswith(("prefect.db", "server.log"))}
+    finally:
+        server.stop()
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert "prefect.db" in modes and "server.log" in modes
+    assert modes == {name: 0o600 for name in modes}, modes

@@ -94,12 +94,19 @@ class LocalServer:
     def __init__(self, home: str | Path, port: int | None = None, *, ui: bool = True, log: str | Path | None = None,
                  database_url: str | None = None):
         self.home = Path(home)
-        self.home.mkdir(parents=True, exist_ok=True)
+        # the server's SQLite database holds its blocks, an agent token among them, and the key Prefect
+        # encrypts them with; its storage, the stages' results: a home made here is its user's (0700)
+        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.port = port or free_port()
         self.ui = ui
         self.env = server_env(self.home, self.port, ui=ui, database_url=database_url)
         self.log_path = Path(log) if log else self.home / "server.log"
         self.proc: subprocess.Popen | None = None
+        if database_url is None or not str(database_url).strip():
+            from qosflow.store.leases import private_sqlite_file
+
+            # 0600 (and so its -wal and -shm) if it is new
+            private_sqlite_file(self.home / "prefect.db", "the local Prefect server's blocks and the key they are encrypted with")
 
     @property
     def api_url(self) -> str:
@@ -112,7 +119,7 @@ class LocalServer:
     def start(self, timeout: float = 120.0) -> "LocalServer":
         env = dict(os.environ)
         env.update(self.env)
-        logf = open(self.log_path, "ab")
+        logf = open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
         log_start = logf.tell()  # the log is appended to: this start's lines begin here
         # on SQLite, the server's garbage collection runs off its event loop (see server_process.py:
         # a collection in the loop could stall every request for the 60 s of SQLite's busy timeout);

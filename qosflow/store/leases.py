@@ -230,13 +230,14 @@ def sqlite_file(url: str) -> str | None:
     return None if not db or db == ":memory:" or db.startswith("file:") else db
 
 
-def private_sqlite_file(path: str | os.PathLike[str]) -> bool:
+def private_sqlite_file(path: str | os.PathLike[str], holds: str = "the stages' commands and slot leases") -> bool:
     """Create the SQLite database file `path` readable and writable by its owner alone (0600), and the
     directories missing above it 0700, before SQLite opens it (SQLite gives its -wal and -shm files the
     database file's mode). The lease store holds the commands of the stages, and anyone who may write
     it can free or book slots: created under the default umask it was 0644, readable by every user of
     the machine. An existing file is left as it is, with a warning (once per process and file) if other
-    users may read or write it: it may be shared on purpose. Returns whether the file was created here."""
+    users may read or write it (`holds`: what the warning says it holds): it may be shared on purpose.
+    Returns whether the file was created here."""
     p = Path(os.path.abspath(os.fspath(path)))
     missing = []
     d = p.parent
@@ -257,9 +258,9 @@ def private_sqlite_file(path: str | os.PathLike[str]) -> bool:
             return False
         if mode & 0o077 and str(p) not in _warned_modes and p.is_file():
             _warned_modes.add(str(p))
-            log.warning("the qosflow database %s is %s by other users of this machine (mode %o): it holds the stages' "
-                        "commands and slot leases; unless it is shared on purpose, run: chmod 600 %s", p,
-                        "writable" if mode & 0o022 else "readable", mode & 0o777, p)
+            log.warning("the database %s is %s by other users of this machine (mode %o): it holds %s; unless it is "
+                        "shared on purpose, run: chmod 600 %s", p, "writable" if mode & 0o022 else "readable",
+                        mode & 0o777, holds, p)
         return False
     os.close(fd)
     return True
