@@ -250,3 +250,87 @@ def test_standalone_emulator_says_that_run_processes_answers_anyone():
         p.wait(10)
         warning = p.stdout.read()  # (read through the same buffer as the banner)
     assert "Kubernetes API emulator" in banner and "no authentication" in warning and "run commands as you" in warning
+
+
+def test_secrets_wire_format_and_secret_key_refs(api, emu):
+    """core/v1 Secrets as the API serves them: `data` is base64 (a value that is not: 400), `stringData`
+    is merged into it on write and never read back, keys must be config keys (422), `type` defaults to
+    Opaque. A pod whose env names a Secret (or a key) that does not exist does not start: it stays
+    Pending, its container waiting with CreateContainerConfigError and the kubelet's message, and
+    starts once the Secret exists (the kubelet retries); with the process kubelet, the process gets the
+    decoded values. (The emulator had no Secrets: 404 for /api/v1/namespaces/NS/secrets.)"""
+    import base64
+
+    core, batch = api
+    s = core.create_namespaced_secret(NS, {"metadata": {"name": "wire"}, "data": {"A": base64.b64encode(b"a-value").decode()},
+                                           "stringData": {"B": "b-value"}})
+    assert s.type == "Opaque" and s.string_data is None
+    assert {k: base64.b64decode(v) for k, v in core.read_namespaced_secret("wire", NS).data.items()} == {"A": b"a-value", "B": b"b-value"}
+    raw = httpx.get(f"{emu.url}/api/v1/namespaces/{NS}/secrets/wire").json()
+    assert "stringData" not in raw and raw["data"]["B"] == base64.b64encode(b"b-value").decode() and "status" not in raw
+    for body, code in (({"data": {"A": "not base64!"}}, 400), ({"stringData": {"bad key": "x"}}, 422)):
+        with pytest.raises(ApiException) as e:
+            core.create_namespaced_secret(NS, {"metadata": {"name": "bad"}, **body})
+        assert e.value.status == code
+    core.patch_namespaced_secret("wire", NS, {"stringData": {"A": "new"}}, _content_type="application/merge-patch+json")
+    assert base64.b64decode(core.read_namespaced_secret("wire", NS).data["A"]) == b"new"
+
+    ref = lambda name, key: {"valueFrom": {"secretKeyRef": {"name": name, "key": key}}}  # noqa: E731
+    for jname, env, says in (("nosecret", [{"name": "X", **ref("absent", "A")}], 'secret "absent" not found'),
+                             ("nokey", [{"name": "X", **ref("wire", "C")}], f"couldn't find key C in Secret {NS}/wire")):
+        j = job(jname, labels={"t": jname})
+        j["spec"]["template"]["spec"]["containers"][0]["env"] = env
+        batch.create_namespaced_job(NS, j)
+        [pod] = wait_pods(core, f"t={jname}", lambda p: p.status.container_statuses
+                          and p.status.container_statuses[0].state.waiting is not None
+                          and p.status.container_statuses[0].state.waiting.reason == "CreateContainerConfigError")
+        assert pod.status.phase == "Pending" and pod.status.container_statuses[0].state.waiting.message == says
+    core.create_namespaced_secret(NS, {"metadata": {"name": "absent"}, "stringData": {"A": "late"}})  # created late: the pod starts
+    wait_pods(core, "t=nosecret", lambda p: p.status.phase in ("Running", "Succeeded"))
+    assert core.list_namespaced_pod(NS, label_selector="t=nokey").items[0].status.phase == "Pending"
+    for name in ("nosecret", "nokey"):
+        batch.delete_namespaced_job(name, NS, propagation_policy="Background")
+    for name in ("wire", "absent"):
+        core.delete_namespaced_secret(name, NS)
+
+
+def test_process_kubelet_resolves_secret_refs(tmp_path):
+    """With the process kubelet, the process's environment has the Secret's decoded values (env
+    secretKeyRef, and envFrom with its prefix)."""
+    out = tmp_path / "env.txt"
+    with EmulatorServer([gpu_node("gpu-0", 1)], run_processes=True) as e:
+        c = e.api_client()
+        core, batch = client.CoreV1Api(c), client.BatchV1Api(c)
+        core.create_namespaced_secret(NS, {"metadata": {"name": "creds"}, "stringData": {"KEY": "k-1", "OTHER": "o-2"}})
+        j = job("proc", labels={"t": "proc"})
+        ctr = j["spec"]["template"]["spec"]["containers"][0]
+        ctr["command"] = ["sh", "-c", f'echo "$MY_KEY $S_OTHER" > {out}']
+        ctr["env"] = [{"name": "MY_KEY", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "KEY"}}}]
+        ctr["envFrom"] = [{"secretRef": {"name": "creds"}, "prefix": "S_"}]
+        batch.create_namespaced_job(NS, j)
+        wait_pods(core, "t=proc", lambda p: p.status.phase == "Succeeded", timeout=30)
+        c.close()
+    assert out.read_text().split() == ["k-1", "o-2"]
+
+
+def test_garbage_collector_deletes_what_a_deleted_job_owned(api):
+    """A Secret whose ownerReferences name a Job goes when the Job is deleted (any propagation but
+    Orphan, which removes the Job from its owners and keeps it), as Kubernetes' garbage collector does."""
+    core, batch = api
+    for name, policy in (("gc-bg", "Background"), ("gc-orph", None)):
+        j = batch.create_namespaced_job(NS, job(name, ann={"emulator.qosflow.dev/run-seconds": "30"}))
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": j.metadata.uid}
+        core.create_namespaced_secret(NS, {"metadata": {"name": name, "ownerReferences": [owner]}, "stringData": {"K": "v"}})
+        if policy:
+            batch.delete_namespaced_job(name, NS, propagation_policy=policy)
+        else:
+            batch.delete_namespaced_job(name, NS)
+    end = time.monotonic() + 10
+    while time.monotonic() < end and any(s.metadata.name == "gc-bg" for s in core.list_namespaced_secret(NS).items):
+        time.sleep(0.05)
+    names = {s.metadata.name for s in core.list_namespaced_secret(NS).items}
+    assert "gc-bg" not in names and "gc-orph" in names
+    assert not core.read_namespaced_secret("gc-orph", NS).metadata.owner_references
+    core.delete_namespaced_secret("gc-orph", NS)
+    for p in core.list_namespaced_pod(NS, label_selector="job-name=gc-orph").items:
+        core.delete_namespaced_pod(p.metadata.name, NS)

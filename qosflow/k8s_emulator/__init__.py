@@ -1,6 +1,6 @@
 """A Kubernetes API emulator for tests: NOT a Kubernetes cluster.
 
-It serves the real REST paths and JSON for Nodes, Pods, Jobs and custom resources (create, get,
+It serves the real REST paths and JSON for Nodes, Pods, Jobs, Secrets, ConfigMaps and custom resources (create, get,
 list, watch with resourceVersion and 410 Gone, delete, 409 conflicts, injectable 500s) and "runs"
 Jobs by creating Pods and moving them through their phases, so the official `kubernetes` Python
 client (and `qosflow.backends.kubernetes`) can be exercised without a cluster. No container runs.

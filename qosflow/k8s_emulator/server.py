@@ -1,17 +1,20 @@
 """The emulator's HTTP front: the real Kubernetes REST paths and JSON, plus `/emulator/*` controls.
 
-Served paths (core `/api/v1`, `/apis/batch/v1`, and any `/apis/{group}/{version}` custom resource):
+Served paths (core `/api/v1`: nodes, namespaces, pods, secrets, configmaps; `/apis/batch/v1`: jobs;
+and any `/apis/{group}/{version}` custom resource):
 
     GET    .../{plural}                    list (labelSelector, fieldSelector), or watch=true:
                                            a chunked stream of {"type","object"} lines from
                                            resourceVersion; an expired resourceVersion gets an
                                            ERROR event with a 410 "Expired" Status (as the API server)
-    POST   .../{plural}                    create (409 AlreadyExists)
+    POST   .../{plural}                    create (409 AlreadyExists; a Secret's data must be base64,
+                                           its stringData is merged into data)
     GET    .../{plural}/{name}[/status]    read (404 NotFound)
     PUT    .../{plural}/{name}[/status]    replace (409 Conflict on a stale resourceVersion)
     PATCH  .../{plural}/{name}             JSON merge patch
     DELETE .../{plural}/{name}             delete (Jobs: propagationPolicy Background/Foreground
-                                           deletes their pods; the default orphans them, as the API does)
+                                           deletes what they own (pods, a Secret); the default orphans it,
+                                           as the API does)
     GET    /api/v1/namespaces/{ns}/pods/{name}/log[?tailLines=N]
 
 Controls (not Kubernetes): POST /emulator/nodes, /emulator/nodes/{name}/lose, /emulator/rules
@@ -258,7 +261,8 @@ def create_app(cluster: Cluster):
                 if f["count"] > 0 and f.get("method", method).upper() == method and re.search(f.get("path", ""), path):
                     f["count"] -= 1
                     code = int(f["status"])
-                    reason = {500: "InternalError", 503: "ServiceUnavailable", 429: "TooManyRequests", 409: "Conflict"}.get(code, "InternalError")
+                    reason = {500: "InternalError", 503: "ServiceUnavailable", 429: "TooManyRequests", 409: "Conflict", 403: "Forbidden",
+                              401: "Unauthorized"}.get(code, "InternalError")
                     resp = _err(ApiError(code, reason, f.get("message", f"Internal error occurred: injected by the emulator ({code})")))
                     await resp(scope, receive, send)
                     return

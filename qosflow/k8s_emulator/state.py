@@ -1,21 +1,25 @@
 """The emulator's object store and its controllers (job controller, scheduler, kubelet).
 
-THIS IS AN EMULATOR, NOT KUBERNETES. It keeps Nodes, Pods, Jobs (and custom objects such as
-PodGroups) as the JSON the real API server serves, with resource versions and a bounded event log
-for watches, and "runs" Jobs by creating their Pods, binding them to nodes (node affinity, node
+THIS IS AN EMULATOR, NOT KUBERNETES. It keeps Nodes, Pods, Jobs, Secrets, ConfigMaps (and custom
+objects such as PodGroups) as the JSON the real API server serves, with resource versions and a
+bounded event log for watches, and "runs" Jobs by creating their Pods, binding them to nodes (node affinity, node
 selectors, hostname anti-affinity, extended resources such as `nvidia.com/gpu`, all-or-nothing
 groups for `schedulerName: volcano`) and moving them through their phases on a timer. No container
 runs: by default a Running pod just "runs" for its annotated time; with `run_processes=True` the
 emulated kubelet runs the pod's first container's command as a local process instead (no image,
 no isolation: the host's interpreter and files, the pod's env with downward-API fields resolved),
 and the pod ends with the process's exit code, so a real Prefect engine can run a real flow run
-"through Kubernetes" in tests. Failures are injected through rules: OOMKilled, ImagePullBackOff,
+"through Kubernetes" in tests. A pod whose env names a missing Secret or key stays Pending in
+CreateContainerConfigError until it exists (`container_env`); a garbage collector deletes objects
+whose owners are all gone. Failures are injected through rules: OOMKilled, ImagePullBackOff,
 Evicted, Unschedulable, a non-zero exit code, or a lost node (these kill a pod's process).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import copy
 import itertools
 import os
@@ -39,7 +43,15 @@ BUILTIN = {
     "namespaces": ("v1", "Namespace", False),
     "pods": ("v1", "Pod", True),
     "jobs": ("batch/v1", "Job", True),
+    "secrets": ("v1", "Secret", True),
+    "configmaps": ("v1", "ConfigMap", True),
 }
+#: kinds without a status (the API serves none)
+NO_STATUS = {"secrets", "configmaps"}
+#: a Secret's or ConfigMap's data key (the API's IsConfigKey)
+_CONFIG_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+#: the API server refuses a Secret whose data is larger than this (1 MiB)
+SECRET_MAX_BYTES = 1024 * 1024
 GROUP_OF = {"v1": "", "batch/v1": "batch"}
 
 
@@ -214,6 +226,9 @@ class Store:
         name = md["name"]
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name) or len(name) > 253:
             raise ApiError(422, "Invalid", f'{kind} "{name}" is invalid: metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, \'-\' or \'.\'')
+        if plural == "secrets":
+            obj = _secret_on_write(obj, name)
+            md = obj["metadata"]
         key = (ns if namespaced else "", name)
         if key in self.table(plural):
             raise ApiError(409, "AlreadyExists", f'{self.resource_name(plural)} "{name}" already exists',
@@ -226,7 +241,8 @@ class Store:
         md["uid"] = str(uuid.uuid4())
         md["creationTimestamp"] = now_iso()
         md["generation"] = 1
-        obj.setdefault("status", {})
+        if plural not in NO_STATUS:
+            obj.setdefault("status", {})
         self.table(plural)[key] = obj
         self._emit(plural, "ADDED", obj)
         return obj
@@ -243,6 +259,8 @@ class Store:
         for k in ("uid", "creationTimestamp", "namespace", "name"):
             if k in cur["metadata"]:
                 new.setdefault("metadata", {})[k] = cur["metadata"][k]
+        if plural == "secrets":
+            new = _secret_on_write(new, name)
         self.table(plural)[(cur["metadata"].get("namespace", ""), name)] = new
         self._emit(plural, "MODIFIED", new)
         return new
@@ -374,15 +392,31 @@ class Cluster:
             self.store.update("jobs", job)
 
     def on_job_deleted(self, job: dict, propagation: str | None) -> None:
+        """The garbage collector's part in a Job's deletion: with Background/Foreground propagation its
+        pods go now (other dependents, e.g. a Secret it owns, at the collector's next pass); orphaning
+        (the API's default for batch/v1 Jobs) removes the Job from every dependent's ownerReferences."""
         uid = job["metadata"]["uid"]
-        for p in self.store.list("pods", job["metadata"]["namespace"]):
-            refs = p["metadata"].get("ownerReferences", [])
-            if any(r.get("uid") == uid for r in refs):
-                if propagation in ("Background", "Foreground"):
+        if propagation in ("Background", "Foreground"):
+            for p in self.store.list("pods", job["metadata"]["namespace"]):
+                if any(r.get("uid") == uid for r in p["metadata"].get("ownerReferences", [])):
                     self.store.delete("pods", p["metadata"]["namespace"], p["metadata"]["name"])
-                else:  # Orphan: the API's default for batch/v1 Jobs
-                    p["metadata"]["ownerReferences"] = [r for r in refs if r.get("uid") != uid]
-                    self.store.update("pods", p)
+            return
+        for plural in list(self.store.objs):
+            for o in self.store.list(plural, job["metadata"]["namespace"]):
+                refs = o["metadata"].get("ownerReferences") or []
+                if any(r.get("uid") == uid for r in refs):
+                    o["metadata"]["ownerReferences"] = [r for r in refs if r.get("uid") != uid]
+                    self.store.update(plural, o)
+
+    def _collect_garbage(self) -> None:
+        """Kubernetes' garbage collector: an object whose ownerReferences all name owners (by uid)
+        that no longer exist is deleted (a Secret owned by a deleted Job, a deleted Job's pods)."""
+        live = {o["metadata"].get("uid") for t in self.store.objs.values() for o in t.values()}
+        for plural in list(self.store.objs):
+            for o in list(self.store.table(plural).values()):
+                refs = o["metadata"].get("ownerReferences") or []
+                if refs and not any(r.get("uid") in live for r in refs):
+                    self.store.delete(plural, o["metadata"].get("namespace", ""), o["metadata"]["name"])
 
     # -------------------------------------------------------------- pods
     def on_pod_created(self, pod: dict) -> None:
@@ -565,6 +599,17 @@ class Cluster:
                             cs["state"] = {"waiting": {"reason": stage, "message": msg}}
                         self.store.update("pods", pod)
                     continue
+                try:  # the containers' environment, as the kubelet makes it before it creates them
+                    envs = [container_env(self.store, pod, c) for c in pod["spec"].get("containers", [])]
+                except _ConfigError as exc:
+                    # as a kubelet does: the pod stays Pending, its containers waiting with
+                    # CreateContainerConfigError, and the next sync tries again (the Secret may be created later)
+                    cur = pod["status"]["containerStatuses"][0]["state"].get("waiting", {})
+                    if (cur.get("reason"), cur.get("message")) != ("CreateContainerConfigError", str(exc)):
+                        for cs in pod["status"]["containerStatuses"]:
+                            cs["state"] = {"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}}
+                        self.store.update("pods", pod)
+                    continue
                 pod["status"]["phase"] = "Running"
                 pod["status"]["startTime"] = now_iso()
                 pod["status"]["podIP"] = "10.1.0.%d" % random.randint(2, 250)
@@ -574,7 +619,7 @@ class Cluster:
                     {"type": "Ready", "status": "True", "lastTransitionTime": now_iso()}]
                 tl["running"] = t
                 if self.run_processes:
-                    self._start_process(pod, tl)
+                    self._start_process(pod, tl, envs[0] if envs else {})
                 self.store.update("pods", pod)
                 continue
             ran = t - tl["running"]
@@ -604,17 +649,10 @@ class Cluster:
                 self._finish(pod, "Succeeded" if code == 0 else "Failed", exit_code=code)
 
     # -------------------------------------------------------------- processes (run_processes=True)
-    def _start_process(self, pod: dict, tl: dict) -> None:
+    def _start_process(self, pod: dict, tl: dict, container_env: dict[str, str]) -> None:
         c = pod["spec"]["containers"][0]
         argv = list(c.get("command") or []) + list(c.get("args") or [])
-        env = dict(os.environ)
-        for e in c.get("env", []):
-            if "value" in e:
-                env[e["name"]] = str(e["value"])
-            elif "valueFrom" in e:
-                v = _downward(pod, ((e["valueFrom"].get("fieldRef") or {}).get("fieldPath") or ""))
-                if v is not None:
-                    env[e["name"]] = v
+        env = {**os.environ, **container_env}
         log = os.path.join(self._logdir or tempfile.gettempdir(), f"{pod['metadata']['uid']}.log")
         tl["log"] = log
         try:
@@ -677,6 +715,7 @@ class Cluster:
                     self._sync_job(job)
                 self._schedule()
                 self._kubelet()
+                self._collect_garbage()
                 if self.run_processes:
                     self._reap_deleted()
                 for job in self.store.list("jobs"):
@@ -686,6 +725,86 @@ class Cluster:
 
                 logging.getLogger("qosflow.k8s_emulator").exception("controller step failed")
             await asyncio.sleep(self.tick_s)
+
+
+def _secret_on_write(obj: dict, name: str) -> dict:
+    """A Secret as the API server stores it: `data` values are base64 (400 when one is not, as the
+    API's decoding of the request says), `stringData` (write-only) is merged into `data` over it and
+    dropped, keys must be config keys (422), the whole at most 1 MiB (422), `type` defaults to Opaque."""
+    obj = copy.deepcopy(obj)
+    data = dict(obj.get("data") or {})
+    for k, v in data.items():
+        try:
+            base64.b64decode(str(v), validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, "BadRequest", f'Secret in version "v1" cannot be handled as a Secret: illegal base64 data in data[{k}]') from None
+    for k, v in (obj.pop("stringData", None) or {}).items():
+        data[k] = base64.b64encode(str(v).encode()).decode()
+    for k in data:
+        if not _CONFIG_KEY.fullmatch(k) or len(k) > 253:
+            raise ApiError(422, "Invalid", f'Secret "{name}" is invalid: data[{k}]: Invalid value: "{k}": a valid config key must consist of '
+                                           "alphanumeric characters, '-', '_' or '.' (e.g. 'key.name',  or 'KEY_NAME',  or 'key-name', "
+                                           "regex used for validation is '[-._a-zA-Z0-9]+')")
+    if sum(len(base64.b64decode(v)) for v in data.values()) > SECRET_MAX_BYTES:
+        raise ApiError(422, "Invalid", f'Secret "{name}" is invalid: data: Too long: must have at most {SECRET_MAX_BYTES} bytes')
+    obj["data"] = data
+    obj.setdefault("type", "Opaque")
+    return obj
+
+
+class _ConfigError(Exception):
+    """A container's environment cannot be made (the kubelet's CreateContainerConfigError)."""
+
+
+def _config_value(store: Store, ns: str, ref: dict, plural: str) -> str | None:
+    """The value a secretKeyRef / configMapKeyRef names; None if it is optional and missing."""
+    kind = "Secret" if plural == "secrets" else "ConfigMap"
+    name, key = ref.get("name") or "", ref.get("key") or ""
+    obj = store.table(plural).get((ns, name))
+    if obj is None:
+        if ref.get("optional"):
+            return None
+        raise _ConfigError(f'{kind.lower()} "{name}" not found')
+    data = obj.get("data") or {}
+    if key not in data:
+        if plural == "configmaps" and key in (obj.get("binaryData") or {}):
+            return base64.b64decode(obj["binaryData"][key]).decode(errors="replace")
+        if ref.get("optional"):
+            return None
+        raise _ConfigError(f"couldn't find key {key} in {kind} {ns}/{name}")
+    return base64.b64decode(data[key]).decode(errors="replace") if plural == "secrets" else str(data[key])
+
+
+def container_env(store: Store, pod: dict, container: dict) -> dict[str, str]:
+    """The environment the kubelet gives a container: `envFrom` (Secrets, ConfigMaps, with their
+    prefix) first, then `env` in order (`value`, downward-API `fieldRef`, `secretKeyRef`,
+    `configMapKeyRef`). A missing Secret/ConfigMap or key that is not optional raises `_ConfigError`
+    with the kubelet's message. ($(VAR) references in values are not expanded.)"""
+    ns = pod["metadata"].get("namespace", "default")
+    env: dict[str, str] = {}
+    for src in container.get("envFrom") or []:
+        ref, plural = (src["secretRef"], "secrets") if src.get("secretRef") else (src.get("configMapRef") or {}, "configmaps")
+        obj = store.table(plural).get((ns, ref.get("name") or ""))
+        if obj is None:
+            if ref.get("optional"):
+                continue
+            raise _ConfigError(f'{"secret" if plural == "secrets" else "configmap"} "{ref.get("name")}" not found')
+        for k, v in (obj.get("data") or {}).items():
+            env[(src.get("prefix") or "") + k] = base64.b64decode(v).decode(errors="replace") if plural == "secrets" else str(v)
+    for e in container.get("env") or []:
+        if "valueFrom" not in e:
+            env[e["name"]] = str(e.get("value", ""))
+            continue
+        vf = e["valueFrom"] or {}
+        if vf.get("secretKeyRef"):
+            v = _config_value(store, ns, vf["secretKeyRef"], "secrets")
+        elif vf.get("configMapKeyRef"):
+            v = _config_value(store, ns, vf["configMapKeyRef"], "configmaps")
+        else:
+            v = _downward(pod, ((vf.get("fieldRef") or {}).get("fieldPath") or ""))
+        if v is not None:
+            env[e["name"]] = v
+    return env
 
 
 def _downward(pod: dict, path: str) -> str | None:
