@@ -101,6 +101,38 @@ def test_manifests():
         assert j["spec"]["template"]["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == pg["metadata"]["name"]
 
 
+def test_manifests_carry_no_credentials():
+    """The Job a stage is submitted as had PREFECT_API_KEY (and every other setting the Prefect worker
+    passes, its API auth string and database URL included) as plain `value`s: readable by anyone who
+    may read Jobs. Now they are secretKeyRefs to the attempt's Secret (base64 `data`); without any,
+    no Secret; with credentials_in_secret=False, plain values as before."""
+    import base64
+
+    cluster = ClusterSpec((NodeSpec("n0", 4, virtual=True), NodeSpec("n1", 4, virtual=True)))
+    be = KubernetesBackend(api_client=client.ApiClient(), namespace="ml")
+    env = {"PREFECT_API_KEY": "pnu_SeCrEt", "PREFECT_API_AUTH_STRING": "admin:pw-SeCrEt", "PREFECT_API_URL": "http://prefect:4200/api",
+           "PREFECT_SERVER_DATABASE_CONNECTION_URL": "postgresql+asyncpg://prefect:SeCrEt@db/prefect", "WANDB_API_KEY": "w-SeCrEt",
+           "AWS_SECRET_ACCESS_KEY": "a-SeCrEt", "MY_DB": "postgresql://u:SeCrEt@h/d", "TOKENIZERS_PARALLELISM": "false", "PREFECT_API_KEY_X": ""}
+    uneven = Placement("u", ((0, 0), (0, 1), (1, 0)), ((0, 2.0), (1, 1.0)))  # two Jobs: both reference the one Secret
+    spec = LaunchSpec("run-7/train", ["python", "t.py"], uneven, cluster, env=env)
+    jobs, _ = be.manifests(spec)
+    assert len(jobs) == 2 and "SeCrEt" not in json.dumps(jobs)
+    sec = be.secret_manifest(spec)
+    assert sec["metadata"]["name"] == job_name("run-7/train", "-env") and sec["metadata"]["namespace"] == "ml" and sec["type"] == "Opaque"
+    moved = {k for k, v in env.items() if "SeCrEt" in v}
+    assert {k: base64.b64decode(v).decode() for k, v in sec["data"].items()} == {k: env[k] for k in moved}
+    for j in jobs:
+        c_env = {e["name"]: e for e in j["spec"]["template"]["spec"]["containers"][0]["env"]}
+        for k in moved:
+            assert c_env[k] == {"name": k, "valueFrom": {"secretKeyRef": {"name": sec["metadata"]["name"], "key": k}}}
+        assert c_env["PREFECT_API_URL"]["value"] == "http://prefect:4200/api" and c_env["TOKENIZERS_PARALLELISM"]["value"] == "false"
+        assert c_env["PREFECT_API_KEY_X"]["value"] == ""
+    plain = LaunchSpec("p", ["x"], uneven, cluster, env={"PREFECT_API_URL": "http://prefect:4200/api"})
+    assert be.secret_manifest(plain) is None
+    off = KubernetesBackend(api_client=client.ApiClient(), credentials_in_secret=False)
+    assert off.secret_manifest(spec) is None and "pnu_SeCrEt" in json.dumps(off.manifests(spec)[0])
+
+
 def test_inventory(env):
     async def go():
         be = env.backend()
@@ -210,22 +242,26 @@ def test_launch_twice_adopts_the_same_attempt(env):
         be = env.backend()
         try:
             cluster = await be.inventory()
-            spec = LaunchSpec("twice", ["true"], env.placement(cluster, "t"), cluster)
+            creds = {"PREFECT_API_KEY": "pnu_twice"}  # (its Secret too is made once, and reused)
+            spec = LaunchSpec("twice", ["true"], env.placement(cluster, "t"), cluster, env=creds)
             h1 = await be.launch(spec)
             h2 = await be.launch(spec)  # e.g. a worker retrying a request whose answer it lost
             st = await be.wait(h2)
             jobs = (await asyncio.to_thread(be.batch.list_namespaced_job, env.namespace, label_selector=h1.ref["selector"])).items
-            other = LaunchSpec("twice", ["true"], env.placement(cluster, "t"), cluster)
-            await asyncio.to_thread(be.batch.patch_namespaced_job, h1.ref["jobs"][0], env.namespace, {"metadata": {"annotations": {"qosflow.dev/stage-id": "someone-else"}}})
+            other = LaunchSpec("twice", ["true"], env.placement(cluster, "t"), cluster, env=creds)
+            await asyncio.to_thread(be.batch.patch_namespaced_job, h1.ref["jobs"][0], env.namespace, {"metadata": {"annotations": {"qosflow.dev/stage-id": "someone-else"}}},
+                                    _content_type="application/merge-patch+json")
             with pytest.raises(QosflowError, match="belongs to another stage"):
                 await be.launch(other)
+            secrets = (await asyncio.to_thread(be.core.list_namespaced_secret, env.namespace, label_selector=h1.ref["selector"])).items
             await be.kill(h1)
-            return st, len(jobs), be.stats["adopted_409"]
+            return st, len(jobs), be.stats["adopted_409"], secrets
         finally:
             await be.aclose()
 
-    st, njobs, adopted = run(go())
+    st, njobs, adopted, secrets = run(go())
     assert st.ok and njobs == 1 and adopted == 1
+    assert secrets == []  # the refused launch took back the Secret it had made
 
 
 @emulator_only
@@ -598,3 +634,113 @@ def test_a_cluster_that_does_not_share_gpus_gives_shared_stages_whole_gpus():
     assert _whole_gpus_only(frac, object()) == (frac, "")  # backends that share (local, agents)
     assert not KubernetesBackend(api_client=client.ApiClient(), gpu_sharing="none").shares_gpus
     assert KubernetesBackend(api_client=client.ApiClient(), gpu_sharing="mps").shares_gpus
+
+
+def _secret_env():
+    import uuid
+
+    key = "pnu_" + uuid.uuid4().hex
+    return key, {"PREFECT_API_KEY": key, "PREFECT_API_AUTH_STRING": f"admin:{key}", "HF_TOKEN": f"hf_{key}",
+                 "QOSFLOW_DATABASE_URL": f"postgresql://qf:{key}@db:5432/qf"}
+
+
+@pytest.fixture
+def proc_env():
+    """The emulator with its process kubelet (a pod's command runs with the pod's environment), or the real cluster."""
+    if E2E:
+        yield Env(None)
+        return
+    with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)], run_processes=True) as emu:
+        yield Env(emu)
+
+
+def test_credentials_reach_the_stage_through_a_secret_not_the_job(proc_env):
+    """PREFECT_API_KEY (and the other credentials a Prefect worker passes: the API's auth string, the
+    database URL with its password, tokens by name) was a plain `value` in the Job's container env, so
+    anyone who may read Jobs (kubectl get job -o yaml) read the key. Now each stage attempt's credentials
+    are in a Secret of its own, referenced by secretKeyRef and owned by the Job; the stage still gets
+    them (its command checks its environment and exits 0 only if it has them all), and the Secret is
+    deleted when the stage ends, however it ends: none is left after the stages."""
+    env = proc_env
+    key, creds = _secret_env()
+    # (the check must not carry the key itself: it compares with the key's two halves, joined)
+    halves = {"PLAIN": "plain", "KA": key[:12], "KB": key[12:]}
+    check = " && ".join(f'test "${k}" = "{v.replace(key, "${KA}${KB}")}"' for k, v in creds.items()) + ' && test "$PLAIN" = plain'
+    managed = "app.kubernetes.io/managed-by=qosflow"
+
+    async def go():
+        be = env.backend()
+        try:
+            cluster = await be.inventory()
+            secrets = lambda: asyncio.to_thread(be.core.list_namespaced_secret, env.namespace, label_selector=managed)  # noqa: E731
+            h = await be.launch(LaunchSpec("cred-ok", ["sh", "-c", f"sleep 1; {check}"], env.placement(cluster, "c"), cluster,
+                                           env={**creds, **halves}))
+            job = await asyncio.to_thread(be.batch.read_namespaced_job, h.ref["jobs"][0], env.namespace)
+            sec = await asyncio.to_thread(be.core.read_namespaced_secret, h.ref["secret"], env.namespace)
+            st = await be.wait(h)
+            left_ok = (await secrets()).items
+            # a failed stage and a cancelled one leave none either
+            h_fail = await be.launch(LaunchSpec("cred-fail", ["sh", "-c", "exit 3"], env.placement(cluster, "f"), cluster, env=creds))
+            st_fail = await be.wait(h_fail)
+            h_kill = await be.launch(LaunchSpec("cred-kill", ["sleep", "600"], env.placement(cluster, "k"), cluster, env=creds))
+            waiter = asyncio.ensure_future(be.wait(h_kill))
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                pods = (await asyncio.to_thread(be.core.list_namespaced_pod, env.namespace, label_selector=h_kill.ref["selector"])).items
+                if pods and pods[0].status.phase == "Running":
+                    break
+                await asyncio.sleep(0.1)
+            adopted = await be.adopt("cred-kill")  # (a restarted worker finds the attempt's Secret too)
+            await be.kill(h_kill, reason="cancelled")
+            st_kill = await asyncio.wait_for(waiter, 60)
+            left = (await secrets()).items
+            # no credential, no Secret
+            h_plain = await be.launch(LaunchSpec("cred-none", ["sh", "-c", "test -z \"$PREFECT_API_KEY\""], env.placement(cluster, "n"), cluster,
+                                                 env={"PLAIN": "plain"}))
+            none_made = (await secrets()).items
+            st_plain = await be.wait(h_plain)
+            for hh in (h, h_plain):
+                await be.kill(hh)
+            return job, sec, st, left_ok, st_fail, adopted, st_kill, left, h_plain, none_made, st_plain
+        finally:
+            await be.aclose()
+
+    job, sec, st, left_ok, st_fail, adopted, st_kill, left, h_plain, none_made, st_plain = run(go())
+    manifest = json.dumps(client.ApiClient().sanitize_for_serialization(job))
+    assert key not in manifest  # not the key, nor the auth string, token or database URL that contain it
+    c_env = {e.name: e for e in job.spec.template.spec.containers[0].env}
+    for name in creds:
+        ref = c_env[name].value_from.secret_key_ref
+        assert c_env[name].value is None and ref.name == sec.metadata.name and ref.key == name
+    assert c_env["PLAIN"].value == "plain"
+    import base64
+
+    assert {k: base64.b64decode(v).decode() for k, v in sec.data.items()} == creds
+    assert [(o.kind, o.name, o.uid) for o in sec.metadata.owner_references] == [("Job", job.metadata.name, job.metadata.uid)]
+    assert st.kind is ExitKind.OK, st  # the stage's check of its environment passed
+    assert st_fail.kind is ExitKind.USER and st_fail.code == 3 and st_kill.kind is ExitKind.CANCELLED
+    assert adopted is not None and adopted.ref["secret"] == f"{job_name('cred-kill')}-env"
+    assert left_ok == [] and left == []
+    assert h_plain.ref["secret"] is None and none_made == [] and st_plain.kind is ExitKind.OK, st_plain
+
+
+@emulator_only
+def test_an_account_that_may_not_create_secrets_is_told_so():
+    """The stage's Secret is created before its Job: refused (403), the launch fails saying which Secret
+    and what the worker's account needs, and no Job is created (its pods would wait for the Secret)."""
+    with EmulatorServer([gpu_node("gpu-0", 2)]) as emu:
+        async def go():
+            be = KubernetesBackend(api_client=emu.api_client())
+            try:
+                cluster = await be.inventory()
+                emu.add_fault(r"/namespaces/default/secrets$", method="POST", status=403)
+                h = await be.launch(LaunchSpec("nosec", ["true"], Placement("n", ((0, 0),), ((0, 1.0),)), cluster, env={"PREFECT_API_KEY": "pnu_x"}))
+                st = await be.wait(h)
+                jobs = (await asyncio.to_thread(be.batch.list_namespaced_job, "default")).items
+                return st, jobs
+            finally:
+                await be.aclose()
+
+        st, jobs = asyncio.run(go())
+    assert st.kind is ExitKind.INFRA and "403 Forbidden" in st.reason and "create Secret qf-nosec-" in st.reason
+    assert "create, patch and delete on secrets" in st.reason and jobs == []

@@ -22,6 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 HERE = Path(__file__).resolve().parent
 POOL = "k8s-e2e"
+#: the pool passes an API key to its stages, as a worker for Prefect Cloud does (the local server ignores it)
+API_KEY = "pnu_qosflow-k8s-e2e-not-a-real-key"
 
 
 def marks(path: Path) -> list[dict]:
@@ -38,7 +40,8 @@ def k8s(prefect_server):
     os.environ["PYTHONPATH"] = pypath
     with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)], run_processes=True) as emu:
         cluster = KubernetesGPUCluster(api_url=emu.url, namespace="default", image="python:3.11-slim", sharing="time-slicing")
-        asyncio.run(setup_pool(POOL, cluster=cluster, policy=QoSPolicy(policy="fifo"), stream_output=False, env={"PYTHONPATH": pypath}))
+        asyncio.run(setup_pool(POOL, cluster=cluster, policy=QoSPolicy(policy="fifo"), stream_output=False,
+                              env={"PYTHONPATH": pypath, "PREFECT_API_KEY": API_KEY}))
         w = WorkerThread(POOL, max_infra_retries=1).wait_ready(120)
         old = os.environ.get("QOSFLOW_POOL")
         os.environ["QOSFLOW_POOL"] = POOL
@@ -91,6 +94,13 @@ def test_stage_runs_in_a_pod_and_its_flow_run_completes(k8s, tmp_path):
     assert est.flush(30)
     [row] = [h for h in est.store.stage_history() if h.stage_run_id == rec.flow_run_id]
     assert row.steps == 10 and row.step_time_s > 0, row
+    # the API key reached the stage through a Secret: not in the Job (kubectl get job -o yaml), and the
+    # stage's Secret is gone once the stage ended
+    assert API_KEY not in json.dumps(client.ApiClient().sanitize_for_serialization(jobs[0]))
+    [key_env] = [e for e in jobs[0].spec.template.spec.containers[0].env if e.name == "PREFECT_API_KEY"]
+    assert key_env.value is None and key_env.value_from.secret_key_ref.key == "PREFECT_API_KEY"
+    core = client.CoreV1Api(k8s["emu"].api_client())
+    assert core.list_namespaced_secret("default", label_selector=f"prefect.io/flow-run-id={rec.flow_run_id}").items == []
 
 
 def test_oomkilled_pod_becomes_a_clear_prefect_state(k8s, tmp_path):

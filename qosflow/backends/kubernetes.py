@@ -19,6 +19,10 @@ One `batch/v1` Job per stage:
   from the placement is passed on. See docs/infrastructure.md.
 * labels and annotations tie the Job and its pods to the stage and the Prefect flow run
   (`LaunchSpec.labels`, e.g. `prefect.io/flow-run-id`), and carry the placement JSON.
+* credentials in the stage's env (`is_secret_env`: PREFECT_API_KEY, PREFECT_API_AUTH_STRING, tokens,
+  passwords, URLs with a password) are never plain values in the Job: they go into a Secret per stage
+  attempt, created first and then owned by the Job(s), referenced by `secretKeyRef`, and deleted when
+  the stage ends (or by the garbage collector with its Job).
 * `backoffLimit: 0`: qosflow classifies failures itself (qosflow.failures) and retries an
   infrastructure failure on another node, a user failure per the stage's retries.
 
@@ -26,7 +30,7 @@ Waiting uses list + watch on the stage's pods, re-listing on 410 Gone and retryi
 phases and reasons map to an `ExitStatus`: OOMKilled, Evicted, NodeLost (or the node NotReady for
 longer than `node_lost_grace_s`), Unschedulable for longer than `unschedulable_timeout_s` -> INFRA;
 ImagePullBackOff, InvalidImageName, CreateContainerConfigError, a non-zero exit -> USER. `kill`
-deletes the Job (propagationPolicy Background) and its PodGroup.
+deletes the Job (propagationPolicy Background), its PodGroup and its Secret.
 
 A pod's progress reports (`qosflow.report_progress`) reach the worker through its log: the stage writes
 them to a file in the container and, prefixed `qosflow-progress `, to standard error (at most two lines a
@@ -37,6 +41,7 @@ and keeps the new lines in the local file the scheduler reads.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import logging
@@ -130,6 +135,42 @@ def _cpu(cores: float) -> str:
     return f"{int(round(cores * 1000))}m"
 
 
+#: Prefect's credential settings (its SecretStr settings), which a Prefect worker passes to the flow
+#: runs it starts as environment variables: the API key, the API's basic-auth string, the database's
+#: password and connection URL (server settings a worker started next to its server has set)
+PREFECT_SECRET_ENV = frozenset({
+    "PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING",
+    "PREFECT_SERVER_DATABASE_PASSWORD", "PREFECT_SERVER_DATABASE_CONNECTION_URL",
+    "PREFECT_API_DATABASE_PASSWORD", "PREFECT_API_DATABASE_CONNECTION_URL",
+})
+#: other credentials by name (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, ..._PASSWORD): a word of
+#: the name, between underscores
+_SECRET_NAME = re.compile(r"(?:^|_)(?:API_?KEY|ACCESS_?KEY|SECRET|TOKEN|PASSWORD|PASSWD|AUTH_STRING|CREDENTIALS?|PRIVATE_KEY)(?:_|$)", re.I)
+#: a URL carrying a password (postgresql://user:pw@host/db)
+_URL_WITH_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
+_CONFIG_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+
+
+def is_secret_env(name: str, value: str) -> bool:
+    """Whether an environment variable of a stage is a credential, to be passed through a Secret
+    rather than as a plain `value` in the Job (which anyone who may read Jobs reads)."""
+    if not value:
+        return False
+    return name in PREFECT_SECRET_ENV or bool(_SECRET_NAME.search(name)) or bool(_URL_WITH_PASSWORD.match(str(value)))
+
+
+def _secret_key(env_name: str) -> str:
+    """The Secret's data key for an environment variable (its name when that is a valid key)."""
+    if _CONFIG_KEY.fullmatch(env_name) and len(env_name) <= 253:
+        return env_name
+    return "env-" + hashlib.sha1(env_name.encode()).hexdigest()[:16]
+
+
+def secret_name(stage_id: str) -> str:
+    """The name of the Secret holding a stage attempt's credentials."""
+    return job_name(stage_id, "-env")
+
+
 @dataclass
 class KubernetesBackend(Backend):
     """Runs each stage as a Job. Pass `api_client` (tests, the emulator) or load a kubeconfig."""
@@ -157,6 +198,10 @@ class KubernetesBackend(Backend):
     api_connect_timeout_s: float = 10.0
     api_read_timeout_s: float = 60.0
     cluster_name: str = "kubernetes"
+    #: a stage's credentials (`is_secret_env`: PREFECT_API_KEY, ...) go into a Secret per stage attempt,
+    #: which the Job's env references (secretKeyRef), not into the Job as plain values. False: plain
+    #: values (for an account that may not create Secrets; anyone who may read Jobs reads them)
+    credentials_in_secret: bool = True
 
     name = "kubernetes"
 
@@ -278,7 +323,8 @@ class KubernetesBackend(Backend):
         except ApiException as e:
             if e.status in (401, 403):
                 fix = ("its credentials were refused: check the kubeconfig's user/token" if e.status == 401 else
-                       "its user may not list nodes: grant it get/list/watch on nodes, and create/delete on jobs and pods")
+                       "its user may not list nodes: grant it get/list/watch on nodes, create/delete on jobs and pods, "
+                       "and get/create/patch/delete on secrets")
                 raise QosflowError(f"Kubernetes cluster {self.cluster_name!r}: the API server at {host} answered {e.status} {e.reason} "
                                    f"to listing nodes; {fix}") from None
             raise
@@ -295,8 +341,41 @@ class KubernetesBackend(Backend):
         return {n.metadata.name for n in nodes if _ready(n) and not (n.spec and n.spec.unschedulable)}
 
     # ------------------------------------------------------------------ manifests
+    @staticmethod
+    def _stage_labels(spec: LaunchSpec) -> tuple[dict[str, str], dict[str, str]]:
+        """The labels and annotations of everything a stage attempt creates (its Jobs, pods, Secret)."""
+        labels = {"app.kubernetes.io/managed-by": "qosflow", "app.kubernetes.io/name": "qosflow-stage",
+                  LABEL_STAGE: label_value(spec.stage_id), LABEL_JOB: label_value(spec.placement.job_id)}
+        annotations = {ANN_STAGE: spec.stage_id}
+        for k, v in spec.labels.items():
+            if _LABEL_KEY.match(k):
+                labels[k] = label_value(v)
+            annotations[k] = str(v)
+        return labels, annotations
+
+    def _credentials(self, spec: LaunchSpec) -> dict[str, str]:
+        """The stage's environment variables that go through its Secret (none when credentials_in_secret is off)."""
+        if not self.credentials_in_secret:
+            return {}
+        return {k: str(v) for k, v in spec.env.items() if v is not None and is_secret_env(k, str(v))}
+
+    def secret_manifest(self, spec: LaunchSpec) -> dict | None:
+        """The Secret holding the stage attempt's credentials (base64 `data`, as the API serves it), or
+        None when it has none. It is created before the Job(s), which then own it (ownerReferences):
+        Kubernetes' garbage collector deletes it with them; qosflow deletes it when the stage ends."""
+        creds = self._credentials(spec)
+        if not creds:
+            return None
+        labels, annotations = self._stage_labels(spec)
+        return {
+            "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": secret_name(spec.stage_id), "namespace": self.namespace, "labels": labels, "annotations": annotations},
+            "data": {_secret_key(k): base64.b64encode(v.encode()).decode() for k, v in creds.items()},
+        }
+
     def manifests(self, spec: LaunchSpec) -> tuple[list[dict], dict | None]:
-        """The Job(s) and PodGroup for a stage (plain dicts, as the API takes them)."""
+        """The Job(s) and PodGroup for a stage (plain dicts, as the API takes them). Credentials in the
+        stage's env are `secretKeyRef`s to `secret_manifest(spec)`, never plain values."""
         p = spec.placement
         nodes = list(p.nodes)
         names = [spec.cluster.nodes[i].name for i in nodes]
@@ -305,14 +384,11 @@ class KubernetesBackend(Backend):
         groups = [(nodes, names)] if uniform else [([n], [nm]) for n, nm in zip(nodes, names)]
         base = job_name(spec.stage_id)
         stage_label = label_value(spec.stage_id)
-        labels = {"app.kubernetes.io/managed-by": "qosflow", "app.kubernetes.io/name": "qosflow-stage", LABEL_STAGE: stage_label, LABEL_JOB: label_value(p.job_id)}
-        annotations = {ANN_STAGE: spec.stage_id, "qosflow.dev/nodes": ",".join(names), "qosflow.dev/gpu-sharing": self.gpu_sharing}
-        for k, v in spec.labels.items():
-            if _LABEL_KEY.match(k):
-                labels[k] = label_value(v)
-            annotations[k] = str(v)
+        labels, annotations = self._stage_labels(spec)
+        annotations.update({"qosflow.dev/nodes": ",".join(names), "qosflow.dev/gpu-sharing": self.gpu_sharing})
         pods_total = len(nodes)
         pg_name = base if self.gang_scheduler and pods_total > 1 else None
+        creds = self._credentials(spec)
         jobs = []
         for gi, (gnodes, gnames) in enumerate(groups):
             n0 = gnodes[0]
@@ -325,7 +401,11 @@ class KubernetesBackend(Backend):
             # progress: a file in the container, echoed to the log, which is what the worker can read
             env.setdefault(PROGRESS_FILE_ENV, f"/tmp/qosflow-progress-{base}.jsonl")
             env.setdefault(ECHO_ENV, "stderr")
-            env_list: list[dict] = [{"name": k, "value": v} for k, v in env.items()]
+            env_list: list[dict] = [
+                {"name": k, "valueFrom": {"secretKeyRef": {"name": secret_name(spec.stage_id), "key": _secret_key(k)}}}
+                if k in creds and creds[k] == v else {"name": k, "value": v}
+                for k, v in env.items()
+            ]
             env_list.append({"name": "QOSFLOW_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
             if len(gnodes) > 1:
                 env_list.append({"name": "QOSFLOW_GANG_RANK", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}})
@@ -410,17 +490,25 @@ class KubernetesBackend(Backend):
         doing = f"launch stage {spec.stage_id}"
 
         jobs, pg = self.manifests(spec)
+        secret = self.secret_manifest(spec)
         ref: dict[str, Any] = {
             "namespace": self.namespace,
             "jobs": [j["metadata"]["name"] for j in jobs],
             "podgroup": None,
+            "secret": None,  # (set once it is this attempt's: kill and the stage's end delete it)
             "selector": f"{LABEL_STAGE}={label_value(spec.stage_id)}",
             "expected_pods": sum(j["spec"]["parallelism"] for j in jobs),
             "nodes": [spec.cluster.nodes[i].name for i in spec.placement.nodes],
             "launch_error": None,
         }
         handle = StageHandle(spec.stage_id, self.name, ref["nodes"][0], ref)
+        what = "create"
         try:
+            if secret is not None:  # first: a pod started without it would fail (CreateContainerConfigError)
+                what = f"create Secret {secret['metadata']['name']} (the worker's account needs get, create, patch and delete on secrets)"
+                await self._put_secret(secret, spec.stage_id, doing)
+                ref["secret"] = secret["metadata"]["name"]
+                what = "create"
             if pg is not None:
                 group, version = pg["apiVersion"].split("/")
                 try:
@@ -430,9 +518,10 @@ class KubernetesBackend(Backend):
                     if e.status != 409:
                         raise
                 ref["podgroup"] = {"group": group, "version": version, "name": pg["metadata"]["name"]}
+            owners = []
             for j in jobs:  # back to back: every pod of the gang exists before any can finish
                 try:
-                    await self._acall(self.batch.create_namespaced_job, self.namespace, j, _doing=doing)
+                    cur = await self._acall(self.batch.create_namespaced_job, self.namespace, j, _doing=doing)
                 except ApiException as e:
                     if e.status != 409:
                         raise
@@ -440,11 +529,50 @@ class KubernetesBackend(Backend):
                     if (cur.metadata.annotations or {}).get(ANN_STAGE) != spec.stage_id:
                         raise QosflowError(f"Job {j['metadata']['name']} exists in {self.namespace} and belongs to another stage") from None
                     self.stats["adopted_409"] += 1  # this very attempt already exists: adopt it, never start it twice
+                owners.append({"apiVersion": "batch/v1", "kind": "Job", "name": cur.metadata.name, "uid": cur.metadata.uid})
+            if secret is not None:  # owned by the Job(s): deleted with them (a Job's TTL, a kubectl delete) if not before
+                what = f"set the owners of Secret {secret['metadata']['name']}"
+                await self._acall(self.core.patch_namespaced_secret, secret["metadata"]["name"], self.namespace,
+                                  {"metadata": {"ownerReferences": owners}}, _content_type="application/merge-patch+json", _doing=doing)
         except ApiException as e:
-            ref["launch_error"] = f"Kubernetes API answered {e.status} {e.reason}"
+            ref["launch_error"] = f"Kubernetes API answered {e.status} {e.reason}" + (f" to: {what}" if what != "create" else "")
             await self.kill(handle, reason="launch failed")
             self._killed.pop(spec.stage_id, None)
+        except QosflowError:  # (a Job of another stage has this one's name): the Secret made for this launch goes
+            await self._drop_secret(handle)
+            raise
         return handle
+
+    async def _put_secret(self, secret: dict, stage_id: str, doing: str) -> None:
+        """Create the stage attempt's Secret; one left by an earlier launch of this attempt (same name,
+        same stage) gets the current values."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = secret["metadata"]["name"]
+        try:
+            await self._acall(self.core.create_namespaced_secret, self.namespace, secret, _doing=doing)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            cur = await self._acall(self.core.read_namespaced_secret, name, self.namespace, _doing=doing)
+            if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id:
+                raise QosflowError(f"Secret {name} exists in {self.namespace} and belongs to another stage") from None
+            await self._acall(self.core.patch_namespaced_secret, name, self.namespace, {"data": secret["data"]},
+                              _content_type="application/merge-patch+json", _doing=doing)
+
+    async def _drop_secret(self, handle: StageHandle) -> None:
+        """Delete the stage attempt's Secret (its pods, started, have their environment)."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = handle.ref.get("secret")
+        if not name:
+            return
+        try:
+            await self._acall(self.core.delete_namespaced_secret, name, handle.ref["namespace"], _doing=f"delete Secret {name}")
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        handle.ref["secret"] = None
 
     async def adopt(self, stage_id: str, hosts: list[str] | None = None) -> StageHandle | None:
         """Find the Job(s) of an attempt a previous worker started."""
@@ -453,8 +581,12 @@ class KubernetesBackend(Backend):
         jobs = [j for j in jobs if (j.metadata.annotations or {}).get(ANN_STAGE) == stage_id]
         if not jobs:
             return None
+        wanted = secret_name(stage_id)
+        refs = {e.value_from.secret_key_ref.name for j in jobs for c in (j.spec.template.spec.containers or []) for e in (c.env or [])
+                if e.value_from is not None and e.value_from.secret_key_ref is not None}
         ref = {
             "namespace": self.namespace, "jobs": [j.metadata.name for j in jobs], "podgroup": None, "selector": sel,
+            "secret": wanted if wanted in refs else None,
             "expected_pods": sum(j.spec.parallelism or 1 for j in jobs),
             "nodes": (jobs[0].metadata.annotations or {}).get("qosflow.dev/nodes", "").split(","), "launch_error": None,
         }
@@ -473,6 +605,13 @@ class KubernetesBackend(Backend):
         if not st.ok and st.kind is not ExitKind.CANCELLED:
             await self.kill(handle, reason=f"stage failed: {st.reason}")
             self._killed.pop(handle.stage_id, None)
+        elif st.ok or handle.stage_id in self._killed:
+            # the stage is over: its credentials go now, not with its Job an hour later (ttlSecondsAfterFinished).
+            # (A wait stopped by the worker's exit keeps them: the pods run on, the next worker adopts them.)
+            try:
+                await self._drop_secret(handle)
+            except Exception as exc:  # (API errors, an outage): the garbage collector takes it with its Job
+                log.warning("stage %s: its Secret %s is left to be deleted with its Job: %s", handle.stage_id, handle.ref.get("secret"), exc)
         self._stop.pop(handle.stage_id, None)
         return st
 
@@ -636,6 +775,7 @@ class KubernetesBackend(Backend):
             except ApiException as e:
                 if e.status != 404:
                     raise
+        await self._drop_secret(handle)
 
     async def _pods_rank0_first(self, handle: StageHandle) -> list:
         pods = (await self._acall(self.core.list_namespaced_pod, handle.ref["namespace"], label_selector=handle.ref["selector"])).items
