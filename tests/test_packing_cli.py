@@ -244,3 +244,21 @@ def test_pack_with_no_seed_reaching_100_percent_says_so_instead_of_nan(tmp_path,
     d = json.loads(out.read_text())
     assert list(d["policies"]) == ["fgd"]
     assert d["policies"]["fgd"]["alloc_ratio"] is None and d["policies"]["fgd"]["failed_pods"] is None
+
+
+def test_ctrl_c_during_the_runs_says_nothing_was_written(tmp_path, capsys, monkeypatch):
+    """Ctrl-C ended qosflow pack with exit status 130 and not a word."""
+    import qosflow.packing.experiment as experiment
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(experiment, "run_experiment", interrupt)
+    pods, nodes = tmp_path / "pods.csv", tmp_path / "nodes.csv"
+    pods.write_text(PODS)
+    nodes.write_text(NODES)
+    out = tmp_path / "res" / "pack.json"
+    assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--seeds", "1", "--json", str(out)]) == 130
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"interrupted before the runs had finished: nothing was written to {out} or {out.parent}" in err
+    assert not out.parent.exists()

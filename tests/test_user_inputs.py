@@ -75,3 +75,67 @@ def test_a_cluster_without_any_gpu_is_refused_by_simulate(tmp_path, capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert f"{nodes}: the cluster has no GPUs" in err
     assert not out.exists()
+
+
+def _simulate(t, c, *extra):
+    return main(["simulate", "--trace", str(t), "--cluster", str(c), *extra])
+
+
+def test_files_an_earlier_run_left_in_out_are_named(tmp_path, capsys):
+    """A second run into the same --out, without sjf and without deadlines, left jobs-sjf.csv and the first
+    run's dsr_by_class.png beside its own results without a word. They are named (not removed: a user may
+    gather one policy per run in one directory); a CSV of the user's own is left out of it."""
+    t, c = _files(tmp_path)
+    out = tmp_path / "out"
+    assert _simulate(t, c, "--policies", "fifo,sjf", "--out", str(out)) == 0
+    assert (out / "dsr_by_class.png").is_file() and (out / "jobs-sjf.csv").is_file()
+    (out / "jobs-mine.csv").write_text("job,whatever\n1,2\n")
+    capsys.readouterr()
+    assert _simulate(t, c, "--policies", "fifo", "--deadline-share", "0", "--out", str(out)) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "also holds 2 file(s) of an earlier run that this run did not write: dsr_by_class.png, jobs-sjf.csv" in text
+    assert "jobs-mine.csv" not in text
+    assert (out / "jobs-sjf.csv").is_file() and (out / "jobs-mine.csv").is_file()  # nothing removed
+
+
+def test_ctrl_c_during_the_runs_says_nothing_was_written(tmp_path, capsys, monkeypatch):
+    """Ctrl-C ended simulate with exit status 130 and not a word on what it left."""
+    from qosflow.sim.batch import Batch
+
+    def interrupt(self, on_progress=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Batch, "run", interrupt)
+    t, c = _files(tmp_path)
+    out = tmp_path / "res" / "r.json"
+    assert _simulate(t, c, "--policies", "fifo", "--json", str(out)) == 130
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"interrupted before the runs had finished: nothing was written to {out} or {out.parent}" in err
+    assert not out.parent.exists()
+
+
+def test_ctrl_c_while_writing_a_plot_leaves_the_earlier_one_whole(tmp_path, capsys, monkeypatch):
+    """A plot interrupted while being saved was left half written over the earlier run's; now the earlier
+    file stays whole, and the message says what this run wrote and what it did not."""
+    import matplotlib.figure
+
+    t, c = _files(tmp_path)
+    out = tmp_path / "out"
+    assert _simulate(t, c, "--policies", "fifo", "--json", str(out / "r.json")) == 0
+    before = (out / "jct_cdf.png").read_bytes()
+    real = matplotlib.figure.Figure.savefig
+
+    def half_then_interrupt(self, fname, *args, **kwargs):
+        real(self, fname, *args, **kwargs)
+        with open(fname, "r+b") as f:
+            f.truncate(100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half_then_interrupt)
+    capsys.readouterr()
+    assert _simulate(t, c, "--policies", "fifo,sjf", "--json", str(out / "r.json")) == 130
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"interrupted while writing the results: written {out / 'r.json'}; not written the plots, the per-job CSVs" in err
+    assert (out / "jct_cdf.png").read_bytes() == before
+    assert not list(out.glob(".*.part"))
+    assert set(json.loads((out / "r.json").read_text())["policies"]) == {"fifo", "sjf"}

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = app(args=argv, standalone_mode=False)
     except QosflowError as exc:
         typer.secho(f"error: {exc}", err=True, fg="red")
-        return 2
+        return getattr(exc, "exit_code", 2)
     except SystemExit as exc:  # typer/click exits
         return int(exc.code or 0)
     except MemoryError as exc:  # (was numpy's traceback, e.g. "Unable to allocate 74.5 GiB for an array ...")

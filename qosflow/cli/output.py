@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from qosflow.errors import QosflowError
+from qosflow.sim.files import replacing
 
 
 def check_output_file(path: Path, option: str = "--json") -> None:
@@ -95,12 +96,32 @@ def write_json_file(path: Path, data: dict, option: str = "--json") -> Path:
     """The one JSON writer of the CLI commands (results of simulate, pack, predict eval, profile).
     A figure that does not exist (NaN, infinity) is written as null: Python's `NaN` is not JSON, and
     jq, JavaScript and most JSON readers refuse the whole file."""
+    text = json.dumps(_finite(data), indent=2, allow_nan=False) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
+        # written beside it and renamed: a run interrupted while writing (Ctrl-C) left half a JSON file
+        with replacing(path) as tmp:
+            tmp.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise _unwritable(option, path, exc, "a path in a writable directory") from None
     return path
+
+
+def interrupted(written: list[Path], pending: list[str]) -> QosflowError:
+    """What a Ctrl-C (KeyboardInterrupt) left: the files this run had written, and those it had not (the
+    place may still hold an earlier run's). Ctrl-C ended the command with no word at all (exit 130)."""
+    if not written:
+        return Interrupted("interrupted before the runs had finished: nothing was written"
+                           + (f" to {' or '.join(pending)}" if pending else ""))
+    return Interrupted(f"interrupted while writing the results: written {', '.join(map(str, written))}; not written "
+                       f"{', '.join(pending) or '-'} (what is there is an earlier run's): run the command again for a "
+                       "complete set")
+
+
+class Interrupted(QosflowError):
+    """A command stopped by Ctrl-C; exit status 130, as a shell gives a command killed by SIGINT."""
+
+    exit_code = 130
 
 
 def progress_bar(*columns, console=None):

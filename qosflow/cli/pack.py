@@ -53,8 +53,8 @@ def register(app: typer.Typer) -> None:
         from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png
         from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
 
-        from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, progress_bar,
-                                        write_json_file)
+        from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, interrupted,
+                                        progress_bar, write_json_file)
 
         console = Console()
         check_file_and_dir(json_out, out)
@@ -117,10 +117,13 @@ def register(app: typer.Typer) -> None:
         def on_run(run) -> None:
             progress.update(task, advance=1, description=f"{run.policy} seed {run.seed}")
 
+        out_dir = out if out is not None else (json_out.parent if json_out is not None else None)
         try:
             # the bar (and its redraw thread) starts once the workers have started: see qosflow.workers
             summaries = run_experiment(pod_list, node_list, names, seed_list, ratio=ratio, popularity=popularity,
                                        on_start=progress.start, on_run=on_run, workers=workers)
+        except KeyboardInterrupt:  # was the end of the command without a word (exit 130)
+            raise interrupted([], [str(p) for p in (json_out, out_dir) if p is not None]) from None
         finally:
             progress.stop()
 
@@ -181,11 +184,21 @@ def register(app: typer.Typer) -> None:
                     "those seeds are left out of the mean.[/]"
                 )
 
-        out_dir = out if out is not None else (json_out.parent if json_out is not None else None)
-        if json_out is not None:
-            write_json_file(json_out, data)
-            console.print(f"wrote {json_out}")
-        if out_dir is not None:
-            console.print(f"wrote {write_curve_csv(out_dir / 'pack_curve.csv', summaries)}")
-            if not no_plots:
-                console.print(f"wrote {write_curve_png(out_dir / 'pack_curve.png', summaries)}")
+        written: list[Path] = []
+        try:
+            if json_out is not None:
+                written.append(write_json_file(json_out, data))
+                console.print(f"wrote {json_out}")
+            if out_dir is not None:
+                written.append(write_curve_csv(out_dir / 'pack_curve.csv', summaries))
+                console.print(f"wrote {written[-1]}")
+                if not no_plots:
+                    written.append(write_curve_png(out_dir / 'pack_curve.png', summaries))
+                    console.print(f"wrote {written[-1]}")
+        except KeyboardInterrupt:
+            names_left = [str(p) for p in (json_out, out_dir and out_dir / "pack_curve.csv",
+                                           out_dir and not no_plots and out_dir / "pack_curve.png") if p and p not in written]
+            raise interrupted(written, names_left) from None
+        if out_dir is not None and no_plots and (out_dir / "pack_curve.png").is_file():
+            console.print(f"[yellow]note:[/] {out_dir / 'pack_curve.png'} is an earlier run's plot, not this run's "
+                          "(--no-plots made none)", highlight=False)

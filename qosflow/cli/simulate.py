@@ -55,13 +55,13 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.interference import default_speed_model, default_throughputs_path
         from qosflow.sim.metrics import compute_bounds, compute_metrics
         from qosflow.errors import SpecError, UnknownNameError
-        from qosflow.sim.report import (estimator_deltas, plot_results, render_class_table, render_estimator_table, render_table,
-                                        results_json, write_job_tables)
+        from qosflow.sim.report import (earlier_outputs, estimator_deltas, plot_results, render_class_table,
+                                        render_estimator_table, render_table, results_json, write_job_tables)
         from qosflow.sim.runner import resolve_workload
 
         console = Console(width=max(120, Console().width))
-        from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, progress_bar,
-                                        write_json_file)
+        from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, interrupted,
+                                        progress_bar, write_json_file)
 
         check_file_and_dir(json_out, out)
         check_not_an_input(json_out, {"--trace": trace, "--cluster": cluster})
@@ -144,10 +144,15 @@ def register(app: typer.Typer) -> None:
         ]
         workers = parallel if parallel is not None else default_workers(len(specs), len(wl.jobs))
         # the batch's worker processes start before the bar's redraw thread (see `Batch`)
-        with Batch(specs, wl.jobs, spec, speed, cfg, seed=seed, error=error, workers=workers) as batch, \
-                progress_bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
-            tasks = {s.label: prog.add_task(f"{s.label:>9}", total=len(wl.jobs)) for s in specs}
-            outcomes = batch.run(on_progress=lambda label, done, total: prog.update(tasks[label], completed=done))
+        out_dir = out or (json_out.parent if json_out else None)
+        planned = [str(p) for p in (json_out, out_dir) if p is not None]  # what a Ctrl-C leaves untouched
+        try:
+            with Batch(specs, wl.jobs, spec, speed, cfg, seed=seed, error=error, workers=workers) as batch, \
+                    progress_bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
+                tasks = {s.label: prog.add_task(f"{s.label:>9}", total=len(wl.jobs)) for s in specs}
+                outcomes = batch.run(on_progress=lambda label, done, total: prog.update(tasks[label], completed=done))
+        except KeyboardInterrupt:
+            raise interrupted([], planned) from None
         for o in outcomes:
             label = o.spec.label
             if o.result is None:  # one policy stalling must not hide the others' results
@@ -196,15 +201,33 @@ def register(app: typer.Typer) -> None:
             data["by_estimator"] = {e: results_json(ms, bounds)["policies"] for e, ms in by_est.items()}
             data["estimator_baseline"] = baseline
             data["estimator_deltas"] = estimator_deltas(by_est, baseline)
-        if json_out:
-            console.print(f"JSON: {write_json_file(json_out, data)}")
-        out_dir = out or (json_out.parent if json_out else None)
-        if out_dir and not no_plots:
-            files = plot_results(results, metrics, bounds, out_dir)
-            console.print("plots: " + ", ".join(str(f) for f in files))
+        written: list[Path] = []
+        try:
+            if json_out:
+                written.append(write_json_file(json_out, data))
+                console.print(f"JSON: {json_out}")
+            if out_dir and not no_plots:
+                files = plot_results(results, metrics, bounds, out_dir)
+                written += files
+                console.print("plots: " + ", ".join(str(f) for f in files))
+            if out_dir:
+                files = write_job_tables(results, out_dir)
+                written += files
+                console.print("per-job CSV: " + ", ".join(str(f) for f in files))
+        except KeyboardInterrupt:
+            left = [f"the {what}" for what, todo in (("JSON", json_out and json_out not in written),
+                                                     ("plots", out_dir and not no_plots), ("per-job CSVs", out_dir)) if todo]
+            raise interrupted(written, left[-2:] if written else left) from None
         if out_dir:
-            files = write_job_tables(results, out_dir)
-            console.print("per-job CSV: " + ", ".join(str(f) for f in files))
+            # files of an earlier run's output set that this run did not write (jobs-sjf.csv when sjf is no longer
+            # compared, dsr_by_class.png when no job has a deadline now) sat beside these results without a word.
+            # Named, not removed: a user may gather one policy per run in one directory
+            left = earlier_outputs(out_dir, written, plots=True)
+            if left:
+                console.print(f"[yellow]note:[/] {out_dir} also holds {len(left)} file(s) of an earlier run that this run did not "
+                              f"write: {', '.join(f.name for f in left)}; they are not this run's results"
+                              + (" (--no-plots made no plots)" if no_plots and any(f.suffix == ".png" for f in left) else ""),
+                              highlight=False)
         if failed:
             raise SimulationError(
                 f"{len(failed)} run(s) failed: {', '.join(failed)}; the others' results are above"

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from qosflow.packing.experiment import PERCENTS, PolicySummary
+from qosflow.sim.files import replacing
 
 
 def summaries_to_json(summaries: Mapping[str, PolicySummary], config: Mapping[str, Any] | None = None) -> dict:
@@ -54,7 +55,7 @@ def write_curve_csv(path: str | Path, summaries: Mapping[str, PolicySummary]) ->
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     header, rows = curve_table(summaries)
-    with open(p, "w", newline="") as f:
+    with replacing(p) as tmp, open(tmp, "w", newline="") as f:  # whole or not at all (Ctrl-C)
         w = csv.writer(f)
         w.writerow(header)
         w.writerows(rows)
@@ -108,6 +109,7 @@ def write_curve_png(path: str | Path, summaries: Mapping[str, PolicySummary], ti
     n = len(next(iter(summaries.values())).runs) if summaries else 0
     fig.suptitle(title or f"GPU allocation vs arrived demand (mean of {n} seed{'s' if n != 1 else ''})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(p, dpi=120, bbox_inches="tight")
+    with replacing(p) as tmp:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
     plt.close(fig)
     return p

@@ -26,6 +26,7 @@ import numpy as np
 
 from qosflow.core.job import JobStatus
 from qosflow.sim.engine import SimResult
+from qosflow.sim.files import replacing
 from qosflow.sim.metrics import Bounds, Metrics
 
 
@@ -178,14 +179,23 @@ def job_rows(res: SimResult) -> list[dict[str, Any]]:
     return rows
 
 
+#: the plots `plot_results` may write (dsr_by_class.png only when jobs have deadlines)
+PLOT_FILES = ("jct_cdf.png", "dsr.png", "gpu_util.png", "avg_jct.png", "dsr_by_class.png", "gpu_timeline.png")
+
+
+def job_table_name(label: str) -> str:
+    """jobs-<run>.csv: the run's label with anything but letters, digits, '_', '.', '-' made '-'."""
+    return f"jobs-{re.sub(r'[^A-Za-z0-9_.-]+', '-', label).strip('-')}.csv"
+
+
 def write_job_tables(results: Mapping[str, SimResult], out_dir: str | Path) -> list[Path]:
     """`jobs-<run>.csv` in `out_dir` for every run (`job_rows`), e.g. jobs-qosflow.csv."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = []
     for label, res in results.items():
-        path = out / f"jobs-{re.sub(r'[^A-Za-z0-9_.-]+', '-', label).strip('-')}.csv"
-        with path.open("w", newline="", encoding="utf-8") as f:
+        path = out / job_table_name(label)
+        with replacing(path) as tmp, tmp.open("w", newline="", encoding="utf-8") as f:
             w = csv.DictWriter(f, fieldnames=JOB_COLUMNS)
             w.writeheader()
             w.writerows(job_rows(res))
@@ -193,11 +203,42 @@ def write_job_tables(results: Mapping[str, SimResult], out_dir: str | Path) -> l
     return files
 
 
+def earlier_outputs(out_dir: str | Path, written: list[Path], *, plots: bool = True) -> list[Path]:
+    """Files of simulate's output set in `out_dir` that this run did not write: left there by an earlier run
+    (jobs-sjf.csv of a run that compared sjf, dsr_by_class.png of a run with deadlines), they sat beside this
+    run's results as if they were part of them (`qosflow simulate` names them). The plots (`PLOT_FILES`) only with `plots`; per-job tables
+    only those whose header is `JOB_COLUMNS` (a CSV of the user's own named jobs-*.csv is not ours)."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    mine = {p.resolve() for p in written}
+    found = [out / n for n in PLOT_FILES if plots] + sorted(out.glob("jobs-*.csv"))
+    header = ",".join(JOB_COLUMNS)
+    left = []
+    for p in found:
+        if not p.is_file() or p.resolve() in mine:
+            continue
+        if p.suffix == ".csv":
+            try:
+                with p.open(encoding="utf-8", errors="replace") as f:
+                    if f.readline().strip() != header:
+                        continue
+            except OSError:
+                continue
+        left.append(p)
+    return left
+
+
 def _series_styles(n: int) -> list[dict[str, str]]:
     """A colour and line style per run, no two alike: matplotlib's 10 colours, then the same
     colours dashed, then dotted (more than 10 runs: several policies x estimators)."""
     palette = [f"C{i}" for i in range(10)]
     return [{"color": palette[i % 10], "ls": ("-", "--", ":", "-.")[(i // 10) % 4]} for i in range(n)]
+
+
+def _save(fig, path: Path) -> None:
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
 
 
 def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics], bounds: Bounds, out_dir: str | Path) -> list[Path]:
@@ -225,7 +266,7 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
     ax.legend()
     fig.tight_layout()
     files.append(out / "jct_cdf.png")
-    fig.savefig(files[-1], dpi=120)
+    _save(fig, files[-1])
     plt.close(fig)
 
     names = list(metrics)
@@ -253,7 +294,7 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
         plt.setp(ax.get_xticklabels(), rotation=20)
         fig.tight_layout()
         files.append(out / fname)
-        fig.savefig(files[-1], dpi=120)
+        _save(fig, files[-1])
         plt.close(fig)
 
     classes = _classes(metrics)
@@ -276,7 +317,7 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
         files.append(out / "dsr_by_class.png")
-        fig.savefig(files[-1], dpi=120)
+        _save(fig, files[-1])
         plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -291,7 +332,7 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
     ax.legend(fontsize=7)
     fig.tight_layout()
     files.append(out / "gpu_timeline.png")
-    fig.savefig(files[-1], dpi=120)
+    _save(fig, files[-1])
     plt.close(fig)
     return files
 
