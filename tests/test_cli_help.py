@@ -192,3 +192,18 @@ def test_flags_show_no_value_in_help():
         assert r.exit_code == 0, r.output
         assert "--no-plots" in r.output or "--no-ui" in r.output
         assert "<bool>" not in r.output, args
+
+
+def test_research_commands_help_is_not_cut_at_80_columns():
+    """In an 80-column terminal rich cuts a word longer than the help column with '…': simulate's default
+    policies read 'fifo,sjf,srtf,tiresias,sjf-ffs,…', --throughputs '(gavel_simulation_throughputs.j…' and
+    predict eval's --pairs '(model1,batchsize1,gpu_num…', the columns a pair table needs."""
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    for args in (["simulate", "--help"], ["pack", "--help"], ["predict", "eval", "--help"]):
+        r = runner.invoke(app, args, env={"COLUMNS": "80"})
+        assert r.exit_code == 0, r.output
+        assert "…" not in r.output, (args, [ln for ln in r.output.splitlines() if "…" in ln])
+    r = runner.invoke(app, ["predict", "eval", "--help"], env={"COLUMNS": "80"})
+    assert "gpu_num2, speed2" in " ".join(r.output.replace("│", " ").split())

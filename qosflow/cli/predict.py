@@ -51,7 +51,7 @@ def _print_blocks(result: dict, title: str) -> None:
 @predict_app.command("eval")
 def eval_cmd(
     throughputs: Optional[Path] = typer.Option(None, "--throughputs", help="Gavel-style throughput JSON: leave-one-job-type-out"),
-    pairs: Optional[Path] = typer.Option(None, "--pairs", help="co-location CSV (model1,batchsize1,gpu_num1,speed1,model2,...): k-fold"),
+    pairs: Optional[Path] = typer.Option(None, "--pairs", help="co-location CSV, columns model1, batchsize1, gpu_num1, speed1, model2, batchsize2, gpu_num2, speed2: k-fold"),
     folds: int = typer.Option(5, "--folds", min=2, help="folds for --pairs"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="seed of the fold split (--pairs) and of the models' randomness"),

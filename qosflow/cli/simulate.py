@@ -31,7 +31,9 @@ def register(app: typer.Typer) -> None:
         trace: str = typer.Option("synthetic", "--trace", help="trace file, or 'synthetic' for the embedded Philly-like generator"),
         fmt: Optional[str] = typer.Option(None, "--format", help="muri | gavel | alibaba | synthetic (default: guessed from --trace)"),
         cluster: Optional[str] = typer.Option(None, "--cluster", help="NxG (e.g. 8x8), a Muri cluster CSV, an Alibaba node list, or a Gavel spec V:P:K (V100s:P100s:K80s, e.g. 36:36:36; jobs run at their measured speed on each model) (default: the trace's own, else 8x8)"),
-        policies: str = typer.Option("fifo,sjf,srtf,tiresias,sjf-ffs,sjf-bsbf,genie,qosflow", "--policies", help="comma-separated policy names (qosflow: ours; the others are the baselines)"),
+        policies: str = typer.Option("fifo,sjf,srtf,tiresias,sjf-ffs,sjf-bsbf,genie,qosflow", "--policies",
+                                     # spaced, so that an 80-column terminal wraps the list instead of cutting it ("sjf-ffs,…")
+                                     show_default="fifo, sjf, srtf, tiresias, sjf-ffs, sjf-bsbf, genie, qosflow", help="comma-separated policy names (qosflow: ours; the others are the baselines)"),
         seed: int = typer.Option(0, "--seed", min=0, help="seed for deadlines, failures, noise and synthetic traces"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
         out: Optional[Path] = typer.Option(None, "--out", help="directory for the PNG plots and one CSV per run with every job's times, deadline outcome and the policy's note on it, jobs-<policy>.csv (default: next to --json)"),
@@ -43,7 +45,7 @@ def register(app: typer.Typer) -> None:
         min_gpus_share: Optional[float] = typer.Option(None, "--min-gpus-share", help="let every job of 2+ GPUs start on as few as this share of them (0.5: an 8-GPU job on 4, with 2 steps of gradient accumulation, at half speed), as a stage declaring @qos_task(min_gpus=...) may; the qosflow policy does so for a deadline job when its full width is not free. Traces record no such thing: this is an assumption about the jobs (default: every job rigid)"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots"),
         settings: Optional[list[str]] = typer.Option(None, "--set", help="a policy option, POLICY.OPTION=VALUE (repeatable), e.g. --set qosflow.express_share=0.125"),
-        throughputs: Optional[Path] = typer.Option(None, "--throughputs", help="a throughput table in Gavel's format (gavel_simulation_throughputs.json: solo and co-located steps/s per job type): turns a Gavel trace's steps into seconds, and gives the measured slowdowns of jobs sharing GPUs (default: the shared data's copy; also QOSFLOW_THROUGHPUTS)"),
+        throughputs: Optional[Path] = typer.Option(None, "--throughputs", help="a throughput table in Gavel's format, like Gavel's own in the shared data (throughputs/ in QOSFLOW_SHARED_DATA): solo and co-located steps/s per job type: turns a Gavel trace's steps into seconds, and gives the measured slowdowns of jobs sharing GPUs (default: the shared data's copy; also QOSFLOW_THROUGHPUTS)"),
         parallel: Optional[int] = typer.Option(None, "--parallel", help="simulations run at once, each in a process of its own (default: one per CPU core, at most one per run, except for small batches: under 2,000 jobs x runs they run in this process; 1: one after another in this process). Results are the same either way; policies registered from your own code run in this process"),
     ) -> None:
         from rich.console import Console
