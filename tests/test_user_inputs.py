@@ -139,3 +139,17 @@ def test_ctrl_c_while_writing_a_plot_leaves_the_earlier_one_whole(tmp_path, caps
     assert (out / "jct_cdf.png").read_bytes() == before
     assert not list(out.glob(".*.part"))
     assert set(json.loads((out / "r.json").read_text())["policies"]) == {"fifo", "sjf"}
+
+
+def test_jobs_of_a_model_without_measurements_are_named(tmp_path, capsys):
+    """A model of the user's own ('llama-7b') ran on an assumed GPU memory and the fallback pair slowdown
+    without a word; the trace's other models are known and not named."""
+    t, c = _files(tmp_path, TRACE.replace("a2,2,60000,2000,bert", "a2,2,60000,2000,llama-7b")
+                  .replace("a6,1,300000,1000,dqn", "a6,1,300000,1000,llama-7b"))
+    assert _simulate(t, c, "--policies", "fifo", "--no-plots") == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "2 jobs of a model qosflow has no measurements of: llama-7b (2 jobs)" in text
+    assert "assumed to be the largest profiled (10532 MiB)" in text
+    t, c = _files(tmp_path)
+    assert _simulate(t, c, "--policies", "fifo", "--no-plots") == 0
+    assert "no measurements" not in capsys.readouterr().out

@@ -115,6 +115,18 @@ def register(app: typer.Typer) -> None:
                 "that share GPUs slow down by the fallback above, not by measured pairs. Point QOSFLOW_SHARED_DATA at the "
                 "directory holding throughputs/gavel_simulation_throughputs.json to use it.", highlight=False
             )
+        unknown = _unknown_models(wl.jobs, speed)
+        if unknown:
+            n = sum(unknown.values())
+            shown = ", ".join(f"{m} ({k} job{'s' if k > 1 else ''})" for m, k in list(unknown.items())[:8])
+            more = f", and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+            console.print(
+                f"[yellow]note:[/] {n} job{'s' if n > 1 else ''} of a model qosflow has no measurements of: {shown}{more}. "
+                f"{'Their' if n > 1 else 'Its'} slowdown next to other jobs comes from the fallback above"
+                + (f", and {'their' if n > 1 else 'its'} GPU memory is assumed to be the largest profiled (10532 MiB), so "
+                   f"{'they share' if n > 1 else 'it shares'} GPUs only where that fits" if any(j.meta.get("gpu_mem_assumed") for j in wl.jobs if j.model in unknown) else "")
+                + ". Name the closest known model to use measured figures (docs/workloads.md, 'Trace models -> Gavel job "
+                "types').", highlight=False)
         offered = None
         if wl.info.get("format") == "synthetic":
             from qosflow.sim.traces.synthetic import JOBS_PER_GPU, offered_load
@@ -235,3 +247,21 @@ def register(app: typer.Typer) -> None:
                 f"{len(failed)} run(s) failed: {', '.join(failed)}; the others' results are above"
                 + (" and in the JSON ('failed_policies')" if json_out else "")
             )
+
+
+def _unknown_models(jobs, speed) -> dict[str, int]:
+    """Model name -> jobs, for the jobs whose model neither Gavel's table (when loaded) nor SJF-BSBF's memory
+    profile knows: such a job ran on assumed figures without a word (a user's own 'llama-7b')."""
+    from qosflow.sim.interference import gpu_mem_mb
+
+    table = speed.interference
+    resolve = getattr(table, "resolve", None)
+    out: dict[str, int] = {}
+    for j in jobs:
+        m = j.model
+        if not m:
+            continue
+        known = (resolve(m) is not None) if resolve is not None else gpu_mem_mb(m) is not None
+        if not known:
+            out[m] = out.get(m, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
