@@ -1042,3 +1042,18 @@ def test_a_fence_whose_kill_fails_once_keeps_fencing(tmp_path, caplog):
     assert len(calls) >= 2 and calls[0].startswith("fenced")
     assert st.killed_reason.startswith("fenced"), st.status()
     assert "fencing its stages failed" in caplog.text
+
+
+def test_a_flapping_hosts_events_are_bounded():
+    """AgentBackend.events kept every up, down and restart of every host for the life of the worker: a host
+    whose heartbeat flapped added two a beat (a day of it at 2 s: ~86,000). It keeps the last EVENTS_KEPT."""
+    be = AgentBackend([AgentHost("h", "http://127.0.0.1:9")], TOKEN)
+    h = be.state["h"]
+
+    async def flap():
+        for i in range(5000):
+            be._mark_up(h, "boot")
+            be._mark_down(h, f"beat {i} lost")
+
+    asyncio.run(flap())
+    assert len(be.events) <= 1000 and be.events[-1][2] == "down: beat 4999 lost"

@@ -15,6 +15,7 @@ block (hosts, GPUs per host, GPU memory, cores, agent URL, secret token).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
@@ -100,6 +101,7 @@ class AgentBackend(Backend):
     """Stages on bare-metal hosts, one qosflow agent per host."""
 
     name = "agent"
+    EVENTS_KEPT = 1000
 
     def __init__(
         self,
@@ -135,7 +137,9 @@ class AgentBackend(Backend):
         # per refresh (0.46 s of client CPU at 100 hosts; see docs/bench/infra.md)
         self._clients: dict[tuple[str, str], httpx.AsyncClient] = {}
         self._beat_task: asyncio.Task | None = None
-        self.events: list[tuple[float, str, str]] = []  # (time, host, "down: why" | "up" | "restarted")
+        #: (time, host, "down: why" | "up" | "restarted"), the last EVENTS_KEPT: a host whose heartbeat
+        #: flapped added two a beat, for the life of the worker
+        self.events: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=self.EVENTS_KEPT)
         #: the size (GPUs, cores) `inventory()` gave each host, which the worker schedules on for its whole
         #: life (ClusterState's arrays are sized once): a restarted agent is checked against it
         self._sized: dict[str, tuple[int, float]] = {}
