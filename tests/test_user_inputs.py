@@ -153,3 +153,22 @@ def test_jobs_of_a_model_without_measurements_are_named(tmp_path, capsys):
     t, c = _files(tmp_path)
     assert _simulate(t, c, "--policies", "fifo", "--no-plots") == 0
     assert "no measurements" not in capsys.readouterr().out
+
+
+GAVEL = ("ResNet-18 (batch size 128)\tcmd\t-n\t1\t10000\t0\t1\n"
+         "LM (batch size 80)\tcmd\t-n\t1\t5000\t60\t2\n")
+
+
+@pytest.mark.parametrize("sep, says", [("    ", "no tab, only spaces"), (",", "separated by commas")])
+def test_a_gavel_trace_without_tabs_says_how_it_is_separated(tmp_path, sep, says):
+    """A hand-written Gavel trace whose tabs an editor turned into spaces (or a CSV export) got only
+    'expected 7 tab-separated fields ..., got 1'."""
+    from qosflow.sim.traces.gavel import load_gavel
+
+    t = tmp_path / "mine.trace"
+    t.write_text(GAVEL.replace("\t", sep))
+    with pytest.raises(TraceFormatError) as e:
+        load_gavel(t)
+    assert f"{t}:1: expected 7 tab-separated fields" in str(e.value) and says in str(e.value)
+    t.write_text(GAVEL)
+    assert len(load_gavel(t)[0]) == 2

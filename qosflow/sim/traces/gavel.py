@@ -25,6 +25,7 @@ with n counting jobs from 0 (Gavel's own job ids).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from qosflow.core.cluster import ClusterSpec
@@ -56,6 +57,20 @@ FIELDS_9 = (
 #: the form of Gavel's later `parse_trace`: the 9 fields with the job's working directory after the command
 FIELDS_10 = FIELDS_9[:2] + ("working_directory",) + FIELDS_9[2:]
 FORMS = {7: FIELDS_7, 9: FIELDS_9, 10: FIELDS_10}
+
+
+def _separator_hint(text: str, fields: int) -> str:
+    """'; ...' when a line that is not tab-separated is separated otherwise (an editor that turned tabs into
+    spaces, a CSV export), else ''."""
+    if fields != 1:
+        return ""
+    for sep, name in ((",", "commas"), (";", "semicolons")):
+        if text.count(sep) + 1 in FORMS:
+            return (f": the line is separated by {name}; a Gavel trace separates its fields by tabs (its job types "
+                    "and commands hold spaces and commas)")
+    if re.search(r"\S {2,}\S", text):
+        return ": the line has no tab, only spaces (an editor may have turned its tabs into spaces); separate the fields by tabs"
+    return ""
 
 
 def _is_number(text: str) -> bool:
@@ -105,7 +120,7 @@ def load_gavel(
             if names is None:
                 raise TraceFormatError(
                     p, line, f"expected 7 tab-separated fields ({', '.join(FIELDS_7)}), or Gavel's 9- or 10-field "
-                             f"form (10: {', '.join(FIELDS_10)}), got {len(parts)}"
+                             f"form (10: {', '.join(FIELDS_10)}), got {len(parts)}{_separator_hint(text, len(parts))}"
                 )
             row = dict(zip(names, (x.strip() for x in parts)))
             if not jobs and not rejected and not _is_number(row["total_steps"]) and not _is_number(row["arrival_time"]):
