@@ -60,6 +60,29 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def until(cond, what: str, timeout: float = 60.0) -> None:
+    """Wait (asynchronously) until cond() holds: a condition with a generous timeout, not a fixed sleep
+    that is too short on a loaded machine and too long on an idle one."""
+    end = time.monotonic() + timeout
+    while not await asyncio.to_thread(cond):
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:g}s waiting until {what}")
+        await asyncio.sleep(0.02)
+
+
+def watching(emu: EmulatorServer) -> bool:
+    """A watch stream is open on the emulator (the backend's wait has listed and watches from there)."""
+    return emu.state()["watches"]["open"] >= 1
+
+
+def expire_watch(emu: EmulatorServer) -> None:
+    """Expire the resourceVersion of the open watch: an event after it, then compaction, then an event to
+    wake the stream (whose next look finds its version compacted: 410)."""
+    emu.add_node(name=f"extra-{time.monotonic_ns()}", gpus=1)
+    emu.compact()
+    emu.add_node(name=f"extra-{time.monotonic_ns()}", gpus=1)
+
+
 def test_manifests():
     """Pure translation: GPUs, CPU requests, node affinity, sharing, labels, gangs, PodGroups."""
     cluster = ClusterSpec((NodeSpec("n0", 4, virtual=True), NodeSpec("n1", 4, virtual=True), NodeSpec("n2", 4, virtual=True)))
@@ -292,47 +315,56 @@ def test_infra_failures_are_retried_on_another_node(fail, kind, words):
     assert first.kind is kind and fail in first.reason and words in first.reason and "gpu-0" in first.reason
 
 
+def gated(gate) -> list[str]:
+    """A stage command that runs until the test creates the file `gate` (the process kubelet runs it)."""
+    return ["sh", "-c", f"while [ ! -e '{gate}' ]; do sleep 0.05; done"]
+
+
 @emulator_only
-def test_watch_expiry_and_api_errors_are_survived():
-    with EmulatorServer([gpu_node("gpu-0", 2)], window=50) as emu:
+def test_watch_expiry_and_api_errors_are_survived(tmp_path):
+    """Launch through 500s, two expired watches (410) whose relists get 500s: the stage's end is still seen.
+    (The stage runs until the test is done with it, and each step waits on what it needs, no sleep.)"""
+    with EmulatorServer([gpu_node("gpu-0", 2)], window=50, run_processes=True) as emu:
         async def go():
             be = KubernetesBackend(api_client=emu.api_client(), watch_timeout_s=5)
             try:
                 cluster = await be.inventory()
-                emu.add_rule(selector="qosflow.dev/stage-id=w", run_s=1.5)
                 emu.add_fault(r"/namespaces/default/jobs$", method="POST", status=500, count=2)
-                h = await be.launch(LaunchSpec("w", ["x"], Placement("w", ((0, 0),), ((0, 1.0),)), cluster))
+                h = await be.launch(LaunchSpec("w", gated(tmp_path / "go"), Placement("w", ((0, 0),), ((0, 1.0),)), cluster))
                 waiter = asyncio.ensure_future(be.wait(h))
-                await asyncio.sleep(0.4)
-                emu.add_fault(r"/namespaces/default/pods$", method="GET", status=500, count=2)
-                for _ in range(2):  # expire the watch's resourceVersion under it, twice
-                    emu.compact()
-                    emu.add_node(name=f"extra-{time.monotonic_ns()}", gpus=1)  # new events, so the watch notices
-                    await asyncio.sleep(0.3)
-                return await asyncio.wait_for(waiter, 30), dict(be.stats)
+                await until(lambda: watching(emu), "the wait watches its pods")
+                emu.add_fault(r"/namespaces/default/pods$", method="GET", status=500, count=2)  # its relists get 500s
+                for i in range(2):  # expire the watch's resourceVersion under it, twice
+                    expire_watch(emu)
+                    await until(lambda: be.stats["watch_410"] > i and watching(emu), f"the wait relisted and watches again ({i + 1})")
+                assert not waiter.done()
+                (tmp_path / "go").touch()  # the stage ends
+                return await asyncio.wait_for(waiter, 60), dict(be.stats)
             finally:
                 await be.aclose()
 
         st, stats = asyncio.run(go())
     assert st.ok, st
-    assert stats["api_5xx_retried"] >= 2
+    assert stats["api_5xx_retried"] >= 4 and stats["watch_410"] >= 2
 
 
 @emulator_only
-def test_watch_gone_410_relists():
-    """A watch whose resourceVersion expired gets 410 twice (the client's own retry too): relist."""
-    with EmulatorServer([gpu_node("gpu-0", 2)]) as emu:
+def test_watch_gone_410_relists(tmp_path):
+    """A watch whose resourceVersion expired gets 410 twice (the client's own retry too): relist. (It
+    waited 0.3 s for the watch to be open before compacting: on a loaded machine the wait had not
+    listed yet, so no 410 came; now it waits until the emulator has the watch open.)"""
+    with EmulatorServer([gpu_node("gpu-0", 2)], run_processes=True) as emu:
         async def go():
             be = KubernetesBackend(api_client=emu.api_client(), watch_timeout_s=5)
             try:
                 cluster = await be.inventory()
-                emu.add_rule(selector="qosflow.dev/stage-id=g", run_s=1.0)
-                h = await be.launch(LaunchSpec("g", ["x"], Placement("g", ((0, 0),), ((0, 1.0),)), cluster))
+                h = await be.launch(LaunchSpec("g", gated(tmp_path / "go"), Placement("g", ((0, 0),), ((0, 1.0),)), cluster))
                 waiter = asyncio.ensure_future(be.wait(h))
-                await asyncio.sleep(0.3)
-                emu.compact()
-                # a pod event makes the watch resume from its (now expired) version
-                return await asyncio.wait_for(waiter, 30), dict(be.stats)
+                await until(lambda: watching(emu), "the wait watches its pods")
+                expire_watch(emu)
+                await until(lambda: be.stats["watch_410"] >= 1, "the watch got 410")
+                (tmp_path / "go").touch()  # the stage ends: its end is seen through the new list and watch
+                return await asyncio.wait_for(waiter, 60), dict(be.stats)
             finally:
                 await be.aclose()
 
@@ -513,14 +545,16 @@ class _CuttableProxy:
 
 
 @emulator_only
-def test_a_stage_is_followed_through_an_api_outage(caplog):
+def test_a_stage_is_followed_through_an_api_outage(caplog, tmp_path):
     """The API server unreachable while a stage runs (urllib3's retries run out): the pods run on, so the
-    wait keeps looking, says so once, and reports the stage's real end; it used to raise at once."""
+    wait keeps looking, says so once, and reports the stage's real end; it used to raise at once. (The
+    stage runs until the test lets it end; the outage lasts until the wait has looked through it twice,
+    not a fixed 2 s.)"""
     import logging
 
     from kubernetes import client
 
-    with EmulatorServer([gpu_node("gpu-0", 2)]) as emu:
+    with EmulatorServer([gpu_node("gpu-0", 2)], run_processes=True) as emu:
         proxy = _CuttableProxy(emu.port)
         cfg = client.Configuration()
         cfg.host = f"http://127.0.0.1:{proxy.port}"
@@ -530,15 +564,15 @@ def test_a_stage_is_followed_through_an_api_outage(caplog):
             be = KubernetesBackend(api_client=client.ApiClient(cfg), watch_timeout_s=2)
             try:
                 cluster = await be.inventory()
-                emu.add_rule(selector="qosflow.dev/stage-id=o", run_s=3.0)
-                h = await be.launch(LaunchSpec("o", ["x"], Placement("o", ((0, 0),), ((0, 1.0),)), cluster))
+                h = await be.launch(LaunchSpec("o", gated(tmp_path / "go"), Placement("o", ((0, 0),), ((0, 1.0),)), cluster))
                 waiter = asyncio.ensure_future(be.wait(h))
-                await asyncio.sleep(0.5)
+                await until(lambda: watching(emu), "the wait watches its pods")
                 proxy.cut()
-                await asyncio.sleep(2.0)
+                await until(lambda: be.stats["wait_api_unreachable"] >= 2 or waiter.done(), "the wait looked through the outage")
                 assert not waiter.done(), "the wait gave up during the outage"
+                (tmp_path / "go").touch()  # the stage ends during the outage: seen once the API answers
                 proxy.restore()
-                return await asyncio.wait_for(waiter, 30), dict(be.stats)
+                return await asyncio.wait_for(waiter, 60), dict(be.stats)
             finally:
                 await be.aclose()
 

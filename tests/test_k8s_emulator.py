@@ -50,7 +50,7 @@ def job(name: str, *, gpus: int = 1, node: str | None = None, parallelism: int =
     }
 
 
-def wait_pods(core, selector: str, pred, timeout: float = 10.0):
+def wait_pods(core, selector: str, pred, timeout: float = 30.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         pods = core.list_namespaced_pod(NS, label_selector=selector).items
@@ -168,7 +168,7 @@ def test_node_lost_fails_its_pods_and_job(emu, api):
         assert any(cd.type == "DisruptionTarget" for cd in pods[0].status.conditions)
         node = core2.read_node("a")
         assert [cd.status for cd in node.status.conditions if cd.type == "Ready"] == ["Unknown"]
-        end = time.monotonic() + 5
+        end = time.monotonic() + 30
         while not batch2.read_namespaced_job("long", NS).status.conditions and time.monotonic() < end:
             time.sleep(0.05)
         assert batch2.read_namespaced_job("long", NS).status.conditions[0].reason == "BackoffLimitExceeded"
@@ -240,15 +240,19 @@ def test_standalone_emulator_says_that_run_processes_answers_anyone():
 
     r = subprocess.run([sys.executable, "-m", "qosflow.k8s_emulator", "--help"], capture_output=True, text=True, timeout=60)
     assert "no authentication" in " ".join(r.stdout.split())
+    import queue
+    import threading
+
     p = subprocess.Popen([sys.executable, "-m", "qosflow.k8s_emulator", "--port", "0", "--nodes", "1", "--run-processes"],
                          stdout=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in p.stdout], daemon=True).start()
     try:
-        banner = p.stdout.readline()  # printed once it listens; the warning is flushed right after it
-        time.sleep(0.5)
+        banner = lines.get(timeout=30)  # printed once it listens; the warning is flushed right after it
+        warning = lines.get(timeout=30)  # (no fixed wait: the line as soon as it comes, a failure if it never does)
     finally:
         p.terminate()
         p.wait(10)
-        warning = p.stdout.read()  # (read through the same buffer as the banner)
     assert "Kubernetes API emulator" in banner and "no authentication" in warning and "run commands as you" in warning
 
 

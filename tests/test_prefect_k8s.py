@@ -158,14 +158,32 @@ def test_api_unreachable_at_launch_waits_for_the_api_instead_of_crashing(k8s, tm
         except BaseException as exc:  # noqa: BLE001
             out["error"] = exc
 
+    beats = [0]
+    health = w._sync_health
+
+    async def counted() -> None:  # (the worker's heartbeat, counted)
+        await health()
+        beats[0] += 1
+
+    w._sync_health = counted
     t = threading.Thread(target=go, daemon=True)
     t.start()
     try:
-        time.sleep(8.0)  # the stage reached the worker, and several heartbeats' worth of the outage
+        # the stage reached the worker and waits in its QoS queue during the outage; then two more heartbeats
+        # of it (no fixed sleep: as long as that takes on a loaded machine, and no longer)
+        end = time.monotonic() + 120
+        while not (getattr(w, "outage", None) and w.scheduler.queued()):
+            assert time.monotonic() < end and t.is_alive(), ("the stage never waited in the QoS queue during the outage", out)
+            time.sleep(0.1)
+        seen = beats[0]
+        while beats[0] < seen + 2:
+            assert time.monotonic() < end, "the worker's heartbeat stopped"
+            time.sleep(0.1)
         assert t.is_alive() and not marks(marker), out  # the stage waits: it did not run, nor fail
-        assert getattr(w, "outage", None) and w.scheduler.state.down.all()
+        assert w.outage and w.scheduler.state.down.all() and w.scheduler.queued()
     finally:
         conf.host = good
+        del w._sync_health
     t.join(120)
     assert not t.is_alive() and "error" not in out, out
     assert w.outage is None and not w.scheduler.state.down.any()

@@ -88,30 +88,39 @@ def create_app(cluster: Cluster):
             e = ApiError(410, "Expired", f"too old resource version: {since} ({store.compacted_rv + 1})")
             return line("ERROR", e.status())
 
-        if rv not in (None, "", "0"):
-            since = int(rv)
-        else:  # no version: the current state as ADDED events, then changes
-            since = store.current_rv
-            for o in store.list(plural, ns, lsel, fsel):
-                yield line("ADDED", o)
-        end = time.monotonic() + timeout
-        while True:
-            if since < store.compacted_rv:
-                yield gone(since)
-                return
-            changed = store.changed
-            batch = [(erv, t, o) for erv, p, t, o in list(store.log) if erv > since and p == plural]
-            since = max([since] + [erv for erv, _, _ in batch])
-            for _, t, o in batch:
-                if match(o):
-                    yield line(t, o)
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            try:
-                await asyncio.wait_for(changed.wait(), min(left, 5.0))
-            except asyncio.TimeoutError:
-                yield b""  # keep the chunked stream moving (empty chunks are ignored by clients)
+        store.watches_open += 1
+        store.watches_opened += 1
+        is_open = True
+        try:
+            if rv not in (None, "", "0"):
+                since = int(rv)
+            else:  # no version: the current state as ADDED events, then changes
+                since = store.current_rv
+                for o in store.list(plural, ns, lsel, fsel):
+                    yield line("ADDED", o)
+            end = time.monotonic() + timeout
+            while True:
+                if since < store.compacted_rv:
+                    store.watches_open -= 1  # (closed before the client reads the 410)
+                    is_open = False
+                    yield gone(since)
+                    return
+                changed = store.changed
+                batch = [(erv, t, o) for erv, p, t, o in list(store.log) if erv > since and p == plural]
+                since = max([since] + [erv for erv, _, _ in batch])
+                for _, t, o in batch:
+                    if match(o):
+                        yield line(t, o)
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                try:
+                    await asyncio.wait_for(changed.wait(), min(left, 5.0))
+                except asyncio.TimeoutError:
+                    yield b""  # keep the chunked stream moving (empty chunks are ignored by clients)
+        finally:
+            if is_open:
+                store.watches_open -= 1
 
     async def rest(request: Request) -> Response:
         parsed = _parse(request.url.path)
@@ -237,6 +246,7 @@ def create_app(cluster: Cluster):
             "emulator": "qosflow Kubernetes API emulator (not a real cluster)",
             "resourceVersion": store.current_rv, "compacted_rv": store.compacted_rv,
             "counts": {p: len(t) for p, t in store.objs.items()}, "rules": cluster.rules, "faults": cluster.faults,
+            "watches": {"open": store.watches_open, "opened": store.watches_opened},
         })
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]

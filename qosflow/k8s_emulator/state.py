@@ -177,6 +177,10 @@ class Store:
         self.window = window
         self.compacted_rv = 0  # events up to and including this rv are gone
         self.changed = asyncio.Event()
+        #: watch streams open now, and opened in all (GET /emulator/state: tests wait on them, not on sleeps).
+        #: A stream that ends with 410 Gone is counted closed before its client can read the 410
+        self.watches_open = 0
+        self.watches_opened = 0
 
     def table(self, plural: str) -> dict[tuple[str, str], dict]:
         return self.objs.setdefault(plural, {})
