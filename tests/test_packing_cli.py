@@ -262,3 +262,20 @@ def test_ctrl_c_during_the_runs_says_nothing_was_written(tmp_path, capsys, monke
     err = " ".join(capsys.readouterr().err.split())
     assert f"interrupted before the runs had finished: nothing was written to {out} or {out.parent}" in err
     assert not out.parent.exists()
+
+
+def test_a_gpu_model_spelt_in_another_case_is_the_same_model(tmp_path, capsys):
+    """A pod list asking for 't4' on nodes of model 'T4': simulate placed those pods (it compares models
+    without regard to case), pack said they fit no node. A model no node has names the nodes' models."""
+    pods, nodes = tmp_path / "pods.csv", tmp_path / "nodes.csv"
+    pods.write_text(PODS.replace(",T4,LS", ",t4,LS"))
+    nodes.write_text(NODES)
+    out = tmp_path / "r.json"
+    assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "fgd", "--seeds", "1",
+                 "--json", str(out), "--no-plots"]) == 0
+    assert json.loads(out.read_text())["config"]["never_fit_pods"] == []
+    pods.write_text(PODS.replace(",T4,LS", ",A100,LS"))
+    assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "fgd", "--seeds", "1",
+                 "--json", str(out), "--no-plots"]) == 0
+    assert json.loads(out.read_text())["config"]["never_fit_pods"] == [
+        {"pod": "p5", "reason": "no node has GPU model A100 (the nodes have T4, V100M16)"}]

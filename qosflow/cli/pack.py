@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.errors import SpecError
         from qosflow.packing.experiment import SMALL_EXPERIMENT, run_experiment
         from qosflow.workers import default_workers
-        from qosflow.packing.model import PackState, never_fitting, nodes_from_records, pods_from_records
+        from qosflow.packing.model import PackState, never_fitting, nodes_from_records, pods_from_records, spell_models_as_nodes
         from qosflow.packing.policies import make_policy
         from qosflow.packing.report import summaries_to_json, write_curve_csv, write_curve_png
         from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
@@ -87,8 +87,9 @@ def register(app: typer.Typer) -> None:
                 raise QosflowError(
                     f"{path}: the default {what} (Alibaba v2023, shared data) is not there: give {opt} FILE, or point "
                     f"QOSFLOW_SHARED_DATA at the directory that holds traces/{path.name}")
-        pod_list = pods_from_records(load_pods(pods_path))
         node_list = nodes_from_records(load_nodes(nodes_path))
+        # 't4' in the pod list for the nodes' 'T4': the same model, as simulate takes it
+        pod_list = spell_models_as_nodes(pods_from_records(load_pods(pods_path)), node_list)
         empty = PackState(node_list)
         total_gpus = empty.total_gpus
         if total_gpus == 0:

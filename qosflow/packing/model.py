@@ -24,7 +24,7 @@ a fractional pod gets exactly one GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
@@ -293,7 +293,8 @@ def never_fitting(pods: Sequence[Pod], empty: PackState) -> list[tuple[str, str]
             why = None
             if not empty.fit_mask(pod).any():
                 if pod.num_gpu and not empty.model_mask(pod.gpu_spec).any():
-                    why = f"no node has GPU model {'|'.join(pod.gpu_spec)}"
+                    have = sorted({str(n.model) for n in empty.nodes if n.num_gpu})
+                    why = f"no node has GPU model {'|'.join(pod.gpu_spec)} (the nodes have {', '.join(have) or 'none'})"
                 else:
                     gpus = f"{pod.num_gpu} GPU(s) x {pod.gpu_milli} milli, " if pod.num_gpu else ""
                     spec = f" ({'|'.join(pod.gpu_spec)})" if pod.gpu_spec else ""
@@ -306,6 +307,19 @@ def never_fitting(pods: Sequence[Pod], empty: PackState) -> list[tuple[str, str]
 
 def pods_from_records(records: Iterable["AlibabaPod"]) -> list[Pod]:
     return [Pod.from_record(r) for r in records]
+
+
+def spell_models_as_nodes(pods: Sequence[Pod], nodes: Sequence[Node]) -> list[Pod]:
+    """The pods, each GPU model of a ``gpu_spec`` spelt as the node list spells it when the two differ only
+    in case ('t4' for the nodes' 'T4'). The simulator (`ClusterSpec.model_mask`) matches models without
+    regard to case; packing compared them exactly, so such a pod fit no node in `qosflow pack` while
+    `qosflow simulate` placed it."""
+    spelt = {str(n.model).lower(): n.model for n in nodes if n.model}
+    out = []
+    for pod in pods:
+        spec = tuple(spelt.get(m.lower(), m) for m in pod.gpu_spec)
+        out.append(pod if spec == pod.gpu_spec else replace(pod, gpu_spec=spec))
+    return out
 
 
 def nodes_from_records(records: Iterable["AlibabaNode"]) -> list[Node]:
