@@ -349,3 +349,61 @@ def test_a_pipeline_whose_stage_was_cancelled_names_that_stage(prefect_server, m
     msg = state.message or ""
     assert "StageCancelled: stage 'cut_first' did not complete (StageCancelled: stage 'cut_first'" in msg, msg
     assert "so the stages that need its result did not run (UnfinishedRun" in msg, msg
+
+
+def test_a_pipeline_run_starts_on_the_workers_host_when_its_stages_run_on_agents(tmp_path):
+    """deployments/prefect.yaml deploys the pipelines themselves on the qosflow pool (role: pipeline). With a
+    worker started on host agents (`qosflow worker start --pool gpu --cluster-file lab.yaml`) every such run
+    crashed at once: 'Failed to submit flow run to infrastructure: RuntimeError: backend agent cannot start an
+    unplaced pipeline run' (admin review, the bare-metal set-up of docs/infrastructure.md). A pipeline run
+    holds no slot: it now runs as a process on the worker's host, as with the local backend, and is
+    cancelled there."""
+    import os
+    import sys
+    import uuid
+
+    from prefect.client.schemas.objects import FlowRun
+
+    from qosflow.backends.base import Backend
+    from qosflow.core.cluster import ClusterSpec
+    from qosflow.prefect.worker import QosflowJobConfiguration, QosflowWorker
+
+    class AgentsLike(Backend):  # a backend that runs placed stages only (AgentBackend, KubernetesBackend)
+        name = "agent"
+
+        async def inventory(self):
+            return ClusterSpec.uniform(1, 1, virtual=True)
+
+        async def launch(self, spec):
+            raise AssertionError("a pipeline run is not a placed stage")
+
+        async def wait(self, handle):
+            raise AssertionError("not this backend's process")
+
+        async def kill(self, handle, reason="cancelled", grace=None):
+            raise AssertionError("not this backend's process")
+
+    out = tmp_path / "ran"
+
+    async def go():
+        w = QosflowWorker(work_pool_name="agents-pool", backend=AgentsLike(), leases=False, create_pool_if_not_found=False)
+        try:
+            cfg = QosflowJobConfiguration(role="pipeline", command=f"{sys.executable} -c \"open('{out}', 'w').write('ran')\"")
+            done = await asyncio.wait_for(w._run(FlowRun(flow_id=uuid.uuid4(), name="p"), cfg), 60)
+            assert done.status_code == 0 and out.read_text() == "ran"
+            # a cancelled one is killed where it runs
+            cfg = QosflowJobConfiguration(role="pipeline", command=f"{sys.executable} -c \"import time; time.sleep(600)\"")
+            fr = FlowRun(flow_id=uuid.uuid4(), name="q")
+            run = asyncio.ensure_future(w._run(fr, cfg))
+            for _ in range(200):
+                if str(fr.id) in w._handles:
+                    break
+                await asyncio.sleep(0.05)
+            pid = w._handles[str(fr.id)].ref["pid"]
+            await w.kill_infrastructure(str(pid), cfg)
+            await asyncio.wait_for(run, 30)  # (ended long before its 600 s)
+            assert not w._handles and not os.path.exists(f"/proc/{pid}/cmdline")
+        finally:
+            await w.teardown(None, None, None)
+
+    asyncio.run(go())

@@ -314,6 +314,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self.scheduler: QoSScheduler | None = None
         self.records: list[dict[str, Any]] = []  # one per finished stage (benchmarks, tests)
         self._handles: dict[str, StageHandle] = {}
+        #: pipeline runs (no slot) when the stages' backend cannot start such a process (agents, Kubernetes):
+        #: they run on this worker's host, as with the local backend (`_unplaced_backend`)
+        self._pipelines_here: Backend | None = None
+        self._pipeline_runs_here: set[str] = set()
         #: flow runs whose `run()` has not returned yet (their stage may have reported its end already)
         self._in_flight: set[str] = set()
         self._queued_label_tasks: set[asyncio.Future] = set()
@@ -631,6 +635,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 await asyncio.to_thread(close)
         if self._backend is not None:
             await self._backend.aclose()
+        if self._pipelines_here is not None:
+            await self._pipelines_here.aclose()
         if getattr(self, "_claimed", False):
             try:  # (a worker of this name may start, and adopt what this one left running, at once)
                 await asyncio.to_thread(self._lease_store.leave, self.holder)
@@ -682,15 +688,19 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         fid = str(flow_run.id)
 
         if not configuration.is_stage:
-            if hasattr(self._backend, "stream_output"):
-                self._backend.stream_output = configuration.stream_output
-            handle = await self._backend.launch_unplaced(fid, command, env, cwd) if hasattr(self._backend, "launch_unplaced") else None
-            if handle is None:
-                raise RuntimeError(f"backend {self._backend.name} cannot start an unplaced pipeline run")
+            backend = self._unplaced_backend()
+            if hasattr(backend, "stream_output"):
+                backend.stream_output = configuration.stream_output
+            handle = await backend.launch_unplaced(fid, command, env, cwd)
+            if backend is not self._backend:
+                self._pipeline_runs_here.add(fid)
             self._register(fid, handle)
             task_status.started(handle.ref.get("pid"))
-            status = await self._backend.wait(handle)
-            self._unregister(fid)
+            try:
+                status = await backend.wait(handle)
+            finally:
+                self._unregister(fid)
+                self._pipeline_runs_here.discard(fid)
             return QosflowWorkerResult(status_code=_code(status), identifier=str(handle.ref.get("pid")))
 
         name = configuration.stage_name or flow_run.name
@@ -942,6 +952,24 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 continue
             run_logger.info("stage %s waits in the QoS queue (%.0fs so far): %s", name, now - entry.ready_at, note)
             said, said_at = note, now
+
+    def _unplaced_backend(self) -> Backend:
+        """Where a pipeline run (role pipeline: a process that holds no slot and dispatches its stages) starts:
+        through the stages' backend when it can start one (the local backend), else as a process on this
+        worker's host. A pool whose worker ran its stages on host agents or Kubernetes crashed every pipeline
+        run deployed on it ('backend agent cannot start an unplaced pipeline run')."""
+        assert self._backend is not None
+        if hasattr(self._backend, "launch_unplaced"):
+            return self._backend
+        if self._pipelines_here is None:
+            from qosflow.backends.local import LocalBackend
+
+            self._pipelines_here = LocalBackend()
+        return self._pipelines_here
+
+    def _backend_of(self, fid: str) -> Optional[Backend]:
+        """The backend running flow run `fid`'s process (a pipeline run may run here while stages go elsewhere)."""
+        return self._pipelines_here if fid in self._pipeline_runs_here else self._backend
 
     def _register(self, fid: str, handle: StageHandle) -> None:
         self._handles[fid] = handle
@@ -1837,9 +1865,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     launching.add(fid)
                     continue
                 launching.discard(fid)
-                if h is not None and self._backend is not None:
+                if h is not None and self._backend_of(fid) is not None:
                     try:
-                        await self._backend.kill(h, "flow run cancelled")
+                        await self._backend_of(fid).kill(h, "flow run cancelled")
                     except asyncio.CancelledError:
                         raise
                     except Exception as exc:
@@ -1860,8 +1888,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
     async def kill_infrastructure(self, infrastructure_pid: str, configuration: QosflowJobConfiguration, grace_seconds: int = 30) -> None:
         fid = self._pids.get(str(infrastructure_pid))
-        if fid is not None and fid in self._handles and self._backend is not None:
-            await self._backend.kill(self._handles[fid], "killed on request")
+        if fid is not None and fid in self._handles and self._backend_of(fid) is not None:
+            await self._backend_of(fid).kill(self._handles[fid], "killed on request")
             return
         from qosflow.backends.local import kill_tree
 
