@@ -172,3 +172,20 @@ def test_a_gavel_trace_without_tabs_says_how_it_is_separated(tmp_path, sep, says
     assert f"{t}:1: expected 7 tab-separated fields" in str(e.value) and says in str(e.value)
     t.write_text(GAVEL)
     assert len(load_gavel(t)[0]) == 2
+
+
+def test_the_json_says_what_the_run_was_given(tmp_path):
+    """Two result files of runs with another --deadline-share, --error or trace could not be told apart:
+    the JSON held the seed and estimator, not the trace, the cluster as given, the deadline share, the
+    noisy estimator's error or the qosflow version."""
+    import qosflow
+
+    t, c = _files(tmp_path)
+    out = tmp_path / "r.json"
+    assert _simulate(t, c, "--policies", "fifo", "--estimator", "noisy", "--error", "0.2", "--deadline-share", "0.8",
+                     "--seed", "3", "--json", str(out), "--no-plots") == 0
+    d = json.loads(out.read_text())
+    assert d["workload"]["trace"] == str(t) and d["workload"]["format"] == "muri"
+    assert d["workload"]["deadline_share"] == 0.8 and d["error"] == 0.2 and d["seed"] == 3
+    assert d["cluster"]["given"] == str(c) and d["cluster"]["gpus"] == 8
+    assert d["qosflow_version"] == qosflow.__version__

@@ -51,6 +51,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
+        from qosflow import __version__
         from qosflow.policies import parse_policies, parse_policy_options
         from qosflow.sim.batch import Batch, RunSpec, default_workers
         from qosflow.sim.engine import SimConfig, SimulationError
@@ -198,11 +199,17 @@ def register(app: typer.Typer) -> None:
         if len(kinds) > 1:
             console.print(render_estimator_table(by_est, baseline, title=f"QoS lost to prediction error (vs {baseline})"))
         extra = {
-            "workload": {"name": wl.name, "jobs": len(wl.jobs), "rejected": [{"job": j, "reason": r} for j, r in wl.rejected],
-                         "min_gpus_share": min_gpus_share,
+            # what the run was given, so that two result files say how their runs differed (--deadline-share,
+            # --error, the trace itself were nowhere in it)
+            "workload": {"name": wl.name, "trace": trace, "format": wl.info.get("format", fmt), "jobs": len(wl.jobs),
+                         "rejected": [{"job": j, "reason": r} for j, r in wl.rejected],
+                         "deadline_share": deadline_share, "min_gpus_share": min_gpus_share,
                          **({"offered_load": offered.to_json()} if offered is not None else {})},
-            "cluster": {"name": spec.name, "nodes": len(spec.nodes), "gpus": spec.num_gpus},
+            "cluster": {"name": spec.name, "given": cluster, "nodes": len(spec.nodes), "gpus": spec.num_gpus},
             "estimator": estimator,
+            "error": error if "noisy" in kinds else None,
+            "throughputs": str(throughputs) if throughputs is not None else None,
+            "qosflow_version": __version__,
             "speed_model": speed.describe(),
             "seed": seed,
             "failures": failures,
