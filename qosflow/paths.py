@@ -32,7 +32,9 @@ def data_dir() -> Path:
     else:
         base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
         p = Path(base) / "qosflow"
-    p.mkdir(parents=True, exist_ok=True)
+    # 0700, as the XDG base-directory spec asks of a data directory a program creates: it holds the
+    # lease and predictor database (the stages' commands) and cluster files. An existing one keeps its mode
+    p.mkdir(mode=0o700, parents=True, exist_ok=True)
     return p
 
 

@@ -382,3 +382,27 @@ def test_upgrade_from_v3_keeps_stage_history(url):
         assert (row.stage_run_id, row.steps, row.duration_s, row.resumed_from) == ("r1", 100, 50.0, None)
         new.record_stage(stage_run_id="r2", signature="flows.train", steps=40, duration_s=20.0, resumed_from=60)
         assert [h.resumed_from for h in new.stage_history(signature="flows.train")] == [None, 60]
+
+
+def test_the_default_store_and_its_data_dir_are_private(tmp_path, monkeypatch):
+    """Under a 022 umask the predictor store was created 0644 and the data directory 0755, so any user
+    of the machine could read the stages' history; a store the user keeps elsewhere keeps its mode."""
+    monkeypatch.delenv("QOSFLOW_DATABASE_URL", raising=False)
+    monkeypatch.delenv("QOSFLOW_HOME", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    old = os.umask(0o022)
+    try:
+        home = tmp_path / "xdg" / "qosflow"
+        with Store.open():
+            assert (home.stat().st_mode & 0o777) == 0o700
+            assert ((home / "qosflow.db").stat().st_mode & 0o777) == 0o600
+            wal = [home / extra for extra in ("qosflow.db-wal", "qosflow.db-shm") if (home / extra).exists()]
+            assert wal and all((f.stat().st_mode & 0o077) == 0 for f in wal)
+        shared = tmp_path / "shared.db"
+        shared.touch(mode=0o644)
+        os.chmod(shared, 0o644)
+        with Store.open(f"sqlite:///{shared}"):
+            pass
+        assert (shared.stat().st_mode & 0o777) == 0o644
+    finally:
+        os.umask(old)

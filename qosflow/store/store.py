@@ -353,8 +353,13 @@ class Store:
     def _make_engine(url: str, echo: bool = False) -> sa.Engine:
         if url.startswith("sqlite"):
             path = _sqlite_path(url)
-            if path:
-                os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+            if path and not os.path.exists(path):
+                # 0600 in 0700 directories, as the lease store does (the default is one qosflow.db for both):
+                # under the default umask the store was 0644, so whichever opened it first decided whether
+                # other users could read the stages' history. An existing file keeps its mode
+                from qosflow.store.leases import private_sqlite_file
+
+                private_sqlite_file(path, "the stages' history and profiles")
             engine = sa.create_engine(url, echo=echo, connect_args={"timeout": 30, "check_same_thread": False})
 
             @event.listens_for(engine, "connect")
