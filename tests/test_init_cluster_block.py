@@ -97,6 +97,25 @@ def test_init_again_keeps_a_cluster_block_init_does_not_manage_and_cluster_block
     assert len(BareMetalGPUCluster.load(f"{pool}-cluster").hosts) == 2
 
 
+def test_init_again_with_other_sizes_says_what_the_cluster_block_was(prefect_server, capsys):
+    """docs/prefect.md: `qosflow init` again with other --hosts saves the block again. After `qosflow init
+    --pool gpu` (1 x 4), `qosflow init --pool gpu --hosts 2 --gpus-per-host 4` printed 'cluster block
+    gpu-cluster: 2 x 4 virtual GPUs, 16 cores per host (unchanged)' (admin review): the pool's
+    cluster_block name was unchanged, the cluster was not. It now says what the block held before."""
+    from qosflow.cli.main import main
+
+    pool = "init-resized"
+    assert main(["init", "--pool", pool]) == 0
+    capsys.readouterr()
+    assert main(["init", "--pool", pool, "--hosts", "2", "--gpus-per-host", "4"]) == 0
+    out, _ = _out(capsys)
+    assert (f"cluster block {pool}-cluster: 2 x 4 virtual GPUs, 16 cores per host "
+            "(saved again; it was 1 x 4 virtual GPUs, 16 cores per host)") in out, out
+    assert main(["init", "--pool", pool, "--hosts", "2", "--gpus-per-host", "4"]) == 0
+    out, _ = _out(capsys)
+    assert f"cluster block {pool}-cluster: 2 x 4 virtual GPUs, 16 cores per host (unchanged)" in out, out
+
+
 def test_init_help_names_cluster_block(capsys):
     from qosflow.cli.main import main
 

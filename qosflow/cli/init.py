@@ -125,10 +125,11 @@ def register(app: typer.Typer) -> None:
         else:
             what = (f"the existing {info['cluster_kind']} cluster block" if cluster_block is not None
                     else "the GPUs NVML finds on the worker's host (this machine: " + str(here) + ")" if real_gpus
-                    else f"{hosts} x {gpus} virtual GPUs, {cores:g} cores per host")
+                    else describe_cluster(cluster))
             change = ("" if info["created"] else
-                      f" (unchanged)" if previous == info["cluster_block"] else
-                      f" (changed from {previous})" if previous else " (set)")
+                      f" (changed from {previous})" if previous and previous != info["cluster_block"] else
+                      f" (saved again; it was {info['cluster_was']})" if info.get("cluster_was") else
+                      " (unchanged)" if previous else " (set)")
             c.print(f"cluster block [cyan]{info['cluster_block']}[/]: {what}{change}")
         c.print(f"policy block [cyan]{info['policy_block']}[/]: {policy}, estimator {estimator}")
         c.print(f"work pool [cyan]{pool}[/] ({'created' if info['created'] else 'updated'}), stage deployment {info['stage_deployment']}")
@@ -170,12 +171,36 @@ async def _setup(pool: str, cluster, cluster_block: Optional[str], force_managed
         kept, cluster, cluster_block, kind = True, None, None, previous_kind
     else:
         cluster_block = managed
+    before = await _saved_cluster(managed) if cluster is not None and old else None
     info = await setup_pool(pool, cluster=cluster, cluster_block=cluster_block, policy=policy, policy_block=f"{pool}-policy")
+    # what the block init saved again held before: the pool's cluster_block still naming POOL-cluster said
+    # "(unchanged)" when --hosts 2 had just made a 1-host cluster a 2-host one (admin review)
+    info["cluster_was"] = (None if before is None or _cluster_fields(before) == _cluster_fields(cluster)
+                           else describe_cluster(before))
     if kind is None and cluster is not None:
         kind = "local" if getattr(cluster, "backend", "local") == "local" else "agents"
     info.update(previous_cluster_block=previous, cluster_kept=kept, cluster_kind=kind,
                 previous_kind=previous_kind if previous else kind, cluster_block=info["cluster_block"] or previous)
     return info
+
+
+def describe_cluster(block) -> str:
+    """'2 x 4 virtual GPUs, 16 cores per host' for a bare-metal cluster block (as init prints the one it saves)."""
+    return f"{len(block.hosts)} x {block.gpus_per_host} {'virtual ' if block.virtual_gpus else ''}GPUs, {block.cpu_cores:g} cores per host"
+
+
+def _cluster_fields(block) -> dict:
+    return block.model_dump(mode="json")
+
+
+async def _saved_cluster(name: str):
+    """The bare-metal cluster block `name` as saved on the server, or None (missing, unreadable)."""
+    from qosflow.prefect.blocks import BareMetalGPUCluster
+
+    try:
+        return await BareMetalGPUCluster.aload(name)
+    except Exception:  # only to say what changed
+        return None
 
 
 async def _cluster_kind(name: Optional[str], cluster_file: Optional[str], *, check: bool = False) -> Optional[str]:
