@@ -1177,3 +1177,29 @@ def test_the_local_servers_database_and_log_are_private_to_its_user(tmp_path):
     assert stat.S_IMODE(home.stat().st_mode) == 0o700
     assert "prefect.db" in modes and "server.log" in modes
     assert modes == {name: 0o600 for name in modes}, modes
+
+
+def test_a_local_stage_killed_after_it_ended_signals_no_other_process(monkeypatch):
+    """LocalBackend.kill() of a stage wait() had already reaped (the cancel watch kills a run's handle until
+    the run is marked Cancelled, after its process ended) signalled the handle's pid and its process
+    group: a pid free again, and maybe another process's by then. It now leaves an ended stage alone."""
+    import signal
+    import sys
+
+    from qosflow.backends import local as local_mod
+    from qosflow.backends.base import LaunchSpec
+
+    async def go():
+        be = LocalBackend(ClusterSpec.uniform(1, 1, virtual=True), stream_output=False)
+        cluster = await be.inventory()
+        p = Placement("s1", ((0, 0),), ((0, 1.0),))
+        h = await be.launch(LaunchSpec("s1", [sys.executable, "-c", "pass"], p, cluster))
+        st = await be.wait(h)
+        sent = []
+        monkeypatch.setattr(local_mod, "kill_tree", lambda pid, sig: sent.append((pid, sig)))
+        await be.kill(h, "flow run cancelled", grace=0)
+        await be.aclose()
+        return st, sent, be._killed
+
+    st, sent, killed = asyncio.run(go())
+    assert st.ok and sent == [] and killed == {}, (st, sent, signal.SIGKILL)

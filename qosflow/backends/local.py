@@ -178,6 +178,7 @@ class LocalBackend(Backend):
         if proc is None:
             return ExitStatus(ExitKind.INFRA, None, f"no process for stage {handle.stage_id} on this worker")
         rc = await proc.wait()
+        handle.ref["reaped"] = True  # (its pid may be another process's from now on: kill() leaves it alone)
         # what the stage left in its process group (`cmd &`, a launcher's children) ends with it: its slot
         # is free from now on, and kill() and aclose() only look for processes still registered, so such
         # processes kept running on GPUs the next stage was given (as on agents: qosflow.agent.runner)
@@ -200,7 +201,9 @@ class LocalBackend(Backend):
         grace = 5.0 if grace is None else float(grace)
         proc = self._procs.get(handle.stage_id)
         pid = handle.ref.get("pid") if proc is None else proc.pid
-        if pid is None:
+        if pid is None or (proc is None and handle.ref.get("reaped")):
+            # ended and reaped by wait(): its pid, free again, may be another process's by now (the cancel
+            # watch kills a run's handle until the run is marked Cancelled, after its process ended)
             return
         self._killed[handle.stage_id] = reason
         kill_tree(int(pid), signal.SIGTERM if grace > 0 else signal.SIGKILL)
