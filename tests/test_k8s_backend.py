@@ -407,6 +407,37 @@ def test_volcano_gang_all_or_nothing():
     assert bound == []  # all or nothing: not even the member that would fit was bound
 
 
+@emulator_only
+@pytest.mark.parametrize("scheduler, group, version", [("volcano", "scheduling.volcano.sh", "v1beta1"), ("kai", "scheduling.run.ai", "v2alpha2")])
+def test_a_gangs_podgroup_goes_with_it(tmp_path, scheduler, group, version):
+    """A gang's PodGroup was deleted only by kill: every gang that succeeded left its PodGroup behind for
+    good (its Job goes after ttlSecondsAfterFinished, the PodGroup had no owner), and a worker that
+    adopted a running gang did not know its PodGroup, so not even a kill deleted it. Now the Job(s) own
+    it, the stage's end deletes it, and adopt finds it."""
+    with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)], run_processes=True) as emu:
+        async def go():
+            be = KubernetesBackend(api_client=emu.api_client(), gang_scheduler=scheduler)
+            pgs = lambda: asyncio.to_thread(be.custom.list_namespaced_custom_object, group, version, "default", "podgroups")  # noqa: E731
+            try:
+                cluster = await be.inventory()
+                h = await be.launch(LaunchSpec("gang", gated(tmp_path / "go"), Placement("gang", ((0, 0), (1, 0)), ((0, 1.0), (1, 1.0))), cluster))
+                job = await asyncio.to_thread(be.batch.read_namespaced_job, h.ref["jobs"][0], "default")
+                [pg] = (await pgs())["items"]
+                adopted = await be.adopt("gang")
+                (tmp_path / "go").touch()
+                st = await be.wait(h)
+                left = (await pgs())["items"]
+                return job, pg, adopted, st, left
+            finally:
+                await be.aclose()
+
+        job, pg, adopted, st, left = asyncio.run(go())
+    assert st.ok, st
+    assert [(o["kind"], o["uid"]) for o in pg["metadata"]["ownerReferences"]] == [("Job", job.metadata.uid)]
+    assert adopted.ref["podgroup"] == {"group": group, "version": version, "name": pg["metadata"]["name"]}
+    assert left == []
+
+
 def _dead_api(retries: int | None = None) -> tuple[int, "client.Configuration"]:
     """A free local port nothing listens on, and an API client configuration pointing at it."""
     import socket

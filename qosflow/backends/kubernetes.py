@@ -534,6 +534,13 @@ class KubernetesBackend(Backend):
                 what = f"set the owners of Secret {secret['metadata']['name']}"
                 await self._acall(self.core.patch_namespaced_secret, secret["metadata"]["name"], self.namespace,
                                   {"metadata": {"ownerReferences": owners}}, _content_type="application/merge-patch+json", _doing=doing)
+            if ref["podgroup"]:  # the PodGroup too (best effort: an account that may not patch PodGroups still runs gangs)
+                try:
+                    await self._acall(self.custom.patch_namespaced_custom_object, ref["podgroup"]["group"], ref["podgroup"]["version"],
+                                      self.namespace, "podgroups", ref["podgroup"]["name"], {"metadata": {"ownerReferences": owners}},
+                                      _content_type="application/merge-patch+json", _doing=doing)
+                except ApiException as e:
+                    log.debug("stage %s: PodGroup %s not owned by its Job(s): %s %s", spec.stage_id, ref["podgroup"]["name"], e.status, e.reason)
         except ApiException as e:
             ref["launch_error"] = f"Kubernetes API answered {e.status} {e.reason}" + (f" to: {what}" if what != "create" else "")
             await self.kill(handle, reason="launch failed")
@@ -585,7 +592,7 @@ class KubernetesBackend(Backend):
         refs = {e.value_from.secret_key_ref.name for j in jobs for c in (j.spec.template.spec.containers or []) for e in (c.env or [])
                 if e.value_from is not None and e.value_from.secret_key_ref is not None}
         ref = {
-            "namespace": self.namespace, "jobs": [j.metadata.name for j in jobs], "podgroup": None, "selector": sel,
+            "namespace": self.namespace, "jobs": [j.metadata.name for j in jobs], "podgroup": _podgroup_of(jobs[0]), "selector": sel,
             "secret": wanted if wanted in refs else None,
             "expected_pods": sum(j.spec.parallelism or 1 for j in jobs),
             "nodes": (jobs[0].metadata.annotations or {}).get("qosflow.dev/nodes", "").split(","), "launch_error": None,
@@ -606,12 +613,14 @@ class KubernetesBackend(Backend):
             await self.kill(handle, reason=f"stage failed: {st.reason}")
             self._killed.pop(handle.stage_id, None)
         elif st.ok or handle.stage_id in self._killed:
-            # the stage is over: its credentials go now, not with its Job an hour later (ttlSecondsAfterFinished).
+            # the stage is over: its credentials and PodGroup go now, not with its Job an hour later
+            # (ttlSecondsAfterFinished); a PodGroup was never deleted after a gang that succeeded.
             # (A wait stopped by the worker's exit keeps them: the pods run on, the next worker adopts them.)
             try:
                 await self._drop_secret(handle)
-            except Exception as exc:  # (API errors, an outage): the garbage collector takes it with its Job
-                log.warning("stage %s: its Secret %s is left to be deleted with its Job: %s", handle.stage_id, handle.ref.get("secret"), exc)
+                await self._drop_podgroup(handle)
+            except Exception as exc:  # (API errors, an outage): the garbage collector takes them with the Job
+                log.warning("stage %s: its Secret/PodGroup are left to be deleted with its Job: %s", handle.stage_id, exc)
         self._stop.pop(handle.stage_id, None)
         return st
 
@@ -768,6 +777,12 @@ class KubernetesBackend(Backend):
             except ApiException as e:
                 if e.status != 404:
                     raise
+        await self._drop_podgroup(handle)
+        await self._drop_secret(handle)
+
+    async def _drop_podgroup(self, handle: StageHandle) -> None:
+        from kubernetes.client.exceptions import ApiException
+
         pg = handle.ref.get("podgroup")
         if pg:
             try:
@@ -775,7 +790,7 @@ class KubernetesBackend(Backend):
             except ApiException as e:
                 if e.status != 404:
                     raise
-        await self._drop_secret(handle)
+            handle.ref["podgroup"] = None
 
     async def _pods_rank0_first(self, handle: StageHandle) -> list:
         pods = (await self._acall(self.core.list_namespaced_pod, handle.ref["namespace"], label_selector=handle.ref["selector"])).items
@@ -854,6 +869,18 @@ class KubernetesBackend(Backend):
 #: lines of a pod's log read for its progress after the first read (a stage echoes at most 2 a second)
 PROGRESS_TAIL_LINES = 200
 MANAGED_SELECTOR = "app.kubernetes.io/managed-by=qosflow"
+
+
+def _podgroup_of(job) -> dict | None:
+    """The PodGroup a Job's pods belong to (Volcano's or KAI's, as `manifests` writes them), for `adopt`."""
+    tpl = job.spec.template
+    ann = (tpl.metadata.annotations if tpl.metadata else None) or {}
+    scheduler = tpl.spec.scheduler_name if tpl.spec else None
+    if scheduler == "volcano" and ann.get("scheduling.k8s.io/group-name"):
+        return {"group": "scheduling.volcano.sh", "version": "v1beta1", "name": ann["scheduling.k8s.io/group-name"]}
+    if scheduler == "kai-scheduler" and ann.get("pod-group-name"):
+        return {"group": "scheduling.run.ai", "version": "v2alpha2", "name": ann["pod-group-name"]}
+    return None
 
 
 def _rank0_first(pods: list) -> list:
