@@ -189,3 +189,27 @@ def test_the_json_says_what_the_run_was_given(tmp_path):
     assert d["workload"]["deadline_share"] == 0.8 and d["error"] == 0.2 and d["seed"] == 3
     assert d["cluster"]["given"] == str(c) and d["cluster"]["gpus"] == 8
     assert d["qosflow_version"] == qosflow.__version__
+
+
+def test_cores_assumed_per_gpu_are_said_and_can_be_set(tmp_path, capsys):
+    """A Muri trace gives no CPU cores; each job takes 4 per GPU. On a user's 8-GPU, 16-core node the 8-GPU
+    job was rejected ('no node has 8 GPUs with 32 cores', cores the user never asked for) and the others ran
+    four GPUs at a time (29 % GPU allocation), without a word on why; nothing could change the 4."""
+    t, c = _files(tmp_path, cluster=CLUSTER.replace("1,2,4,32,256", "1,1,8,16,256"))
+    out = tmp_path / "r.json"
+    assert _simulate(t, c, "--policies", "fifo", "--no-plots", "--json", str(out)) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "each job takes 4 per GPU (the default), and cluster has 2 per GPU on its GPU nodes" in text
+    assert "1 job is rejected for cores" in text and "--cores-per-gpu 2" in text
+    assert [r["job"] for r in json.loads(out.read_text())["workload"]["rejected"]] == ["a5"]
+    assert _simulate(t, c, "--policies", "fifo", "--no-plots", "--json", str(out), "--cores-per-gpu", "2") == 0
+    assert "CPU cores per job" not in capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert d["workload"]["rejected"] == [] and d["workload"]["cores_per_gpu"] == 2
+    # an Alibaba pod list has its own cores
+    p = tmp_path / "pods.csv"
+    p.write_text(PODS)
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,131072,4,T4\n")
+    assert main(["simulate", "--trace", str(p), "--cluster", str(nodes), "--cores-per-gpu", "2"]) == 2
+    assert "gives each pod's cores (cpu_milli)" in capsys.readouterr().err

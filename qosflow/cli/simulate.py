@@ -43,6 +43,7 @@ def register(app: typer.Typer) -> None:
         deadline_share: float = typer.Option(0.5, "--deadline-share", help="share of jobs given a deadline (traces carry none)"),
         jobs: Optional[int] = typer.Option(None, "--jobs", help="number of jobs of the synthetic workload (default: 400); traces are simulated whole. The synthetic load is 1.0 in the steady-state sense: with far fewer than ~6 jobs per GPU most of the work (the long jobs') runs after the last arrival and jobs hardly queue (a note says so)"),
         min_gpus_share: Optional[float] = typer.Option(None, "--min-gpus-share", help="let every job of 2+ GPUs start on as few as this share of them (0.5: an 8-GPU job on 4, with 2 steps of gradient accumulation, at half speed), as a stage declaring @qos_task(min_gpus=...) may; the qosflow policy does so for a deadline job when its full width is not free. Traces record no such thing: this is an assumption about the jobs (default: every job rigid)"),
+        cores_per_gpu: Optional[float] = typer.Option(None, "--cores-per-gpu", help="CPU cores a job takes per GPU, for traces that give none (muri, gavel, synthetic; an Alibaba pod list gives each pod's). Jobs need them free on their nodes besides the GPUs (default: 4, the saturation point of CV input pipelines; docs/workloads.md)"),
         no_plots: bool = typer.Option(False, "--no-plots", help="skip the PNG plots"),
         settings: Optional[list[str]] = typer.Option(None, "--set", help="a policy option, POLICY.OPTION=VALUE (repeatable), e.g. --set qosflow.express_share=0.125"),
         throughputs: Optional[Path] = typer.Option(None, "--throughputs", help="a throughput table in Gavel's format, like Gavel's own in the shared data (throughputs/ in QOSFLOW_SHARED_DATA): solo and co-located steps/s per job type: turns a Gavel trace's steps into seconds, and gives the measured slowdowns of jobs sharing GPUs (default: the shared data's copy; also QOSFLOW_THROUGHPUTS)"),
@@ -60,7 +61,8 @@ def register(app: typer.Typer) -> None:
         from qosflow.errors import SpecError, UnknownNameError
         from qosflow.sim.report import (earlier_outputs, estimator_deltas, plot_results, render_class_table,
                                         render_estimator_table, render_table, results_json, write_job_tables)
-        from qosflow.sim.runner import resolve_workload
+        from qosflow.sim.runner import fewest_cores_per_gpu, resolve_workload
+        from qosflow.sim.traces._common import CORES_PER_GPU
 
         console = Console(width=max(120, Console().width))
         from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, interrupted,
@@ -97,7 +99,7 @@ def register(app: typer.Typer) -> None:
                                                  "Gavel's format (gavel_simulation_throughputs.json)")
         cfg = SimConfig(seed=seed, failure_share=failures)
         wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs, min_gpus_share=min_gpus_share,
-                                    throughputs=throughputs)
+                                    throughputs=throughputs, cores_per_gpu=cores_per_gpu)
         speed = default_speed_model(throughputs)
         console.print(
             f"[bold]{wl.name}[/]: {len(wl.jobs)} jobs on {spec.name} ({len(spec.nodes)} nodes, {spec.num_gpus} GPUs); "
@@ -116,6 +118,18 @@ def register(app: typer.Typer) -> None:
                 "that share GPUs slow down by the fallback above, not by measured pairs. Point QOSFLOW_SHARED_DATA at the "
                 "directory holding throughputs/gavel_simulation_throughputs.json to use it.", highlight=False
             )
+        assumed = cores_per_gpu if cores_per_gpu is not None else CORES_PER_GPU
+        fewest = fewest_cores_per_gpu(spec)
+        if wl.info.get("format") != "alibaba" and fewest is not None and fewest < assumed:
+            short = sum(1 for _, why in wl.rejected if " cores" in why)
+            console.print(
+                f"[yellow]note:[/] the trace gives no CPU cores per job, so each job takes {assumed:g} per GPU"
+                + (" (the default)" if cores_per_gpu is None else " (--cores-per-gpu)")
+                + f", and {spec.name} has {fewest:g} per GPU on {'its' if len(spec.nodes) == 1 else 'some'} GPU nodes: cores, "
+                "not GPUs, limit how many jobs run there"
+                + (f", and {short} job{'s are' if short > 1 else ' is'} rejected for cores" if short else "")
+                + ". Give the cores your jobs take per GPU with --cores-per-gpu (e.g. --cores-per-gpu "
+                f"{max(0.5, fewest):g}).", highlight=False)
         unknown = _unknown_models(wl.jobs, speed)
         if unknown:
             n = sum(unknown.values())
@@ -204,6 +218,7 @@ def register(app: typer.Typer) -> None:
             "workload": {"name": wl.name, "trace": trace, "format": wl.info.get("format", fmt), "jobs": len(wl.jobs),
                          "rejected": [{"job": j, "reason": r} for j, r in wl.rejected],
                          "deadline_share": deadline_share, "min_gpus_share": min_gpus_share,
+                         "cores_per_gpu": None if wl.info.get("format") == "alibaba" else assumed,
                          **({"offered_load": offered.to_json()} if offered is not None else {})},
             "cluster": {"name": spec.name, "given": cluster, "nodes": len(spec.nodes), "gpus": spec.num_gpus},
             "estimator": estimator,

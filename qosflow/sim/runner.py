@@ -77,9 +77,11 @@ NOT_TRACES = (
 
 
 def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: int = 0, deadline_share: float = 0.5, jobs: int | None = None,
-                     min_gpus_share: float | None = None, throughputs: str | Path | None = None):
+                     min_gpus_share: float | None = None, throughputs: str | Path | None = None,
+                     cores_per_gpu: float | None = None):
     """(workload, cluster spec) as `qosflow simulate` takes them; `throughputs`: Gavel's throughput
-    table to use instead of the default one (a Gavel trace's durations, the synthetic job types)."""
+    table to use instead of the default one (a Gavel trace's durations, the synthetic job types);
+    `cores_per_gpu`: CPU cores a job takes per GPU, for the formats that give none (all but alibaba)."""
     from qosflow.sim.clusters import load_cluster
     from qosflow.sim.workload import load_workload
 
@@ -97,9 +99,19 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
             raise SpecError("--jobs", f"only the synthetic workload takes a number of jobs; {trace} ({fmt}) is simulated whole: leave --jobs out, or use --trace synthetic")
         if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs <= 0:
             raise SpecError("--jobs", f"must be a positive number of jobs, got {jobs!r}")
+    if cores_per_gpu is not None:
+        from qosflow.errors import SpecError
+
+        if str(fmt).strip().lower() == "alibaba":
+            raise SpecError("--cores-per-gpu", f"{trace} is an Alibaba pod list, which gives each pod's cores (cpu_milli); "
+                                               "--cores-per-gpu is for traces that give none (muri, gavel, synthetic)")
+        if isinstance(cores_per_gpu, bool) or not isinstance(cores_per_gpu, (int, float)) or not 0 < cores_per_gpu < float("inf"):
+            raise SpecError("--cores-per-gpu", f"must be a number of CPU cores > 0 (e.g. 2), got {cores_per_gpu!r}")
     spec: ClusterSpec = load_cluster(cluster or "8x8")
     _check_has_gpus(spec, cluster)
     opts: dict = {}
+    if cores_per_gpu is not None:
+        opts["cores_per_gpu"] = float(cores_per_gpu)
     if jobs is not None:
         opts["num_jobs"] = jobs
     if min_gpus_share is not None:
@@ -147,3 +159,9 @@ def _check_has_gpus(spec: ClusterSpec, given) -> None:
         raise SpecError("--cluster", f"{given}: the cluster has no GPUs ({len(spec.nodes)} node(s), none with a GPU); "
                                      "give a cluster with GPU nodes (e.g. 8x8, or a node list whose 'gpu' column is > 0 on "
                                      "the GPU nodes)")
+
+
+def fewest_cores_per_gpu(spec: ClusterSpec) -> float | None:
+    """The fewest CPU cores per GPU of the cluster's GPU nodes (None without GPU nodes)."""
+    per = [n.cpu_cores / n.gpus for n in spec.nodes if n.gpus]
+    return min(per) if per else None
