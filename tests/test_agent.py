@@ -1057,3 +1057,32 @@ def test_a_flapping_hosts_events_are_bounded():
 
     asyncio.run(flap())
     assert len(be.events) <= 1000 and be.events[-1][2] == "down: beat 4999 lost"
+
+
+def test_a_guard_started_again_still_kills_the_groups_of_stages_started_before(tmp_path):
+    """The agent's guard (it SIGKILLs the running stages' process groups when the agent's process is gone)
+    is started again when it died (killed by someone, the OOM killer); the new one knew only the stages
+    launched after: an agent killed then left the earlier stages' children running."""
+    import subprocess
+
+    from qosflow.agent.runner import _Guard
+
+    g = _Guard()
+    old = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    new = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        g.watch(old.pid)
+        first = g._proc
+        first.kill()
+        first.wait(10)
+        g.watch(new.pid)  # a stage launched after: the guard is started again
+        assert g._proc is not first
+        g._proc.stdin.close()  # as when the agent's process is gone
+        g._proc.wait(10)
+        for p in (new, old):
+            p.wait(5)  # (killed by the guard: raises TimeoutExpired otherwise)
+    finally:
+        for p in (old, new):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

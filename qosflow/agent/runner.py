@@ -55,6 +55,8 @@ class _Guard:
 
     def __init__(self) -> None:
         self._proc = None
+        #: the groups told to the guard: a guard started again (the first one was killed) is told them all
+        self._groups: set[int] = set()
 
     def _send(self, line: str) -> None:
         import subprocess
@@ -65,15 +67,18 @@ class _Guard:
                 self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD], stdin=subprocess.PIPE,
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                               start_new_session=True, text=True, bufsize=1)
+                line = "".join(f"+ {pg}\n" for pg in sorted(self._groups)) + line
             self._proc.stdin.write(line + "\n")  # type: ignore[union-attr]
             self._proc.stdin.flush()  # type: ignore[union-attr]
         except (OSError, ValueError):
             pass  # no guard: the stages' main processes still die with the agent (PR_SET_PDEATHSIG)
 
     def watch(self, pgid: int) -> None:
+        self._groups.add(pgid)
         self._send(f"+ {pgid}")
 
     def forget(self, pgid: int) -> None:
+        self._groups.discard(pgid)
         self._send(f"- {pgid}")
 
 
