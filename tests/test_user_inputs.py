@@ -213,3 +213,15 @@ def test_cores_assumed_per_gpu_are_said_and_can_be_set(tmp_path, capsys):
     nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,131072,4,T4\n")
     assert main(["simulate", "--trace", str(p), "--cluster", str(nodes), "--cores-per-gpu", "2"]) == 2
     assert "gives each pod's cores (cpu_milli)" in capsys.readouterr().err
+
+
+def test_a_result_place_taken_by_a_directory_is_an_error_not_a_traceback(tmp_path, capsys):
+    """A directory named like one of the plots (dsr.png) ended the run, its results done, in an
+    IsADirectoryError traceback; the error now names the place and what had been written."""
+    t, c = _files(tmp_path)
+    out = tmp_path / "out"
+    (out / "dsr.png").mkdir(parents=True)
+    assert _simulate(t, c, "--policies", "fifo", "--json", str(out / "r.json")) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"cannot write {out / 'dsr.png'}: Is a directory; written before it: {out / 'r.json'}, {out / 'jct_cdf.png'}" in err
+    assert not list(out.glob(".*.part"))

@@ -118,6 +118,15 @@ def interrupted(written: list[Path], pending: list[str]) -> QosflowError:
                        "complete set")
 
 
+def unwritable_result(exc: OSError, written: list[Path]) -> QosflowError:
+    """A result file that could not be written once the runs were done (its name taken by a directory, a
+    full disk): which, why, and what had been written before it."""
+    where = exc.filename2 if isinstance(exc, IsADirectoryError) and exc.filename2 else exc.filename
+    return QosflowError(f"cannot write {where or 'the results'}: {exc.strerror or exc}"
+                        + (f"; written before it: {', '.join(map(str, written))}" if written else "; nothing was written")
+                        + ". Free that place (or give another --out / --json) and run again")
+
+
 class Interrupted(QosflowError):
     """A command stopped by Ctrl-C; exit status 130, as a shell gives a command killed by SIGINT."""
 

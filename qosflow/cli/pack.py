@@ -54,7 +54,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
 
         from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, interrupted,
-                                        progress_bar, write_json_file)
+                                        progress_bar, unwritable_result, write_json_file)
 
         console = Console()
         check_file_and_dir(json_out, out)
@@ -196,6 +196,8 @@ def register(app: typer.Typer) -> None:
                 if not no_plots:
                     written.append(write_curve_png(out_dir / 'pack_curve.png', summaries))
                     console.print(f"wrote {written[-1]}")
+        except OSError as exc:
+            raise unwritable_result(exc, written) from None
         except KeyboardInterrupt:
             names_left = [str(p) for p in (json_out, out_dir and out_dir / "pack_curve.csv",
                                            out_dir and not no_plots and out_dir / "pack_curve.png") if p and p not in written]

@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
 
         console = Console(width=max(120, Console().width))
         from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, interrupted,
-                                        progress_bar, write_json_file)
+                                        progress_bar, unwritable_result, write_json_file)
 
         check_file_and_dir(json_out, out)
         check_not_an_input(json_out, {"--trace": trace, "--cluster": cluster})
@@ -243,13 +243,14 @@ def register(app: typer.Typer) -> None:
                 written.append(write_json_file(json_out, data))
                 console.print(f"JSON: {json_out}")
             if out_dir and not no_plots:
-                files = plot_results(results, metrics, bounds, out_dir)
-                written += files
+                files = plot_results(results, metrics, bounds, out_dir, on_file=written.append)
                 console.print("plots: " + ", ".join(str(f) for f in files))
             if out_dir:
                 files = write_job_tables(results, out_dir)
                 written += files
                 console.print("per-job CSV: " + ", ".join(str(f) for f in files))
+        except OSError as exc:  # (was a traceback: a plot's name taken by a directory, a full disk)
+            raise unwritable_result(exc, written) from None
         except KeyboardInterrupt:
             left = [f"the {what}" for what, todo in (("JSON", json_out and json_out not in written),
                                                      ("plots", out_dir and not no_plots), ("per-job CSVs", out_dir)) if todo]

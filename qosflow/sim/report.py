@@ -236,13 +236,17 @@ def _series_styles(n: int) -> list[dict[str, str]]:
     return [{"color": palette[i % 10], "ls": ("-", "--", ":", "-.")[(i // 10) % 4]} for i in range(n)]
 
 
-def _save(fig, path: Path) -> None:
+def _save(fig, path: Path, on_file=None) -> None:
     with replacing(path) as tmp:
         fig.savefig(tmp, dpi=120, format="png")
+    if on_file is not None:
+        on_file(path)
 
 
-def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics], bounds: Bounds, out_dir: str | Path) -> list[Path]:
-    """JCT CDF, DSR bars and utilisation bars (plus a GPU-allocation timeline), as PNG."""
+def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics], bounds: Bounds, out_dir: str | Path,
+                 on_file=None) -> list[Path]:
+    """JCT CDF, DSR bars and utilisation bars (plus a GPU-allocation timeline), as PNG; `on_file(path)` is
+    called as each is written (what a run stopped half-way had written)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -266,7 +270,7 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
     ax.legend()
     fig.tight_layout()
     files.append(out / "jct_cdf.png")
-    _save(fig, files[-1])
+    _save(fig, files[-1], on_file)
     plt.close(fig)
 
     names = list(metrics)
@@ -294,7 +298,7 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
         plt.setp(ax.get_xticklabels(), rotation=20)
         fig.tight_layout()
         files.append(out / fname)
-        _save(fig, files[-1])
+        _save(fig, files[-1], on_file)
         plt.close(fig)
 
     classes = _classes(metrics)
@@ -317,7 +321,7 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
         files.append(out / "dsr_by_class.png")
-        _save(fig, files[-1])
+        _save(fig, files[-1], on_file)
         plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -332,7 +336,7 @@ def plot_results(results: Mapping[str, SimResult], metrics: Mapping[str, Metrics
     ax.legend(fontsize=7)
     fig.tight_layout()
     files.append(out / "gpu_timeline.png")
-    _save(fig, files[-1])
+    _save(fig, files[-1], on_file)
     plt.close(fig)
     return files
 
