@@ -338,3 +338,27 @@ def test_garbage_collector_deletes_what_a_deleted_job_owned(api):
     core.delete_namespaced_secret("gc-orph", NS)
     for p in core.list_namespaced_pod(NS, label_selector="job-name=gc-orph").items:
         core.delete_namespaced_pod(p.metadata.name, NS)
+
+
+def test_patch_content_types_are_honoured(api, emu):
+    """The emulator applied every PATCH as a merge patch, whatever its Content-Type. The API server
+    refuses a strategic merge patch of a custom resource (415) and a JSON patch that is not a list (400);
+    the emulator now does too. Merge patches, and strategic merge patches of built-in kinds (applied as
+    merge patches), go through, as the official client sends them."""
+    core, batch = api
+    custom = client.CustomObjectsApi(emu.api_client())
+    pg = {"apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup", "metadata": {"name": "pg-patch"}, "spec": {"minMember": 2}}
+    custom.create_namespaced_custom_object("scheduling.volcano.sh", "v1beta1", NS, "podgroups", pg)
+    body = {"metadata": {"labels": {"k": "v"}}}
+    url = f"{emu.url}/apis/scheduling.volcano.sh/v1beta1/namespaces/{NS}/podgroups/pg-patch"
+    assert httpx.patch(url, json=body, headers={"content-type": "application/strategic-merge-patch+json"}).status_code == 415
+    custom.patch_namespaced_custom_object("scheduling.volcano.sh", "v1beta1", NS, "podgroups", "pg-patch", body)  # (a merge patch)
+    got = custom.get_namespaced_custom_object("scheduling.volcano.sh", "v1beta1", NS, "podgroups", "pg-patch")
+    assert got["metadata"]["labels"]["k"] == "v" and got["spec"]["minMember"] == 2
+    custom.delete_namespaced_custom_object("scheduling.volcano.sh", "v1beta1", NS, "podgroups", "pg-patch")
+    batch.create_namespaced_job(NS, job("patchy", ann={"emulator.qosflow.dev/run-seconds": "30"}))
+    r = httpx.patch(f"{emu.url}/apis/batch/v1/namespaces/{NS}/jobs/patchy", json=body, headers={"content-type": "application/json-patch+json"})
+    assert r.status_code == 400 and "jsonpatch.Patch" in r.json()["message"]
+    batch.patch_namespaced_job("patchy", NS, body)  # (the client sends a dict as a strategic merge patch)
+    assert batch.read_namespaced_job("patchy", NS).metadata.labels["k"] == "v"
+    batch.delete_namespaced_job("patchy", NS, propagation_policy="Background")

@@ -11,7 +11,9 @@ and any `/apis/{group}/{version}` custom resource):
                                            its stringData is merged into data)
     GET    .../{plural}/{name}[/status]    read (404 NotFound)
     PUT    .../{plural}/{name}[/status]    replace (409 Conflict on a stale resourceVersion)
-    PATCH  .../{plural}/{name}             JSON merge patch
+    PATCH  .../{plural}/{name}             JSON merge patch (strategic merge patches of built-in kinds are
+                                           applied as merge patches; a JSON patch: 400 if not a list,
+                                           else 415, the emulator does not apply them)
     DELETE .../{plural}/{name}             delete (Jobs: propagationPolicy Background/Foreground
                                            deletes what they own (pods, a Secret); the default orphans it,
                                            as the API does)
@@ -178,6 +180,13 @@ def create_app(cluster: Cluster):
                 return JSONResponse(store.replace(plural, obj_ns, name, body, status_only=sub == "status"))
             if method == "PATCH":
                 body = await request.json()
+                ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+                if ctype == "application/json-patch+json" and not isinstance(body, list):
+                    # (the API server's answer; kubernetes' Python client sends a dict as a strategic merge patch)
+                    raise ApiError(400, "BadRequest", "json: cannot unmarshal object into Go value of type jsonpatch.Patch")
+                if ctype == "application/strategic-merge-patch+json" and api not in ("v1", "batch/v1"):
+                    raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - accepted media types "
+                                                                "include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml")
                 if isinstance(body, list):
                     raise ApiError(415, "UnsupportedMediaType", "the emulator supports merge patches only")
                 cur = store.get(plural, obj_ns, name)
