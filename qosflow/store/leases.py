@@ -40,6 +40,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlmodel import Field, Session, SQLModel, select
 
 from qosflow.errors import QosflowError
+from qosflow.store.store import default_url  # one database for leases and the predictor by default
 
 if TYPE_CHECKING:
     from qosflow.backends.base import Backend, LaunchSpec, StageHandle
@@ -203,15 +204,6 @@ class Lease:
     @property
     def expired(self) -> bool:
         return self.expires_at < time.time()
-
-
-def default_url() -> str:
-    url = os.environ.get("QOSFLOW_DATABASE_URL")
-    if url:
-        return url
-    from qosflow.paths import data_dir
-
-    return f"sqlite:///{data_dir() / 'qosflow.db'}"
 
 
 log = logging.getLogger("qosflow.leases")
