@@ -225,3 +225,15 @@ def test_a_result_place_taken_by_a_directory_is_an_error_not_a_traceback(tmp_pat
     err = " ".join(capsys.readouterr().err.split())
     assert f"cannot write {out / 'dsr.png'}: Is a directory; written before it: {out / 'r.json'}, {out / 'jct_cdf.png'}" in err
     assert not list(out.glob(".*.part"))
+
+
+def test_a_column_named_twice_is_an_error(tmp_path):
+    """A trace with a second 'duration' column pasted at its end read the last one without a word (a job
+    of 1 h ran 60 ms); a Muri cluster CSV likewise."""
+    t, c = _files(tmp_path, "job_id,num_gpu,submit_time,iterations,model_name,batch_size,duration,iteration_time,duration\n"
+                            "x1,1,0,10,resnet18,32,3600000,100,60\n",
+                  CLUSTER.replace("mem_p_node\n", "mem_p_node,num_gpu_p_node\n").replace("256\n", "256,8\n"))
+    with pytest.raises(TraceFormatError, match=r"trace.csv:1: the header names 'duration' \(columns 7 and 9\) twice"):
+        load_muri(t)
+    with pytest.raises(TraceFormatError, match=r"cluster.csv:1: the header names 'num_gpu_p_node' \(columns 3 and 6\) twice"):
+        load_cluster(c)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.errors import SpecError, TraceFormatError
-from qosflow.sim.traces._common import check_text, delimiter_hint
+from qosflow.sim.traces._common import check_text, check_unique_columns, delimiter_hint
 
 GIB = 1024.0
 
@@ -152,6 +152,7 @@ def _muri_csv(p: Path, name: str | None) -> ClusterSpec:
     with open(p, newline="", encoding="utf-8-sig") as f:
         rows = list(csv.reader(f))
     header = [h.strip() for h in rows[0]]
+    check_unique_columns(p, header)
     missing = [c for c in MURI_COLUMNS if c not in header]
     if missing:
         raise TraceFormatError(p, 1, f"missing column(s) {', '.join(missing)}; a Muri cluster CSV needs {','.join(MURI_COLUMNS)}")

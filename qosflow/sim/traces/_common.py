@@ -81,7 +81,18 @@ def csv_rows(path: Path, required: Iterable[str], kind: str) -> Iterator[tuple[i
                 f"missing column(s) {', '.join(repr(c) for c in missing)}; a {kind} needs {','.join(required)} "
                 f"(found: {','.join(header)}){delimiter_hint(header)}",
             )
+        check_unique_columns(path, header)
         yield from data_rows(path, reader, header)
+
+
+def check_unique_columns(path: Path, header: list[str]) -> None:
+    """A header naming a column twice is an error naming it: the last of the two was read and the first
+    ignored without a word (a 'duration' column pasted after another: jobs of 1 h ran 60 ms)."""
+    dup = [h for i, h in enumerate(header) if h and h in header[:i]]
+    if dup:
+        cols = ", ".join(f"{h!r} (columns {header.index(h) + 1} and {header.index(h, header.index(h) + 1) + 1})"
+                         for h in dict.fromkeys(dup))
+        raise TraceFormatError(path, 1, f"the header names {cols} twice; keep one of each")
 
 
 def data_rows(path: Path, reader, header: list[str]) -> Iterator[tuple[int, dict[str, str]]]:
