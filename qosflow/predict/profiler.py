@@ -13,7 +13,6 @@ time is profiled: no GPU number is ever made up.
 from __future__ import annotations
 
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 
 from qosflow.core.gpu_names import CPU_ONLY, short_gpu_model
 from qosflow.errors import QosflowError, SpecError
+from qosflow.procgroup import kill_group
 from qosflow.progress import ENV_VAR, read_progress
 from qosflow.workers import cpu_cores
 
@@ -209,15 +209,6 @@ def _check_target(target: str) -> None:
                         f"imported from the current directory: {'.'.join(parts)}:{fn}")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the child and everything it started (DataLoader workers, multiprocessing children):
-    they would keep running, and an inherited stderr would keep the profile waiting."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def measured_step_times(events: list, steps: int) -> list[float]:
     """Durations of steps 2 .. steps+1 (step 1 is the warm-up), whatever the first reported step is:
     `track` reports step 0 before the loop, so step 1's duration is known (and dropped); a function
@@ -259,7 +250,9 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
                         stopped = f"{steps} steps reached"
                         break
             finally:  # also on Ctrl-C: nothing of the function may outlive the profile
-                _kill_group(proc)
+                # the child and everything it started (DataLoader workers, multiprocessing children):
+                # they would keep running, and an inherited stderr would keep the profile waiting
+                kill_group(proc.pid)
                 proc.wait()
             wall = time.monotonic() - t0
             ru1 = os.times()
