@@ -260,6 +260,32 @@ def test_cancel_deletes_the_job(env):
     assert st.kind is ExitKind.CANCELLED and "user cancelled" in st.reason and code == 404
 
 
+def test_a_killed_attempt_id_launched_again_runs(env):
+    """kill() marked the attempt id cancelled for good (a dict that only grew, one entry per cancelled
+    stage): the same id launched again -- a stage's early check or first attempt run again for the same
+    flow run -- was reported CANCELLED at once without waiting for its pod. The mark now ends with the
+    wait that reports it, and a new launch of the id clears an older one."""
+    async def go():
+        be = env.backend()
+        try:
+            cluster = await be.inventory()
+            spec = LaunchSpec("again", ["true"], env.placement(cluster, "a"), cluster)
+            h = await be.launch(spec)
+            await be.kill(h, reason="cancelled by the user")
+            st1 = await be.wait(h)
+            await be.kill(h)  # (once more, after its wait: e.g. the worker's clean-up)
+            h2 = await be.launch(spec)
+            st2 = await asyncio.wait_for(be.wait(h2), 60)
+            await be.kill(h2)
+            return st1, st2
+        finally:
+            await be.aclose()
+
+    st1, st2 = run(go())
+    assert st1.kind is ExitKind.CANCELLED and "cancelled by the user" in st1.reason
+    assert st2.kind is ExitKind.OK, st2
+
+
 def test_launch_twice_adopts_the_same_attempt(env):
     async def go():
         be = env.backend()

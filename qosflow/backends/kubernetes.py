@@ -488,6 +488,7 @@ class KubernetesBackend(Backend):
         from kubernetes.client.exceptions import ApiException
 
         doing = f"launch stage {spec.stage_id}"
+        self._killed.pop(spec.stage_id, None)  # (an earlier kill of this attempt id does not cancel this launch)
 
         jobs, pg = self.manifests(spec)
         secret = self.secret_manifest(spec)
@@ -621,6 +622,7 @@ class KubernetesBackend(Backend):
                 await self._drop_podgroup(handle)
             except Exception as exc:  # (API errors, an outage): the garbage collector takes them with the Job
                 log.warning("stage %s: its Secret/PodGroup are left to be deleted with its Job: %s", handle.stage_id, exc)
+            self._killed.pop(handle.stage_id, None)  # (reported: kept, it grew with every cancelled stage)
         self._stop.pop(handle.stage_id, None)
         return st
 
