@@ -237,3 +237,30 @@ def test_a_column_named_twice_is_an_error(tmp_path):
         load_muri(t)
     with pytest.raises(TraceFormatError, match=r"cluster.csv:1: the header names 'num_gpu_p_node' \(columns 3 and 6\) twice"):
         load_cluster(c)
+
+
+PAIRS = """model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2
+resnet18,128,1,0.8,bert,4,1,0.7
+resnet18,128,1,0.9,gpt2,4,1,0.6
+bert,4,1,0.75,gpt2,4,1,0.65
+vgg16,16,1,0.5,bert,4,1,0.8
+vgg16,16,1,0.55,resnet18,128,1,0.85
+dqn,128,1,0.9,a2c,64,1,0.9
+a2c,64,1,0.8,bert,4,1,0.85
+dqn,128,1,0.7,gpt2,4,1,0.9
+shufflenet,128,1,0.9,bert,4,1,0.8
+shufflenet,128,1,0.95,vgg16,16,1,0.6
+"""
+
+
+def test_pair_speeds_that_look_like_slowdowns_are_warned_of(tmp_path, capsys):
+    """A pair table with slowdowns (1.8: alone / shared) where speeds go (shared / alone) was evaluated
+    as if the jobs ran faster side by side, without a word."""
+    p = tmp_path / "pairs.csv"
+    p.write_text(PAIRS.replace("resnet18,128,1,0.8,bert", "resnet18,128,1,1.8,bert"))
+    assert main(["predict", "eval", "--pairs", str(p), "--folds", "3"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"warning: {p}: 1 speed(s) above 1.2 (line 2 speed1 1.8)" in err and "give 1/x instead" in err
+    p.write_text(PAIRS)
+    assert main(["predict", "eval", "--pairs", str(p), "--folds", "3"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -103,6 +103,7 @@ def eval_cmd(
             title = f"leave-one-job-type-out on {throughputs.name}"
         else:
             rows = read_pairs_csv(pairs)
+            _warn_slowdowns(pairs, rows)
             task = bar.add_task(f"{folds}-fold cross-validation", total=folds)
             result = evaluate.eval_pairs(rows, folds=folds, seed=seed, progress=lambda: bar.advance(task), source=str(pairs))
             title = f"{folds}-fold cross-validation on {pairs.name} ({len(rows)} pairs)"
@@ -110,6 +111,22 @@ def eval_cmd(
     if json_out is not None:
         _write_json(json_out, result)
         typer.echo(f"wrote {json_out}")
+
+
+#: a speed (co-located over solo throughput) above this is no measurement noise: a slowdown (solo over
+#: co-located, 1.8 for 0.56) written in its place, which the evaluation would take as a speed-up
+SLOWDOWN_LIKE = 1.2
+
+
+def _warn_slowdowns(path: Path, rows) -> None:
+    """Warn when a pair table's speeds look like slowdowns (> 1.2: faster next to a partner than alone)."""
+    high = [(r.line, col, v) for r in rows for col, v in (("speed1", r.speed1), ("speed2", r.speed2))
+            if v is not None and v > SLOWDOWN_LIKE]
+    if high:
+        where = ", ".join(f"line {ln} {col} {v:g}" for ln, col, v in high[:3]) + (", ..." if len(high) > 3 else "")
+        typer.secho(f"warning: {path}: {len(high)} speed(s) above {SLOWDOWN_LIKE:g} ({where}): a speed is the throughput "
+                    "next to the partner over the throughput alone (0.85: 15 % slower), so above 1 the job ran faster "
+                    "shared. If these are slowdowns (alone / shared), give 1/x instead", err=True, fg="yellow")
 
 
 @predict_app.command("stages")
