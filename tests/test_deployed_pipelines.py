@@ -407,3 +407,13 @@ def test_a_pipeline_run_starts_on_the_workers_host_when_its_stages_run_on_agents
             await w.teardown(None, None, None)
 
     asyncio.run(go())
+
+
+def test_the_workers_placed_line_says_no_gpu_for_a_cpu_only_stage():
+    """The worker's log said 'placed evaluate on host0 (GPUs - virtual, 1 core)' for every CPU-only stage of
+    flows/retrain.py (admin review; the stage's own log line was fixed to 'no GPU' in 0264612)."""
+    from qosflow.prefect.worker import gpus_said
+
+    assert gpus_said({"gpus": [], "gpu_model": "cpu", "virtual_gpus": True}) == "no GPU"
+    assert gpus_said({"gpus": ["1"], "gpu_model": "generic", "virtual_gpus": True}) == "GPUs 1 virtual"
+    assert gpus_said({"gpus": ["lab-1:0", "lab-1:1"], "gpu_model": "a100", "virtual_gpus": False}) == "GPUs lab-1:0,lab-1:1 a100"

@@ -794,13 +794,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             info = sched.describe_grant(entry)
             info["attempt"] = n
             run_logger.info(
-                "%s %s on %s (GPUs %s%s%s, %g core%s%s) after %.2fs in the QoS queue%s; predicted %.1fs (%s)%s%s",
+                "%s %s on %s (%s, %g core%s%s) after %.2fs in the QoS queue%s; predicted %.1fs (%s)%s%s",
                 "placed" if n == 1 else "re-placed",
                 name,
                 info["host"],
-                ",".join(info["gpus"]) or "-",
-                "" if info["gpu_model"] in ("generic", "cpu") else f" {info['gpu_model']}",
-                " virtual" if info["virtual_gpus"] else "",
+                gpus_said(info),
                 info["cpu_cores"], "" if info["cpu_cores"] == 1 else "s",
                 f"; {info['elastic']}" if info.get("grad_accumulation", 1) > 1 else "",
                 max(0.0, grant.granted_at - now),
@@ -2024,6 +2022,15 @@ def _is_uuid(x: Any) -> bool:
     except ValueError:
         return False
     return True
+
+
+def gpus_said(info: dict[str, Any]) -> str:
+    """The GPUs of a grant (`describe_grant`) as the worker's `placed ...` line says them: 'GPUs 0,1 a100 virtual',
+    or 'no GPU' for a CPU-only stage (it said 'GPUs - virtual', as the stage's own log did before 0264612)."""
+    if not info["gpus"]:
+        return "no GPU"
+    return "GPUs %s%s%s" % (",".join(info["gpus"]), "" if info["gpu_model"] in ("generic", "cpu") else f" {info['gpu_model']}",
+                            " virtual" if info["virtual_gpus"] else "")
 
 
 def _code(status: Any) -> int:
