@@ -264,3 +264,22 @@ def test_pair_speeds_that_look_like_slowdowns_are_warned_of(tmp_path, capsys):
     p.write_text(PAIRS)
     assert main(["predict", "eval", "--pairs", str(p), "--folds", "3"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_muri_trace_written_in_seconds_gets_a_note(tmp_path, capsys):
+    """A Muri trace is in milliseconds; one written in seconds ran every job 1000 times shorter without a
+    word. simulate's --help did not say where the formats are described, nor their units."""
+    t, c = _files(tmp_path, TRACE.replace("3600000,3600", "3600,3.6").replace("7200000,3600", "7200,3.6")
+                  .replace("1800000,3600", "1800,3.6").replace("600000,600", "600,0.6"))
+    assert _simulate(t, c, "--policies", "fifo", "--no-plots") == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the jobs' median duration is 3.6 s. A Muri trace gives times in milliseconds" in text
+    t, c = _files(tmp_path)
+    assert _simulate(t, c, "--policies", "fifo", "--no-plots") == 0
+    assert "median duration" not in capsys.readouterr().out
+    from typer.testing import CliRunner
+
+    from qosflow.cli.main import app
+
+    r = CliRunner().invoke(app, ["simulate", "--help"], env={"COLUMNS": "200"})
+    assert "times in milliseconds" in r.output and "docs/workloads.md" in r.output

@@ -9,6 +9,11 @@ import typer
 
 HELP = """Replay a GPU-cluster trace under several scheduling policies and compare them.
 
+A trace of your own: a Muri CSV (job_id, num_gpu, submit_time, iterations, model_name, batch_size,
+duration, iteration_time; times in milliseconds), an Alibaba pod list (seconds) or a Gavel .trace
+(tab-separated); a cluster: NxG, a Muri cluster CSV or an Alibaba node list. Columns, units and what
+each becomes: docs/workloads.md.
+
 Policies run exactly as in the live worker; the simulator advances jobs with their true durations
 and slowdowns while policies see only estimates (--estimator). Prints a table (and, when jobs have
 deadlines, the deadlines each policy met per class of job: GPUs x duration alone), writes JSON
@@ -130,6 +135,15 @@ def register(app: typer.Typer) -> None:
                 + (f", and {short} job{'s are' if short > 1 else ' is'} rejected for cores" if short else "")
                 + ". Give the cores your jobs take per GPU with --cores-per-gpu (e.g. --cores-per-gpu "
                 f"{max(0.5, fewest):g}).", highlight=False)
+        if wl.info.get("format") == "muri" and wl.jobs:
+            import statistics
+
+            median = statistics.median(j.duration for j in wl.jobs)
+            if median < 60:  # the shared Muri trace: 4 h; a trace written in seconds reads as 1000x shorter jobs
+                console.print(
+                    f"[yellow]note:[/] the jobs' median duration is {median:.3g} s. A Muri trace gives times in "
+                    "milliseconds (submit_time, duration, iteration_time): if yours are in seconds, multiply them by "
+                    "1000.", highlight=False)
         unknown = _unknown_models(wl.jobs, speed)
         if unknown:
             n = sum(unknown.values())
