@@ -1203,3 +1203,24 @@ def test_a_local_stage_killed_after_it_ended_signals_no_other_process(monkeypatc
 
     st, sent, killed = asyncio.run(go())
     assert st.ok and sent == [] and killed == {}, (st, sent, signal.SIGKILL)
+
+
+def test_a_pipeline_whose_end_cannot_be_recorded_keeps_its_result_and_leaves_no_run_behind(prefect_server, monkeypatch):
+    """qos_flow called run.finish() then run.unregister() in its finally: a finish() that raised (the server
+    away while its artifacts and events were written) replaced the pipeline's own result with that error,
+    and left the run registered, so PipelineRun.current() answered it ever after in the process."""
+    from qosflow.prefect.tasks import PipelineRun, qos_flow
+
+    def broken_finish(self, ok):
+        raise RuntimeError("the server went away")
+
+    monkeypatch.setattr(PipelineRun, "finish", broken_finish)
+
+    @qos_flow(name="end-not-recorded")
+    def pipeline():
+        return 42
+
+    assert pipeline() == 42
+    assert PipelineRun.current() is None
+    assert not any(r.flow_name == "end-not-recorded" for r in PipelineRun._by_flow_run.values())
+    assert PipelineRun.finished[-1].flow_name == "end-not-recorded"

@@ -1359,8 +1359,12 @@ def qos_flow(
                     f"stage {cause.name!r} did not complete ({cause.error}), so the stages that need its result did not "
                     f"run ({type(exc).__name__}: {exc})") from exc
             finally:
-                run.finish(ok)
-                run.unregister()
+                try:
+                    run.finish(ok)
+                except Exception as exc:  # the server away at the end: the pipeline's own outcome stands
+                    _run_logger("qosflow").warning("pipeline %s: could not record its end (artifacts, events, plan): %s", name, exc)
+                finally:  # a raising finish() left the run registered, so current() answered it ever after
+                    run.unregister()
 
         return prefect_flow(pipeline, **flow_kwargs)
 
