@@ -279,3 +279,14 @@ def test_a_gpu_model_spelt_in_another_case_is_the_same_model(tmp_path, capsys):
                  "--json", str(out), "--no-plots"]) == 0
     assert json.loads(out.read_text())["config"]["never_fit_pods"] == [
         {"pod": "p5", "reason": "no node has GPU model A100 (the nodes have T4, V100M16)"}]
+
+
+def test_pack_help_says_what_lists_of_ones_own_need():
+    """pack --help named no column of a pod or node list: a user with lists of their own had to read the code."""
+    from typer.testing import CliRunner
+
+    from qosflow.cli.main import app
+
+    r = CliRunner().invoke(app, ["pack", "--help"], env={"COLUMNS": "200"})
+    text = " ".join(r.output.split())
+    assert "name, cpu_milli, memory_mib, num_gpu, gpu_milli" in text and "sn, cpu_milli, memory_mib, gpu, model" in text

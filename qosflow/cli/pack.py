@@ -16,6 +16,10 @@ averaged over seeds --seed .. --seed+--seeds-1. Prints a table; writes --json, p
 (allocation vs arrived demand) as pack_curve.csv and pack_curve.png into --out (default: next to
 the JSON). Defaults read the Alibaba v2023 lists in ../shared/data/traces/.
 
+Lists of your own: pods (--pods) with columns name, cpu_milli, memory_mib, num_gpu, gpu_milli (per GPU:
+1000 is a whole GPU, less a share of one) and optionally gpu_spec (accepted GPU models, A|B); nodes
+(--nodes) with sn, cpu_milli, memory_mib, gpu, model. Details: docs/packing.md.
+
 Examples:
 
   qosflow pack --seeds 1
