@@ -835,3 +835,30 @@ def test_an_account_that_may_not_create_secrets_is_told_so():
         st, jobs = asyncio.run(go())
     assert st.kind is ExitKind.INFRA and "403 Forbidden" in st.reason and "create Secret qf-nosec-" in st.reason
     assert "create, patch and delete on secrets" in st.reason and jobs == []
+
+
+@emulator_only
+def test_a_refused_pod_list_is_said_once(caplog):
+    """The API refusing the wait's pod list (403 after an RBAC change, 401 for an expired token) logged
+    'listing pods of S: Forbidden' every 0.5 s for as long as it lasted; now once (naming the cluster and
+    the status), with the retries spaced out, and once more when the list works again."""
+    import logging
+
+    with EmulatorServer([gpu_node("gpu-0", 2)]) as emu:
+        async def go():
+            be = KubernetesBackend(api_client=emu.api_client(), cluster_name="k8s-a")
+            try:
+                cluster = await be.inventory()
+                emu.add_rule(selector="qosflow.dev/stage-id=r", run_s=0.3)
+                h = await be.launch(LaunchSpec("r", ["x"], Placement("r", ((0, 0),), ((0, 1.0),)), cluster))
+                emu.add_fault(r"/namespaces/default/pods$", method="GET", status=403, count=3)
+                return await asyncio.wait_for(be.wait(h), 60)
+            finally:
+                await be.aclose()
+
+        with caplog.at_level(logging.WARNING, logger="qosflow"):
+            st = asyncio.run(go())
+    assert st.ok, st
+    said = [r.getMessage() for r in caplog.records if r.name == "qosflow.backends.kubernetes"]
+    assert len([m for m in said if "403 Forbidden" in m]) == 1, said
+    assert "cluster 'k8s-a'" in said[0] and "stage r" in said[0] and any("listed again (after 3 refusal(s))" in m for m in said), said

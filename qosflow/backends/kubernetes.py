@@ -638,12 +638,20 @@ class KubernetesBackend(Backend):
         ns, sel = ref["namespace"], ref["selector"]
         track: dict[str, Any] = {"unsched": {}, "notready": {}, "deleted": set(), "seen": set()}
         outage: float | None = None  # since when the API has been unreachable
+        refused: tuple[Any, Any] | None = None  # the API's last refusal to list the pods (403, 401, ...), and how many
+        refusals = 0
         while not stop.is_set():
             try:
                 lst = self._call(self.core.list_namespaced_pod, ns, label_selector=sel)
             except ApiException as e:
-                log.warning("listing pods of %s: %s", handle.stage_id, e.reason)
-                time.sleep(0.5)
+                # said once per kind of refusal (it was a warning every 0.5 s for as long as it lasted), tried
+                # again less and less often (up to every 5 s)
+                if (e.status, e.reason) != refused:
+                    log.warning("Kubernetes cluster %r: the API answered %s %s to listing the pods of stage %s; qosflow keeps "
+                                "trying", self.cluster_name, e.status, e.reason, handle.stage_id)
+                    refused, refusals = (e.status, e.reason), 0
+                refusals += 1
+                stop.wait(min(5.0, 0.25 * refusals))
                 continue
             except BackendUnreachable as e:  # (urllib3's retries ran out): the pods run on without us, so keep
                 # waiting for them, saying so once per outage
@@ -659,6 +667,9 @@ class KubernetesBackend(Backend):
                 log.warning("the Kubernetes API answers again after %.0f s; stage %s is followed again",
                             time.monotonic() - outage, handle.stage_id)
                 outage = None
+            if refused is not None:
+                log.warning("the pods of stage %s are listed again (after %d refusal(s))", handle.stage_id, refusals)
+                refused = None
             pods = {p.metadata.name: p for p in lst.items}
             st = self._evaluate(handle, pods, track, check_nodes=True)
             if st is not None:
