@@ -283,3 +283,29 @@ def test_a_muri_trace_written_in_seconds_gets_a_note(tmp_path, capsys):
 
     r = CliRunner().invoke(app, ["simulate", "--help"], env={"COLUMNS": "200"})
     assert "times in milliseconds" in r.output and "docs/workloads.md" in r.output
+
+
+def test_a_long_run_without_a_terminal_reports_progress_on_stderr(monkeypatch):
+    """Without a terminal (a batch job, nohup, a pipe) the progress bar is off, and a run of hours showed
+    nothing at all until it ended. Past `after` seconds it now prints a line per tenth of each task."""
+    import io
+
+    from rich.console import Console
+
+    from qosflow.cli.output import LogProgress, progress_bar
+
+    assert isinstance(progress_bar(console=Console(file=io.StringIO())), LogProgress)
+    now = [0.0]
+    out = io.StringIO()
+    p = LogProgress(after=10, every=60, stream=out)
+    p._clock = lambda: now[0]
+    p._start = 0.0
+    a = p.add_task("     fifo", total=1000)
+    p.update(a, completed=500)  # before `after`: nothing
+    assert out.getvalue() == ""
+    now[0] = 70.0
+    for done in range(510, 1001, 10):
+        p.update(a, completed=done)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[0:01:10] fifo: 510/1,000 (51%)"
+    assert lines[-1] == "[0:01:10] fifo: 1,000/1,000 (100%)" and len(lines) == 6  # 51 %, then 60, 70, 80, 90, 100 %

@@ -143,7 +143,70 @@ def progress_bar(*columns, console=None):
     from rich.progress import Progress
 
     console = console or get_console()
-    return Progress(*columns, console=console, transient=True, disable=not console.is_interactive)
+    if not console.is_interactive:
+        # a run in a batch job or under nohup showed nothing at all for its hours: lines on stderr instead
+        return LogProgress()
+    return Progress(*columns, console=console, transient=True)
+
+
+class LogProgress:
+    """The progress of a long run where no bar can be drawn (stderr not a terminal: a batch job, nohup, a
+    pipe): once the run has taken `after` seconds, a line on stderr per task at each tenth of its total,
+    at most one per task every `every` seconds otherwise ('[0:02:10] fifo: 5,000/20,000 (25 %)'). A short
+    run prints nothing. The calls are those of rich's `Progress` that the commands use."""
+
+    def __init__(self, after: float = 10.0, every: float = 60.0, stream=None):
+        import time
+
+        self._clock = time.monotonic
+        self._start = self._clock()
+        self.after, self.every = after, every
+        self._stream = stream
+        self._tasks: dict[int, dict] = {}
+
+    def __enter__(self) -> "LogProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def add_task(self, description: str, total: float | None = None, **_) -> int:
+        tid = len(self._tasks)
+        self._tasks[tid] = {"description": description.strip(), "total": total, "completed": 0.0, "step": 0, "at": None}
+        return tid
+
+    def advance(self, task_id: int, advance: float = 1) -> None:
+        self.update(task_id, advance=advance)
+
+    def update(self, task_id: int, *, completed: float | None = None, advance: float | None = None,
+               description: str | None = None, total: float | None = None, **_) -> None:
+        t = self._tasks[task_id]
+        if description is not None:
+            t["description"] = description.strip()
+        if total is not None:
+            t["total"] = total
+        if completed is not None:
+            t["completed"] = completed
+        if advance is not None:
+            t["completed"] += advance
+        now = self._clock()
+        if now - self._start < self.after or not t["total"]:
+            return
+        step = int(10 * t["completed"] / t["total"])
+        if step > t["step"] or t["at"] is None or now - t["at"] >= self.every:
+            t["step"], t["at"] = step, now
+            import sys
+
+            elapsed = int(now - self._start)
+            stamp = f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}"
+            print(f"[{stamp}] {t['description']}: {t['completed']:,.0f}/{t['total']:,.0f} "
+                  f"({t['completed'] / t['total']:.0%})", file=self._stream or sys.stderr, flush=True)
 
 
 def _finite(obj):
