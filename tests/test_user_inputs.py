@@ -309,3 +309,19 @@ def test_a_long_run_without_a_terminal_reports_progress_on_stderr(monkeypatch):
     lines = out.getvalue().splitlines()
     assert lines[0] == "[0:01:10] fifo: 510/1,000 (51%)"
     assert lines[-1] == "[0:01:10] fifo: 1,000/1,000 (100%)" and len(lines) == 6  # 51 %, then 60, 70, 80, 90, 100 %
+
+
+def test_a_second_json_in_the_same_directory_says_the_plots_are_now_its(tmp_path, capsys):
+    """Comparing seeds with --json out/seed0.json, then --json out/seed1.json: the second run's plots and
+    per-job CSVs (next to its JSON) replaced the first's without a word, and seed0.json no longer matched the
+    files beside it."""
+    t, c = _files(tmp_path)
+    out = tmp_path / "out"
+    assert _simulate(t, c, "--policies", "fifo", "--seed", "0", "--json", str(out / "seed0.json")) == 0
+    assert "another run" not in capsys.readouterr().out
+    assert _simulate(t, c, "--policies", "fifo", "--seed", "1", "--json", str(out / "seed1.json")) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"{out} also holds seed0.json, the results of another run" in text and f"--out {out / 'seed1'}" in text
+    # with --out of its own, nothing of the other run's is touched, and nothing is said
+    assert _simulate(t, c, "--policies", "fifo", "--seed", "2", "--json", str(out / "seed2.json"), "--out", str(out / "seed2")) == 0
+    assert "another run" not in capsys.readouterr().out

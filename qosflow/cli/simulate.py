@@ -64,7 +64,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.interference import default_speed_model, default_throughputs_path
         from qosflow.sim.metrics import compute_bounds, compute_metrics
         from qosflow.errors import SpecError, UnknownNameError
-        from qosflow.sim.report import (earlier_outputs, estimator_deltas, plot_results, render_class_table,
+        from qosflow.sim.report import (earlier_outputs, estimator_deltas, other_results, plot_results, render_class_table,
                                         render_estimator_table, render_table, results_json, write_job_tables)
         from qosflow.sim.runner import fewest_cores_per_gpu, resolve_workload
         from qosflow.sim.traces._common import CORES_PER_GPU
@@ -252,6 +252,9 @@ def register(app: typer.Typer) -> None:
             data["estimator_baseline"] = baseline
             data["estimator_deltas"] = estimator_deltas(by_est, baseline)
         written: list[Path] = []
+        # --json r0.json, then --json r1.json in the same directory: the second run's plots and per-job CSVs
+        # (next to its JSON) replaced the first's without a word, and r0.json no longer matched them
+        replaced_runs = other_results(out_dir, json_out) if out is None and json_out and earlier_outputs(out_dir, []) else []
         try:
             if json_out:
                 written.append(write_json_file(json_out, data))
@@ -279,6 +282,11 @@ def register(app: typer.Typer) -> None:
                               f"write: {', '.join(f.name for f in left)}; they are not this run's results"
                               + (" (--no-plots made no plots)" if no_plots and any(f.suffix == ".png" for f in left) else ""),
                               highlight=False)
+        if replaced_runs:
+            console.print(f"[yellow]note:[/] {out_dir} also holds {', '.join(p.name for p in replaced_runs)}, the results of another "
+                          f"run whose plots and per-job CSVs went to {out_dir} too: those there now are this run's ({json_out.name}). "
+                          "Give each run its own --out (e.g. --out " + str(json_out.with_suffix("")) + ") to keep them apart.",
+                          highlight=False)
         if failed:
             raise SimulationError(
                 f"{len(failed)} run(s) failed: {', '.join(failed)}; the others' results are above"

@@ -229,6 +229,29 @@ def earlier_outputs(out_dir: str | Path, written: list[Path], *, plots: bool = T
     return left
 
 
+def other_results(out_dir: str | Path, mine: str | Path | None) -> list[Path]:
+    """The result JSONs of other `qosflow simulate` runs in `out_dir` (not `mine`): their plots and per-job
+    CSVs went to that directory too, so a run there replaces them."""
+    import json
+
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    found = []
+    for p in sorted(out.glob("*.json")):
+        if mine is not None and p.resolve() == Path(mine).resolve():
+            continue
+        try:
+            if p.stat().st_size > 200_000_000:
+                continue
+            d = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(d, dict) and {"policies", "bounds", "workload"} <= d.keys():
+            found.append(p)
+    return found
+
+
 def _series_styles(n: int) -> list[dict[str, str]]:
     """A colour and line style per run, no two alike: matplotlib's 10 colours, then the same
     colours dashed, then dotted (more than 10 runs: several policies x estimators)."""
