@@ -290,3 +290,17 @@ def test_pack_help_says_what_lists_of_ones_own_need():
     r = CliRunner().invoke(app, ["pack", "--help"], env={"COLUMNS": "200"})
     text = " ".join(r.output.split())
     assert "name, cpu_milli, memory_mib, num_gpu, gpu_milli" in text and "sn, cpu_milli, memory_mib, gpu, model" in text
+
+
+def test_a_second_json_in_the_same_directory_says_the_curve_is_now_its(tmp_path, capsys):
+    """--json out/a.json then --json out/b.json: b's pack_curve.csv/.png replaced a's without a word."""
+    pods, nodes = tmp_path / "pods.csv", tmp_path / "nodes.csv"
+    pods.write_text(PODS)
+    nodes.write_text(NODES)
+    out = tmp_path / "out"
+    base = ["pack", "--pods", str(pods), "--nodes", str(nodes), "--policies", "fgd", "--seeds", "1", "--no-plots"]
+    assert main(base + ["--json", str(out / "a.json")]) == 0
+    assert "another run" not in capsys.readouterr().out
+    assert main(base + ["--seed", "7", "--json", str(out / "b.json")]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"{out} also holds a.json, the results of another run" in text and f"--out {out / 'b'}" in text

@@ -190,6 +190,9 @@ def register(app: typer.Typer) -> None:
                 )
 
         written: list[Path] = []
+        # --json out/a.json, then --json out/b.json: b's curve replaced a's (both next to their JSON) unsaid
+        replaced_runs = (_other_pack_results(out_dir, json_out) if out is None and json_out is not None
+                         and (out_dir / "pack_curve.csv").is_file() else [])
         try:
             if json_out is not None:
                 written.append(write_json_file(json_out, data))
@@ -206,6 +209,28 @@ def register(app: typer.Typer) -> None:
             names_left = [str(p) for p in (json_out, out_dir and out_dir / "pack_curve.csv",
                                            out_dir and not no_plots and out_dir / "pack_curve.png") if p and p not in written]
             raise interrupted(written, names_left) from None
+        if replaced_runs:
+            console.print(f"[yellow]note:[/] {out_dir} also holds {', '.join(p.name for p in replaced_runs)}, the results of "
+                          f"another run whose pack_curve.csv/.png went to {out_dir} too: those there now are this run's "
+                          f"({json_out.name}). Give each run its own --out (e.g. --out {json_out.with_suffix('')}) to keep "
+                          "them apart.", highlight=False)
         if out_dir is not None and no_plots and (out_dir / "pack_curve.png").is_file():
             console.print(f"[yellow]note:[/] {out_dir / 'pack_curve.png'} is an earlier run's plot, not this run's "
                           "(--no-plots made none)", highlight=False)
+
+
+def _other_pack_results(out_dir: Path, mine: Path) -> list[Path]:
+    """The result JSONs of other `qosflow pack` runs in `out_dir` (not `mine`)."""
+    import json
+
+    found = []
+    for p in sorted(out_dir.glob("*.json")) if out_dir.is_dir() else []:
+        if p.resolve() == mine.resolve():
+            continue
+        try:
+            d = json.loads(p.read_text(encoding="utf-8")) if p.stat().st_size < 200_000_000 else None
+        except (OSError, ValueError):
+            continue
+        if isinstance(d, dict) and "policies" in d and isinstance(d.get("config"), dict) and "ratio" in d["config"]:
+            found.append(p)
+    return found
