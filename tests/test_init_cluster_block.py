@@ -116,6 +116,28 @@ def test_init_again_with_other_sizes_says_what_the_cluster_block_was(prefect_ser
     assert f"cluster block {pool}-cluster: 2 x 4 virtual GPUs, 16 cores per host (unchanged)" in out, out
 
 
+def test_the_restart_hint_on_a_local_pool_does_not_claim_an_agents_workers_stages_stop(prefect_server, capsys, monkeypatch):
+    """The bare-metal worker of docs/infrastructure.md is `qosflow worker start --pool gpu --cluster-file lab.yaml`
+    on a pool `qosflow init` made (its cluster block: local). init again said that worker's stages 'on this
+    machine's local backend stop, and go back to the pool's queue' (admin review): they ran on the agents,
+    and keep running. The hint says which stages stop."""
+    from qosflow.cli.main import main
+
+    pool = "init-hint-local"
+    assert main(["init", "--pool", pool]) == 0
+    capsys.readouterr()
+
+    async def online(_pool):
+        return ["w-agents"]
+
+    monkeypatch.setattr("qosflow.cli.init._online_workers", online)
+    assert main(["init", "--pool", pool, "--policy", "fifo"]) == 0
+    out, _ = _out(capsys)
+    assert "worker(s) w-agents of pool init-hint-local keep the cluster and policy they started with" in out, out
+    assert "a worker started with --cluster-file or --cluster-block on host agents or Kubernetes leaves its stages running" in out, out
+    assert "on this machine's local backend stop" not in out, out
+
+
 def test_init_help_names_cluster_block(capsys):
     from qosflow.cli.main import main
 

@@ -140,7 +140,11 @@ def register(app: typer.Typer) -> None:
                 where = "on their hosts' agents" if kind == "agents" else "as Kubernetes Jobs"
                 fate = f"the stages they run keep running {where} and the restarted worker adopts them"
             elif kind == "local":
-                fate = "the stages they run on this machine's local backend stop, and go back to the pool's queue"
+                # (the pool's cluster is local, but the documented bare-metal worker is `qosflow worker start --pool
+                # gpu --cluster-file lab.yaml` on it: only the local backend's stages stop)
+                fate = ("stages run by the local backend stop and go back to the pool's queue; a worker started with "
+                        "--cluster-file or --cluster-block on host agents or Kubernetes leaves its stages running, and "
+                        "the restarted worker adopts them")
             else:
                 fate = ("with host agents or Kubernetes their stages keep running and the restarted worker adopts them; "
                         "with the local backend they go back to the pool's queue")
