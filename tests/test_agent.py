@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -1086,3 +1087,65 @@ def test_a_guard_started_again_still_kills_the_groups_of_stages_started_before(t
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_kill_the_agent_refuses_is_an_error_not_a_killed_stage(agents, tmp_path):
+    """AgentBackend.kill() sent DELETE and never read the answer: an agent that refused it (401: started
+    again with another token) left the stage running while the worker took it for killed (its cancel
+    watch marked the run Cancelled and gave its GPU away). A refused kill now raises, naming the agent;
+    a stage the agent no longer knows (404) is gone, as before."""
+    from qosflow.core.cluster import ClusterSpec, NodeSpec
+
+    a, _ = agents
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    sid = "kill-refused"
+    spec = ClusterSpec((NodeSpec("host-a", 2, virtual=True, address=a.url),))
+    p = Placement(sid, ((0, 0),), ((0, 1.0),))
+
+    async def go():
+        be = backend_for(a)
+        wrong = backend_for(a, token="not-the-token")
+        try:
+            handle = await be.launch(LaunchSpec(sid, [sys.executable, "-c", "import time; time.sleep(600)"], p, spec))
+            with pytest.raises(AgentAuthError, match=r"host-a .*401.*kill stage kill-refused: it still runs"):
+                await wrong.kill(handle, grace=0)
+            assert httpx.get(f"{a.url}/v1/stages/{sid}", headers=headers).json()["state"] == "running"
+            await be.kill(handle, grace=0)
+            gone = dataclasses.replace(handle, ref={**handle.ref, "parts": [{**handle.ref["parts"][0], "stage_id": "no-such-stage"}]})
+            await be.kill(gone, grace=0)  # (404: nothing to kill, no error)
+        finally:
+            await be.aclose()
+            await wrong.aclose()
+
+    try:
+        asyncio.run(go())
+        assert httpx.get(f"{a.url}/v1/stages/{sid}", headers=headers).json()["state"] == "exited"
+    finally:
+        httpx.delete(f"{a.url}/v1/stages/{sid}", params={"grace": 0}, headers=headers)
+
+
+def test_a_stage_the_agent_may_not_signal_gets_an_answer_that_says_so(tmp_path, monkeypatch):
+    """A killpg refused with EPERM (the stage's processes run as another user) was a bare 500 'Internal
+    Server Error' and a traceback in the agent's log; the answer now says what failed and what to do."""
+    from fastapi.testclient import TestClient
+
+    from qosflow.agent import runner as runner_mod
+    from qosflow.agent.app import AgentConfig, create_app
+
+    app = create_app(AgentConfig(TOKEN, name="host-p", virtual_gpus=1, force_virtual=True, workdir=tmp_path / "w"))
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(app) as client:
+        r = client.post("/v1/stages", headers=headers,
+                        json={"stage_id": "eperm", "command": [sys.executable, "-c", "import time; time.sleep(600)"]})
+        assert r.status_code == 201, r.text
+        real_killpg = os.killpg
+
+        def refused(pgid, sig):
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(runner_mod.os, "killpg", refused)
+        r = client.delete("/v1/stages/eperm", params={"grace": 0}, headers=headers)
+        assert r.status_code == 500
+        assert "cannot signal stage eperm's processes" in r.json()["detail"] and "as root" in r.json()["detail"]
+        monkeypatch.setattr(runner_mod.os, "killpg", real_killpg)
+        assert client.delete("/v1/stages/eperm", params={"grace": 0}, headers=headers).status_code == 200

@@ -258,7 +258,12 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     @app.delete("/v1/stages/{stage_id}")
     async def kill(stage_id: str, reason: str = "cancelled", grace: float = 5.0) -> dict:
         st = _get(stage_id)
-        await runner.kill(st, reason, max(0.0, min(grace, 60.0)))
+        try:
+            await runner.kill(st, reason, max(0.0, min(grace, 60.0)))
+        except PermissionError as exc:  # was a bare 500 'Internal Server Error' and a traceback in the agent's log
+            raise HTTPException(500, f"cannot signal stage {stage_id}'s processes (group {st.pid}): {exc.strerror or exc}; "
+                                     "they run as a user the agent's may not signal (a setuid program?): kill them "
+                                     "as root on this host") from None
         return st.status()
 
     return app

@@ -35,6 +35,15 @@ from qosflow.errors import QosflowError, SpecError
 log = logging.getLogger("qosflow.backends.agent")
 
 
+def _detail(r: httpx.Response) -> str:
+    """An agent's error answer in words: its JSON `detail`, else the start of its body."""
+    try:
+        detail = r.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return detail if isinstance(detail, str) else r.text[:200]
+
+
 class AgentAuthError(QosflowError):
     """An agent answered 401: the worker's token is not the one the agent was started with."""
 
@@ -421,11 +430,7 @@ class AgentBackend(Backend):
                 await self._probe(h)
             part["boot_id"] = h.boot_id
             return None
-        try:
-            detail = r.json().get("detail")
-        except ValueError:
-            detail = None
-        return f"agent {h.name} refused the launch: HTTP {r.status_code} {detail if isinstance(detail, str) else r.text[:200]}"
+        return f"agent {h.name} refused the launch: HTTP {r.status_code} {_detail(r)}"
 
     async def adopt(self, stage_id: str, hosts: list[str]) -> StageHandle | None:
         """Find an attempt a previous worker started (from its lease) and return a handle to it."""
@@ -560,15 +565,26 @@ class AgentBackend(Backend):
         async def one(part: dict[str, Any]) -> None:
             h = self.state[part["host"]]
             try:
-                await self._client(h).delete(
+                r = await self._client(h).delete(
                     f"{h.url}/v1/stages/{part['stage_id']}",
                     params={"reason": reason, "grace": grace},
                     timeout=grace + 10,
                 )
             except httpx.HTTPError:
-                pass  # host gone: its stages died with its agent (or its fence)
+                return  # host gone: its stages died with its agent (or its fence)
+            # the answer was not read: an agent that refused (401: another token since its restart) or could not
+            # signal the stage (500) left it running while the worker took it for killed and gave its GPU away
+            if r.status_code == 401:
+                raise AgentAuthError(f"agent {h.name} at {h.url} rejected the token (401) when asked to kill stage "
+                                     f"{part['stage_id']}: it still runs there; give the worker the cluster's token")
+            if r.status_code >= 400 and r.status_code != 404:  # 404: the agent no longer knows it (restarted)
+                raise QosflowError(f"agent {h.name} at {h.url} could not kill stage {part['stage_id']} "
+                                   f"(HTTP {r.status_code}: {_detail(r)})")
 
-        await asyncio.gather(*(one(p) for p in handle.ref.get("parts", [])))
+        results = await asyncio.gather(*(one(p) for p in handle.ref.get("parts", [])), return_exceptions=True)
+        for res in results:  # every rank asked before the first failure is raised
+            if isinstance(res, BaseException):
+                raise res
 
     async def logs(self, handle: StageHandle) -> AsyncIterator[str]:
         """Follow rank 0's output (stdout and stderr) line by line until the stage ends."""

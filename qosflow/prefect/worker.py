@@ -1499,6 +1499,13 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         out: dict[str, Any] = {"launched": True, "infra_id": _infra_id(handle, fid)}
         waiter = asyncio.ensure_future(self._backend.wait(handle))
         passed = False
+
+        async def stop_check(why: str) -> None:
+            try:
+                await self._backend.kill(handle, why, grace=0.0)
+            except Exception as exc:  # its slot stays held until it ends: freed now, a stage could join a running check
+                run_logger.warning("stage %s: could not stop its early check (%s); waiting for it to end", entry.name, exc)
+
         try:
             # the clock starts when the stage's own code does: its Prefect engine sets the flow run Running
             # right before it calls the stage (engine start-up takes seconds and proves nothing)
@@ -1512,10 +1519,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 try:
                     status = await asyncio.wait_for(asyncio.shield(waiter), 60.0)
                 except asyncio.TimeoutError:
-                    await self._backend.kill(handle, "early check: the stage ended, its process did not", grace=0.0)
+                    await stop_check("early check: the stage ended, its process did not")
                     status = await waiter
             else:
-                await self._backend.kill(handle, "early check passed: placing the stage for real", grace=0.0)
+                await stop_check("early check passed: placing the stage for real")
                 status = await waiter
                 passed = True
         finally:
