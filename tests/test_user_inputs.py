@@ -325,3 +325,24 @@ def test_a_second_json_in_the_same_directory_says_the_plots_are_now_its(tmp_path
     # with --out of its own, nothing of the other run's is touched, and nothing is said
     assert _simulate(t, c, "--policies", "fifo", "--seed", "2", "--json", str(out / "seed2.json"), "--out", str(out / "seed2")) == 0
     assert "another run" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("written, meant", [("Duration", "duration"), ("num_gpus", "num_gpu"), ("dur", "duration"),
+                                            ("submit time", "submit_time")])
+def test_a_misnamed_column_is_named_with_the_one_it_stands_for(tmp_path, written, meant):
+    """'missing column(s) 'duration' ... (found: ...,Duration,...)' left the user to spot the difference."""
+    header = TRACE.splitlines()[0]
+    t, _ = _files(tmp_path, TRACE.replace(header, header.replace(meant, written, 1)))
+    with pytest.raises(TraceFormatError) as e:
+        load_muri(t)
+    assert f"missing column(s) '{meant}'" in str(e.value)
+    assert f"the header has '{written}' for '{meant}': rename it" in str(e.value)
+
+
+def test_a_misnamed_pod_list_column_is_named_too(tmp_path, capsys):
+    p = tmp_path / "pods.csv"
+    p.write_text(PODS.replace("gpu_milli", "GPU_milli", 1))
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,131072,4,T4\n")
+    assert main(["pack", "--pods", str(p), "--nodes", str(nodes), "--seeds", "1"]) == 2
+    assert "the header has 'GPU_milli' for 'gpu_milli': rename it" in " ".join(capsys.readouterr().err.split())

@@ -59,8 +59,29 @@ def delimiter_hint(header: list[str]) -> str:
     return ""
 
 
-def csv_rows(path: Path, required: Iterable[str], kind: str) -> Iterator[tuple[int, dict[str, str]]]:
-    """(line number, row) for every data row, after checking the header names every required column."""
+def misnamed_hint(missing: Iterable[str], header: list[str], known: Iterable[str] = ()) -> str:
+    """'; ...' naming, for each missing column, the header column it most likely was meant to be ('Duration',
+    'num_gpus', 'gpu mili'), among those the format does not know (`known`), else ''."""
+    import difflib
+
+    spare = [h for h in header if h and h not in set(known) and h not in set(missing)]
+    norm = {h: re.sub(r"[\s_\-]+", "_", h.strip().lower()) for h in spare}
+    pairs = []
+    for m in missing:
+        same = [h for h in spare if norm[h] == m.lower()]
+        near = (same or difflib.get_close_matches(m.lower(), [norm[h] for h in spare], n=1, cutoff=0.75)
+                or [norm[h] for h in spare if len(norm[h]) >= 3 and m.lower().startswith(norm[h])][:1])  # 'dur
+        if near:
+            h = same[0] if same else next(h for h in spare if norm[h] == near[0])
+            pairs.append(f"{h!r} for {m!r}")
+    if not pairs:
+        return ""
+    return f"; the header has {', '.join(pairs)}: rename {'it' if len(pairs) == 1 else 'them'} (names are exact, lowercase)"
+
+
+def csv_rows(path: Path, required: Iterable[str], kind: str, known: Iterable[str] = ()) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line number, row) for every data row, after checking the header names every required column
+    (`known`: the format's optional columns, never taken for a misnamed required one)."""
     required = tuple(required)
     check_text(path, kind)
     if not path.is_file():
@@ -79,7 +100,7 @@ def csv_rows(path: Path, required: Iterable[str], kind: str) -> Iterator[tuple[i
                 path,
                 1,
                 f"missing column(s) {', '.join(repr(c) for c in missing)}; a {kind} needs {','.join(required)} "
-                f"(found: {','.join(header)}){delimiter_hint(header)}",
+                f"(found: {','.join(header)}){misnamed_hint(missing, header, known)}{delimiter_hint(header)}",
             )
         check_unique_columns(path, header)
         yield from data_rows(path, reader, header)

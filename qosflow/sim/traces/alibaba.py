@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from qosflow.errors import TraceFormatError
-from qosflow.sim.traces._common import check_text, data_rows, delimiter_hint, unit_hint
+from qosflow.sim.traces._common import check_text, data_rows, delimiter_hint, misnamed_hint, unit_hint
 
 MILLI = 1000
 
@@ -95,7 +95,8 @@ def _rows(path: Path, required: tuple[str, ...], kind: str, why: str = "") -> It
                 path,
                 1,
                 f"missing column(s) {', '.join(repr(c) for c in missing)} in the header; "
-                f"a {kind} needs {','.join(required)}{why} (found: {','.join(header)}){delimiter_hint(header)}{swapped}",
+                f"a {kind} needs {','.join(required)}{why} (found: {','.join(header)})"
+                f"{'' if swapped else misnamed_hint(missing, header, POD_COLUMNS + NODE_REQUIRED)}{delimiter_hint(header)}{swapped}",
             )
         dup = sorted({h for h in header if header.count(h) > 1})
         if dup:

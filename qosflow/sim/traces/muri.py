@@ -76,7 +76,8 @@ def load_muri(
     zero: list[Rejected] = []  # rows with duration 0: nothing to run (rejected, not an error)
     seen: dict[str, int] = {}
     rt_cols: list[str] | None = None
-    for line, row in csv_rows(p, REQUIRED, "Muri trace"):
+    for line, row in csv_rows(p, REQUIRED, "Muri trace", known=("interval", "priority", "resource_time_0", "resource_time_1",
+                                                                 "resource_time_2")):
         if rt_cols is None:
             rt_cols = sorted((c for c in row if c.startswith("resource_time_")), key=lambda c: (len(c), c))
         jid = row["job_id"]
