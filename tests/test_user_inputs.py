@@ -346,3 +346,14 @@ def test_a_misnamed_pod_list_column_is_named_too(tmp_path, capsys):
     nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,131072,4,T4\n")
     assert main(["pack", "--pods", str(p), "--nodes", str(nodes), "--seeds", "1"]) == 2
     assert "the header has 'GPU_milli' for 'gpu_milli': rename it" in " ".join(capsys.readouterr().err.split())
+
+
+def test_the_declared_estimator_on_a_trace_says_it_knows_nothing(tmp_path, capsys):
+    """--estimator declared on a trace: no job declares a duration, so every one was taken for 600 s, and
+    neither --help nor the run said so."""
+    t, c = _files(tmp_path)
+    assert _simulate(t, c, "--policies", "fifo", "--estimator", "declared", "--no-plots") == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "no job of trace declares a duration (traces carry none), so the policies take every job for 600 s" in text
+    assert _simulate(t, c, "--policies", "fifo", "--no-plots") == 0
+    assert "declares a duration" not in capsys.readouterr().out

@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", min=0, help="seed for deadlines, failures, noise and synthetic traces"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
         out: Optional[Path] = typer.Option(None, "--out", help="directory for the PNG plots and one CSV per run with every job's times, deadline outcome and the policy's note on it, jobs-<policy>.csv (default: next to --json)"),
-        estimator: str = typer.Option("oracle", "--estimator", help="what policies know: oracle | noisy | learned | declared; comma-separated (oracle,noisy,learned) runs every policy under each and shows the QoS lost against oracle"),
+        estimator: str = typer.Option("oracle", "--estimator", help="what policies know: oracle (the true durations) | noisy (those +- --error) | learned (the predictor, from finished jobs) | declared (what jobs declare: trace jobs declare nothing, so a flat 600 s each); comma-separated (oracle,noisy,learned) runs every policy under each and shows the QoS lost against oracle"),
         error: float = typer.Option(0.3, "--error", help="relative error of the noisy estimator (0.3 = +-30 %)"),
         failures: float = typer.Option(0.0, "--failures", help="share of jobs that fail part-way and are retried (Philly: ~0.3)"),
         deadline_share: float = typer.Option(0.5, "--deadline-share", help="share of jobs given a deadline (traces carry none)"),
@@ -144,6 +144,14 @@ def register(app: typer.Typer) -> None:
                     f"[yellow]note:[/] the jobs' median duration is {median:.3g} s. A Muri trace gives times in "
                     "milliseconds (submit_time, duration, iteration_time): if yours are in seconds, multiply them by "
                     "1000.", highlight=False)
+        if "declared" in kinds and not any(j.expected_duration for j in wl.jobs):
+            from qosflow.core.estimate import DeclaredEstimator
+
+            flat = DeclaredEstimator().default_duration
+            console.print(
+                f"[yellow]note:[/] --estimator declared: no job of {wl.name} declares a duration (traces carry none), so "
+                f"the policies take every job for {flat:g} s: this compares them knowing nothing of durations.",
+                highlight=False)
         unknown = _unknown_models(wl.jobs, speed)
         if unknown:
             n = sum(unknown.values())
