@@ -357,3 +357,16 @@ def test_the_declared_estimator_on_a_trace_says_it_knows_nothing(tmp_path, capsy
     assert "no job of trace declares a duration (traces carry none), so the policies take every job for 600 s" in text
     assert _simulate(t, c, "--policies", "fifo", "--no-plots") == 0
     assert "declares a duration" not in capsys.readouterr().out
+
+
+def test_ctrl_c_while_the_trace_loads_says_so_too(tmp_path, capsys, monkeypatch):
+    import qosflow.sim.runner as runner
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "resolve_workload", interrupt)
+    t, c = _files(tmp_path)
+    out = tmp_path / "res" / "r.json"
+    assert _simulate(t, c, "--policies", "fifo", "--json", str(out)) == 130
+    assert "interrupted before the runs had finished: nothing was written" in " ".join(capsys.readouterr().err.split())

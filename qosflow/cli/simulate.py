@@ -103,8 +103,13 @@ def register(app: typer.Typer) -> None:
                 raise SpecError("--throughputs", f"{throughputs}: no such file; give the path of a throughput table in "
                                                  "Gavel's format (gavel_simulation_throughputs.json)")
         cfg = SimConfig(seed=seed, failure_share=failures)
-        wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs, min_gpus_share=min_gpus_share,
-                                    throughputs=throughputs, cores_per_gpu=cores_per_gpu)
+        out_dir = out or (json_out.parent if json_out else None)
+        planned = [str(p) for p in (json_out, out_dir) if p is not None]  # what a Ctrl-C leaves untouched
+        try:  # (a large trace, or --jobs 200000, takes a while to load)
+            wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs,
+                                        min_gpus_share=min_gpus_share, throughputs=throughputs, cores_per_gpu=cores_per_gpu)
+        except KeyboardInterrupt:
+            raise interrupted([], planned) from None
         speed = default_speed_model(throughputs)
         console.print(
             f"[bold]{wl.name}[/]: {len(wl.jobs)} jobs on {spec.name} ({len(spec.nodes)} nodes, {spec.num_gpus} GPUs); "
@@ -195,8 +200,6 @@ def register(app: typer.Typer) -> None:
         ]
         workers = parallel if parallel is not None else default_workers(len(specs), len(wl.jobs))
         # the batch's worker processes start before the bar's redraw thread (see `Batch`)
-        out_dir = out or (json_out.parent if json_out else None)
-        planned = [str(p) for p in (json_out, out_dir) if p is not None]  # what a Ctrl-C leaves untouched
         try:
             with Batch(specs, wl.jobs, spec, speed, cfg, seed=seed, error=error, workers=workers) as batch, \
                     progress_bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
