@@ -370,3 +370,14 @@ def test_ctrl_c_while_the_trace_loads_says_so_too(tmp_path, capsys, monkeypatch)
     out = tmp_path / "res" / "r.json"
     assert _simulate(t, c, "--policies", "fifo", "--json", str(out)) == 130
     assert "interrupted before the runs had finished: nothing was written" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("cell, says", [('"3,600,000"', "write numbers without thousands separators: 3600000"),
+                                        ('"3600000,5"', "write the decimal point as a point: 3600000.5")])
+def test_a_number_exported_with_separators_says_how_to_write_it(tmp_path, cell, says):
+    """A spreadsheet export with thousands separators or a decimal comma got only "expected duration in ms
+    (a number), got '3,600,000'"."""
+    t, _ = _files(tmp_path, TRACE.replace("a1,1,0,1000,resnet18,128,3600000", f"a1,1,0,1000,resnet18,128,{cell}"))
+    with pytest.raises(TraceFormatError) as e:
+        load_muri(t)
+    assert f"{t}:2: column 'duration'" in str(e.value) and says in str(e.value)

@@ -156,6 +156,17 @@ def unit_hint(raw: str, unit: str) -> str:
     return f"; the column is in {name}, written without a unit: {raw.strip()!r} is {value:.12g}"
 
 
+def separator_hint(raw: str) -> str:
+    """'; ...' for a number written with thousands separators ('3,600,000') or a decimal comma ('0,5'), as
+    spreadsheets export them in many locales, else ''."""
+    t = raw.strip()
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", t):
+        return f"; write numbers without thousands separators: {t.replace(',', '')}"
+    if re.fullmatch(r"[-+]?\d+,\d+", t):
+        return f"; write the decimal point as a point: {t.replace(',', '.')}"
+    return ""
+
+
 def number(path: Path, line: int, col: str, raw: str, what: str, *, integer: bool = False, minimum: float | None = 0.0,
            positive: bool = False) -> float:
     """A finite number from column `col`, or a TraceFormatError naming file, line and column."""
@@ -163,7 +174,7 @@ def number(path: Path, line: int, col: str, raw: str, what: str, *, integer: boo
         v = float(raw)
     except ValueError:
         unit = "ms" if what.endswith(" in ms") else "s" if what.endswith(" in seconds") else None
-        hint = unit_hint(raw, unit) if unit else ""
+        hint = (unit_hint(raw, unit) if unit else "") or separator_hint(raw)
         raise TraceFormatError(path, line, f"column {col!r}: expected {what} (a number), got {raw!r}{hint}") from None
     if not math.isfinite(v):
         raise TraceFormatError(path, line, f"column {col!r}: expected a finite {what}, got {raw!r}")

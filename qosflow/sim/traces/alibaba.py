@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from qosflow.errors import TraceFormatError
-from qosflow.sim.traces._common import check_text, data_rows, delimiter_hint, misnamed_hint, unit_hint
+from qosflow.sim.traces._common import check_text, data_rows, delimiter_hint, misnamed_hint, separator_hint, unit_hint
 
 MILLI = 1000
 
@@ -114,7 +114,8 @@ def _int(path: Path, line: int, row: dict[str, str], col: str, what: str, lo: in
         except ValueError:
             f = None
         if f is None or not f.is_integer():
-            raise TraceFormatError(path, line, f"column {col!r}: expected an integer ({what}), got {raw!r}") from None
+            raise TraceFormatError(path, line, f"column {col!r}: expected an integer ({what}), got {raw!r}"
+                                               f"{separator_hint(raw)}") from None
         val = int(f)
     if val < lo or (hi is not None and val > hi):
         rng = f">= {lo}" if hi is None else f"within {lo}..{hi}"
@@ -130,7 +131,7 @@ def _opt_time(path: Path, line: int, row: dict[str, str], col: str) -> float | N
         val = float(raw)
     except ValueError:
         raise TraceFormatError(path, line, f"column {col!r}: expected a time in seconds or empty, got {raw!r}"
-                                           f"{unit_hint(raw, 's')}") from None
+                                           f"{unit_hint(raw, 's') or separator_hint(raw)}") from None
     if not (0 <= val < float("inf")):  # NaN and inf too: "must be > 0 seconds, got inf" came much later
         raise TraceFormatError(path, line, f"column {col!r}: time must be a finite number of seconds >= 0, got {raw!r}")
     return val
