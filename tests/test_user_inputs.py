@@ -153,6 +153,13 @@ def test_jobs_of_a_model_without_measurements_are_named(tmp_path, capsys):
     t, c = _files(tmp_path)
     assert _simulate(t, c, "--policies", "fifo", "--no-plots") == 0
     assert "no measurements" not in capsys.readouterr().out
+    # an Alibaba pod list names no model at all (its jobs are 'alibaba-pod'): nothing to say
+    p = tmp_path / "pods.csv"
+    p.write_text(PODS)
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,131072,4,T4\n")
+    assert main(["simulate", "--trace", str(p), "--cluster", str(nodes), "--policies", "fifo", "--no-plots"]) == 0
+    assert "no measurements" not in capsys.readouterr().out
 
 
 GAVEL = ("ResNet-18 (batch size 128)\tcmd\t-n\t1\t10000\t0\t1\n"
