@@ -133,3 +133,21 @@ def test_a_worker_started_without_the_cli_stops_on_an_invalid_or_missing_cluster
     monkeypatch.setenv("QOSFLOW_CLUSTER_BLOCK", "validation-no-such-block")
     err = str(asyncio.run(start("validation-plain-2")))  # a block that does not exist
     assert "no cluster block named 'validation-no-such-block'" in err and "prefect block ls" in err, err
+
+
+def test_a_policy_blocks_worker_settings_given_are_those_off_their_default():
+    """`prefect deploy` copies a QoS policy block whole into the deployment's `qos_policy` job variable,
+    defaults included; the pipeline's log then said of a block that set only a deadline and a class that
+    'its at_risk_margin, coda_feedback, early_check_min_gpus, early_check_s, estimator, policy,
+    round_interval_s are the worker's settings' (admin review, deployments/prefect.yaml's nightly run).
+    QoSPolicy.worker_settings_given names only the worker's settings a block moved off their default."""
+    import json
+    from pathlib import Path
+
+    from qosflow.prefect.blocks import QoSPolicy
+
+    only_pipeline = QoSPolicy(deadline_s=3600, priority="guaranteed").model_dump(mode="json")
+    assert QoSPolicy.worker_settings_given(only_pipeline) == []
+    nightly = json.loads((Path(__file__).resolve().parents[1] / "blocks" / "nightly-policy.json").read_text())["data"]
+    assert QoSPolicy.worker_settings_given(QoSPolicy(**nightly).model_dump(mode="json")) == ["estimator", "policy"]
+    assert QoSPolicy.worker_settings_given({"deadline_s": 60, "coda_feedback": False, "options": {}}) == ["coda_feedback"]

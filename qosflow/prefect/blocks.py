@@ -11,6 +11,7 @@ Inside a running event loop `Block.save()`/`Block.load()` return coroutines: use
 from __future__ import annotations
 
 from abc import ABC
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, Optional
 
 from prefect.blocks.core import Block
@@ -136,6 +137,24 @@ class QoSPolicy(Block):
         except TypeError as exc:
             raise ValueError(f"options: {exc}") from None
         return self
+
+    #: the fields a pipeline run takes from its deployment's `qos_policy` job variable; the others are the worker's
+    PIPELINE_FIELDS: ClassVar[tuple[str, ...]] = ("deadline_s", "priority")
+
+    @classmethod
+    def worker_settings_given(cls, values: Mapping[str, Any]) -> list[str]:
+        """The worker's settings (every field but `PIPELINE_FIELDS`) that `values` -- a policy block's fields, e.g.
+        a deployment's `qos_policy` job variable, which `prefect deploy` copies whole, defaults included -- sets
+        to something other than its default, sorted. Fields at their default are not "given": a block that set
+        only a deadline was told its at_risk_margin, coda_feedback, ... were the worker's settings."""
+        given = []
+        for name, field in cls.model_fields.items():
+            if name in cls.PIPELINE_FIELDS or name not in values:
+                continue
+            default = field.get_default(call_default_factory=True)
+            if values[name] is not None and values[name] != default:
+                given.append(name)
+        return sorted(given)
 
     def make_policy(self):
         from qosflow.policies import get_policy
