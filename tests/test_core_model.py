@@ -53,6 +53,9 @@ def test_more_gpus_than_any_placement_is_rejected():
     with pytest.raises(SpecError, match="gpus"):
         spec.validate_qos(QoSSpec(gpus=16), where="stage train")
     assert spec.why_never_fits(QoSSpec(gpus=1, gpu_mem_mb=10**6))
+    # one GPU is '1 GPU' (was '1 GPUs')
+    assert spec.why_never_fits(QoSSpec(gpus=1, cpu_cores=64)) == "no node has 1 GPU with 64 cores"
+    assert ClusterSpec.uniform(2, 4, mem_mb=1000).why_never_fits(QoSSpec(gpus=1, mem_mb=2000)).endswith("with 1 GPU (largest: 1000 MiB)")
 
 
 def test_cpu_only_never_fits_says_what_is_missing():

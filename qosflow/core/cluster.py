@@ -26,6 +26,11 @@ from qosflow.core.placement import Placement
 from qosflow.core.qos import QoSSpec
 from qosflow.errors import SpecError
 
+
+def _n_gpus(n: int) -> str:
+    """'1 GPU', '4 GPUs' (a rejection read '1 GPUs')."""
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
 class PlacementError(SpecError):
     """A placement conflicts with the cluster state (over-allocation, missing node...)."""
 
@@ -214,17 +219,17 @@ class ClusterSpec:
             return f"no GPU has {qos.gpu_mem_mb:g} MiB of memory (largest: {max(n.gpu_mem_mb for n in nodes):g})"
         total = sum(n.gpus for n in mem_ok)
         if qos.gpus > total:
-            return f"asks for {qos.gpus} GPUs; the cluster has {total} that fit it"
+            return f"asks for {_n_gpus(qos.gpus)}; the cluster has {total} that fit it"
         per_gpu_cpu = qos.cpu_cores / qos.gpus
         if qos.gpus <= max(n.gpus for n in mem_ok):
             fed = [n for n in mem_ok if n.gpus >= qos.gpus and per_gpu_cpu * qos.gpus <= n.cpu_cores + 1e-9]
             if not fed:
-                return f"no node has {qos.gpus} GPUs with {qos.cpu_cores:g} cores"
+                return f"no node has {_n_gpus(qos.gpus)} with {qos.cpu_cores:g} cores"
             # a job that fits on one node is placed on one first (locality), so one node must have
             # its host memory (a spread placement splits memory only for jobs wider than a node)
             if any(n.mem_mb >= qos.mem_mb - 1e-6 for n in fed):
                 return None
-            return f"no {self._node_kind(qos)} has {qos.mem_mb:g} MiB of host memory with {qos.gpus} GPU(s) (largest: {max(n.mem_mb for n in fed):g} MiB)"
+            return f"no {self._node_kind(qos)} has {qos.mem_mb:g} MiB of host memory with {_n_gpus(qos.gpus)} (largest: {max(n.mem_mb for n in fed):g} MiB)"
         # a multi-node gang: its cores are split over its nodes in proportion to its GPUs there
         fits = sum(n.gpus for n in mem_ok if per_gpu_cpu * n.gpus <= n.cpu_cores + 1e-9)
         if fits < qos.gpus:
