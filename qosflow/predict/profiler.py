@@ -184,7 +184,11 @@ if required:
          "(only steps/max_steps/num_steps=N+1 when it takes one): give them defaults, or profile a small wrapper "
          f"function that calls it, with --signature {sig} so that its samples go to this stage (under the wrapper's "
          "own name no stage would use them)")
-f(**kw)
+try:
+    f(**kw)
+except Exception as exc:  # its traceback from the function on: the first frame, this runner's, said File "<string>"
+    traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+    sys.exit(1)
 """
 
 
@@ -268,7 +272,7 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
                 detail = ("\n" + "\n".join(tail)) if tail and "traceback follows" in msg else ""
                 raise QosflowError(f"cannot profile {target}: {msg}{detail}")
         if proc.returncode not in (0, None) and stopped == "finished":
-            tail = (err or "").strip().splitlines()[-5:]
+            tail = [ln for ln in (err or "").strip().splitlines() if not ln.startswith(_SIG_MARK)][-5:]
             raise QosflowError(f"{target} failed with exit code {proc.returncode}:\n" + "\n".join(tail))
         ev = read_progress(prog)
     derived = next((ln[len(_SIG_MARK):].strip() for ln in err.splitlines() if ln.startswith(_SIG_MARK)), None)
