@@ -654,6 +654,15 @@ def test_a_pipelines_policy_block_says_which_of_its_fields_it_applies(monkeypatc
         pipe.fn()
     said = [r.getMessage() for r in caplog.records if "QoS policy block" in r.getMessage()]
     assert said == ["QoS policy block: this run's deadline 60s and class default"], said
+    # what `prefect deploy` passes: the whole block, the worker's settings at their defaults (they were all named)
+    from qosflow.prefect.blocks import QoSPolicy
+
+    caplog.clear()
+    monkeypatch.setenv("QOSFLOW_QOS_POLICY", json.dumps(QoSPolicy(deadline_s=60).model_dump(mode="json")))
+    with caplog.at_level(logging.INFO, logger="qosflow"):
+        pipe.fn()
+    said = [r.getMessage() for r in caplog.records if "QoS policy block" in r.getMessage()]
+    assert said == ["QoS policy block: this run's deadline 60s and class normal"], said
 
 
 def test_a_bad_priority_says_what_an_integer_priority_means():

@@ -1419,15 +1419,15 @@ def _policy_defaults() -> dict[str, Any]:
         return {}
 
 
-#: QoS policy block fields that a pipeline run takes from its deployment's `qos_policy` (the others are the worker's)
-PIPELINE_POLICY_FIELDS = ("deadline_s", "priority")
-
-
 def _say_what_the_policy_block_sets(policy: Mapping[str, Any], deadline: Any, priority: Any, pool: str | None) -> None:
     """Log, on the pipeline's run, what its deployment's QoS policy block set: a user who put
     `estimator: history` in the `nightly` block saw the stages run with the worker's `learned`."""
     logger = _run_logger("qosflow")
-    worker_side = sorted(k for k, v in policy.items() if k not in PIPELINE_POLICY_FIELDS and not k.startswith("_") and v not in (None, {}, []))
+    from qosflow.prefect.blocks import QoSPolicy
+
+    # off their default only: `prefect deploy` copies the whole block, so every nightly run was told that its
+    # at_risk_margin, coda_feedback, early_check_*, ... (all at their defaults) were the worker's settings
+    worker_side = QoSPolicy.worker_settings_given(policy)
     logger.info(
         "QoS policy block: this run's deadline %s and class %s%s",
         "none" if deadline is None else f"{float(deadline):g}s", getattr(priority, "value", priority) or "default",
