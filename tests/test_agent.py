@@ -554,6 +554,19 @@ def test_agent_start_mistakes_are_named_before_it_starts(capsys):
             assert says in err and "on http://" not in err, err
 
 
+def test_an_empty_token_file_says_how_to_make_a_token(tmp_path, capsys):
+    """The docs' recipe (echo "$SECRET" > ...) wrote an empty file when $SECRET was never set; the agent
+    then said only that the file is empty. It now says how to make a token."""
+    from qosflow.cli.main import main
+
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    empty.chmod(0o600)
+    assert main(["agent", "start", "--token-file", str(empty), "--virtual-gpus", "1"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "is empty" in err and "secrets.token_urlsafe(32)" in err and "every host" in err, err
+
+
 def test_agent_start_listens_on_every_address_of_its_host_name(monkeypatch):
     """`--host localhost` resolves to 127.0.0.1 and ::1 on many hosts. uvicorn (asyncio) listened on
     both; binding the socket ourselves listened on the first only, so a worker whose cluster file says

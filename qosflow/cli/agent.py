@@ -21,7 +21,9 @@ def _read_token(token: str | None, token_file: Path | None) -> str:
         except OSError as exc:
             raise SpecError("--token-file", f"cannot read {token_file}: {exc.strerror}") from None
         if not token:
-            raise SpecError("--token-file", f"{token_file} is empty; put the cluster's secret token in it")
+            raise SpecError("--token-file", f"{token_file} is empty; put the cluster's secret token in it (make one with: "
+                                            f"python3 -c 'import secrets; print(secrets.token_urlsafe(32))' > {token_file}; "
+                                            "the same token on every host and for the worker)")
         mode = token_file.expanduser().stat().st_mode & 0o777
         if mode & 0o077:
             # a token file others can read gives every user of the host the run of every agent; it was
