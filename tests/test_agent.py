@@ -1162,3 +1162,28 @@ def test_a_stage_the_agent_may_not_signal_gets_an_answer_that_says_so(tmp_path, 
         assert "cannot signal stage eperm's processes" in r.json()["detail"] and "as root" in r.json()["detail"]
         monkeypatch.setattr(runner_mod.os, "killpg", real_killpg)
         assert client.delete("/v1/stages/eperm", params={"grace": 0}, headers=headers).status_code == 200
+
+
+def test_hosts_not_reached_at_the_start_are_named_not_called_gpu_less(agents):
+    """A worker whose agents were not reachable yet logged 'no GPU: virtual GPUs (declared, not detected)'
+    for a cluster of real GPUs (admin review). The backend's inventory note names the hosts it has not
+    reached and says what is planned for them; with every agent answering there is no note."""
+    import socket
+
+    a, _ = agents
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"  # (nothing listens once it is closed)
+
+    async def go(hosts):
+        be = AgentBackend(hosts, TOKEN, heartbeat_s=1.0)
+        try:
+            spec = await be.inventory()
+            return spec, be.inventory_note
+        finally:
+            await be.aclose()
+
+    spec, note = asyncio.run(go([AgentHost(a.name, a.url), AgentHost("gpu-x", closed, gpus=4)]))
+    assert "host gpu-x did not answer" in note and "declares" in note and "its agent answers" in note, note
+    assert "host-a" not in note and [n.gpus for n in spec.nodes] == [2, 4]
+    assert asyncio.run(go([AgentHost(a.name, a.url)]))[1] == ""

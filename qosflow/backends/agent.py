@@ -138,6 +138,7 @@ class AgentBackend(Backend):
         self.cluster_name = cluster_name
         #: where the hosts' declared sizes come from, for messages ("cluster file lab.yaml")
         self.declared_by = declared_by or (f"cluster block {cluster_name!r}" if cluster_name != "agents" else "the cluster's declaration")
+        self.inventory_note = ""  # for the worker's start-up line (set by inventory())
         self.state = {h.name: HostState(h.name, h.url.rstrip("/")) for h in self.hosts.values()}
         self._headers = {"Authorization": f"Bearer {token}"}
         self._request_timeout_s = request_timeout_s
@@ -343,6 +344,12 @@ class AgentBackend(Backend):
             await self.refresh(timeout=5.0)
         await self.start()
         nodes = []
+        unseen = [name for name in self.hosts if not self.state[name].reported]
+        # (said in the worker's start-up line: it read "no GPU: virtual GPUs (declared, not detected)" for a cluster
+        # of real GPUs whose agents were not reachable yet, whatever the block declared)
+        self.inventory_note = "" if not unseen else (
+            f"host{'s' if len(unseen) > 1 else ''} {', '.join(unseen)} did not answer: planned at the size "
+            f"{self.declared_by} declares, shown as virtual and down until {'their agents answer' if len(unseen) > 1 else 'its agent answers'}")
         for name, decl in self.hosts.items():
             h = self.state[name]
             if h.reported:
