@@ -156,6 +156,33 @@ def test_manifests_carry_no_credentials():
     assert off.secret_manifest(spec) is None and "pnu_SeCrEt" in json.dumps(off.manifests(spec)[0])
 
 
+def test_the_cluster_blocks_gpu_resource_and_credentials_setting_reach_the_backend():
+    """KubernetesGPUCluster had a gpu_resource field that nothing read (the backend asked for nvidia.com/gpu
+    whatever the block said), and no way to the backend's credentials_in_secret. Both now reach it: the
+    block's resource name is what pods ask for (shared: name + '.shared'), tolerate, and inventory counts."""
+    from types import SimpleNamespace
+
+    from qosflow.prefect.blocks import KubernetesGPUCluster
+
+    block = KubernetesGPUCluster(api_url="http://127.0.0.1:1", gpu_resource="example.com/gpu", credentials_in_secret=False,
+                                 sharing="time-slicing")
+    be = block.make_backend()
+    assert be.gpu_resource == "example.com/gpu" and be.shared_resource == "example.com/gpu.shared" and not be.credentials_in_secret
+    cluster = ClusterSpec((NodeSpec("n0", 4, virtual=True),))
+    (job,), _ = be.manifests(LaunchSpec("w", ["x"], Placement("w", ((0, 0), (0, 1)), ((0, 2.0),)), cluster,
+                                        env={"PREFECT_API_KEY": "pnu_x"}))
+    pod = job["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"] == {"example.com/gpu": "2"}
+    assert {"key": "example.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert be.secret_manifest(LaunchSpec("w", ["x"], Placement("w", ((0, 0),), ((0, 1.0),)), cluster, env={"PREFECT_API_KEY": "pnu_x"})) is None
+    (fj,), _ = be.manifests(LaunchSpec("f", ["x"], Placement("f", ((0, 2),), ((0, 1.0),), gpu_milli=250), cluster))
+    assert fj["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {"example.com/gpu.shared": "1"}
+    node = SimpleNamespace(metadata=SimpleNamespace(name="n0", labels={}),
+                           status=SimpleNamespace(allocatable={"example.com/gpu": "8", "cpu": "16", "memory": "64Gi"}))
+    assert be._node_spec(node, {}).gpus == 8
+    assert KubernetesBackend(api_client=client.ApiClient()).shared_resource == GPU_SHARED  # (NVIDIA's, as before)
+
+
 def test_inventory(env):
     async def go():
         be = env.backend()

@@ -181,7 +181,10 @@ class KubernetesBackend(Backend):
     kubeconfig: str | None = None
     context: str | None = None
     gpu_sharing: str = "time-slicing"  # "time-slicing" | "mps" | "none"
-    shared_resource: str = GPU_SHARED
+    #: the extended resource of a whole GPU (a device plugin other than NVIDIA's names its own)
+    gpu_resource: str = GPU
+    #: the shared (renamed) resource of the device plugin's time-slicing or MPS; default: gpu_resource + ".shared"
+    shared_resource: str = ""
     gang_scheduler: str | None = None  # None | "volcano" | "kai"
     kai_queue: str = "default"
     node_selector: dict[str, str] = field(default_factory=dict)
@@ -212,6 +215,8 @@ class KubernetesBackend(Backend):
         return self.gpu_sharing != "none"
 
     def __post_init__(self) -> None:
+        if not self.shared_resource:
+            self.shared_resource = GPU_SHARED if self.gpu_resource == GPU else f"{self.gpu_resource}.shared"
         if self.gpu_sharing not in ("time-slicing", "mps", "none"):
             raise SpecError("gpu_sharing", f"{self.gpu_sharing!r}: use time-slicing, mps or none")
         if self.gang_scheduler not in (None, "volcano", "kai"):
@@ -277,8 +282,8 @@ class KubernetesBackend(Backend):
     def _node_spec(self, n, switches: dict[str, int]) -> NodeSpec:
         labels = n.metadata.labels or {}
         alloc = n.status.allocatable or {}
-        if GPU in alloc:
-            gpus = int(quantity(alloc[GPU]))
+        if self.gpu_resource in alloc:
+            gpus = int(quantity(alloc[self.gpu_resource]))
         else:  # shared (renamed) resource: the physical count is GPU feature discovery's label
             gpus = int(labels.get("nvidia.com/gpu.count", 0)) if self.shared_resource in alloc else 0
         zone = labels.get("qosflow.dev/switch") or labels.get("topology.kubernetes.io/zone") or ""
@@ -417,7 +422,7 @@ class KubernetesBackend(Backend):
                 if shared and self.shares_gpus:
                     limits[self.shared_resource] = str(k_gpus)
                 else:
-                    limits[GPU] = str(k_gpus)
+                    limits[self.gpu_resource] = str(k_gpus)
             requests = {"cpu": _cpu(max(cores, 0.001))}
             if p.mem_mb:
                 requests["memory"] = f"{int(p.mem_mb / len(nodes))}Mi"
@@ -439,7 +444,7 @@ class KubernetesBackend(Backend):
                 "tolerations": [
                     {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": self.eviction_toleration_s},
                     {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": self.eviction_toleration_s},
-                    {"key": GPU, "operator": "Exists", "effect": "NoSchedule"},
+                    {"key": self.gpu_resource, "operator": "Exists", "effect": "NoSchedule"},
                 ],
             }
             if len(gnodes) > 1:

@@ -356,7 +356,7 @@ class KubernetesGPUCluster(_ClusterBase):
     namespace: str = Field(default="default", description="Namespace stage Jobs are created in.")
     image: str = Field(default="prefecthq/prefect:3-python3.11", description="Container image stages run in.")
     node_labels: dict[str, str] = Field(default_factory=dict, description="Only nodes with these labels run stages.")
-    gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of a GPU.")
+    gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of a whole GPU (the device plugin's); a shared GPU is this name + '.shared'.")
     node_names: list[str] = Field(default_factory=list, description="Nodes to plan on when the API cannot be read (virtual).")
     sharing: Literal["none", "time-slicing", "mps"] = Field(default="none", description="GPU sharing the NVIDIA device plugin is configured for.")
 
@@ -366,6 +366,11 @@ class KubernetesGPUCluster(_ClusterBase):
     api_url: Optional[str] = Field(
         default=None,
         description="Plain API server URL without credentials (`kubectl proxy`, or the qosflow test emulator); not with kubeconfig/context.",
+    )
+    credentials_in_secret: bool = Field(
+        default=True,
+        description="Pass a stage's credentials (PREFECT_API_KEY, ...) through a Secret per stage (the account needs create/delete "
+                    "on secrets); off: as plain values in the Job, readable by whoever may read Jobs.",
     )
 
     @field_validator("kubeconfig", "context", "api_url", mode="before")
@@ -436,6 +441,7 @@ class KubernetesGPUCluster(_ClusterBase):
         return KubernetesBackend(
             namespace=self.namespace, image=self.image, api_client=api_client, kubeconfig=self.kubeconfig, context=self.context,
             gpu_sharing=self.sharing, gang_scheduler=self.gang_scheduler, node_selector=dict(self.node_labels), cluster_name=name,
+            gpu_resource=self.gpu_resource, credentials_in_secret=self.credentials_in_secret,
         )
 
 
