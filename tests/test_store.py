@@ -406,3 +406,68 @@ def test_the_default_store_and_its_data_dir_are_private(tmp_path, monkeypatch):
         assert (shared.stat().st_mode & 0o777) == 0o644
     finally:
         os.umask(old)
+
+
+def _hide_index_while(path, index: str, table: str, other: str, sql: str) -> None:
+    """Damage as SQLite's integrity_check reports it ('wrong # of entries in index ...'): run `sql` while
+    the index `index` of `table` is declared on the table `other`, so its entries for the new rows are missing."""
+    import sqlite3
+
+    c = sqlite3.connect(path)
+    c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    orig = c.execute("SELECT sql FROM sqlite_master WHERE name = ?", (index,)).fetchone()[0]
+    c.execute("PRAGMA writable_schema=ON")
+    c.execute("UPDATE sqlite_master SET tbl_name = ?, sql = ? WHERE name = ?",
+              (other, orig.replace(f"ON {table} ", f"ON {other} "), index))
+    c.commit()
+    c.close()
+    c = sqlite3.connect(path)
+    c.execute(sql)
+    c.commit()
+    c.close()
+    c = sqlite3.connect(path)
+    c.execute("PRAGMA writable_schema=ON")
+    c.execute("UPDATE sqlite_master SET tbl_name = ?, sql = ? WHERE name = ?", (table, orig, index))
+    c.commit()
+    c.close()
+
+
+def test_a_damaged_database_says_how_to_repair_it(tmp_path):
+    """A SQLite file with a damaged index (seen once after many workers and demos shared one qosflow.db:
+    'wrong # of entries in index ix_qosflow_worker_presence_pool') gave a raw 'database disk image is
+    malformed' traceback at whatever query met it. The error now names the file and how to repair it,
+    and the repair it gives mends an index short of entries."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    path = tmp_path / "q.db"
+    with Store.open(f"sqlite:///{path}") as store:
+        store.add_sample(signature="a", step_time_s=0.1, gpus=1)
+    c = sqlite3.connect(path)
+    c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    page = c.execute("PRAGMA page_size").fetchone()[0]
+    root = c.execute("SELECT rootpage FROM sqlite_master WHERE name = 'ix_sample_signature'").fetchone()[0]
+    c.close()
+    broken = tmp_path / "broken.db"
+    broken.write_bytes(path.read_bytes())
+    with open(broken, "r+b") as f:  # (a damaged page: no query may read the index)
+        f.seek((root - 1) * page)
+        f.write(b"\xff" * 64)
+    with Store.open(f"sqlite:///{broken}") as store:
+        with pytest.raises(QosflowError, match=rf"the qosflow database {broken} is damaged .*malformed.*REINDEX.*mv ") as err:
+            store.samples_for("a")
+    # the repair the message gives, on the damage seen in the field
+    _hide_index_while(path, "ix_sample_signature", "sample", "profile",
+                      "INSERT INTO sample (signature, gpu_type, placement, gpus, cross_node, cpu_cores, step_time_s, steps, "
+                      "source, created_at) SELECT signature, gpu_type, placement, gpus, cross_node, cpu_cores, 0.2, steps, "
+                      "source, created_at FROM sample")
+    c = sqlite3.connect(path)
+    assert "wrong # of entries in index ix_sample_signature" in str(c.execute("PRAGMA integrity_check").fetchall())
+    c.close()
+    fix = str(err.value).replace(str(broken), str(path)).split("rebuild its indexes, where such damage usually is: ", 1)[1]
+    fix = fix.split(" -- ", 1)[0]
+    out = subprocess.run(["bash", "-c", fix.replace("python3", sys.executable, 1)], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", (fix, out.stdout, out.stderr)
+    with Store.open(f"sqlite:///{path}") as store:
+        assert sorted(s.step_time_s for s in store.samples_for("a")) == [0.1, 0.2]

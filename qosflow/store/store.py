@@ -254,6 +254,31 @@ def _is_busy(exc: BaseException) -> bool:
     )
 
 
+def damaged_database(exc: BaseException, url: str) -> QosflowError | None:
+    """A QosflowError that says how to repair a SQLite database SQLite calls damaged ('database disk image
+    is malformed', e.g. an index short of entries), or None for any other error. Was a raw traceback at
+    whatever query met the damage (a worker's start, a profile)."""
+    msg = str(exc)
+    if "malformed" not in msg.lower():
+        return None
+    path = _sqlite_path(url) or url
+    check = (f"python3 -c \"import sqlite3; c = sqlite3.connect('{path}'); c.execute('REINDEX'); "
+             f"print(c.execute('PRAGMA integrity_check').fetchone()[0])\"")
+    return QosflowError(
+        f"the qosflow database {path} is damaged (SQLite: {msg}). Stop every qosflow worker and command that uses it, then "
+        f"rebuild its indexes, where such damage usually is: {check} -- 'ok' means repaired. Otherwise move it aside "
+        f"(mv {path} {path}.damaged): a new one is made at the next start; the predictor's samples and the stages' "
+        "history in the old one are lost (a PostgreSQL database, QOSFLOW_DATABASE_URL, suits several workers better)")
+
+
+def explain_damage(engine: sa.Engine, url: str) -> None:
+    """Turn SQLite's 'database disk image is malformed', from any query on `engine`, into `damaged_database`'s error."""
+
+    @event.listens_for(engine, "handle_error")
+    def _damaged(ctx):  # pragma: no cover - exercised by test_a_damaged_database_says_how_to_repair_it
+        return damaged_database(ctx.original_exception, url)
+
+
 class Store:
     """Repository over the qosflow database (SQLite or PostgreSQL)."""
 
@@ -372,6 +397,8 @@ class Store:
                     cur.execute("PRAGMA synchronous=NORMAL")
                 cur.execute("PRAGMA foreign_keys=ON")
                 cur.close()
+
+            explain_damage(engine, url)
 
             @event.listens_for(engine, "begin")
             def _on_begin(conn):  # pragma: no cover
