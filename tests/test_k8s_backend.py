@@ -224,6 +224,37 @@ def test_stage_runs_labelled_on_its_node(env):
     assert lines and (E2E and any("qosflow-stage-ran" in ln for ln in lines) or not E2E)
 
 
+def test_stopped_waits_and_late_kills_leave_no_entry_behind(env, monkeypatch):
+    """The backend kept one entry per stage whose wait the worker stopped (its stop event) and one per kill
+    whose wait had already ended (its kill reason, which a later wait of the same attempt reports): the
+    worker's memory grew with every such stage. A stopped wait drops its event; kill reasons are bounded."""
+    import dataclasses
+
+    from qosflow.backends import kubernetes as k8s
+
+    monkeypatch.setattr(k8s, "KILLED_KEPT", 2)
+
+    async def go():
+        be = env.backend()
+        try:
+            cluster = await be.inventory()
+            h = await be.launch(LaunchSpec("long-1", ["sh", "-c", "sleep 600"], env.placement(cluster, "long"), cluster))
+            waiting = asyncio.ensure_future(be.wait(h))
+            await until(lambda: h.stage_id in be._stop, "the wait has started")
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert h.stage_id not in be._stop
+            await be.kill(h, grace=0)
+            for i in range(3):  # kills whose waits ended long ago
+                await be.kill(dataclasses.replace(h, stage_id=f"gone-{i}", ref={"jobs": [], "namespace": h.ref["namespace"]}))
+            return dict(be._killed)
+        finally:
+            await be.aclose()
+
+    assert list(run(go())) == ["gone-1", "gone-2"]
+
+
 def test_user_errors(env):
     async def go():
         be = env.backend()

@@ -49,6 +49,7 @@ import math
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
@@ -67,6 +68,8 @@ ANN_STAGE = "qosflow.dev/stage-id"
 ANN_PLACEMENT = "qosflow.dev/placement"
 VIRTUAL_LABEL = "qosflow.dev/virtual-gpus"
 GPU = "nvidia.com/gpu"
+#: kill reasons kept for waits still to report them (the oldest go first)
+KILLED_KEPT = 4096
 GPU_SHARED = "nvidia.com/gpu.shared"
 _in_api_call = threading.local()
 
@@ -238,7 +241,9 @@ class KubernetesBackend(Backend):
         self.core = client.CoreV1Api(self.api_client)
         self.batch = client.BatchV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
-        self._killed: dict[str, str] = {}
+        #: stage id -> why it was killed (for the wait that reports it CANCELLED; a kill may come before
+        #: its wait starts). Bounded: a kill whose wait had already ended left its entry for good
+        self._killed: OrderedDict[str, str] = OrderedDict()
         self._stop: dict[str, threading.Event] = {}
         self._progress = ProgressCopies("qosflow-k8s-progress-")
         #: stage id -> the (t, step) of the last progress line copied (None: the log not read yet)
@@ -614,6 +619,7 @@ class KubernetesBackend(Backend):
             st = await asyncio.to_thread(self._wait_sync, handle, stop)
         except asyncio.CancelledError:
             stop.set()
+            self._stop.pop(handle.stage_id, None)  # (kept, one entry per stage whose wait the worker stopped)
             raise
         if not st.ok and st.kind is not ExitKind.CANCELLED:
             await self.kill(handle, reason=f"stage failed: {st.reason}")
@@ -786,6 +792,8 @@ class KubernetesBackend(Backend):
         from kubernetes.client.exceptions import ApiException
 
         self._killed.setdefault(handle.stage_id, reason)
+        while len(self._killed) > KILLED_KEPT:
+            self._killed.popitem(last=False)
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
         if grace is not None:
             body["gracePeriodSeconds"] = max(0, int(grace))
