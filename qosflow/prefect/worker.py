@@ -1129,10 +1129,6 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 handle = StageHandle(**le.handle)
             if handle is None:
                 await asyncio.to_thread(self.leases.release, le.lease_id)
-            key = f"lease:{le.lease_id}"
-            if key in self._foreign and self.scheduler is not None:
-                self.scheduler.unhold(key)
-                self._foreign.discard(key)
             await self._take_back(dataclasses.replace(le, holder=self.holder), handle)
 
     def _spawn_queued_label(self, flow_run_id: Any) -> None:
@@ -1196,6 +1192,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         fid = lease.stage_key
         sched = self.scheduler
         assert sched is not None and self._backend is not None
+        # the lease was another holder's until now (an earlier process of this worker, or a worker whose
+        # lease expired): `_sync_foreign` showed it to the policy as taken capacity. It is this stage's
+        # slot from now on: drop that hold, or the stage's own slot is busy for `adopt` ("does not fit the
+        # current view") and the stage was watched outside the policy's view; the next sync then dropped
+        # the hold too, the GPU looked free while the stage ran, and stages placed on it were refused
+        # their lease (SlotTaken) and re-planned every ~70 ms until it ended
+        key = f"lease:{lease.lease_id}"
+        if key in self._foreign:
+            sched.unhold(key)
+            self._foreign.discard(key)
         if handle is not None and self._backend.name == "local":
             # a local stage process outlives its worker (own session) but cannot be waited on by a new
             # one: stop it, then rerun the stage, so that it never runs twice
