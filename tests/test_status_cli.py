@@ -61,6 +61,20 @@ def test_status_shows_the_running_stage_and_why_the_other_waits(prefect_server, 
         assert "QoS queue" in text and "stage runs" in text and "workers" in text
         th.join(120)
         assert result.get("r") == [12.0, 12.0]
+        # what `_placed` relies on for a Pending run: the worker places a stage (`qosflow.placed_at`) after
+        # the server stamped the run Pending, so the placement of an attempt is never older than its Pending
+        from prefect.client.orchestration import get_client
+
+        from qosflow.prefect.labels import label_float
+        from qosflow.prefect.status import PLACED_CLOCK_SLACK_S
+
+        with get_client(sync_client=True) as c:
+            stage_runs = [fr for fr in c.read_flow_runs() if fr.id.hex in {s["flow_run_id"].replace("-", "") for s in data["stages"]}]
+            assert len(stage_runs) == 2
+            for fr in stage_runs:
+                pending = [h.timestamp.timestamp() for h in c.read_flow_run_states(fr.id) if h.is_pending()]
+                placed_at = label_float((fr.labels or {}).get("qosflow.placed_at"))
+                assert pending and placed_at is not None and placed_at >= pending[-1] - PLACED_CLOCK_SLACK_S, (pending, placed_at)
     finally:
         w.stop(drain=0)
 
@@ -98,3 +112,47 @@ def test_labels_that_do_not_parse_read_as_unknown():
     assert label_int("4") == 4 and label_float("12.5") == 12.5
     assert [label_int(x) for x in (None, "", "x", "2.5")] == [None] * 4
     assert [label_float(x) for x in (None, "", "x", "nan", "inf", "-inf")] == [None] * 6
+
+
+def _stage_run(state, labels: dict, *, stage: str = "train"):
+    import uuid
+
+    from prefect.client.schemas.objects import FlowRun
+
+    return FlowRun(id=uuid.uuid4(), name="brave-otter", flow_id=uuid.uuid4(), state=state, labels=labels,
+                   parameters={"payload": "x", "stage": stage, "pipeline": "retrain"})
+
+
+def _placement(placed_at: float) -> dict:
+    return {"qosflow.host": "host-a", "qosflow.gpus": "host-a:0", "qosflow.placed_at": f"{placed_at:.3f}",
+            "qosflow.predicted_s": "30.000", "qosflow.queued_by": "agents-worker"}
+
+
+def test_a_placed_stage_whose_process_still_starts_shows_placed_with_its_host():
+    """A stage the worker has placed, whose run is still Pending while its process starts (some seconds on
+    host agents), showed as 'queued / QoS queue', without its host; it is placed, on its host and GPUs.
+    A Pending run whose placement labels are older than its Pending state (those of the attempt before a
+    reschedule: labels are only merged, never dropped) still waits in the QoS queue."""
+    import pendulum
+    from prefect.states import Pending, Running
+
+    from qosflow.prefect.status import _stage_status
+
+    now = time.time()
+    pending_since = now - 4.0
+    starting = _stage_run(Pending(timestamp=pendulum.from_timestamp(pending_since)), _placement(pending_since + 0.3))
+    st = _stage_status(starting, now)
+    assert (st.phase, st.state, st.host, st.gpus, st.predicted_s) == ("running", "Pending", "host-a", "host-a:0", 30.0)
+    assert 3.0 < st.since_s < 4.0  # placed for (not waiting since the run was created)
+
+    # placed by a worker whose clock is a little behind the server's: still this attempt's placement
+    assert _stage_status(_stage_run(Pending(timestamp=pendulum.from_timestamp(pending_since)), _placement(pending_since - 0.5)), now).phase == "running"
+
+    # rescheduled after its first attempt was lost; taken again and waiting: the labels are the old attempt's
+    stale = _stage_run(Pending(timestamp=pendulum.from_timestamp(pending_since)), _placement(now - 120.0))
+    st = _stage_status(stale, now)
+    assert (st.phase, st.host, st.gpus, st.predicted_s) == ("queued", "", "", None)
+
+    assert _stage_status(_stage_run(Pending(), {"qosflow.queued_by": "agents-worker"}), now).phase == "queued"
+    running = _stage_status(_stage_run(Running(), _placement(now - 60.0)), now)
+    assert (running.phase, running.host) == ("running", "host-a")

@@ -24,8 +24,9 @@ class StageStatus:
     name: str
     pipeline: str
     state: str
-    #: "running" (placed: host and GPUs known), "queued" (taken by a worker, waiting in its QoS queue) or
-    #: "unclaimed" (no worker has taken it yet)
+    #: "running" (placed: host and GPUs known; its state says whether its process runs yet or still
+    #: starts, Pending), "queued" (taken by a worker, waiting in its QoS queue) or "unclaimed" (no worker
+    #: has taken it yet)
     phase: str
     host: str = ""
     gpus: str = ""
@@ -67,11 +68,34 @@ class PoolStatus:
         return asdict(self)
 
 
+#: seconds a placement may seem to precede the Pending state of its own attempt: `qosflow.placed_at` is
+#: the worker's clock, the state's timestamp the Prefect server's (one host: 0)
+PLACED_CLOCK_SLACK_S = 1.0
+
+
+def _placed(fr: Any, labels: dict[str, str]) -> bool:
+    """Has a worker placed this attempt of the stage run (its `qosflow.*` placement labels are this
+    attempt's)? Running: yes if labelled. Pending: the worker took the run and then either holds it in
+    its QoS queue or has placed it and is starting its process (some seconds on host agents); it is
+    placed if its labels were written after the run became Pending. A rescheduled run keeps the labels
+    of the attempt before (labels are only ever merged), so an older `qosflow.placed_at` is that one's."""
+    if "qosflow.host" not in labels or fr.state is None:
+        return False
+    if fr.state.is_running():
+        return True
+    if not fr.state.is_pending():
+        return False
+    placed_at = label_float(labels.get("qosflow.placed_at"))
+    since = getattr(fr.state, "timestamp", None)
+    return placed_at is not None and since is not None and placed_at >= since.timestamp() - PLACED_CLOCK_SLACK_S
+
+
 def _stage_status(fr: Any, now: float) -> StageStatus:
     labels = dict(getattr(fr, "labels", None) or {})
     params = fr.parameters or {}
     state = fr.state.name if fr.state is not None else "?"
-    placed = "qosflow.host" in labels and fr.state is not None and fr.state.is_running()
+    # placed: running, or Pending while the worker starts its process (it showed as waiting in the QoS queue)
+    placed = _placed(fr, labels)
     taken = fr.state is not None and (fr.state.is_pending() or fr.state.is_running())
     phase = "running" if placed else "queued" if taken else "unclaimed"
     prio = next((t.split("=", 1)[1] for t in fr.tags or () if t.startswith("qos:class=")), "")
