@@ -255,6 +255,31 @@ def test_stopped_waits_and_late_kills_leave_no_entry_behind(env, monkeypatch):
     assert list(run(go())) == ["gone-1", "gone-2"]
 
 
+@emulator_only
+def test_a_stage_whose_own_secret_is_gone_runs_again_rather_than_fail_as_the_users_error():
+    """A pod whose credentials Secret (qosflow's own, one per attempt) is gone before it starts (deleted by
+    hand, a namespace clean-up) waits in CreateContainerConfigError; that was reported USER, so the stage
+    failed for good though nothing in the user's code or template was wrong. It is INFRA now (the stage
+    runs again, its launch makes a new Secret)."""
+    with EmulatorServer([gpu_node("gpu-0", 2)], start_delay_s=2.0) as emu:  # (pods start 2 s after their Job)
+
+        async def go():
+            be = KubernetesBackend(api_client=emu.api_client(), image="busybox:1.36", unschedulable_timeout_s=1.0)
+            try:
+                cluster = await be.inventory()
+                spec = LaunchSpec("nosecret-1", ["sh", "-c", "true"], Placement("ns", ((0, 0),), ((0, 0.1),)), cluster,
+                                  env={"PREFECT_API_KEY": "pnu_x"})
+                h = await be.launch(spec)
+                assert h.ref["secret"]
+                await asyncio.to_thread(be.core.delete_namespaced_secret, h.ref["secret"], "default")
+                return await asyncio.wait_for(be.wait(h), 60)
+            finally:
+                await be.aclose()
+
+        st = run(go())
+    assert st.kind is ExitKind.INFRA and "credentials Secret" in st.reason and "not found" in st.reason, st
+
+
 def test_user_errors(env):
     async def go():
         be = env.backend()

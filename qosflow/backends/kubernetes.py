@@ -29,7 +29,8 @@ One `batch/v1` Job per stage:
 Waiting uses list + watch on the stage's pods, re-listing on 410 Gone and retrying 5xx answers. Pod
 phases and reasons map to an `ExitStatus`: OOMKilled, Evicted, NodeLost (or the node NotReady for
 longer than `node_lost_grace_s`), Unschedulable for longer than `unschedulable_timeout_s` -> INFRA;
-ImagePullBackOff, InvalidImageName, CreateContainerConfigError, a non-zero exit -> USER. `kill`
+ImagePullBackOff, InvalidImageName, CreateContainerConfigError, a non-zero exit -> USER (but a missing
+Secret that is qosflow's own, the attempt's credentials, -> INFRA: the stage runs again). `kill`
 deletes the Job (propagationPolicy Background), its PodGroup and its Secret.
 
 A pod's progress reports (`qosflow.report_progress`) reach the worker through its log: the stage writes
@@ -756,6 +757,13 @@ class KubernetesBackend(Backend):
             if phase == "Pending":
                 waiting = next((c.state.waiting for c in cs if c.state and c.state.waiting), None)
                 if waiting is not None and waiting.reason in ("ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "ErrImageNeverPull"):
+                    ours = handle.ref.get("secret")
+                    said = waiting.message or ""
+                    if waiting.reason == "CreateContainerConfigError" and ours and (f'"{ours}"' in said or f"/{ours}" in said):
+                        # qosflow's own Secret of the attempt is gone (deleted by hand, a namespace clean-up): not the
+                        # user's mistake, so not the end of the stage; it runs again, its launch makes a new one
+                        return ExitStatus(ExitKind.INFRA, None, f"the stage's credentials Secret {ours} is missing "
+                                                                f"({waiting.message}) {where}".strip())
                     return classify_reason(waiting.reason, f"{waiting.message or ''} {where}".strip())
                 sched = next((c for c in (st.conditions or []) if c.type == "PodScheduled"), None) if st else None
                 if sched is not None and sched.status == "False" and sched.reason == "Unschedulable":
