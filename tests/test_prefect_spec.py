@@ -756,3 +756,21 @@ def test_the_workers_stage_events_are_labelled_as_a_stages():
         prefect.events.emit_event = real
     [e] = sent
     assert e["resource"]["qosflow.scope"] == "stage" and e["payload"]["pipeline"] == "pipe-run-id"
+
+
+class _RunParams(__import__("pydantic").BaseModel):
+    lr: float = 0.1
+    epochs: int = 2
+
+
+def test_pipeline_parameter_annotated_with_a_pydantic_model_validates():
+    # this module uses `from __future__ import annotations`: Prefect resolved the string annotation in the
+    # pipeline wrapper's module (qosflow.prefect.tasks), and every run failed "`Pydantic_PipelineModel` is
+    # not fully defined; you should define `_RunParams`"
+    @qos_flow(name="pydantic-params")
+    def pipeline(p: _RunParams, n: int | None = None) -> float:
+        return p.lr
+
+    out = pipeline.validate_parameters({"p": {"lr": 0.5}})
+    assert isinstance(out["p"], _RunParams) and out["p"].lr == 0.5
+    assert pipeline.parameters.properties["p"]  # the deployment's parameter schema still builds

@@ -1366,11 +1366,36 @@ def qos_flow(
                 finally:  # a raising finish() left the run registered, so current() answered it ever after
                     run.unregister()
 
+        _resolved_signature(pipeline, fn)
         return prefect_flow(pipeline, **flow_kwargs)
 
     if __fn is not None:
         return deco(__fn)
     return deco
+
+
+def _resolved_signature(wrapper: Callable, fn: Callable) -> None:
+    """Give the pipeline's wrapper `fn`'s signature with its annotations resolved in `fn`'s module.
+
+    Prefect validates a flow's parameters with a model built from the signature (`inspect.signature`
+    follows `__wrapped__` to `fn`) and resolves string annotations (`from __future__ import
+    annotations`) in the flow function's globals: the wrapper's are this module's, so a pipeline
+    taking a pydantic model failed every run with "`Pydantic_PipelineModel` is not fully defined;
+    you should define `Params`". An annotation not resolvable yet (a name defined further down, or
+    only under TYPE_CHECKING) is left as it was written, as Prefect leaves it."""
+    try:
+        sig = inspect.signature(fn, eval_str=True)
+    except Exception:  # noqa: BLE001 - resolve what can be, one parameter at a time
+        sig = inspect.signature(fn)
+        hints = {}
+        for k, v in getattr(fn, "__annotations__", {}).items():
+            if isinstance(v, str):
+                try:
+                    hints[k] = eval(v, fn.__globals__)  # noqa: S307 - what typing.get_type_hints does
+                except Exception:  # noqa: BLE001
+                    continue
+        sig = sig.replace(parameters=[p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()])
+    wrapper.__signature__ = sig  # type: ignore[attr-defined]
 
 
 def _run_priority(value: Any, where: str) -> PriorityClass:
