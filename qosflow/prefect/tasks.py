@@ -25,6 +25,7 @@ end a table artifact lists every stage (host, GPUs, cores, predicted vs actual, 
 from __future__ import annotations
 
 import collections
+import contextvars
 import functools
 import inspect
 import json
@@ -148,6 +149,10 @@ class StageRecord:
 FORECAST_MIN_INTERVAL_S = 2.0
 
 
+#: the pipeline run whose function is running in this context (its subflows inherit it)
+_ENCLOSING_PIPELINE: "contextvars.ContextVar[PipelineRun | None]" = contextvars.ContextVar("qosflow_pipeline", default=None)
+
+
 class PipelineRun:
     """Book-keeping of one running `qos_flow` (its stages, deadline split, forecast, artifacts)."""
 
@@ -186,7 +191,15 @@ class PipelineRun:
         ctx = FlowRunContext.get()
         if ctx is None or ctx.flow_run is None:
             return None
-        return cls._by_flow_run.get(str(ctx.flow_run.id))
+        run = cls._by_flow_run.get(str(ctx.flow_run.id))
+        if run is None:
+            # a plain @flow (subflow) called by the pipeline's function: its stages are the pipeline's. They
+            # went out as no pipeline's ('stage.train': no pipeline deadline or class, not in its record)
+            # and, for a pool given as @qos_flow(pool=...), ran in the subflow's process, unplaced
+            outer = _ENCLOSING_PIPELINE.get()
+            if outer is not None and cls._by_flow_run.get(outer.flow_run_id) is outer:
+                run = outer
+        return run
 
     def register(self) -> None:
         with self._lock:
@@ -811,7 +824,7 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
             deployment,
             parameters={"payload": key, "stage": name, "pipeline": pipeline or ""},
             flow_run_name=f"{pipeline or 'stage'}.{name}",
-            tags=[t for t in task.tags if not t.startswith("qos:")] + qos_tags(spec, expected_duration=task.expected_duration),
+            tags=_user_tags(task, trc) + qos_tags(spec, expected_duration=task.expected_duration),
             job_variables=jv,
             timeout=0,  # created, not waited for: wait_for_stage waits (and says so when no worker takes it)
             as_subflow=True,
@@ -864,6 +877,18 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         return state.result(raise_on_failure=True)
     finally:
         delete_payload(key)
+
+
+def _user_tags(task: QoSTask, trc: Any) -> list[str]:
+    """The stage's own tags and those of `with tags(...)` around its call, for its flow run: the task
+    run has both, the stage's run got the decorator's only (a stage run could not be found by the
+    tag its pipeline gave it)."""
+    from prefect.context import TagsContext
+
+    tags = list(task.tags)
+    extra = getattr(getattr(trc, "task_run", None), "tags", None) or sorted(TagsContext.get().current_tags)
+    tags += [t for t in extra if t not in tags]
+    return [t for t in tags if not t.startswith("qos:")]
 
 
 def _stage_error(state: Any, name: str, rec: StageRecord, *, told_to_cancel: bool | None = None) -> BaseException:
@@ -1343,6 +1368,7 @@ def qos_flow(
             run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=run_pool, plan=the_plan, expected=expected)
             run.flow_name = flow_name
             run.register()
+            enclosing = _ENCLOSING_PIPELINE.set(run)
             ok = False
             try:
                 result = fn(*args, **kwargs)
@@ -1365,6 +1391,7 @@ def qos_flow(
                     _run_logger("qosflow").warning("pipeline %s: could not record its end (artifacts, events, plan): %s", name, exc)
                 finally:  # a raising finish() left the run registered, so current() answered it ever after
                     run.unregister()
+                    _ENCLOSING_PIPELINE.reset(enclosing)
 
         _resolved_signature(pipeline, fn)
         return prefect_flow(pipeline, **flow_kwargs)
