@@ -14,6 +14,7 @@ Nothing here imports Prefect: the worker turns the callbacks into Prefect events
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
@@ -101,6 +102,9 @@ class StageEntry:
 
 
 class QoSScheduler:
+    #: how many recorded decisions (`decisions`) are kept
+    DECISIONS_KEPT = 1000
+
     def __init__(
         self,
         cluster: ClusterSpec,
@@ -133,7 +137,10 @@ class QoSScheduler:
         self.set_cpus = set_cpus
         self.clock = clock
         self.entries: dict[str, StageEntry] = {}
-        self.decisions: list[dict[str, Any]] = []  # CODA moves and other recorded decisions
+        # CODA moves and other recorded decisions, the newest DECISIONS_KEPT: a stage that lags its
+        # prediction gets a core every CODA round, so the list grew with every such stage for the
+        # worker's life
+        self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.DECISIONS_KEPT)
         self.rounds = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
