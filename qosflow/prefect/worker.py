@@ -28,7 +28,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional
 
 import anyio
 import anyio.abc
@@ -704,6 +704,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             return QosflowWorkerResult(status_code=_code(status), identifier=str(handle.ref.get("pid")))
 
         name = configuration.stage_name or flow_run.name
+        if configuration.pipeline_run_id:
+            ended = (await self._pipelines_ended([configuration.pipeline_run_id])).get(configuration.pipeline_run_id)
+            if ended:  # (its pipeline was killed with its worker, or failed on another stage, before this one started)
+                from prefect.states import Cancelled
+
+                why = f"its pipeline run {configuration.pipeline_run_id} {ended} before the stage started: no one waits for its result"
+                run_logger.warning("stage %s is not run: %s", name, why)
+                await self._set_state(flow_run.id, Cancelled(message=f"qosflow: {why}"))
+                task_status.started(-1)
+                return QosflowWorkerResult(status_code=0, identifier="-1")
         spec = spec_from_job_variables(configuration, where=f"stage {name!r}")
         spec, why_whole = _whole_gpus_only(spec, self._backend)
         if why_whole:
@@ -1186,6 +1196,41 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self.recovered.append({"stage_key": fid, "attempt": None, "nodes": [], "adopted": False, "orphan_of": who})
             await self._reschedule(fid, f"qosflow: {why}; it runs again when a qosflow worker takes it")
 
+    async def _pipelines_ended(self, pipeline_run_ids: Iterable[str]) -> dict[str, str]:
+        """Of these pipeline runs, those that ended without completing, each with how ("was Crashed").
+        A pipeline that completed is left out: one may dispatch a stage and not wait for it on purpose."""
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        ids = sorted({str(p) for p in pipeline_run_ids if p and _is_uuid(p)})
+        if not ids:
+            return {}
+        try:
+            runs = await self.client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)), limit=len(ids))
+        except Exception as exc:  # (looked at again at the next heartbeat)
+            self._logger.debug("could not read the pipelines' states: %s", exc)
+            return {}
+        return {str(fr.id): f"was {fr.state.name}" for fr in runs
+                if fr.state is not None and _type(fr.state) in ("CRASHED", "CANCELLED", "CANCELLING", "FAILED")}
+
+    async def _drop_stages_of_ended_pipelines(self) -> None:
+        """Stages waiting in the QoS queue whose pipeline run ended without them (killed with the worker that
+        ran it, failed on another stage, cancelled) leave the queue and are marked Cancelled: they ran
+        later, holding GPUs, for a result no one waited for (admin review: a stage of a Crashed pipeline
+        placed and run 36 s after its worker restarted). Stages already running are left to end."""
+        sched = self.scheduler
+        if sched is None:
+            return
+        queued = {e.job_id: e.state.job.pipeline for e in sched.queued() if e.state.job.pipeline}
+        ended = await self._pipelines_ended(queued.values())
+        for fid, pipeline in queued.items():
+            if pipeline in ended and fid in sched.entries:
+                from prefect.states import Cancelled
+
+                why = f"its pipeline run {pipeline} {ended[pipeline]} while the stage waited in the QoS queue: no one waits for its result"
+                self._logger.warning("stage run %s leaves the QoS queue: %s", fid, why)
+                sched.drop(fid, why)
+                await self._set_state(fid, Cancelled(message=f"qosflow: {why}"))
+
     async def _take_back(self, lease: Any, handle: StageHandle | None) -> None:
         from qosflow.core.cluster import PlacementError
 
@@ -1303,6 +1348,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                         await self._recover_expired()
                 if beats % ORPHAN_CHECK_BEATS == 0:
                     await self._recover_orphans()
+                await self._drop_stages_of_ended_pipelines()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
