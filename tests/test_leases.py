@@ -307,3 +307,28 @@ def test_a_lease_database_that_cannot_be_opened_fails_at_once(tmp_path):
 
     with pytest.raises(OperationalError, match="unable to open database file"):
         LeaseStore(url=f"sqlite:///{tmp_path}")  # a directory
+
+
+def test_a_damaged_lease_database_names_the_file_and_the_repair(tmp_path):
+    """'database disk image is malformed' (seen once in the presence table's index, after many workers
+    and demos shared one qosflow.db) stopped `qosflow worker start` with a raw traceback."""
+    import sqlite3
+
+    from qosflow.errors import QosflowError
+
+    path = tmp_path / "leases.db"
+    store = LeaseStore(url=f"sqlite:///{path}")
+    store.claim_name("p", "w#host:1:abc", 30.0)
+    store.engine.dispose()
+    c = sqlite3.connect(path)
+    c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    page = c.execute("PRAGMA page_size").fetchone()[0]
+    root = c.execute("SELECT rootpage FROM sqlite_master WHERE name = 'ix_qosflow_worker_presence_pool'").fetchone()[0]
+    c.close()
+    with open(path, "r+b") as f:
+        f.seek((root - 1) * page)
+        f.write(b"\xff" * 64)
+    store = LeaseStore(url=f"sqlite:///{path}")
+    with pytest.raises(QosflowError, match=rf"the qosflow database {path} is damaged .*REINDEX"):
+        store.live_workers("p")
+    store.engine.dispose()

@@ -40,7 +40,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlmodel import Field, Session, SQLModel, select
 
 from qosflow.errors import QosflowError
-from qosflow.store.store import default_url  # one database for leases and the predictor by default
+from qosflow.store.store import default_url, explain_damage  # one database for leases and the predictor by default
 
 if TYPE_CHECKING:
     from qosflow.backends.base import Backend, LaunchSpec, StageHandle
@@ -265,6 +265,7 @@ def make_engine(url: str | None = None) -> sa.engine.Engine:
         if path:
             private_sqlite_file(path)
         eng = sa.create_engine(url, connect_args={"timeout": 30})
+        explain_damage(eng, url)  # ('database disk image is malformed' names the file and the repair)
 
         @sa.event.listens_for(eng, "connect")
         def _wal(dbapi_conn, _):  # pragma: no cover - trivial
