@@ -156,3 +156,28 @@ def test_a_placed_stage_whose_process_still_starts_shows_placed_with_its_host():
     assert _stage_status(_stage_run(Pending(), {"qosflow.queued_by": "agents-worker"}), now).phase == "queued"
     running = _stage_status(_stage_run(Running(), _placement(now - 60.0)), now)
     assert (running.phase, running.host) == ("running", "host-a")
+
+
+def test_the_table_says_starting_for_a_placed_stage_whose_process_still_starts(monkeypatch, capsys):
+    """A placed stage whose run is still Pending read 'running' in the table (its phase), with its host,
+    while its process had not started yet; the table says 'starting' (the JSON keeps phase and state)."""
+    import qosflow.prefect.local as local
+    import qosflow.prefect.status as status
+    from qosflow.cli.main import main
+    from qosflow.prefect.status import PoolStatus, StageStatus, WorkerStatus
+
+    async def no_check(pool, **kw):
+        return None
+
+    async def fake_status(pool, limit=200):
+        return PoolStatus(pool, workers=[WorkerStatus("w", "ONLINE", True, 1.0)], stages=[
+            StageStatus("1", "train", "p", "Pending", "running", host="host-a", gpus="host-a:0"),
+            StageStatus("2", "evaluate", "p", "Running", "running", host="host-b", gpus="host-b:1")])
+
+    monkeypatch.setattr(local, "check_pool", no_check)
+    monkeypatch.setattr(local, "require_api_url", lambda what: "http://127.0.0.1:1/api")
+    monkeypatch.setattr(status, "pool_status", fake_status)
+    assert main(["status", "--pool", "gpu"]) in (0, None)
+    rows = {ln.split("│")[1].strip(): ln for ln in capsys.readouterr().out.splitlines() if ln.count("│") > 3}
+    assert "starting" in rows["train"] and "host-a" in rows["train"], rows
+    assert "running" in rows["evaluate"] and "starting" not in rows["evaluate"], rows

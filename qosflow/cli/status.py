@@ -86,7 +86,9 @@ def register(app: typer.Typer) -> None:
                 if s.elastic_note:
                     where += f" ({s.elastic_note})"
                 done = "-" if s.done_pct is None else f"{s.done_pct:.0f} %"
-                t.add_row(s.name, s.pipeline or "-", s.priority or "-", s.phase, where, _dur(s.since_s), done, _dur(s.predicted_s),
+                # placed, its process still starting (Pending): 'starting', not 'running'
+                phase = "starting" if s.phase == "running" and s.state.upper() == "PENDING" else s.phase
+                t.add_row(s.name, s.pipeline or "-", s.priority or "-", phase, where, _dur(s.since_s), done, _dur(s.predicted_s),
                           _dur(s.deadline_in_s), s.why_waiting or "")
             console.print(t)
         if json_out is not None:
