@@ -128,3 +128,43 @@ async def async_caller(x: int) -> dict:
 @qos_flow(name="feat-with-options")
 def with_options_pipeline() -> dict:
     return pid_of.with_options(name="renamed", tags=["wo"], retries=1)(5)
+
+
+@qos_task(gpus=0, cpu_cores=1, expected_duration=3, tags=["feat-lim"])
+def hold(i: int) -> tuple:
+    import time
+
+    t0 = time.time()
+    time.sleep(3)
+    return (t0, time.time())
+
+
+@qos_flow(name="feat-concurrency")
+def concurrency_pipeline() -> list:
+    return [f.result() for f in hold.map([1, 2])]
+
+
+@qos_task(gpus=0, cpu_cores=1, expected_duration=2)
+def pausing(x: int) -> int:
+    from prefect.flow_runs import pause_flow_run
+
+    pause_flow_run(timeout=60)
+    return x + 1
+
+
+@qos_flow(name="feat-pause")
+def pause_pipeline() -> int:
+    return pausing(1)
+
+
+@qos_task(gpus=0, cpu_cores=1, expected_duration=2)
+def fails_first(marker: str) -> str:
+    if not os.path.exists(marker):
+        Path(marker).write_text("x")
+        raise RuntimeError("first run fails")
+    return "ok"
+
+
+@qos_flow(name="feat-flow-retries", retries=1, retry_delay_seconds=0)
+def flow_retries_pipeline(marker: str) -> str:
+    return fails_first(marker)

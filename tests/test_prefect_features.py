@@ -142,3 +142,84 @@ def test_with_options(pool):
     assert out["pid"] != os.getpid()
     for r in _stage_runs(_last_run_id()):
         print("stage run", r.name, r.tags)
+
+
+def test_task_concurrency_limit_by_tag(pool):
+    import feature_pipelines as fp
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    with _client() as c:
+        c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name="tag:feat-lim", limit=1))
+    (a0, a1), (b0, b1) = fp.concurrency_pipeline()
+    print("intervals", a0, a1, b0, b1)
+    assert a1 <= b0 or b1 <= a0
+
+
+def test_run_logger_in_a_stage(pool):
+    import feature_pipelines as fp
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    fp.pydantic_pipeline(fp.Params(lr=0.25))
+    (stage,) = _stage_runs(_last_run_id())
+    import time
+    time.sleep(3)
+    with _client() as c:
+        logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[stage.id])))
+    msgs = [l.message for l in logs]
+    print(msgs)
+    assert any("fitting with lr=0.25" in m for m in msgs)
+
+
+def test_pause_in_a_stage(pool):
+    import threading
+    import time
+    import feature_pipelines as fp
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    resumed = []
+
+    def resume():
+        from prefect.flow_runs import resume_flow_run
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            with _client() as c:
+                for r in c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="pausing"))):
+                    if r.state and r.state.is_paused():
+                        resume_flow_run(r.id)
+                        resumed.append(r.id)
+                        return
+            time.sleep(1)
+
+    t = threading.Thread(target=resume, daemon=True)
+    t.start()
+    out = fp.pause_pipeline()
+    t.join(5)
+    print("pause ->", out, resumed)
+    assert out == 2 and resumed
+
+
+def test_flow_retries(pool, tmp_path):
+    import feature_pipelines as fp
+
+    assert fp.flow_retries_pipeline(str(tmp_path / "m")) == "ok"
+
+
+def test_a_pipeline_without_a_pool_says_its_stages_run_in_its_process(prefect_server, monkeypatch):
+    # `pipeline.serve()` runs are on no work pool: started from a shell without QOSFLOW_POOL, every stage ran in
+    # the pipeline's process, on no GPU slot, and nothing said so
+    import time
+
+    import feature_pipelines as fp
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    monkeypatch.delenv("QOSFLOW_POOL", raising=False)
+    assert fp.map_pipeline([2]) == [4]
+    rid = _last_run_id()
+    msgs: list = []
+    for _ in range(40):
+        with _client() as c:
+            msgs = [l.message for l in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[rid])))]
+        if any("no qosflow pool for this run" in m for m in msgs):
+            break
+        time.sleep(0.5)
+    assert any("no qosflow pool for this run" in m for m in msgs), msgs

@@ -1353,6 +1353,12 @@ def qos_flow(
                     _run_logger("qosflow").info(
                         "stages go to work pool %r, the qosflow pool this run was deployed on (QOSFLOW_POOL or "
                         "@qos_flow(pool=...) chooses another)", run_pool)
+            if not run_pool and not _in_stage_process() and ctx is not None and ctx.flow_run is not None and _stages_used_by(fn):
+                # e.g. `pipeline.serve()` (its runs are on no work pool) started from a shell without
+                # QOSFLOW_POOL: every stage ran in the pipeline's process, on no GPU slot, and nothing said so
+                _run_logger("qosflow").warning(
+                    "no qosflow pool for this run (neither @qos_flow(pool=...), QOSFLOW_POOL nor a qosflow work pool it "
+                    "was deployed on): its stages run in this process, like plain @task's, not placed by a qosflow worker")
             if run_pool and not _in_stage_process():
                 # a missing pool or one of another type fails the pipeline here, once: found at a stage's dispatch it
                 # was retried as the stage's error (its retries used up) and the pipeline ended "UnfinishedRun: PENDING"
