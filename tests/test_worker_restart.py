@@ -249,6 +249,7 @@ def test_worker_with_unreachable_kubernetes_api_stops_promptly_on_ctrl_c(prefect
             except subprocess.TimeoutExpired:
                 pytest.fail(f"the worker did not stop within 20 s of SIGINT (try {i}):\n{log.read_text(errors='replace')[-3000:]}")
             assert time.monotonic() - t0 < 20
+            assert f"qosflow worker on pool '{pool}' stopped" in log.read_text(errors="replace")  # (it ended without a word)
         finally:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)

@@ -82,5 +82,7 @@ def register(app: typer.Typer) -> None:
             asyncio.run(main())
         except (KeyboardInterrupt, asyncio.CancelledError):
             pass
+        # (it ended without a word: a log that stopped could have been a hang)
+        typer.echo(f"qosflow worker on pool {pool!r} stopped", err=True)
 
     app.add_typer(worker_app, name="worker")
