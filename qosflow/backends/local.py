@@ -113,9 +113,28 @@ class LocalBackend(Backend):
         self.stream_output = stream_output
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._killed: dict[str, str] = {}
-        self._pumps: dict[str, list[asyncio.Task]] = {}
-        self._workdir = workdir or tempfile.mkdtemp(prefix="qosflow-local-")
+        # the stages' progress files go here; a directory of our own is made when the first stage needs it
+        # and removed by aclose(): it was made at construction and never removed, so every worker's start,
+        # and every check of a local cluster block that builds its backend (`qosflow init`, `worker start`),
+        # left one behind in /tmp (soak test: 634 of them on a machine that ran the tests for a day)
+        self._given_workdir = workdir
+        self._own_workdir: str | None = None
         self._cpus = usable_cpus()
+
+    @property
+    def _workdir(self) -> str:
+        if self._given_workdir:
+            return self._given_workdir
+        if self._own_workdir is None:
+            self._own_workdir = tempfile.mkdtemp(prefix="qosflow-local-")
+        return self._own_workdir
+
+    def _remove_own_workdir(self) -> None:
+        if self._own_workdir is not None:
+            import shutil
+
+            shutil.rmtree(self._own_workdir, ignore_errors=True)
+            self._own_workdir = None
 
     async def inventory(self) -> ClusterSpec:
         if self._cluster is None:
@@ -249,6 +268,7 @@ class LocalBackend(Backend):
                 await asyncio.wait_for(proc.wait(), 5.0)
             except (asyncio.TimeoutError, ProcessLookupError):
                 pass
+        self._remove_own_workdir()  # (its stages have ended: nobody writes their progress any more)
 
 
 def descendants(pid: int) -> list[int]:
