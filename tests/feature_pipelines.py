@@ -168,3 +168,16 @@ def fails_first(marker: str) -> str:
 @qos_flow(name="feat-flow-retries", retries=1, retry_delay_seconds=0)
 def flow_retries_pipeline(marker: str) -> str:
     return fails_first(marker)
+
+
+@qos_task(gpus=0, cpu_cores=1, expected_duration=2)
+def sleeps(s: float) -> float:
+    import time
+
+    time.sleep(s)
+    return s
+
+
+@qos_flow(name="feat-flow-timeout", timeout_seconds=8)
+def flow_timeout_pipeline() -> float:
+    return sleeps(120)

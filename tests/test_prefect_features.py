@@ -223,3 +223,23 @@ def test_a_pipeline_without_a_pool_says_its_stages_run_in_its_process(prefect_se
             break
         time.sleep(0.5)
     assert any("no qosflow pool for this run" in m for m in msgs), msgs
+
+
+def test_flow_timeout_cancels_the_stage_it_waits_for(pool):
+    import time
+
+    import feature_pipelines as fp
+
+    t0 = time.monotonic()
+    state = fp.flow_timeout_pipeline(return_state=True)
+    took = time.monotonic() - t0
+    (stage,) = _stage_runs(_last_run_id())
+    for _ in range(60):
+        with _client() as c:
+            stage = c.read_flow_run(stage.id)
+        if stage.state.is_final():
+            break
+        time.sleep(1)
+    print("pipeline", state.name, "took", round(took, 1), "stage", stage.state.name)
+    assert state.name == "TimedOut" and took < 60
+    assert stage.state.is_cancelled()
