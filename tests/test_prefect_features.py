@@ -243,3 +243,31 @@ def test_flow_timeout_cancels_the_stage_it_waits_for(pool):
     print("pipeline", state.name, "took", round(took, 1), "stage", stage.state.name)
     assert state.name == "TimedOut" and took < 60
     assert stage.state.is_cancelled()
+
+
+def test_served_pipeline_with_parameters(pool):
+    # `pipeline.serve()`: what a Runner does, for one run; the served run's process inherits QOSFLOW_POOL.
+    # The runner pickles the pipeline's wrapper by value, with the globals it names: naming a ContextVar
+    # (c99b272) crashed every served run ("cannot pickle '_contextvars.ContextVar' object")
+    import time
+
+    import feature_pipelines as fp
+    from prefect.deployments import run_deployment
+    from prefect.runner import Runner
+
+    runner = Runner(name="feat-serve", query_seconds=1)
+    runner.add_flow(fp.pydantic_pipeline, name="served", parameters={"p": {"lr": 0.125}})
+    import asyncio as aio
+    import threading
+
+    t = threading.Thread(target=lambda: aio.run(runner.start()), daemon=True)
+    t.start()
+    time.sleep(5)
+    fr = run_deployment("feat-pydantic/served", timeout=240)
+    try:
+        print("served", fr.state.name, fr.state.message)
+        assert fr.state.is_completed()
+        (stage,) = _stage_runs(fr.id)
+        assert stage.name.endswith(".fit") and stage.state.is_completed()
+    finally:
+        runner.stop() if hasattr(runner, "stop") else None

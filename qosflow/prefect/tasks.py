@@ -1374,7 +1374,7 @@ def qos_flow(
             run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=run_pool, plan=the_plan, expected=expected)
             run.flow_name = flow_name
             run.register()
-            enclosing = _ENCLOSING_PIPELINE.set(run)
+            enclosing = _enter_pipeline(run)
             ok = False
             try:
                 result = fn(*args, **kwargs)
@@ -1397,7 +1397,7 @@ def qos_flow(
                     _run_logger("qosflow").warning("pipeline %s: could not record its end (artifacts, events, plan): %s", name, exc)
                 finally:  # a raising finish() left the run registered, so current() answered it ever after
                     run.unregister()
-                    _ENCLOSING_PIPELINE.reset(enclosing)
+                    _leave_pipeline(enclosing)
 
         _resolved_signature(pipeline, fn)
         return prefect_flow(pipeline, **flow_kwargs)
@@ -1405,6 +1405,16 @@ def qos_flow(
     if __fn is not None:
         return deco(__fn)
     return deco
+
+
+# (module functions, pickled by reference: the pipeline's wrapper is pickled by value, with the globals it
+# names, by `pipeline.serve()`'s runner, and a ContextVar does not pickle)
+def _enter_pipeline(run: PipelineRun) -> Any:
+    return _ENCLOSING_PIPELINE.set(run)
+
+
+def _leave_pipeline(token: Any) -> None:
+    _ENCLOSING_PIPELINE.reset(token)
 
 
 def _resolved_signature(wrapper: Callable, fn: Callable) -> None:
