@@ -114,3 +114,33 @@ def test_a_queued_stage_leaves_the_queue_when_its_pipeline_ends(worker, tmp_path
     busy.join(120)
     assert outcome.get("busy") == str(busy_marker), outcome  # (the other pipeline's stage ran to its end)
     assert not waiting_marker.exists()
+
+
+def test_a_running_stage_of_a_cancelled_pipeline_is_cancelled(worker, tmp_path):
+    """Cancelling a pipeline run (its process killed by the worker that ran it) left its running stage
+    training for no one; it is now cancelled as by `prefect flow-run cancel`. (A stage of a pipeline that
+    crashed or failed is left to end: see the test above, whose other pipeline's stage runs on.)"""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled, Running
+
+    from qosflow.prefect.tasks import StageCancelled
+
+    marker = tmp_path / "long"
+    pipeline = _pipeline_run(Running())
+    outcome: dict[str, object] = {}
+
+    def go():
+        try:
+            outcome["long"] = _dispatch(pipeline, marker, 90.0)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome["long"] = exc
+
+    t = threading.Thread(target=go)
+    t.start()
+    _eventually(marker.exists)
+    t0 = time.monotonic()
+    with get_client(sync_client=True) as c:
+        c.set_flow_run_state(pipeline.id, Cancelled(message="the user cancelled the pipeline"), force=True)
+    t.join(120)
+    assert isinstance(outcome.get("long"), StageCancelled), outcome
+    assert time.monotonic() - t0 < 60  # (cancelled, not run to its 90 s end)

@@ -323,6 +323,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._queued_label_tasks: set[asyncio.Future] = set()
         self._orphan_error: str | None = None
         self._queued_labelled: set[str] = set()  # stage runs whose `qosflow.queued_by` label this worker wrote
+        self._cancel_asked: set[str] = set()  # running stages set Cancelling because their pipeline was cancelled
         self._stages_in_flight: set[str] = set()  # (the stage runs among them; pipeline runs are not placed)
         self._stopping = False  # set when the worker stops: its stages in flight go back to the pool's queue
         self._left_running: set[str] = set()  # stages left running at a stop, their leases kept for the next worker
@@ -1212,24 +1213,40 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         return {str(fr.id): f"was {fr.state.name}" for fr in runs
                 if fr.state is not None and _type(fr.state) in ("CRASHED", "CANCELLED", "CANCELLING", "FAILED")}
 
+    #: how `_pipelines_ended` says a pipeline run was cancelled: its running stages are cancelled too
+    _CANCELLED = ("was Cancelled", "was Cancelling")
+
     async def _drop_stages_of_ended_pipelines(self) -> None:
         """Stages waiting in the QoS queue whose pipeline run ended without them (killed with the worker that
         ran it, failed on another stage, cancelled) leave the queue and are marked Cancelled: they ran
         later, holding GPUs, for a result no one waited for (admin review: a stage of a Crashed pipeline
-        placed and run 36 s after its worker restarted). Stages already running are left to end."""
+        placed and run 36 s after its worker restarted). Running stages of a pipeline run that was
+        cancelled are cancelled too (set Cancelling: the cancellation watch stops them as for a `prefect
+        flow-run cancel`), since the user asked for the whole pipeline to stop; those of a pipeline that
+        crashed or failed are left to end (a long training step's checkpoints may still be wanted)."""
         sched = self.scheduler
         if sched is None:
             return
         queued = {e.job_id: e.state.job.pipeline for e in sched.queued() if e.state.job.pipeline}
-        ended = await self._pipelines_ended(queued.values())
+        running = {e.job_id: e.state.job.pipeline for e in sched.running() if e.state.job.pipeline}
+        self._cancel_asked &= set(running)
+        ended = await self._pipelines_ended([*queued.values(), *running.values()])
+        if not ended:
+            return
+        from prefect.states import Cancelled, Cancelling
+
         for fid, pipeline in queued.items():
             if pipeline in ended and fid in sched.entries:
-                from prefect.states import Cancelled
-
                 why = f"its pipeline run {pipeline} {ended[pipeline]} while the stage waited in the QoS queue: no one waits for its result"
                 self._logger.warning("stage run %s leaves the QoS queue: %s", fid, why)
                 sched.drop(fid, why)
                 await self._set_state(fid, Cancelled(message=f"qosflow: {why}"))
+        for fid, pipeline in running.items():
+            if ended.get(pipeline) in self._CANCELLED and fid not in self._cancel_asked:
+                self._cancel_asked.add(fid)
+                why = f"its pipeline run {pipeline} {ended[pipeline]}"
+                self._logger.warning("stage run %s is cancelled: %s", fid, why)
+                await self._set_state(fid, Cancelling(message=f"qosflow: {why}"))
 
     async def _take_back(self, lease: Any, handle: StageHandle | None) -> None:
         from qosflow.core.cluster import PlacementError
