@@ -80,3 +80,21 @@ def test_scheduler_keeps_only_the_newest_coda_decisions(tmp_path, monkeypatch):
 
     s = asyncio.run(main())
     assert [d["to_stage"] for d in s.decisions] == ["gpu-3", "gpu-4", "gpu-5"]
+
+
+def test_the_workers_histories_keep_the_newest_entries(monkeypatch):
+    """QosflowWorker.records (one per finished stage, ~1 KB each), early_checks, node_events, outages and
+    recovered only grew, for the worker's whole life (soak run: +2.9 records a pipeline, most of the
+    worker's memory growth). Each keeps the newest HISTORY_KEPT; every append to them goes through _keep."""
+    import inspect
+
+    import qosflow.prefect.worker as worker
+
+    monkeypatch.setattr(worker, "HISTORY_KEPT", 3)
+    h: list[int] = []
+    for i in range(10):
+        worker._keep(h, i)
+    assert h == [7, 8, 9]
+    src = inspect.getsource(worker.QosflowWorker)
+    for name in ("records", "early_checks", "node_events", "outages", "recovered"):
+        assert f"self.{name}.append(" not in src and f"_keep(self.{name}, " in src, name

@@ -926,7 +926,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                    exited=ended, actual_s=round(actual, 3), exit=status.kind.value, exit_reason=status.reason, attempts=attempts,
                    flow_state=flow_state)
         rec["deadline_met"] = None if deadline_at is None else finished <= deadline_at
-        self.records.append(rec)
+        _keep(self.records, rec)
         if deadline_at is not None and finished > deadline_at and status.kind is not ExitKind.CANCELLED:
             self._event("qosflow.qos.violated", entry, {"stage": name, "pipeline": entry.pipeline, "deadline": deadline_at, "ended": finished,
                                                         "late_by_s": round(finished - deadline_at, 3)})
@@ -1194,7 +1194,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             else:
                 why = f"worker {who} is offline (it stopped while the stage waited in its QoS queue)"
             self._logger.warning("recovery: stage run %s (%s) was left Pending: %s; it goes back to the pool's queue", fid, fr.name, why)
-            self.recovered.append({"stage_key": fid, "attempt": None, "nodes": [], "adopted": False, "orphan_of": who})
+            _keep(self.recovered, {"stage_key": fid, "attempt": None, "nodes": [], "adopted": False, "orphan_of": who})
             await self._reschedule(fid, f"qosflow: {why}; it runs again when a qosflow worker takes it")
 
     async def _pipelines_ended(self, pipeline_run_ids: Iterable[str]) -> dict[str, str]:
@@ -1274,7 +1274,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 kill_tree(int(pid), 9)
             await asyncio.to_thread(self.leases.release, lease.lease_id)
             handle = None
-        self.recovered.append({"stage_key": fid, "attempt": lease.attempt_id, "nodes": list(lease.nodes), "adopted": handle is not None})
+        _keep(self.recovered, {"stage_key": fid, "attempt": lease.attempt_id, "nodes": list(lease.nodes), "adopted": handle is not None})
         if handle is None:
             if await self._final(fid):
                 # e.g. the previous worker stopped between the stage's end and its own bookkeeping
@@ -1404,7 +1404,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if bool(sched.state.down[i]) == down:
                 continue
             on_it = sched.state.set_node_down(i, down)
-            self.node_events.append((time.time(), node.name, "down" if down else "up"))
+            _keep(self.node_events, (time.time(), node.name, "down" if down else "up"))
             if down:
                 why = ""
                 st = getattr(be, "state", {}).get(node.name) if isinstance(getattr(be, "state", None), dict) else None
@@ -1425,7 +1425,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if self.outage is None:
             self._logger.warning("%s: no stage is launched until it answers (stages waiting stay in the QoS queue; "
                                  "stages already running go on); checking at every heartbeat", why)
-            self.outages.append((time.time(), f"down: {why}"))
+            _keep(self.outages, (time.time(), f"down: {why}"))
             self._outage_since = self._outage_said = now
         elif now - self._outage_said >= OUTAGE_REMINDER_S:  # a long outage is not silent after its first line
             self._outage_said = now
@@ -1447,7 +1447,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._logger.info("the backend's API answers again after an outage of %s (%s): stages are launched again "
                           "(%d waiting)", _span(self._clock() - self._outage_since), self.outage, self._waiting())
         self.outage = None
-        self.outages.append((time.time(), "up"))
+        _keep(self.outages, (time.time(), "up"))
         if sched is not None:
             for i in sorted(self._outage_down):
                 sched.state.set_node_down(i, False)
@@ -1616,26 +1616,26 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if passed:
             self._checked_ok.add(job.model)
             rec["verdict"] = "passed"
-            self.early_checks.append(rec)
+            _keep(self.early_checks, rec)
             run_logger.info("stage %s: early check passed (still running after %gs); stopped it, placing the stage for real",
                             entry.name, check_s)
             self._event("qosflow.stage.early_check", entry, {"stage": entry.name, "verdict": "passed", "seconds": round(took, 3)})
             return out
         if status.kind is ExitKind.CANCELLED:
             rec["verdict"] = "cancelled"
-            self.early_checks.append(rec)
+            _keep(self.early_checks, rec)
             run_logger.info("stage %s was cancelled during its early check", entry.name)
             out["result"] = QosflowWorkerResult(status_code=0, identifier=out["infra_id"])
             return out
         if status.kind is ExitKind.INFRA:
             rec["verdict"] = "inconclusive"
-            self.early_checks.append(rec)
+            _keep(self.early_checks, rec)
             run_logger.warning("stage %s: early check inconclusive (%s); placing the stage for real",
                                entry.name, status.reason)
             return out
         rec["verdict"] = "completed" if status.ok else "failed"
         rec["exit_reason"] = status.reason
-        self.early_checks.append(rec)
+        _keep(self.early_checks, rec)
         self._event("qosflow.stage.early_check", entry, {"stage": entry.name, "verdict": rec["verdict"], "seconds": round(took, 3),
                                                          "reason": status.reason})
         if status.ok:
@@ -2083,6 +2083,17 @@ async def aload_block(cls: Any, name: str, field_name: str) -> Any:
         problems = "it failed validation"
     raise SpecError(field_name, f"block {cls.get_block_type_slug()}/{name} is invalid: {problems}; fix it in the Prefect UI "
                                 "(Blocks) or save it again") from None
+
+
+#: entries kept in each of the worker's histories (records, early_checks, node_events, outages, recovered):
+#: the newest; each grew by one per stage or event for the worker's whole life (soak run: ~1 KB a stage)
+HISTORY_KEPT = 1000
+
+
+def _keep(history: list, item: Any) -> None:
+    """Append `item` to one of the worker's histories, dropping the oldest beyond HISTORY_KEPT."""
+    history.append(item)
+    del history[:-HISTORY_KEPT]
 
 
 def _type(state: Any) -> str | None:
