@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["sim", "sim_speed_notes", "elastic", "elastic_notes", "gpu_models", "parallel", "decisions", "decisions_mixed", "packing", "prefect", "demo_db", "predictor",
-         "pairs_synthetic", "learned_sim", "infra", "infra_notes"]
+         "pairs_synthetic", "learned_sim", "infra", "infra_notes", "soak_notes"]
 TITLES = {
     "sim": "Simulator fidelity and qosflow's policy (issues 2, 3)",
     "sim_speed_notes": "qosflow's simulation speed: side runs written by hand (issue 2)",
@@ -31,6 +31,7 @@ TITLES = {
     "learned_sim": "Learned estimates in the simulator (issue 4)",
     "infra": "Infrastructure: agents and Kubernetes (issue 6)",
     "infra_notes": "Progress copies from agent hosts (issue 6, recorded by hand)",
+    "soak_notes": "Soak: the worker under a continuous stream of small pipelines (recorded by hand)",
 }
 
 
