@@ -52,7 +52,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, NamedTuple, Sequence
 
 from qosflow.backends.base import Backend, BackendUnreachable, ExitKind, ExitStatus, LaunchSpec, ProgressCopies, StageHandle, placement_env
 from qosflow.core.cluster import ClusterSpec, NodeSpec
@@ -69,6 +69,20 @@ ANN_STAGE = "qosflow.dev/stage-id"
 ANN_PLACEMENT = "qosflow.dev/placement"
 VIRTUAL_LABEL = "qosflow.dev/virtual-gpus"
 GPU = "nvidia.com/gpu"
+class GangScheduler(NamedTuple):
+    """How a gang-capable scheduler is asked for: its schedulerName, the pod annotation naming the
+    PodGroup, and the PodGroup's API group and version (for `manifests` and, reading them back, `adopt`)."""
+
+    scheduler_name: str
+    group_annotation: str
+    group: str
+    version: str
+
+
+GANG_SCHEDULERS = {
+    "volcano": GangScheduler("volcano", "scheduling.k8s.io/group-name", "scheduling.volcano.sh", "v1beta1"),
+    "kai": GangScheduler("kai-scheduler", "pod-group-name", "scheduling.run.ai", "v2alpha2"),
+}
 #: kill reasons kept for waits still to report them (the oldest go first)
 KILLED_KEPT = 4096
 GPU_SHARED = "nvidia.com/gpu.shared"
@@ -460,13 +474,12 @@ class KubernetesBackend(Backend):
                 pod_spec["serviceAccountName"] = self.service_account
             if self.image_pull_secrets:
                 pod_spec["imagePullSecrets"] = [{"name": s} for s in self.image_pull_secrets]
-            if pg_name and self.gang_scheduler == "volcano":
-                pod_spec["schedulerName"] = "volcano"
-                pod_ann["scheduling.k8s.io/group-name"] = pg_name
-            elif pg_name and self.gang_scheduler == "kai":
-                pod_spec["schedulerName"] = "kai-scheduler"
-                pod_ann["pod-group-name"] = pg_name
-                pod_labels["kai.scheduler/queue"] = self.kai_queue
+            if pg_name:
+                gs = GANG_SCHEDULERS[self.gang_scheduler]
+                pod_spec["schedulerName"] = gs.scheduler_name
+                pod_ann[gs.group_annotation] = pg_name
+                if self.gang_scheduler == "kai":
+                    pod_labels["kai.scheduler/queue"] = self.kai_queue
             job_spec: dict[str, Any] = {
                 "backoffLimit": 0,
                 "completions": len(gnodes),
@@ -484,9 +497,9 @@ class KubernetesBackend(Backend):
             })
         podgroup = None
         if pg_name:
-            group, version = ("scheduling.volcano.sh", "v1beta1") if self.gang_scheduler == "volcano" else ("scheduling.run.ai", "v2alpha2")
+            gs = GANG_SCHEDULERS[self.gang_scheduler]
             podgroup = {
-                "apiVersion": f"{group}/{version}", "kind": "PodGroup",
+                "apiVersion": f"{gs.group}/{gs.version}", "kind": "PodGroup",
                 "metadata": {"name": pg_name, "namespace": self.namespace, "labels": dict(labels)},
                 "spec": {"minMember": pods_total, **({"queue": self.kai_queue} if self.gang_scheduler == "kai" else {})},
             }
@@ -910,10 +923,9 @@ def _podgroup_of(job) -> dict | None:
     tpl = job.spec.template
     ann = (tpl.metadata.annotations if tpl.metadata else None) or {}
     scheduler = tpl.spec.scheduler_name if tpl.spec else None
-    if scheduler == "volcano" and ann.get("scheduling.k8s.io/group-name"):
-        return {"group": "scheduling.volcano.sh", "version": "v1beta1", "name": ann["scheduling.k8s.io/group-name"]}
-    if scheduler == "kai-scheduler" and ann.get("pod-group-name"):
-        return {"group": "scheduling.run.ai", "version": "v2alpha2", "name": ann["pod-group-name"]}
+    for gs in GANG_SCHEDULERS.values():
+        if scheduler == gs.scheduler_name and ann.get(gs.group_annotation):
+            return {"group": gs.group, "version": gs.version, "name": ann[gs.group_annotation]}
     return None
 
 
