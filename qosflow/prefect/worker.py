@@ -707,10 +707,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         name = configuration.stage_name or flow_run.name
         if configuration.pipeline_run_id:
             ended = (await self._pipelines_ended([configuration.pipeline_run_id])).get(configuration.pipeline_run_id)
-            if ended:  # (its pipeline was killed with its worker, or failed on another stage, before this one started)
+            if ended is not None:  # (its pipeline was killed with its worker, or failed on another stage, before this one started)
                 from prefect.states import Cancelled
 
-                why = f"its pipeline run {configuration.pipeline_run_id} {ended} before the stage started: no one waits for its result"
+                why = f"its pipeline run {configuration.pipeline_run_id} was {ended.name} before the stage started: no one waits for its result"
                 run_logger.warning("stage %s is not run: %s", name, why)
                 await self._set_state(flow_run.id, Cancelled(message=f"qosflow: {why}"))
                 task_status.started(-1)
@@ -1197,9 +1197,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             _keep(self.recovered, {"stage_key": fid, "attempt": None, "nodes": [], "adopted": False, "orphan_of": who})
             await self._reschedule(fid, f"qosflow: {why}; it runs again when a qosflow worker takes it")
 
-    async def _pipelines_ended(self, pipeline_run_ids: Iterable[str]) -> dict[str, str]:
-        """Of these pipeline runs, those that ended without completing, each with how ("was Crashed").
-        A pipeline that completed is left out: one may dispatch a stage and not wait for it on purpose."""
+    async def _pipelines_ended(self, pipeline_run_ids: Iterable[str]) -> dict[str, Any]:
+        """Of these pipeline runs, those that ended without completing, each with its state (Crashed, Failed,
+        Cancelled or Cancelling). A pipeline that completed is left out: one may dispatch a stage and not
+        wait for it on purpose."""
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
         ids = sorted({str(p) for p in pipeline_run_ids if p and _is_uuid(p)})
@@ -1210,11 +1211,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         except Exception as exc:  # (looked at again at the next heartbeat)
             self._logger.debug("could not read the pipelines' states: %s", exc)
             return {}
-        return {str(fr.id): f"was {fr.state.name}" for fr in runs
+        return {str(fr.id): fr.state for fr in runs
                 if fr.state is not None and _type(fr.state) in ("CRASHED", "CANCELLED", "CANCELLING", "FAILED")}
-
-    #: how `_pipelines_ended` says a pipeline run was cancelled: its running stages are cancelled too
-    _CANCELLED = ("was Cancelled", "was Cancelling")
 
     async def _drop_stages_of_ended_pipelines(self) -> None:
         """Stages waiting in the QoS queue whose pipeline run ended without them (killed with the worker that
@@ -1237,14 +1235,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
         for fid, pipeline in queued.items():
             if pipeline in ended and fid in sched.entries:
-                why = f"its pipeline run {pipeline} {ended[pipeline]} while the stage waited in the QoS queue: no one waits for its result"
+                why = f"its pipeline run {pipeline} was {ended[pipeline].name} while the stage waited in the QoS queue: no one waits for its result"
                 self._logger.warning("stage run %s leaves the QoS queue: %s", fid, why)
                 sched.drop(fid, why)
                 await self._set_state(fid, Cancelled(message=f"qosflow: {why}"))
         for fid, pipeline in running.items():
-            if ended.get(pipeline) in self._CANCELLED and fid not in self._cancel_asked:
+            if pipeline in ended and _type(ended[pipeline]) in ("CANCELLED", "CANCELLING") and fid not in self._cancel_asked:
                 self._cancel_asked.add(fid)
-                why = f"its pipeline run {pipeline} {ended[pipeline]}"
+                why = f"its pipeline run {pipeline} was {ended[pipeline].name}"
                 self._logger.warning("stage run %s is cancelled: %s", fid, why)
                 await self._set_state(fid, Cancelling(message=f"qosflow: {why}"))
 
