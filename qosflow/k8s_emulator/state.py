@@ -26,7 +26,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import string
 import subprocess
 import tempfile
@@ -35,6 +34,8 @@ import uuid
 from collections import deque
 from datetime import datetime, timezone
 from typing import Any, Iterable
+
+from qosflow.procgroup import stop_group
 
 ANN = "emulator.qosflow.dev/"
 #: resource plural -> (apiVersion, kind, namespaced)
@@ -668,15 +669,8 @@ class Cluster:
 
     def _kill_process(self, uid: str) -> None:
         proc = (self.timeline.get(uid) or {}).get("proc")
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                pass
+        if proc is not None:
+            stop_group(proc, 0)  # (SIGKILL at once, as the kubelet's stop of a deleted pod here)
 
     def _reap_deleted(self) -> None:
         """A deleted pod's process is killed (the kubelet stops its containers)."""
