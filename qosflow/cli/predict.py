@@ -315,7 +315,9 @@ def _sqlite_file(db: str | None) -> str | None:
         if not db:
             home = os.environ.get("QOSFLOW_HOME")
             return os.path.join(home, "qosflow.db") if home else None  # the user's data directory: not a --json typo
-    return db.split("///", 1)[1] if db.startswith("sqlite") and "///" in db else None
+    from qosflow.store.store import sqlite_file
+
+    return sqlite_file(db)
 
 
 def _refuse_in_memory(db: str | None) -> None:

@@ -40,7 +40,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlmodel import Field, Session, SQLModel, select
 
 from qosflow.errors import QosflowError
-from qosflow.store.store import default_url, explain_damage  # one database for leases and the predictor by default
+from qosflow.store.store import default_url, explain_damage, sqlite_file  # one database for leases and the predictor by default
 
 if TYPE_CHECKING:
     from qosflow.backends.base import Backend, LaunchSpec, StageHandle
@@ -208,18 +208,6 @@ class Lease:
 
 log = logging.getLogger("qosflow.leases")
 _warned_modes: set[str] = set()
-
-
-def sqlite_file(url: str) -> str | None:
-    """The file of a SQLite URL (None for PostgreSQL, an in-memory database or a `file:` URI)."""
-    try:
-        u = sa.engine.make_url(url)
-    except sa.exc.ArgumentError:
-        return None
-    if u.get_backend_name() != "sqlite":
-        return None
-    db = u.database or ""
-    return None if not db or db == ":memory:" or db.startswith("file:") else db
 
 
 def private_sqlite_file(path: str | os.PathLike[str], holds: str = "the stages' commands and slot leases") -> bool:

@@ -43,10 +43,17 @@ _SAMPLE_FIELDS = {
 _SAMPLE_ALIASES = {"step_time", "unit", "units"}
 
 
-def _sqlite_path(url: str) -> str | None:
-    """The file of a sqlite:/// URL (None for an in-memory database)."""
-    path = url.split("///", 1)[-1] if "///" in url else ""
-    return path if path and path != ":memory:" else None
+def sqlite_file(url: str) -> str | None:
+    """The file of a SQLite URL (None for PostgreSQL, an in-memory database, a `file:` URI or a URL that
+    does not parse, which the caller reports). Its query (`?timeout=5`) is not part of it."""
+    try:
+        u = sa.engine.make_url(url)
+    except (sa.exc.ArgumentError, ValueError):
+        return None
+    if u.get_backend_name() != "sqlite" or u.host:  # (sqlite://tmp/x.db: a host, which SQLite refuses)
+        return None
+    db = u.database or ""
+    return None if not db or db == ":memory:" or db.startswith("file:") else db
 
 
 #: the first 16 bytes of every SQLite database file
@@ -261,7 +268,7 @@ def damaged_database(exc: BaseException, url: str) -> QosflowError | None:
     msg = str(exc)
     if "malformed" not in msg.lower():
         return None
-    path = _sqlite_path(url) or url
+    path = sqlite_file(url) or url
     check = (f"python3 -c \"import sqlite3; c = sqlite3.connect('{path}'); c.execute('REINDEX'); "
              f"print(c.execute('PRAGMA integrity_check').fetchone()[0])\"")
     return QosflowError(
@@ -327,7 +334,7 @@ class Store:
         if backend not in ("sqlite", "postgresql"):
             raise QosflowError(f"cannot open {safe}{origin}: qosflow stores its data in SQLite or PostgreSQL, "
                                f"not {backend!r}: {how}")
-        path = _sqlite_path(url) if backend == "sqlite" else None
+        path = sqlite_file(url) if backend == "sqlite" else None
         if path:
             _check_sqlite_file(path, safe, origin, reading=must_exist)
         if must_exist and path and not os.path.exists(path):
@@ -377,7 +384,7 @@ class Store:
     @staticmethod
     def _make_engine(url: str, echo: bool = False) -> sa.Engine:
         if url.startswith("sqlite"):
-            path = _sqlite_path(url)
+            path = sqlite_file(url)
             if path and not os.path.exists(path):
                 # 0600 in 0700 directories, as the lease store does (the default is one qosflow.db for both):
                 # under the default umask the store was 0644, so whichever opened it first decided whether
