@@ -729,12 +729,12 @@ class HistoryEstimator(DeclaredEstimator):
         xs.append(float(actual_s))
         del xs[: -self.keep]
         if self.path:
-            tmp = f"{self.path}.{os.getpid()}.tmp"
+            from qosflow.sim.files import replacing
+
             try:
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                with open(tmp, "w", encoding="utf-8") as fh:
+                with replacing(self.path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
                     json.dump(self.runs, fh)
-                os.replace(tmp, self.path)
             except OSError:
                 pass
 

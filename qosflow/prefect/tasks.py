@@ -474,9 +474,10 @@ class PipelineRun:
                 "plan": {r.name: list(r.deps) for r in self.stages.values()},
                 "expected": {r.name: r.actual_s or r.expected for r in self.stages.values()},
             }
-            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # (two pipelines of one process)
-            tmp.write_text(json.dumps(plans))
-            os.replace(tmp, path)
+            from qosflow.sim.files import replacing
+
+            with replacing(path) as tmp:  # (a temporary file of its own: two pipelines of one process wrote the same one)
+                tmp.write_text(json.dumps(plans))
         except Exception:
             pass
 
