@@ -362,3 +362,33 @@ def test_patch_content_types_are_honoured(api, emu):
     batch.patch_namespaced_job("patchy", NS, body)  # (the client sends a dict as a strategic merge patch)
     assert batch.read_namespaced_job("patchy", NS).metadata.labels["k"] == "v"
     batch.delete_namespaced_job("patchy", NS, propagation_policy="Background")
+
+
+def test_process_kubelet_ends_what_a_container_left_running(tmp_path):
+    """A container's main process exited leaving a background child (`sleep 600 &`): the pod was
+    Succeeded and the sleep ran on, and deleting the pod did not stop it either (its stop found the main
+    process gone). A container's processes end with its main one, as when a real container's pid 1 exits."""
+    from procs import alive
+
+    out = tmp_path / "pid"
+    with EmulatorServer([gpu_node("gpu-0", 1)], run_processes=True) as e:
+        c = e.api_client()
+        core, batch = client.CoreV1Api(c), client.BatchV1Api(c)
+        j = job("leaves", labels={"t": "leaves"})
+        j["spec"]["template"]["spec"]["containers"][0]["command"] = ["sh", "-c", f"sleep 600 & echo $! > {out}"]
+        batch.create_namespaced_job(NS, j)
+        wait_pods(core, "t=leaves", lambda p: p.status.phase == "Succeeded", timeout=30)
+        left = int(out.read_text())
+        try:
+            end = time.monotonic() + 5
+            while alive(left) and time.monotonic() < end:
+                time.sleep(0.05)
+            assert not alive(left)
+        finally:
+            if alive(left):
+                import os
+                import signal
+
+                os.kill(left, signal.SIGKILL)
+        batch.delete_namespaced_job("leaves", NS, propagation_policy="Background")
+        c.close()

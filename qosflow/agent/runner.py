@@ -21,7 +21,7 @@ from typing import AsyncIterator
 
 from qosflow.paths import file_stem
 from qosflow.placement_api import PROGRESS_FILE_ENV
-from qosflow.procgroup import kill_group
+from qosflow.procgroup import group_members, kill_group
 
 _PR_SET_PDEATHSIG = 1
 #: environment variables of the agent that a stage must never see
@@ -232,8 +232,12 @@ class Runner:
         rc = await st.proc.wait()
         # what the stage left behind in its process group (`cmd &`, a launcher's children) ends with it:
         # the worker frees the stage's slot now, and a DELETE or a fence only looks at running stages, so
-        # such processes kept running, on GPUs given to the next stage, with nothing left to kill them
-        kill_group(st.pid)  # type: ignore[arg-type]
+        # such processes kept running, on GPUs given to the next stage, with nothing left to kill them.
+        # The leader is reaped (by asyncio's child watcher): its id stays its group's only while a member
+        # lives; once none does the id is free and may lead another process's group or session, so the
+        # group is signalled only if members of the stage's session are still there (qosflow.procgroup)
+        if group_members(st.pid):  # type: ignore[arg-type]
+            kill_group(st.pid)  # type: ignore[arg-type]
         _guard.forget(st.pid)  # type: ignore[arg-type]
         st.returncode = rc
         st.ended_at = time.time()
@@ -269,6 +273,8 @@ class Runner:
             # report anything (e.g. a Prefect engine marking its flow run Crashed over the rerun's state)
             steps = ((signal.SIGKILL, 5.0),)
         for sig, wait in steps:
+            if st.proc is not None and st.proc.returncode is not None and not group_members(st.pid):  # type: ignore[arg-type]
+                return  # (reaped, _reap about to run, nothing left in its group: its id may be another's now)
             try:
                 os.killpg(st.pid, sig)  # type: ignore[arg-type]
             except ProcessLookupError:

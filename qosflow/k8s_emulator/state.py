@@ -35,7 +35,7 @@ from collections import deque
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from qosflow.procgroup import stop_group
+from qosflow.procgroup import poll_group, stop_group
 
 ANN = "emulator.qosflow.dev/"
 #: resource plural -> (apiVersion, kind, namespaced)
@@ -641,7 +641,9 @@ class Cluster:
                 continue
             proc = tl.get("proc")
             if proc is not None:
-                code = proc.poll()
+                # (the container's other processes end with its main one, as when a container's pid 1 exits: its
+                # background children were left running, and a deleted pod's stop found its main process gone)
+                code = poll_group(proc)
                 if code is not None:
                     code = 128 - code if code < 0 else code  # killed by a signal: 128 + signal, as a container runtime says
                     self._finish(pod, "Succeeded" if code == 0 else "Failed", exit_code=code)
