@@ -1187,3 +1187,22 @@ def test_hosts_not_reached_at_the_start_are_named_not_called_gpu_less(agents):
     assert "host gpu-x did not answer" in note and "declares" in note and "its agent answers" in note, note
     assert "host-a" not in note and [n.gpus for n in spec.nodes] == [2, 4]
     assert asyncio.run(go([AgentHost(a.name, a.url)]))[1] == ""
+
+
+def test_the_group_of_a_reaped_stage_with_nothing_left_is_not_signalled(tmp_path, monkeypatch):
+    """The runner SIGKILLed a stage's group after asyncio had reaped its leader, also when nothing was
+    left in it: the group's id was then free, and may have been another process's group already (pid
+    reuse; qosflow.procgroup). A group with members left is still killed (the test above)."""
+    import qosflow.agent.runner as runner_mod
+
+    sent = []
+    monkeypatch.setattr(runner_mod, "kill_group", lambda pg, *a: sent.append(pg))
+
+    async def go():
+        r = runner_mod.Runner(tmp_path / "work")
+        st = await r.launch("s1", ["true"])
+        await r.wait(st, 30)
+        return st
+
+    st = asyncio.run(go())
+    assert st.returncode == 0 and sent == []
