@@ -392,3 +392,27 @@ def test_process_kubelet_ends_what_a_container_left_running(tmp_path):
                 os.kill(left, signal.SIGKILL)
         batch.delete_namespaced_job("leaves", NS, propagation_policy="Background")
         c.close()
+
+
+def test_delete_preconditions_and_an_immutable_creation_timestamp(api):
+    """DeleteOptions' preconditions (uid, resourceVersion) were ignored: a delete meant for the object as
+    read deleted it after it changed (or a new one of the same name). The API server answers 409 Conflict
+    ('Precondition failed'); so does the emulator. An update's or patch's creationTimestamp was taken as
+    given; the API server keeps its own (and refuses a changed uid)."""
+    core, _ = api
+    s = core.create_namespaced_secret(NS, {"metadata": {"name": "pre"}, "stringData": {"K": "v"}})
+    md = s.metadata
+    for pre in ({"uid": "00000000-0000-0000-0000-000000000000"}, {"resourceVersion": "1"}):
+        with pytest.raises(ApiException) as ei:
+            core.delete_namespaced_secret("pre", NS, body={"preconditions": pre})
+        assert ei.value.status == 409 and "Precondition failed" in json.loads(ei.value.body)["message"]
+    patched = core.patch_namespaced_secret("pre", NS, {"metadata": {"creationTimestamp": "2001-01-01T00:00:00Z", "labels": {"a": "b"}}})
+    assert patched.metadata.creation_timestamp == md.creation_timestamp and patched.metadata.labels == {"a": "b"}
+    with pytest.raises(ApiException) as ei:
+        core.replace_namespaced_secret("pre", NS, {"metadata": {"name": "pre", "uid": "11111111-1111-1111-1111-111111111111"}})
+    assert ei.value.status == 422 and "immutable" in ei.value.body
+    with pytest.raises(ApiException) as ei:  # (its resourceVersion changed with the patch)
+        core.delete_namespaced_secret("pre", NS, body={"preconditions": {"uid": md.uid, "resourceVersion": md.resource_version}})
+    assert ei.value.status == 409
+    core.delete_namespaced_secret("pre", NS, body={"preconditions": {"uid": md.uid, "resourceVersion": patched.metadata.resource_version}})
+    assert "pre" not in {x.metadata.name for x in core.list_namespaced_secret(NS).items}

@@ -201,7 +201,7 @@ def create_app(cluster: Cluster):
                 except Exception:
                     body = {}
                 prop = (body or {}).get("propagationPolicy") or q.get("propagationPolicy")
-                obj = store.delete(plural, obj_ns, name)
+                obj = store.delete(plural, obj_ns, name, (body or {}).get("preconditions"))
                 if plural == "jobs":
                     cluster.on_job_deleted(obj, prop)
                 if plural == "pods":

@@ -261,9 +261,15 @@ class Store:
         new = copy.deepcopy(obj)
         if status_only:
             new = {**cur, "status": new.get("status", {})}
+        md = new.setdefault("metadata", {})
+        if md.get("uid") and md["uid"] != cur["metadata"].get("uid"):
+            raise ApiError(422, "Invalid", f'{cur.get("kind", plural)} "{name}" is invalid: metadata.uid: Invalid value: "{md["uid"]}": field is immutable',
+                           {"name": name, "kind": plural})
+        # (the API server keeps what it set: a creationTimestamp sent in an update or a patch is ignored, as
+        # the registry's BeforeUpdate restores the old one; the uid it refuses to change, above)
         for k in ("uid", "creationTimestamp", "namespace", "name"):
             if k in cur["metadata"]:
-                new.setdefault("metadata", {})[k] = cur["metadata"][k]
+                md[k] = cur["metadata"][k]
         if plural == "secrets":
             new = _secret_on_write(new, name)
         self.table(plural)[(cur["metadata"].get("namespace", ""), name)] = new
@@ -274,8 +280,17 @@ class Store:
         """Controller-side in-place change (already mutated): bump the version, tell the watchers."""
         self._emit(plural, "MODIFIED", obj)
 
-    def delete(self, plural: str, ns: str, name: str) -> dict:
+    def delete(self, plural: str, ns: str, name: str, preconditions: dict | None = None) -> dict:
+        """Delete an object; DeleteOptions' `preconditions` (uid, resourceVersion) that the object does not
+        meet fail it with 409 Conflict, as the API server's storage does."""
         obj = self.get(plural, ns, name)
+        md = obj["metadata"]
+        for field, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+            want = (preconditions or {}).get(field)
+            if want is not None and want != md.get(field):
+                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {self.resource_name(plural)} "{name}": Precondition failed: '
+                                                f'{label} in precondition: {want}, {label} in object meta: {md.get(field)}',
+                               {"name": name, "kind": plural})
         del self.table(plural)[(obj["metadata"].get("namespace", ""), name)]
         self._emit(plural, "DELETED", obj)
         return obj
