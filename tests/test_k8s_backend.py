@@ -945,3 +945,148 @@ def test_a_refused_pod_list_is_said_once(caplog):
     said = [r.getMessage() for r in caplog.records if r.name == "qosflow.backends.kubernetes"]
     assert len([m for m in said if "403 Forbidden" in m]) == 1, said
     assert "cluster 'k8s-a'" in said[0] and "stage r" in said[0] and any("listed again (after 3 refusal(s))" in m for m in said), said
+
+
+@emulator_only
+def test_orphaned_stage_secrets_are_deleted_and_no_one_elses():
+    """A stage attempt's Secret (its credentials: the Prefect API key) is created before its Job, which
+    then owns it. A launch whose Job creation failed and whose clean-up failed too, or a worker that died
+    in between, left a Secret owned by nothing, kept for ever (the garbage collector deletes only what
+    has owners). `sweep_orphan_secrets` deletes qosflow's own unowned stage Secrets older than the grace
+    period, in its namespace only; one whose Job exists gets the Job as its owner; a Secret it did not
+    create is never touched, whatever its name or labels."""
+    from qosflow.backends.kubernetes import ANN_STAGE, LABEL_STAGE, label_value, secret_name
+
+    creds = {"PREFECT_API_KEY": "pnu_orphan"}
+    with EmulatorServer([gpu_node("gpu-0", 2)]) as emu:
+        async def go():
+            be = KubernetesBackend(api_client=emu.api_client(), api_retries=0)
+            ml = KubernetesBackend(api_client=emu.api_client(), namespace="ml")
+            core = be.core
+            try:
+                cluster = await be.inventory()
+                await be._sweep_task  # (the start's sweep: nothing to do yet)
+
+                def spec(stage: str) -> LaunchSpec:
+                    return LaunchSpec(stage, ["sleep", "60"], Placement(stage, ((0, 0),), ((0, 0.1),)), cluster, env=creds)
+
+                # 1. the Job's creation fails, then the clean-up's delete of the Secret too
+                emu.add_fault(r"/namespaces/default/jobs$", method="POST", status=500, count=1)
+                emu.add_fault(r"/namespaces/default/secrets/", method="DELETE", status=500, count=1)
+                with pytest.raises(ApiException):
+                    await be.launch(spec("failed-1"))
+                # 2. a worker that died after the Secret (what a launch does first), 3. after the Job too
+                await be._put_secret(be.secret_manifest(spec("died-1")), "died-1", "test")
+                await be._put_secret(be.secret_manifest(spec("died-2")), "died-2", "test")
+                (job2,), _ = be.manifests(spec("died-2"))
+                job2 = await asyncio.to_thread(be.batch.create_namespaced_job, "default", job2)
+                # 4. a stage launched as usual (its Secret is its Job's)
+                h = await be.launch(spec("normal-1"))
+                # 5. another namespace's orphan (another pool's worker): not this backend's
+                await ml._put_secret(ml.secret_manifest(spec("other-ns")), "other-ns", "test")
+                # 6. Secrets of the users': qosflow's name for a stage, no labels; qosflow's labels, another
+                # name; qosflow's labels and annotation, not qosflow's name for that stage; qosflow's name and labels
+                # but owned by something of theirs
+                mine = {"metadata": {"name": secret_name("user-stage")}, "stringData": {"K": "v"}}
+                labels = {"app.kubernetes.io/managed-by": "qosflow", LABEL_STAGE: label_value("user-2")}
+                copied = {"metadata": {"name": "qf-user-2-env", "labels": labels}, "stringData": {"K": "v"}}
+                named = {"metadata": {"name": "user-3-creds", "labels": labels, "annotations": {ANN_STAGE: "user-2"}}, "stringData": {"K": "v"}}
+                owned = be.secret_manifest(spec("user-4"))
+                owned["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": job2.metadata.uid}]
+                for body in (mine, copied, named, owned):
+                    await asyncio.to_thread(core.create_namespaced_secret, "default", body)
+
+                names = lambda: {s.metadata.name for s in core.list_namespaced_secret("default").items}  # noqa: E731
+                before = await asyncio.to_thread(names)
+                fresh = await be.sweep_orphan_secrets()  # all younger than the grace period: none is an orphan yet
+                later = await be.sweep_orphan_secrets(now=time.time() + 3600)
+                after = await asyncio.to_thread(names)
+                s2 = await asyncio.to_thread(core.read_namespaced_secret, secret_name("died-2"), "default")
+                in_ml = [s.metadata.name for s in core.list_namespaced_secret("ml").items]
+                await be.kill(h)
+                return before, fresh, later, after, s2, job2, in_ml
+            finally:
+                await be.aclose()
+                await ml.aclose()
+
+        before, fresh, later, after, s2, job2, in_ml = asyncio.run(go())
+    orphans = {secret_name("failed-1"), secret_name("died-1")}
+    assert orphans <= before and fresh == []
+    assert sorted(later) == sorted(orphans)
+    assert after == before - orphans
+    assert {secret_name("died-2"), secret_name("normal-1"), secret_name("user-stage"), "qf-user-2-env", "user-3-creds",
+            secret_name("user-4")} <= after
+    assert [(o.kind, o.uid) for o in s2.metadata.owner_references] == [("Job", job2.metadata.uid)]  # its Job owns it now
+    assert in_ml == [secret_name("other-ns")]
+
+
+@emulator_only
+def test_the_worker_start_and_its_heartbeats_sweep_orphaned_secrets(caplog):
+    """The sweep runs at `inventory()` (the worker's start: what a worker that died left) and then every
+    `orphan_sweep_s` at `healthy_nodes()` (the heartbeat), in the background; a refused list is said once."""
+    import logging
+
+    from qosflow.backends.kubernetes import secret_name
+
+    with EmulatorServer([gpu_node("gpu-0", 2)]) as emu:
+        async def go():
+            dead = KubernetesBackend(api_client=emu.api_client())
+            cluster = await dead.inventory()
+            spec = lambda s: LaunchSpec(s, ["true"], Placement(s, ((0, 0),), ((0, 0.1),)), cluster, env={"HF_TOKEN": "hf_x"})  # noqa: E731
+            await dead._put_secret(dead.secret_manifest(spec("dead-1")), "dead-1", "test")
+            await dead.aclose()
+            be = KubernetesBackend(api_client=emu.api_client(), orphan_secret_grace_s=0, orphan_sweep_s=0)
+            names = lambda: {s.metadata.name for s in be.core.list_namespaced_secret("default").items}  # noqa: E731
+            try:
+                await be.inventory()
+                await be._sweep_task
+                at_start = await asyncio.to_thread(names)
+                await be._put_secret(be.secret_manifest(spec("dead-2")), "dead-2", "test")
+                emu.add_fault(r"/namespaces/default/secrets$", method="GET", status=403, count=2)
+                for _ in range(3):  # refused twice (said once), then it works
+                    await be.healthy_nodes()
+                    await be._sweep_task
+                at_beat = await asyncio.to_thread(names)
+                return at_start, at_beat, dict(be.stats)
+            finally:
+                await be.aclose()
+
+        with caplog.at_level(logging.WARNING, logger="qosflow.backends.kubernetes"):
+            at_start, at_beat, stats = asyncio.run(go())
+    assert secret_name("dead-1") not in at_start and secret_name("dead-2") not in at_beat
+    assert stats["orphan_secrets_deleted"] == 2
+    refused = [r.getMessage() for r in caplog.records if "could not look for orphaned stage Secrets" in r.getMessage()]
+    assert len(refused) == 1 and "list on secrets" in refused[0], refused
+
+
+@emulator_only
+def test_a_secret_reused_while_the_sweep_looks_at_it_is_not_deleted():
+    """The sweep deletes a Secret on condition that it is as it read it (uid and resourceVersion
+    preconditions): the same attempt launched again meanwhile (its launch re-writes the Secret, then makes
+    the new Job its owner) keeps its Secret. Here the re-write comes between the sweep's list and its delete."""
+    from qosflow.backends.kubernetes import secret_name
+
+    with EmulatorServer([gpu_node("gpu-0", 2)]) as emu:
+        async def go():
+            be = KubernetesBackend(api_client=emu.api_client())
+            try:
+                cluster = await be.inventory()
+                await be._sweep_task
+                spec = LaunchSpec("again-1", ["true"], Placement("a", ((0, 0),), ((0, 0.1),)), cluster, env={"PREFECT_API_KEY": "pnu_a"})
+                await be._put_secret(be.secret_manifest(spec), "again-1", "test")
+                list_jobs = be.batch.list_namespaced_job
+
+                def reused_meanwhile(*a, **kw):  # (the sweep looks for the stage's Job after it read the Secret)
+                    be.core.patch_namespaced_secret(secret_name("again-1"), "default", {"data": {"PREFECT_API_KEY": "cG51X2I="}})
+                    return list_jobs(*a, **kw)
+
+                be.batch.list_namespaced_job = reused_meanwhile
+                dropped = await be.sweep_orphan_secrets(now=time.time() + 3600)
+                be.batch.list_namespaced_job = list_jobs
+                left = [s.metadata.name for s in be.core.list_namespaced_secret("default").items]
+                return dropped, left
+            finally:
+                await be.aclose()
+
+        dropped, left = asyncio.run(go())
+    assert dropped == [] and left == [secret_name("again-1")]

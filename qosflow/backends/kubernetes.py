@@ -22,7 +22,8 @@ One `batch/v1` Job per stage:
 * credentials in the stage's env (`is_secret_env`: PREFECT_API_KEY, PREFECT_API_AUTH_STRING, tokens,
   passwords, URLs with a password) are never plain values in the Job: they go into a Secret per stage
   attempt, created first and then owned by the Job(s), referenced by `secretKeyRef`, and deleted when
-  the stage ends (or by the garbage collector with its Job).
+  the stage ends (or by the garbage collector with its Job). One that no Job owns (its worker died
+  before the Job was created) is deleted after `orphan_secret_grace_s` by `sweep_orphan_secrets`.
 * `backoffLimit: 0`: qosflow classifies failures itself (qosflow.failures) and retries an
   infrastructure failure on another node, a user failure per the stage's retries.
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -223,6 +225,12 @@ class KubernetesBackend(Backend):
     #: which the Job's env references (secretKeyRef), not into the Job as plain values. False: plain
     #: values (for an account that may not create Secrets; anyone who may read Jobs reads them)
     credentials_in_secret: bool = True
+    #: a stage attempt's Secret that no Job owns and that is older than this is an orphan (its worker died
+    #: between creating it and its Job, or a failed launch's clean-up failed): deleted by `sweep_orphan_secrets`
+    #: (at `inventory()`, the worker's start, and every `orphan_sweep_s` at its heartbeats). Longer than any
+    #: launch takes, so that a Secret whose Job is being created is never taken for one
+    orphan_secret_grace_s: float = 600.0
+    orphan_sweep_s: float = 600.0
 
     name = "kubernetes"
 
@@ -263,7 +271,13 @@ class KubernetesBackend(Backend):
         self._progress = ProgressCopies("qosflow-k8s-progress-")
         #: stage id -> the (t, step) of the last progress line copied (None: the log not read yet)
         self._progress_seen: dict[str, tuple[float, float] | None] = {}
-        self.stats = {"watch_410": 0, "api_5xx_retried": 0, "adopted_409": 0, "wait_api_unreachable": 0}
+        self.stats = {"watch_410": 0, "api_5xx_retried": 0, "adopted_409": 0, "wait_api_unreachable": 0,
+                      "orphan_secrets_deleted": 0, "orphan_secrets_owned": 0}
+        #: Secrets this backend is creating now (their launch has not given them an owner yet): never orphans
+        self._launching: set[str] = set()
+        self._sweep_task: asyncio.Task | None = None
+        self._swept_at = -math.inf
+        self._sweep_error: str | None = None
 
     # ------------------------------------------------------------------ API calls with retries
     def _call(self, fn, *args, _doing: str | None = None, **kw):
@@ -349,7 +363,7 @@ class KubernetesBackend(Backend):
             if e.status in (401, 403):
                 fix = ("its credentials were refused: check the kubeconfig's user/token" if e.status == 401 else
                        "its user may not list nodes: grant it get/list/watch on nodes, create/delete on jobs and pods, "
-                       "and get/create/patch/delete on secrets")
+                       "and get/list/create/patch/delete on secrets")
                 raise QosflowError(f"Kubernetes cluster {self.cluster_name!r}: the API server at {host} answered {e.status} {e.reason} "
                                    f"to listing nodes; {fix}") from None
             raise
@@ -359,11 +373,92 @@ class KubernetesBackend(Backend):
         if not nodes:
             raise QosflowError(f"no Kubernetes node matches {self.node_selector or 'any label'} in {self.api_client.configuration.host}")
         switches: dict[str, int] = {}
+        self._start_sweep()  # (at the worker's start: what a worker that died left behind)
         return ClusterSpec(tuple(self._node_spec(n, switches) for n in sorted(nodes, key=lambda n: n.metadata.name)), name=self.cluster_name)
 
     async def healthy_nodes(self) -> set[str]:
         nodes = await self._list_nodes()
+        self._start_sweep()  # (every orphan_sweep_s, in the background: the heartbeat does not wait for it)
         return {n.metadata.name for n in nodes if _ready(n) and not (n.spec and n.spec.unschedulable)}
+
+    # ------------------------------------------------------------------ orphaned Secrets
+    def _start_sweep(self) -> None:
+        """Start `sweep_orphan_secrets` in the background if it has not run for `orphan_sweep_s` seconds."""
+        if not self.credentials_in_secret or (self._sweep_task is not None and not self._sweep_task.done()):
+            return
+        if time.monotonic() - self._swept_at < self.orphan_sweep_s:
+            return
+        self._swept_at = time.monotonic()
+        self._sweep_task = asyncio.get_running_loop().create_task(self._sweep_quietly(), name="qosflow-k8s-orphan-secrets")
+
+    async def _sweep_quietly(self) -> None:
+        try:
+            await self.sweep_orphan_secrets()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a clean-up: said once per distinct failure, tried again later
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if why != self._sweep_error:
+                fix = " (the worker's account needs list on secrets and get on jobs in the namespace)" if " 403" in f" {why}" or "(403)" in why else ""
+                log.warning("Kubernetes cluster %r: could not look for orphaned stage Secrets in %s: %s%s; trying again in %gs",
+                            self.cluster_name, self.namespace, why, fix, self.orphan_sweep_s)
+            self._sweep_error = why
+        else:
+            self._sweep_error = None
+
+    async def sweep_orphan_secrets(self, *, grace_s: float | None = None, now: float | None = None) -> list[str]:
+        """Delete the stage attempts' Secrets that no Job owns, older than `grace_s` (default
+        `orphan_secret_grace_s`), in this backend's namespace; return their names.
+
+        A launch creates the Secret, then the Job(s), then makes the Job(s) its owners; a worker that died
+        in between (or a failed launch whose clean-up failed too) left a Secret holding the stage's
+        credentials (the Prefect API key) for ever: the garbage collector only deletes what has owners.
+        Only qosflow's own Secrets are touched: labelled `app.kubernetes.io/managed-by=qosflow`, carrying
+        the `qosflow.dev/stage-id` annotation and label of one stage and named `secret_name(stage)` (a
+        Secret of someone else's, even with a similar name, is left alone). One whose stage's Job exists
+        (the worker died after creating the Job) gets it as its owner instead: its pods may still need it.
+        The delete is conditional on the Secret being as read (uid and resourceVersion preconditions):
+        one a launch has just reused or given an owner is not deleted."""
+        from kubernetes.client.exceptions import ApiException
+
+        grace = self.orphan_secret_grace_s if grace_s is None else float(grace_s)
+        now = time.time() if now is None else now
+        doing = "look for orphaned stage Secrets"
+        secrets = (await self._acall(self.core.list_namespaced_secret, self.namespace, label_selector=MANAGED_SELECTOR, _doing=doing)).items
+        dropped: list[str] = []
+        for sec in secrets:
+            md = sec.metadata
+            stage = (md.annotations or {}).get(ANN_STAGE)
+            if (not stage or md.name != secret_name(stage) or (md.labels or {}).get(LABEL_STAGE) != label_value(stage)
+                    or md.owner_references or md.name in self._launching or md.deletion_timestamp is not None):
+                continue
+            created = md.creation_timestamp.timestamp() if md.creation_timestamp is not None else None
+            if created is None or now - created < grace:
+                continue
+            jobs = (await self._acall(self.batch.list_namespaced_job, self.namespace, label_selector=f"{LABEL_STAGE}={label_value(stage)}",
+                                      _doing=doing)).items
+            jobs = [j for j in jobs if (j.metadata.annotations or {}).get(ANN_STAGE) == stage and j.metadata.deletion_timestamp is None]
+            try:
+                if jobs:  # the Job was created, the owner not set: set it (deleted with the Job, as a launch does it)
+                    owners = [{"apiVersion": "batch/v1", "kind": "Job", "name": j.metadata.name, "uid": j.metadata.uid} for j in jobs]
+                    await self._acall(self.core.patch_namespaced_secret, md.name, self.namespace,
+                                      {"metadata": {"ownerReferences": owners, "resourceVersion": md.resource_version}},
+                                      _content_type="application/merge-patch+json", _doing=doing)
+                    self.stats["orphan_secrets_owned"] += 1
+                    log.info("stage %s: its Secret %s had no owner; its Job %s owns it now", stage, md.name, jobs[0].metadata.name)
+                    continue
+                body = {"apiVersion": "v1", "kind": "DeleteOptions",
+                        "preconditions": {"uid": md.uid, "resourceVersion": md.resource_version}}
+                await self._acall(self.core.delete_namespaced_secret, md.name, self.namespace, body=body, _doing=doing)
+            except ApiException as e:
+                if e.status in (404, 409):  # gone already, or changed since it was read (a launch reused it): left
+                    continue
+                raise
+            self.stats["orphan_secrets_deleted"] += 1
+            dropped.append(md.name)
+            log.warning("stage %s: deleted its credentials Secret %s, which no Job owned (created %s, its worker stopped before the "
+                        "stage's Job was created?)", stage, md.name, md.creation_timestamp.isoformat())
+        return dropped
 
     # ------------------------------------------------------------------ manifests
     @staticmethod
@@ -528,6 +623,8 @@ class KubernetesBackend(Backend):
         }
         handle = StageHandle(spec.stage_id, self.name, ref["nodes"][0], ref)
         what = "create"
+        if secret is not None:
+            self._launching.add(secret["metadata"]["name"])
         try:
             if secret is not None:  # first: a pod started without it would fail (CreateContainerConfigError)
                 what = f"create Secret {secret['metadata']['name']} (the worker's account needs get, create, patch and delete on secrets)"
@@ -573,6 +670,9 @@ class KubernetesBackend(Backend):
         except QosflowError:  # (a Job of another stage has this one's name): the Secret made for this launch goes
             await self._drop_secret(handle)
             raise
+        finally:
+            if secret is not None:
+                self._launching.discard(secret["metadata"]["name"])
         return handle
 
     async def _put_secret(self, secret: dict, stage_id: str, doing: str) -> None:
@@ -909,6 +1009,10 @@ class KubernetesBackend(Backend):
     async def aclose(self) -> None:
         for ev in self._stop.values():
             ev.set()
+        if self._sweep_task is not None and not self._sweep_task.done():
+            self._sweep_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._sweep_task
         await asyncio.to_thread(self.api_client.close)
         self._progress.close()
 
