@@ -159,6 +159,9 @@ class SpeedModel:
 
         The curve saturates at `job.cpu_saturation` cores per GPU when that is known (profiled);
         otherwise at the cores the job asked for: a job given what it asked for runs at full speed.
+        A GPU job that asked for no cores (`cpu_cores=0`, which `QoSSpec` allows) runs at full speed on
+        none: it holds no core of its own, and the model cannot tell how much of the node's others it
+        uses. (Its speed was 0: it held its GPUs for ever, and the simulator stopped with it running.)
         """
         gpus = max(job.qos.gpus, 1)
         if job.cpu_saturation is not None and job.qos.gpus > 0:
@@ -168,7 +171,7 @@ class SpeedModel:
         if cores >= sat:
             return 1.0
         if cores <= 0:
-            return 0.0
+            return 1.0 if job.qos.cpu_cores <= 0 else 0.0
         return (cores / sat) ** self.cpu_exponent
 
     # -------------------------------------------------------------- combined

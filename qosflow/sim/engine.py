@@ -272,6 +272,13 @@ class Simulator:
                         f"with nothing left to happen (first: {[s.job_id for s in stuck]}); "
                         "the policy never places them"
                     )
+                if running and cfg.max_time is None:
+                    # (running jobs that make no progress: the loop would end with them still running)
+                    raise SimulationError(
+                        f"{len(running)} running jobs make no progress and nothing else is left to happen "
+                        f"(first: {list(running)[:5]}, rates {[rate[j] for j in list(running)[:5]]}); "
+                        "the speed model gives them rate 0"
+                    )
                 break
             if cfg.max_time is not None and t_next > cfg.max_time:
                 t_next = cfg.max_time
