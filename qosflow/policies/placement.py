@@ -274,6 +274,8 @@ def find_colocation(
     for n, c in cpu_need.items():
         if state.cpu_free[n] < c - 1e-9:
             return None
+        if qos.mem_mb > 0 and state.mem_free[n] < qos.mem_mb / len(cpu_need) - 1e-6:
+            return None  # (host memory, split evenly over its nodes as `ClusterState.allocate` does)
     return Placement(
         job.job_id,
         tuple(pp.gpus),

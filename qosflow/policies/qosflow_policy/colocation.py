@@ -238,6 +238,11 @@ class CoLocationMixin:
             if st.cpu_free[n] < c - 1e-9:
                 self._why_not = f"the best partner's node has {st.cpu_free[n]:g} free cores, it needs {c:g}"
                 return None
+        if q.mem_mb > 0:  # (host memory, split evenly over its nodes as `ClusterState.allocate` does)
+            for n in cpu:
+                if st.mem_free[n] < q.mem_mb / len(cpu) - 1e-6:
+                    self._why_not = f"the best partner's node has {st.mem_free[n]:g} MB of host memory free, it needs {q.mem_mb / len(cpu):g}"
+                    return None
         if keep_off is not None and keep_off(tuple(cpu)):  # (the placement's nodes, in its order)
             return KEPT_OFF
         pids = tuple(dict.fromkeys(p[0] for p in partners))

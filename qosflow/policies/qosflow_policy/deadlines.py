@@ -98,6 +98,8 @@ class DeadlinesMixin:
         cpu: dict[int, float] = {}
         for n, _ in take:
             cpu[n] = cpu.get(n, 0.0) + per_gpu_cpu
+        if q.mem_mb > 0 and any(st.mem_free[n] < q.mem_mb / len(cpu) - 1e-6 for n in cpu):
+            return None  # (its host memory, split evenly over its nodes, does not fit)
         used = tuple(dict.fromkeys(st.gpu_jobs[x][0] for x in take if st.njobs[x] == 1))
         p = Placement(job.job_id, tuple(take), cpu=tuple(cpu.items()), gpu_mem_mb=float(q.gpu_mem_mb or 0.0), mem_mb=q.mem_mb, colocated_with=used)
         why = f"deadline rescue: spread over {len(nodes)} node(s)" + (f", sharing with {', '.join(used)}" if used else "") + f"; predicted slowdown {slow:.2f} still meets the deadline"
