@@ -60,6 +60,8 @@ class Job:
     resource_profile: tuple[float, ...] | None = None
     #: cores per GPU beyond which adding cores stops helping (CODA); None: the speed model's default
     cpu_saturation: float | None = None
+    #: who submitted it (fairness between users: `QosflowPolicy(fair_share=...)`); None: not known. Taken
+    #: from the QoS spec's `user` when not given (a stage's: `@qos_task(user=...)`, its run's `user:` tag)
     user: str | None = None
     pipeline: str | None = None
     depends_on: tuple[str, ...] = ()
@@ -75,6 +77,8 @@ class Job:
             raise SpecError("submit_time", f"must be >= 0 seconds, got {self.submit_time!r}", where=f"job {self.job_id}")
         if not math.isfinite(self.duration) or self.duration <= 0:
             raise SpecError("duration", f"must be > 0 seconds, got {self.duration!r}", where=f"job {self.job_id}")
+        if self.user is None and self.qos.user is not None:
+            self.user = self.qos.user
         if self.expected_duration is not None and (
             not math.isfinite(self.expected_duration) or self.expected_duration <= 0
         ):

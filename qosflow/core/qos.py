@@ -103,6 +103,10 @@ class QoSSpec:
     gpu_model: str | None = None
     min_gpus: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    #: who submitted the job (fairness between users, `QosflowPolicy(fair_share=...)`); not part of the
+    #: request: specs that differ only in it compare equal (placement searches keyed by the request
+    #: are shared). A pipeline stage's comes from `@qos_task(user=...)` or its run's `user:NAME` tag
+    user: str | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "priority", PriorityClass.parse(self.priority))
@@ -165,6 +169,8 @@ class QoSSpec:
                 raise bad("min_gpus", f"{self.min_gpus} allows no width below gpus={self.gpus}, so it would have no effect: a job "
                           f"starts only on a divisor of its GPUs ({', '.join(map(str, divisors))}: gradient accumulation needs a "
                           f"whole number of steps); use min_gpus={smaller} to let it start narrower, or leave min_gpus unset")
+        if self.user is not None and (not isinstance(self.user, str) or not self.user.strip() or self.user != self.user.strip()):
+            raise bad("user", f"must be a user's name (a non-empty string without leading or trailing spaces), got {self.user!r}")
         if self.gpu_model is not None:
             if not isinstance(self.gpu_model, str):
                 raise bad("gpu_model", f"must be a GPU model name (or several separated by '|'), got {self.gpu_model!r}")
@@ -232,6 +238,8 @@ class QoSSpec:
         }
         if self.min_gpus is not None:
             d["min_gpus"] = self.min_gpus
+        if self.user is not None:
+            d["user"] = self.user
         if self.extra:
             d["extra"] = dict(self.extra)
         return d

@@ -1,5 +1,6 @@
 """qosflow policy, steps 1 and 2: admission and ordering -- weighted SJF, with the makespan guard
-(and the arrival log it counts inflow with) and the starvation guard."""
+(and the arrival log it counts inflow with), the starvation guard and fairness between users (the
+usage log it measures each user's recent GPU usage with)."""
 
 from __future__ import annotations
 
@@ -76,10 +77,95 @@ class _ArrivalLog:
         return self.cum[-1] - self.cum[bisect.bisect_left(self.times, t)]
 
 
+#: the account of the jobs whose user is not known (one account for all of them)
+NO_USER = None
+
+
+def job_user(job) -> str | None:
+    """Who submitted `job`: `Job.user`, else the user its QoS spec carries (`QoSSpec.user`: a stage's
+    `@qos_task(user=...)` or its pipeline run's `user:NAME` tag), else None (not known)."""
+    u = job.user
+    if u is None:
+        u = getattr(job.qos, "user", None)
+    return u or None
+
+
+def _who(user: str | None) -> str:
+    return f"user {user}" if user is not None else "the jobs with no user"
+
+
+class _UsageLog:
+    """Each user's GPU usage, decayed with a half-life: what the fair-share ordering charges a user with.
+
+    A user's usage is the GPU-seconds their jobs received (`JobState.gpu_attained`, as the simulator
+    and the live scheduler keep it), each second weighted 2^(-age / half_life); divided by the same
+    integral of a constant 1 GPU over the time the log has watched (`kernel`), it reads as the GPUs
+    the user held on average recently. The log keeps the states of the jobs it has seen (waiting or
+    running), charges what each received since the last round, and forgets a job once it is neither
+    waiting nor running (after charging its last seconds: a job that ended between two rounds is
+    charged up to its end). A clock that goes back (the policy object reused for a new simulation)
+    starts it afresh."""
+
+    def __init__(self) -> None:
+        self.now = -math.inf
+        self.usage: dict[str | None, float] = {}
+        self.kernel = 0.0
+        #: job id -> [its state, its user, GPU-seconds already charged]
+        self.seen: dict[str, list] = {}
+
+    def record(self, view: SchedulerView, half_life: float) -> None:
+        now = view.now
+        if now < self.now:
+            self.__init__()
+        dt = now - self.now if math.isfinite(self.now) else 0.0
+        self.now = now
+        if dt > 0 and half_life > 0:
+            f = 2.0 ** (-dt / half_life)
+            mid = 2.0 ** (-0.5 * dt / half_life)  # (a second received in the interval counts as received at its middle)
+            for u in self.usage:
+                self.usage[u] *= f
+            self.kernel = self.kernel * f + half_life / math.log(2.0) * (1.0 - f)
+        else:
+            mid = 1.0
+        seen = self.seen
+        current = set()
+        for js in (*view.pending, *view.running):
+            jid = js.job_id
+            current.add(jid)
+            if jid not in seen:
+                # (what it received before the log first saw it -- a job adopted by a restarted worker,
+                # or every job when the log starts -- lies outside the time the log watched: not charged)
+                seen[jid] = [js, job_user(js.job), js.gpu_attained]
+        usage = self.usage
+        for jid in list(seen):
+            rec = seen[jid]
+            js = rec[0]
+            got = js.gpu_attained
+            delta = got - rec[2]
+            if delta < 0:  # (a live rerun counts its GPU-seconds from its own start)
+                delta = got
+            if delta > 0:
+                usage[rec[1]] = usage.get(rec[1], 0.0) + delta * mid
+            rec[2] = got
+            if jid not in current:
+                del seen[jid]
+        if half_life > 0:
+            for u in [u for u, x in usage.items() if x < 1e-9 * max(1.0, self.kernel)]:
+                del usage[u]
+
+    def average(self, user: str | None, held_now: float) -> float:
+        """The GPUs `user` held on average recently (`held_now`, the GPUs they hold now, before the log
+        has watched any time, or with a half-life of 0)."""
+        if self.kernel <= 0:
+            return held_now
+        return self.usage.get(user, 0.0) / self.kernel
+
+
 class OrderingMixin:
     """The queue's order for `QosflowPolicy`. Reads the options `qos_weight`, `makespan_beta`,
-    `makespan_inflow`, `makespan_longest`, `starvation_bound`, `starvation_backlog`, `guard_share`
-    and the arrival log `_arrivals` (kept across rounds); sets the round's `_backlog`."""
+    `makespan_inflow`, `makespan_longest`, `starvation_bound`, `starvation_backlog`, `guard_share`,
+    `fair_share`, `fair_half_life`, `fair_weights`, `fair_margin`, the arrival log `_arrivals` and the
+    usage log `_usage` (both kept across rounds); sets the round's `_backlog`."""
 
     def _order(self, view: SchedulerView, rem: dict[str, float], demand: dict[str, float], notes: dict[str, str]):
         """The pending jobs in the order they are tried, and those the starvation guard serves. Each
@@ -115,6 +201,7 @@ class OrderingMixin:
             longest = max([x for x in rem.values() if 0 <= x < math.inf], default=0.0)
         guarded = self.makespan_beta is not None and queueing
         whole = max(backlog, longest)  # (the same for every job)
+        exempt: set[str] = set()
         for js, jid in zip(pending, ids):
             r = rem[jid]
             seen = js.tags.get("qosflow_backlog_at_queue")
@@ -134,6 +221,8 @@ class OrderingMixin:
                     long = r >= self.makespan_beta * whole
             if dl is not None:
                 allowance = dl - now - r
+                if allowance >= 0:
+                    exempt.add(jid)  # (a job that can still meet its deadline keeps its place: fairness does not move it)
                 if allowance < 0:
                     notes[jid] = f"deadline out of reach (needs {r:.0f}s, {max(0.0, dl - now):.0f}s left): best effort"
                 elif not (long and r >= backlog):
@@ -180,5 +269,96 @@ class OrderingMixin:
             )
             notes[js.job_id] = f"{starved}: served first (starvation guard)"
             queue_notes[js.job_id] = f"{starved}: first in the queue (starvation guard)"
+        served = None if oldest is None else keyed[oldest][1]
+        if self.fair_share:
+            keyed = self._fair_tiers(view, keyed, exempt, served, cap_gpus, queue_notes, notes)
         keyed.sort(key=lambda kv: kv[0])
-        return [js for _, js in keyed], [js for k, js in keyed if k[0] == 1 and k[1] == -1e300]
+        return [js for _, js in keyed], [] if served is None else [served]
+
+    def _fair_tiers(self, view: SchedulerView, keyed: list, exempt: set[str], served, cap_gpus: float,
+                    queue_notes: dict[str, str], notes: dict[str, str]) -> list:
+        """Fairness between users (`fair_share`): the GPU jobs of a user who has held more than their
+        fair share of the GPUs recently go, within their class of the queue (guarded first, then the
+        rest), behind the jobs of the other users. Only while another user's job waits: with a single
+        user (or none known) among the jobs, or when only over-share users' jobs wait, the order is left
+        as it is, job by job. A job that can still meet its deadline, a CPU-only job and the job the
+        starvation guard serves keep their place. Work-conserving: the order changes, never whether free
+        GPUs are used. A user's share is the GPUs (up) over the users with jobs (waiting or running),
+        in proportion to `fair_weights` (1 each by default); their recent usage is the GPUs they held on
+        average, decayed with `fair_half_life` (`_UsageLog`; 0: the GPUs they hold now); over means more
+        than (1 + `fair_margin`) x the share. A job moved behind another user's says so in its waiting
+        note."""
+        pending, running = view.pending, view.running
+        log = self._usage
+        if not (log.seen or any(job_user(js.job) is not None for js in (*pending, *running))):
+            return keyed  # (no user known, nor seen: one account, nothing to share out)
+        log.record(view, self.fair_half_life)
+        held: dict[str | None, float] = {}
+        accounts: dict[str | None, None] = {}
+        for js in running:
+            q = js.job.qos
+            if q.gpus > 0:
+                u = job_user(js.job)
+                accounts[u] = None
+                p = js.placement
+                held[u] = held.get(u, 0.0) + (len(p.gpus) * p.gpu_milli / 1000.0 if p is not None else q.gpu_demand)
+        for js in pending:
+            if js.job.qos.gpus > 0:
+                accounts[job_user(js.job)] = None
+        if len(accounts) < 2:
+            return keyed
+        weights = self.fair_weights or {}
+        w = {u: float(weights.get(u, 1.0)) if u is not None else 1.0 for u in accounts}
+        total_w = sum(w.values())
+        hl = self.fair_half_life
+        over: dict[str | None, tuple[float, float]] = {}
+        for u in accounts:
+            share = cap_gpus * w[u] / total_w
+            avg = log.average(u, held.get(u, 0.0)) if hl > 0 else held.get(u, 0.0)
+            if avg > share * (1.0 + self.fair_margin) + 1e-9:
+                over[u] = (avg, share)
+        if not over:
+            return keyed
+        tier = {}
+        for k, js in keyed:
+            jid = js.job_id
+            if js is served or jid in exempt or js.job.qos.gpus == 0:
+                tier[jid] = 0
+            else:
+                tier[jid] = 1 if job_user(js.job) in over else 0
+        # the GPU jobs of users within their share, by class (guarded or not): those a moved job now
+        # waits behind are the ones whose place was after its own
+        ahead: dict[int, list] = {}
+        for k, js in keyed:
+            if js.job.qos.gpus > 0 and job_user(js.job) not in over:
+                ahead.setdefault(k[0], []).append(k)
+        if not ahead:
+            return keyed  # (only over-share users' GPU jobs wait: nothing to let go first)
+        for lst in ahead.values():
+            lst.sort()
+        n_acc = len(accounts)
+        out = []
+        for k, js in keyed:
+            t = tier[js.job_id]
+            out.append(((k[0], t, *k[1:]), js))
+            if t == 0:
+                continue
+            lst = ahead.get(k[0], ())
+            passed = len(lst) - bisect.bisect_right(lst, k)
+            if passed == 0:
+                continue
+            u = job_user(js.job)
+            avg, share = over[u]
+            one = u is not None
+            if hl > 0:
+                usage = f"{'has' if one else 'have'} held {avg:.1f} GPUs on average recently (half-life {_span(hl)})"
+            else:
+                usage = f"{'holds' if one else 'hold'} {avg:.1f} GPUs"
+            remark = (
+                f"{passed} job{'s' if passed > 1 else ''} of other users first: {_who(u)} {usage}, over "
+                f"their fair share of {share:.1f} of the {cap_gpus:.0f} GPUs ({n_acc} users with jobs)"
+            )
+            jid = js.job_id
+            before = queue_notes.get(jid, notes.get(jid))
+            queue_notes[jid] = f"{before}; {remark}" if before else remark
+        return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -20,7 +21,7 @@ from qosflow.policies.qosflow_policy.deadlines import DeadlinesMixin
 from qosflow.policies.qosflow_policy.elastic import ElasticStartMixin
 from qosflow.policies.qosflow_policy.express import EXPRESS, ExpressLaneMixin, _DeadlineArrivals
 from qosflow.policies.qosflow_policy.gpu_models import GpuModelsMixin
-from qosflow.policies.qosflow_policy.ordering import OrderingMixin, _ArrivalLog
+from qosflow.policies.qosflow_policy.ordering import OrderingMixin, _ArrivalLog, _UsageLog
 from qosflow.policies.qosflow_policy.reservations import ReservationsMixin
 from qosflow.policies.qosflow_policy.whole_gpus import WholeGpusMixin
 
@@ -93,6 +94,10 @@ class QosflowPolicy(
         deadline_band: bool = True,
         gpu_models: bool = True,
         elastic: bool = True,
+        fair_share: bool = True,
+        fair_half_life: float = 3600.0,
+        fair_weights: dict[str, float] | None = None,
+        fair_margin: float = 0.1,
     ):
         _check_number("express_share", express_share, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
         for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
@@ -101,9 +106,27 @@ class QosflowPolicy(
         _check_number("reserve_share", reserve_share, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (a share of the nodes)")
         for name, value in (("makespan_inflow", makespan_inflow), ("makespan_longest", makespan_longest),
                             ("starvation_backlog", starvation_backlog), ("deadline_band", deadline_band),
-                            ("gpu_models", gpu_models), ("elastic", elastic)):
+                            ("gpu_models", gpu_models), ("elastic", elastic), ("fair_share", fair_share)):
             if not isinstance(value, bool):
                 raise ValueError(f"qosflow policy: {name} must be true or false, got {value!r}")
+        _check_number("fair_half_life", fair_half_life, lambda v: v >= 0 and math.isfinite(v), ">= 0 seconds (0: the GPUs a user holds now)")
+        _check_number("fair_margin", fair_margin, lambda v: v >= 0 and math.isfinite(v), ">= 0 (0.1: over once 10 % above the share)")
+        if fair_weights is not None:
+            if not isinstance(fair_weights, dict):
+                raise ValueError(f"qosflow policy: fair_weights must be a mapping of user name to weight, e.g. {{'alice': 2}}, got {fair_weights!r}")
+            for user, weight in fair_weights.items():
+                if not isinstance(user, str) or not user:
+                    raise ValueError(f"qosflow policy: fair_weights: a user must be a name, got {user!r}")
+                _check_number(f"fair_weights[{user!r}]", weight, lambda v: v > 0 and math.isfinite(v), "a weight > 0")
+        #: order the GPU jobs of a user over their fair share behind other users' (`OrderingMixin._fair_tiers`)
+        self.fair_share = fair_share
+        #: half-life (seconds) of the recent GPU usage a user's share is compared with (0: the GPUs held now)
+        self.fair_half_life = float(fair_half_life)
+        #: user -> weight of their share (1 for a user not listed)
+        self.fair_weights = dict(fair_weights) if fair_weights else None
+        #: a user is over their share once their recent usage exceeds (1 + fair_margin) x the share
+        self.fair_margin = float(fair_margin)
+        self._usage = _UsageLog()
         #: check deadline promises against the estimator's pessimistic (about 90th percentile) values
         self.deadline_band = deadline_band
         #: on a cluster of mixed GPU models, choose each job's GPU model by its speed there (`GpuModelsMixin`)
@@ -193,6 +216,10 @@ class QosflowPolicy(
             "deadline_band": self.deadline_band,
             "gpu_models": self.gpu_models,
             "elastic": self.elastic,
+            "fair_share": self.fair_share,
+            "fair_half_life": self.fair_half_life,
+            "fair_weights": self.fair_weights,
+            "fair_margin": self.fair_margin,
         }
 
     @property
@@ -430,13 +457,15 @@ class QosflowPolicy(
                         up = st.empty[~st.down]  # (none up: why_waiting decides what to say)
                         self._largest = (self._ver, int(up.max()) if up.size else None)
                     w = waiting_memo[shape] = (self._ver, why_waiting(st, wjs, self._largest[1]))
-                queue_note = d.notes.get(jid)
+                # (the ordering's remark in its waiting form; a remark made for waiting jobs only, such as
+                # fairness between users, has no started form)
+                queue_note = self._queue_notes.get(jid, d.notes.get(jid))
                 d.notes[jid] = (
                     (f"waiting: {typed_wait}" if typed_wait else w[1])
                     + (f" (on {top} of its {q.gpus} GPUs: all {q.gpus} never fit this cluster)" if top is not None else "")
                     + ("; the free nodes that fit it are reserved for jobs that start before it would end" if held else "")
                     + (f"; not shared: {not_shared}" if not_shared else "")
-                    + (f"; {self._queue_notes.get(jid, queue_note)}" if queue_note else "")
+                    + (f"; {queue_note}" if queue_note else "")
                 )
                 important = has_dl or js in starving
                 if q.gpus > 1 and not q.fractional and len(reserved) < max_res and (important or rank < 3) and wq.gpus > 1:
