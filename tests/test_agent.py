@@ -1206,3 +1206,46 @@ def test_the_group_of_a_reaped_stage_with_nothing_left_is_not_signalled(tmp_path
 
     st = asyncio.run(go())
     assert st.returncode == 0 and sent == []
+
+
+def test_a_restarted_worker_recovers_its_stages_when_a_host_left_the_cluster(tmp_path, caplog):
+    """A host removed from the cluster block (or file) while a stage ran there: the worker, restarted to
+    pick up the smaller cluster, recovers its leases; adopt() looked the lease's host up in the cluster
+    (KeyError 'gpu-b'), which ended the whole recovery ('lease recovery failed: 'gpu-b''): the stages of
+    the hosts still in the cluster were not adopted either, and the removed host's lease, taken over and
+    never released, kept its flow run from ever running again (its heartbeats' recovery of expired
+    leases failed the same way). A host the cluster no longer has is now as one that does not answer:
+    its part is not found (the stage is rescheduled), with a warning; the others are adopted."""
+    pool = "shrunk-pool"
+    leases = LeaseStore(url=f"sqlite:///{tmp_path / 'leases.db'}")
+
+    async def go():
+        old = AgentBackend([AgentHost("gpu-a", "http://gpu-a:1"), AgentHost("gpu-b", "http://gpu-b:1")], TOKEN, heartbeat_s=60)
+        apps = {h: _app(h, 2, tmp_path / h, cpu_cores=4) for h in ("gpu-a", "gpu-b")}
+        for h, app in apps.items():
+            _inproc(old, h, app)
+        new = AgentBackend([AgentHost("gpu-a", "http://gpu-a:1")], TOKEN, heartbeat_s=60)  # gpu-b left the block
+        _inproc(new, "gpu-a", apps["gpu-a"])
+        handles = []
+        try:
+            cluster = await old.inventory()
+            for key, node in (("sb", 1), ("sa", 0)):  # (gpu-b's lease first: it stopped the recovery of gpu-a's)
+                spec = LaunchSpec(f"{key}-a1", ["sleep", "600"], Placement(key, ((node, 0),), ((node, 1.0),)), cluster)
+                handles.append(await old.launch(spec))
+                leases.acquire(pool, key, spec, holder="worker#1", ttl_s=-1, backend="agent")
+            await new.inventory()
+            return await leases.recover(new, pool, "worker#2")
+        finally:
+            for h in handles:
+                await old.kill(h, grace=0)
+            await old.aclose()
+            await new.aclose()
+
+    with caplog.at_level("WARNING", logger="qosflow.backends.agent"):
+        got = asyncio.run(go())
+    by = {le.stage_key: h for le, h in got}
+    assert set(by) == {"sa", "sb"}
+    assert by["sa"] is not None and by["sa"].node == "gpu-a"  # still running on a host of the cluster: adopted
+    assert by["sb"] is None  # its host is not in the cluster any more: not found, rescheduled (its lease released)
+    assert {le.stage_key for le in leases.leases(pool)} == {"sa"}
+    assert any("gpu-b" in r.getMessage() and "no longer" in r.getMessage() for r in caplog.records), caplog.records

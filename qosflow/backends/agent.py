@@ -443,7 +443,14 @@ class AgentBackend(Backend):
         """Find an attempt a previous worker started (from its lease) and return a handle to it."""
         parts = []
         for name in hosts:
-            h = self.state[name]
+            h = self.state.get(name)
+            if h is None:
+                # removed from the cluster block (or file) since the stage was started: as a host that does not
+                # answer, its part is not found. (A KeyError here ended the worker's whole lease recovery: the
+                # stages of the hosts still in the cluster were not adopted, and this lease was never released)
+                log.warning("stage %s ran on host %s, which is no longer in %s: it is not adopted from there (if that host's agent "
+                            "still runs it, its --fence-after ends it once no worker heartbeats it)", stage_id, name, self.declared_by)
+                continue
             try:
                 r = await self._client(h).get(f"{h.url}/v1/stages/{stage_id}")
             except httpx.HTTPError:
