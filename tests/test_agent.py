@@ -1249,3 +1249,34 @@ def test_a_restarted_worker_recovers_its_stages_when_a_host_left_the_cluster(tmp
     assert by["sb"] is None  # its host is not in the cluster any more: not found, rescheduled (its lease released)
     assert {le.stage_key for le in leases.leases(pool)} == {"sa"}
     assert any("gpu-b" in r.getMessage() and "no longer" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_a_host_planned_at_its_declared_size_says_so_when_its_agent_is_smaller(tmp_path):
+    """gpu-b's agent did not answer at the worker's start: the worker planned it at the size its block
+    declares (4 GPUs); its agent, answering later, has 2. The host is down until the worker restarts
+    (the worker's cluster is sized once) and said 'its agent now reports 2 GPUs ... (its size when the
+    worker started) ... restarted, which picks up the new size': as if the host had shrunk, and a restart
+    while the agent is down again planned it at 4 again. It now says the size came from the declaration and
+    what fixes it. (Had the agent answered at the start, its 2 GPUs would have been used: checked too.)"""
+
+    async def go(reachable_at_start: bool):
+        be = AgentBackend([AgentHost("gpu-a", "http://127.0.0.1:1", gpus=4), AgentHost("gpu-b", "http://127.0.0.1:2", gpus=4)],
+                          TOKEN, heartbeat_s=60, declared_by="cluster block 'lab'")
+        try:
+            _inproc(be, "gpu-a", _app("gpu-a", 4, tmp_path / "a", cpu_cores=8))
+            if reachable_at_start:
+                _inproc(be, "gpu-b", _app("gpu-b", 2, tmp_path / "b", cpu_cores=8))
+            spec = await be.inventory()
+            if not reachable_at_start:
+                _inproc(be, "gpu-b", _app("gpu-b", 2, tmp_path / "b", cpu_cores=8))  # its agent answers now
+                await be._probe(be.state["gpu-b"])
+            return [n.gpus for n in spec.nodes], await be.healthy_nodes(), be.down_reasons().get("gpu-b", "")
+        finally:
+            await be.aclose()
+
+    assert asyncio.run(go(True)) == ([4, 2], {"gpu-a", "gpu-b"}, "")
+    sizes, healthy, why = asyncio.run(go(False))
+    assert sizes == [4, 4] and healthy == {"gpu-a"}
+    assert "its agent reports 2 GPUs, 8 cores, but this worker schedules the host as 4 GPUs" in why, why
+    assert "planned from cluster block 'lab' (its agent did not answer when the worker started)" in why, why
+    assert "restarted while this agent answers, or with a declaration of 2 GPUs" in why and "now reports" not in why, why

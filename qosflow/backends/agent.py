@@ -153,6 +153,8 @@ class AgentBackend(Backend):
         #: the size (GPUs, cores) `inventory()` gave each host, which the worker schedules on for its whole
         #: life (ClusterState's arrays are sized once): a restarted agent is checked against it
         self._sized: dict[str, tuple[int, float]] = {}
+        #: hosts whose agent did not answer at `inventory()`: sized from the declaration, not from their agent
+        self._sized_declared: set[str] = set()
         self._progress = ProgressCopies("qosflow-agent-progress-")
 
     @classmethod
@@ -326,6 +328,12 @@ class AgentBackend(Backend):
         if now_gpus < gpus or core_short:
             have = f"{_count(now_gpus, 'GPU')}, {_count(now_cores, 'core')}"
             was = f"{_count(gpus, 'GPU')}, {_count(cores, 'core')}"
+            if h.name in self._sized_declared:
+                # (it did not shrink: its agent did not answer at the worker's start, so the worker planned it at the
+                # declared size, and a restart while its agent is down again would do the same)
+                return (f"its agent reports {have}, but this worker schedules the host as {was}, planned from {self.declared_by} "
+                        f"(its agent did not answer when the worker started): no stage goes there until the worker is restarted "
+                        f"while this agent answers, or with a declaration of {_count(now_gpus, 'GPU')}")
             return (f"its agent now reports {have}, but this worker schedules the host as {was} (its size when the worker "
                     f"started): no stage goes there until the worker is restarted, which picks up the new size")
         if now_gpus > gpus or now_cores > cores + 1e-9 and decl.cpu_cores is None:
@@ -371,6 +379,7 @@ class AgentBackend(Backend):
                 gpus, mem, model = decl.gpus or 0, decl.gpu_mem_mb or 16_384.0, decl.gpu_model or "generic"
                 cores, virtual = decl.cpu_cores or 1.0, True
             self._sized[name] = (gpus, cores)
+            (self._sized_declared.discard if h.reported else self._sized_declared.add)(name)
             nodes.append(
                 NodeSpec(
                     name=name, gpus=gpus, gpu_mem_mb=mem, cpu_cores=cores, mem_mb=decl.mem_mb or h.mem_mb or 262_144.0,
