@@ -917,7 +917,7 @@ def test_an_account_that_may_not_create_secrets_is_told_so():
 
         st, jobs = asyncio.run(go())
     assert st.kind is ExitKind.INFRA and "403 Forbidden" in st.reason and "create Secret qf-nosec-" in st.reason
-    assert "create, patch and delete on secrets" in st.reason and jobs == []
+    assert "get, list, create, patch and delete on secrets" in st.reason and jobs == []
 
 
 @emulator_only

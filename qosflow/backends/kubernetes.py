@@ -627,7 +627,7 @@ class KubernetesBackend(Backend):
             self._launching.add(secret["metadata"]["name"])
         try:
             if secret is not None:  # first: a pod started without it would fail (CreateContainerConfigError)
-                what = f"create Secret {secret['metadata']['name']} (the worker's account needs get, create, patch and delete on secrets)"
+                what = f"create Secret {secret['metadata']['name']} (the worker's account needs get, list, create, patch and delete on secrets)"
                 await self._put_secret(secret, spec.stage_id, doing)
                 ref["secret"] = secret["metadata"]["name"]
                 what = "create"
