@@ -636,6 +636,7 @@ class QoSScheduler:
             "predicted_s": round(g.predicted_s, 3),
             "waited_s": round(g.waited_s, 3),
             "priority": e.job.qos.priority.value,
+            "user": e.job.user,  # (who it runs for: fairness between users, `QosflowPolicy(fair_share=...)`)
             "deadline_at": e.deadline_at,
             "estimator": getattr(self.estimator, "name", type(self.estimator).__name__),
             "policy": self.policy.name,

@@ -28,8 +28,13 @@ QOS_FIELDS = (
 )
 #: stage-level fields beyond the QoSSpec
 STAGE_FIELDS = ("expected_duration", "batch_size", "early_check")
+#: QoSSpec fields a stage may set that are not work-pool job variables: who submitted it (fairness between
+#: users), carried by the stage run's tags (`qos:user=NAME`) instead
+WHO_FIELDS = ("user",)
 
 TAG_PREFIX = "qos:"
+#: a flow run's (or deployment's) tag naming the user it runs for: `user:alice`
+USER_TAG = "user:"
 
 
 def build_spec(where: str, **kw: Any) -> QoSSpec:
@@ -54,6 +59,8 @@ def build_spec(where: str, **kw: Any) -> QoSSpec:
             raise SpecError(k, f"must be {_number_of(k, unit)}, got {v!r}{number_hint(k, v)}", where=where)
     if "priority" in kw:
         kw["priority"] = PriorityClass.parse(kw["priority"], where=where)
+    if kw.get("user") is not None and not isinstance(kw["user"], str):
+        raise SpecError("user", f"must be a user's name (a string), got {kw['user']!r}", where=where)
     if kw.get("gpu_model") is not None and not isinstance(kw["gpu_model"], str):
         raise SpecError("gpu_model", f"must be a GPU model name (string), got {kw['gpu_model']!r}", where=where)
     try:
@@ -176,7 +183,28 @@ def qos_tags(spec: QoSSpec, *, expected_duration: float | None = None) -> list[s
         tags.append(f"{TAG_PREFIX}gpu_model={spec.gpu_model}")
     if expected_duration is not None:
         tags.append(f"{TAG_PREFIX}expected_duration={float(expected_duration):g}")
+    if spec.user is not None:
+        tags.append(f"{TAG_PREFIX}user={spec.user}")
     return tags
+
+
+def user_from_tags(tags: Iterable[str] | None) -> str | None:
+    """The user a run is for, from its tags: the stage's own `qos:user=NAME` (written by qosflow at its
+    dispatch), else the first `user:NAME` tag (a pipeline run's, or its deployment's, which Prefect
+    copies to the runs it creates); None when there is neither."""
+    found = None
+    for t in tags or ():
+        if not isinstance(t, str):
+            continue
+        if t.startswith(f"{TAG_PREFIX}user="):
+            name = t[len(TAG_PREFIX) + 5:].strip()
+            if name:
+                return name
+        elif found is None and t.startswith(USER_TAG):
+            name = t[len(USER_TAG):].strip()
+            if name:
+                found = name
+    return found
 
 
 def qos_from_tags(tags: Iterable[str]) -> tuple[QoSSpec | None, dict[str, Any]]:
@@ -193,7 +221,7 @@ def qos_from_tags(tags: Iterable[str]) -> tuple[QoSSpec | None, dict[str, Any]]:
             kw[k] = int(v)
         elif k in ("shareable", "gang"):
             kw[k] = v == "true"
-        elif k == "gpu_model":
+        elif k in ("gpu_model", "user"):
             kw[k] = v
         elif k in QOS_FIELDS:
             kw[k] = float(v)
@@ -220,13 +248,33 @@ def job_variables(spec: QoSSpec, **stage: Any) -> dict[str, Any]:
 
 
 def spec_from_job_variables(cfg: Any, where: str) -> QoSSpec:
-    """A QoSSpec from a job configuration's QoS fields (None: QoSSpec's default)."""
+    """A QoSSpec from a job configuration's QoS fields (None: QoSSpec's default), with the user its flow
+    run's tags name (`run_user`)."""
     kw: dict[str, Any] = {}
     for k in QOS_FIELDS:
         v = getattr(cfg, k, None)
         if v is not None:
             kw[k] = v
+    user = run_user(cfg)
+    if user is not None:
+        kw["user"] = user
     return build_spec(where, **kw)
+
+
+def run_user(cfg: Any) -> str | None:
+    """The user of the flow run a job configuration was prepared for (`user_from_tags` of its tags), or
+    None. Prefect's `BaseJobConfiguration.prepare_for_flow_run` keeps the run among the configuration's
+    related objects; the pool's job variables cannot carry it (Prefect keeps only the variables of
+    the pool's base job template, and pools made before this field would drop a new one)."""
+    related = getattr(cfg, "_related_objects", None)
+    flow_run = related.get("flow-run") if isinstance(related, dict) else None
+    name = user_from_tags(getattr(flow_run, "tags", None))
+    if name is None:
+        return None
+    try:
+        return QoSSpec(user=name).user
+    except SpecError:  # (not a name qosflow wrote: left out rather than failing the stage)
+        return None
 
 
 def _is_number(x: Any) -> bool:

@@ -50,7 +50,11 @@ from qosflow.errors import QosflowError, SpecError
 from qosflow.placement_api import elastic_note
 from qosflow.prefect.dag import StageNode, forecast, split_deadline
 from qosflow.prefect.labels import label_float, label_int
-from qosflow.prefect.spec import QOS_FIELDS, STAGE_FIELDS, build_spec, check_stage_args, job_variables, number_hint, qos_tags, stage_durations
+from qosflow.prefect.spec import (QOS_FIELDS, STAGE_FIELDS, WHO_FIELDS, build_spec, check_stage_args, job_variables, number_hint, qos_tags,
+                                  stage_durations, user_from_tags)
+
+#: the QoS spec's fields a stage declares (`@qos_task`, `with_options`): its request and who submits it
+_SPEC_ARGS = QOS_FIELDS + WHO_FIELDS
 
 _TASK_PARAMS = set(inspect.signature(Task.__init__).parameters) - {"self", "fn"}
 _FLOW_PARAMS = set(inspect.signature(prefect_flow).parameters) - {"__fn"}
@@ -612,16 +616,16 @@ class QoSTask(Task):
         return super().map(*args, **kwargs)
 
     def with_options(self, **kwargs: Any) -> "QoSTask":  # type: ignore[override]
-        qos_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in QOS_FIELDS}
+        qos_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in _SPEC_ARGS}
         stage_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in STAGE_FIELDS}
-        base = {k: getattr(self.qos, k) for k in QOS_FIELDS}
+        base = {k: getattr(self.qos, k) for k in _SPEC_ARGS}
         base["priority"] = self.qos.priority.value
         base.update(qos_kw)
         explicit = set(self.qos_explicit) | set(qos_kw)
         where = f"{self.name}.with_options"
         unknown = sorted(set(kwargs) - _TASK_PARAMS)
         if unknown:  # (was Prefect's TypeError, naming neither the stage nor the QoS arguments)
-            raise SpecError(unknown[0], f"not a QoS argument nor a @task argument; QoS: {', '.join(QOS_FIELDS + STAGE_FIELDS)}", where=where)
+            raise SpecError(unknown[0], f"not a QoS argument nor a @task argument; QoS: {', '.join(_SPEC_ARGS + STAGE_FIELDS)}", where=where)
         new_tags = kwargs.pop("tags", None)
         # tags given here are checked as the decorator's are ("qos:..." tags were dropped without a word);
         # the stage's own keep only the user's (the qos: ones are made again from the QoS)
@@ -787,6 +791,10 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
     spec = task.qos
     if run is not None and run.priority is not None and "priority" not in task.qos_explicit:
         spec = spec.with_(priority=run.priority)
+    if spec.user is None:
+        who = _stage_user(task, trc, run)
+        if who is not None:
+            spec = spec.with_(user=who)  # (its run's tag qos:user=... tells the worker: `spec.run_user`)
     if run is not None:
         name, prev = run.unique_name(base, tr_id)
         expected = float(task.expected_duration or run.expected.get(base, 60.0))
@@ -878,6 +886,60 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         return state.result(raise_on_failure=True)
     finally:
         delete_payload(key)
+
+
+#: deployment id -> the user its runs are for when they name none ("FLOW/DEPLOYMENT"), read once per process
+_DEPLOYMENT_USERS: dict[str, str | None] = {}
+
+
+def _stage_user(task: QoSTask, trc: Any, run: PipelineRun | None) -> str | None:
+    """Who a stage that names no `user` runs for: a `user:NAME` tag of the stage (its decorator's or
+    `with tags(...)` around its call), else of its pipeline's flow run (which has its deployment's
+    tags), else its pipeline's deployment as `FLOW/DEPLOYMENT`, else None. The pipeline's answer is
+    worked out once per pipeline run."""
+    from prefect.context import FlowRunContext
+
+    who = _valid_user(user_from_tags(_user_tags(task, trc)))
+    if who is not None:
+        return who
+    cached = getattr(run, "_qos_user", _NO_RUN) if run is not None else _NO_RUN
+    if cached is not _NO_RUN:
+        return cached
+    ctx = FlowRunContext.get()
+    fr = ctx.flow_run if ctx is not None else None
+    who = _valid_user(user_from_tags(getattr(fr, "tags", None))) or _deployment_user(fr)
+    if run is not None:
+        run._qos_user = who  # type: ignore[attr-defined]
+    return who
+
+
+def _valid_user(name: str | None) -> str | None:
+    if name is None:
+        return None
+    try:
+        return QoSSpec(user=name).user
+    except SpecError:
+        return None
+
+
+def _deployment_user(flow_run: Any) -> str | None:
+    """`FLOW/DEPLOYMENT` of the deployment `flow_run` was created from (None: none, or the server did not say)."""
+    dep_id = getattr(flow_run, "deployment_id", None)
+    if dep_id is None:
+        return None
+    key = str(dep_id)
+    if key not in _DEPLOYMENT_USERS:
+        from prefect.client.orchestration import get_client
+
+        try:
+            with get_client(sync_client=True) as client:
+                dep = client.read_deployment(dep_id)
+                flow = client.read_flow(dep.flow_id)
+            _DEPLOYMENT_USERS[key] = _valid_user(f"{flow.name}/{dep.name}")
+        except Exception as exc:  # (no user is the fallback of the fallback: the stage still runs)
+            _run_logger("qosflow.dispatch").debug("could not read deployment %s for the stage's user: %s", key, exc)
+            return None
+    return _DEPLOYMENT_USERS[key]
 
 
 def _user_tags(task: QoSTask, trc: Any) -> list[str]:
@@ -1171,7 +1233,7 @@ def _build(fn: Callable, qos_kw: dict[str, Any], explicit: Iterable[str], stage_
     where = (f"@qos_task at {at}" if at else "@qos_task") if fn is _placeholder else f"@qos_task {getattr(fn, '__qualname__', fn)!r}"
     unknown = sorted(set(task_kw) - _TASK_PARAMS)
     if unknown:
-        raise SpecError(unknown[0], f"not a QoS argument nor a @task argument; QoS: {', '.join(QOS_FIELDS + STAGE_FIELDS)}", where=where)
+        raise SpecError(unknown[0], f"not a QoS argument nor a @task argument; QoS: {', '.join(_SPEC_ARGS + STAGE_FIELDS)}", where=where)
     spec = build_spec(where, **qos_kw)
     stage_kw = stage_durations(stage_kw)
     check_stage_args(
@@ -1211,9 +1273,16 @@ def qos_task(
     expected_duration: Duration | None = None,
     batch_size: int | None = None,
     early_check: Duration | None = None,
+    user: str | None = None,
     **task_kwargs: Any,
 ):
     """Declare a pipeline stage with its QoS; everything `@task` takes is accepted too.
+
+    `user` names who the stage runs for (fairness between users: the qosflow policy lets other users'
+    stages go first while this user holds more than their share of the GPUs). Usually left unset: the
+    stage then takes its pipeline run's `user:NAME` tag (`prefect deployment run ... --tag user:alice`,
+    `with tags("user:alice")`, or the deployment's tags), else its pipeline's deployment
+    (`FLOW/DEPLOYMENT`), else no user.
 
     `early_check=S` runs the stage for S seconds on one GPU before it takes its full placement, so
     that a user error fails it early (0: never; unset: the pool's QoS policy decides for new
@@ -1232,7 +1301,7 @@ def qos_task(
 
     Bad arguments raise `SpecError` here, at decoration time, naming the argument.
     """
-    qos_kw = {k: v for k, v in locals().items() if k in QOS_FIELDS}  # the parameters: nothing else is bound yet
+    qos_kw = {k: v for k, v in locals().items() if k in _SPEC_ARGS}  # the parameters: nothing else is bound yet
     explicit = {k for k, v in qos_kw.items() if v != _QOS_DEFAULTS[k]}  # what a pipeline's defaults must not override
     stage_kw = dict(expected_duration=expected_duration, batch_size=batch_size, early_check=early_check)
     if __fn is not None:
@@ -1250,7 +1319,7 @@ def qos_task(
 
 
 #: qos_task's own defaults of the QoS arguments
-_QOS_DEFAULTS = {k: p.default for k, p in inspect.signature(qos_task).parameters.items() if k in QOS_FIELDS}
+_QOS_DEFAULTS = {k: p.default for k, p in inspect.signature(qos_task).parameters.items() if k in _SPEC_ARGS}
 
 
 def _placeholder() -> None:  # used to validate arguments before the function is known
