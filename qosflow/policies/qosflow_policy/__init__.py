@@ -33,6 +33,19 @@ and in the live worker):
      if the backlog grows for ever. A fixed bound under a backlog of months fires on every long
      job, turns the guard into a FIFO lane, and makes the schedule hinge on which job happens to
      be oldest when a node frees (docs/policies.md).
+   * *fairness between users* (`fair_share`, on by default): a user whose recent GPU usage is over
+     their fair share goes, within each class of the queue (guarded, then the rest), behind the other
+     users' jobs -- only while another user's GPU job waits. A user's share is the GPUs (up) over the
+     users with jobs waiting or running, in proportion to `fair_weights` (1 each); their recent usage is
+     the GPUs they held on average, each GPU-second received weighted 2^(-age / `fair_half_life`)
+     (Slurm's decayed usage; 0: the GPUs they hold now); over means more than (1 + `fair_margin`) x
+     the share. A job that can still meet its deadline, a CPU-only job and the starvation guard's job
+     keep their place; the order changes, never whether free GPUs are used (work-conserving). A job's
+     user is `Job.user`, else `QoSSpec.user` (a stage's `@qos_task(user=...)` or its pipeline run's
+     `user:NAME` tag); jobs without one count as one user, so with one user or none known nothing
+     changes, job by job. A job moved behind others' says so in its waiting note ("1 job of other
+     users first: user sweep has held 30.7 GPUs on average recently (half-life 60 min), over their
+     fair share of 16.0 of the 32 GPUs (2 users with jobs)").
 3. **Placement**, job by job in that order:
    a. free GPUs, consolidated, best fit -- with `align`, first on the node whose busy time the
       job extends least (time-aligned packing: jobs that end together share a node, so nodes
@@ -110,7 +123,7 @@ is decided per job. docs/bench/decisions.md measures a round.
 
 * `policy` -- `QosflowPolicy`: its options and the round (`schedule`).
 * `ordering` -- steps 1 and 2, admission and ordering: weighted SJF, the makespan guard (with its
-  arrival log) and the starvation guard (`BACKLOG_CAP`).
+  arrival log), the starvation guard (`BACKLOG_CAP`) and fairness between users (with its usage log).
 * `colocation` -- step 3b, GPU co-location: the partner search, whether a pair pays, the pairing
   plan, why a job did not share (`CRITICAL_SHARE`, `LAST_END_SHARE`).
 * `deadlines` -- deadline promises: the deadline rescue and the checks on the error band.
