@@ -25,7 +25,7 @@ from typing import Any
 
 from qosflow.core.gpu_names import CPU_ONLY, short_gpu_model
 from qosflow.errors import QosflowError, SpecError
-from qosflow.procgroup import kill_group
+from qosflow.procgroup import poll_group, stop_group
 from qosflow.progress import ENV_VAR, read_progress
 from qosflow.workers import cpu_cores
 
@@ -244,7 +244,7 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
             )
             stopped = "finished"
             try:
-                while proc.poll() is None:
+                while poll_group(proc) is None:  # (an exited function's group is ended before it is reaped)
                     time.sleep(0.02)
                     if time.monotonic() - t0 > budget_s:
                         stopped = f"budget {budget_s:g}s reached"
@@ -256,7 +256,9 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
             finally:  # also on Ctrl-C: nothing of the function may outlive the profile
                 # the child and everything it started (DataLoader workers, multiprocessing children):
                 # they would keep running, and an inherited stderr would keep the profile waiting
-                kill_group(proc.pid)
+                # (`stop_group` signals the group while its leader still holds the group's id: after
+                # the leader is reaped the id may belong to another process's group)
+                stop_group(proc, 0)
                 proc.wait()
             wall = time.monotonic() - t0
             ru1 = os.times()
