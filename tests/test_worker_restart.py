@@ -272,3 +272,140 @@ def test_a_second_worker_with_the_same_name_is_refused(prefect_server, tmp_path)
         assert f"a worker named '{WORKER}' is already running on pool" in text and "another --name, or stop that one first" in text
         assert "Traceback" not in text
         assert w1.poll() is None  # the first goes on
+
+
+# ---------------------------------------------------------------------------------------- pipeline runs
+def deployed_pipeline_run(pool: str, marker: Path, secs: float):
+    """A run of the deployment `restart_pipelines.deployed` on `pool` (role pipeline: the worker starts it as a
+    process on its own host; its stages go to the agent)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        flow_id = c.create_flow_from_name("restart-deployed")
+        dep = c.create_deployment(flow_id=flow_id, name=f"on-{pool}", work_pool_name=pool, entrypoint="restart_pipelines.deployed",
+                                  job_variables={"role": "pipeline", "env": {"QOSFLOW_POOL": pool}})
+        return c.create_flow_run_from_deployment(dep, parameters={"marker": str(marker), "secs": secs}).id
+
+
+def flow_run_state(fid):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        return c.read_flow_run(fid).state
+
+
+def wait_final(fid, lab, tmp_path: Path, timeout: float = 150.0):
+    end = time.monotonic() + timeout
+    while True:
+        st = flow_run_state(fid)
+        if st is not None and st.is_final():
+            return st
+        assert time.monotonic() < end, f"the pipeline run is still {st and st.name}: " + not_finished(lab, tmp_path)
+        time.sleep(0.5)
+
+
+def pipeline_started_and_stage_running(lab, w1, fid, timeout: float = 150.0) -> int:
+    """Wait until the pipeline process runs stage a (on the agent); its pid."""
+    end = time.monotonic() + timeout
+    while True:
+        ev = marks(lab.marker)
+        if [e for e in ev if e["stage"] == "a" and e["event"] == "start"]:
+            return next(e["pid"] for e in ev if e["stage"] == "pipeline")
+        st = flow_run_state(fid)
+        assert not (st and st.is_final()), f"the pipeline run ended {st.name}: {st.message}\n{lab.wlog.read_text(errors='replace')[-3000:]}"
+        assert w1.poll() is None and time.monotonic() < end, f"stage a never started: {lab.wlog.read_text(errors='replace')[-3000:]}"
+        time.sleep(0.2)
+
+
+def stop_worker(w: subprocess.Popen, sig=signal.SIGTERM) -> None:
+    os.killpg(w.pid, sig)
+    w.wait(60)
+
+
+def test_a_deployed_pipeline_run_outlives_a_worker_restart_and_completes(prefect_server, tmp_path):
+    """A pipeline run deployed on an agents pool is a process on the worker's host. The worker stopped
+    (systemd restart, an upgrade) killed it, and the run ended Crashed while its stage ran on ('Flow run
+    infrastructure exited with non-zero status code -9'). It now keeps running, the restarted worker adopts
+    it, and it completes with its stages, each run once."""
+    pool = "restart-pipeline"
+    with restart_lab(prefect_server, tmp_path, pool, "host-p") as lab:
+        w1 = lab.start()
+        wait_log(lab.wlog, "qosflow worker:", w1)
+        fid = deployed_pipeline_run(pool, lab.marker, 12.0)
+        pid = pipeline_started_and_stage_running(lab, w1, fid)
+        stop_worker(w1)
+        text = lab.wlog.read_text(errors="replace")
+        assert "pipeline run(s) keep running on this host" in text and str(fid) in text, text[-3000:]
+        assert alive(pid), f"the pipeline's process died with its worker:\n{text[-3000:]}"
+        assert flow_run_state(fid).is_running()
+        w2 = lab.start()
+        wait_log(lab.wlog, f"recovery: adopted pipeline run {fid}", w2)
+        st = wait_final(fid, lab, tmp_path)
+        assert st.is_completed(), f"{st.name}: {st.message}\n" + not_finished(lab, tmp_path)
+        ev = [(e["event"], e["stage"]) for e in marks(lab.marker)]
+        assert sorted(ev) == sorted([("start", "pipeline"), ("start", "a"), ("done", "a"), ("start", "b"), ("done", "b"),
+                                     ("done", "pipeline")]), ev  # the pipeline and each stage ran once
+        assert all(e["pid"] == pid for e in marks(lab.marker) if e["stage"] == "pipeline")
+        from qosflow.store.leases import LeaseStore, pool_key
+
+        end = time.monotonic() + 20  # (its process exits after it reported its end; its record goes once the worker saw that)
+        while alive(pid) or LeaseStore(url=lab.db).pipeline_processes(pool_key(pool, prefect_server)):
+            assert time.monotonic() < end, f"the pipeline's process or its record stayed: alive {alive(pid)}"
+            time.sleep(0.2)
+        assert "is marked Crashed" not in lab.wlog.read_text(errors="replace")
+
+
+def test_an_adopted_pipeline_run_can_be_cancelled(prefect_server, tmp_path):
+    """Cancelling (the UI, `prefect flow-run cancel`) a pipeline run that the restarted worker adopted stops
+    its process, which is not that worker's child, and the run ends Cancelled."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    pool = "restart-pipeline-cancel"
+    with restart_lab(prefect_server, tmp_path, pool, "host-c") as lab:
+        w1 = lab.start()
+        wait_log(lab.wlog, "qosflow worker:", w1)
+        fid = deployed_pipeline_run(pool, lab.marker, 120.0)
+        pid = pipeline_started_and_stage_running(lab, w1, fid)
+        os.killpg(w1.pid, signal.SIGINT)  # Ctrl-C twice, as an impatient admin does: the second one cuts its stop short
+        time.sleep(0.5)
+        if w1.poll() is None:
+            os.killpg(w1.pid, signal.SIGINT)
+        w1.wait(60)
+        assert alive(pid), lab.wlog.read_text(errors="replace")[-3000:]
+        w2 = lab.start()
+        wait_log(lab.wlog, f"recovery: adopted pipeline run {fid}", w2)
+        with get_client(sync_client=True) as c:
+            c.set_flow_run_state(fid, Cancelling(message="cancelled by the test"))
+        end = time.monotonic() + 60
+        while alive(pid):
+            assert time.monotonic() < end, f"the adopted pipeline's process was not stopped:\n{lab.wlog.read_text(errors='replace')[-3000:]}"
+            time.sleep(0.2)
+        st = wait_final(fid, lab, tmp_path, 60)
+        assert st.type.value == "CANCELLED", f"{st.name}: {st.message}"
+        assert w2.poll() is None
+
+
+def test_a_pipeline_whose_process_died_while_no_worker_ran_is_marked_crashed(prefect_server, tmp_path):
+    """A pipeline process that dies (SIGKILL, the OOM killer) while its worker is stopped cannot report its
+    end: its run stayed Running for ever. The restarted worker finds its process gone and marks it Crashed,
+    saying why."""
+    pool = "restart-pipeline-died"
+    with restart_lab(prefect_server, tmp_path, pool, "host-k") as lab:
+        w1 = lab.start()
+        wait_log(lab.wlog, "qosflow worker:", w1)
+        fid = deployed_pipeline_run(pool, lab.marker, 30.0)
+        pid = pipeline_started_and_stage_running(lab, w1, fid)
+        stop_worker(w1)
+        os.killpg(pid, signal.SIGKILL)  # (its own session: its group is its pid)
+        end = time.monotonic() + 10
+        while alive(pid):
+            assert time.monotonic() < end
+            time.sleep(0.1)
+        assert flow_run_state(fid).is_running()  # (nothing reported its end)
+        w2 = lab.start()
+        wait_log(lab.wlog, f"recovery: pipeline run {fid}", w2)
+        st = wait_final(fid, lab, tmp_path, 60)
+        assert st.is_crashed(), f"{st.name}: {st.message}"
+        assert f"pid {pid}" in st.message and "ended while no qosflow worker watched it" in st.message, st.message
+        assert "adopted pipeline run" not in lab.wlog.read_text(errors="replace")

@@ -6,6 +6,13 @@ a stage placed on "node1 GPU 3" runs here, with `CUDA_VISIBLE_DEVICES=3` and the
 cpuset folded onto the real CPUs (core id modulo the CPUs this process may use).
 
 Processes start in their own session (process group), so killing a stage kills its children too.
+
+A pipeline run (`launch_unplaced`) of a backend made with `keep_unplaced=True` (the worker's pipelines when
+its stages run on host agents or Kubernetes) outlives the backend: it is a plain `subprocess.Popen` (asyncio
+kills a child whose transport it closes), its output goes to a file rather than the worker's stdout (which
+may be gone after the worker), `aclose()` leaves it running, and the next worker finds it again with
+`adopt_unplaced(pid, start)`: a process that is not its child, watched by polling its pid, its start time
+(`process_start`) guarding against the pid's reuse.
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,8 +115,19 @@ class LocalBackend(Backend):
 
     name = "local"
 
-    def __init__(self, cluster: ClusterSpec | None = None, *, stream_output: bool = True, workdir: str | None = None):
+    #: seconds between two looks at a pipeline process that this backend cannot wait on (`keep_unplaced`)
+    POLL_S = 0.5
+
+    def __init__(self, cluster: ClusterSpec | None = None, *, stream_output: bool = True, workdir: str | None = None,
+                 keep_unplaced: bool = False, output_dir: str | None = None):
+        """`keep_unplaced`: pipeline runs started by `launch_unplaced` outlive this backend (`aclose` leaves them
+        running, for the next worker to `adopt_unplaced`); their output goes to `output_dir/<id>.log`."""
         self._declared = cluster
+        self.keep_unplaced = keep_unplaced
+        self._output_dir = output_dir
+        #: processes that outlive this backend (`keep_unplaced`), and those of an earlier worker it adopted (None)
+        self._detached: dict[str, subprocess.Popen | None] = {}
+        self._tails: dict[str, asyncio.Task] = {}
         self._cluster: ClusterSpec | None = None
         self.inventory_note = ""
         self.stream_output = stream_output
@@ -187,12 +207,105 @@ class LocalBackend(Backend):
         full = dict(os.environ)
         full.update({k: v for k, v in env.items() if v is not None})
         full.setdefault("PYTHONUNBUFFERED", "1")
+        if self.keep_unplaced:
+            return await self._launch_detached(stage_id, command, full, cwd)
         out = None if self.stream_output else asyncio.subprocess.DEVNULL
         proc = await asyncio.create_subprocess_exec(*command, cwd=cwd or None, env=full, stdout=out, stderr=out, start_new_session=True)
         self._procs[stage_id] = proc
         return StageHandle(stage_id, self.name, "local", ref={"pid": proc.pid})
 
+    def output_file(self, stage_id: str) -> str:
+        """Where a pipeline process that outlives this backend writes its stdout and stderr."""
+        d = self._output_dir
+        if not d:  # (not the temporary workdir: aclose removes it while the pipeline writes on)
+            from qosflow.paths import data_dir
+
+            d = self._output_dir = str(data_dir() / "pipeline-output")
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        return os.path.join(d, f"{stage_id}.log")
+
+    async def _launch_detached(self, stage_id: str, command: list[str], env: dict[str, str], cwd: str | None) -> StageHandle:
+        """A pipeline process that outlives this backend: its own session (a signal to the worker's process
+        group, Ctrl-C in its terminal, does not reach it), no stdin, its output to a file (the worker's stdout,
+        a terminal or a pipe, may be gone while it runs on: a write there would fail it), and not an asyncio
+        child (asyncio kills a child process whose transport is closed, as at the worker's exit)."""
+        path = self.output_file(stage_id)
+        with open(path, "ab") as out:
+            proc = subprocess.Popen(command, cwd=cwd or None, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self._detached[stage_id] = proc
+        start = process_start(proc.pid)
+        handle = StageHandle(stage_id, self.name, "local", ref={"pid": proc.pid, "start": start, "output": path})
+        if self.stream_output:
+            self._tail(stage_id, path, 0)
+        return handle
+
+    def adopt_unplaced(self, stage_id: str, pid: int, start: str | None, output: str | None = None) -> StageHandle | None:
+        """A pipeline process an earlier worker started (`keep_unplaced`) and that still runs: pid `pid` with the
+        start time `start` recorded at its launch (another process that got the pid since is not it). None when
+        it is gone."""
+        if not start or process_start(int(pid)) != start:
+            return None
+        self._detached[stage_id] = None
+        if output and self.stream_output and os.path.exists(output):
+            try:
+                self._tail(stage_id, output, os.path.getsize(output))  # (what it writes from now on)
+            except OSError:
+                pass
+        return StageHandle(stage_id, self.name, "local", ref={"pid": int(pid), "start": start, "output": output, "adopted": True})
+
+    def _tail(self, stage_id: str, path: str, offset: int) -> None:
+        """Copy what a detached pipeline writes to its output file to this worker's stdout while it is watched
+        (`stream_output`, as for a child process)."""
+
+        async def tail() -> None:
+            pos = offset
+            try:
+                while True:
+                    pos = _copy_out(path, pos)
+                    await asyncio.sleep(self.POLL_S)
+            finally:
+                _copy_out(path, pos)
+
+        self._tails[stage_id] = asyncio.get_running_loop().create_task(tail(), name=f"qosflow-tail-{stage_id}")
+
+    def _alive(self, handle: StageHandle) -> bool:
+        """Does a detached (or adopted) pipeline process still run? A child is reaped here."""
+        proc = self._detached.get(handle.stage_id)
+        if proc is not None:
+            return proc.poll() is None
+        return process_start(int(handle.ref["pid"])) == handle.ref.get("start")
+
+    async def _wait_detached(self, handle: StageHandle) -> ExitStatus:
+        sid = handle.stage_id
+        try:
+            while self._alive(handle):
+                await asyncio.sleep(self.POLL_S)
+        finally:
+            tail = self._tails.pop(sid, None)
+            if tail is not None:
+                tail.cancel()
+        proc = self._detached.pop(sid, None)
+        handle.ref["reaped"] = True
+        killed = self._killed.pop(sid, None)
+        if proc is None:
+            # not this worker's child (an earlier worker started it): its exit status is not ours to read
+            if killed is not None:
+                return ExitStatus(ExitKind.CANCELLED, None, killed)
+            return ExitStatus(ExitKind.INFRA, None, "ended (a process of an earlier worker: its exit status is unknown)")
+        kill_group(proc.pid)  # (what it left in its process group ends with it, as for a child of `launch`)
+        rc = proc.returncode
+        if rc == 0:
+            return ExitStatus(ExitKind.OK, 0)
+        if killed is not None:
+            return ExitStatus(ExitKind.CANCELLED, rc, killed)
+        if rc < 0:
+            return ExitStatus(ExitKind.INFRA, rc, f"killed by signal {signal.Signals(-rc).name}")
+        return ExitStatus(ExitKind.USER, rc, f"exited with status {rc}")
+
     async def wait(self, handle: StageHandle) -> ExitStatus:
+        if handle.stage_id in self._detached:
+            return await self._wait_detached(handle)
         proc = self._procs.get(handle.stage_id)
         if proc is None:
             return ExitStatus(ExitKind.INFRA, None, f"no process for stage {handle.stage_id} on this worker")
@@ -218,6 +331,9 @@ class LocalBackend(Backend):
 
     async def kill(self, handle: StageHandle, reason: str = "cancelled", grace: float | None = 5.0) -> None:
         grace = 5.0 if grace is None else float(grace)
+        if handle.stage_id in self._detached:
+            await self._kill_detached(handle, reason, grace)
+            return
         proc = self._procs.get(handle.stage_id)
         pid = handle.ref.get("pid") if proc is None else proc.pid
         if pid is None or (proc is None and handle.ref.get("reaped")):
@@ -232,6 +348,22 @@ class LocalBackend(Backend):
             await asyncio.wait_for(asyncio.shield(proc.wait()), grace)
         except asyncio.TimeoutError:
             kill_tree(int(pid), signal.SIGKILL)
+
+    async def _kill_detached(self, handle: StageHandle, reason: str, grace: float) -> None:
+        """SIGTERM to a detached pipeline's process group (its engine reports why), SIGKILL after `grace` s. Only
+        while it is the process launched (its start time): a pid free again may be another process's."""
+        if not self._alive(handle):
+            return
+        self._killed[handle.stage_id] = reason
+        pid = int(handle.ref["pid"])
+        kill_tree(pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            await asyncio.sleep(0.1)
+            if not self._alive(handle):
+                return
+        if self._alive(handle):
+            kill_tree(pid, signal.SIGKILL)
 
     async def set_cpus(self, handle: StageHandle, node: int, cpuset: list[int]) -> None:
         pid = handle.ref.get("pid")
@@ -254,7 +386,12 @@ class LocalBackend(Backend):
         """Stop: give processes still running `grace` seconds to end on their own (a flow run that just reported its
         final state may still be flushing its logs), kill the rest with their children, and reap them all while the
         loop still runs (a child reaped after its loop closed makes asyncio warn "Loop ... that handles pid N is
-        closed")."""
+        closed"). Pipeline processes of a `keep_unplaced` backend are left running (for the next worker), only
+        no longer watched."""
+        for tail in self._tails.values():
+            tail.cancel()
+        self._tails.clear()
+        self._detached.clear()
         live = [proc for proc in self._procs.values() if proc.returncode is None]
         try:
             if live and grace > 0:
@@ -295,6 +432,39 @@ def descendants(pid: int) -> list[int]:
             out.append(c)
             stack.append(c)
     return out
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started: '<boot id>:<start time in clock ticks since boot>' (Linux /proc; None when
+    there is no such process, or it is a zombie). Two processes never share it, so a pid with the start time
+    recorded at its launch is still that process, not another that got the pid since."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().decode("utf-8", "replace").rsplit(")", 1)[1].split()
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except (OSError, IndexError):
+        return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):  # (a zombie has ended: only its exit status is left)
+        return None
+    return f"{boot}:{fields[19]}"  # (field 22 of stat; fields here start at the 3rd, the state)
+
+
+def _copy_out(path: str, pos: int) -> int:
+    """Write what file `path` has past `pos` to this process's stdout; the new position."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(pos)
+            data = fh.read()
+    except OSError:
+        return pos
+    if data:
+        try:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    return pos + len(data)
 
 
 def kill_tree(pid: int, sig: int) -> None:

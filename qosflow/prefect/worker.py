@@ -318,6 +318,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         #: they run on this worker's host, as with the local backend (`_unplaced_backend`)
         self._pipelines_here: Backend | None = None
         self._pipeline_runs_here: set[str] = set()
+        #: pipeline runs of an earlier worker of this name that this one adopted or settles (`_adopt_pipelines`)
+        self._pipelines_adopted: set[str] = set()
         #: flow runs whose `run()` has not returned yet (their stage may have reported its end already)
         self._in_flight: set[str] = set()
         self._queued_label_tasks: set[asyncio.Future] = set()
@@ -454,6 +456,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._setup_leases()
             await self._sync_health()
             await self._recover()
+            await self._adopt_pipelines()
             await self._recover_orphans()
             self._health_task = loop.create_task(self._health_loop(), name="qosflow-heartbeat")
             if self._backend.syncs_progress:  # stages report their progress where they run: copy it here
@@ -619,6 +622,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await asyncio.wait({poll}, timeout=5.0)
         if self._stages_in_flight:
             await self._requeue_in_flight()
+        kept = sorted(fid for fid in self._pipeline_runs_here if (h := self._handles.get(fid)) is not None and h.ref.get("start"))
+        if kept and self.leases is not None:
+            self._logger.warning(
+                "qosflow worker stopping: %d pipeline run(s) keep running on this host (%s); a worker named %r adopts them "
+                "when it starts here", len(kept), ", ".join(f"{fid} pid {self._handles[fid].ref['pid']}" for fid in kept), str(self.name))
         if self._cancel_task is not None:
             self._cancel_task.cancel()
         if self._health_task is not None:
@@ -696,12 +704,27 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if backend is not self._backend:
                 self._pipeline_runs_here.add(fid)
             self._register(fid, handle)
+            kept = handle.ref.get("start") is not None and self.leases is not None  # (it outlives this worker)
+            if kept:
+                # recorded before anything else: a worker stopped from now on leaves it to the next one of its name
+                try:
+                    await asyncio.shield(asyncio.to_thread(self.leases.record_pipeline, self._pool_key, fid, self.holder,
+                                                           int(handle.ref["pid"]), handle.ref["start"], handle.ref.get("output")))
+                except Exception as exc:
+                    self._logger.warning("pipeline run %s: could not record its process in the lease store (%s): a restarted "
+                                         "worker will not adopt it", fid, exc)
+                run_logger.info("pipeline run started as process %s on %s (its output: %s); it keeps running if the worker "
+                                "stops, and a worker named %r adopts it when it starts", handle.ref["pid"], _hostname(),
+                                handle.ref.get("output"), str(self.name))
             task_status.started(handle.ref.get("pid"))
             try:
                 status = await backend.wait(handle)
             finally:
                 self._unregister(fid)
                 self._pipeline_runs_here.discard(fid)
+            # (not reached when the worker stops: the wait is cancelled, the process and its record stay)
+            if kept:
+                await self._forget_pipeline(fid, handle, remove_output=status.ok)
             return QosflowWorkerResult(status_code=_code(status), identifier=str(handle.ref.get("pid")))
 
         name = configuration.stage_name or flow_run.name
@@ -973,7 +996,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if self._pipelines_here is None:
             from qosflow.backends.local import LocalBackend
 
-            self._pipelines_here = LocalBackend()
+            # a pool whose stages outlive their worker (host agents, Kubernetes: `adopt`): its pipeline runs do
+            # too (`keep_unplaced`), recorded in the lease store for the next worker of this name to adopt
+            # (`_adopt_pipelines`). Without leases nothing could find them again: they end with the worker
+            keep = self.leases is not None and getattr(self._backend, "adopt", None) is not None
+            self._pipelines_here = LocalBackend(keep_unplaced=keep, output_dir=str(_pipeline_output_dir()) if keep else None)
         return self._pipelines_here
 
     def _backend_of(self, fid: str) -> Optional[Backend]:
@@ -1303,6 +1330,128 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._adopted_tasks.add(t)
         t.add_done_callback(self._adopted_tasks.discard)
 
+    # ------------------------------------------------------------------ pipeline processes of an earlier worker
+    async def _adopt_pipelines(self) -> None:
+        """After a (re)start: the pipeline runs that an earlier process of this worker's name started on this
+        host (`keep_unplaced`: their stages run on host agents or Kubernetes) and left running when it stopped.
+        One still running (its pid, with the start time recorded at its launch) is watched to its end and can
+        be cancelled as before; one whose process ended while no worker ran is done with if its run is final
+        (it reported its end itself), else its run, Running for ever otherwise, is marked Crashed saying so."""
+        if self.leases is None or self._stopping:
+            return
+        name = str(self.name)
+        try:
+            rows = await asyncio.to_thread(self.leases.pipeline_processes, self._pool_key, name, _hostname())
+            live = {r.holder for r in await asyncio.to_thread(self.leases.live_workers, self._pool_key, name)}
+        except Exception as exc:
+            self._logger.warning("looking for pipeline runs left running by an earlier worker %r failed: %s", name, exc)
+            return
+        for row in rows:
+            fid = row.flow_run_id
+            if fid in self._handles or fid in self._in_flight or fid in self._pipelines_adopted:
+                continue
+            if row.holder != self.holder and row.holder in live:
+                continue  # (a live process of this name watches it: not possible past `_claim_name`, but never taken from it)
+            if not await asyncio.to_thread(self.leases.take_pipeline, fid, row.holder, self.holder):
+                continue
+            backend = self._pipelines_here
+            if backend is None or not hasattr(backend, "adopt_unplaced"):
+                from qosflow.backends.local import LocalBackend
+
+                backend = self._pipelines_here = LocalBackend(keep_unplaced=True, output_dir=str(_pipeline_output_dir()))
+            fr = await self._flow_run(fid)
+            handle = backend.adopt_unplaced(fid, row.pid, row.start, row.output)
+            if handle is None:
+                self._pipelines_adopted.add(fid)
+                try:
+                    await self._pipeline_gone(fid, row, fr, "while no qosflow worker watched it (the worker stopped or was restarted)")
+                finally:
+                    self._pipelines_adopted.discard(fid)
+                continue
+            self._pipelines_adopted.add(fid)
+            self._pipeline_runs_here.add(fid)
+            self._register(fid, handle)
+            _keep(self.recovered, {"pipeline_run": fid, "pid": row.pid, "adopted": True})
+            self._logger.info("recovery: adopted pipeline run %s (%s, pid %d) still running on this host, started by an earlier "
+                              "worker %r; watching it to its end", fid, getattr(fr, "name", "?"), row.pid, name)
+            if fr is not None:
+                self.get_flow_run_logger(fr).info("worker %s restarted and watches this pipeline run again (process %d on %s)",
+                                                  name, row.pid, _hostname())
+            t = asyncio.get_running_loop().create_task(self._watch_adopted_pipeline(fid, handle, row), name=f"qosflow-pipeline-{fid}")
+            self._adopted_tasks.add(t)
+            t.add_done_callback(self._adopted_tasks.discard)
+
+    async def _watch_adopted_pipeline(self, fid: str, handle: StageHandle, row: Any) -> None:
+        try:
+            await self._settle_adopted_pipeline(fid, handle, row)
+        finally:
+            self._pipelines_adopted.discard(fid)
+
+    async def _settle_adopted_pipeline(self, fid: str, handle: StageHandle, row: Any) -> None:
+        backend = self._pipelines_here
+        assert backend is not None
+        try:
+            status = await backend.wait(handle)
+        finally:
+            self._unregister(fid)
+            self._pipeline_runs_here.discard(fid)
+        # (not reached when this worker stops first: its record stays for the next one)
+        if status.kind is ExitKind.CANCELLED:  # (cancelled: the cancellation watch marks its run Cancelled)
+            await self._forget_pipeline(fid, handle, remove_output=False)
+            return
+        fr = None
+        for _ in range(3):  # an engine reports its final state before its process exits; give the API a moment
+            fr = await self._flow_run(fid)
+            if fr is None or fr.state is None or fr.state.is_final():
+                break
+            await asyncio.sleep(1.0)
+        await self._pipeline_gone(fid, row, fr, "under an adopting worker")
+
+    async def _pipeline_gone(self, fid: str, row: Any, fr: Any, when: str) -> None:
+        """A pipeline process of an earlier worker has ended: its run reported its own end, or it is marked Crashed."""
+        if fr is None:
+            if await self._flow_run_deleted(fid):
+                await asyncio.to_thread(self.leases.forget_pipeline, fid)
+            return  # (its run cannot be read now: looked at again at a later heartbeat)
+        _keep(self.recovered, {"pipeline_run": fid, "pid": row.pid, "adopted": False})
+        if fr.state is not None and fr.state.is_final():
+            self._logger.info("recovery: pipeline run %s (%s, pid %d) ended %s; it is %s", fid, fr.name, row.pid, when, fr.state.name)
+            await self._forget_pipeline(fid, None, remove_output=fr.state.is_completed(), output=row.output)
+            return
+        from prefect.states import Crashed
+
+        why = (f"qosflow: the pipeline run's process (pid {row.pid} on {row.host}, started by worker {row.name}) ended {when} "
+               f"without reporting a final state: it was killed or died (its exit status is unknown; its output: {row.output})")
+        self._logger.warning("recovery: pipeline run %s (%s) is marked Crashed: %s", fid, fr.name, why)
+        if await self._set_state(fid, Crashed(message=why)):
+            self.get_flow_run_logger(fr).error("%s", why)
+            await self._forget_pipeline(fid, None, remove_output=False)
+
+    async def _flow_run_deleted(self, fid: str) -> bool:
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            await self.client.read_flow_run(fid)
+        except ObjectNotFound:
+            return True
+        except Exception:
+            return False
+        return False
+
+    async def _forget_pipeline(self, fid: str, handle: StageHandle | None, *, remove_output: bool, output: str | None = None) -> None:
+        """A pipeline process this worker watched has ended: its record goes, and its output file once its run completed
+        (a failed or crashed one's is kept: the traceback of a start-up failure is only there)."""
+        try:
+            await asyncio.to_thread(self.leases.forget_pipeline, fid)
+        except Exception as exc:
+            self._logger.warning("could not remove pipeline run %s's record from the lease store: %s", fid, exc)
+        path = output or (handle.ref.get("output") if handle is not None else None)
+        if remove_output and path:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
     async def _watch_adopted(self, fid: str, handle: StageHandle, allocated: bool) -> None:
         assert self._backend is not None
         ended = False
@@ -1363,6 +1512,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                         await self._recover_expired()
                 if beats % ORPHAN_CHECK_BEATS == 0:
                     await self._recover_orphans()
+                    await self._adopt_pipelines()  # (those whose run could not be read at start)
                 await self._drop_stages_of_ended_pipelines()
             except asyncio.CancelledError:
                 raise
@@ -1973,6 +2123,19 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         import signal
 
         kill_tree(pid, signal.SIGTERM)
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _pipeline_output_dir() -> Path:
+    """Where the pipeline runs that outlive their worker write their output (`keep_unplaced`)."""
+    from qosflow.paths import data_dir
+
+    return data_dir() / "pipeline-output"
 
 
 def _unreachable(exc: BaseException) -> bool:

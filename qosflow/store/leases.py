@@ -94,7 +94,28 @@ class WorkerPresenceRow(SQLModel, table=True):
     expires_at: float
 
 
-LEASE_TABLES = [StageLeaseRow.__table__, SlotLeaseRow.__table__, WorkerPresenceRow.__table__]
+class PipelineProcessRow(SQLModel, table=True):
+    """A pipeline run's process that a worker started on its own host and that outlives the worker (its
+    stages run on host agents or Kubernetes): a restarted worker of the same name on that host adopts it
+    (`LeaseStore.pipeline_processes`), or marks its run Crashed if the process died while no worker ran.
+    `start` is the process's start time (`qosflow.backends.local.process_start`): a pid reused by
+    another process since is not taken for it. Deleted when a worker saw the process end."""
+
+    __tablename__ = "qosflow_pipeline_process"
+
+    flow_run_id: str = Field(primary_key=True, max_length=64)
+    pool: str = Field(index=True, max_length=200)
+    name: str = Field(max_length=200)  # the worker's name
+    holder: str = Field(max_length=200)  # the worker process watching it (`holder_id`)
+    host: str = Field(max_length=250)
+    pid: int
+    start: str = Field(max_length=100)
+    output: Optional[str] = None  # the file its stdout and stderr go to
+    created_at: float
+
+
+#: (a table added later is created in an older database by `create_lease_tables`: create_all with checkfirst)
+LEASE_TABLES = [StageLeaseRow.__table__, SlotLeaseRow.__table__, WorkerPresenceRow.__table__, PipelineProcessRow.__table__]
 
 
 class WorkerNameTaken(QosflowError):
@@ -489,6 +510,49 @@ class LeaseStore:
                 sa.update(StageLeaseRow)  # type: ignore[call-overload]
                 .where(StageLeaseRow.lease_id == lease_id, StageLeaseRow.holder == old_holder, cond)
                 .values(holder=new_holder, expires_at=now + ttl_s)
+            )
+            s.commit()
+            return r.rowcount == 1
+
+    # ------------------------------------------------------------------ pipeline processes
+    def record_pipeline(self, pool: str, flow_run_id: str, holder: str, pid: int, start: str, output: str | None = None) -> None:
+        """A worker (`holder`) started pipeline run `flow_run_id` as process `pid` (started at `start`) on its host."""
+        import socket
+
+        got = _instance(holder)
+        name = got[0] if got is not None else holder
+        with Session(self.engine) as s:
+            s.exec(sa.delete(PipelineProcessRow).where(PipelineProcessRow.flow_run_id == flow_run_id))  # type: ignore[call-overload]
+            s.add(PipelineProcessRow(flow_run_id=flow_run_id, pool=pool, name=name, holder=holder, host=socket.gethostname(), pid=int(pid),
+                                     start=start, output=output, created_at=time.time()))
+            s.commit()
+
+    def forget_pipeline(self, flow_run_id: str) -> None:
+        """The pipeline's process has ended and a worker has dealt with its run."""
+        with Session(self.engine) as s:
+            s.exec(sa.delete(PipelineProcessRow).where(PipelineProcessRow.flow_run_id == flow_run_id))  # type: ignore[call-overload]
+            s.commit()
+
+    def pipeline_processes(self, pool: str, name: str | None = None, host: str | None = None) -> list[PipelineProcessRow]:
+        """The pipeline processes recorded on `pool` (started by workers named `name`, on `host`)."""
+        with Session(self.engine) as s:
+            q = select(PipelineProcessRow).where(PipelineProcessRow.pool == pool)
+            if name is not None:
+                q = q.where(PipelineProcessRow.name == name)
+            if host is not None:
+                q = q.where(PipelineProcessRow.host == host)
+            rows = list(s.exec(q).all())
+            for r in rows:
+                s.expunge(r)
+            return rows
+
+    def take_pipeline(self, flow_run_id: str, old_holder: str, new_holder: str) -> bool:
+        """A worker takes over the watch of a pipeline process from an earlier process of its name; exactly one wins."""
+        with Session(self.engine) as s:
+            r = s.exec(
+                sa.update(PipelineProcessRow)  # type: ignore[call-overload]
+                .where(PipelineProcessRow.flow_run_id == flow_run_id, PipelineProcessRow.holder == old_holder)
+                .values(holder=new_holder)
             )
             s.commit()
             return r.rowcount == 1

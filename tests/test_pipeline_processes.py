@@ -1,0 +1,157 @@
+"""Pipeline processes that outlive their worker (pools whose stages run on host agents or Kubernetes): the
+local backend's `keep_unplaced`, adoption by pid and start time, cancellation of an adopted one, and the lease
+store's record of them. Real processes, no Prefect server (tests/test_worker_restart.py runs the whole restart
+against one)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from procs import alive
+
+from qosflow.backends.local import LocalBackend, process_start
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_process_start_tells_a_process_from_another_with_its_pid():
+    p = subprocess.Popen(SLEEP)
+    try:
+        start = process_start(p.pid)
+        assert start and start == process_start(p.pid)
+        assert start.split(":")[0] == open("/proc/sys/kernel/random/boot_id").read().strip()
+        time.sleep(0.05)  # (a tick is 10 ms: two processes started in one tick have the same start time, but not the same pid;
+        q = subprocess.Popen(SLEEP)  # one that gets a pid again is started after the whole pid space wrapped around)
+        try:
+            assert process_start(q.pid) != start
+        finally:
+            q.kill()
+            q.wait()
+    finally:
+        p.kill()
+        p.wait()
+    assert process_start(p.pid) is None  # (gone)
+
+
+def test_a_kept_pipeline_outlives_the_backend_and_a_local_pools_does_not(tmp_path):
+    """keep_unplaced (agents, Kubernetes): aclose leaves the pipeline running, in its own session, its output in a
+    file. The local backend's own pipeline runs still end with it ("no stage may outlive its worker")."""
+
+    async def go(keep: bool) -> dict:
+        be = LocalBackend(keep_unplaced=keep, output_dir=str(tmp_path), stream_output=False)
+        h = await be.launch_unplaced("fr-1", [sys.executable, "-c", "print('hello', flush=True); import time; time.sleep(600)"], {})
+        await asyncio.sleep(1.0)
+        await be.aclose(grace=0.2)
+        return h.ref
+
+    ref = asyncio.run(go(True))
+    pid = ref["pid"]
+    try:
+        assert alive(pid) and process_start(pid) == ref["start"]
+        assert os.getsid(pid) == pid  # (a session of its own: a signal to the worker's group does not reach it)
+        assert ref["output"] == str(tmp_path / "fr-1.log") and open(ref["output"]).read() == "hello\n"
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+    ref = asyncio.run(go(False))
+    assert _gone(ref["pid"]) and "start" not in ref
+
+
+def test_adoption_guards_against_a_reused_pid_and_waits_on_a_process_that_is_not_its_child(tmp_path):
+    """A later worker adopts a pipeline process by its pid and the start time recorded at its launch: a pid that
+    another process has now is not taken for it, and the adopted one (not its child) is watched by polling."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"], start_new_session=True)
+    start = process_start(p.pid)
+
+    async def go():
+        be = LocalBackend(keep_unplaced=True, output_dir=str(tmp_path), stream_output=False)
+        be.POLL_S = 0.1
+        assert be.adopt_unplaced("fr-x", p.pid, "another-boot:123") is None  # (its pid, another process)
+        assert be.adopt_unplaced("fr-x", p.pid, None) is None
+        h = be.adopt_unplaced("fr-x", p.pid, start)
+        assert h is not None and h.ref["adopted"]
+        t0 = time.monotonic()
+        status = await asyncio.wait_for(be.wait(h), 30)
+        # (a zombie of the test, its parent, counts as ended: `process_start` says None)
+        return status, time.monotonic() - t0
+
+    try:
+        status, took = asyncio.run(go())
+    finally:
+        p.wait()
+    assert status.code is None and "exit status is unknown" in status.reason
+    assert took < 10
+
+
+def test_kill_infrastructure_stops_an_adopted_pipeline(tmp_path):
+    """Cancelling a pipeline run (Prefect's kill_infrastructure with the run's infrastructure pid, or the worker's
+    cancellation watch) stops an adopted pipeline process, which is not the worker's child."""
+    from qosflow.prefect.worker import QosflowJobConfiguration, QosflowWorker
+
+    ready = tmp_path / "ready"
+    p = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "open(sys.argv[1], 'w').close(); time.sleep(600)", str(ready)],
+                         start_new_session=True)  # (ignores SIGTERM: killed after the grace)
+    end = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < end
+        time.sleep(0.05)
+
+    async def go():
+        w = QosflowWorker(work_pool_name="adopt-kill", leases=False, create_pool_if_not_found=False)
+        be = w._pipelines_here = LocalBackend(keep_unplaced=True, output_dir=str(tmp_path), stream_output=False)
+        h = be.adopt_unplaced("fr-k", p.pid, process_start(p.pid))
+        w._pipeline_runs_here.add("fr-k")
+        w._register("fr-k", h)
+        waiter = asyncio.ensure_future(be.wait(h))
+        await w.kill_infrastructure(str(p.pid), QosflowJobConfiguration(role="pipeline"))
+        return await asyncio.wait_for(waiter, 30)
+
+    t0 = time.monotonic()
+    try:
+        status = asyncio.run(go())
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    assert status.kind.value == "cancelled" and p.returncode == -signal.SIGKILL
+    assert time.monotonic() - t0 < 20
+
+
+def test_an_older_lease_database_gains_the_pipeline_table(tmp_path):
+    """A lease store written before pipeline processes were recorded (its three tables only) keeps working and
+    gets the new table when a worker opens it."""
+    import sqlalchemy as sa
+    from sqlmodel import SQLModel
+
+    from qosflow.store.leases import LeaseStore, SlotLeaseRow, StageLeaseRow, WorkerPresenceRow
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    eng = sa.create_engine(url)
+    with eng.begin() as conn:
+        SQLModel.metadata.create_all(conn, tables=[StageLeaseRow.__table__, SlotLeaseRow.__table__, WorkerPresenceRow.__table__])
+        conn.execute(sa.text("INSERT INTO qosflow_worker_presence VALUES ('w#h:1:aa', 'p@1', 'w', 'h', 1, 0, 0)"))
+    eng.dispose()
+    store = LeaseStore(url=url)
+    assert sa.inspect(store.engine).has_table("qosflow_pipeline_process")
+    assert len(store.leases("p@1")) == 0  # (its tables are read as before)
+    store.record_pipeline("p@1", "fr", "w#h:2:bb", 42, "boot:7", "/x.log")
+    [row] = store.pipeline_processes("p@1", "w")
+    assert (row.pid, row.start, row.output, row.holder) == (42, "boot:7", "/x.log", "w#h:2:bb")
+    assert store.take_pipeline("fr", "w#h:2:bb", "w#h:3:cc") and not store.take_pipeline("fr", "w#h:2:bb", "w#h:4:dd")
+    store.forget_pipeline("fr")
+    assert store.pipeline_processes("p@1") == []
