@@ -97,7 +97,9 @@ def test_user_travels_from_the_decorator_or_a_tag_into_the_spec():
         qos_task(user=" ")
     # the stage's own qos:user= first, else the first user: tag (a pipeline's, or its deployment's)
     assert user_from_tags(["user:zed", "qos:user=amy"]) == "amy"
-    assert user_from_tags(["x", "user:zed", "user:b"]) == "zed" and user_from_tags(["user:", "qos:class=normal"]) is None
+    # (several user: tags -- a run's and its deployment's, merged by the server as a set: the first by name)
+    assert user_from_tags(["x", "user:zed", "user:b"]) == "b" == user_from_tags(["user:b", "user:zed"])
+    assert user_from_tags(["user:", "qos:class=normal"]) is None
     # the worker's side: the job configuration of a run tagged user:alice
     cfg = SimpleNamespace(gpus=1, _related_objects={"flow-run": SimpleNamespace(tags=["qos:gpus=1", "user:alice"])})
     spec = spec_from_job_variables(cfg, "stage 't'")

@@ -190,8 +190,9 @@ def qos_tags(spec: QoSSpec, *, expected_duration: float | None = None) -> list[s
 
 def user_from_tags(tags: Iterable[str] | None) -> str | None:
     """The user a run is for, from its tags: the stage's own `qos:user=NAME` (written by qosflow at its
-    dispatch), else the first `user:NAME` tag (a pipeline run's, or its deployment's, which Prefect
-    copies to the runs it creates); None when there is neither."""
+    dispatch), else its `user:NAME` tag (a pipeline run's, or its deployment's, which Prefect's server
+    adds to the runs it creates, as a set: with several, the first in alphabetical order, so that the
+    answer does not hang on the order the server returns them in); None when there is neither."""
     found = None
     for t in tags or ():
         if not isinstance(t, str):
@@ -200,9 +201,9 @@ def user_from_tags(tags: Iterable[str] | None) -> str | None:
             name = t[len(TAG_PREFIX) + 5:].strip()
             if name:
                 return name
-        elif found is None and t.startswith(USER_TAG):
+        elif t.startswith(USER_TAG):
             name = t[len(USER_TAG):].strip()
-            if name:
+            if name and (found is None or name < found):
                 found = name
     return found
 
