@@ -100,6 +100,36 @@ class SimResult:
         return [j for j in self.jobs if j.status is JobStatus.DONE]
 
 
+def _dependant_reason(dep: str, reason: str) -> str:
+    """Why a stage is rejected whose dependency `dep` was rejected for `reason` (the first rejection's
+    reason, not a chain of them)."""
+    root = reason.split(", which was rejected: ", 1)[-1] if reason.startswith("depends on ") else reason
+    return f"depends on {dep}, which was rejected: {root}"
+
+
+def _dependency_cycle(jobs: Sequence[Job]) -> list[str] | None:
+    """A cycle of `depends_on` among `jobs` (ids, the first repeated at the end), or None."""
+    ids = {j.job_id: j for j in jobs}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    for start in ids:
+        if state.get(start):
+            continue
+        path, stack = [start], [iter(ids[start].depends_on)]
+        state[start] = 1
+        while stack:
+            d = next(stack[-1], None)
+            if d is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif d in ids and state.get(d) == 1:
+                return path[path.index(d):] + [d]
+            elif d in ids and not state.get(d):
+                state[d] = 1
+                path.append(d)
+                stack.append(iter(ids[d].depends_on))
+    return None
+
+
 def assign_failures(jobs: Sequence[Job], cfg: SimConfig) -> dict[str, FailurePlan]:
     """Failure plans: each job's own, plus a seeded share of the others (Philly: failures repeat
     for the same job). Draws do not depend on the policy, so every policy sees the same failures."""
@@ -144,6 +174,9 @@ class Simulator:
             dup = next(i for i in ids if ids.count(i) > 1)
             raise SimulationError(f"job id {dup!r} appears twice in the workload")
         self.jobs = sorted(jobs, key=lambda j: j.submit_time)  # stable: ties keep workload order
+        cycle = _dependency_cycle(self.jobs)
+        if cycle is not None:  # (its stages would wait for each other for ever)
+            raise SimulationError(f"the workload's dependencies form a cycle: {' -> '.join(cycle)}")
         #: failure plans: the job's own, or one assigned (seeded) for this run; jobs are never mutated
         self.failures = assign_failures(self.jobs, self.cfg)
         self.gpn = max(1, cluster.max_gpus_per_node)
@@ -232,6 +265,20 @@ class Simulator:
             dirty_gpus.clear()
 
         fplans = self.failures
+
+        #: per admitted or rejected job, the dependencies it waits for (those in the workload)
+        job_deps: dict[str, list[str]] = {}
+
+        def reject(js: JobState, reason: str) -> None:
+            """`js` can never run: rejected with `reason`, and so is every stage waiting for it (they
+            waited for ever, and the run ended blaming the policy for jobs left pending)."""
+            js.status = JobStatus.REJECTED
+            js.note = reason
+            rejected.append((js.job_id, reason))
+            for child in children.get(js.job_id, ()):
+                cs = waiting.pop(child, None)
+                if cs is not None:
+                    reject(cs, _dependant_reason(js.job_id, reason))
 
         def next_fail_work(js: JobState) -> float | None:
             f = fplans.get(js.job_id)
@@ -339,7 +386,9 @@ class Simulator:
                 changed = True
                 for child in children.get(jid, ()):
                     cs = waiting.get(child)
-                    if cs is not None and all(states[d].status is JobStatus.DONE for d in cs.job.depends_on if d in states):
+                    # (every dependency done, those that have not arrived yet included: a stage submitted
+                    # before its input's job was released as soon as its other inputs were done)
+                    if cs is not None and all(d in states and states[d].status is JobStatus.DONE for d in job_deps[child]):
                         waiting.pop(child)
                         cs.status = JobStatus.PENDING
                         cs.queued_since = now
@@ -367,12 +416,15 @@ class Simulator:
                 states[job.job_id] = js
                 # (a job that may start narrower, `min_gpus`, fits if a width the policy may start it on does)
                 reason = self.spec.why_never_fits(job.qos, elastic=getattr(self.policy, "elastic_starts", False))
-                if reason:
-                    js.status = JobStatus.REJECTED
-                    js.note = reason
-                    rejected.append((job.job_id, reason))
-                    continue
                 deps = [d for d in job.depends_on if d in states or any(a.job_id == d for a in arrivals[ai:])]
+                job_deps[job.job_id] = deps
+                if not reason:
+                    dead = next((d for d in deps if states.get(d) is not None and states[d].status is JobStatus.REJECTED), None)
+                    if dead is not None:
+                        reason = _dependant_reason(dead, states[dead].note)
+                if reason:
+                    reject(js, reason)
+                    continue
                 for d in deps:
                     children.setdefault(d, []).append(job.job_id)
                 if any(d in states and states[d].status is not JobStatus.DONE for d in deps) or any(d not in states for d in deps):
