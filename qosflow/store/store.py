@@ -15,8 +15,11 @@ import json
 import math
 import os
 import random
+import re
 import time
-from datetime import datetime, timezone
+from array import array
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
@@ -249,6 +252,85 @@ def _aware(value: Any, field: str, where: str) -> datetime:
     if not isinstance(value, datetime):
         raise SpecError(field, f"expected a datetime, got {value!r}", where=where)
     return value if value.utcoffset() is not None else value.replace(tzinfo=timezone.utc)
+
+
+# --------------------------------------------------------------------------------------- retention
+
+#: `qosflow predict prune`'s defaults: what is kept of rows older than the cut-off
+KEEP_SAMPLES = 50
+KEEP_RUNS = 50
+#: the least of either that can be kept: `qosflow.predict.predictor.MIN_SAMPLES` (a test checks they agree),
+#: from which the predictor answers from the measurements alone; keeping fewer would change its answers
+KEEP_MIN = 3
+#: the shortest --older-than: a stage's prediction, outcome, history row and sample are written one after
+#: the other (separate transactions), so a younger cut-off could take a prediction whose run is being written
+MIN_AGE = timedelta(hours=1)
+_AGE_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "y": 365 * 86400}
+_AGE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w|y)\s*", re.IGNORECASE)
+
+
+def parse_age(text: str, option: str = "--older-than") -> timedelta:
+    """'90d', '12w', '36h', '1y' (365 days), '30min' or '45m' (minutes) as a timedelta, at least MIN_AGE;
+    anything else raises SpecError naming `option` and the accepted form."""
+    form = ("a number and a unit: s, m or min (minutes), h, d, w or y (365 days), e.g. 90d, 12w, 36h; "
+            f"at least {int(MIN_AGE.total_seconds() // 3600)}h")
+    m = _AGE_RE.fullmatch(str(text))
+    if not m and str(text).strip().startswith("-"):
+        raise SpecError(option, f"{text!r} is negative: an age is how long ago; give {form}")
+    if not m:
+        raise SpecError(option, f"{text!r} is not an age: give {form}")
+    age = timedelta(seconds=float(m.group(1)) * _AGE_UNITS[m.group(2).lower()])
+    if age < MIN_AGE:
+        raise SpecError(option, f"{text!r} is too young: rows of stages still being written could go; give {form}")
+    return age
+
+
+@dataclass
+class PruneReport:
+    """What `Store.prune` deleted (or, dry run, would delete) and kept, per table."""
+
+    cutoff: datetime
+    dry_run: bool
+    #: table -> rows deleted (dry run: that would be)
+    deleted: dict[str, int] = field(default_factory=dict)
+    #: table -> rows older than the cut-off that were kept (a configuration's or a kept run's)
+    kept_old: dict[str, int] = field(default_factory=dict)
+    #: table -> rows before the prune
+    before: dict[str, int] = field(default_factory=dict)
+    #: SQLite file size before and after (VACUUM), bytes; None for PostgreSQL or without --vacuum
+    file_bytes: tuple[int, int] | None = None
+    vacuumed: bool = False
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cutoff": self.cutoff.isoformat(), "dry_run": self.dry_run, "deleted": self.deleted,
+                "kept_old": self.kept_old, "before": self.before, "vacuumed": self.vacuumed,
+                "file_bytes": list(self.file_bytes) if self.file_bytes else None, "note": self.note}
+
+
+def _old_ranked(table: Any, cutoff: datetime, partition: Sequence[Any]) -> Any:
+    """(id, stage_run_id, rank) of the rows older than `cutoff`; rank 1 is the most recent row of its partition,
+    counting the younger rows too."""
+    rn = sa.func.row_number().over(partition_by=list(partition),
+                                   order_by=[table.created_at.desc(), table.id.desc()]).label("rn")
+    ranked = sa.select(table.id, table.stage_run_id, table.created_at, rn).subquery()
+    return sa.select(ranked.c.id, ranked.c.stage_run_id, ranked.c.rn).where(ranked.c.created_at < cutoff)
+
+
+def _sample_config(t: Any) -> list[Any]:
+    """A sample's configuration as the predictor keys it (`Predictor.observe`), and its source."""
+    return [t.signature, t.gpu_type, t.gpus, t.placement, t.cpu_cores, t.co_runner, t.source]
+
+
+def _run_config(t: Any) -> list[Any]:
+    """A stage run's group for the duration history (`LearnedEstimator._load_history`: signature, GPUs, GPU
+    model; completed solo runs apart from the others)."""
+    return [t.signature, t.gpu_type, t.gpus, t.state, t.co_runner.is_(None)]
+
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc)
 
 
 # --------------------------------------------------------------------------------------- the store
@@ -624,3 +706,137 @@ class Store:
             q = q.where(StageHistory.flow_run_id == flow_run_id)
         with Session(self.engine) as s:
             return list(s.exec(q.order_by(StageHistory.id)).all())
+
+    # ---- retention
+
+    def prune(self, older_than: timedelta | None = None, *, before: datetime | None = None,
+              keep_samples: int = KEEP_SAMPLES, keep_runs: int = KEEP_RUNS, dry_run: bool = False,
+              vacuum: bool = False, batch: int = 2000, pause: float | None = None,
+              now: datetime | None = None) -> PruneReport:
+        """Delete rows older than `older_than` (or than the time `before`), keeping what the predictor needs.
+
+        * samples: every configuration (signature, GPU model, GPUs, placement, CPU cores, co-runner, source)
+          keeps its `keep_samples` (>= KEEP_MIN) most recent samples, however old; older ones beyond those
+          go. So no configuration, and no signature, loses its last samples, and one the predictor answered
+          from its measurements alone still has enough for that;
+        * stage history: every (signature, GPU model, GPUs, state, solo or shared) keeps its `keep_runs` most
+          recent runs (>= KEEP_MIN: the durations the learned estimator plans with at a start); older ones go;
+        * predictions and outcomes older than the cut-off go, except those of a stage run whose history row is
+          kept (so `qosflow predict stages` still scores the runs it lists);
+        * profiles are kept (one row per `qosflow profile`).
+
+        What goes is chosen in one read at the start, then deleted `batch` rows per short transaction (each
+        retried on a busy SQLite database), `pause` seconds apart (SQLite: 0.02 s, PostgreSQL: 0), so a worker
+        writing meanwhile waits milliseconds, not the whole prune (SQLite's busy handler sleeps before it
+        tries again: without the pause, back-to-back batches kept a writer out until the end); its rows are
+        younger than the cut-off and are never chosen. `dry_run`: choose and count only.
+        `vacuum`: SQLite only, rewrite the file afterwards so that it shrinks (VACUUM: the database is locked
+        meanwhile, and it needs free space of the file's size); PostgreSQL: VACUUM ANALYZE of the four tables
+        (space reused, the files do not shrink).
+        """
+        if (older_than is None) == (before is None):
+            raise SpecError("older_than", "give exactly one of older_than (a timedelta) or before (a time)")
+        for name, k in (("keep_samples", keep_samples), ("keep_runs", keep_runs)):
+            if _int(name, k, "prune", minimum=1) < KEEP_MIN:
+                raise SpecError(name, f"must be >= {KEEP_MIN}, got {k}: the predictor answers a configuration from its "
+                                      f"own samples (and a signature's duration from its runs) from {KEEP_MIN} on, and "
+                                      "blends in a model below that", where="prune")
+        _int("batch", batch, "prune", minimum=1)
+        now = now or utc_now()
+        if older_than is not None:
+            if not isinstance(older_than, timedelta) or older_than < MIN_AGE:
+                raise SpecError("older_than", f"must be a timedelta of at least {MIN_AGE}, got {older_than!r}", where="prune")
+            cutoff = now - older_than
+        else:
+            cutoff = _aware(before, "before", "prune")
+        cutoff = cutoff.astimezone(timezone.utc)
+        rep = PruneReport(cutoff=cutoff, dry_run=dry_run)
+        S, H, P, O = (t.__table__.c for t in (Sample, StageHistory, PredictionRecord, Outcome))
+        names = {"sample": Sample, "stage_history": StageHistory, "prediction": PredictionRecord, "outcome": Outcome}
+
+        def choose() -> dict[str, array]:
+            # SQLite: read through an engine of its own, whose reads take no lock (WAL: a worker writes on
+            # meanwhile); the store's engine begins every transaction, reads too, with the write lock
+            own = self.dialect == "sqlite" and sqlite_file(self.url) is not None  # (not an in-memory database)
+            reader = sa.create_engine(self.url, connect_args={"timeout": 30}) if own else self.engine
+            chosen: dict[str, array] = {}
+            try:
+                with reader.connect() as conn:
+                    for name, t in names.items():
+                        rep.before[name] = conn.execute(sa.select(sa.func.count()).select_from(t.__table__)).scalar_one()
+                    kept_runs: set[str] = set(conn.execute(sa.select(H.stage_run_id).where(H.created_at >= cutoff)).scalars())
+                    for name, c, keep, config in (("sample", S, keep_samples, _sample_config(S)),
+                                                  ("stage_history", H, keep_runs, _run_config(H))):
+                        drop, kept = array("q"), 0
+                        for rid, run, rank in conn.execute(_old_ranked(c, cutoff, config)):
+                            if rank > keep:
+                                drop.append(rid)
+                            else:
+                                kept += 1
+                                if name == "stage_history":  # its predictions and outcomes stay too
+                                    kept_runs.add(run)
+                        chosen[name], rep.kept_old[name] = drop, kept
+                    for name, c in (("prediction", P), ("outcome", O)):
+                        drop, kept = array("q"), 0
+                        for rid, run in conn.execute(sa.select(c.id, c.stage_run_id).where(c.created_at < cutoff)):
+                            if run is not None and run in kept_runs:
+                                kept += 1
+                            else:
+                                drop.append(rid)
+                        chosen[name], rep.kept_old[name] = drop, kept
+                    conn.rollback()
+            finally:
+                if reader is not self.engine:
+                    reader.dispose()
+            return {name: array("q", sorted(ids)) for name, ids in chosen.items()}
+
+        chosen = self._retry(choose)
+        rep.deleted = {name: len(ids) for name, ids in chosen.items()}
+        if dry_run:
+            return rep
+        if pause is None:
+            pause = 0.02 if self.dialect == "sqlite" else 0.0
+        for name, ids in chosen.items():
+            t = names[name].__table__
+            for i in range(0, len(ids), batch):
+                part = list(ids[i:i + batch])
+
+                def txn(part=part) -> None:
+                    with self.engine.begin() as conn:
+                        conn.execute(sa.delete(t).where(t.c.id.in_(part)))
+
+                self._retry(txn)
+                if pause:
+                    time.sleep(pause)
+        if vacuum:
+            self._vacuum(rep)
+        return rep
+
+
+    def _vacuum(self, rep: PruneReport) -> None:
+        if self.dialect == "sqlite":
+            path = sqlite_file(self.url)
+            size = (lambda: os.path.getsize(path) + (os.path.getsize(path + "-wal") if os.path.exists(path + "-wal") else 0)) \
+                if path else (lambda: 0)
+            was = size()
+
+            def run() -> None:
+                raw = self.engine.raw_connection()  # outside a transaction (the engine's begin is BEGIN IMMEDIATE)
+                try:
+                    raw.driver_connection.execute("VACUUM")
+                    if path:
+                        raw.driver_connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                finally:
+                    raw.close()
+
+            self._retry(run)
+            rep.vacuumed, rep.file_bytes = True, (was, size())
+        else:
+            try:
+                with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                    for t in ("sample", "stage_history", "prediction", "outcome"):
+                        conn.exec_driver_sql(f"VACUUM ANALYZE {t}")
+                rep.vacuumed = True
+                rep.note = "PostgreSQL: VACUUM ANALYZE makes the space reusable; the files do not shrink (VACUUM FULL does, locking the tables)"
+            except sa.exc.DBAPIError as exc:
+                rep.note = f"PostgreSQL VACUUM ANALYZE was refused ({exc.orig}); autovacuum reclaims the space in time"
