@@ -1,5 +1,5 @@
 """`qosflow predict eval` (cross-validation on reference tables), `qosflow predict stages` (what the predictor
-learned from finished stages) and `qosflow profile` (lightweight profiling)."""
+learned from finished stages), `qosflow predict prune` (retention) and `qosflow profile` (lightweight profiling)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from qosflow.cli.output import progress_bar as _progress_bar
 from qosflow.cli.output import write_json_file as _write_json
 from qosflow.errors import QosflowError
 
-predict_app = typer.Typer(help="The predictor: evaluate it on reference tables, and see what it learned from finished stages.", no_args_is_help=True)
+predict_app = typer.Typer(help="The predictor: evaluate it on reference tables, see what it learned from finished stages, delete old rows.", no_args_is_help=True)
 
 
 def _pct(x):
@@ -209,6 +209,84 @@ def stages_cmd(
                       "samples solo + shared with another stage + from `qosflow profile`")
     if json_out is not None:
         _write_json(json_out, rows)
+        console.print(f"wrote {json_out}")
+
+
+@predict_app.command("prune")
+def prune_cmd(
+    older_than: str = typer.Option(..., "--older-than", metavar="AGE", help="delete what is older than this: a number and a unit, s, m or min (minutes), h, d, w or y (365 days), e.g. 90d, 12w; at least 1h"),
+    keep_samples: int = typer.Option(50, "--keep-samples", min=3, help="of older step-time samples, keep each configuration's (signature, GPU model, GPUs, placement, CPU cores, co-runner, source) this many most recent (at least 3: the predictor answers from a configuration's own samples from 3 on)"),
+    keep_runs: int = typer.Option(50, "--keep-runs", min=3, help="of older stage-history rows, keep each (signature, GPU model, GPUs, state) this many most recent runs, with their predictions and outcomes"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="count what would be deleted, delete nothing"),
+    vacuum: bool = typer.Option(False, "--vacuum", help="SQLite: rewrite the file afterwards so that it shrinks (locks the database meanwhile, needs free disk space of the file's size); PostgreSQL: VACUUM ANALYZE (space reused, files keep their size)"),
+    db: Optional[str] = typer.Option(None, "--db", help="database URL, sqlite:///PATH or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB (default: $QOSFLOW_DATABASE_URL or the SQLite file in $QOSFLOW_HOME)"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the counts here"),
+) -> None:
+    """Delete the store's old rows, keeping what the predictor learns from.
+
+    Every finished stage adds a step-time sample, a stage-history row, the duration prediction it was
+    planned on and its outcome; nothing else deletes them. Of the rows older than --older-than:
+
+    \b
+    - samples: each configuration keeps its --keep-samples most recent, however old (no configuration or signature loses its last samples: the predictor answers for all it answered for before);
+    - stage history: each signature, GPU model and GPU count keeps its --keep-runs most recent runs (the durations the worker plans with);
+    - predictions and outcomes: deleted, except those of the runs kept;
+    - profiles (`qosflow profile`): kept.
+
+    Safe while a worker writes: deletes go in short transactions. A running worker keeps what it loaded;
+    the next start loads the thinned store. Prints a table per table: rows before, deleted, old rows kept.
+
+    Examples:
+
+      qosflow predict prune --older-than 90d --dry-run
+
+      qosflow predict prune --older-than 1y --keep-samples 20 --vacuum
+    """
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from qosflow.store import Store
+    from qosflow.store.store import parse_age
+
+    age = parse_age(older_than, "--older-than")
+    if json_out is not None:
+        _check_output_file(json_out)
+        check_not_an_input(json_out, {"--db": _sqlite_file(db)})
+    _refuse_in_memory(db)
+    store = Store.open(db, must_exist=True)
+    try:
+        rep = store.prune(age, keep_samples=keep_samples, keep_runs=keep_runs, dry_run=dry_run,
+                          vacuum=vacuum and not dry_run)
+        where = store.safe_url
+    finally:
+        store.close()
+    console = Console()
+    verb = "would delete" if dry_run else "deleted"
+    table = Table(title=f"{'dry run: ' if dry_run else ''}rows older than {older_than.strip()} "
+                        f"(before {rep.cutoff:%Y-%m-%d %H:%M} UTC)\n({where})", box=box.SIMPLE_HEAD)
+    for c in ("table", "rows", verb, "old rows kept", "left"):
+        table.add_column(c, justify="left" if c == "table" else "right")
+    for name in ("sample", "stage_history", "prediction", "outcome"):
+        n, d = rep.before.get(name, 0), rep.deleted.get(name, 0)
+        table.add_row(name, str(n), str(d), str(rep.kept_old.get(name, 0)), str(n - d))
+    console.print(table)
+    console.print(f"old rows kept: samples, each configuration's {keep_samples} most recent; stage history, each "
+                  f"signature's, GPU model's and GPU count's {keep_runs} most recent runs; predictions and outcomes "
+                  "of those runs", highlight=False)
+    if dry_run:
+        console.print("dry run: nothing was deleted", style="yellow")
+        if vacuum:
+            console.print("--vacuum is ignored with --dry-run", style="yellow")
+    if rep.file_bytes:
+        a, b = rep.file_bytes
+        console.print(f"VACUUM: the file went from {a / 2**20:.1f} MiB to {b / 2**20:.1f} MiB", highlight=False)
+    elif not dry_run and not vacuum and store.dialect == "sqlite" and sum(rep.deleted.values()):
+        console.print("the freed pages are reused by new rows; the file shrinks only with --vacuum", highlight=False)
+    if rep.note:
+        console.print(rep.note, highlight=False)
+    if json_out is not None:
+        _write_json(json_out, rep.to_dict())
         console.print(f"wrote {json_out}")
 
 
