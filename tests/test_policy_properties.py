@@ -44,6 +44,15 @@ from qosflow.sim.interference import load_gavel_interference
 from qosflow.sim.metrics import compute_metrics
 
 POLICIES = available()
+#: qosflow with options off its defaults (label -> options): the paths they switch on must keep the
+#: same invariants
+QOSFLOW_VARIANTS = {
+    "qosflow[align,express]": {"align": True, "express_share": 0.5, "express_max_s": 100.0},
+    "qosflow[plan,benefit]": {"plan": True, "plan_interval": 50.0, "partner_rank": "benefit", "relax_after": 0.0},
+    "qosflow[rigid,blind]": {"elastic": False, "gpu_models": False, "deadline_band": False, "fair_share": False},
+    "qosflow[guards]": {"starvation_bound": 60.0, "starvation_backlog": False, "makespan_beta": 0.01, "reserve_share": 1.0,
+                        "share_attempts": 1, "sub_batch": False},
+}
 #: policies that may put two whole-GPU jobs on one GPU (co-location); the others never do
 SHARING = {"qosflow", "sjf-bsbf", "sjf-ffs"}
 #: documented as non-preemptive (docs/policies.md); checked against the class flag too
@@ -189,8 +198,9 @@ class Watched:
     preempt, the sharing limits on the committed state, qosflow's waiting notes, a bounded round count."""
 
     def __init__(self, name: str):
-        self.inner = get_policy(name)
-        self.name = name
+        base = name.split("[")[0]
+        self.inner = get_policy(base, **QOSFLOW_VARIANTS.get(name, {}))
+        self.name = base
         self.preemptive = self.inner.preemptive
         self.elastic_starts = getattr(self.inner, "elastic_starts", False)
         self.rounds = 0
@@ -330,7 +340,7 @@ SETTINGS = settings(max_examples=int(os.environ.get("PP_EXAMPLES", 60)), deadlin
                     phases=[Phase.explicit, Phase.generate] if os.environ.get("PP_NO_SHRINK") else list(Phase))
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + list(QOSFLOW_VARIANTS))
 @SETTINGS
 @given(jobs=workloads(), cluster=clusters(), setup=setups)
 def test_invariants_hold(name, jobs, cluster, setup):
@@ -445,3 +455,15 @@ def test_deadline_rescue_keeps_to_the_nodes_host_memory():
             Job("j3", 0.0, QoSSpec(gpus=2, cpu_cores=0.0, mem_mb=8000, deadline=666, min_gpus=1), 333.0,
                 failure=FailurePlan(at_fraction=0.01))]
     check_properties("qosflow", jobs, spec, Setup(0.0, 0.0, 0, None))
+
+
+def test_pairing_plan_of_work_below_the_solvers_tolerance():
+    """qosflow(plan=True) on jobs of a millisecond: the fluid LP's solution was all zeros, and the shares
+    were 0/0 (NaN, with a RuntimeWarning every round)."""
+    import warnings
+
+    from qosflow.policies.pairing_plan import pairing_plan
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pairing_plan({"a": 1e-12, "b": 1e-12}, lambda a, b: (1.2, 1.2)) == ({}, {}, 1.0)

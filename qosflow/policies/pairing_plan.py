@@ -50,6 +50,8 @@ def pairing_plan(
     if not res.success:
         return {}, {t: 1.0 / len(types) for t in types}, 1.0
     total = float(res.x.sum())
+    if total <= 0:  # (work too small for the solver's tolerance: nothing to plan; was 0/0, NaN shares and a warning)
+        return {}, {}, 1.0
     plan = {p: float(res.x[n_single + k]) / total for k, p in enumerate(pairs) if res.x[n_single + k] / total >= min_share}
     alone = {t: float(res.x[i]) / total for i, t in enumerate(types) if res.x[i] / total >= min_share}
     speedup = float(sum(work.values()) / total) if total > 0 else 1.0
