@@ -467,3 +467,17 @@ def test_pairing_plan_of_work_below_the_solvers_tolerance():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert pairing_plan({"a": 1e-12, "b": 1e-12}, lambda a, b: (1.2, 1.2)) == ({}, {}, 1.0)
+
+
+def test_waiting_note_counts_in_words():
+    """A 1-GPU job short of host memory read "waiting: needs 1 GPUs on one node; the 1 node with 1 free
+    GPUs have at most 8000 MB free host memory ..." (seen in the property tests' notes)."""
+    from qosflow.core.cluster import ClusterState
+    from qosflow.core.job import JobState
+    from qosflow.core.placement import Placement
+    from qosflow.policies.common import why_waiting
+
+    st_ = ClusterState(ClusterSpec.uniform(1, 2, gpu_mem_mb=8000, cpu_cores=8, mem_mb=16000))
+    st_.allocate(Placement("big", ((0, 0),), cpu=((0, 1.0),), mem_mb=12000), QoSSpec(gpus=1, mem_mb=12000))
+    note = why_waiting(st_, JobState(Job("j", 0.0, QoSSpec(gpus=1, mem_mb=8000), 1.0)))
+    assert note == "waiting: needs 1 GPU on one node; the node with 1 free GPU has at most 4000 MB free host memory of the 8000 MB it needs"

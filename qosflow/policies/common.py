@@ -96,8 +96,13 @@ def _why_waiting_up(state: ClusterState, q, largest: int | None) -> str:
         largest = int(up.max()) if up.size else 0
     if q.gpus <= state.spec.max_gpus_per_node:
         short = _short_of(state, q) if largest >= q.gpus else None
-        return f"waiting: needs {q.gpus} GPUs on one node; {short or f'largest free block is {largest}'}"
+        return f"waiting: needs {_n_gpus(q.gpus)} on one node; {short or f'largest free block is {largest}'}"
     return f"waiting: needs {q.gpus} GPUs on whole free nodes; {free} GPUs free but scattered"
+
+
+def _n_gpus(n: int) -> str:
+    """'1 GPU', '4 GPUs'."""
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
 def _could_hold(state: ClusterState, q) -> "np.ndarray":
@@ -159,16 +164,19 @@ def _short_of(state: ClusterState, q) -> str | None:
     None if some node has all it needs (something else held it back)."""
     nodes = (~state.down) & (state.empty >= q.gpus)
     n = int(nodes.sum())
-    where = f"the {n} node{'s' if n > 1 else ''} with {q.gpus} free GPUs"
+    # ("the node with 1 free GPU has ...", "the 2 nodes with 4 free GPUs have ...": read "the 1 node with 1
+    # free GPUs have")
+    where = (f"the {n} nodes" if n > 1 else "the node") + f" with {q.gpus} free GPU{'s' if q.gpus > 1 else ''}"
+    have = "have" if n > 1 else "has"
     fits = nodes & state.usable_nodes(q)
     if not fits.any():
-        return f"{where} have another GPU model or less GPU memory than it asks for"
+        return f"{where} {have} another GPU model or less GPU memory than it asks for"
     if q.cpu_cores > 0 and not (state.cpu_free[fits] >= q.cpu_cores - 1e-9).any():
-        return f"{where} have at most {state.cpu_free[fits].max():g} free cores of the {q.cpu_cores:g} it needs"
+        return f"{where} {have} at most {state.cpu_free[fits].max():g} free cores of the {q.cpu_cores:g} it needs"
     if q.mem_mb > 0 and not (state.mem_free[fits] >= q.mem_mb - 1e-6).any():
-        return f"{where} have at most {state.mem_free[fits].max():.0f} MB free host memory of the {q.mem_mb:.0f} MB it needs"
+        return f"{where} {have} at most {state.mem_free[fits].max():.0f} MB free host memory of the {q.mem_mb:.0f} MB it needs"
     if not (fits & (state.cpu_free >= q.cpu_cores - 1e-9) & (state.mem_free >= q.mem_mb - 1e-6)).any():
-        return f"{where} lack free cores or host memory for it"
+        return f"{where} {'lack' if n > 1 else 'lacks'} free cores or host memory for it"
     return None
 
 
