@@ -225,3 +225,21 @@ def test_the_policy_block_takes_the_fairness_options():
     assert blk.options["fair_weights"] == {"alice": 2.0}
     with pytest.raises(ValueError, match="fair_weights"):
         QoSPolicy(policy="qosflow", options={"fair_weights": {"alice": -1}})
+
+
+def test_the_synthetic_generator_may_give_its_jobs_users_without_changing_them():
+    from qosflow.errors import SpecError
+    from qosflow.sim.traces.synthetic import generate_synthetic
+
+    plain, _ = generate_synthetic(120, seed=2)
+    zipf, _ = generate_synthetic(120, seed=2, users=3)
+    given, _ = generate_synthetic(120, seed=2, users=[0.9, 0.1])
+    same = lambda js: [(j.job_id, j.submit_time, j.duration, j.qos, j.model) for j in js]  # noqa: E731
+    assert same(plain) == same(zipf) == same(given)
+    assert {j.user for j in plain} == {None}
+    counts = {u: sum(j.user == u for j in zipf) for u in ("user1", "user2", "user3")}
+    assert counts["user1"] > counts["user2"] > counts["user3"] > 0, counts
+    assert sum(j.user == "user1" for j in given) > 90
+    for bad in (0, [0.5, -1], "3", True):
+        with pytest.raises(SpecError, match="users"):
+            generate_synthetic(10, seed=0, users=bad)

@@ -93,8 +93,8 @@ def load_workload(
     """Load `trace` in format `fmt` for `cluster`, with deadlines assigned reproducibly for `seed`.
 
     `opts` go to the loader: ``muri`` (iteration_overhead, cores_per_gpu), ``gavel`` (throughputs,
-    gpu_type, cores_per_gpu), ``synthetic`` (num_jobs, rate_per_hour, load, table); `trace` is
-    ignored for ``synthetic``.
+    gpu_type, cores_per_gpu), ``synthetic`` (num_jobs, rate_per_hour, load, table, users: a number of
+    users or their shares, for fairness between users); `trace` is ignored for ``synthetic``.
 
     `min_gpus_share` (None: every job rigid, as the traces are) lets every multi-GPU job start on as
     few as that share of its GPUs (`elastic`), an assumption about the jobs that no trace records.

@@ -28,6 +28,11 @@ on 64 GPUs) keep three quarters of the work inside the window.
 
 Deterministic for a seed (numpy's PCG64). QoS as for Gavel's traces: shareable, gang, GPU memory
 from the job type, 4 cores per GPU.
+
+Users (`users`, none by default, as in the traces): `users=N` gives each job one of N users `user1` ..
+`userN`, drawn with Zipf-like shares (user k: proportional to 1/k, so `user1` submits the most), or
+`users=[0.6, 0.2, 0.2]` with those shares; drawn from a stream of their own, so the jobs themselves are
+the same as without users (fairness between users: `QosflowPolicy(fair_share=...)`).
 """
 
 from __future__ import annotations
@@ -157,6 +162,23 @@ def job_types(table: GavelInterference | None = None) -> dict[int, tuple[str, ..
     return {1: one, 2: multi, 4: multi, 8: multi}
 
 
+def _user_shares(users) -> np.ndarray | None:
+    """The users' shares of the jobs (`generate_synthetic`'s `users`), summing to 1; None: no users."""
+    if users is None:
+        return None
+    if isinstance(users, bool) or not (isinstance(users, int) or (isinstance(users, Sequence) and not isinstance(users, str))):
+        raise SpecError("users", f"give a number of users (Zipf-like shares) or a list of shares, got {users!r}")
+    if isinstance(users, int):
+        if users < 1:
+            raise SpecError("users", f"must be at least 1 user, got {users}")
+        w = 1.0 / np.arange(1, users + 1)
+    else:
+        if not users or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0 for x in users):
+            raise SpecError("users", f"shares must be positive numbers, got {users!r}")
+        w = np.asarray(users, dtype=float)
+    return w / w.sum()
+
+
 def generate_synthetic(
     num_jobs: int = DEFAULT_JOBS,
     *,
@@ -167,6 +189,7 @@ def generate_synthetic(
     cluster: ClusterSpec | None = None,
     table: GavelInterference | None = None,
     cores_per_gpu: float = CORES_PER_GPU,
+    users: int | Sequence[float] | None = None,
 ) -> tuple[list[Job], list[Rejected]]:
     """`num_jobs` Philly-like jobs; rejected (id, reason) for those that never fit `cluster`.
 
@@ -186,6 +209,7 @@ def generate_synthetic(
             raise SpecError("cluster_gpus", f"must be > 0 to turn a load into arrivals, got {cluster_gpus}")
     elif not (math.isfinite(rate_per_hour) and rate_per_hour > 0):
         raise SpecError("rate_per_hour", f"must be > 0 jobs per hour, got {rate_per_hour!r}")
+    shares = _user_shares(users)
     types = job_types(table)
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0, size=num_jobs)  # unit-rate Poisson process, scaled below
@@ -198,6 +222,8 @@ def generate_synthetic(
     durations = 60.0 * np.power(10.0, exps)
     gpu_counts = np.array(GPU_CHOICES)[gpu_idx]
     picks = rng.random(num_jobs)
+    # (users from a stream of their own: the jobs are the same with or without them)
+    who = None if shares is None else np.random.default_rng([seed, 0x75736572]).choice(len(shares), size=num_jobs, p=shares)
     jobs: list[Job] = []
     for i in range(num_jobs):
         g = int(gpu_counts[i])
@@ -220,6 +246,7 @@ def generate_synthetic(
                 model=model,
                 batch_size=gavel_batch_size(model),
                 iterations=steps,
+                user=None if who is None else f"user{int(who[i]) + 1}",
                 meta=meta,
             )
         )
