@@ -80,9 +80,17 @@ def _runs(store: Store, model) -> set[str]:
         return set(conn.execute(sa.select(model.__table__.c.stage_run_id)).scalars())
 
 
+def _preds(store: Store) -> list[PredictionRecord]:
+    from sqlmodel import Session, select
+
+    with Session(store.engine) as s:
+        return list(s.exec(select(PredictionRecord).order_by(PredictionRecord.id)).all())
+
+
 def _fill(store: Store) -> None:
     """a: 10 old runs and 2 recent ones on 1 GPU; a on 2 GPUs once, long ago; b: 3 old runs (its only ones);
-    a next to b, twice long ago; a failed run of c long ago; a profile; an old prediction of no run."""
+    a next to b, twice long ago; a failed run of c long ago; a profile; old predictions of no run of d: two on
+    its declared duration, one not."""
     for i in range(10):
         _stage(store, f"a-old-{i}", "a", at=OLD + timedelta(hours=i))
     for i in range(2):
@@ -95,9 +103,12 @@ def _fill(store: Store) -> None:
     _stage(store, "c-failed", "c", state="FAILED", step=None, at=OLD)
     store.add_profile("a", 0.1, gpu_type="v100")
     store.record_prediction(Prediction(5.0, 4.0, 6.0, 0, "declared"), signature="d", target="duration")
+    store.record_prediction(Prediction(6.0, 4.0, 7.0, 0, "declared"), signature="d", target="duration")
+    store.record_prediction(Prediction(5.0, 4.0, 6.0, 3, "history(n=3)"), signature="d", target="duration")
     with store.engine.begin() as conn:
         t = PredictionRecord.__table__
         conn.execute(sa.update(t).where(t.c.stage_run_id.is_(None)).values(created_at=OLD))
+    assert len(store.prediction_errors()) == 19
 
 
 def test_prune_deletes_old_rows_and_keeps_each_configurations_latest(url):
@@ -112,12 +123,13 @@ def test_prune_deletes_old_rows_and_keeps_each_configurations_latest(url):
         runs = _runs(store, StageHistory)
         assert runs == {"a-new-0", "a-new-1", "a-old-9", "a-old-8", "a2-old", "b-old-0", "b-old-1", "b-old-2",
                         "ab-old-0", "ab-old-1", "c-failed"}
-        # predictions and outcomes: those of the kept runs; the old prediction of no run is gone
-        assert _runs(store, PredictionRecord) == runs
+        # predictions and outcomes: those of the kept runs, and d's latest on its declared duration
+        assert _runs(store, PredictionRecord) == runs | {None}
+        assert [(p.basis, p.value) for p in _preds(store) if p.stage_run_id is None] == [("declared", 6.0)]
         assert _runs(store, Outcome) == runs
         assert len(store.profiles_for("a")) == 1
-        assert rep.deleted == {"sample": 9, "stage_history": 8, "prediction": 9, "outcome": 8}
-        assert rep.before == {"sample": 18, "stage_history": 19, "prediction": 20, "outcome": 19}
+        assert rep.deleted == {"sample": 9, "stage_history": 8, "prediction": 10, "outcome": 8}
+        assert rep.before == {"sample": 18, "stage_history": 19, "prediction": 22, "outcome": 19}
         assert rep.kept_old["sample"] == 7 and rep.kept_old["stage_history"] == 9
         # a second prune has nothing left to delete
         assert sum(store.prune(timedelta(days=90), keep_samples=3, keep_runs=4).deleted.values()) == 0
@@ -342,7 +354,7 @@ def test_the_cli(tmp_path, capsys):
                             "--keep-runs", "4", "--vacuum"], env={"COLUMNS": "120"})
     assert r.exit_code == 0, r.output
     assert re.search(r"sample\s+18\s+9\s+7\s+9", r.output), r.output  # rows, deleted, old rows kept, left
-    assert re.search(r"prediction\s+20\s+9\s+", r.output) and "VACUUM" in r.output
+    assert re.search(r"prediction\s+22\s+10\s+", r.output) and "VACUUM" in r.output
     with Store.open(url) as store:
         assert store.count(Sample) == 9
     r = runner.invoke(app, ["predict", "prune", "--help"])

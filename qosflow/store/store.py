@@ -722,7 +722,8 @@ class Store:
         * stage history: every (signature, GPU model, GPUs, state, solo or shared) keeps its `keep_runs` most
           recent runs (>= KEEP_MIN: the durations the learned estimator plans with at a start); older ones go;
         * predictions and outcomes older than the cut-off go, except those of a stage run whose history row is
-          kept (so `qosflow predict stages` still scores the runs it lists);
+          kept (so `qosflow predict stages` still scores the runs it lists) and each signature's latest
+          prediction on its declared duration alone (basis 'declared': the store's only record of it);
         * profiles are kept (one row per `qosflow profile`).
 
         What goes is chosen in one read at the start, then deleted `batch` rows per short transaction (each
@@ -776,10 +777,15 @@ class Store:
                                 if name == "stage_history":  # its predictions and outcomes stay too
                                     kept_runs.add(run)
                         chosen[name], rep.kept_old[name] = drop, kept
+                    # a signature's latest prediction made on its declared duration alone (basis 'declared'): the
+                    # only record of that declaration, which `qosflow predict stages` blends in as the worker does
+                    declared = dict(conn.execute(
+                        sa.select(P.signature, sa.func.max(P.id)).where(P.basis == "declared").group_by(P.signature)).all())
+                    keep_ids = set(declared.values())
                     for name, c in (("prediction", P), ("outcome", O)):
                         drop, kept = array("q"), 0
                         for rid, run in conn.execute(sa.select(c.id, c.stage_run_id).where(c.created_at < cutoff)):
-                            if run is not None and run in kept_runs:
+                            if (run is not None and run in kept_runs) or (name == "prediction" and rid in keep_ids):
                                 kept += 1
                             else:
                                 drop.append(rid)
