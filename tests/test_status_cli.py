@@ -181,3 +181,47 @@ def test_the_table_says_starting_for_a_placed_stage_whose_process_still_starts(m
     rows = {ln.split("│")[1].strip(): ln for ln in capsys.readouterr().out.splitlines() if ln.count("│") > 3}
     assert "starting" in rows["train"] and "host-a" in rows["train"], rows
     assert "running" in rows["evaluate"] and "starting" not in rows["evaluate"], rows
+
+
+def test_status_says_whom_each_stage_runs_for(monkeypatch, capsys):
+    """Fairness between users orders the queue by whom stages run for; the status did not say it. A stage
+    run's user is read from its tags (qosflow's own `qos:user=NAME`, else a `user:NAME` tag), and the table
+    has a user column when some stage names one (none: no column, as before)."""
+    from prefect.states import Pending, Running
+
+    import qosflow.prefect.local as local
+    import qosflow.prefect.status as status
+    from qosflow.cli.main import main
+    from qosflow.prefect.status import PoolStatus, StageStatus, WorkerStatus, _stage_status
+
+    now = time.time()
+    fr = _stage_run(Running(), _placement(now - 60.0))
+    fr.tags = ["qos:class=batch", "qos:user=alice", "user:bob"]
+    assert _stage_status(fr, now).user == "alice"  # (the stage's own, written at dispatch, wins)
+    fr.tags = ["user:bob"]
+    assert _stage_status(fr, now).user == "bob"
+    fr.tags = []
+    assert _stage_status(fr, now).user == ""
+
+    stages = [StageStatus("1", "train", "p", "Running", "running", host="host-a", gpus="host-a:0", user="alice"),
+              StageStatus("2", "evaluate", "p", "Pending", "queued")]
+
+    async def no_check(pool, **kw):
+        return None
+
+    async def fake_status(pool, limit=200):
+        return PoolStatus(pool, workers=[WorkerStatus("w", "ONLINE", True, 1.0)], stages=stages)
+
+    monkeypatch.setattr(local, "check_pool", no_check)
+    monkeypatch.setattr(local, "require_api_url", lambda what: "http://127.0.0.1:1/api")
+    monkeypatch.setattr(status, "pool_status", fake_status)
+    assert main(["status", "--pool", "gpu"]) in (0, None)
+    out = capsys.readouterr().out
+    header = next(ln for ln in out.splitlines() if "stage" in ln and "phase" in ln)
+    assert "user" in header, out
+    rows = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")] for ln in out.splitlines() if ln.count("│") > 3}
+    assert rows["train"][3] == "alice" and rows["evaluate"][3] == "-", rows
+    stages[0].user = ""
+    assert main(["status", "--pool", "gpu"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "user" not in next(ln for ln in out.splitlines() if "stage" in ln and "phase" in ln), out

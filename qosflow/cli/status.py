@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 
 HELP = """Show what a `qosflow` work pool is doing: its workers, the stage runs running (host, GPUs,
-how long, per cent done from their progress reports, predicted duration, time to the deadline), and
+how long, per cent done from their progress reports, predicted duration, time to the deadline, and
+whom each runs for when stages name their user), and
 those waiting in the QoS queue with the
 policy's latest reason (or not taken by any worker yet).
 
@@ -79,7 +80,8 @@ def register(app: typer.Typer) -> None:
             console.print("no stage run is running or waiting")
         else:
             t = Table(title="stage runs")
-            for col in ("stage", "pipeline", "class", "phase", "where", "for", "done", "predicted", "deadline in", "why it waits"):
+            users = any(s.user for s in st.stages)  # (a column only when some stage says whom it runs for)
+            for col in ("stage", "pipeline", *(("user",) if users else ()), "class", "phase", "where", "for", "done", "predicted", "deadline in", "why it waits"):
                 t.add_column(col, overflow="fold")
             for s in st.stages:
                 where = f"{s.host} {s.gpus}".strip() if s.phase == "running" else "QoS queue" if s.phase == "queued" else "no worker yet"
@@ -88,7 +90,7 @@ def register(app: typer.Typer) -> None:
                 done = "-" if s.done_pct is None else f"{s.done_pct:.0f} %"
                 # placed, its process still starting (Pending): 'starting', not 'running'
                 phase = "starting" if s.phase == "running" and s.state.upper() == "PENDING" else s.phase
-                t.add_row(s.name, s.pipeline or "-", s.priority or "-", phase, where, _dur(s.since_s), done, _dur(s.predicted_s),
+                t.add_row(s.name, s.pipeline or "-", *((s.user or "-",) if users else ()), s.priority or "-", phase, where, _dur(s.since_s), done, _dur(s.predicted_s),
                           _dur(s.deadline_in_s), s.why_waiting or "")
             console.print(t)
         if json_out is not None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from qosflow.placement_api import elastic_note
 from qosflow.prefect.labels import label_float, label_int
+from qosflow.prefect.spec import user_from_tags
 
 #: the worker's log line for a waiting stage (QosflowWorker._say_why_waiting)
 WAITING_LINE = "waits in the QoS queue"
@@ -40,6 +41,8 @@ class StageStatus:
     #: an elastic start (`min_gpus`): the GPUs it asked for, and its gradient accumulation on those it got
     requested_gpus: int | None = None
     grad_accumulation: int | None = None
+    #: whom it runs for (`@qos_task(user=...)` or a `user:NAME` tag: the policy's fairness between users), or ""
+    user: str = ""
 
     @property
     def elastic_note(self) -> str:
@@ -118,6 +121,7 @@ def _stage_status(fr: Any, now: float) -> StageStatus:
         deadline_in_s=None if deadline is None else deadline - now,
         requested_gpus=label_int(labels.get("qosflow.requested_gpus")) if placed else None,
         grad_accumulation=label_int(labels.get("qosflow.grad_accumulation")) if placed else None,
+        user=user_from_tags(fr.tags) or "",
     )
 
 
