@@ -149,9 +149,9 @@ def test_an_older_lease_database_gains_the_pipeline_table(tmp_path):
     store = LeaseStore(url=url)
     assert sa.inspect(store.engine).has_table("qosflow_pipeline_process")
     assert len(store.leases("p@1")) == 0  # (its tables are read as before)
-    store.record_pipeline("p@1", "fr", "w#h:2:bb", 42, "boot:7", "/x.log")
+    store.record_pipeline("p@1", "fr", "w#h:2:bb", 42, "boot:7", "/x.log", stream=False)
     [row] = store.pipeline_processes("p@1", "w")
-    assert (row.pid, row.start, row.output, row.holder) == (42, "boot:7", "/x.log", "w#h:2:bb")
+    assert (row.pid, row.start, row.output, row.holder, row.stream) == (42, "boot:7", "/x.log", "w#h:2:bb", False)
     assert store.take_pipeline("fr", "w#h:2:bb", "w#h:3:cc") and not store.take_pipeline("fr", "w#h:2:bb", "w#h:4:dd")
     store.forget_pipeline("fr")
     assert store.pipeline_processes("p@1") == []

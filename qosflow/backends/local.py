@@ -240,14 +240,15 @@ class LocalBackend(Backend):
             self._tail(stage_id, path, 0)
         return handle
 
-    def adopt_unplaced(self, stage_id: str, pid: int, start: str | None, output: str | None = None) -> StageHandle | None:
+    def adopt_unplaced(self, stage_id: str, pid: int, start: str | None, output: str | None = None,
+                       stream: bool | None = None) -> StageHandle | None:
         """A pipeline process an earlier worker started (`keep_unplaced`) and that still runs: pid `pid` with the
         start time `start` recorded at its launch (another process that got the pid since is not it). None when
         it is gone."""
         if not start or process_start(int(pid)) != start:
             return None
         self._detached[stage_id] = None
-        if output and self.stream_output and os.path.exists(output):
+        if output and (self.stream_output if stream is None else stream) and os.path.exists(output):
             try:
                 self._tail(stage_id, output, os.path.getsize(output))  # (what it writes from now on)
             except OSError:

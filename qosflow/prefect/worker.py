@@ -709,7 +709,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 # recorded before anything else: a worker stopped from now on leaves it to the next one of its name
                 try:
                     await asyncio.shield(asyncio.to_thread(self.leases.record_pipeline, self._pool_key, fid, self.holder,
-                                                           int(handle.ref["pid"]), handle.ref["start"], handle.ref.get("output")))
+                                                           int(handle.ref["pid"]), handle.ref["start"], handle.ref.get("output"),
+                                                           configuration.stream_output))
                 except Exception as exc:
                     self._logger.warning("pipeline run %s: could not record its process in the lease store (%s): a restarted "
                                          "worker will not adopt it", fid, exc)
@@ -1360,7 +1361,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
                 backend = self._pipelines_here = LocalBackend(keep_unplaced=True, output_dir=str(_pipeline_output_dir()))
             fr = await self._flow_run(fid)
-            handle = backend.adopt_unplaced(fid, row.pid, row.start, row.output)
+            handle = backend.adopt_unplaced(fid, row.pid, row.start, row.output, row.stream)
             if handle is None:
                 self._pipelines_adopted.add(fid)
                 try:
@@ -1405,7 +1406,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if fr is None or fr.state is None or fr.state.is_final():
                 break
             await asyncio.sleep(1.0)
-        await self._pipeline_gone(fid, row, fr, "under an adopting worker")
+        await self._pipeline_gone(fid, row, fr, f"while this worker ({self.name}) watched it, adopted after its restart")
 
     async def _pipeline_gone(self, fid: str, row: Any, fr: Any, when: str) -> None:
         """A pipeline process of an earlier worker has ended: its run reported its own end, or it is marked Crashed."""

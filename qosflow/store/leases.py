@@ -111,6 +111,7 @@ class PipelineProcessRow(SQLModel, table=True):
     pid: int
     start: str = Field(max_length=100)
     output: Optional[str] = None  # the file its stdout and stderr go to
+    stream: bool = True  # its output is copied to the watching worker's stdout (the pool's `stream_output`)
     created_at: float
 
 
@@ -515,7 +516,8 @@ class LeaseStore:
             return r.rowcount == 1
 
     # ------------------------------------------------------------------ pipeline processes
-    def record_pipeline(self, pool: str, flow_run_id: str, holder: str, pid: int, start: str, output: str | None = None) -> None:
+    def record_pipeline(self, pool: str, flow_run_id: str, holder: str, pid: int, start: str, output: str | None = None,
+                        stream: bool = True) -> None:
         """A worker (`holder`) started pipeline run `flow_run_id` as process `pid` (started at `start`) on its host."""
         import socket
 
@@ -524,7 +526,7 @@ class LeaseStore:
         with Session(self.engine) as s:
             s.exec(sa.delete(PipelineProcessRow).where(PipelineProcessRow.flow_run_id == flow_run_id))  # type: ignore[call-overload]
             s.add(PipelineProcessRow(flow_run_id=flow_run_id, pool=pool, name=name, holder=holder, host=socket.gethostname(), pid=int(pid),
-                                     start=start, output=output, created_at=time.time()))
+                                     start=start, output=output, stream=bool(stream), created_at=time.time()))
             s.commit()
 
     def forget_pipeline(self, flow_run_id: str) -> None:
