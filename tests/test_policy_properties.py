@@ -58,6 +58,11 @@ SHARING = {"qosflow", "sjf-bsbf", "sjf-ffs"}
 #: documented as non-preemptive (docs/policies.md); checked against the class flag too
 NON_PREEMPTIVE = {"qosflow", "fifo", "sjf", "sjf-bsbf", "sjf-ffs", "genie"}
 
+#: most jobs in a workload and nodes in a uniform cluster (small: every run is a few rounds; a longer hunt
+#: may raise them)
+MAX_JOBS = 9
+MAX_NODES = 3
+
 #: job models: Gavel's job types (the table knows their speed per GPU model and their pairs) and names
 #: it does not know (they run at the same speed everywhere)
 MODELS = ["ResNet-50 (batch size 64)", "Recommendation (batch size 2048)", "LM (batch size 20)",
@@ -87,7 +92,7 @@ def clusters(draw) -> ClusterSpec:
         return gavel_cluster(counts, per)
     if kind == "uniform":
         return ClusterSpec.uniform(
-            draw(st.integers(1, 3)), draw(st.integers(1, 4)),
+            draw(st.integers(1, MAX_NODES)), draw(st.integers(1, 4)),
             gpu_mem_mb=draw(st.sampled_from([8000.0, 16000.0])),
             cpu_cores=draw(st.sampled_from([2.0, 8.0, 32.0])),
             mem_mb=draw(st.sampled_from([16000.0, 262144.0])),
@@ -157,7 +162,7 @@ def jobs_(draw, job_id: str, t: float, earlier: list[str]) -> Job:
 
 @st.composite
 def workloads(draw) -> list[Job]:
-    n = draw(st.integers(1, 9))
+    n = draw(st.integers(1, MAX_JOBS))
     simultaneous = draw(st.booleans())
     jobs, t = [], draw(st.sampled_from([0.0, 0.0, 12345.678, 1e7]))
     for i in range(n):
@@ -233,6 +238,21 @@ class Watched:
         self._check_state(view)
         if self.name == "qosflow" and self._decision is not None:
             started = {p.job_id for p in self._decision.starts}
+            by_id = {js.job_id: js for js in self._pending}
+            order = {p.job_id: i for i, p in enumerate(self._decision.starts)}
+            for i, p in enumerate(self._decision.starts):
+                note = self._decision.notes.get(p.job_id, "")
+                q = by_id[p.job_id].job.qos
+                # a job started beside others names them, and they are there (those that were before it:
+                # running, or started before it in the round -- a later one joined it)
+                others = {o for ng in p.gpus for o in view.cluster.gpu_jobs.get(ng, ()) if o != p.job_id and order.get(o, -1) < i}
+                if p.gpu_milli >= 1000 and others and not set(p.colocated_with) == others:
+                    self.problems.append(f"t={view.now}: {p.job_id} shares with {sorted(others)}, placement says {p.colocated_with}")
+                if p.gpu_milli >= 1000 and others and not all(o in note for o in others):
+                    self.problems.append(f"t={view.now}: {p.job_id} shares with {sorted(others)}, its note: {note!r}")
+                # a job started on fewer GPUs than it asked for says so
+                if p.gpus and len(p.gpus) < q.gpus and f"on {len(p.gpus)} of its {q.gpus} GPUs" not in note:
+                    self.problems.append(f"t={view.now}: {p.job_id} started on {len(p.gpus)} of {q.gpus} GPUs, its note: {note!r}")
             for js in self._pending:
                 if js.job_id in started:
                     continue
@@ -322,7 +342,12 @@ def check_properties(name: str, jobs: list[Job], cluster: ClusterSpec, setup: Se
         if isinstance(v, float):
             assert math.isfinite(v), (k, v)
     for v in m.gpu_util_by_model.values():
-        assert math.isfinite(v)
+        assert math.isfinite(v) and -1e-9 <= v <= 1 + 1e-9, m.gpu_util_by_model
+    assert m.finished + m.rejected == m.jobs == len(jobs)
+    assert 0 <= m.gpu_util <= 1 + 1e-9 and 0 <= m.shared_share <= 1 + 1e-9 and 0 <= m.dsr <= 1
+    assert m.avg_queue >= -1e-9 and m.avg_jct >= m.avg_queue - 1e-6
+    if not pol.preemptive:
+        assert m.preemptions == 0
     assert res.rounds <= MAX_ROUNDS
 
 
