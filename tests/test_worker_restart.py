@@ -414,3 +414,56 @@ def test_a_pipeline_whose_process_died_while_no_worker_ran_is_marked_crashed(pre
         assert st.is_crashed(), f"{st.name}: {st.message}"
         assert f"pid {pid}" in st.message and "ended while no qosflow worker watched it" in st.message, st.message
         assert "adopted pipeline run" not in lab.wlog.read_text(errors="replace")
+
+
+def test_a_deployed_pipeline_run_outlives_a_worker_restart_on_kubernetes(prefect_server, tmp_path):
+    """The same on a Kubernetes pool (qosflow's API emulator running the pods' processes): the pipeline run, a
+    process on the worker's host, keeps running across the worker's restart while its stage's pod runs on; the
+    restarted worker adopts both and the pipeline completes."""
+    from qosflow.k8s_emulator import EmulatorServer, gpu_node
+    from qosflow.prefect.blocks import KubernetesGPUCluster, QoSPolicy
+    from qosflow.prefect.local import setup_pool
+
+    pool = "restart-pipeline-k8s"
+    pypath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": pypath, "QOSFLOW_LEASE_TTL_SECONDS": "6",
+           "QOSFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'leases.db'}"}
+    from types import SimpleNamespace
+
+    lab = SimpleNamespace(marker=tmp_path / "marks.jsonl", wlog=tmp_path / "worker.log", procs=[])
+    with EmulatorServer([gpu_node("gpu-0", 2)], run_processes=True) as emu:
+        KubernetesGPUCluster(api_url=emu.url, namespace="default", image="python:3.11-slim").save("restart-k8s", overwrite=True)
+        asyncio.run(setup_pool(pool, policy=QoSPolicy(policy="fifo"), stream_output=False, env={"PYTHONPATH": pypath}))
+
+        def start() -> subprocess.Popen:
+            w = subprocess.Popen([sys.executable, "-m", "qosflow", "worker", "start", "--pool", pool, "--name", WORKER,
+                                  "--cluster-block", "restart-k8s"], env=env, stdout=open(lab.wlog, "ab"), stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            lab.procs.append(w)
+            return w
+
+        try:
+            w1 = start()
+            wait_log(lab.wlog, "qosflow worker:", w1)
+            assert "through the kubernetes backend" in lab.wlog.read_text(errors="replace")
+            fid = deployed_pipeline_run(pool, lab.marker, 12.0)
+            pid = pipeline_started_and_stage_running(lab, w1, fid)
+            stop_worker(w1)
+            assert alive(pid), lab.wlog.read_text(errors="replace")[-3000:]
+            w2 = start()
+            wait_log(lab.wlog, f"recovery: adopted pipeline run {fid}", w2)
+            end = time.monotonic() + 150
+            while not (st := flow_run_state(fid)).is_final():
+                assert time.monotonic() < end, f"still {st.name}: marks {marks(lab.marker)}\n{lab.wlog.read_text(errors='replace')[-4000:]}"
+                time.sleep(0.5)
+            assert st.is_completed(), f"{st.name}: {st.message}\n{lab.wlog.read_text(errors='replace')[-4000:]}"
+            ev = sorted((e["event"], e["stage"]) for e in marks(lab.marker))
+            assert ev == sorted([("start", "pipeline"), ("start", "a"), ("done", "a"), ("start", "b"), ("done", "b"), ("done", "pipeline")]), ev
+        finally:
+            for p in lab.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    try:
+                        p.wait(20)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(p.pid, signal.SIGKILL)
