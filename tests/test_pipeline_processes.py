@@ -155,3 +155,28 @@ def test_an_older_lease_database_gains_the_pipeline_table(tmp_path):
     assert store.take_pipeline("fr", "w#h:2:bb", "w#h:3:cc") and not store.take_pipeline("fr", "w#h:2:bb", "w#h:4:dd")
     store.forget_pipeline("fr")
     assert store.pipeline_processes("p@1") == []
+
+
+def test_kill_infrastructure_leaves_a_process_that_does_not_run_the_flow_run_alone():
+    """kill_infrastructure with a pid that the worker does not watch killed whatever process had that pid: after a
+    restart, the flow run's process may have ended and its pid be another process's. It is killed only if its
+    environment names the flow run."""
+    from prefect.exceptions import InfrastructureNotFound
+
+    from qosflow.prefect.worker import QosflowJobConfiguration, QosflowWorker
+
+    other = subprocess.Popen(SLEEP, start_new_session=True)
+    mine = subprocess.Popen(SLEEP, start_new_session=True, env={**os.environ, "PREFECT__FLOW_RUN_ID": "fr-mine"})
+    try:
+        w = QosflowWorker(work_pool_name="kill-guard", leases=False, create_pool_if_not_found=False)
+        cfg = QosflowJobConfiguration(role="pipeline", env={"PREFECT__FLOW_RUN_ID": "fr-mine"})
+        with pytest.raises(InfrastructureNotFound, match="does not run flow run fr-mine"):
+            asyncio.run(w.kill_infrastructure(str(other.pid), cfg))
+        assert other.poll() is None
+        asyncio.run(w.kill_infrastructure(str(mine.pid), cfg))
+        assert mine.wait(10) == -signal.SIGTERM
+    finally:
+        for p in (other, mine):
+            if p.poll() is None:
+                p.kill()
+            p.wait()

@@ -2121,6 +2121,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             os.kill(pid, 0)
         except (ValueError, ProcessLookupError, PermissionError):
             raise InfrastructureNotFound(f"no stage process {infrastructure_pid} on this worker")
+        # a pid this worker does not watch (an earlier worker's process, not adopted): only if that process runs this
+        # flow run (its environment says so), never another process that got the pid since
+        fid = (getattr(configuration, "env", None) or {}).get("PREFECT__FLOW_RUN_ID")
+        if fid and not _process_runs_flow(pid, str(fid)):
+            raise InfrastructureNotFound(f"process {pid} on this host does not run flow run {fid} (it ended; its pid is another's now)")
         import signal
 
         kill_tree(pid, signal.SIGTERM)
