@@ -12,14 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["sim", "sim_speed_notes", "elastic", "elastic_notes", "gpu_models", "parallel", "decisions", "decisions_mixed", "packing", "prefect", "demo_db", "predictor",
-         "pairs_synthetic", "learned_sim", "infra", "infra_notes", "soak_notes"]
+ORDER = ["sim", "sim_speed_notes", "elastic", "elastic_notes", "gpu_models", "gpu_models_notes", "parallel", "decisions", "decisions_mixed", "packing", "prefect", "demo_db", "predictor",
+         "pairs_synthetic", "learned_sim", "store_growth", "fairness", "infra", "infra_notes", "soak_notes"]
 TITLES = {
     "sim": "Simulator fidelity and qosflow's policy (issues 2, 3)",
     "sim_speed_notes": "qosflow's simulation speed: side runs written by hand (issue 2)",
     "elastic": "Elastic starts on fewer GPUs (issue 3, beyond its targets)",
     "elastic_notes": "Elastic starts: verdict (recorded by hand)",
     "gpu_models": "Mixed GPU models: V100 + P100 + K80 clusters (issue 3, beyond its targets)",
+    "gpu_models_notes": "Mixed GPU models: side runs (recorded by hand)",
     "parallel": "Runs in worker processes (simulate, pack)",
     "decisions": "Placement decision rate (issues 2, 3)",
     "decisions_mixed": "Placement decision rate on a cluster of mixed GPU models",
@@ -29,6 +30,8 @@ TITLES = {
     "predictor": "Predictor accuracy and speed (issue 4)",
     "pairs_synthetic": "Pair-table model on synthetic co-location tables (issue 4, generality)",
     "learned_sim": "Learned estimates in the simulator (issue 4)",
+    "store_growth": "The predictor's store: growth and retention (issue 4)",
+    "fairness": "Fairness between users (qosflow's fair_share)",
     "infra": "Infrastructure: agents and Kubernetes (issue 6)",
     "infra_notes": "Progress copies from agent hosts (issue 6, recorded by hand)",
     "soak_notes": "Soak: the worker under a continuous stream of small pipelines (recorded by hand)",
