@@ -471,3 +471,40 @@ def test_a_damaged_database_says_how_to_repair_it(tmp_path):
     assert out.stdout.strip() == "ok", (fix, out.stdout, out.stderr)
     with Store.open(f"sqlite:///{path}") as store:
         assert sorted(s.step_time_s for s in store.samples_for("a")) == [0.1, 0.2]
+
+
+def test_a_long_read_does_not_hold_up_a_writer(tmp_path):
+    """Every transaction of the store began with SQLite's write lock (BEGIN IMMEDIATE), reads too, so while
+    one process read (a worker loading every sample at its start, `qosflow predict stages` reading the whole
+    history) every writer waited for it. A read transaction now begins deferred: in WAL mode it reads a
+    snapshot, and a writer in another process goes on meanwhile. (The read is held open here by hand: the
+    store's own reads are one query each, as long as the table is large.)"""
+    import threading
+
+    from sqlmodel import Session, select
+
+    SAMPLE = {"signature": "resnet50/bs64", "gpus": 1, "step_time_s": 0.25}
+    url = f"sqlite:///{tmp_path / 'q.db'}"
+    reader, writer = Store.open(url), Store.open(url)
+    reader.add_sample(**SAMPLE)
+    writer.engine.dispose()
+    writer.engine = sa.create_engine(url, connect_args={"timeout": 2})  # (a writer that gives up after 2 s)
+    wrote: list = []
+
+    def write() -> None:
+        try:
+            wrote.append(writer.add_sample(**SAMPLE))
+        except Exception as exc:  # noqa: BLE001 - the old code: 'database is locked' after the timeout
+            wrote.append(exc)
+
+    read_engine = getattr(reader, "_reader", reader.engine)
+    with Session(read_engine) as s:
+        assert len(s.exec(select(Sample)).all()) == 1  # (the read transaction is open from here)
+        t = threading.Thread(target=write)
+        t.start()
+        t.join(20)
+        assert wrote and isinstance(wrote[0], int), f"the writer waited for the reader: {wrote}"
+        assert len(s.exec(select(Sample)).all()) == 1  # (its snapshot: the new row is not in it)
+    assert reader.count() == 2
+    reader.close()
+    writer.close()

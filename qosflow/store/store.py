@@ -376,6 +376,10 @@ class Store:
     def __init__(self, engine: sa.Engine, url: str):
         self.engine = engine
         self.url = url
+        #: the engine for reads that write nothing: on SQLite their transactions begin DEFERRED (a snapshot
+        #: in WAL mode), not with the write lock that every other transaction takes up front, so a long read
+        #: (a worker loading every sample at its start, `qosflow predict stages`) does not hold up writers
+        self._reader = engine.execution_options(qosflow_read_only=True)
 
     @property
     def safe_url(self) -> str:
@@ -492,8 +496,9 @@ class Store:
             @event.listens_for(engine, "begin")
             def _on_begin(conn):  # pragma: no cover
                 # take the write lock up front: two writers queue on busy_timeout instead of
-                # deadlocking on a read->write lock upgrade
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+                # deadlocking on a read->write lock upgrade -- except in a transaction that only reads
+                # (`Store._reader`), which never upgrades, and which held writers up for as long as it read
+                conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get("qosflow_read_only") else "BEGIN IMMEDIATE")
 
             return engine
         return sa.create_engine(url, echo=echo, pool_pre_ping=True)
@@ -584,7 +589,7 @@ class Store:
         q = q.order_by(Sample.id)
         if limit is not None:
             q = q.limit(limit)
-        with Session(self.engine) as s:
+        with Session(self._reader) as s:
             return list(s.exec(q).all())
 
     def iter_samples(self, since_id: int = 0, batch: int = 20_000) -> Iterator[Sample]:
@@ -597,11 +602,11 @@ class Store:
             last = rows[-1].id
 
     def count(self, table: type = Sample) -> int:
-        with Session(self.engine) as s:
+        with Session(self._reader) as s:
             return int(s.exec(select(sa.func.count()).select_from(table)).one())
 
     def signatures(self) -> list[str]:
-        with Session(self.engine) as s:
+        with Session(self._reader) as s:
             return sorted(s.exec(select(Sample.signature).distinct()).all())
 
     # ---- profiles
@@ -639,7 +644,7 @@ class Store:
         q = select(Profile)
         if signature is not None:
             q = q.where(Profile.signature == signature)
-        with Session(self.engine) as s:
+        with Session(self._reader) as s:
             return list(s.exec(q.order_by(Profile.id)).all())
 
     # ---- predictions and outcomes
@@ -682,7 +687,7 @@ class Store:
         )
         if target is not None:
             q = q.where(PredictionRecord.target == target)
-        with Session(self.engine) as s:
+        with Session(self._reader) as s:
             return [(p, o) for p, o in s.exec(q.order_by(PredictionRecord.id)).all()]
 
     # ---- stage history
@@ -704,7 +709,7 @@ class Store:
             q = q.where(StageHistory.signature == signature)
         if flow_run_id is not None:
             q = q.where(StageHistory.flow_run_id == flow_run_id)
-        with Session(self.engine) as s:
+        with Session(self._reader) as s:
             return list(s.exec(q.order_by(StageHistory.id)).all())
 
     # ---- retention
@@ -756,44 +761,38 @@ class Store:
         names = {"sample": Sample, "stage_history": StageHistory, "prediction": PredictionRecord, "outcome": Outcome}
 
         def choose() -> dict[str, array]:
-            # SQLite: read through an engine of its own, whose reads take no lock (WAL: a worker writes on
-            # meanwhile); the store's engine begins every transaction, reads too, with the write lock
-            own = self.dialect == "sqlite" and sqlite_file(self.url) is not None  # (not an in-memory database)
-            reader = sa.create_engine(self.url, connect_args={"timeout": 30}) if own else self.engine
+            # read through the store's reader, whose transactions take no lock on SQLite (WAL: a worker writes
+            # on meanwhile), while the store's other transactions begin with the write lock
             chosen: dict[str, array] = {}
-            try:
-                with reader.connect() as conn:
-                    for name, t in names.items():
-                        rep.before[name] = conn.execute(sa.select(sa.func.count()).select_from(t.__table__)).scalar_one()
-                    kept_runs: set[str] = set(conn.execute(sa.select(H.stage_run_id).where(H.created_at >= cutoff)).scalars())
-                    for name, c, keep, config in (("sample", S, keep_samples, _sample_config(S)),
-                                                  ("stage_history", H, keep_runs, _run_config(H))):
-                        drop, kept = array("q"), 0
-                        for rid, run, rank in conn.execute(_old_ranked(c, cutoff, config)):
-                            if rank > keep:
-                                drop.append(rid)
-                            else:
-                                kept += 1
-                                if name == "stage_history":  # its predictions and outcomes stay too
-                                    kept_runs.add(run)
-                        chosen[name], rep.kept_old[name] = drop, kept
-                    # a signature's latest prediction made on its declared duration alone (basis 'declared'): the
-                    # only record of that declaration, which `qosflow predict stages` blends in as the worker does
-                    declared = dict(conn.execute(
-                        sa.select(P.signature, sa.func.max(P.id)).where(P.basis == "declared").group_by(P.signature)).all())
-                    keep_ids = set(declared.values())
-                    for name, c in (("prediction", P), ("outcome", O)):
-                        drop, kept = array("q"), 0
-                        for rid, run in conn.execute(sa.select(c.id, c.stage_run_id).where(c.created_at < cutoff)):
-                            if (run is not None and run in kept_runs) or (name == "prediction" and rid in keep_ids):
-                                kept += 1
-                            else:
-                                drop.append(rid)
-                        chosen[name], rep.kept_old[name] = drop, kept
-                    conn.rollback()
-            finally:
-                if reader is not self.engine:
-                    reader.dispose()
+            with self._reader.connect() as conn:
+                for name, t in names.items():
+                    rep.before[name] = conn.execute(sa.select(sa.func.count()).select_from(t.__table__)).scalar_one()
+                kept_runs: set[str] = set(conn.execute(sa.select(H.stage_run_id).where(H.created_at >= cutoff)).scalars())
+                for name, c, keep, config in (("sample", S, keep_samples, _sample_config(S)),
+                                              ("stage_history", H, keep_runs, _run_config(H))):
+                    drop, kept = array("q"), 0
+                    for rid, run, rank in conn.execute(_old_ranked(c, cutoff, config)):
+                        if rank > keep:
+                            drop.append(rid)
+                        else:
+                            kept += 1
+                            if name == "stage_history":  # its predictions and outcomes stay too
+                                kept_runs.add(run)
+                    chosen[name], rep.kept_old[name] = drop, kept
+                # a signature's latest prediction made on its declared duration alone (basis 'declared'): the
+                # only record of that declaration, which `qosflow predict stages` blends in as the worker does
+                declared = dict(conn.execute(
+                    sa.select(P.signature, sa.func.max(P.id)).where(P.basis == "declared").group_by(P.signature)).all())
+                keep_ids = set(declared.values())
+                for name, c in (("prediction", P), ("outcome", O)):
+                    drop, kept = array("q"), 0
+                    for rid, run in conn.execute(sa.select(c.id, c.stage_run_id).where(c.created_at < cutoff)):
+                        if (run is not None and run in kept_runs) or (name == "prediction" and rid in keep_ids):
+                            kept += 1
+                        else:
+                            drop.append(rid)
+                    chosen[name], rep.kept_old[name] = drop, kept
+                conn.rollback()
             return {name: array("q", sorted(ids)) for name, ids in chosen.items()}
 
         chosen = self._retry(choose)
