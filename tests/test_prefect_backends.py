@@ -1224,3 +1224,25 @@ def test_a_pipeline_whose_end_cannot_be_recorded_keeps_its_result_and_leaves_no_
     assert PipelineRun.current() is None
     assert not any(r.flow_name == "end-not-recorded" for r in PipelineRun._by_flow_run.values())
     assert PipelineRun.finished[-1].flow_name == "end-not-recorded"
+
+
+def test_the_group_of_a_reaped_local_stage_with_nothing_left_is_not_signalled(tmp_path, monkeypatch):
+    """The local backend SIGKILLed a stage's process group after its leader was reaped, also when nothing
+    was left in it: the group's id was then free, and may have been another process's group already (pid
+    reuse; qosflow.procgroup). A group with members left is still killed (the test above)."""
+    import asyncio
+
+    import qosflow.backends.local as local_mod
+
+    sent = []
+    real = local_mod.kill_group
+    monkeypatch.setattr(local_mod, "kill_group", lambda pg, *a: sent.append(pg) or real(pg, *a))
+
+    async def go():
+        be = LocalBackend(stream_output=False, workdir=str(tmp_path))
+        handle = await be.launch_unplaced("s1", ["true"], {})
+        status = await be.wait(handle)
+        await be.aclose()
+        return status
+
+    assert asyncio.run(go()).ok and sent == []

@@ -31,7 +31,7 @@ from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, Sta
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.gpu_names import short_gpu_model
 from qosflow.placement_api import PROGRESS_FILE_ENV
-from qosflow.procgroup import kill_group
+from qosflow.procgroup import group_members, kill_group
 
 
 # ---------------------------------------------------------------------------------------- inventory
@@ -294,7 +294,8 @@ class LocalBackend(Backend):
             if killed is not None:
                 return ExitStatus(ExitKind.CANCELLED, None, killed)
             return ExitStatus(ExitKind.INFRA, None, "ended (a process of an earlier worker: its exit status is unknown)")
-        kill_group(proc.pid)  # (what it left in its process group ends with it, as for a child of `launch`)
+        if group_members(proc.pid):  # (what it left in its process group ends with it, as for a child of `launch`)
+            kill_group(proc.pid)
         rc = proc.returncode
         if rc == 0:
             return ExitStatus(ExitKind.OK, 0)
@@ -314,8 +315,11 @@ class LocalBackend(Backend):
         handle.ref["reaped"] = True  # (its pid may be another process's from now on: kill() leaves it alone)
         # what the stage left in its process group (`cmd &`, a launcher's children) ends with it: its slot
         # is free from now on, and kill() and aclose() only look for processes still registered, so such
-        # processes kept running on GPUs the next stage was given (as on agents: qosflow.agent.runner)
-        kill_group(proc.pid)
+        # processes kept running on GPUs the next stage was given (as on agents: qosflow.agent.runner). The
+        # leader is reaped: its id is its group's only while a member lives, and may lead another process's
+        # group once none does (pid reuse: qosflow.procgroup), so only a group with members left is signalled
+        if group_members(proc.pid):
+            kill_group(proc.pid)
         self._procs.pop(handle.stage_id, None)
         killed = self._killed.pop(handle.stage_id, None)
         if rc == 0:
