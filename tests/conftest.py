@@ -28,6 +28,30 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.5")
 
 
+@pytest.fixture
+def pg_url():
+    """The PostgreSQL database QOSFLOW_TEST_POSTGRES_URL names, emptied (its public schema dropped and made
+    again) for the test, as a postgresql+psycopg URL; the test is skipped, saying why, when none is named or
+    it does not answer. (.ci/run starts one.)"""
+    url = os.environ.get("QOSFLOW_TEST_POSTGRES_URL")
+    if not url:
+        pytest.skip("QOSFLOW_TEST_POSTGRES_URL is not set, so this test's PostgreSQL half cannot run "
+                    "(e.g. postgresql+psycopg://qosflow:qosflow@localhost/qosflow_test; .ci/run starts one)")
+    import sqlalchemy as sa
+
+    url = url.replace("postgresql://", "postgresql+psycopg://", 1) if url.startswith("postgresql://") else url
+    eng = sa.create_engine(url)
+    try:
+        with eng.begin() as conn:
+            conn.exec_driver_sql("DROP SCHEMA public CASCADE")
+            conn.exec_driver_sql("CREATE SCHEMA public")
+    except sa.exc.OperationalError as exc:
+        pytest.skip(f"PostgreSQL at QOSFLOW_TEST_POSTGRES_URL does not answer: {exc.orig}")
+    finally:
+        eng.dispose()
+    return url
+
+
 def _new_postgres_database():
     """A fresh PostgreSQL database for the Prefect test server, next to the one QOSFLOW_TEST_POSTGRES_URL
     names: (admin engine, its name, its asyncpg URL, Prefect's driver); None, saying why, when that

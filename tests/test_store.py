@@ -13,28 +13,10 @@ from qosflow.errors import QosflowError, SpecError
 from qosflow.store import LATEST_VERSION, Store, validate_sample
 from qosflow.store.models import Sample, SQLModel
 
-PG_URL = os.environ.get("QOSFLOW_TEST_POSTGRES_URL")
 
 
 def _sqlite_url(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'qosflow.db'}"
-
-
-@pytest.fixture
-def pg_url():
-    """A fresh schema-less database per test: drop every table first."""
-    if not PG_URL:
-        pytest.skip("QOSFLOW_TEST_POSTGRES_URL is not set (e.g. postgresql+psycopg://qosflow:qosflow@localhost/qosflow_test)")
-    eng = sa.create_engine(PG_URL.replace("postgresql://", "postgresql+psycopg://", 1) if PG_URL.startswith("postgresql://") else PG_URL)
-    try:
-        with eng.begin() as conn:
-            conn.exec_driver_sql("DROP SCHEMA public CASCADE")
-            conn.exec_driver_sql("CREATE SCHEMA public")
-    except sa.exc.OperationalError as exc:
-        pytest.skip(f"PostgreSQL at QOSFLOW_TEST_POSTGRES_URL does not answer: {exc.orig}")
-    finally:
-        eng.dispose()
-    return PG_URL
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

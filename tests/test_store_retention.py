@@ -21,29 +21,9 @@ from qosflow.store import Store
 from qosflow.store.models import Outcome, PredictionRecord, Profile, Sample, StageHistory
 from qosflow.store.store import parse_age
 
-PG_URL = os.environ.get("QOSFLOW_TEST_POSTGRES_URL")
 NOW = datetime.now(timezone.utc)
 OLD = NOW - timedelta(days=200)
 TABLES = (Sample, StageHistory, PredictionRecord, Outcome, Profile)
-
-
-@pytest.fixture
-def pg_url():
-    """A fresh database per test: every table dropped first."""
-    if not PG_URL:
-        pytest.skip("QOSFLOW_TEST_POSTGRES_URL is not set, so the PostgreSQL half of the retention tests cannot run "
-                    "(e.g. postgresql+psycopg://qosflow:qosflow@localhost/qosflow_test; .ci/run starts one)")
-    url = PG_URL.replace("postgresql://", "postgresql+psycopg://", 1) if PG_URL.startswith("postgresql://") else PG_URL
-    eng = sa.create_engine(url)
-    try:
-        with eng.begin() as conn:
-            conn.exec_driver_sql("DROP SCHEMA public CASCADE")
-            conn.exec_driver_sql("CREATE SCHEMA public")
-    except sa.exc.OperationalError as exc:
-        pytest.skip(f"PostgreSQL at QOSFLOW_TEST_POSTGRES_URL does not answer: {exc.orig}")
-    finally:
-        eng.dispose()
-    return url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
