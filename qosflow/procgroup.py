@@ -42,6 +42,17 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
     return True
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat from the process's state on (field 3 of proc(5) at index 0): its
+    command name, which may hold spaces and parentheses, cut off; None when there is no such process
+    (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().decode("utf-8", "replace").rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def group_members(pgid: int) -> list[int]:
     """The live processes (zombies left out) of process group `pgid` that belong to session `pgid`, i.e.
     what a session leader of pid `pgid` started (Linux /proc; empty elsewhere)."""
@@ -53,11 +64,10 @@ def group_members(pgid: int) -> list[int]:
     for e in entries:
         if not e.isdigit():
             continue
+        f = stat_fields(e)
         try:
-            with open(f"/proc/{e}/stat", "rb") as fh:
-                f = fh.read().decode("utf-8", "replace").rsplit(")", 1)[1].split()
             state, pgrp, session = f[0], int(f[2]), int(f[3])
-        except (OSError, IndexError, ValueError):
+        except (TypeError, IndexError, ValueError):  # (TypeError: gone meanwhile)
             continue
         if pgrp == pgid and session == pgid and state not in ("Z", "X"):
             out.append(int(e))

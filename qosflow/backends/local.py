@@ -31,7 +31,7 @@ from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, Sta
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.gpu_names import short_gpu_model
 from qosflow.placement_api import PROGRESS_FILE_ENV
-from qosflow.procgroup import group_members, kill_group
+from qosflow.procgroup import group_members, kill_group, stat_fields
 
 
 # ---------------------------------------------------------------------------------------- inventory
@@ -423,11 +423,10 @@ def descendants(pid: int) -> list[int]:
     for e in entries:
         if not e.isdigit():
             continue
+        f = stat_fields(e)
         try:
-            with open(f"/proc/{e}/stat", "rb") as fh:
-                stat = fh.read().decode("utf-8", "replace")
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+            ppid = int(f[1])
+        except (TypeError, ValueError, IndexError):  # (TypeError: gone meanwhile)
             continue
         children.setdefault(ppid, []).append(int(e))
     out: list[int] = []
@@ -443,12 +442,13 @@ def process_start(pid: int) -> str | None:
     """When process `pid` started: '<boot id>:<start time in clock ticks since boot>' (Linux /proc; None when
     there is no such process, or it is a zombie). Two processes never share it, so a pid with the start time
     recorded at its launch is still that process, not another that got the pid since."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return None
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().decode("utf-8", "replace").rsplit(")", 1)[1].split()
         with open("/proc/sys/kernel/random/boot_id") as fh:
             boot = fh.read().strip()
-    except (OSError, IndexError):
+    except OSError:
         return None
     if len(fields) < 20 or fields[0] in ("Z", "X"):  # (a zombie has ended: only its exit status is left)
         return None
