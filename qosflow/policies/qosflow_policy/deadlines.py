@@ -102,7 +102,8 @@ class DeadlinesMixin:
             return None  # (its host memory, split evenly over its nodes, does not fit)
         used = tuple(dict.fromkeys(st.gpu_jobs[x][0] for x in take if st.njobs[x] == 1))
         p = Placement(job.job_id, tuple(take), cpu=tuple(cpu.items()), gpu_mem_mb=float(q.gpu_mem_mb or 0.0), mem_mb=q.mem_mb, colocated_with=used)
-        why = f"deadline rescue: spread over {len(nodes)} node(s)" + (f", sharing with {', '.join(used)}" if used else "") + f"; predicted slowdown {slow:.2f} still meets the deadline"
+        where = "on 1 node" if len(nodes) == 1 else f"spread over {len(nodes)} nodes"
+        why = f"deadline rescue: {where}" + (f", sharing with {', '.join(used)}" if used else "") + f"; predicted slowdown {slow:.2f} still meets the deadline"
         return p, why
 
     def _known_partner_value(self, js: JobState, partner: JobState, rem, est, now: float):
