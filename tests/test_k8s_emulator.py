@@ -416,3 +416,38 @@ def test_delete_preconditions_and_an_immutable_creation_timestamp(api):
     assert ei.value.status == 409
     core.delete_namespaced_secret("pre", NS, body={"preconditions": {"uid": md.uid, "resourceVersion": patched.metadata.resource_version}})
     assert "pre" not in {x.metadata.name for x in core.list_namespaced_secret(NS).items}
+
+
+def test_label_selectors_are_parsed_as_the_api_server_parses_them(api, emu):
+    """The emulator took any string as a selector (`app==x==y`, `app in (x`, `a b` all listed something
+    or nothing, silently); a real API server answers a malformed one with 400 BadRequest, and code that
+    builds selectors must see that here too. Valid forms keep their meaning, including `in`/`notin`,
+    `!key` and the integer comparisons `>`/`<`."""
+    core, _ = api
+    for name, labels in (("sel-a", {"app": "x", "tier": "1"}), ("sel-b", {"app": "y", "tier": "5"}), ("sel-c", {"other": "z"})):
+        core.create_namespaced_pod(NS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+                                        "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "busybox"}]}})
+    try:
+        def names(sel):
+            return sorted(p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=sel).items if p.metadata.name.startswith("sel-"))
+        assert names("app in (x, y)") == ["sel-a", "sel-b"]
+        assert names("app notin (x),app") == ["sel-b"]
+        assert names("!app") == ["sel-c"]
+        assert names("app==y") == ["sel-b"]
+        assert names("tier>2") == ["sel-b"] and names("tier<2") == ["sel-a"]
+        assert names("app=x, tier=1") == ["sel-a"]
+        for bad in ("app==x==y", "app in (x", "a b", "app=x y", "tier>z", "-bad-=x", "app=", "app in x", "=x", "app,,tier"):
+            if bad == "app=":  # an empty value is valid: no pod has app=""
+                assert names(bad) == []
+                continue
+            with pytest.raises(ApiException) as e:
+                core.list_namespaced_pod(NS, label_selector=bad)
+            assert e.value.status == 400, bad
+            body = json.loads(e.value.body)
+            assert body["reason"] == "BadRequest" and "unable to parse requirement" in body["message"], (bad, body)
+        with pytest.raises(ApiException) as e:  # a watch is refused before its stream starts
+            core.list_namespaced_pod(NS, label_selector="app in (x", watch=True, timeout_seconds=1, _preload_content=False)
+        assert e.value.status == 400
+    finally:
+        for name in ("sel-a", "sel-b", "sel-c"):
+            core.delete_namespaced_pod(name, NS)

@@ -142,6 +142,7 @@ def create_app(cluster: Cluster):
                 if method == "GET":
                     if q.get("watch", "").lower() in _TRUE:
                         timeout = float(q.get("timeoutSeconds") or 1800)
+                        parse_label_selector(q.get("labelSelector"))  # a bad selector is a 400 before the stream starts
                         return StreamingResponse(
                             watch_stream(plural, ns, q.get("labelSelector"), q.get("fieldSelector"), q.get("resourceVersion"), timeout),
                             media_type="application/json",
@@ -233,7 +234,12 @@ def create_app(cluster: Cluster):
         if request.method == "DELETE":
             cluster.rules.clear()
             return JSONResponse({"rules": []})
-        cluster.rules.append(await request.json())
+        rule = await request.json()
+        try:
+            parse_label_selector(rule.get("selector"))  # a rule that could never match is an error now, not a silent no-op
+        except ApiError as e:
+            return _err(e)
+        cluster.rules.append(rule)
         return JSONResponse({"rules": cluster.rules}, status_code=201)
 
     async def ctl_faults(request: Request) -> Response:

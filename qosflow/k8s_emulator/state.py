@@ -95,28 +95,111 @@ def quantity(q: Any) -> float:
     return float(num) * (_SUFFIX[suf] if suf else 1.0)
 
 
+_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+_DNS1123 = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_SEL_TOKEN = re.compile(r"\s*(!=|==|=|>|<|!|\(|\)|,|[^\s!=><(),]+)")
+
+
+def _bad_selector(msg: str) -> ApiError:
+    return ApiError(400, "BadRequest", f"unable to parse requirement: {msg}")
+
+
+def _label_key(key: str) -> str:
+    """A label key as the API server checks it (apimachinery's IsQualifiedName)."""
+    prefix, _, name = key.rpartition("/")
+    if ("/" in key and not (prefix and len(prefix) <= 253 and re.fullmatch(_DNS1123, prefix))) \
+            or not (len(name) <= 63 and re.fullmatch(_NAME, name)):
+        raise _bad_selector(f'key: Invalid value: "{key}": name part must consist of alphanumeric characters, '
+                            "'-', '_' or '.', and must start and end with an alphanumeric character (e.g. 'MyName',  "
+                            "or 'my.name',  or '123-abc'), with an optional DNS subdomain prefix and '/'")
+    return key
+
+
+def _label_value(key: str, value: str) -> str:
+    if value and not (len(value) <= 63 and re.fullmatch(_NAME, value)):
+        raise _bad_selector(f'values[0][{key}]: Invalid value: "{value}": a valid label must be an empty string or '
+                            "consist of alphanumeric characters, '-', '_' or '.', and must start and end with an "
+                            "alphanumeric character (at most 63 characters)")
+    return value
+
+
 def parse_label_selector(sel: str | None):
-    reqs = []
-    if not sel:
+    """A label selector's requirements, parsed as the API server parses them (apimachinery's
+    labels.Parse): `k=v`, `k==v`, `k!=v`, `k in (a,b)`, `k notin (a)`, `k`, `!k`, `k>1`, `k<1`,
+    joined by commas. Anything else -- a stray operator, an unclosed set, an invalid key or
+    value -- is a 400 BadRequest, as a real cluster answers it."""
+    reqs: list = []
+    if not sel or not sel.strip():
         return reqs
-    for part in re.split(r",(?![^()]*\))", sel):
-        part = part.strip()
-        if not part:
-            continue
-        m = re.fullmatch(r"(\S+)\s+(in|notin)\s+\(([^)]*)\)", part)
-        if m:
-            reqs.append((m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",")}))
-        elif "!=" in part:
-            k, v = part.split("!=", 1)
-            reqs.append((k.strip(), "!=", {v.strip()}))
-        elif "=" in part:
-            k, v = re.split(r"==?", part, maxsplit=1)
-            reqs.append((k.strip(), "=", {v.strip()}))
-        elif part.startswith("!"):
-            reqs.append((part[1:], "!exists", set()))
+    toks: list[str] = []
+    pos = 0
+    while pos < len(sel):
+        m = _SEL_TOKEN.match(sel, pos)
+        if not m or m.end() == pos:
+            break
+        if m.group(1):
+            toks.append(m.group(1))
+        pos = m.end()
+    i = 0
+
+    def take() -> str | None:
+        nonlocal i
+        t = toks[i] if i < len(toks) else None
+        i += 1
+        return t
+
+    def word(t: str | None, what: str) -> str:
+        if t is None or t in ("!=", "==", "=", ">", "<", "!", "(", ")", ","):
+            raise _bad_selector(f"found '{t if t is not None else 'end of string'}', expected: {what}")
+        return t
+
+    while True:
+        t = take()
+        if t == "!":
+            reqs.append((_label_key(word(take(), "identifier")), "!exists", set()))
         else:
-            reqs.append((part, "exists", set()))
-    return reqs
+            key = _label_key(word(t, "identifier"))
+            op = toks[i] if i < len(toks) else None
+            if op in (None, ","):
+                reqs.append((key, "exists", set()))
+            else:
+                i += 1
+                if op in ("=", "=="):
+                    nxt = toks[i] if i < len(toks) else None
+                    val = "" if nxt in (None, ",") else _label_value(key, word(take(), "identifier"))
+                    reqs.append((key, "=", {val}))
+                elif op == "!=":
+                    nxt = toks[i] if i < len(toks) else None
+                    val = "" if nxt in (None, ",") else _label_value(key, word(take(), "identifier"))
+                    reqs.append((key, "!=", {val}))
+                elif op in (">", "<"):
+                    val = word(take(), "integer")
+                    if not re.fullmatch(r"-?[0-9]+", val):
+                        raise _bad_selector(f'values[0][{key}]: Invalid value: "{val}": for \'Gt\', \'Lt\' operators, the value must be an integer')
+                    reqs.append((key, op, {val}))
+                elif op in ("in", "notin"):
+                    if take() != "(":
+                        raise _bad_selector(f"found '{toks[i - 1] if i - 1 < len(toks) else 'end of string'}', expected: '('")
+                    vals: set[str] = set()
+                    while True:
+                        v = take()
+                        if v in (")", ","):  # an empty element: k in (), k in (a,)
+                            vals.add("")
+                        else:
+                            vals.add(_label_value(key, word(v, "identifier")))
+                            v = take()
+                        if v == ")":
+                            break
+                        if v != ",":
+                            raise _bad_selector(f"found '{v if v is not None else 'end of string'}', expected: ',' or ')'")
+                    reqs.append((key, op, vals))
+                else:
+                    raise _bad_selector(f"found '{op}', expected: in, notin, =, ==, !=, gt, lt")
+        t = take()
+        if t is None:
+            return reqs
+        if t != ",":
+            raise _bad_selector(f"found '{t}', expected: ',' or 'end of string'")
 
 
 def labels_match(labels: dict, reqs) -> bool:
@@ -130,6 +213,13 @@ def labels_match(labels: dict, reqs) -> bool:
             return False
         if op == "!exists" and k in labels:
             return False
+        if op in (">", "<"):  # the label must hold an integer, compared as one
+            try:
+                n, bound = int(v), int(next(iter(vals)))
+            except (TypeError, ValueError):
+                return False
+            if not (n > bound if op == ">" else n < bound):
+                return False
     return True
 
 
