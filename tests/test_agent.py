@@ -1280,3 +1280,103 @@ def test_a_host_planned_at_its_declared_size_says_so_when_its_agent_is_smaller(t
     assert "its agent reports 2 GPUs, 8 cores, but this worker schedules the host as 4 GPUs" in why, why
     assert "planned from cluster block 'lab' (its agent did not answer when the worker started)" in why, why
     assert "restarted while this agent answers, or with a declaration of 2 GPUs" in why and "now reports" not in why, why
+
+
+@pytest.fixture
+def open_tmp():
+    """A directory every account may pass through (pytest's own are root's alone): what a stage running
+    as another account is refused there, it is refused by the files' own modes."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="qosflow-open-"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="--stage-user needs an agent running as root (this test runs as a user)")
+def test_stage_user_runs_stages_as_another_account_that_cannot_read_the_token(tmp_path, open_tmp):
+    """Stages ran as the agent's own account: any stage could read the agent's token file and, with it,
+    drive every agent of the cluster. `--stage-user` (agent as root) runs them as an unprivileged account:
+    its own uid, groups and HOME; the token file (root's, 0600) and the agent's directory listing are out
+    of its reach; its progress lines still reach the worker; a token file that account could read is
+    refused before the agent starts."""
+    import pwd
+
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no 'nobody' account on this host")
+    base = open_tmp
+    token_file = base / "agent-token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    workdir = base / "agent-work"
+    # a shell stage: this interpreter may live where the stage's account cannot enter (/root/.pyenv here)
+    code = (
+        'echo "uid $(id -u) gid $(id -g) home $HOME user $USER"; '
+        f'if cat {token_file} >/dev/null 2>&1; then echo token readable; else echo token denied; fi; '
+        f'if ls {workdir} >/dev/null 2>&1; then echo workdir listed; else echo workdir denied; fi; '
+        'printf \'{"t":%s,"step":3,"total":10,"pid":%s}\\n\' "$(date +%s)" "$$" >> "$QOSFLOW_PROGRESS_FILE"'
+    )
+    ag = AgentProcess("host-u", TOKEN, virtual_gpus=1, log=tmp_path / "u.log",
+                      args=["--stage-user", "nobody", "--token-file", str(token_file), "--workdir", str(workdir)])
+
+    async def go():
+        be = backend_for(ag)
+        try:
+            cluster = await be.inventory()
+            h = await be.launch(LaunchSpec("as-nobody-1", ["/bin/sh", "-c", code], Placement("as-nobody", ((0, 0),), ((0, 1.0),)), cluster))
+            end = await be.wait(h)
+            lines = [line async for line in be.logs(h)]
+            await be.sync_progress([h])
+            return end, lines, Path(be.progress_file(h.stage_id)).read_text()
+        finally:
+            await be.aclose()
+
+    env_token = os.environ.pop("QOSFLOW_AGENT_TOKEN", None)
+    try:
+        ag.start()
+        try:
+            end, lines, progress = asyncio.run(go())
+        finally:
+            ag.stop()
+    finally:
+        if env_token is not None:
+            os.environ["QOSFLOW_AGENT_TOKEN"] = env_token
+    assert end.kind is ExitKind.OK, (end, lines)
+    assert lines[0] == f"uid {nobody.pw_uid} gid {nobody.pw_gid} home {nobody.pw_dir} user nobody", lines
+    assert "token denied" in lines and "workdir denied" in lines, lines
+    assert progress.strip(), "the stage's progress line did not reach the worker"
+
+    token_file.chmod(0o644)  # now every account could read it: refused before the agent binds its port
+    from typer.testing import CliRunner
+
+    from qosflow.cli.main import app
+
+    res = CliRunner().invoke(app, ["agent", "start", "--stage-user", "nobody", "--token-file", str(token_file), "--port", "1"])
+    assert res.exit_code != 0
+    assert "'nobody' can read the token file" in (res.output + str(res.exception or "")), res.output
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="--stage-user needs an agent running as root (this test runs as a user)")
+def test_stage_user_mistakes_are_named(tmp_path):
+    """An unknown account, root itself, and a --workdir the account cannot reach (pytest's directories are
+    root's alone: the stage could not write its progress file) each fail when the agent starts, saying
+    what to do."""
+    from qosflow.agent.runner import Runner, StageUser
+    from qosflow.errors import SpecError
+
+    with pytest.raises(SpecError, match="no account 'no-such-user-q'"):
+        StageUser.resolve("no-such-user-q")
+    with pytest.raises(SpecError, match="is root"):
+        StageUser.resolve("root")
+    try:
+        nobody = StageUser.resolve("nobody")
+    except SpecError:
+        pytest.skip("no 'nobody' account on this host")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    with pytest.raises(SpecError, match=r"cannot pass through .*locked.*chmod o\+x"):
+        Runner(locked / "work", stage_user=nobody)

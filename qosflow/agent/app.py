@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from qosflow.agent.gpus import GpuSource
-from qosflow.agent.runner import Runner, usable_cpus
+from qosflow.agent.runner import Runner, StageUser, usable_cpus
 from qosflow.backends.base import AGENT_STOPPING
 
 log = logging.getLogger("qosflow.agent")
@@ -52,6 +52,8 @@ class AgentConfig:
     fence_after_s: float | None = None
     #: skip NVML detection (used when many virtual agents share one process)
     force_virtual: bool = False
+    #: run stages as this account (the agent runs as root): `qosflow agent start --stage-user`
+    stage_user: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -113,7 +115,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     else:
         gpus = GpuSource.detect(cfg.virtual_gpus, virtual_mem_mb=cfg.gpu_mem_mb)
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix=f"qosflow-agent-{cfg.name}-"))
-    runner = Runner(workdir)
+    runner = Runner(workdir, stage_user=StageUser.resolve(cfg.stage_user) if cfg.stage_user else None)
     boot_id = uuid.uuid4().hex
     boot_time = time.time()
     token = cfg.token.encode()

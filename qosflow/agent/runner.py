@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import pwd
 import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +103,59 @@ def map_cpuset(requested: list[int] | None, usable: list[int]) -> list[int] | No
     return sorted({usable[c % len(usable)] for c in requested})
 
 
+@dataclass(frozen=True)
+class StageUser:
+    """The account stages run as when the agent runs as root (`qosflow agent start --stage-user`)."""
+
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: str
+
+    @classmethod
+    def resolve(cls, name: str) -> "StageUser":
+        """The account `name` (or a numeric uid), checked: it exists, is not root, and the agent can switch to it."""
+        from qosflow.errors import SpecError
+
+        try:
+            pw = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+        except (KeyError, ValueError):
+            raise SpecError("--stage-user", f"no account {name!r} on this host; create one that owns nothing else "
+                                            f"(e.g. `useradd --system --create-home {name}`) or name an existing one") from None
+        if pw.pw_uid == 0:
+            raise SpecError("--stage-user", f"{name!r} is root: stages would run with every right on the host; "
+                                            "name an unprivileged account")
+        if os.geteuid() != 0:
+            raise SpecError("--stage-user", f"the agent runs as uid {os.geteuid()}, not root, and cannot switch to "
+                                            f"{pw.pw_name!r}; start it as root (e.g. from a systemd unit without User=), "
+                                            "or drop --stage-user to run stages as the agent's own user")
+        groups = tuple(sorted(set(os.getgrouplist(pw.pw_name, pw.pw_gid))))
+        return cls(pw.pw_name, pw.pw_uid, pw.pw_gid, groups, pw.pw_dir)
+
+    def _may(self, path: Path, bit: int) -> bool:
+        """Whether this account has `bit` (4 read, 1 execute/search) on `path` by owner and mode (ACLs aside)."""
+        st = path.stat()
+        if st.st_uid == self.uid:
+            return bool(st.st_mode & (bit << 6))
+        if st.st_gid in self.groups or st.st_gid == self.gid:
+            return bool(st.st_mode & (bit << 3))
+        return bool(st.st_mode & bit)
+
+    def can_read(self, path: Path) -> bool:
+        """Whether this account may read the file `path`, its directories included."""
+        path = path.resolve()
+        return self._may(path, 4) and not self.blocked_at(path.parent)
+
+    def blocked_at(self, directory: Path) -> Path | None:
+        """The first directory on the way to `directory` (itself included) this account may not pass, or None."""
+        directory = directory.resolve()
+        for d in (*reversed(directory.parents), directory):
+            if not self._may(d, 1):
+                return d
+        return None
+
+
 @dataclass
 class StageProc:
     stage_id: str
@@ -150,11 +205,24 @@ class StageProc:
 class Runner:
     """All stages of one agent. Lives on the agent's event loop."""
 
-    def __init__(self, workdir: Path, *, max_records: int = 10_000):
+    def __init__(self, workdir: Path, *, max_records: int = 10_000, stage_user: StageUser | None = None):
         self.workdir = Path(workdir)
         # stage logs are for the agent's API (behind its token), not for every user of the host: a
         # --workdir the agent makes is its own (0700) and the logs are 0600, as in the default temp dir
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        #: stages run as this account, not as the agent's (root): they cannot read the token or the logs
+        self.stage_user = stage_user
+        if stage_user is not None:
+            # the stage (another account) must reach its progress file, made and given to it per stage;
+            # others may pass through the directory (0711) but not list it, and every log stays 0600
+            self.workdir.chmod(self.workdir.stat().st_mode & 0o777 | 0o111)
+            blocked = stage_user.blocked_at(self.workdir)
+            if blocked is not None:
+                from qosflow.errors import SpecError
+
+                raise SpecError("--workdir", f"stages run as {stage_user.name!r}, who cannot pass through {blocked} to reach "
+                                             f"their progress files in {self.workdir}: choose a --workdir outside it "
+                                             f"(e.g. /var/lib/qosflow-agent) or chmod o+x {blocked}")
         self.stages: dict[str, StageProc] = {}
         self.max_records = max_records
         self._usable = usable_cpus()
@@ -185,6 +253,9 @@ class Runner:
         )
         self.stages[stage_id] = st
         child_env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}
+        user = self.stage_user
+        if user is not None:  # the account's own home and name, not root's (the worker's env may still set them)
+            child_env.update(HOME=user.home, USER=user.name, LOGNAME=user.name)
         child_env.update(env or {})
         child_env["QOSFLOW_STAGE_ID"] = stage_id
         child_env[PROGRESS_FILE_ENV] = str(st.progress_path)
@@ -200,6 +271,17 @@ class Runner:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
+        as_user: dict = {}
+        if user is not None:
+            # the progress file is made here and given to the stage's account: it cannot create files in
+            # the agent's directory. setgroups/setgid/setuid happen in the child before _pre_exec, so
+            # PR_SET_PDEATHSIG (cleared by a credential change) is set after them
+            fd = os.open(st.progress_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.fchown(fd, user.uid, user.gid)
+            finally:
+                os.close(fd)
+            as_user = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
         st.started_at = time.time()
         logf = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab", buffering=0)
         try:
@@ -212,8 +294,9 @@ class Runner:
                 cwd=cwd,
                 start_new_session=True,
                 preexec_fn=_pre_exec,
+                **as_user,
             )
-        except (OSError, ValueError) as exc:  # command not found, bad cwd...
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # command not found, bad cwd, a cwd --stage-user cannot enter...
             logf.write(f"qosflow agent: cannot start {command!r}: {exc}\n".encode())
             logf.close()
             st.error = f"cannot start {command[0] if command else '(empty command)'!r}: {exc}"

@@ -61,6 +61,10 @@ def register(app: typer.Typer) -> None:
         ),
         label: list[str] = typer.Option([], "--label", help="node label KEY=VALUE (repeatable)"),
         workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a temp dir)"),
+        stage_user: Optional[str] = typer.Option(
+            None, "--stage-user", envvar="QOSFLOW_AGENT_STAGE_USER",
+            help="run every stage as this unprivileged account (the agent must run as root): stages then cannot read the token file or other stages' logs (default: the agent's own user)",
+        ),
         log_level: str = typer.Option("warning", "--log-level", help="critical | error | warning | info | debug | trace (the agent's HTTP server log)"),
     ) -> None:
         """Run the agent: report GPUs, launch stages with their placement, stream logs, kill on request.
@@ -76,6 +80,9 @@ def register(app: typer.Typer) -> None:
               --token-file /etc/qosflow/agent-token
 
           qosflow agent start --virtual-gpus 4 --token-file token --name lab-1
+
+          sudo qosflow agent start --host 0.0.0.0 --stage-user qosflow-stage \\
+              --token-file /etc/qosflow/agent-token
         """
         import socket
 
@@ -102,8 +109,21 @@ def register(app: typer.Typer) -> None:
             if not k.strip():  # '=gpu' started an agent with a label without a name
                 raise SpecError("--label", f"{item!r} has no KEY; write KEY=VALUE, e.g. --label rack=r1")
             labels[k.strip()] = v
+        token_value = _read_token(token, token_file)
+        if stage_user is not None:
+            from qosflow.agent.runner import StageUser
+
+            account = StageUser.resolve(stage_user)
+            if token_file is not None and account.can_read(token_file.expanduser()):
+                # the point of --stage-user is that a stage cannot take the token and drive every agent
+                raise SpecError("--stage-user", f"{account.name!r} can read the token file {token_file}: every stage "
+                                                f"could take the token; make the file root's alone: "
+                                                f"chown root: {token_file} && chmod 600 {token_file}")
+            if token is not None:
+                typer.echo("warning: --token shows in `ps` to every user of the host, the stages' account included; "
+                           "with --stage-user use --token-file (root's, mode 600)", err=True)
         cfg = AgentConfig(
-            token=_read_token(token, token_file),
+            token=token_value,
             name=name or socket.gethostname(),
             virtual_gpus=virtual_gpus,
             gpu_mem_mb=gpu_mem_mb,
@@ -111,6 +131,7 @@ def register(app: typer.Typer) -> None:
             labels=labels,
             workdir=workdir,
             fence_after_s=fence_after,
+            stage_user=stage_user,
         )
         socks = bind(host, port)
         src = GpuSource.detect(virtual_gpus, virtual_mem_mb=gpu_mem_mb)
