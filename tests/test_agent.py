@@ -1380,3 +1380,31 @@ def test_stage_user_mistakes_are_named(tmp_path):
     locked.mkdir(mode=0o700)
     with pytest.raises(SpecError, match=r"cannot pass through .*locked.*chmod o\+x"):
         Runner(locked / "work", stage_user=nobody)
+
+
+def test_agent_serves_https_with_its_certificate(tmp_path):
+    """`--tls-cert/--tls-key`: the agent answers HTTPS only, so the token and the stages' environments
+    (PREFECT_API_KEY among them) are encrypted on the network; a client that does not trust its CA, or
+    speaks plain HTTP, gets nothing. A certificate and key that do not load or match are refused before
+    the agent binds its port."""
+    from typer.testing import CliRunner
+
+    from qosflow.agent.testing import make_test_tls
+    from qosflow.cli.main import app
+
+    tls = make_test_tls(tmp_path / "tls")
+    with AgentProcess("host-tls", TOKEN, virtual_gpus=1, log=tmp_path / "tls.log", tls=tls) as ag:
+        assert ag.url.startswith("https://")
+        r = httpx.get(f"{ag.url}/v1/health", headers={"Authorization": f"Bearer {TOKEN}"}, verify=tls.context())
+        assert r.status_code == 200
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"{ag.url}/v1/health", headers={"Authorization": f"Bearer {TOKEN}"})
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(ag.url.replace("https://", "http://") + "/v1/health", headers={"Authorization": f"Bearer {TOKEN}"})
+
+    other = make_test_tls(tmp_path / "other")
+    for args, says in ((["--tls-cert", str(tls.cert)], "give --tls-cert and --tls-key together"),
+                       (["--tls-cert", str(tls.cert), "--tls-key", str(other.key)], "are not a PEM certificate chain and its private key"),
+                       (["--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(tls.key)], "no such file")):
+        res = CliRunner().invoke(app, ["agent", "start", "--token", TOKEN, "--port", "1", *args])
+        assert res.exit_code != 0 and says in (res.output + str(res.exception or "")), (args, res.output)

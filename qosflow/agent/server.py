@@ -128,11 +128,36 @@ def bind(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
+def check_tls(cert: str | None, key: str | None) -> None:
+    """That the agent's certificate and key load and match, as a clear error before it starts (uvicorn
+    failed at its first connection, or with an ssl traceback)."""
+    import ssl
+
+    from qosflow.errors import SpecError
+
+    if bool(cert) != bool(key):
+        raise SpecError("--tls-cert" if key else "--tls-key", "give --tls-cert and --tls-key together (the certificate chain and its private key, PEM)")
+    if not cert:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except FileNotFoundError as exc:
+        raise SpecError("--tls-cert", f"cannot read {exc.filename}: no such file") from None
+    except PermissionError as exc:
+        raise SpecError("--tls-cert", f"cannot read {exc.filename}: permission denied") from None
+    except ssl.SSLError as exc:
+        raise SpecError("--tls-cert", f"{cert} and {key} are not a PEM certificate chain and its private key ({exc.reason or exc})") from None
+
+
 def serve(cfg: AgentConfig, port: int, host: str = "127.0.0.1", log_level: str = "warning", *,
-          sockets: list[socket.socket] | None = None) -> None:
-    """Run one agent until SIGINT/SIGTERM; its stages are killed before it stops answering."""
+          sockets: list[socket.socket] | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
+    """Run one agent until SIGINT/SIGTERM; its stages are killed before it stops answering. With
+    `tls_cert`/`tls_key` it answers HTTPS only (the token and the stages' environments are then
+    encrypted on the network)."""
+    check_tls(tls_cert, tls_key)
     app = create_app(cfg)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, timeout_keep_alive=30)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, timeout_keep_alive=30,
+                            ssl_certfile=tls_cert, ssl_keyfile=tls_key)
     _AgentServer(config, app.state.runner).run(sockets=sockets or bind(host, port))
 
 

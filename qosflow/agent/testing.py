@@ -32,16 +32,21 @@ def free_port() -> int:
 class AgentProcess:
     """`qosflow agent start` in a child process (its own process group), on 127.0.0.1."""
 
-    def __init__(self, name: str, token: str, *, virtual_gpus: int = 2, port: int | None = None, args: Sequence[str] = (), log: Path | None = None):
+    def __init__(self, name: str, token: str, *, virtual_gpus: int = 2, port: int | None = None, args: Sequence[str] = (), log: Path | None = None,
+                 tls: "TestTLS | None" = None):
         self.name, self.token, self.virtual_gpus = name, token, virtual_gpus
         self.port = port or free_port()
         self.args = list(args)
         self.log = log
+        #: serve HTTPS with a certificate of this test CA (`make_test_tls`)
+        self.tls = tls
+        if tls is not None:
+            self.args += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "AgentProcess":
         env = {**os.environ, "QOSFLOW_AGENT_TOKEN": self.token}  # not on the command line
@@ -54,7 +59,8 @@ class AgentProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"agent {self.name} exited with {self.proc.returncode} (log: {self.log})")
             try:
-                r = httpx.get(f"{self.url}/v1/health", headers={"Authorization": f"Bearer {self.token}"}, timeout=0.5)
+                r = httpx.get(f"{self.url}/v1/health", headers={"Authorization": f"Bearer {self.token}"}, timeout=0.5,
+                              verify=self.tls.context() if self.tls else True)
                 if r.status_code == 200:
                     return self
             except httpx.HTTPError:
@@ -84,6 +90,61 @@ class AgentProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class TestTLS:
+    """PEM files of a throw-away CA and of a server certificate it signed for 127.0.0.1 and localhost."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    def context(self):
+        """An SSL context that trusts this CA only (httpx's `verify=`)."""
+        import ssl
+
+        return ssl.create_default_context(cafile=str(self.ca))
+
+
+def make_test_tls(directory: Path, *, days: int = 2) -> TestTLS:
+    """A test CA and an agent certificate for 127.0.0.1/localhost (the `cryptography` package Prefect
+    depends on), for tests and rehearsals of an agent served over HTTPS. Never for a real cluster: make
+    its certificates with the organisation's CA (docs/infrastructure.md)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "qosflow test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "qosflow agent")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    directory.mkdir(parents=True, exist_ok=True)
+    out = TestTLS(directory / "ca.pem", directory / "agent.pem", directory / "agent-key.pem")
+    out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    out.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    out.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    out.key.chmod(0o600)
+    return out
 
 
 @dataclass

@@ -61,6 +61,8 @@ def register(app: typer.Typer) -> None:
         ),
         label: list[str] = typer.Option([], "--label", help="node label KEY=VALUE (repeatable)"),
         workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a temp dir)"),
+        tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="serve HTTPS with this certificate chain (PEM); the worker then reaches the agent at https://... and checks it against its CA (the cluster file's tls_ca_file, the block's agent_ca_cert)"),
+        tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="the private key (PEM) of --tls-cert; keep it root's, mode 600"),
         stage_user: Optional[str] = typer.Option(
             None, "--stage-user", envvar="QOSFLOW_AGENT_STAGE_USER",
             help="run every stage as this unprivileged account (the agent must run as root): stages then cannot read the token file or other stages' logs (default: the agent's own user)",
@@ -133,10 +135,14 @@ def register(app: typer.Typer) -> None:
             fence_after_s=fence_after,
             stage_user=stage_user,
         )
+        from qosflow.agent.server import check_tls
+
+        cert, key = (str(p.expanduser()) if p else None for p in (tls_cert, tls_key))
+        check_tls(cert, key)
         socks = bind(host, port)
         src = GpuSource.detect(virtual_gpus, virtual_mem_mb=gpu_mem_mb)
-        typer.echo(f"qosflow agent {cfg.name} on http://{host}:{port}: {src.count} GPU(s), {src.note}", err=True)
-        serve(cfg, port, host, log_level, sockets=socks)
+        typer.echo(f"qosflow agent {cfg.name} on {'https' if cert else 'http'}://{host}:{port}: {src.count} GPU(s), {src.note}", err=True)
+        serve(cfg, port, host, log_level, sockets=socks, tls_cert=cert, tls_key=key)
 
     @agent.command("status")
     def status(cluster: Path = typer.Option(..., "--cluster", help="cluster file (YAML or JSON) listing hosts and agent URLs")) -> None:
