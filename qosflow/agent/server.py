@@ -20,7 +20,7 @@ from qosflow.agent.app import AgentConfig, create_app
 from qosflow.backends.base import AGENT_STOPPING
 
 
-class _QuietServer(uvicorn.Server):
+class QuietServer(uvicorn.Server):
     """A uvicorn server that leaves signal handling to its owner (several share one loop)."""
 
     @contextlib.contextmanager
@@ -33,7 +33,7 @@ def make_server(cfg: AgentConfig, port: int, host: str = "127.0.0.1", log_level:
         create_app(cfg), host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
         timeout_keep_alive=30,
     )
-    return _QuietServer(config)
+    return QuietServer(config)
 
 
 class _Connections(set):
