@@ -13,7 +13,8 @@ alone serves the sweep's short jobs first and the colleagues wait.
 * no job declares `shareable` (a sweep's stages rarely do); oracle estimates (true durations).
 
 Per user: average JCT, average slowdown (JCT / duration alone), DSR; Jain's fairness index over the users'
-average slowdowns (1: all users slowed alike, 1/n: one user takes all the delay); and, since a sweep's
+average slowdowns (1: all users slowed alike, 1/n: one user takes all the delay; these as `qosflow simulate`
+reports them per user, `qosflow.sim.metrics.user_metrics`); and, since a sweep's
 short jobs queue behind each other whoever else is there, each user's JCT against the same user's jobs
 run alone on the cluster (Themis' finish-time fairness, with the whole cluster as the ideal: how much the
 others slow a user down) and Jain's index over that; total average JCT and makespan. Every run with `fair_share` off (qosflow as before) and on (the default, half-life 1 h), plus the
@@ -38,6 +39,7 @@ from _common import machine, md_table, write_section  # noqa: E402
 from qosflow.core.job import Job  # noqa: E402
 from qosflow.core.qos import QoSSpec  # noqa: E402
 from qosflow.sim.deadlines import assign_deadlines  # noqa: E402
+from qosflow.sim.metrics import jain_index as jain  # noqa: E402
 
 #: label -> qosflow options
 RUNS = {
@@ -71,10 +73,6 @@ def workload(seed: int, *, sweep: int = 300, bursts: int = 2, light: int = 4, ho
     return sorted(jobs, key=lambda j: (j.submit_time, j.job_id))
 
 
-def jain(xs: list[float]) -> float:
-    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else 1.0
-
-
 def run(label: str, seed: int, cluster: str, wl_kw: dict) -> dict:
     from qosflow.core.estimate import OracleEstimator
     from qosflow.policies import get_policy
@@ -90,23 +88,15 @@ def run(label: str, seed: int, cluster: str, wl_kw: dict) -> dict:
     res = Simulator(jobs, spec, get_policy("qosflow", **RUNS[label]), estimator=OracleEstimator(speed), speed=speed,
                     config=SimConfig(seed=seed)).run()
     wall = time.perf_counter() - t0
-    m = compute_metrics(res)
-    users: dict[str, dict] = {}
-    for js in res.jobs:
-        u = users.setdefault(js.job.user, {"jct": [], "slow": [], "dl": 0, "met": 0})
-        jct = js.finish_time - js.job.submit_time
-        u["jct"].append(jct)
-        u["slow"].append(jct / js.job.duration)
-        if js.job.deadline is not None:
-            u["dl"] += 1
-            u["met"] += js.finish_time <= js.job.deadline + 1e-6
-    per_user = {name: {"jobs": len(u["jct"]), "jct": statistics.mean(u["jct"]), "slowdown": statistics.mean(u["slow"]),
-                       "dsr": u["met"] / u["dl"] if u["dl"] else float("nan"), "dl": u["dl"], "met": u["met"]}
-                for name, u in users.items()}
+    m = compute_metrics(res)  # (every user here has jobs: its per_user holds them all, `user_metrics`)
+    per_user = {name: {"jobs": u["jobs"], "jct": u["avg_jct"], "slowdown": u["avg_slowdown"],
+                       "dsr": u["met"] / u["deadline_jobs"] if u["deadline_jobs"] else float("nan"), "dl": u["deadline_jobs"],
+                       "met": u["met"]}
+                for name, u in m.per_user.items()}
     light = [js for js in res.jobs if js.job.user != "sweep"]
     return {
         "label": label, "seed": seed, "wall": wall, "jct": m.avg_jct, "makespan": m.makespan, "dsr": m.dsr,
-        "users": per_user, "jain": jain([u["slowdown"] for u in per_user.values()]),
+        "users": per_user, "jain": m.jain_slowdown,
         "light_jct": statistics.mean(js.finish_time - js.job.submit_time for js in light),
         "light_slow": statistics.mean((js.finish_time - js.job.submit_time) / js.job.duration for js in light),
         "sched_s": m.sched_seconds,

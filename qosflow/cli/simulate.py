@@ -16,7 +16,8 @@ each becomes: docs/workloads.md.
 
 Policies run exactly as in the live worker; the simulator advances jobs with their true durations
 and slowdowns while policies see only estimates (--estimator). Prints a table (and, when jobs have
-deadlines, the deadlines each policy met per class of job: GPUs x duration alone), writes JSON
+deadlines, the deadlines each policy met per class of job: GPUs x duration alone; with --users, each
+user's jobs, JCT, slowdown, deadlines and GPU-hours, and Jain's index over the users), writes JSON
 (--json) and PNG plots (--out: JCT CDF, average JCT, DSR, DSR by job class,
 GPU allocation, GPU timeline).
 
@@ -46,6 +47,7 @@ def register(app: typer.Typer) -> None:
         error: float = typer.Option(0.3, "--error", help="relative error of the noisy estimator (0.3 = +-30 %)"),
         failures: float = typer.Option(0.0, "--failures", help="share of jobs that fail part-way and are retried (Philly: ~0.3)"),
         deadline_share: float = typer.Option(0.5, "--deadline-share", help="share of jobs given a deadline (traces carry none)"),
+        users: Optional[str] = typer.Option(None, "--users", metavar="N|SHARES", help="give the synthetic workload's jobs users, to see fairness between them (the qosflow policy's fair_share): N users user1..userN, user k submitting a share proportional to 1/k (3: 55 %, 27 %, 18 %), or the users' shares, e.g. 0.6,0.2,0.2. The jobs themselves stay the same. With two users or more the report adds a table per user and policy (jobs, average JCT and slowdown, deadlines met, GPU-hours, Jain's index over the users' slowdowns; JSON 'per_user'). The traces name no user (default: none)"),
         jobs: Optional[int] = typer.Option(None, "--jobs", help="number of jobs of the synthetic workload (default: 400); traces are simulated whole. The synthetic load is 1.0 in the steady-state sense: with far fewer than ~6 jobs per GPU most of the work (the long jobs') runs after the last arrival and jobs hardly queue (a note says so)"),
         min_gpus_share: Optional[float] = typer.Option(None, "--min-gpus-share", help="let every job of 2+ GPUs start on as few as this share of them (0.5: an 8-GPU job on 4, with 2 steps of gradient accumulation, at half speed), as a stage declaring @qos_task(min_gpus=...) may; the qosflow policy does so for a deadline job when its full width is not free. Traces record no such thing: this is an assumption about the jobs (default: every job rigid)"),
         cores_per_gpu: Optional[float] = typer.Option(None, "--cores-per-gpu", help="CPU cores a job takes per GPU, for traces that give none (muri, gavel, synthetic; an Alibaba pod list gives each pod's). Jobs need them free on their nodes besides the GPUs (default: 4, the saturation point of CV input pipelines; docs/workloads.md)"),
@@ -65,7 +67,8 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.metrics import compute_bounds, compute_metrics
         from qosflow.errors import SpecError, UnknownNameError
         from qosflow.sim.report import (earlier_outputs, estimator_deltas, other_results, plot_results, render_class_table,
-                                        render_estimator_table, render_table, results_json, write_job_tables)
+                                        render_estimator_table, render_table, render_user_table, results_json,
+                                        write_job_tables)
         from qosflow.sim.runner import fewest_cores_per_gpu, resolve_workload
         from qosflow.sim.traces._common import CORES_PER_GPU
 
@@ -96,6 +99,7 @@ def register(app: typer.Typer) -> None:
             raise SpecError("--deadline-share", f"must be a share of jobs in [0, 1] (0.5: half get a deadline), got {deadline_share!r}")
         if min_gpus_share is not None and not 0 < min_gpus_share <= 1:
             raise SpecError("--min-gpus-share", f"must be a share of a job's GPUs in (0, 1] (0.5: an 8-GPU job may start on 4), got {min_gpus_share!r}")
+        user_shares = _parse_users(users, trace, fmt) if users is not None else None
         if parallel is not None and parallel < 1:
             raise SpecError("--parallel", f"must be at least 1 (1: one run after another), got {parallel}")
         if throughputs is not None:
@@ -110,6 +114,11 @@ def register(app: typer.Typer) -> None:
                                         min_gpus_share=min_gpus_share, throughputs=throughputs, cores_per_gpu=cores_per_gpu)
         except KeyboardInterrupt:
             raise interrupted([], planned) from None
+        if user_shares is not None:
+            from qosflow.sim.traces.synthetic import DEFAULT_JOBS
+            from qosflow.sim.workload import with_synthetic_users
+
+            wl = with_synthetic_users(wl, user_shares, seed=seed, num_jobs=jobs or DEFAULT_JOBS)
         speed = default_speed_model(throughputs)
         console.print(
             f"[bold]{wl.name}[/]: {len(wl.jobs)} jobs on {spec.name} ({len(spec.nodes)} nodes, {spec.num_gpus} GPUs); "
@@ -235,6 +244,12 @@ def register(app: typer.Typer) -> None:
 
             need = Measurement.get(console, console.options.update(width=100_000), by_class).maximum
             (console if need <= console.width else Console(width=need)).print(by_class)
+        # per user (when the jobs carry two users or more), as the class tables: one per estimator
+        user_tables = ([render_user_table(metrics)] if len(kinds) == 1 else
+                       [render_user_table(ms, title=f"Per user ({est})") for est, ms in by_est.items()])
+        for by_user in user_tables:
+            if by_user is not None:
+                console.print(by_user)
         baseline = "oracle" if "oracle" in by_est else next(iter(by_est))
         if len(kinds) > 1:
             console.print(render_estimator_table(by_est, baseline, title=f"QoS lost to prediction error (vs {baseline})"))
@@ -243,7 +258,7 @@ def register(app: typer.Typer) -> None:
             # --error, the trace itself were nowhere in it)
             "workload": {"name": wl.name, "trace": trace, "format": wl.info.get("format", fmt), "jobs": len(wl.jobs),
                          "rejected": [{"job": j, "reason": r} for j, r in wl.rejected],
-                         "deadline_share": deadline_share, "min_gpus_share": min_gpus_share,
+                         "deadline_share": deadline_share, "min_gpus_share": min_gpus_share, "users": user_shares,
                          "cores_per_gpu": None if wl.info.get("format") == "alibaba" else assumed,
                          **({"offered_load": offered.to_json()} if offered is not None else {})},
             "cluster": {"name": spec.name, "given": cluster, "nodes": len(spec.nodes), "gpus": spec.num_gpus},
@@ -304,6 +319,33 @@ def register(app: typer.Typer) -> None:
                 f"{len(failed)} run(s) failed: {', '.join(failed)}; the others' results are above"
                 + (" and in the JSON ('failed_policies')" if json_out else "")
             )
+
+
+def _parse_users(given: str, trace: str, fmt: str | None) -> int | list[float]:
+    """--users: a number of users (Zipf-like shares) or their comma-separated shares, for the synthetic
+    workload only (checked before it is generated, as --jobs)."""
+    import math
+
+    from qosflow.errors import SpecError
+    from qosflow.sim.runner import guess_format
+
+    text = given.strip()
+    if str(fmt or guess_format(trace)).strip().lower() != "synthetic":
+        raise SpecError("--users", f"only the synthetic workload is given users; the Muri, Gavel and Alibaba traces name "
+                                   f"none, so the jobs of {trace} are all one user: leave --users out, or use --trace synthetic")
+    if text.isdigit():
+        n = int(text)
+        if n < 1:
+            raise SpecError("--users", f"must be at least 1 user, got {given!r}")
+        return n
+    try:
+        shares = [float(x) for x in text.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or any(not math.isfinite(x) or x <= 0 for x in shares):
+        raise SpecError("--users", f"give a number of users (3) or their shares of the jobs, positive and comma-separated "
+                                   f"(0.6,0.2,0.2), got {given!r}")
+    return shares
 
 
 def _unknown_models(jobs, speed) -> dict[str, int]:

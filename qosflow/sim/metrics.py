@@ -10,6 +10,10 @@
 * DSR by job class (`dsr_by_class`): the deadline jobs grouped by GPU count and isolated duration,
   and how many of each group met their deadline -- which jobs a policy loses (short gangs, say,
   that a non-preemptive policy cannot start in time) rather than only how many.
+* per user (`per_user`, when the jobs carry two users or more, `Job.user`; the jobs with none count as
+  one user, as the qosflow policy's fair share counts them): each user's jobs, average JCT and slowdown
+  (JCT / duration alone), deadlines met and GPU-hours received; and Jain's index over the users'
+  average slowdowns (`jain_index`: 1 when every user is slowed alike, 1/n when one user bears it all).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from qosflow.core.job import JobStatus
+from qosflow.policies.qosflow_policy.ordering import job_user  # (who a job's user is, as the fair share takes it)
 from qosflow.sim.engine import SimResult
 
 
@@ -52,11 +57,19 @@ class Metrics:
     gpu_util_by_model: dict[str, float] = field(default_factory=dict)
     #: deadline jobs per class (`job_class`), in class order: {"4 GPUs, < 1 h": {"jobs": n, "met": m}}
     dsr_by_class: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: per user, when the jobs carry two or more (`user_metrics`; empty otherwise): {"alice": {"jobs": n, ...}}
+    per_user: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
+    #: Jain's index over the users' average slowdowns (`jain_index`); None with fewer than two users
+    jain_slowdown: float | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)
         if not self.deadline_jobs:  # no deadline to meet: no ratio (the table shows "-"), not 100 %
             d["dsr"] = None
+        # {"per_user": {"users": {...}, "jain_slowdown": x}}, only when the jobs carry two users or more
+        users, jain = d.pop("per_user"), d.pop("jain_slowdown")
+        if users:
+            d["per_user"] = {"users": users, "jain_slowdown": jain}
         return d
 
 
@@ -108,6 +121,68 @@ def _dsr_by_class(with_dl, met) -> dict[str, dict[str, int]]:
     return {k[2]: {"jobs": v[0], "met": v[1]} for k, v in sorted(counts.items())}
 
 
+def jain_index(xs) -> float:
+    """Jain's fairness index of `xs`: (sum x)^2 / (n x sum x^2), 1 when all are equal, 1/n when one holds
+    everything (Jain, Chiu and Hawe, 1984); 1.0 for no values or only zeros (nothing to share unevenly)."""
+    xs = [float(x) for x in xs]
+    sq = sum(x * x for x in xs)
+    return sum(xs) ** 2 / (len(xs) * sq) if xs and sq > 0 else 1.0
+
+
+#: the name `user_metrics` gives the jobs that carry no user (`Job.user` None), counted as one user
+NO_USER = "(no user)"
+
+
+def user_metrics(jobs) -> dict[str, dict[str, float | int | None]]:
+    """Per user of `jobs` (a run's `JobState`s; rejected ones left out), in the order of their names:
+    "jobs" (not rejected), "finished", "avg_jct" and "avg_slowdown" (over the finished jobs; None if
+    none finished), "deadline_jobs" and "met" (finished by the deadline), "gpu_hours" (GPU-time the
+    user's jobs held, `JobState.gpu_attained`, restarts and overheads included). The jobs without a
+    user are one user, `NO_USER`."""
+    acc: dict[str | None, dict[str, list | float | int]] = {}
+    for js in jobs:
+        if js.status is JobStatus.REJECTED:
+            continue
+        a = acc.setdefault(job_user(js.job), {"jobs": 0, "jct": [], "slow": [], "dl": 0, "met": 0, "gpu_s": 0.0})
+        a["jobs"] += 1
+        a["gpu_s"] += js.gpu_attained
+        done = js.status is JobStatus.DONE and js.finish_time is not None
+        if done:
+            jct = js.finish_time - js.job.submit_time
+            a["jct"].append(jct)
+            a["slow"].append(jct / js.job.duration if js.job.duration > 0 else 1.0)
+        if js.job.deadline is not None:
+            a["dl"] += 1
+            a["met"] += done and js.finish_time <= js.job.deadline + 1e-6
+    out = {}
+    for u in sorted(acc, key=lambda u: _natural(NO_USER if u is None else u)):
+        a = acc[u]
+        out[NO_USER if u is None else u] = {
+            "jobs": a["jobs"],
+            "finished": len(a["jct"]),
+            "avg_jct": float(np.mean(a["jct"])) if a["jct"] else None,
+            "avg_slowdown": float(np.mean(a["slow"])) if a["slow"] else None,
+            "deadline_jobs": a["dl"],
+            "met": int(a["met"]),
+            "gpu_hours": a["gpu_s"] / 3600.0,
+        }
+    return out
+
+
+def _natural(name: str) -> list:
+    """Sort key putting user2 before user10."""
+    import re
+
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name) if t]
+
+
+def users_jain(per_user: dict[str, dict]) -> float | None:
+    """Jain's index over the average slowdowns of the users in `per_user` (`user_metrics`) that finished a
+    job; None with fewer than two such users."""
+    xs = [u["avg_slowdown"] for u in per_user.values() if u["avg_slowdown"] is not None]
+    return jain_index(xs) if len(xs) > 1 else None
+
+
 def compute_metrics(res: SimResult) -> Metrics:
     done = [j for j in res.jobs if j.status is JobStatus.DONE]
     jct = np.array([j.finish_time - j.job.submit_time for j in done]) if done else np.array([0.0])
@@ -146,7 +221,16 @@ def compute_metrics(res: SimResult) -> Metrics:
         decisions=res.decisions,
         gpu_util_by_model=_util_by_model(res, makespan),
         dsr_by_class=_dsr_by_class(with_dl, met_ids),
+        **_per_user(res.jobs),
     )
+
+
+def _per_user(jobs) -> dict:
+    """Metrics' `per_user` and `jain_slowdown`: filled when the jobs carry two users or more."""
+    if len({job_user(js.job) for js in jobs if js.status is not JobStatus.REJECTED}) < 2:
+        return {}
+    users = user_metrics(jobs)
+    return {"per_user": users, "jain_slowdown": users_jain(users)}
 
 
 def _util_by_model(res: SimResult, makespan: float) -> dict[str, float]:

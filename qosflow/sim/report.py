@@ -13,6 +13,12 @@ runs (oracle when present), "by_estimator" every run ({"<estimator>": {"<policy>
 Each policy's "dsr_by_class" counts its deadline jobs per class of GPU count and isolated duration
 ({"3-4 GPUs, < 1 h": {"jobs": n, "met": m}, ...}; `qosflow.sim.metrics.job_class`); the terminal
 table "Deadlines met by job class" and the plot dsr_by_class.png show the same.
+
+When the jobs carry two users or more (`Job.user`; `qosflow simulate --users`), each policy's "per_user"
+holds {"users": {"<user>": {"jobs": n, "finished": n, "avg_jct": s, "avg_slowdown": x, "deadline_jobs": n,
+"met": m, "gpu_hours": h}}, "jain_slowdown": Jain's index over the users' average slowdowns}
+(`qosflow.sim.metrics.user_metrics`); the terminal table "Per user" shows the same. Without users (every
+trace) there is no "per_user" key.
 """
 
 from __future__ import annotations
@@ -121,6 +127,39 @@ def render_class_table(metrics: Mapping[str, Metrics], title: str = "Deadlines m
             d = m.dsr_by_class.get(c)
             cells.append(f"{d['met']} ({d['met'] / d['jobs']:.0%})" if d else "-")
         t.add_row(c, str(n), *cells)
+    return t
+
+
+def render_user_table(metrics: Mapping[str, Metrics], title: str = "Per user"):
+    """Per policy, a row per user (jobs, average JCT and slowdown, deadlines met, GPU-hours received and
+    their share), then Jain's index over the users' slowdowns; None when no policy's jobs carry two users."""
+    from rich.table import Table
+
+    if not any(m.per_user for m in metrics.values()):
+        return None
+    t = Table(title=title, header_style="bold",
+              caption="slowdown: JCT / the job's duration alone; GPU-hours: GPU-time the user's jobs held (share of all); "
+              "Jain: Jain's index over the users' average slowdowns (1: all slowed alike, 1/n: one user bears it all)")
+    t.add_column("policy", no_wrap=True)
+    t.add_column("user", no_wrap=True)
+    for col in ("jobs", "avg JCT", "avg slowdown", "deadlines met", "GPU-hours"):
+        t.add_column(col, justify="right", no_wrap=True)
+    shown = [(name, m) for name, m in metrics.items() if m.per_user]
+    for i, (name, m) in enumerate(shown):
+        total = sum(u["gpu_hours"] for u in m.per_user.values())
+        for k, (user, u) in enumerate(m.per_user.items()):
+            n, dl = u["finished"], u["deadline_jobs"]
+            t.add_row(
+                name if k == 0 else "",
+                user,
+                f"{n}" + (f" of {u['jobs']}" if n < u["jobs"] else ""),
+                fmt_seconds(u["avg_jct"]) if u["avg_jct"] is not None else "-",
+                f"{u['avg_slowdown']:.2f}" if u["avg_slowdown"] is not None else "-",
+                f"{u['met']}/{dl} ({u['met'] / dl:.0%})" if dl else "-",
+                f"{u['gpu_hours']:,.1f}" + (f" ({u['gpu_hours'] / total:.0%})" if total > 0 else ""),
+            )
+        t.add_row("", "Jain", "", "", f"{m.jain_slowdown:.3f}" if m.jain_slowdown is not None else "-", "", "",
+                  style="dim", end_section=i < len(shown) - 1)
     return t
 
 
