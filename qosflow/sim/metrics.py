@@ -248,9 +248,11 @@ def compute_bounds(jobs, cluster, speed=None) -> Bounds:
     policy on exclusive GPUs (`makespan`, which counts the total work at one job per GPU). On a
     cluster of mixed GPU models (`speed`: the simulator's `SpeedModel`), each job counts at its speed
     on the fastest model it may use."""
+    # (a job whose full width never fits is left out, as the trace loaders reject it before any min_gpus)
     admitted = [j for j in jobs if cluster.why_never_fits(j.qos) is None]
     if not admitted:
         return Bounds(0.0, 1.0, 0.0)
+    # (elastic jobs change no bound: on w of g GPUs a job runs at w/g of its speed, ending no sooner, as many GPU-seconds)
     best = {j.job_id: j.duration for j in admitted}
     if speed is not None and speed.gpu_types_matter([n.gpu_model for n in cluster.nodes]):
         for j in admitted:
