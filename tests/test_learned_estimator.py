@@ -189,6 +189,29 @@ def test_from_store_uses_live_samples_and_writes_finished_stages_back(tmp_path):
     assert again.predict_duration(_job(4, "etl", iterations=None, bs=None)).basis == "history(n=2)"
 
 
+def test_the_workers_start_reads_the_samples_once(tmp_path):
+    """The predictor (its configurations) and the estimator (its step times) each read every sample at a
+    worker's start: twice the queries and twice the ORM instances. The estimator now keeps the step times it
+    needs from the predictor's one pass, in one query per 20,000 samples."""
+    import sqlalchemy as sa
+
+    from qosflow.store import Store
+
+    store = Store.open(f"sqlite:///{tmp_path / 'q.db'}")
+    store.add_samples([{"signature": "mynet/bs32", "gpus": 1, "step_time_s": t, "gpu_type": "v100"} for t in (0.40, 0.42, 0.41)]
+                      + [{"signature": "mynet/bs32", "gpus": 1, "step_time_s": 0.9, "co_runner": "etl"},
+                         {"signature": "mynet/bs32", "gpus": 1, "step_time_s": 0.5, "gpu_type": "a100"}])
+    queries: list[str] = []
+    sa.event.listen(store.engine, "before_cursor_execute", lambda _c, _cur, sql, *a: queries.append(" ".join(sql.split())))
+    est = LearnedEstimator.from_store(store, reference=None, persist=False)
+    assert len([q for q in queries if "FROM sample" in q]) == 1, queries
+    # what each learned from the one pass: the predictor every sample, the estimator the solo ones
+    assert est.predictor.n_observed == 5
+    assert est.reference_gpu == "v100"  # the first model the samples name
+    assert est.predict_gpu_speed(_job(1), "a100").basis.startswith("samples(n=1 on a100,3 on v100)")
+    assert est.predict_duration(_job(1)).basis == "iterations×step-time:samples(n=4)"  # (a100's converted)
+
+
 def test_a_declared_duration_gives_way_to_measured_runs(tmp_path):
     """A stage declared at 100 s that runs in about 32 s: its runs correct the declaration (the worker's
     case: every @qos_task stage may declare an expected_duration), in this process and after a restart."""

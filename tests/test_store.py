@@ -490,3 +490,47 @@ def test_a_long_read_does_not_hold_up_a_writer(tmp_path):
     assert reader.count() == 2
     reader.close()
     writer.close()
+
+
+def test_rows_of_values_are_what_the_orm_reads(url):
+    """`sample_rows`, `history_rows` and `duration_errors` (what a worker's start and `qosflow predict stages`
+    read now: the values of the columns asked for, not SQLAlchemy ORM instances, which were about half of a
+    worker's start at 100k stages) give what `samples_for`, `stage_history` and `prediction_errors` give."""
+    from qosflow.predict.prediction import Prediction
+    from qosflow.store.models import StageHistory
+    from qosflow.store.store import SAMPLE_VALUE_COLUMNS
+
+    # every column `validate_sample` checks but created_at (always a valid time when read back)
+    assert set(SAMPLE_VALUE_COLUMNS) == {c.name for c in Sample.__table__.c} - {"id", "created_at"}
+    with Store.open(url) as store:
+        store.add_samples([{"signature": f"net{i % 2}/bs8", "gpus": 1 + i % 3, "step_time_s": 0.1 * (i + 1),
+                            "co_runner": "lm/bs20" if i == 3 else None, "cpu_cores": 4 if i % 2 else None,
+                            "gpu_type": "a100" if i == 4 else "v100"} for i in range(7)])
+        orm = store.samples_for()
+        for batch in (2, 7, 20_000):
+            rows = list(store.sample_rows(batch=batch))
+            assert [tuple(r) for r in rows] == [tuple(getattr(s, c.name) for c in Sample.__table__.c) for s in orm]
+        rows = list(store.sample_rows("step_time_s", "co_runner", signature="net1/bs8", since_id=orm[1].id, batch=1))
+        assert [(r.id, r.step_time_s, r.co_runner) for r in rows] == [
+            (s.id, s.step_time_s, s.co_runner) for s in orm if s.signature == "net1/bs8" and s.id > orm[1].id]
+        for i, (state, run) in enumerate((("COMPLETED", "a"), ("FAILED", "b"), ("COMPLETED", "c"))):
+            store.record_stage(stage_run_id=run, signature=f"net{i % 2}/bs8", state=state, duration_s=10.0 + i, gpus=2)
+            store.record_prediction(Prediction(12.0, 6.0, 24.0, 0, "declared"), signature=f"net{i % 2}/bs8",
+                                    target="duration", stage_run_id=run)
+            store.record_outcome(run, 11.0 + i, signature=f"net{i % 2}/bs8")
+        store.record_prediction(Prediction(1.0, 0.5, 2.0, 3, "samples(n=3)"), signature="net0/bs8",
+                                target="solo_step_time", stage_run_id="a")
+        cols = [c.name for c in StageHistory.__table__.c]
+        runs = store.stage_history()
+        assert [tuple(r) for r in store.history_rows(*cols)] == [tuple(getattr(h, c) for c in cols) for h in runs]
+        done = store.history_rows("duration_s", state="COMPLETED", signature="net0/bs8")
+        assert [(r.id, r.duration_s) for r in done] == [(h.id, h.duration_s) for h in runs
+                                                          if h.state == "COMPLETED" and h.signature == "net0/bs8"]
+        # by id, a thousand at a time (SQLite's limit on one statement's parameters)
+        assert [r.id for r in store.history_rows(ids=[runs[2].id, *range(10_000, 12_500), runs[0].id])] == \
+            [runs[0].id, runs[2].id]
+        pairs = store.prediction_errors("duration")
+        assert [tuple(r) for r in store.duration_errors()] == [
+            (p.signature, p.value, p.basis, o.actual) for p, o in pairs]
+        assert [tuple(r) for r in store.duration_errors("net1/bs8")] == [
+            (p.signature, p.value, p.basis, o.actual) for p, o in pairs if p.signature == "net1/bs8"]

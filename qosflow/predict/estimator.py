@@ -411,11 +411,21 @@ class LearnedEstimator:
             from qosflow.store import Store
 
             store = Store.open()  # the live worker: the user's store (or QOSFLOW_DATABASE_URL)
+        solo: list[tuple] | None = None
         if predictor is None:
             if store is not None:
                 from qosflow.predict.predictor import Predictor
 
-                predictor = Predictor.open(store, reference=reference, seed=seed)
+                # the predictor reads every sample; the solo step times `_load_history` needs are kept as it
+                # goes, not read a second time
+                solo = []
+                keep = solo.append
+
+                def on_sample(s: Any) -> None:
+                    if s.co_runner is None and s.placement == "consolidated" and s.source != "reference":
+                        keep((s.signature, s.gpus, s.gpu_type, s.step_time_s))
+
+                predictor = Predictor.open(store, reference=reference, seed=seed, on_sample=on_sample)
             else:
                 gt = getattr(getattr(speed, "interference", None), "gpu_type", None)
                 predictor = reference_predictor(reference, seed=seed, gpu_type=gt)
@@ -486,7 +496,7 @@ class LearnedEstimator:
         self._models: dict[str, str | None] = {}  # GPU name -> `gpu_model_of` it
         self._model_profiled: set[tuple[str, int, str]] = set()
         if store is not None:
-            self._load_history(store)
+            self._load_history(store, solo)
 
     # ------------------------------------------------------------------ construction
 
@@ -504,24 +514,31 @@ class LearnedEstimator:
     def for_simulation(cls, speed: "SpeedModel", *, seed: int = 0, **kw: Any) -> "LearnedEstimator":
         return cls(speed, seed=seed, **kw)
 
-    def _load_history(self, store: Any) -> None:
+    def _load_history(self, store: Any, solo_samples: list[tuple] | None = None) -> None:
         """Per-iteration times (solo, consolidated samples) and stage durations already in the store.
+        `solo_samples`: (signature, gpus, gpu_type, step time) of those samples, in the order they were
+        stored, when the caller read them already (the predictor's `load_store`); else they are read here.
 
         The reference GPU is the first model they name (samples first, in the order they were stored: the
         model the estimator adopted when it measured it, so a restart keeps it); measurements on other
         models are kept as measured, and converted when asked."""
-        solo = [(s.signature, int(s.gpus), self._model(s.gpu_type), s.step_time_s) for s in store.iter_samples()
-                if s.co_runner is None and s.placement == "consolidated" and s.source != "reference"]
+        if solo_samples is None:
+            solo_samples = [(s.signature, s.gpus, s.gpu_type, s.step_time_s)
+                            for s in store.sample_rows("signature", "gpus", "gpu_type", "step_time_s", "co_runner",
+                                                       "placement", "source")
+                            if s.co_runner is None and s.placement == "consolidated" and s.source != "reference"]
+        solo = [(sig, int(gpus), self._model(gt), t) for sig, gpus, gt, t in solo_samples]
         hist = []
-        for h in store.stage_history():
+        for _id, duration_s, state, sig, co_runner, resumed_from, steps, gpus, gpu_type in store.history_rows(
+                "duration_s", "state", "signature", "co_runner", "resumed_from", "steps", "gpus", "gpu_type"):
             # (a run shared with one partner the whole time is not an isolated duration: see observe_stage)
-            if h.duration_s and h.duration_s > 0 and h.state == "COMPLETED" and h.signature and not h.co_runner:
-                whole = h.duration_s
-                if h.resumed_from:  # a run resumed from a checkpoint: the time of a whole run at its pace
-                    if not h.steps:
+            if duration_s and duration_s > 0 and state == "COMPLETED" and sig and not co_runner:
+                whole = duration_s
+                if resumed_from:  # a run resumed from a checkpoint: the time of a whole run at its pace
+                    if not steps:
                         continue
-                    whole *= (h.steps + h.resumed_from) / h.steps
-                hist.append((h.signature, int(h.gpus or 0), self._model(h.gpu_type), whole))
+                    whole *= (steps + resumed_from) / steps
+                hist.append((sig, int(gpus or 0), self._model(gpu_type), whole))
         first = next((m for rows in (solo, hist) for _s, _g, m, _v in rows if m is not None), None)
         if first is not None:
             self._set_reference(first)

@@ -15,9 +15,10 @@ whose number does not grow with the number of samples. Answers are cached until 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -35,6 +36,7 @@ MIN_SAMPLES = 3
 DEFAULT_PAIR_SLOWDOWN = 1.4
 
 
+@functools.lru_cache(maxsize=8192)  # (a store's samples name a few hundred signatures, read again and again)
 def canonical(signature: str) -> str:
     """A signature's matching key: lower-case alphanumeric family + batch size ('ResNet-50 (batch size 64)'
     and 'resnet50/bs64' both give 'resnet50|bs64')."""
@@ -91,9 +93,10 @@ class Predictor:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def open(cls, store: Any = None, *, reference: ThroughputTable | str | None = "auto", **kw) -> "Predictor":
+    def open(cls, store: Any = None, *, reference: ThroughputTable | str | None = "auto",
+             on_sample: Callable[[Any], None] | None = None, **kw) -> "Predictor":
         """A predictor over `store` (a `qosflow.store.Store`, default `Store.open()`) and the reference table
-        ('auto': Gavel's shared table when present, None: samples only)."""
+        ('auto': Gavel's shared table when present, None: samples only). `on_sample`: see `load_store`."""
         if isinstance(reference, str):
             from qosflow.predict.reference import default_gavel_path
 
@@ -109,7 +112,7 @@ class Predictor:
             from qosflow.store import Store
 
             store = Store.open()
-        p.load_store(store)
+        p.load_store(store, on_sample=on_sample)
         p.refit()
         return p
 
@@ -128,18 +131,27 @@ class Predictor:
         for j in t.jobs:
             self._names.setdefault(canonical(j), j)
 
-    def load_store(self, store: Any, since_id: int = 0) -> int:
+    def load_store(self, store: Any, since_id: int = 0, *, on_sample: Callable[[Any], None] | None = None) -> int:
         """Observe the store's samples and profiles. A stored sample that fails today's validation (written
         by an older qosflow, e.g. an infinite step time) is skipped with a warning naming its id, so one
-        bad row does not stop the predictor from loading the rest (`self.skipped_samples` lists them)."""
+        bad row does not stop the predictor from loading the rest (`self.skipped_samples` lists them).
+        `on_sample` is called with every stored sample read (valid or not: a row with Sample's columns but
+        created_at as attributes), so that a caller that needs them too (`LearnedEstimator`) does not read
+        them a second time."""
         from qosflow.errors import SpecError
+        from qosflow.store.store import SAMPLE_VALUE_COLUMNS
 
         last = since_id
         skipped: list[tuple[int, str]] = []
         profiled: set[tuple] = set()  # the runs `qosflow profile` stored as samples (it stores its best as a profile too)
-        for s in store.iter_samples(since_id=since_id):
+        # rows of values, not ORM instances: building those was half of a worker's start. What `observe`
+        # validates is what a `Sample` read back gave it: its columns but id, None left out (created_at,
+        # always a valid time when read back, is not read)
+        for s in store.sample_rows(*SAMPLE_VALUE_COLUMNS, since_id=since_id):
+            if on_sample is not None:
+                on_sample(s)
             try:
-                self.observe(s)
+                self.observe({k: v for k, v in zip(SAMPLE_VALUE_COLUMNS, s[1:]) if v is not None})
             except SpecError as exc:
                 skipped.append((s.id, str(exc)))
             else:

@@ -44,6 +44,9 @@ _SAMPLE_FIELDS = {
     "steps", "gpu_util_pct", "gpu_mem_mb", "source", "stage_run_id", "created_at",
 }
 _SAMPLE_ALIASES = {"step_time", "unit", "units"}
+#: a stored sample's columns that `validate_sample` checks (all but id and created_at), in Sample's order
+SAMPLE_VALUE_COLUMNS = ("signature", "gpu_type", "placement", "gpus", "cross_node", "cpu_cores", "co_runner",
+                        "step_time_s", "steps", "gpu_util_pct", "gpu_mem_mb", "source", "stage_run_id")
 
 
 def sqlite_file(url: str) -> str | None:
@@ -601,6 +604,27 @@ class Store:
             yield from rows
             last = rows[-1].id
 
+    def sample_rows(self, *columns: str, signature: str | None = None, since_id: int = 0,
+                    batch: int = 20_000) -> Iterator[sa.Row]:
+        """Every sample (of `signature`) as a row of its id and `columns` (names of Sample's columns;
+        none: all of them), oldest first, read `batch` rows per query. A row is a tuple whose values are
+        also its attributes (`row.signature`) and `row._mapping`: the values a `Sample` read back would
+        have, without building one (SQLAlchemy's ORM instances were most of a worker's start)."""
+        t = Sample.__table__.c
+        cols = [t.id] + [t[c] for c in (columns or [c.name for c in t]) if c != "id"]
+        q = sa.select(*cols).order_by(t.id).limit(batch)
+        if signature is not None:
+            q = q.where(t.signature == signature)
+        last = since_id
+        while True:
+            with self._reader.connect() as conn:
+                rows = conn.execute(q.where(t.id > last)).all()
+                conn.rollback()
+            yield from rows
+            if len(rows) < batch:  # (the last batch: no query more to find nothing)
+                return
+            last = rows[-1].id
+
     def count(self, table: type = Sample) -> int:
         with Session(self._reader) as s:
             return int(s.exec(select(sa.func.count()).select_from(table)).one())
@@ -690,6 +714,20 @@ class Store:
         with Session(self._reader) as s:
             return [(p, o) for p, o in s.exec(q.order_by(PredictionRecord.id)).all()]
 
+    def duration_errors(self, signature: str | None = None) -> list[sa.Row]:
+        """`prediction_errors("duration")` (of `signature`) as rows (signature, value, basis, actual) in the
+        same order: what `qosflow predict stages` scores, without the two ORM instances per pair."""
+        P, O = PredictionRecord.__table__.c, Outcome.__table__.c
+        q = sa.select(P.signature, P.value, P.basis, O.actual).select_from(PredictionRecord.__table__).join(
+            Outcome.__table__, sa.and_(O.stage_run_id == P.stage_run_id, O.target == P.target)
+        ).where(P.target == "duration")
+        if signature is not None:
+            q = q.where(P.signature == signature)
+        with self._reader.connect() as conn:
+            rows = conn.execute(q.order_by(P.id, O.id)).all()
+            conn.rollback()
+        return rows
+
     # ---- stage history
 
     def record_stage(self, **fields: Any) -> int:
@@ -711,6 +749,28 @@ class Store:
             q = q.where(StageHistory.flow_run_id == flow_run_id)
         with Session(self._reader) as s:
             return list(s.exec(q.order_by(StageHistory.id)).all())
+
+    def history_rows(self, *columns: str, signature: str | None = None, state: str | None = None,
+                     ids: Iterable[int] | None = None) -> list[sa.Row]:
+        """`stage_history`'s runs (of `signature`, in `state`, or those of `ids`) as rows of their id and
+        `columns` (names of StageHistory's columns), oldest first: values, not ORM instances (as
+        `sample_rows`)."""
+        t = StageHistory.__table__.c
+        q = sa.select(t.id, *[t[c] for c in columns if c != "id"]).order_by(t.id)
+        if signature is not None:
+            q = q.where(t.signature == signature)
+        if state is not None:
+            q = q.where(t.state == state)
+        parts = [None]
+        if ids is not None:  # (a thousand at a time: SQLite limits the parameters of one statement)
+            ids = sorted(set(ids))
+            parts = [ids[i:i + 1000] for i in range(0, len(ids), 1000)]
+        rows: list[sa.Row] = []
+        with self._reader.connect() as conn:
+            for part in parts:
+                rows += conn.execute(q if part is None else q.where(t.id.in_(part))).all()
+            conn.rollback()
+        return rows
 
     # ---- retention
 
