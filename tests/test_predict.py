@@ -815,3 +815,55 @@ def test_a_step_time_asked_at_the_cores_it_was_measured_at_is_that_measurement()
     p.observe({"signature": "resnet50/bs64", "gpu_type": "v100", "gpus": 1, "placement": "consolidated", "cpu_cores": 2, "step_time_s": 0.21})
     p.observe({"signature": "resnet50/bs64", "gpu_type": "v100", "gpus": 1, "placement": "consolidated", "cpu_cores": 8, "step_time_s": 0.195})
     assert p.predict_solo_step_time("resnet50/bs64", 1, True, 4).value == pytest.approx(0.2, rel=0.02)  # (pooled over the three)
+
+
+def test_stage_report_answers_as_the_worker_plans_without_fitting_the_predictor(tmp_path, monkeypatch):
+    """`qosflow predict stages` loaded and fitted the predictor's models and read the samples three times
+    and the history twice, as ORM instances (112 s at 100k stages); the durations it reports never ask
+    those models (a job without iterations: its history, its GPU speeds from the solo samples). Now it
+    builds the estimator on a bare predictor: the same predictions as the worker's estimator from the same
+    store, also for runs on another GPU model, resumed runs and a declared duration."""
+    import sqlalchemy as sa
+
+    from qosflow.core.job import Job
+    from qosflow.core.qos import QoSSpec
+    from qosflow.predict.estimator import LearnedEstimator
+    from qosflow.predict.stage_report import stage_report
+    from qosflow.store import Store
+
+    store = Store.open(f"sqlite:///{tmp_path / 'q.db'}")
+    for i in range(4):
+        for sig, gt in (("pipe.train/bs32", "v100"), ("pipe.train/bs32", "a100"), ("pipe.etl", "v100")):
+            store.add_sample(signature=sig, gpus=2, step_time_s=(0.4 if gt == "v100" else 0.25) + i / 100, gpu_type=gt,
+                             source="stage", stage_run_id=f"{sig}{gt}{i}")
+            store.record_stage(stage_run_id=f"{sig}{gt}{i}", signature=sig, stage=sig.split("/")[0], gpus=2, gpu_type=gt,
+                               duration_s=(400.0 if gt == "v100" else 250.0) + i, steps=100,
+                               resumed_from=50 if i == 3 else None)
+    store.add_sample(signature="pipe.etl", gpus=1, step_time_s=0.9, co_runner="pipe.train/bs32", source="stage")
+    store.add_sample(signature="pipe.prof/bs8", gpus=1, step_time_s=0.3, source="profile")
+    store.record_prediction(Prediction(300.0, 150.0, 600.0, 0, "declared"), signature="pipe.etl", target="duration",
+                            stage_run_id="pipe.etlv1000")
+    store.record_outcome("pipe.etlv1000", 400.0, signature="pipe.etl")
+    worker = LearnedEstimator.from_store(store, reference=None, persist=False)
+    queries: list[str] = []
+    sa.event.listen(store.engine, "before_cursor_execute", lambda _c, _cur, sql, *a: queries.append(sql))
+
+    def refit(self, *a, **kw):
+        raise AssertionError("the report fitted the predictor's models")
+
+    monkeypatch.setattr(Predictor, "refit", refit)
+    rows = {r["signature"]: r for r in stage_report(store)}
+    assert len([q for q in queries if "FROM sample" in q]) <= 2, queries  # (the report's, the estimator's)
+    assert set(rows) == {"pipe.train/bs32", "pipe.etl", "pipe.prof/bs8"}
+    for sig, declared in (("pipe.train/bs32", None), ("pipe.etl", 300.0)):
+        want = worker.predict_duration(Job(f"w:{sig}", 0.0, QoSSpec(gpus=2, cpu_cores=1.0), 1.0, model=sig,
+                                           expected_duration=declared))
+        r = rows[sig]
+        assert (r["predicts_s"], r["predicts_low_s"], r["predicts_high_s"], r["basis"]) == (
+            round(want.value, 3), round(want.low, 3), round(want.high, 3), want.basis)
+    assert rows["pipe.etl"]["basis"] == "declared+history(n=4)"
+    assert (rows["pipe.etl"]["solo_samples"], rows["pipe.etl"]["shared_samples"], rows["pipe.etl"]["co_runners"]) == \
+        (4, 1, ["pipe.train/bs32"])
+    assert rows["pipe.etl"]["predictions_scored"] == 1 and rows["pipe.etl"]["last_ape"] == 0.25
+    assert rows["pipe.prof/bs8"]["runs"] == 0 and rows["pipe.prof/bs8"]["profiled_samples"] == 1
+    assert rows["pipe.train/bs32"]["last_run"] == store.stage_history(signature="pipe.train/bs32")[-1].created_at.isoformat()

@@ -166,8 +166,8 @@ def stages_cmd(
         # a signature not in the store: the ones it has (the table's), to say which was meant
         # (with those only `qosflow profile` measured, which the table lists too: were left out, so a profiled
         # stage's signature without its /bsN got "no completed run ... yet" and no hint)
-        known = sorted({h.signature for h in store.stage_history() if h.signature and h.state == "COMPLETED"}
-                       | {s.signature for s in store.samples_for() if s.source == "profile"}) \
+        known = sorted({h.signature for h in store.history_rows("signature", state="COMPLETED") if h.signature}
+                       | {s.signature for s in store.sample_rows("signature", "source") if s.source == "profile"}) \
             if signature and not rows else []
     finally:
         store.close()

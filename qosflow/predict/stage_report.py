@@ -21,15 +21,20 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
     most recently run first; then one per signature that only `qosflow profile` measured (runs 0, no
     duration predicted yet: a profile measures step times, not how many steps a run takes)."""
     from qosflow.predict.estimator import LearnedEstimator
+    from qosflow.predict.predictor import Predictor
 
+    # values read in one pass per table, not ORM instances (100k stages took minutes, mostly building those)
     runs: dict[str, list[Any]] = defaultdict(list)
-    for h in store.stage_history(signature=signature):
-        if h.signature and h.state == "COMPLETED" and h.duration_s and h.duration_s > 0:
+    for h in store.history_rows("signature", "stage", "gpus", "duration_s", signature=signature, state="COMPLETED"):
+        if h.signature and h.duration_s and h.duration_s > 0:
             runs[h.signature].append(h)
     profiled: dict[str, list[Any]] = defaultdict(list)
-    for smp in store.samples_for(signature):
+    samples: dict[str, list[Any]] = defaultdict(list)  # a signature's samples of finished stages: their co-runners
+    for smp in store.sample_rows("signature", "source", "co_runner", "step_time_s", signature=signature):
         if smp.source == "profile":  # `qosflow profile`'s (not a shipped reference table's)
             profiled[smp.signature].append(smp)
+        elif smp.source == "stage":
+            samples[smp.signature].append(smp.co_runner)
     if not runs:
         return [_profiled_only(sig, smps) for sig, smps in profiled.items()]
     errors: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -38,17 +43,17 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
     # has its value. Without it the report answered from the runs alone ("history(n=3)") while the worker
     # planned with "declared+history(n=3)", though the help says the declaration is blended in.
     declared: dict[str, float] = {}
-    for pred, out in store.prediction_errors("duration"):
-        if pred.signature in runs and out.actual > 0:
-            errors[pred.signature].append((pred.value, out.actual))
+    for pred in store.duration_errors(signature):
+        if pred.signature in runs and pred.actual > 0:
+            errors[pred.signature].append((pred.value, pred.actual))
         if pred.signature in runs and pred.basis == "declared" and pred.value > 0:
             declared[pred.signature] = pred.value  # the latest
-    samples: dict[str, list[Any]] = defaultdict(list)
-    for smp in store.samples_for(signature):
-        if smp.signature in runs and smp.source == "stage":
-            samples[smp.signature].append(smp)
-    # what the worker would plan with now, from the same store (models unused: durations come from history)
-    est = LearnedEstimator.from_store(store, reference=None, persist=False)
+    # when each signature last ran (its last run's time only: reading every run's was a good part of the read)
+    last_at = {r.id: r.created_at for r in store.history_rows("created_at", ids=[hs[-1].id for hs in runs.values()])}
+    # what the worker would plan with now, from the same store: its durations come from the history and its
+    # GPU speeds from the solo samples (`LearnedEstimator._load_history`), not from the predictor's models
+    # (a job without iterations is never asked of them), so the predictor is not loaded and fitted
+    est = LearnedEstimator(None, store=store, predictor=Predictor(None), persist=False)
     rows = []
     for sig, hs in runs.items():
         durations = [h.duration_s for h in hs]
@@ -57,14 +62,14 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
                   expected_duration=declared.get(sig))
         now = est.predict_duration(job)
         apes = [abs(p - a) / a for p, a in errors.get(sig, ())]
-        shared = [s for s in samples.get(sig, ()) if s.co_runner]
+        shared = [co for co in samples.get(sig, ()) if co]
         rows.append({
             "signature": sig,
             "stage": last.stage,
             "runs": len(hs),
             "last_s": round(durations[-1], 3),
             "median_s": round(statistics.median(durations), 3),
-            "last_run": last.created_at.isoformat() if last.created_at else None,
+            "last_run": last_at[last.id].isoformat() if last_at.get(last.id) else None,
             "predicts_s": round(now.value, 3),
             "predicts_low_s": round(now.low, 3),
             "predicts_high_s": round(now.high, 3),
@@ -74,7 +79,7 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
             "last_ape": round(apes[-1], 4) if apes else None,
             "solo_samples": len(samples.get(sig, ())) - len(shared),
             "shared_samples": len(shared),
-            "co_runners": sorted({s.co_runner for s in shared}),
+            "co_runners": sorted(set(shared)),
             "profiled_samples": len(profiled.get(sig, ())),
         })
     rows.sort(key=lambda r: r["last_run"] or "", reverse=True)
