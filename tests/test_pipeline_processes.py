@@ -180,3 +180,79 @@ def test_kill_infrastructure_leaves_a_process_that_does_not_run_the_flow_run_alo
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def _log(d, fid: str, age_s: float, now: float) -> str:
+    p = d / f"{fid}.log"
+    p.write_text(f"output of {fid}\n")
+    os.utime(p, (now - age_s, now - age_s))
+    return str(p)
+
+
+def test_the_sweep_removes_old_pipeline_output_but_never_that_of_a_running_or_recorded_process(tmp_path):
+    """`pipeline-output/<run>.log` files were never removed (the worker removes a completed run's at once, a failed,
+    crashed or cancelled run's never). `LeaseStore.sweep_pipeline_output` removes those last written longer ago
+    than the retention, and keeps a recent one, that of a process recorded in the lease store (running, or ended
+    and not yet dealt with by a worker) and that of a process which has it open (a quiet pipeline, recorded or not)."""
+    from qosflow.store.leases import LeaseStore
+
+    store = LeaseStore(url=f"sqlite:///{tmp_path / 'leases.db'}")
+    d = tmp_path / "pipeline-output"
+    d.mkdir()
+    now = time.time()
+    day = 86400.0
+    old = _log(d, "fr-failed-long-ago", 40 * day, now)
+    recent = _log(d, "fr-failed-yesterday", 1 * day, now)
+    recorded = _log(d, "fr-recorded", 40 * day, now)  # (recorded as running: its process ended, no worker saw it yet)
+    moved = _log(d, "fr-moved", 40 * day, now)  # (recorded by its path, under another flow run id)
+    running = _log(d, "fr-running-unrecorded", 40 * day, now)
+    not_a_log = d / "notes.txt"
+    not_a_log.write_text("x")
+    os.utime(not_a_log, (now - 40 * day, now - 40 * day))
+    store.record_pipeline("p@1", "fr-recorded", "w#h:1:aa", 1, "boot:1", recorded)
+    store.record_pipeline("p@1", "fr-other-name", "w#h:1:aa", 1, "boot:1", moved)
+    with open(running, "ab") as out:  # a pipeline still running whose record could not be written: its log is open
+        p = subprocess.Popen(SLEEP, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    os.utime(running, (now - 40 * day, now - 40 * day))
+    try:
+        removed = store.sweep_pipeline_output(d, max_age_s=30 * day, now=now)
+        assert removed == [os.path.realpath(old)], removed
+        assert not os.path.exists(old)
+        for kept in (recent, recorded, moved, running, str(not_a_log)):
+            assert os.path.exists(kept), kept
+        assert store.sweep_pipeline_output(d, max_age_s=0.5 * day, now=now + 60) == []  # (at most every 10 min)
+        assert store.sweep_pipeline_output(d, max_age_s=0.5 * day, now=now + 700) == [os.path.realpath(recent)]
+    finally:
+        p.kill()
+        p.wait()
+    store.forget_pipeline("fr-recorded")  # (a worker dealt with it; the other process has ended)
+    removed = store.sweep_pipeline_output(d, max_age_s=30 * day, now=now, every_s=0)
+    assert sorted(removed) == sorted(os.path.realpath(x) for x in (recorded, running)), removed
+    assert os.path.exists(moved) and not_a_log.exists()
+    assert store.sweep_pipeline_output(tmp_path / "none", max_age_s=day, every_s=0) == []  # (no directory: nothing made)
+    assert not (tmp_path / "none").exists()
+    store.engine.dispose()
+
+
+def test_the_retention_of_pipeline_output_is_set_by_an_environment_variable(tmp_path, monkeypatch):
+    """QOSFLOW_PIPELINE_OUTPUT_MAX_AGE: an age as `qosflow predict prune --older-than` takes it (default 30d), or
+    never; a bad value is an error naming the variable."""
+    from qosflow.errors import QosflowError
+    from qosflow.store.leases import LeaseStore, pipeline_output_max_age
+
+    assert pipeline_output_max_age() == 30 * 86400
+    store = LeaseStore(url=f"sqlite:///{tmp_path / 'leases.db'}")
+    d = tmp_path / "out"
+    d.mkdir()
+    now = time.time()
+    ten_days = _log(d, "fr-10d", 10 * 86400, now)
+    assert store.sweep_pipeline_output(d, every_s=0) == []  # (30 days)
+    monkeypatch.setenv("QOSFLOW_PIPELINE_OUTPUT_MAX_AGE", "never")
+    assert pipeline_output_max_age() is None and store.sweep_pipeline_output(d, every_s=0) == []
+    monkeypatch.setenv("QOSFLOW_PIPELINE_OUTPUT_MAX_AGE", "1w")
+    assert store.sweep_pipeline_output(d, every_s=0) == [os.path.realpath(ten_days)]
+    for bad in ("7", "-3d", "10min"):
+        monkeypatch.setenv("QOSFLOW_PIPELINE_OUTPUT_MAX_AGE", bad)
+        with pytest.raises(QosflowError, match=f"environment variable QOSFLOW_PIPELINE_OUTPUT_MAX_AGE='{bad}': .*unset it for the default"):
+            pipeline_output_max_age()
+    store.engine.dispose()

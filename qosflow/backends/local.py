@@ -25,7 +25,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle, placement_env
 from qosflow.core.cluster import ClusterSpec, NodeSpec
@@ -438,6 +441,15 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def boot_id() -> str | None:
+    """This host's boot id (Linux: a new one at each boot), None without /proc."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
 def process_start(pid: int) -> str | None:
     """When process `pid` started: '<boot id>:<start time in clock ticks since boot>' (Linux /proc; None when
     there is no such process, or it is a zombie). Two processes never share it, so a pid with the start time
@@ -445,14 +457,56 @@ def process_start(pid: int) -> str | None:
     fields = stat_fields(pid)
     if fields is None:
         return None
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
+    boot = boot_id()
+    if boot is None:
         return None
     if len(fields) < 20 or fields[0] in ("Z", "X"):  # (a zombie has ended: only its exit status is left)
         return None
     return f"{boot}:{fields[19]}"  # (field 22 of stat; fields here start at the 3rd, the state)
+
+
+def recorded_process_alive(host: str, pid: int, start: str | None) -> tuple[bool | None, str]:
+    """Does the process recorded as pid `pid` started at `start` (`process_start`) on host `host` still run?
+    (True or False, "") where that can be told: on that host (its name), in the boot it was recorded in.
+    Elsewhere (None, why): "other host", "other boot" (a pid and a start time mean nothing in another
+    boot, or on another machine of the same name), "no /proc" (not Linux). Never a guess."""
+    import socket
+
+    if host != socket.gethostname():
+        return None, "other host"
+    boot = boot_id()
+    if boot is None:
+        return None, "no /proc"
+    if not start or start.split(":", 1)[0] != boot:
+        return None, "other boot"
+    return process_start(int(pid)) == start, ""
+
+
+def files_open(paths: Iterable[str]) -> set[str] | None:
+    """Of the files `paths`, those that some process of this host has open (their real paths), by its
+    /proc/PID/fd links: the processes of this user (and all of them as root; other users' cannot be
+    looked into). None when that cannot be told at all (no /proc)."""
+    want = {os.path.realpath(p) for p in paths}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    found: set[str] = set()
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{e}/fd")
+        except OSError:  # (another user's, or gone meanwhile)
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{e}/fd/{fd}")
+            except OSError:
+                continue
+            if target in want:
+                found.add(target)
+    return found
 
 
 def _copy_out(path: str, pos: int) -> int:

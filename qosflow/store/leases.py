@@ -18,6 +18,10 @@ inserted in one transaction: all or nothing.
 Expired leases are never silently stolen: a worker that finds one (its holder crashed) calls
 `recover()`, which adopts the stage if its backend still runs it and releases it otherwise.
 
+A third, `qosflow_pipeline_process`, records the pipeline runs' processes that outlive their worker (pools
+whose stages run on host agents or Kubernetes); `LeaseStore.sweep_pipeline_output` removes the output files
+of those that ended once they are older than `QOSFLOW_PIPELINE_OUTPUT_MAX_AGE` (default 30 days).
+
 Engine: `QOSFLOW_DATABASE_URL` (e.g. `postgresql+psycopg://user@host/db`) or SQLite in
 `qosflow.paths.data_dir()`. The predictor's store (`qosflow.store`) can pass its own engine;
 `create_lease_tables(conn)` is written to be appended to its migration list as-is.
@@ -119,6 +123,41 @@ class PipelineProcessRow(SQLModel, table=True):
 LEASE_TABLES = [StageLeaseRow.__table__, SlotLeaseRow.__table__, WorkerPresenceRow.__table__, PipelineProcessRow.__table__]
 
 
+#: how long the output file (`$QOSFLOW_HOME/pipeline-output/<flow run id>.log`) of a pipeline process that
+#: ended is kept: an age as `qosflow predict prune --older-than` takes it (`parse_age`: 30d, 12w, 36h...), or
+#: `never`. The worker removes a completed run's file at once; what is left is that of a run that failed,
+#: crashed or was cancelled, whose prints and start-up traceback are only there (the worker forwards none of
+#: it to Prefect's logs), so it is kept for weeks, not days
+PIPELINE_OUTPUT_MAX_AGE_ENV = "QOSFLOW_PIPELINE_OUTPUT_MAX_AGE"
+PIPELINE_OUTPUT_MAX_AGE_DEFAULT = "30d"
+
+
+def pipeline_output_max_age() -> float | None:
+    """Seconds a pipeline's output file is kept after its last write (`QOSFLOW_PIPELINE_OUTPUT_MAX_AGE`,
+    default 30 days); None: for ever (`never`). A bad value is an error naming the variable."""
+    from qosflow.errors import SpecError
+    from qosflow.store.store import parse_age
+
+    raw = os.environ.get(PIPELINE_OUTPUT_MAX_AGE_ENV, "").strip() or PIPELINE_OUTPUT_MAX_AGE_DEFAULT
+    if raw.lower() in ("never", "off"):
+        return None
+    try:
+        return parse_age(raw, PIPELINE_OUTPUT_MAX_AGE_ENV).total_seconds()
+    except SpecError as exc:
+        why = str(exc).removeprefix(f"invalid {PIPELINE_OUTPUT_MAX_AGE_ENV}: ")
+        if "too young" in why:  # (parse_age's reason is the predictor's rows)
+            why = f"{raw!r} is too short: give at least 1h, e.g. 30d, 12w, 36h"
+        raise QosflowError(f"environment variable {PIPELINE_OUTPUT_MAX_AGE_ENV}={raw!r}: {why}; or never (keep them); "
+                           f"unset it for the default ({PIPELINE_OUTPUT_MAX_AGE_DEFAULT})") from None
+
+
+def pipeline_output_dir() -> Path:
+    """Where a worker's pipeline processes that outlive it write their output (`LocalBackend.output_file`)."""
+    from qosflow.paths import data_dir
+
+    return data_dir() / "pipeline-output"
+
+
 class WorkerNameTaken(QosflowError):
     """A live worker process of the same name already works on the pool."""
 
@@ -175,6 +214,10 @@ def _process_gone(host: str, pid: int) -> bool:
     except PermissionError:
         return False
     return False
+
+
+def _age_text(seconds: float) -> str:
+    return f"{seconds / 86400:g} days" if seconds >= 86400 else f"{seconds / 3600:g} hours"
 
 
 def create_lease_tables(conn: sa.engine.Connection) -> None:
@@ -343,6 +386,20 @@ class LeaseStore:
                 if attempt == 4:  # (or the database cannot be opened at all: say so here, not later)
                     raise
                 time.sleep(0.1)
+
+    @classmethod
+    def existing(cls, url: str | None = None) -> "LeaseStore | None":
+        """The lease store at `url` (default: the one workers use here) opened to read it, or None when it is a
+        SQLite file that does not exist: nothing is created, no table either (`qosflow status` run on a
+        machine where no worker has run must not leave an empty database behind)."""
+        url = url or default_url()
+        if url.startswith("sqlite"):
+            path = sqlite_file(url)
+            if path is None or not os.path.isfile(path):
+                return None
+        store = cls.__new__(cls)
+        store.engine = make_engine(url)
+        return store
 
     # ------------------------------------------------------------------ acquire / release
     def acquire(
@@ -558,6 +615,71 @@ class LeaseStore:
             )
             s.commit()
             return r.rowcount == 1
+
+    def sweep_pipeline_output(self, directory: str | os.PathLike[str] | None = None, *, max_age_s: float | None = None,
+                              now: float | None = None, every_s: float = 600.0) -> list[str]:
+        """Remove the output files (`<flow run id>.log`) of pipeline processes in `directory` (default
+        `$QOSFLOW_HOME/pipeline-output`) last written more than `max_age_s` ago (default
+        `QOSFLOW_PIPELINE_OUTPUT_MAX_AGE`, 30 days; `never` keeps them all). Never the file of a process
+        recorded in `qosflow_pipeline_process` (any pool, any host: running, or ended and not yet dealt
+        with by a worker of its name), nor one that a process of this host has open (a pipeline still
+        running, recorded or not: a quiet one writes nothing for days); where open files cannot be seen
+        (no /proc) nothing is removed. Looks at most every `every_s` seconds (a worker calls it at its
+        start and at its heartbeats). Returns the paths removed."""
+        from qosflow.backends.local import files_open
+
+        now = time.time() if now is None else now
+        d = Path(directory) if directory is not None else pipeline_output_dir()
+        key = str(d)
+        swept = self.__dict__.setdefault("_swept_at", {})
+        if every_s > 0 and key in swept and now - swept[key] < every_s:
+            return []
+        swept[key] = now
+        age = pipeline_output_max_age() if max_age_s is None else float(max_age_s)
+        if age is None or not d.is_dir():
+            return []
+        old: dict[str, float] = {}
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    if e.name.endswith(".log") and e.is_file(follow_symlinks=False):
+                        mtime = e.stat(follow_symlinks=False).st_mtime
+                        if mtime < now - age:
+                            old[os.path.realpath(e.path)] = mtime
+        except OSError as exc:
+            log.warning("pipeline output in %s: cannot list it (%s); nothing removed", d, exc)
+            return []
+        if not old:
+            return []
+        try:
+            with Session(self.engine) as s:
+                rows = s.exec(select(PipelineProcessRow.flow_run_id, PipelineProcessRow.output)).all()
+        except Exception as exc:  # (no record to go by: remove nothing)
+            log.warning("pipeline output in %s: cannot read the pipeline processes in the lease store (%s); nothing removed", d, exc)
+            return []
+        recorded = {f"{fid}.log" for fid, _ in rows} | {os.path.basename(out) for _, out in rows if out}
+        recorded_paths = {os.path.realpath(out) for _, out in rows if out}
+        cands = [p for p in old if os.path.basename(p) not in recorded and p not in recorded_paths]
+        if not cands:
+            return []
+        busy = files_open(cands)
+        if busy is None:
+            return []
+        removed = []
+        for p in cands:
+            if p in busy:
+                continue
+            try:
+                if os.stat(p).st_mtime != old[p]:  # (written meanwhile: a run of that id again)
+                    continue
+                os.unlink(p)
+            except OSError:
+                continue
+            removed.append(p)
+        if removed:
+            log.info("pipeline output: removed %d file(s) in %s last written more than %s ago (%s)", len(removed), d,
+                     _age_text(age), PIPELINE_OUTPUT_MAX_AGE_ENV)
+        return removed
 
     # ------------------------------------------------------------------ queries
     def leases(self, pool: str | None = None, holder: str | None = None) -> list[Lease]:
