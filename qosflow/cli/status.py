@@ -14,7 +14,10 @@ whom each runs for when stages name their user), and
 those waiting in the QoS queue with the
 policy's latest reason (or not taken by any worker yet).
 
-Read from the Prefect server at PREFECT_API_URL, as the UI shows it.
+Read from the Prefect server at PREFECT_API_URL, as the UI shows it. The pipeline runs' processes that
+workers of pools on host agents or Kubernetes started on their own host (they outlive a worker restart)
+are read from the lease store of this machine (QOSFLOW_DATABASE_URL): which worker watches each, adopted
+after a restart or none, and whether it still runs (told on its own host only).
 
 Examples:
 
@@ -28,6 +31,31 @@ def _dur(x: float | None) -> str:
     from qosflow.sim.report import fmt_seconds
 
     return "-" if x is None else ("-" if x < 0 else "") + fmt_seconds(abs(x))
+
+
+def _pipeline_table(procs: list) -> "Table":
+    """The pipeline processes of the lease store (`PipelineProcessStatus`), a row each. Their output files are
+    `<dir>/<flow run id>.log`: with one such directory for all, it is said once below the table (a column of
+    80-character paths beside the run ids did not fit a terminal)."""
+    import os
+
+    from rich.table import Table
+
+    given = [p for p in procs if p.output]
+    dirs = {os.path.dirname(p.output) for p in given}
+    one_dir = dirs.pop() if len(dirs) == 1 and all(os.path.basename(p.output) == f"{p.flow_run_id}.log" for p in given) else None
+    now = time.time()
+    t = Table(title="pipeline processes (lease store)",
+              caption=f"output: {os.path.join(one_dir, '<flow run id>.log')}" if one_dir is not None else None)
+    t.add_column("pipeline run", no_wrap=True)
+    for col in ("state", "worker", "watched", "host", "pid", "started", "alive", *(() if one_dir is not None else ("output",))):
+        t.add_column(col, overflow="fold")
+    for p in procs:
+        watched = {"yes": "yes", "adopted": "adopted (restart)"}.get(p.watched, "[yellow]no worker[/]")
+        alive = "[yellow]no[/]" if p.alive is False else p.alive_text
+        t.add_row(f"{p.name}\n{p.flow_run_id}" if p.name else p.flow_run_id, p.state or "?", p.worker, watched, p.host,
+                  str(p.pid), f"{_dur(now - p.started_at)} ago", alive, *(() if one_dir is not None else (p.output or "-",)))
+    return t
 
 
 def register(app: typer.Typer) -> None:
@@ -93,5 +121,9 @@ def register(app: typer.Typer) -> None:
                 t.add_row(s.name, s.pipeline or "-", *((s.user or "-",) if users else ()), s.priority or "-", phase, where, _dur(s.since_s), done, _dur(s.predicted_s),
                           _dur(s.deadline_in_s), s.why_waiting or "")
             console.print(t)
+        if st.pipeline_processes:
+            console.print(_pipeline_table(st.pipeline_processes))
+        elif st.pipeline_processes_note:
+            console.print(st.pipeline_processes_note, style="dim", markup=False)
         if json_out is not None:
             console.print(f"JSON: {write_json_file(json_out, st.to_json())}")

@@ -3,6 +3,10 @@ waiting in the QoS queue or running where the worker placed them (with why a wai
 
 Everything comes from Prefect's API (flow runs, their labels and logs, the pool's workers), as the
 UI shows it, so it works from any machine that can reach the server. `qosflow status` prints it.
+One part does not: the pipeline runs' processes that workers started on their own hosts and that outlive
+them (pools whose stages run on host agents or Kubernetes) are recorded in the lease store
+(`qosflow_pipeline_process`), read where that store is (the worker's host, or a shared PostgreSQL store);
+whether such a process still runs can only be told on its own host.
 """
 
 from __future__ import annotations
@@ -59,6 +63,30 @@ class WorkerStatus:
 
 
 @dataclass
+class PipelineProcessStatus:
+    """A pipeline run's process recorded in the lease store (`PipelineProcessRow`)."""
+
+    flow_run_id: str
+    worker: str  # the name of the worker that started it (a worker of that name on that host adopts it)
+    host: str
+    pid: int
+    started_at: float  # when its worker recorded it, just after starting it (epoch seconds)
+    output: str  # the file its stdout and stderr go to
+    #: still running? None when that cannot be told from here (`alive_unknown`: "other host", "other boot", "no /proc")
+    alive: bool | None = None
+    alive_unknown: str = ""
+    #: "yes": the worker process that started it watches it; "adopted": a restarted worker of its name watches
+    #: it; "no": no live worker process does (its worker stopped or died: it runs, or ended, on its own)
+    watched: str = "no"
+    name: str = ""  # its flow run's name and state on the server ("" when they could not be read)
+    state: str = ""
+
+    @property
+    def alive_text(self) -> str:
+        return f"unknown ({self.alive_unknown})" if self.alive is None else "yes" if self.alive else "no"
+
+
+@dataclass
 class PoolStatus:
     pool: str
     workers: list[WorkerStatus] = field(default_factory=list)
@@ -66,6 +94,10 @@ class PoolStatus:
     pipelines_running: int = 0  # pipeline runs of the pool's deployments started, or due to start
     pipelines_scheduled: int = 0  # scheduled for later (a nightly deployment's next runs)
     next_pipeline_at: float | None = None  # when the first of those is due (epoch seconds)
+    #: the pool's pipeline processes recorded in the lease store (`pipeline_processes`), oldest first
+    pipeline_processes: list[PipelineProcessStatus] = field(default_factory=list)
+    #: why there are none to show, when the store could not be read here ("" otherwise)
+    pipeline_processes_note: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,8 +157,82 @@ def _stage_status(fr: Any, now: float) -> StageStatus:
     )
 
 
+def pipeline_processes(pool: str, api_url: str | None, store: Any = None) -> tuple[list[PipelineProcessStatus], str]:
+    """The pipeline processes recorded for `pool` of the Prefect server at `api_url` in the lease store
+    (`store`, default the one the workers of this machine use, `QOSFLOW_DATABASE_URL`; never created here),
+    oldest first, each with whether it still runs (on its own host only) and whether a live worker process
+    watches it; and a note saying why none could be read ("" when they could)."""
+    import sqlalchemy as sa
+
+    from qosflow.backends.local import recorded_process_alive
+    from qosflow.store.leases import LeaseStore, pool_key
+    from qosflow.store.store import sqlite_file
+
+    opened = None
+    try:
+        if store is None:
+            from qosflow.store.store import default_url
+
+            url = default_url()
+            store = opened = LeaseStore.existing(url)
+            if store is None:
+                return [], (f"pipeline processes: no lease store on this host ({sqlite_file(url) or 'QOSFLOW_DATABASE_URL'}): "
+                            "they are recorded in the store of the worker's host (run `qosflow status` there)")
+        if not sa.inspect(store.engine).has_table("qosflow_pipeline_process"):
+            return [], ""  # (a store no worker of this version has opened: none recorded)
+        key = pool_key(pool, api_url)
+        rows = store.pipeline_processes(key)
+        presence = {w.holder: w for w in store.live_workers(key)} if rows else {}
+    except Exception as exc:  # (a view: the rest of the status stands without it)
+        return [], f"pipeline processes: could not read the lease store ({type(exc).__name__}: {exc})"
+    finally:
+        if opened is not None:
+            opened.engine.dispose()
+    out = []
+    for r in sorted(rows, key=lambda r: r.created_at):
+        alive, why = recorded_process_alive(r.host, r.pid, r.start)
+        w = presence.get(r.holder)
+        watched = "no" if w is None else "adopted" if w.started_at > r.created_at else "yes"
+        out.append(PipelineProcessStatus(r.flow_run_id, r.name, r.host, int(r.pid), float(r.created_at), r.output or "",
+                                         alive=alive, alive_unknown=why, watched=watched))
+    return out, ""
+
+
+async def _name_pipeline_processes(client: Any, procs: list[PipelineProcessStatus], known: dict[str, Any]) -> None:
+    """Give each pipeline process its flow run's name and state: from the runs read already (`known`, by
+    id), the others in one request."""
+    import uuid
+
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    runs = dict(known)
+    missing = []
+    for p in procs:
+        if p.flow_run_id not in runs:
+            try:
+                missing.append(uuid.UUID(p.flow_run_id))
+            except ValueError:
+                continue
+    if missing:
+        try:
+            for fr in await client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=missing)), limit=len(missing)):
+                runs[str(fr.id)] = fr
+        except Exception:  # (a view: shown without names)
+            pass
+    for p in procs:
+        fr = runs.get(p.flow_run_id)
+        if fr is not None:
+            p.name = str(fr.name or "")
+            p.state = fr.state.name if fr.state is not None else ""
+
+
 async def pool_status(pool: str, *, limit: int = 200) -> PoolStatus:
-    """The pool's workers and its stage runs that are not final yet (at most `limit`), oldest first."""
+    """The pool's workers, its stage runs that are not final yet (at most `limit`), oldest first, and the
+    pipeline processes recorded in the lease store of this machine (`pipeline_processes`)."""
+    import asyncio
+
+    from prefect.settings import PREFECT_API_URL
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -144,6 +250,8 @@ async def pool_status(pool: str, *, limit: int = 200) -> PoolStatus:
 
     out = PoolStatus(pool)
     now = time.time()
+    out.pipeline_processes, out.pipeline_processes_note = await asyncio.to_thread(pipeline_processes, pool, PREFECT_API_URL.value())
+    known: dict[str, Any] = {}
     async with get_client() as client:
         for w in await client.read_workers_for_work_pool(pool):
             beat = getattr(w, "last_heartbeat_time", None)
@@ -160,6 +268,7 @@ async def pool_status(pool: str, *, limit: int = 200) -> PoolStatus:
         for fr in runs:
             params = fr.parameters or {}
             if "payload" not in params or "stage" not in params:  # a pipeline run (it holds no slot)
+                known[str(fr.id)] = fr
                 due = fr.expected_start_time.timestamp() if fr.expected_start_time is not None else None
                 if fr.state is not None and fr.state.is_scheduled() and due is not None and due > now + 60:
                     # a schedule's runs for the coming days are not runs "not finished" (they were counted so)
@@ -178,6 +287,8 @@ async def pool_status(pool: str, *, limit: int = 200) -> PoolStatus:
         if running:
             for fid, pct in (await _progress(client, list(running))).items():
                 running[fid].done_pct = pct
+        if out.pipeline_processes:
+            await _name_pipeline_processes(client, out.pipeline_processes, known)
     order = {"running": 0, "queued": 1, "unclaimed": 2}
     out.stages.sort(key=lambda s: (order[s.phase], -(s.since_s or 0.0)))
     return out
