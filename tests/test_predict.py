@@ -853,7 +853,7 @@ def test_stage_report_answers_as_the_worker_plans_without_fitting_the_predictor(
 
     monkeypatch.setattr(Predictor, "refit", refit)
     rows = {r["signature"]: r for r in stage_report(store)}
-    assert len([q for q in queries if "FROM sample" in q]) <= 2, queries  # (the report's, the estimator's)
+    assert len([q for q in queries if "FROM sample" in q]) == 1, queries
     assert set(rows) == {"pipe.train/bs32", "pipe.etl", "pipe.prof/bs8"}
     for sig, declared in (("pipe.train/bs32", None), ("pipe.etl", 300.0)):
         want = worker.predict_duration(Job(f"w:{sig}", 0.0, QoSSpec(gpus=2, cpu_cores=1.0), 1.0, model=sig,

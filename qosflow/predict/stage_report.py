@@ -30,11 +30,15 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
             runs[h.signature].append(h)
     profiled: dict[str, list[Any]] = defaultdict(list)
     samples: dict[str, list[Any]] = defaultdict(list)  # a signature's samples of finished stages: their co-runners
-    for smp in store.sample_rows("signature", "source", "co_runner", "step_time_s", signature=signature):
+    solo: list[tuple] = []  # what the estimator learns GPU speeds from (`LearnedEstimator._load_history`)
+    for smp in store.sample_rows("signature", "source", "co_runner", "step_time_s", "gpus", "gpu_type", "placement",
+                                 signature=signature):
         if smp.source == "profile":  # `qosflow profile`'s (not a shipped reference table's)
             profiled[smp.signature].append(smp)
         elif smp.source == "stage":
             samples[smp.signature].append(smp.co_runner)
+        if signature is None and smp.co_runner is None and smp.placement == "consolidated" and smp.source != "reference":
+            solo.append((smp.signature, smp.gpus, smp.gpu_type, smp.step_time_s))
     if not runs:
         return [_profiled_only(sig, smps) for sig, smps in profiled.items()]
     errors: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -52,8 +56,10 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
     last_at = {r.id: r.created_at for r in store.history_rows("created_at", ids=[hs[-1].id for hs in runs.values()])}
     # what the worker would plan with now, from the same store: its durations come from the history and its
     # GPU speeds from the solo samples (`LearnedEstimator._load_history`), not from the predictor's models
-    # (a job without iterations is never asked of them), so the predictor is not loaded and fitted
-    est = LearnedEstimator(None, store=store, predictor=Predictor(None), persist=False)
+    # (a job without iterations is never asked of them), so the predictor is not loaded and fitted; the solo
+    # samples are those read above (of every signature: GPU speeds pool over them)
+    est = LearnedEstimator(None, predictor=Predictor(None), persist=False)
+    est._load_history(store, solo if signature is None else None)
     rows = []
     for sig, hs in runs.items():
         durations = [h.duration_s for h in hs]
