@@ -157,8 +157,11 @@ def build(path: str, n: int) -> None:
     _checkpoint(path)
 
 
-def child(path: str, stages_cmd: bool = True) -> dict:
-    """In a fresh process: read everything, start as the worker does, run `qosflow predict stages`."""
+def child(path: str, stages_cmd: bool = True, code: str | None = None) -> dict:
+    """In a fresh process: read everything, start as the worker does, run `qosflow predict stages`.
+    `code`: the checkout whose qosflow to import (another commit's, `--compare-with`), else this one's."""
+    if code:
+        sys.path.insert(0, code)
     from qosflow.predict.estimator import LearnedEstimator
     from qosflow.predict.stage_report import stage_report
     from qosflow.store import Store
@@ -166,8 +169,12 @@ def child(path: str, stages_cmd: bool = True) -> dict:
     out = {}
     with Store.open(f"sqlite:///{path}") as store:
         t0 = time.perf_counter()
-        n = sum(1 for _ in store.iter_samples())
-        h = len(store.stage_history())
+        if hasattr(store, "sample_rows"):  # rows of values, as the worker's start reads them now
+            n = sum(1 for _ in store.sample_rows())
+            h = len(store.history_rows(*[c.name for c in _tables()[1].__table__.c]))
+        else:  # (older code: ORM instances)
+            n = sum(1 for _ in store.iter_samples())
+            h = len(store.stage_history())
         out["read_s"] = time.perf_counter() - t0
         out["samples"], out["history"] = n, h
         t0 = time.perf_counter()
@@ -183,13 +190,19 @@ def child(path: str, stages_cmd: bool = True) -> dict:
     return out
 
 
-def measure(path: str, stages_cmd: bool = True) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--child", path] + ([] if stages_cmd else ["--no-stages-cmd"]),
-                       capture_output=True, text=True, check=True)
+def measure(path: str, stages_cmd: bool = True, code: str | None = None) -> dict:
+    env = dict(os.environ)
+    if code:  # another checkout reads the reference table this one reads (its own may have none beside it)
+        from qosflow.paths import shared_data
+
+        env.setdefault("QOSFLOW_SHARED_DATA", str(shared_data()))
+    r = subprocess.run([sys.executable, __file__, "--child", path] + ([] if stages_cmd else ["--no-stages-cmd"])
+                       + (["--code", code] if code else []), capture_output=True, text=True, check=True, env=env)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def growth(n: int, tmp: str, stages_cmd_max: int) -> dict:
+def growth(n: int, tmp: str, stages_cmd_max: int, base: str | None = None, base_stages_cmd_max: int = 0) -> dict:
+    """`base`: a checkout of older code, measured on the same stores right after this one's."""
     from qosflow.store import Store
 
     path = os.path.join(tmp, f"store_{n}.db")
@@ -198,6 +211,9 @@ def growth(n: int, tmp: str, stages_cmd_max: int) -> dict:
     print(f"  {n}: built in {time.perf_counter() - t0:.0f} s", flush=True)
     res = {"n": n, "bytes": _file_bytes(path), "before": measure(path, n <= stages_cmd_max)}
     print(f"  {n}: before {res['before']}", flush=True)
+    if base:
+        res["base_before"] = measure(path, n <= base_stages_cmd_max, base)
+        print(f"  {n}: before, {base}: {res['base_before']}", flush=True)
     with Store.open(f"sqlite:///{path}") as store:
         t0 = time.perf_counter()
         rep = store.prune(timedelta(days=90), keep_samples=50, keep_runs=50, vacuum=True)
@@ -206,6 +222,9 @@ def growth(n: int, tmp: str, stages_cmd_max: int) -> dict:
     res["bytes_after"] = _file_bytes(path)
     res["after"] = measure(path, n <= stages_cmd_max)
     print(f"  {n}: pruned in {res['prune_s']:.1f} s, after {res['after']}", flush=True)
+    if base:
+        res["base_after"] = measure(path, n <= base_stages_cmd_max, base)
+        print(f"  {n}: after, {base}: {res['base_after']}", flush=True)
     os.remove(path)
     return res
 
@@ -219,7 +238,19 @@ def _t(d: dict, key: str, base: dict | None = None, ratio: str = "x") -> str:
     return f"{d[key]:.2f} s ({ratio}{r:.1f})" if ratio == "x" else f"{d[key]:.2f} s ({r:.2f})"
 
 
-def report(wp: dict, runs: list[dict], empty: dict) -> str:
+def _describe(code: str) -> str:
+    """A checkout as `commit abc1234`."""
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=code, capture_output=True, text=True).stdout.strip()
+    return f"commit {rev}" if rev else code
+
+
+def _ratio(new: dict, old: dict, key: str) -> str:
+    if new.get(key) is None or old.get(key) is None:
+        return "-"
+    return f"{old[key]:.2f} s -> {new[key]:.2f} s (x{new[key] / old[key]:.2f})"
+
+
+def report(wp: dict, runs: list[dict], empty: dict, old_code: str | None = None) -> str:
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     base = runs[0]
     lines = [
@@ -236,9 +267,10 @@ def report(wp: dict, runs: list[dict], empty: dict) -> str:
         "",
         f"**Growth** (stores of N finished stages, {STAGES_PER_WEEK:,} a week up to now: 10k is {10_000 / STAGES_PER_WEEK:.1f} "
         f"weeks, 1M {1_000_000 / STAGES_PER_WEEK / 52:.1f} years; {N_SIGS} signatures). `read`: every sample and history "
-        "row read; `start`: the worker's estimator built from the store (`LearnedEstimator.from_store`: read + fit, "
+        "row read (as rows of values, `Store.sample_rows` / `history_rows`); `start`: the worker's estimator built from "
+        "the store (`LearnedEstimator.from_store`: read + fit, "
         f"reference table included: {empty['start_s']:.2f} s on an empty store); `predict stages`: `qosflow predict "
-        "stages`' report (not timed beyond 100k stages: minutes); ratios to the smallest store. `configurations`: the "
+        "stages`' report; ratios to the smallest store. `configurations`: the "
         "predictor's sample keys (signature, GPU model, GPUs, placement, co-runner, with and without CPU cores).",
         "",
     ]
@@ -263,6 +295,24 @@ def report(wp: dict, runs: list[dict], empty: dict) -> str:
                            "file", "start", "predict stages", "peak memory", "configurations", "signatures"], rows))
     lines += ["", "The pruned store's configurations and signatures are those of the whole store (the predictor "
               "still answers for each); what remains grows with the configurations and the last 90 days, not with the years."]
+    lines += ["", "**Reading the store** (since ef26e1b): the start read every sample twice as SQLAlchemy ORM "
+              "instances (`Sample` objects: about half of the start at 100k stages), once for the predictor and once "
+              "for the estimator's step times; `qosflow predict stages` read the samples twice more, the history twice "
+              "and every prediction-outcome pair as two ORM instances, and loaded and fitted the predictor's models, "
+              "which its durations never ask. Now the store hands out rows of the needed columns (SQLAlchemy Core "
+              "`select`), the predictor's one pass over the samples gives the estimator its step times, and the "
+              "report reads each table once and builds the estimator on a bare predictor. Same predictions and "
+              "report (checked old against new on SQLite and PostgreSQL)."]
+    if old_code:
+        lines += ["", f"**Old ({old_code}) against new, measured in this run on the same stores** (ratio: new / old):", ""]
+        rows = []
+        for r in runs:
+            for when, new, old in (("before prune", r["before"], r.get("base_before", {})),
+                                   ("after prune", r["after"], r.get("base_after", {}))):
+                rows.append([f"{r['n']:,}", when, _ratio(new, old, "read_s"), _ratio(new, old, "start_s"),
+                             _ratio(new, old, "stages_cmd_s"),
+                             f"{old.get('peak_rss_mb', 0):.0f} -> {new['peak_rss_mb']:.0f} MiB"])
+        lines.append(md_table(["stages", "store", "read", "start", "predict stages", "peak memory"], rows))
     return "\n".join(lines)
 
 
@@ -270,14 +320,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--stages", type=int, default=2000, help="stages through the write path")
-    ap.add_argument("--stages-cmd-max", type=int, default=100_000,
-                    help="time `qosflow predict stages` on stores up to this many stages (it takes minutes beyond)")
+    ap.add_argument("--stages-cmd-max", type=int, default=1_000_000,
+                    help="time `qosflow predict stages` on stores up to this many stages")
+    ap.add_argument("--compare-with", metavar="DIR",
+                    help="also measure the qosflow of this checkout (e.g. `git worktree add DIR COMMIT`) on the same "
+                         "stores, and add a table of old / new times")
+    ap.add_argument("--compare-stages-cmd-max", type=int, default=100_000,
+                    help="with --compare-with: time its `qosflow predict stages` up to this many stages")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--code", help=argparse.SUPPRESS)
     ap.add_argument("--no-stages-cmd", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-write", action="store_true", help="print, do not write docs/bench/store_growth.md")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, not args.no_stages_cmd)))
+        print(json.dumps(child(args.child, not args.no_stages_cmd, args.code)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         wp = write_path(args.stages, tmp)
@@ -286,8 +342,9 @@ def main() -> None:
         build(path, 0)
         empty = measure(path)
         print("empty store:", empty, flush=True)
-        runs = [growth(int(n), tmp, args.stages_cmd_max) for n in args.sizes.split(",")]
-    md = report(wp, runs, empty)
+        base = str(Path(args.compare_with).resolve()) if args.compare_with else None
+        runs = [growth(int(n), tmp, args.stages_cmd_max, base, args.compare_stages_cmd_max) for n in args.sizes.split(",")]
+    md = report(wp, runs, empty, _describe(base) if base else None)
     print(md)
     if not args.no_write:
         print("wrote", write_section("store_growth", md))
