@@ -292,7 +292,8 @@ def test_keeping_fewer_than_the_predictor_needs_is_refused(tmp_path):
 
 @pytest.mark.parametrize("text, says", [
     ("90x", "is not an age"), ("-5d", "is negative"), ("10min", "too young"), ("0d", "too young"), ("", "is not an age"),
-    ("d", "is not an age"), ("90 days", "is not an age"),
+    ("d", "is not an age"), ("90 dayz", "is not an age"), ("1h30", "is not an age"), ("12 months", "is not an age"),
+    ("-1d12h", "is negative"),
 ])
 def test_bad_ages_are_refused_naming_the_option_and_the_form(text, says):
     with pytest.raises(SpecError) as e:
@@ -307,6 +308,24 @@ def test_ages():
     assert parse_age("36h") == timedelta(hours=36)
     assert parse_age("90m") == parse_age("90min") == timedelta(minutes=90)
     assert parse_age(" 2.5D ") == timedelta(days=2.5)
+    # the forms a @qos_task's deadline takes (one parser): units spelled out, several parts
+    assert parse_age("90 days") == parse_age("90d") and parse_age("1d12h") == parse_age("1d, 12 hours") == timedelta(hours=36)
+    assert parse_age("2W") == timedelta(weeks=2)
+
+
+def test_ages_and_qos_durations_are_read_by_one_parser():
+    """`parse_age` (--older-than) took 90d, 12w, 1y but not '90 days' or '1d12h'; `to_seconds` (a @qos_task's
+    deadline) took '90 days' and '1h30m' but not 12w or 1y. One parser now: every duration either took before
+    means the same seconds in both (old forms kept: test_ages, tests/test_prefect_spec.py's duration strings)."""
+    from qosflow.core.qos import parse_duration, to_seconds
+
+    for text, seconds in (("90d", 90 * 86400), ("12w", 12 * 7 * 86400), ("1y", 365 * 86400), ("36h", 36 * 3600),
+                          ("90m", 5400), ("90min", 5400), ("2.5D", 2.5 * 86400), ("90 days", 90 * 86400),
+                          ("1h30m", 5400), ("1.5d", 1.5 * 86400), ("63 mins 4 secs", 3784), ("1h, 30m", 5400),
+                          (" 2 Hours ", 7200), ("7200s", 7200), (".5d", 43200)):
+        assert parse_duration(text) == to_seconds(text) == parse_age(text).total_seconds() == seconds, text
+    for text in ("45", "2x", "h", "500ms", "5 months", "-5m", "1hh", "soon", "", "12 months", "1h30"):
+        assert parse_duration(text) is None and to_seconds(text) == text, text
 
 
 def test_the_cli(tmp_path, capsys):

@@ -214,7 +214,7 @@ def stages_cmd(
 
 @predict_app.command("prune")
 def prune_cmd(
-    older_than: str = typer.Option(..., "--older-than", metavar="AGE", help="delete what is older than this: a number and a unit, s, m or min (minutes), h, d, w or y (365 days), e.g. 90d, 12w; at least 1h"),
+    older_than: str = typer.Option(..., "--older-than", metavar="AGE", help="delete what is older than this: a number and a unit, s, m or min (minutes), h, d, w or y (365 days), e.g. 90d, 12w, 1d12h, '90 days'; at least 1h"),
     keep_samples: int = typer.Option(50, "--keep-samples", min=3, help="of older step-time samples, keep each configuration's (signature, GPU model, GPUs, placement, CPU cores, co-runner, source) this many most recent (at least 3: the predictor answers from a configuration's own samples from 3 on)"),
     keep_runs: int = typer.Option(50, "--keep-runs", min=3, help="of older stage-history rows, keep each (signature, GPU model, GPUs, state) this many most recent runs, with their predictions and outcomes"),
     dry_run: bool = typer.Option(False, "--dry-run", help="count what would be deleted, delete nothing"),

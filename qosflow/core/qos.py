@@ -278,27 +278,38 @@ def _finite(x: Any) -> bool:
         return False
 
 
-_UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
-_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(days?|d|hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s)(?![a-z])")
+#: a duration's units (by their first letter) -> seconds; y is 365 days
+_UNIT_S = {"y": 365 * 86400.0, "w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(days?|d|hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s|w|y)(?![a-z])",
+                   re.IGNORECASE)
 
 #: how to write a duration (for error messages)
 DURATION_FORMS = "seconds, a datetime.timedelta or a string such as '90s', '15min', '2h' or '1h30m'"
 
 
+def parse_duration(text: str) -> float | None:
+    """Seconds of a duration string, None if it is not one: parts of a number and a unit, in any case, apart or
+    not, separated by spaces or commas: s, sec(s), second(s); m, min(s), minute(s); h, hr(s), hour(s); d, day(s);
+    w (7 days); y (365 days). '90s', '15 min', '1h30m', '1.5d', '3 mins, 4 secs', '12w'. The one parser of
+    `to_seconds` (a @qos_task's deadline, expected_duration) and `qosflow.store.store.parse_age` (--older-than)."""
+    text = text.strip()
+    pos, total, parts = 0, 0.0, 0
+    for m in _PART.finditer(text):
+        if text[pos:m.start()].strip(" ,"):
+            return None
+        total += float(m.group(1)) * _UNIT_S[m.group(2)[0].casefold()]
+        pos, parts = m.end(), parts + 1
+    if parts == 0 or text[pos:].strip():
+        return None
+    return total
+
+
 def to_seconds(value: Any) -> Any:
     """Seconds from a `datetime.timedelta` or a duration string ('90s', '15 min', '2h', '1h30m',
-    '1.5d'); any other value is returned as it is, for the caller's own check to accept or name."""
+    '1.5d': `parse_duration`); any other value is returned as it is, for the caller's own check to accept or name."""
     if isinstance(value, timedelta):
         return value.total_seconds()
     if not isinstance(value, str):
         return value
-    text = value.strip().lower()
-    pos, total, parts = 0, 0.0, 0
-    for m in _PART.finditer(text):
-        if text[pos:m.start()].strip(" ,"):
-            return value
-        total += float(m.group(1)) * _UNIT_S[m.group(2)[0]]
-        pos, parts = m.end(), parts + 1
-    if parts == 0 or text[pos:].strip():
-        return value
-    return total
+    seconds = parse_duration(value)
+    return value if seconds is None else seconds

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import random
-import re
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -268,21 +267,22 @@ KEEP_MIN = 3
 #: the shortest --older-than: a stage's prediction, outcome, history row and sample are written one after
 #: the other (separate transactions), so a younger cut-off could take a prediction whose run is being written
 MIN_AGE = timedelta(hours=1)
-_AGE_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "y": 365 * 86400}
-_AGE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w|y)\s*", re.IGNORECASE)
 
 
 def parse_age(text: str, option: str = "--older-than") -> timedelta:
-    """'90d', '12w', '36h', '1y' (365 days), '30min' or '45m' (minutes) as a timedelta, at least MIN_AGE;
-    anything else raises SpecError naming `option` and the accepted form."""
-    form = ("a number and a unit: s, m or min (minutes), h, d, w or y (365 days), e.g. 90d, 12w, 36h; "
+    """'90d', '12w', '36h', '1y' (365 days), '30min' or '45m' (minutes), '90 days', '1d12h' as a timedelta, at
+    least MIN_AGE; anything else raises SpecError naming `option` and the accepted form. The durations of a
+    @qos_task's deadline (`qosflow.core.qos.parse_duration`, one parser for both)."""
+    from qosflow.core.qos import parse_duration
+
+    form = ("a number and a unit: s, m or min (minutes), h, d, w or y (365 days), e.g. 90d, 12w, 36h, 1d12h; "
             f"at least {int(MIN_AGE.total_seconds() // 3600)}h")
-    m = _AGE_RE.fullmatch(str(text))
-    if not m and str(text).strip().startswith("-"):
+    seconds = parse_duration(str(text))
+    if seconds is None and str(text).strip().startswith("-"):
         raise SpecError(option, f"{text!r} is negative: an age is how long ago; give {form}")
-    if not m:
+    if seconds is None:
         raise SpecError(option, f"{text!r} is not an age: give {form}")
-    age = timedelta(seconds=float(m.group(1)) * _AGE_UNITS[m.group(2).lower()])
+    age = timedelta(seconds=seconds)
     if age < MIN_AGE:
         raise SpecError(option, f"{text!r} is too young: rows of stages still being written could go; give {form}")
     return age
