@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import math
@@ -23,11 +24,12 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable, Sequence
+from typing import Any, AsyncIterator, Collection, Iterable, Sequence
 
 import httpx
 
-from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, ProgressCopies, StageHandle, placement_env
+from qosflow.backends.base import (Backend, ClusterUpdate, ExitKind, ExitStatus, LaunchSpec, ProgressCopies, StageHandle,
+                                   placement_env)
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.gpu_names import short_gpu_model
 from qosflow.errors import QosflowError, SpecError
@@ -156,6 +158,12 @@ class AgentBackend(Backend):
         #: hosts whose agent did not answer at `inventory()`: sized from the declaration, not from their agent
         self._sized_declared: set[str] = set()
         self._progress = ProgressCopies("qosflow-agent-progress-")
+        #: hosts taken out of the cluster's description (`update_cluster`) while stages ran there: still
+        #: heartbeaten and followed (their declarations here), never healthy, forgotten by `drop_host`
+        self.retired: dict[str, AgentHost] = {}
+        #: host -> waits on a stage part there in progress (`_wait_part`): what `drop_host` must not cut off
+        self._following: collections.Counter[str] = collections.Counter()
+        self._closing: set[asyncio.Task] = set()  # connections of forgotten hosts being closed
 
     @classmethod
     def from_cluster(cls, cluster: ClusterSpec, token: str, **kw: Any) -> "AgentBackend":
@@ -283,10 +291,13 @@ class AgentBackend(Backend):
 
     async def healthy_nodes(self) -> set[str]:
         await self.start()
-        return {h.name for h in self.state.values() if h.up}
+        return {h.name for h in self.state.values() if h.up and h.name not in self.retired}
 
     def down_reasons(self) -> dict[str, str]:
-        return {h.name: h.error for h in self.state.values() if not h.up and h.error}
+        out = {h.name: h.error for h in self.state.values() if not h.up and h.error}
+        for name in self.retired:
+            out[name] = f"removed from {self.declared_by}: the stages running there end there, no new one goes there"
+        return out
 
     # ------------------------------------------------------------------ inventory
     async def _inventory_one(self, h: HostState, timeout: float) -> None:
@@ -321,7 +332,7 @@ class AgentBackend(Backend):
             return ""
         gpus, cores = self._sized[h.name]
         now_gpus, now_cores = len(h.gpus), h.cpu_cores
-        decl = self.hosts[h.name]
+        decl = self.hosts.get(h.name) or self.retired[h.name]
         # declared cores (a block's or file's cpu_cores) are what the worker schedules; only a host that
         # now has fewer than the agent-reported cores it was sized on is refused
         core_short = decl.cpu_cores is None and now_cores + 1e-9 < cores
@@ -351,42 +362,133 @@ class AgentBackend(Backend):
         if not any(h.reported for h in self.state.values()):
             await self.refresh(timeout=5.0)
         await self.start()
-        nodes = []
         unseen = [name for name in self.hosts if not self.state[name].reported]
         # (said in the worker's start-up line: it read "no GPU: virtual GPUs (declared, not detected)" for a cluster
         # of real GPUs whose agents were not reachable yet, whatever the block declared)
         self.inventory_note = "" if not unseen else (
             f"host{'s' if len(unseen) > 1 else ''} {', '.join(unseen)} did not answer: planned at the size "
             f"{self.declared_by} declares, shown as virtual and down until {'their agents answer' if len(unseen) > 1 else 'its agent answers'}")
-        for name, decl in self.hosts.items():
-            h = self.state[name]
-            if h.reported:
-                gpus = len(h.gpus)
-                mem = float(h.gpus[0]["memory_total_mb"]) if h.gpus else (decl.gpu_mem_mb or 16_384.0)
-                # (a declared, virtual GPU has no model: "generic", not the agent's placeholder name "virtual",
-                # which read "GPUs gpu-a:0 virtual virtual" in the placement lines)
-                model = decl.gpu_model or (short_gpu_model(h.gpus[0]["name"]) if h.gpus and not h.virtual else "generic")
-                if decl.gpus is not None and decl.gpus != gpus:
-                    log.warning("host %s: %s declares %s, its agent reports %d; using the agent's", name, self.declared_by,
-                                _count(decl.gpus, "GPU"), gpus)
-                if decl.cpu_cores is not None and h.cpu_cores and abs(decl.cpu_cores - h.cpu_cores) > 1e-9:
-                    log.warning("host %s: %s declares %s, its agent reports %g; using the declared %g (the agent runs "
-                                "the cores it is given on the %g it has)", name, self.declared_by, _count(decl.cpu_cores, "CPU core"),
-                                h.cpu_cores, decl.cpu_cores, h.cpu_cores)
-                cores = decl.cpu_cores or h.cpu_cores or 1.0
-                virtual = h.virtual
-            else:  # never answered: the declared size, marked down by the heartbeats
-                gpus, mem, model = decl.gpus or 0, decl.gpu_mem_mb or 16_384.0, decl.gpu_model or "generic"
-                cores, virtual = decl.cpu_cores or 1.0, True
-            self._sized[name] = (gpus, cores)
-            (self._sized_declared.discard if h.reported else self._sized_declared.add)(name)
-            nodes.append(
-                NodeSpec(
-                    name=name, gpus=gpus, gpu_mem_mb=mem, cpu_cores=cores, mem_mb=decl.mem_mb or h.mem_mb or 262_144.0,
-                    switch=decl.switch, gpu_model=model, virtual=virtual, address=h.url, labels={**h.labels, **decl.labels},
-                )
-            )
-        return ClusterSpec(tuple(nodes), name=self.cluster_name)
+        spec = ClusterSpec(tuple(self._node_spec(name) for name in self.hosts), name=self.cluster_name)
+        self.planned(spec)
+        return spec
+
+    def _node_spec(self, name: str, *, warn: bool = True) -> NodeSpec:
+        """Declared host `name` as the worker plans it: the size its agent reported (declared cores win), or
+        the declared size if it never answered (virtual, down until it does)."""
+        decl, h = self.hosts[name], self.state[name]
+        if h.reported:
+            gpus = len(h.gpus)
+            mem = float(h.gpus[0]["memory_total_mb"]) if h.gpus else (decl.gpu_mem_mb or 16_384.0)
+            # (a declared, virtual GPU has no model: "generic", not the agent's placeholder name "virtual",
+            # which read "GPUs gpu-a:0 virtual virtual" in the placement lines)
+            model = decl.gpu_model or (short_gpu_model(h.gpus[0]["name"]) if h.gpus and not h.virtual else "generic")
+            if warn and decl.gpus is not None and decl.gpus != gpus:
+                log.warning("host %s: %s declares %s, its agent reports %d; using the agent's", name, self.declared_by,
+                            _count(decl.gpus, "GPU"), gpus)
+            if warn and decl.cpu_cores is not None and h.cpu_cores and abs(decl.cpu_cores - h.cpu_cores) > 1e-9:
+                log.warning("host %s: %s declares %s, its agent reports %g; using the declared %g (the agent runs "
+                            "the cores it is given on the %g it has)", name, self.declared_by, _count(decl.cpu_cores, "CPU core"),
+                            h.cpu_cores, decl.cpu_cores, h.cpu_cores)
+            cores = decl.cpu_cores or h.cpu_cores or 1.0
+            virtual = h.virtual
+        else:  # never answered: the declared size, marked down by the heartbeats
+            gpus, mem, model = decl.gpus or 0, decl.gpu_mem_mb or 16_384.0, decl.gpu_model or "generic"
+            cores, virtual = decl.cpu_cores or 1.0, True
+        return NodeSpec(
+            name=name, gpus=gpus, gpu_mem_mb=mem, cpu_cores=cores, mem_mb=decl.mem_mb or h.mem_mb or 262_144.0,
+            switch=decl.switch, gpu_model=model, virtual=virtual, address=h.url, labels={**h.labels, **decl.labels},
+        )
+
+    def planned(self, cluster: ClusterSpec) -> None:
+        """The worker plans on `cluster` from now on: the size of each host there is the one a restarted agent
+        is checked against (`_size_error`)."""
+        for n in cluster.nodes:
+            h = self.state.get(n.name)
+            if h is None:
+                continue
+            changed = self._sized.get(n.name) != (n.gpus, n.cpu_cores)
+            self._sized[n.name] = (n.gpus, n.cpu_cores)
+            (self._sized_declared.discard if h.reported else self._sized_declared.add)(n.name)
+            if changed and h.reported and h.inventory_boot is not None:
+                h.size_error = self._size_error(h)  # (the next heartbeat brings a host that now fits up)
+
+    # ------------------------------------------------------------------ the cluster's description changes
+    async def update_cluster(self, new: Backend, busy: Collection[str] = ()) -> ClusterUpdate:
+        """Take the hosts of `new`, an AgentBackend built from the edited cluster block or file (`Backend.update_cluster`).
+
+        An added host is asked for its inventory at once (sized by its agent, or at its declared size and down
+        until it answers). A removed host is retired: heartbeaten and its stages followed as before, never
+        healthy, until `drop_host`. A host whose agent URL changed moves to the new URL if no stage runs there
+        (none of `busy`, none its agent reports), else keeps the old one (said in `not_applied`, tried again at
+        the next update). Declared sizes, models and labels are taken as they are (`_node_spec`). The token and
+        the heartbeat timing are the agents' and every open connection's: a change of them needs a restart."""
+        if not isinstance(new, AgentBackend):
+            raise NotImplementedError(f"the cluster is now of another kind ({new.name} backend), and this worker runs its stages "
+                                      f"through the {self.name} backend")
+        not_applied = []
+        if new._headers != self._headers:
+            not_applied.append("its agent token changed, and the stages running now were started (and are followed) with the old one; "
+                               "the worker keeps the old token until it is restarted")
+        for what, mine, theirs in (("heartbeat_s", self.heartbeat_s, new.heartbeat_s), ("fence_after_s", self.fence_after_s, new.fence_after_s)):
+            if mine != theirs:
+                not_applied.append(f"its {what} changed from {mine} to {theirs}; the worker keeps {mine} until it is restarted")
+        # the hosts new or moved to another URL are asked first: the only wait, before anything changes here (the
+        # worker's heartbeat in between sees the hosts as they were)
+        fresh: dict[str, HostState] = {}
+        decls: dict[str, AgentHost] = {}
+        for name, decl in new.hosts.items():
+            url = decl.url.rstrip("/")
+            h = self.state.get(name)
+            if h is not None and h.url != url:
+                if name in busy or name in self._following or (h.up and h.running):
+                    not_applied.append(f"host {name}'s agent URL changed from {h.url} to {url}, but stages run there through the "
+                                       "old one: it keeps the old URL until they end (or until the worker is restarted)")
+                    decl = dataclasses.replace(decl, url=h.url)
+                else:
+                    fresh[name] = HostState(name, url)
+            elif h is None:
+                fresh[name] = HostState(name, url)
+            decls[name] = decl
+        if fresh:
+            await asyncio.gather(*(self._inventory_one(h, self._request_timeout_s) for h in fresh.values()))
+        for name, h in fresh.items():
+            if name in self.state:
+                self._forget(name)
+            self.state[name] = h
+        for name in [n for n in self.hosts if n not in decls]:
+            self.retired[name] = self.hosts.pop(name)
+        for name, decl in decls.items():
+            self.retired.pop(name, None)
+            self.hosts[name] = decl
+        added = set(fresh)
+        return ClusterUpdate([self._node_spec(name, warn=name in added) for name in self.hosts], not_applied)
+
+    def drop_host(self, name: str) -> bool:
+        """Forget retired host `name` (its heartbeats, connections and size); False while a wait still follows a stage there."""
+        if name in self.hosts:
+            return False
+        if self._following.get(name):
+            return False
+        self.retired.pop(name, None)
+        self._forget(name)
+        return True
+
+    def _forget(self, name: str) -> None:
+        h = self.state.pop(name, None)
+        self._sized.pop(name, None)
+        self._sized_declared.discard(name)
+        if h is not None and not any(o.url == h.url for o in self.state.values()):  # (its connections, unless shared)
+            for use in ("api", "hb"):
+                c = self._clients.pop((h.url, use), None)
+                if c is not None:
+                    task = asyncio.get_running_loop().create_task(c.aclose())
+                    self._closing.add(task)
+                    task.add_done_callback(self._closing.discard)
+
+    def renumber(self, handle: StageHandle, where: dict[int, int]) -> None:
+        for part in handle.ref.get("parts") or []:
+            if isinstance(part.get("node"), int) and part["node"] in where:
+                part["node"] = where[part["node"]]
 
     # ------------------------------------------------------------------ launch
     def _host_for(self, node: NodeSpec) -> HostState:
@@ -494,6 +596,15 @@ class AgentBackend(Backend):
                 t.cancel()
 
     async def _wait_part(self, part: dict[str, Any]) -> ExitStatus:
+        self._following[part["host"]] += 1
+        try:
+            return await self._follow_part(part)
+        finally:
+            self._following[part["host"]] -= 1
+            if self._following[part["host"]] <= 0:
+                del self._following[part["host"]]
+
+    async def _follow_part(self, part: dict[str, Any]) -> ExitStatus:
         from qosflow.failures import classify_process_exit
 
         h = self.state[part["host"]]
@@ -586,7 +697,9 @@ class AgentBackend(Backend):
         grace = self.kill_grace_s if grace is None else max(0.0, float(grace))
 
         async def one(part: dict[str, Any]) -> None:
-            h = self.state[part["host"]]
+            h = self.state.get(part["host"])
+            if h is None:
+                return  # a host taken out of the cluster and forgotten (`drop_host`) once nothing ran there
             try:
                 r = await self._client(h).delete(
                     f"{h.url}/v1/stages/{part['stage_id']}",

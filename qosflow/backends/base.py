@@ -12,7 +12,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Collection, Sequence
 
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.placement import Placement
@@ -78,6 +78,20 @@ class StageHandle:
     backend: str
     node: str
     ref: dict = field(default_factory=dict)  # backend-specific (pid, pod name, agent URL...)
+
+
+@dataclass
+class ClusterUpdate:
+    """What a backend took of an edited cluster description (`Backend.update_cluster`)."""
+
+    #: the declared hosts as the backend now runs stages on them, in the description's order (added hosts
+    #: included, removed ones not): what `inventory()` would give for the new description
+    nodes: list[NodeSpec]
+    #: the changes it could not apply while stages run, each in words ("its agent token changed"): they
+    #: need a restart of the worker (or, where said, wait until the stages concerned end)
+    not_applied: list[str] = field(default_factory=list)
+    #: what it applied besides its hosts, in words ("image 'a:1' -> 'a:2' (for the stages launched from now on)")
+    applied: list[str] = field(default_factory=list)
 
 
 def grad_accumulation(width: int, requested_gpus: int | None) -> int:
@@ -208,6 +222,30 @@ class Backend(ABC):
         """Why each node that does not answer is down (name -> reason), for the note of a stage that
         waits for those nodes (`qosflow.policies.common.with_down_causes`). Default: none known."""
         return {}
+
+    async def update_cluster(self, new: "Backend", busy: Collection[str] = ()) -> ClusterUpdate:
+        """Take the cluster that `new` describes (a backend of the same kind, built from the edited cluster
+        block or file, never started): hosts it adds are used from now on; hosts it no longer has are
+        retired -- they take no new stage, and the stages running there are still followed (wait, kill,
+        progress) until `drop_host` forgets them. `busy`: hosts where this worker has stages. Nothing is
+        raised for a change that cannot be applied safely: it is said in `ClusterUpdate.not_applied`.
+        A backend that cannot change its cluster while it runs raises NotImplementedError (default)."""
+        raise NotImplementedError(f"the {self.name} backend cannot change its cluster while the worker runs")
+
+    def drop_host(self, name: str) -> bool:
+        """Forget host `name`, retired by `update_cluster`, now that no stage of this worker is placed there.
+        False (kept) while this backend still follows something there. Default: nothing to forget."""
+        return True
+
+    def planned(self, cluster: ClusterSpec) -> None:
+        """The cluster the worker's scheduler plans on from now on (after `update_cluster`; a host whose change
+        could not be applied yet keeps its old size there). Default: nothing to note."""
+        return None
+
+    def renumber(self, handle: StageHandle, where: dict[int, int]) -> None:
+        """The worker's cluster changed: node index i of the old cluster is where[i] now. Update any node index
+        `handle` keeps (`set_cpus` is given the new ones). Default: none kept."""
+        return None
 
     async def aclose(self) -> None:
         return None

@@ -54,9 +54,10 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, NamedTuple, Sequence
+from typing import Any, AsyncIterator, Collection, NamedTuple, Sequence
 
-from qosflow.backends.base import Backend, BackendUnreachable, ExitKind, ExitStatus, LaunchSpec, ProgressCopies, StageHandle, placement_env
+from qosflow.backends.base import (Backend, BackendUnreachable, ClusterUpdate, ExitKind, ExitStatus, LaunchSpec, ProgressCopies,
+                                   StageHandle, placement_env)
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.gpu_names import short_gpu_model
 from qosflow.errors import QosflowError, SpecError
@@ -380,6 +381,34 @@ class KubernetesBackend(Backend):
         nodes = await self._list_nodes()
         self._start_sweep()  # (every orphan_sweep_s, in the background: the heartbeat does not wait for it)
         return {n.metadata.name for n in nodes if _ready(n) and not (n.spec and n.spec.unschedulable)}
+
+    # ------------------------------------------------------------------ the cluster block is edited
+    #: fields of an edited block taken at once: they are read only when a stage is launched
+    UPDATABLE = ("image", "credentials_in_secret")
+    #: fields that running stages (their Jobs, pods, Secrets and watches) or the worker's plan depend on
+    RESTART_FIELDS = ("namespace", "kubeconfig", "context", "_api_host", "gpu_sharing", "gpu_resource", "shared_resource",
+                      "gang_scheduler", "node_selector")
+
+    async def update_cluster(self, new: Backend, busy: Collection[str] = ()) -> ClusterUpdate:
+        """Take what `new` (a KubernetesBackend built from the edited cluster block, `Backend.update_cluster`) changes
+        that only the next launches read (`UPDATABLE`: the stage image, whether credentials go through a Secret);
+        the rest (`RESTART_FIELDS`) is said in `not_applied`. The nodes are the API's now (with the selector this
+        backend started with): nodes added to the cluster since are used, nodes gone are retired."""
+        if not isinstance(new, KubernetesBackend):
+            raise NotImplementedError(f"the cluster is now of another kind ({new.name} backend), and this worker runs its stages "
+                                      f"through the {self.name} backend")
+        not_applied = []
+        for f in self.RESTART_FIELDS:
+            mine, theirs = getattr(self, f), getattr(new, f)
+            if mine != theirs:
+                not_applied.append(f"its {f.lstrip('_').replace('api_host', 'API server')} changed from {mine!r} to {theirs!r}; "
+                                   f"the worker keeps {mine!r} until it is restarted")
+        applied = []
+        for f in self.UPDATABLE:
+            if getattr(self, f) != getattr(new, f):
+                applied.append(f"{f} {getattr(self, f)!r} -> {getattr(new, f)!r} (for the stages launched from now on)")
+                setattr(self, f, getattr(new, f))
+        return ClusterUpdate(list((await self.inventory()).nodes), not_applied, applied)
 
     # ------------------------------------------------------------------ orphaned Secrets
     def _start_sweep(self) -> None:

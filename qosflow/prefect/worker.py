@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional
 
 import anyio
 import anyio.abc
+import numpy as np
 from prefect.exceptions import InfrastructureNotFound
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
 from pydantic import Field
@@ -108,6 +109,13 @@ class QosflowVariables(BaseVariables):
         description="A cluster file (hosts and agent URLs, `qosflow agent` docs) the worker runs stages on through the agents "
         "(pool-level; overrides cluster_block).",
     )
+    cluster_reload_s: Optional[float] = Field(
+        default=None,
+        ge=0,
+        description="Seconds between two readings of the cluster block (or file) by the worker, which applies an edit "
+        "(hosts added, removed, resized) without a restart (pool-level; default 60, 0: read only at start; "
+        "QOSFLOW_CLUSTER_RELOAD_SECONDS overrides it).",
+    )
     working_dir: Optional[Path] = Field(default=None, description="Working directory of stage processes.")
     stream_output: bool = Field(default=True, description="Stream stage output to the worker's stdout.")
 
@@ -139,6 +147,7 @@ class QosflowJobConfiguration(BaseJobConfiguration):
     cluster_block: Optional[str] = Field(default=None)
     policy_block: Optional[str] = Field(default=None)
     cluster_file: Optional[str] = Field(default=None)
+    cluster_reload_s: Optional[float] = Field(default=None, ge=0)
     working_dir: Optional[Path] = Field(default=None)
     stream_output: bool = Field(default=True)
 
@@ -229,6 +238,8 @@ QUEUED_LABEL_AFTER_S = 0.5
 OUTAGE_REMINDER_S = 300.0
 #: heartbeats between two looks for stage runs left Pending by a worker that died (`_recover_orphans`)
 ORPHAN_CHECK_BEATS = 10
+#: seconds between two readings of the cluster block or file (`QosflowWorker.reload_cluster`) by default
+CLUSTER_RELOAD_S = 60.0
 
 
 async def patch_labels(client: Any, flow_run_id: Any, labels: dict[str, str], *, budget_s: float = LABEL_WRITE_BUDGET_S) -> int:
@@ -359,6 +370,24 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._clock = time.monotonic
         #: a setup error that cannot fix itself (`_fatal_setup_error`): the worker stops with it
         self._setup_fatal: BaseException | None = None
+        #: where the cluster came from, read again every `cluster_reload_s` (`reload_cluster`): ("block" | "file",
+        #: name or path), None when the worker was given its cluster or backend
+        self._cluster_source: tuple[str, str] | None = None
+        self.cluster_reload_s = 0.0
+        self._cluster_seen: str | None = None  # fingerprint of the description last taken (`_fingerprint`)
+        self._cluster_said: set[str] = set()  # warnings about the current edit, said once
+        self._cluster_said_for: str | None = None  # (the edit they are about)
+        self._reload_error: str | None = None  # why the description cannot be used now (said once per distinct error)
+        #: the hosts as the backend describes them since the last edit (None: no edit yet), which the
+        #: scheduler's cluster follows as far as it safely can (`_settle_cluster`)
+        self._wanted: dict[str, Any] | None = None
+        self._draining: set[str] = set()  # hosts removed from the description while stages of theirs still run
+        self._deferred = False  # a host's change waits until its stages end (`_settle_cluster`)
+        self.cluster_events: list[tuple[float, str]] = []  # (time, what changed), as logged (tests)
+        self._reload_task: asyncio.Task | None = None
+        #: flow run id -> its stage's entry, while its `run()` is in flight (a finished stage's grant says where it
+        #: ran until the run has recorded it: its host is not forgotten before)
+        self._stage_entries: dict[str, StageEntry] = {}
 
     # ------------------------------------------------------------------ setup
     def _pool_default(self, name: str) -> Any:
@@ -398,9 +427,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 if cluster_file:
                     from qosflow.backends.agent import load_cluster_file
 
-                    self._backend = load_cluster_file(cluster_file).backend()
+                    cf = load_cluster_file(cluster_file)
+                    self._backend = cf.backend()
+                    self._cluster_source, self._cluster_seen = ("file", str(cluster_file)), _fingerprint(cf)
                 elif cluster_block:
-                    self._backend = (await load_cluster_block(cluster_block)).make_backend()
+                    block = await load_cluster_block(cluster_block)
+                    self._backend = block.make_backend()
+                    self._cluster_source, self._cluster_seen = ("block", cluster_block), _fingerprint(block)
+            self.cluster_reload_s = self._cluster_reload_setting()
             policy_block = os.environ.get("QOSFLOW_POLICY_BLOCK") or self._pool_default("policy_block")
             pb = QoSPolicy()
             if policy_block:
@@ -459,6 +493,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._adopt_pipelines()
             await self._recover_orphans()
             self._health_task = loop.create_task(self._health_loop(), name="qosflow-heartbeat")
+            if self._cluster_source is not None and self.cluster_reload_s > 0:
+                self._reload_task = loop.create_task(self._cluster_reload_loop(), name="qosflow-cluster-reload")
             if self._backend.syncs_progress:  # stages report their progress where they run: copy it here
                 self._progress_task = loop.create_task(self._progress_loop(sync_s), name="qosflow-progress")
             return self.scheduler
@@ -631,6 +667,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._cancel_task.cancel()
         if self._health_task is not None:
             self._health_task.cancel()
+        if self._reload_task is not None:
+            self._reload_task.cancel()
         if self._progress_task is not None:
             self._progress_task.cancel()
         for t in list(self._adopted_tasks):
@@ -669,6 +707,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         finally:
             self._in_flight.discard(fid)
             self._stages_in_flight.discard(fid)
+            self._stage_entries.pop(fid, None)
             self._queued_labelled.discard(fid)
 
     async def drain(self, timeout: float) -> set[str]:
@@ -761,6 +800,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             deadline_at = now + spec.deadline
         entry = StageEntry(JobState(job), name, fid, configuration.pipeline, deadline_at, ready_at=_ready_time(flow_run, now))
         entry.meta["queued_at"] = now
+        self._stage_entries[fid] = entry
         # which worker queued it: if this worker dies while the stage waits (no lease yet, nothing to
         # adopt), the next one puts its run back in the pool's queue (`_recover_orphans`). Written only
         # once it has waited QUEUED_LABEL_AFTER_S: a stage placed at once holds a lease instead, and the
@@ -901,7 +941,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 break
             # infrastructure: the policy places it again at once, not on the node(s) it failed on
             run_logger.warning("stage %s: %s", name, d.message)
-            entry.meta.setdefault("avoid_nodes", set()).update(grant.placement.nodes)
+            # (the entry's grant, not `grant`: an edit of the cluster may have renumbered its nodes since: `_swap_cluster`)
+            entry.meta.setdefault("avoid_nodes", set()).update((entry.grant or grant).placement.nodes)
             entry.state.note = d.message
             await self._sync_health()
             # the flow run stays Running across the rerun (the reason is in its log and the event below):
@@ -1515,6 +1556,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     await self._recover_orphans()
                     await self._adopt_pipelines()  # (those whose run could not be read at start)
                 await self._drop_stages_of_ended_pipelines()
+                if self._draining or self._deferred:
+                    await self._settle_cluster()  # (a removed host whose last stage ended; a change that waited for that)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -1549,6 +1592,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if self.outage is not None:
             self._end_outage()
         for i, node in enumerate(sched.cluster.nodes):
+            if node.name in self._draining:
+                continue  # removed from the cluster's description: down until its stages end (`_settle_cluster`)
             down = node.name not in healthy
             if bool(sched.state.down[i]) == down:
                 continue
@@ -1599,7 +1644,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         _keep(self.outages, (time.time(), "up"))
         if sched is not None:
             for i in sorted(self._outage_down):
-                sched.state.set_node_down(i, False)
+                if sched.cluster.nodes[i].name not in self._draining:
+                    sched.state.set_node_down(i, False)
             sched.wake()
         self._outage_down.clear()
 
@@ -1619,6 +1665,249 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                        related=related, payload=json.loads(json.dumps(payload, default=str)))
         except Exception as exc:
             self._logger.debug("event %s not emitted: %s", name, exc)
+
+    # ------------------------------------------------------------------ the cluster block (or file) is edited
+    def _cluster_reload_setting(self) -> float:
+        """Seconds between two readings of the cluster block or file: QOSFLOW_CLUSTER_RELOAD_SECONDS, else the pool's
+        `cluster_reload_s` variable, else CLUSTER_RELOAD_S (60 s); 0: read only at start."""
+        from qosflow.errors import SpecError
+
+        default = self._pool_default("cluster_reload_s")
+        if default is None:
+            default = CLUSTER_RELOAD_S
+        try:
+            value = float(default)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise SpecError("cluster_reload_s", f"the pool's cluster_reload_s is {default!r}: give a number of seconds >= 0 (0: the "
+                                                "cluster block or file is read only when the worker starts)")
+        return env_number("QOSFLOW_CLUSTER_RELOAD_SECONDS", value, minimum=0.0)
+
+    @property
+    def _cluster_what(self) -> str:
+        """"cluster block 'lab'" or "cluster file lab.yaml", for messages."""
+        kind, name = self._cluster_source or ("block", "?")
+        return f"cluster block {name!r}" if kind == "block" else f"cluster file {name}"
+
+    async def _cluster_reload_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cluster_reload_s)
+            try:
+                await self.reload_cluster()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never let an edit of the cluster stop the worker
+                self._say_reload_error(exc)
+
+    def _say_reload_error(self, exc: BaseException) -> None:
+        why = str(exc) or type(exc).__name__
+        if why == self._reload_error:
+            return
+        self._reload_error = why
+        sched = self.scheduler
+        hosts = ", ".join(sched.cluster.node_names) if sched is not None else "?"
+        self._logger.error("%s cannot be used as it is now: %s. The worker keeps the cluster it has (hosts %s) and reads the %s "
+                           "again every %gs", self._cluster_what, why, hosts, (self._cluster_source or ("block",))[0], self.cluster_reload_s)
+
+    async def reload_cluster(self) -> list[str]:
+        """Read the cluster block (or file) the worker started from again and apply what changed: hosts added are
+        used, hosts removed take no new stage (those running there end there, followed as before) and are
+        forgotten once empty, resized hosts are resized as far as that is safe with the stages on them
+        (`_settle_cluster`). A description that no longer loads or validates is not used (logged once per
+        distinct error); the worker keeps the cluster it has. Returns the changes made (also logged)."""
+        if self.scheduler is None or self._cluster_source is None or self._backend is None:
+            return []
+        kind, name = self._cluster_source
+        new = None
+        try:
+            if kind == "file":
+                from qosflow.backends.agent import load_cluster_file
+
+                desc = await asyncio.to_thread(load_cluster_file, name)
+            else:
+                desc = await load_cluster_block(name)
+            fp = _fingerprint(desc)
+            if fp != self._cluster_seen:
+                new = desc.backend() if kind == "file" else desc.make_backend()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._say_reload_error(exc)
+            return []
+        if self._reload_error is not None:
+            self._logger.info("%s can be used again", self._cluster_what)
+            self._reload_error = None
+        if new is None:
+            return await self._settle_cluster() if (self._draining or self._deferred) else []
+        try:
+            return await self._take_cluster(new, fp)
+        finally:
+            if new is not self._backend:
+                await new.aclose()
+
+    def _say_once(self, msg: str) -> None:
+        if msg not in self._cluster_said:
+            self._cluster_said.add(msg)
+            self._logger.warning("%s", msg)
+
+    async def _take_cluster(self, new: Backend, fp: str) -> list[str]:
+        """Hand the edited description (`new`, a backend never started) to the backend, then follow it (`_settle_cluster`)."""
+        assert self._backend is not None
+        if fp != self._cluster_said_for:  # another edit: what is said about it is said again
+            self._cluster_said_for, self._cluster_said = fp, set()
+        what = self._cluster_what
+        try:
+            upd = await self._backend.update_cluster(new, busy=set(self._busy_hosts()))
+        except NotImplementedError as exc:
+            self._say_once(f"{what} changed, but {exc}: restart the worker to use it (it keeps the cluster it has)")
+            self._cluster_seen = fp
+            return []
+        for msg in upd.not_applied:
+            self._say_once(f"{what} changed: {msg}")
+        for msg in upd.applied:
+            self._logger.info("%s: %s", what, msg)
+            _keep(self.cluster_events, (time.time(), msg))
+        # (a change that waits for stages to end is handed over again at the next reading)
+        self._cluster_seen = None if upd.not_applied else fp
+        self._wanted = {n.name: n for n in upd.nodes}
+        return await self._settle_cluster()
+
+    def _busy_hosts(self) -> dict[str, int]:
+        """Host name -> stages placed there: this worker's (running, or ended and not yet recorded by their run)
+        and the slots of other workers' leases it shows its policy."""
+        sched = self.scheduler
+        if sched is None:
+            return {}
+        names = sched.cluster.node_names
+        out: dict[str, int] = {}
+        for p in sched.state.allocs.values():
+            for n in p.nodes:
+                out[names[n]] = out.get(names[n], 0) + 1
+        for fid, e in self._stage_entries.items():
+            if fid in sched.state.allocs or e.grant is None or e.state.status is JobStatus.PENDING:
+                continue
+            for n in e.grant.placement.nodes:
+                if 0 <= n < len(names):
+                    out[names[n]] = out.get(names[n], 0) + 1
+        return out
+
+    async def _settle_cluster(self) -> list[str]:
+        """Bring the scheduler's cluster as close to the described one (`_wanted`) as is safe now, log each change
+        ("cluster block 'lab': host h3 removed (2 stages still running there, no new ones)") and return them.
+
+        * a host no longer described: down for the policy (draining) while stages of it run; then forgotten;
+        * a host added: planned on (down until its agent answers);
+        * a host resized: at once where that is safe with the stages on it (more GPUs, cores or memory; fewer
+          cores or less memory than it has free; another GPU model or labels); else once they end, with a warning.
+        Node indices change when hosts come and go: every placement is renumbered (`_swap_cluster`)."""
+        sched, be, wanted = self.scheduler, self._backend, self._wanted
+        if sched is None or be is None or wanted is None:
+            return []
+        try:
+            healthy = await be.healthy_nodes()
+        except Exception:  # (an added host starts down then; the heartbeat brings it up)
+            healthy = set()
+        # from here on no await: the scheduler's round must not place a stage between this plan and the swap
+        what, old = self._cluster_what, sched.cluster
+        busy = self._busy_hosts()
+        nodes, lines, deferred = [], [], False
+        for i, n in enumerate(old.nodes):
+            k = busy.get(n.name, 0)
+            w = wanted.get(n.name)
+            if w is not None:
+                if n.name in self._draining:
+                    self._draining.discard(n.name)
+                    lines.append(f"host {n.name} is described again: new stages go there again")
+                    sched.state.set_node_down(i, n.name not in healthy or self.outage is not None)
+                if _same_node(n, w):
+                    nodes.append(n)
+                    continue
+                change = _node_change(n, w)
+                why = _why_not_resized(n, w, sched.state, i) if k else None
+                if why is None:
+                    nodes.append(w)
+                    lines.append(f"host {n.name} changed: {change}")
+                else:
+                    nodes.append(n)
+                    deferred = True
+                    self._say_once(f"{what}: host {n.name} changed ({change}), but {why} while {k} stage(s) run there: the worker "
+                                   f"plans it as before until they end (or until it is restarted)")
+            elif k or not be.drop_host(n.name):
+                nodes.append(n)
+                if n.name not in self._draining:
+                    self._draining.add(n.name)
+                    sched.state.set_node_down(i, True)
+                    lines.append(f"host {n.name} removed ({k} stage{'' if k == 1 else 's'} still running there, no new ones)")
+            else:
+                lines.append(f"host {n.name} removed" + (": its last stage ended" if n.name in self._draining else ""))
+                self._draining.discard(n.name)
+        for name, w in wanted.items():
+            if name not in old.node_names:
+                nodes.append(w)
+                lines.append(f"host {name} added ({w.gpus} GPU{'' if w.gpus == 1 else 's'}{', virtual' if w.virtual else ''}, "
+                             f"{w.cpu_cores:g} cores)")
+        self._deferred = deferred
+        if len(nodes) != len(old.nodes) or any(a is not b for a, b in zip(nodes, old.nodes)):
+            spec = ClusterSpec(tuple(nodes), name=old.name)
+            self._swap_cluster(spec, healthy)
+            be.planned(spec)
+        for line in lines:
+            self._logger.info("%s: %s", what, line)
+            _keep(self.cluster_events, (time.time(), line))
+        if lines:
+            sched.wake()
+        return lines
+
+    def _swap_cluster(self, spec: ClusterSpec, healthy: set[str]) -> None:
+        """Make `spec` the scheduler's cluster. Its allocation state moves over node by node (`_moved_state`), and
+        every node index held anywhere -- placements, grants, core owners, nodes a rerun avoids, nodes down for
+        an outage, the backend's handles -- is renumbered. A node added is down unless `healthy`; a node kept
+        keeps its down flag, a draining one stays down."""
+        sched = self.scheduler
+        assert sched is not None and self._backend is not None
+        old = sched.cluster
+        index = {n.name: j for j, n in enumerate(spec.nodes)}
+        where = {i: index[n.name] for i, n in enumerate(old.nodes) if n.name in index}
+        moved: dict[int, Any] = {}
+
+        def move(p: Any) -> Any:
+            if id(p) not in moved:  # (one object per placement: the policy recognizes its own by identity)
+                moved[id(p)] = dataclasses.replace(p, gpus=tuple((where[n], g) for n, g in p.gpus if n in where),
+                                                   cpu=tuple((where[n], c) for n, c in p.cpu if n in where))
+            return moved[id(p)]
+
+        state = _moved_state(sched.state, spec, where, move)
+        outage_down = {where[i] for i in self._outage_down if i in where}
+        for j, n in enumerate(spec.nodes):
+            if n.name not in old.node_names:
+                state.set_node_down(j, n.name not in healthy or self.outage is not None)
+                if self.outage is not None:
+                    outage_down.add(j)  # (up when the API answers again, as the others: `_end_outage`)
+            elif n.name in self._draining:
+                state.set_node_down(j, True)
+        self._outage_down = outage_down
+        back = {j: i for i, j in where.items()}
+        cores: dict[int, list[str]] = {}
+        for j, n in enumerate(spec.nodes):
+            owners = list(sched._cores.get(back[j], [])) if j in back else []
+            size = max(1, int(math.ceil(n.cpu_cores)))
+            owners += [""] * (size - len(owners))
+            while len(owners) > size and not owners[-1]:
+                owners.pop()
+            cores[j] = owners
+        entries = {id(e): e for e in (*sched.entries.values(), *self._stage_entries.values())}
+        for e in entries.values():
+            if e.grant is not None:
+                e.grant = dataclasses.replace(e.grant, placement=move(e.grant.placement),
+                                              cpusets={where[n]: c for n, c in e.grant.cpusets.items() if n in where})
+            if e.state.placement is not None:
+                e.state.placement = move(e.state.placement)
+            if e.meta.get("avoid_nodes"):
+                e.meta["avoid_nodes"] = {where[n] for n in e.meta["avoid_nodes"] if n in where}
+        for handle in self._handles.values():
+            self._backend.renumber(handle, where)
+        sched.cluster, sched.state, sched._cores = spec, state, cores
 
     # ------------------------------------------------------------------ flow run states
     async def _set_state(self, flow_run_id: Any, state: Any) -> bool:
@@ -2250,6 +2539,89 @@ async def aload_block(cls: Any, name: str, field_name: str) -> Any:
         problems = "it failed validation"
     raise SpecError(field_name, f"block {cls.get_block_type_slug()}/{name} is invalid: {problems}; fix it in the Prefect UI "
                                 "(Blocks) or save it again") from None
+
+
+def _fingerprint(desc: Any) -> str:
+    """A digest of a cluster block's or cluster file's content, secrets included: equal digests, no edit."""
+    import hashlib
+
+    from pydantic import SecretStr
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, SecretStr):
+            return v.get_secret_value()
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items() if not str(k).startswith("_")}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    if dataclasses.is_dataclass(desc):  # a cluster file (`ClusterFile`)
+        data = {f.name: plain(dataclasses.asdict(desc)[f.name]) for f in dataclasses.fields(desc) if f.name != "path"}
+    else:  # a block
+        data = plain({k: getattr(desc, k) for k in type(desc).model_fields})
+    data["_kind"] = type(desc).__name__
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+_NODE_FIELDS = ("gpus", "gpu_mem_mb", "cpu_cores", "mem_mb", "gpu_model", "virtual", "switch", "address")
+
+
+def _same_node(a: Any, b: Any) -> bool:
+    """Two NodeSpecs alike in everything the scheduler and the backend read (labels too, which NodeSpec's == skips)."""
+    return a == b and a.labels == b.labels
+
+
+def _node_change(old: Any, new: Any) -> str:
+    """What changed between two NodeSpecs of one host, in words: 'GPUs 4 -> 8, cores 8 -> 16'."""
+    said = {"gpus": "GPUs", "gpu_mem_mb": "GPU memory (MiB)", "cpu_cores": "cores", "mem_mb": "memory (MiB)", "gpu_model": "GPU model",
+            "virtual": "virtual GPUs", "switch": "switch", "address": "address"}
+    def text(v: Any) -> str:
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    out = [f"{said[f]} {text(getattr(old, f))} -> {text(getattr(new, f))}" for f in _NODE_FIELDS if getattr(old, f) != getattr(new, f)]
+    if old.labels != new.labels:
+        out.append("labels")
+    return ", ".join(out) or "nothing the scheduler reads"
+
+
+def _why_not_resized(old: Any, new: Any, state: Any, i: int) -> str | None:
+    """Why node `i` of `state`, with stages on it, cannot become `new` now (None if it can): fewer GPUs or other GPU
+    memory than the stages there were placed with, fewer cores or less memory than it has free."""
+    if new.gpus < old.gpus and state.njobs[i, new.gpus:old.gpus].any():
+        return f"GPUs {new.gpus}..{old.gpus - 1} that go away are in use"
+    if new.gpu_mem_mb != old.gpu_mem_mb and state.njobs[i].any():
+        return "its GPUs' memory is in use"
+    if old.cpu_cores - new.cpu_cores > state.cpu_free[i] + 1e-9:
+        return f"only {state.cpu_free[i]:g} of its cores are free"
+    if old.mem_mb - new.mem_mb > state.mem_free[i] + 1e-6:
+        return f"only {state.mem_free[i]:g} MiB of its memory is free"
+    return None
+
+
+def _moved_state(old: Any, spec: ClusterSpec, where: dict[int, int], move: Any) -> Any:
+    """The allocation state `old` on cluster `spec`: node i of old is node where[i] of spec (a node of old not in
+    `where` holds nothing; a node of spec not in its values is empty), each placement becomes move(placement).
+    A node whose size changed keeps its stages (`_why_not_resized` said they fit): its free cores and memory
+    change by the difference, GPUs it gained are empty, GPUs it lost were."""
+    from qosflow.core.cluster import ClusterState
+
+    new = ClusterState(spec)
+    for i, j in where.items():
+        a, b = old.spec.nodes[i], spec.nodes[j]
+        g = min(a.gpus, b.gpus)
+        for name in ("milli_free", "njobs", "whole", "share_ok"):
+            getattr(new, name)[j, :g] = getattr(old, name)[i, :g]
+        new.gmem_free[j, :g] = np.where(old.njobs[i, :g] > 0, old.gmem_free[i, :g], new.gmem_cap[j])
+        new.cpu_free[j] = old.cpu_free[i] + (b.cpu_cores - a.cpu_cores)
+        new.mem_free[j] = old.mem_free[i] + (b.mem_mb - a.mem_mb)
+        new.down[j] = old.down[i]
+        new.empty[j] = int((new.exists[j] & (new.njobs[j] == 0)).sum())
+    new.n_empty = int(new.empty[~new.down].sum())
+    new.allocs = {jid: move(p) for jid, p in old.allocs.items()}
+    new.gpu_jobs = {(where[n], g): jobs for (n, g), jobs in old.gpu_jobs.items() if n in where}
+    new._shareable = dict(old._shareable)
+    return new
 
 
 #: entries kept in each of the worker's histories (records, early_checks, node_events, outages, recovered):
