@@ -279,3 +279,54 @@ def test_what_an_edit_cannot_change_under_running_stages_is_said_not_applied():
     assert [n.name for n in upd.nodes] == ["gpu-0"]
     assert upd.applied == ["image 'train:1' -> 'train:2' (for the stages launched from now on)"]
     assert upd.not_applied == ["its namespace changed from 'default' to 'ml'; the worker keeps 'default' until it is restarted"]
+
+
+def test_a_cluster_file_is_read_again_too(tmp_path):
+    """A worker started from a cluster file reads the file again: a host added is planned on (down while its agent
+    does not answer), an idle host removed is forgotten at once, a file that no longer parses is said once."""
+    from qosflow.backends.agent import load_cluster_file
+    from qosflow.policies import get_policy
+    from qosflow.prefect.scheduler import QoSScheduler
+    from qosflow.prefect.worker import QosflowWorker, _fingerprint
+
+    f = tmp_path / "lab.yaml"
+
+    def write(hosts: list[str]) -> None:
+        lines = "".join(f"  - {{name: {h}, agent_url: 'http://127.0.0.1:9'}}\n" for h in hosts)  # (nothing answers there)
+        f.write_text(f"name: lab\ntoken: t\nheartbeat_s: 0.5\ngpus_per_host: 2\ncpu_cores: 4\nhosts:\n{lines}")
+
+    errors: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                errors.append(record.getMessage())
+
+    async def go() -> tuple[list[str], list[str], list[str]]:
+        write(["h1", "h2"])
+        cf = load_cluster_file(f)
+        be = cf.backend(request_timeout_s=0.5)
+        w = QosflowWorker(work_pool_name="reload-file", backend=be)
+        w.scheduler = QoSScheduler(await be.inventory(), get_policy("fifo"))
+        w._cluster_source, w._cluster_seen = ("file", str(f)), _fingerprint(cf)
+        w.cluster_reload_s = 60.0
+        w._logger.addHandler(Keep())
+        try:
+            assert await w.reload_cluster() == []  # no edit
+            write(["h2", "h3"])
+            said = await w.reload_cluster()
+            names = list(w.scheduler.cluster.node_names)
+            assert w.scheduler.state.down.tolist() == [False, True]  # (h3's agent does not answer; h2 was not checked)
+            assert "h1" not in be.state and be.hosts.keys() == {"h2", "h3"}
+            f.write_text("name: lab\nhosts: [")  # broken
+            await w.reload_cluster()
+            await w.reload_cluster()
+            return said, names, list(w.scheduler.cluster.node_names)
+        finally:
+            await be.aclose()
+
+    said, names, after = asyncio.run(go())
+    assert said == ["host h1 removed", "host h3 added (2 GPUs, virtual, 4 cores)"]
+    assert names == after == ["h2", "h3"]
+    assert len(errors) == 1 and f"cluster file {f} cannot be used as it is now" in errors[0] and "not valid YAML" in errors[0], errors
+    assert "keeps the cluster it has (hosts h2, h3)" in errors[0]
