@@ -256,3 +256,30 @@ def test_the_retention_of_pipeline_output_is_set_by_an_environment_variable(tmp_
         with pytest.raises(QosflowError, match=f"environment variable QOSFLOW_PIPELINE_OUTPUT_MAX_AGE='{bad}': .*unset it for the default"):
             pipeline_output_max_age()
     store.engine.dispose()
+
+
+def test_the_worker_sweeps_pipeline_output_and_a_kept_log_counts_from_its_run_s_end(tmp_path, monkeypatch):
+    """The worker calls the sweep where it looks for pipelines to adopt (at its start and at heartbeats), and a
+    failed run's log it keeps is touched then: a pipeline quiet for weeks that then failed keeps its log for
+    the whole retention from its end, not from its last line."""
+    from qosflow.prefect.worker import QosflowWorker
+    from qosflow.store.leases import LeaseStore
+
+    monkeypatch.setenv("QOSFLOW_HOME", str(tmp_path / "home"))
+    d = tmp_path / "home" / "pipeline-output"
+    d.mkdir(parents=True)
+    now = time.time()
+    old = _log(d, "fr-old-failure", 40 * 86400, now)
+    quiet = _log(d, "fr-quiet-then-failed", 40 * 86400, now)
+
+    async def go():
+        w = QosflowWorker(work_pool_name="sweep-test", name="me", leases=False, create_pool_if_not_found=False)
+        w.leases = LeaseStore(url=f"sqlite:///{tmp_path / 'leases.db'}")
+        w.leases.record_pipeline(w._pool_key, "fr-quiet-then-failed", "me#h:1:aa", 1, "boot:1", quiet)
+        await w._forget_pipeline("fr-quiet-then-failed", None, remove_output=False, output=quiet)
+        await w._adopt_pipelines()
+        w.leases.engine.dispose()
+
+    asyncio.run(go())
+    assert not os.path.exists(old)
+    assert os.path.exists(quiet) and os.stat(quiet).st_mtime > now - 60

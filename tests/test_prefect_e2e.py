@@ -31,7 +31,7 @@ def qos_worker(prefect_server, tmp_path_factory):
     cluster = BareMetalGPUCluster.virtual(1, 2, cpu_cores=8)  # one host, 2 virtual GPUs
     asyncio.run(setup_pool(pool, cluster=cluster, policy=QoSPolicy(policy="fifo", options={"backfill": True}), stream_output=False))
     os.environ["QOSFLOW_PREDICTOR_ARTIFACT_SECONDS"] = "0.5"
-    w = WorkerThread(pool).wait_ready(120)
+    w = WorkerThread(pool, metrics_port=0).wait_ready(120)  # (Prometheus metrics on a free port)
     os.environ["QOSFLOW_POOL"] = pool
     yield w
     os.environ.pop("QOSFLOW_POOL", None)
@@ -171,6 +171,38 @@ def test_no_gpu_ever_holds_more_than_two_stages(qos_worker):
         load[g] = load.get(g, 0) + d
         assert load[g] <= 2
     assert max(qos_worker.worker.scheduler.gpu_load().values(), default=0) <= 2
+
+
+def test_prometheus_metrics_of_the_worker(qos_worker):
+    """The worker's /metrics (qosflow.prefect.metrics) after the three-stage pipeline above: its stages
+    finished ok and met their deadlines, their waits and placements were counted, and the cluster is read
+    live (2 GPUs on host0, up, nothing allocated now)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    w = qos_worker.worker
+    r = httpx.get(f"http://127.0.0.1:{w.metrics.port}/metrics", timeout=10)
+    assert r.status_code == 200
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    assert got[("qosflow_stages_finished_total", (("exit", "ok"),))] >= 3
+    assert got[("qosflow_stage_deadlines_total", (("outcome", "met"),))] >= 3
+    assert sum(v for k, v in got.items() if k[0] == "qosflow_stage_wait_seconds_count") >= 3
+    assert got[("qosflow_events_total", (("event", "qosflow.stage.placed"),))] >= 3
+    assert got[("qosflow_node_gpus", (("node", "host0"),))] == 2 and got[("qosflow_node_up", (("node", "host0"),))] == 1
+    assert got[("qosflow_scheduler_ready", ())] == 1
+    info = [k for k in got if k[0] == "qosflow_worker_info"]
+    assert info and dict(info[0][1])["pool"] == "e2e-gpu" and dict(info[0][1])["policy"] == "fifo"
+
+    # a second worker asked for the same port is refused at its start, saying so (not a traceback later)
+    from qosflow.errors import SpecError
+    from qosflow.prefect.worker import QosflowWorker
+
+    async def second():
+        async with QosflowWorker(work_pool_name="e2e-gpu", name="metrics-second", create_pool_if_not_found=False, metrics_port=w.metrics.port):
+            pass
+
+    with pytest.raises(SpecError, match="already in use"):
+        asyncio.run(second())
 
 
 def test_failing_stage_is_retried_and_reported_nothing_else_lost(qos_worker, tmp_path):

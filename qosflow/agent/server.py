@@ -93,7 +93,7 @@ class _AgentServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(stop)
 
 
-def bind(host: str, port: int) -> list[socket.socket]:
+def bind(host: str, port: int, *, port_option: str = "--port", host_option: str = "--host", what: str = "another agent") -> list[socket.socket]:
     """The agent's listening sockets, bound now so that a port in use or an address this host does not
     have is a clear error before anything starts (uvicorn printed only '[Errno 98] ...'). One per address
     `host` resolves to, as uvicorn (asyncio's create_server) bound them before: `localhost` is 127.0.0.1 and
@@ -103,7 +103,7 @@ def bind(host: str, port: int) -> list[socket.socket]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise SpecError("--host", f"{host!r} is not an address or a name this host can resolve ({exc.strerror})") from None
+        raise SpecError(host_option, f"{host!r} is not an address or a name this host can resolve ({exc.strerror})") from None
     socks: list[socket.socket] = []
     for family, addr in dict.fromkeys((info[0], info[4]) for info in infos):  # distinct addresses, in order
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -118,12 +118,12 @@ def bind(host: str, port: int) -> list[socket.socket]:
             for bound in socks:
                 bound.close()
             if exc.errno == errno.EADDRINUSE:
-                raise SpecError("--port", f"{host}:{port} is already in use (another agent running?): stop it or choose another --port") from None
+                raise SpecError(port_option, f"{host}:{port} is already in use ({what} running?): stop it or choose another {port_option}") from None
             if exc.errno == errno.EADDRNOTAVAIL:
-                raise SpecError("--host", f"{host} is not an address of this host: give one of its addresses, or 0.0.0.0 for all") from None
+                raise SpecError(host_option, f"{host} is not an address of this host: give one of its addresses, or 0.0.0.0 for all") from None
             if exc.errno == errno.EACCES:
-                raise SpecError("--port", f"no permission to listen on port {port} (ports below 1024 need root): choose another --port") from None
-            raise SpecError("--port", f"cannot listen on {host}:{port}: {exc.strerror}") from None
+                raise SpecError(port_option, f"no permission to listen on port {port} (ports below 1024 need root): choose another {port_option}") from None
+            raise SpecError(port_option, f"cannot listen on {host}:{port}: {exc.strerror}") from None
         sock.set_inheritable(True)
     return socks
 

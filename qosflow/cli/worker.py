@@ -35,6 +35,10 @@ def register(app: typer.Typer) -> None:
         policy: Optional[str] = typer.Option(None, "--policy", help="policy name (overrides the pool's policy block)"),
         estimator: Optional[str] = typer.Option(None, "--estimator", help="where estimates come from: learned | history | declared | module:attr (overrides the pool's policy block, whose default is learned)"),
         limit: Optional[int] = typer.Option(None, "--limit", min=1, help="most stage runs at once (default: no limit)"),
+        metrics_port: Optional[int] = typer.Option(
+            None, "--metrics-port", min=0, max=65535, envvar="QOSFLOW_WORKER_METRICS_PORT",
+            help="serve Prometheus metrics at http://HOST:PORT/metrics: stages queued/running per QoS class, waits, deadlines met and missed, GPUs allocated and shared per node (address: $QOSFLOW_WORKER_METRICS_HOST, default 0.0.0.0; default: no metrics)",
+        ),
     ) -> None:
         import asyncio
         import os
@@ -71,6 +75,7 @@ def register(app: typer.Typer) -> None:
 
         async def main() -> None:
             w = QosflowWorker(work_pool_name=pool, name=name, policy=policy, estimator=estimator, limit=limit, create_pool_if_not_found=False,
+                              metrics_port=metrics_port,
                               cluster_file=str(cluster_file.resolve()) if cluster_file is not None else None)
             # a service manager's stop (systemd, a Kubernetes rollout) sends SIGTERM: stop as on Ctrl-C, which
             # cancels this task (the stages in flight are requeued or left to the next worker to adopt)

@@ -48,10 +48,11 @@ class _Snapshot:
 
     def collect(self) -> Iterable[Any]:
         m = self.m
-        info = InfoMetricFamily("qosflow_worker", "The qosflow worker behind these series")
-        info.add_metric([], {"pool": m.pool, "worker": m.worker, **({"policy": m.policy} if m.policy else {})})
-        yield info
         sched = m.scheduler()
+        policy = m.policy or (getattr(sched.policy, "name", "") if sched is not None else "")
+        info = InfoMetricFamily("qosflow_worker", "The qosflow worker behind these series")
+        info.add_metric([], {"pool": m.pool, "worker": m.worker, **({"policy": policy} if policy else {})})
+        yield info
         ready = GaugeMetricFamily("qosflow_scheduler_ready", "1 once the worker has its cluster and policy (its first stage), else 0")
         ready.add_metric([], 1.0 if sched is not None else 0.0)
         yield ready
@@ -138,7 +139,7 @@ class WorkerMetrics:
 
         from qosflow.agent.server import QuietServer, bind
 
-        socks = bind(host, port)  # (SpecError naming --metrics-port's problem)
+        socks = bind(host, port, port_option="--metrics-port", host_option="QOSFLOW_WORKER_METRICS_HOST", what="another worker's metrics")
         self.port = socks[0].getsockname()[1]
         metrics_app = make_asgi_app(registry=self.registry)
 

@@ -301,9 +301,13 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         leases: Any = None,
         lease_ttl_s: float | None = None,
         max_infra_retries: int | None = None,
+        metrics_port: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        #: serve Prometheus metrics on this port (0: any free one; None: QOSFLOW_WORKER_METRICS_PORT, else none)
+        self._metrics_port_arg = metrics_port
+        self.metrics: Any = None  # qosflow.prefect.metrics.WorkerMetrics once served
         self._cluster_file_arg = cluster_file
         self._leases_arg = leases
         self.lease_ttl_s = float(lease_ttl_s or env_number("QOSFLOW_LEASE_TTL_SECONDS", 30.0, minimum=1.0))
@@ -510,6 +514,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     async def setup(self) -> None:
         await self._claim_name()  # (before Prefect's setup: a refused worker never polls nor heartbeats)
         await super().setup()
+        await self._serve_metrics()
         self._poll_task = asyncio.get_running_loop().create_task(self._fast_poll(), name="qosflow-fast-poll")
 
     async def _fast_poll(self) -> None:
@@ -646,8 +651,26 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 return []
         return await super().get_and_submit_flow_runs()
 
+    async def _serve_metrics(self) -> None:
+        """Prometheus metrics on `metrics_port` / QOSFLOW_WORKER_METRICS_PORT (host QOSFLOW_WORKER_METRICS_HOST,
+        default 0.0.0.0), /metrics: qosflow.prefect.metrics. A port in use stops the start, saying so."""
+        port = self._metrics_port_arg
+        if port is None:
+            raw = os.environ.get("QOSFLOW_WORKER_METRICS_PORT", "").strip()
+            if not raw:
+                return
+            port = int(env_number("QOSFLOW_WORKER_METRICS_PORT", 0, minimum=0, integer=True))
+        from qosflow.prefect.metrics import WorkerMetrics
+
+        self.metrics = WorkerMetrics(self._work_pool_name, str(self.name), lambda: self.scheduler)
+        port = await self.metrics.serve(int(port), os.environ.get("QOSFLOW_WORKER_METRICS_HOST", "").strip() or "0.0.0.0")
+        self._logger.info("Prometheus metrics of worker %s at http://%s:%d/metrics", self.name,
+                          os.environ.get("QOSFLOW_WORKER_METRICS_HOST", "").strip() or _hostname(), port)
+
     async def teardown(self, *exc_info: Any) -> None:
         self._stopping = True
+        if self.metrics is not None:
+            await self.metrics.aclose()
         poll = getattr(self, "_poll_task", None)
         if poll is not None and not poll.done():
             # wait for the fast poll to end here, bounded: a plain asyncio task that may be inside Prefect's
@@ -992,6 +1015,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                    flow_state=flow_state)
         rec["deadline_met"] = None if deadline_at is None else finished <= deadline_at
         _keep(self.records, rec)
+        if self.metrics is not None:
+            self.metrics.stage_finished(status.kind.value, rec["deadline_met"])
         if deadline_at is not None and finished > deadline_at and status.kind is not ExitKind.CANCELLED:
             self._event("qosflow.qos.violated", entry, {"stage": name, "pipeline": entry.pipeline, "deadline": deadline_at, "ended": finished,
                                                         "late_by_s": round(finished - deadline_at, 3)})
@@ -1422,6 +1447,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             t = asyncio.get_running_loop().create_task(self._watch_adopted_pipeline(fid, handle, row), name=f"qosflow-pipeline-{fid}")
             self._adopted_tasks.add(t)
             t.add_done_callback(self._adopted_tasks.discard)
+        # the output files of ended pipeline runs kept for their failure (QOSFLOW_PIPELINE_OUTPUT_MAX_AGE): at
+        # start and at heartbeats, at most every 10 minutes (LeaseStore.sweep_pipeline_output)
+        await asyncio.to_thread(self.leases.sweep_pipeline_output, _pipeline_output_dir())
 
     async def _watch_adopted_pipeline(self, fid: str, handle: StageHandle, row: Any) -> None:
         try:
@@ -1488,9 +1516,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         except Exception as exc:
             self._logger.warning("could not remove pipeline run %s's record from the lease store: %s", fid, exc)
         path = output or (handle.ref.get("output") if handle is not None else None)
-        if remove_output and path:
+        if path:
             try:
-                os.remove(path)
+                if remove_output:
+                    os.remove(path)
+                else:  # kept for its failure: its retention counts from now, not from its last line (days ago for a quiet run)
+                    os.utime(path)
             except OSError:
                 pass
 
@@ -1655,6 +1686,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
     def _node_event(self, name: str, node: str, payload: dict[str, Any]) -> None:
         from prefect.events import emit_event
+
+        if self.metrics is not None:
+            self.metrics.event(name)
 
         related = []
         if self._work_pool is not None:
@@ -2305,10 +2339,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._logger.warning("could not check the labels of flow run %s: %s", flow_run_id, exc)
 
     def _on_scheduler_event(self, name: str, entry: StageEntry, payload: dict[str, Any]) -> None:
+        if self.metrics is not None and name == "qosflow.stage.placed" and entry.grant is not None:
+            self.metrics.placed(entry, entry.grant.waited_s)
         self._event(name, entry, payload)
 
     def _event(self, name: str, entry: StageEntry, payload: dict[str, Any]) -> None:
         from prefect.events import emit_event
+
+        if self.metrics is not None:
+            self.metrics.event(name)
 
         related = []
         if entry.job.pipeline:
