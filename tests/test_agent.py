@@ -1408,3 +1408,56 @@ def test_agent_serves_https_with_its_certificate(tmp_path):
                        (["--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(tls.key)], "no such file")):
         res = CliRunner().invoke(app, ["agent", "start", "--token", TOKEN, "--port", "1", *args])
         assert res.exit_code != 0 and says in (res.output + str(res.exception or "")), (args, res.output)
+
+
+def test_worker_reaches_https_agents_through_the_cluster_s_ca(tmp_path):
+    """A cluster file's `tls_ca_file` (and a block's `agent_ca_cert`) make the worker trust the CA that signed
+    the agents' certificates: a stage runs over HTTPS. Without it the host is down, saying the certificate
+    is not trusted and where to give the CA; an http:// URL to an HTTPS agent says to write https://; a CA
+    file that holds no certificate is refused where it is named."""
+    from qosflow.agent.testing import make_test_tls
+    from qosflow.errors import SpecError
+    from qosflow.prefect.blocks import BareMetalGPUCluster
+
+    tls = make_test_tls(tmp_path / "tls")
+    (tmp_path / "tok").write_text(TOKEN)
+
+    def cluster_file(url: str, ca: str | None) -> Path:
+        f = tmp_path / "lab.yaml"
+        f.write_text("name: lab\ntoken_file: tok\n" + (f"tls_ca_file: {ca}\n" if ca else "")
+                     + f"hosts:\n  - {{name: host-tls, agent_url: '{url}', gpus: 1}}\n")
+        return f
+
+    with AgentProcess("host-tls", TOKEN, virtual_gpus=1, log=tmp_path / "tls.log", tls=tls) as ag:
+        out = tmp_path / "ran.txt"
+
+        runs = iter(range(100))
+
+        async def run(be):
+            try:
+                cluster = await be.inventory()
+                if not be.state["host-tls"].up:
+                    return None, be.state["host-tls"].error
+                h = await be.launch(LaunchSpec(f"tls-{next(runs)}", [sys.executable, "-c", f"open({str(out)!r}, 'w').write('ok')"],
+                                               Placement("tls", ((0, 0),), ((0, 1.0),)), cluster))
+                return (await be.wait(h)).kind, None
+            finally:
+                await be.aclose()
+
+        cf = load_cluster_file(cluster_file(ag.url, "tls/ca.pem"))
+        assert asyncio.run(run(cf.backend())) == (ExitKind.OK, None) and out.read_text() == "ok"
+        block = BareMetalGPUCluster.from_cluster_file(str(cluster_file(ag.url, "tls/ca.pem")))
+        assert block.agent_ca_cert == tls.ca.read_text()
+        out.unlink()
+        assert asyncio.run(run(block.make_backend()))[0] is ExitKind.OK and out.read_text() == "ok"
+
+        kind, why = asyncio.run(run(load_cluster_file(cluster_file(ag.url, None)).backend()))
+        assert kind is None and "is not trusted" in why and "tls_ca_file" in why, why
+        kind, why = asyncio.run(run(load_cluster_file(cluster_file(ag.url.replace("https://", "http://"), "tls/ca.pem")).backend()))
+        assert kind is None and "write https://" in why, why
+
+    (tmp_path / "not-a-ca.pem").write_text("hello\n")
+    with pytest.raises(SpecError, match=r"lab.yaml: .*not-a-ca.pem: invalid tls_ca_file: not a PEM CA certificate"):
+        load_cluster_file(cluster_file("https://127.0.0.1:1", "not-a-ca.pem"))
+    with pytest.raises(ValueError, match="invalid agent_ca_cert: not a PEM CA certificate"):
+        BareMetalGPUCluster(hosts=["a"], backend="agents", agent_url="https://{host}:8701", agent_token="t", agent_ca_cert="hello")

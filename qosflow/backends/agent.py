@@ -126,6 +126,7 @@ class AgentBackend(Backend):
         fence_after_s: float | None = None,
         cluster_name: str = "agents",
         declared_by: str | None = None,
+        ca_cert: str | None = None,
     ):
         self.hosts = {h.name: h for h in hosts}
         if not self.hosts:
@@ -143,6 +144,10 @@ class AgentBackend(Backend):
         self.inventory_note = ""  # for the worker's start-up line (set by inventory())
         self.state = {h.name: HostState(h.name, h.url.rstrip("/")) for h in self.hosts.values()}
         self._headers = {"Authorization": f"Bearer {token}"}
+        #: the CA (PEM) that signed the agents' certificates (https:// agents started with --tls-cert); None:
+        #: the system's CAs
+        self.ca_cert = ca_cert or None
+        self._verify: Any = tls_context(ca_cert, "ca_cert") if ca_cert else True
         self._request_timeout_s = request_timeout_s
         # one small connection pool per host and use: httpcore scans its whole pool on every request,
         # so one shared pool of ~100 hosts' keep-alive and long-poll connections costs O(hosts^2) CPU
@@ -185,7 +190,8 @@ class AgentBackend(Backend):
         if c is None:
             timeout = self._request_timeout_s if use == "api" else max(0.2, self.heartbeat_s / 2)
             c = self._clients[(h.url, use)] = httpx.AsyncClient(
-                headers=self._headers, timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                headers=self._headers, timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                verify=self._verify)
         return c
 
     # ------------------------------------------------------------------ heartbeats
@@ -429,6 +435,8 @@ class AgentBackend(Backend):
         if new._headers != self._headers:
             not_applied.append("its agent token changed, and the stages running now were started (and are followed) with the old one; "
                                "the worker keeps the old token until it is restarted")
+        if new.ca_cert != self.ca_cert:
+            not_applied.append("its CA certificate for the agents changed; the worker's connections keep the old one until it is restarted")
         for what, mine, theirs in (("heartbeat_s", self.heartbeat_s, new.heartbeat_s), ("fence_after_s", self.fence_after_s, new.fence_after_s)):
             if mine != theirs:
                 not_applied.append(f"its {what} changed from {mine} to {theirs}; the worker keeps {mine} until it is restarted")
@@ -771,6 +779,7 @@ class ClusterFile:
     token_file: agent-token          # or token: ..., or token_env: VAR (relative paths: beside this file)
     heartbeat_s: 2
     fence_after_s: 3                 # the agents' --fence-after (optional)
+    tls_ca_file: ca.pem              # agents at https:// with a certificate of this CA (optional)
     gpus_per_host: 4                 # defaults for every host; a host may override them
     gpu_mem_mb: 16384
     cpu_cores: 16
@@ -786,6 +795,8 @@ class ClusterFile:
     heartbeat_s: float = 2.0
     fence_after_s: float | None = None
     path: str | None = None
+    #: PEM of the CA that signed the agents' certificates (`tls_ca_file:`), for https:// agents
+    ca_cert: str | None = None
 
     def spec(self) -> ClusterSpec:
         """The declared cluster (virtual GPUs unless the agents report NVML; see `AgentBackend.inventory`)."""
@@ -802,6 +813,7 @@ class ClusterFile:
         kw.setdefault("heartbeat_s", self.heartbeat_s)
         kw.setdefault("fence_after_s", self.fence_after_s)
         kw.setdefault("declared_by", f"cluster file {self.path}" if self.path else f"cluster file {self.name!r}")
+        kw.setdefault("ca_cert", self.ca_cert)
         return AgentBackend(self.hosts, self.token, cluster_name=self.name, **kw)
 
     def ask_agents(self):
@@ -860,6 +872,15 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
     if not token:
         raise SpecError("token", "give the agents' secret token: token_file:, token_env: or token:", where=where)
     _no_unknown_keys(data, _FILE_KEYS, where)
+    ca_cert = None
+    if data.get("tls_ca_file"):
+        cf = Path(str(data["tls_ca_file"])).expanduser()
+        cf = cf if cf.is_absolute() else path.parent / cf
+        try:
+            ca_cert = cf.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecError("tls_ca_file", f"cannot read {cf}: {getattr(exc, 'strerror', None) or exc}", where=where) from None
+        tls_context(ca_cert, "tls_ca_file", where=f"{where}: {cf}")
     raw = data.get("hosts")
     if not isinstance(raw, list) or not raw:
         raise SpecError("hosts", "list at least one host with name and agent_url", where=where)
@@ -912,11 +933,23 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
             raise SpecError(key, f"must be a number of seconds > 0, got {v!r}", where=where)
         timing[key] = f
     return ClusterFile(str(data.get("name") or path.stem), token, hosts, timing["heartbeat_s"] or 2.0,
-                       timing["fence_after_s"], str(path))
+                       timing["fence_after_s"], str(path), ca_cert)
 
 
 _FILE_KEYS = ("name", "token", "token_file", "token_env", "heartbeat_s", "fence_after_s", "gpus_per_host", "gpu_mem_mb",
-              "cpu_cores", "mem_mb", "gpu_model", "hosts")
+              "cpu_cores", "mem_mb", "gpu_model", "hosts", "tls_ca_file")
+
+
+def tls_context(ca_pem: str, field: str, *, where: str | None = None) -> Any:
+    """An SSL context that trusts the CA certificate(s) in `ca_pem` (PEM text), for agents served over HTTPS
+    with a certificate of the cluster's own CA; a text that holds none is an error naming `field`."""
+    import ssl
+
+    try:
+        return ssl.create_default_context(cadata=ca_pem)
+    except (ssl.SSLError, ValueError, TypeError) as exc:
+        raise SpecError(field, f"not a PEM CA certificate (-----BEGIN CERTIFICATE----- ...): {getattr(exc, 'reason', None) or exc}",
+                        where=where) from None
 _HOST_KEYS = ("name", "agent_url", "url", "gpus", "gpu_mem_mb", "cpu_cores", "mem_mb", "gpu_model", "switch", "labels")
 
 
@@ -933,6 +966,14 @@ def _http_error(exc: httpx.HTTPError, url: str) -> str:
             return f"cannot resolve the host name {host!r} of {url} (name lookup failed: {text}); check the agent URL"
         if "refused" in low:
             return f"connection refused at {url} (is the agent running there?)"
+        if "certificate_verify_failed" in low or "certificate verify failed" in low:
+            return (f"the TLS certificate of the agent at {url} is not trusted ({text}); give the CA that signed it: tls_ca_file in the "
+                    "cluster file, agent_ca_cert in the cluster block")
+        if "wrong_version_number" in low or "record layer failure" in low or "packet length too long" in low:
+            return f"TLS handshake with {url} failed ({text}): is that agent serving plain HTTP (started without --tls-cert)? then write http://"
+    if isinstance(exc, httpx.RemoteProtocolError) and url.startswith("http://") and "disconnected without sending a response" in low:
+        return (f"the agent at {url} closed the connection without an answer: an agent started with --tls-cert speaks HTTPS only, "
+                f"write https:// ({text})")
     if isinstance(exc, httpx.TimeoutException):
         return f"{type(exc).__name__} from {url} (no answer in time)"
     return f"{type(exc).__name__} from {url}" + (f" ({text})" if text else "")

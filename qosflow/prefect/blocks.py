@@ -235,6 +235,21 @@ class BareMetalGPUCluster(_ClusterBase):
     fence_after_s: Optional[float] = Field(
         default=None, gt=0, description="The agents' --fence-after: a silent host's stages are rerun elsewhere only after it."
     )
+    agent_ca_cert: Optional[str] = Field(
+        default=None,
+        description="For agents at https:// (started with --tls-cert): the PEM certificate of the CA that signed theirs "
+        "(-----BEGIN CERTIFICATE----- ...). Empty: the system's CAs.",
+    )
+
+    @field_validator("agent_ca_cert")
+    @classmethod
+    def _ca(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or not v.strip():
+            return None
+        from qosflow.backends.agent import tls_context
+
+        tls_context(v, "agent_ca_cert")  # (a SpecError is a ValueError: the block's validation error names the field)
+        return v
 
     @field_validator("hosts")
     @classmethod
@@ -310,7 +325,8 @@ class BareMetalGPUCluster(_ClusterBase):
             for h in self.hosts
         ]
         name = getattr(self, "_block_document_name", None) or "agents"
-        return AgentBackend(hosts, token, heartbeat_s=self.heartbeat_s, fence_after_s=self.fence_after_s, cluster_name=name)
+        return AgentBackend(hosts, token, heartbeat_s=self.heartbeat_s, fence_after_s=self.fence_after_s, cluster_name=name,
+                            ca_cert=self.agent_ca_cert)
 
     @classmethod
     def from_cluster_file(cls, path: str) -> "BareMetalGPUCluster":
@@ -334,6 +350,7 @@ class BareMetalGPUCluster(_ClusterBase):
             agent_token=SecretStr(cf.token),
             heartbeat_s=cf.heartbeat_s,
             fence_after_s=cf.fence_after_s,
+            agent_ca_cert=cf.ca_cert,
             virtual_gpus=True,
             **kw,
         )
