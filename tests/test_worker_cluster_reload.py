@@ -77,7 +77,7 @@ def lab(prefect_server, tmp_path_factory):
                 await c.update_work_pool(POOL, WorkPoolUpdate(base_job_template=t))
 
         asyncio.run(pool())
-        w = WorkerThread(POOL).wait_ready(120)
+        w = WorkerThread(POOL, metrics_port=0).wait_ready(120)  # (its events counted in its Prometheus metrics)
         os.environ["QOSFLOW_POOL"] = POOL
         yield {"worker": w, "agents": agents, "dir": d}
     finally:
@@ -160,6 +160,13 @@ def test_an_added_host_takes_stages(lab, tmp_path):
     wait_for(lambda: list(w.scheduler.cluster.node_names) == ["host-c"], 10, "host-c planned on")
     assert any(line == "host host-c added (2 GPUs, virtual, 4 cores)" for _, line in w.cluster_events), w.cluster_events
     assert any(line == "host host-a removed" for _, line in w.cluster_events)
+    # each change is a Prefect event too (qosflow.node.added / removed / changed), for automations
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counted = {s.labels.get("event"): s.value for fam in text_string_to_metric_families(generate_latest(w.metrics.registry).decode())
+               for s in fam.samples if s.name == "qosflow_events_total"}
+    assert counted.get("qosflow.node.added", 0) >= 1 and counted.get("qosflow.node.removed", 0) >= 1, counted
     wait_for(lambda: not w.scheduler.state.down[0], 10, "host-c up")
     m = tmp_path / "added.jsonl"
     assert ip.agent_lost(str(m), 0.5) == "host-c"

@@ -1850,6 +1850,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         what, old = self._cluster_what, sched.cluster
         busy = self._busy_hosts()
         nodes, lines, deferred = [], [], False
+        events: list[tuple[str, str, dict[str, Any]]] = []  # (event, host, payload): for automations and metrics
         for i, n in enumerate(old.nodes):
             k = busy.get(n.name, 0)
             w = wanted.get(n.name)
@@ -1866,6 +1867,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 if why is None:
                     nodes.append(w)
                     lines.append(f"host {n.name} changed: {change}")
+                    events.append(("qosflow.node.changed", n.name, {"change": change}))
                 else:
                     nodes.append(n)
                     deferred = True
@@ -1877,14 +1879,19 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     self._draining.add(n.name)
                     sched.state.set_node_down(i, True)
                     lines.append(f"host {n.name} removed ({k} stage{'' if k == 1 else 's'} still running there, no new ones)")
+                    events.append(("qosflow.node.removed", n.name, {"stages_running": k, "draining": True}))
             else:
                 lines.append(f"host {n.name} removed" + (": its last stage ended" if n.name in self._draining else ""))
+                if n.name not in self._draining:  # (a draining host's removal was told when it began)
+                    events.append(("qosflow.node.removed", n.name, {"stages_running": 0, "draining": False}))
                 self._draining.discard(n.name)
         for name, w in wanted.items():
             if name not in old.node_names:
                 nodes.append(w)
                 lines.append(f"host {name} added ({w.gpus} GPU{'' if w.gpus == 1 else 's'}{', virtual' if w.virtual else ''}, "
                              f"{w.cpu_cores:g} cores)")
+                events.append(("qosflow.node.added", name, {"gpus": w.gpus, "virtual": w.virtual, "cpu_cores": w.cpu_cores,
+                                                            "gpu_model": w.gpu_model}))
         self._deferred = deferred
         if len(nodes) != len(old.nodes) or any(a is not b for a, b in zip(nodes, old.nodes)):
             spec = ClusterSpec(tuple(nodes), name=old.name)
@@ -1893,6 +1900,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         for line in lines:
             self._logger.info("%s: %s", what, line)
             _keep(self.cluster_events, (time.time(), line))
+        for name, host, payload in events:
+            self._node_event(name, host, dict(payload, cluster=what))
         if lines:
             sched.wake()
         return lines
