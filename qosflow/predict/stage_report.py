@@ -23,37 +23,46 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
     from qosflow.predict.estimator import LearnedEstimator
     from qosflow.predict.predictor import Predictor
 
-    # values read in one pass per table, not ORM instances (100k stages took minutes, mostly building those)
-    runs: dict[str, list[Any]] = defaultdict(list)
-    for h in store.history_rows("signature", "stage", "gpus", "duration_s", signature=signature, state="COMPLETED"):
-        if h.signature and h.duration_s and h.duration_s > 0:
-            runs[h.signature].append(h)
-    profiled: dict[str, list[Any]] = defaultdict(list)
-    samples: dict[str, list[Any]] = defaultdict(list)  # a signature's samples of finished stages: their co-runners
+    # values read in one pass per table, not ORM instances (100k stages took minutes, mostly building those),
+    # and kept as plain values (a million rows kept as objects slowed every garbage collection)
+    durations: dict[str, list[float]] = defaultdict(list)
+    last: dict[str, tuple] = {}  # signature -> (id, stage, gpus) of its last completed run
+    for hid, sig, stage, gpus, duration_s in store.history_rows("signature", "stage", "gpus", "duration_s",
+                                                                 signature=signature, state="COMPLETED"):
+        if sig and duration_s and duration_s > 0:
+            durations[sig].append(duration_s)
+            last[sig] = (hid, stage, gpus)
+    profiled: dict[str, list[Any]] = defaultdict(list)  # signature -> step times `qosflow profile` stored
+    solo_n: dict[str, int] = defaultdict(int)  # signature -> samples of finished stages that ran alone
+    shared: dict[str, list[str]] = defaultdict(list)  # signature -> co-runners of those that did not
     solo: list[tuple] = []  # what the estimator learns GPU speeds from (`LearnedEstimator._load_history`)
-    for smp in store.sample_rows("signature", "source", "co_runner", "step_time_s", "gpus", "gpu_type", "placement",
-                                 signature=signature):
-        if smp.source == "profile":  # `qosflow profile`'s (not a shipped reference table's)
-            profiled[smp.signature].append(smp)
-        elif smp.source == "stage":
-            samples[smp.signature].append(smp.co_runner)
-        if signature is None and smp.co_runner is None and smp.placement == "consolidated" and smp.source != "reference":
-            solo.append((smp.signature, smp.gpus, smp.gpu_type, smp.step_time_s))
-    if not runs:
-        return [_profiled_only(sig, smps) for sig, smps in profiled.items()]
+    for _id, sig, source, co_runner, step_time_s, gpus, gpu_type, placement in store.sample_rows(
+            "signature", "source", "co_runner", "step_time_s", "gpus", "gpu_type", "placement", signature=signature):
+        if source == "profile":  # `qosflow profile`'s (not a shipped reference table's)
+            profiled[sig].append(step_time_s)
+        elif source == "stage":
+            if co_runner:
+                shared[sig].append(co_runner)
+            else:
+                solo_n[sig] += 1
+        if signature is None and co_runner is None and placement == "consolidated" and source != "reference":
+            solo.append((sig, gpus, gpu_type, step_time_s))
+    if not durations:
+        return [_profiled_only(sig, times) for sig, times in profiled.items()]
     errors: dict[str, list[tuple[float, float]]] = defaultdict(list)
     # the stage's declared expected_duration, which the worker blends in as a prior: the store keeps no
     # declaration, but a prediction made on it alone (basis "declared", the runs before any measurement)
     # has its value. Without it the report answered from the runs alone ("history(n=3)") while the worker
     # planned with "declared+history(n=3)", though the help says the declaration is blended in.
     declared: dict[str, float] = {}
-    for pred in store.duration_errors(signature):
-        if pred.signature in runs and pred.actual > 0:
-            errors[pred.signature].append((pred.value, pred.actual))
-        if pred.signature in runs and pred.basis == "declared" and pred.value > 0:
-            declared[pred.signature] = pred.value  # the latest
+    for sig, value, basis, actual in store.duration_errors(signature):
+        if sig in durations:
+            if actual > 0:
+                errors[sig].append((value, actual))
+            if basis == "declared" and value > 0:
+                declared[sig] = value  # the latest
     # when each signature last ran (its last run's time only: reading every run's was a good part of the read)
-    last_at = {r.id: r.created_at for r in store.history_rows("created_at", ids=[hs[-1].id for hs in runs.values()])}
+    last_at = dict(store.history_rows("created_at", ids=[hid for hid, _stage, _gpus in last.values()]))
     # what the worker would plan with now, from the same store: its durations come from the history and its
     # GPU speeds from the solo samples (`LearnedEstimator._load_history`), not from the predictor's models
     # (a job without iterations is never asked of them), so the predictor is not loaded and fitted; the solo
@@ -61,21 +70,20 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
     est = LearnedEstimator(None, predictor=Predictor(None), persist=False)
     est._load_history(store, solo if signature is None else None)
     rows = []
-    for sig, hs in runs.items():
-        durations = [h.duration_s for h in hs]
-        last = hs[-1]
-        job = Job(f"report:{sig}", 0.0, QoSSpec(gpus=last.gpus, cpu_cores=1.0), durations[-1], model=sig,
+    for sig, ds in durations.items():
+        hid, stage, gpus = last[sig]
+        job = Job(f"report:{sig}", 0.0, QoSSpec(gpus=gpus, cpu_cores=1.0), ds[-1], model=sig,
                   expected_duration=declared.get(sig))
         now = est.predict_duration(job)
         apes = [abs(p - a) / a for p, a in errors.get(sig, ())]
-        shared = [co for co in samples.get(sig, ()) if co]
+        co = shared.get(sig, [])
         rows.append({
             "signature": sig,
-            "stage": last.stage,
-            "runs": len(hs),
-            "last_s": round(durations[-1], 3),
-            "median_s": round(statistics.median(durations), 3),
-            "last_run": last_at[last.id].isoformat() if last_at.get(last.id) else None,
+            "stage": stage,
+            "runs": len(ds),
+            "last_s": round(ds[-1], 3),
+            "median_s": round(statistics.median(ds), 3),
+            "last_run": last_at[hid].isoformat() if last_at.get(hid) else None,
             "predicts_s": round(now.value, 3),
             "predicts_low_s": round(now.low, 3),
             "predicts_high_s": round(now.high, 3),
@@ -83,18 +91,19 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
             "predictions_scored": len(apes),
             "mape": round(statistics.fmean(apes), 4) if apes else None,
             "last_ape": round(apes[-1], 4) if apes else None,
-            "solo_samples": len(samples.get(sig, ())) - len(shared),
-            "shared_samples": len(shared),
-            "co_runners": sorted(set(shared)),
+            "solo_samples": solo_n.get(sig, 0),
+            "shared_samples": len(co),
+            "co_runners": sorted(set(co)),
             "profiled_samples": len(profiled.get(sig, ())),
         })
     rows.sort(key=lambda r: r["last_run"] or "", reverse=True)
-    return rows + [_profiled_only(sig, smps) for sig, smps in profiled.items() if sig not in runs]
+    return rows + [_profiled_only(sig, times) for sig, times in profiled.items() if sig not in durations]
 
 
-def _profiled_only(sig: str, samples: list[Any]) -> dict[str, Any]:
-    """The row of a signature `qosflow profile` measured and no finished stage has yet."""
-    steps = [s.step_time_s for s in samples if s.step_time_s and s.step_time_s > 0]
+def _profiled_only(sig: str, step_times: list[Any]) -> dict[str, Any]:
+    """The row of a signature `qosflow profile` measured (`step_times`: its samples') and no finished stage
+    has yet."""
+    steps = [t for t in step_times if t and t > 0]
     return {
         "signature": sig,
         "stage": None,
@@ -113,5 +122,5 @@ def _profiled_only(sig: str, samples: list[Any]) -> dict[str, Any]:
         "solo_samples": 0,
         "shared_samples": 0,
         "co_runners": [],
-        "profiled_samples": len(samples),
+        "profiled_samples": len(step_times),
     }
