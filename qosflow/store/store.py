@@ -282,6 +282,8 @@ def parse_age(text: str, option: str = "--older-than") -> timedelta:
         raise SpecError(option, f"{text!r} is negative: an age is how long ago; give {form}")
     if seconds is None:
         raise SpecError(option, f"{text!r} is not an age: give {form}")
+    if not seconds < 1000 * 365 * 86400.0:  # (timedelta and the cut-off's date overflowed: an OverflowError traceback)
+        raise SpecError(option, f"{text!r} is more than 1000 years: every row is younger; give {form}")
     age = timedelta(seconds=seconds)
     if age < MIN_AGE:
         raise SpecError(option, f"{text!r} is too young: rows of stages still being written could go; give {form}")
