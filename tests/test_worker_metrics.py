@@ -112,3 +112,23 @@ def test_endpoint_serves_metrics_over_http_and_refuses_a_port_in_use():
     assert r.status_code == 200 and "qosflow_scheduler_ready 0.0" in r.text
     assert r.headers["content-type"].startswith("text/plain")
     assert other.status_code == 404 and "/metrics" in other.text
+
+
+def test_cluster_table_rows():
+    """The UI's cluster table (qosflow.prefect.cluster_table): per host its state (up, down, draining), GPUs
+    in use and shared, free cores and stages; then a total row."""
+    from qosflow.prefect.cluster_table import cluster_rows
+
+    async def go():
+        s = QoSScheduler(ClusterSpec.uniform(3, 2, cpu_cores=4, virtual=True), ShareEverything())
+        tasks = [await enqueue(s, entry(f"s{i}", shareable=True, mem=1000.0)) for i in range(2)]
+        s.round()
+        for t in tasks:
+            await t
+        s.state.down[1] = s.state.down[2] = True
+        return cluster_rows(s.state, draining={"node2"})
+
+    rows = asyncio.run(go())
+    assert [(r["host"], r["state"], r["GPUs"], r["GPUs in use"], r["GPUs shared"], r["stages"]) for r in rows] == [
+        ("node0", "up", 2, 1, 1, 2), ("node1", "down", 2, 0, 0, 0), ("node2", "draining", 2, 0, 0, 0), ("all (1 of 3 up)", "", 6, 1, 1, 2)]
+    assert rows[0]["cores free"] == "2 of 4"

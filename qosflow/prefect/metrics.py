@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterable, Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
+from qosflow.prefect.cluster_table import node_usage
+
 #: seconds from a stage's ready time to its placement
 WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400, float("inf"))
 
@@ -75,21 +77,17 @@ class _Snapshot:
         for cls, w in sorted(oldest.items()):
             wait.add_metric([cls], max(0.0, w))
         yield wait
-        st = sched.state
-        names = [n.name for n in st.spec.nodes]
         total = GaugeMetricFamily("qosflow_node_gpus", "GPUs of each node as the worker schedules them", labels=["node"])
         alloc = GaugeMetricFamily("qosflow_node_gpus_allocated", "GPUs of each node holding at least one stage", labels=["node"])
         shared = GaugeMetricFamily("qosflow_node_gpus_shared", "GPUs of each node holding two or more stages (GPU sharing)", labels=["node"])
         up = GaugeMetricFamily("qosflow_node_up", "1 if the node takes stages, 0 if it is down or retired", labels=["node"])
         cores = GaugeMetricFamily("qosflow_node_cpu_cores_free", "CPU cores of each node no stage holds", labels=["node"])
-        for i, name in enumerate(names):
-            exists = st.exists[i]
-            jobs = st.njobs[i][exists]
-            total.add_metric([name], int(st.gpu_count[i]))
-            alloc.add_metric([name], int((jobs > 0).sum()))
-            shared.add_metric([name], int((jobs > 1).sum()))
-            up.add_metric([name], 0.0 if bool(st.down[i]) else 1.0)
-            cores.add_metric([name], max(0.0, float(st.cpu_free[i])))
+        for u in node_usage(sched.state):
+            total.add_metric([u.name], u.gpus)
+            alloc.add_metric([u.name], u.allocated)
+            shared.add_metric([u.name], u.shared)
+            up.add_metric([u.name], 0.0 if u.down else 1.0)
+            cores.add_metric([u.name], u.cpu_free)
         yield from (total, alloc, shared, up, cores)
         rounds = CounterMetricFamily("qosflow_scheduler_rounds", "Scheduling rounds the worker's policy has run")
         rounds.add_metric([], int(getattr(sched, "rounds", 0)))
