@@ -94,6 +94,18 @@ class ClusterUpdate:
     applied: list[str] = field(default_factory=list)
 
 
+@dataclass
+class NodeListing:
+    """The nodes as the cluster's own API lists them now (`Backend.list_nodes`)."""
+
+    #: every node that matches, as `inventory()` describes it (in the API's name order)
+    nodes: list[NodeSpec]
+    #: those that take stages now (`healthy_nodes`: Ready and not cordoned)
+    healthy: set[str]
+    #: those cordoned (Kubernetes' spec.unschedulable): no new stage, the running ones go on
+    cordoned: set[str] = field(default_factory=set)
+
+
 def grad_accumulation(width: int, requested_gpus: int | None) -> int:
     """Gradient-accumulation steps of a stage that asked for `requested_gpus` GPUs and got `width` of
     them (an elastic start, `QoSSpec.min_gpus`): requested // width, 1 at full width (or None asked).
@@ -231,6 +243,15 @@ class Backend(ABC):
         raised for a change that cannot be applied safely: it is said in `ClusterUpdate.not_applied`.
         A backend that cannot change its cluster while it runs raises NotImplementedError (default)."""
         raise NotImplementedError(f"the {self.name} backend cannot change its cluster while the worker runs")
+
+    #: its nodes come from the cluster's own API, not from its description, and may change without an edit of
+    #: the description (a Kubernetes cluster's autoscaler adds a node, an administrator deletes one): the worker
+    #: lists them again every `cluster_reload_s` (`list_nodes`) and applies the difference as an edit
+    lists_nodes: bool = False
+
+    async def list_nodes(self) -> NodeListing:
+        """The nodes as the cluster's API lists them now (a backend whose `lists_nodes` is true)."""
+        raise NotImplementedError(f"the {self.name} backend's hosts are those its description names")
 
     def drop_host(self, name: str) -> bool:
         """Forget host `name`, retired by `update_cluster`, now that no stage of this worker is placed there.

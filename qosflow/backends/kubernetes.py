@@ -56,8 +56,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Collection, NamedTuple, Sequence
 
-from qosflow.backends.base import (Backend, BackendUnreachable, ClusterUpdate, ExitKind, ExitStatus, LaunchSpec, ProgressCopies,
-                                   StageHandle, placement_env)
+from qosflow.backends.base import (Backend, BackendUnreachable, ClusterUpdate, ExitKind, ExitStatus, LaunchSpec, NodeListing,
+                                   ProgressCopies, StageHandle, placement_env)
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.gpu_names import short_gpu_model
 from qosflow.errors import QosflowError, SpecError
@@ -279,6 +279,11 @@ class KubernetesBackend(Backend):
         self._sweep_task: asyncio.Task | None = None
         self._swept_at = -math.inf
         self._sweep_error: str | None = None
+        #: zone (or qosflow.dev/switch label) -> switch number, kept from one listing of the nodes to the next: a node
+        #: added in a new zone gets a new number, the others keep theirs (`_node_spec`)
+        self._switches: dict[str, int] = {}
+        #: why each listed node takes no stage now (not Ready, cordoned), from the last listing (`down_reasons`)
+        self._down_why: dict[str, str] = {}
 
     # ------------------------------------------------------------------ API calls with retries
     def _call(self, fn, *args, _doing: str | None = None, **kw):
@@ -373,14 +378,46 @@ class KubernetesBackend(Backend):
         nodes = await self._list_nodes()
         if not nodes:
             raise QosflowError(f"no Kubernetes node matches {self.node_selector or 'any label'} in {self.api_client.configuration.host}")
-        switches: dict[str, int] = {}
         self._start_sweep()  # (at the worker's start: what a worker that died left behind)
-        return ClusterSpec(tuple(self._node_spec(n, switches) for n in sorted(nodes, key=lambda n: n.metadata.name)), name=self.cluster_name)
+        return ClusterSpec(tuple(await asyncio.to_thread(self._node_specs, nodes)), name=self.cluster_name)
+
+    def _node_specs(self, nodes: list) -> list[NodeSpec]:
+        """The listed nodes as NodeSpecs, by name (their switch numbers kept from the last listing)."""
+        return [self._node_spec(n, self._switches) for n in sorted(nodes, key=lambda n: n.metadata.name)]
 
     async def healthy_nodes(self) -> set[str]:
         nodes = await self._list_nodes()
         self._start_sweep()  # (every orphan_sweep_s, in the background: the heartbeat does not wait for it)
-        return {n.metadata.name for n in nodes if _ready(n) and not (n.spec and n.spec.unschedulable)}
+        return self._healthy(nodes)
+
+    def _healthy(self, nodes: list) -> set[str]:
+        """The nodes that take stages (Ready, not cordoned); why each other one does not is kept for `down_reasons`."""
+        ok, why = set(), {}
+        for n in nodes:
+            if not _ready(n):
+                why[n.metadata.name] = "the node is not Ready"
+            elif n.spec and n.spec.unschedulable:
+                why[n.metadata.name] = "the node is cordoned (spec.unschedulable)"
+            else:
+                ok.add(n.metadata.name)
+        self._down_why = why
+        return ok
+
+    def down_reasons(self) -> dict[str, str]:
+        return dict(self._down_why)
+
+    # ------------------------------------------------------------------ nodes come and go without an edit of the block
+    #: a cluster autoscaler adds GPU nodes, an administrator cordons or deletes one: the worker lists the nodes
+    #: again every cluster_reload_s and follows them (`list_nodes`)
+    lists_nodes = True
+
+    async def list_nodes(self) -> NodeListing:
+        """The nodes that match the selector now (one list call; read and described off the event loop, as a list
+        of 1,000 nodes takes a while), those that take stages, and those cordoned."""
+        nodes = await self._list_nodes()
+        specs = await asyncio.to_thread(self._node_specs, nodes)
+        cordoned = {n.metadata.name for n in nodes if n.spec and n.spec.unschedulable}
+        return NodeListing(specs, self._healthy(nodes), cordoned)
 
     # ------------------------------------------------------------------ the cluster block is edited
     #: fields of an edited block taken at once: they are read only when a stage is launched

@@ -13,8 +13,10 @@ and any `/apis/{group}/{version}` custom resource):
     PUT    .../{plural}/{name}[/status]    replace (409 Conflict on a stale resourceVersion)
     PATCH  .../{plural}/{name}             JSON merge patch (strategic merge patches of built-in kinds are
                                            applied as merge patches; a JSON patch: 400 if not a list,
-                                           else 415, the emulator does not apply them)
-    DELETE .../{plural}/{name}             delete (Jobs: propagationPolicy Background/Foreground
+                                           else 415, the emulator does not apply them). A Node patched
+                                           with spec.unschedulable (a cordon) gets no new pod
+    DELETE .../{plural}/{name}             delete (a Node too: the pods bound there run on, the emulator has
+                                           no pod garbage collector for them; Jobs: propagationPolicy Background/Foreground
                                            deletes what they own (pods, a Secret); the default orphans it,
                                            as the API does)
     GET    /api/v1/namespaces/{ns}/pods/{name}/log[?tailLines=N]

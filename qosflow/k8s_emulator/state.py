@@ -3,7 +3,7 @@
 THIS IS AN EMULATOR, NOT KUBERNETES. It keeps Nodes, Pods, Jobs, Secrets, ConfigMaps (and custom
 objects such as PodGroups) as the JSON the real API server serves, with resource versions and a
 bounded event log for watches, and "runs" Jobs by creating their Pods, binding them to nodes (node affinity, node
-selectors, hostname anti-affinity, extended resources such as `nvidia.com/gpu`, all-or-nothing
+selectors, no new pod on a cordoned node (spec.unschedulable), hostname anti-affinity, extended resources such as `nvidia.com/gpu`, all-or-nothing
 groups for `schedulerName: volcano`) and moving them through their phases on a timer. No container
 runs: by default a Running pod just "runs" for its annotated time; with `run_processes=True` the
 emulated kubelet runs the pod's first container's command as a local process instead (no image,
@@ -598,6 +598,10 @@ class Cluster:
             if not self.node_ready(node):
                 why["node(s) had untolerated taint {node.kubernetes.io/unreachable: }"] = why.get("node(s) had untolerated taint {node.kubernetes.io/unreachable: }", 0) + 1
                 continue
+            if (node.get("spec") or {}).get("unschedulable") and not _tolerates_unschedulable(pod):
+                # (cordoned: the scheduler's NodeUnschedulable filter; pods already bound there run on)
+                why["node(s) were unschedulable"] = why.get("node(s) were unschedulable", 0) + 1
+                continue
             if anti and any(labels_match(p["metadata"].get("labels", {}), anti) and p["spec"].get("nodeName") == name
                             and p["status"].get("phase") in ("Pending", "Running") for p in self.store.list("pods", pod["metadata"]["namespace"])):
                 why["node(s) didn't match pod anti-affinity rules"] = why.get("node(s) didn't match pod anti-affinity rules", 0) + 1
@@ -931,6 +935,16 @@ def _requests(pod: dict) -> dict[str, float]:
         for k, v in merged.items():
             out[k] = out.get(k, 0.0) + quantity(v)
     return out
+
+
+def _tolerates_unschedulable(pod: dict) -> bool:
+    """Whether the pod tolerates a cordoned node's taint (node.kubernetes.io/unschedulable:NoSchedule), as a
+    DaemonSet's pods do."""
+    for t in pod["spec"].get("tolerations") or []:
+        key_ok = t.get("key") == "node.kubernetes.io/unschedulable" or (not t.get("key") and t.get("operator") == "Exists")
+        if key_ok and t.get("effect") in (None, "", "NoSchedule"):
+            return True
+    return False
 
 
 def _affinity_nodes(pod: dict) -> set[str] | None:

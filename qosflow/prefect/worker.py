@@ -387,6 +387,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._wanted: dict[str, Any] | None = None
         self._draining: set[str] = set()  # hosts removed from the description while stages of theirs still run
         self._deferred = False  # a host's change waits until its stages end (`_settle_cluster`)
+        self._cordoned: set[str] = set()  # nodes cordoned in the last listing of a backend that `lists_nodes` (`_follow_nodes`)
+        self._nodes_error: str | None = None  # why the nodes cannot be listed now (said once per distinct error)
         self.cluster_events: list[tuple[float, str]] = []  # (time, what changed), as logged (tests)
         self._reload_task: asyncio.Task | None = None
         #: flow run id -> its stage's entry, while its `run()` is in flight (a finished stage's grant says where it
@@ -497,7 +499,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._adopt_pipelines()
             await self._recover_orphans()
             self._health_task = loop.create_task(self._health_loop(), name="qosflow-heartbeat")
-            if self._cluster_source is not None and self.cluster_reload_s > 0:
+            if (self._cluster_source is not None or getattr(self._backend, "lists_nodes", False)) and self.cluster_reload_s > 0:
                 self._reload_task = loop.create_task(self._cluster_reload_loop(), name="qosflow-cluster-reload")
             if self._backend.syncs_progress:  # stages report their progress where they run: copy it here
                 self._progress_task = loop.create_task(self._progress_loop(sync_s), name="qosflow-progress")
@@ -1721,7 +1723,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     @property
     def _cluster_what(self) -> str:
         """"cluster block 'lab'" or "cluster file lab.yaml", for messages."""
-        kind, name = self._cluster_source or ("block", "?")
+        if self._cluster_source is None:  # (a backend given to the worker, whose nodes it follows: `_follow_nodes`)
+            return f"cluster {self.scheduler.cluster.name if self.scheduler is not None else '?'!r}"
+        kind, name = self._cluster_source
         return f"cluster block {name!r}" if kind == "block" else f"cluster file {name}"
 
     async def _cluster_reload_loop(self) -> None:
@@ -1749,9 +1753,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         used, hosts removed take no new stage (those running there end there, followed as before) and are
         forgotten once empty, resized hosts are resized as far as that is safe with the stages on them
         (`_settle_cluster`). A description that no longer loads or validates is not used (logged once per
-        distinct error); the worker keeps the cluster it has. Returns the changes made (also logged)."""
-        if self.scheduler is None or self._cluster_source is None or self._backend is None:
+        distinct error); the worker keeps the cluster it has. Returns the changes made (also logged).
+
+        A backend whose nodes come from its cluster's API (`Backend.lists_nodes`: Kubernetes) has them listed again
+        when the description did not change, and the difference applied the same way (`_follow_nodes`)."""
+        if self.scheduler is None or self._backend is None:
             return []
+        if self._cluster_source is None:
+            return await self._follow_nodes()
         kind, name = self._cluster_source
         new = None
         try:
@@ -1777,12 +1786,81 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._logger.info("%s can be used again", self._cluster_what)
             self._reload_error = None
         if new is None:
-            return await self._settle_cluster() if (self._draining or self._deferred) else []
+            return await self._follow_nodes()
         try:
             return await self._take_cluster(new, fp)
         finally:
             if new is not self._backend:
                 await new.aclose()
+
+    async def _follow_nodes(self) -> list[str]:
+        """The description did not change. A backend whose nodes come from its cluster's API (`lists_nodes`: a
+        Kubernetes cluster's autoscaler adds a GPU node, an administrator deletes one, without an edit of the block)
+        has them listed again (one list call), and what differs from the hosts planned on is applied as an edit of
+        the description would be (`_settle_cluster`): a node added is planned on, a node gone drains then is
+        forgotten, a node resized (allocatable GPUs, cpu, memory) is resized as far as its stages allow. A node
+        cordoned (spec.unschedulable) takes no new stage, its running ones go on; uncordoned, it takes stages
+        again. Otherwise (or when the nodes cannot be listed) only what waited for stages to end is settled."""
+        sched, be = self.scheduler, self._backend
+        assert sched is not None and be is not None
+        listing = None
+        if getattr(be, "lists_nodes", False) and self.outage is None:  # (during an outage the heartbeat says so, and lists nothing)
+            try:
+                listing = await be.list_nodes()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the nodes as they were planned stay
+                why = str(exc) or type(exc).__name__
+                if _unreachable(exc):
+                    self._logger.debug("qosflow: could not list the nodes: %s", why)
+                elif why != self._nodes_error:
+                    self._logger.warning("%s: could not list its nodes to follow them: %s; the worker plans on the nodes it has and "
+                                         "tries again every %gs", self._cluster_what, why, self.cluster_reload_s)
+                self._nodes_error = why
+        if listing is None:
+            return await self._settle_cluster() if (self._draining or self._deferred) else []
+        if self._nodes_error is not None:
+            self._logger.info("%s: its nodes can be listed again", self._cluster_what)
+            self._nodes_error = None
+        if not listing.nodes:  # (a selector that matches nothing for a moment is no reason to drain every node)
+            self._say_once(f"{self._cluster_what}: no node of the cluster matches its node selector now; the worker keeps planning "
+                           f"on the nodes it has ({', '.join(sched.cluster.node_names)})")
+            return await self._settle_cluster() if (self._draining or self._deferred) else []
+        planned = self._wanted if self._wanted is not None else {n.name: n for n in sched.cluster.nodes}
+        listed = {n.name: n for n in listing.nodes}
+        lines: list[str] = []
+        if listed.keys() != planned.keys() or any(not _same_node(planned[k], n) for k, n in listed.items()):
+            self._wanted = listed
+            lines = await self._settle_cluster(listing.healthy)
+        elif self._draining or self._deferred:
+            lines = await self._settle_cluster(listing.healthy)
+        return lines + self._follow_cordons(listing.cordoned, listing.healthy, set(listed))
+
+    def _follow_cordons(self, cordoned: set[str], healthy: set[str], listed: set[str]) -> list[str]:
+        """Nodes cordoned since the last listing: down for the policy (their running stages go on); uncordoned: up
+        again (unless drained or not Ready). One line and one qosflow.node.changed event per change."""
+        sched = self.scheduler
+        assert sched is not None
+        what, busy = self._cluster_what, self._busy_hosts()
+        lines: list[tuple[str, str, str]] = []
+        for i, n in enumerate(sched.cluster.nodes):
+            if n.name in cordoned and n.name not in self._cordoned:
+                sched.state.set_node_down(i, True)
+                k = busy.get(n.name, 0)
+                lines.append((n.name, "cordoned", f"host {n.name} is cordoned (spec.unschedulable): no new stage goes there; "
+                                                  f"{k} stage{'' if k == 1 else 's'} running there go{'es' if k == 1 else ''} on"))
+            elif n.name in self._cordoned and n.name not in cordoned and n.name in listed:  # (not one deleted meanwhile)
+                if n.name not in self._draining and self.outage is None and n.name in healthy:
+                    sched.state.set_node_down(i, False)
+                lines.append((n.name, "uncordoned", f"host {n.name} is uncordoned: new stages go there again"))
+        self._cordoned = set(cordoned) & set(sched.cluster.node_names)
+        for host, change, line in lines:
+            self._logger.info("%s: %s", what, line)
+            _keep(self.cluster_events, (time.time(), line))
+            self._node_event("qosflow.node.changed", host, {"change": change, "cluster": what})
+        if lines:
+            sched.wake()
+        return [line for _, _, line in lines]
 
     def _say_once(self, msg: str) -> None:
         if msg not in self._cluster_said:
@@ -1830,7 +1908,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     out[names[n]] = out.get(names[n], 0) + 1
         return out
 
-    async def _settle_cluster(self) -> list[str]:
+    async def _settle_cluster(self, healthy: set[str] | None = None) -> list[str]:
         """Bring the scheduler's cluster as close to the described one (`_wanted`) as is safe now, log each change
         ("cluster block 'lab': host h3 removed (2 stages still running there, no new ones)") and return them.
 
@@ -1838,14 +1916,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         * a host added: planned on (down until its agent answers);
         * a host resized: at once where that is safe with the stages on it (more GPUs, cores or memory; fewer
           cores or less memory than it has free; another GPU model or labels); else once they end, with a warning.
-        Node indices change when hosts come and go: every placement is renumbered (`_swap_cluster`)."""
+        Node indices change when hosts come and go: every placement is renumbered (`_swap_cluster`). `healthy`: the
+        hosts that take stages now, if the caller has just read them (else `healthy_nodes` is asked)."""
         sched, be, wanted = self.scheduler, self._backend, self._wanted
         if sched is None or be is None or wanted is None:
             return []
-        try:
-            healthy = await be.healthy_nodes()
-        except Exception:  # (an added host starts down then; the heartbeat brings it up)
-            healthy = set()
+        if healthy is None:
+            try:
+                healthy = await be.healthy_nodes()
+            except Exception:  # (an added host starts down then; the heartbeat brings it up)
+                healthy = set()
         # from here on no await: the scheduler's round must not place a stage between this plan and the swap
         what, old = self._cluster_what, sched.cluster
         busy = self._busy_hosts()

@@ -1,0 +1,221 @@
+"""A worker on Kubernetes follows the cluster's GPU nodes as they come and go, without an edit of its cluster block.
+
+A cluster autoscaler adds a GPU node, an administrator cordons one or deletes it: the worker lists the nodes again
+every `cluster_reload_s` (`QosflowWorker._follow_nodes`, one list call) and applies the difference as an edit of the
+block (`_settle_cluster`). Here a worker given a KubernetesBackend on qosflow's API emulator (EMULATED: no cluster),
+its reload loop every 0.2 s, its scheduler placing stages (fifo: first fit) that the backend runs as Jobs; nodes are
+added through the emulator's control API, deleted and cordoned through the official client (DELETE
+/api/v1/nodes/NAME, a patch of spec.unschedulable), as `kubectl delete node` and `kubectl cordon` do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+from kubernetes import client
+
+from qosflow.backends.base import ExitKind, LaunchSpec
+from qosflow.backends.kubernetes import KubernetesBackend
+from qosflow.core.job import Job, JobState
+from qosflow.core.qos import QoSSpec
+from qosflow.k8s_emulator import EmulatorServer, gpu_node
+
+pytestmark = pytest.mark.timeout(120)
+RELOAD_S = 0.2
+
+
+async def until(cond, what: str, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not await asyncio.to_thread(cond):
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:g}s waiting until {what}")
+        await asyncio.sleep(0.05)
+
+
+class Lab:
+    """A worker (scheduler + backend + its cluster reload loop) on the emulator."""
+
+    def __init__(self, emu: EmulatorServer):
+        self.emu = emu
+        self.core = client.CoreV1Api(emu.api_client())
+
+    async def __aenter__(self) -> "Lab":
+        from qosflow.policies import get_policy
+        from qosflow.prefect.scheduler import QoSScheduler
+        from qosflow.prefect.worker import QosflowWorker
+
+        self.be = KubernetesBackend(namespace="default", image="busybox:1.36", api_client=self.emu.api_client(), unschedulable_timeout_s=1.0)
+        self.w = QosflowWorker(work_pool_name="k8s-node-changes", backend=self.be)
+        self.w.scheduler = self.sched = QoSScheduler(await self.be.inventory(), get_policy("fifo"), coda=False)
+        self.w.cluster_reload_s = RELOAD_S
+        self.events: list[tuple[str, str]] = []  # (the Prefect events the worker emits: no Prefect server here)
+        self.w._node_event = lambda name, node, payload: self.events.append((name, node))
+        self.sched.start()
+        self.loop = asyncio.get_running_loop().create_task(self.w._cluster_reload_loop())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.loop
+        # (not `sched.stop()` alone: on Python 3.11 its round loop's asyncio.wait_for can swallow the cancel when a
+        # wake comes at the same moment, and the stop waits for ever; cancelled again until it is done)
+        task = self.sched._task
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=0.5)
+        await self.sched.stop()
+        await self.be.aclose()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.sched.cluster.node_names)
+
+    def said(self, line: str) -> bool:
+        return any(x == line for _, x in self.w.cluster_events)
+
+    def down(self, name: str) -> bool:
+        return bool(self.sched.state.down[self.sched.cluster.index_of(name)])
+
+    async def place(self, name: str, gpus: int = 1) -> str:
+        """Queue a stage; the node the scheduler gives it."""
+        from qosflow.prefect.scheduler import StageEntry
+
+        e = StageEntry(JobState(Job(name, 0.0, QoSSpec(gpus=gpus, cpu_cores=1), duration=5.0)), name)
+        g = await asyncio.wait_for(self.sched.request(e), 20)
+        (node,) = g.placement.nodes
+        return self.sched.cluster.nodes[node].name
+
+    async def launch(self, name: str, run_s: float):
+        """Run the placed stage as a Job (the emulator "runs" its pod for run_s)."""
+        self.emu.add_rule(selector=f"qosflow.dev/stage-id={name}", run_s=run_s)
+        p = self.sched.entries[name].grant.placement
+        return await self.be.launch(LaunchSpec(name, ["true"], p, self.sched.cluster))
+
+    def pod_node(self, name: str) -> str | None:
+        pods = self.core.list_namespaced_pod("default", label_selector=f"qosflow.dev/stage-id={name}").items
+        return pods[0].spec.node_name if pods and pods[0].status.phase in ("Running", "Succeeded") else None
+
+
+def test_a_node_added_to_the_cluster_takes_a_stage_without_an_edit_of_the_block():
+    async def go():
+        with EmulatorServer([gpu_node("gpu-0", 1)]) as emu:
+            async with Lab(emu) as lab:
+                assert await lab.place("a") == "gpu-0"  # the only GPU, busy
+                await asyncio.to_thread(emu.add_node, name="gpu-1", gpus=1)  # (the autoscaler's new node)
+                await until(lambda: lab.names == ["gpu-0", "gpu-1"] and not lab.down("gpu-1"), "gpu-1 planned on, up")
+                assert lab.said("host gpu-1 added (1 GPU, virtual, 32 cores)"), lab.w.cluster_events
+                assert ("qosflow.node.added", "gpu-1") in lab.events
+                assert await lab.place("b") == "gpu-1"
+                h = await lab.launch("b", 0.3)
+                st = await lab.be.wait(h)
+                assert st.kind is ExitKind.OK, st
+                assert lab.pod_node("b") == "gpu-1"
+
+    asyncio.run(go())
+
+
+def test_a_deleted_node_takes_no_new_stage_while_its_running_stage_completes():
+    async def go():
+        with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)]) as emu:
+            async with Lab(emu) as lab:
+                assert await lab.place("a") == "gpu-0"
+                ha = await lab.launch("a", 3.0)
+                await until(lambda: lab.pod_node("a") == "gpu-0", "a running on gpu-0")
+                await asyncio.to_thread(lab.core.delete_node, "gpu-0")  # kubectl delete node gpu-0
+                await until(lambda: lab.said("host gpu-0 removed (1 stage still running there, no new ones)"), "the removal said")
+                assert lab.down("gpu-0")
+                # gpu-0 has a free GPU and comes first, but takes no new stage
+                assert await lab.place("b") == "gpu-1"
+                hb = await lab.launch("b", 0.3)
+                sa, sb = await asyncio.gather(lab.be.wait(ha), lab.be.wait(hb))
+                assert sa.kind is ExitKind.OK and sb.kind is ExitKind.OK, (sa, sb)  # a ran to its end on the deleted node
+                assert lab.pod_node("a") == "gpu-0" and lab.pod_node("b") == "gpu-1"
+                lab.sched.release("a")
+                await until(lambda: lab.names == ["gpu-1"], "gpu-0 forgotten once its stage ended")
+                assert lab.said("host gpu-0 removed: its last stage ended")
+                assert lab.sched.entries["b"].grant.placement.nodes == (0,)  # (renumbered: gpu-1 is node 0 now)
+                lab.sched.release("b")
+                lab.sched.state.check_invariants()
+
+    asyncio.run(go())
+
+
+def test_a_cordoned_node_takes_no_new_stage_keeps_its_running_one_and_is_used_again_once_uncordoned():
+    async def go():
+        with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)]) as emu:
+            async with Lab(emu) as lab:
+                assert await lab.place("a") == "gpu-0"
+                ha = await lab.launch("a", 2.0)
+                await until(lambda: lab.pod_node("a") == "gpu-0", "a running on gpu-0")
+                await asyncio.to_thread(lab.core.patch_node, "gpu-0", {"spec": {"unschedulable": True}})  # kubectl cordon gpu-0
+                said = "host gpu-0 is cordoned (spec.unschedulable): no new stage goes there; 1 stage running there goes on"
+                await until(lambda: lab.said(said), "the cordon said")
+                assert lab.down("gpu-0") and lab.names == ["gpu-0", "gpu-1"]  # kept: its stage runs on
+                assert lab.events == [("qosflow.node.changed", "gpu-0")]
+                assert await lab.place("b") == "gpu-1"
+                assert (await lab.be.wait(ha)).kind is ExitKind.OK
+                lab.sched.release("a")
+                lab.sched.release("b")
+                # Kubernetes' own scheduler binds no new pod there either (the emulator as a cluster does)
+                cl = lab.sched.cluster
+                from qosflow.core.placement import Placement
+
+                pinned = Placement("pinned", ((0, 0),), ((0, 1.0),))
+                st = await lab.be.wait(await lab.be.launch(LaunchSpec("pinned", ["true"], pinned, cl)))
+                assert st.kind is ExitKind.INFRA and "node(s) were unschedulable" in st.reason, st
+
+                await asyncio.to_thread(lab.core.patch_node, "gpu-0", {"spec": {"unschedulable": False}})  # kubectl uncordon gpu-0
+                await until(lambda: lab.said("host gpu-0 is uncordoned: new stages go there again") and not lab.down("gpu-0"), "uncordoned")
+                assert await lab.place("c") == "gpu-0"
+                assert (await lab.be.wait(await lab.launch("c", 0.3))).kind is ExitKind.OK
+                assert lab.pod_node("c") == "gpu-0"
+                # one line per change, not one per reading
+                assert sum(line.startswith("host gpu-0 is") for _, line in lab.w.cluster_events) == 2, lab.w.cluster_events
+
+    asyncio.run(go())
+
+
+def test_following_1000_nodes_is_one_list_call_and_does_not_block_the_event_loop():
+    """A new node among 1,000: one list call per reading (the settle reuses its health), and the event loop keeps
+    turning while the list is read and described (off the loop, as the backend's other API calls)."""
+    nodes = [gpu_node(f"gpu-{i:04d}", 8) for i in range(1000)]
+
+    async def go():
+        with EmulatorServer(nodes, window=5000) as emu:
+            async with Lab(emu) as lab:
+                lab.loop.cancel()  # (readings driven by hand here)
+                calls = []
+                real = lab.be.core.list_node
+
+                def counted(*a, **kw):
+                    calls.append(1)
+                    return real(*a, **kw)
+
+                lab.be.core.list_node = counted
+                assert await lab.w.reload_cluster() == [] and len(calls) == 1  # nothing changed
+                await asyncio.to_thread(emu.add_node, name="gpu-1000", gpus=8)
+                gaps, stop = [], asyncio.Event()
+
+                async def tick():
+                    t = time.monotonic()
+                    while not stop.is_set():
+                        await asyncio.sleep(0.005)
+                        now = time.monotonic()
+                        gaps.append(now - t)
+                        t = now
+
+                ticker = asyncio.get_running_loop().create_task(tick())
+                calls.clear()
+                said = await lab.w.reload_cluster()
+                stop.set()
+                await ticker
+                assert said == ["host gpu-1000 added (8 GPUs, virtual, 32 cores)"] and len(calls) == 1, (said, calls)
+                assert len(lab.names) == 1001 and not lab.down("gpu-1000")
+                return max(gaps)
+
+    worst = asyncio.run(go())
+    assert worst < 0.5, f"the event loop stood still for {worst:.3f}s"
