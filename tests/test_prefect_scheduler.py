@@ -720,3 +720,33 @@ def test_the_worker_places_a_stage_on_the_gpu_model_its_own_runs_were_fastest_on
         assert cluster.nodes[t.result().placement.gpus[0][0]].name == "old"
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("depth", range(4))
+def test_stop_ends_the_loop_even_as_it_is_woken(depth):
+    """The worker stopping just as a stage ended (which wakes the queue): on Python 3.11 asyncio.wait_for
+    returned the woken wait's result and swallowed stop()'s cancellation, and stop() waited for the loop
+    for ever (found by a test of the Kubernetes node changes, which hung). `depth` loop iterations between
+    the wake and the stop cover the moments at which the cancellation can arrive."""
+    from qosflow.policies import get_policy
+
+    async def go():
+        s = QoSScheduler(CL, get_policy("fifo"), coda=False)
+        s.start()
+        await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        box = {}
+
+        def later(n, fn):
+            if n == 0:
+                fn()
+            else:
+                loop.call_soon(later, n - 1, fn)
+
+        s.wake()
+        later(depth, lambda: box.setdefault("stop", asyncio.ensure_future(s.stop())))
+        await asyncio.sleep(0.05)
+        done, _ = await asyncio.wait({box["stop"]}, timeout=3)
+        return bool(done)
+
+    assert asyncio.run(go()), "stop() did not end the scheduler's loop"

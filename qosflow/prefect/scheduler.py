@@ -271,19 +271,23 @@ class QoSScheduler:
         return self._task
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            # (a cancellation its loop could still lose is sent again; run_forever's wait cannot lose one)
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            log.debug("the scheduler's loop had ended with %r", task.exception())
 
     async def run_forever(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returned the inner wait's result when a
+            # cancellation arrived just as the event was set (a stage ending as the worker stops), swallowing
+            # the cancellation, and stop() waited for this loop for ever
             try:
-                await asyncio.wait_for(self._wake.wait(), self.round_interval)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.round_interval):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             self._wake.clear()
             try:
