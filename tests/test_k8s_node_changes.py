@@ -38,9 +38,10 @@ async def until(cond, what: str, timeout: float = 30.0) -> None:
 class Lab:
     """A worker (scheduler + backend + its cluster reload loop) on the emulator."""
 
-    def __init__(self, emu: EmulatorServer):
+    def __init__(self, emu: EmulatorServer, *, follow: bool = True):
         self.emu = emu
         self.core = client.CoreV1Api(emu.api_client())
+        self.follow = follow
 
     async def __aenter__(self) -> "Lab":
         from qosflow.policies import get_policy
@@ -54,7 +55,7 @@ class Lab:
         self.events: list[tuple[str, str]] = []  # (the Prefect events the worker emits: no Prefect server here)
         self.w._node_event = lambda name, node, payload: self.events.append((name, node))
         self.sched.start()
-        self.loop = asyncio.get_running_loop().create_task(self.w._cluster_reload_loop())
+        self.loop = asyncio.get_running_loop().create_task(self.w._cluster_reload_loop() if self.follow else asyncio.sleep(3600))
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -219,3 +220,35 @@ def test_following_1000_nodes_is_one_list_call_and_does_not_block_the_event_loop
 
     worst = asyncio.run(go())
     assert worst < 0.5, f"the event loop stood still for {worst:.3f}s"
+
+
+def test_the_heartbeat_says_a_cordoned_node_s_stages_run_on():
+    """The heartbeat (`_sync_health`) marks a cordoned node down within a beat, before the node listing sees it:
+    its line said the node's stages "will run again elsewhere", which nothing does for a cordon. It says why
+    the node is down and that its stages run on."""
+    import logging
+
+    async def go():
+        with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)]) as emu:
+            async with Lab(emu, follow=False) as lab:
+                assert await lab.place("a") == "gpu-0"
+                ha = await lab.launch("a", 2.0)
+                await until(lambda: lab.pod_node("a") == "gpu-0", "a running on gpu-0")
+                lines: list[str] = []
+                handler = logging.Handler()
+                handler.emit = lambda rec: lines.append(rec.getMessage())  # type: ignore[method-assign]
+                lab.w._logger.addHandler(handler)
+                try:
+                    await asyncio.to_thread(lab.core.patch_node, "gpu-0", {"spec": {"unschedulable": True}})
+                    await lab.w._sync_health()
+                    assert lab.down("gpu-0")
+                    st = await lab.be.wait(ha)
+                    assert st.kind is ExitKind.OK, st  # (it did run on)
+                finally:
+                    lab.w._logger.removeHandler(handler)
+                lab.sched.release("a")
+                return lines
+
+    lines = asyncio.run(go())
+    said = [x for x in lines if x.startswith("host gpu-0 is down")]
+    assert said == ["host gpu-0 is down (the node is cordoned (spec.unschedulable)): no new stage goes there; the 1 stage(s) on it run on"], lines

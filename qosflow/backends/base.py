@@ -230,6 +230,11 @@ class Backend(ABC):
         """Names of nodes that answer now (heartbeats). Default: all of the inventory."""
         return {n.name for n in (await self.inventory()).nodes}
 
+    def keeps_stages(self, node: str) -> bool:
+        """Whether the stages running on `node`, down for new stages now, run on there (a cordoned Kubernetes
+        node) rather than being lost with it (a silent agent, a node not Ready). Default: lost."""
+        return False
+
     def down_reasons(self) -> dict[str, str]:
         """Why each node that does not answer is down (name -> reason), for the note of a stage that
         waits for those nodes (`qosflow.policies.common.with_down_causes`). Default: none known."""

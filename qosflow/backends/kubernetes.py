@@ -406,6 +406,10 @@ class KubernetesBackend(Backend):
     def down_reasons(self) -> dict[str, str]:
         return dict(self._down_why)
 
+    def keeps_stages(self, node: str) -> bool:
+        """A cordoned node (Ready, spec.unschedulable) takes no new pod; those it runs go on."""
+        return self._down_why.get(node, "").startswith("the node is cordoned")
+
     # ------------------------------------------------------------------ nodes come and go without an edit of the block
     #: a cluster autoscaler adds GPU nodes, an administrator cordons or deletes one: the worker lists the nodes
     #: again every cluster_reload_s and follows them (`list_nodes`)

@@ -1637,8 +1637,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 st = getattr(be, "state", {}).get(node.name) if isinstance(getattr(be, "state", None), dict) else None
                 if st is not None:
                     why = f" ({st.error})"
-                self._logger.warning("host %s is down%s: no new stage goes there; %d stage(s) on it will run again elsewhere",
-                                     node.name, why, len(on_it))
+                elif be.down_reasons().get(node.name):
+                    why = f" ({be.down_reasons()[node.name]})"
+                if be.keeps_stages(node.name):  # (cordoned: its stages are not lost, nothing runs them again)
+                    self._logger.warning("host %s is down%s: no new stage goes there; the %d stage(s) on it run on",
+                                         node.name, why, len(on_it))
+                else:
+                    self._logger.warning("host %s is down%s: no new stage goes there; %d stage(s) on it will run again elsewhere",
+                                         node.name, why, len(on_it))
             else:
                 self._logger.info("host %s answers again", node.name)
             self._node_event("qosflow.node.down" if down else "qosflow.node.up", node.name, {"stages": on_it})
