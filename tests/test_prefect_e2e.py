@@ -31,6 +31,7 @@ def qos_worker(prefect_server, tmp_path_factory):
     cluster = BareMetalGPUCluster.virtual(1, 2, cpu_cores=8)  # one host, 2 virtual GPUs
     asyncio.run(setup_pool(pool, cluster=cluster, policy=QoSPolicy(policy="fifo", options={"backfill": True}), stream_output=False))
     os.environ["QOSFLOW_PREDICTOR_ARTIFACT_SECONDS"] = "0.5"
+    os.environ["QOSFLOW_CLUSTER_ARTIFACT_SECONDS"] = "0.5"
     w = WorkerThread(pool, metrics_port=0).wait_ready(120)  # (Prometheus metrics on a free port)
     os.environ["QOSFLOW_POOL"] = pool
     yield w
@@ -192,6 +193,21 @@ def test_prometheus_metrics_of_the_worker(qos_worker):
     assert got[("qosflow_scheduler_ready", ())] == 1
     info = [k for k in got if k[0] == "qosflow_worker_info"]
     assert info and dict(info[0][1])["pool"] == "e2e-gpu" and dict(info[0][1])["policy"] == "fifo"
+
+    # the cluster table in the UI: its host, as the worker schedules it
+    import json
+
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    def cluster_tables():
+        with _client() as c:
+            return [json.loads(a.data) if isinstance(a.data, str) else a.data
+                    for a in c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["qosflow-cluster-e2e-gpu"])))]
+
+    tables = _eventually(cluster_tables, timeout=30)
+    assert any(t[0]["host"] == "host0" and t[0]["state"] == "up" and t[0]["GPUs"] == 2 and t[-1]["host"] == "all (1 of 1 up)"
+               for t in tables), tables
+    assert w.cluster_artifacts >= 1
 
     # a second worker asked for the same port is refused at its start, saying so (not a traceback later)
     from qosflow.errors import SpecError

@@ -350,6 +350,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._learned_task: asyncio.Task | None = None
         self._learned_run: str | None = None
         self.predictor_artifact_s = env_number("QOSFLOW_PREDICTOR_ARTIFACT_SECONDS", 30.0, minimum=0.0)
+        #: seconds between two looks at the cluster for its table artifact (`qosflow-cluster-<pool>`); 0: none
+        self.cluster_artifact_s = env_number("QOSFLOW_CLUSTER_ARTIFACT_SECONDS", 30.0, minimum=0.0)
+        self._cluster_artifact_task: asyncio.Task | None = None
+        self.cluster_artifacts = 0  # versions written (tests)
         self._labels_written: dict[str, dict[str, str]] = {}  # flow run id -> the placement labels last written
         self._checked_ok: set[str] = set()  # stage signatures that passed an early check (or finished in one)
         #: stage signatures whose last run failed with a user error: checked early again (Philly: failures repeat)
@@ -503,6 +507,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._reload_task = loop.create_task(self._cluster_reload_loop(), name="qosflow-cluster-reload")
             if self._backend.syncs_progress:  # stages report their progress where they run: copy it here
                 self._progress_task = loop.create_task(self._progress_loop(sync_s), name="qosflow-progress")
+            if self.cluster_artifact_s > 0:
+                self._cluster_artifact_task = loop.create_task(self._cluster_artifact_loop(), name="qosflow-cluster-artifact")
             return self.scheduler
 
     async def start(self, *args: Any, **kwargs: Any) -> None:
@@ -696,6 +702,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._reload_task.cancel()
         if self._progress_task is not None:
             self._progress_task.cancel()
+        if self._cluster_artifact_task is not None:
+            self._cluster_artifact_task.cancel()
         for t in list(self._adopted_tasks):
             t.cancel()
         if self._learned_task is not None:
@@ -2294,6 +2302,33 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._learned_run = entry.flow_run_id or entry.job_id  # the version is linked to the stage run that updated it
         if self._learned_task is None or self._learned_task.done():
             self._learned_task = asyncio.get_running_loop().create_task(self._publish_learned(), name="qosflow-predictor-artifact")
+
+    async def _cluster_artifact_loop(self) -> None:
+        """The cluster table in the UI (`qosflow-cluster-<pool>`: per host its state -- up, down, draining --, GPUs in
+        use and shared, free cores, stages; qosflow.prefect.cluster_table): a new version when it changed, looked
+        at every QOSFLOW_CLUSTER_ARTIFACT_SECONDS (30 s)."""
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        from qosflow.prefect.cluster_table import cluster_rows
+        from qosflow.prefect.tasks import _slug
+
+        last = None
+        while True:
+            sched = self.scheduler
+            if sched is not None:
+                rows = cluster_rows(sched.state, draining=self._draining, outage=self.outage is not None)
+                if rows != last:
+                    try:
+                        await self.client.create_artifact(ArtifactCreate(
+                            key=f"qosflow-cluster-{_slug(self._work_pool_name)}", type="table", data=json.dumps(rows),
+                            description=f"The hosts of work pool {self._work_pool_name!r} as its qosflow worker {self.name} "
+                                        f"schedules them ({sched.cluster.name}; policy {sched.policy.name}); `qosflow status` "
+                                        "lists the stages"))
+                        last = rows
+                        self.cluster_artifacts += 1
+                    except Exception as exc:  # the UI's table is a view: never let it stop the worker
+                        self._logger.debug("could not write the cluster artifact: %s", exc)
+            await asyncio.sleep(self.cluster_artifact_s)
 
     async def _publish_learned(self) -> None:
         """The predictor table artifact (`qosflow-predictor-<pool>`, a new version at most every
