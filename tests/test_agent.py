@@ -455,7 +455,7 @@ def test_agent_inventory_names_a_real_gpu_by_its_short_model():
     assert asyncio.run(go("V100-lab")).nodes[0].gpu_model == "V100-lab"
 
 
-def test_agent_status_exits_1_when_a_host_is_down(tmp_path, agents, capsys):
+def test_agent_status_exits_1_when_a_host_is_down(tmp_path, agents, capsys, monkeypatch):
     """`qosflow agent status` for scripts: 0 when every host answers, 1 (and the down hosts named) otherwise."""
     import socket
 
@@ -467,8 +467,11 @@ def test_agent_status_exits_1_when_a_host_is_down(tmp_path, agents, capsys):
         dead = s.getsockname()[1]
     up = tmp_path / "up.yaml"
     up.write_text(f"token: {TOKEN}\nhosts:\n  - {{name: host-a, agent_url: '{a.url}'}}\n")
+    monkeypatch.setenv("COLUMNS", "250")  # (one line per host: its cells are read whole below)
     assert main(["agent", "status", "--cluster", str(up)]) == 0
-    capsys.readouterr()
+    monkeypatch.delenv("COLUMNS")
+    out, _ = capsys.readouterr()
+    assert "stages run as" in out and "the agent's user" in out, out  # (host-a has no --stage-user)
     down = tmp_path / "down.yaml"
     down.write_text(up.read_text() + f"  - {{name: gone, agent_url: 'http://127.0.0.1:{dead}'}}\n")
     assert main(["agent", "status", "--cluster", str(down)]) == 1
@@ -1327,6 +1330,7 @@ def test_stage_user_runs_stages_as_another_account_that_cannot_read_the_token(tm
         be = backend_for(ag)
         try:
             cluster = await be.inventory()
+            assert be.state["host-u"].stage_user == "nobody"  # (`qosflow agent status` shows it: "stages run as")
             h = await be.launch(LaunchSpec("as-nobody-1", ["/bin/sh", "-c", code], Placement("as-nobody", ((0, 0),), ((0, 1.0),)), cluster))
             end = await be.wait(h)
             lines = [line async for line in be.logs(h)]

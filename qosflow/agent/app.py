@@ -197,6 +197,8 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             "mem_mb": cfg.mem_mb if cfg.mem_mb is not None else _mem_mb(),
             "labels": cfg.labels,
             "fence_after_s": cfg.fence_after_s,
+            # the account stages run as (--stage-user), None: the agent's own
+            "stage_user": runner.stage_user.name if runner.stage_user is not None else None,
             "running": [s.stage_id for s in runner.running()],
         })
 

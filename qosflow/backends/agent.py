@@ -91,6 +91,8 @@ class HostState:
     warned_no_fence: bool = False
     #: the boot id whose /v1/inventory `gpus`/`cpu_cores` were read (a restarted agent may have another size)
     inventory_boot: str | None = None
+    #: the account the agent runs stages as (its --stage-user); None: the agent's own user
+    stage_user: str | None = None
     #: why the host stays down although it answers: its agent came back smaller than the worker schedules it
     size_error: str = ""
     #: set (and replaced) whenever the host goes down or its agent restarts
@@ -324,6 +326,7 @@ class AgentBackend(Backend):
         h.virtual, h.note, h.gpus = bool(d["virtual"]), d.get("note", ""), list(d["gpus"])
         h.cpu_cores, h.mem_mb, h.labels = float(d["cpu_cores"]), float(d.get("mem_mb") or 0), dict(d.get("labels") or {})
         h.running = list(d.get("running", []))
+        h.stage_user = d.get("stage_user")
         h.reported = True
         h.inventory_boot = d["boot_id"]
         h.size_error = self._size_error(h)

@@ -158,12 +158,14 @@ def register(app: typer.Typer) -> None:
         cf = load_cluster_file(cluster)
         snap = cf.ask_agents()
         t = Table(title=f"{cf.name}: {len(snap.hosts)} host{'' if len(snap.hosts) == 1 else 's'}, refreshed in {snap.elapsed_s * 1000:.0f} ms")
-        for col in ("host", "url", "up", "GPUs", "GPU util", "cores", "running", "note"):
+        for col in ("host", "url", "up", "GPUs", "GPU util", "cores", "running", "stages run as", "note"):
             # on a narrow terminal long cells (a URL, a connection error) wrap instead of ending in '…'
             t.add_column(col, overflow="fold")
         for h in snap.hosts:
             util = "-" if h.virtual or not h.gpus else ",".join(str(g.get("utilization_gpu")) for g in h.gpus)
-            t.add_row(h.name, h.url, "yes" if h.up else f"no ({h.error})", str(len(h.gpus)), util, f"{h.cpu_cores:g}", str(len(h.running)), h.note)
+            runs_as = "-" if not h.reported else (h.stage_user or "the agent's user")
+            t.add_row(h.name, h.url, "yes" if h.up else f"no ({h.error})", str(len(h.gpus)), util, f"{h.cpu_cores:g}", str(len(h.running)),
+                      runs_as, h.note)
         Console().print(t)
         down = [h.name for h in snap.hosts if not h.up]
         if down:
