@@ -41,6 +41,12 @@ def data_dir() -> Path:
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
+def pipeline_output_dir() -> Path:
+    """Where a worker's pipeline processes that outlive it write their output (`LocalBackend.output_file`), and
+    whence the lease store's sweep removes old ones."""
+    return data_dir() / "pipeline-output"
+
+
 def file_stem(name: str) -> str:
     """`name` (a stage id) as a file name's stem, one per name: a name of at most 150 letters, digits,
     `_`, `.` and `-` is its own stem; any other has those characters kept (others become `_`, at most

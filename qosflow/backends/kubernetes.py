@@ -284,6 +284,8 @@ class KubernetesBackend(Backend):
         self._switches: dict[str, int] = {}
         #: why each listed node takes no stage now (not Ready, cordoned), from the last listing (`down_reasons`)
         self._down_why: dict[str, str] = {}
+        #: nodes Ready but cordoned in the last listing (`keeps_stages`)
+        self._cordoned: set[str] = set()
 
     # ------------------------------------------------------------------ API calls with retries
     def _call(self, fn, *args, _doing: str | None = None, **kw):
@@ -392,15 +394,16 @@ class KubernetesBackend(Backend):
 
     def _healthy(self, nodes: list) -> set[str]:
         """The nodes that take stages (Ready, not cordoned); why each other one does not is kept for `down_reasons`."""
-        ok, why = set(), {}
+        ok, why, cordoned = set(), {}, set()
         for n in nodes:
             if not _ready(n):
                 why[n.metadata.name] = "the node is not Ready"
             elif n.spec and n.spec.unschedulable:
                 why[n.metadata.name] = "the node is cordoned (spec.unschedulable)"
+                cordoned.add(n.metadata.name)
             else:
                 ok.add(n.metadata.name)
-        self._down_why = why
+        self._down_why, self._cordoned = why, cordoned
         return ok
 
     def down_reasons(self) -> dict[str, str]:
@@ -408,7 +411,7 @@ class KubernetesBackend(Backend):
 
     def keeps_stages(self, node: str) -> bool:
         """A cordoned node (Ready, spec.unschedulable) takes no new pod; those it runs go on."""
-        return self._down_why.get(node, "").startswith("the node is cordoned")
+        return node in self._cordoned
 
     # ------------------------------------------------------------------ nodes come and go without an edit of the block
     #: a cluster autoscaler adds GPU nodes, an administrator cordons or deletes one: the worker lists the nodes

@@ -43,6 +43,7 @@ from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.core.qos import QoSSpec
 from qosflow.core.speed import width_fraction
 from qosflow.env import env_flag, env_number
+from qosflow.paths import pipeline_output_dir
 from qosflow.failures import Action, decide
 from qosflow.placement_api import read_progress
 from qosflow.prefect.scheduler import STAGE_DEFAULT_DURATION, QoSScheduler, StageCancelled, StageEntry, make_live_estimator
@@ -1077,7 +1078,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             # too (`keep_unplaced`), recorded in the lease store for the next worker of this name to adopt
             # (`_adopt_pipelines`). Without leases nothing could find them again: they end with the worker
             keep = self.leases is not None and getattr(self._backend, "adopt", None) is not None
-            self._pipelines_here = LocalBackend(keep_unplaced=keep, output_dir=str(_pipeline_output_dir()) if keep else None)
+            self._pipelines_here = LocalBackend(keep_unplaced=keep, output_dir=str(pipeline_output_dir()) if keep else None)
         return self._pipelines_here
 
     def _backend_of(self, fid: str) -> Optional[Backend]:
@@ -1435,7 +1436,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if backend is None or not hasattr(backend, "adopt_unplaced"):
                 from qosflow.backends.local import LocalBackend
 
-                backend = self._pipelines_here = LocalBackend(keep_unplaced=True, output_dir=str(_pipeline_output_dir()))
+                backend = self._pipelines_here = LocalBackend(keep_unplaced=True, output_dir=str(pipeline_output_dir()))
             fr = await self._flow_run(fid)
             handle = backend.adopt_unplaced(fid, row.pid, row.start, row.output, row.stream)
             if handle is None:
@@ -1459,7 +1460,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             t.add_done_callback(self._adopted_tasks.discard)
         # the output files of ended pipeline runs kept for their failure (QOSFLOW_PIPELINE_OUTPUT_MAX_AGE): at
         # start and at heartbeats, at most every 10 minutes (LeaseStore.sweep_pipeline_output)
-        await asyncio.to_thread(self.leases.sweep_pipeline_output, _pipeline_output_dir())
+        await asyncio.to_thread(self.leases.sweep_pipeline_output, pipeline_output_dir())
 
     async def _watch_adopted_pipeline(self, fid: str, handle: StageHandle, row: Any) -> None:
         try:
@@ -1643,10 +1644,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if down:
                 why = ""
                 st = getattr(be, "state", {}).get(node.name) if isinstance(getattr(be, "state", None), dict) else None
-                if st is not None:
-                    why = f" ({st.error})"
-                elif be.down_reasons().get(node.name):
-                    why = f" ({be.down_reasons()[node.name]})"
+                reason = st.error if st is not None else be.down_reasons().get(node.name)
+                if reason:
+                    why = f" ({reason})"
                 if be.keeps_stages(node.name):  # (cordoned: its stages are not lost, nothing runs them again)
                     self._logger.warning("host %s is down%s: no new stage goes there; the %d stage(s) on it run on",
                                          node.name, why, len(on_it))
@@ -2597,13 +2597,6 @@ def _hostname() -> str:
     import socket
 
     return socket.gethostname()
-
-
-def _pipeline_output_dir() -> Path:
-    """Where the pipeline runs that outlive their worker write their output (`keep_unplaced`)."""
-    from qosflow.paths import data_dir
-
-    return data_dir() / "pipeline-output"
 
 
 def _unreachable(exc: BaseException) -> bool:

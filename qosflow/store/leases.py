@@ -151,13 +151,6 @@ def pipeline_output_max_age() -> float | None:
                            f"unset it for the default ({PIPELINE_OUTPUT_MAX_AGE_DEFAULT})") from None
 
 
-def pipeline_output_dir() -> Path:
-    """Where a worker's pipeline processes that outlive it write their output (`LocalBackend.output_file`)."""
-    from qosflow.paths import data_dir
-
-    return data_dir() / "pipeline-output"
-
-
 class WorkerNameTaken(QosflowError):
     """A live worker process of the same name already works on the pool."""
 
@@ -377,6 +370,7 @@ class LeaseStore:
 
     def __init__(self, engine: sa.engine.Engine | None = None, url: str | None = None):
         self.engine = engine or make_engine(url)
+        self._swept_at: dict[str, float] = {}  # output directory -> when `sweep_pipeline_output` last looked at it
         for attempt in range(5):
             try:
                 with self.engine.begin() as conn:
@@ -399,6 +393,7 @@ class LeaseStore:
                 return None
         store = cls.__new__(cls)
         store.engine = make_engine(url)
+        store._swept_at = {}
         return store
 
     # ------------------------------------------------------------------ acquire / release
@@ -629,9 +624,11 @@ class LeaseStore:
         from qosflow.backends.local import files_open
 
         now = time.time() if now is None else now
+        from qosflow.paths import pipeline_output_dir
+
         d = Path(directory) if directory is not None else pipeline_output_dir()
         key = str(d)
-        swept = self.__dict__.setdefault("_swept_at", {})
+        swept = self._swept_at
         if every_s > 0 and key in swept and now - swept[key] < every_s:
             return []
         swept[key] = now
