@@ -97,6 +97,10 @@ class SimResult:
     timeline: list[tuple[float, float]] = field(default_factory=list)
     #: on a cluster of mixed GPU models: per model, the GPU-seconds allocated on its GPUs
     busy_gpu_seconds_by_model: dict[str, float] = field(default_factory=dict)
+    #: per job that ran, the GPU-seconds it held with a GPU shared by k whole-GPU jobs counting 1/k to each
+    #: (a fraction of a GPU by its fraction): they add up to `busy_gpu_seconds`. `JobState.gpu_attained`
+    #: counts a shared GPU fully for each job (what a job received, as the policies' LAS and fair share take it)
+    gpu_seconds_split: dict[str, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> list[JobState]:
@@ -207,6 +211,9 @@ class Simulator:
         #: second a second whatever the job's rate, and the job makes no progress meanwhile
         overhead_left: dict[str, float] = {}
         rate: dict[str, float] = {}
+        #: per running job, the GPUs it holds with a shared one split between its jobs (`SimResult.gpu_seconds_split`)
+        split_gpus: dict[str, float] = {}
+        split_seconds: dict[str, float] = {}
         attempt_start_progress: dict[str, float] = {}
 
         total = len(self.jobs)
@@ -256,6 +263,10 @@ class Simulator:
                 if js is None:
                     continue
                 p = js.placement
+                if p.gpu_milli >= 1000:
+                    split_gpus[jid] = sum(1.0 / max(1, int(st.whole[ng])) for ng in p.gpus)
+                else:
+                    split_gpus[jid] = len(p.gpus) * p.gpu_milli / 1000.0
                 co: list[Job] = []
                 if p.gpu_milli >= 1000 and p.gpus:
                     seen: list[str] = []
@@ -348,6 +359,7 @@ class Simulator:
                     received += g * dt
                     js.attained += dt
                     js.gpu_attained += g * dt
+                    split_seconds[jid] = split_seconds.get(jid, 0.0) + split_gpus[jid] * dt
                     oh = overhead_left[jid]
                     run_dt = dt
                     if oh > 0:  # (wall time: the restart takes as long at any rate)
@@ -532,6 +544,7 @@ class Simulator:
             shared_gpu_seconds=shared_gpu_seconds,
             timeline=timeline,
             busy_gpu_seconds_by_model={m: float(v) for m, v in zip(by_model, busy_by_model)},
+            gpu_seconds_split=split_seconds,
         )
 
 

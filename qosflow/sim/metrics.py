@@ -12,12 +12,14 @@
   that a non-preemptive policy cannot start in time) rather than only how many.
 * per user (`per_user`, when the jobs carry two users or more, `Job.user`; the jobs with none count as
   one user, as the qosflow policy's fair share counts them): each user's jobs, average JCT and slowdown
-  (JCT / duration alone), deadlines met and GPU-hours received; and Jain's index over the users'
+  (JCT / duration alone), deadlines met and GPU-hours held (a GPU two jobs share counting half to each,
+  so that the users' GPU-hours add up to the GPU-hours allocated); and Jain's index over the users'
   average slowdowns (`jain_index`: 1 when every user is slowed alike, 1/n when one user bears it all).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -57,7 +59,8 @@ class Metrics:
     gpu_util_by_model: dict[str, float] = field(default_factory=dict)
     #: deadline jobs per class (`job_class`), in class order: {"4 GPUs, < 1 h": {"jobs": n, "met": m}}
     dsr_by_class: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: per user, when the jobs carry two or more (`user_metrics`; empty otherwise): {"alice": {"jobs": n, ...}}
+    #: per user, when the jobs carry two or more (`user_metrics`; empty otherwise): {"alice": {"jobs": n, ...}};
+    #: its "gpu_hours" count a GPU shared by k jobs as 1/k to each
     per_user: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
     #: Jain's index over the users' average slowdowns (`jain_index`); None with fewer than two users
     jain_slowdown: float | None = None
@@ -133,19 +136,23 @@ def jain_index(xs) -> float:
 NO_USER = "(no user)"
 
 
-def user_metrics(jobs) -> dict[str, dict[str, float | int | None]]:
+def user_metrics(jobs, gpu_seconds: Mapping[str, float] | None = None) -> dict[str, dict[str, float | int | None]]:
     """Per user of `jobs` (a run's `JobState`s; rejected ones left out), in the order of their names:
     "jobs" (not rejected), "finished", "avg_jct" and "avg_slowdown" (over the finished jobs; None if
     none finished), "deadline_jobs" and "met" (finished by the deadline), "gpu_hours" (GPU-time the
-    user's jobs held, `JobState.gpu_attained`, restarts and overheads included). The jobs without a
-    user are one user, `NO_USER`."""
+    user's jobs held, restarts and overheads included, a GPU shared by k jobs counting 1/k to each: the
+    users' GPU-hours add up to the GPU-hours allocated). The jobs without a user are one user, `NO_USER`.
+
+    `gpu_seconds`: per job id, its GPU-seconds so counted (the run's `SimResult.gpu_seconds_split`; a job
+    not in it held none). Without it, each job's `JobState.gpu_attained`, which counts a shared GPU fully
+    for each of its jobs: the same only when no GPU was shared."""
     acc: dict[str | None, dict[str, list | float | int]] = {}
     for js in jobs:
         if js.status is JobStatus.REJECTED:
             continue
         a = acc.setdefault(job_user(js.job), {"jobs": 0, "jct": [], "slow": [], "dl": 0, "met": 0, "gpu_s": 0.0})
         a["jobs"] += 1
-        a["gpu_s"] += js.gpu_attained
+        a["gpu_s"] += js.gpu_attained if gpu_seconds is None else gpu_seconds.get(js.job_id, 0.0)
         done = js.status is JobStatus.DONE and js.finish_time is not None
         if done:
             jct = js.finish_time - js.job.submit_time
@@ -221,15 +228,15 @@ def compute_metrics(res: SimResult) -> Metrics:
         decisions=res.decisions,
         gpu_util_by_model=_util_by_model(res, makespan),
         dsr_by_class=_dsr_by_class(with_dl, met_ids),
-        **_per_user(res.jobs),
+        **_per_user(res.jobs, res.gpu_seconds_split),
     )
 
 
-def _per_user(jobs) -> dict:
+def _per_user(jobs, gpu_seconds: Mapping[str, float]) -> dict:
     """Metrics' `per_user` and `jain_slowdown`: filled when the jobs carry two users or more."""
     if len({job_user(js.job) for js in jobs if js.status is not JobStatus.REJECTED}) < 2:
         return {}
-    users = user_metrics(jobs)
+    users = user_metrics(jobs, gpu_seconds)
     return {"per_user": users, "jain_slowdown": users_jain(users)}
 
 

@@ -17,7 +17,9 @@ table "Deadlines met by job class" and the plot dsr_by_class.png show the same.
 When the jobs carry two users or more (`Job.user`; `qosflow simulate --users`), each policy's "per_user"
 holds {"users": {"<user>": {"jobs": n, "finished": n, "avg_jct": s, "avg_slowdown": x, "deadline_jobs": n,
 "met": m, "gpu_hours": h}}, "jain_slowdown": Jain's index over the users' average slowdowns}
-(`qosflow.sim.metrics.user_metrics`); the terminal table "Per user" shows the same. Without users (every
+(`qosflow.sim.metrics.user_metrics`); "gpu_hours" is the GPU-time the user's jobs held with a GPU shared by
+k jobs counting 1/k to each, so that the users' GPU-hours add up to the run's allocated GPU-hours (gpu_util x
+GPUs x makespan). The terminal table "Per user" shows the same. Without users (every
 trace) there is no "per_user" key.
 """
 
@@ -131,14 +133,15 @@ def render_class_table(metrics: Mapping[str, Metrics], title: str = "Deadlines m
 
 
 def render_user_table(metrics: Mapping[str, Metrics], title: str = "Per user"):
-    """Per policy, a row per user (jobs, average JCT and slowdown, deadlines met, GPU-hours received and
-    their share), then Jain's index over the users' slowdowns; None when no policy's jobs carry two users."""
+    """Per policy, a row per user (jobs, average JCT and slowdown, deadlines met, GPU-hours held, a shared
+    GPU split between its jobs, and their share), then Jain's index over the users' slowdowns; None when no policy's jobs carry two users."""
     from rich.table import Table
 
     if not any(m.per_user for m in metrics.values()):
         return None
     t = Table(title=title, header_style="bold",
-              caption="slowdown: JCT / the job's duration alone; GPU-hours: GPU-time the user's jobs held (share of all); "
+              caption="slowdown: JCT / the job's duration alone; GPU-hours: GPU-time the user's jobs held, a GPU shared by two "
+              "jobs counting half to each (share of all GPU-hours allocated); "
               "Jain: Jain's index over the users' average slowdowns (1: all slowed alike, 1/n: one user bears it all)")
     t.add_column("policy", no_wrap=True)
     t.add_column("user", no_wrap=True)
