@@ -136,16 +136,22 @@ def test_user_metrics_of_a_hand_made_run():
     assert users_jain(per) == pytest.approx(4.5**2 / (3 * (1.0 + 2.25 + 4.0)))
 
 
-def test_users_set_afterwards_are_those_the_generator_draws():
-    """`qosflow simulate --users` sets the users on the workload it resolved (`with_synthetic_users`): job by
-    job, the same users as `load_workload(..., users=...)` draws, with elastic jobs and deadlines too."""
+def test_resolved_users_are_those_the_generator_draws():
+    """`qosflow simulate --users` resolves its workload with the users (`resolve_workload(users=...)`): job by
+    job, the users `load_workload(..., users=...)` draws, and the same jobs as without users, with elastic jobs
+    and deadlines too."""
     from qosflow.sim.clusters import load_cluster
-    from qosflow.sim.workload import load_workload, with_synthetic_users
+    from qosflow.sim.runner import resolve_workload
+    from qosflow.sim.workload import load_workload
 
-    spec = load_cluster("2x4")  # (8-GPU jobs fit; a 4x2 would reject some, and the ids still match)
-    for cluster in (spec, load_cluster("4x2")):
-        kw = dict(cluster=cluster, seed=5, num_jobs=80, min_gpus_share=0.5)
-        drawn = load_workload("synthetic", "synthetic", users=[0.7, 0.2, 0.1], **kw)
-        later = with_synthetic_users(load_workload("synthetic", "synthetic", **kw), [0.7, 0.2, 0.1], seed=5, num_jobs=80)
-        assert [(j.job_id, j.user) for j in later.jobs] == [(j.job_id, j.user) for j in drawn.jobs]
-        assert {j.user for j in later.jobs} == {"user1", "user2", "user3"}
+    for cluster in ("2x4", "4x2"):  # (8-GPU jobs fit 2x4; 4x2 rejects some)
+        kw = dict(seed=5, jobs=80, min_gpus_share=0.5)
+        got, _ = resolve_workload("synthetic", None, cluster, users=[0.7, 0.2, 0.1], **kw)
+        drawn = load_workload("synthetic", "synthetic", cluster=load_cluster(cluster), seed=5, num_jobs=80, min_gpus_share=0.5,
+                              users=[0.7, 0.2, 0.1])
+        plain, _ = resolve_workload("synthetic", None, cluster, **kw)
+        assert [(j.job_id, j.user) for j in got.jobs] == [(j.job_id, j.user) for j in drawn.jobs]
+        assert {j.user for j in got.jobs} == {"user1", "user2", "user3"} and {j.user for j in plain.jobs} == {None}
+        assert [(j.job_id, j.submit_time, j.duration, j.qos, j.model) for j in got.jobs] == \
+            [(j.job_id, j.submit_time, j.duration, j.qos, j.model) for j in plain.jobs]
+        assert got.info["users"] == [0.7, 0.2, 0.1] and plain.info["users"] is None

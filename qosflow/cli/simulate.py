@@ -111,14 +111,10 @@ def register(app: typer.Typer) -> None:
         planned = [str(p) for p in (json_out, out_dir) if p is not None]  # what a Ctrl-C leaves untouched
         try:  # (a large trace, or --jobs 200000, takes a while to load)
             wl, spec = resolve_workload(trace, fmt, cluster, seed=seed, deadline_share=deadline_share, jobs=jobs,
-                                        min_gpus_share=min_gpus_share, throughputs=throughputs, cores_per_gpu=cores_per_gpu)
+                                        min_gpus_share=min_gpus_share, throughputs=throughputs, cores_per_gpu=cores_per_gpu,
+                                        users=user_shares)
         except KeyboardInterrupt:
             raise interrupted([], planned) from None
-        if user_shares is not None:
-            from qosflow.sim.traces.synthetic import DEFAULT_JOBS
-            from qosflow.sim.workload import with_synthetic_users
-
-            wl = with_synthetic_users(wl, user_shares, seed=seed, num_jobs=jobs or DEFAULT_JOBS)
         speed = default_speed_model(throughputs)
         console.print(
             f"[bold]{wl.name}[/]: {len(wl.jobs)} jobs on {spec.name} ({len(spec.nodes)} nodes, {spec.num_gpus} GPUs); "

@@ -78,10 +78,12 @@ NOT_TRACES = (
 
 def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: int = 0, deadline_share: float = 0.5, jobs: int | None = None,
                      min_gpus_share: float | None = None, throughputs: str | Path | None = None,
-                     cores_per_gpu: float | None = None):
+                     cores_per_gpu: float | None = None, users: int | list[float] | None = None):
     """(workload, cluster spec) as `qosflow simulate` takes them; `throughputs`: Gavel's throughput
     table to use instead of the default one (a Gavel trace's durations, the synthetic job types);
-    `cores_per_gpu`: CPU cores a job takes per GPU, for the formats that give none (all but alibaba)."""
+    `cores_per_gpu`: CPU cores a job takes per GPU, for the formats that give none (all but alibaba);
+    `users`: the synthetic workload's users (a number of users or their shares, `generate_synthetic`),
+    drawn with its jobs; the traces name none, so any other format with `users` is an error."""
     from qosflow.sim.clusters import load_cluster
     from qosflow.sim.workload import load_workload
 
@@ -99,6 +101,11 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
             raise SpecError("--jobs", f"only the synthetic workload takes a number of jobs; {trace} ({fmt}) is simulated whole: leave --jobs out, or use --trace synthetic")
         if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs <= 0:
             raise SpecError("--jobs", f"must be a positive number of jobs, got {jobs!r}")
+    if users is not None and str(fmt).strip().lower() != "synthetic":
+        from qosflow.errors import SpecError
+
+        raise SpecError("--users", f"only the synthetic workload is given users; the Muri, Gavel and Alibaba traces name "
+                                   f"none, so the jobs of {trace} are all one user: leave --users out, or use --trace synthetic")
     if cores_per_gpu is not None:
         from qosflow.errors import SpecError
 
@@ -116,6 +123,8 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
         opts["num_jobs"] = jobs
     if min_gpus_share is not None:
         opts["min_gpus_share"] = min_gpus_share
+    if users is not None:
+        opts["users"] = users
     if throughputs is not None:
         key = str(fmt).strip().lower()
         if key == "gavel":
@@ -126,9 +135,11 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
             opts["table"] = load_gavel_interference(throughputs)
     wl = load_workload(trace, fmt, cluster=spec, seed=seed, deadline_share=deadline_share, **opts)
     if cluster is None and getattr(wl, "cluster_hint", None):
-        spec = load_cluster(wl.cluster_hint) if isinstance(wl.cluster_hint, str) else wl.cluster_hint
-        _check_has_gpus(spec, wl.cluster_hint if isinstance(wl.cluster_hint, str) else spec.name)
-        wl = load_workload(trace, fmt, cluster=spec, seed=seed, deadline_share=deadline_share, **opts)
+        hinted = load_cluster(wl.cluster_hint) if isinstance(wl.cluster_hint, str) else wl.cluster_hint
+        if hinted != spec:  # (the synthetic workload's hint is the default 8x8: loaded once)
+            spec = hinted
+            _check_has_gpus(spec, wl.cluster_hint if isinstance(wl.cluster_hint, str) else spec.name)
+            wl = load_workload(trace, fmt, cluster=spec, seed=seed, deadline_share=deadline_share, **opts)
     if not wl.jobs:
         # grouped by reason without its "line N: " prefix (each rejected row has its own line), the
         # first few lines of each kept so the user can look them up

@@ -111,33 +111,15 @@ def load_workload(
         jobs = elastic(jobs, min_gpus_share)
     jobs.sort(key=lambda j: (j.submit_time, j.meta.get("line", 0)))
     with_deadline = sum(1 for j in jobs if j.qos.deadline is not None)
+    users = opts.get("users") if key == "synthetic" else None
     return Workload(
         jobs=jobs,
         rejected=rejected,
         name=name,
         cluster_hint=hint,
         info={"format": key, "seed": seed, "deadline_share": deadline_share, "with_deadline": with_deadline,
-              "min_gpus_share": min_gpus_share},
+              "min_gpus_share": min_gpus_share, "users": users},
     )
-
-
-def with_synthetic_users(wl: Workload, users, *, seed: int, num_jobs: int) -> Workload:
-    """The synthetic workload `wl` (`num_jobs` jobs generated for `seed`) with users, exactly as
-    ``load_workload(..., "synthetic", users=users)`` gives them: `generate_synthetic` draws the users from
-    a stream of their own, per job, so they are drawn here again (with nothing else of the jobs) and set
-    on `wl`'s jobs by job id. For `qosflow simulate --users`, whose workload comes from
-    `qosflow.sim.runner.resolve_workload`, which passes no `users` on."""
-    from qosflow.sim.traces.synthetic import generate_synthetic
-
-    if wl.info.get("format") != "synthetic":
-        raise SpecError("users", f"only the synthetic workload is given users, not {wl.name} ({wl.info.get('format')}): "
-                                 "the Muri, Gavel and Alibaba traces name no user")
-    drawn, _ = generate_synthetic(num_jobs, seed=seed, rate_per_hour=1.0, users=users)
-    who = {j.job_id: j.user for j in drawn}
-    for j in wl.jobs:
-        j.user = who[j.job_id]
-    wl.info["users"] = users
-    return wl
 
 
 def elastic(jobs: list[Job], share: float) -> list[Job]:
