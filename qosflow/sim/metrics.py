@@ -254,23 +254,37 @@ def compute_bounds(jobs, cluster, speed=None) -> Bounds:
     """Lower bounds on this workload: for any policy (average JCT, DSR, `span`), and for any
     policy on exclusive GPUs (`makespan`, which counts the total work at one job per GPU). On a
     cluster of mixed GPU models (`speed`: the simulator's `SpeedModel`), each job counts at its speed
-    on the fastest model it may use."""
-    # (a job whose full width never fits is left out, as the trace loaders reject it before any min_gpus)
-    admitted = [j for j in jobs if cluster.why_never_fits(j.qos) is None]
+    on the fastest model it may use.
+
+    A job whose full width never fits the cluster but a narrower one of its widths does (`QoSSpec.min_gpus`)
+    counts as a policy that starts jobs narrower runs it (`Policy.elastic_starts`; the others reject it): on
+    the widest width that fits, w of its g GPUs, at w/g of its speed, so its time alone is g/w x its
+    duration, and its work as many GPU-seconds as on all g. Only a job that fits at no width is left out."""
+    # (elastic jobs change no bound otherwise: on w of g GPUs a job runs at w/g of its speed, ending no sooner
+    # than on all g, as many GPU-seconds)
+    width: dict[str, int] = {}  # (its GPU count when that fits: a rigid job, a fractional or CPU-only one)
+    for j in jobs:
+        w = cluster.widest_width(j.qos)
+        if w is not None:
+            width[j.job_id] = w
+    admitted = [j for j in jobs if j.job_id in width]
     if not admitted:
         return Bounds(0.0, 1.0, 0.0)
-    # (elastic jobs change no bound: on w of g GPUs a job runs at w/g of its speed, ending no sooner, as many GPU-seconds)
-    best = {j.job_id: j.duration for j in admitted}
+    # per job, its duration alone on all its GPUs at its best speed (the work it holds GPUs for, per GPU)
+    solo = {j.job_id: j.duration for j in admitted}
     if speed is not None and speed.gpu_types_matter([n.gpu_model for n in cluster.nodes]):
         for j in admitted:
             if j.qos.gpus > 0:
                 ok = cluster.model_mask(j.qos.gpu_model)
-                best[j.job_id] = j.duration / max(speed.gpu_speed(j, m) for m in {n.gpu_model for n, y in zip(cluster.nodes, ok) if y})
+                solo[j.job_id] = j.duration / max(speed.gpu_speed(j, m) for m in {n.gpu_model for n, y in zip(cluster.nodes, ok) if y})
+    # its time alone: on w of its g GPUs, g/w x that
+    best = {j.job_id: solo[j.job_id] * (j.qos.gpus / width[j.job_id] if 0 < width[j.job_id] < j.qos.gpus else 1.0)
+            for j in admitted}
     avg = float(np.mean([best[j.job_id] for j in admitted]))
     dl = [j for j in admitted if j.qos.deadline is not None]
     feasible = sum(1 for j in dl if j.qos.deadline >= best[j.job_id])
     first = min(j.submit_time for j in admitted)
     # the last arrival plus its own duration, and total work over capacity
     span = max(j.submit_time + best[j.job_id] for j in admitted) - first
-    work = sum(best[j.job_id] * j.qos.gpu_demand for j in admitted) / max(1, cluster.num_gpus)
+    work = sum(solo[j.job_id] * j.qos.gpu_demand for j in admitted) / max(1, cluster.num_gpus)
     return Bounds(avg_jct=avg, dsr=feasible / len(dl) if dl else 1.0, makespan=float(max(span, work)), span=float(span))
