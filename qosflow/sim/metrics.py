@@ -259,7 +259,9 @@ def compute_bounds(jobs, cluster, speed=None) -> Bounds:
     A job whose full width never fits the cluster but a narrower one of its widths does (`QoSSpec.min_gpus`)
     counts as a policy that starts jobs narrower runs it (`Policy.elastic_starts`; the others reject it): on
     the widest width that fits, w of its g GPUs, at w/g of its speed, so its time alone is g/w x its
-    duration, and its work as many GPU-seconds as on all g. Only a job that fits at no width is left out."""
+    duration, and its work as many GPU-seconds as on all g. Only a job that fits at no width is left out. (A
+    policy that rejects such a job is measured without it, its average JCT and DSR over the jobs it ran, while
+    the bounds count it.)"""
     # (elastic jobs change no bound otherwise: on w of g GPUs a job runs at w/g of its speed, ending no sooner
     # than on all g, as many GPU-seconds)
     width: dict[str, int] = {}  # (its GPU count when that fits: a rigid job, a fractional or CPU-only one)
