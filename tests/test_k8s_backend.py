@@ -1090,3 +1090,40 @@ def test_a_secret_reused_while_the_sweep_looks_at_it_is_not_deleted():
 
         dropped, left = asyncio.run(go())
     assert dropped == [] and left == [secret_name("again-1")]
+
+
+@emulator_only
+def test_a_pipeline_job_is_killed_with_sigterm_and_adopted_by_label(tmp_path):
+    """`launch_unplaced` (a pipeline run on a Kubernetes pool): one Job with no GPU, no node affinity, a small CPU/memory
+    request and its credentials in a Secret; another backend (a new worker) adopts it from its labels, and `kill` deletes
+    it so that its pod's process gets SIGTERM (a pipeline then cancels the stage runs it waited for), not an immediate
+    SIGKILL: the emulator's kubelet SIGKILLed a deleted pod's process at once, whatever its grace period."""
+    term = tmp_path / "term"
+    script = f"trap 'echo term > {term}; exit 0' TERM; touch {tmp_path / 'up'}; while true; do sleep 0.1; done"
+    with EmulatorServer([gpu_node("gpu-0", 2)], run_processes=True) as emu:
+        async def go():
+            be = KubernetesBackend(api_client=emu.api_client())
+            other = KubernetesBackend(api_client=emu.api_client())
+            try:
+                await be.inventory()
+                h = await be.launch_unplaced("pipe-1", ["sh", "-c", script], {"PREFECT_API_KEY": "pnu_x", "A": "1"}, labels={"prefect.io/flow-run-id": "pipe-1"})
+                job = await asyncio.to_thread(be.batch.read_namespaced_job, h.ref["jobs"][0], "default")
+                await until(lambda: (tmp_path / "up").exists(), "the pipeline's process runs")
+                waiter = asyncio.ensure_future(be.wait(h))
+                await until(lambda: watching(emu), "the wait watches its pod")
+                adopted = await other.adopt("pipe-1", [])
+                await other.kill(adopted, "flow run cancelled")
+                st = await asyncio.wait_for(waiter, 30)
+                await until(lambda: term.exists(), "the process got SIGTERM", 10)
+                return job, adopted, st
+            finally:
+                await be.aclose()
+                await other.aclose()
+
+        job, adopted, st = asyncio.run(go())
+    ctr = job.spec.template.spec.containers[0]
+    assert ctr.resources.requests == {"cpu": "250m", "memory": "512Mi"} and not ctr.resources.limits
+    assert job.spec.template.spec.affinity is None and job.metadata.labels["qosflow.dev/role"] == "pipeline"
+    assert [e.value_from.secret_key_ref.key for e in ctr.env if e.name == "PREFECT_API_KEY"] == ["PREFECT_API_KEY"]
+    assert adopted is not None and adopted.ref["role"] == "pipeline" and adopted.ref["jobs"] == [job.metadata.name]
+    assert st.kind is not ExitKind.OK and term.read_text().strip() == "term"

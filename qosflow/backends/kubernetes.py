@@ -89,6 +89,12 @@ GANG_SCHEDULERS = {
 #: kill reasons kept for waits still to report them (the oldest go first)
 KILLED_KEPT = 4096
 GPU_SHARED = "nvidia.com/gpu.shared"
+LABEL_ROLE = "qosflow.dev/role"
+#: a pipeline run's pod requests (CPU cores, MiB of memory) unless its job variables give cpu_cores / mem_mb: what
+#: a pipeline process that dispatches stages and waits for them uses (Prefect's engine and client: ~200 MiB)
+PIPELINE_CPU_CORES = 0.25
+PIPELINE_MEM_MB = 512.0
+PIPELINE_JOBS_ENV = "QOSFLOW_K8S_PIPELINE_JOBS"
 _in_api_call = threading.local()
 
 
@@ -232,6 +238,14 @@ class KubernetesBackend(Backend):
     #: launch takes, so that a Secret whose Job is being created is never taken for one
     orphan_secret_grace_s: float = 600.0
     orphan_sweep_s: float = 600.0
+    #: pipeline runs deployed on the pool (role pipeline: the run that dispatches the stages, holding no GPU) run
+    #: as Jobs of their own (`launch_unplaced`), which any worker of the pool adopts after a restart or a rollout.
+    #: False (or QOSFLOW_K8S_PIPELINE_JOBS=0 in the worker's environment): as processes on the worker's host, as
+    #: before 2026-11-27 (for a deployment whose flow code or environment exists only there, not in the image)
+    pipelines_as_jobs: bool = True
+    #: what a pipeline run's pod requests when its job variables do not say (cpu_cores, mem_mb): no limit
+    pipeline_cpu_cores: float = PIPELINE_CPU_CORES
+    pipeline_mem_mb: float = PIPELINE_MEM_MB
 
     name = "kubernetes"
 
@@ -242,6 +256,10 @@ class KubernetesBackend(Backend):
         return self.gpu_sharing != "none"
 
     def __post_init__(self) -> None:
+        import os
+
+        if os.environ.get(PIPELINE_JOBS_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+            self.pipelines_as_jobs = False
         if not self.shared_resource:
             self.shared_resource = GPU_SHARED if self.gpu_resource == GPU else f"{self.gpu_resource}.shared"
         if self.gpu_sharing not in ("time-slicing", "mps", "none"):
@@ -673,6 +691,119 @@ class KubernetesBackend(Backend):
             }
         return jobs, podgroup
 
+    # ------------------------------------------------------------------ pipeline runs
+    def pipeline_manifests(self, stage_id: str, command: list[str], env: dict[str, str], cwd: str | None = None, *,
+                           labels: dict[str, str] | None = None, cpu_cores: float | None = None,
+                           mem_mb: float | None = None) -> tuple[dict, dict | None]:
+        """The Job (and credentials Secret, or None) of a pipeline run: as a stage's (image, namespace, labels,
+        service account, pull secrets, credentials through a Secret, backoffLimit 0, TTL), but with no GPU, no node
+        affinity and no node selector, and a small CPU/memory request (`cpu_cores`/`mem_mb`, else the backend's
+        `pipeline_cpu_cores`/`pipeline_mem_mb`), no limit. Labelled `qosflow.dev/role=pipeline`."""
+        from types import SimpleNamespace
+
+        spec = SimpleNamespace(stage_id=stage_id, placement=SimpleNamespace(job_id=stage_id), labels=dict(labels or {}),
+                               env={k: v for k, v in env.items() if v is not None})
+        job_labels, annotations = self._stage_labels(spec)  # type: ignore[arg-type]
+        job_labels.update({"app.kubernetes.io/name": "qosflow-pipeline", LABEL_ROLE: "pipeline"})
+        annotations["qosflow.dev/nodes"] = ""
+        creds = self._credentials(spec)  # type: ignore[arg-type]
+        secret = None
+        if creds:
+            secret = {
+                "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                "metadata": {"name": secret_name(stage_id), "namespace": self.namespace, "labels": dict(job_labels),
+                             "annotations": dict(annotations)},
+                "data": {_secret_key(k): base64.b64encode(v.encode()).decode() for k, v in creds.items()},
+            }
+        env_list: list[dict] = [
+            {"name": k, "valueFrom": {"secretKeyRef": {"name": secret_name(stage_id), "key": _secret_key(k)}}}
+            if k in creds and creds[k] == str(v) else {"name": k, "value": str(v)}
+            for k, v in spec.env.items()
+        ]
+        env_list.append({"name": "QOSFLOW_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+        cores = float(cpu_cores) if cpu_cores else self.pipeline_cpu_cores
+        mem = float(mem_mb) if mem_mb else self.pipeline_mem_mb
+        pod_spec: dict[str, Any] = {
+            "restartPolicy": "Never",
+            "containers": [{
+                "name": "pipeline",
+                "image": self.image,
+                "command": list(command),
+                "env": env_list,
+                "resources": {"requests": {"cpu": _cpu(max(cores, 0.001)), "memory": f"{int(max(mem, 1))}Mi"}},
+                **({"workingDir": cwd} if cwd else {}),
+            }],
+            "tolerations": [
+                {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": self.eviction_toleration_s},
+                {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": self.eviction_toleration_s},
+            ],
+        }
+        if self.service_account:
+            pod_spec["serviceAccountName"] = self.service_account
+        if self.image_pull_secrets:
+            pod_spec["imagePullSecrets"] = [{"name": s} for s in self.image_pull_secrets]
+        job_spec: dict[str, Any] = {
+            "backoffLimit": 0, "completions": 1, "parallelism": 1,
+            "template": {"metadata": {"labels": dict(job_labels), "annotations": dict(annotations)}, "spec": pod_spec},
+        }
+        if self.ttl_after_finished_s is not None:
+            job_spec["ttlSecondsAfterFinished"] = self.ttl_after_finished_s
+        job = {"apiVersion": "batch/v1", "kind": "Job",
+               "metadata": {"name": job_name(stage_id), "namespace": self.namespace, "labels": dict(job_labels), "annotations": dict(annotations)},
+               "spec": job_spec}
+        return job, secret
+
+    async def launch_unplaced(self, stage_id: str, command: list[str], env: dict[str, str], cwd: str | None = None, *,
+                              labels: dict[str, str] | None = None, cpu_cores: float | None = None,
+                              mem_mb: float | None = None) -> StageHandle:
+        """Start a pipeline run (no slot) as a Job of its own (`pipeline_manifests`). Its handle is a stage's: `wait`,
+        `kill` (the Job is deleted: its pod gets SIGTERM, then SIGKILL after its grace period) and `adopt` (by any
+        worker, from the Job's labels) work on it alike. A refusal of the API is the handle's `launch_error` (its wait
+        reports it); an unreachable API raises `BackendUnreachable`."""
+        from kubernetes.client.exceptions import ApiException
+
+        doing = f"launch pipeline run {stage_id}"
+        self._killed.pop(stage_id, None)
+        job, secret = self.pipeline_manifests(stage_id, command, env, cwd, labels=labels, cpu_cores=cpu_cores, mem_mb=mem_mb)
+        ref: dict[str, Any] = {"namespace": self.namespace, "jobs": [job["metadata"]["name"]], "podgroup": None, "secret": None,
+                               "selector": f"{LABEL_STAGE}={label_value(stage_id)}", "expected_pods": 1, "nodes": [""],
+                               "launch_error": None, "role": "pipeline"}
+        handle = StageHandle(stage_id, self.name, "", ref)
+        what = "create"
+        if secret is not None:
+            self._launching.add(secret["metadata"]["name"])
+        try:
+            if secret is not None:
+                what = f"create Secret {secret['metadata']['name']} (the worker's account needs get, list, create, patch and delete on secrets)"
+                await self._put_secret(secret, stage_id, doing)
+                ref["secret"] = secret["metadata"]["name"]
+                what = "create"
+            try:
+                cur = await self._acall(self.batch.create_namespaced_job, self.namespace, job, _doing=doing)
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+                cur = await self._acall(self.batch.read_namespaced_job, job["metadata"]["name"], self.namespace, _doing=doing)
+                if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id:
+                    raise QosflowError(f"Job {job['metadata']['name']} exists in {self.namespace} and belongs to another run") from None
+                self.stats["adopted_409"] += 1
+            if secret is not None:
+                what = f"set the owner of Secret {secret['metadata']['name']}"
+                owner = [{"apiVersion": "batch/v1", "kind": "Job", "name": cur.metadata.name, "uid": cur.metadata.uid}]
+                await self._acall(self.core.patch_namespaced_secret, secret["metadata"]["name"], self.namespace,
+                                  {"metadata": {"ownerReferences": owner}}, _content_type="application/merge-patch+json", _doing=doing)
+        except ApiException as e:
+            ref["launch_error"] = f"Kubernetes API answered {e.status} {e.reason}" + (f" to: {what}" if what != "create" else "")
+            await self.kill(handle, reason="launch failed")
+            self._killed.pop(stage_id, None)
+        except QosflowError:
+            await self._drop_secret(handle)
+            raise
+        finally:
+            if secret is not None:
+                self._launching.discard(secret["metadata"]["name"])
+        return handle
+
     # ------------------------------------------------------------------ launch
     async def launch(self, spec: LaunchSpec) -> StageHandle:
         """Create the stage's Job(s). An unreachable API server raises `BackendUnreachable` (nothing or
@@ -795,6 +926,8 @@ class KubernetesBackend(Backend):
             "expected_pods": sum(j.spec.parallelism or 1 for j in jobs),
             "nodes": (jobs[0].metadata.annotations or {}).get("qosflow.dev/nodes", "").split(","), "launch_error": None,
         }
+        if (jobs[0].metadata.labels or {}).get(LABEL_ROLE) == "pipeline":
+            ref["role"] = "pipeline"
         return StageHandle(stage_id, self.name, ref["nodes"][0], ref)
 
     # ------------------------------------------------------------------ wait
@@ -952,7 +1085,9 @@ class KubernetesBackend(Backend):
                                                                 f"({waiting.message}) {where}".strip())
                     return classify_reason(waiting.reason, f"{waiting.message or ''} {where}".strip())
                 sched = next((c for c in (st.conditions or []) if c.type == "PodScheduled"), None) if st else None
-                if sched is not None and sched.status == "False" and sched.reason == "Unschedulable":
+                if sched is not None and sched.status == "False" and sched.reason == "Unschedulable" and handle.ref.get("role") != "pipeline":
+                    # (a pipeline run's pod waits for CPU as long as it takes: no other node would be better, and
+                    # failing it would end the run)
                     since = track["unsched"].setdefault(name, now)
                     if now - since >= self.unschedulable_timeout_s:
                         return classify_reason("Unschedulable", f"{sched.message} {where} (waited {self.unschedulable_timeout_s:g}s)")

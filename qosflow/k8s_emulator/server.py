@@ -204,9 +204,12 @@ def create_app(cluster: Cluster):
                 except Exception:
                     body = {}
                 prop = (body or {}).get("propagationPolicy") or q.get("propagationPolicy")
+                grace = (body or {}).get("gracePeriodSeconds", q.get("gracePeriodSeconds"))
                 obj = store.delete(plural, obj_ns, name, (body or {}).get("preconditions"))
                 if plural == "jobs":
-                    cluster.on_job_deleted(obj, prop)
+                    cluster.on_job_deleted(obj, prop, grace)
+                if plural == "pods":
+                    cluster.on_pod_deleted(obj, grace)
                 if plural == "pods":
                     return JSONResponse(obj)
                 group = api.split("/")[0] if "/" in api else ""

@@ -399,6 +399,7 @@ class Cluster:
         self.rules: list[dict] = []  # failure rules applied to new pods
         self.faults: list[dict] = []  # HTTP faults (method, path regex, status, count)
         self.timeline: dict[str, dict[str, Any]] = {}  # pod uid -> private lifecycle data
+        self._stopping: list[subprocess.Popen] = []  # processes of deleted pods being stopped (SIGTERM, grace period)
 
     # -------------------------------------------------------------- nodes
     def add_node(self, node: dict) -> dict:
@@ -501,15 +502,17 @@ class Cluster:
         if changed:
             self.store.update("jobs", job)
 
-    def on_job_deleted(self, job: dict, propagation: str | None) -> None:
+    def on_job_deleted(self, job: dict, propagation: str | None, grace: Any = None) -> None:
         """The garbage collector's part in a Job's deletion: with Background/Foreground propagation its
-        pods go now (other dependents, e.g. a Secret it owns, at the collector's next pass); orphaning
-        (the API's default for batch/v1 Jobs) removes the Job from every dependent's ownerReferences."""
+        pods go now (other dependents, e.g. a Secret it owns, at the collector's next pass), stopped with
+        the DeleteOptions' `grace` (`on_pod_deleted`); orphaning (the API's default for batch/v1 Jobs)
+        removes the Job from every dependent's ownerReferences."""
         uid = job["metadata"]["uid"]
         if propagation in ("Background", "Foreground"):
             for p in self.store.list("pods", job["metadata"]["namespace"]):
                 if any(r.get("uid") == uid for r in p["metadata"].get("ownerReferences", [])):
                     self.store.delete("pods", p["metadata"]["namespace"], p["metadata"]["name"])
+                    self.on_pod_deleted(p, grace)
             return
         for plural in list(self.store.objs):
             for o in self.store.list(plural, job["metadata"]["namespace"]):
@@ -529,6 +532,20 @@ class Cluster:
                     self.store.delete(plural, o["metadata"].get("namespace", ""), o["metadata"]["name"])
 
     # -------------------------------------------------------------- pods
+    def on_pod_deleted(self, pod: dict, grace: Any = None) -> None:
+        """A pod deleted through the API: its process (`run_processes`) is stopped as a kubelet stops a deleted
+        pod's containers: SIGTERM, then SIGKILL after the DeleteOptions' gracePeriodSeconds (`grace`; None: the
+        pod's terminationGracePeriodSeconds, default 30; 0: SIGKILL at once). See `_reap_deleted`."""
+        tl = self.timeline.get(pod["metadata"].get("uid", ""))
+        if tl is None:
+            return
+        if grace is None:
+            grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
+        try:
+            tl["grace"] = max(0.0, float(grace))
+        except (TypeError, ValueError):
+            tl["grace"] = 30.0
+
     def on_pod_created(self, pod: dict) -> None:
         ann = pod["metadata"].get("annotations") or {}
         behaviour = {
@@ -784,17 +801,30 @@ class Cluster:
             stop_group(proc, 0)  # (SIGKILL at once, as the kubelet's stop of a deleted pod here)
 
     def _reap_deleted(self) -> None:
-        """A deleted pod's process is killed (the kubelet stops its containers)."""
+        """A deleted pod's process is stopped (the kubelet stops its containers): deleted through the API
+        (`on_pod_deleted`), with SIGTERM and its grace period (in a thread of its own: the control plane goes
+        on meanwhile), as a real kubelet does, so that the process can end cleanly (a Prefect engine reports its
+        state, a pipeline cancels the stage runs it waited for); otherwise (the job controller, the garbage
+        collector) SIGKILL at once."""
         live = {p["metadata"]["uid"] for p in self.store.list("pods")}
         for uid, tl in list(self.timeline.items()):
             if tl.get("proc") is not None and uid not in live:
-                self._kill_process(uid)
+                grace = float(tl.get("grace") or 0.0)
+                if grace > 0:
+                    import threading
+
+                    self._stopping.append(tl["proc"])
+                    threading.Thread(target=stop_group, args=(tl["proc"], grace), daemon=True, name=f"emulator-stop-{uid[:8]}").start()
+                else:
+                    self._kill_process(uid)
                 tl.pop("proc", None)
 
     def shutdown(self) -> None:
         """Kill every pod process left and remove their logs."""
         for uid in list(self.timeline):
             self._kill_process(uid)
+        for proc in self._stopping:  # (deleted pods still in their grace period)
+            stop_group(proc, 0)
         if self._logdir:
             shutil.rmtree(self._logdir, ignore_errors=True)
 
