@@ -416,18 +416,21 @@ def test_a_pipeline_whose_process_died_while_no_worker_ran_is_marked_crashed(pre
         assert "adopted pipeline run" not in lab.wlog.read_text(errors="replace")
 
 
-def test_a_deployed_pipeline_run_outlives_a_worker_restart_on_kubernetes(prefect_server, tmp_path):
-    """The same on a Kubernetes pool (qosflow's API emulator running the pods' processes): the pipeline run, a
-    process on the worker's host, keeps running across the worker's restart while its stage's pod runs on; the
-    restarted worker adopts both and the pipeline completes."""
+@pytest.mark.parametrize("as_jobs", [True, False], ids=["job", "process"])
+def test_a_deployed_pipeline_run_outlives_a_worker_restart_on_kubernetes(prefect_server, tmp_path, as_jobs):
+    """The same on a Kubernetes pool (qosflow's API emulator running the pods' processes): the pipeline run keeps
+    running across the worker's restart while its stage's pod runs on; the restarted worker adopts both and the
+    pipeline completes. Since 2026-11-27 the pipeline run is a Kubernetes Job of its own ("job"; any worker of the pool
+    adopts it: tests/test_k8s_pipelines.py); with QOSFLOW_K8S_PIPELINE_JOBS=0 it is a process on the worker's host,
+    as before ("process")."""
     from qosflow.k8s_emulator import EmulatorServer, gpu_node
     from qosflow.prefect.blocks import KubernetesGPUCluster, QoSPolicy
     from qosflow.prefect.local import setup_pool
 
-    pool = "restart-pipeline-k8s"
+    pool = "restart-pipeline-k8s" if as_jobs else "restart-pipeline-k8s-proc"
     pypath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": pypath, "QOSFLOW_LEASE_TTL_SECONDS": "6",
-           "QOSFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'leases.db'}"}
+           "QOSFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'leases.db'}", "QOSFLOW_K8S_PIPELINE_JOBS": "1" if as_jobs else "0"}
     from types import SimpleNamespace
 
     lab = SimpleNamespace(marker=tmp_path / "marks.jsonl", wlog=tmp_path / "worker.log", procs=[])
@@ -448,6 +451,10 @@ def test_a_deployed_pipeline_run_outlives_a_worker_restart_on_kubernetes(prefect
             assert "through the kubernetes backend" in lab.wlog.read_text(errors="replace")
             fid = deployed_pipeline_run(pool, lab.marker, 12.0)
             pid = pipeline_started_and_stage_running(lab, w1, fid)
+            from kubernetes import client
+
+            jobs = client.BatchV1Api(emu.api_client()).list_namespaced_job("default", label_selector=f"prefect.io/flow-run-id={fid}").items
+            assert len(jobs) == (1 if as_jobs else 0), [j.metadata.name for j in jobs]  # (the pipeline's own Job, or none)
             stop_worker(w1)
             assert alive(pid), lab.wlog.read_text(errors="replace")[-3000:]
             w2 = start()

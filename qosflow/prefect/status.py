@@ -4,9 +4,10 @@ waiting in the QoS queue or running where the worker placed them (with why a wai
 Everything comes from Prefect's API (flow runs, their labels and logs, the pool's workers), as the
 UI shows it, so it works from any machine that can reach the server. `qosflow status` prints it.
 One part does not: the pipeline runs' processes that workers started on their own hosts and that outlive
-them (pools whose stages run on host agents or Kubernetes) are recorded in the lease store
-(`qosflow_pipeline_process`), read where that store is (the worker's host, or a shared PostgreSQL store);
-whether such a process still runs can only be told on its own host.
+them (pools whose stages run on host agents) are recorded in the lease store (`qosflow_pipeline_process`),
+and on a Kubernetes pool the pipeline runs' Jobs hold leases there (`LeaseStore.acquire_pipeline`): read
+where that store is (the worker's host, or a shared PostgreSQL store); whether such a process still runs can
+only be told on its own host (a Job's, with kubectl).
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class PipelineProcessStatus:
     watched: str = "no"
     name: str = ""  # its flow run's name and state on the server ("" when they could not be read)
     state: str = ""
+    #: a pipeline run that runs as a Kubernetes Job (a Kubernetes pool): "namespace/job name" ("" for a process);
+    #: its `host` then says "Kubernetes Job ...", its pid is 0, and any worker of the pool adopts it
+    job: str = ""
 
     @property
     def alive_text(self) -> str:
@@ -178,11 +182,12 @@ def pipeline_processes(pool: str, api_url: str | None, store: Any = None) -> tup
             if store is None:
                 return [], (f"pipeline processes: no lease store on this host ({sqlite_file(url) or 'QOSFLOW_DATABASE_URL'}): "
                             "they are recorded in the store of the worker's host (run `qosflow status` there)")
-        if not sa.inspect(store.engine).has_table("qosflow_pipeline_process"):
-            return [], ""  # (a store no worker of this version has opened: none recorded)
         key = pool_key(pool, api_url)
-        rows = store.pipeline_processes(key)
-        presence = {w.holder: w for w in store.live_workers(key)} if rows else {}
+        tables = set(sa.inspect(store.engine).get_table_names())
+        # (a store no worker of this version has opened: none recorded)
+        rows = store.pipeline_processes(key) if "qosflow_pipeline_process" in tables else []
+        jobs = store.pipeline_leases(key) if "qosflow_stage_lease" in tables else []
+        presence = {w.holder: w for w in store.live_workers(key)} if rows or jobs else {}
     except Exception as exc:  # (a view: the rest of the status stands without it)
         return [], f"pipeline processes: could not read the lease store ({type(exc).__name__}: {exc})"
     finally:
@@ -195,6 +200,18 @@ def pipeline_processes(pool: str, api_url: str | None, store: Any = None) -> tup
         watched = "no" if w is None else "adopted" if w.started_at > r.created_at else "yes"
         out.append(PipelineProcessStatus(r.flow_run_id, r.name, r.host, int(r.pid), float(r.created_at), r.output or "",
                                          alive=alive, alive_unknown=why, watched=watched))
+    from qosflow.store.leases import holder_name
+
+    for le in jobs:  # pipeline runs as Kubernetes Jobs (`LeaseStore.acquire_pipeline`): watched by the lease's holder
+        ref = (le.handle or {}).get("ref") or {}
+        ns = ref.get("namespace") or (le.placement or {}).get("namespace") or ""
+        name = ",".join(ref.get("jobs") or []) or "(being created)"
+        w = presence.get(le.holder)
+        # (a lease's creation is when the Job was launched; a holder that started after it took it over at recovery)
+        watched = "no" if w is None or le.expired else "adopted" if w.started_at > le.created_at else "yes"
+        out.append(PipelineProcessStatus(le.stage_key, holder_name(le.holder), f"Kubernetes Job {ns}/{name}", 0, float(le.created_at), "",
+                                         alive=None, alive_unknown=f"kubectl -n {ns} get job {name}", watched=watched, job=f"{ns}/{name}"))
+    out.sort(key=lambda p: p.started_at)
     return out, ""
 
 

@@ -336,6 +336,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._pipeline_runs_here: set[str] = set()
         #: pipeline runs of an earlier worker of this name that this one adopted or settles (`_adopt_pipelines`)
         self._pipelines_adopted: set[str] = set()
+        #: pipeline runs' Jobs deleted for a cancellation, whose runs are marked Cancelled once their engines ended
+        self._pipeline_cancels: set[str] = set()
         #: flow runs whose `run()` has not returned yet (their stage may have reported its end already)
         self._in_flight: set[str] = set()
         self._queued_label_tasks: set[asyncio.Future] = set()
@@ -695,6 +697,13 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._logger.warning(
                 "qosflow worker stopping: %d pipeline run(s) keep running on this host (%s); a worker named %r adopts them "
                 "when it starts here", len(kept), ", ".join(f"{fid} pid {self._handles[fid].ref['pid']}" for fid in kept), str(self.name))
+        jobs = sorted(fid for fid, h in self._handles.items() if h.ref.get("role") == "pipeline" and fid in self._lease_ids)
+        if jobs:
+            self._logger.warning(
+                "qosflow worker stopping: %d pipeline run(s) keep running as Kubernetes Jobs (%s); a worker named %r adopts "
+                "them when it starts, any other worker of the pool once their leases expire (%gs)", len(jobs),
+                ", ".join(f"{fid} Job {','.join(self._handles[fid].ref.get('jobs') or [])}" for fid in jobs), str(self.name),
+                self.lease_ttl_s)
         if self._cancel_task is not None:
             self._cancel_task.cancel()
         if self._health_task is not None:
@@ -771,6 +780,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
         if not configuration.is_stage:
             backend = self._unplaced_backend()
+            if getattr(backend, "pipelines_as_jobs", False):  # (Kubernetes: a Job of its own, adoptable by any worker)
+                return await self._run_pipeline_job(flow_run, configuration, command, env, cwd, task_status)
             if hasattr(backend, "stream_output"):
                 backend.stream_output = configuration.stream_output
             handle = await backend.launch_unplaced(fid, command, env, cwd)
@@ -1065,11 +1076,13 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
     def _unplaced_backend(self) -> Backend:
         """Where a pipeline run (role pipeline: a process that holds no slot and dispatches its stages) starts:
-        through the stages' backend when it can start one (the local backend), else as a process on this
-        worker's host. A pool whose worker ran its stages on host agents or Kubernetes crashed every pipeline
-        run deployed on it ('backend agent cannot start an unplaced pipeline run')."""
+        through the stages' backend when it can start one (the local backend; Kubernetes, as a Job of its own,
+        unless its `pipelines_as_jobs` is off), else as a process on this worker's host. A pool whose worker ran
+        its stages on host agents or Kubernetes crashed every pipeline run deployed on it ('backend agent cannot
+        start an unplaced pipeline run')."""
         assert self._backend is not None
-        if hasattr(self._backend, "launch_unplaced"):
+        if hasattr(self._backend, "launch_unplaced") and getattr(self._backend, "pipelines_as_jobs", True):
+            # (the local backend; Kubernetes, as a Job: `_run_pipeline_job`)
             return self._backend
         if self._pipelines_here is None:
             from qosflow.backends.local import LocalBackend
@@ -1080,6 +1093,141 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             keep = self.leases is not None and getattr(self._backend, "adopt", None) is not None
             self._pipelines_here = LocalBackend(keep_unplaced=keep, output_dir=str(pipeline_output_dir()) if keep else None)
         return self._pipelines_here
+
+    async def _run_pipeline_job(self, flow_run: "FlowRun", configuration: QosflowJobConfiguration, command: list[str],
+                                env: dict[str, str], cwd: str | None, task_status: Any) -> QosflowWorkerResult:
+        """A pipeline run on a Kubernetes pool: a Job of its own (`KubernetesBackend.launch_unplaced`: no GPU, a small
+        CPU/memory request, the stages' image, env convention, labels and namespace), with a lease that books no slot
+        (`LeaseStore.acquire_pipeline`). The lease is renewed at this worker's heartbeats; when this worker stops (a
+        rollout replaces its pod), the Job runs on and the next worker of the pool adopts it through the same recovery
+        as a stage's (`_recover`, `_recover_expired` -> `_take_back_pipeline`): a worker of this name at once, any other
+        once the lease expired."""
+        from qosflow.store.leases import StageBusy
+
+        backend = self._backend
+        assert backend is not None
+        fid = str(flow_run.id)
+        run_logger = self.get_flow_run_logger(flow_run)
+        if configuration.command == shlex.join([sys.executable, "-m", "prefect.engine"]) or not configuration.command:
+            command = ["python", "-m", "prefect.engine"]  # the interpreter inside the image, not the worker's
+        if self.leases is not None:
+            try:
+                lease = await asyncio.to_thread(self.leases.acquire_pipeline, self._pool_key, fid, holder=self.holder,
+                                                ttl_s=self.lease_ttl_s, backend=backend.name, command=command,
+                                                namespace=getattr(backend, "namespace", ""))
+            except StageBusy as exc:  # (another worker runs it already: never twice)
+                run_logger.warning("pipeline run not started here: %s", exc)
+                task_status.started(-1)
+                return QosflowWorkerResult(status_code=0, identifier="-1")
+            self._lease_ids[fid] = lease.lease_id
+        try:
+            handle = await backend.launch_unplaced(  # type: ignore[attr-defined]
+                fid, command, env, cwd, labels={"prefect.io/flow-run-id": fid, "prefect.io/flow-run-name": str(flow_run.name)},
+                cpu_cores=configuration.cpu_cores, mem_mb=configuration.mem_mb)
+        except BaseException:
+            await self._release_lease(fid)
+            raise
+        await self._lease_handle(fid, handle)
+        self._register(fid, handle)
+        job = ",".join(handle.ref.get("jobs") or [])
+        if not handle.ref.get("launch_error"):
+            run_logger.info("pipeline run started as Kubernetes Job %s in namespace %s (no GPU); it keeps running if the worker "
+                            "stops, and the next worker of the pool adopts it", job, handle.ref.get("namespace"))
+        task_status.started(_infra_id(handle, fid))
+        try:
+            status = await backend.wait(handle)
+        finally:
+            self._unregister(fid)
+        if self._stopping and not status.ok:
+            # the worker stops (its wait was stopped): the Job runs on, its lease stays for the next worker to adopt
+            self._lease_ids.pop(fid, None)
+            return QosflowWorkerResult(status_code=0, identifier=_infra_id(handle, fid))
+        await self._release_lease(fid)
+        if status.ok or status.kind is ExitKind.CANCELLED:
+            if status.ok:
+                await self._settle_pipeline_job(fid, handle, status, None, "while this worker watched it")
+            return QosflowWorkerResult(status_code=0, identifier=_infra_id(handle, fid))
+        if await self._settle_pipeline_job(fid, handle, status, None, "while this worker watched it"):
+            return QosflowWorkerResult(status_code=0, identifier=_infra_id(handle, fid))  # (its state says why: not overwritten)
+        return QosflowWorkerResult(status_code=_code(status), identifier=_infra_id(handle, fid))
+
+    async def _take_back_pipeline(self, lease: Any, handle: StageHandle | None) -> None:
+        """A pipeline run's lease (`LeaseStore.acquire_pipeline`) taken over at recovery: an earlier worker of this name
+        stopped, or another worker's lease expired (a rollout's old pod). Its Job still there is watched to its end (and
+        can be cancelled from the UI); one that is gone (deleted, or its namespace cleaned up, while no worker ran) ends
+        its run Crashed, saying so, unless the run reported its own end."""
+        fid = lease.stage_key
+        from qosflow.store.leases import holder_name
+
+        was = holder_name(lease.holder) if lease.holder != self.holder else str(self.name)
+        job = ",".join((lease.handle or {}).get("ref", {}).get("jobs") or []) or "?"
+        _keep(self.recovered, {"pipeline_run": fid, "job": job, "adopted": handle is not None})
+        fr = await self._flow_run(fid)
+        if handle is None:  # (its lease is released: `LeaseStore.recover` / `_recover_expired`)
+            await self._settle_pipeline_job(fid, None, None, fr, "while no qosflow worker watched it", job=job,
+                                            namespace=(lease.placement or {}).get("namespace", ""))
+            return
+        if fid in self._handles:  # (watched here already)
+            return
+        self._lease_ids[fid] = lease.lease_id
+        self._register(fid, handle)
+        self._pipelines_adopted.add(fid)
+        job = ",".join(handle.ref.get("jobs") or []) or job
+        self._logger.info("recovery: adopted pipeline run %s (%s) still running as Kubernetes Job %s, started under worker %r; "
+                          "watching it to its end", fid, getattr(fr, "name", "?"), job, was)
+        if fr is not None:
+            self.get_flow_run_logger(fr).info("worker %s watches this pipeline run (Kubernetes Job %s) since worker %s stopped",
+                                              self.name, job, was)
+        t = asyncio.get_running_loop().create_task(self._watch_adopted_pipeline_job(fid, handle), name=f"qosflow-pipeline-{fid}")
+        self._adopted_tasks.add(t)
+        t.add_done_callback(self._adopted_tasks.discard)
+
+    async def _watch_adopted_pipeline_job(self, fid: str, handle: StageHandle) -> None:
+        assert self._backend is not None
+        try:
+            status = await self._backend.wait(handle)
+        finally:
+            self._unregister(fid)
+            self._pipelines_adopted.discard(fid)
+        if self._stopping and not status.ok:
+            self._lease_ids.pop(fid, None)  # (its lease stays: the next worker adopts the Job)
+            return
+        await self._release_lease(fid)
+        if status.kind is ExitKind.CANCELLED:  # (cancelled from the UI: the cancellation watch marks its run Cancelled)
+            return
+        await self._settle_pipeline_job(fid, handle, status, None, f"while this worker ({self.name}) watched it, adopted at its start")
+
+    async def _settle_pipeline_job(self, fid: str, handle: StageHandle | None, status: Any, fr: Any, when: str, *,
+                                   job: str = "", namespace: str = "") -> bool:
+        """A pipeline run's Job ended (`status`), or is gone (`handle` None): if its run did not report its own end (the
+        pod was killed, evicted, OOM-killed, or the Job deleted), it is marked Crashed saying so. True if it was."""
+        for _ in range(3):  # an engine reports its final state before its process exits; give the API a moment
+            if fr is not None and (fr.state is None or fr.state.is_final()):
+                break
+            fr = await self._flow_run(fid)
+            if fr is None or fr.state is None or fr.state.is_final():
+                break
+            await asyncio.sleep(1.0)
+        if fr is None or fr.state is None:
+            return False
+        if fr.state.is_final():
+            self._logger.info("pipeline run %s (%s) ended %s; it is %s", fid, fr.name, when, fr.state.name)
+            return False
+        from prefect.states import Crashed
+
+        if handle is not None:
+            job, namespace = ",".join(handle.ref.get("jobs") or []), handle.ref.get("namespace", "")
+        if status is None:
+            how = "is gone: it was deleted, or its pod lost,"
+        else:
+            how = f"ended ({status.reason or ('exit code %s' % status.code if status.code is not None else status.kind.value)})"
+        why = (f"qosflow: the pipeline run's Kubernetes Job {job} (namespace {namespace}) {how} {when}, and the run did "
+               "not report a final state: it was killed or died before it could")
+        self._logger.warning("pipeline run %s (%s) is marked Crashed: %s", fid, fr.name, why)
+        if await self._set_state(fid, Crashed(message=why)):
+            self.get_flow_run_logger(fr).error("%s", why)
+            return True
+        return False
 
     def _backend_of(self, fid: str) -> Optional[Backend]:
         """The backend running flow run `fid`'s process (a pipeline run may run here while stages go elsewhere)."""
@@ -1200,7 +1348,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         except Exception as exc:
             self._logger.debug("lease read failed: %s", exc)
             return
-        live = {f"lease:{le.lease_id}": le for le in leases if le.holder != self.holder}
+        live = {f"lease:{le.lease_id}": le for le in leases if le.holder != self.holder and not le.is_pipeline}
         for key in list(self._foreign - set(live)):
             sched.unhold(key)
             self._foreign.discard(key)
@@ -1354,6 +1502,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     async def _take_back(self, lease: Any, handle: StageHandle | None) -> None:
         from qosflow.core.cluster import PlacementError
 
+        if getattr(lease, "is_pipeline", False):  # (a pipeline run's Job: no slot to take back)
+            await self._take_back_pipeline(lease, handle)
+            return
         fid = lease.stage_key
         sched = self.scheduler
         assert sched is not None and self._backend is not None
@@ -2565,11 +2716,39 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     kill_failed.discard(fid)
                 elif sched is not None:
                     sched.drop(fid, "flow run cancelled")
+                if h is not None and h.ref.get("role") == "pipeline":
+                    # a pipeline run's Job: deleted, its pod's process gets SIGTERM and its engine reports Crashed a moment
+                    # later (having cancelled the stage runs it waited for); marked Cancelled once that is in, not before
+                    # (Cancelled first, the engine's Crashed came after it and the run ended Crashed)
+                    if fid not in self._pipeline_cancels:
+                        self._pipeline_cancels.add(fid)
+                        t = asyncio.get_running_loop().create_task(self._mark_pipeline_cancelled(fr.id), name=f"qosflow-cancel-{fid}")
+                        self._adopted_tasks.add(t)
+                        t.add_done_callback(self._adopted_tasks.discard)
+                    continue
                 try:
                     what = "stage" if fid in self._stages_in_flight or (sched is not None and fid in sched.entries) else "pipeline run"
                     await self.client.set_flow_run_state(fr.id, Cancelled(message=f"cancelled: the qosflow worker stopped the {what}"), force=True)
                 except Exception as exc:
                     self._logger.warning("could not mark %s cancelled: %s", fid, exc)
+
+    async def _mark_pipeline_cancelled(self, flow_run_id: Any, wait_s: float = 40.0) -> None:
+        """Mark a cancelled pipeline run's Job's run Cancelled once its engine, stopped by SIGTERM, reported its end (or
+        after `wait_s`: a pod's grace period, 30 s by default, then SIGKILL, and nothing is reported)."""
+        from prefect.client.schemas.objects import StateType
+        from prefect.states import Cancelled
+
+        try:
+            end = time.monotonic() + wait_s
+            while time.monotonic() < end:
+                fr = await self._flow_run(flow_run_id)
+                if fr is None or fr.state is None or fr.state.type is not StateType.CANCELLING:
+                    break
+                await asyncio.sleep(0.5)
+            await self._set_state(flow_run_id, Cancelled(message="cancelled: the qosflow worker stopped the pipeline run "
+                                                                  "(its Kubernetes Job was deleted)"))
+        finally:
+            self._pipeline_cancels.discard(str(flow_run_id))
 
     async def kill_infrastructure(self, infrastructure_pid: str, configuration: QosflowJobConfiguration, grace_seconds: int = 30) -> None:
         fid = self._pids.get(str(infrastructure_pid))

@@ -18,8 +18,11 @@ inserted in one transaction: all or nothing.
 Expired leases are never silently stolen: a worker that finds one (its holder crashed) calls
 `recover()`, which adopts the stage if its backend still runs it and releases it otherwise.
 
+A pipeline run that a Kubernetes pool's worker launched as a Job holds a `qosflow_stage_lease` row that books
+no slot (`acquire_pipeline`, placement role "pipeline"): it is renewed, recovered and adopted as a stage's is.
+
 A third, `qosflow_pipeline_process`, records the pipeline runs' processes that outlive their worker (pools
-whose stages run on host agents or Kubernetes); `LeaseStore.sweep_pipeline_output` removes the output files
+whose stages run on host agents, or Kubernetes with pipeline Jobs turned off); `LeaseStore.sweep_pipeline_output` removes the output files
 of those that ended once they are older than `QOSFLOW_PIPELINE_OUTPUT_MAX_AGE` (default 30 days).
 
 Engine: `QOSFLOW_DATABASE_URL` (e.g. `postgresql+psycopg://user@host/db`) or SQLite in
@@ -263,6 +266,12 @@ class Lease:
     def expired(self) -> bool:
         return self.expires_at < time.time()
 
+    @property
+    def is_pipeline(self) -> bool:
+        """A pipeline run's lease (`LeaseStore.acquire_pipeline`): it books no slot, and its `attempt_id` is the
+        run's Kubernetes Job's stage id (the flow run id)."""
+        return (self.placement or {}).get("role") == "pipeline"
+
 
 log = logging.getLogger("qosflow.leases")
 _warned_modes: set[str] = set()
@@ -454,6 +463,35 @@ class LeaseStore:
             except OperationalError:  # SQLite busy under heavy contention
                 time.sleep(0.05 * (attempt + 1))
         raise LeaseError(f"pool {pool!r}: could not book stage {stage_key!r} after 5 tries (heavy contention)")
+
+    def acquire_pipeline(self, pool: str, flow_run_id: str, *, holder: str, ttl_s: float = 30.0, backend: str = "",
+                         command: list[str] | None = None, namespace: str = "") -> Lease:
+        """A lease for a pipeline run that its worker launched through the backend (a Kubernetes Job), booking no
+        slot: the row says which worker watches the run, renewed at its heartbeats like a stage's, and `recover`
+        hands it to the next worker of the pool (of the same name at once, of another once it expired), which
+        finds the Job again (`backend.adopt`). StageBusy if the run already has one (it must not run twice)."""
+        now = time.time()
+        placement = {"role": "pipeline", "job_id": flow_run_id, "gpus": [], "cpu": [], "gpu_milli": 0, "gpu_mem_mb": 0.0,
+                     "mem_mb": 0.0, "colocated_with": [], "cpusets": {}, "command": list(command or []), "namespace": namespace}
+        row = StageLeaseRow(lease_id=uuid.uuid4().hex, pool=pool, stage_key=flow_run_id, attempt_id=flow_run_id, holder=holder,
+                            backend=backend, nodes_json="[]", placement_json=json.dumps(placement), handle_json=None, created_at=now,
+                            expires_at=now + ttl_s)
+        try:
+            with Session(self.engine) as s:
+                s.add(row)
+                s.commit()
+                return Lease._of(row)
+        except IntegrityError:
+            with Session(self.engine) as s:
+                other = s.exec(select(StageLeaseRow).where(StageLeaseRow.pool == pool, StageLeaseRow.stage_key == flow_run_id)).first()
+            if other is None:
+                raise
+            raise StageBusy(f"pipeline run {flow_run_id!r} already has a live Job {other.attempt_id!r} watched by {other.holder} "
+                            f"(expires in {other.expires_at - time.time():.0f}s): it must not run twice") from None
+
+    def pipeline_leases(self, pool: str) -> list[Lease]:
+        """The pool's pipeline runs that run as Jobs of its backend (`acquire_pipeline`), oldest first."""
+        return sorted((le for le in self.leases(pool) if le.is_pipeline), key=lambda le: le.created_at)
 
     def _conflicts(self, s: Session, pool: str, units: list[tuple[str, str]]) -> list[tuple[str, str, str, float]]:
         out = []
