@@ -287,3 +287,21 @@ def stage_exceptions() -> dict:
         out["fallback"] = str(exc)
     out["ok"] = parse("42")
     return out
+
+
+@qos_task(gpus=0, cpu_cores=1, expected_duration=2)
+def loud(marker: str) -> str:
+    print(f"loud stage says {marker}")
+    return marker
+
+
+@qos_task(gpus=0, cpu_cores=1, expected_duration=2, log_prints=False)
+def quiet(marker: str) -> str:
+    print(f"quiet stage says {marker}")
+    return marker
+
+
+@qos_flow(name="e2e-log-prints")
+def log_prints_pipeline(marker: str) -> list:
+    """A stage's prints are logged on its run unless the stage says log_prints=False."""
+    return [loud(marker), quiet(marker), quiet.with_options(log_prints=True, name="quiet-made-loud")(marker)]

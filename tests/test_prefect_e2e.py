@@ -646,3 +646,26 @@ def test_a_stage_run_created_as_its_creation_fails_is_cancelled_not_left_to_run(
         _eventually(lambda: c.read_flow_run(fr.id).state.is_cancelled(), timeout=60)
     time.sleep(1.0)
     assert not [r for r in qos_worker.worker.records if r["flow_run_id"] == str(fr.id) and r["exit"] == "ok"]
+
+
+def test_a_stage_logs_its_prints_unless_it_says_log_prints_false(qos_worker):
+    """Until 2026-11-27 a stage run logged its prints whatever the stage's `log_prints` said (the stage flow
+    was log_prints=True): a training loop that printed every step filled the run's logs with no way out."""
+    import prefect_pipelines as pp
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, LogFilter, LogFilterFlowRunId
+
+    marker = uuid.uuid4().hex[:10]
+    assert pp.log_prints_pipeline(marker) == [marker] * 3
+    client = _client()
+
+    def lines_of(stage: str) -> list[str]:
+        runs = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f".{stage}")))
+                if r.parameters.get("stage") == stage and r.state is not None and r.state.is_completed()]
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id for r in runs])))
+        return [log.message for log in logs if marker in log.message]
+
+    _eventually(lambda: lines_of("loud") and lines_of("quiet-made-loud"), timeout=30)
+    assert lines_of("loud") == [f"loud stage says {marker}"]
+    assert lines_of("quiet-made-loud") == [f"quiet stage says {marker}"]
+    time.sleep(2)  # (logs reach the server in batches: the loud ones are there, the quiet one would be too)
+    assert lines_of("quiet") == []

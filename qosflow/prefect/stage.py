@@ -19,6 +19,7 @@ from typing import Any
 
 import cloudpickle
 from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
 
 STAGE_FLOW_NAME = "qosflow-stage"
 ENTRYPOINT = "qosflow.prefect.stage.qosflow_stage"
@@ -65,26 +66,33 @@ def _import_root(fn: Any) -> str | None:
     return str(root)
 
 
-def pack_payload(fn: Any, args: tuple, kwargs: dict) -> bytes:
-    """The stage's function and arguments, with the sys.path entry its module came from."""
+def pack_payload(fn: Any, args: tuple, kwargs: dict, *, log_prints: bool = True) -> bytes:
+    """The stage's function and arguments, with the sys.path entry its module came from and whether the
+    stage run logs its prints (`log_prints`: the task's, else its pipeline flow's, else True)."""
     root = _import_root(fn)
     body = cloudpickle.dumps((fn, args, kwargs))
-    return cloudpickle.dumps({"qosflow_payload": 2, "sys_path": [root] if root else [], "body": body})
+    return cloudpickle.dumps({"qosflow_payload": 2, "sys_path": [root] if root else [], "body": body,
+                              "log_prints": bool(log_prints)})
 
 
 def unpack_payload(raw: bytes) -> tuple[Any, tuple, dict]:
+    return _unpack(raw)[0]
+
+
+def _unpack(raw: bytes) -> tuple[tuple[Any, tuple, dict], bool]:
+    """(fn, args, kwargs) and whether to log prints (True for a payload written before that was in it)."""
     data = cloudpickle.loads(raw)
     if not (isinstance(data, dict) and data.get("qosflow_payload") == 2):
-        return data  # written by an older qosflow
+        return data, True  # written by an older qosflow
     for entry in data["sys_path"]:  # where the pipeline imported the stage's module from
         if entry not in sys.path and os.path.isdir(entry):
             sys.path.append(entry)
-    return cloudpickle.loads(data["body"])
+    return cloudpickle.loads(data["body"]), bool(data.get("log_prints", True))
 
 
-def write_payload(fn: Any, args: tuple, kwargs: dict) -> str:
+def write_payload(fn: Any, args: tuple, kwargs: dict, *, log_prints: bool = True) -> str:
     key = f"{PAYLOAD_PREFIX}/{uuid.uuid4().hex}.pkl"
-    _call("write_path", key, pack_payload(fn, args, kwargs))
+    _call("write_path", key, pack_payload(fn, args, kwargs, log_prints=log_prints))
     return key
 
 
@@ -165,6 +173,8 @@ def where_placed(p: Any) -> str:
     )
 
 
+# log_prints=True here; a stage whose payload says log_prints=False runs its function in a copy of the run's
+# context that says so (Prefect's patched print reads the context's flag at each call)
 @flow(name=STAGE_FLOW_NAME, persist_result=True, result_serializer="pickle", log_prints=True, validate_parameters=False)
 def qosflow_stage(payload: str, stage: str = "", pipeline: str = "") -> Any:
     """Run one `@qos_task` stage on the slot the qosflow worker placed it on."""
@@ -174,14 +184,18 @@ def qosflow_stage(payload: str, stage: str = "", pipeline: str = "") -> Any:
     p = placement()
     if p.placed:
         logger.info("stage %s on %s", stage, where_placed(p))
-    fn, args, kwargs = read_payload(payload)
+    (fn, args, kwargs), log_prints = _unpack(_call("read_path", payload))
     mirror = None
     if os.environ.get(PROGRESS_FILE_ENV):
         mirror = _ProgressMirror(os.environ[PROGRESS_FILE_ENV], stage)
         mirror.start()
     t0 = time.time()
     try:
-        return fn(*args, **kwargs)
+        ctx = FlowRunContext.get()
+        if log_prints or ctx is None:
+            return fn(*args, **kwargs)
+        with ctx.model_copy(update={"log_prints": False}):
+            return fn(*args, **kwargs)
     finally:
         if mirror is not None:
             mirror.stop.set()

@@ -551,6 +551,9 @@ class QoSTask(Task):
         self.early_check = early_check
         self.qos_fn = fn
         tags = list(task_kwargs.pop("tags", None) or []) + qos_tags(qos, expected_duration=expected_duration)
+        # unset is None, as `@task` passes it (Task.__init__'s own default is False): the stage's run then
+        # logs its prints unless its pipeline flow says log_prints=False (`_stage_log_prints`)
+        task_kwargs.setdefault("log_prints", None)
         wrapper = _make_wrapper(fn, self)
         super().__init__(fn=wrapper, tags=tags, **task_kwargs)
 
@@ -772,6 +775,20 @@ def ensure_stage_deployment(pool: str) -> str:
     return name
 
 
+def _stage_log_prints(task: QoSTask) -> bool:
+    """Whether the stage's run logs its prints: the task's `log_prints`, else its pipeline flow's, else True
+    (a stage runs in a process of its own, often on another host: its prints are in the UI by default)."""
+    from prefect.context import FlowRunContext
+
+    if getattr(task, "log_prints", None) is not None:
+        return bool(task.log_prints)
+    ctx = FlowRunContext.get()
+    flow = getattr(ctx, "flow", None) if ctx is not None else None
+    if flow is not None and getattr(flow, "log_prints", None) is not None:
+        return bool(flow.log_prints)
+    return True
+
+
 def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kwargs: dict) -> Any:
     from prefect.context import TaskRunContext
     from prefect.deployments import run_deployment
@@ -811,7 +828,7 @@ def _dispatch(task: QoSTask, run: PipelineRun | None, pool: str, args: tuple, kw
         run.add(rec)
         run.publish_forecast()
     deployment = ensure_stage_deployment(pool)
-    key = write_payload(task.qos_fn, args, kwargs)
+    key = write_payload(task.qos_fn, args, kwargs, log_prints=_stage_log_prints(task))
     pipeline = run.name if run else None
     jv = job_variables(
         spec,
