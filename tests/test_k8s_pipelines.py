@@ -167,19 +167,25 @@ def test_a_pipeline_job_survives_a_rollout_to_a_worker_of_another_name(prefect_s
         assert "is marked Crashed" not in lab.wlog.read_text(errors="replace")
 
 
-def test_cancelling_a_pipeline_run_deletes_its_job(prefect_server, tmp_path):
+@pytest.mark.parametrize("adopted", [False, True], ids=["its-worker", "adopted-by-another"])
+def test_cancelling_a_pipeline_run_deletes_its_job(prefect_server, tmp_path, adopted):
     """`prefect flow-run cancel` (Cancelling) on a pipeline run: its Job is deleted, its pod's process gets SIGTERM (the
-    pipeline cancels the stage run it waited for) and the run ends Cancelled."""
+    pipeline cancels the stage run it waited for) and the run ends Cancelled; also when a worker of another name adopted
+    it after the one that started it stopped."""
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
-    pool = "k8s-pipe-cancel"
+    pool = "k8s-pipe-cancel-adopted" if adopted else "k8s-pipe-cancel"
     with k8s_lab(prefect_server, tmp_path, pool) as lab:
         w = lab.start("k8s-cancel-w")
         wait_log(lab.wlog, "qosflow worker:", w)
         fid = run_pipeline(pool, lab.marker, 120.0)
         pid = pipeline_started_and_stage_running(lab, w, fid)
         assert pipeline_jobs(lab, fid)
+        if adopted:
+            stop_worker(w)
+            w = lab.start("k8s-cancel-w2")
+            wait_log(lab.wlog, f"recovery: adopted pipeline run {fid}", w, timeout=90)
         with get_client(sync_client=True) as c:
             c.set_flow_run_state(fid, Cancelling(message="cancelled by the test"))
         wait_for("the pipeline's Job was not deleted", lambda: not pipeline_jobs(lab, fid), lab, 60)
