@@ -12,7 +12,9 @@ HELP = """Show what a `qosflow` work pool is doing: its workers, the stage runs 
 how long, per cent done from their progress reports, predicted duration, time to the deadline, and
 whom each runs for when stages name their user), and
 those waiting in the QoS queue with the
-policy's latest reason (or not taken by any worker yet).
+policy's latest reason (or not taken by any worker yet). Hosts that are not up (down, or draining: removed
+from the cluster's description, their running stages kept to their end) are listed, as the worker's cluster
+table in the UI (qosflow-cluster-<pool>) shows them, and a stage on a draining host says so.
 
 Read from the Prefect server at PREFECT_API_URL, as the UI shows it. The pipeline runs' processes that
 workers of pools on host agents or Kubernetes started on their own host (they outlive a worker restart)
@@ -54,7 +56,40 @@ def _pipeline_table(procs: list) -> "Table":
         watched = {"yes": "yes", "adopted": "adopted (restart)"}.get(p.watched, "[yellow]no worker[/]")
         alive = "[yellow]no[/]" if p.alive is False else p.alive_text
         t.add_row(f"{p.name}\n{p.flow_run_id}" if p.name else p.flow_run_id, p.state or "?", p.worker, watched, p.host,
-                  str(p.pid), f"{_dur(now - p.started_at)} ago", alive, *(() if one_dir is not None else (p.output or "-",)))
+                  str(p.pid) if p.pid else "-", f"{_dur(now - p.started_at)} ago", alive, *(() if one_dir is not None else (p.output or "-",)))
+    return t
+
+
+def _count(xs) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in xs:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+#: what each state of a host that is not up means, below the hosts table
+HOST_STATES = {
+    "draining": "draining: removed from the cluster's description; its running stages run to their end, no new one starts there",
+    "down": "down: missed its heartbeats, or not Ready; no stage is placed there",
+    "down (outage)": "down (outage): the cluster's API (Kubernetes) does not answer; no stage is launched until it does",
+}
+
+
+def _hosts_table(st, *, online: bool) -> "Table":
+    """The hosts that are not up (down, draining), from the worker's cluster table artifact."""
+    from rich.table import Table
+
+    ago = "" if st.hosts_changed_at is None else f", changed {_dur(time.time() - st.hosts_changed_at)} ago"
+    states = [HOST_STATES[s] for s in dict.fromkeys(h.state for h in st.hosts if h.state != "up") if s in HOST_STATES]
+    if not online:
+        states.append("no worker online: as the last one saw them")
+    t = Table(title=f"hosts not up (the worker's cluster table{ago})", caption="; ".join(states) or None)
+    t.add_column("host", no_wrap=True)
+    for col in ("state", "GPUs", "GPUs in use", "stages"):
+        t.add_column(col)
+    for h in st.hosts:
+        if h.state != "up":
+            t.add_row(h.host, h.state, str(h.gpus), str(h.gpus_in_use), str(h.stages))
     return t
 
 
@@ -95,6 +130,10 @@ def register(app: typer.Typer) -> None:
                       + (f", {st.pipelines_scheduled} scheduled later (the next at "
                          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(st.next_pipeline_at))})"
                          if st.pipelines_scheduled and st.next_pipeline_at is not None else ""))
+        if st.hosts:
+            up = sum(h.state == "up" for h in st.hosts)
+            console.print(f"hosts: {up} of {len(st.hosts)} up" + "".join(
+                f", {n} {state}" for state, n in _count(h.state for h in st.hosts if h.state != "up").items()))
         if st.workers:
             wt = Table(title="workers")
             for col in ("worker", "status", "last heartbeat"):
@@ -104,6 +143,9 @@ def register(app: typer.Typer) -> None:
             console.print(wt)
         elif any(s.phase == "unclaimed" for s in st.stages):
             console.print(f"[yellow]no worker polls pool {pool!r}:[/] start one with `qosflow worker start --pool {pool}`")
+        if any(h.state != "up" for h in st.hosts):
+            console.print(_hosts_table(st, online=bool(online)))
+        draining = set(st.draining)
         if not st.stages:
             console.print("no stage run is running or waiting")
         else:
@@ -115,6 +157,8 @@ def register(app: typer.Typer) -> None:
                 where = f"{s.host} {s.gpus}".strip() if s.phase == "running" else "QoS queue" if s.phase == "queued" else "no worker yet"
                 if s.elastic_note:
                     where += f" ({s.elastic_note})"
+                if s.phase == "running" and s.host in draining:
+                    where += " (host draining)"
                 done = "-" if s.done_pct is None else f"{s.done_pct:.0f} %"
                 # placed, its process still starting (Pending): 'starting', not 'running'
                 phase = "starting" if s.phase == "running" and s.state.upper() == "PENDING" else s.phase

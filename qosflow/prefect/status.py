@@ -91,6 +91,23 @@ class PipelineProcessStatus:
 
 
 @dataclass
+class HostStatus:
+    """A host of the pool's cluster as its worker schedules it: a row of the worker's cluster table artifact
+    (`qosflow-cluster-<pool>`, `qosflow.prefect.cluster_table.cluster_rows`), the one the UI shows."""
+
+    host: str
+    #: "up", "down", "down (outage)", or "draining": removed from the cluster's description (a cluster edit),
+    #: the stages running there run to their end, no new one is placed there (docs/infrastructure.md)
+    state: str
+    gpu_model: str = ""
+    gpus: int = 0
+    gpus_in_use: int = 0
+    gpus_shared: int = 0
+    cores_free: str = ""  # "6 of 8"
+    stages: int = 0
+
+
+@dataclass
 class PoolStatus:
     pool: str
     workers: list[WorkerStatus] = field(default_factory=list)
@@ -102,6 +119,16 @@ class PoolStatus:
     pipeline_processes: list[PipelineProcessStatus] = field(default_factory=list)
     #: why there are none to show, when the store could not be read here ("" otherwise)
     pipeline_processes_note: str = ""
+    #: the pool's hosts, from the latest version of its worker's cluster table artifact (`cluster_hosts`); empty
+    #: without one (no worker has run, or QOSFLOW_CLUSTER_ARTIFACT_SECONDS=0)
+    hosts: list[HostStatus] = field(default_factory=list)
+    #: when that table last changed (epoch seconds; a worker writes a new version when a host's row changes)
+    hosts_changed_at: float | None = None
+
+    @property
+    def draining(self) -> list[str]:
+        """The hosts a worker drains after a cluster edit (`hosts` whose state is "draining")."""
+        return [h.host for h in self.hosts if h.state == "draining"]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -215,6 +242,39 @@ def pipeline_processes(pool: str, api_url: str | None, store: Any = None) -> tup
     return out, ""
 
 
+async def cluster_hosts(client: Any, pool: str) -> tuple[list[HostStatus], float | None]:
+    """The hosts of the latest version of `pool`'s cluster table artifact (`qosflow-cluster-<pool>`, which its
+    worker writes when a row changes; its total row left out), and when it was written; ([], None) without one."""
+    import json
+
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    from qosflow.prefect.tasks import _slug
+
+    try:
+        found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"qosflow-cluster-{_slug(pool)}"])),
+                                            sort=ArtifactSort.UPDATED_DESC, limit=1)
+    except Exception:  # (a view: the rest of the status stands without it)
+        return [], None
+    if not found:
+        return [], None
+    art = found[0]
+    try:
+        rows = json.loads(art.data) if isinstance(art.data, str) else list(art.data or [])
+    except ValueError:
+        return [], None
+    hosts = []
+    for r in rows:
+        if not isinstance(r, dict) or not r.get("state"):  # (the total row, "all (3 of 4 up)", has no state)
+            continue
+        hosts.append(HostStatus(str(r.get("host", "")), str(r["state"]), str(r.get("GPU model", "")), int(r.get("GPUs") or 0),
+                                int(r.get("GPUs in use") or 0), int(r.get("GPUs shared") or 0), str(r.get("cores free", "")),
+                                int(r.get("stages") or 0)))
+    when = art.updated or art.created
+    return hosts, None if when is None else when.timestamp()
+
+
 async def _name_pipeline_processes(client: Any, procs: list[PipelineProcessStatus], known: dict[str, Any]) -> None:
     """Give each pipeline process its flow run's name and state: from the runs read already (`known`, by
     id), the others in one request."""
@@ -244,8 +304,9 @@ async def _name_pipeline_processes(client: Any, procs: list[PipelineProcessStatu
 
 
 async def pool_status(pool: str, *, limit: int = 200) -> PoolStatus:
-    """The pool's workers, its stage runs that are not final yet (at most `limit`), oldest first, and the
-    pipeline processes recorded in the lease store of this machine (`pipeline_processes`)."""
+    """The pool's workers, its stage runs that are not final yet (at most `limit`), oldest first, the
+    pipeline processes recorded in the lease store of this machine (`pipeline_processes`), and its hosts as its
+    worker last described them in the cluster table artifact (`cluster_hosts`: up, down, draining)."""
     import asyncio
 
     from prefect.settings import PREFECT_API_URL
@@ -306,6 +367,7 @@ async def pool_status(pool: str, *, limit: int = 200) -> PoolStatus:
                 running[fid].done_pct = pct
         if out.pipeline_processes:
             await _name_pipeline_processes(client, out.pipeline_processes, known)
+        out.hosts, out.hosts_changed_at = await cluster_hosts(client, pool)
     order = {"running": 0, "queued": 1, "unclaimed": 2}
     out.stages.sort(key=lambda s: (order[s.phase], -(s.since_s or 0.0)))
     return out
