@@ -451,3 +451,53 @@ def test_label_selectors_are_parsed_as_the_api_server_parses_them(api, emu):
     finally:
         for name in ("sel-a", "sel-b", "sel-c"):
             core.delete_namespaced_pod(name, NS)
+
+
+def test_a_node_watch_gets_bookmarks_and_outlives_other_resources_churn():
+    """As the API server: an established watch is not broken because changes to other resources rolled the event
+    window past its own last event; with allowWatchBookmarks it gets BOOKMARK events (kind and resourceVersion only)
+    carrying the version it has reached, from which a new watch resumes without a 410 and without a LIST."""
+    with EmulatorServer([gpu_node("gpu-0", 4)], window=20) as emu:
+        emu.cluster.store.bookmark_s = 0.2
+        core = client.CoreV1Api(emu.api_client())
+        rv = core.list_node().metadata.resource_version
+        seen, marks = [], []
+        w = watch.Watch()
+        for ev in w.stream(core.list_node, resource_version=rv, allow_watch_bookmarks=True, timeout_seconds=30):
+            if ev["type"] == "BOOKMARK":
+                marks.append(ev["raw_object"])
+                if len(marks) == 1:  # the watch is established: more than the window (20) of changes, none a node's
+                    for i in range(30):
+                        core.create_namespaced_config_map(NS, {"metadata": {"name": f"churn-{i}"}, "data": {"i": str(i)}})
+                if len(marks) == 2:
+                    core.patch_node("gpu-0", {"metadata": {"labels": {"churned": "yes"}}})
+                if len(marks) == 3:
+                    w.stop()
+            else:
+                seen.append((ev["type"], ev["object"].metadata.name))
+        assert seen == [("MODIFIED", "gpu-0")], seen  # no 410: the stream lived through the churn
+        assert marks[0]["kind"] == "Node" and set(marks[0]) == {"kind", "apiVersion", "metadata"}
+        assert int(marks[1]["metadata"]["resourceVersion"]) >= int(rv) + 30  # past the other resources' changes
+        assert emu.state()["compacted_rv"] > int(rv)  # (which rolled the window past the watch's start)
+        with pytest.raises(ApiException) as e:  # (a new watch from there is too old: 410, as the API server says)
+            list(watch.Watch().stream(core.list_node, resource_version=rv, timeout_seconds=1))
+        assert e.value.status == 410
+        # from the bookmark's version: nothing missed, nothing expired
+        assert list(watch.Watch().stream(core.list_node, resource_version=marks[-1]["metadata"]["resourceVersion"], timeout_seconds=1)) == []
+        # a watch that did not ask for bookmarks gets none
+        assert list(watch.Watch().stream(core.list_node, resource_version=marks[-1]["metadata"]["resourceVersion"], timeout_seconds=1)) == []
+
+
+def test_traffic_is_counted_per_verb_and_resource(api, emu):
+    """GET /emulator/state counts the API's requests and response bytes (LIST nodes, WATCH nodes, GET nodes...)."""
+    core, _ = api
+    before = emu.state()["traffic"]
+    n = len(httpx.get(f"{emu.url}/api/v1/nodes").content)
+    core.read_node("gpu-0")
+    after = emu.state()["traffic"]
+
+    def delta(key: str, what: str) -> int:
+        return after.get(key, {}).get(what, 0) - before.get(key, {}).get(what, 0)
+
+    assert delta("LIST nodes", "requests") == 1 and delta("LIST nodes", "bytes") == n
+    assert delta("GET nodes", "requests") == 1 and delta("GET nodes", "bytes") > 0

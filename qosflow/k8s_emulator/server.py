@@ -6,7 +6,8 @@ and any `/apis/{group}/{version}` custom resource):
     GET    .../{plural}                    list (labelSelector, fieldSelector), or watch=true:
                                            a chunked stream of {"type","object"} lines from
                                            resourceVersion; an expired resourceVersion gets an
-                                           ERROR event with a 410 "Expired" Status (as the API server)
+                                           ERROR event with a 410 "Expired" Status (as the API server);
+                                           allowWatchBookmarks=true: BOOKMARK events when idle
     POST   .../{plural}                    create (409 AlreadyExists; a Secret's data must be base64,
                                            its stringData is merged into data)
     GET    .../{plural}/{name}[/status]    read (404 NotFound)
@@ -79,7 +80,8 @@ def create_app(cluster: Cluster):
         finally:
             task.cancel()
 
-    async def watch_stream(plural: str, ns: str | None, lsel: str | None, fsel: str | None, rv: str | None, timeout: float):
+    async def watch_stream(plural: str, ns: str | None, lsel: str | None, fsel: str | None, rv: str | None, timeout: float,
+                           bookmarks: bool = False):
         reqs = parse_label_selector(lsel)
 
         def match(o: dict) -> bool:
@@ -92,9 +94,16 @@ def create_app(cluster: Cluster):
             e = ApiError(410, "Expired", f"too old resource version: {since} ({store.compacted_rv + 1})")
             return line("ERROR", e.status())
 
+        def bookmark(at: int) -> bytes:
+            # (as the API server's: the object's kind and only metadata.resourceVersion, the version the stream has
+            # reached; a client resumes from it without a LIST)
+            api, kind, _ = store.meta.get(plural, ("v1", "", True))
+            return line("BOOKMARK", {"kind": kind or "Object", "apiVersion": api, "metadata": {"resourceVersion": str(at)}})
+
         store.watches_open += 1
         store.watches_opened += 1
         is_open = True
+        compactions = store.compactions
         try:
             if rv not in (None, "", "0"):
                 since = int(rv)
@@ -102,16 +111,25 @@ def create_app(cluster: Cluster):
                 since = store.current_rv
                 for o in store.list(plural, ns, lsel, fsel):
                     yield line("ADDED", o)
+            #: the version the stream has reached: every event up to it was looked at (of any kind: an established
+            #: watch is not broken by changes to other resources rolling the event window past its last own event,
+            #: as the API server's watch cache does not break it; `since` is its last own event)
+            seen = since
             end = time.monotonic() + timeout
             while True:
-                if since < store.compacted_rv:
+                # expired: fallen out of the event window, or an explicit compaction (`/emulator/compact`: expire
+                # every version so far, the open streams' too) after this stream's last own event
+                if seen < store.compacted_rv or (store.compactions != compactions and since < store.compacted_rv):
                     store.watches_open -= 1  # (closed before the client reads the 410)
                     is_open = False
                     yield gone(since)
                     return
+                compactions = store.compactions  # (one that did not expire this stream is behind it)
                 changed = store.changed
-                batch = [(erv, t, o) for erv, p, t, o in list(store.log) if erv > since and p == plural]
+                log = list(store.log)
+                batch = [(erv, t, o) for erv, p, t, o in log if erv > seen and p == plural]
                 since = max([since] + [erv for erv, _, _ in batch])
+                seen = max(seen, log[-1][0] if log else seen)
                 for _, t, o in batch:
                     if match(o):
                         yield line(t, o)
@@ -119,9 +137,11 @@ def create_app(cluster: Cluster):
                 if left <= 0:
                     return
                 try:
-                    await asyncio.wait_for(changed.wait(), min(left, 5.0))
+                    await asyncio.wait_for(changed.wait(), min(left, store.bookmark_s))
                 except asyncio.TimeoutError:
-                    yield b""  # keep the chunked stream moving (empty chunks are ignored by clients)
+                    # idle: a BOOKMARK when the client allows them (allowWatchBookmarks), else an empty chunk to keep
+                    # the chunked stream moving (clients ignore it)
+                    yield bookmark(seen) if bookmarks else b""
         finally:
             if is_open:
                 store.watches_open -= 1
@@ -146,7 +166,8 @@ def create_app(cluster: Cluster):
                         timeout = float(q.get("timeoutSeconds") or 1800)
                         parse_label_selector(q.get("labelSelector"))  # a bad selector is a 400 before the stream starts
                         return StreamingResponse(
-                            watch_stream(plural, ns, q.get("labelSelector"), q.get("fieldSelector"), q.get("resourceVersion"), timeout),
+                            watch_stream(plural, ns, q.get("labelSelector"), q.get("fieldSelector"), q.get("resourceVersion"), timeout,
+                                         q.get("allowWatchBookmarks", "").lower() in _TRUE),
                             media_type="application/json",
                         )
                     items = store.list(plural, ns, q.get("labelSelector"), q.get("fieldSelector"))
@@ -267,6 +288,7 @@ def create_app(cluster: Cluster):
             "resourceVersion": store.current_rv, "compacted_rv": store.compacted_rv,
             "counts": {p: len(t) for p, t in store.objs.items()}, "rules": cluster.rules, "faults": cluster.faults,
             "watches": {"open": store.watches_open, "opened": store.watches_opened},
+            "traffic": cluster.traffic,
         })
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
@@ -284,9 +306,24 @@ def create_app(cluster: Cluster):
     )
 
     async def with_faults(scope, receive, send):
-        """Pure ASGI wrapper: injected HTTP errors before routing (watch streams pass untouched)."""
+        """Pure ASGI wrapper: injected HTTP errors before routing (watch streams pass untouched), and the API's
+        traffic counted (requests and response body bytes per verb and resource, as the API server's
+        apiserver_request_total and apiserver_response_sizes metrics; `GET /emulator/state`'s "traffic")."""
         if scope["type"] == "http" and not scope["path"].startswith("/emulator"):
             method, path = scope["method"], scope["path"]
+            parsed = _parse(path)
+            query = scope.get("query_string", b"").decode(errors="replace")
+            watching = method == "GET" and re.search(r"(^|&)watch=(true|1|yes)(&|$)", query, re.I) is not None
+            verb = "WATCH" if watching else ("LIST" if method == "GET" and parsed is not None and parsed[3] is None else method)
+            counter = cluster.traffic.setdefault(f"{verb} {parsed[2] if parsed else path}", {"requests": 0, "bytes": 0})
+            counter["requests"] += 1
+            inner_send = send
+
+            async def send(message):  # noqa: F811 - the counted send
+                if message["type"] == "http.response.body":
+                    counter["bytes"] += len(message.get("body", b""))
+                await inner_send(message)
+
             for f in cluster.faults:
                 if f["count"] > 0 and f.get("method", method).upper() == method and re.search(f.get("path", ""), path):
                     f["count"] -= 1

@@ -272,6 +272,11 @@ class Store:
         #: A stream that ends with 410 Gone is counted closed before its client can read the 410
         self.watches_open = 0
         self.watches_opened = 0
+        #: explicit compactions (`compact`): they expire the open streams' versions too
+        self.compactions = 0
+        #: an idle watch stream sends a BOOKMARK (allowWatchBookmarks) or an empty chunk this often (the API server:
+        #: a bookmark about every minute)
+        self.bookmark_s = 5.0
 
     def table(self, plural: str) -> dict[tuple[str, str], dict]:
         return self.objs.setdefault(plural, {})
@@ -290,6 +295,7 @@ class Store:
         """Forget every event so far (as etcd compaction does): older watches get 410 Gone."""
         self.compacted_rv = self.current_rv
         self.log.clear()
+        self.compactions += 1
 
     def get(self, plural: str, ns: str, name: str) -> dict:
         obj = self.table(plural).get((ns, name))
@@ -398,6 +404,8 @@ class Cluster:
         self._logdir = tempfile.mkdtemp(prefix="qosflow-k8s-emulator-") if run_processes else None
         self.rules: list[dict] = []  # failure rules applied to new pods
         self.faults: list[dict] = []  # HTTP faults (method, path regex, status, count)
+        #: "VERB resource" (LIST nodes, WATCH nodes, GET pods...) -> requests and response body bytes served
+        self.traffic: dict[str, dict[str, int]] = {}
         self.timeline: dict[str, dict[str, Any]] = {}  # pod uid -> private lifecycle data
         self._stopping: list[subprocess.Popen] = []  # processes of deleted pods being stopped (SIGTERM, grace period)
 
