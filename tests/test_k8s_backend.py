@@ -72,7 +72,7 @@ async def until(cond, what: str, timeout: float = 60.0) -> None:
 
 def watching(emu: EmulatorServer) -> bool:
     """A watch stream is open on the emulator (the backend's wait has listed and watches from there)."""
-    return emu.state()["watches"]["open"] >= 1
+    return emu.state()["watches"]["by_resource"].get("pods", 0) >= 1  # (pods': the backend also watches its nodes)
 
 
 def expire_watch(emu: EmulatorServer) -> None:

@@ -223,6 +223,13 @@ class KubernetesBackend(Backend):
     #: tolerationSeconds for unreachable/not-ready nodes (Kubernetes' default of 300 s is slow)
     eviction_toleration_s: int = 30
     watch_timeout_s: int = 30
+    #: keep the view of the nodes from a watch (an informer: one LIST, then a WATCH from its resourceVersion with
+    #: bookmarks, a new LIST on 410 Gone or a broken stream), from which the heartbeat's `healthy_nodes` and the
+    #: worker's `list_nodes` are served; while the watch is broken they LIST. False: a LIST at every call (as before
+    #: 2026-11-27: at 1,000 nodes, the whole node list every 2 s)
+    watch_nodes: bool = True
+    #: timeoutSeconds of each node WATCH request (then it is opened again from the last resourceVersion, no LIST)
+    node_watch_timeout_s: int = 120
     api_retries: int = 4
     #: seconds to connect to / read an answer from the API server, per request (watches have their own)
     api_connect_timeout_s: float = 10.0
@@ -304,6 +311,24 @@ class KubernetesBackend(Backend):
         self._down_why: dict[str, str] = {}
         #: nodes Ready but cordoned in the last listing (`keeps_stages`)
         self._cordoned: set[str] = set()
+        #: the node informer (`watch_nodes`): name -> V1Node as the watch last saw it, and whether that view follows
+        #: the API now (listed, and its watch open or being opened again from where it was)
+        self._node_lock = threading.Lock()
+        self._node_view: dict[str, Any] = {}
+        self._node_synced = False
+        self._node_thread: threading.Thread | None = None
+        self._node_stop = threading.Event()
+        self._node_watch: Any = None
+        self._node_error: str | None = None
+        #: nodes seen deleted (a DELETED event, or gone from a listing) -> when (monotonic): their pods will not run
+        #: again; forgotten when such a node is back
+        self._nodes_gone: dict[str, float] = {}
+        #: the node names of the last view or listing (to see which ones a listing no longer has)
+        self._nodes_known: set[str] | None = None
+        #: waits watching their pods now: stage id -> {"watch", "nodes" (of its pods), "checked" (when it last looked
+        #: at its nodes)}; a node deleted stops their watch, so that they look again at once (`_nodes_deleted`)
+        self._waiting: dict[str, dict[str, Any]] = {}
+        self.stats.update({"node_lists": 0, "node_watches": 0, "node_watch_410": 0, "node_watch_broken": 0, "node_events": 0})
 
     # ------------------------------------------------------------------ API calls with retries
     def _call(self, fn, *args, _doing: str | None = None, **kw):
@@ -395,7 +420,7 @@ class KubernetesBackend(Backend):
             raise
 
     async def inventory(self) -> ClusterSpec:
-        nodes = await self._list_nodes()
+        nodes = await self._nodes_now()
         if not nodes:
             raise QosflowError(f"no Kubernetes node matches {self.node_selector or 'any label'} in {self.api_client.configuration.host}")
         self._start_sweep()  # (at the worker's start: what a worker that died left behind)
@@ -406,12 +431,157 @@ class KubernetesBackend(Backend):
         return [self._node_spec(n, self._switches) for n in sorted(nodes, key=lambda n: n.metadata.name)]
 
     async def healthy_nodes(self) -> set[str]:
-        nodes = await self._list_nodes()
+        nodes = await self._nodes_now()
         self._start_sweep()  # (every orphan_sweep_s, in the background: the heartbeat does not wait for it)
+        self._poke_waits()  # (a wait whose node was deleted and that has not looked yet: told again)
         return self._healthy(nodes)
 
+    # ------------------------------------------------------------------ the node informer (`watch_nodes`)
+    async def _nodes_now(self) -> list:
+        """The nodes as they are now: the informer's view while its watch follows the API (no request), else one
+        LIST (whose nodes missing since the last view or listing are taken as deleted), after which the informer
+        is started if it is not running."""
+        with self._node_lock:
+            if self._node_synced:
+                return list(self._node_view.values())
+        nodes = await self._list_nodes()
+        self._saw_listing({n.metadata.name for n in nodes})
+        self._start_node_watch()
+        return nodes
+
+    def _saw_listing(self, names: set[str]) -> None:
+        """A full listing of the nodes (a LIST, or the informer's): those of the last one missing from it were deleted."""
+        with self._node_lock:
+            known, self._nodes_known = self._nodes_known, set(names)
+            for name in names:
+                self._nodes_gone.pop(name, None)
+        if known is not None and known - names:
+            self._nodes_deleted(known - names)
+
+    def _nodes_deleted(self, names: Collection[str]) -> None:
+        """Nodes deleted (a DELETED event, or gone from a listing): their pods will not run again (the pod garbage
+        collector deletes them). The waits of stages with pods there stop their watch and look at once."""
+        now = time.monotonic()
+        with self._node_lock:
+            for name in names:
+                self._nodes_gone.setdefault(name, now)
+            while len(self._nodes_gone) > KILLED_KEPT:
+                self._nodes_gone.pop(next(iter(self._nodes_gone)))
+            if self._nodes_known is not None:
+                self._nodes_known -= set(names)
+        self._poke_waits()
+
+    def _poke_waits(self) -> None:
+        """Stop the pod watch of every wait that has a pod on a node deleted since it last looked at its nodes."""
+        with self._node_lock:
+            gone = dict(self._nodes_gone)
+            waits = list(self._waiting.values())
+        for w in waits:
+            if any(gone.get(n, -math.inf) >= w["checked"] for n in w["nodes"]) and w.get("watch") is not None:
+                w["poked"] = True
+                with contextlib.suppress(Exception):
+                    w["watch"].stop()
+
+    def _node_gone(self, name: str) -> bool:
+        """Whether node `name` is known to be deleted (no API call)."""
+        with self._node_lock:
+            return name in self._nodes_gone
+
+    def _cached_node(self, name: str) -> Any:
+        """The node as the informer sees it, or None (not synced, or not a node of the selector)."""
+        with self._node_lock:
+            return self._node_view.get(name) if self._node_synced else None
+
+    def _start_node_watch(self) -> None:
+        if not self.watch_nodes or self._node_stop.is_set() or (self._node_thread is not None and self._node_thread.is_alive()):
+            return
+        self._node_thread = threading.Thread(target=self._node_watch_run, name=f"qosflow-k8s-nodes-{self.cluster_name}", daemon=True)
+        self._node_thread.start()
+
+    def _node_watch_run(self) -> None:
+        with _quiet_retries():
+            failures = 0
+            while not self._node_stop.is_set():
+                try:
+                    self._node_watch_once()
+                    failures = 0
+                except Exception as exc:  # noqa: BLE001 - the heartbeat LISTs meanwhile, and says what is wrong
+                    failures += 1
+                    why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    if why != self._node_error:
+                        log.debug("Kubernetes cluster %r: the node watch broke (%s); the nodes are listed at each heartbeat "
+                                  "until it is open again", self.cluster_name, why)
+                    self._node_error = why
+                    self._node_stop.wait(min(5.0, 0.2 * 2 ** min(failures, 5)))
+                finally:
+                    with self._node_lock:
+                        self._node_synced = False
+
+    def _node_watch_once(self) -> None:
+        """One LIST, then WATCHes from its resourceVersion (each `node_watch_timeout_s` long, resumed from the last
+        version seen, bookmarks included) until a 410 Gone or a broken stream: then back to the caller, to LIST again."""
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        lst = self._call(self.core.list_node, label_selector=self._selector(), _doing="list its nodes")
+        self.stats["node_lists"] += 1
+        with self._node_lock:
+            self._node_view = {n.metadata.name: n for n in lst.items}
+            self._node_synced = True
+        self._saw_listing({n.metadata.name for n in lst.items})
+        if self._node_error is not None:
+            log.debug("Kubernetes cluster %r: the node watch follows the nodes again", self.cluster_name)
+            self._node_error = None
+        rv = lst.metadata.resource_version
+        while not self._node_stop.is_set():
+            w = self._node_watch = watch.Watch()
+            self.stats["node_watches"] += 1
+            try:
+                for ev in w.stream(self.core.list_node, label_selector=self._selector(), resource_version=rv, allow_watch_bookmarks=True,
+                                   timeout_seconds=self.node_watch_timeout_s,
+                                   _request_timeout=(self.api_connect_timeout_s, self.node_watch_timeout_s + 30)):
+                    if ev["type"] == "BOOKMARK":
+                        rv = w.resource_version or rv
+                        continue
+                    node = ev["object"]
+                    name = node.metadata.name
+                    rv = node.metadata.resource_version or rv
+                    self.stats["node_events"] += 1
+                    with self._node_lock:
+                        if ev["type"] == "DELETED":
+                            self._node_view.pop(name, None)
+                        else:
+                            self._node_view[name] = node
+                            self._nodes_gone.pop(name, None)
+                            if self._nodes_known is not None:
+                                self._nodes_known.add(name)
+                    if ev["type"] == "DELETED":
+                        self._nodes_deleted([name])
+            except ApiException as e:
+                if e.status == 410:  # the version is compacted: LIST again
+                    self.stats["node_watch_410"] += 1
+                    return
+                self.stats["node_watch_broken"] += 1
+                raise
+            except Exception:
+                if self._node_stop.is_set():
+                    return
+                self.stats["node_watch_broken"] += 1
+                raise
+            finally:
+                self._node_watch = None
+            rv = w.resource_version or rv
+
+    def _stop_node_watch(self) -> None:
+        self._node_stop.set()
+        w = self._node_watch
+        if w is not None:
+            with contextlib.suppress(Exception):
+                w.stop()
+
     def _healthy(self, nodes: list) -> set[str]:
-        """The nodes that take stages (Ready, not cordoned); why each other one does not is kept for `down_reasons`."""
+        """The nodes that take stages (Ready, not cordoned); why each other one does not is kept for `down_reasons`
+        (a node deleted from the cluster among them)."""
         ok, why, cordoned = set(), {}, set()
         for n in nodes:
             if not _ready(n):
@@ -421,6 +591,9 @@ class KubernetesBackend(Backend):
                 cordoned.add(n.metadata.name)
             else:
                 ok.add(n.metadata.name)
+        with self._node_lock:
+            for name in self._nodes_gone:
+                why.setdefault(name, "the node was deleted from the cluster")
         self._down_why, self._cordoned = why, cordoned
         return ok
 
@@ -437,9 +610,9 @@ class KubernetesBackend(Backend):
     lists_nodes = True
 
     async def list_nodes(self) -> NodeListing:
-        """The nodes that match the selector now (one list call; read and described off the event loop, as a list
-        of 1,000 nodes takes a while), those that take stages, and those cordoned."""
-        nodes = await self._list_nodes()
+        """The nodes that match the selector now (the node watch's view; one list call while it is broken; described
+        off the event loop, as 1,000 nodes take a while), those that take stages, and those cordoned."""
+        nodes = await self._nodes_now()
         specs = await asyncio.to_thread(self._node_specs, nodes)
         cordoned = {n.metadata.name for n in nodes if n.spec and n.spec.unschedulable}
         return NodeListing(specs, self._healthy(nodes), cordoned)
@@ -958,8 +1131,16 @@ class KubernetesBackend(Backend):
         return st
 
     def _wait_sync(self, handle: StageHandle, stop: threading.Event) -> ExitStatus:
-        with _quiet_retries():  # the watch's requests too
-            return self._wait_loop(handle, stop)
+        mine = {"watch": None, "nodes": set(), "checked": time.monotonic(), "poked": False}
+        with self._node_lock:
+            self._waiting[handle.stage_id] = mine
+        try:
+            with _quiet_retries():  # the watch's requests too
+                return self._wait_loop(handle, stop)
+        finally:
+            with self._node_lock:
+                if self._waiting.get(handle.stage_id) is mine:
+                    del self._waiting[handle.stage_id]
 
     def _wait_loop(self, handle: StageHandle, stop: threading.Event) -> ExitStatus:
         from kubernetes import watch
@@ -1002,10 +1183,17 @@ class KubernetesBackend(Backend):
                 log.warning("the pods of stage %s are listed again (after %d refusal(s))", handle.stage_id, refusals)
                 refused = None
             pods = {p.metadata.name: p for p in lst.items}
+            me = self._waiting.get(handle.stage_id) or {}
+            looked = time.monotonic()
             st = self._evaluate(handle, pods, track, check_nodes=True)
             if st is not None:
                 return st
             w = watch.Watch()
+            with self._node_lock:  # (a node deleted from now on stops this watch: `_poke_waits`)
+                me.update(watch=w, nodes={p.spec.node_name for p in pods.values() if p.spec and p.spec.node_name}, checked=looked,
+                          poked=False)
+            if any(self._node_gone(n) for n in me.get("nodes", ())):
+                continue  # (deleted while it looked: look again)
             try:
                 for ev in w.stream(self.core.list_namespaced_pod, ns, label_selector=sel,
                                    resource_version=lst.metadata.resource_version, timeout_seconds=self._watch_timeout(track)):
@@ -1015,6 +1203,11 @@ class KubernetesBackend(Backend):
                         track["deleted"].add(pod.metadata.name)
                     else:
                         pods[pod.metadata.name] = pod
+                        if pod.spec and pod.spec.node_name and pod.spec.node_name not in me.get("nodes", ()):
+                            with self._node_lock:
+                                me["nodes"] = set(me.get("nodes", ())) | {pod.spec.node_name}
+                            if self._node_gone(pod.spec.node_name):
+                                break  # (bound to a node deleted meanwhile: list and look)
                     st = self._evaluate(handle, pods, track, check_nodes=False)
                     if st is not None or stop.is_set():
                         w.stop()
@@ -1028,8 +1221,12 @@ class KubernetesBackend(Backend):
                 log.warning("watching pods of %s: %s %s", handle.stage_id, e.status, e.reason)
                 time.sleep(0.2)
             except Exception as e:  # connection reset and friends: list again
-                log.warning("watch of %s broke: %s", handle.stage_id, e)
-                time.sleep(0.2)
+                if not me.get("poked"):  # (stopped because a node of its pods was deleted: no warning, it looks at once)
+                    log.warning("watch of %s broke: %s", handle.stage_id, e)
+                    time.sleep(0.2)
+            finally:
+                with self._node_lock:
+                    me["watch"] = None
         return ExitStatus(ExitKind.CANCELLED, None, self._killed.get(handle.stage_id, "wait stopped"))
 
     def _watch_timeout(self, track: dict) -> int:
@@ -1044,6 +1241,8 @@ class KubernetesBackend(Backend):
         return max(1, int(t + 0.999))
 
     def _evaluate(self, handle: StageHandle, pods: dict[str, Any], track: dict, check_nodes: bool) -> ExitStatus | None:
+        from kubernetes.client.exceptions import ApiException
+
         from qosflow.failures import classify_reason
 
         if handle.stage_id in self._killed:
@@ -1094,11 +1293,21 @@ class KubernetesBackend(Backend):
                 else:
                     track["unsched"].pop(name, None)
             if check_nodes and node and phase in ("Pending", "Running"):
-                try:
-                    n = self._call(self.core.read_node, node)
-                    ok = _ready(n)
-                except Exception:
-                    ok = False
+                # a node deleted from the cluster (its DELETED event, gone from a listing, or 404 now): its pods will not
+                # run again (the pod garbage collector deletes them), reported at once; a node merely not Ready may come
+                # back, and has node_lost_grace_s
+                n = None if self._node_gone(node) else self._cached_node(node)
+                if n is None and not self._node_gone(node):
+                    try:
+                        n = self._call(self.core.read_node, node)
+                    except ApiException as e:
+                        if e.status == 404:
+                            self._nodes_deleted([node])
+                    except Exception:
+                        pass
+                if self._node_gone(node):
+                    return classify_reason("NodeLost", f"node {node} was deleted from the cluster: its pods will not run again {where}")
+                ok = n is not None and _ready(n)
                 if ok:
                     track["notready"].pop(node, None)
                 else:
@@ -1215,6 +1424,7 @@ class KubernetesBackend(Backend):
                 yield line
 
     async def aclose(self) -> None:
+        self._stop_node_watch()
         for ev in self._stop.values():
             ev.set()
         if self._sweep_task is not None and not self._sweep_task.done():

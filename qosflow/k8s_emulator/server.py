@@ -102,6 +102,7 @@ def create_app(cluster: Cluster):
 
         store.watches_open += 1
         store.watches_opened += 1
+        store.watches_by[plural] = store.watches_by.get(plural, 0) + 1
         is_open = True
         compactions = store.compactions
         try:
@@ -121,6 +122,7 @@ def create_app(cluster: Cluster):
                 # every version so far, the open streams' too) after this stream's last own event
                 if seen < store.compacted_rv or (store.compactions != compactions and since < store.compacted_rv):
                     store.watches_open -= 1  # (closed before the client reads the 410)
+                    store.watches_by[plural] -= 1
                     is_open = False
                     yield gone(since)
                     return
@@ -145,6 +147,7 @@ def create_app(cluster: Cluster):
         finally:
             if is_open:
                 store.watches_open -= 1
+                store.watches_by[plural] -= 1
 
     async def rest(request: Request) -> Response:
         parsed = _parse(request.url.path)
@@ -287,7 +290,7 @@ def create_app(cluster: Cluster):
             "emulator": "qosflow Kubernetes API emulator (not a real cluster)",
             "resourceVersion": store.current_rv, "compacted_rv": store.compacted_rv,
             "counts": {p: len(t) for p, t in store.objs.items()}, "rules": cluster.rules, "faults": cluster.faults,
-            "watches": {"open": store.watches_open, "opened": store.watches_opened},
+            "watches": {"open": store.watches_open, "opened": store.watches_opened, "by_resource": dict(store.watches_by)},
             "traffic": cluster.traffic,
         })
 

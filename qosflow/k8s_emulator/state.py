@@ -272,6 +272,8 @@ class Store:
         #: A stream that ends with 410 Gone is counted closed before its client can read the 410
         self.watches_open = 0
         self.watches_opened = 0
+        #: watch streams open now per resource (pods, nodes...)
+        self.watches_by: dict[str, int] = {}
         #: explicit compactions (`compact`): they expire the open streams' versions too
         self.compactions = 0
         #: an idle watch stream sends a BOOKMARK (allowWatchBookmarks) or an empty chunk this often (the API server:
