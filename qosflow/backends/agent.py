@@ -35,6 +35,18 @@ from qosflow.core.gpu_names import short_gpu_model
 from qosflow.errors import QosflowError, SpecError
 
 log = logging.getLogger("qosflow.backends.agent")
+#: the label of a pipeline run's process on its agent (`AgentBackend.launch_unplaced`), read back by `adopt`
+PIPELINE_ROLE_LABEL = "qosflow.dev/role"
+
+
+def check_pipelines_on(value: Any, hosts: Collection[str], where: str) -> str:
+    """A cluster's `pipelines_on` setting: "worker" (the default: a pipeline run is a process on the worker's host),
+    "agents" (through an agent, on the up host with the most free cores) or the name of one of its `hosts`."""
+    v = str(value if value is not None else "worker").strip() or "worker"
+    if v in ("worker", "agents") or v in hosts:
+        return v
+    raise SpecError("pipelines_on", f"{v!r} is neither 'worker', 'agents' nor one of the hosts ({', '.join(sorted(hosts))})",
+                    where=where)
 
 
 def _detail(r: httpx.Response) -> str:
@@ -129,6 +141,7 @@ class AgentBackend(Backend):
         cluster_name: str = "agents",
         declared_by: str | None = None,
         ca_cert: str | None = None,
+        pipelines_on: str = "worker",
     ):
         self.hosts = {h.name: h for h in hosts}
         if not self.hosts:
@@ -171,6 +184,11 @@ class AgentBackend(Backend):
         #: host -> waits on a stage part there in progress (`_wait_part`): what `drop_host` must not cut off
         self._following: collections.Counter[str] = collections.Counter()
         self._closing: set[asyncio.Task] = set()  # connections of forgotten hosts being closed
+        #: where the pool's pipeline runs (role pipeline) run (`pipelines_on:`): "worker" (a process on the worker's
+        #: host, the default), "agents" (through an agent, on the up host with the most free cores) or a host's name
+        self.pipelines_on = check_pipelines_on(pipelines_on, self.hosts, self.declared_by)
+        #: pipeline run (stage id) -> the host this backend launched or adopted it on (`pipeline_host`'s tie-break)
+        self._pipelines: dict[str, str] = {}
 
     @classmethod
     def from_cluster(cls, cluster: ClusterSpec, token: str, **kw: Any) -> "AgentBackend":
@@ -184,6 +202,12 @@ class AgentBackend(Backend):
         ]
         kw.setdefault("declared_by", f"cluster {cluster.name!r}")
         return cls(hosts, token, cluster_name=cluster.name, **kw)
+
+    @property
+    def runs_pipelines(self) -> bool:
+        """With `pipelines_on` agents (or a host): pipeline runs are launched through an agent (`launch_unplaced`),
+        each under a lease that books no slot, and any worker of the pool adopts them (`adopt`)."""
+        return self.pipelines_on != "worker"
 
     def _client(self, h: HostState, use: str = "api") -> httpx.AsyncClient:
         """The HTTP client for one host: "api" (inventory, launches, waits, kills) or "hb" (heartbeats,
@@ -440,6 +464,9 @@ class AgentBackend(Backend):
                                "the worker keeps the old token until it is restarted")
         if new.ca_cert != self.ca_cert:
             not_applied.append("its CA certificate for the agents changed; the worker's connections keep the old one until it is restarted")
+        if new.pipelines_on != self.pipelines_on:
+            # (read when a pipeline run starts: the runs already started stay where they are, and are watched as before)
+            self.pipelines_on = new.pipelines_on
         for what, mine, theirs in (("heartbeat_s", self.heartbeat_s, new.heartbeat_s), ("fence_after_s", self.fence_after_s, new.fence_after_s)):
             if mine != theirs:
                 not_applied.append(f"its {what} changed from {mine} to {theirs}; the worker keeps {mine} until it is restarted")
@@ -561,9 +588,60 @@ class AgentBackend(Backend):
             return None
         return f"agent {h.name} refused the launch: HTTP {r.status_code} {_detail(r)}"
 
+    # ------------------------------------------------------------------ pipeline runs
+    def pipeline_host(self, free_cores: dict[str, float] | None = None) -> str | None:
+        """The host a pipeline run goes to (`pipelines_on`): the host it names, else the up host with the most free
+        CPU cores (`free_cores`: the worker's view, cores no stage holds; else the host's cores), fewest pipeline runs
+        this backend started there breaking ties. None when no host is up."""
+        if self.pipelines_on not in ("worker", "agents"):
+            return self.pipelines_on
+        up = [h for h in self.state.values() if h.up and h.name not in self.retired and h.name in self.hosts]
+        if not up:
+            return None
+        free = free_cores or {}
+        if free:  # (the worker's view: a host it has marked down is not offered)
+            up = [h for h in up if h.name in free] or up
+
+        def pipelines(h: HostState) -> int:  # (this backend's pipeline runs the host's agent still runs)
+            return sum(1 for sid, where in self._pipelines.items() if where == h.name and sid in h.running)
+
+        return max(up, key=lambda h: (free.get(h.name, h.cpu_cores), -pipelines(h))).name
+
+    async def launch_unplaced(self, stage_id: str, command: list[str], env: dict[str, str], cwd: str | None = None, *,
+                              labels: dict[str, str] | None = None, cpu_cores: float | None = None, mem_mb: float | None = None,
+                              host: str | None = None) -> StageHandle:
+        """Start a pipeline run (role pipeline: it holds no GPU and dispatches its stages) through the agent of `host`
+        (else `pipeline_host()`): a process with no GPU (CUDA_VISIBLE_DEVICES empty, no cpuset), labelled
+        `qosflow.dev/role=pipeline`. Its handle is a stage's: `wait`, `kill` (SIGTERM, then SIGKILL after the grace)
+        and `adopt` (by any worker, from the lease's host) work on it alike. A host that is down or refuses the launch
+        is the handle's `launch_error` (its wait reports it). `cpu_cores`/`mem_mb` are not enforced (no cpuset)."""
+        await self.start()
+        name = host or self.pipeline_host()
+        ref: dict[str, Any] = {"parts": [], "launched_at": time.time(), "launch_error": None, "role": "pipeline"}
+        handle = StageHandle(stage_id, self.name, name or "", ref)
+        if name is None or name not in self.state:
+            ref["launch_error"] = (f"no host of {self.declared_by} is up to run the pipeline run" if name is None else
+                                   f"host {name!r} (pipelines_on) is not a host of {self.declared_by}")
+            return handle
+        h = self.state[name]
+        part = {"host": h.name, "url": h.url, "node": None, "stage_id": stage_id, "boot_id": None, "pid": None}
+        ref["parts"].append(part)
+        body = {"stage_id": stage_id, "command": list(command),
+                "env": {**{k: str(v) for k, v in env.items() if v is not None}, "CUDA_VISIBLE_DEVICES": "", "QOSFLOW_NODE": h.name},
+                "cwd": cwd, "cpuset": None, "labels": {**(labels or {}), PIPELINE_ROLE_LABEL: "pipeline"}, "gpus": []}
+        err = await self._post(part, body)
+        if err:
+            ref["launch_error"] = err
+        else:
+            self._pipelines[stage_id] = h.name
+            if stage_id not in h.running:
+                h.running.append(stage_id)
+        return handle
+
     async def adopt(self, stage_id: str, hosts: list[str]) -> StageHandle | None:
         """Find an attempt a previous worker started (from its lease) and return a handle to it."""
         parts = []
+        pipeline = False
         for name in hosts:
             h = self.state.get(name)
             if h is None:
@@ -579,10 +657,16 @@ class AgentBackend(Backend):
                 continue
             if r.status_code == 200:
                 await self._probe(h)
-                parts.append({"host": name, "url": h.url, "node": None, "stage_id": stage_id, "boot_id": h.boot_id, "pid": r.json().get("pid")})
+                st = r.json()
+                parts.append({"host": name, "url": h.url, "node": None, "stage_id": stage_id, "boot_id": h.boot_id, "pid": st.get("pid")})
+                pipeline = (st.get("labels") or {}).get(PIPELINE_ROLE_LABEL) == "pipeline"
         if not parts:
             return None
-        return StageHandle(stage_id, self.name, parts[0]["host"], {"parts": parts, "launched_at": None, "launch_error": None})
+        ref: dict[str, Any] = {"parts": parts, "launched_at": None, "launch_error": None}
+        if pipeline:  # (a pipeline run `launch_unplaced` started, adopted from its lease by this or another worker)
+            ref["role"] = "pipeline"
+            self._pipelines[stage_id] = parts[0]["host"]
+        return StageHandle(stage_id, self.name, parts[0]["host"], ref)
 
     # ------------------------------------------------------------------ wait
     async def wait(self, handle: StageHandle) -> ExitStatus:
@@ -783,6 +867,7 @@ class ClusterFile:
     heartbeat_s: 2
     fence_after_s: 3                 # the agents' --fence-after (optional)
     tls_ca_file: ca.pem              # agents at https:// with a certificate of this CA (optional)
+    pipelines_on: worker             # deployed pipeline runs: worker (its host), agents, or a host's name
     gpus_per_host: 4                 # defaults for every host; a host may override them
     gpu_mem_mb: 16384
     cpu_cores: 16
@@ -800,6 +885,8 @@ class ClusterFile:
     path: str | None = None
     #: PEM of the CA that signed the agents' certificates (`tls_ca_file:`), for https:// agents
     ca_cert: str | None = None
+    #: where deployed pipeline runs run (`pipelines_on:`): worker (default), agents, or a host's name
+    pipelines_on: str = "worker"
 
     def spec(self) -> ClusterSpec:
         """The declared cluster (virtual GPUs unless the agents report NVML; see `AgentBackend.inventory`)."""
@@ -817,6 +904,7 @@ class ClusterFile:
         kw.setdefault("fence_after_s", self.fence_after_s)
         kw.setdefault("declared_by", f"cluster file {self.path}" if self.path else f"cluster file {self.name!r}")
         kw.setdefault("ca_cert", self.ca_cert)
+        kw.setdefault("pipelines_on", self.pipelines_on)
         return AgentBackend(self.hosts, self.token, cluster_name=self.name, **kw)
 
     def ask_agents(self):
@@ -935,12 +1023,13 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
         if f is not None and not (math.isfinite(f) and f > 0):
             raise SpecError(key, f"must be a number of seconds > 0, got {v!r}", where=where)
         timing[key] = f
+    pipelines_on = check_pipelines_on(data.get("pipelines_on"), names, where)
     return ClusterFile(str(data.get("name") or path.stem), token, hosts, timing["heartbeat_s"] or 2.0,
-                       timing["fence_after_s"], str(path), ca_cert)
+                       timing["fence_after_s"], str(path), ca_cert, pipelines_on)
 
 
 _FILE_KEYS = ("name", "token", "token_file", "token_env", "heartbeat_s", "fence_after_s", "gpus_per_host", "gpu_mem_mb",
-              "cpu_cores", "mem_mb", "gpu_model", "hosts", "tls_ca_file")
+              "cpu_cores", "mem_mb", "gpu_model", "hosts", "tls_ca_file", "pipelines_on")
 
 
 def tls_context(ca_pem: str, field: str, *, where: str | None = None) -> Any:

@@ -174,6 +174,15 @@ class Backend(ABC):
 
     name: str = "backend"
 
+    @property
+    def runs_pipelines(self) -> bool:
+        """True: the pool's deployed pipeline runs (role pipeline: no slot, they dispatch the stages) run through this
+        backend (`launch_unplaced(..., labels=, cpu_cores=, mem_mb=)`), each under a lease that books no slot
+        (`LeaseStore.acquire_pipeline`), found again by `adopt` from any worker of the pool: Kubernetes (a Job of its
+        own, its `pipelines_as_jobs`), host agents with `pipelines_on` agents or a host. False: the worker runs them
+        as processes on its own host (the local backend's, or `QosflowWorker._unplaced_backend`)."""
+        return bool(getattr(self, "pipelines_as_jobs", False))
+
     @abstractmethod
     async def inventory(self) -> ClusterSpec:
         """The nodes and GPUs this backend can run on (real GPUs via NVML, or declared virtual ones)."""

@@ -235,6 +235,13 @@ class BareMetalGPUCluster(_ClusterBase):
     fence_after_s: Optional[float] = Field(
         default=None, gt=0, description="The agents' --fence-after: a silent host's stages are rerun elsewhere only after it."
     )
+    pipelines_on: str = Field(
+        default="worker",
+        description="Where deployed pipeline runs (job variable role 'pipeline') run on an agents cluster: 'worker' (a "
+        "process on the worker's host, adopted only by a worker of the same name there), 'agents' (a process with no GPU "
+        "through the agent of the up host with the most free CPU cores, adopted by any worker of the pool) or one host's "
+        "name. agents/a host needs the pipeline's code importable on the hosts, as the stages' already is.",
+    )
     agent_ca_cert: Optional[str] = Field(
         default=None,
         description="For agents at https:// (started with --tls-cert): the PEM certificate of the CA that signed theirs "
@@ -289,6 +296,13 @@ class BareMetalGPUCluster(_ClusterBase):
             problem = _http_url_problem(example)
             if problem:  # was only "UnsupportedProtocol" from every heartbeat
                 raise ValueError(f"agent_url {self.agent_url!r}: {problem}; write it as http://{{host}}:8701 (or https://)")
+        if self.pipelines_on != "worker":
+            if self.backend != "agents":
+                raise ValueError(f"pipelines_on {self.pipelines_on!r} needs backend 'agents' (with backend 'local' pipeline "
+                                 "runs are processes on the worker's host)")
+            from qosflow.backends.agent import check_pipelines_on
+
+            check_pipelines_on(self.pipelines_on, self.hosts, "pipelines_on")
         for h, url in self.agent_urls.items():
             problem = _http_url_problem(url)
             if problem:
@@ -326,7 +340,7 @@ class BareMetalGPUCluster(_ClusterBase):
         ]
         name = getattr(self, "_block_document_name", None) or "agents"
         return AgentBackend(hosts, token, heartbeat_s=self.heartbeat_s, fence_after_s=self.fence_after_s, cluster_name=name,
-                            ca_cert=self.agent_ca_cert)
+                            ca_cert=self.agent_ca_cert, pipelines_on=self.pipelines_on)
 
     @classmethod
     def from_cluster_file(cls, path: str) -> "BareMetalGPUCluster":
@@ -351,6 +365,7 @@ class BareMetalGPUCluster(_ClusterBase):
             heartbeat_s=cf.heartbeat_s,
             fence_after_s=cf.fence_after_s,
             agent_ca_cert=cf.ca_cert,
+            pipelines_on=cf.pipelines_on,
             virtual_gpus=True,
             **kw,
         )

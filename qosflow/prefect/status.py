@@ -5,7 +5,8 @@ Everything comes from Prefect's API (flow runs, their labels and logs, the pool'
 UI shows it, so it works from any machine that can reach the server. `qosflow status` prints it.
 One part does not: the pipeline runs' processes that workers started on their own hosts and that outlive
 them (pools whose stages run on host agents) are recorded in the lease store (`qosflow_pipeline_process`),
-and on a Kubernetes pool the pipeline runs' Jobs hold leases there (`LeaseStore.acquire_pipeline`): read
+and on a Kubernetes pool the pipeline runs' Jobs hold leases there (`LeaseStore.acquire_pipeline`), as do
+the pipeline runs' processes on the hosts of a host-agent pool with `pipelines_on`: read
 where that store is (the worker's host, or a shared PostgreSQL store); whether such a process still runs can
 only be told on its own host (a Job's, with kubectl).
 """
@@ -229,8 +230,18 @@ def pipeline_processes(pool: str, api_url: str | None, store: Any = None) -> tup
                                          alive=alive, alive_unknown=why, watched=watched))
     from qosflow.store.leases import holder_name
 
-    for le in jobs:  # pipeline runs as Kubernetes Jobs (`LeaseStore.acquire_pipeline`): watched by the lease's holder
+    for le in jobs:  # pipeline runs as Kubernetes Jobs or agents' processes (`LeaseStore.acquire_pipeline`): watched by the lease's holder
         ref = (le.handle or {}).get("ref") or {}
+        if le.backend == "agent":  # (a host-agent pool with pipelines_on: a process through the agent of its host)
+            parts = ref.get("parts") or []
+            host = parts[0]["host"] if parts else (le.nodes[0] if le.nodes else "?")
+            pid = int((parts[0].get("pid") if parts else None) or 0)
+            w = presence.get(le.holder)
+            watched = "no" if w is None or le.expired else "adopted" if w.started_at > le.created_at else "yes"
+            out.append(PipelineProcessStatus(le.stage_key, holder_name(le.holder), f"{host} (agent)", pid, float(le.created_at), "",
+                                             alive=None, alive_unknown=f"qosflow agent status; its agent's /v1/stages/{le.stage_key}",
+                                             watched=watched))
+            continue
         ns = ref.get("namespace") or (le.placement or {}).get("namespace") or ""
         name = ",".join(ref.get("jobs") or []) or "(being created)"
         w = presence.get(le.holder)

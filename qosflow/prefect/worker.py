@@ -699,10 +699,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 "when it starts here", len(kept), ", ".join(f"{fid} pid {self._handles[fid].ref['pid']}" for fid in kept), str(self.name))
         jobs = sorted(fid for fid, h in self._handles.items() if h.ref.get("role") == "pipeline" and fid in self._lease_ids)
         if jobs:
+            how = "as Kubernetes Jobs" if self._backend is not None and self._backend.name == "kubernetes" else "through host agents"
             self._logger.warning(
-                "qosflow worker stopping: %d pipeline run(s) keep running as Kubernetes Jobs (%s); a worker named %r adopts "
-                "them when it starts, any other worker of the pool once their leases expire (%gs)", len(jobs),
-                ", ".join(f"{fid} Job {','.join(self._handles[fid].ref.get('jobs') or [])}" for fid in jobs), str(self.name),
+                "qosflow worker stopping: %d pipeline run(s) keep running %s (%s); a worker named %r adopts "
+                "them when it starts, any other worker of the pool once their leases expire (%gs)", len(jobs), how,
+                ", ".join(f"{fid} {_pipeline_where(self._handles[fid].ref, short=True)}" for fid in jobs), str(self.name),
                 self.lease_ttl_s)
         if self._cancel_task is not None:
             self._cancel_task.cancel()
@@ -780,7 +781,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
         if not configuration.is_stage:
             backend = self._unplaced_backend()
-            if getattr(backend, "pipelines_as_jobs", False):  # (Kubernetes: a Job of its own, adoptable by any worker)
+            if getattr(backend, "runs_pipelines", False):
+                # (Kubernetes: a Job of its own; host agents with pipelines_on: a process through an agent. Adoptable by any worker)
                 return await self._run_pipeline_job(flow_run, configuration, command, env, cwd, task_status)
             if hasattr(backend, "stream_output"):
                 backend.stream_output = configuration.stream_output
@@ -1077,12 +1079,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     def _unplaced_backend(self) -> Backend:
         """Where a pipeline run (role pipeline: a process that holds no slot and dispatches its stages) starts:
         through the stages' backend when it can start one (the local backend; Kubernetes, as a Job of its own,
-        unless its `pipelines_as_jobs` is off), else as a process on this worker's host. A pool whose worker ran
-        its stages on host agents or Kubernetes crashed every pipeline run deployed on it ('backend agent cannot
-        start an unplaced pipeline run')."""
+        unless its `pipelines_as_jobs` is off; host agents with `pipelines_on` agents or a host: `Backend.runs_pipelines`),
+        else as a process on this worker's host. A pool whose worker ran its stages on host agents or Kubernetes
+        crashed every pipeline run deployed on it ('backend agent cannot start an unplaced pipeline run')."""
         assert self._backend is not None
-        if hasattr(self._backend, "launch_unplaced") and getattr(self._backend, "pipelines_as_jobs", True):
-            # (the local backend; Kubernetes, as a Job: `_run_pipeline_job`)
+        from qosflow.backends.local import LocalBackend
+
+        if isinstance(self._backend, LocalBackend) or getattr(self._backend, "runs_pipelines", False):
+            # (the local backend; a Kubernetes Job or an agent's process under a lease: `_run_pipeline_job`)
             return self._backend
         if self._pipelines_here is None:
             from qosflow.backends.local import LocalBackend
@@ -1096,25 +1100,35 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
     async def _run_pipeline_job(self, flow_run: "FlowRun", configuration: QosflowJobConfiguration, command: list[str],
                                 env: dict[str, str], cwd: str | None, task_status: Any) -> QosflowWorkerResult:
-        """A pipeline run on a Kubernetes pool: a Job of its own (`KubernetesBackend.launch_unplaced`: no GPU, a small
-        CPU/memory request, the stages' image, env convention, labels and namespace), with a lease that books no slot
-        (`LeaseStore.acquire_pipeline`). The lease is renewed at this worker's heartbeats; when this worker stops (a
-        rollout replaces its pod), the Job runs on and the next worker of the pool adopts it through the same recovery
-        as a stage's (`_recover`, `_recover_expired` -> `_take_back_pipeline`): a worker of this name at once, any other
-        once the lease expired."""
+        """A pipeline run launched through a backend that runs pipeline runs itself (`Backend.runs_pipelines`): on a
+        Kubernetes pool a Job of its own (`KubernetesBackend.launch_unplaced`: no GPU, a small CPU/memory request, the
+        stages' image, env convention, labels and namespace); on a host-agent pool with `pipelines_on` a process with
+        no GPU through the agent of the host `AgentBackend.pipeline_host` picks (the up host with the most free cores,
+        or the one the setting names). Either holds a lease that books no slot (`LeaseStore.acquire_pipeline`, with
+        the host for an agent's). The lease is renewed at this worker's heartbeats; when this worker stops (a rollout
+        replaces its pod, its host is lost, it moves to another machine), the pipeline runs on and the next worker of
+        the pool adopts it through the same recovery as a stage's (`_recover`, `_recover_expired` ->
+        `_take_back_pipeline`): a worker of this name at once, any other once the lease expired."""
         from qosflow.store.leases import StageBusy
 
         backend = self._backend
         assert backend is not None
         fid = str(flow_run.id)
         run_logger = self.get_flow_run_logger(flow_run)
-        if configuration.command == shlex.join([sys.executable, "-m", "prefect.engine"]) or not configuration.command:
+        if backend.name == "kubernetes" and (configuration.command == shlex.join([sys.executable, "-m", "prefect.engine"])
+                                             or not configuration.command):
             command = ["python", "-m", "prefect.engine"]  # the interpreter inside the image, not the worker's
+        where: dict[str, Any] = {}
+        pick = getattr(backend, "pipeline_host", None)
+        if pick is not None:  # (host agents: the host is chosen first, and recorded in the lease for `adopt`)
+            host = pick(self._free_cores())
+            if host is not None:
+                where["host"] = host
         if self.leases is not None:
             try:
                 lease = await asyncio.to_thread(self.leases.acquire_pipeline, self._pool_key, fid, holder=self.holder,
                                                 ttl_s=self.lease_ttl_s, backend=backend.name, command=command,
-                                                namespace=getattr(backend, "namespace", ""))
+                                                namespace=getattr(backend, "namespace", ""), nodes=list(where.values()))
             except StageBusy as exc:  # (another worker runs it already: never twice)
                 run_logger.warning("pipeline run not started here: %s", exc)
                 task_status.started(-1)
@@ -1123,16 +1137,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         try:
             handle = await backend.launch_unplaced(  # type: ignore[attr-defined]
                 fid, command, env, cwd, labels={"prefect.io/flow-run-id": fid, "prefect.io/flow-run-name": str(flow_run.name)},
-                cpu_cores=configuration.cpu_cores, mem_mb=configuration.mem_mb)
+                cpu_cores=configuration.cpu_cores, mem_mb=configuration.mem_mb, **where)
         except BaseException:
             await self._release_lease(fid)
             raise
         await self._lease_handle(fid, handle)
         self._register(fid, handle)
-        job = ",".join(handle.ref.get("jobs") or [])
         if not handle.ref.get("launch_error"):
-            run_logger.info("pipeline run started as Kubernetes Job %s in namespace %s (no GPU); it keeps running if the worker "
-                            "stops, and the next worker of the pool adopts it", job, handle.ref.get("namespace"))
+            run_logger.info("pipeline run started as %s (no GPU); it keeps running if the worker stops, and the next worker "
+                            "of the pool adopts it", _pipeline_where(handle.ref))
         task_status.started(_infra_id(handle, fid))
         try:
             status = await backend.wait(handle)
@@ -1160,24 +1173,24 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         from qosflow.store.leases import holder_name
 
         was = holder_name(lease.holder) if lease.holder != self.holder else str(self.name)
-        job = ",".join((lease.handle or {}).get("ref", {}).get("jobs") or []) or "?"
+        what = _pipeline_where(None, lease)
+        job = ",".join((lease.handle or {}).get("ref", {}).get("jobs") or []) or ("?" if lease.backend == "kubernetes" else what)
         _keep(self.recovered, {"pipeline_run": fid, "job": job, "adopted": handle is not None})
         fr = await self._flow_run(fid)
         if handle is None:  # (its lease is released: `LeaseStore.recover` / `_recover_expired`)
-            await self._settle_pipeline_job(fid, None, None, fr, "while no qosflow worker watched it", job=job,
-                                            namespace=(lease.placement or {}).get("namespace", ""))
+            await self._settle_pipeline_job(fid, None, None, fr, "while no qosflow worker watched it", what=what)
             return
         if fid in self._handles:  # (watched here already)
             return
         self._lease_ids[fid] = lease.lease_id
         self._register(fid, handle)
         self._pipelines_adopted.add(fid)
-        job = ",".join(handle.ref.get("jobs") or []) or job
-        self._logger.info("recovery: adopted pipeline run %s (%s) still running as Kubernetes Job %s, started under worker %r; "
-                          "watching it to its end", fid, getattr(fr, "name", "?"), job, was)
+        what = _pipeline_where(handle.ref, lease)
+        self._logger.info("recovery: adopted pipeline run %s (%s) still running as %s, started under worker %r; "
+                          "watching it to its end", fid, getattr(fr, "name", "?"), what, was)
         if fr is not None:
-            self.get_flow_run_logger(fr).info("worker %s watches this pipeline run (Kubernetes Job %s) since worker %s stopped",
-                                              self.name, job, was)
+            self.get_flow_run_logger(fr).info("worker %s watches this pipeline run (%s) since worker %s stopped",
+                                              self.name, what, was)
         t = asyncio.get_running_loop().create_task(self._watch_adopted_pipeline_job(fid, handle), name=f"qosflow-pipeline-{fid}")
         self._adopted_tasks.add(t)
         t.add_done_callback(self._adopted_tasks.discard)
@@ -1198,9 +1211,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         await self._settle_pipeline_job(fid, handle, status, None, f"while this worker ({self.name}) watched it, adopted at its start")
 
     async def _settle_pipeline_job(self, fid: str, handle: StageHandle | None, status: Any, fr: Any, when: str, *,
-                                   job: str = "", namespace: str = "") -> bool:
-        """A pipeline run's Job ended (`status`), or is gone (`handle` None): if its run did not report its own end (the
-        pod was killed, evicted, OOM-killed, or the Job deleted), it is marked Crashed saying so. True if it was."""
+                                   what: str = "") -> bool:
+        """A pipeline run's Job (or agent process) ended (`status`), or is gone (`handle` None): if its run did not
+        report its own end (the pod was killed, evicted, OOM-killed, or the Job deleted; the process killed, or its
+        host or agent lost), it is marked Crashed saying so (`what`: `_pipeline_where`). True if it was."""
         for _ in range(3):  # an engine reports its final state before its process exits; give the API a moment
             if fr is not None and (fr.state is None or fr.state.is_final()):
                 break
@@ -1216,18 +1230,27 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         from prefect.states import Crashed
 
         if handle is not None:
-            job, namespace = ",".join(handle.ref.get("jobs") or []), handle.ref.get("namespace", "")
+            what = _pipeline_where(handle.ref)
         if status is None:
-            how = "is gone: it was deleted, or its pod lost,"
+            how = ("is gone: it was deleted, or its pod lost," if what.startswith("Kubernetes") else
+                   "is gone: its host's agent no longer knows it (the agent restarted, or the host is not in the cluster any more),")
         else:
             how = f"ended ({status.reason or ('exit code %s' % status.code if status.code is not None else status.kind.value)})"
-        why = (f"qosflow: the pipeline run's Kubernetes Job {job} (namespace {namespace}) {how} {when}, and the run did "
+        why = (f"qosflow: the pipeline run's {what} {how} {when}, and the run did "
                "not report a final state: it was killed or died before it could")
         self._logger.warning("pipeline run %s (%s) is marked Crashed: %s", fid, fr.name, why)
         if await self._set_state(fid, Crashed(message=why)):
             self.get_flow_run_logger(fr).error("%s", why)
             return True
         return False
+
+    def _free_cores(self) -> dict[str, float]:
+        """Each host's CPU cores no stage holds, as the scheduler sees them (hosts it has marked down left out)."""
+        sched = self.scheduler
+        if sched is None:
+            return {}
+        st = sched.state
+        return {n.name: float(st.cpu_free[i]) for i, n in enumerate(st.spec.nodes) if not bool(st.down[i])}
 
     def _backend_of(self, fid: str) -> Optional[Backend]:
         """The backend running flow run `fid`'s process (a pipeline run may run here while stages go elsewhere)."""
@@ -2745,8 +2768,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 if fr is None or fr.state is None or fr.state.type is not StateType.CANCELLING:
                     break
                 await asyncio.sleep(0.5)
-            await self._set_state(flow_run_id, Cancelled(message="cancelled: the qosflow worker stopped the pipeline run "
-                                                                  "(its Kubernetes Job was deleted)"))
+            how = ("its Kubernetes Job was deleted" if self._backend is not None and self._backend.name == "kubernetes" else
+                   "its process was stopped through its host's agent")
+            await self._set_state(flow_run_id, Cancelled(message=f"cancelled: the qosflow worker stopped the pipeline run ({how})"))
         finally:
             self._pipeline_cancels.discard(str(flow_run_id))
 
@@ -2799,6 +2823,21 @@ def _fatal_setup_error(exc: BaseException) -> bool:
     from qosflow.errors import SpecError
 
     return isinstance(exc, SpecError) and exc.field in ("cluster_block", "policy_block")
+
+
+def _pipeline_where(ref: dict | None, lease: Any = None, *, short: bool = False) -> str:
+    """Where a pipeline run that a backend runs (`_run_pipeline_job`) runs, in words, from its handle's `ref` or its
+    lease: 'Kubernetes Job NAME (namespace NS)', or 'process PID on host H (through its agent)'. `short`: 'Job NAME'
+    or 'pid PID on H'."""
+    ref = ref or ((getattr(lease, "handle", None) or {}).get("ref") or {})
+    if ref.get("jobs") is not None or (lease is not None and lease.backend == "kubernetes"):
+        job = ",".join(ref.get("jobs") or []) or "?"
+        ns = ref.get("namespace") or ((lease.placement or {}).get("namespace", "") if lease is not None else "")
+        return f"Job {job}" if short else f"Kubernetes Job {job} (namespace {ns})"
+    parts = ref.get("parts") or []
+    host = parts[0]["host"] if parts else (lease.nodes[0] if lease is not None and lease.nodes else "?")
+    pid = ref.get("pid") or (parts[0].get("pid") if parts else None) or "?"
+    return f"pid {pid} on {host}" if short else f"process {pid} on host {host} (through its agent)"
 
 
 def _infra_id(handle: StageHandle, fid: str) -> str:

@@ -18,8 +18,9 @@ inserted in one transaction: all or nothing.
 Expired leases are never silently stolen: a worker that finds one (its holder crashed) calls
 `recover()`, which adopts the stage if its backend still runs it and releases it otherwise.
 
-A pipeline run that a Kubernetes pool's worker launched as a Job holds a `qosflow_stage_lease` row that books
-no slot (`acquire_pipeline`, placement role "pipeline"): it is renewed, recovered and adopted as a stage's is.
+A pipeline run that a Kubernetes pool's worker launched as a Job (or a host-agent pool's with `pipelines_on`, as a
+process through an agent) holds a `qosflow_stage_lease` row that books no slot (`acquire_pipeline`, placement role
+"pipeline"): it is renewed, recovered and adopted as a stage's is.
 
 A third, `qosflow_pipeline_process`, records the pipeline runs' processes that outlive their worker (pools
 whose stages run on host agents, or Kubernetes with pipeline Jobs turned off); `LeaseStore.sweep_pipeline_output` removes the output files
@@ -269,7 +270,7 @@ class Lease:
     @property
     def is_pipeline(self) -> bool:
         """A pipeline run's lease (`LeaseStore.acquire_pipeline`): it books no slot, and its `attempt_id` is the
-        run's Kubernetes Job's stage id (the flow run id)."""
+        run's Job's (or agent process's) stage id (the flow run id)."""
         return (self.placement or {}).get("role") == "pipeline"
 
 
@@ -465,16 +466,17 @@ class LeaseStore:
         raise LeaseError(f"pool {pool!r}: could not book stage {stage_key!r} after 5 tries (heavy contention)")
 
     def acquire_pipeline(self, pool: str, flow_run_id: str, *, holder: str, ttl_s: float = 30.0, backend: str = "",
-                         command: list[str] | None = None, namespace: str = "") -> Lease:
+                         command: list[str] | None = None, namespace: str = "", nodes: list[str] | None = None) -> Lease:
         """A lease for a pipeline run that its worker launched through the backend (a Kubernetes Job), booking no
         slot: the row says which worker watches the run, renewed at its heartbeats like a stage's, and `recover`
         hands it to the next worker of the pool (of the same name at once, of another once it expired), which
-        finds the Job again (`backend.adopt`). StageBusy if the run already has one (it must not run twice)."""
+        finds the Job again (`backend.adopt`). `nodes`: where its process runs, when the backend needs it to find it
+        (host agents: the host). StageBusy if the run already has one (it must not run twice)."""
         now = time.time()
         placement = {"role": "pipeline", "job_id": flow_run_id, "gpus": [], "cpu": [], "gpu_milli": 0, "gpu_mem_mb": 0.0,
                      "mem_mb": 0.0, "colocated_with": [], "cpusets": {}, "command": list(command or []), "namespace": namespace}
         row = StageLeaseRow(lease_id=uuid.uuid4().hex, pool=pool, stage_key=flow_run_id, attempt_id=flow_run_id, holder=holder,
-                            backend=backend, nodes_json="[]", placement_json=json.dumps(placement), handle_json=None, created_at=now,
+                            backend=backend, nodes_json=json.dumps(list(nodes or [])), placement_json=json.dumps(placement), handle_json=None, created_at=now,
                             expires_at=now + ttl_s)
         try:
             with Session(self.engine) as s:
