@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -96,6 +97,10 @@ PIPELINE_CPU_CORES = 0.25
 PIPELINE_MEM_MB = 512.0
 PIPELINE_JOBS_ENV = "QOSFLOW_K8S_PIPELINE_JOBS"
 _in_api_call = threading.local()
+
+
+class _Poked(Exception):
+    """A wait's pod watch was not opened: a node of its pods was deleted meanwhile (it looks again at once)."""
 
 
 class _QuietRetries(logging.Filter):
@@ -1194,8 +1199,21 @@ class KubernetesBackend(Backend):
                           poked=False)
             if any(self._node_gone(n) for n in me.get("nodes", ())):
                 continue  # (deleted while it looked: look again)
+
+            @functools.wraps(self.core.list_namespaced_pod)
+            def opened(*a: Any, **kw: Any) -> Any:
+                # (a node deleted while the watch request was on its way: its Watch.stop() found no stream to stop yet)
+                resp = self.core.list_namespaced_pod(*a, **kw)
+                if me.get("poked") or any(self._node_gone(n) for n in me.get("nodes", ())):
+                    with contextlib.suppress(Exception):
+                        resp.close()
+                        resp.release_conn()
+                    me["poked"] = True
+                    raise _Poked()
+                return resp
+
             try:
-                for ev in w.stream(self.core.list_namespaced_pod, ns, label_selector=sel,
+                for ev in w.stream(opened, ns, label_selector=sel,
                                    resource_version=lst.metadata.resource_version, timeout_seconds=self._watch_timeout(track)):
                     pod = ev["object"]
                     if ev["type"] == "DELETED":
