@@ -153,6 +153,65 @@ def test_a_deleted_node_takes_no_new_stage_and_its_running_stage_is_lost_at_once
     asyncio.run(go())
 
 
+def test_every_node_deleted_stages_wait_and_nodes_that_come_back_are_used():
+    """A cluster autoscaler scales the GPU node pool to zero: every node is deleted. The running stage is lost at once,
+    every node is down (the heartbeat says why: deleted), new stages wait, an edit of the cluster block meanwhile is
+    taken (before, `update_cluster` failed with 'no Kubernetes node matches'), and the node the autoscaler brings
+    back takes the waiting stage."""
+    async def go():
+        with EmulatorServer([gpu_node("gpu-0", 1), gpu_node("gpu-1", 1)]) as emu:
+            async with Lab(emu) as lab:
+
+                async def heartbeat() -> None:
+                    while True:
+                        await lab.w._sync_health()
+                        await asyncio.sleep(0.2)
+
+                beat = asyncio.get_running_loop().create_task(heartbeat())
+                try:
+                    assert await lab.place("a") == "gpu-0"
+                    ha = await lab.launch("a", 60.0)
+                    await until(lambda: lab.pod_node("a") == "gpu-0", "a running on gpu-0")
+                    wa = asyncio.ensure_future(lab.be.wait(ha))
+                    for name in ("gpu-0", "gpu-1"):  # scaled to zero
+                        await asyncio.to_thread(lab.core.delete_node, name)
+                    sa = await asyncio.wait_for(wa, 20)
+                    assert sa.kind is ExitKind.INFRA and "node gpu-0 was deleted from the cluster" in sa.reason, sa
+                    lab.sched.release("a")
+                    await until(lambda: lab.down("gpu-0") and lab.down("gpu-1"), "every node down")
+                    assert lab.be.down_reasons() == {"gpu-0": "the node was deleted from the cluster",
+                                                     "gpu-1": "the node was deleted from the cluster"}
+                    assert (await lab.be.list_nodes()).nodes == []
+                    waiting = asyncio.ensure_future(lab.place("b"))
+                    await asyncio.sleep(1.0)
+                    assert not waiting.done()  # no node: the stage waits
+                    # the cluster block edited meanwhile: taken, nothing fails
+                    edited = KubernetesBackend(namespace="default", image="busybox:1.37", api_client=emu.api_client())
+                    try:
+                        upd = await lab.be.update_cluster(edited)
+                    finally:
+                        await edited.aclose()
+                    # (the nodes last listed, as the worker plans on them: both, or gpu-1 alone if a reading saw gpu-0 deleted
+                    # first, which was then forgotten once its stage ended)
+                    assert lab.be.image == "busybox:1.37" and [n.name for n in upd.nodes] == lab.names, (upd, lab.names)
+                    assert lab.names in (["gpu-0", "gpu-1"], ["gpu-1"])
+                    assert any("no node of the cluster matches" in m for m in upd.not_applied), upd
+                    # the autoscaler brings a node back
+                    await asyncio.to_thread(emu.add_node, name="gpu-7", gpus=1)
+                    assert await asyncio.wait_for(waiting, 20) == "gpu-7"
+                    await until(lambda: lab.names == ["gpu-7"], "the deleted nodes forgotten")
+                    hb = await lab.launch("b", 0.3)
+                    assert (await lab.be.wait(hb)).kind is ExitKind.OK
+                    assert lab.pod_node("b") == "gpu-7"
+                    lab.sched.release("b")
+                finally:
+                    beat.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await beat
+
+    asyncio.run(go())
+
+
 def test_a_cordoned_node_takes_no_new_stage_keeps_its_running_one_and_is_used_again_once_uncordoned():
     async def go():
         with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)]) as emu:

@@ -333,6 +333,8 @@ class KubernetesBackend(Backend):
         #: waits watching their pods now: stage id -> {"watch", "nodes" (of its pods), "checked" (when it last looked
         #: at its nodes)}; a node deleted stops their watch, so that they look again at once (`_nodes_deleted`)
         self._waiting: dict[str, dict[str, Any]] = {}
+        #: the nodes as last described (non-empty), for `update_cluster` while no node is listed
+        self._described: list[NodeSpec] = []
         self.stats.update({"node_lists": 0, "node_watches": 0, "node_watch_410": 0, "node_watch_broken": 0, "node_events": 0})
 
     # ------------------------------------------------------------------ API calls with retries
@@ -432,8 +434,12 @@ class KubernetesBackend(Backend):
         return ClusterSpec(tuple(await asyncio.to_thread(self._node_specs, nodes)), name=self.cluster_name)
 
     def _node_specs(self, nodes: list) -> list[NodeSpec]:
-        """The listed nodes as NodeSpecs, by name (their switch numbers kept from the last listing)."""
-        return [self._node_spec(n, self._switches) for n in sorted(nodes, key=lambda n: n.metadata.name)]
+        """The listed nodes as NodeSpecs, by name (their switch numbers kept from the last listing); the last non-empty
+        description is kept (`update_cluster` while every node is deleted)."""
+        specs = [self._node_spec(n, self._switches) for n in sorted(nodes, key=lambda n: n.metadata.name)]
+        if specs:
+            self._described = specs
+        return specs
 
     async def healthy_nodes(self) -> set[str]:
         nodes = await self._nodes_now()
@@ -648,7 +654,17 @@ class KubernetesBackend(Backend):
             if getattr(self, f) != getattr(new, f):
                 applied.append(f"{f} {getattr(self, f)!r} -> {getattr(new, f)!r} (for the stages launched from now on)")
                 setattr(self, f, getattr(new, f))
-        return ClusterUpdate(list((await self.inventory()).nodes), not_applied, applied)
+        nodes = await self._nodes_now()
+        if not nodes:
+            # every node deleted (an autoscaler scaled the GPU node pool to zero) or none matching for a moment: the edit is
+            # taken all the same (it failed with "no Kubernetes node matches" before); the nodes last described stay planned,
+            # down for the heartbeat (the node was deleted), until nodes come back (this is said, and handed over again)
+            not_applied.append(f"no node of the cluster matches its node selector now ({self.node_selector or 'any label'}: every "
+                               f"node deleted, or scaled to zero?); the worker keeps the nodes it had, down, until nodes come back")
+            return ClusterUpdate(list(self._described), not_applied, applied)
+        self._start_sweep()
+        specs = await asyncio.to_thread(self._node_specs, nodes)
+        return ClusterUpdate(specs, not_applied, applied)
 
     # ------------------------------------------------------------------ orphaned Secrets
     def _start_sweep(self) -> None:
