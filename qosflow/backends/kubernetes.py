@@ -27,9 +27,13 @@ One `batch/v1` Job per stage:
 * `backoffLimit: 0`: qosflow classifies failures itself (qosflow.failures) and retries an
   infrastructure failure on another node, a user failure per the stage's retries.
 
+The nodes (inventory, the heartbeat's `healthy_nodes`, the worker's `list_nodes`) come from a node watch kept in a
+thread (an informer: one LIST, then a WATCH with bookmarks, a LIST again on 410 Gone or a broken stream; a LIST per
+call while it is broken; `watch_nodes`). A node deleted ends the waits of the stages with pods there at once (NodeLost).
+
 Waiting uses list + watch on the stage's pods, re-listing on 410 Gone and retrying 5xx answers. Pod
 phases and reasons map to an `ExitStatus`: OOMKilled, Evicted, NodeLost (or the node NotReady for
-longer than `node_lost_grace_s`), Unschedulable for longer than `unschedulable_timeout_s` -> INFRA;
+longer than `node_lost_grace_s`, or deleted), Unschedulable for longer than `unschedulable_timeout_s` -> INFRA;
 ImagePullBackOff, InvalidImageName, CreateContainerConfigError, a non-zero exit -> USER (but a missing
 Secret that is qosflow's own, the attempt's credentials, -> INFRA: the stage runs again). `kill`
 deletes the Job (propagationPolicy Background), its PodGroup and its Secret.

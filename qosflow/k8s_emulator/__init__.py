@@ -1,7 +1,8 @@
 """A Kubernetes API emulator for tests: NOT a Kubernetes cluster.
 
 It serves the real REST paths and JSON for Nodes, Pods, Jobs, Secrets, ConfigMaps and custom resources (create, get,
-list, watch with resourceVersion and 410 Gone, delete, 409 conflicts, injectable 500s) and "runs"
+list, watch with resourceVersion, bookmarks and 410 Gone, delete, 409 conflicts, injectable 500s; the API's traffic
+counted per verb and resource in `GET /emulator/state`) and "runs"
 Jobs by creating Pods and moving them through their phases, so the official `kubernetes` Python
 client (and `qosflow.backends.kubernetes`) can be exercised without a cluster. No container runs.
 Failure injection: OOMKilled, ImagePullBackOff, Evicted, Unschedulable, exit codes, lost nodes.
