@@ -243,3 +243,37 @@ def test_without_the_setting_a_pipeline_is_a_process_on_the_workers_host(prefect
         st = final_state(fid, lab)
         assert st.is_completed(), f"{st.name}: {st.message}\n{lab.wlog.read_text(errors='replace')[-4000:]}"
         ran_once(lab)
+
+
+def test_the_setting_in_the_cluster_file_and_block(tmp_path):
+    """`pipelines_on:` defaults to worker (as before: the backend does not run pipeline runs), takes agents or a host's
+    name, and anything else is an error naming the key; the block's field says the same and reaches the backend. The
+    old code refused the key (unknown) and had no such field."""
+    import pytest as _pytest
+
+    from qosflow.backends.agent import load_cluster_file
+    from qosflow.errors import SpecError
+    from qosflow.prefect.blocks import BareMetalGPUCluster
+
+    def cf(extra: str):
+        p = tmp_path / "c.yaml"
+        p.write_text(f"name: c\ntoken: t\n{extra}hosts:\n  - {{name: gpu-a, agent_url: 'http://127.0.0.1:1'}}\n"
+                     "  - {name: gpu-b, agent_url: 'http://127.0.0.1:2'}\n")
+        return load_cluster_file(p)
+
+    assert cf("").pipelines_on == "worker" and not cf("").backend().runs_pipelines
+    assert cf("pipelines_on: agents\n").backend().runs_pipelines
+    be = cf("pipelines_on: gpu-b\n").backend()
+    assert be.runs_pipelines and be.pipeline_host({"gpu-a": 8.0, "gpu-b": 1.0}) == "gpu-b"
+    with _pytest.raises(SpecError) as e:
+        cf("pipelines_on: gpu-z\n")
+    assert "pipelines_on" in str(e.value) and "gpu-z" in str(e.value)
+    cf("pipelines_on: gpu-a\n")
+    assert BareMetalGPUCluster.from_cluster_file(str(tmp_path / "c.yaml")).pipelines_on == "gpu-a"
+    b = BareMetalGPUCluster(hosts=["gpu-a", "gpu-b"], backend="agents", agent_url="http://{host}:8701", agent_token="t",
+                            pipelines_on="agents")
+    assert b.make_backend().runs_pipelines
+    with _pytest.raises(ValueError, match="pipelines_on"):
+        BareMetalGPUCluster(hosts=["gpu-a"], backend="agents", agent_url="http://{host}:8701", agent_token="t", pipelines_on="nope")
+    with _pytest.raises(ValueError, match="needs backend 'agents'"):
+        BareMetalGPUCluster(hosts=["gpu-a"], pipelines_on="agents")
