@@ -369,6 +369,7 @@ class KubernetesBackend(Backend):
                                              f"to {doing} ({why}). Is the cluster up, and does the cluster block's api_url or "
                                              "kubeconfig/context point at it?")
                     exc.reason = str(why)
+                    self._distrust_node_view()
                     raise exc from None
 
     async def _acall(self, fn, *args, **kw):
@@ -585,7 +586,20 @@ class KubernetesBackend(Backend):
                 raise
             finally:
                 self._node_watch = None
+            if w._stop or not self._node_synced:  # (stopped: `_distrust_node_view`; LIST again)
+                return
             rv = w.resource_version or rv
+
+    def _distrust_node_view(self) -> None:
+        """A call found the API server unreachable: the node watch's view is not served any more (the heartbeat LISTs,
+        and so sees the outage, rather than reading a view whose stream may hang on a dead connection for minutes),
+        and its watch is stopped: the informer LISTs again, and serves its view once that LIST succeeds."""
+        with self._node_lock:
+            self._node_synced = False
+        w = self._node_watch
+        if w is not None:
+            with contextlib.suppress(Exception):
+                w.stop()
 
     def _stop_node_watch(self) -> None:
         self._node_stop.set()
