@@ -54,7 +54,9 @@ def agents_lab(prefect_server: str, tmp_path: Path, pool: str, pipelines_on: str
                   for name, cores in (("small", "2"), ("big", "6"))}
         (tmp_path / "token").write_text(TOKEN + "\n")
         cluster = tmp_path / "agents.yaml"
-        cluster.write_text("name: pipes\ntoken_file: token\nheartbeat_s: 0.5\ngpus_per_host: 2\n"
+        # (heartbeat_s 2, the default: a heartbeat times out after half of it, and 0.25 s on 2 loaded cores took a
+        # host for down now and then, its stage then ran twice)
+        cluster.write_text("name: pipes\ntoken_file: token\nheartbeat_s: 2\ngpus_per_host: 2\n"
                            + (f"pipelines_on: {pipelines_on}\n" if pipelines_on else "")
                            + "hosts:\n" + "".join(f"  - {{name: {n}, agent_url: '{a.url}'}}\n" for n, a in agents.items()))
         asyncio.run(setup_pool(pool, policy=QoSPolicy(policy="fifo"), stream_output=False, cluster_file=str(cluster),
@@ -107,7 +109,8 @@ def final_state(fid, lab, timeout: float = 150.0):
 
 def ran_once(lab) -> None:
     ev = sorted((e["event"], e["stage"]) for e in marks(lab.marker))
-    assert ev == sorted([("start", "pipeline"), ("start", "a"), ("done", "a"), ("start", "b"), ("done", "b"), ("done", "pipeline")]), ev
+    assert ev == sorted([("start", "pipeline"), ("start", "a"), ("done", "a"), ("start", "b"), ("done", "b"), ("done", "pipeline")]), \
+        f"{ev}\n{lab.wlog.read_text(errors='replace')[-4000:]}"
 
 
 def parent_of(pid: int) -> int:
@@ -277,3 +280,44 @@ def test_the_setting_in_the_cluster_file_and_block(tmp_path):
         BareMetalGPUCluster(hosts=["gpu-a"], backend="agents", agent_url="http://{host}:8701", agent_token="t", pipelines_on="nope")
     with _pytest.raises(ValueError, match="needs backend 'agents'"):
         BareMetalGPUCluster(hosts=["gpu-a"], pipelines_on="agents")
+
+
+@pytest.mark.parametrize("silence_s", [60.0, 0.0], ids=["waits-for-the-host", "no-grace"])
+def test_a_pipeline_on_a_host_silent_for_a_moment_is_not_reported_lost(tmp_path, silence_s):
+    """A pipeline run's agent that stops answering for a moment (frozen here with SIGSTOP: not a refused connection)
+    still runs it: its wait goes on once the host answers again, where a stage's reports the host lost (and is rerun
+    elsewhere). Reported lost, the worker marked the run Crashed while its process ran on. With no grace
+    (`pipeline_silence_s` 0) it is reported lost as a stage is, which shows that the host was seen down."""
+    from qosflow.agent.testing import AgentProcess
+    from qosflow.backends.agent import AgentBackend, AgentHost
+    from qosflow.backends.base import ExitKind
+
+    async def go(agent) -> tuple:
+        be = AgentBackend([AgentHost("solo", agent.url)], TOKEN, heartbeat_s=0.3, request_timeout_s=1.0, poll_s=1.0,
+                          pipelines_on="agents")
+        be.pipeline_silence_s = silence_s
+        try:
+            await be.inventory()
+            h = await be.launch_unplaced("pipe-1", [sys.executable, "-c", "import time; time.sleep(5)"], {})
+            assert not h.ref["launch_error"], h.ref
+            waiting = asyncio.ensure_future(be.wait(h))
+            await asyncio.sleep(1.0)
+            os.kill(agent.proc.pid, signal.SIGSTOP)
+            seen_down = False
+            try:
+                for _ in range(30):
+                    await asyncio.sleep(0.1)
+                    seen_down = seen_down or not be.state["solo"].up
+            finally:
+                os.kill(agent.proc.pid, signal.SIGCONT)
+            return await asyncio.wait_for(waiting, 30), seen_down
+        finally:
+            await be.aclose()
+
+    with AgentProcess("solo", TOKEN, virtual_gpus=1, log=tmp_path / "agent.log") as agent:
+        status, seen_down = asyncio.run(go(agent))
+    assert seen_down
+    if silence_s:
+        assert status.ok, status
+    else:
+        assert status.kind is ExitKind.INFRA and "lost" in status.reason, status

@@ -127,6 +127,11 @@ class AgentBackend(Backend):
 
     name = "agent"
     EVENTS_KEPT = 1000
+    #: how long a pipeline run's host may stay silent (not refusing: a network blip, a busy host) before its wait
+    #: reports it lost. A stage is rerun elsewhere after the fence; a pipeline run is not rerun, and reported lost
+    #: its run was marked Crashed while its process ran on. A refused connection (the agent is gone, and the
+    #: pipeline with it) or a restarted agent is reported at once
+    pipeline_silence_s: float = 60.0
 
     def __init__(
         self,
@@ -624,7 +629,7 @@ class AgentBackend(Backend):
                                    f"host {name!r} (pipelines_on) is not a host of {self.declared_by}")
             return handle
         h = self.state[name]
-        part = {"host": h.name, "url": h.url, "node": None, "stage_id": stage_id, "boot_id": None, "pid": None}
+        part = {"host": h.name, "url": h.url, "node": None, "stage_id": stage_id, "boot_id": None, "pid": None, "role": "pipeline"}
         ref["parts"].append(part)
         body = {"stage_id": stage_id, "command": list(command),
                 "env": {**{k: str(v) for k, v in env.items() if v is not None}, "CUDA_VISIBLE_DEVICES": "", "QOSFLOW_NODE": h.name},
@@ -664,7 +669,7 @@ class AgentBackend(Backend):
             return None
         ref: dict[str, Any] = {"parts": parts, "launched_at": None, "launch_error": None}
         if pipeline:  # (a pipeline run `launch_unplaced` started, adopted from its lease by this or another worker)
-            ref["role"] = "pipeline"
+            ref["role"] = parts[0]["role"] = "pipeline"
             self._pipelines[stage_id] = parts[0]["host"]
         return StageHandle(stage_id, self.name, parts[0]["host"], ref)
 
@@ -708,6 +713,11 @@ class AgentBackend(Backend):
         if part.get("boot_id") is None:
             part["boot_id"] = h.boot_id
         while True:
+            if not h.up and part.get("role") == "pipeline" and not h.refused and h.last_ok and h.name in self.state:
+                left = h.last_ok + max(self.pipeline_silence_s, self._fence_of(h) or 0.0) - time.time()
+                if left > 0:
+                    await asyncio.sleep(min(left, max(0.2, self.heartbeat_s)))
+                    continue
             if not h.up:
                 fence = self._fence_of(h)
                 if not h.refused and fence and h.last_ok:
