@@ -321,3 +321,37 @@ def test_the_heartbeat_says_a_cordoned_node_s_stages_run_on():
     lines = asyncio.run(go())
     said = [x for x in lines if x.startswith("host gpu-0 is down")]
     assert said == ["host gpu-0 is down (the node is cordoned (spec.unschedulable)): no new stage goes there; the 1 stage(s) on it run on"], lines
+
+
+def test_a_second_scale_to_zero_is_said_again():
+    """The warning that no node is listed was said once per worker: an autoscaler that scales the GPU pool to zero each
+    night was reported the first night only. It is said again each time, and the nodes' return is said too."""
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    async def go():
+        with EmulatorServer([gpu_node("gpu-0", 1)]) as emu:
+            async with Lab(emu) as lab:
+                h = Lines()
+                lab.w._logger.addHandler(h)
+
+                def count(what: str) -> int:
+                    return sum(what in x for x in h.lines)
+
+                for night, name in enumerate(("gpu-0", "gpu-5"), 1):
+                    await asyncio.to_thread(lab.core.delete_node, name)
+                    await until(lambda: count("no node of the cluster matches its node selector now") == night, f"night {night} said")
+                    assert "scaled to zero" in h.lines[-1]
+                    await asyncio.to_thread(emu.add_node, name=f"gpu-{5 * night}", gpus=1)
+                    await until(lambda: count("nodes are listed again") == night, f"morning {night} said")
+                await asyncio.sleep(5 * RELOAD_S)
+                assert count("no node of the cluster matches its node selector now") == 2  # (once a night, not at every reload)
+
+    asyncio.run(go())

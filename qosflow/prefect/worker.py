@@ -396,6 +396,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._deferred = False  # a host's change waits until its stages end (`_settle_cluster`)
         self._cordoned: set[str] = set()  # nodes cordoned in the last listing of a backend that `lists_nodes` (`_follow_nodes`)
         self._nodes_error: str | None = None  # why the nodes cannot be listed now (said once per distinct error)
+        self._no_nodes_said: str | None = None  # the warning that no node is listed, while none is (`_follow_nodes`)
         self.cluster_events: list[tuple[float, str]] = []  # (time, what changed), as logged (tests)
         self._reload_task: asyncio.Task | None = None
         #: flow run id -> its stage's entry, while its `run()` is in flight (a finished stage's grant says where it
@@ -2011,9 +2012,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._logger.info("%s: its nodes can be listed again", self._cluster_what)
             self._nodes_error = None
         if not listing.nodes:  # (a selector that matches nothing for a moment is no reason to drain every node)
-            self._say_once(f"{self._cluster_what}: no node of the cluster matches its node selector now; the worker keeps planning "
-                           f"on the nodes it has ({', '.join(sched.cluster.node_names)})")
+            self._no_nodes_said = (f"{self._cluster_what}: no node of the cluster matches its node selector now (every node deleted, "
+                                   f"or scaled to zero?); the worker keeps planning on the nodes it has "
+                                   f"({', '.join(sched.cluster.node_names)}), down, and stages wait until nodes come back")
+            self._say_once(self._no_nodes_said)
             return await self._settle_cluster() if (self._draining or self._deferred) else []
+        said = self._no_nodes_said
+        if said is not None:  # nodes again: said again the next time there are none (an autoscaler's scale-to-zero each night)
+            self._cluster_said.discard(said)
+            self._no_nodes_said = None
+            self._logger.info("%s: nodes are listed again (%d)", self._cluster_what, len(listing.nodes))
         planned = self._wanted if self._wanted is not None else {n.name: n for n in sched.cluster.nodes}
         listed = {n.name: n for n in listing.nodes}
         lines: list[str] = []
