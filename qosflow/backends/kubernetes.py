@@ -965,6 +965,22 @@ class KubernetesBackend(Backend):
                "spec": job_spec}
         return job, secret
 
+    async def _create_job(self, job: dict, stage_id: str, doing: str, kind: str) -> Any:
+        """Create Job `job` of stage (or pipeline run) `stage_id`; a 409 for a Job of this very attempt (an earlier
+        create whose answer was lost) adopts it, never starts it twice; one of another `kind` is a QosflowError."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return await self._acall(self.batch.create_namespaced_job, self.namespace, job, _doing=doing)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        cur = await self._acall(self.batch.read_namespaced_job, job["metadata"]["name"], self.namespace, _doing=doing)
+        if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id:
+            raise QosflowError(f"Job {job['metadata']['name']} exists in {self.namespace} and belongs to another {kind}")
+        self.stats["adopted_409"] += 1
+        return cur
+
     async def launch_unplaced(self, stage_id: str, command: list[str], env: dict[str, str], cwd: str | None = None, *,
                               labels: dict[str, str] | None = None, cpu_cores: float | None = None,
                               mem_mb: float | None = None) -> StageHandle:
@@ -990,15 +1006,7 @@ class KubernetesBackend(Backend):
                 await self._put_secret(secret, stage_id, doing)
                 ref["secret"] = secret["metadata"]["name"]
                 what = "create"
-            try:
-                cur = await self._acall(self.batch.create_namespaced_job, self.namespace, job, _doing=doing)
-            except ApiException as e:
-                if e.status != 409:
-                    raise
-                cur = await self._acall(self.batch.read_namespaced_job, job["metadata"]["name"], self.namespace, _doing=doing)
-                if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id:
-                    raise QosflowError(f"Job {job['metadata']['name']} exists in {self.namespace} and belongs to another run") from None
-                self.stats["adopted_409"] += 1
+            cur = await self._create_job(job, stage_id, doing, "run")
             if secret is not None:
                 what = f"set the owner of Secret {secret['metadata']['name']}"
                 owner = [{"apiVersion": "batch/v1", "kind": "Job", "name": cur.metadata.name, "uid": cur.metadata.uid}]
@@ -1058,15 +1066,7 @@ class KubernetesBackend(Backend):
                 ref["podgroup"] = {"group": group, "version": version, "name": pg["metadata"]["name"]}
             owners = []
             for j in jobs:  # back to back: every pod of the gang exists before any can finish
-                try:
-                    cur = await self._acall(self.batch.create_namespaced_job, self.namespace, j, _doing=doing)
-                except ApiException as e:
-                    if e.status != 409:
-                        raise
-                    cur = await self._acall(self.batch.read_namespaced_job, j["metadata"]["name"], self.namespace, _doing=doing)
-                    if (cur.metadata.annotations or {}).get(ANN_STAGE) != spec.stage_id:
-                        raise QosflowError(f"Job {j['metadata']['name']} exists in {self.namespace} and belongs to another stage") from None
-                    self.stats["adopted_409"] += 1  # this very attempt already exists: adopt it, never start it twice
+                cur = await self._create_job(j, spec.stage_id, doing, "stage")
                 owners.append({"apiVersion": "batch/v1", "kind": "Job", "name": cur.metadata.name, "uid": cur.metadata.uid})
             if secret is not None:  # owned by the Job(s): deleted with them (a Job's TTL, a kubectl delete) if not before
                 what = f"set the owners of Secret {secret['metadata']['name']}"
