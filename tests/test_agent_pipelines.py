@@ -138,7 +138,17 @@ def test_a_deployed_pipeline_runs_through_an_agent_and_completes(prefect_server,
         done = final_state(fid, lab)
         assert done.is_completed(), f"{done.name}: {done.message}\n{lab.wlog.read_text(errors='replace')[-4000:]}"
         ran_once(lab)
-        wait_for("the pipeline's lease stayed", lambda: not LeaseStore(url=lab.db).leases(pool_key(pool, prefect_server)), lab, 30)
+        store = LeaseStore(url=lab.db)
+        left: list = []
+
+        def released() -> bool:
+            left[:] = [(le.stage_key, le.holder, le.is_pipeline) for le in store.leases(pool_key(pool, prefect_server))]
+            return not left
+
+        try:
+            wait_for("the pipeline's and its stages' leases stayed", released, lab, 60)
+        except AssertionError as exc:
+            raise AssertionError(f"leases left: {left}\n{exc}") from None
         assert lab.agent_stage("big", str(fid))["state"] == "exited"
 
 
