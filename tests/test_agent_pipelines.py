@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from procs import alive
+from test_k8s_pipelines import final_state, wait_for
 from test_worker_restart import flow_run_state, marks, pipeline_started_and_stage_running, stop_worker, wait_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -93,18 +94,6 @@ def run_pipeline(pool: str, marker: Path, secs: float):
         dep = c.create_deployment(flow_id=flow_id, name=f"on-{pool}", work_pool_name=pool, entrypoint="restart_pipelines.deployed",
                                   job_variables={"role": "pipeline", "env": {"QOSFLOW_POOL": pool}})
         return c.create_flow_run_from_deployment(dep, parameters={"marker": str(marker), "secs": secs}).id
-
-
-def wait_for(what: str, cond, lab, timeout: float = 150.0):
-    end = time.monotonic() + timeout
-    while not (got := cond()):
-        assert time.monotonic() < end, f"{what}: marks {marks(lab.marker)}\n{lab.wlog.read_text(errors='replace')[-4000:]}"
-        time.sleep(0.3)
-    return got
-
-
-def final_state(fid, lab, timeout: float = 150.0):
-    return wait_for("the pipeline run never ended", lambda: (st := flow_run_state(fid)) is not None and st.is_final() and st, lab, timeout)
 
 
 def ran_once(lab) -> None:
