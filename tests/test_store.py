@@ -534,3 +534,32 @@ def test_rows_of_values_are_what_the_orm_reads(url):
             (p.signature, p.value, p.basis, o.actual) for p, o in pairs]
         assert [tuple(r) for r in store.duration_errors("net1/bs8")] == [
             (p.signature, p.value, p.basis, o.actual) for p, o in pairs if p.signature == "net1/bs8"]
+
+
+def test_opening_the_store_again_in_a_process_loses_no_write_of_its_other_connections(tmp_path):
+    """A worker holds the lease store's connections to a SQLite file and opens the store on the same file again
+    (`Store.open`: its check that the file is a database). That check read the file with open() and closed it,
+    which drops every POSIX lock the process holds on the file, SQLite's among them; the next other process to
+    close its connection (a stage recording its samples) took itself for the last one and deleted the -wal file,
+    and the worker's later commits went to the deleted file, lost to everyone else (CI: a released lease still
+    seen held a minute later). Here a write after such a re-open must be seen by a new process."""
+    import subprocess
+    import sys
+
+    from qosflow.store.leases import LeaseStore
+
+    db = tmp_path / "qosflow.db"
+    url = f"sqlite:///{db}"
+    leases = LeaseStore(url=url)  # this process: a connection stays open in the engine's pool
+    leases.claim_name("pool-a", "w#host:1:a", 30.0)
+    Store.open(url).close()  # (the worker opens the store too)
+    other = ("import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('PRAGMA journal_mode=WAL'); "
+             "c.execute('CREATE TABLE IF NOT EXISTS other_process (x)'); c.execute('INSERT INTO other_process VALUES (1)'); "
+             "c.commit(); c.close()")
+    subprocess.run([sys.executable, "-c", other, str(db)], check=True, timeout=60)
+    leases.claim_name("pool-b", "w#host:1:b", 30.0)  # after the other process closed its connection
+    seen = subprocess.run([sys.executable, "-c", "import sqlite3, sys; print(sorted(r[0] for r in sqlite3.connect(sys.argv[1])"
+                           ".execute('SELECT pool FROM qosflow_worker_presence')))", str(db)],
+                          check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    assert seen == "['pool-a', 'pool-b']", f"another process sees {seen}: a commit of this process was lost"
+    leases.engine.dispose()

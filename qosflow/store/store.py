@@ -15,7 +15,9 @@ import json
 import math
 import os
 import random
+import sqlite3
 import time
+import urllib.parse
 from array import array
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -61,10 +63,6 @@ def sqlite_file(url: str) -> str | None:
     return None if not db or db == ":memory:" or db.startswith("file:") else db
 
 
-#: the first 16 bytes of every SQLite database file
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-
-
 def _check_sqlite_file(path: str, url: str, origin: str, *, reading: bool) -> None:
     """Refuse a SQLite path that is not a database: a directory, a file of another kind (was a sqlalchemy
     traceback, 'file is not a database'), or, for a reader (`reading`), an empty file, which SQLite would
@@ -82,14 +80,32 @@ def _check_sqlite_file(path: str, url: str, origin: str, *, reading: bool) -> No
                                f"relative path); for {twin} write sqlite:///{twin}")
         return
     try:
-        with open(p, "rb") as f:
-            head = f.read(len(_SQLITE_MAGIC))
+        empty = p.stat().st_size == 0
     except OSError as exc:
         raise QosflowError(f"{where}: cannot read {p} ({exc.strerror or exc}); {how}") from None
-    if not head and reading:
-        raise QosflowError(f"{where}: {p} is an empty file, not a qosflow database; {how}")
-    if head and head != _SQLITE_MAGIC:
-        raise QosflowError(f"{where}: {p} is not a SQLite database (a qosflow store); {how}")
+    if empty:
+        if reading:
+            raise QosflowError(f"{where}: {p} is an empty file, not a qosflow database; {how}")
+        return
+    # Read through SQLite, never with open(): closing any other descriptor of the file drops every POSIX lock
+    # this process holds on it, SQLite's among them (its documentation, "How To Corrupt An SQLite Database File",
+    # 2.2). A worker opens the store while its lease store has the same file open; the next process to close its
+    # own connection to it (a stage recording its samples) then took itself for the last, checkpointed and deleted
+    # the -wal file, and every commit of the worker after that went to the deleted file: leases released, slots
+    # booked, outcomes recorded, lost to every other process (a pipeline's lease and a finished stage's were seen
+    # held for ever). SQLite shares its locks between the connections of one process, so this check is safe.
+    try:
+        con = sqlite3.connect(f"file:{urllib.parse.quote(str(p))}{'?mode=ro' if reading else ''}", uri=True, timeout=30)
+        try:
+            con.execute("PRAGMA schema_version").fetchone()
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as exc:
+        if "not a database" in str(exc):
+            raise QosflowError(f"{where}: {p} is not a SQLite database (a qosflow store); {how}") from None
+        if isinstance(exc, sqlite3.OperationalError) and "unable to open" in str(exc):
+            raise QosflowError(f"{where}: cannot read {p} (permission denied?); {how}") from None
+        # (locked, busy: the engine that opens it next says what is wrong, with the store's own hints)
 
 
 def default_url() -> str:
