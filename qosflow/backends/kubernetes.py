@@ -1316,12 +1316,14 @@ class KubernetesBackend(Backend):
                 term = next((c.state.terminated for c in cs if c.state and c.state.terminated), None)
                 if st.reason:  # Evicted, NodeLost, Shutdown...
                     return classify_reason(st.reason, f"{st.message or ''} {where}".strip(), term.exit_code if term else None)
+                if term is not None and term.reason == "OOMKilled":
+                    return classify_reason("OOMKilled", where, term.exit_code)
+                # (a pod marked Failed by a controller: DeletionByPodGC, its node deleted, says so in a DisruptionTarget
+                # condition while its containers still show running, as no kubelet reported their end)
+                dis = next((c for c in (st.conditions or []) if c.type == "DisruptionTarget" and c.status == "True"), None)
+                if dis is not None:
+                    return classify_reason(dis.reason or "Evicted", f"{dis.message or ''} {where}".strip(), term.exit_code if term else None)
                 if term is not None:
-                    if term.reason == "OOMKilled":
-                        return classify_reason("OOMKilled", where, term.exit_code)
-                    dis = next((c for c in (st.conditions or []) if c.type == "DisruptionTarget" and c.status == "True"), None)
-                    if dis is not None:
-                        return classify_reason(dis.reason or "Evicted", f"{dis.message or ''} {where}".strip(), term.exit_code)
                     return classify_reason(term.reason or "Error", f"{(term.message or '').strip()} {where}".strip(), term.exit_code)
                 return classify_reason("Error", f"the pod failed {where}")
             if phase == "Pending":

@@ -6,11 +6,14 @@ counted per verb and resource in `GET /emulator/state`) and "runs"
 Jobs by creating Pods and moving them through their phases, so the official `kubernetes` Python
 client (and `qosflow.backends.kubernetes`) can be exercised without a cluster. No container runs.
 Failure injection: OOMKilled, ImagePullBackOff, Evicted, Unschedulable, exit codes, lost nodes.
+A pod garbage collector deletes the pods of a deleted node (after `pod_gc_quarantine_s`, 5 s; upstream 40 s), marked
+Failed with a DisruptionTarget condition (reason DeletionByPodGC) first, and the oldest terminated pods beyond
+`terminated_pod_gc_threshold` (12500, as upstream).
 
     with EmulatorServer(nodes=[gpu_node("gpu-0"), gpu_node("gpu-1")]) as emu:
         api = kubernetes.client.CoreV1Api(emu.api_client())
 
-`python -m qosflow.k8s_emulator --port 8080 --nodes 3 --gpus 4 [--run-processes]` runs one standalone.
+`python -m qosflow.k8s_emulator --port 8080 --nodes 3 --gpus 4 [--run-processes] [--pod-gc-quarantine 40]` runs one standalone.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from qosflow.k8s_emulator.state import Cluster, gpu_node
+from qosflow.k8s_emulator.state import POD_GC_QUARANTINE_S, TERMINATED_POD_GC_THRESHOLD, Cluster, gpu_node
 
 __all__ = ["EmulatorServer", "gpu_node", "Cluster"]
 
@@ -32,9 +35,13 @@ class EmulatorServer:
     """The emulator on 127.0.0.1 in a background thread (its own event loop)."""
 
     def __init__(self, nodes: list[dict] | None = None, *, port: int = 0, window: int = 1000, tick_s: float = 0.02, start_delay_s: float = 0.05,
-                 run_processes: bool = False):
-        """`run_processes=True`: a Running pod runs its container's command as a local process (see state.py)."""
-        self.cluster = Cluster(window=window, tick_s=tick_s, start_delay_s=start_delay_s, run_processes=run_processes)
+                 run_processes: bool = False, pod_gc_quarantine_s: float = POD_GC_QUARANTINE_S,
+                 terminated_pod_gc_threshold: int = TERMINATED_POD_GC_THRESHOLD):
+        """`run_processes=True`: a Running pod runs its container's command as a local process (see state.py).
+        `pod_gc_quarantine_s`: how long a deleted node's pods are left before the pod garbage collector deletes them
+        (upstream 40 s); `terminated_pod_gc_threshold`: terminated pods kept (upstream 12500; 0: all)."""
+        self.cluster = Cluster(window=window, tick_s=tick_s, start_delay_s=start_delay_s, run_processes=run_processes,
+                               pod_gc_quarantine_s=pod_gc_quarantine_s, terminated_pod_gc_threshold=terminated_pod_gc_threshold)
         self._nodes = list(nodes or [])
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,9 +1,11 @@
-"""python -m qosflow.k8s_emulator --port 8080 --nodes 3 --gpus 4 [--replicas 4] [--run-processes]"""
+"""python -m qosflow.k8s_emulator --port 8080 --nodes 3 --gpus 4 [--replicas 4] [--run-processes]
+[--pod-gc-quarantine SECONDS] [--terminated-pod-gc-threshold N]"""
 
 import argparse
 import time
 
 from qosflow.k8s_emulator import EmulatorServer, gpu_node
+from qosflow.k8s_emulator.state import POD_GC_QUARANTINE_S, TERMINATED_POD_GC_THRESHOLD
 
 ap = argparse.ArgumentParser(
     description="qosflow's Kubernetes API emulator (for tests; not a cluster): the real REST paths and JSON on 127.0.0.1, "
@@ -21,7 +23,16 @@ ap.add_argument("--run-processes", action="store_true",
                 help="run each pod's container command as a local process (no image, no isolation), so real stages run; "
                      "the emulator has no authentication, so anyone on this machine who can connect to its port then runs "
                      "commands as you: use it on a machine of your own")
+ap.add_argument("--pod-gc-quarantine", type=float, default=POD_GC_QUARANTINE_S, metavar="SECONDS",
+                help="how long a node must stay deleted before the pod garbage collector deletes the pods bound to it, "
+                     f"marked Failed with a DisruptionTarget condition, reason DeletionByPodGC (default {POD_GC_QUARANTINE_S:g}; "
+                     "a real kube-controller-manager waits 40)")
+ap.add_argument("--terminated-pod-gc-threshold", type=int, default=TERMINATED_POD_GC_THRESHOLD, metavar="N",
+                help=f"terminated pods kept before the pod garbage collector deletes the oldest (default {TERMINATED_POD_GC_THRESHOLD}, "
+                     "as kube-controller-manager's flag; 0: keep them all)")
 a = ap.parse_args()
+if a.pod_gc_quarantine < 0:
+    ap.error(f"--pod-gc-quarantine must be at least 0, got {a.pod_gc_quarantine:g}")
 for opt, v, low in (("--nodes", a.nodes, 1), ("--gpus", a.gpus, 0), ("--replicas", a.replicas, 1)):
     if v is not None and v < low:
         ap.error(f"{opt} must be at least {low}, got {v}")
@@ -29,7 +40,8 @@ if not 0 <= a.port <= 65535:
     ap.error(f"--port must be between 0 and 65535, got {a.port}")
 try:
     emu_server = EmulatorServer([gpu_node(f"gpu-node-{i}", a.gpus, replicas=a.replicas) for i in range(a.nodes)], port=a.port,
-                                run_processes=a.run_processes)
+                                run_processes=a.run_processes, pod_gc_quarantine_s=a.pod_gc_quarantine,
+                                terminated_pod_gc_threshold=a.terminated_pod_gc_threshold)
 except OSError as exc:
     ap.exit(2, f"error: cannot listen on 127.0.0.1:{a.port}: {exc.strerror} (another emulator running?): stop it or choose another --port\n")
 with emu_server as emu:

@@ -16,10 +16,11 @@ and any `/apis/{group}/{version}` custom resource):
                                            applied as merge patches; a JSON patch: 400 if not a list,
                                            else 415, the emulator does not apply them). A Node patched
                                            with spec.unschedulable (a cordon) gets no new pod
-    DELETE .../{plural}/{name}             delete (a Node too: the pods bound there run on, the emulator has
-                                           no pod garbage collector for them; Jobs: propagationPolicy Background/Foreground
-                                           deletes what they own (pods, a Secret); the default orphans it,
-                                           as the API does)
+    DELETE .../{plural}/{name}             delete (a Node too: the pods bound there run on until the pod garbage
+                                           collector, after its quarantine (`pod_gc_quarantine_s`), marks them Failed
+                                           (DisruptionTarget, DeletionByPodGC) and deletes them; Jobs: propagationPolicy
+                                           Background/Foreground deletes what they own (pods, a Secret); the default
+                                           orphans it, as the API does)
     GET    /api/v1/namespaces/{ns}/pods/{name}/log[?tailLines=N]
 
 Controls (not Kubernetes): POST /emulator/nodes, /emulator/nodes/{name}/lose, /emulator/rules
@@ -291,7 +292,7 @@ def create_app(cluster: Cluster):
             "resourceVersion": store.current_rv, "compacted_rv": store.compacted_rv,
             "counts": {p: len(t) for p, t in store.objs.items()}, "rules": cluster.rules, "faults": cluster.faults,
             "watches": {"open": store.watches_open, "opened": store.watches_opened, "by_resource": dict(store.watches_by)},
-            "traffic": cluster.traffic,
+            "traffic": cluster.traffic, "pod_gc": dict(cluster.pod_gc),
         })
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]

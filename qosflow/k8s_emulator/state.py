@@ -11,7 +11,10 @@ no isolation: the host's interpreter and files, the pod's env with downward-API 
 and the pod ends with the process's exit code, so a real Prefect engine can run a real flow run
 "through Kubernetes" in tests. A pod whose env names a missing Secret or key stays Pending in
 CreateContainerConfigError until it exists (`container_env`); a garbage collector deletes objects
-whose owners are all gone. Failures are injected through rules: OOMKilled, ImagePullBackOff,
+whose owners are all gone, and a pod garbage collector (kube-controller-manager's PodGC, `_collect_pods`) deletes
+the pods of a node deleted from the cluster once it has been gone for `pod_gc_quarantine_s` (marked Failed with a
+DisruptionTarget condition, reason DeletionByPodGC, first) and the oldest terminated pods beyond
+`terminated_pod_gc_threshold`. Failures are injected through rules: OOMKilled, ImagePullBackOff,
 Evicted, Unschedulable, a non-zero exit code, or a lost node (these kill a pod's process).
 """
 
@@ -395,14 +398,36 @@ class Store:
 
 
 # ---------------------------------------------------------------------- controllers
-class Cluster:
-    """The store plus the emulated control plane (job controller, scheduler, kubelets)."""
+#: kube-controller-manager's --terminated-pod-gc-threshold default
+TERMINATED_POD_GC_THRESHOLD = 12500
+#: the emulator's PodGC quarantine of a missing node (upstream: 40 s, a constant of the controller), short for tests
+POD_GC_QUARANTINE_S = 5.0
 
-    def __init__(self, window: int = 1000, tick_s: float = 0.02, start_delay_s: float = 0.05, run_processes: bool = False):
+
+class Cluster:
+    """The store plus the emulated control plane (job controller, scheduler, kubelets, garbage collectors).
+
+    `pod_gc_quarantine_s`: how long a node bound pods name must stay missing before the pod garbage collector deletes
+    those pods (upstream 40 s; here 5 s by default, still longer than a client watching the nodes needs to see the
+    node's deletion); `terminated_pod_gc_threshold`: terminated (Succeeded/Failed) pods kept before the oldest are
+    deleted (upstream's --terminated-pod-gc-threshold, 12500; 0 or less: never)."""
+
+    def __init__(self, window: int = 1000, tick_s: float = 0.02, start_delay_s: float = 0.05, run_processes: bool = False,
+                 pod_gc_quarantine_s: float = POD_GC_QUARANTINE_S, terminated_pod_gc_threshold: int = TERMINATED_POD_GC_THRESHOLD):
         self.store = Store(window)
         self.tick_s = tick_s
         self.start_delay_s = start_delay_s
         self.run_processes = run_processes
+        self.pod_gc_quarantine_s = float(pod_gc_quarantine_s)
+        self.terminated_pod_gc_threshold = int(terminated_pod_gc_threshold)
+        #: PodGC: a missing node that bound pods name -> when it was first seen missing (time.monotonic())
+        self._missing_nodes: dict[str, float] = {}
+        #: pods the pod garbage collector deleted, by cause (upstream's pod_gc_collector_force_delete_pods_total)
+        self.pod_gc: dict[str, int] = {"orphaned": 0, "terminated": 0}
+        #: the job controller's memory of a Job's pods (its job-tracking finalizer): job uid -> {pod uid: (phase, index)}
+        #: as last seen, and the ends of the pods gone since ({"succeeded": n, "failed": n, "indexes": {...}})
+        self._job_pods_seen: dict[str, dict[str, tuple[str | None, str | None]]] = {}
+        self._job_pods_gone: dict[str, dict[str, Any]] = {}
         self._logdir = tempfile.mkdtemp(prefix="qosflow-k8s-emulator-") if run_processes else None
         self.rules: list[dict] = []  # failure rules applied to new pods
         self.faults: list[dict] = []  # HTTP faults (method, path regex, status, count)
@@ -481,21 +506,23 @@ class Cluster:
         active = [p for p in pods if p["status"].get("phase") in (None, "Pending", "Running")]
         succeeded = [p for p in pods if p["status"].get("phase") == "Succeeded"]
         failed = [p for p in pods if p["status"].get("phase") == "Failed"]
-        new = {"active": len(active), "succeeded": len(succeeded), "failed": len(failed),
+        gone = self._count_gone_pods(job, pods)
+        new = {"active": len(active), "succeeded": len(succeeded) + gone["succeeded"], "failed": len(failed) + gone["failed"],
                "ready": sum(1 for p in active if p["status"].get("phase") == "Running")}
         cond = None
-        if len(failed) > backoff:
+        if new["failed"] > backoff:
             cond = {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}
             for p in active:  # the job controller terminates what is left
                 self.store.delete("pods", p["metadata"]["namespace"], p["metadata"]["name"])
             new["active"] = 0
-        elif len(succeeded) >= completions:
+        elif new["succeeded"] >= completions:
             cond = {"type": "Complete", "status": "True", "reason": "CompletionsReached", "message": "Reached expected number of succeeded pods"}
         else:
-            want = min(parallelism, completions - len(succeeded)) - len(active)
+            want = min(parallelism, completions - new["succeeded"]) - len(active)
             if want > 0:
                 if indexed:
                     taken = {int(p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]) for p in active + succeeded}
+                    taken |= {int(i) for i in gone["indexes"]}
                     free = [i for i in range(completions) if i not in taken][:want]
                 else:
                     free = [None] * want
@@ -511,6 +538,35 @@ class Cluster:
                 st["completionTime"] = now_iso()
         if changed:
             self.store.update("jobs", job)
+
+    def _count_gone_pods(self, job: dict, pods: list[dict]) -> dict[str, Any]:
+        """The ends of the Job's pods that are gone (deleted by the pod garbage collector, by hand...), which the
+        job controller still counts, as its job-tracking finalizer lets it count a pod before the pod can go: one
+        last seen Succeeded as succeeded (its completion index done), any other as failed (the job controller counts
+        a pod deleted before it succeeded as failed). Without this, a Job whose pods were garbage-collected would start
+        them again as if they had never run."""
+        uid = job["metadata"]["uid"]
+        seen = self._job_pods_seen.setdefault(uid, {})
+        gone = self._job_pods_gone.setdefault(uid, {"succeeded": 0, "failed": 0, "indexes": set()})
+        now = {p["metadata"]["uid"]: (p["status"].get("phase"), (p["metadata"].get("annotations") or {}).get("batch.kubernetes.io/job-completion-index"))
+               for p in pods}
+        for puid, (phase, index) in list(seen.items()):
+            if puid not in now:
+                del seen[puid]
+                if phase == "Succeeded":
+                    gone["succeeded"] += 1
+                    if index is not None:
+                        gone["indexes"].add(index)
+                else:
+                    gone["failed"] += 1
+        seen.update(now)
+        return gone
+
+    def _forget_deleted_jobs(self) -> None:
+        live = {j["metadata"]["uid"] for j in self.store.list("jobs")}
+        for memo in (self._job_pods_seen, self._job_pods_gone):
+            for uid in [u for u in memo if u not in live]:
+                del memo[uid]
 
     def on_job_deleted(self, job: dict, propagation: str | None, grace: Any = None) -> None:
         """The garbage collector's part in a Job's deletion: with Background/Foreground propagation its
@@ -540,6 +596,62 @@ class Cluster:
                 refs = o["metadata"].get("ownerReferences") or []
                 if refs and not any(r.get("uid") in live for r in refs):
                     self.store.delete(plural, o["metadata"].get("namespace", ""), o["metadata"]["name"])
+
+    def _collect_pods(self) -> None:
+        """kube-controller-manager's pod garbage collector (PodGC), at every controller step (upstream: every 20 s):
+
+        * terminated pods (Succeeded, Failed) beyond `terminated_pod_gc_threshold` (if above 0) are deleted, evicted ones
+          first, then the oldest (creationTimestamp, then name);
+        * orphaned pods: a pod bound to a node that does not exist puts that node in quarantine; once it has been missing
+          for `pod_gc_quarantine_s` (upstream 40 s), the pods bound to it are deleted, each first marked Failed (if not
+          already Succeeded or Failed) with the condition `{"type": "DisruptionTarget", "status": "True", "reason":
+          "DeletionByPodGC", "message": "PodGC: node no longer exists"}` in its status, as upstream's
+          markFailedAndDeletePodWithCondition patches it (watchers see that MODIFIED event, then DELETED).
+
+        Deletions are forced (gracePeriodSeconds 0): a pod's process (`run_processes`) is SIGKILLed."""
+        if self.terminated_pod_gc_threshold > 0:
+            ended = [p for p in self.store.list("pods") if p["status"].get("phase") in ("Succeeded", "Failed")]
+            excess = len(ended) - self.terminated_pod_gc_threshold
+            if excess > 0:
+                ended.sort(key=lambda p: (not (p["status"].get("phase") == "Failed" and p["status"].get("reason") == "Evicted"),
+                                          p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
+                for p in ended[:excess]:
+                    self._force_delete_pod(p)
+                    self.pod_gc["terminated"] += 1
+        nodes = {n["metadata"]["name"] for n in self.store.list("nodes")}
+        t = time.monotonic()
+        pods = self.store.list("pods")
+        for p in pods:
+            node = p["spec"].get("nodeName")
+            if node and node not in nodes:
+                self._missing_nodes.setdefault(node, t)
+        deleted: set[str] = set()
+        for node, since in list(self._missing_nodes.items()):
+            if node in nodes:  # (back within its quarantine: not deleted after all)
+                del self._missing_nodes[node]
+            elif t - since >= self.pod_gc_quarantine_s:
+                del self._missing_nodes[node]
+                deleted.add(node)
+        for p in pods:
+            if p["spec"].get("nodeName") in deleted:
+                st = p["status"]
+                if st.get("phase") not in ("Succeeded", "Failed"):
+                    st["phase"] = "Failed"
+                    cond = {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByPodGC",
+                            "message": "PodGC: node no longer exists", "lastTransitionTime": now_iso()}
+                    conds = st.setdefault("conditions", [])
+                    at = next((i for i, c in enumerate(conds) if c.get("type") == "DisruptionTarget"), None)
+                    if at is None:
+                        conds.append(cond)
+                    else:
+                        conds[at] = cond
+                    self.store.update("pods", p)
+                self._force_delete_pod(p)
+                self.pod_gc["orphaned"] += 1
+
+    def _force_delete_pod(self, pod: dict) -> None:
+        self.store.delete("pods", pod["metadata"].get("namespace", ""), pod["metadata"]["name"])
+        self.on_pod_deleted(pod, 0)
 
     # -------------------------------------------------------------- pods
     def on_pod_deleted(self, pod: dict, grace: Any = None) -> None:
@@ -865,6 +977,8 @@ class Cluster:
                 self._schedule()
                 self._kubelet()
                 self._collect_garbage()
+                self._collect_pods()
+                self._forget_deleted_jobs()
                 if self.run_processes:
                     self._reap_deleted()
                 for job in self.store.list("jobs"):
