@@ -59,7 +59,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Collection, NamedTuple, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, NamedTuple, Sequence
 
 from qosflow.backends.base import (Backend, BackendUnreachable, ClusterUpdate, ExitKind, ExitStatus, LaunchSpec, NodeListing,
                                    ProgressCopies, StageHandle, placement_env)
@@ -988,41 +988,22 @@ class KubernetesBackend(Backend):
         `kill` (the Job is deleted: its pod gets SIGTERM, then SIGKILL after its grace period) and `adopt` (by any
         worker, from the Job's labels) work on it alike. A refusal of the API is the handle's `launch_error` (its wait
         reports it); an unreachable API raises `BackendUnreachable`."""
-        from kubernetes.client.exceptions import ApiException
-
         doing = f"launch pipeline run {stage_id}"
         self._killed.pop(stage_id, None)
         job, secret = self.pipeline_manifests(stage_id, command, env, cwd, labels=labels, cpu_cores=cpu_cores, mem_mb=mem_mb)
         ref: dict[str, Any] = {"namespace": self.namespace, "jobs": [job["metadata"]["name"]], "podgroup": None, "secret": None,
                                "selector": f"{LABEL_STAGE}={label_value(stage_id)}", "expected_pods": 1, "nodes": [""],
                                "launch_error": None, "role": "pipeline"}
-        handle = StageHandle(stage_id, self.name, "", ref)
-        what = "create"
-        if secret is not None:
-            self._launching.add(secret["metadata"]["name"])
-        try:
-            if secret is not None:
-                what = f"create Secret {secret['metadata']['name']} (the worker's account needs get, list, create, patch and delete on secrets)"
-                await self._put_secret(secret, stage_id, doing)
-                ref["secret"] = secret["metadata"]["name"]
-                what = "create"
+
+        async def create(step: dict[str, str]) -> None:
             cur = await self._create_job(job, stage_id, doing, "run")
             if secret is not None:
-                what = f"set the owner of Secret {secret['metadata']['name']}"
+                step["what"] = f"set the owner of Secret {secret['metadata']['name']}"
                 owner = [{"apiVersion": "batch/v1", "kind": "Job", "name": cur.metadata.name, "uid": cur.metadata.uid}]
                 await self._acall(self.core.patch_namespaced_secret, secret["metadata"]["name"], self.namespace,
                                   {"metadata": {"ownerReferences": owner}}, _content_type="application/merge-patch+json", _doing=doing)
-        except ApiException as e:
-            ref["launch_error"] = f"Kubernetes API answered {e.status} {e.reason}" + (f" to: {what}" if what != "create" else "")
-            await self.kill(handle, reason="launch failed")
-            self._killed.pop(stage_id, None)
-        except QosflowError:
-            await self._drop_secret(handle)
-            raise
-        finally:
-            if secret is not None:
-                self._launching.discard(secret["metadata"]["name"])
-        return handle
+
+        return await self._launch_attempt(StageHandle(stage_id, self.name, "", ref), secret, doing, create)
 
     # ------------------------------------------------------------------ launch
     async def launch(self, spec: LaunchSpec) -> StageHandle:
@@ -1045,16 +1026,8 @@ class KubernetesBackend(Backend):
             "nodes": [spec.cluster.nodes[i].name for i in spec.placement.nodes],
             "launch_error": None,
         }
-        handle = StageHandle(spec.stage_id, self.name, ref["nodes"][0], ref)
-        what = "create"
-        if secret is not None:
-            self._launching.add(secret["metadata"]["name"])
-        try:
-            if secret is not None:  # first: a pod started without it would fail (CreateContainerConfigError)
-                what = f"create Secret {secret['metadata']['name']} (the worker's account needs get, list, create, patch and delete on secrets)"
-                await self._put_secret(secret, spec.stage_id, doing)
-                ref["secret"] = secret["metadata"]["name"]
-                what = "create"
+
+        async def create(step: dict[str, str]) -> None:
             if pg is not None:
                 group, version = pg["apiVersion"].split("/")
                 try:
@@ -1069,7 +1042,7 @@ class KubernetesBackend(Backend):
                 cur = await self._create_job(j, spec.stage_id, doing, "stage")
                 owners.append({"apiVersion": "batch/v1", "kind": "Job", "name": cur.metadata.name, "uid": cur.metadata.uid})
             if secret is not None:  # owned by the Job(s): deleted with them (a Job's TTL, a kubectl delete) if not before
-                what = f"set the owners of Secret {secret['metadata']['name']}"
+                step["what"] = f"set the owners of Secret {secret['metadata']['name']}"
                 await self._acall(self.core.patch_namespaced_secret, secret["metadata"]["name"], self.namespace,
                                   {"metadata": {"ownerReferences": owners}}, _content_type="application/merge-patch+json", _doing=doing)
             if ref["podgroup"]:  # the PodGroup too (best effort: an account that may not patch PodGroups still runs gangs)
@@ -1079,11 +1052,35 @@ class KubernetesBackend(Backend):
                                       _content_type="application/merge-patch+json", _doing=doing)
                 except ApiException as e:
                     log.debug("stage %s: PodGroup %s not owned by its Job(s): %s %s", spec.stage_id, ref["podgroup"]["name"], e.status, e.reason)
+
+        return await self._launch_attempt(StageHandle(spec.stage_id, self.name, ref["nodes"][0], ref), secret, doing, create)
+
+    async def _launch_attempt(self, handle: StageHandle, secret: dict | None, doing: str,
+                              create: Callable[[dict[str, str]], Awaitable[None]]) -> StageHandle:
+        """What `launch` and `launch_unplaced` share around their creation of Jobs (`create`): the attempt's Secret (if
+        any) created first, as a pod started without it would fail (CreateContainerConfigError); a refusal of the API
+        becomes the handle's `launch_error` (its wait reports it) and what the launch created is deleted; a
+        QosflowError (a Job or Secret of another stage has this one's name) deletes the Secret made for this launch
+        and is raised. `create` gets `{"what": ...}`, the step under way, which it may set: the launch_error names it
+        unless it is "create"."""
+        from kubernetes.client.exceptions import ApiException
+
+        step = {"what": "create"}
+        if secret is not None:
+            self._launching.add(secret["metadata"]["name"])
+        try:
+            if secret is not None:
+                step["what"] = f"create Secret {secret['metadata']['name']} (the worker's account needs get, list, create, patch and delete on secrets)"
+                await self._put_secret(secret, handle.stage_id, doing)
+                handle.ref["secret"] = secret["metadata"]["name"]
+                step["what"] = "create"
+            await create(step)
         except ApiException as e:
-            ref["launch_error"] = f"Kubernetes API answered {e.status} {e.reason}" + (f" to: {what}" if what != "create" else "")
+            what = step["what"]
+            handle.ref["launch_error"] = f"Kubernetes API answered {e.status} {e.reason}" + (f" to: {what}" if what != "create" else "")
             await self.kill(handle, reason="launch failed")
-            self._killed.pop(spec.stage_id, None)
-        except QosflowError:  # (a Job of another stage has this one's name): the Secret made for this launch goes
+            self._killed.pop(handle.stage_id, None)
+        except QosflowError:
             await self._drop_secret(handle)
             raise
         finally:
