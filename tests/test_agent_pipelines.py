@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from procs import alive
-from test_k8s_pipelines import final_state, wait_for
+from test_k8s_pipelines import final_state, run_pipeline, wait_for
 from test_worker_restart import flow_run_state, marks, pipeline_started_and_stage_running, stop_worker, wait_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -86,16 +86,6 @@ def agents_lab(prefect_server: str, tmp_path: Path, pool: str, pipelines_on: str
                         os.killpg(p.pid, signal.SIGKILL)
 
 
-def run_pipeline(pool: str, marker: Path, secs: float):
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as c:
-        flow_id = c.create_flow_from_name("restart-deployed")
-        dep = c.create_deployment(flow_id=flow_id, name=f"on-{pool}", work_pool_name=pool, entrypoint="restart_pipelines.deployed",
-                                  job_variables={"role": "pipeline", "env": {"QOSFLOW_POOL": pool}})
-        return c.create_flow_run_from_deployment(dep, parameters={"marker": str(marker), "secs": secs}).id
-
-
 def ran_once(lab) -> None:
     ev = sorted((e["event"], e["stage"]) for e in marks(lab.marker))
     assert ev == sorted([("start", "pipeline"), ("start", "a"), ("done", "a"), ("start", "b"), ("done", "b"), ("done", "pipeline")]), \
@@ -139,6 +129,31 @@ def test_a_deployed_pipeline_runs_through_an_agent_and_completes(prefect_server,
         except AssertionError as exc:
             raise AssertionError(f"leases left: {left}\n{exc}") from None
         assert lab.agent_stage("big", str(fid))["state"] == "exited"
+
+
+def test_pipeline_runs_book_their_cores_and_spread_over_the_hosts(prefect_server, tmp_path):
+    """A pipeline run on an agent books the cores its job variables ask for (4 here) in the worker's view, recorded in
+    its lease: the first goes to big (6 free cores against small's 2), the second to small (2 free on each now, and
+    no pipeline run there yet). Before, a pipeline run booked nothing and every one went to the host with the most
+    free cores. Both complete, and their leases (and so their cores) are released."""
+    pool = "agent-pipe-spread"
+    with agents_lab(prefect_server, tmp_path, pool, "agents") as lab:
+        w = lab.start("agent-pipe-s")
+        wait_log(lab.wlog, "qosflow worker:", w)
+        first = run_pipeline(pool, lab.marker, 3.0, cpu_cores=4)
+        wait_for("the first pipeline run never started on big", lambda: lab.agent_stage("big", str(first)), lab, 90)
+        second = run_pipeline(pool, tmp_path / "marks-second.jsonl", 3.0, cpu_cores=4)
+        wait_for("the second pipeline run never started", lambda: lab.agent_stage("small", str(second)) or lab.agent_stage("big", str(second)), lab, 90)
+        assert lab.agent_stage("big", str(second)) is None, "the second pipeline run went to big too: the first's cores were not booked"
+        from qosflow.store.leases import LeaseStore, pool_key
+
+        store = LeaseStore(url=lab.db)
+        booked = {le.stage_key: (le.placement or {}).get("cpu") for le in store.pipeline_leases(pool_key(pool, prefect_server))}
+        assert booked.get(str(first)) == [["big", 4.0]] and booked.get(str(second)) == [["small", 4.0]], booked
+        for fid in (first, second):
+            done = final_state(fid, lab)
+            assert done.is_completed(), f"{done.name}: {done.message}\n{lab.wlog.read_text(errors='replace')[-4000:]}"
+        wait_for("pipeline leases stayed", lambda: not store.pipeline_leases(pool_key(pool, prefect_server)), lab, 60)
 
 
 def test_a_pipeline_on_an_agent_survives_its_worker_to_a_worker_of_another_name(prefect_server, tmp_path):

@@ -132,6 +132,10 @@ class AgentBackend(Backend):
     #: its run was marked Crashed while its process ran on. A refused connection (the agent is gone, and the
     #: pipeline with it) or a restarted agent is reported at once
     pipeline_silence_s: float = 60.0
+    #: CPU cores a pipeline run books on its host in the worker's view when its job variables ask for none (it mostly
+    #: waits for its stages; as the Kubernetes backend's request). Booked, pipeline runs spread over the hosts
+    #: (`pipeline_host`) and stages are not placed on the cores they use
+    pipeline_cpu_cores: float = 0.25
 
     def __init__(
         self,

@@ -23,7 +23,9 @@ class NodeUsage:
 def node_usage(state: Any) -> Iterator[NodeUsage]:
     """Each node of `state` (a ClusterState), in order."""
     per_node: dict[int, int] = {}
-    for p in list(state.allocs.values()):
+    for key, p in list(state.allocs.items()):
+        if str(key).startswith("pipeline:"):  # (a pipeline run's cores on an agent's host: not a stage)
+            continue
         for n in set(p.nodes):
             per_node[n] = per_node.get(n, 0) + 1
     for i, node in enumerate(state.spec.nodes):

@@ -28,6 +28,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional
 
 import anyio
@@ -1125,21 +1126,26 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             host = pick(self._free_cores())
             if host is not None:
                 where["host"] = host
+        cpu = []
+        if "host" in where:  # (its cores are booked in the policy's view: `_hold_pipeline`)
+            cpu = [(where["host"], float(configuration.cpu_cores or getattr(backend, "pipeline_cpu_cores", 0.25)))]
         if self.leases is not None:
             try:
                 lease = await asyncio.to_thread(self.leases.acquire_pipeline, self._pool_key, fid, holder=self.holder,
                                                 ttl_s=self.lease_ttl_s, backend=backend.name, command=command,
-                                                namespace=getattr(backend, "namespace", ""), nodes=list(where.values()))
+                                                namespace=getattr(backend, "namespace", ""), nodes=list(where.values()), cpu=cpu)
             except StageBusy as exc:  # (another worker runs it already: never twice)
                 run_logger.warning("pipeline run not started here: %s", exc)
                 task_status.started(-1)
                 return QosflowWorkerResult(status_code=0, identifier="-1")
             self._lease_ids[fid] = lease.lease_id
+        self._hold_pipeline(fid, cpu)
         try:
             handle = await backend.launch_unplaced(  # type: ignore[attr-defined]
                 fid, command, env, cwd, labels={"prefect.io/flow-run-id": fid, "prefect.io/flow-run-name": str(flow_run.name)},
                 cpu_cores=configuration.cpu_cores, mem_mb=configuration.mem_mb, **where)
         except BaseException:
+            self._unhold_pipeline(fid)
             await self._release_lease(fid)
             raise
         await self._lease_handle(fid, handle)
@@ -1152,6 +1158,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             status = await backend.wait(handle)
         finally:
             self._unregister(fid)
+            self._unhold_pipeline(fid)
         if self._stopping and not status.ok:
             # the worker stops (its wait was stopped): the Job runs on, its lease stays for the next worker to adopt
             self._lease_ids.pop(fid, None)
@@ -1183,7 +1190,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             return
         if fid in self._handles:  # (watched here already)
             return
+        key = f"lease:{lease.lease_id}"
+        if key in self._foreign and self.scheduler is not None:  # (another holder's until now: `_sync_foreign` held it)
+            self.scheduler.unhold(key)
+            self._foreign.discard(key)
         self._lease_ids[fid] = lease.lease_id
+        self._hold_pipeline(fid, [(n, float(c)) for n, c in (lease.placement or {}).get("cpu") or []])
         self._register(fid, handle)
         self._pipelines_adopted.add(fid)
         what = _pipeline_where(handle.ref, lease)
@@ -1202,6 +1214,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             status = await self._backend.wait(handle)
         finally:
             self._unregister(fid)
+            self._unhold_pipeline(fid)
             self._pipelines_adopted.discard(fid)
         if self._stopping and not status.ok:
             self._lease_ids.pop(fid, None)  # (its lease stays: the next worker adopts the Job)
@@ -1244,6 +1257,25 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self.get_flow_run_logger(fr).error("%s", why)
             return True
         return False
+
+    def _hold_pipeline(self, fid: str, cpu: list[tuple[str, float]]) -> None:
+        """Book the CPU cores of a pipeline run that a host agent runs (`cpu`: (host, cores)) in the policy's view, as
+        another worker's lease is (`_sync_foreign`): stages are not placed on them, and the next pipeline run goes to
+        another host while this one's has no more free cores than the others (`AgentBackend.pipeline_host`). Before,
+        pipeline runs took nothing there: every one went to the host with the most free cores. No-op if they do not
+        fit (the host is full: the run goes on regardless, it needs no slot)."""
+        sched = self.scheduler
+        if sched is None or not cpu:
+            return
+        got = _placement_from_lease(SimpleNamespace(placement={"cpu": [list(c) for c in cpu]}), sched.cluster, f"pipeline:{fid}")
+        if got is not None and not sched.hold(f"pipeline:{fid}", got[0], got[1], got[2]):
+            self._logger.debug("pipeline run %s: its %s cores do not fit the policy's view; not booked", fid, cpu)
+
+    def _unhold_pipeline(self, fid: str) -> None:
+        sched = self.scheduler
+        if sched is not None and f"pipeline:{fid}" in sched.state.allocs:
+            sched.unhold(f"pipeline:{fid}")
+            sched.wake()
 
     def _free_cores(self) -> dict[str, float]:
         """Each host's CPU cores no stage holds, as the scheduler sees them (hosts it has marked down left out)."""
@@ -1372,7 +1404,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         except Exception as exc:
             self._logger.debug("lease read failed: %s", exc)
             return
-        live = {f"lease:{le.lease_id}": le for le in leases if le.holder != self.holder and not le.is_pipeline}
+        # (another worker's pipeline run books the cores it takes on its host, none on Kubernetes: kube-scheduler's)
+        live = {f"lease:{le.lease_id}": le for le in leases
+                if le.holder != self.holder and (not le.is_pipeline or (le.placement or {}).get("cpu"))}
         for key in list(self._foreign - set(live)):
             sched.unhold(key)
             self._foreign.discard(key)

@@ -466,14 +466,16 @@ class LeaseStore:
         raise LeaseError(f"pool {pool!r}: could not book stage {stage_key!r} after 5 tries (heavy contention)")
 
     def acquire_pipeline(self, pool: str, flow_run_id: str, *, holder: str, ttl_s: float = 30.0, backend: str = "",
-                         command: list[str] | None = None, namespace: str = "", nodes: list[str] | None = None) -> Lease:
+                         command: list[str] | None = None, namespace: str = "", nodes: list[str] | None = None,
+                         cpu: list[tuple[str, float]] | None = None) -> Lease:
         """A lease for a pipeline run that its worker launched through the backend (a Kubernetes Job), booking no
         slot: the row says which worker watches the run, renewed at its heartbeats like a stage's, and `recover`
         hands it to the next worker of the pool (of the same name at once, of another once it expired), which
         finds the Job again (`backend.adopt`). `nodes`: where its process runs, when the backend needs it to find it
-        (host agents: the host). StageBusy if the run already has one (it must not run twice)."""
+        (host agents: the host); `cpu`: the (host, cores) it takes there, which the pool's workers count as taken.
+        StageBusy if the run already has one (it must not run twice)."""
         now = time.time()
-        placement = {"role": "pipeline", "job_id": flow_run_id, "gpus": [], "cpu": [], "gpu_milli": 0, "gpu_mem_mb": 0.0,
+        placement = {"role": "pipeline", "job_id": flow_run_id, "gpus": [], "cpu": [[n, float(c)] for n, c in cpu or []], "gpu_milli": 0, "gpu_mem_mb": 0.0,
                      "mem_mb": 0.0, "colocated_with": [], "cpusets": {}, "command": list(command or []), "namespace": namespace}
         row = StageLeaseRow(lease_id=uuid.uuid4().hex, pool=pool, stage_key=flow_run_id, attempt_id=flow_run_id, holder=holder,
                             backend=backend, nodes_json=json.dumps(list(nodes or [])), placement_json=json.dumps(placement), handle_json=None, created_at=now,
