@@ -121,7 +121,8 @@ def test_a_node_added_to_the_cluster_takes_a_stage_without_an_edit_of_the_block(
 
 def test_a_deleted_node_takes_no_new_stage_and_its_running_stage_is_lost_at_once():
     """A node object deleted (`kubectl delete node`, an autoscaler's scale-down): its pods will not run again (the pod
-    garbage collector deletes them; the emulator has none, its pod would have run on). Before, its stage was reported
+    garbage collector deletes them, in the emulator too, after its quarantine of 5 s: the stage is reported lost before
+    that, from the node's deletion itself). Before, its stage was reported
     NodeLost only after node_lost_grace_s (40 s), the grace of a node merely NotReady; now within a beat or two."""
     async def go():
         with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)]) as emu:
