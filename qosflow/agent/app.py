@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from qosflow.agent.gpus import GpuSource
-from qosflow.agent.runner import Runner, StageUser, usable_cpus
+from qosflow.agent.runner import FENCED, Runner, StageUser, usable_cpus
 from qosflow.backends.base import AGENT_STOPPING
 
 log = logging.getLogger("qosflow.agent")
@@ -48,7 +48,8 @@ class AgentConfig:
     mem_mb: float | None = None
     labels: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
-    #: kill every running stage when no authenticated request (heartbeat) came for this long
+    #: kill every running stage (not the pipeline runs, role pipeline: the next worker adopts them) when no
+    #: authenticated request (heartbeat) came for this long, or the agent was frozen for this long
     fence_after_s: float | None = None
     #: skip NVML detection (used when many virtual agents share one process)
     force_virtual: bool = False
@@ -147,16 +148,27 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             now = time.monotonic()
             frozen, last_tick = now - last_tick - tick, now
             silent = time.time() - state["last_contact"]
-            if not runner.running():
+            # pipeline runs (role pipeline) are not fenced: they hold no GPU and are never rerun elsewhere (the
+            # next worker adopts them); fencing them ended every pipeline run of the host Crashed on a worker
+            # restart or a network split longer than the fence. So is a frozen agent's: the same answer
+            stages = runner.fenceable()
+            if not stages:
+                continue
+            if frozen > cfg.fence_after_s:
+                # this process was stopped (host frozen, SIGSTOP): the worker has given up on us
+                reason = f"{FENCED}: the agent was frozen for {frozen:.1f}s (> {cfg.fence_after_s:g}s)"
+            elif silent > cfg.fence_after_s:
+                reason = f"{FENCED}: no heartbeat from the worker for {silent:.1f}s (> {cfg.fence_after_s:g}s)"
+            else:
                 continue
             try:
-                if frozen > cfg.fence_after_s:
-                    # this process was stopped (host frozen, SIGSTOP): the worker has given up on us
-                    await runner.kill_all(f"fenced: the agent was frozen for {frozen:.1f}s (> {cfg.fence_after_s:g}s)")
-                elif silent > cfg.fence_after_s:
-                    await runner.kill_all(f"fenced: no heartbeat from the worker for {silent:.1f}s (> {cfg.fence_after_s:g}s)")
+                await runner.kill_all(reason)
             except Exception:  # noqa: BLE001 - a kill that failed (killpg: EPERM) must not end the fence: next tick
                 log.exception("agent %s: fencing its stages failed; trying again", cfg.name)
+                continue
+            spared = sum(1 for s in runner.running() if s.is_pipeline)
+            log.warning("agent %s %s: killed %d stage(s)%s", cfg.name, reason, len(stages),
+                        f"; {spared} pipeline run(s) left running: they are adopted by the next worker" if spared else "")
 
     # no /docs, /redoc or /openapi.json: FastAPI serves those outside the app's dependencies, so they
     # answered without the token (the host name and the whole API to anyone who could connect)

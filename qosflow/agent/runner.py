@@ -26,6 +26,11 @@ from qosflow.placement_api import PROGRESS_FILE_ENV
 from qosflow.procgroup import group_members, kill_group
 
 _PR_SET_PDEATHSIG = 1
+#: the label that names a process's role (the same key as `qosflow.backends.agent.PIPELINE_ROLE_LABEL`): the
+#: worker launches a pipeline run (`AgentBackend.launch_unplaced`, `pipelines_on: agents`) with value "pipeline"
+ROLE_LABEL = "qosflow.dev/role"
+#: how a fence's kill reason starts (`qosflow.failures` reads a stage killed so as the worker rerunning it elsewhere)
+FENCED = "fenced"
 #: environment variables of the agent that a stage must never see
 _SECRET_ENV = ("QOSFLOW_AGENT_TOKEN",)
 
@@ -182,6 +187,12 @@ class StageProc:
     @property
     def running(self) -> bool:
         return self.ended_at is None
+
+    @property
+    def is_pipeline(self) -> bool:
+        """A pipeline run (label qosflow.dev/role=pipeline): it holds no GPU and is never rerun elsewhere (the
+        next worker adopts it), so a fence spares it."""
+        return self.labels.get(ROLE_LABEL) == "pipeline"
 
     def status(self) -> dict:
         sig = -self.returncode if self.returncode is not None and self.returncode < 0 else None
@@ -367,7 +378,12 @@ class Runner:
                 return
 
     async def kill_all(self, reason: str, grace: float = 2.0) -> None:
-        await asyncio.gather(*(self.kill(s, reason, grace) for s in list(self.stages.values()) if s.running))
+        """Kill every running process; for a fence (a reason starting "fenced"), every one but the pipeline
+        runs (`fenceable`): a fence keeps a stage the worker reruns elsewhere from running twice, and a
+        pipeline run is never rerun, the next worker adopts it (fenced, it ended Crashed on every worker
+        restart or network split longer than the fence). The agent stopping still kills them all."""
+        targets = self.fenceable() if reason.startswith(FENCED) else self.running()
+        await asyncio.gather(*(self.kill(s, reason, grace) for s in targets))
 
     def set_cpuset(self, st: StageProc, cpuset: list[int]) -> list[int]:
         eff = map_cpuset(cpuset, self._usable) or self._usable
@@ -384,6 +400,10 @@ class Runner:
 
     def running(self) -> list[StageProc]:
         return [s for s in self.stages.values() if s.running]
+
+    def fenceable(self) -> list[StageProc]:
+        """The running processes a fence kills: the stages, not the pipeline runs (role pipeline)."""
+        return [s for s in self.stages.values() if s.running and not s.is_pipeline]
 
     # ------------------------------------------------------------------ logs
     def progress(self, st: StageProc, offset: int = 0, limit: int = 1 << 20) -> bytes:

@@ -57,7 +57,7 @@ def register(app: typer.Typer) -> None:
         token: Optional[str] = typer.Option(None, "--token", help="secret token (visible in `ps`; prefer --token-file; default: $QOSFLOW_AGENT_TOKEN)"),
         token_file: Optional[Path] = typer.Option(None, "--token-file", help="file holding the secret token"),
         fence_after: Optional[float] = typer.Option(
-            None, "--fence-after", help="kill running stages when no heartbeat came for this many seconds (avoids running a stage twice after a network split); 1.5 x the worker's heartbeat_s is a good choice (default: never)"
+            None, "--fence-after", help="kill running stages when no heartbeat came for this many seconds, or the agent was frozen that long (avoids running a stage twice after a network split); pipeline runs (pipelines_on: agents) are left running: the next worker adopts them; 1.5 x the worker's heartbeat_s is a good choice (default: never)"
         ),
         label: list[str] = typer.Option([], "--label", help="node label KEY=VALUE (repeatable)"),
         workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a temp dir)"),
