@@ -9,3 +9,19 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def stop_groups(procs) -> None:
+    """Stop the process groups of `procs` (Popen objects started with `start_new_session=True`: a worker and the
+    stage processes it started) that still run: SIGTERM, then SIGKILL after 20 s."""
+    import os
+    import signal
+    import subprocess
+
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)

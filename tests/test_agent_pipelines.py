@@ -17,14 +17,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from procs import alive
+from procs import alive, stop_groups
 from test_k8s_pipelines import final_state, run_pipeline, wait_for
 from test_worker_restart import flow_run_state, marks, pipeline_started_and_stage_running, stop_worker, wait_log
 
@@ -77,13 +76,7 @@ def agents_lab(prefect_server: str, tmp_path: Path, pool: str, pipelines_on: str
         try:
             yield lab
         finally:
-            for p in lab.procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    try:
-                        p.wait(20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(p.pid, signal.SIGKILL)
+            stop_groups(lab.procs)
 
 
 def ran_once(lab) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from procs import alive
+from procs import alive, stop_groups
 from test_worker_restart import flow_run_state, marks, pipeline_started_and_stage_running, stop_worker, wait_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -64,13 +63,7 @@ def k8s_lab(prefect_server: str, tmp_path: Path, pool: str):
         try:
             yield lab
         finally:
-            for p in lab.procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    try:
-                        p.wait(20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(p.pid, signal.SIGKILL)
+            stop_groups(lab.procs)
 
 
 def run_pipeline(pool: str, marker: Path, secs: float, **job_variables):

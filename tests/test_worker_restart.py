@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from procs import alive
+from procs import alive, stop_groups
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -101,13 +101,7 @@ def restart_lab(prefect_server: str, tmp_path: Path, pool: str, host: str):
                 os.environ.pop("QOSFLOW_POOL", None)
             else:
                 os.environ["QOSFLOW_POOL"] = old_pool
-            for p in lab.procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    try:
-                        p.wait(20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(p.pid, signal.SIGKILL)
+            stop_groups(lab.procs)
 
 
 def not_finished(lab, tmp_path: Path) -> str:
@@ -467,10 +461,4 @@ def test_a_deployed_pipeline_run_outlives_a_worker_restart_on_kubernetes(prefect
             ev = sorted((e["event"], e["stage"]) for e in marks(lab.marker))
             assert ev == sorted([("start", "pipeline"), ("start", "a"), ("done", "a"), ("start", "b"), ("done", "b"), ("done", "pipeline")]), ev
         finally:
-            for p in lab.procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    try:
-                        p.wait(20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(p.pid, signal.SIGKILL)
+            stop_groups(lab.procs)
