@@ -6,7 +6,8 @@ environment and CPU cores, follows it with a long-poll, and turns how it ended i
 (`qosflow.failures.classify_process_exit`). A host that stops answering heartbeats is marked down,
 and every stage on it ends with `ExitKind.INFRA` so that the worker reschedules it elsewhere; the
 agent's stages die with it (PR_SET_PDEATHSIG), and `--fence-after` on the agent covers a network
-split, so a stage is never running in two places.
+split, so a stage is never running in two places. (The fence spares pipeline runs, `pipelines_on`: they
+hold no GPU and are never rerun elsewhere; the next worker adopts them.)
 
 A cluster file (`load_cluster_file`) lists the hosts: the same fields as the bare-metal cluster
 block (hosts, GPUs per host, GPU memory, cores, agent URL, secret token).
@@ -658,7 +659,8 @@ class AgentBackend(Backend):
                 # answer, its part is not found. (A KeyError here ended the worker's whole lease recovery: the
                 # stages of the hosts still in the cluster were not adopted, and this lease was never released)
                 log.warning("stage %s ran on host %s, which is no longer in %s: it is not adopted from there (if that host's agent "
-                            "still runs it, its --fence-after ends it once no worker heartbeats it)", stage_id, name, self.declared_by)
+                            "still runs it, its --fence-after ends it once no worker heartbeats it, unless it is a pipeline run: "
+                            "stop that through the agent, DELETE /v1/stages/%s)", stage_id, name, self.declared_by, stage_id)
                 continue
             try:
                 r = await self._client(h).get(f"{h.url}/v1/stages/{stage_id}")
