@@ -8,7 +8,6 @@ from pathlib import Path
 import pydantic
 from prefect import flow, get_run_logger, tags
 from prefect.cache_policies import INPUTS
-from prefect.futures import wait
 from prefect.utilities.annotations import allow_failure
 
 from qosflow.prefect.tasks import qos_flow, qos_task

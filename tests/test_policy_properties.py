@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from qosflow.core import ClusterSpec, Job, QoSSpec

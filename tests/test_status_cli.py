@@ -187,7 +187,7 @@ def test_status_says_whom_each_stage_runs_for(monkeypatch, capsys):
     """Fairness between users orders the queue by whom stages run for; the status did not say it. A stage
     run's user is read from its tags (qosflow's own `qos:user=NAME`, else a `user:NAME` tag), and the table
     has a user column when some stage names one (none: no column, as before)."""
-    from prefect.states import Pending, Running
+    from prefect.states import Running
 
     import qosflow.prefect.local as local
     import qosflow.prefect.status as status

@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
         import httpx
 
-        from qosflow.prefect.local import check_pool_name, require_api_url, setup_pool, unreachable_server
+        from qosflow.prefect.local import check_pool_name, require_api_url, unreachable_server
 
         from qosflow.errors import SpecError
         from qosflow.prefect.scheduler import check_estimator_name

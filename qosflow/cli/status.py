@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 HELP = """Show what a `qosflow` work pool is doing: its workers, the stage runs running (host, GPUs,
 how long, per cent done from their progress reports, predicted duration, time to the deadline, and
