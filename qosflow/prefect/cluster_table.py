@@ -20,11 +20,15 @@ class NodeUsage:
     stages: int  # stages (this worker's and other workers' leases) placed on the node
 
 
+#: the key prefix of a pipeline run's cores held in the policy's view (`QosflowWorker._hold_pipeline`): not a stage
+PIPELINE_HOLD = "pipeline:"
+
+
 def node_usage(state: Any) -> Iterator[NodeUsage]:
     """Each node of `state` (a ClusterState), in order."""
     per_node: dict[int, int] = {}
     for key, p in list(state.allocs.items()):
-        if str(key).startswith("pipeline:"):  # (a pipeline run's cores on an agent's host: not a stage)
+        if key.startswith(PIPELINE_HOLD):  # (a pipeline run's cores on an agent's host: not a stage)
             continue
         for n in set(p.nodes):
             per_node[n] = per_node.get(n, 0) + 1

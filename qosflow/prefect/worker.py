@@ -28,7 +28,6 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional
 
 import anyio
@@ -47,6 +46,7 @@ from qosflow.env import env_flag, env_number
 from qosflow.paths import pipeline_output_dir
 from qosflow.failures import Action, decide
 from qosflow.placement_api import read_progress
+from qosflow.prefect.cluster_table import PIPELINE_HOLD
 from qosflow.prefect.scheduler import STAGE_DEFAULT_DURATION, QoSScheduler, StageCancelled, StageEntry, make_live_estimator
 from qosflow.prefect.spec import QOS_FIELDS, spec_from_job_variables
 
@@ -1128,7 +1128,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 where["host"] = host
         cpu = []
         if "host" in where:  # (its cores are booked in the policy's view: `_hold_pipeline`)
-            cpu = [(where["host"], float(configuration.cpu_cores or getattr(backend, "pipeline_cpu_cores", 0.25)))]
+            cpu = [(where["host"], float(configuration.cpu_cores or backend.pipeline_cpu_cores))]  # type: ignore[attr-defined]
         if self.leases is not None:
             try:
                 lease = await asyncio.to_thread(self.leases.acquire_pipeline, self._pool_key, fid, holder=self.holder,
@@ -1190,10 +1190,6 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             return
         if fid in self._handles:  # (watched here already)
             return
-        key = f"lease:{lease.lease_id}"
-        if key in self._foreign and self.scheduler is not None:  # (another holder's until now: `_sync_foreign` held it)
-            self.scheduler.unhold(key)
-            self._foreign.discard(key)
         self._lease_ids[fid] = lease.lease_id
         self._hold_pipeline(fid, [(n, float(c)) for n, c in (lease.placement or {}).get("cpu") or []])
         self._register(fid, handle)
@@ -1267,14 +1263,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         sched = self.scheduler
         if sched is None or not cpu:
             return
-        got = _placement_from_lease(SimpleNamespace(placement={"cpu": [list(c) for c in cpu]}), sched.cluster, f"pipeline:{fid}")
-        if got is not None and not sched.hold(f"pipeline:{fid}", got[0], got[1], got[2]):
+        key = PIPELINE_HOLD + fid
+        got = _placement_from_json({"cpu": [list(c) for c in cpu]}, sched.cluster, key)
+        if got is not None and not sched.hold(key, got[0], got[1], got[2]):
             self._logger.debug("pipeline run %s: its %s cores do not fit the policy's view; not booked", fid, cpu)
 
     def _unhold_pipeline(self, fid: str) -> None:
         sched = self.scheduler
-        if sched is not None and f"pipeline:{fid}" in sched.state.allocs:
-            sched.unhold(f"pipeline:{fid}")
+        if sched is not None and PIPELINE_HOLD + fid in sched.state.allocs:
+            sched.unhold(PIPELINE_HOLD + fid)
             sched.wake()
 
     def _free_cores(self) -> dict[str, float]:
@@ -1560,22 +1557,22 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     async def _take_back(self, lease: Any, handle: StageHandle | None) -> None:
         from qosflow.core.cluster import PlacementError
 
+        # the lease was another holder's until now (an earlier process of this worker, or a worker whose
+        # lease expired): `_sync_foreign` showed it to the policy as taken capacity. It is this stage's
+        # slot (or this pipeline run's cores) from now on: drop that hold, or the stage's own slot is busy
+        # for `adopt` ("does not fit the current view") and the stage was watched outside the policy's view;
+        # the next sync then dropped the hold too, the GPU looked free while the stage ran, and stages placed
+        # on it were refused their lease (SlotTaken) and re-planned every ~70 ms until it ended
+        key = f"lease:{lease.lease_id}"
+        if key in self._foreign and self.scheduler is not None:
+            self.scheduler.unhold(key)
+            self._foreign.discard(key)
         if getattr(lease, "is_pipeline", False):  # (a pipeline run's Job: no slot to take back)
             await self._take_back_pipeline(lease, handle)
             return
         fid = lease.stage_key
         sched = self.scheduler
         assert sched is not None and self._backend is not None
-        # the lease was another holder's until now (an earlier process of this worker, or a worker whose
-        # lease expired): `_sync_foreign` showed it to the policy as taken capacity. It is this stage's
-        # slot from now on: drop that hold, or the stage's own slot is busy for `adopt` ("does not fit the
-        # current view") and the stage was watched outside the policy's view; the next sync then dropped
-        # the hold too, the GPU looked free while the stage ran, and stages placed on it were refused
-        # their lease (SlotTaken) and re-planned every ~70 ms until it ended
-        key = f"lease:{lease.lease_id}"
-        if key in self._foreign:
-            sched.unhold(key)
-            self._foreign.discard(key)
         if handle is not None and self._backend.name == "local":
             # a local stage process outlives its worker (own session) but cannot be waited on by a new
             # one: stop it, then rerun the stage, so that it never runs twice
@@ -2900,10 +2897,15 @@ def _process_runs_flow(pid: int, flow_run_id: str) -> bool:
 
 def _placement_from_lease(lease: Any, cluster: ClusterSpec, job_id: str):
     """(Placement, QoSSpec, cores by node index) of a lease's placement JSON in `cluster`, or None."""
+    return _placement_from_json(lease.placement or {}, cluster, job_id)
+
+
+def _placement_from_json(pl: dict, cluster: ClusterSpec, job_id: str):
+    """(Placement, QoSSpec, cores by node index) of a placement as a lease stores it (`gpus`, `cpu`, `cpusets`,
+    ... by node name) in `cluster`, or None if it does not fit it."""
     from qosflow.core.placement import Placement
     from qosflow.core.qos import QoSSpec
 
-    pl = lease.placement or {}
     idx = {n.name: i for i, n in enumerate(cluster.nodes)}
     try:
         gpus = tuple((idx[n], int(g)) for n, g in pl.get("gpus", []))
