@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from qosflow.procgroup import stop_group
 from qosflow.prefect.tasks import qos_flow, qos_task
 
 HERE = Path(__file__).resolve().parent
@@ -360,12 +361,7 @@ def main() -> None:
             if p.poll() is None:
                 p.kill()
         for p in agents.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
+            stop_group(p, 10.0)
         try:
             if "worker" in locals() and isinstance(worker, subprocess.Popen) and worker.poll() is None:
                 os.killpg(worker.pid, signal.SIGKILL)

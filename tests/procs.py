@@ -13,15 +13,8 @@ def alive(pid: int) -> bool:
 
 def stop_groups(procs) -> None:
     """Stop the process groups of `procs` (Popen objects started with `start_new_session=True`: a worker and the
-    stage processes it started) that still run: SIGTERM, then SIGKILL after 20 s."""
-    import os
-    import signal
-    import subprocess
+    stage processes it started): SIGTERM, then SIGKILL after 20 s (`qosflow.procgroup.stop_group`)."""
+    from qosflow.procgroup import stop_group
 
     for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_group(p, 20.0)
