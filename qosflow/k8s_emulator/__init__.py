@@ -8,12 +8,16 @@ client (and `qosflow.backends.kubernetes`) can be exercised without a cluster. N
 Failure injection: OOMKilled, ImagePullBackOff, Evicted, Unschedulable, exit codes, lost nodes.
 A pod garbage collector deletes the pods of a deleted node (after `pod_gc_quarantine_s`, 5 s; upstream 40 s), marked
 Failed with a DisruptionTarget condition (reason DeletionByPodGC) first, and the oldest terminated pods beyond
-`terminated_pod_gc_threshold` (12500, as upstream).
+`terminated_pod_gc_threshold` (12500, as upstream). Opt-in, a cluster-autoscaler over one node group
+(`autoscaler=NodeGroup(template=gpu_node("t"), min=0, max=2, scale_up_delay_s=1, scale_down_unneeded_s=30)`): a node
+for Unschedulable pods an empty template node would take, unneeded nodes deleted. A pod whose image is a pause image
+(`registry.k8s.io/pause:3.9`) runs until it is deleted.
 
     with EmulatorServer(nodes=[gpu_node("gpu-0"), gpu_node("gpu-1")]) as emu:
         api = kubernetes.client.CoreV1Api(emu.api_client())
 
-`python -m qosflow.k8s_emulator --port 8080 --nodes 3 --gpus 4 [--run-processes] [--pod-gc-quarantine 40]` runs one standalone.
+`python -m qosflow.k8s_emulator --port 8080 --nodes 3 --gpus 4 [--run-processes] [--pod-gc-quarantine 40]
+[--autoscale-max 4]` runs one standalone.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ from typing import Any
 
 import httpx
 
-from qosflow.k8s_emulator.state import POD_GC_QUARANTINE_S, TERMINATED_POD_GC_THRESHOLD, Cluster, gpu_node
+from qosflow.k8s_emulator.state import POD_GC_QUARANTINE_S, TERMINATED_POD_GC_THRESHOLD, Cluster, NodeGroup, gpu_node
 
-__all__ = ["EmulatorServer", "gpu_node", "Cluster"]
+__all__ = ["EmulatorServer", "gpu_node", "Cluster", "NodeGroup"]
 
 
 class EmulatorServer:
@@ -36,12 +40,14 @@ class EmulatorServer:
 
     def __init__(self, nodes: list[dict] | None = None, *, port: int = 0, window: int = 1000, tick_s: float = 0.02, start_delay_s: float = 0.05,
                  run_processes: bool = False, pod_gc_quarantine_s: float = POD_GC_QUARANTINE_S,
-                 terminated_pod_gc_threshold: int = TERMINATED_POD_GC_THRESHOLD):
+                 terminated_pod_gc_threshold: int = TERMINATED_POD_GC_THRESHOLD, autoscaler: NodeGroup | None = None):
         """`run_processes=True`: a Running pod runs its container's command as a local process (see state.py).
         `pod_gc_quarantine_s`: how long a deleted node's pods are left before the pod garbage collector deletes them
-        (upstream 40 s); `terminated_pod_gc_threshold`: terminated pods kept (upstream 12500; 0: all)."""
+        (upstream 40 s); `terminated_pod_gc_threshold`: terminated pods kept (upstream 12500; 0: all); `autoscaler`: a
+        `NodeGroup`, the emulated cluster-autoscaler (nodes added for Unschedulable pods, deleted when unneeded)."""
         self.cluster = Cluster(window=window, tick_s=tick_s, start_delay_s=start_delay_s, run_processes=run_processes,
-                               pod_gc_quarantine_s=pod_gc_quarantine_s, terminated_pod_gc_threshold=terminated_pod_gc_threshold)
+                               pod_gc_quarantine_s=pod_gc_quarantine_s, terminated_pod_gc_threshold=terminated_pod_gc_threshold,
+                               autoscaler=autoscaler)
         self._nodes = list(nodes or [])
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

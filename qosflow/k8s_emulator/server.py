@@ -293,6 +293,9 @@ def create_app(cluster: Cluster):
             "counts": {p: len(t) for p, t in store.objs.items()}, "rules": cluster.rules, "faults": cluster.faults,
             "watches": {"open": store.watches_open, "opened": store.watches_opened, "by_resource": dict(store.watches_by)},
             "traffic": cluster.traffic, "pod_gc": dict(cluster.pod_gc),
+            "autoscaler": None if cluster.autoscaler is None else {
+                "node_group": cluster.autoscaler.name, "min": cluster.autoscaler.min, "max": cluster.autoscaler.max,
+                "log": list(cluster.autoscaler_log)},
         })
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]

@@ -15,7 +15,9 @@ whose owners are all gone, and a pod garbage collector (kube-controller-manager'
 the pods of a node deleted from the cluster once it has been gone for `pod_gc_quarantine_s` (marked Failed with a
 DisruptionTarget condition, reason DeletionByPodGC, first) and the oldest terminated pods beyond
 `terminated_pod_gc_threshold`. Failures are injected through rules: OOMKilled, ImagePullBackOff,
-Evicted, Unschedulable, a non-zero exit code, or a lost node (these kill a pod's process).
+Evicted, Unschedulable, a non-zero exit code, or a lost node (these kill a pod's process). Opt-in, a cluster-autoscaler
+over one node group (`NodeGroup`, `Cluster(autoscaler=...)`) adds nodes for Unschedulable pods and deletes unneeded ones;
+a pause container (`registry.k8s.io/pause:3.9`) runs until its pod is deleted.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import tempfile
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
@@ -398,6 +401,56 @@ class Store:
 
 
 # ---------------------------------------------------------------------- controllers
+#: the label the emulated cluster-autoscaler puts on the nodes of its node group (a cloud provider's node pool label)
+NODE_GROUP_LABEL = "emulator.qosflow.dev/node-group"
+
+
+def is_pause_image(image: str) -> bool:
+    """A pause container's image (registry.k8s.io/pause:3.9, k8s.gcr.io/pause, .../pause): it runs until its pod is
+    deleted (the cluster-overprovisioner's placeholders)."""
+    ref = (image or "").split("@", 1)[0]
+    if ":" in ref.rsplit("/", 1)[-1]:  # (a tag, not a registry's port)
+        ref = ref[: ref.rfind(":")]
+    return ref == "pause" or ref.endswith("/pause")
+
+
+@dataclass
+class NodeGroup:
+    """An emulated cluster-autoscaler over one node group (a cloud node pool), opt-in: `Cluster(autoscaler=NodeGroup(...))`.
+
+    As the real cluster-autoscaler: a pod Pending with the condition PodScheduled=False reason Unschedulable that would
+    fit on an empty node made from `template` (the emulated scheduler's own filter, `Cluster._bindable`: node selector,
+    node affinity, resources, cordons) triggers a scale-up: after `scale_up_delay_s` (its scan interval plus the cloud's
+    provisioning time) enough new nodes for the pods waiting (first fit on template nodes), at most `max` in the group,
+    named `{name}-XXXXX` and labelled `emulator.qosflow.dev/node-group: {name}`, join Ready. Each pod triggers one
+    scale-up (the real autoscaler counts the node it asked for as upcoming until max-node-provision-time). A node of
+    the group with no pod bound to it but DaemonSets' (Pending or Running) for `scale_down_unneeded_s` is deleted
+    (its --scale-down-unneeded-time, 10 min upstream), down to `min`. Nodes the test adds with the group's label are
+    the group's too. The autoscaler's Events (TriggeredScaleUp) are not written: the emulator keeps no Events; its
+    doings are in `Cluster.autoscaler_log` and GET /emulator/state."""
+
+    template: dict
+    min: int = 0
+    max: int = 1
+    scale_up_delay_s: float = 1.0
+    scale_down_unneeded_s: float = 30.0
+    name: str = "gpu-pool"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min <= self.max:
+            raise ValueError(f"node group {self.name!r}: need 0 <= min <= max, got min={self.min} max={self.max}")
+        if self.scale_up_delay_s < 0 or self.scale_down_unneeded_s < 0:
+            raise ValueError(f"node group {self.name!r}: delays must be at least 0")
+
+    def node(self, name: str) -> dict:
+        """A node of the group: the template, named `name`, with the group's label."""
+        node = copy.deepcopy(self.template)
+        md = node.setdefault("metadata", {})
+        md["name"] = name
+        md["labels"] = {**(md.get("labels") or {}), "kubernetes.io/hostname": name, NODE_GROUP_LABEL: self.name}
+        return node
+
+
 #: kube-controller-manager's --terminated-pod-gc-threshold default
 TERMINATED_POD_GC_THRESHOLD = 12500
 #: the emulator's PodGC quarantine of a missing node (upstream: 40 s, a constant of the controller), short for tests
@@ -410,11 +463,20 @@ class Cluster:
     `pod_gc_quarantine_s`: how long a node bound pods name must stay missing before the pod garbage collector deletes
     those pods (upstream 40 s; here 5 s by default, still longer than a client watching the nodes needs to see the
     node's deletion); `terminated_pod_gc_threshold`: terminated (Succeeded/Failed) pods kept before the oldest are
-    deleted (upstream's --terminated-pod-gc-threshold, 12500; 0 or less: never)."""
+    deleted (upstream's --terminated-pod-gc-threshold, 12500; 0 or less: never); `autoscaler`: a `NodeGroup`, the
+    emulated cluster-autoscaler (off by default)."""
 
     def __init__(self, window: int = 1000, tick_s: float = 0.02, start_delay_s: float = 0.05, run_processes: bool = False,
-                 pod_gc_quarantine_s: float = POD_GC_QUARANTINE_S, terminated_pod_gc_threshold: int = TERMINATED_POD_GC_THRESHOLD):
+                 pod_gc_quarantine_s: float = POD_GC_QUARANTINE_S, terminated_pod_gc_threshold: int = TERMINATED_POD_GC_THRESHOLD,
+                 autoscaler: NodeGroup | None = None):
         self.store = Store(window)
+        #: the emulated cluster-autoscaler (`NodeGroup`), or None (the default: nodes come and go only by hand)
+        self.autoscaler = autoscaler
+        #: what it did: {"t", "action": "scale-up"/"scale-down", "node", "pods": [pod names that triggered it]}
+        self.autoscaler_log: list[dict[str, Any]] = []
+        self._unschedulable_since: dict[str, float] = {}  # pod uid -> first seen Unschedulable and helped by the group
+        self._scaled_for: set[str] = set()  # pod uids a scale-up was made for
+        self._unneeded_since: dict[str, float] = {}  # node of the group -> since when no pod needs it
         self.tick_s = tick_s
         self.start_delay_s = start_delay_s
         self.run_processes = run_processes
@@ -677,6 +739,8 @@ class Cluster:
             "fail_after_s": float(ann.get(ANN + "fail-after-s", 0.1)),
         }
         image = ((pod["spec"].get("containers") or [{}])[0].get("image") or "")
+        if is_pause_image(image):  # a pause container sleeps until its pod is deleted (no process runs, even with run_processes)
+            behaviour.update(run_s=float("inf"), pause=True)
         if ".invalid/" in image or image.endswith(".invalid"):  # RFC 2606: a registry that cannot exist
             behaviour["fail"] = "ImagePullBackOff"
         for rule in self.rules:
@@ -830,6 +894,88 @@ class Cluster:
             for pod, node in plan:
                 self._bind(pod, node)
 
+    # -------------------------------------------------------------- the cluster-autoscaler (opt-in)
+    def _autoscale(self) -> None:
+        """One pass of the emulated cluster-autoscaler (`NodeGroup`): scale up for unschedulable pods an empty template
+        node would take, scale down nodes of the group that no pod needs."""
+        g = self.autoscaler
+        assert g is not None
+        t = time.monotonic()
+        nodes = self.store.list("nodes")
+        group = [n for n in nodes if (n["metadata"].get("labels") or {}).get(NODE_GROUP_LABEL) == g.name]
+        pods = self.store.list("pods")
+        live = {p["metadata"]["uid"] for p in pods}
+        for uid in [u for u in self._unschedulable_since if u not in live]:
+            del self._unschedulable_since[uid]
+        self._scaled_for &= live
+        # scale-up: pods the scheduler found no node for (PodScheduled False, Unschedulable) that a new node would take
+        probe = g.node(f"{g.name}-template")  # (the empty node the autoscaler simulates the pods on, Ready as a new node is)
+        probe["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+        want: list[dict] = []
+        for p in pods:
+            uid = p["metadata"]["uid"]
+            if p["spec"].get("nodeName") or p["status"].get("phase") != "Pending" or uid in self._scaled_for:
+                continue
+            cond = next((c for c in p["status"].get("conditions") or [] if c.get("type") == "PodScheduled"), None)
+            if not cond or cond.get("status") != "False" or cond.get("reason") != "Unschedulable":
+                continue
+            if self._bindable(p, [probe], {})[0] is None:  # (a bigger node than the group's would be needed, or another label)
+                continue
+            since = self._unschedulable_since.setdefault(uid, t)
+            if t - since >= g.scale_up_delay_s:
+                want.append(p)
+        if want:
+            room = g.max - len(group)
+            # first fit of the waiting pods on new template nodes, as the autoscaler's binpacking estimator
+            load: list[dict[str, float]] = []
+            took: list[list[str]] = []
+            for p in want:
+                req = _requests(p)
+                alloc = {k: quantity(v) for k, v in probe["status"].get("allocatable", {}).items()}
+                for i, nl in enumerate(load):
+                    if all(nl.get(k, 0.0) + v <= alloc.get(k, 0.0) + 1e-9 for k, v in req.items()):
+                        break
+                else:
+                    if len(load) >= room:
+                        continue  # (the group is at its max: the real autoscaler says NotTriggerScaleUp)
+                    load.append({})
+                    took.append([])
+                    i = len(load) - 1
+                for k, v in req.items():
+                    load[i][k] = load[i].get(k, 0.0) + v
+                took[i].append(p["metadata"]["uid"])
+                self._scaled_for.add(p["metadata"]["uid"])
+            names = {p["metadata"]["uid"]: p["metadata"]["name"] for p in want}
+            for uids in took:
+                while True:
+                    name = f"{g.name}-{rand5()}"
+                    if ("", name) not in self.store.table("nodes"):
+                        break
+                self.add_node(g.node(name))
+                self.autoscaler_log.append({"t": time.time(), "action": "scale-up", "node": name, "pods": [names[u] for u in uids]})
+            group = [n for n in self.store.list("nodes") if (n["metadata"].get("labels") or {}).get(NODE_GROUP_LABEL) == g.name]
+        # scale-down: a node of the group with no pod but DaemonSets' for scale_down_unneeded_s
+        needed = set()
+        for p in pods:
+            owners = p["metadata"].get("ownerReferences") or []
+            if p["spec"].get("nodeName") and p["status"].get("phase") in (None, "Pending", "Running") \
+                    and not any(r.get("kind") == "DaemonSet" for r in owners):
+                needed.add(p["spec"]["nodeName"])
+        names_now = {n["metadata"]["name"] for n in group}
+        for name in [n for n in self._unneeded_since if n not in names_now or n in needed]:
+            del self._unneeded_since[name]
+        count = len(group)
+        for n in sorted(group, key=lambda n: n["metadata"]["name"]):
+            name = n["metadata"]["name"]
+            if name in needed:
+                continue
+            since = self._unneeded_since.setdefault(name, t)
+            if t - since >= g.scale_down_unneeded_s and count > g.min:
+                self.store.delete("nodes", "", name)
+                del self._unneeded_since[name]
+                count -= 1
+                self.autoscaler_log.append({"t": time.time(), "action": "scale-down", "node": name, "pods": []})
+
     def _kubelet(self) -> None:
         t = time.monotonic()
         for pod in self.store.list("pods"):
@@ -871,7 +1017,7 @@ class Cluster:
                 pod["status"]["conditions"] = [c for c in pod["status"].get("conditions", []) if c["type"] != "Ready"] + [
                     {"type": "Ready", "status": "True", "lastTransitionTime": now_iso()}]
                 tl["running"] = t
-                if self.run_processes:
+                if self.run_processes and not tl.get("pause"):
                     self._start_process(pod, tl, envs[0] if envs else {})
                 self.store.update("pods", pod)
                 continue
@@ -975,6 +1121,8 @@ class Cluster:
                 for job in self.store.list("jobs"):
                     self._sync_job(job)
                 self._schedule()
+                if self.autoscaler is not None:
+                    self._autoscale()
                 self._kubelet()
                 self._collect_garbage()
                 self._collect_pods()
