@@ -106,6 +106,24 @@ class NodeListing:
     cordoned: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class CapacityWant:
+    """A stage that has waited in the worker's QoS queue because no node of its plan has room for it
+    (`QoSScheduler.waiting_for_capacity`): what a backend that can ask for nodes (`Backend.request_capacity`) asks
+    for on its behalf. Data flows one way: the worker's queue -> the backend's actuation."""
+
+    #: the stage's job id (its flow run id), the `Placement.job_id` it will be launched with
+    job_id: str
+    name: str
+    #: whole GPUs (a fractional share asks for one GPU of `gpu_milli`/1000), cores and MB of memory, on one node
+    gpus: int
+    cpu_cores: float
+    mem_mb: float = 0.0
+    gpu_milli: int = 1000
+    #: seconds it has waited in the queue
+    waited_s: float = 0.0
+
+
 def grad_accumulation(width: int, requested_gpus: int | None) -> int:
     """Gradient-accumulation steps of a stage that asked for `requested_gpus` GPUs and got `width` of
     them (an elastic start, `QoSSpec.min_gpus`): requested // width, 1 at full width (or None asked).
@@ -266,6 +284,20 @@ class Backend(ABC):
     async def list_nodes(self) -> NodeListing:
         """The nodes as the cluster's API lists them now (a backend whose `lists_nodes` is true)."""
         raise NotImplementedError(f"the {self.name} backend's hosts are those its description names")
+
+    #: the backend asks its cluster for capacity (nodes) for the stages that wait because no node has room for
+    #: them (`sync_capacity_requests`); the worker gives it those stages at its heartbeats when this is true
+    request_capacity: bool = False
+    #: how long a stage waits for capacity before it is asked for
+    capacity_request_after_s: float = 30.0
+
+    #: whether requests it made are still there (to be deleted once `request_capacity` is turned off)
+    holds_capacity_requests: bool = False
+
+    async def sync_capacity_requests(self, wants: Sequence[CapacityWant]) -> None:
+        """The stages that wait for capacity now (all of them: one missing is no longer waiting, or waiting no more
+        for capacity). Default: nothing is asked for."""
+        return None
 
     def drop_host(self, name: str) -> bool:
         """Forget host `name`, retired by `update_cluster`, now that no stage of this worker is placed there.

@@ -61,8 +61,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Collection, NamedTuple, Sequence
 
-from qosflow.backends.base import (Backend, BackendUnreachable, ClusterUpdate, ExitKind, ExitStatus, LaunchSpec, NodeListing,
-                                   ProgressCopies, StageHandle, placement_env)
+from qosflow.backends.base import (Backend, BackendUnreachable, CapacityWant, ClusterUpdate, ExitKind, ExitStatus, LaunchSpec,
+                                   NodeListing, ProgressCopies, StageHandle, placement_env)
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.gpu_names import short_gpu_model
 from qosflow.errors import QosflowError, SpecError
@@ -100,6 +100,13 @@ LABEL_ROLE = "qosflow.dev/role"
 PIPELINE_CPU_CORES = 0.25
 PIPELINE_MEM_MB = 512.0
 PIPELINE_JOBS_ENV = "QOSFLOW_K8S_PIPELINE_JOBS"
+#: capacity requests (scale from zero): placeholder pods, as the cluster-overprovisioner's, that a cluster-autoscaler
+#: (or Karpenter) sees Pending and Unschedulable and adds a node for
+ROLE_CAPACITY = "capacity-request"
+LABEL_CAPACITY_FOR = "qosflow.dev/capacity-for"
+LABEL_CLUSTER = "qosflow.dev/cluster"
+ANN_CAPACITY_FOR = "qosflow.dev/capacity-for"
+CAPACITY_IMAGE = "registry.k8s.io/pause:3.9"
 _in_api_call = threading.local()
 
 
@@ -262,6 +269,18 @@ class KubernetesBackend(Backend):
     #: what a pipeline run's pod requests when its job variables do not say (cpu_cores, mem_mb): no limit
     pipeline_cpu_cores: float = PIPELINE_CPU_CORES
     pipeline_mem_mb: float = PIPELINE_MEM_MB
+    #: scale from zero (docs/infrastructure.md, "Scaling from zero"): a stage that has waited `capacity_request_after_s`
+    #: in the QoS queue because no node of the worker's plan has room for it gets a placeholder pod (a pause container
+    #: with the stage's GPUs, cpu and memory, the block's node selector) that a cluster-autoscaler sees Pending and
+    #: Unschedulable and adds a node for; deleted when the stage is placed (before its Job is created) or leaves the
+    #: queue. At most `max_capacity_requests` at once; `capacity_priority_class`: their priorityClassName (a low one
+    #: lets other pods preempt them). Off by default: without it nothing asks for a node, and on a GPU pool scaled to
+    #: zero (or full) the stages wait until a node comes some other way
+    request_capacity: bool = False
+    capacity_request_after_s: float = 30.0
+    max_capacity_requests: int = 4
+    capacity_request_image: str = CAPACITY_IMAGE
+    capacity_priority_class: str | None = None
 
     name = "kubernetes"
 
@@ -282,6 +301,10 @@ class KubernetesBackend(Backend):
             raise SpecError("gpu_sharing", f"{self.gpu_sharing!r}: use time-slicing, mps or none")
         if self.gang_scheduler not in (None, "volcano", "kai"):
             raise SpecError("gang_scheduler", f"{self.gang_scheduler!r}: use volcano, kai or nothing")
+        if not (math.isfinite(self.capacity_request_after_s) and self.capacity_request_after_s >= 0):
+            raise SpecError("capacity_request_after_s", f"{self.capacity_request_after_s!r}: give a number of seconds >= 0")
+        if self.max_capacity_requests < 0:
+            raise SpecError("max_capacity_requests", f"{self.max_capacity_requests!r}: give a number >= 0")
         from kubernetes import client, config
 
         if self.api_client is None:
@@ -340,6 +363,13 @@ class KubernetesBackend(Backend):
         #: the nodes as last described (non-empty), for `update_cluster` while no node is listed
         self._described: list[NodeSpec] = []
         self.stats.update({"node_lists": 0, "node_watches": 0, "node_watch_410": 0, "node_watch_broken": 0, "node_events": 0})
+        #: capacity requests (`request_capacity`): job id -> the name of its placeholder pod, made by this backend
+        self._capacity: dict[str, str] = {}
+        #: job ids placed since their placeholder was deleted (a sync that read the queue before cannot make it again)
+        self._capacity_placed: set[str] = set()
+        self._capacity_swept = False
+        self._capacity_lock: asyncio.Lock | None = None
+        self.stats.update({"capacity_requested": 0, "capacity_dropped": 0, "capacity_left_deleted": 0})
 
     # ------------------------------------------------------------------ API calls with retries
     def _call(self, fn, *args, _doing: str | None = None, **kw):
@@ -648,7 +678,8 @@ class KubernetesBackend(Backend):
 
     # ------------------------------------------------------------------ the cluster block is edited
     #: fields of an edited block taken at once: they are read only when a stage is launched
-    UPDATABLE = ("image", "credentials_in_secret")
+    UPDATABLE = ("image", "credentials_in_secret", "request_capacity", "capacity_request_after_s", "max_capacity_requests",
+                 "capacity_request_image", "capacity_priority_class")
     #: fields that running stages (their Jobs, pods, Secrets and watches) or the worker's plan depend on
     RESTART_FIELDS = ("namespace", "kubeconfig", "context", "_api_host", "gpu_sharing", "gpu_resource", "shared_resource",
                       "gang_scheduler", "node_selector")
@@ -762,6 +793,177 @@ class KubernetesBackend(Backend):
             log.warning("stage %s: deleted its credentials Secret %s, which no Job owned (created %s, its worker stopped before the "
                         "stage's Job was created?)", stage, md.name, md.creation_timestamp.isoformat())
         return dropped
+
+    # ------------------------------------------------------------------ capacity requests (scale from zero)
+    @property
+    def holds_capacity_requests(self) -> bool:  # type: ignore[override]
+        return bool(self._capacity)
+
+    def _capacity_selector(self) -> str:
+        return f"{LABEL_ROLE}={ROLE_CAPACITY},{LABEL_CLUSTER}={label_value(self.cluster_name)}"
+
+    def capacity_request_manifest(self, want: CapacityWant) -> dict:
+        """The placeholder pod asking the cluster for a node for stage `want` (the cluster-overprovisioner's pause
+        pod): a pause container requesting the stage's GPUs (whole ones, or one shared GPU for a fractional share
+        when the device plugin shares them), cpu and memory, the block's node selector, the GPU taint's toleration
+        (as a stage's pods), optionally `capacity_priority_class`. No qosflow.dev/stage-id label: no stage's selector
+        matches it. `cluster-autoscaler.kubernetes.io/safe-to-evict`: a bare pod would otherwise keep its node from
+        being scaled down."""
+        gpus: dict[str, str] = {}
+        if want.gpus > 0:
+            if want.gpu_milli < 1000 and self.shares_gpus:
+                gpus[self.shared_resource] = str(want.gpus)
+            else:
+                gpus[self.gpu_resource] = str(want.gpus)
+        requests = {"cpu": _cpu(max(want.cpu_cores, 0.001)), **gpus}
+        if want.mem_mb:
+            requests["memory"] = f"{int(want.mem_mb)}Mi"
+        labels = {"app.kubernetes.io/managed-by": "qosflow", "app.kubernetes.io/name": "qosflow-capacity-request",
+                  LABEL_ROLE: ROLE_CAPACITY, LABEL_CAPACITY_FOR: label_value(want.job_id), LABEL_CLUSTER: label_value(self.cluster_name)}
+        annotations = {ANN_CAPACITY_FOR: want.job_id, "qosflow.dev/stage-name": want.name,
+                       "cluster-autoscaler.kubernetes.io/safe-to-evict": "true"}
+        spec: dict[str, Any] = {
+            "containers": [{"name": "pause", "image": self.capacity_request_image,
+                            "resources": {"requests": requests, **({"limits": dict(gpus)} if gpus else {})}}],
+            "tolerations": [{"key": self.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}],
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": False,
+        }
+        if self.node_selector:
+            spec["nodeSelector"] = dict(self.node_selector)
+        if self.capacity_priority_class:
+            spec["priorityClassName"] = self.capacity_priority_class
+        if self.image_pull_secrets:
+            spec["imagePullSecrets"] = [{"name": n} for n in self.image_pull_secrets]
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": job_name(want.job_id, "-cap"), "namespace": self.namespace, "labels": labels, "annotations": annotations},
+                "spec": spec}
+
+    def _capacity_lock_now(self) -> asyncio.Lock:
+        if self._capacity_lock is None:
+            self._capacity_lock = asyncio.Lock()
+        return self._capacity_lock
+
+    async def _delete_capacity_pod(self, name: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:  # (at once: the pause container needs no grace, and the stage's pod waits for its room)
+            await self._acall(self.core.delete_namespaced_pod, name, self.namespace, grace_period_seconds=0,
+                              _doing="delete a capacity request")
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    async def _drop_capacity_request(self, job_id: str, why: str) -> None:
+        async with self._capacity_lock_now():
+            name = self._capacity.pop(job_id, None)
+            if why == "placed":
+                self._capacity_placed.add(job_id)
+            if name is None:
+                return
+            try:
+                await self._delete_capacity_pod(name)
+            except Exception as exc:  # (the next sync deletes it: it is no longer wanted)
+                log.warning("stage %s: could not delete its capacity request %s (%s): deleted at the next heartbeat", job_id, name, exc)
+                self._capacity.setdefault(job_id, name)
+                return
+            self.stats["capacity_dropped"] += 1
+            log.info("stage %s: capacity request %s deleted (%s)", job_id, name, why)
+
+    async def _clear_way(self, job_id: str, nodes: list[str]) -> None:
+        """Before stage `job_id`'s Job is created on `nodes`: delete its placeholder, and this backend's placeholders
+        that could take the room the worker gave it: those not bound yet (the kube-scheduler may bind one to the room
+        the stage's placeholder leaves before the job controller has made the stage's pod) and those bound to one of
+        its nodes (one took room there that a stage which ended left). Their stages, if they still wait for capacity,
+        get new ones at the next heartbeat (`sync_capacity_requests`). A placeholder of the worker's own
+        `capacity_priority_class`, lower than the stages', is preempted anyway; without one this is what keeps a stage
+        from being Unschedulable behind a placeholder."""
+        async with self._capacity_lock_now():
+            self._capacity_placed.add(job_id)
+            mine = {name: jid for jid, name in self._capacity.items()}
+            try:
+                pods = (await self._acall(self.core.list_namespaced_pod, self.namespace, label_selector=self._capacity_selector(),
+                                          _doing=f"launch stage {job_id}")).items
+            except Exception as exc:  # (the stage's own is deleted all the same)
+                log.debug("listing the capacity requests before stage %s: %s", job_id, exc)
+                pods = []
+            in_way = {p.metadata.name for p in pods if p.metadata.name in mine and (not p.spec.node_name or p.spec.node_name in nodes)}
+            if job_id in self._capacity:
+                in_way.add(self._capacity[job_id])
+            for name in sorted(in_way, key=lambda n: mine.get(n) != job_id):  # (the stage's own first)
+                jid = mine[name]
+                try:
+                    await self._delete_capacity_pod(name)
+                except Exception as exc:  # (the next sync deletes it if it is no longer wanted)
+                    log.warning("stage %s: could not delete capacity request %s (%s)", job_id, name, exc)
+                    continue
+                self._capacity.pop(jid, None)
+                self.stats["capacity_dropped"] += 1
+                log.info("stage %s: capacity request %s deleted (%s)", jid, name,
+                         "its stage is placed" if jid == job_id else f"in the way of stage {job_id}, placed: made again if still wanted")
+
+    async def sync_capacity_requests(self, wants: Sequence[CapacityWant]) -> None:
+        """Make the placeholder pods match `wants` (the stages waiting for capacity, longest wait first; at most
+        `max_capacity_requests` of them get one): one LIST of the placeholders of this cluster (label selector), a
+        create for each missing one, a delete for each of this backend's no longer wanted (its stage placed, gone,
+        or room found for it) or ended (a Failed or preempted placeholder is made again). The first call deletes every
+        placeholder of this cluster that another worker left (one that stopped without deleting them; a live one
+        makes its own again at its next heartbeat). Nothing when `request_capacity` is off."""
+        if not self.request_capacity:
+            if not self._capacity:
+                return
+            wants = []  # (turned off by an edit of the cluster block: this backend's placeholders go)
+        from kubernetes.client.exceptions import ApiException
+
+        wants = list(wants)[: self.max_capacity_requests]
+        wanted = {w.job_id for w in wants}
+        doing = "request capacity"
+        async with self._capacity_lock_now():
+            self._capacity_placed &= wanted
+            if not wanted and not self._capacity and self._capacity_swept:
+                return
+            pods = (await self._acall(self.core.list_namespaced_pod, self.namespace, label_selector=self._capacity_selector(), _doing=doing)).items
+            have: dict[str, Any] = {}
+            for p in pods:
+                jid = (p.metadata.annotations or {}).get(ANN_CAPACITY_FOR) or ""
+                ended = (p.status.phase if p.status else None) in ("Succeeded", "Failed")
+                ours = self._capacity.get(jid) == p.metadata.name
+                if not self._capacity_swept and not ours:
+                    await self._delete_capacity_pod(p.metadata.name)
+                    self.stats["capacity_left_deleted"] += 1
+                    log.info("capacity request %s (stage %s) left by a worker that stopped: deleted", p.metadata.name, jid)
+                    continue
+                if ended or (ours and jid not in wanted):
+                    await self._delete_capacity_pod(p.metadata.name)
+                    if ours:
+                        self._capacity.pop(jid, None)
+                        self.stats["capacity_dropped"] += 1
+                        log.info("stage %s: capacity request %s deleted (%s)", jid, p.metadata.name,
+                                 "it ended: made again" if ended else "no longer waiting for capacity")
+                    continue
+                have[jid] = p
+            self._capacity_swept = True
+            for jid in [j for j in self._capacity if j not in have]:  # (deleted by someone else: made again below if wanted)
+                del self._capacity[jid]
+            for w in wants:
+                if w.job_id in self._capacity_placed:
+                    continue
+                if w.job_id in have:
+                    self._capacity[w.job_id] = have[w.job_id].metadata.name
+                    continue
+                body = self.capacity_request_manifest(w)
+                try:
+                    await self._acall(self.core.create_namespaced_pod, self.namespace, body, _doing=doing)
+                except ApiException as e:
+                    if e.status != 409:
+                        log.warning("stage %s: could not request capacity (%s %s): %s", w.name, e.status, e.reason, (e.body or "")[:300])
+                        continue
+                self._capacity[w.job_id] = body["metadata"]["name"]
+                self.stats["capacity_requested"] += 1
+                req = body["spec"]["containers"][0]["resources"]["requests"]
+                log.info("stage %s has waited %.0fs for capacity (no node has room for it): placeholder pod %s asks the cluster's "
+                         "autoscaler for a node (%s)", w.name, w.waited_s, body["metadata"]["name"],
+                         ", ".join(f"{k}={v}" for k, v in req.items()))
 
     # ------------------------------------------------------------------ manifests
     @staticmethod
@@ -1013,6 +1215,8 @@ class KubernetesBackend(Backend):
 
         doing = f"launch stage {spec.stage_id}"
         self._killed.pop(spec.stage_id, None)  # (an earlier kill of this attempt id does not cancel this launch)
+        if self._capacity:  # its placeholder goes first (the node it brought is the stage's), and any in its way
+            await self._clear_way(spec.placement.job_id, [spec.cluster.nodes[i].name for i in spec.placement.nodes])
 
         jobs, pg = self.manifests(spec)
         secret = self.secret_manifest(spec)
@@ -1475,6 +1679,9 @@ class KubernetesBackend(Backend):
                 yield line
 
     async def aclose(self) -> None:
+        if self._capacity:  # (its stages go back to the pool's queue: a node kept for them would be paid for nothing)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*(self._drop_capacity_request(j, "the worker stopped") for j in list(self._capacity))), 10)
         self._stop_node_watch()
         for ev in self._stop.values():
             ev.set()

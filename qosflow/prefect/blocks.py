@@ -405,7 +405,20 @@ class KubernetesGPUCluster(_ClusterBase):
                     "on secrets); off: as plain values in the Job, readable by whoever may read Jobs.",
     )
 
-    @field_validator("kubeconfig", "context", "api_url", mode="before")
+    request_capacity: bool = Field(
+        default=False,
+        description="Scale from zero: for a stage that has waited capacity_request_after_s because no node has room for it, "
+                    "create a placeholder pod (a pause container with the stage's GPUs, cpu and memory) that the cluster's "
+                    "autoscaler (cluster-autoscaler, Karpenter) adds a node for; deleted when the stage is placed. The account "
+                    "needs list, create and delete on pods.",
+    )
+    capacity_request_after_s: float = Field(default=30.0, ge=0, description="Seconds a stage waits for room before capacity is requested for it.")
+    max_capacity_requests: int = Field(default=4, ge=0, description="Placeholder pods at most at once (the stages that waited longest).")
+    capacity_request_image: str = Field(default="registry.k8s.io/pause:3.9", description="The placeholder pods' image (a pause image).")
+    capacity_priority_class: Optional[str] = Field(
+        default=None, description="priorityClassName of the placeholder pods (a low one lets other pods preempt them).")
+
+    @field_validator("kubeconfig", "context", "api_url", "capacity_priority_class", mode="before")
     @classmethod
     def _unset(cls, v: Any) -> Any:
         return _blank_to_none(v)
@@ -474,6 +487,9 @@ class KubernetesGPUCluster(_ClusterBase):
             namespace=self.namespace, image=self.image, api_client=api_client, kubeconfig=self.kubeconfig, context=self.context,
             gpu_sharing=self.sharing, gang_scheduler=self.gang_scheduler, node_selector=dict(self.node_labels), cluster_name=name,
             gpu_resource=self.gpu_resource, credentials_in_secret=self.credentials_in_secret,
+            request_capacity=self.request_capacity, capacity_request_after_s=self.capacity_request_after_s,
+            max_capacity_requests=self.max_capacity_requests, capacity_request_image=self.capacity_request_image,
+            capacity_priority_class=self.capacity_priority_class,
         )
 
 

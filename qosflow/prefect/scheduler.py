@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+import numpy as np
+
 from qosflow.backends.base import grad_accumulation
 from qosflow.core.cluster import ClusterSpec, ClusterState, PlacementError
 from qosflow.core.estimate import Z_HIGH, DeclaredEstimator, Estimator, gpu_speed
@@ -263,6 +265,38 @@ class QoSScheduler:
 
     def running(self) -> list[StageEntry]:
         return [e for e in self.entries.values() if e.state.status is JobStatus.RUNNING]
+
+    def waiting_for_capacity(self, after_s: float = 0.0, now: float | None = None) -> list[StageEntry]:
+        """Queued stages that have waited at least `after_s` and that no node of the plan has room for now: no node
+        that is up (and of the GPU model and memory asked for) has the GPUs, cores and memory free that the stage
+        asks for on one node (a gang wider than a node: the free GPUs of all such nodes together). A stage the policy
+        holds back although a node has room (its turn has not come, fair share) is not one of them: more nodes are
+        not what it waits for. Longest wait first."""
+        now = self.clock() if now is None else now
+        st = self.state
+        out: list[tuple[float, StageEntry]] = []
+        for e in self.entries.values():
+            if e.state.status is not JobStatus.PENDING or e.future is None or e.future.done():
+                continue
+            waited = now - e.ready_at
+            if waited < after_s:
+                continue
+            q = e.job.qos
+            ok = st.usable_nodes(q)
+            if q.gpus > 0:
+                if q.gpu_milli < 1000 and q.shareable:
+                    free = (st.exists & (st.milli_free >= q.gpu_milli)).sum(axis=1)
+                else:
+                    free = (st.exists & (st.njobs == 0)).sum(axis=1)
+            else:
+                free = np.zeros(st.num_nodes, dtype=np.int64)
+            fits = ok & (free >= q.gpus) & (st.cpu_free >= q.cpu_cores - 1e-9) & (st.mem_free >= q.mem_mb - 1e-9)
+            if fits.any():
+                continue
+            if q.gpus > self.cluster.max_gpus_per_node and int(free[ok].sum()) >= q.gpus:
+                continue
+            out.append((waited, e))
+        return [e for _, e in sorted(out, key=lambda x: -x[0])]
 
     # ------------------------------------------------------------------ loop
     def start(self) -> asyncio.Task:
