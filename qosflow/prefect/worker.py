@@ -1795,6 +1795,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             beats += 1
             try:
                 await self._sync_health()
+                await self._sync_capacity_requests()
                 if self.leases is not None:
                     await asyncio.to_thread(self.leases.renew_holder, self.holder, self.lease_ttl_s)
                     await self._sync_foreign()
@@ -1863,6 +1864,28 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._logger.info("host %s answers again", node.name)
             self._node_event("qosflow.node.down" if down else "qosflow.node.up", node.name, {"stages": on_it})
             sched.wake()
+
+    async def _sync_capacity_requests(self) -> None:
+        """Tell a backend that asks its cluster for nodes (`request_capacity`: Kubernetes' placeholder pods for a
+        cluster-autoscaler) which stages have waited `capacity_request_after_s` because no node of the plan has room
+        for them (`QoSScheduler.waiting_for_capacity`); it makes and deletes its requests to match. Not during an
+        outage (every node is down then, for want of the API, not of room)."""
+        sched, be = self.scheduler, self._backend
+        if sched is None or be is None or self.outage is not None:
+            return
+        on = getattr(be, "request_capacity", False) is True
+        if not on and getattr(be, "holds_capacity_requests", False) is not True:  # (off, and none left to delete)
+            return
+        from qosflow.backends.base import CapacityWant
+
+        now = sched.clock()
+        wants = [CapacityWant(job_id=e.job_id, name=e.name, gpus=int(math.ceil(e.job.qos.gpus)), cpu_cores=float(e.job.qos.cpu_cores),
+                              mem_mb=float(e.job.qos.mem_mb or 0.0), gpu_milli=int(e.job.qos.gpu_milli), waited_s=now - e.ready_at)
+                 for e in (sched.waiting_for_capacity(float(be.capacity_request_after_s), now) if on else [])]
+        try:
+            await be.sync_capacity_requests(wants)
+        except Exception as exc:  # (the next heartbeat tries again; the stages wait meanwhile, as they would anyway)
+            self._logger.warning("could not request capacity for %d waiting stage(s): %s", len(wants), exc)
 
     def _enter_outage(self, why: str) -> None:
         """The backend's API cannot be reached: mark every node down in the scheduler's view, so that
