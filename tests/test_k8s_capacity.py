@@ -1,0 +1,289 @@
+"""Scaling from zero: a worker on Kubernetes asks the cluster's autoscaler for a node for the stages that wait because no
+node has room for them (`request_capacity`), with placeholder pods as the cluster-overprovisioner does.
+
+A cluster-autoscaler adds a node only for pods Pending and Unschedulable; qosflow keeps a waiting stage in its own QoS
+queue and creates its pod only once it has placed it, so on a GPU pool scaled to zero (or full) nothing asked for a node
+and the stages waited for ever. Here a worker (scheduler + KubernetesBackend + its node reload and heartbeat) runs on
+qosflow's API emulator (EMULATED: no cluster) with the emulator's cluster-autoscaler over one GPU node group
+(`NodeGroup`): its only node is scaled down once unneeded, then a stage arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+
+import pytest
+from kubernetes import client
+
+from qosflow.backends.base import CapacityWant, ExitKind, LaunchSpec
+from qosflow.backends.kubernetes import KubernetesBackend
+from qosflow.core.job import Job, JobState
+from qosflow.core.qos import QoSSpec
+from qosflow.k8s_emulator import EmulatorServer, NodeGroup, gpu_node
+
+pytestmark = pytest.mark.timeout(120)
+CAPACITY = "qosflow.dev/role=capacity-request"
+
+
+async def until(cond, what: str, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not await asyncio.to_thread(cond):
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:g}s waiting until {what}")
+        await asyncio.sleep(0.05)
+
+
+def group(**kw) -> NodeGroup:
+    # (scale_down_unneeded_s long until the worker has started: `scaled_to_zero` shortens it; a worker cannot start on a
+    # cluster with no node)
+    return NodeGroup(template=gpu_node("template", 1), **{"min": 0, "max": 2, "scale_up_delay_s": 0.3, "scale_down_unneeded_s": 600.0, **kw})
+
+
+class Lab:
+    """A worker on the emulator: its scheduler (fifo), its node reload loop and its heartbeat (health, then capacity
+    requests, as `QosflowWorker._health_loop` does), every 0.2 s."""
+
+    def __init__(self, emu: EmulatorServer, **backend):
+        self.emu = emu
+        self.core = client.CoreV1Api(emu.api_client())
+        self.backend = backend
+
+    async def __aenter__(self) -> "Lab":
+        from qosflow.policies import get_policy
+        from qosflow.prefect.scheduler import QoSScheduler
+        from qosflow.prefect.worker import QosflowWorker
+
+        self.be = KubernetesBackend(namespace="default", image="busybox:1.36", api_client=self.emu.api_client(), unschedulable_timeout_s=1.0,
+                                    node_selector={"nvidia.com/gpu.present": "true"}, capacity_request_after_s=0.2, **self.backend)
+        self.w = QosflowWorker(work_pool_name="k8s-capacity", backend=self.be)
+        self.w.scheduler = self.sched = QoSScheduler(await self.be.inventory(), get_policy("fifo"), coda=False)
+        self.w.cluster_reload_s = 0.2
+        self.w._node_event = lambda name, node, payload: None  # (no Prefect server here)
+        self.sched.start()
+
+        async def beat() -> None:
+            while True:
+                await self.w._sync_health()
+                await self.w._sync_capacity_requests()
+                await asyncio.sleep(0.2)
+
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self.w._cluster_reload_loop()), loop.create_task(beat())]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for t in self.tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        task = self.sched._task
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=0.5)
+        await self.sched.stop()
+        await self.be.aclose()
+
+    def nodes(self) -> list[str]:
+        return [n.metadata.name for n in self.core.list_node().items]
+
+    def placeholders(self) -> list:
+        return self.core.list_namespaced_pod("default", label_selector=CAPACITY).items
+
+    def all_pods(self) -> list:
+        return self.core.list_namespaced_pod("default").items
+
+    def queue(self, name: str, gpus: int = 1) -> asyncio.Future:
+        """Queue a stage; resolves to the node the scheduler gives it."""
+        from qosflow.prefect.scheduler import StageEntry
+
+        e = StageEntry(JobState(Job(name, 0.0, QoSSpec(gpus=gpus, cpu_cores=2, mem_mb=1024), duration=5.0)), name)
+
+        async def placed() -> str:
+            g = await self.sched.request(e)
+            (node,) = g.placement.nodes
+            return self.sched.cluster.nodes[node].name
+
+        return asyncio.ensure_future(placed())
+
+    async def launch(self, name: str, run_s: float):
+        self.emu.add_rule(selector=f"qosflow.dev/stage-id={name}", run_s=run_s)
+        p = self.sched.entries[name].grant.placement
+        return await self.be.launch(LaunchSpec(name, ["true"], p, self.sched.cluster))
+
+    def pod_node(self, name: str) -> str | None:
+        pods = self.core.list_namespaced_pod("default", label_selector=f"qosflow.dev/stage-id={name}").items
+        return pods[0].spec.node_name if pods and pods[0].status.phase in ("Running", "Succeeded") else None
+
+
+async def scaled_to_zero(lab: Lab) -> None:
+    """The autoscaler deletes the group's only node once unneeded; the worker sees it down."""
+    lab.emu.cluster.autoscaler.scale_down_unneeded_s = 0.5
+    await until(lambda: lab.nodes() == [], "the GPU pool scaled to zero")
+    await until(lambda: bool(lab.sched.state.down.all()), "every node down in the worker's plan")
+
+
+def test_a_stage_on_a_pool_scaled_to_zero_gets_a_node_through_its_placeholder_and_runs_there():
+    async def go():
+        g = group()
+        with EmulatorServer([g.node("gpu-pool-first")], autoscaler=g) as emu:
+            async with Lab(emu, request_capacity=True) as lab:
+                await scaled_to_zero(lab)
+                waiting = lab.queue("a")
+                await until(lambda: len(lab.placeholders()) == 1, "a placeholder pod for the waiting stage")
+                (ph,) = lab.placeholders()
+                assert ph.metadata.labels["qosflow.dev/capacity-for"] == "a"
+                assert ph.metadata.labels["app.kubernetes.io/managed-by"] == "qosflow"
+                assert "qosflow.dev/stage-id" not in ph.metadata.labels  # (no stage's selector matches it)
+                assert ph.metadata.annotations["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "true"
+                c = ph.spec.containers[0]
+                assert c.image == "registry.k8s.io/pause:3.9"
+                assert c.resources.requests == {"cpu": "2000m", "memory": "1024Mi", "nvidia.com/gpu": "1"}
+                assert c.resources.limits == {"nvidia.com/gpu": "1"}
+                assert ph.spec.node_selector == {"nvidia.com/gpu.present": "true"}
+                assert any(t.key == "nvidia.com/gpu" and t.effect == "NoSchedule" for t in ph.spec.tolerations)
+                # the autoscaler adds a node for it; the worker plans on it and places the stage there
+                node = await asyncio.wait_for(waiting, 20)
+                log = emu.state()["autoscaler"]["log"]
+                ups = [x for x in log if x["action"] == "scale-up"]
+                assert [x["node"] for x in ups] == [node] and ups[0]["pods"] == [ph.metadata.name], log
+                assert node != "gpu-pool-first"
+                # placed: its placeholder is deleted before its Job is created, so that the stage's pod gets the node
+                # (one GPU: with the placeholder still there it would be Unschedulable)
+                h = await lab.launch("a", 0.3)
+                assert lab.placeholders() == []
+                st = await lab.be.wait(h)
+                assert st.kind is ExitKind.OK, st
+                assert lab.pod_node("a") == node
+                assert lab.be.stats["capacity_requested"] == 1 and lab.be.stats["capacity_dropped"] == 1, lab.be.stats
+                lab.sched.release("a")
+                # the node, unneeded again, is scaled down
+                await until(lambda: lab.nodes() == [], "the new node scaled down once unneeded")
+                assert lab.placeholders() == []
+
+    asyncio.run(go())
+
+
+def test_without_request_capacity_nothing_asks_for_a_node_and_the_stage_waits():
+    """The behaviour before (and still the default): the stage waits in the QoS queue, no pod is created, the
+    autoscaler sees nothing to scale up for."""
+    async def go():
+        g = group()
+        with EmulatorServer([g.node("gpu-pool-first")], autoscaler=g) as emu:
+            async with Lab(emu) as lab:
+                await scaled_to_zero(lab)
+                waiting = lab.queue("a")
+                await asyncio.sleep(2.0)  # (ten times capacity_request_after_s, six times the scale-up delay)
+                assert not waiting.done()
+                assert lab.all_pods() == [] and lab.nodes() == []
+                assert [x["action"] for x in emu.state()["autoscaler"]["log"]] == ["scale-down"]
+                lab.sched.drop("a")
+                with contextlib.suppress(Exception):
+                    await waiting
+
+    asyncio.run(go())
+
+
+def test_a_placeholder_goes_when_its_stage_is_cancelled_and_a_dead_worker_s_are_cleaned_up_at_start():
+    async def go():
+        g = group(scale_up_delay_s=600.0)  # (no node comes: the stage is cancelled while it waits)
+        with EmulatorServer([g.node("gpu-pool-first")], autoscaler=g) as emu:
+            core = client.CoreV1Api(emu.api_client())
+            # a placeholder a worker left when it died
+            dead = KubernetesBackend(namespace="default", api_client=emu.api_client(), node_selector={"nvidia.com/gpu.present": "true"})
+            try:
+                left = dead.capacity_request_manifest(CapacityWant("ghost", "ghost", gpus=1, cpu_cores=1))
+            finally:
+                await dead.aclose()
+            await asyncio.to_thread(core.create_namespaced_pod, "default", left)
+            async with Lab(emu, request_capacity=True) as lab:
+                await until(lambda: lab.placeholders() == [] and lab.be.stats["capacity_left_deleted"] == 1,
+                            "the dead worker's placeholder deleted at the first sync")
+                await scaled_to_zero(lab)
+                waiting = lab.queue("a")
+                await until(lambda: [p.metadata.labels["qosflow.dev/capacity-for"] for p in lab.placeholders()] == ["a"],
+                            "a placeholder for the waiting stage")
+                lab.sched.drop("a", "flow run cancelled")  # (what the worker does when its flow run is cancelled)
+                with contextlib.suppress(Exception):
+                    await waiting
+                await until(lambda: lab.placeholders() == [] and lab.be.stats["capacity_dropped"] == 1,
+                            "the placeholder deleted once its stage left the queue", timeout=5)
+
+    asyncio.run(go())
+
+
+def test_a_stage_the_plan_has_room_for_gets_no_placeholder_and_at_most_max_capacity_requests_are_made():
+    async def go():
+        g = group(scale_up_delay_s=600.0)
+        with EmulatorServer([g.node("gpu-pool-first")], autoscaler=g) as emu:
+            async with Lab(emu, request_capacity=True, max_capacity_requests=2) as lab:
+                first = lab.queue("a")  # the only GPU
+                assert await asyncio.wait_for(first, 10) == "gpu-pool-first"
+                waiting = [lab.queue(n) for n in ("b", "c", "d")]
+                await until(lambda: len(lab.placeholders()) == 2, "two placeholders")
+                await asyncio.sleep(0.6)
+                assert sorted(p.metadata.labels["qosflow.dev/capacity-for"] for p in lab.placeholders()) == ["b", "c"]  # (waited longest)
+                # a stage has ended: b fits on the plan now and is placed; it is launched, its placeholder goes first, and
+                # c's, not bound yet, with it: the kube-scheduler could bind it to the room b's leaves before b's pod exists
+                lab.sched.release("a")
+                assert await asyncio.wait_for(waiting[0], 10) == "gpu-pool-first"
+                h = await lab.launch("b", 0.2)
+                assert "b" not in {p.metadata.labels["qosflow.dev/capacity-for"] for p in lab.placeholders()}
+                assert lab.be.stats["capacity_dropped"] == 2, lab.be.stats
+                assert (await lab.be.wait(h)).kind is ExitKind.OK
+                await until(lambda: sorted(p.metadata.labels["qosflow.dev/capacity-for"] for p in lab.placeholders()) == ["c", "d"],
+                            "d's placeholder made in b's stead")
+                for n, f in zip(("b", "c", "d"), waiting):
+                    lab.sched.drop(n)
+                    with contextlib.suppress(Exception):
+                        await f
+                await until(lambda: lab.placeholders() == [], "every placeholder deleted")
+
+    asyncio.run(go())
+
+
+# ---------------------------------------------------------------------- the emulator's cluster-autoscaler alone
+def _pause_pod(name: str, gpus: int, **spec) -> dict:
+    return {"metadata": {"name": name}, "spec": {"containers": [{"name": "pause", "image": "registry.k8s.io/pause:3.9", "resources": {
+        "requests": {"nvidia.com/gpu": str(gpus)}, "limits": {"nvidia.com/gpu": str(gpus)}}}], **spec}}
+
+
+def test_the_emulated_autoscaler_adds_nodes_for_unschedulable_pods_that_fit_its_template_up_to_max_and_removes_unneeded_ones():
+    g = NodeGroup(template=gpu_node("template", 2), min=1, max=2, scale_up_delay_s=0.2, scale_down_unneeded_s=0.5)
+    with EmulatorServer([], autoscaler=g) as emu:
+        core = client.CoreV1Api(emu.api_client())
+
+        def wait(cond, what: str, timeout: float = 10.0) -> None:
+            end = time.monotonic() + timeout
+            while not cond():
+                assert time.monotonic() < end, f"timed out waiting until {what}"
+                time.sleep(0.05)
+
+        for i in range(3):  # 3 GPUs: two nodes of 2
+            core.create_namespaced_pod("default", _pause_pod(f"p{i}", 1))
+        core.create_namespaced_pod("default", _pause_pod("big", 4))  # no node of the group could hold it
+        core.create_namespaced_pod("default", _pause_pod("other", 1, nodeSelector={"pool": "cpu"}))  # not the group's label
+        wait(lambda: sum(p.status.phase == "Running" for p in core.list_namespaced_pod("default").items) == 3, "p0..p2 running")
+        nodes = [n.metadata.name for n in core.list_node().items]
+        assert len(nodes) == 2 and all(n.startswith("gpu-pool-") for n in nodes), nodes
+        assert all(n.metadata.labels["emulator.qosflow.dev/node-group"] == "gpu-pool" for n in core.list_node().items)
+        for name in ("big", "other"):
+            pod = core.read_namespaced_pod(name, "default")
+            assert pod.status.phase == "Pending" and pod.status.conditions[0].reason == "Unschedulable"
+        time.sleep(1.0)  # the pause pods run on (they do not end as the emulator's other pods do), the nodes stay
+        assert len(core.list_node().items) == 2
+        assert all(x["action"] == "scale-up" for x in emu.state()["autoscaler"]["log"])
+        for i in range(3):
+            core.delete_namespaced_pod(f"p{i}", "default")
+        wait(lambda: len(core.list_node().items) == 1, "scaled down to min=1")
+        time.sleep(0.8)
+        assert len(core.list_node().items) == 1
+
+
+def test_the_emulator_cli_checks_its_autoscaler_flags():
+    r = subprocess.run([sys.executable, "-m", "qosflow.k8s_emulator", "--port", "0", "--autoscale-max", "1", "--autoscale-min", "2"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--autoscale-min (2) must be at most --autoscale-max (1)" in r.stderr, r.stderr
