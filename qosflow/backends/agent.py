@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Collection, Iterable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
 
 import httpx
 
@@ -33,6 +33,7 @@ from qosflow.backends.base import (Backend, ClusterUpdate, ExitKind, ExitStatus,
                                    placement_env)
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.gpu_names import short_gpu_model
+from qosflow.env import env_number
 from qosflow.errors import QosflowError, SpecError
 
 log = logging.getLogger("qosflow.backends.agent")
@@ -129,10 +130,16 @@ class AgentBackend(Backend):
     name = "agent"
     EVENTS_KEPT = 1000
     #: how long a pipeline run's host may stay silent (not refusing: a network blip, a busy host) before its wait
-    #: reports it lost. A stage is rerun elsewhere after the fence; a pipeline run is not rerun, and reported lost
-    #: its run was marked Crashed while its process ran on. A refused connection (the agent is gone, and the
-    #: pipeline with it) or a restarted agent is reported at once
+    #: asks Prefect about the run (`pipeline_liveness`). A stage is rerun elsewhere after the fence; a pipeline run is
+    #: not rerun, and reported lost its run is marked Crashed. So while the run still reports to Prefect (a heartbeat,
+    #: or a move to its current state, within 2.5 heartbeats) its wait goes on however long the host stays silent (the
+    #: worker's link to the host broke, not the run); one that reached a final state is reported as it ended
+    #: (Completed: ok); only a run silent to Prefect too (or with no `pipeline_liveness`) is reported lost, after this
+    #: and the host's fence. A refused connection (the agent is gone, and the pipeline with it) or a restarted agent is
+    #: reported at once. QOSFLOW_PIPELINE_SILENCE_SECONDS in the worker's environment sets it
     pipeline_silence_s: float = 60.0
+    #: how often a silent host's pipeline-run wait asks `pipeline_liveness` again while the run still reports to Prefect
+    pipeline_liveness_every_s: float = 5.0
     #: CPU cores a pipeline run books on its host in the worker's view when its job variables ask for none (it mostly
     #: waits for its stages; as the Kubernetes backend's request). Booked, pipeline runs spread over the hosts
     #: (`pipeline_host`) and stages are not placed on the cores they use
@@ -199,6 +206,13 @@ class AgentBackend(Backend):
         self.pipelines_on = check_pipelines_on(pipelines_on, self.hosts, self.declared_by)
         #: pipeline run (stage id) -> the host this backend launched or adopted it on (`pipeline_host`'s tie-break)
         self._pipelines: dict[str, str] = {}
+        #: what Prefect says of a pipeline run whose host went silent (set by the worker, which has the Prefect client):
+        #: called with the run's stage id (its flow run id), it returns an ExitStatus when the run reached a final state,
+        #: True or a text saying why while it still reports to Prefect (alive: its wait goes on), False, None or "" when
+        #: Prefect heard nothing recent either (lost). Its errors count as None. Unset: a silent host's pipeline run is
+        #: lost after the silence, as a stage's host is
+        self.pipeline_liveness: Callable[[str], Awaitable[ExitStatus | bool | str | None]] | None = None
+        self.pipeline_silence_s = env_number("QOSFLOW_PIPELINE_SILENCE_SECONDS", type(self).pipeline_silence_s)
 
     @classmethod
     def from_cluster(cls, cluster: ClusterSpec, token: str, **kw: Any) -> "AgentBackend":
@@ -724,12 +738,19 @@ class AgentBackend(Backend):
                 if left > 0:
                     await asyncio.sleep(min(left, max(0.2, self.heartbeat_s)))
                     continue
+                said = await self._pipeline_reports(part, h)
+                if isinstance(said, ExitStatus):
+                    return said
+                if said:  # (the host is silent, the run is not: wait for the host, asking Prefect again now and then)
+                    await asyncio.sleep(max(0.2, min(self.heartbeat_s, self.pipeline_liveness_every_s)))
+                    continue
             if not h.up:
                 fence = self._fence_of(h)
                 if not h.refused and fence and h.last_ok:
                     # silent, not gone: its agent may still run the stage until its fence fires
                     await asyncio.sleep(max(0.0, h.last_ok + fence - time.time()))
-                return ExitStatus(ExitKind.INFRA, None, f"host {h.name} lost: {h.error}")
+                also = " (and the pipeline run no longer reports to Prefect)" if part.get("_liveness") is False else ""
+                return ExitStatus(ExitKind.INFRA, None, f"host {h.name} lost: {h.error}{also}")
             if h.boot_id != part["boot_id"]:
                 return ExitStatus(ExitKind.INFRA, None, f"the agent on host {h.name} restarted; stage {part['stage_id']} was lost with it")
             changed = h.changed
@@ -767,6 +788,42 @@ class AgentBackend(Backend):
                 st = classify_process_exit(s.get("returncode"), killed_reason=s.get("killed_reason"), error=s.get("error"))
                 where = f"on host {h.name}"
                 return ExitStatus(st.kind, st.code, f"{st.reason} {where}" if st.reason else "")
+
+    async def _pipeline_reports(self, part: dict[str, Any], h: HostState) -> ExitStatus | bool:
+        """A pipeline run whose host has been silent past `pipeline_silence_s` (and its fence): what Prefect says of it
+        (`pipeline_liveness`), asked at most every `pipeline_liveness_every_s`. An ExitStatus: the run ended while its host
+        was silent; True: it still reports to Prefect (logged once per silence); False: Prefect heard nothing recent of it
+        either, or there is no one to ask (it is lost)."""
+        ask = self.pipeline_liveness
+        if ask is None:
+            return False
+        now = time.monotonic()
+        if part.get("_liveness_at") is not None and now - part["_liveness_at"] < self.pipeline_liveness_every_s:
+            return bool(part.get("_liveness"))
+        sid = part["stage_id"]
+        try:
+            said = await ask(sid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # (Prefect unreachable too: nothing says the run is alive)
+            log.warning("pipeline run %s: host %s is silent and Prefect could not be asked about the run: %s", sid, h.name, exc)
+            said = None
+        silent_s = time.time() - (h.last_ok or time.time())
+        if isinstance(said, ExitStatus):
+            part.pop("_liveness_at", None)
+            log.info("pipeline run %s ended (%s) while its host %s was silent (%.0fs)", sid, said.reason or said.kind.value, h.name,
+                     silent_s)
+            return said
+        part["_liveness_at"], part["_liveness"] = now, bool(said)
+        if said and part.get("_silence_said") != h.down_since:
+            part["_silence_said"] = h.down_since
+            log.warning("host %s has been silent for %.0fs (%s), but pipeline run %s still reports to Prefect%s: it is not "
+                        "reported lost, its wait goes on", h.name, silent_s, h.error or "no answer", sid,
+                        f" ({said})" if isinstance(said, str) else "")
+        elif not said:
+            log.warning("host %s has been silent for %.0fs (%s) and pipeline run %s no longer reports to Prefect either: "
+                        "it is reported lost", h.name, silent_s, h.error or "no answer", sid)
+        return bool(said)
 
     # ------------------------------------------------------------------ progress
     syncs_progress = True

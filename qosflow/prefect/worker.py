@@ -232,6 +232,62 @@ def unreported_grace_s() -> float:
     return env_number("QOSFLOW_UNREPORTED_END_GRACE_S", 120.0)
 
 
+#: seconds between a pipeline run's Prefect heartbeats (`prefect.flow-run.heartbeat`, PREFECT_FLOWS_HEARTBEAT_FREQUENCY)
+#: when the worker launches it through a host agent and its job's env sets none: Prefect's minimum (its default is 180)
+PIPELINE_HEARTBEAT_S = 30
+#: a pipeline run whose last heartbeat (or move to its current state) is older than this many heartbeats no longer
+#: reports to Prefect (`prefect_pipeline_liveness`)
+PIPELINE_HEARTBEATS_MISSED = 2.5
+HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+_HEARTBEAT_VARS = ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
+
+
+def pipeline_heartbeat_s(env: dict[str, str]) -> float:
+    """The heartbeat period of a pipeline run launched with `env`: its own PREFECT_FLOWS_HEARTBEAT_FREQUENCY (or the
+    legacy PREFECT_RUNNER_HEARTBEAT_FREQUENCY) if set, else PIPELINE_HEARTBEAT_S (which the worker then sets)."""
+    for var in _HEARTBEAT_VARS:
+        try:
+            return max(30.0, float(env[var]))  # (Prefect refuses less than 30 s)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return float(PIPELINE_HEARTBEAT_S)
+
+
+async def prefect_pipeline_liveness(client: Any, flow_run_id: str, heartbeat_s: float) -> ExitStatus | str | None:
+    """What Prefect says of a pipeline run whose host went silent (`AgentBackend.pipeline_liveness`): an ExitStatus when
+    its run reached a final state (Completed: ok; Cancelled: cancelled; Failed: the run's own failure; Crashed: lost),
+    a text saying why it is alive while its last heartbeat event (`prefect.flow-run.heartbeat`, read back through
+    /api/events/filter) or its move to its current state is more recent than PIPELINE_HEARTBEATS_MISSED heartbeats,
+    else None (silent to Prefect too). The Prefect API's errors are raised."""
+    from datetime import timedelta
+
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventOrder, EventResourceFilter
+
+    fr = await client.read_flow_run(flow_run_id)
+    state = fr.state
+    if state is None:
+        return None
+    if state.is_final():
+        kind = {"COMPLETED": ExitKind.OK, "CANCELLED": ExitKind.CANCELLED, "FAILED": ExitKind.USER}.get(_type(state) or "", ExitKind.INFRA)
+        return ExitStatus(kind, 0 if kind is ExitKind.OK else None, f"its run ended {state.name} while its host was silent")
+    window = PIPELINE_HEARTBEATS_MISSED * heartbeat_s
+    now = datetime.now(timezone.utc)
+    page = await client.read_events(filter=EventFilter(
+        occurred=EventOccurredFilter(since=now - timedelta(seconds=window + 60), until=now + timedelta(minutes=10)),
+        event=EventNameFilter(name=[HEARTBEAT_EVENT]), resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+        order=EventOrder.DESC), limit=1)
+    if page.events:
+        e = page.events[0]
+        age = (now - (getattr(e, "received", None) or e.occurred)).total_seconds()
+        if age <= window:
+            return f"its last heartbeat came {max(0.0, age):.0f}s ago"
+    if state.timestamp is not None:
+        age = (now - state.timestamp).total_seconds()
+        if age <= window:
+            return f"{state.name} since {max(0.0, age):.0f}s"
+    return None
+
+
 #: label a qosflow worker writes on a stage run when it takes it into its QoS queue (its name)
 QUEUED_BY_LABEL = "qosflow.queued_by"
 #: seconds a stage waits in the QoS queue before its run is labelled `QUEUED_BY_LABEL`
@@ -337,6 +393,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._pipeline_runs_here: set[str] = set()
         #: pipeline runs of an earlier worker of this name that this one adopted or settles (`_adopt_pipelines`)
         self._pipelines_adopted: set[str] = set()
+        #: pipeline run -> the period (s) of the Prefect heartbeats it was launched with here (`_pipeline_liveness`)
+        self._pipeline_beats: dict[str, float] = {}
         #: pipeline runs' Jobs deleted for a cancellation, whose runs are marked Cancelled once their engines ended
         self._pipeline_cancels: set[str] = set()
         #: flow runs whose `run()` has not returned yet (their stage may have reported its end already)
@@ -471,6 +529,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if self._backend is None:
                 self._backend = LocalBackend(cluster)
             spec = await self._backend.inventory()
+            if hasattr(self._backend, "pipeline_liveness") and self._backend.pipeline_liveness is None:
+                self._backend.pipeline_liveness = self._pipeline_liveness  # (what Prefect says of a silent host's pipeline run)
             self.inventory_note = getattr(self._backend, "inventory_note", "")
             # (a bad QOSFLOW_PROGRESS_SYNC_SECONDS fails the setup, saying what is wrong, not a background task)
             sync_s = env_number("QOSFLOW_PROGRESS_SYNC_SECONDS", float(self._backend.progress_sync_s), minimum=0.05)
@@ -1120,6 +1180,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if backend.name == "kubernetes" and (configuration.command == shlex.join([sys.executable, "-m", "prefect.engine"])
                                              or not configuration.command):
             command = ["python", "-m", "prefect.engine"]  # the interpreter inside the image, not the worker's
+        if backend.name == "agent":
+            # its Prefect heartbeats tell a host gone silent from a run gone (`AgentBackend.pipeline_liveness`)
+            self._pipeline_beats[fid] = pipeline_heartbeat_s(env)
+            if not any(env.get(v) for v in _HEARTBEAT_VARS):
+                env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = str(PIPELINE_HEARTBEAT_S)
         where: dict[str, Any] = {}
         pick = getattr(backend, "pipeline_host", None)
         if pick is not None:  # (host agents: the host is chosen first, and recorded in the lease for `adopt`)
@@ -1159,6 +1224,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         finally:
             self._unregister(fid)
             self._unhold_pipeline(fid)
+            self._pipeline_beats.pop(fid, None)
         if self._stopping and not status.ok:
             # the worker stops (its wait was stopped): the Job runs on, its lease stays for the next worker to adopt
             self._lease_ids.pop(fid, None)
@@ -1171,6 +1237,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if await self._settle_pipeline_job(fid, handle, status, None, "while this worker watched it"):
             return QosflowWorkerResult(status_code=0, identifier=_infra_id(handle, fid))  # (its state says why: not overwritten)
         return QosflowWorkerResult(status_code=_code(status), identifier=_infra_id(handle, fid))
+
+    async def _pipeline_liveness(self, fid: str) -> ExitStatus | str | None:
+        """`AgentBackend.pipeline_liveness`: a pipeline run whose host went silent still reports to Prefect, ended, or
+        not (`prefect_pipeline_liveness`; the period of its heartbeats as launched here, else PIPELINE_HEARTBEAT_S)."""
+        return await prefect_pipeline_liveness(self.client, fid, self._pipeline_beats.get(fid, PIPELINE_HEARTBEAT_S))
 
     async def _take_back_pipeline(self, lease: Any, handle: StageHandle | None) -> None:
         """A pipeline run's lease (`LeaseStore.acquire_pipeline`) taken over at recovery: an earlier worker of this name
