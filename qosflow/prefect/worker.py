@@ -238,6 +238,8 @@ PIPELINE_HEARTBEAT_S = 30
 #: a pipeline run whose last heartbeat (or move to its current state) is older than this many heartbeats no longer
 #: reports to Prefect (`prefect_pipeline_liveness`)
 PIPELINE_HEARTBEATS_MISSED = 2.5
+#: Prefect's own heartbeat period when nothing sets one, assumed for a run whose period is not known here
+PREFECT_HEARTBEAT_DEFAULT_S = 180.0
 HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
 _HEARTBEAT_VARS = ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
 
@@ -253,12 +255,16 @@ def pipeline_heartbeat_s(env: dict[str, str]) -> float:
     return float(PIPELINE_HEARTBEAT_S)
 
 
-async def prefect_pipeline_liveness(client: Any, flow_run_id: str, heartbeat_s: float) -> ExitStatus | str | None:
+async def prefect_pipeline_liveness(client: Any, flow_run_id: str, heartbeat_s: float | None) -> ExitStatus | str | None:
     """What Prefect says of a pipeline run whose host went silent (`AgentBackend.pipeline_liveness`): an ExitStatus when
     its run reached a final state (Completed: ok; Cancelled: cancelled; Failed: the run's own failure; Crashed: lost),
     a text saying why it is alive while its last heartbeat event (`prefect.flow-run.heartbeat`, read back through
     /api/events/filter) or its move to its current state is more recent than PIPELINE_HEARTBEATS_MISSED heartbeats,
-    else None (silent to Prefect too). The Prefect API's errors are raised."""
+    else None (silent to Prefect too). The Prefect API's errors are raised.
+
+    `heartbeat_s` None: the period is not known here (a run this worker adopted, launched by another worker or with
+    its own setting): the spacing of its last two heartbeats (at least 30 s), or Prefect's default (180 s) while it
+    has sent one or none -- a run is then reported lost later rather than too early."""
     from datetime import timedelta
 
     from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventOrder, EventResourceFilter
@@ -270,12 +276,18 @@ async def prefect_pipeline_liveness(client: Any, flow_run_id: str, heartbeat_s: 
     if state.is_final():
         kind = {"COMPLETED": ExitKind.OK, "CANCELLED": ExitKind.CANCELLED, "FAILED": ExitKind.USER}.get(_type(state) or "", ExitKind.INFRA)
         return ExitStatus(kind, 0 if kind is ExitKind.OK else None, f"its run ended {state.name} while its host was silent")
-    window = PIPELINE_HEARTBEATS_MISSED * heartbeat_s
     now = datetime.now(timezone.utc)
+    look = PIPELINE_HEARTBEATS_MISSED * (heartbeat_s or PREFECT_HEARTBEAT_DEFAULT_S)
     page = await client.read_events(filter=EventFilter(
-        occurred=EventOccurredFilter(since=now - timedelta(seconds=window + 60), until=now + timedelta(minutes=10)),
+        occurred=EventOccurredFilter(since=now - timedelta(seconds=2 * look + 60), until=now + timedelta(minutes=10)),
         event=EventNameFilter(name=[HEARTBEAT_EVENT]), resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
-        order=EventOrder.DESC), limit=1)
+        order=EventOrder.DESC), limit=1 if heartbeat_s else 2)
+    if heartbeat_s is None:
+        heartbeat_s = PREFECT_HEARTBEAT_DEFAULT_S
+        if len(page.events) >= 2:
+            gap = (page.events[0].occurred - page.events[1].occurred).total_seconds()
+            heartbeat_s = max(30.0, gap)
+    window = PIPELINE_HEARTBEATS_MISSED * heartbeat_s
     if page.events:
         e = page.events[0]
         age = (now - (getattr(e, "received", None) or e.occurred)).total_seconds()
@@ -1240,8 +1252,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
     async def _pipeline_liveness(self, fid: str) -> ExitStatus | str | None:
         """`AgentBackend.pipeline_liveness`: a pipeline run whose host went silent still reports to Prefect, ended, or
-        not (`prefect_pipeline_liveness`; the period of its heartbeats as launched here, else PIPELINE_HEARTBEAT_S)."""
-        return await prefect_pipeline_liveness(self.client, fid, self._pipeline_beats.get(fid, PIPELINE_HEARTBEAT_S))
+        not (`prefect_pipeline_liveness`; the period of its heartbeats as launched here, else read off its heartbeats)."""
+        return await prefect_pipeline_liveness(self.client, fid, self._pipeline_beats.get(fid))
 
     async def _take_back_pipeline(self, lease: Any, handle: StageHandle | None) -> None:
         """A pipeline run's lease (`LeaseStore.acquire_pipeline`) taken over at recovery: an earlier worker of this name
@@ -1925,12 +1937,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 reason = st.error if st is not None else be.down_reasons().get(node.name)
                 if reason:
                     why = f" ({reason})"
+                stages = [j for j in on_it if not str(j).startswith(PIPELINE_HOLD)]
+                runs = len(on_it) - len(stages)  # (pipeline runs' booked cores: not rerun, their waits tell their fate)
+                also = f"; {runs} pipeline run(s) there are followed until their host or Prefect says how they ended" if runs else ""
                 if be.keeps_stages(node.name):  # (cordoned: its stages are not lost, nothing runs them again)
-                    self._logger.warning("host %s is down%s: no new stage goes there; the %d stage(s) on it run on",
-                                         node.name, why, len(on_it))
+                    self._logger.warning("host %s is down%s: no new stage goes there; the %d stage(s) on it run on%s",
+                                         node.name, why, len(stages), also)
                 else:
-                    self._logger.warning("host %s is down%s: no new stage goes there; %d stage(s) on it will run again elsewhere",
-                                         node.name, why, len(on_it))
+                    self._logger.warning("host %s is down%s: no new stage goes there; %d stage(s) on it will run again elsewhere%s",
+                                         node.name, why, len(stages), also)
             else:
                 self._logger.info("host %s answers again", node.name)
             self._node_event("qosflow.node.down" if down else "qosflow.node.up", node.name, {"stages": on_it})
