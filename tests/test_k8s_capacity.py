@@ -287,3 +287,182 @@ def test_the_emulator_cli_checks_its_autoscaler_flags():
     r = subprocess.run([sys.executable, "-m", "qosflow.k8s_emulator", "--port", "0", "--autoscale-max", "1", "--autoscale-min", "2"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--autoscale-min (2) must be at most --autoscale-max (1)" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------- gangs wider than a node; a worker started at zero
+def queue_gang(lab: Lab, name: str, gpus: int) -> asyncio.Future:
+    """Queue a stage of `gpus` GPUs (2 cores, 1 GiB each); resolves to the nodes the scheduler gives it."""
+    from qosflow.prefect.scheduler import StageEntry
+
+    e = StageEntry(JobState(Job(name, 0.0, QoSSpec(gpus=gpus, cpu_cores=2 * gpus, mem_mb=1024 * gpus), duration=5.0)), name)
+
+    async def placed() -> list[str]:
+        g = await lab.sched.request(e)
+        return sorted(lab.sched.cluster.nodes[n].name for n in g.placement.nodes)
+
+    return asyncio.ensure_future(placed())
+
+
+SHAPE = {"gpus": 1, "cpu": "32", "memory": "256Gi", "gpu_product": "NVIDIA-A100-SXM4-40GB", "gpu_memory_mb": 40960}
+
+
+def test_a_gang_wider_than_a_node_on_a_pool_at_zero_gets_one_placeholder_per_node_and_runs_across_the_nodes_they_bring():
+    """A pool of 1-GPU nodes at zero (the worker plans on two stand-ins of the declared node, down); a 2-GPU gang waits:
+    two placeholders of one GPU (and half its cores and memory) each, so that the autoscaler adds two nodes (one
+    placeholder of two GPUs, as before, fitted no node: nothing came)."""
+    async def go():
+        g = group(scale_down_unneeded_s=0.5)
+        with EmulatorServer([], autoscaler=g) as emu:
+            async with Lab(emu, request_capacity=True, max_capacity_requests=2, capacity_node={**SHAPE, "count": 2}) as lab:
+                assert lab.sched.cluster.node_names == ("scaled-to-zero-0", "scaled-to-zero-1")
+                await until(lambda: bool(lab.sched.state.down.all()), "the stand-ins down")
+                waiting = queue_gang(lab, "gang", 2)
+                await until(lambda: len(lab.placeholders()) == 2, "two placeholders, one per node-sized part of the gang")
+                phs = sorted(lab.placeholders(), key=lambda p: p.metadata.labels["qosflow.dev/capacity-part"])
+                assert [p.metadata.labels["qosflow.dev/capacity-part"] for p in phs] == ["0", "1"]
+                assert all(p.metadata.labels["qosflow.dev/capacity-for"] == "gang" for p in phs)
+                assert all(p.metadata.annotations["qosflow.dev/capacity-parts"] == "2" for p in phs)
+                assert [p.spec.containers[0].resources.requests for p in phs] == [{"cpu": "2000m", "memory": "1024Mi", "nvidia.com/gpu": "1"}] * 2
+                nodes = await asyncio.wait_for(waiting, 20)
+                ups = [x for x in emu.state()["autoscaler"]["log"] if x["action"] == "scale-up"]
+                assert sorted(x["node"] for x in ups) == nodes and len(nodes) == 2, (ups, nodes)
+                assert sorted(lab.sched.cluster.node_names) == nodes  # (the stand-ins retired)
+                h = await lab.launch("gang", 0.3)
+                assert lab.placeholders() == []  # (both parts deleted before the gang's Job: its pods take their room)
+                st = await lab.be.wait(h)
+                assert st.kind is ExitKind.OK, st
+                pods = lab.core.list_namespaced_pod("default", label_selector="qosflow.dev/stage-id=gang").items
+                assert sorted(p.spec.node_name for p in pods) == nodes
+                assert lab.be.stats["capacity_requested"] == 2 and lab.be.stats["capacity_dropped"] == 2, lab.be.stats
+                lab.sched.release("gang")
+
+    asyncio.run(go())
+
+
+def test_max_capacity_requests_counts_pods_a_gang_takes_one_per_part_and_a_gang_wider_than_it_gets_none():
+    async def go():
+        g = group(scale_up_delay_s=600.0)  # (nothing comes: only the requests are looked at)
+        with EmulatorServer([], autoscaler=g) as emu:
+            async with Lab(emu, request_capacity=True, max_capacity_requests=2, capacity_node={**SHAPE, "count": 2}) as lab:
+                await until(lambda: bool(lab.sched.state.down.all()), "the stand-ins down")
+                gang = queue_gang(lab, "gang", 2)
+                await until(lambda: len(lab.placeholders()) == 2, "the gang's two parts")
+                one = lab.queue("one")  # waits too, but the two pods allowed are the gang's
+                await asyncio.sleep(0.8)
+                assert {p.metadata.labels["qosflow.dev/capacity-for"] for p in lab.placeholders()} == {"gang"}
+                lab.sched.drop("gang")
+                await until(lambda: [p.metadata.labels["qosflow.dev/capacity-for"] for p in lab.placeholders()] == ["one"],
+                            "the gang's parts deleted, the single stage's made")
+                lab.be.max_capacity_requests = 1  # (an edit: the gang, queued again, needs 2 and is skipped; "one" keeps its)
+                again = queue_gang(lab, "gang2", 2)
+                await asyncio.sleep(0.8)
+                assert [p.metadata.labels["qosflow.dev/capacity-for"] for p in lab.placeholders()] == ["one"]
+                for n, f in (("one", one), ("gang2", again), ("gang", gang)):
+                    lab.sched.drop(n)
+                    with contextlib.suppress(Exception):
+                        await f
+                await until(lambda: lab.placeholders() == [], "every placeholder deleted")
+
+    asyncio.run(go())
+
+
+
+
+def test_a_worker_started_with_the_pool_at_zero_plans_on_the_declared_node_and_runs_a_stage_once_one_is_added():
+    async def go():
+        g = group(scale_down_unneeded_s=0.5)
+        with EmulatorServer([], autoscaler=g) as emu:
+            async with Lab(emu, request_capacity=True, capacity_node=SHAPE) as lab:
+                assert lab.sched.cluster.node_names == ("scaled-to-zero-0",)
+                (standin,) = lab.sched.cluster.nodes
+                assert (standin.gpus, standin.cpu_cores, standin.mem_mb, standin.gpu_model) == (1, 32.0, 262144.0, "a100")
+                await until(lambda: bool(lab.sched.state.down.all()), "the stand-in down: nothing is placed on it")
+                assert "capacity_node" in lab.be.down_reasons()["scaled-to-zero-0"]
+                waiting = lab.queue("a")
+                await until(lambda: len(lab.placeholders()) == 1, "a placeholder for the waiting stage")
+                node = await asyncio.wait_for(waiting, 20)
+                assert node.startswith("gpu-pool-") and lab.sched.cluster.node_names == (node,)  # (the stand-in retired)
+                h = await lab.launch("a", 0.3)
+                assert (await lab.be.wait(h)).kind is ExitKind.OK
+                assert lab.pod_node("a") == node and lab.placeholders() == []
+                lab.sched.release("a")
+                await until(lambda: lab.nodes() == [], "the node scaled down again")
+                # the worker keeps the node it knew, down (a deleted node), not the stand-in
+                await until(lambda: bool(lab.sched.state.down.all()), "the node down in the plan")
+                assert lab.sched.cluster.node_names == (node,)
+
+    asyncio.run(go())
+
+
+def test_no_node_and_no_declared_node_fails_saying_how_to_fix_it_and_a_bad_declared_node_names_its_key():
+    from qosflow.errors import QosflowError, SpecError
+    from qosflow.prefect.blocks import KubernetesGPUCluster
+
+    async def inventory(**kw) -> str:
+        be = KubernetesBackend(namespace="default", api_client=emu.api_client(), **kw)
+        try:
+            with pytest.raises(QosflowError) as ei:
+                await be.inventory()
+            return str(ei.value)
+        finally:
+            await be.aclose()
+
+    with EmulatorServer([]) as emu:
+        for kw in ({}, {"request_capacity": True}):
+            msg = asyncio.run(inventory(**kw))
+            assert "no Kubernetes node matches" in msg and "scale the GPU node pool to at least one node" in msg, msg
+            assert "request_capacity on and declare the pool's node in the cluster block's capacity_node" in msg, msg
+        msg = asyncio.run(inventory(capacity_node=SHAPE))
+        assert "capacity_node, but request_capacity is off: turn request_capacity on" in msg, msg
+    with pytest.raises(SpecError, match=r"invalid capacity_node\.gpus: 0: give a number > 0"):
+        KubernetesBackend(api_client=client.ApiClient(), capacity_node={**SHAPE, "gpus": 0})
+    with pytest.raises(ValueError, match=r"invalid capacity_node\.memory: missing"):
+        KubernetesGPUCluster(capacity_node={"gpus": 8, "cpu": 64})
+    with pytest.raises(ValueError, match=r"unknown key 'gpu'; did you mean 'gpus'"):
+        KubernetesGPUCluster(capacity_node={"gpu": 8, "cpu": 64, "memory": "480Gi"})
+    b = KubernetesGPUCluster(api_url="http://127.0.0.1:1", request_capacity=True, capacity_node={"gpus": 8, "cpu": 64, "memory": "480Gi"})
+    assert b.make_backend().capacity_node == {"gpus": 8, "cpu": 64, "memory": "480Gi"}
+
+
+def test_waiting_for_capacity_counts_a_gang_s_cores_per_node_not_only_its_free_gpus():
+    """Two up nodes of 2 GPUs and 4 cores; a 4-GPU gang of 8 cores (2 per GPU). With the cores free it has room (no
+    request); with 3 cores of each node taken (by CPU-only stages) its GPUs are free but not the cores to feed them: it
+    waits for capacity (before, its free GPUs alone were counted: no request, and it waited for ever)."""
+    from qosflow.core.cluster import ClusterSpec
+    from qosflow.core.job import JobStatus
+    from qosflow.policies import get_policy
+    from qosflow.prefect.scheduler import QoSScheduler, StageEntry
+
+    sched = QoSScheduler(ClusterSpec.uniform(2, 2, cpu_cores=4.0, mem_mb=8192.0), get_policy("fifo"), coda=False, clock=lambda: 100.0)
+    e = StageEntry(JobState(Job("gang", 0.0, QoSSpec(gpus=4, cpu_cores=8, mem_mb=1024), duration=5.0)), "gang")
+    e.ready_at, e.state.status = 0.0, JobStatus.PENDING
+    loop = asyncio.new_event_loop()
+    try:
+        e.future = loop.create_future()
+        sched.entries["gang"] = e
+        assert sched.waiting_for_capacity(1.0) == []
+        sched.state.cpu_free[:] = 1.0
+        assert sched.waiting_for_capacity(1.0) == [e]
+        sched.state.cpu_free[:] = 4.0
+        sched.state.mem_free[:] = 400.0  # (its 1024 MiB split over 2 nodes: 512 each)
+        assert sched.waiting_for_capacity(1.0) == [e]
+    finally:
+        loop.close()
+
+
+def test_a_gang_s_parts_are_node_sized_from_the_declared_node_else_the_largest_node_listed():
+    from qosflow.core.cluster import NodeSpec
+
+    be = KubernetesBackend(api_client=client.ApiClient())
+    want = CapacityWant("g", "g", gpus=10, cpu_cores=20, mem_mb=10_000)
+    assert be.capacity_parts(want) == [(10, 20, 10_000)]  # (no node known: the whole stage in one)
+    be._described = [NodeSpec("a", 2), NodeSpec("b", 4)]
+    assert be.capacity_parts(want) == [(4, 8.0, 4000.0), (4, 8.0, 4000.0), (2, 4.0, 2000.0)]
+    assert be.capacity_parts(CapacityWant("s", "s", gpus=4, cpu_cores=8)) == [(4, 8, 0.0)]  # (fits on a node: one)
+    assert be.capacity_parts(CapacityWant("f", "f", gpus=1, cpu_cores=1, gpu_milli=500)) == [(1, 1, 0.0)]
+    be.capacity_node = {"gpus": 8, "cpu": 64, "memory": "480Gi"}
+    bodies = be.capacity_request_manifests(want)
+    assert [b["spec"]["containers"][0]["resources"]["requests"] for b in bodies] == [
+        {"cpu": "16000m", "memory": "8000Mi", "nvidia.com/gpu": "8"}, {"cpu": "4000m", "memory": "2000Mi", "nvidia.com/gpu": "2"}]
+    assert [b["metadata"]["name"][-6:] for b in bodies] == ["-cap-0", "-cap-1"]
+    assert [b["metadata"]["labels"]["qosflow.dev/capacity-part"] for b in bodies] == ["0", "1"]

@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -106,7 +107,15 @@ ROLE_CAPACITY = "capacity-request"
 LABEL_CAPACITY_FOR = "qosflow.dev/capacity-for"
 LABEL_CLUSTER = "qosflow.dev/cluster"
 ANN_CAPACITY_FOR = "qosflow.dev/capacity-for"
+#: a placeholder's part of its stage (a gang wider than a node asks for one node-sized part per pod): its index, and
+#: (annotation) how many parts the stage's request has
+LABEL_CAPACITY_PART = "qosflow.dev/capacity-part"
+ANN_CAPACITY_PARTS = "qosflow.dev/capacity-parts"
 CAPACITY_IMAGE = "registry.k8s.io/pause:3.9"
+#: the stand-in nodes of a node group scaled to zero (`capacity_node`): planned on, down, until a real node is listed
+STANDIN_PREFIX = "scaled-to-zero-"
+#: the keys of a declared node shape (`capacity_node`)
+CAPACITY_NODE_KEYS = ("gpus", "cpu", "memory", "gpu_product", "gpu_memory_mb", "count")
 _in_api_call = threading.local()
 
 
@@ -176,6 +185,58 @@ def quantity(q: Any) -> float:
 
 def _cpu(cores: float) -> str:
     return f"{int(round(cores * 1000))}m"
+
+
+def capacity_node_spec(shape: Any, name: str = STANDIN_PREFIX + "0") -> tuple[NodeSpec, int]:
+    """The node a node group adds, declared (the cluster block's `capacity_node`), as a NodeSpec named `name`, and how
+    many stand-ins of it to plan on while the group is at zero (`count`, default 1). Keys: `gpus` (whole GPUs, at
+    least 1), `cpu` (cores: 32, "31500m") and `memory` ("240Gi", or MiB as a number), as the node's allocatable;
+    optional `gpu_product` (its nvidia.com/gpu.product label, e.g. NVIDIA-A100-SXM4-80GB; the GPU model stages may
+    ask for), `gpu_memory_mb` (of each GPU, default 16384, as a node without the label), `count`. A bad one raises
+    SpecError naming the key (capacity_node.gpus, ...)."""
+    from qosflow.errors import closest_name
+
+    def bad(key: str, msg: str) -> SpecError:
+        return SpecError(f"capacity_node.{key}" if key else "capacity_node", msg)
+
+    if not isinstance(shape, dict):
+        raise bad("", f"{shape!r}: give the node group's node as a mapping, e.g. {{gpus: 8, cpu: 64, memory: 480Gi}}")
+    for k in shape:
+        if k not in CAPACITY_NODE_KEYS:
+            close = closest_name(str(k), list(CAPACITY_NODE_KEYS))
+            raise bad("", f"unknown key {k!r}" + (f"; did you mean {close!r}?" if close else f"; keys: {', '.join(CAPACITY_NODE_KEYS)}"))
+    for k in ("gpus", "cpu", "memory"):
+        if shape.get(k) in (None, ""):
+            raise bad(k, "missing: give the node's allocatable gpus, cpu and memory (kubectl describe node, Allocatable)")
+
+    def number(key: str, v: Any, unit: float = 1.0) -> float:
+        if isinstance(v, bool):
+            raise bad(key, f"{v!r} is not a number")
+        if isinstance(v, (int, float)) or (isinstance(v, str) and re.fullmatch(r"\s*[0-9]+(\.[0-9]*)?\s*", v)):
+            x = float(v)  # (a plain number: cores, MiB, GPUs)
+        else:
+            try:
+                x = quantity(v) / unit
+            except SpecError:
+                raise bad(key, f"{v!r} is not a number or a Kubernetes quantity") from None
+        if not math.isfinite(x) or x <= 0:
+            raise bad(key, f"{v!r}: give a number > 0")
+        return x
+
+    gpus = number("gpus", shape["gpus"])
+    if gpus != int(gpus):
+        raise bad("gpus", f"{shape['gpus']!r}: give whole GPUs (at least 1)")
+    count = number("count", shape.get("count", 1))
+    if count != int(count):
+        raise bad("count", f"{shape.get('count')!r}: give a whole number of nodes (at least 1)")
+    product = shape.get("gpu_product")
+    if product is not None and not isinstance(product, str):
+        raise bad("gpu_product", f"{product!r}: give the GPU's product name, as its nvidia.com/gpu.product label")
+    node = NodeSpec(name=name, gpus=int(gpus), gpu_mem_mb=number("gpu_memory_mb", shape.get("gpu_memory_mb", 16_384)),
+                    cpu_cores=number("cpu", shape["cpu"]),
+                    mem_mb=number("memory", shape["memory"], 2**20),
+                    gpu_model=short_gpu_model(product), labels={"nvidia.com/gpu.product": product} if product else {})
+    return node, int(count)
 
 
 #: Prefect's credential settings (its SecretStr settings), which a Prefect worker passes to the flow
@@ -281,6 +342,11 @@ class KubernetesBackend(Backend):
     max_capacity_requests: int = 4
     capacity_request_image: str = CAPACITY_IMAGE
     capacity_priority_class: str | None = None
+    #: the node group's node shape, declared (`capacity_node_spec`: gpus, cpu, memory as the node's allocatable; optional
+    #: gpu_product, gpu_memory_mb, count): a worker started while the pool is scaled to zero plans on `count` stand-ins
+    #: of it, down, so that stages queue and capacity is requested for them (`request_capacity` on); and a gang wider
+    #: than such a node is asked for in parts of its GPUs. None: the nodes listed say it
+    capacity_node: dict[str, Any] | None = None
 
     name = "kubernetes"
 
@@ -305,6 +371,8 @@ class KubernetesBackend(Backend):
             raise SpecError("capacity_request_after_s", f"{self.capacity_request_after_s!r}: give a number of seconds >= 0")
         if self.max_capacity_requests < 0:
             raise SpecError("max_capacity_requests", f"{self.max_capacity_requests!r}: give a number >= 0")
+        if self.capacity_node is not None:
+            capacity_node_spec(self.capacity_node)  # (a bad shape fails here, naming its key)
         from kubernetes import client, config
 
         if self.api_client is None:
@@ -363,8 +431,12 @@ class KubernetesBackend(Backend):
         #: the nodes as last described (non-empty), for `update_cluster` while no node is listed
         self._described: list[NodeSpec] = []
         self.stats.update({"node_lists": 0, "node_watches": 0, "node_watch_410": 0, "node_watch_broken": 0, "node_events": 0})
-        #: capacity requests (`request_capacity`): job id -> the name of its placeholder pod, made by this backend
-        self._capacity: dict[str, str] = {}
+        #: capacity requests (`request_capacity`): job id -> the names of its placeholder pods (one per part), made by this backend
+        self._capacity: dict[str, tuple[str, ...]] = {}
+        #: the stand-ins planned on while no node is listed (`capacity_node`), until nodes are
+        self._standins: set[str] = set()
+        #: stages too wide for max_capacity_requests, said once
+        self._capacity_too_wide: set[str] = set()
         #: job ids placed since their placeholder was deleted (a sync that read the queue before cannot make it again)
         self._capacity_placed: set[str] = set()
         self._capacity_swept = False
@@ -464,9 +536,43 @@ class KubernetesBackend(Backend):
     async def inventory(self) -> ClusterSpec:
         nodes = await self._nodes_now()
         if not nodes:
-            raise QosflowError(f"no Kubernetes node matches {self.node_selector or 'any label'} in {self.api_client.configuration.host}")
+            standins = self._standin_specs()
+            if not standins:
+                raise QosflowError(self._no_node_message())
+            # a GPU pool scaled to zero (at night): the worker plans on stand-ins of the declared node, down (`_healthy`), so
+            # that stages queue, wait for capacity and get placeholders; the autoscaler's first node replaces them
+            # (`list_nodes`: the worker retires them as it does a deleted node)
+            self._described = standins
+            log.info("Kubernetes cluster %r: no node matches %s in %s (a node group scaled to zero): planning on %d stand-in%s of "
+                     "the declared capacity_node (%d GPU%s, %g cores, %g MiB), down, until the autoscaler adds a node",
+                     self.cluster_name, self.node_selector or "any label", self._api_host, len(standins), "" if len(standins) == 1 else "s",
+                     standins[0].gpus, "" if standins[0].gpus == 1 else "s", standins[0].cpu_cores, standins[0].mem_mb)
+            self._start_sweep()
+            return ClusterSpec(tuple(standins), name=self.cluster_name)
         self._start_sweep()  # (at the worker's start: what a worker that died left behind)
         return ClusterSpec(tuple(await asyncio.to_thread(self._node_specs, nodes)), name=self.cluster_name)
+
+    def _no_node_message(self) -> str:
+        where = f"no Kubernetes node matches {self.node_selector or 'any label'} in {self._api_host}"
+        if self.capacity_node is not None:  # (declared, but request_capacity off: nothing would ever ask for a node)
+            fix = ("the cluster block declares capacity_node, but request_capacity is off: turn request_capacity on (the worker then "
+                   "plans on the declared node while the pool is at zero and asks the autoscaler for nodes), or scale the node pool "
+                   "to at least one node")
+        else:
+            fix = ("scale the GPU node pool to at least one node (its autoscaler's minimum), or, for a pool an autoscaler scales to "
+                   "zero, turn request_capacity on and declare the pool's node in the cluster block's capacity_node (e.g. "
+                   "{gpus: 8, cpu: 64, memory: 480Gi}): the worker then starts with the pool at zero; or check node_labels")
+        return f"{where}: {fix}"
+
+    def _standin_specs(self) -> list[NodeSpec]:
+        """The stand-ins of the declared node (`capacity_node`) to plan on while no node is listed, [] when none is
+        declared or `request_capacity` is off."""
+        if not self.request_capacity or self.capacity_node is None:
+            return []
+        node, count = capacity_node_spec(self.capacity_node)
+        specs = [dataclasses.replace(node, name=f"{STANDIN_PREFIX}{i}") for i in range(count)]
+        self._standins = {n.name for n in specs}
+        return specs
 
     def _node_specs(self, nodes: list) -> list[NodeSpec]:
         """The listed nodes as NodeSpecs, by name (their switch numbers kept from the last listing); the last non-empty
@@ -474,6 +580,7 @@ class KubernetesBackend(Backend):
         specs = [self._node_spec(n, self._switches) for n in sorted(nodes, key=lambda n: n.metadata.name)]
         if specs:
             self._described = specs
+            self._standins = set()  # (real nodes: the worker retires the stand-ins)
         return specs
 
     async def healthy_nodes(self) -> set[str]:
@@ -653,6 +760,9 @@ class KubernetesBackend(Backend):
         with self._node_lock:
             for name in self._nodes_gone:
                 why.setdefault(name, "the node was deleted from the cluster")
+        for name in self._standins:
+            why.setdefault(name, "a stand-in for the declared capacity_node while the node pool is at zero: no stage is placed "
+                                 "there; capacity is requested for the stages that wait")
         self._down_why, self._cordoned = why, cordoned
         return ok
 
@@ -679,7 +789,7 @@ class KubernetesBackend(Backend):
     # ------------------------------------------------------------------ the cluster block is edited
     #: fields of an edited block taken at once: they are read only when a stage is launched
     UPDATABLE = ("image", "credentials_in_secret", "request_capacity", "capacity_request_after_s", "max_capacity_requests",
-                 "capacity_request_image", "capacity_priority_class")
+                 "capacity_request_image", "capacity_priority_class", "capacity_node")
     #: fields that running stages (their Jobs, pods, Secrets and watches) or the worker's plan depend on
     RESTART_FIELDS = ("namespace", "kubeconfig", "context", "_api_host", "gpu_sharing", "gpu_resource", "shared_resource",
                       "gang_scheduler", "node_selector")
@@ -710,7 +820,10 @@ class KubernetesBackend(Backend):
             # down for the heartbeat (the node was deleted), until nodes come back (this is said, and handed over again)
             not_applied.append(f"no node of the cluster matches its node selector now ({self.node_selector or 'any label'}: every "
                                f"node deleted, or scaled to zero?); the worker keeps the nodes it had, down, until nodes come back")
-            return ClusterUpdate(list(self._described), not_applied, applied)
+            described = list(self._described)
+            if self._standins and {n.name for n in described} == self._standins:  # (stand-ins: of the shape as edited now)
+                described = self._standin_specs() or described
+            return ClusterUpdate(described, not_applied, applied)
         self._start_sweep()
         specs = await asyncio.to_thread(self._node_specs, nodes)
         return ClusterUpdate(specs, not_applied, applied)
@@ -802,25 +915,51 @@ class KubernetesBackend(Backend):
     def _capacity_selector(self) -> str:
         return f"{LABEL_ROLE}={ROLE_CAPACITY},{LABEL_CLUSTER}={label_value(self.cluster_name)}"
 
-    def capacity_request_manifest(self, want: CapacityWant) -> dict:
+    def capacity_node_gpus(self) -> int:
+        """The GPUs of a node of the node group, the most a placeholder asks for: the declared `capacity_node`'s, else
+        the largest node last described (the worker's plan); 0 when neither is known (one placeholder per stage)."""
+        if self.capacity_node is not None:
+            return capacity_node_spec(self.capacity_node)[0].gpus
+        return max((n.gpus for n in self._described), default=0)
+
+    def capacity_parts(self, want: CapacityWant) -> list[tuple[int, float, float]]:
+        """How stage `want` is asked for: (GPUs, cores, MB of memory) per placeholder pod. One part for a stage that
+        fits on a node of the group; a gang wider than one (`capacity_node_gpus`) in node-sized parts: full nodes, then
+        the rest (10 GPUs on 4-GPU nodes: 4, 4, 2), its cores and memory split in proportion to the GPUs of each part
+        (the placement splits its cores so; its memory evenly over its nodes, which parts of one node's size match)."""
+        per = self.capacity_node_gpus()
+        if per <= 0 or want.gpus <= per or want.gpu_milli < 1000:
+            return [(want.gpus, want.cpu_cores, want.mem_mb)]
+        sizes = [per] * (want.gpus // per) + ([want.gpus % per] if want.gpus % per else [])
+        return [(g, want.cpu_cores * g / want.gpus, want.mem_mb * g / want.gpus) for g in sizes]
+
+    def capacity_request_manifests(self, want: CapacityWant) -> list[dict]:
+        """The placeholder pods of stage `want`, one per part (`capacity_parts`)."""
+        parts = self.capacity_parts(want)
+        return [self.capacity_request_manifest(want, part=i, of=parts) for i in range(len(parts))]
+
+    def capacity_request_manifest(self, want: CapacityWant, part: int = 0, of: list[tuple[int, float, float]] | None = None) -> dict:
         """The placeholder pod asking the cluster for a node for stage `want` (the cluster-overprovisioner's pause
-        pod): a pause container requesting the stage's GPUs (whole ones, or one shared GPU for a fractional share
-        when the device plugin shares them), cpu and memory, the block's node selector, the GPU taint's toleration
-        (as a stage's pods), optionally `capacity_priority_class`. No qosflow.dev/stage-id label: no stage's selector
-        matches it. `cluster-autoscaler.kubernetes.io/safe-to-evict`: a bare pod would otherwise keep its node from
-        being scaled down."""
+        pod), or for part `part` of it (`of`: its parts, `capacity_parts`; default: the whole stage in one): a pause
+        container requesting the part's GPUs (whole ones, or one shared GPU for a fractional share when the device plugin
+        shares them), cpu and memory, the block's node selector, the GPU taint's toleration (as a stage's pods),
+        optionally `capacity_priority_class`. Labels qosflow.dev/capacity-for (the stage) and qosflow.dev/capacity-part
+        (the part's index); no qosflow.dev/stage-id label: no stage's selector matches it.
+        `cluster-autoscaler.kubernetes.io/safe-to-evict`: a bare pod would otherwise keep its node from being scaled down."""
+        gpus_n, cores, mem_mb = (of or [(want.gpus, want.cpu_cores, want.mem_mb)])[part]
         gpus: dict[str, str] = {}
-        if want.gpus > 0:
+        if gpus_n > 0:
             if want.gpu_milli < 1000 and self.shares_gpus:
-                gpus[self.shared_resource] = str(want.gpus)
+                gpus[self.shared_resource] = str(gpus_n)
             else:
-                gpus[self.gpu_resource] = str(want.gpus)
-        requests = {"cpu": _cpu(max(want.cpu_cores, 0.001)), **gpus}
-        if want.mem_mb:
-            requests["memory"] = f"{int(want.mem_mb)}Mi"
+                gpus[self.gpu_resource] = str(gpus_n)
+        requests = {"cpu": _cpu(max(cores, 0.001)), **gpus}
+        if mem_mb:
+            requests["memory"] = f"{int(math.ceil(mem_mb))}Mi"
         labels = {"app.kubernetes.io/managed-by": "qosflow", "app.kubernetes.io/name": "qosflow-capacity-request",
-                  LABEL_ROLE: ROLE_CAPACITY, LABEL_CAPACITY_FOR: label_value(want.job_id), LABEL_CLUSTER: label_value(self.cluster_name)}
-        annotations = {ANN_CAPACITY_FOR: want.job_id, "qosflow.dev/stage-name": want.name,
+                  LABEL_ROLE: ROLE_CAPACITY, LABEL_CAPACITY_FOR: label_value(want.job_id), LABEL_CAPACITY_PART: str(part),
+                  LABEL_CLUSTER: label_value(self.cluster_name)}
+        annotations = {ANN_CAPACITY_FOR: want.job_id, ANN_CAPACITY_PARTS: str(len(of or [None])), "qosflow.dev/stage-name": want.name,
                        "cluster-autoscaler.kubernetes.io/safe-to-evict": "true"}
         spec: dict[str, Any] = {
             "containers": [{"name": "pause", "image": self.capacity_request_image,
@@ -835,14 +974,22 @@ class KubernetesBackend(Backend):
             spec["priorityClassName"] = self.capacity_priority_class
         if self.image_pull_secrets:
             spec["imagePullSecrets"] = [{"name": n} for n in self.image_pull_secrets]
+        name = job_name(want.job_id, "-cap" if not of or len(of) == 1 else f"-cap-{part}")
         return {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": job_name(want.job_id, "-cap"), "namespace": self.namespace, "labels": labels, "annotations": annotations},
+                "metadata": {"name": name, "namespace": self.namespace, "labels": labels, "annotations": annotations},
                 "spec": spec}
 
     def _capacity_lock_now(self) -> asyncio.Lock:
         if self._capacity_lock is None:
             self._capacity_lock = asyncio.Lock()
         return self._capacity_lock
+
+    def _capacity_forget(self, job_id: str, name: str) -> None:
+        left = tuple(n for n in self._capacity.get(job_id, ()) if n != name)
+        if left:
+            self._capacity[job_id] = left
+        else:
+            self._capacity.pop(job_id, None)
 
     async def _delete_capacity_pod(self, name: str) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -856,114 +1003,143 @@ class KubernetesBackend(Backend):
 
     async def _drop_capacity_request(self, job_id: str, why: str) -> None:
         async with self._capacity_lock_now():
-            name = self._capacity.pop(job_id, None)
+            names = self._capacity.pop(job_id, ())
             if why == "placed":
                 self._capacity_placed.add(job_id)
-            if name is None:
-                return
-            try:
-                await self._delete_capacity_pod(name)
-            except Exception as exc:  # (the next sync deletes it: it is no longer wanted)
-                log.warning("stage %s: could not delete its capacity request %s (%s): deleted at the next heartbeat", job_id, name, exc)
-                self._capacity.setdefault(job_id, name)
-                return
-            self.stats["capacity_dropped"] += 1
-            log.info("stage %s: capacity request %s deleted (%s)", job_id, name, why)
+            for i, name in enumerate(names):
+                try:
+                    await self._delete_capacity_pod(name)
+                except Exception as exc:  # (the next sync deletes it: it is no longer wanted)
+                    log.warning("stage %s: could not delete its capacity request %s (%s): deleted at the next heartbeat", job_id, name, exc)
+                    self._capacity[job_id] = tuple(self._capacity.get(job_id, ())) + tuple(names[i:])
+                    return
+                self.stats["capacity_dropped"] += 1
+                log.info("stage %s: capacity request %s deleted (%s)", job_id, name, why)
 
     async def _clear_way(self, job_id: str, nodes: list[str]) -> None:
-        """Before stage `job_id`'s Job is created on `nodes`: delete its placeholder, and this backend's placeholders
-        that could take the room the worker gave it: those not bound yet (the kube-scheduler may bind one to the room
-        the stage's placeholder leaves before the job controller has made the stage's pod) and those bound to one of
-        its nodes (one took room there that a stage which ended left). Their stages, if they still wait for capacity,
-        get new ones at the next heartbeat (`sync_capacity_requests`). A placeholder of the worker's own
+        """Before stage `job_id`'s Job is created on `nodes`: delete its placeholders (every part), and this backend's
+        placeholders that could take the room the worker gave it: those not bound yet (the kube-scheduler may bind one
+        to the room the stage's placeholder leaves before the job controller has made the stage's pod) and those bound
+        to one of its nodes (one took room there that a stage which ended left). Their stages, if they still wait for
+        capacity, get new ones at the next heartbeat (`sync_capacity_requests`). A placeholder of the worker's own
         `capacity_priority_class`, lower than the stages', is preempted anyway; without one this is what keeps a stage
         from being Unschedulable behind a placeholder."""
         async with self._capacity_lock_now():
             self._capacity_placed.add(job_id)
-            mine = {name: jid for jid, name in self._capacity.items()}
+            mine = {name: jid for jid, names in self._capacity.items() for name in names}
             try:
                 pods = (await self._acall(self.core.list_namespaced_pod, self.namespace, label_selector=self._capacity_selector(),
                                           _doing=f"launch stage {job_id}")).items
-            except Exception as exc:  # (the stage's own is deleted all the same)
+            except Exception as exc:  # (the stage's own are deleted all the same)
                 log.debug("listing the capacity requests before stage %s: %s", job_id, exc)
                 pods = []
             in_way = {p.metadata.name for p in pods if p.metadata.name in mine and (not p.spec.node_name or p.spec.node_name in nodes)}
-            if job_id in self._capacity:
-                in_way.add(self._capacity[job_id])
-            for name in sorted(in_way, key=lambda n: mine.get(n) != job_id):  # (the stage's own first)
+            in_way.update(self._capacity.get(job_id, ()))
+            for name in sorted(in_way, key=lambda n: (mine.get(n) != job_id, n)):  # (the stage's own first)
                 jid = mine[name]
                 try:
                     await self._delete_capacity_pod(name)
                 except Exception as exc:  # (the next sync deletes it if it is no longer wanted)
                     log.warning("stage %s: could not delete capacity request %s (%s)", job_id, name, exc)
                     continue
-                self._capacity.pop(jid, None)
+                self._capacity_forget(jid, name)
                 self.stats["capacity_dropped"] += 1
                 log.info("stage %s: capacity request %s deleted (%s)", jid, name,
                          "its stage is placed" if jid == job_id else f"in the way of stage {job_id}, placed: made again if still wanted")
 
+    def _capacity_budget(self, wants: Sequence[CapacityWant]) -> dict[str, list[dict]]:
+        """The placeholders wanted, by job id: the stages in `wants`' order (longest wait first) while their pods (one
+        per part) fit in `max_capacity_requests`, which counts pods: a gang in three parts takes three. The first that
+        does not fit ends the list (a later, narrower stage does not take the room the gang waits for); a stage with more
+        parts than `max_capacity_requests` is skipped, with a warning (once), as it could never be asked for whole."""
+        out: dict[str, list[dict]] = {}
+        budget = self.max_capacity_requests
+        for w in wants:
+            bodies = self.capacity_request_manifests(w)
+            if len(bodies) > self.max_capacity_requests:
+                if w.job_id not in self._capacity_too_wide:
+                    self._capacity_too_wide.add(w.job_id)
+                    log.warning("stage %s waits for capacity, but it needs %d node-sized placeholders (%d GPUs on nodes of %d) and "
+                                "max_capacity_requests is %d: none is made for it; raise max_capacity_requests to at least %d",
+                                w.name, len(bodies), w.gpus, self.capacity_node_gpus(), self.max_capacity_requests, len(bodies))
+                continue
+            if len(bodies) > budget:
+                break
+            out[w.job_id] = bodies
+            budget -= len(bodies)
+        return out
+
     async def sync_capacity_requests(self, wants: Sequence[CapacityWant]) -> None:
-        """Make the placeholder pods match `wants` (the stages waiting for capacity, longest wait first; at most
-        `max_capacity_requests` of them get one): one LIST of the placeholders of this cluster (label selector), a
-        create for each missing one, a delete for each of this backend's no longer wanted (its stage placed, gone,
-        or room found for it) or ended (a Failed or preempted placeholder is made again). The first call deletes every
-        placeholder of this cluster that another worker left (one that stopped without deleting them; a live one
-        makes its own again at its next heartbeat). Nothing when `request_capacity` is off."""
+        """Make the placeholder pods match `wants` (the stages waiting for capacity, longest wait first; as many as
+        `max_capacity_requests` pods allow get theirs, `_capacity_budget`; a gang wider than a node has one per part,
+        `capacity_parts`): one LIST of the placeholders of this cluster (label selector), a create for each missing
+        one, a delete for each of this backend's no longer wanted (its stage placed, gone, or room found for it) or
+        ended (a Failed or preempted placeholder is made again). The first call deletes every placeholder of this
+        cluster that another worker left (one that stopped without deleting them; a live one makes its own again at its
+        next heartbeat). Nothing when `request_capacity` is off."""
         if not self.request_capacity:
             if not self._capacity:
                 return
             wants = []  # (turned off by an edit of the cluster block: this backend's placeholders go)
         from kubernetes.client.exceptions import ApiException
 
-        wants = list(wants)[: self.max_capacity_requests]
-        wanted = {w.job_id for w in wants}
+        chosen = self._capacity_budget(wants)
+        self._capacity_too_wide &= {w.job_id for w in wants}
+        expected = {jid: {b["metadata"]["name"] for b in bodies} for jid, bodies in chosen.items()}
         doing = "request capacity"
         async with self._capacity_lock_now():
-            self._capacity_placed &= wanted
-            if not wanted and not self._capacity and self._capacity_swept:
+            self._capacity_placed &= set(chosen)
+            if not chosen and not self._capacity and self._capacity_swept:
                 return
             pods = (await self._acall(self.core.list_namespaced_pod, self.namespace, label_selector=self._capacity_selector(), _doing=doing)).items
-            have: dict[str, Any] = {}
+            have: set[str] = set()
             for p in pods:
                 jid = (p.metadata.annotations or {}).get(ANN_CAPACITY_FOR) or ""
+                name = p.metadata.name
                 ended = (p.status.phase if p.status else None) in ("Succeeded", "Failed")
-                ours = self._capacity.get(jid) == p.metadata.name
+                ours = name in self._capacity.get(jid, ())
                 if not self._capacity_swept and not ours:
-                    await self._delete_capacity_pod(p.metadata.name)
+                    await self._delete_capacity_pod(name)
                     self.stats["capacity_left_deleted"] += 1
-                    log.info("capacity request %s (stage %s) left by a worker that stopped: deleted", p.metadata.name, jid)
+                    log.info("capacity request %s (stage %s) left by a worker that stopped: deleted", name, jid)
                     continue
-                if ended or (ours and jid not in wanted):
-                    await self._delete_capacity_pod(p.metadata.name)
+                if ended or (ours and name not in expected.get(jid, ())):
+                    await self._delete_capacity_pod(name)
                     if ours:
-                        self._capacity.pop(jid, None)
+                        self._capacity_forget(jid, name)
                         self.stats["capacity_dropped"] += 1
-                        log.info("stage %s: capacity request %s deleted (%s)", jid, p.metadata.name,
+                        log.info("stage %s: capacity request %s deleted (%s)", jid, name,
                                  "it ended: made again" if ended else "no longer waiting for capacity")
                     continue
-                have[jid] = p
+                have.add(name)
             self._capacity_swept = True
-            for jid in [j for j in self._capacity if j not in have]:  # (deleted by someone else: made again below if wanted)
-                del self._capacity[jid]
+            for jid in list(self._capacity):  # (deleted by someone else: made again below if wanted)
+                kept = tuple(n for n in self._capacity[jid] if n in have)
+                if kept:
+                    self._capacity[jid] = kept
+                else:
+                    del self._capacity[jid]
             for w in wants:
-                if w.job_id in self._capacity_placed:
+                if w.job_id not in chosen or w.job_id in self._capacity_placed:
                     continue
-                if w.job_id in have:
-                    self._capacity[w.job_id] = have[w.job_id].metadata.name
-                    continue
-                body = self.capacity_request_manifest(w)
-                try:
-                    await self._acall(self.core.create_namespaced_pod, self.namespace, body, _doing=doing)
-                except ApiException as e:
-                    if e.status != 409:
-                        log.warning("stage %s: could not request capacity (%s %s): %s", w.name, e.status, e.reason, (e.body or "")[:300])
-                        continue
-                self._capacity[w.job_id] = body["metadata"]["name"]
-                self.stats["capacity_requested"] += 1
-                req = body["spec"]["containers"][0]["resources"]["requests"]
-                log.info("stage %s has waited %.0fs for capacity (no node has room for it): placeholder pod %s asks the cluster's "
-                         "autoscaler for a node (%s)", w.name, w.waited_s, body["metadata"]["name"],
-                         ", ".join(f"{k}={v}" for k, v in req.items()))
+                bodies = chosen[w.job_id]
+                for body in bodies:
+                    name = body["metadata"]["name"]
+                    if name not in have:
+                        try:
+                            await self._acall(self.core.create_namespaced_pod, self.namespace, body, _doing=doing)
+                        except ApiException as e:
+                            if e.status != 409:
+                                log.warning("stage %s: could not request capacity (%s %s): %s", w.name, e.status, e.reason, (e.body or "")[:300])
+                                continue
+                        self.stats["capacity_requested"] += 1
+                        req = body["spec"]["containers"][0]["resources"]["requests"]
+                        part = f" (part {body['metadata']['labels'][LABEL_CAPACITY_PART]} of {len(bodies)})" if len(bodies) > 1 else ""
+                        log.info("stage %s has waited %.0fs for capacity (no node has room for it): placeholder pod %s%s asks the "
+                                 "cluster's autoscaler for a node (%s)", w.name, w.waited_s, name, part,
+                                 ", ".join(f"{k}={v}" for k, v in req.items()))
+                    if name not in self._capacity.get(w.job_id, ()):
+                        self._capacity[w.job_id] = self._capacity.get(w.job_id, ()) + (name,)
 
     # ------------------------------------------------------------------ manifests
     @staticmethod

@@ -413,10 +413,20 @@ class KubernetesGPUCluster(_ClusterBase):
                     "needs list, create and delete on pods.",
     )
     capacity_request_after_s: float = Field(default=30.0, ge=0, description="Seconds a stage waits for room before capacity is requested for it.")
-    max_capacity_requests: int = Field(default=4, ge=0, description="Placeholder pods at most at once (the stages that waited longest).")
+    max_capacity_requests: int = Field(
+        default=4, ge=0,
+        description="Placeholder pods at most at once (the stages that waited longest; a gang wider than a node takes one per part).")
     capacity_request_image: str = Field(default="registry.k8s.io/pause:3.9", description="The placeholder pods' image (a pause image).")
     capacity_priority_class: Optional[str] = Field(
         default=None, description="priorityClassName of the placeholder pods (a low one lets other pods preempt them).")
+    capacity_node: Optional[dict[str, Any]] = Field(
+        default=None,
+        description="The node the GPU pool's autoscaler adds, declared: {gpus, cpu, memory} as its allocatable (e.g. {\"gpus\": 8, "
+                    "\"cpu\": 64, \"memory\": \"480Gi\"}), optional gpu_product (its nvidia.com/gpu.product label), gpu_memory_mb "
+                    "(per GPU), count (stand-ins, default 1: the widest gang accepted while the pool is at zero). With "
+                    "request_capacity, a worker started while no node exists plans on it (down) instead of failing; a gang wider "
+                    "than it is asked for in node-sized placeholders (one pod per part; max_capacity_requests counts pods).",
+    )
 
     @field_validator("kubeconfig", "context", "api_url", "capacity_priority_class", mode="before")
     @classmethod
@@ -432,6 +442,16 @@ class KubernetesGPUCluster(_ClusterBase):
             like = re.sub(r"[^a-z0-9-]+", "-", v.lower()).strip("-")[:63].strip("-") or "default"
             raise ValueError(f"namespace {v!r} is not a Kubernetes namespace name (a DNS-1123 label: at most 63 lowercase "
                              f"letters, digits and dashes, starting and ending with a letter or digit); e.g. {like!r}")
+        return v
+
+    @field_validator("capacity_node", mode="before")
+    @classmethod
+    def _capacity_node(cls, v: Any) -> Any:
+        v = _blank_to_none(v) if not isinstance(v, dict) else (v or None)
+        if v is not None:
+            from qosflow.backends.kubernetes import capacity_node_spec
+
+            capacity_node_spec(v)  # (SpecError, a ValueError, names the key: "invalid capacity_node.gpus: ...")
         return v
 
     @field_validator("image")
@@ -489,7 +509,7 @@ class KubernetesGPUCluster(_ClusterBase):
             gpu_resource=self.gpu_resource, credentials_in_secret=self.credentials_in_secret,
             request_capacity=self.request_capacity, capacity_request_after_s=self.capacity_request_after_s,
             max_capacity_requests=self.max_capacity_requests, capacity_request_image=self.capacity_request_image,
-            capacity_priority_class=self.capacity_priority_class,
+            capacity_priority_class=self.capacity_priority_class, capacity_node=dict(self.capacity_node) if self.capacity_node else None,
         )
 
 

@@ -269,7 +269,8 @@ class QoSScheduler:
     def waiting_for_capacity(self, after_s: float = 0.0, now: float | None = None) -> list[StageEntry]:
         """Queued stages that have waited at least `after_s` and that no node of the plan has room for now: no node
         that is up (and of the GPU model and memory asked for) has the GPUs, cores and memory free that the stage
-        asks for on one node (a gang wider than a node: the free GPUs of all such nodes together). A stage the policy
+        asks for on one node (a gang wider than a node: no k such nodes have its GPUs free together with the cores
+        and memory of their part, `_gang_has_room`, not their free GPUs alone). A stage the policy
         holds back although a node has room (its turn has not come, fair share) is not one of them: more nodes are
         not what it waits for. Longest wait first."""
         now = self.clock() if now is None else now
@@ -293,10 +294,30 @@ class QoSScheduler:
             fits = ok & (free >= q.gpus) & (st.cpu_free >= q.cpu_cores - 1e-9) & (st.mem_free >= q.mem_mb - 1e-9)
             if fits.any():
                 continue
-            if q.gpus > self.cluster.max_gpus_per_node and int(free[ok].sum()) >= q.gpus:
+            if q.gpus > self.cluster.max_gpus_per_node and self._gang_has_room(q, free, ok):
                 continue
             out.append((waited, e))
         return [e for _, e in sorted(out, key=lambda x: -x[0])]
+
+    def _gang_has_room(self, q: Any, free: np.ndarray, ok: np.ndarray) -> bool:
+        """Whether a gang wider than a node has room over several up nodes now: as a placement splits it, its cores in
+        proportion to its GPUs on each node, its memory evenly over its k nodes; a node counts for the GPUs it has free
+        that its free cores can feed, if it has mem_mb/k free (`ClusterSpec._spreads`, on the free resources)."""
+        st, gpus = self.state, int(math.ceil(q.gpus))
+        per_gpu_cpu = q.cpu_cores / gpus
+        caps = []
+        for i in np.flatnonzero(ok):
+            c = int(free[i])
+            if per_gpu_cpu > 0:
+                c = min(c, int(st.cpu_free[i] / per_gpu_cpu + 1e-9))
+            if c >= 1:
+                caps.append((float(st.mem_free[i]), c))
+        caps.sort(key=lambda mc: -mc[1])
+        for k in range(2, min(gpus, len(caps)) + 1):
+            fit = [c for m, c in caps if m >= (q.mem_mb or 0.0) / k - 1e-6]
+            if len(fit) >= k and sum(fit[:k]) >= gpus:
+                return True
+        return False
 
     # ------------------------------------------------------------------ loop
     def start(self) -> asyncio.Task:
