@@ -589,6 +589,13 @@ class KubernetesBackend(Backend):
         self._poke_waits()  # (a wait whose node was deleted and that has not looked yet: told again)
         return self._healthy(nodes)
 
+    async def foreign_pod_usage(self) -> dict:
+        """Node name -> what the pods bound there that are not qosflow's stages request (DaemonSets, pipeline-run pods,
+        other users' pods): one LIST of pods at the heartbeat, at most every `k8s_usage.POD_READ_S`, for the worker to book."""
+        from qosflow.backends.k8s_usage import read_foreign_usage
+
+        return await asyncio.to_thread(read_foreign_usage, self)
+
     # ------------------------------------------------------------------ the node informer (`watch_nodes`)
     async def _nodes_now(self) -> list:
         """The nodes as they are now: the informer's view while its watch follows the API (no request), else one

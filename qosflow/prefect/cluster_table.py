@@ -22,13 +22,15 @@ class NodeUsage:
 
 #: the key prefix of a pipeline run's cores held in the policy's view (`QosflowWorker._hold_pipeline`): not a stage
 PIPELINE_HOLD = "pipeline:"
+#: the key prefix of what the pods that are not qosflow's stages take on a Kubernetes node (`foreign_pods`): not a stage
+PODS_HOLD = "pods:"
 
 
 def node_usage(state: Any) -> Iterator[NodeUsage]:
     """Each node of `state` (a ClusterState), in order."""
     per_node: dict[int, int] = {}
     for key, p in list(state.allocs.items()):
-        if key.startswith(PIPELINE_HOLD):  # (a pipeline run's cores on an agent's host: not a stage)
+        if key.startswith((PIPELINE_HOLD, PODS_HOLD)):  # (a pipeline run's cores on an agent's host, other pods: not stages)
             continue
         for n in set(p.nodes):
             per_node[n] = per_node.get(n, 0) + 1

@@ -46,7 +46,8 @@ from qosflow.env import env_flag, env_number
 from qosflow.paths import pipeline_output_dir
 from qosflow.failures import Action, decide
 from qosflow.placement_api import read_progress
-from qosflow.prefect.cluster_table import PIPELINE_HOLD
+from qosflow.prefect.cluster_table import PIPELINE_HOLD, PODS_HOLD
+from qosflow.prefect.foreign_pods import book_foreign_pods
 from qosflow.prefect.scheduler import STAGE_DEFAULT_DURATION, QoSScheduler, StageCancelled, StageEntry, make_live_estimator
 from qosflow.prefect.spec import QOS_FIELDS, spec_from_job_variables
 
@@ -386,6 +387,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self.holder = ""
         self.recovered: list[dict[str, Any]] = []  # what recover() found at start (tests, logs)
         self._foreign: set[str] = set()  # scheduler hold keys of other workers' leases
+        self._pods_booked: dict[str, tuple] = {}  # node -> (wanted, booked) of the pods that are not stages (`book_foreign_pods`)
         self._lease_ids: dict[str, str] = {}  # flow run id -> lease id
         self._health_task: asyncio.Task | None = None
         self._progress_task: asyncio.Task | None = None
@@ -1917,6 +1919,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._logger.debug("healthy_nodes failed: %s", exc)
             self._health_error = str(exc)
             return
+        usage = await self._read_pods(be)
         if failing is not None:
             if self.outage is None:
                 self._logger.info("the hosts' health can be read again")
@@ -1937,8 +1940,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 reason = st.error if st is not None else be.down_reasons().get(node.name)
                 if reason:
                     why = f" ({reason})"
-                stages = [j for j in on_it if not str(j).startswith(PIPELINE_HOLD)]
-                runs = len(on_it) - len(stages)  # (pipeline runs' booked cores: not rerun, their waits tell their fate)
+                stages = [j for j in on_it if not str(j).startswith((PIPELINE_HOLD, PODS_HOLD))]
+                runs = len([j for j in on_it if str(j).startswith(PIPELINE_HOLD)])  # (pipeline runs' booked cores: not rerun, their waits tell their fate)
                 also = f"; {runs} pipeline run(s) there are followed until their host or Prefect says how they ended" if runs else ""
                 if be.keeps_stages(node.name):  # (cordoned: its stages are not lost, nothing runs them again)
                     self._logger.warning("host %s is down%s: no new stage goes there; the %d stage(s) on it run on%s",
@@ -1950,6 +1953,20 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._logger.info("host %s answers again", node.name)
             self._node_event("qosflow.node.down" if down else "qosflow.node.up", node.name, {"stages": on_it})
             sched.wake()
+        if usage is not None and book_foreign_pods(sched, usage, self._pods_booked):
+            sched.wake()
+
+    async def _read_pods(self, be: Backend) -> Any:
+        """What the pods that are not qosflow's stages request per node (a backend that reads them: Kubernetes'
+        `foreign_pod_usage`), or None (none, or the read failed: the holds stay as they are)."""
+        read = getattr(be, "foreign_pod_usage", None)
+        if read is None:
+            return None
+        try:
+            return await read()
+        except Exception as exc:  # (the next heartbeat reads them again)
+            self._logger.debug("could not read the pods on the nodes: %s", exc)
+            return None
 
     async def _sync_capacity_requests(self) -> None:
         """Tell a backend that asks its cluster for nodes (`request_capacity`: Kubernetes' placeholder pods for a
@@ -2233,7 +2250,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             return {}
         names = sched.cluster.node_names
         out: dict[str, int] = {}
-        for p in sched.state.allocs.values():
+        for key, p in sched.state.allocs.items():
+            if key.startswith(PODS_HOLD):  # (not a stage: other pods, `book_foreign_pods`)
+                continue
             for n in p.nodes:
                 out[names[n]] = out.get(names[n], 0) + 1
         for fid, e in self._stage_entries.items():
