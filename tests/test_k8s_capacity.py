@@ -61,6 +61,7 @@ class Lab:
                                     node_selector={"nvidia.com/gpu.present": "true"}, capacity_request_after_s=0.2, **self.backend)
         self.w = QosflowWorker(work_pool_name="k8s-capacity", backend=self.be)
         self.w.scheduler = self.sched = QoSScheduler(await self.be.inventory(), get_policy("fifo"), coda=False)
+        self.sched.may_become = self.be.may_become  # (as the worker sets it: what an autoscaled pool may grow to)
         self.w.cluster_reload_s = 0.2
         self.w._node_event = lambda name, node, payload: None  # (no Prefect server here)
         self.sched.start()
@@ -466,3 +467,34 @@ def test_a_gang_s_parts_are_node_sized_from_the_declared_node_else_the_largest_n
         {"cpu": "16000m", "memory": "8000Mi", "nvidia.com/gpu": "8"}, {"cpu": "4000m", "memory": "2000Mi", "nvidia.com/gpu": "2"}]
     assert [b["metadata"]["name"][-6:] for b in bodies] == ["-cap-0", "-cap-1"]
     assert [b["metadata"]["labels"]["qosflow.dev/capacity-part"] for b in bodies] == ["0", "1"]
+
+
+def test_a_gang_wider_than_the_nodes_left_after_a_scale_down_waits_for_the_declared_group_instead_of_being_refused():
+    """One 1-GPU node listed (the others scaled down), `capacity_node` of 1 GPU, `count` 2: a 2-GPU gang fits the group
+    the pool may become (`Backend.may_become`), so it waits and asks for capacity, and runs once the autoscaler's node is
+    listed; before, it was refused at once ("can never be placed"). Without request_capacity it is refused as before,
+    and a gang wider than `count` nodes still is."""
+    from qosflow.core.cluster import PlacementError
+
+    async def go():
+        g = group()
+        with EmulatorServer([g.node("gpu-pool-first")], autoscaler=g) as emu:
+            async with Lab(emu, request_capacity=True, max_capacity_requests=2, capacity_node={**SHAPE, "count": 2}) as lab:
+                assert lab.sched.cluster.node_names == ("gpu-pool-first",)
+                too_wide = queue_gang(lab, "three", 3)
+                with pytest.raises(PlacementError, match="can never be placed"):
+                    await asyncio.wait_for(too_wide, 5)
+                waiting = queue_gang(lab, "gang", 2)
+                nodes = await asyncio.wait_for(waiting, 20)
+                assert len(nodes) == 2 and "gpu-pool-first" in nodes, nodes
+                ups = [x for x in emu.state()["autoscaler"]["log"] if x["action"] == "scale-up"]
+                assert len(ups) == 1, ups
+                h = await lab.launch("gang", 0.3)
+                assert (await lab.be.wait(h)).kind is ExitKind.OK
+                lab.sched.release("gang")
+            async with Lab(emu, request_capacity=False, capacity_node={**SHAPE, "count": 3}) as lab:  # (3 would hold it)
+                refused = queue_gang(lab, "gang-b", 3)
+                with pytest.raises(PlacementError, match="can never be placed"):
+                    await asyncio.wait_for(refused, 5)
+
+    asyncio.run(go())

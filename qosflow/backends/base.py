@@ -294,6 +294,11 @@ class Backend(ABC):
     #: whether requests it made are still there (to be deleted once `request_capacity` is turned off)
     holds_capacity_requests: bool = False
 
+    def may_become(self) -> ClusterSpec | None:
+        """The cluster this one may grow to (an autoscaler's node group, declared), against which a stage no node listed
+        now could ever hold is judged before it is refused; None: the nodes listed are all there may be (default)."""
+        return None
+
     async def sync_capacity_requests(self, wants: Sequence[CapacityWant]) -> None:
         """The stages that wait for capacity now (all of them: one missing is no longer waiting, or waiting no more
         for capacity). Default: nothing is asked for."""

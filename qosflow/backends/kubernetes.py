@@ -189,7 +189,7 @@ def _cpu(cores: float) -> str:
 
 def capacity_node_spec(shape: Any, name: str = STANDIN_PREFIX + "0") -> tuple[NodeSpec, int]:
     """The node a node group adds, declared (the cluster block's `capacity_node`), as a NodeSpec named `name`, and how
-    many stand-ins of it to plan on while the group is at zero (`count`, default 1). Keys: `gpus` (whole GPUs, at
+    many of it the group may hold at once (`count`, default 1: the stand-ins while it is at zero, `may_become`). Keys: `gpus` (whole GPUs, at
     least 1), `cpu` (cores: 32, "31500m") and `memory` ("240Gi", or MiB as a number), as the node's allocatable;
     optional `gpu_product` (its nvidia.com/gpu.product label, e.g. NVIDIA-A100-SXM4-80GB; the GPU model stages may
     ask for), `gpu_memory_mb` (of each GPU, default 16384, as a node without the label), `count`. A bad one raises
@@ -563,6 +563,15 @@ class KubernetesBackend(Backend):
                    "zero, turn request_capacity on and declare the pool's node in the cluster block's capacity_node (e.g. "
                    "{gpus: 8, cpu: 64, memory: 480Gi}): the worker then starts with the pool at zero; or check node_labels")
         return f"{where}: {fix}"
+
+    def may_become(self) -> ClusterSpec | None:
+        """With `request_capacity` and a declared `capacity_node`: `count` nodes of that shape, what the node group may
+        hold at once (a stage no node listed now can hold, a gang wider than the nodes left after a scale-down, is
+        judged against it before it is refused); else None."""
+        if not self.request_capacity or self.capacity_node is None:
+            return None
+        node, count = capacity_node_spec(self.capacity_node)
+        return ClusterSpec(tuple(dataclasses.replace(node, name=f"{STANDIN_PREFIX}{i}") for i in range(count)), name=self.cluster_name)
 
     def _standin_specs(self) -> list[NodeSpec]:
         """The stand-ins of the declared node (`capacity_node`) to plan on while no node is listed, [] when none is

@@ -423,7 +423,7 @@ class KubernetesGPUCluster(_ClusterBase):
         default=None,
         description="The node the GPU pool's autoscaler adds, declared: {gpus, cpu, memory} as its allocatable (e.g. {\"gpus\": 8, "
                     "\"cpu\": 64, \"memory\": \"480Gi\"}), optional gpu_product (its nvidia.com/gpu.product label), gpu_memory_mb "
-                    "(per GPU), count (stand-ins, default 1: the widest gang accepted while the pool is at zero). With "
+                    "(per GPU), count (how many such nodes the group may hold at once, default 1: the stand-ins while the pool is at zero, and the widest gang accepted when fewer nodes are listed). With "
                     "request_capacity, a worker started while no node exists plans on it (down) instead of failing; a gang wider "
                     "than it is asked for in node-sized placeholders (one pod per part; max_capacity_requests counts pods).",
     )

@@ -124,6 +124,9 @@ class QoSScheduler:
         clock: Callable[[], float] = time.time,
     ):
         self.cluster = cluster
+        #: the cluster the pool may become (a node group's autoscaler: `Backend.may_become`), or None: a stage that no
+        #: node listed now can ever hold, but that one would, waits for it instead of being refused
+        self.may_become: Callable[[], ClusterSpec | None] | None = None
         self.state = ClusterState(cluster)
         self.policy = policy
         self.estimator = estimator or DeclaredEstimator()
@@ -156,7 +159,14 @@ class QoSScheduler:
     async def request(self, entry: StageEntry) -> Grant:
         """Queue a stage and wait for its placement. Raises on rejection or cancellation."""
         # (an elastic stage, `min_gpus`, fits if a width the policy may start it on does: `elastic_starts`)
-        reason = self.cluster.why_never_fits(entry.job.qos, elastic=getattr(self.policy, "elastic_starts", False))
+        elastic = getattr(self.policy, "elastic_starts", False)
+        reason = self.cluster.why_never_fits(entry.job.qos, elastic=elastic)
+        if reason and self.may_become is not None:
+            # (a pool its autoscaler grows: refused only if the nodes it may have would not hold it either; it waits,
+            # asks for capacity (`waiting_for_capacity`) and is placed once they are listed)
+            grown = self.may_become()
+            if grown is not None and grown.why_never_fits(entry.job.qos, elastic=elastic) is None:
+                reason = None
         if reason:
             entry.state.status = JobStatus.REJECTED
             raise PlacementError(

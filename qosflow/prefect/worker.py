@@ -559,6 +559,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 on_event=self._on_scheduler_event,
                 set_cpus=self._set_cpus,
             )
+            self.scheduler.may_become = self._backend.may_become  # (an autoscaled pool: what it may grow to)
             self.scheduler.start()
             loop = asyncio.get_running_loop()
             self._cancel_task = loop.create_task(self._watch_cancellations(), name="qosflow-cancel-watch")
