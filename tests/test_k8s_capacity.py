@@ -23,18 +23,11 @@ from qosflow.backends.base import CapacityWant, ExitKind, LaunchSpec
 from qosflow.backends.kubernetes import KubernetesBackend
 from qosflow.core.job import Job, JobState
 from qosflow.core.qos import QoSSpec
+from k8s_lab import EmulatedWorker, until
 from qosflow.k8s_emulator import EmulatorServer, NodeGroup, gpu_node
 
 pytestmark = pytest.mark.timeout(120)
 CAPACITY = "qosflow.dev/role=capacity-request"
-
-
-async def until(cond, what: str, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not await asyncio.to_thread(cond):
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:g}s waiting until {what}")
-        await asyncio.sleep(0.05)
 
 
 def group(**kw) -> NodeGroup:
@@ -43,50 +36,13 @@ def group(**kw) -> NodeGroup:
     return NodeGroup(template=gpu_node("template", 1), **{"min": 0, "max": 2, "scale_up_delay_s": 0.3, "scale_down_unneeded_s": 600.0, **kw})
 
 
-class Lab:
+class Lab(EmulatedWorker):
     """A worker on the emulator: its scheduler (fifo), its node reload loop and its heartbeat (health, then capacity
     requests, as `QosflowWorker._health_loop` does), every 0.2 s."""
 
     def __init__(self, emu: EmulatorServer, **backend):
-        self.emu = emu
-        self.core = client.CoreV1Api(emu.api_client())
-        self.backend = backend
-
-    async def __aenter__(self) -> "Lab":
-        from qosflow.policies import get_policy
-        from qosflow.prefect.scheduler import QoSScheduler
-        from qosflow.prefect.worker import QosflowWorker
-
-        self.be = KubernetesBackend(namespace="default", image="busybox:1.36", api_client=self.emu.api_client(), unschedulable_timeout_s=1.0,
-                                    node_selector={"nvidia.com/gpu.present": "true"}, capacity_request_after_s=0.2, **self.backend)
-        self.w = QosflowWorker(work_pool_name="k8s-capacity", backend=self.be)
-        self.w.scheduler = self.sched = QoSScheduler(await self.be.inventory(), get_policy("fifo"), coda=False)
-        self.sched.may_become = self.be.may_become  # (as the worker sets it: what an autoscaled pool may grow to)
-        self.w.cluster_reload_s = 0.2
-        self.w._node_event = lambda name, node, payload: None  # (no Prefect server here)
-        self.sched.start()
-
-        async def beat() -> None:
-            while True:
-                await self.w._sync_health()
-                await self.w._sync_capacity_requests()
-                await asyncio.sleep(0.2)
-
-        loop = asyncio.get_running_loop()
-        self.tasks = [loop.create_task(self.w._cluster_reload_loop()), loop.create_task(beat())]
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        for t in self.tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        task = self.sched._task
-        while task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait([task], timeout=0.5)
-        await self.sched.stop()
-        await self.be.aclose()
+        super().__init__(emu, pool="k8s-capacity", reload_s=0.2, beat=("_sync_health", "_sync_capacity_requests"),
+                         node_selector={"nvidia.com/gpu.present": "true"}, capacity_request_after_s=0.2, **backend)
 
     def nodes(self) -> list[str]:
         return [n.metadata.name for n in self.core.list_node().items]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import pytest
 from kubernetes import client
@@ -21,19 +20,12 @@ from qosflow.backends.k8s_usage import foreign_usage, pod_requests
 from qosflow.backends.kubernetes import KubernetesBackend
 from qosflow.core.job import Job, JobState
 from qosflow.core.qos import QoSSpec
+from k8s_lab import EmulatedWorker, until
 from qosflow.k8s_emulator import EmulatorServer, gpu_node
 from qosflow.prefect.cluster_table import PODS_HOLD, node_usage
 
 pytestmark = pytest.mark.timeout(90)
 NODE = "gpu-a"
-
-
-async def until(cond, what: str, timeout: float = 15.0) -> None:
-    end = time.monotonic() + timeout
-    while not await asyncio.to_thread(cond):
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:g}s waiting until {what}")
-        await asyncio.sleep(0.05)
 
 
 def foreign_pod(name: str, namespace: str = "users", *, gpus: int = 0, cpu: str = "4", memory: str = "1Gi",
@@ -48,44 +40,16 @@ def foreign_pod(name: str, namespace: str = "users", *, gpus: int = 0, cpu: str 
                      "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.9", "resources": res}]}}
 
 
-class Lab:
+class Lab(EmulatedWorker):
     """A worker on one node of 4 GPUs and 8 cpu: its scheduler (fifo) and its heartbeat's health reading every 0.2 s."""
 
     def __init__(self, emu: EmulatorServer):
-        self.emu = emu
-        self.core = client.CoreV1Api(emu.api_client())
+        super().__init__(emu, pool="k8s-foreign-pods", beat=("_sync_health",), unschedulable_timeout_s=2.0)
 
-    async def __aenter__(self) -> "Lab":
-        from qosflow.policies import get_policy
-        from qosflow.prefect.scheduler import QoSScheduler
-        from qosflow.prefect.worker import QosflowWorker
-
-        self.be = KubernetesBackend(namespace="default", image="busybox:1.36", api_client=self.emu.api_client(), unschedulable_timeout_s=2.0)
-        self.be.pod_usage_every_s = 0.0  # (read at every heartbeat here: POD_READ_S otherwise)
-        self.w = QosflowWorker(work_pool_name="k8s-foreign-pods", backend=self.be)
-        self.w.scheduler = self.sched = QoSScheduler(await self.be.inventory(), get_policy("fifo"), coda=False)
-        self.w._node_event = lambda name, node, payload: None  # (no Prefect server here)
-        self.sched.start()
-
-        async def beat() -> None:
-            while True:
-                await self.w._sync_health()
-                await asyncio.sleep(0.2)
-
-        self.tasks = [asyncio.get_running_loop().create_task(beat())]
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        for t in self.tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        task = self.sched._task
-        while task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait([task], timeout=0.5)
-        await self.sched.stop()
-        await self.be.aclose()
+    def make_backend(self) -> KubernetesBackend:
+        be = super().make_backend()
+        be.pod_usage_every_s = 0.0  # (read at every heartbeat here: POD_READ_S otherwise)
+        return be
 
     def create(self, pod: dict) -> None:
         with contextlib.suppress(client.exceptions.ApiException):

@@ -15,61 +15,33 @@ import contextlib
 import time
 
 import pytest
-from kubernetes import client
 
 from qosflow.backends.base import ExitKind, LaunchSpec
 from qosflow.backends.kubernetes import KubernetesBackend
 from qosflow.core.job import Job, JobState
 from qosflow.core.qos import QoSSpec
 from qosflow.k8s_emulator import EmulatorServer, gpu_node
+from k8s_lab import EmulatedWorker
+from k8s_lab import until as _until
 
 pytestmark = pytest.mark.timeout(120)
 RELOAD_S = 0.2
 
 
 async def until(cond, what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not await asyncio.to_thread(cond):
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:g}s waiting until {what}")
-        await asyncio.sleep(0.05)
+    await _until(cond, what, timeout)
 
 
-class Lab:
+class Lab(EmulatedWorker):
     """A worker (scheduler + backend + its cluster reload loop) on the emulator."""
 
     def __init__(self, emu: EmulatorServer, *, follow: bool = True):
-        self.emu = emu
-        self.core = client.CoreV1Api(emu.api_client())
-        self.follow = follow
+        super().__init__(emu, pool="k8s-node-changes", reload_s=RELOAD_S if follow else None)
 
     async def __aenter__(self) -> "Lab":
-        from qosflow.policies import get_policy
-        from qosflow.prefect.scheduler import QoSScheduler
-        from qosflow.prefect.worker import QosflowWorker
-
-        self.be = KubernetesBackend(namespace="default", image="busybox:1.36", api_client=self.emu.api_client(), unschedulable_timeout_s=1.0)
-        self.w = QosflowWorker(work_pool_name="k8s-node-changes", backend=self.be)
-        self.w.scheduler = self.sched = QoSScheduler(await self.be.inventory(), get_policy("fifo"), coda=False)
-        self.w.cluster_reload_s = RELOAD_S
-        self.events: list[tuple[str, str]] = []  # (the Prefect events the worker emits: no Prefect server here)
-        self.w._node_event = lambda name, node, payload: self.events.append((name, node))
-        self.sched.start()
-        self.loop = asyncio.get_running_loop().create_task(self.w._cluster_reload_loop() if self.follow else asyncio.sleep(3600))
+        await super().__aenter__()
+        self.loop = self.tasks[0] if self.tasks else None
         return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.loop.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.loop
-        # (not `sched.stop()` alone: on Python 3.11 its round loop's asyncio.wait_for can swallow the cancel when a
-        # wake comes at the same moment, and the stop waits for ever; cancelled again until it is done)
-        task = self.sched._task
-        while task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait([task], timeout=0.5)
-        await self.sched.stop()
-        await self.be.aclose()
 
     @property
     def names(self) -> list[str]:
