@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["sim", "sim_speed_notes", "elastic", "elastic_notes", "gpu_models", "gpu_models_notes", "parallel", "decisions", "decisions_mixed", "packing", "prefect", "demo_db", "predictor",
-         "pairs_synthetic", "learned_sim", "store_growth", "fairness", "infra", "infra_notes", "k8s_nodes", "k8s_nodes_notes", "soak_notes"]
+         "pairs_synthetic", "learned_sim", "store_growth", "fairness", "infra", "infra_notes", "k8s_nodes", "k8s_nodes_notes", "k8s_pod_usage", "soak_notes"]
 TITLES = {
     "sim": "Simulator fidelity and qosflow's policy (issues 2, 3)",
     "sim_speed_notes": "qosflow's simulation speed: side runs written by hand (issue 2)",
@@ -36,6 +36,7 @@ TITLES = {
     "infra_notes": "Progress copies from agent hosts (issue 6, recorded by hand)",
     "k8s_nodes": "Kubernetes node tracking: a watch instead of a LIST per heartbeat",
     "k8s_nodes_notes": "Kubernetes node tracking: notes (recorded by hand)",
+    "k8s_pod_usage": "Kubernetes: reading the pods that are not qosflow's",
     "soak_notes": "Soak: the worker under a continuous stream of small pipelines (recorded by hand)",
 }
 

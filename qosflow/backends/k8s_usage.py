@@ -34,7 +34,7 @@ LABEL_CLUSTER = "qosflow.dev/cluster"
 ROLE_PIPELINE = "pipeline"
 ROLE_CAPACITY = "capacity-request"
 #: the pods are read at most this often (seconds; at the heartbeat that comes after): at 10,000 pods a reading takes the
-#: worker ~0.5 s of CPU (scripts/bench_k8s_pod_usage.py). A backend's `pod_usage_every_s` attribute overrides it
+#: worker ~0.5 s of CPU (benchmarks/bench_k8s_pod_usage.py). A backend's `pod_usage_every_s` attribute overrides it
 POD_READ_S = 5.0
 
 _SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
