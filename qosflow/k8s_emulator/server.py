@@ -7,7 +7,9 @@ and any `/apis/{group}/{version}` custom resource):
                                            a chunked stream of {"type","object"} lines from
                                            resourceVersion; an expired resourceVersion gets an
                                            ERROR event with a 410 "Expired" Status (as the API server);
-                                           allowWatchBookmarks=true: BOOKMARK events when idle
+                                           allowWatchBookmarks=true: BOOKMARK events when idle; with
+                                           selectors, an object that comes to match is ADDED and one that
+                                           stops matching DELETED (as the API server's watch cache)
     POST   .../{plural}                    create (409 AlreadyExists; a Secret's data must be base64,
                                            its stringData is merged into data)
     GET    .../{plural}/{name}[/status]    read (404 NotFound)
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import re
 import time
@@ -88,6 +91,21 @@ def create_app(cluster: Cluster):
         def match(o: dict) -> bool:
             return (ns is None or o["metadata"].get("namespace") == ns) and labels_match(o["metadata"].get("labels") or {}, reqs) and fields_match(o, fsel)
 
+        def filtered(erv: int, t: str, o: dict, prev: dict | None) -> tuple[str, dict] | None:
+            """The event as a watch with selectors sees it (the API server's cacheWatcher): an object that comes to
+            match is ADDED, one that stops matching (a pod whose phase becomes Succeeded under a field selector
+            status.phase!=Succeeded) is DELETED, with its previous content at the event's resourceVersion."""
+            if t == "DELETED":
+                return (t, o) if match(o) else None
+            now, before = match(o), prev is not None and match(prev)
+            if now:
+                return ("MODIFIED" if before and t == "MODIFIED" else "ADDED", o)
+            if before:
+                gone = copy.deepcopy(prev)
+                gone["metadata"]["resourceVersion"] = str(erv)
+                return ("DELETED", gone)
+            return None
+
         def line(t: str, o: dict) -> bytes:
             return (json.dumps({"type": t, "object": o}) + "\n").encode()
 
@@ -130,12 +148,13 @@ def create_app(cluster: Cluster):
                 compactions = store.compactions  # (one that did not expire this stream is behind it)
                 changed = store.changed
                 log = list(store.log)
-                batch = [(erv, t, o) for erv, p, t, o in log if erv > seen and p == plural]
-                since = max([since] + [erv for erv, _, _ in batch])
+                batch = [(erv, t, o, prev) for erv, p, t, o, prev in log if erv > seen and p == plural]
+                since = max([since] + [erv for erv, _, _, _ in batch])
                 seen = max(seen, log[-1][0] if log else seen)
-                for _, t, o in batch:
-                    if match(o):
-                        yield line(t, o)
+                for erv, t, o, prev in batch:
+                    ev = filtered(erv, t, o, prev)
+                    if ev is not None:
+                        yield line(*ev)
                 left = end - time.monotonic()
                 if left <= 0:
                     return

@@ -270,7 +270,11 @@ class Store:
         self.current_rv = 999
         self.objs: dict[str, dict[tuple[str, str], dict]] = {}
         self.meta: dict[str, tuple[str, str, bool]] = dict(BUILTIN)
-        self.log: deque[tuple[int, str, str, dict]] = deque()
+        #: (rv, plural, type, the object after, the object before: None for ADDED), as the API server's watch cache
+        #: keeps the previous object so that a watch with a selector sees an object that leaves or enters it
+        self.log: deque[tuple[int, str, str, dict, dict | None]] = deque()
+        #: (plural, namespace, name) -> the object as its last event carried it (the next event's previous object)
+        self._last: dict[tuple[str, str, str], dict] = {}
         self.window = window
         self.compacted_rv = 0  # events up to and including this rv are gone
         self.changed = asyncio.Event()
@@ -293,7 +297,14 @@ class Store:
         rv = next(self.rv)
         self.current_rv = rv
         obj["metadata"]["resourceVersion"] = str(rv)
-        self.log.append((rv, plural, etype, copy.deepcopy(obj)))
+        now = copy.deepcopy(obj)
+        key = (plural, obj["metadata"].get("namespace", ""), obj["metadata"].get("name", ""))
+        prev = None if etype == "ADDED" else self._last.get(key)
+        if etype == "DELETED":
+            self._last.pop(key, None)
+        else:
+            self._last[key] = now
+        self.log.append((rv, plural, etype, now, prev))
         while len(self.log) > self.window:
             self.compacted_rv = self.log.popleft()[0]
         self.changed.set()
