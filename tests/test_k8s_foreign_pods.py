@@ -132,8 +132,8 @@ def test_a_daemonsets_pod_and_a_pipeline_runs_pod_are_booked_and_qosflows_own_st
                                         lab.core.list_namespaced_pod("default", label_selector="qosflow.dev/stage-id=stage-1").items),
                             "the stage's pod runs")
                 for _ in range(3):  # (some heartbeats with the stage's pod running)
-                    n = lab.be.stats["pod_lists"]
-                    await until(lambda: lab.be.stats["pod_lists"] > n, "another reading of the pods")
+                    n = lab.be.stats["pod_readings"]
+                    await until(lambda: lab.be.stats["pod_readings"] > n, "another reading of the pods")
                 assert lab.held() == (0, 0.35, 640.0)
                 assert abs(float(lab.sched.state.cpu_free[0]) - (8 - 3 - 0.35)) < 1e-6
                 (u,) = node_usage(lab.sched.state)
@@ -203,3 +203,139 @@ def test_the_holds_follow_the_readings_book_what_fits_now_and_the_rest_later():
     assert not any(k.startswith(PODS_HOLD) for k in st.allocs) and booked == {}
     assert float(st.cpu_free[0]) == 8.0 and int(st.empty[0]) == 4
     st.check_invariants()
+
+
+# ---------------------------------------------------------------------- the pod informer (`watch_pods`)
+def _pinned(pod: dict, node: str) -> dict:
+    pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+    return pod
+
+
+def _amounts(usage: dict) -> dict:
+    return {n: (u.amounts(), u.pods) for n, u in usage.items()}
+
+
+def test_the_pod_informer_follows_creations_changes_endings_and_deletions_across_namespaces_as_a_list_reads_them():
+    """Old code: every reading LISTed (and parsed) all the cluster's bound pods. Now one LIST, then a WATCH (field
+    selector, bookmarks): its view equals a fresh LIST's reading after each change, and the readings make no request.
+    (On the emulator before this change, a pod's phase becoming Succeeded did not reach a watch whose field selector it
+    left: the API server sends DELETED.)"""
+    from qosflow.backends.k8s_usage import list_bound_pods
+
+    async def go():
+        with EmulatorServer([gpu_node("gpu-a", 4, cpu="16", memory="64Gi"), gpu_node("gpu-b", 4, cpu="16", memory="64Gi")]) as emu:
+            be = KubernetesBackend(api_client=emu.api_client(), namespace="default")
+            core = client.CoreV1Api(emu.api_client())
+            for ns in ("users", "team-b", "kube-system"):
+                core.create_namespace({"metadata": {"name": ns}})
+
+            def fresh() -> dict:  # (a LIST reading, as without the informer)
+                return _amounts(foreign_usage(list_bound_pods(be), gpu_resource=be.gpu_resource, shared_resource=be.shared_resource,
+                                              namespace=be.namespace, cluster_name=be.cluster_name))
+
+            async def same(what: str) -> None:
+                async def check() -> bool:
+                    return _amounts(await be.foreign_pod_usage()) == await asyncio.to_thread(fresh)
+
+                end = asyncio.get_running_loop().time() + 10
+                while not await check():
+                    assert asyncio.get_running_loop().time() < end, f"the informer's view after {what}: {_amounts(await be.foreign_pod_usage())} != {fresh()}"
+                    await asyncio.sleep(0.05)
+
+            try:
+                core.create_namespaced_pod("users", _pinned(foreign_pod("early", gpus=1, cpu="2"), "gpu-a"))
+                await be.foreign_pod_usage()  # (the first reading LISTs, and starts the informer)
+                await until(lambda: be._pod_informer.synced and emu.state()["watches"]["by_resource"].get("pods", 0) >= 1, "the pod watch is open")
+                await same("the first LIST")
+                pods = [("users", "nb-1", "gpu-a", 2, "4"), ("team-b", "nb-2", "gpu-b", 1, "1500m"), ("kube-system", "ds-a", "gpu-a", 0, "100m"),
+                        ("kube-system", "ds-b", "gpu-b", 0, "100m"), ("default", "not-a-stage", "gpu-b", 0, "3")]
+                for ns, name, node, gpus, cpu in pods:
+                    core.create_namespaced_pod(ns, _pinned(foreign_pod(name, ns, gpus=gpus, cpu=cpu), node))
+                await until(lambda: all(core.read_namespaced_pod(n, ns).status.phase == "Running" for ns, n, *_ in pods), "the pods run")
+                got = await be.foreign_pod_usage()
+                assert got["gpu-a"].pods == 3 and got["gpu-a"].gpus == 3 and got["gpu-b"].pods == 3, _amounts(got)
+                # requests changed (a resize, through replace)
+                p = core.read_namespaced_pod("nb-2", "team-b")
+                p.spec.containers[0].resources.requests = {"cpu": "6", "memory": "8Gi"}
+                core.replace_namespaced_pod("nb-2", "team-b", p)
+                await until(lambda: asyncio.run(be.foreign_pod_usage())["gpu-b"].cpu == 6 + 0.1 + 3, "nb-2's new request seen")
+                # a pod that ends (Succeeded): left out of the selector, DELETED on the watch
+                p = core.read_namespaced_pod("ds-a", "kube-system")
+                p.status.phase = "Succeeded"
+                core.replace_namespaced_pod_status("ds-a", "kube-system", p)
+                await until(lambda: asyncio.run(be.foreign_pod_usage())["gpu-a"].pods == 2, "ds-a's end seen")
+                await same("a pod succeeded")
+                core.delete_namespaced_pod("nb-1", "users")
+                await until(lambda: asyncio.run(be.foreign_pod_usage())["gpu-a"].gpus == 1, "nb-1's deletion seen")
+                await same("a pod deleted")
+                for _ in range(20):  # (heartbeats: served from the view)
+                    await be.foreign_pod_usage()
+                assert be._pod_informer.synced
+                # the backend's own LISTs: the first reading's and the informer's (`same` LISTs on its own, uncounted)
+                assert be.stats["pod_lists"] == 2 and be.stats["pod_events"] >= 7, be.stats
+            finally:
+                await be.aclose()
+            await until(lambda: not be._pod_informer.thread.is_alive(), "the pod watch stopped with the backend")
+
+    asyncio.run(go())
+
+
+def test_the_pod_informer_lists_again_on_410_and_the_readings_list_while_it_is_broken():
+    async def go():
+        with emulator() as emu:
+            be = KubernetesBackend(api_client=emu.api_client(), namespace="default")
+            core = client.CoreV1Api(emu.api_client())
+            core.create_namespace({"metadata": {"name": "users"}})
+            try:
+                assert await be.foreign_pod_usage() == {}
+                await until(lambda: be._pod_informer.synced and emu.state()["watches"]["by_resource"].get("pods", 0) >= 1, "the pod watch is open")
+                # the watch's version is compacted (as etcd does): 410 Gone, a LIST, and a watch from there
+                core.create_namespaced_config_map("default", {"metadata": {"name": "after-the-watch"}})
+                await asyncio.to_thread(emu.compact)
+                core.create_namespaced_pod("users", foreign_pod("nb", gpus=1, cpu="2"))
+                await until(lambda: be.stats["pod_watch_410"] >= 1 and be.stats["pod_lists"] >= 3, "the pod watch listed again")
+                await until(lambda: NODE in asyncio.run(be.foreign_pod_usage()), "the pod seen after the 410")
+                assert (await be.foreign_pod_usage())[NODE].amounts() == (1, 2.0, 1024.0)
+                # the informer stopped (as while broken): each reading LISTs, at most every pod_usage_every_s
+                be._pod_informer.stop()
+                await until(lambda: not be._pod_informer.thread.is_alive(), "the pod watch stopped")
+                be.pod_usage_every_s = 0.0
+                n = be.stats["pod_lists"]
+                core.delete_namespaced_pod("nb", "users")
+                assert await be.foreign_pod_usage() == {}
+                assert be.stats["pod_lists"] == n + 1
+            finally:
+                await be.aclose()
+
+    asyncio.run(go())
+
+
+class _PlainLab(Lab):
+    def make_backend(self) -> KubernetesBackend:  # (pod_usage_every_s left at POD_READ_S, as the worker has it)
+        return EmulatedWorker.make_backend(self)
+
+
+@pytest.mark.parametrize("watch_pods", [True, False])
+def test_the_worker_books_a_new_foreign_pod_within_a_second_with_the_pod_informer(watch_pods):
+    """Old code (and `watch_pods=False`): the pods were LISTed at most every POD_READ_S (5 s), so a pod bound just after a
+    reading was booked up to 5 s later, while a stage could be placed into its room. With the informer: at the next
+    heartbeat after its event."""
+
+    async def go():
+        with emulator() as emu:
+            async with _PlainLab(emu) as lab:  # (pod_usage_every_s as the worker has it, POD_READ_S)
+                lab.be.watch_pods = watch_pods
+                await until(lambda: lab.be.stats.get("pod_lists", 0) >= 1, "a first reading")
+                if watch_pods:  # (old code: no informer, nothing to wait for)
+                    await until(lambda: getattr(getattr(lab.be, "_pod_informer", None), "synced", True), "the pod informer listed")
+                await asyncio.sleep(0.5)
+                lab.create(foreign_pod("notebook", gpus=2, cpu="4"))
+                await until(lambda: lab.running("notebook"), "the notebook pod runs on the node")
+                if watch_pods:
+                    await until(lambda: lab.held() == (2, 4.0, 1024.0), "the notebook booked within 1 s", timeout=1.0)
+                else:  # (the last LIST reading is younger than POD_READ_S: the pod is not booked yet)
+                    await asyncio.sleep(1.0)
+                    assert lab.held() == (0, 0.0, 0.0)
+                    await until(lambda: lab.held() == (2, 4.0, 1024.0), "the notebook booked at the next LIST reading", timeout=6.0)
+
+    asyncio.run(go())

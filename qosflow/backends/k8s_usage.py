@@ -6,7 +6,8 @@ pipeline-run pods (launched unplaced: kube-scheduler picked their node), other u
 A stage placed into room such a pod uses stayed Pending (Unschedulable) until `unschedulable_timeout_s`, then failed as
 INFRA and ran again: GPU time and its deadline lost. Here the backend reads, with one LIST of the pods bound to a node
 and not ended, what those pods request per node (`foreign_usage`), as kube-scheduler computes it (`pod_requests`); the
-worker books it in its plan (`qosflow.prefect.foreign_pods`).
+worker books it in its plan (`qosflow.prefect.foreign_pods`). A pod informer (`PodInformer`, the backend's `watch_pods`)
+keeps the same sums from a WATCH, so that a reading is its view while the watch follows (no request, no parse).
 
 Not counted: qosflow's stage pods in the backend's namespace (the worker's plan books them already, through its own
 stages and the pool's leases; a pipeline run's pod is counted, it is booked nowhere else) and this cluster's capacity
@@ -15,10 +16,13 @@ placeholders (deleted before the stage they stand for is launched).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import math
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -146,17 +150,17 @@ def foreign_usage(pods: Iterable[Mapping], *, gpu_resource: str, shared_resource
     return {n: NodePodUsage(g, c, m, k, tuple(names)) for n, (g, c, m, k, names) in acc.items() if g or c > 1e-9 or m > 1e-6}
 
 
-def list_bound_pods(backend: Any) -> list[dict]:
+def list_bound_pods(backend: Any, *, with_version: bool = False) -> Any:
     """One LIST of the pods bound to a node and not ended, in every namespace (the backend's own namespace alone if its
     account may not list pods cluster-wide: then other namespaces' pods are not seen, said once). JSON, not the client's
-    models: at 10,000 pods the client's deserialization costs seconds."""
+    models: at 10,000 pods the client's deserialization costs seconds. `with_version`: (pods, the list's resourceVersion)."""
     from kubernetes.client.exceptions import ApiException
 
+    resp = None
     if not getattr(backend, "_pods_namespaced_only", False):
         try:
             resp = backend._call(backend.core.list_pod_for_all_namespaces, field_selector=POD_FIELD_SELECTOR, _preload_content=False,
                                  _doing="list the pods bound to its nodes")
-            return json.loads(resp.data).get("items") or []
         except ApiException as e:
             if e.status != 403:
                 raise
@@ -164,14 +168,18 @@ def list_bound_pods(backend: Any) -> list[dict]:
             log.warning("Kubernetes cluster %r: the worker's account may not list pods in all namespaces (403): only the pods of "
                         "namespace %s are booked on their nodes; grant it list on pods cluster-wide so that other users' pods "
                         "and DaemonSets are too", backend.cluster_name, backend.namespace)
-    resp = backend._call(backend.core.list_namespaced_pod, backend.namespace, field_selector=POD_FIELD_SELECTOR, _preload_content=False,
-                         _doing="list the pods bound to its nodes")
-    return json.loads(resp.data).get("items") or []
+    if resp is None:
+        resp = backend._call(backend.core.list_namespaced_pod, backend.namespace, field_selector=POD_FIELD_SELECTOR, _preload_content=False,
+                             _doing="list the pods bound to its nodes")
+    body = json.loads(resp.data)
+    items = body.get("items") or []
+    return (items, _get(body, "metadata", "resourceVersion")) if with_version else items
 
 
 def read_foreign_usage(backend: Any) -> dict[str, NodePodUsage]:
     """`foreign_usage` of one LIST (blocking: call it in a thread); the last one's again if it is younger than
-    `POD_READ_S` (the backend's `pod_usage_every_s`)."""
+    `POD_READ_S` (the backend's `pod_usage_every_s`). The backend's pod informer (`watch_pods`) serves it instead
+    while its watch follows the API (`KubernetesBackend.foreign_pod_usage`)."""
     every = float(getattr(backend, "pod_usage_every_s", POD_READ_S))
     last = getattr(backend, "_pod_usage_last", None)
     now = time.monotonic()
@@ -183,3 +191,205 @@ def read_foreign_usage(backend: Any) -> dict[str, NodePodUsage]:
                           namespace=backend.namespace, cluster_name=backend.cluster_name)
     backend._pod_usage_last = (now, usage)
     return usage
+
+
+# ---------------------------------------------------------------------- the pod informer (`watch_pods`)
+#: timeoutSeconds of each pod WATCH request (then it is opened again from the last resourceVersion, no LIST)
+POD_WATCH_TIMEOUT_S = 120
+
+
+def _amounts(pod: Mapping, gpu_resource: str, shared_resource: str) -> tuple[int, int, int]:
+    """A counted pod's (GPUs, nanocores, bytes): integers, so that adding and taking away leaves no rounding behind."""
+    req = pod_requests(pod)
+    g = int(math.ceil(req.get(gpu_resource, 0.0) - 1e-9)) + int(math.ceil(req.get(shared_resource, 0.0) - 1e-9))
+    return g, round(req.get("cpu", 0.0) * 1e9), round(req.get("memory", 0.0))
+
+
+def _watch_class() -> Any:
+    from kubernetes import watch
+
+    class RawWatch(watch.Watch):
+        """The client's Watch with the events' objects left as JSON (dicts): at 10,000 pods the models' deserialization
+        is what costs (`list_bound_pods`), and only a pod's node, phase, labels and requests are read here."""
+
+        def get_return_type(self, func: Any) -> None:  # (None: `unmarshal_event` keeps the dict; an ERROR still raises)
+            return None
+
+    return RawWatch
+
+
+class PodInformer:
+    """The pods bound to a node and not ended as a watch follows them (an informer: one LIST with `POD_FIELD_SELECTOR`,
+    then WATCHes from its resourceVersion with bookmarks, reopened from the last version seen; a LIST again on 410 Gone
+    or a broken stream), in a thread of its own: per node the summed requests of the `counted` pods, updated at each
+    event (a pod that ends or leaves the selector comes as DELETED and is taken away; one whose requests or node change
+    is summed again). `usage()` is then `foreign_usage` of the pods now, without a request or a parse.
+
+    A loop of its own, not the node informer's (`KubernetesBackend._node_watch_once`): that one keeps the client's
+    models under the backend's node lock and drives the node-deletion bookkeeping from its events; this one keeps JSON
+    and sums. Namespaced like `list_bound_pods`: on a 403 to the cluster-wide LIST the backend's namespace alone; a 403 to
+    the WATCH (an account that may list pods but not watch them) stops the informer for good (the LIST readings go on)."""
+
+    def __init__(self, backend: Any):
+        self.be = backend
+        self.lock = threading.Lock()
+        #: namespace/name -> (node, amounts) of each counted pod
+        self.pods: dict[str, tuple[str, tuple[int, int, int]]] = {}
+        #: node -> [GPUs, nanocores, bytes, {namespace/name: None} (in the order they came)]
+        self.nodes: dict[str, list] = {}
+        self.synced = False
+        self.error: str | None = None
+        self.forbidden = False
+        self.stop_ev = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.watch: Any = None
+        self._view: dict[str, NodePodUsage] | None = None  # (built at the first reading after a change)
+
+    # -- the view
+    def usage(self) -> dict[str, NodePodUsage] | None:
+        """Node -> what the counted pods there request, while the watch follows the API; else None (LIST instead)."""
+        with self.lock:
+            if not self.synced:
+                return None
+            if self._view is None:
+                self._view = {n: NodePodUsage(g, c / 1e9, m / 2**20, len(keys), tuple(itertools.islice(keys, 3)))
+                              for n, (g, c, m, keys) in self.nodes.items() if g or c or m}
+            return self._view
+
+    def _take(self, key: str) -> None:
+        had = self.pods.pop(key, None)
+        if had is None:
+            return
+        node, (g, c, m) = had
+        a = self.nodes[node]
+        a[0] -= g
+        a[1] -= c
+        a[2] -= m
+        a[3].pop(key, None)
+        if not a[3]:
+            del self.nodes[node]
+        self._view = None
+
+    def _put(self, pod: Mapping) -> None:
+        md = pod.get("metadata") or {}
+        key = f"{md.get('namespace', '')}/{md.get('name', '')}"
+        be = self.be
+        if not counted(pod, namespace=be.namespace, cluster_name=be.cluster_name):
+            self._take(key)
+            return
+        node = pod["spec"]["nodeName"]
+        amounts = _amounts(pod, be.gpu_resource, be.shared_resource)
+        if self.pods.get(key) == (node, amounts):
+            return  # (a status change: nothing it requests changed)
+        self._take(key)
+        self.pods[key] = (node, amounts)
+        a = self.nodes.setdefault(node, [0, 0, 0, {}])
+        a[0] += amounts[0]
+        a[1] += amounts[1]
+        a[2] += amounts[2]
+        a[3][key] = None
+        self._view = None
+
+    def event(self, etype: str, pod: Mapping) -> None:
+        with self.lock:
+            if etype == "DELETED":
+                md = pod.get("metadata") or {}
+                self._take(f"{md.get('namespace', '')}/{md.get('name', '')}")
+            else:
+                self._put(pod)
+
+    def relist(self, pods: Iterable[Mapping]) -> None:
+        with self.lock:
+            self.pods, self.nodes, self._view = {}, {}, None
+            for pod in pods:
+                self._put(pod)
+            self.synced = True
+
+    # -- the thread
+    def start(self) -> None:
+        if self.forbidden or self.stop_ev.is_set() or (self.thread is not None and self.thread.is_alive()):
+            return
+        self.thread = threading.Thread(target=self._run, name=f"qosflow-k8s-pods-{self.be.cluster_name}", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stop_ev.set()
+        self.distrust()
+
+    def distrust(self) -> None:
+        """Not served any more (the API server was found unreachable, or stopping); its watch stopped: it LISTs again."""
+        with self.lock:
+            self.synced = False
+        w = self.watch
+        if w is not None:
+            with contextlib.suppress(Exception):
+                w.stop()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self.stop_ev.is_set() and not self.forbidden:
+            try:
+                self._once()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - the heartbeat LISTs meanwhile
+                failures += 1
+                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                if why != self.error:
+                    log.debug("Kubernetes cluster %r: the pod watch broke (%s); the pods are listed at the heartbeats until "
+                              "it is open again", self.be.cluster_name, why)
+                self.error = why
+                self.stop_ev.wait(min(5.0, 0.2 * 2 ** min(failures, 5)))
+            finally:
+                with self.lock:
+                    self.synced = False
+
+    def _once(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        be = self.be
+        items, rv = list_bound_pods(be, with_version=True)
+        be.stats["pod_lists"] = be.stats.get("pod_lists", 0) + 1
+        self.relist(items)
+        del items
+        if self.error is not None:
+            log.debug("Kubernetes cluster %r: the pod watch follows the pods again", be.cluster_name)
+            self.error = None
+        every = int(getattr(be, "pod_watch_timeout_s", POD_WATCH_TIMEOUT_S))
+        raw_watch = _watch_class()
+        while not self.stop_ev.is_set():
+            if getattr(be, "_pods_namespaced_only", False):
+                fn, args = be.core.list_namespaced_pod, (be.namespace,)
+            else:
+                fn, args = be.core.list_pod_for_all_namespaces, ()
+            w = self.watch = raw_watch()
+            be.stats["pod_watches"] = be.stats.get("pod_watches", 0) + 1
+            try:
+                for ev in w.stream(fn, *args, field_selector=POD_FIELD_SELECTOR, resource_version=rv, allow_watch_bookmarks=True,
+                                   timeout_seconds=every, _request_timeout=(be.api_connect_timeout_s, every + 30)):
+                    obj = ev.get("object") or {}
+                    rv = _get(obj, "metadata", "resourceVersion") or rv
+                    if ev.get("type") == "BOOKMARK":
+                        continue
+                    be.stats["pod_events"] = be.stats.get("pod_events", 0) + 1
+                    self.event(ev.get("type", ""), obj)
+            except ApiException as e:
+                if e.status == 410:  # the version is compacted: LIST again
+                    be.stats["pod_watch_410"] = be.stats.get("pod_watch_410", 0) + 1
+                    return
+                if e.status == 403:
+                    self.forbidden = True
+                    log.warning("Kubernetes cluster %r: the worker's account may list pods but not watch them (403): the pods "
+                                "on the nodes are listed at the heartbeats (every %g s) instead; grant it watch on pods",
+                                be.cluster_name, float(getattr(be, "pod_usage_every_s", POD_READ_S)))
+                    return
+                be.stats["pod_watch_broken"] = be.stats.get("pod_watch_broken", 0) + 1
+                raise
+            except Exception:
+                if self.stop_ev.is_set():
+                    return
+                be.stats["pod_watch_broken"] = be.stats.get("pod_watch_broken", 0) + 1
+                raise
+            finally:
+                self.watch = None
+            if w._stop or not self.synced:  # (stopped: `distrust`; LIST again)
+                return

@@ -30,6 +30,8 @@ One `batch/v1` Job per stage:
 The nodes (inventory, the heartbeat's `healthy_nodes`, the worker's `list_nodes`) come from a node watch kept in a
 thread (an informer: one LIST, then a WATCH with bookmarks, a LIST again on 410 Gone or a broken stream; a LIST per
 call while it is broken; `watch_nodes`). A node deleted ends the waits of the stages with pods there at once (NodeLost).
+What the pods that are not qosflow's stages request per node (`foreign_pod_usage`) comes from a pod informer likewise
+(`watch_pods`; qosflow.backends.k8s_usage).
 
 Waiting uses list + watch on the stage's pods, re-listing on 410 Gone and retrying 5xx answers. Pod
 phases and reasons map to an `ExitStatus`: OOMKilled, Evicted, NodeLost (or the node NotReady for
@@ -307,6 +309,12 @@ class KubernetesBackend(Backend):
     watch_nodes: bool = True
     #: timeoutSeconds of each node WATCH request (then it is opened again from the last resourceVersion, no LIST)
     node_watch_timeout_s: int = 120
+    #: follow the pods that are not qosflow's stages with a watch too (a pod informer, `k8s_usage.PodInformer`): the
+    #: heartbeat's `foreign_pod_usage` is its view (no request, no parse, a new pod seen as soon as its event comes);
+    #: while it is broken, a LIST at most every POD_READ_S. False: that LIST reading only (as before 2026-11-27)
+    watch_pods: bool = True
+    #: timeoutSeconds of each pod WATCH request
+    pod_watch_timeout_s: int = 120
     api_retries: int = 4
     #: seconds to connect to / read an answer from the API server, per request (watches have their own)
     api_connect_timeout_s: float = 10.0
@@ -431,6 +439,11 @@ class KubernetesBackend(Backend):
         #: the nodes as last described (non-empty), for `update_cluster` while no node is listed
         self._described: list[NodeSpec] = []
         self.stats.update({"node_lists": 0, "node_watches": 0, "node_watch_410": 0, "node_watch_broken": 0, "node_events": 0})
+        #: the pod informer (`watch_pods`), started at the first `foreign_pod_usage`
+        from qosflow.backends.k8s_usage import PodInformer
+
+        self._pod_informer = PodInformer(self)
+        self.stats.update({"pod_lists": 0, "pod_readings": 0, "pod_watches": 0, "pod_watch_410": 0, "pod_watch_broken": 0, "pod_events": 0})
         #: capacity requests (`request_capacity`): job id -> the names of its placeholder pods (one per part), made by this backend
         self._capacity: dict[str, tuple[str, ...]] = {}
         #: the stand-ins planned on while no node is listed (`capacity_node`), until nodes are
@@ -472,6 +485,7 @@ class KubernetesBackend(Backend):
                                              "kubeconfig/context point at it?")
                     exc.reason = str(why)
                     self._distrust_node_view()
+                    self._pod_informer.distrust()
                     raise exc from None
 
     async def _acall(self, fn, *args, **kw):
@@ -600,10 +614,20 @@ class KubernetesBackend(Backend):
 
     async def foreign_pod_usage(self) -> dict:
         """Node name -> what the pods bound there that are not qosflow's stages request (DaemonSets, pipeline-run pods,
-        other users' pods): one LIST of pods at the heartbeat, at most every `k8s_usage.POD_READ_S`, for the worker to book."""
+        other users' pods), for the worker to book: the pod informer's view while its watch follows the API (`watch_pods`:
+        no request), else one LIST of pods at the heartbeat, at most every `k8s_usage.POD_READ_S` (after which the
+        informer is started if it is not running)."""
         from qosflow.backends.k8s_usage import read_foreign_usage
 
-        return await asyncio.to_thread(read_foreign_usage, self)
+        self.stats["pod_readings"] += 1
+        if self.watch_pods:
+            view = self._pod_informer.usage()
+            if view is not None:
+                return view
+        usage = await asyncio.to_thread(read_foreign_usage, self)
+        if self.watch_pods:
+            self._pod_informer.start()
+        return usage
 
     # ------------------------------------------------------------------ the node informer (`watch_nodes`)
     async def _nodes_now(self) -> list:
@@ -1875,6 +1899,7 @@ class KubernetesBackend(Backend):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.gather(*(self._drop_capacity_request(j, "the worker stopped") for j in list(self._capacity))), 10)
         self._stop_node_watch()
+        self._pod_informer.stop()
         for ev in self._stop.values():
             ev.set()
         if self._sweep_task is not None and not self._sweep_task.done():
