@@ -12,6 +12,7 @@ from typing import Any
 
 from kubernetes import client
 
+from qosflow.backends.base import LaunchSpec
 from qosflow.backends.kubernetes import KubernetesBackend
 from qosflow.k8s_emulator import EmulatorServer
 
@@ -67,6 +68,17 @@ class EmulatedWorker:
         if self.beat:
             self.tasks.append(loop.create_task(self._beat()))
         return self
+
+    async def launch(self, name: str, run_s: float):
+        """Run the placed stage `name` as a Job (the emulator "runs" its pod for run_s)."""
+        self.emu.add_rule(selector=f"qosflow.dev/stage-id={name}", run_s=run_s)
+        p = self.sched.entries[name].grant.placement
+        return await self.be.launch(LaunchSpec(name, ["true"], p, self.sched.cluster))
+
+    def pod_node(self, name: str) -> str | None:
+        """The node of stage `name`'s pod once it runs (or ran), else None."""
+        pods = self.core.list_namespaced_pod("default", label_selector=f"qosflow.dev/stage-id={name}").items
+        return pods[0].spec.node_name if pods and pods[0].status.phase in ("Running", "Succeeded") else None
 
     async def _beat(self) -> None:
         while True:

@@ -19,7 +19,7 @@ import time
 import pytest
 from kubernetes import client
 
-from qosflow.backends.base import CapacityWant, ExitKind, LaunchSpec
+from qosflow.backends.base import CapacityWant, ExitKind
 from qosflow.backends.kubernetes import KubernetesBackend
 from qosflow.core.job import Job, JobState
 from qosflow.core.qos import QoSSpec
@@ -66,14 +66,6 @@ class Lab(EmulatedWorker):
 
         return asyncio.ensure_future(placed())
 
-    async def launch(self, name: str, run_s: float):
-        self.emu.add_rule(selector=f"qosflow.dev/stage-id={name}", run_s=run_s)
-        p = self.sched.entries[name].grant.placement
-        return await self.be.launch(LaunchSpec(name, ["true"], p, self.sched.cluster))
-
-    def pod_node(self, name: str) -> str | None:
-        pods = self.core.list_namespaced_pod("default", label_selector=f"qosflow.dev/stage-id={name}").items
-        return pods[0].spec.node_name if pods and pods[0].status.phase in ("Running", "Succeeded") else None
 
 
 async def scaled_to_zero(lab: Lab) -> None:

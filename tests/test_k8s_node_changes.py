@@ -62,15 +62,6 @@ class Lab(EmulatedWorker):
         (node,) = g.placement.nodes
         return self.sched.cluster.nodes[node].name
 
-    async def launch(self, name: str, run_s: float):
-        """Run the placed stage as a Job (the emulator "runs" its pod for run_s)."""
-        self.emu.add_rule(selector=f"qosflow.dev/stage-id={name}", run_s=run_s)
-        p = self.sched.entries[name].grant.placement
-        return await self.be.launch(LaunchSpec(name, ["true"], p, self.sched.cluster))
-
-    def pod_node(self, name: str) -> str | None:
-        pods = self.core.list_namespaced_pod("default", label_selector=f"qosflow.dev/stage-id={name}").items
-        return pods[0].spec.node_name if pods and pods[0].status.phase in ("Running", "Succeeded") else None
 
 
 def test_a_node_added_to_the_cluster_takes_a_stage_without_an_edit_of_the_block():
