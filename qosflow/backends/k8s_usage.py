@@ -21,39 +21,37 @@ import itertools
 import json
 import logging
 import math
-import re
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
+
+from qosflow.backends.kubernetes import LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY
+from qosflow.backends.kubernetes import quantity as _quantity
+from qosflow.errors import SpecError
 
 log = logging.getLogger("qosflow.backends.kubernetes")
 
 #: a LIST of the pods bound to a node that have not ended (kube-scheduler counts the others: Pending bound, Running,
 #: Unknown, terminating ones)
 POD_FIELD_SELECTOR = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
-LABEL_STAGE = "qosflow.dev/stage-id"
-LABEL_ROLE = "qosflow.dev/role"
-LABEL_CLUSTER = "qosflow.dev/cluster"
 ROLE_PIPELINE = "pipeline"
-ROLE_CAPACITY = "capacity-request"
 #: the pods are read at most this often (seconds; at the heartbeat that comes after): at 10,000 pods a reading takes the
 #: worker ~0.5 s of CPU (benchmarks/bench_k8s_pod_usage.py). A backend's `pod_usage_every_s` attribute overrides it
 POD_READ_S = 5.0
 
-_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-           "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
-_QUANTITY = re.compile(r"([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([A-Za-z]*)")
-
-
 def quantity(q: Any) -> float:
-    """A Kubernetes quantity ("250m", "512Mi", "1.5", "2e3", 4) in base units; unreadable (the API server refuses those): 0."""
-    if isinstance(q, (int, float)):
-        return float(q)
-    m = _QUANTITY.fullmatch(str(q).strip())
-    if not m or (m.group(2) and m.group(2) not in _SUFFIX):
+    """A Kubernetes quantity ("250m", "512Mi", "1.5", "2e3", 4) in base units (`kubernetes.quantity`); unreadable (the
+    API server refuses those, so another pod's cannot be): 0."""
+    try:
+        return _quantity(q)
+    except SpecError:
         return 0.0
-    return float(m.group(1)) * (_SUFFIX[m.group(2)] if m.group(2) else 1.0)
+
+
+def _gpus(req: Mapping[str, float], gpu_resource: str, shared_resource: str) -> int:
+    """Whole GPUs a pod's requests take: of `gpu_resource`, plus one per slice of the shared resource."""
+    return int(math.ceil(req.get(gpu_resource, 0.0) - 1e-9)) + int(math.ceil(req.get(shared_resource, 0.0) - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -140,7 +138,7 @@ def foreign_usage(pods: Iterable[Mapping], *, gpu_resource: str, shared_resource
         req = pod_requests(pod)
         node = pod["spec"]["nodeName"]
         a = acc.setdefault(node, [0, 0.0, 0.0, 0, []])
-        a[0] += int(math.ceil(req.get(gpu_resource, 0.0) - 1e-9)) + int(math.ceil(req.get(shared_resource, 0.0) - 1e-9))
+        a[0] += _gpus(req, gpu_resource, shared_resource)
         a[1] += req.get("cpu", 0.0)
         a[2] += req.get("memory", 0.0) / 2**20
         a[3] += 1
@@ -201,8 +199,7 @@ POD_WATCH_TIMEOUT_S = 120
 def _amounts(pod: Mapping, gpu_resource: str, shared_resource: str) -> tuple[int, int, int]:
     """A counted pod's (GPUs, nanocores, bytes): integers, so that adding and taking away leaves no rounding behind."""
     req = pod_requests(pod)
-    g = int(math.ceil(req.get(gpu_resource, 0.0) - 1e-9)) + int(math.ceil(req.get(shared_resource, 0.0) - 1e-9))
-    return g, round(req.get("cpu", 0.0) * 1e9), round(req.get("memory", 0.0))
+    return _gpus(req, gpu_resource, shared_resource), round(req.get("cpu", 0.0) * 1e9), round(req.get("memory", 0.0))
 
 
 def _watch_class() -> Any:
