@@ -66,6 +66,22 @@ class NodeSpec:
             raise SpecError("mem_mb", f"must be > 0 MiB, got {self.mem_mb}", where=where)
 
 
+def gang_spreads(nodes: Iterable[tuple[float, int, float]], gpus: int, cpu_cores: float, mem_mb: float) -> bool:
+    """Can a gang of `gpus` GPUs spread over k >= 2 of `nodes`, each given as (host memory MiB, GPUs, cores) -- their
+    capacities (`ClusterSpec.why_never_fits`) or what they have free now (`QoSScheduler.waiting_for_capacity`) --, its
+    host memory split evenly over them (mem/k on each) and its cores in proportion to the GPUs it takes on each?"""
+    per_gpu_cpu = cpu_cores / gpus
+    caps = sorted(
+        ((m, g if per_gpu_cpu <= 0 else min(g, int(c / per_gpu_cpu + 1e-9))) for m, g, c in nodes),
+        key=lambda mc: -mc[1],
+    )
+    for k in range(2, min(gpus, len(caps)) + 1):
+        fit = [c for m, c in caps if c >= 1 and m >= mem_mb / k - 1e-6]
+        if len(fit) >= k and sum(fit[:k]) >= gpus:
+            return True
+    return False
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     nodes: tuple[NodeSpec, ...]
@@ -240,18 +256,8 @@ class ClusterSpec:
 
     @staticmethod
     def _spreads(nodes: list[NodeSpec], qos: QoSSpec) -> bool:
-        """Can the gang spread over k >= 2 of `nodes`, its host memory split evenly over them
-        (mem/k on each) and its cores in proportion to the GPUs it takes on each?"""
-        per_gpu_cpu = qos.cpu_cores / qos.gpus
-        caps = sorted(
-            ((n.mem_mb, n.gpus if per_gpu_cpu <= 0 else min(n.gpus, int(n.cpu_cores / per_gpu_cpu + 1e-9))) for n in nodes),
-            key=lambda mc: -mc[1],
-        )
-        for k in range(2, min(qos.gpus, len(caps)) + 1):
-            fit = [c for m, c in caps if c >= 1 and m >= qos.mem_mb / k - 1e-6]
-            if len(fit) >= k and sum(fit[:k]) >= qos.gpus:
-                return True
-        return False
+        """Can the gang spread over k >= 2 of `nodes` (`gang_spreads` on their capacities)?"""
+        return gang_spreads(((n.mem_mb, n.gpus, n.cpu_cores) for n in nodes), qos.gpus, qos.cpu_cores, qos.mem_mb)
 
     def validate_qos(self, qos: QoSSpec, *, where: str | None = None) -> None:
         reason = self.why_never_fits(qos)

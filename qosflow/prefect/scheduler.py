@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from qosflow.backends.base import grad_accumulation
-from qosflow.core.cluster import ClusterSpec, ClusterState, PlacementError
+from qosflow.core.cluster import ClusterSpec, ClusterState, PlacementError, gang_spreads
 from qosflow.core.estimate import Z_HIGH, DeclaredEstimator, Estimator, gpu_speed
 from qosflow.core.job import Job, JobState, JobStatus
 from qosflow.core.placement import Placement
@@ -310,24 +310,12 @@ class QoSScheduler:
         return [e for _, e in sorted(out, key=lambda x: -x[0])]
 
     def _gang_has_room(self, q: Any, free: np.ndarray, ok: np.ndarray) -> bool:
-        """Whether a gang wider than a node has room over several up nodes now: as a placement splits it, its cores in
-        proportion to its GPUs on each node, its memory evenly over its k nodes; a node counts for the GPUs it has free
-        that its free cores can feed, if it has mem_mb/k free (`ClusterSpec._spreads`, on the free resources)."""
-        st, gpus = self.state, int(math.ceil(q.gpus))
-        per_gpu_cpu = q.cpu_cores / gpus
-        caps = []
-        for i in np.flatnonzero(ok):
-            c = int(free[i])
-            if per_gpu_cpu > 0:
-                c = min(c, int(st.cpu_free[i] / per_gpu_cpu + 1e-9))
-            if c >= 1:
-                caps.append((float(st.mem_free[i]), c))
-        caps.sort(key=lambda mc: -mc[1])
-        for k in range(2, min(gpus, len(caps)) + 1):
-            fit = [c for m, c in caps if m >= (q.mem_mb or 0.0) / k - 1e-6]
-            if len(fit) >= k and sum(fit[:k]) >= gpus:
-                return True
-        return False
+        """Whether a gang wider than a node has room over several up nodes now: `gang_spreads` (as a placement splits
+        it: its cores in proportion to its GPUs on each node, its memory evenly over its k nodes) on what the `ok`
+        nodes have free: `free` GPUs, cores, memory."""
+        st = self.state
+        return gang_spreads(((float(st.mem_free[i]), int(free[i]), float(st.cpu_free[i])) for i in np.flatnonzero(ok)),
+                            int(math.ceil(q.gpus)), q.cpu_cores, q.mem_mb or 0.0)
 
     # ------------------------------------------------------------------ loop
     def start(self) -> asyncio.Task:
