@@ -26,11 +26,16 @@ PIPELINE_HOLD = "pipeline:"
 PODS_HOLD = "pods:"
 
 
+def is_hold(key: str) -> bool:
+    """Whether a key of the policy's allocations is a hold that is no stage (a pipeline run's cores, other pods)."""
+    return str(key).startswith((PIPELINE_HOLD, PODS_HOLD))
+
+
 def node_usage(state: Any) -> Iterator[NodeUsage]:
     """Each node of `state` (a ClusterState), in order."""
     per_node: dict[int, int] = {}
     for key, p in list(state.allocs.items()):
-        if key.startswith((PIPELINE_HOLD, PODS_HOLD)):  # (a pipeline run's cores on an agent's host, other pods: not stages)
+        if is_hold(key):  # (a pipeline run's cores on an agent's host, other pods: not stages)
             continue
         for n in set(p.nodes):
             per_node[n] = per_node.get(n, 0) + 1

@@ -46,7 +46,7 @@ from qosflow.env import env_flag, env_number
 from qosflow.paths import pipeline_output_dir
 from qosflow.failures import Action, decide
 from qosflow.placement_api import read_progress
-from qosflow.prefect.cluster_table import PIPELINE_HOLD, PODS_HOLD
+from qosflow.prefect.cluster_table import PIPELINE_HOLD, PODS_HOLD, is_hold
 from qosflow.prefect.foreign_pods import book_foreign_pods
 from qosflow.prefect.scheduler import STAGE_DEFAULT_DURATION, QoSScheduler, StageCancelled, StageEntry, make_live_estimator
 from qosflow.prefect.spec import QOS_FIELDS, spec_from_job_variables
@@ -1941,7 +1941,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 reason = st.error if st is not None else be.down_reasons().get(node.name)
                 if reason:
                     why = f" ({reason})"
-                stages = [j for j in on_it if not str(j).startswith((PIPELINE_HOLD, PODS_HOLD))]
+                stages = [j for j in on_it if not is_hold(j)]
                 runs = len([j for j in on_it if str(j).startswith(PIPELINE_HOLD)])  # (pipeline runs' booked cores: not rerun, their waits tell their fate)
                 also = f"; {runs} pipeline run(s) there are followed until their host or Prefect says how they ended" if runs else ""
                 if be.keeps_stages(node.name):  # (cordoned: its stages are not lost, nothing runs them again)
