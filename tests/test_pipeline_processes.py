@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from procs import alive
@@ -168,6 +169,14 @@ def test_kill_infrastructure_leaves_a_process_that_does_not_run_the_flow_run_alo
     other = subprocess.Popen(SLEEP, start_new_session=True)
     mine = subprocess.Popen(SLEEP, start_new_session=True, env={**os.environ, "PREFECT__FLOW_RUN_ID": "fr-mine"})
     try:
+        # Popen returns once the child's execve has closed its close-on-exec pipe, which is before the kernel has
+        # set up the new program's argument and environment area: /proc/PID/environ may read empty for a moment.
+        # A process the worker meets after a restart has run for long; wait until both have started their program.
+        for p in (other, mine):
+            deadline = time.monotonic() + 10
+            while b"time.sleep(600)" not in Path(f"/proc/{p.pid}/cmdline").read_bytes():
+                assert time.monotonic() < deadline, "the test's sleep process did not start"
+                time.sleep(0.01)
         w = QosflowWorker(work_pool_name="kill-guard", leases=False, create_pool_if_not_found=False)
         cfg = QosflowJobConfiguration(role="pipeline", env={"PREFECT__FLOW_RUN_ID": "fr-mine"})
         with pytest.raises(InfrastructureNotFound, match="does not run flow run fr-mine"):
