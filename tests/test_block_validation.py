@@ -57,6 +57,11 @@ def test_kubernetes_block_refuses_what_kubernetes_would(tmp_path):
     msg = _err(K, kubeconfig=str(kc), api_url="http://127.0.0.1:8001")
     assert "give either api_url (a plain API URL, no credentials) or kubeconfig, not both" in msg, msg
     assert "image '': give the container image" in _err(K, image="")
+    assert "image 'my image': give the container image" in _err(K, image="my image")
+    # (an empty placeholder image was accepted, and the API server's 422 then logged at every heartbeat)
+    msg = _err(K, capacity_request_image="")
+    assert "capacity_request_image '': give the placeholder pods' image (a pause image), e.g. registry.k8s.io/pause:3.9" in msg, msg
+    assert K(capacity_request_image="registry.example.org/pause:3.10").capacity_request_image == "registry.example.org/pause:3.10"
     # still accepted; an empty optional text (as the UI saves it) is unset
     K(kubeconfig=str(kc), context="lab", namespace="ml-team")
     k = K(api_url="http://127.0.0.1:8001", kubeconfig="", context="")

@@ -454,11 +454,13 @@ class KubernetesGPUCluster(_ClusterBase):
             capacity_node_spec(v)  # (SpecError, a ValueError, names the key: "invalid capacity_node.gpus: ...")
         return v
 
-    @field_validator("image")
+    @field_validator("image", "capacity_request_image")
     @classmethod
-    def _image(cls, v: str) -> str:
-        if not v.strip() or v != v.strip():
-            raise ValueError(f"image {v!r}: give the container image stages run in, e.g. prefecthq/prefect:3-python3.11")
+    def _image(cls, v: str, info: Any) -> str:
+        if not v.strip() or v != v.strip() or any(c.isspace() for c in v):
+            what, e_g = (("the container image stages run in", "prefecthq/prefect:3-python3.11") if info.field_name == "image" else
+                         ("the placeholder pods' image (a pause image)", "registry.k8s.io/pause:3.9"))
+            raise ValueError(f"{info.field_name} {v!r}: give {what}, e.g. {e_g}")
         return v
 
     @field_validator("api_url")
