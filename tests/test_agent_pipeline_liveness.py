@@ -171,6 +171,7 @@ def test_a_pipeline_run_that_completes_while_its_host_is_silent_ends_ok(prefect_
 
     last = asked[-1][1] if asked else None
     assert isinstance(last, ExitStatus) and last.ok and "ended Completed while its host was silent" in last.reason, asked
+    assert "ended Completed while its host was silent" in status.reason, status  # (the wait passes it on; it said "")
     assert took < 30, took  # (ended by Prefect's word, not by the host's return at 40 s)
 
 

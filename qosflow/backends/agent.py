@@ -702,6 +702,7 @@ class AgentBackend(Backend):
         tasks = [asyncio.ensure_future(self._wait_part(part)) for part in parts]
         try:
             pending = set(tasks)
+            said = ""  # (an ended part's reason, kept: "the pipeline run ended Completed while its host was silent")
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
@@ -710,7 +711,8 @@ class AgentBackend(Backend):
                         if pending:
                             await self.kill(handle, reason=f"gang member failed: {st.reason}")
                         return st
-            return ExitStatus(ExitKind.OK, 0, "")
+                    said = said or st.reason
+            return ExitStatus(ExitKind.OK, 0, said)
         finally:
             for t in tasks:
                 t.cancel()
