@@ -66,8 +66,13 @@ def now_iso(t: float | None = None) -> str:
     return datetime.fromtimestamp(t or time.time(), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+#: the emulator's own random numbers (generated names, pod IPs): it runs in threads beside other code, which must not
+#: see the global `random` state move under it (hypothesis warns when it changes while a strategy draws)
+_RNG = random.Random()
+
+
 def rand5() -> str:
-    return "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
+    return "".join(_RNG.choices(string.ascii_lowercase + string.digits, k=5))
 
 
 class ApiError(Exception):
@@ -1022,7 +1027,7 @@ class Cluster:
                     continue
                 pod["status"]["phase"] = "Running"
                 pod["status"]["startTime"] = now_iso()
-                pod["status"]["podIP"] = "10.1.0.%d" % random.randint(2, 250)
+                pod["status"]["podIP"] = "10.1.0.%d" % _RNG.randint(2, 250)
                 for cs in pod["status"]["containerStatuses"]:
                     cs.update(ready=True, started=True, state={"running": {"startedAt": now_iso()}})
                 pod["status"]["conditions"] = [c for c in pod["status"].get("conditions", []) if c["type"] != "Ready"] + [
