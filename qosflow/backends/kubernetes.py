@@ -1182,11 +1182,13 @@ class KubernetesBackend(Backend):
                         self._capacity[w.job_id] = self._capacity.get(w.job_id, ()) + (name,)
 
     # ------------------------------------------------------------------ manifests
-    @staticmethod
-    def _stage_labels(spec: LaunchSpec) -> tuple[dict[str, str], dict[str, str]]:
-        """The labels and annotations of everything a stage attempt creates (its Jobs, pods, Secret)."""
+    def _stage_labels(self, spec: LaunchSpec) -> tuple[dict[str, str], dict[str, str]]:
+        """The labels and annotations of everything a stage attempt creates (its Jobs, pods, Secret). Its cluster's
+        name too: the worker of another qosflow pool on the same nodes books this cluster's stage pods as pods that
+        are not its own (`k8s_usage.counted`)."""
         labels = {"app.kubernetes.io/managed-by": "qosflow", "app.kubernetes.io/name": "qosflow-stage",
-                  LABEL_STAGE: label_value(spec.stage_id), LABEL_JOB: label_value(spec.placement.job_id)}
+                  LABEL_STAGE: label_value(spec.stage_id), LABEL_JOB: label_value(spec.placement.job_id),
+                  LABEL_CLUSTER: label_value(self.cluster_name)}
         annotations = {ANN_STAGE: spec.stage_id}
         for k, v in spec.labels.items():
             if _LABEL_KEY.match(k):
