@@ -174,6 +174,43 @@ def test_effective_requests_as_kube_scheduler_counts_them_and_what_is_left_out()
     assert abs(got["n1"].cpu - (3.1 + 0.25 + 4)) < 1e-9
 
 
+def test_another_pools_stage_pods_in_the_same_namespace_are_booked_and_this_clusters_are_not():
+    """Two qosflow pools (two cluster blocks) on the same nodes in one namespace: each books the other's stage pods (their
+    pods carry their cluster's label), not its own (the plan books those). Before, every stage pod of the namespace was
+    left out, so each pool placed stages into the room the other's held. A placeholder of this cluster is recognised by
+    its label value even when the cluster's name is not one (it was compared with the name: counted as another's)."""
+
+    def pod(name: str, labels: dict) -> dict:
+        return {"metadata": {"name": name, "namespace": "ml", "labels": labels},
+                "spec": {"nodeName": "n1", "containers": [{"resources": {"requests": {"cpu": "2", "nvidia.com/gpu": "1"}}}]},
+                "status": {"phase": "Running"}}
+
+    mine = pod("s1", {"qosflow.dev/stage-id": "s1", "qosflow.dev/cluster": "Lab-GPUs"})
+    theirs = pod("s2", {"qosflow.dev/stage-id": "s2", "qosflow.dev/cluster": "vision-lab"})
+    unlabelled = pod("s3", {"qosflow.dev/stage-id": "s3"})  # (made before stage pods carried the label: taken as this pool's)
+    my_placeholder = pod("c1", {"qosflow.dev/role": "capacity-request", "qosflow.dev/cluster": "Lab-GPUs"})
+    their_placeholder = pod("c2", {"qosflow.dev/role": "capacity-request", "qosflow.dev/cluster": "vision-lab"})
+    got = foreign_usage([mine, theirs, unlabelled, my_placeholder, their_placeholder], gpu_resource="nvidia.com/gpu",
+                        shared_resource="nvidia.com/gpu.shared", namespace="ml", cluster_name="Lab GPUs")
+    assert got["n1"].pods == 2 and got["n1"].gpus == 2, got
+    assert sorted(got["n1"].names) == ["ml/c2", "ml/s2"], got["n1"].names
+
+
+def test_stage_pods_carry_their_clusters_label():
+    """What the test above reads: a stage's Jobs and their pods carry qosflow.dev/cluster (the name as a label value)."""
+    from qosflow.core.cluster import ClusterSpec, NodeSpec
+    from qosflow.core.placement import Placement
+
+    cluster = ClusterSpec((NodeSpec("n0", 4, virtual=True), NodeSpec("n1", 4, virtual=True)))
+    be = KubernetesBackend(api_client=client.ApiClient(), image="img:1", cluster_name="Lab GPUs")
+    for p in (Placement("one", ((0, 0),)), Placement("gang", ((0, 0), (0, 1), (1, 0)), ((0, 2.0), (1, 1.0)))):
+        jobs, _ = be.manifests(LaunchSpec(f"st-{p.job_id}", ["true"], p, cluster))
+        assert jobs
+        for m in jobs:
+            assert m["metadata"]["labels"]["qosflow.dev/cluster"] == "Lab-GPUs"
+            assert m["spec"]["template"]["metadata"]["labels"]["qosflow.dev/cluster"] == "Lab-GPUs"
+
+
 def test_the_holds_follow_the_readings_book_what_fits_now_and_the_rest_later():
     from qosflow.backends.k8s_usage import NodePodUsage
     from qosflow.core.cluster import ClusterSpec, NodeSpec

@@ -9,14 +9,16 @@ and not ended, what those pods request per node (`foreign_usage`), as kube-sched
 worker books it in its plan (`qosflow.prefect.foreign_pods`). A pod informer (`PodInformer`, the backend's `watch_pods`)
 keeps the same sums from a WATCH, so that a reading is its view while the watch follows (no request, no parse).
 
-Not counted: qosflow's stage pods in the backend's namespace (the worker's plan books them already, through its own
-stages and the pool's leases; a pipeline run's pod is counted, it is booked nowhere else) and this cluster's capacity
-placeholders (deleted before the stage they stand for is launched).
+Not counted: this cluster's stage pods in the backend's namespace (the worker's plan books them already, through its own
+stages and the pool's leases; a pipeline run's pod is counted, it is booked nowhere else, and so are the stage pods of
+another qosflow pool's cluster, by their qosflow.dev/cluster label) and this cluster's capacity placeholders (deleted
+before the stage they stand for is launched).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -26,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from qosflow.backends.kubernetes import LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY
+from qosflow.backends.kubernetes import LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY, label_value
 from qosflow.backends.kubernetes import quantity as _quantity
 from qosflow.errors import SpecError
 
@@ -112,18 +114,27 @@ def pod_requests(pod: Mapping) -> dict[str, float]:
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _cluster_label(cluster_name: str) -> str:
+    """The cluster's name as its pods' qosflow.dev/cluster label holds it (once per name: a LIST counts 10,000 pods)."""
+    return label_value(cluster_name)
+
+
 def counted(pod: Mapping, *, namespace: str, cluster_name: str) -> bool:
-    """Whether a pod's requests are booked as another's: bound, not ended, not a stage pod of qosflow in `namespace`
-    (a pipeline run's pod is counted), not a capacity placeholder of this cluster."""
+    """Whether a pod's requests are booked as another's: bound, not ended, not a stage pod of this cluster's qosflow
+    pool in `namespace` (a pipeline run's pod is counted, and so is a stage pod labelled with another cluster: another
+    pool's, whose worker books it, not this one), not a capacity placeholder of this cluster. (A stage pod without
+    the cluster label, made before stage pods carried it, is taken as this pool's, as it was.)"""
     md = pod.get("metadata") or {}
     if not _get(pod, "spec", "nodeName") or _get(pod, "status", "phase") in ("Succeeded", "Failed"):
         return False
     labels = md.get("labels") or {}
     if md.get("namespace") == namespace:
-        role = labels.get(LABEL_ROLE)
-        if LABEL_STAGE in labels and role != ROLE_PIPELINE:
+        role, cluster = labels.get(LABEL_ROLE), labels.get(LABEL_CLUSTER)
+        mine = cluster is None or cluster == _cluster_label(cluster_name)
+        if LABEL_STAGE in labels and role != ROLE_PIPELINE and mine:
             return False
-        if role == ROLE_CAPACITY and labels.get(LABEL_CLUSTER) == cluster_name:
+        if role == ROLE_CAPACITY and cluster is not None and mine:
             return False
     return True
 
