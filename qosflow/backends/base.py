@@ -12,7 +12,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import AsyncIterator, Collection, Sequence
+from typing import AsyncIterator, Callable, Collection, Sequence
 
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.placement import Placement
@@ -278,12 +278,21 @@ class Backend(ABC):
 
     #: its nodes come from the cluster's own API, not from its description, and may change without an edit of
     #: the description (a Kubernetes cluster's autoscaler adds a node, an administrator deletes one): the worker
-    #: lists them again every `cluster_reload_s` (`list_nodes`) and applies the difference as an edit
+    #: lists them again every `cluster_reload_s` (`list_nodes`), and as soon as the backend says they changed
+    #: (`on_nodes_changed`), and applies the difference as an edit
     lists_nodes: bool = False
 
     async def list_nodes(self) -> NodeListing:
         """The nodes as the cluster's API lists them now (a backend whose `lists_nodes` is true)."""
         raise NotImplementedError(f"the {self.name} backend's hosts are those its description names")
+
+    def on_nodes_changed(self, callback: Callable[[], None] | None) -> bool:
+        """Have `callback` called, from any thread, as soon as the backend sees its nodes change in what the worker plans
+        on (a node added or deleted, its GPUs, cpu or memory, Ready or cordoned), so that the worker follows them then
+        (`list_nodes`) rather than at its next reading, up to `cluster_reload_s` later; None: no more. Whether the backend
+        does so: False (default) for one whose hosts are those its description names, or that learns of a change only
+        when it lists its nodes."""
+        return False
 
     #: the backend asks its cluster for capacity (nodes) for the stages that wait because no node has room for
     #: them (`sync_capacity_requests`); the worker gives it those stages at its heartbeats when this is true

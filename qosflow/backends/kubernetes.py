@@ -439,6 +439,11 @@ class KubernetesBackend(Backend):
         #: the nodes as last described (non-empty), for `update_cluster` while no node is listed
         self._described: list[NodeSpec] = []
         self.stats.update({"node_lists": 0, "node_watches": 0, "node_watch_410": 0, "node_watch_broken": 0, "node_events": 0})
+        #: what the worker plans on of each node (`_plan_key`) as last seen (the first listing, then the informer's), None
+        #: before; and whom to tell when that changes (`on_nodes_changed`: the worker's reload loop)
+        self._plan_keys: dict[str, tuple] | None = None
+        self._nodes_changed: Callable[[], None] | None = None
+        self.stats["nodes_changed"] = 0
         #: the pod informer (`watch_pods`), started at the first `foreign_pod_usage`
         from qosflow.backends.k8s_usage import PodInformer
 
@@ -639,6 +644,11 @@ class KubernetesBackend(Backend):
                 return list(self._node_view.values())
         nodes = await self._list_nodes()
         self._saw_listing({n.metadata.name for n in nodes})
+        if self._plan_keys is None and self.watch_nodes:  # (the worker's first plan: the watch's first LIST may differ from it)
+            keys = {n.metadata.name: self._plan_key(n) for n in nodes}
+            with self._node_lock:
+                if self._plan_keys is None:
+                    self._plan_keys = keys
         self._start_node_watch()
         return nodes
 
@@ -718,10 +728,16 @@ class KubernetesBackend(Backend):
 
         lst = self._call(self.core.list_node, label_selector=self._selector(), _doing="list its nodes")
         self.stats["node_lists"] += 1
+        keys = {n.metadata.name: self._plan_key(n) for n in lst.items}
         with self._node_lock:
             self._node_view = {n.metadata.name: n for n in lst.items}
             self._node_synced = True
+            # (against the listing the worker planned on first, or the view before a 410 or a broken watch)
+            changed = self._plan_keys is not None and keys != self._plan_keys
+            self._plan_keys = keys
         self._saw_listing({n.metadata.name for n in lst.items})
+        if changed:
+            self._say_nodes_changed()
         if self._node_error is not None:
             log.debug("Kubernetes cluster %r: the node watch follows the nodes again", self.cluster_name)
             self._node_error = None
@@ -740,6 +756,7 @@ class KubernetesBackend(Backend):
                     name = node.metadata.name
                     rv = node.metadata.resource_version or rv
                     self.stats["node_events"] += 1
+                    key = None if ev["type"] == "DELETED" else self._plan_key(node)
                     with self._node_lock:
                         if ev["type"] == "DELETED":
                             self._node_view.pop(name, None)
@@ -748,8 +765,16 @@ class KubernetesBackend(Backend):
                             self._nodes_gone.pop(name, None)
                             if self._nodes_known is not None:
                                 self._nodes_known.add(name)
+                        changed = self._plan_keys is not None and self._plan_keys.get(name) != key
+                        if changed:
+                            if key is None:
+                                del self._plan_keys[name]
+                            else:
+                                self._plan_keys[name] = key
                     if ev["type"] == "DELETED":
                         self._nodes_deleted([name])
+                    if changed:
+                        self._say_nodes_changed()
             except ApiException as e:
                 if e.status == 410:  # the version is compacted: LIST again
                     self.stats["node_watch_410"] += 1
@@ -766,6 +791,34 @@ class KubernetesBackend(Backend):
             if w._stop or not self._node_synced:  # (stopped: `_distrust_node_view`; LIST again)
                 return
             rv = w.resource_version or rv
+
+    def _plan_key(self, n) -> tuple:
+        """What the worker plans on of node `n`: its description (`_node_spec`: allocatable GPUs, cpu, memory, the GPU and
+        topology labels), whether it is Ready and whether it is cordoned. Not its heartbeats (`lastHeartbeatTime`, which
+        a kubelet writes every 10-40 s on nodes without leases), images, other labels or annotations: a MODIFIED event
+        that changes only those changes nothing the worker follows."""
+        try:
+            spec = self._node_spec(n, {})
+        except (TypeError, ValueError):  # (a label that is no number: the worker's listing fails on it and says so)
+            spec = None
+        return spec, _ready(n), bool(n.spec and n.spec.unschedulable)
+
+    def on_nodes_changed(self, callback: Callable[[], None] | None) -> bool:
+        """The node informer (`watch_nodes`) calls `callback`, in its thread, for each event that adds or deletes a node or
+        changes its `_plan_key` (and for a LIST, after a 410 or a broken watch, that finds such a change): the worker
+        follows the nodes within a second instead of at its next reading. Without the informer (`watch_nodes` False)
+        nothing tells it: the nodes are followed every cluster_reload_s only."""
+        self._nodes_changed = callback
+        return self.watch_nodes
+
+    def _say_nodes_changed(self) -> None:
+        self.stats["nodes_changed"] += 1
+        callback = self._nodes_changed
+        if callback is not None:
+            try:
+                callback()
+            except Exception as exc:  # noqa: BLE001 - (a worker's loop closed as it stops): the informer goes on
+                log.debug("Kubernetes cluster %r: could not say that its nodes changed: %s", self.cluster_name, exc)
 
     def _distrust_node_view(self) -> None:
         """A call found the API server unreachable: the node watch's view is not served any more (the heartbeat LISTs,
@@ -815,7 +868,8 @@ class KubernetesBackend(Backend):
 
     # ------------------------------------------------------------------ nodes come and go without an edit of the block
     #: a cluster autoscaler adds GPU nodes, an administrator cordons or deletes one: the worker lists the nodes
-    #: again every cluster_reload_s and follows them (`list_nodes`)
+    #: again every cluster_reload_s and follows them (`list_nodes`), and as soon as the node watch sees such a change
+    #: (`on_nodes_changed`)
     lists_nodes = True
 
     async def list_nodes(self) -> NodeListing:

@@ -117,7 +117,9 @@ class QosflowVariables(BaseVariables):
         ge=0,
         description="Seconds between two readings of the cluster block (or file) by the worker, which applies an edit "
         "(hosts added, removed, resized) without a restart (pool-level; default 60, 0: read only at start; "
-        "QOSFLOW_CLUSTER_RELOAD_SECONDS overrides it).",
+        "QOSFLOW_CLUSTER_RELOAD_SECONDS overrides it). On Kubernetes the nodes are read then too, and a node added, "
+        "deleted, resized, Ready or not, cordoned or uncordoned is followed within a second of the node watch's event "
+        "whatever this period (not with 0: the worker then keeps the nodes it started with).",
     )
     working_dir: Optional[Path] = Field(default=None, description="Working directory of stage processes.")
     stream_output: bool = Field(default=True, description="Stream stage output to the worker's stdout.")
@@ -311,6 +313,9 @@ OUTAGE_REMINDER_S = 300.0
 ORPHAN_CHECK_BEATS = 10
 #: seconds between two readings of the cluster block or file (`QosflowWorker.reload_cluster`) by default
 CLUSTER_RELOAD_S = 60.0
+#: at most one following of the nodes per this many seconds when the backend says they changed (`Backend.on_nodes_changed`):
+#: the 20 nodes an autoscaler adds in a burst are followed in one or two readings, not 20
+NODES_FOLLOW_S = 1.0
 
 
 async def patch_labels(client: Any, flow_run_id: Any, labels: dict[str, str], *, budget_s: float = LABEL_WRITE_BUDGET_S) -> int:
@@ -2052,7 +2057,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     # ------------------------------------------------------------------ the cluster block (or file) is edited
     def _cluster_reload_setting(self) -> float:
         """Seconds between two readings of the cluster block or file: QOSFLOW_CLUSTER_RELOAD_SECONDS, else the pool's
-        `cluster_reload_s` variable, else CLUSTER_RELOAD_S (60 s); 0: read only at start."""
+        `cluster_reload_s` variable, else CLUSTER_RELOAD_S (60 s); 0: read only at start (and a backend's node changes
+        are not followed either: no reload loop, `_cluster_reload_loop`, runs)."""
         from qosflow.errors import SpecError
 
         default = self._pool_default("cluster_reload_s")
@@ -2076,14 +2082,57 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         return f"cluster block {name!r}" if kind == "block" else f"cluster file {name}"
 
     async def _cluster_reload_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cluster_reload_s)
-            try:
-                await self.reload_cluster()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # never let an edit of the cluster stop the worker
-                self._say_reload_error(exc)
+        """`reload_cluster` every `cluster_reload_s`; and, between two, `_follow_nodes` as soon as the backend says that its
+        nodes changed in what the plan holds (`Backend.on_nodes_changed`: Kubernetes' node watch saw a node added, deleted,
+        resized, Ready or not, cordoned or uncordoned), so that a node the autoscaler added takes the stages waiting for it
+        within a second, not up to cluster_reload_s later. At most one such following per NODES_FOLLOW_S (a burst of changes
+        is followed together), and none while an outage is declared (they are followed once it ends)."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        changed = False
+
+        def nodes_changed() -> None:  # (in the loop, soon after the backend's thread said so)
+            nonlocal changed
+            changed = True
+            wake.set()
+
+        be = self._backend
+        hooked = be is not None and be.on_nodes_changed(lambda: loop.call_soon_threadsafe(nodes_changed))
+        try:
+            due, followed = loop.time() + self.cluster_reload_s, -math.inf
+            while True:
+                now = loop.time()
+                if now >= due:  # (the reading follows the nodes too)
+                    changed, followed = False, now
+                    await self._reload_step(self.reload_cluster)
+                    due = loop.time() + self.cluster_reload_s
+                    continue
+                if changed and self.outage is None and now >= followed + NODES_FOLLOW_S:
+                    changed, followed = False, now
+                    await self._reload_step(self._follow_nodes)
+                    continue
+                until = due
+                if changed:  # (NODES_FOLLOW_S after the last following; during an outage, a look every NODES_FOLLOW_S)
+                    until = min(due, (now if self.outage is not None else followed) + NODES_FOLLOW_S)
+                wake.clear()
+                # (a timer and an event, not asyncio.wait_for: on Python 3.11 that can swallow a cancel that comes as it wakes)
+                timer = loop.call_later(until - now, wake.set)
+                try:
+                    await wake.wait()
+                finally:
+                    timer.cancel()
+        finally:
+            if hooked:
+                be.on_nodes_changed(None)
+
+    async def _reload_step(self, step) -> None:
+        """`step()` (a reading of the cluster, or a following of its nodes); its error is said, not raised."""
+        try:
+            await step()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never let an edit of the cluster stop the worker
+            self._say_reload_error(exc)
 
     def _say_reload_error(self, exc: BaseException) -> None:
         why = str(exc) or type(exc).__name__
