@@ -25,8 +25,9 @@ from k8s_lab import EmulatedWorker, until
 pytestmark = pytest.mark.timeout(120)
 #: the worker's periodic reading: never within a test
 RELOAD_S = 600.0
-#: how soon a node's change must be planned on (NODES_FOLLOW_S, plus a loaded CI machine's slack)
-PROMPT_S = 3.0
+#: how soon a node's change must be planned on: NODES_FOLLOW_S (1 s) on an idle machine, with a loaded CI machine's
+#: slack (a shared 2-core box stalls for seconds at times); the old code took RELOAD_S
+PROMPT_S = 15.0
 
 
 class Lab(EmulatedWorker):
@@ -144,11 +145,13 @@ def test_a_burst_of_nodes_added_is_followed_in_a_few_readings():
                 said = lab.be.stats["nodes_changed"]
                 t = time.monotonic()
                 await asyncio.to_thread(lambda: [emu.add_node(name=f"gpu-{i}", gpus=1) for i in range(1, 21)])
+                burst_s = time.monotonic() - t  # (the additions themselves: longer on a loaded machine)
                 await until(lambda: len(lab.names) == 21 and all(lab.up(n) for n in lab.names), "the 20 nodes planned on, up",
                             timeout=PROMPT_S + 5)
                 took = time.monotonic() - t
                 assert lab.be.stats["nodes_changed"] - said >= 20, lab.be.stats
-                assert 1 <= len(lab.follows) <= 4, f"{len(lab.follows)} followings for 20 nodes"
+                # (one per NODES_FOLLOW_S while the additions go on, and one after: 1-4 on an idle machine)
+                assert 1 <= len(lab.follows) <= min(10, 2 + burst_s / NODES_FOLLOW_S), f"{len(lab.follows)} followings for 20 nodes in {burst_s:.1f}s"
                 assert took < PROMPT_S + 2, f"the 20 nodes planned on after {took:.1f}s"
                 gaps = [b - a for a, b in zip(lab.follows, lab.follows[1:])]
                 assert all(g >= NODES_FOLLOW_S - 0.05 for g in gaps), gaps
