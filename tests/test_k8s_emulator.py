@@ -501,3 +501,39 @@ def test_traffic_is_counted_per_verb_and_resource(api, emu):
 
     assert delta("LIST nodes", "requests") == 1 and delta("LIST nodes", "bytes") == n
     assert delta("GET nodes", "requests") == 1 and delta("GET nodes", "bytes") > 0
+
+
+def test_the_scheduler_reserves_init_containers_sidecars_and_overhead_as_kube_scheduler_does():
+    """A pod's reservation is the larger of its containers' sum (sidecars added) and its largest init container (with
+    the sidecars started before it), plus its overhead: here a 500m sidecar, then a 3-cpu init container, 1 cpu of
+    containers and 250m of overhead hold 3.75 of the node's 4 cpu for the pod's life. The emulator counted the
+    containers only (1 cpu), so pods were bound beside it where kube-scheduler leaves them Pending."""
+
+    def pod(name: str, cpu: str, **spec) -> dict:
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "reserve", "pod": name}},
+                "spec": {"restartPolicy": "Never", **spec,
+                         "containers": [{"name": "c", "image": "busybox", "resources": {"requests": {"cpu": cpu}}}]}}
+
+    def settled(p) -> bool:
+        return p.status.phase == "Running" or any(cd.reason == "Unschedulable" for cd in (p.status.conditions or []))
+
+    with EmulatorServer([gpu_node("small", 0, cpu="4")]) as e:
+        e.add_rule(selector="app=reserve", run_s=60)
+        c = e.api_client()
+        core = client.CoreV1Api(c)
+        try:
+            core.create_namespaced_pod(NS, pod("init-heavy", "1", overhead={"cpu": "250m"}, initContainers=[
+                {"name": "proxy", "image": "busybox", "restartPolicy": "Always", "resources": {"requests": {"cpu": "500m"}}},
+                {"name": "fetch", "image": "busybox", "resources": {"requests": {"cpu": "3"}}}]))
+            wait_pods(core, "pod=init-heavy", lambda p: p.status.phase == "Running")
+            for name, cpu, runs in (("two", "2", False), ("half", "500m", False), ("quarter", "250m", True)):
+                core.create_namespaced_pod(NS, pod(name, cpu))
+                (p,) = wait_pods(core, f"pod={name}", settled)
+                if runs:  # (3.75 + 0.25 <= 4)
+                    assert p.status.phase == "Running" and p.spec.node_name == "small", (name, p.status)
+                else:  # (3.75 + 0.5 > 4: the sidecar counts beside the init container)
+                    assert p.status.phase == "Pending" and not p.spec.node_name, (name, p.status)
+                    msg = next(cd.message for cd in p.status.conditions if cd.type == "PodScheduled")
+                    assert "Insufficient cpu" in msg, msg
+        finally:
+            c.close()

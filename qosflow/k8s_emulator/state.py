@@ -3,8 +3,8 @@
 THIS IS AN EMULATOR, NOT KUBERNETES. It keeps Nodes, Pods, Jobs, Secrets, ConfigMaps (and custom
 objects such as PodGroups) as the JSON the real API server serves, with resource versions and a
 bounded event log for watches, and "runs" Jobs by creating their Pods, binding them to nodes (node affinity, node
-selectors, no new pod on a cordoned node (spec.unschedulable), hostname anti-affinity, extended resources such as `nvidia.com/gpu`, all-or-nothing
-groups for `schedulerName: volcano`) and moving them through their phases on a timer. No container
+selectors, no new pod on a cordoned node (spec.unschedulable), hostname anti-affinity, extended resources such as `nvidia.com/gpu`, each pod's requests as kube-scheduler
+reserves them: init containers, sidecars, overhead; all-or-nothing groups for `schedulerName: volcano`) and moving them through their phases on a timer. No container
 runs: by default a Running pod just "runs" for its annotated time; with `run_processes=True` the
 emulated kubelet runs the pod's first container's command as a local process instead (no image,
 no isolation: the host's interpreter and files, the pod's env with downward-API fields resolved),
@@ -1246,12 +1246,34 @@ def _downward(pod: dict, path: str) -> str | None:
 
 
 def _requests(pod: dict) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for c in pod["spec"].get("containers", []):
+    """What the scheduler reserves for a pod, as kube-scheduler's noderesources plugin does: per resource, its
+    containers' requests summed, or its largest init container's if larger (init containers run one at a time, before
+    the others), where a restartable init container (a sidecar) keeps running and so adds to both; plus the pod's
+    overhead (RuntimeClass). A limit without a request stands for the request (the API server's default)."""
+
+    def of(c: dict) -> dict[str, float]:
         res = c.get("resources") or {}
-        merged = {**(res.get("limits") or {}), **(res.get("requests") or {})}
-        for k, v in merged.items():
-            out[k] = out.get(k, 0.0) + quantity(v)
+        return {k: quantity(v) for k, v in {**(res.get("limits") or {}), **(res.get("requests") or {})}.items()}
+
+    spec = pod["spec"]
+    steady: dict[str, float] = {}  # (once running: the containers and every sidecar)
+    for c in spec.get("containers", []):
+        for k, v in of(c).items():
+            steady[k] = steady.get(k, 0.0) + v
+    sidecars: dict[str, float] = {}  # (those started so far: they run beside each later init container)
+    peak: dict[str, float] = {}  # (the most one init container needs, with the sidecars started before it)
+    for c in spec.get("initContainers") or []:
+        req = of(c)
+        if c.get("restartPolicy") == "Always":
+            for k, v in req.items():
+                sidecars[k] = sidecars.get(k, 0.0) + v
+                steady[k] = steady.get(k, 0.0) + v
+        else:
+            for k, v in req.items():
+                peak[k] = max(peak.get(k, 0.0), v + sidecars.get(k, 0.0))
+    out = {k: max(steady.get(k, 0.0), peak.get(k, 0.0)) for k in steady.keys() | peak.keys()}
+    for k, v in (spec.get("overhead") or {}).items():
+        out[k] = out.get(k, 0.0) + quantity(v)
     return out
 
 
