@@ -17,7 +17,6 @@ before the stage they stand for is launched).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import json
@@ -28,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from qosflow.backends.kubernetes import LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY, label_value
+from qosflow.backends.kubernetes import LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY, label_value, stop_watch
 from qosflow.backends.kubernetes import quantity as _quantity
 from qosflow.errors import SpecError
 
@@ -328,10 +327,7 @@ class PodInformer:
         """Not served any more (the API server was found unreachable, or stopping); its watch stopped: it LISTs again."""
         with self.lock:
             self.synced = False
-        w = self.watch
-        if w is not None:
-            with contextlib.suppress(Exception):
-                w.stop()
+        stop_watch(self.watch)
 
     def _run(self) -> None:
         failures = 0

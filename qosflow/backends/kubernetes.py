@@ -158,6 +158,13 @@ class _quiet_retries:
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
+def stop_watch(w: Any) -> None:
+    """Stop a `kubernetes.watch.Watch` that may be None or already closed (its stream then ends at its next read)."""
+    if w is not None:
+        with contextlib.suppress(Exception):
+            w.stop()
+
+
 def label_value(v: str) -> str:
     """A valid label value (<= 63 chars of [A-Za-z0-9-_.], alphanumeric at both ends)."""
     s = re.sub(r"[^A-Za-z0-9_.-]", "-", str(v))
@@ -682,8 +689,7 @@ class KubernetesBackend(Backend):
         for w in waits:
             if any(gone.get(n, -math.inf) >= w["checked"] for n in w["nodes"]) and w.get("watch") is not None:
                 w["poked"] = True
-                with contextlib.suppress(Exception):
-                    w["watch"].stop()
+                stop_watch(w["watch"])
 
     def _node_gone(self, name: str) -> bool:
         """Whether node `name` is known to be deleted (no API call)."""
@@ -826,17 +832,11 @@ class KubernetesBackend(Backend):
         and its watch is stopped: the informer LISTs again, and serves its view once that LIST succeeds."""
         with self._node_lock:
             self._node_synced = False
-        w = self._node_watch
-        if w is not None:
-            with contextlib.suppress(Exception):
-                w.stop()
+        stop_watch(self._node_watch)
 
     def _stop_node_watch(self) -> None:
         self._node_stop.set()
-        w = self._node_watch
-        if w is not None:
-            with contextlib.suppress(Exception):
-                w.stop()
+        stop_watch(self._node_watch)
 
     def _healthy(self, nodes: list) -> set[str]:
         """The nodes that take stages (Ready, not cordoned); why each other one does not is kept for `down_reasons`
