@@ -158,7 +158,7 @@ def measure(nodes: int, pods: int, repeats: int, rate: float = 100.0, churn_s: f
         lists = be.stats["pod_lists"]
         for _ in range(max(repeats, 20)):
             with inf.lock:
-                inf._view = None  # (as after an event)
+                inf.sums._view = None  # (as after an event)
             t0 = time.perf_counter()
             inf.usage()
             rebuilt.append(time.perf_counter() - t0)

@@ -164,8 +164,8 @@ def test_effective_requests_as_kube_scheduler_counts_them_and_what_is_left_out()
                 "spec": {"nodeName": "n1", "containers": [{"resources": {"requests": {"cpu": "250m"}}}]}, "status": {"phase": "Running"}}
     placeholder = {"metadata": {"name": "c", "namespace": "default", "labels": {"qosflow.dev/role": "capacity-request", "qosflow.dev/cluster": "k"}},
                    "spec": {"nodeName": "n1", "containers": [{"resources": {"requests": {"cpu": "4"}}}]}, "status": {"phase": "Running"}}
-    ended = {**pod, "status": {"phase": "Succeeded"}}
-    unbound = {**pod, "spec": {**pod["spec"], "nodeName": None}}
+    ended = {**pod, "metadata": {"name": "p-ended", "namespace": "users"}, "status": {"phase": "Succeeded"}}
+    unbound = {**pod, "metadata": {"name": "p-pending", "namespace": "users"}, "spec": {**pod["spec"], "nodeName": None}}
     other_ns_stage = {**stage, "metadata": {**stage["metadata"], "namespace": "team-b"}}  # (another pool's: not booked by this plan)
     got = foreign_usage([pod, stage, pipeline, placeholder, ended, unbound, other_ns_stage], gpu_resource="nvidia.com/gpu",
                         shared_resource="nvidia.com/gpu.shared", namespace="default", cluster_name="k")

@@ -138,24 +138,71 @@ def counted(pod: Mapping, *, namespace: str, cluster_name: str) -> bool:
     return True
 
 
+class PodSums:
+    """Per node, what the `counted` pods there request together, as pods come, change and go: the one accumulator of
+    the LIST reading (`foreign_usage`, filled once) and of the pod informer (`PodInformer`, kept by a watch's events).
+    Integer amounts (GPUs, nanocores, bytes), so that adding and taking away leaves no rounding behind."""
+
+    def __init__(self, *, gpu_resource: str, shared_resource: str, namespace: str, cluster_name: str, keep_names: int = 3):
+        self.gpu_resource, self.shared_resource = gpu_resource, shared_resource
+        self.namespace, self.cluster_name, self.keep_names = namespace, cluster_name, keep_names
+        #: namespace/name -> (node, amounts) of each counted pod
+        self.pods: dict[str, tuple[str, tuple[int, int, int]]] = {}
+        #: node -> [GPUs, nanocores, bytes, {namespace/name: None} (in the order they came)]
+        self.nodes: dict[str, list] = {}
+        self._view: dict[str, NodePodUsage] | None = None  # (built at the first reading after a change)
+
+    def view(self) -> dict[str, NodePodUsage]:
+        """Node name -> what the counted pods bound there request; nodes with none left out."""
+        if self._view is None:
+            self._view = {n: NodePodUsage(g, c / 1e9, m / 2**20, len(keys), tuple(itertools.islice(keys, self.keep_names)))
+                          for n, (g, c, m, keys) in self.nodes.items() if g or c or m}
+        return self._view
+
+    def take(self, key: str) -> None:
+        """Pod `key` (namespace/name) is gone, or no longer counted."""
+        had = self.pods.pop(key, None)
+        if had is None:
+            return
+        node, (g, c, m) = had
+        a = self.nodes[node]
+        a[0] -= g
+        a[1] -= c
+        a[2] -= m
+        a[3].pop(key, None)
+        if not a[3]:
+            del self.nodes[node]
+        self._view = None
+
+    def put(self, pod: Mapping) -> None:
+        """A pod as it is now (added or changed): summed if it is counted, taken away if it no longer is."""
+        md = pod.get("metadata") or {}
+        key = f"{md.get('namespace', '')}/{md.get('name', '')}"
+        if not counted(pod, namespace=self.namespace, cluster_name=self.cluster_name):
+            self.take(key)
+            return
+        node = pod["spec"]["nodeName"]
+        amounts = _amounts(pod, self.gpu_resource, self.shared_resource)
+        if self.pods.get(key) == (node, amounts):
+            return  # (a status change: nothing it requests changed)
+        self.take(key)
+        self.pods[key] = (node, amounts)
+        a = self.nodes.setdefault(node, [0, 0, 0, {}])
+        a[0] += amounts[0]
+        a[1] += amounts[1]
+        a[2] += amounts[2]
+        a[3][key] = None
+        self._view = None
+
+
 def foreign_usage(pods: Iterable[Mapping], *, gpu_resource: str, shared_resource: str, namespace: str, cluster_name: str,
                   keep_names: int = 3) -> dict[str, NodePodUsage]:
     """Node name -> what the counted pods bound there request (`counted`, `pod_requests`); nodes with none left out."""
-    acc: dict[str, list] = {}
+    sums = PodSums(gpu_resource=gpu_resource, shared_resource=shared_resource, namespace=namespace, cluster_name=cluster_name,
+                   keep_names=keep_names)
     for pod in pods:
-        if not counted(pod, namespace=namespace, cluster_name=cluster_name):
-            continue
-        req = pod_requests(pod)
-        node = pod["spec"]["nodeName"]
-        a = acc.setdefault(node, [0, 0.0, 0.0, 0, []])
-        a[0] += _gpus(req, gpu_resource, shared_resource)
-        a[1] += req.get("cpu", 0.0)
-        a[2] += req.get("memory", 0.0) / 2**20
-        a[3] += 1
-        if len(a[4]) < keep_names:
-            md = pod.get("metadata") or {}
-            a[4].append(f"{md.get('namespace', '')}/{md.get('name', '')}")
-    return {n: NodePodUsage(g, c, m, k, tuple(names)) for n, (g, c, m, k, names) in acc.items() if g or c > 1e-9 or m > 1e-6}
+        sums.put(pod)
+    return sums.view()
 
 
 def list_bound_pods(backend: Any, *, with_version: bool = False) -> Any:
@@ -240,76 +287,38 @@ class PodInformer:
     def __init__(self, backend: Any):
         self.be = backend
         self.lock = threading.Lock()
-        #: namespace/name -> (node, amounts) of each counted pod
-        self.pods: dict[str, tuple[str, tuple[int, int, int]]] = {}
-        #: node -> [GPUs, nanocores, bytes, {namespace/name: None} (in the order they came)]
-        self.nodes: dict[str, list] = {}
+        self.sums = self._new_sums()
         self.synced = False
         self.error: str | None = None
         self.forbidden = False
         self.stop_ev = threading.Event()
         self.thread: threading.Thread | None = None
         self.watch: Any = None
-        self._view: dict[str, NodePodUsage] | None = None  # (built at the first reading after a change)
+
+    def _new_sums(self) -> PodSums:
+        be = self.be
+        return PodSums(gpu_resource=be.gpu_resource, shared_resource=be.shared_resource, namespace=be.namespace,
+                       cluster_name=be.cluster_name)
 
     # -- the view
     def usage(self) -> dict[str, NodePodUsage] | None:
         """Node -> what the counted pods there request, while the watch follows the API; else None (LIST instead)."""
         with self.lock:
-            if not self.synced:
-                return None
-            if self._view is None:
-                self._view = {n: NodePodUsage(g, c / 1e9, m / 2**20, len(keys), tuple(itertools.islice(keys, 3)))
-                              for n, (g, c, m, keys) in self.nodes.items() if g or c or m}
-            return self._view
-
-    def _take(self, key: str) -> None:
-        had = self.pods.pop(key, None)
-        if had is None:
-            return
-        node, (g, c, m) = had
-        a = self.nodes[node]
-        a[0] -= g
-        a[1] -= c
-        a[2] -= m
-        a[3].pop(key, None)
-        if not a[3]:
-            del self.nodes[node]
-        self._view = None
-
-    def _put(self, pod: Mapping) -> None:
-        md = pod.get("metadata") or {}
-        key = f"{md.get('namespace', '')}/{md.get('name', '')}"
-        be = self.be
-        if not counted(pod, namespace=be.namespace, cluster_name=be.cluster_name):
-            self._take(key)
-            return
-        node = pod["spec"]["nodeName"]
-        amounts = _amounts(pod, be.gpu_resource, be.shared_resource)
-        if self.pods.get(key) == (node, amounts):
-            return  # (a status change: nothing it requests changed)
-        self._take(key)
-        self.pods[key] = (node, amounts)
-        a = self.nodes.setdefault(node, [0, 0, 0, {}])
-        a[0] += amounts[0]
-        a[1] += amounts[1]
-        a[2] += amounts[2]
-        a[3][key] = None
-        self._view = None
+            return self.sums.view() if self.synced else None
 
     def event(self, etype: str, pod: Mapping) -> None:
         with self.lock:
             if etype == "DELETED":
                 md = pod.get("metadata") or {}
-                self._take(f"{md.get('namespace', '')}/{md.get('name', '')}")
+                self.sums.take(f"{md.get('namespace', '')}/{md.get('name', '')}")
             else:
-                self._put(pod)
+                self.sums.put(pod)
 
     def relist(self, pods: Iterable[Mapping]) -> None:
         with self.lock:
-            self.pods, self.nodes, self._view = {}, {}, None
+            self.sums = self._new_sums()
             for pod in pods:
-                self._put(pod)
+                self.sums.put(pod)
             self.synced = True
 
     # -- the thread
