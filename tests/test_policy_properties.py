@@ -44,6 +44,26 @@ from qosflow.sim.interference import load_gavel_interference
 from qosflow.sim.metrics import compute_metrics
 
 POLICIES = available()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _prefect_draws_apart():
+    """Hypothesis warns ("Do not use the random module inside strategies") when the global random state moves while
+    it draws an example. In a whole test session it moves without us: the session's Prefect server and workers run
+    in threads of this process, and their loop services draw their sleep intervals from the global `random`
+    (`prefect.utilities.math.poisson_interval`). While these tests run those draws use a generator of their own."""
+    import random
+
+    try:
+        import prefect.utilities.math as prefect_math
+    except ImportError:  # (prefect is a dependency; nothing to keep apart without it)
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefect_math, "random", random.Random())
+        yield
+
+
 #: qosflow with options off its defaults (label -> options): the paths they switch on must keep the
 #: same invariants
 QOSFLOW_VARIANTS = {

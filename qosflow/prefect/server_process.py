@@ -43,6 +43,9 @@ import time
 
 from qosflow.env import env_flag, env_number
 
+#: the retries' jitter: a generator of its own, so that the server's waits never move the global `random`
+_JITTER = random.Random()
+
 #: seconds between collections of generation 0, 1 and 2 in the collector thread
 PERIODS = (0.1, 1.0, 10.0)
 
@@ -125,7 +128,7 @@ class RetryLostWriteRaces:
             if (held and not passed and error is not None and is_client_retryable_exception(error)
                     and time.monotonic() - start + pause <= self.budget_s):
                 self.retries += 1
-                await asyncio.sleep(pause * random.uniform(0.5, 1.5))
+                await asyncio.sleep(pause * _JITTER.uniform(0.5, 1.5))
                 pause = min(1.0, pause * 2)
                 continue
             for msg in held:

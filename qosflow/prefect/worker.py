@@ -23,6 +23,7 @@ import inspect
 import json
 import math
 import os
+import random
 import shlex
 import sys
 import time
@@ -229,6 +230,11 @@ def _min_gpus_from_tags(tags: Any) -> int | None:
 
 #: how long a label write keeps retrying while the server's database is busy
 LABEL_WRITE_BUDGET_S = 60.0
+#: the retries' jitter: a generator of its own, so that the worker's waits never move the global `random` (a stage's or
+#: a test's seeded draws in the same process)
+_JITTER = random.Random()
+
+
 def unreported_grace_s() -> float:
     """How long the worker waits for a stage whose process exited 0 to report its end before it marks
     the run Crashed (QOSFLOW_UNREPORTED_END_GRACE_S, default 120 s; `QosflowWorker._settle_unreported`)."""
@@ -328,7 +334,6 @@ async def patch_labels(client: Any, flow_run_id: Any, labels: dict[str, str], *,
     failure is immediate and retrying at once usually succeeds, so this retries a 503 itself after
     a short, growing, jittered pause (0.05-1 s) until `budget_s` is spent; other errors are raised.
     """
-    import random
 
     from prefect.exceptions import PrefectHTTPStatusError
     from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
@@ -344,7 +349,7 @@ async def patch_labels(client: Any, flow_run_id: Any, labels: dict[str, str], *,
         except PrefectHTTPStatusError as exc:
             if exc.response.status_code != 503 or time.monotonic() >= give_up:
                 raise
-        await asyncio.sleep(random.uniform(0.05, 0.2) * min(attempt, 5))
+        await asyncio.sleep(_JITTER.uniform(0.05, 0.2) * min(attempt, 5))
 
 
 class QosflowWorkerResult(BaseWorkerResult):

@@ -34,6 +34,8 @@ from qosflow.store import migrations
 from qosflow.store.models import Outcome, PredictionRecord, Profile, Sample, StageHistory
 
 T = TypeVar("T")
+#: the retries' jitter: a generator of its own (a store opened in a stage's process must not move its seeded `random`)
+_JITTER = random.Random()
 
 ENV_URL = "QOSFLOW_DATABASE_URL"
 
@@ -553,7 +555,7 @@ class Store:
             except OperationalError as exc:
                 if attempt == self.RETRIES - 1 or not _is_busy(exc):
                     raise
-                time.sleep(delay * (1 + random.random()))
+                time.sleep(delay * (1 + _JITTER.random()))
                 delay = min(delay * 2, 1.0)
         raise AssertionError("unreachable")
 
