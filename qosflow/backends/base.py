@@ -313,6 +313,15 @@ class Backend(ABC):
         for capacity). Default: nothing is asked for."""
         return None
 
+    def capacity_peers(self, holder: str, pool: str, live: Callable[[str], Collection[str]] | None) -> None:
+        """Who makes this backend's capacity requests, and how to learn whether the maker of another one is alive
+        (several workers on one pool share a cluster): `holder`, the worker's lease holder id (recorded on each
+        request it makes), `pool`, its pool's key in the lease store, and `live(pool)`, the holder ids of that pool's
+        worker processes whose presence in the lease store is live (a blocking call, made in a thread; it raises when
+        that cannot be known); None: no lease store. The worker says it before each `sync_capacity_requests`.
+        Default: nothing to note (a backend that asks for no capacity)."""
+        return None
+
     def drop_host(self, name: str) -> bool:
         """Forget host `name`, retired by `update_cluster`, now that no stage of this worker is placed there.
         False (kept) while this backend still follows something there. Default: nothing to forget."""

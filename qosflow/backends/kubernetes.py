@@ -113,6 +113,11 @@ ANN_CAPACITY_FOR = "qosflow.dev/capacity-for"
 #: (annotation) how many parts the stage's request has
 LABEL_CAPACITY_PART = "qosflow.dev/capacity-part"
 ANN_CAPACITY_PARTS = "qosflow.dev/capacity-parts"
+#: who made a placeholder: the worker's lease holder id (`Backend.capacity_peers`; a backend no worker named: an id
+#: of its own), and its pool's key in the lease store. Another worker deletes it only once its maker's presence there
+#: is gone (several workers on one pool); one without them (made before 2026-11-27) goes at a worker's first sync
+ANN_CAPACITY_OWNER = "qosflow.dev/capacity-owner"
+ANN_CAPACITY_POOL = "qosflow.dev/capacity-pool"
 CAPACITY_IMAGE = "registry.k8s.io/pause:3.9"
 #: the stand-in nodes of a node group scaled to zero (`capacity_node`): planned on, down, until a real node is listed
 STANDIN_PREFIX = "scaled-to-zero-"
@@ -362,6 +367,10 @@ class KubernetesBackend(Backend):
     #: of it, down, so that stages queue and capacity is requested for them (`request_capacity` on); and a gang wider
     #: than such a node is asked for in parts of its GPUs. None: the nodes listed say it
     capacity_node: dict[str, Any] | None = None
+    #: how often (seconds) a worker looks whether the makers of the other placeholders of its cluster are alive (their
+    #: presence in the lease store) and deletes those of makers gone: one LIST of the placeholders (made at each
+    #: heartbeat anyway while this worker has some) and one read of the lease store when another's are there
+    capacity_peer_check_s: float = 10.0
 
     name = "kubernetes"
 
@@ -386,6 +395,8 @@ class KubernetesBackend(Backend):
             raise SpecError("capacity_request_after_s", f"{self.capacity_request_after_s!r}: give a number of seconds >= 0")
         if self.max_capacity_requests < 0:
             raise SpecError("max_capacity_requests", f"{self.max_capacity_requests!r}: give a number >= 0")
+        if not (math.isfinite(self.capacity_peer_check_s) and self.capacity_peer_check_s >= 0):
+            raise SpecError("capacity_peer_check_s", f"{self.capacity_peer_check_s!r}: give a number of seconds >= 0")
         if self.capacity_node is not None:
             capacity_node_spec(self.capacity_node)  # (a bad shape fails here, naming its key)
         from kubernetes import client, config
@@ -464,8 +475,21 @@ class KubernetesBackend(Backend):
         self._capacity_too_wide: set[str] = set()
         #: job ids placed since their placeholder was deleted (a sync that read the queue before cannot make it again)
         self._capacity_placed: set[str] = set()
+        #: the first sync has been made (the placeholders of older versions, which name no maker, deleted)
         self._capacity_swept = False
         self._capacity_lock: asyncio.Lock | None = None
+        #: who makes this backend's placeholders (`capacity_peers`: the worker's lease holder id; until told, an id of
+        #: this backend's own), every id it has made them under, its pool's key, how to learn who is alive (None: not
+        #: known, no lease store), and when (monotonic) it last looked (`capacity_peer_check_s`)
+        import socket
+        import uuid
+
+        self._capacity_owner = f"kubernetes-backend#{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._capacity_owners = {self._capacity_owner}
+        self._capacity_pool = ""
+        self._capacity_live: Callable[[str], Collection[str]] | None = None
+        self._capacity_peers_at = -math.inf
+        self._capacity_live_error: str | None = None
         self.stats.update({"capacity_requested": 0, "capacity_dropped": 0, "capacity_left_deleted": 0})
 
     # ------------------------------------------------------------------ API calls with retries
@@ -1009,6 +1033,39 @@ class KubernetesBackend(Backend):
     def _capacity_selector(self) -> str:
         return f"{LABEL_ROLE}={ROLE_CAPACITY},{LABEL_CLUSTER}={label_value(self.cluster_name)}"
 
+    def capacity_peers(self, holder: str, pool: str, live: Callable[[str], Collection[str]] | None) -> None:
+        """The worker's lease holder id (this backend's placeholders are annotated with it), its pool's key, and how to
+        learn the live holder ids of a pool (`Backend.capacity_peers`): the makers of the other placeholders of this
+        cluster are judged by it (`sync_capacity_requests`)."""
+        if holder and holder != self._capacity_owner:
+            self._capacity_owner = holder
+            self._capacity_owners.add(holder)
+        self._capacity_pool = pool or self._capacity_pool
+        self._capacity_live = live
+
+    async def _capacity_makers_alive(self, pools: Collection[str]) -> dict[str, set[str]] | None:
+        """The live holder ids of each of `pools` (the lease store's presence, `capacity_peers`); None when that cannot be
+        known now (no lease store, or it failed: said in the log, once while it lasts)."""
+        live = self._capacity_live
+        if live is None:
+            return None
+        try:
+            out = {}
+            for pool in sorted(pools):
+                out[pool] = set(await asyncio.wait_for(asyncio.to_thread(live, pool), 10.0))
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, asyncio.TimeoutError) else "no answer in 10s"
+            if why != self._capacity_live_error:
+                log.warning("cannot read which workers are alive from the lease store (%s): the capacity requests other workers "
+                            "made are kept (one a live worker still wants, deleted, would lose or delay its scale-up); looked at "
+                            "again in %gs", why, self.capacity_peer_check_s)
+            self._capacity_live_error = why
+            return None
+        if self._capacity_live_error is not None:
+            log.info("the lease store tells again which workers are alive: the capacity requests of workers gone are deleted")
+            self._capacity_live_error = None
+        return out
+
     def capacity_node_gpus(self) -> int:
         """The GPUs of a node of the node group, the most a placeholder asks for: the declared `capacity_node`'s, else
         the largest node last described (the worker's plan); 0 when neither is known (one placeholder per stage)."""
@@ -1038,7 +1095,9 @@ class KubernetesBackend(Backend):
         container requesting the part's GPUs (whole ones, or one shared GPU for a fractional share when the device plugin
         shares them), cpu and memory, the block's node selector, the GPU taint's toleration (as a stage's pods),
         optionally `capacity_priority_class`. Labels qosflow.dev/capacity-for (the stage) and qosflow.dev/capacity-part
-        (the part's index); no qosflow.dev/stage-id label: no stage's selector matches it.
+        (the part's index); no qosflow.dev/stage-id label: no stage's selector matches it. Annotations
+        qosflow.dev/capacity-owner (its maker: the worker's lease holder id, `capacity_peers`) and qosflow.dev/capacity-pool
+        (the pool's key in the lease store, once the worker said it): another worker deletes it only once its maker is gone.
         `cluster-autoscaler.kubernetes.io/safe-to-evict`: a bare pod would otherwise keep its node from being scaled down."""
         gpus_n, cores, mem_mb = (of or [(want.gpus, want.cpu_cores, want.mem_mb)])[part]
         gpus: dict[str, str] = {}
@@ -1054,7 +1113,9 @@ class KubernetesBackend(Backend):
                   LABEL_ROLE: ROLE_CAPACITY, LABEL_CAPACITY_FOR: label_value(want.job_id), LABEL_CAPACITY_PART: str(part),
                   LABEL_CLUSTER: label_value(self.cluster_name)}
         annotations = {ANN_CAPACITY_FOR: want.job_id, ANN_CAPACITY_PARTS: str(len(of or [None])), "qosflow.dev/stage-name": want.name,
-                       "cluster-autoscaler.kubernetes.io/safe-to-evict": "true"}
+                       ANN_CAPACITY_OWNER: self._capacity_owner, "cluster-autoscaler.kubernetes.io/safe-to-evict": "true"}
+        if self._capacity_pool:
+            annotations[ANN_CAPACITY_POOL] = self._capacity_pool
         spec: dict[str, Any] = {
             "containers": [{"name": "pause", "image": self.capacity_request_image,
                             "resources": {"requests": requests, **({"limits": dict(gpus)} if gpus else {})}}],
@@ -1117,7 +1178,8 @@ class KubernetesBackend(Backend):
         to one of its nodes (one took room there that a stage which ended left). Their stages, if they still wait for
         capacity, get new ones at the next heartbeat (`sync_capacity_requests`). A placeholder of the worker's own
         `capacity_priority_class`, lower than the stages', is preempted anyway; without one this is what keeps a stage
-        from being Unschedulable behind a placeholder."""
+        from being Unschedulable behind a placeholder. Only this backend's own (the names in `_capacity`): another
+        worker's placeholders on the pool are its to delete, for its stages, so two workers never delete each other's."""
         async with self._capacity_lock_now():
             self._capacity_placed.add(job_id)
             mine = {name: jid for jid, names in self._capacity.items() for name in names}
@@ -1168,9 +1230,19 @@ class KubernetesBackend(Backend):
         `max_capacity_requests` pods allow get theirs, `_capacity_budget`; a gang wider than a node has one per part,
         `capacity_parts`): one LIST of the placeholders of this cluster (label selector), a create for each missing
         one, a delete for each of this backend's no longer wanted (its stage placed, gone, or room found for it) or
-        ended (a Failed or preempted placeholder is made again). The first call deletes every placeholder of this
-        cluster that another worker left (one that stopped without deleting them; a live one makes its own again at its
-        next heartbeat). Nothing when `request_capacity` is off."""
+        ended (a Failed or preempted placeholder is made again; another's that ended too: its maker, if alive, makes it
+        again). Other workers' placeholders (several workers on one pool) are left to them while they are alive:
+
+        * one that names no maker (made by a version before 2026-11-27) is deleted at the first call, as before;
+        * one whose maker (qosflow.dev/capacity-owner) has no live presence in the lease store for its pool
+          (`capacity_peers`: a worker that died, or stopped without deleting its own) is deleted at the first call and
+          at each look after it, every `capacity_peer_check_s` (a LIST then, even when this backend has none to
+          make): within the lease TTL and that after its maker's last heartbeat;
+        * when that cannot be known: without a lease store (the worker was not told, `capacity_peers`; a worker alone
+          on its pool) every other's is deleted at the first call, as before; when the lease store fails, none is (a
+          warning says so) until it answers again at a later look.
+
+        Nothing when `request_capacity` is off."""
         if not self.request_capacity:
             if not self._capacity:
                 return
@@ -1183,19 +1255,45 @@ class KubernetesBackend(Backend):
         doing = "request capacity"
         async with self._capacity_lock_now():
             self._capacity_placed &= set(chosen)
-            if not chosen and not self._capacity and self._capacity_swept:
+            now = time.monotonic()
+            look = not self._capacity_swept or (self._capacity_live is not None and now - self._capacity_peers_at >= self.capacity_peer_check_s)
+            if not chosen and not self._capacity and not look:
                 return
             pods = (await self._acall(self.core.list_namespaced_pod, self.namespace, label_selector=self._capacity_selector(), _doing=doing)).items
+            if look:
+                self._capacity_peers_at = now
+            # the makers of the others' placeholders (LISTed first: a maker's presence is recorded before it makes any)
+            makers: dict[str, tuple[str, str]] = {}  # name -> (maker, its pool)
+            for p in pods:
+                ann = p.metadata.annotations or {}
+                jid, owner = ann.get(ANN_CAPACITY_FOR) or "", ann.get(ANN_CAPACITY_OWNER) or ""
+                if owner and owner not in self._capacity_owners and p.metadata.name not in self._capacity.get(jid, ()):
+                    makers[p.metadata.name] = (owner, ann.get(ANN_CAPACITY_POOL) or self._capacity_pool)
+            alive = await self._capacity_makers_alive({pool for _, pool in makers.values()}) if look and makers else None
             have: set[str] = set()
             for p in pods:
-                jid = (p.metadata.annotations or {}).get(ANN_CAPACITY_FOR) or ""
+                ann = p.metadata.annotations or {}
+                jid = ann.get(ANN_CAPACITY_FOR) or ""
                 name = p.metadata.name
                 ended = (p.status.phase if p.status else None) in ("Succeeded", "Failed")
-                ours = name in self._capacity.get(jid, ())
-                if not self._capacity_swept and not ours:
+                ours = name in self._capacity.get(jid, ()) or (ann.get(ANN_CAPACITY_OWNER) or None) in self._capacity_owners
+                why = ""
+                if ours:
+                    pass
+                elif name not in makers:  # (no maker named: an older version's)
+                    if not self._capacity_swept:
+                        why = "left by a worker that stopped (a version that does not name it)"
+                elif alive is not None:
+                    maker, pool = makers[name]
+                    if maker not in alive.get(pool, ()):
+                        why = f"its maker, worker {maker}, is gone (no live presence in the lease store)"
+                elif not self._capacity_swept and self._capacity_live is None:
+                    why = (f"left by worker {makers[name][0]} (without a lease store, which would tell whether it is alive, "
+                           "a worker is taken to be alone on its pool)")
+                if why:
                     await self._delete_capacity_pod(name)
                     self.stats["capacity_left_deleted"] += 1
-                    log.info("capacity request %s (stage %s) left by a worker that stopped: deleted", name, jid)
+                    log.info("capacity request %s (stage %s) deleted: %s", name, jid, why)
                     continue
                 if ended or (ours and name not in expected.get(jid, ())):
                     await self._delete_capacity_pod(name)

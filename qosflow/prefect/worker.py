@@ -1982,8 +1982,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     async def _sync_capacity_requests(self) -> None:
         """Tell a backend that asks its cluster for nodes (`request_capacity`: Kubernetes' placeholder pods for a
         cluster-autoscaler) which stages have waited `capacity_request_after_s` because no node of the plan has room
-        for them (`QoSScheduler.waiting_for_capacity`); it makes and deletes its requests to match. Not during an
-        outage (every node is down then, for want of the API, not of room)."""
+        for them (`QoSScheduler.waiting_for_capacity`); it makes and deletes its requests to match. It is told first
+        who makes them (this process's lease holder id, the pool's key) and how to read which workers of a pool are
+        alive (their presence in the lease store, `Backend.capacity_peers`): another worker's requests are deleted only
+        once that worker is gone. Not during an outage (every node is down then, for want of the API, not of room)."""
         sched, be = self.scheduler, self._backend
         if sched is None or be is None or self.outage is not None:
             return
@@ -1997,6 +1999,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                               mem_mb=float(e.job.qos.mem_mb or 0.0), gpu_milli=int(e.job.qos.gpu_milli), waited_s=now - e.ready_at)
                  for e in (sched.waiting_for_capacity(float(be.capacity_request_after_s), now) if on else [])]
         try:
+            tell = getattr(be, "capacity_peers", None)
+            if self.holder and tell is not None:  # (who makes them, and which other makers live: several workers on one pool)
+                store = self.leases
+                tell(self.holder, self._pool_key, None if store is None else (lambda pool: _live_holders(store, pool)))
             await be.sync_capacity_requests(wants)
         except Exception as exc:  # (the next heartbeat tries again; the stages wait meanwhile, as they would anyway)
             self._logger.warning("could not request capacity for %d waiting stage(s): %s", len(wants), exc)
@@ -3022,6 +3028,12 @@ def _hostname() -> str:
     import socket
 
     return socket.gethostname()
+
+
+def _live_holders(store: Any, pool: str) -> set[str]:
+    """The holder ids of the worker processes of `pool` whose presence in the lease store is live (a blocking read:
+    the Kubernetes backend's capacity requests of a maker not among them are deleted, `Backend.capacity_peers`)."""
+    return {r.holder for r in store.live_workers(pool)}
 
 
 def _unreachable(exc: BaseException) -> bool:

@@ -1,0 +1,230 @@
+"""Several workers on one pool, one cluster, one lease store, all asking the cluster's autoscaler for nodes
+(`request_capacity`): a worker deletes another's placeholder pods only once that worker is gone.
+
+Before, the first sync of every worker deleted each placeholder of its cluster it had not made ("left by a worker
+that stopped"), a live worker's too: the autoscaler saw them vanish and come back at that worker's next heartbeat (a
+scale-up lost or delayed), at every restart of any worker of the pool; and a worker that died later left its
+placeholders until some worker started again. Now each placeholder names its maker (qosflow.dev/capacity-owner: the
+worker's lease holder id) and pool, and a worker deletes it when its maker has no live presence in the lease store
+(`LeaseStore.live_workers`), looking every `capacity_peer_check_s`. Workers (scheduler + KubernetesBackend + heartbeat)
+run on qosflow's API emulator (EMULATED: no cluster) with a SQLite lease store each test makes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import pytest
+from kubernetes import client
+
+from k8s_lab import until
+from qosflow.backends.base import CapacityWant
+from qosflow.backends.kubernetes import ANN_CAPACITY_OWNER, ANN_CAPACITY_POOL, KubernetesBackend
+from qosflow.k8s_emulator import EmulatorServer
+from qosflow.store.leases import LeaseStore, holder_id
+from test_k8s_capacity import SHAPE, Lab, group
+
+pytestmark = pytest.mark.timeout(120)
+POOL = "k8s-capacity"  # (Lab's)
+CHECK_S = 0.2  # capacity_peer_check_s here
+
+
+class Peer(Lab):
+    """A worker of the pool as `QosflowWorker` runs with a lease store: its presence claimed (`claim_name`) and
+    renewed at each heartbeat (`renew_holder`, after the capacity requests, as `_health_loop` does). The pool is at zero
+    with two stand-ins of the declared node (down): every stage queued waits for capacity and gets a placeholder. No
+    node ever comes (the autoscaler's scale-up delay is long): only the placeholders are looked at."""
+
+    def __init__(self, emu: EmulatorServer, store: LeaseStore, name: str, ttl_s: float = 30.0, **backend):
+        super().__init__(emu, request_capacity=True, capacity_node={**SHAPE, "count": 2}, capacity_peer_check_s=CHECK_S, **backend)
+        self.store, self.ttl_s = store, ttl_s
+        self.holder = holder_id(name)
+        self.beat = (*self.beat, "_renew_presence")
+
+    async def __aenter__(self):
+        await super().__aenter__()
+        await until(lambda: bool(self.sched.state.down.all()), "the stand-ins down: nothing is placed on them")
+        return self
+
+    async def _beat(self) -> None:
+        w = self.w
+        w.leases, w.holder, w.lease_ttl_s = self.store, self.holder, self.ttl_s
+        await asyncio.to_thread(self.store.claim_name, w._pool_key, self.holder, self.ttl_s)
+        w._renew_presence = lambda: asyncio.to_thread(self.store.renew_holder, self.holder, self.ttl_s)
+        await super()._beat()
+
+    def mine(self) -> dict[str, str]:
+        """This worker's placeholders now: name -> uid (a placeholder deleted and made again has another uid)."""
+        return {p.metadata.name: p.metadata.uid for p in self.placeholders() if p.metadata.annotations.get(ANN_CAPACITY_OWNER) == self.holder}
+
+    def die(self) -> None:
+        """The worker stops heartbeating (SIGKILL, a lost host): its presence is no longer renewed, its placeholders
+        stay."""
+        for t in self.tasks:
+            t.cancel()
+
+    async def drop(self, *futures: asyncio.Future) -> None:
+        for name in list(self.sched.entries):
+            self.sched.drop(name)
+        for f in futures:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await f
+
+
+def deleted_pods(emu: EmulatorServer) -> set[str]:
+    """The pods the emulator's API has seen deleted (its watch cache's DELETED events)."""
+    for _ in range(20):
+        try:
+            log = list(emu.cluster.store.log)
+            break
+        except RuntimeError:  # (the deque changed meanwhile, in the emulator's thread)
+            time.sleep(0.01)
+    return {obj["metadata"]["name"] for _, plural, etype, obj, _ in log if plural == "pods" and etype == "DELETED"}
+
+
+def the_store(tmp_path) -> LeaseStore:
+    return LeaseStore(url=f"sqlite:///{tmp_path / 'leases.db'}")
+
+
+def test_a_second_worker_starting_keeps_the_placeholders_of_a_live_first_one_and_its_launch_clears_only_its_own(tmp_path):
+    async def go():
+        store = the_store(tmp_path)
+        with EmulatorServer([], autoscaler=group(scale_up_delay_s=600.0)) as emu:
+            async with Peer(emu, store, "w1") as a:
+                qa = [a.queue("a1"), a.queue("a2")]
+                await until(lambda: len(a.mine()) == 2, "the first worker's two placeholders")
+                before = a.mine()
+                ph = a.placeholders()[0]
+                assert ph.metadata.annotations[ANN_CAPACITY_POOL] == a.w._pool_key
+                async with Peer(emu, store, "w2") as b:
+                    qb = b.queue("b1")
+                    await until(lambda: len(b.mine()) == 1, "the second worker's placeholder")
+                    assert b.be._capacity_swept
+                    await asyncio.sleep(10 * CHECK_S)  # (the second has looked at the first's makers several times)
+                    assert a.mine() == before  # (same names, same pods)
+                    assert not deleted_pods(emu) & set(before), deleted_pods(emu)
+                    assert b.be.stats["capacity_left_deleted"] == 0 and a.be.stats["capacity_left_deleted"] == 0
+                    assert a.be.stats["capacity_requested"] == 2 and b.be.stats["capacity_requested"] == 1
+                    # the second places its stage: it deletes its own placeholders in the way, never the first's (both
+                    # Pending, not bound yet: the kube-scheduler could bind either to the room freed)
+                    await b.be._clear_way("b1", ["gpu-pool-x"])
+                    assert b.mine() == {} and a.mine() == before
+                    await b.drop(qb)
+                await a.drop(*qa)
+                await until(lambda: a.placeholders() == [], "the first worker's placeholders gone once its stages left the queue")
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("how", ["its presence expires", "it left the lease store"])
+def test_a_worker_deletes_the_placeholders_of_a_peer_that_died_once_its_presence_is_gone(tmp_path, how):
+    """The second worker started first (its first sync, which deleted what was left then, is long past) and has no
+    stage of its own: it still looks every capacity_peer_check_s, and deletes the dead peer's placeholders within the
+    peer's presence TTL and that (before, only a worker's first sync deleted another's: they stayed)."""
+    ttl_s = 1.0
+
+    async def go():
+        store = the_store(tmp_path)
+        with EmulatorServer([], autoscaler=group(scale_up_delay_s=600.0)) as emu:
+            async with Peer(emu, store, "w2") as b:
+                await until(lambda: b.be._capacity_swept, "the second worker's first sync")
+                async with Peer(emu, store, "w1", ttl_s=ttl_s) as a:
+                    qa = a.queue("a1")
+                    await until(lambda: len(a.mine()) == 1, "the first worker's placeholder")
+                    made = a.mine()
+                    await asyncio.sleep(3 * ttl_s)  # (alive: kept, although the second looks every 0.2 s)
+                    assert a.mine() == made
+                    a.die()
+                    if how == "it left the lease store":
+                        await asyncio.to_thread(store.leave, a.holder)  # (stopped without deleting its placeholders)
+                    t0 = time.monotonic()
+                    await until(lambda: a.placeholders() == [] and b.be.stats["capacity_left_deleted"] == 1,
+                                "the dead worker's placeholder deleted by the other", timeout=10)
+                    took = time.monotonic() - t0
+                    assert took < ttl_s + CHECK_S + 3.0, took  # (slack for a loaded machine; before, never)
+                    await a.drop(qa)
+
+    asyncio.run(go())
+
+
+def test_at_its_first_sync_a_worker_deletes_placeholders_that_name_no_maker_or_a_dead_one_and_keeps_a_live_maker_s(tmp_path):
+    async def go():
+        store = the_store(tmp_path)
+        with EmulatorServer([], autoscaler=group(scale_up_delay_s=600.0)) as emu:
+            core = client.CoreV1Api(emu.api_client())
+            live_holder, dead_holder = holder_id("w1"), holder_id("w0")
+            other = KubernetesBackend(namespace="default", api_client=emu.api_client(), node_selector={"nvidia.com/gpu.present": "true"})
+            try:
+                from prefect.settings import PREFECT_API_URL
+
+                from qosflow.store.leases import pool_key
+
+                pool = pool_key(POOL, PREFECT_API_URL.value())
+                await asyncio.to_thread(store.claim_name, pool, live_holder, 60.0)  # (w1 lives; w0 never did, or is long gone)
+                old = other.capacity_request_manifest(CapacityWant("old", "old", gpus=1, cpu_cores=1))
+                for k in (ANN_CAPACITY_OWNER, ANN_CAPACITY_POOL):  # (made by a version before makers were named)
+                    old["metadata"]["annotations"].pop(k, None)
+                other.capacity_peers(dead_holder, pool, None)
+                dead = other.capacity_request_manifest(CapacityWant("dead", "dead", gpus=1, cpu_cores=1))
+                other.capacity_peers(live_holder, pool, None)
+                live = other.capacity_request_manifest(CapacityWant("live", "live", gpus=1, cpu_cores=1))
+            finally:
+                await other.aclose()
+            assert live["metadata"]["annotations"][ANN_CAPACITY_OWNER] == live_holder
+            for body in (old, dead, live):
+                await asyncio.to_thread(core.create_namespaced_pod, "default", body)
+            uid = (await asyncio.to_thread(core.read_namespaced_pod, live["metadata"]["name"], "default")).metadata.uid
+            async with Peer(emu, store, "w2") as b:
+                await until(lambda: b.be.stats["capacity_left_deleted"] == 2, "the old and the dead worker's placeholders deleted")
+                await asyncio.sleep(5 * CHECK_S)
+                assert [(p.metadata.name, p.metadata.uid) for p in b.placeholders()] == [(live["metadata"]["name"], uid)]
+                assert deleted_pods(emu) == {old["metadata"]["name"], dead["metadata"]["name"]}
+
+    asyncio.run(go())
+
+
+def test_when_the_lease_store_cannot_say_who_is_alive_the_others_placeholders_are_kept_and_the_log_says_so(caplog):
+    """A database error: another's placeholders are kept (deleting a live worker's would lose its scale-up), said once,
+    and judged again once the store answers. Without a lease store (a worker alone on its pool) they go at the first
+    sync, as before."""
+    async def go():
+        with EmulatorServer([]) as emu:
+            core = client.CoreV1Api(emu.api_client())
+            other = KubernetesBackend(namespace="default", api_client=emu.api_client())
+            other.capacity_peers(holder_id("w1"), "gpu@x", None)
+            body = other.capacity_request_manifest(CapacityWant("a", "a", gpus=1, cpu_cores=1))
+            await other.aclose()
+            await asyncio.to_thread(core.create_namespaced_pod, "default", body)
+            names = lambda: [p.metadata.name for p in core.list_namespaced_pod("default").items]  # noqa: E731
+
+            def broken(pool: str):
+                raise RuntimeError("database is locked")
+
+            be = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True, capacity_peer_check_s=0)
+            try:
+                be.capacity_peers(holder_id("w2"), "gpu@x", broken)
+                with caplog.at_level(logging.INFO, "qosflow.backends.kubernetes"):
+                    for _ in range(3):
+                        await be.sync_capacity_requests([])
+                    assert await asyncio.to_thread(names) == [body["metadata"]["name"]]
+                    said = [r.getMessage() for r in caplog.records if "cannot read which workers are alive" in r.getMessage()]
+                    assert len(said) == 1 and "database is locked" in said[0] and "are kept" in said[0], said
+                    be.capacity_peers(holder_id("w2"), "gpu@x", lambda pool: set())  # (it answers: w1 is not alive)
+                    await be.sync_capacity_requests([])
+                    assert await asyncio.to_thread(names) == []
+                    assert any("tells again" in r.getMessage() for r in caplog.records)
+            finally:
+                await be.aclose()
+            await asyncio.to_thread(core.create_namespaced_pod, "default", body)
+            be = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True)
+            try:
+                be.capacity_peers(holder_id("w2"), "gpu@x", None)
+                await be.sync_capacity_requests([])
+                assert await asyncio.to_thread(names) == [] and be.stats["capacity_left_deleted"] == 1
+            finally:
+                await be.aclose()
+
+    asyncio.run(go())
