@@ -196,6 +196,40 @@ def test_another_pools_stage_pods_in_the_same_namespace_are_booked_and_this_clus
     assert sorted(got["n1"].names) == ["ml/c2", "ml/s2"], got["n1"].names
 
 
+def test_another_workers_placeholder_holds_its_room_unless_a_stage_may_preempt_it():
+    """Several workers on one pool each make placeholders for their own waiting stages (qosflow.dev/capacity-owner
+    names the maker). This backend's are deleted before the stage they stand for is launched, so they are not booked;
+    another worker's, once bound, hold their room until that worker deletes them: they are booked, as kube-scheduler
+    counts them, unless they have a priority class (`capacity_priority_class`, below the stages': kube-scheduler
+    preempts them for a stage). One naming no maker (made by an older version) is taken as this backend's, as before."""
+
+    def placeholder(name: str, owner: str | None, priority_class: str | None = None) -> dict:
+        ann = {"qosflow.dev/capacity-for": name} | ({"qosflow.dev/capacity-owner": owner} if owner else {})
+        spec = {"nodeName": "n1", "containers": [{"resources": {"requests": {"cpu": "4", "nvidia.com/gpu": "2"}}}]}
+        if priority_class:
+            spec["priorityClassName"] = priority_class
+        return {"metadata": {"name": name, "namespace": "ml", "annotations": ann,
+                             "labels": {"qosflow.dev/role": "capacity-request", "qosflow.dev/cluster": "lab"}},
+                "spec": spec, "status": {"phase": "Running"}}
+
+    pods = [placeholder("c-mine", "w1#h:1:a"), placeholder("c-old", None), placeholder("c-peer", "w2#h:2:b"),
+            placeholder("c-peer-low", "w2#h:2:b", priority_class="qosflow-capacity")]
+    kw = dict(gpu_resource="nvidia.com/gpu", shared_resource="nvidia.com/gpu.shared", namespace="ml", cluster_name="lab")
+    got = foreign_usage(pods, own_placeholders={"w1#h:1:a"}, **kw)
+    assert got["n1"].names == ("ml/c-peer",) and got["n1"].gpus == 2 and got["n1"].cpu == 4, got
+    # the pod informer books them the same way, and drops the peer's when it is deleted
+    from qosflow.backends.k8s_usage import PodSums
+
+    sums = PodSums(own_placeholders={"w1#h:1:a"}, **kw)
+    for p in pods:
+        sums.put(p)
+    assert {n: u.amounts() for n, u in sums.view().items()} == {n: u.amounts() for n, u in got.items()}
+    sums.take("ml/c-peer")
+    assert sums.view() == {}
+    # every maker this backend had (its first id, then the worker's holder id) is its own
+    assert foreign_usage(pods[:1], own_placeholders={"kubernetes-backend#h:1:x", "w1#h:1:a"}, **kw) == {}
+
+
 def test_stage_pods_carry_their_clusters_label():
     """What the test above reads: a stage's Jobs and their pods carry qosflow.dev/cluster (the name as a label value)."""
     from qosflow.core.cluster import ClusterSpec, NodeSpec

@@ -11,8 +11,9 @@ keeps the same sums from a WATCH, so that a reading is its view while the watch 
 
 Not counted: this cluster's stage pods in the backend's namespace (the worker's plan books them already, through its own
 stages and the pool's leases; a pipeline run's pod is counted, it is booked nowhere else, and so are the stage pods of
-another qosflow pool's cluster, by their qosflow.dev/cluster label) and this cluster's capacity placeholders (deleted
-before the stage they stand for is launched).
+another qosflow pool's cluster, by their qosflow.dev/cluster label) and the capacity placeholders this backend made (deleted
+before the stage they stand for is launched; another worker's holds its room until that worker deletes it, and is counted
+unless a stage may preempt it: `counted`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
-from qosflow.backends.kubernetes import LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY, label_value, stop_watch
+from qosflow.backends.kubernetes import ANN_CAPACITY_OWNER, LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY, label_value, stop_watch
 from qosflow.backends.kubernetes import quantity as _quantity
 from qosflow.errors import SpecError
 
@@ -119,11 +120,15 @@ def _cluster_label(cluster_name: str) -> str:
     return label_value(cluster_name)
 
 
-def counted(pod: Mapping, *, namespace: str, cluster_name: str) -> bool:
+def counted(pod: Mapping, *, namespace: str, cluster_name: str, own_placeholders: Collection[str] = ()) -> bool:
     """Whether a pod's requests are booked as another's: bound, not ended, not a stage pod of this cluster's qosflow
     pool in `namespace` (a pipeline run's pod is counted, and so is a stage pod labelled with another cluster: another
-    pool's, whose worker books it, not this one), not a capacity placeholder of this cluster. (A stage pod without
-    the cluster label, made before stage pods carried it, is taken as this pool's, as it was.)"""
+    pool's, whose worker books it, not this one), not a capacity placeholder of this cluster made by this backend
+    (`own_placeholders`: its makers' ids, the qosflow.dev/capacity-owner annotation; one naming no maker, made before
+    placeholders named theirs, is taken as this backend's, as it was). Another worker's placeholder on a node holds its
+    room until that worker deletes it, unless it has a priority class (`capacity_priority_class`, lower than the
+    stages': kube-scheduler preempts it for a stage), so it is counted then. (A stage pod without the cluster label,
+    made before stage pods carried it, is taken as this pool's, as it was.)"""
     md = pod.get("metadata") or {}
     if not _get(pod, "spec", "nodeName") or _get(pod, "status", "phase") in ("Succeeded", "Failed"):
         return False
@@ -134,7 +139,8 @@ def counted(pod: Mapping, *, namespace: str, cluster_name: str) -> bool:
         if LABEL_STAGE in labels and role != ROLE_PIPELINE and mine:
             return False
         if role == ROLE_CAPACITY and cluster is not None and mine:
-            return False
+            owner = (md.get("annotations") or {}).get(ANN_CAPACITY_OWNER)
+            return bool(owner) and owner not in own_placeholders and not _get(pod, "spec", "priorityClassName")
     return True
 
 
@@ -143,9 +149,11 @@ class PodSums:
     the LIST reading (`foreign_usage`, filled once) and of the pod informer (`PodInformer`, kept by a watch's events).
     Integer amounts (GPUs, nanocores, bytes), so that adding and taking away leaves no rounding behind."""
 
-    def __init__(self, *, gpu_resource: str, shared_resource: str, namespace: str, cluster_name: str, keep_names: int = 3):
+    def __init__(self, *, gpu_resource: str, shared_resource: str, namespace: str, cluster_name: str, keep_names: int = 3,
+                 own_placeholders: Collection[str] = ()):
         self.gpu_resource, self.shared_resource = gpu_resource, shared_resource
         self.namespace, self.cluster_name, self.keep_names = namespace, cluster_name, keep_names
+        self.own_placeholders = own_placeholders  # (the backend's set of its makers' ids, read as it grows)
         #: namespace/name -> (node, amounts) of each counted pod
         self.pods: dict[str, tuple[str, tuple[int, int, int]]] = {}
         #: node -> [GPUs, nanocores, bytes, {namespace/name: None} (in the order they came)]
@@ -178,7 +186,7 @@ class PodSums:
         """A pod as it is now (added or changed): summed if it is counted, taken away if it no longer is."""
         md = pod.get("metadata") or {}
         key = f"{md.get('namespace', '')}/{md.get('name', '')}"
-        if not counted(pod, namespace=self.namespace, cluster_name=self.cluster_name):
+        if not counted(pod, namespace=self.namespace, cluster_name=self.cluster_name, own_placeholders=self.own_placeholders):
             self.take(key)
             return
         node = pod["spec"]["nodeName"]
@@ -196,10 +204,10 @@ class PodSums:
 
 
 def foreign_usage(pods: Iterable[Mapping], *, gpu_resource: str, shared_resource: str, namespace: str, cluster_name: str,
-                  keep_names: int = 3) -> dict[str, NodePodUsage]:
+                  keep_names: int = 3, own_placeholders: Collection[str] = ()) -> dict[str, NodePodUsage]:
     """Node name -> what the counted pods bound there request (`counted`, `pod_requests`); nodes with none left out."""
     sums = PodSums(gpu_resource=gpu_resource, shared_resource=shared_resource, namespace=namespace, cluster_name=cluster_name,
-                   keep_names=keep_names)
+                   keep_names=keep_names, own_placeholders=own_placeholders)
     for pod in pods:
         sums.put(pod)
     return sums.view()
@@ -231,6 +239,11 @@ def list_bound_pods(backend: Any, *, with_version: bool = False) -> Any:
     return (items, _get(body, "metadata", "resourceVersion")) if with_version else items
 
 
+def _own_placeholders(backend: Any) -> Collection[str]:
+    """The ids this backend's placeholders name as their maker (`KubernetesBackend._capacity_owners`, a set it adds to)."""
+    return getattr(backend, "_capacity_owners", ())
+
+
 def read_foreign_usage(backend: Any) -> dict[str, NodePodUsage]:
     """`foreign_usage` of one LIST (blocking: call it in a thread); the last one's again if it is younger than
     `POD_READ_S` (the backend's `pod_usage_every_s`). The backend's pod informer (`watch_pods`) serves it instead
@@ -243,7 +256,7 @@ def read_foreign_usage(backend: Any) -> dict[str, NodePodUsage]:
     pods = list_bound_pods(backend)
     backend.stats["pod_lists"] = backend.stats.get("pod_lists", 0) + 1
     usage = foreign_usage(pods, gpu_resource=backend.gpu_resource, shared_resource=backend.shared_resource,
-                          namespace=backend.namespace, cluster_name=backend.cluster_name)
+                          namespace=backend.namespace, cluster_name=backend.cluster_name, own_placeholders=_own_placeholders(backend))
     backend._pod_usage_last = (now, usage)
     return usage
 
@@ -298,7 +311,7 @@ class PodInformer:
     def _new_sums(self) -> PodSums:
         be = self.be
         return PodSums(gpu_resource=be.gpu_resource, shared_resource=be.shared_resource, namespace=be.namespace,
-                       cluster_name=be.cluster_name)
+                       cluster_name=be.cluster_name, own_placeholders=_own_placeholders(be))
 
     # -- the view
     def usage(self) -> dict[str, NodePodUsage] | None:
