@@ -47,20 +47,28 @@ POLICIES = available()
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _prefect_draws_apart():
-    """Hypothesis warns ("Do not use the random module inside strategies") when the global random state moves while
-    it draws an example. In a whole test session it moves without us: the session's Prefect server and workers run
-    in threads of this process, and their loop services draw their sleep intervals from the global `random`
-    (`prefect.utilities.math.poisson_interval`). While these tests run those draws use a generator of their own."""
+def _other_threads_draw_apart():
+    """Hypothesis warns ("Do not use the `random` module inside strategies") when the global random state moves while
+    it draws an example. In a whole test session it moves without us: earlier tests leave threads in this process (the
+    Prefect client's event and log workers, whose websockets draw their ping payloads, `random.getrandbits`; Prefect's
+    loop services, `prefect.utilities.math.poisson_interval`; retry jitter in HTTP clients). While these tests run, a
+    call of the `random` module's functions from any thread but the main one (where hypothesis draws and the policies
+    run) draws from a generator of its own."""
     import random
+    import threading
 
-    try:
-        import prefect.utilities.math as prefect_math
-    except ImportError:  # (prefect is a dependency; nothing to keep apart without it)
-        yield
-        return
+    main, apart = threading.main_thread(), random.Random()
+    names = ("random", "getrandbits", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample",
+             "gauss", "expovariate", "normalvariate", "lognormvariate", "triangular", "betavariate", "randbytes")
+
+    def split(name):
+        mine, theirs = getattr(random, name), getattr(apart, name)
+        return lambda *a, **kw: (mine if threading.current_thread() is main else theirs)(*a, **kw)
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(prefect_math, "random", random.Random())
+        for name in names:
+            if hasattr(random, name):
+                mp.setattr(random, name, split(name))
         yield
 
 
