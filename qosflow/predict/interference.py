@@ -32,7 +32,17 @@ the features are (all computed from K only):
 8. only for ``regime="new_pair"``: a stacked estimate (`_Stack`) -- a ridge regression of log speed on
    the cell's log-speed estimates (1, 5 and 6; a missing one replaced by the rank-6 fit, with a 0/1
    column saying so), fitted on the training rows; the trees combine the estimates piecewise, and a
-   linear combination is what they approximate worst from a few hundred rows.
+   linear combination is what they approximate worst from a few hundred rows;
+9. only for ``regime="new_pair"``: the one-hot forest's estimate (`_OneHotForest`) -- a random forest of
+   log speed on both jobs' one-hot model names (families), log batch sizes and GPUs, which pools every
+   configuration of a model (on a table of many configurations measured in few rows each, the cell-level
+   estimates above are sparse and noisy, and this pooling is what wins). For the training rows it is
+   out of fold (one forest per group of inner folds, fitted without the pairs they hide); it is a tree
+   feature and one more input of the stacked estimate. The final point is also blended with it in log
+   space, (1 - w) * trees + w * one-hot, w from `ONEHOT_W` chosen per fit by the MAPE of out-of-fold tree
+   points over the training rows (forests on groups of the inner folds; the same points serve the
+   exact-match weight below); Gavel-derived tables pick w = 0-0.1, tables where the one-hot forest is
+   strong more.
 
 An extra-trees ensemble maps these to log speed; the spread of its trees gives the interval. To
 train it in the regime it will be used in, the features of training pairs are computed out of fold:
@@ -464,6 +474,57 @@ class _Stack:
         return np.hstack([X, self.ridge.predict(self._design(X))[:, None]])
 
 
+#: the one-hot forest's estimate (``new_pair``): trees per forest, and groups of inner folds its
+#: out-of-fold values for the training rows are computed over (one forest per group)
+ONEHOT_TREES, ONEHOT_SPLITS = 100, 5
+#: candidate weights w of the one-hot forest's estimate in the final point, (1 - w) * trees + w * one-hot
+#: (log space; ``new_pair``), chosen per fit by the out-of-fold error over the training rows
+ONEHOT_W = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+#: with fewer training rows than this the choice is too noisy: w = 0
+ONEHOT_MIN_ROWS = 40
+
+
+class _OneHotForest:
+    """A random forest of log speed on the two jobs' one-hot model names (families), log2 batch sizes and
+    GPU counts -- the issue's baseline learner, which pools every configuration of a model. Its answer is
+    one more log-speed estimate for `_Stack` and the trees (``new_pair`` only)."""
+
+    def __init__(self, meta: Mapping[Key, JobMeta], keys, n_estimators: int = ONEHOT_TREES, seed: int = 0):
+        fams = sorted({self._fam(meta, k) for k in keys})
+        self.col = {f: i for i, f in enumerate(fams)}
+        self.meta, self.n_estimators, self.seed = meta, n_estimators, seed
+
+    @staticmethod
+    def _fam(meta, k: Key) -> str:
+        m = meta.get(k)
+        return m.family if m else k
+
+    def _x(self, pairs) -> np.ndarray:
+        nf = len(self.col)
+        X = np.zeros((len(pairs), 2 * (nf + 2)))
+        for r, ab in enumerate(pairs):
+            for side, k in enumerate(ab):
+                o = side * (nf + 2)
+                c = self.col.get(self._fam(self.meta, k))
+                if c is not None:
+                    X[r, o + c] = 1.0
+                m = self.meta.get(k)
+                X[r, o + nf] = math.log2(m.batch_size) if m and m.batch_size else -1.0
+                X[r, o + nf + 1] = float(m.gpus if m else 1)
+        return X
+
+    def fit(self, obs: Obs) -> "_OneHotForest":
+        from sklearn.ensemble import RandomForestRegressor
+
+        pairs = list(obs)
+        self.rf = RandomForestRegressor(n_estimators=self.n_estimators, random_state=self.seed, n_jobs=1).fit(
+            self._x(pairs), [_log(obs[p]) for p in pairs])
+        return self
+
+    def predict_log(self, pairs) -> np.ndarray:
+        return self.rf.predict(self._x(pairs)) if len(pairs) else np.zeros(0)
+
+
 def _mape_point(per_tree: np.ndarray) -> np.ndarray:
     """Per column of (trees x rows) log speeds: the tree value minimising the mean absolute percentage
     error against the trees' values, i.e. their median weighted by 1/speed."""
@@ -531,6 +592,7 @@ class InterferenceModel:
         pairs = list(self.obs)
         rng = np.random.default_rng(self.seed)
         X, y, xpairs, xfold = [], [], [], []
+        fold_hidden: list[set] = []
         if self.regime == "new_pair":
             order = rng.permutation(len(pairs))
             folds = np.array_split(order, max(2, min(self.inner_folds, len(pairs))))
@@ -539,6 +601,7 @@ class InterferenceModel:
                 hidden = {pairs[i] for i in fold}
                 fold = fold[:per_fold]
                 hidden |= {(b, a) for a, b in hidden}  # a row of a pair table holds both directions
+                fold_hidden.append(hidden)
                 ctx = _Context({k: v for k, v in self.obs.items() if k not in hidden}, meta, self.refs, self.rank,
                                self.lam, self.neighbours)
                 for i in fold:
@@ -578,17 +641,86 @@ class InterferenceModel:
         self._ctx = _Context(self.obs, meta, self.refs, self.rank, self.lam, self.neighbours)
         X = np.array(X, dtype=float)
         self._stack = None
+        self._onehot = None
         if self.neighbours and len(y):
-            self._stack = _Stack(*self._ctx.estimate_columns(), alpha=STACK_ALPHA).fit(X, np.array(y))
+            X = np.hstack([X, self._onehot_oof(xpairs, xfold, fold_hidden)[:, None]])
+            self._onehot = _OneHotForest(meta, self.obs_keys(), seed=self.seed).fit(self.obs)
+            cols, fill = self._ctx.estimate_columns()
+            self._stack = _Stack(cols + [X.shape[1] - 1], fill, alpha=STACK_ALPHA).fit(X, np.array(y))
             X = self._stack.augment(X)
         self.forest = self._forest(self.n_estimators).fit(_nan_to(X), np.array(y))
         flatten(self.forest)
+        self.onehot_w = 0.0
         self._exact: dict[tuple[Key, Key], tuple[float, int]] = {}
         self.exact_k: float | None = None
         self.exact_loo_n = 0
+        oof = None
+        if self._onehot is not None and len(y) >= ONEHOT_MIN_ROWS:
+            oof = self._oof_points(X, y, xfold)
+            self.onehot_w = self._choose_onehot_w(oof, X[:, -2], np.array(y))
+            oof = self._blend(oof, X[:, -2])
         if repeats is not None:
-            self._fit_exact(repeats, X, y, xpairs, xfold)
+            self._fit_exact(repeats, X, y, xpairs, xfold, oof)
         return self
+
+    def _blend(self, point: np.ndarray, onehot: np.ndarray) -> np.ndarray:
+        """The final log-speed point: the trees' blended with the one-hot forest's estimate (weight `onehot_w`)."""
+        w = self.onehot_w
+        return point if not w else (1 - w) * point + w * onehot
+
+    def _oof_points(self, X, y, xfold, rows=None) -> np.ndarray:
+        """Out-of-fold point estimates of the trees for the training rows `rows` (all by default; NaN for
+        the others): forests of `EXACT_OOF_TREES` trees, one per group of the inner folds."""
+        splits = EXACT_OOF_SPLITS
+        Xa, ya, fa = _nan_to(np.array(X)), np.array(y), np.array(xfold) % splits
+        want = np.zeros(len(ya), bool)
+        want[np.arange(len(ya)) if rows is None else np.asarray(rows, dtype=int)] = True
+        out = np.full(len(ya), np.nan)
+        for s in range(splits):
+            test = np.flatnonzero(want & (fa == s))
+            train = fa != s
+            if not len(test) or train.sum() < 2:
+                continue
+            forest = self._forest(EXACT_OOF_TREES).fit(Xa[train], ya[train])
+            pt = np.stack([t.predict(Xa[test]) for t in forest.estimators_])
+            out[test] = _mape_point(pt) if self.point == "mape" else pt.mean(0)
+        return out
+
+    @staticmethod
+    def _choose_onehot_w(oof: np.ndarray, onehot: np.ndarray, y: np.ndarray) -> float:
+        """The weight in `ONEHOT_W` whose blend of the out-of-fold tree points with the one-hot estimates
+        has the least MAPE over the training rows (ties: the smaller weight)."""
+        ok = np.isfinite(oof)
+        if ok.sum() < ONEHOT_MIN_ROWS:
+            return 0.0
+        truth = np.exp(y[ok])
+        best = None
+        for w in ONEHOT_W:
+            err = float(np.mean(np.abs(np.exp((1 - w) * oof[ok] + w * onehot[ok]) - truth) / truth))
+            if best is None or err < best[0] - 1e-12:
+                best = (err, w)
+        return best[1]
+
+    def obs_keys(self) -> list[Key]:
+        return sorted({k for ab in self.obs for k in ab})
+
+    def _onehot_oof(self, xpairs, xfold, fold_hidden) -> np.ndarray:
+        """The one-hot forest's estimate of each training row, out of fold: one forest per group of inner
+        folds (`ONEHOT_SPLITS`), fitted without the pairs those folds hide (both directions)."""
+        out = np.zeros(len(xpairs))
+        fa = np.array(xfold) % ONEHOT_SPLITS
+        keys = self.obs_keys()
+        for g in range(ONEHOT_SPLITS):
+            rows = np.flatnonzero(fa == g)
+            if not len(rows):
+                continue
+            hidden = set().union(*(fold_hidden[f] for f in range(len(fold_hidden)) if f % ONEHOT_SPLITS == g))
+            train = {k: v for k, v in self.obs.items() if k not in hidden}
+            if not train:
+                train = self.obs
+            f = _OneHotForest(self.meta, keys, seed=self.seed).fit(train)
+            out[rows] = f.predict_log([xpairs[i] for i in rows])
+        return out
 
     def _forest(self, n_estimators: int):
         from sklearn.ensemble import ExtraTreesRegressor
@@ -596,7 +728,7 @@ class InterferenceModel:
         return ExtraTreesRegressor(n_estimators=n_estimators, max_features=0.6, min_samples_leaf=2,
                                    random_state=self.seed, n_jobs=self.n_jobs)
 
-    def _fit_exact(self, repeats, X, y, xpairs, xfold) -> None:
+    def _fit_exact(self, repeats, X, y, xpairs, xfold, oof_points=None) -> None:
         """The exact-match look-up {(a, b): (mean log speed, n)} and its weight k (see the module docstring)."""
         for key, vals in repeats.items():
             pos = [float(v) for v in vals if v > 0]  # 0 = could not run together: no speed to average
@@ -608,18 +740,10 @@ class InterferenceModel:
             self.exact_k = EXACT_K_DEFAULT
             return
         # out-of-fold model predictions for the repeated configurations: forests on the other inner folds
-        splits, trees = EXACT_OOF_SPLITS, EXACT_OOF_TREES
-        Xa, ya, fa = _nan_to(np.array(X)), np.array(y), np.array(xfold) % splits
-        oof: dict[tuple[Key, Key], float] = {}
-        for s in range(splits):
-            test = [i for i in rows if fa[i] == s]
-            train = fa != s
-            if not test or train.sum() < 2:
-                continue
-            forest = self._forest(trees).fit(Xa[train], ya[train])
-            pt = np.stack([t.predict(Xa[test]) for t in forest.estimators_])
-            point = _mape_point(pt) if self.point == "mape" else pt.mean(0)
-            oof.update({xpairs[i]: float(v) for i, v in zip(test, point)})
+        # (computed once with the one-hot blend's, when it has them)
+        if oof_points is None:
+            oof_points = self._blend(self._oof_points(X, y, xfold, rows), np.asarray(X)[:, -2])
+        oof = {xpairs[i]: float(oof_points[i]) for i in rows if np.isfinite(oof_points[i])}
         # leave one value out: predict it from the mean of the others and the out-of-fold model value
         held, others_mean, others_n, model = [], [], [], []
         for key, m in oof.items():
@@ -662,12 +786,16 @@ class InterferenceModel:
             ctx = _Context(obs, meta, self.refs, self.rank, self.lam, self.neighbours)
         feats = [ctx.features(a, b) for a, b in queries]
         X = np.array([f for f, _ in feats], dtype=float).reshape(len(queries), -1)
+        if self._onehot is not None:
+            X = np.hstack([X, self._onehot.predict_log(list(queries))[:, None]])
         if self._stack is not None:
             X = self._stack.augment(X)
         X = _nan_to(X)
         support = np.array([s for _, s in feats])
         per_tree = per_tree_predictions(self.forest, X)
         point = _mape_point(per_tree) if self.point == "mape" else per_tree.mean(0)
+        if self._onehot is not None:
+            point = self._blend(point, X[:, -2])
         lo, hi = np.exp(np.percentile(per_tree, [10, 90], axis=0))
         if self._exact and not math.isinf(self.exact_k):
             for i, q in enumerate(queries):
