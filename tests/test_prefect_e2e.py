@@ -106,6 +106,13 @@ def test_three_stage_pipeline_through_the_worker(qos_worker):
         keys = {a.key for a in c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="qosflow-")))}
         assert {"qosflow-placements-" + run.name.replace("_", "-"), "qosflow-qos-" + run.name.replace("_", "-")} <= keys or any(k.startswith("qosflow-placements-") for k in keys)
         assert any(k.startswith("qosflow-forecast-") for k in keys)
+        # on the pipeline's run (its Artifacts tab in the UI), not on a stage's task run or on no run: every version
+        from prefect.client.schemas.filters import ArtifactFilterFlowRunId
+
+        on_run = [a for a in c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.flow_run_id])))
+                  if (a.key or "").startswith("qosflow-")]
+        assert {a.key.split("-")[1] for a in on_run} == {"placements", "qos", "forecast"}, [a.key for a in on_run]
+        assert all(a.task_run_id is None for a in on_run), [(a.key, a.task_run_id) for a in on_run]
 
     # the predictor table in the UI: what the worker's estimator learned from the stages it ran
     import json

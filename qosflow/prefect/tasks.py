@@ -328,12 +328,10 @@ class PipelineRun:
                     lines.append("")
                     lines.append(f"Each stage still to start is counted from {fc.overhead:.1f}s after its dependencies end: "
                                  "the median on this run so far (its dispatch, the worker's pickup, the QoS queue).")
-            from prefect.artifacts import create_markdown_artifact
-
             # a stage's end and its successor's dispatch come within a second of each other: one
             # artifact version for both (each write contends for the server's database lock)
             if final or now - self._forecast_written_at >= FORECAST_MIN_INTERVAL_S:
-                create_markdown_artifact("\n".join(lines), key=f"qosflow-forecast-{_slug(self.name)}", description="qosflow completion forecast")
+                _artifact(self, "markdown", f"qosflow-forecast-{_slug(self.name)}", "\n".join(lines), "qosflow completion forecast")
                 self._forecast_written_at = now
             with self.lock:  # stages waited for in several threads: one event
                 first = not final and fc.at_risk and not self.at_risk_sent
@@ -387,8 +385,6 @@ class PipelineRun:
             return
         self.catch_up_placements()
         try:
-            from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
             rows = []
             for r in sorted(self.stages.values(), key=lambda r: (r.dispatched, r.name)):
                 rows.append(
@@ -403,8 +399,8 @@ class PipelineRun:
                         "state": r.state + (f" ({r.attempts} attempts)" if r.attempts > 1 else ""),
                     }
                 )
-            create_table_artifact(rows, key=f"qosflow-placements-{_slug(self.name)}", description=f"qosflow placements of {self.name}")
-            create_markdown_artifact(self.report_markdown(), key=f"qosflow-qos-{_slug(self.name)}", description="qosflow QoS report")
+            _artifact(self, "table", f"qosflow-placements-{_slug(self.name)}", json.dumps(rows), f"qosflow placements of {self.name}")
+            _artifact(self, "markdown", f"qosflow-qos-{_slug(self.name)}", self.report_markdown(), "qosflow QoS report")
             self.publish_forecast(final=True)
         except Exception:
             pass
@@ -504,6 +500,19 @@ def _slug(s: str) -> str:
     while "--" in out:
         out = out.replace("--", "-")
     return out.strip("-") or "pipeline"
+
+
+def _artifact(run: PipelineRun, kind: str, key: str, data: str, description: str) -> None:
+    """A new version of the pipeline's artifact `key` (`kind`: "markdown" or "table", `data` as Prefect stores it: the
+    markdown, or the rows as JSON), on the pipeline's flow run: its Artifacts tab in the UI shows it. Written through the
+    API with the run named, not with `create_markdown_artifact`, which takes the run from the calling thread's context:
+    a stage's thread or the pipeline's end may have none (an artifact on no run, and Prefect's FutureWarning that
+    artifacts made outside a run will stop being accepted), and a stage's task context would put it on that stage."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    with get_client(sync_client=True) as client:
+        client.create_artifact(ArtifactCreate(key=key, type=kind, data=data, description=description, flow_run_id=run.flow_run_id))
 
 
 def _emit(name: str, run: PipelineRun, payload: dict[str, Any]) -> None:
