@@ -893,9 +893,9 @@ def _sparse_pairs(n_models=8, rows=300, noise=0.03, seed=0) -> list[PairRow]:
 
 
 def test_pair_table_model_keeps_up_with_the_one_hot_forest_where_it_is_strong():
-    # without the one-hot forest's estimate the model was 4.0 % against the forest's 3.5 % here
+    # without the one-hot forest's estimate the model was 4.0 % against the forest's 3.5 % here (now 3.3 %)
     block = eval_pairs(_sparse_pairs(), folds=5)["interference"]
-    assert block["mape"] < 1.03 * block["baselines"]["random_forest"]["mape"]
+    assert block["mape"] < block["baselines"]["random_forest"]["mape"]
 
 
 def test_one_hot_estimate_is_out_of_fold_for_the_training_rows():
