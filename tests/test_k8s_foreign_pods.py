@@ -410,3 +410,41 @@ def test_the_worker_books_a_new_foreign_pod_within_a_second_with_the_pod_informe
                     await until(lambda: lab.held() == (2, 4.0, 1024.0), "the notebook booked at the next LIST reading", timeout=6.0)
 
     asyncio.run(go())
+
+
+def test_an_account_that_may_list_pods_but_not_watch_them_is_read_by_lists(caplog):
+    """RBAC that grants list on pods but not watch: the informer's WATCH gets 403. It stops for good (it would get 403
+    again), says once what to grant, and the heartbeats' readings LIST instead (at most every pod_usage_every_s),
+    following the pods as before."""
+    import logging
+
+    async def go():
+        with emulator() as emu:
+            emu.add_fault(r"^/api/v1/pods$", method="GET", status=403, count=1000, query=r"(^|&)watch=(true|1)")
+            be = KubernetesBackend(api_client=emu.api_client(), namespace="default")
+            be.pod_usage_every_s = 0.0
+            core = client.CoreV1Api(emu.api_client())
+            core.create_namespace({"metadata": {"name": "users"}})
+            try:
+                core.create_namespaced_pod("users", foreign_pod("nb", gpus=1, cpu="2"))
+                await until(lambda: core.read_namespaced_pod("nb", "users").status.phase == "Running", "the pod runs")
+                assert (await be.foreign_pod_usage())[NODE].amounts() == (1, 2.0, 1024.0)  # (a LIST; the informer starts)
+                await until(lambda: be._pod_informer.forbidden, "the informer told it may not watch")
+                await until(lambda: not be._pod_informer.thread.is_alive(), "the informer's thread ended")
+                assert be._pod_informer.usage() is None
+                n = be.stats["pod_lists"]
+                core.create_namespaced_pod("users", foreign_pod("nb-2", gpus=2, cpu="1"))
+                await until(lambda: core.read_namespaced_pod("nb-2", "users").status.phase == "Running", "the second pod runs")
+                assert (await be.foreign_pod_usage())[NODE].amounts() == (3, 3.0, 2048.0)
+                core.delete_namespaced_pod("nb", "users")
+                assert (await be.foreign_pod_usage())[NODE].amounts() == (2, 1.0, 1024.0)
+                assert be.stats["pod_lists"] == n + 2  # (each reading listed)
+                be._pod_informer.start()  # (the next readings start it again: refused for good)
+                assert not be._pod_informer.thread.is_alive()
+            finally:
+                await be.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="qosflow.backends.kubernetes"):
+        asyncio.run(go())
+    said = [r.getMessage() for r in caplog.records if "may list pods but not watch them" in r.getMessage()]
+    assert len(said) == 1 and "grant it watch on pods" in said[0], said

@@ -127,11 +127,14 @@ class EmulatorServer:
         """Drop the pod rules not used up yet (a test's leftovers would fail the next test's pods)."""
         self._ctl("DELETE", "rules")
 
-    def add_fault(self, path: str, *, method: str | None = None, status: int = 500, count: int = 1) -> None:
-        """The next `count` API requests whose path matches the regex `path` get HTTP `status`."""
+    def add_fault(self, path: str, *, method: str | None = None, status: int = 500, count: int = 1, query: str | None = None) -> None:
+        """The next `count` API requests whose path matches the regex `path` (and whose query string matches the regex
+        `query`, e.g. ``watch=true`` for WATCHes only) get HTTP `status`."""
         f = {"path": path, "status": status, "count": count}
         if method:
             f["method"] = method
+        if query:
+            f["query"] = query
         self._ctl("POST", "faults", f)
 
     def compact(self) -> int:

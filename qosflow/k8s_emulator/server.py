@@ -26,7 +26,8 @@ and any `/apis/{group}/{version}` custom resource):
     GET    /api/v1/namespaces/{ns}/pods/{name}/log[?tailLines=N]
 
 Controls (not Kubernetes): POST /emulator/nodes, /emulator/nodes/{name}/lose, /emulator/rules
-(failure injection for new pods), /emulator/faults (HTTP errors such as 500), /emulator/compact
+(failure injection for new pods), /emulator/faults (HTTP errors such as 500 or 403, matched on method, path
+and query string), /emulator/compact
 (expire every resourceVersion so far); DELETE /emulator/rules, /emulator/faults; GET /emulator/state.
 """
 
@@ -351,7 +352,8 @@ def create_app(cluster: Cluster):
                 await inner_send(message)
 
             for f in cluster.faults:
-                if f["count"] > 0 and f.get("method", method).upper() == method and re.search(f.get("path", ""), path):
+                if (f["count"] > 0 and f.get("method", method).upper() == method and re.search(f.get("path", ""), path)
+                        and re.search(f.get("query", ""), query)):
                     f["count"] -= 1
                     code = int(f["status"])
                     reason = {500: "InternalError", 503: "ServiceUnavailable", 429: "TooManyRequests", 409: "Conflict", 403: "Forbidden",
