@@ -188,12 +188,11 @@ def test_a_deadline_out_of_reach_is_said_on_the_pipelines_log(monkeypatch, caplo
     """`prefect deployment run retrain/hotfix-retrain -p qos_deadline=5` (its stages take ~40 s): the
     run's log said nothing about its deadline; only an at-risk event and the forecast artifact did. The
     first at-risk forecast is now a warning on the run's log, with how late and the critical path left."""
-    import prefect.artifacts
-
     from qosflow.prefect import tasks
     from qosflow.prefect.tasks import PipelineRun
 
-    monkeypatch.setattr(prefect.artifacts, "create_markdown_artifact", lambda md, **kw: None)
+    written = []
+    monkeypatch.setattr(tasks, "_artifact", lambda run, kind, key, data, description: written.append(key))
     events = []
     monkeypatch.setattr(tasks, "_emit", lambda name, run, payload: events.append(name))
     run = PipelineRun("hotfix", "fid", deadline=5, priority=None, pool=None,
@@ -205,6 +204,7 @@ def test_a_deadline_out_of_reach_is_said_on_the_pipelines_log(monkeypatch, caplo
     assert events == ["qosflow.qos.at-risk"] and len(lines) == 1, (events, lines)
     assert "pipeline hotfix is at risk of missing its deadline (5s after its start)" in lines[0]
     assert "critical path left: load -> train -> report" in lines[0], lines[0]
+    assert written == ["qosflow-forecast-hotfix"]  # (the second within FORECAST_MIN_INTERVAL_S: one version)
 
 
 # ------------------------------------------------------------------------------------ the worker

@@ -580,12 +580,11 @@ def test_placements_missing_at_a_stage_end_are_read_at_the_pipeline_end(monkeypa
 def test_forecast_artifact_is_not_rewritten_for_every_stage_event(monkeypatch):
     """A stage's end and the next stage's dispatch publish the forecast within a second: one artifact
     version for both (each write contends for the Prefect server's SQLite lock); the final one always."""
-    import prefect.artifacts
-
+    from qosflow.prefect import tasks
     from qosflow.prefect.tasks import PipelineRun
 
     written = []
-    monkeypatch.setattr(prefect.artifacts, "create_markdown_artifact", lambda md, **kw: written.append(md))
+    monkeypatch.setattr(tasks, "_artifact", lambda run, kind, key, data, description: written.append(data))
     run = PipelineRun("p", "fid", deadline=3600, priority=None, pool=None, plan={"a": [], "b": ["a"]}, expected={"a": 5.0, "b": 5.0})
     run.publish_forecast()
     run.publish_forecast()
@@ -602,13 +601,11 @@ def test_a_stage_running_past_the_pipeline_deadline_flags_it_at_risk_while_it_ru
     """The pipeline's at-risk event was computed only at a stage's dispatch and end, so a stage that
     ran past the deadline raised it with `violated`, at its end. `check_at_risk` (called every 2 s
     while a stage is waited for) raises it once, and writes no artifact version before that."""
-    import prefect.artifacts
-
     from qosflow.prefect import tasks
     from qosflow.prefect.tasks import PipelineRun, StageRecord
 
     written, events = [], []
-    monkeypatch.setattr(prefect.artifacts, "create_markdown_artifact", lambda md, **kw: written.append(md))
+    monkeypatch.setattr(tasks, "_artifact", lambda run, kind, key, data, description: written.append(data))
     monkeypatch.setattr(tasks, "_emit", lambda name, run, payload: events.append(name))
     run = PipelineRun("p", "fid", deadline=8, priority=None, pool=None, plan=None, expected={})
     rec = StageRecord("slow", "tr1", (), 3.0, 1.5, time.time(), run.deadline_at, state="running")
@@ -716,10 +713,9 @@ def test_a_late_pipeline_sends_one_violation_and_each_late_stage_one(monkeypatch
     monkeypatch.setattr(prefect.events, "emit_event", lambda **kw: sent.append(kw))
     monkeypatch.setattr(PipelineRun, "catch_up_placements", lambda self, wait_s=10.0: [])
     monkeypatch.setattr(PipelineRun, "_remember_plan", lambda self: None)
-    import prefect.artifacts
+    from qosflow.prefect import tasks
 
-    for f in ("create_table_artifact", "create_markdown_artifact"):  # (no server here)
-        monkeypatch.setattr(prefect.artifacts, f, lambda *a, **kw: None)
+    monkeypatch.setattr(tasks, "_artifact", lambda *a, **kw: None)  # (no server here)
     run = PipelineRun("p", "fid", deadline=10, priority=None, pool="gpu", plan=None, expected={})
     for name, late in (("a", True), ("b", True), ("c", False)):
         rec = StageRecord(name, f"tr-{name}", (), 1.0, 0.5, run.started, run.started + 5, flow_run_id=str(uuid.uuid4()), state="completed")

@@ -29,6 +29,7 @@ import contextvars
 import functools
 import inspect
 import json
+import logging
 import math
 import os
 import statistics
@@ -511,8 +512,11 @@ def _artifact(run: PipelineRun, kind: str, key: str, data: str, description: str
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactCreate
 
-    with get_client(sync_client=True) as client:
-        client.create_artifact(ArtifactCreate(key=key, type=kind, data=data, description=description, flow_run_id=run.flow_run_id))
+    try:
+        with get_client(sync_client=True) as client:
+            client.create_artifact(ArtifactCreate(key=key, type=kind, data=data, description=description, flow_run_id=run.flow_run_id))
+    except Exception as exc:  # (a view: what follows it, the at-risk event and warning, must not depend on it)
+        logging.getLogger("qosflow").debug("could not write artifact %s of pipeline %s: %s", key, run.name, exc)
 
 
 def _emit(name: str, run: PipelineRun, payload: dict[str, Any]) -> None:
