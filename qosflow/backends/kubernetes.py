@@ -481,10 +481,9 @@ class KubernetesBackend(Backend):
         #: who makes this backend's placeholders (`capacity_peers`: the worker's lease holder id; until told, an id of
         #: this backend's own), every id it has made them under, its pool's key, how to learn who is alive (None: not
         #: known, no lease store), and when (monotonic) it last looked (`capacity_peer_check_s`)
-        import socket
-        import uuid
+        from qosflow.store.leases import holder_id
 
-        self._capacity_owner = f"kubernetes-backend#{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._capacity_owner = holder_id("kubernetes-backend")
         self._capacity_owners = {self._capacity_owner}
         self._capacity_pool = ""
         self._capacity_live: Callable[[str], Collection[str]] | None = None
