@@ -86,6 +86,11 @@ def test_stage_runs_in_a_pod_and_its_flow_run_completes(k8s, tmp_path):
     # the stage reported 10 steps in its pod: they reached the worker through the pod's log (echoed, at
     # most two lines a second, the last always), and it learned the stage's step time from them
     w = k8s["worker"].worker
+    # the worker told its backend its pool before the first launch: the Job and its pod carry it (two pools whose
+    # blocks have one name, in one namespace, tell their stages apart by it: tests/test_k8s_two_pools.py)
+    from qosflow.backends.kubernetes import LABEL_POOL, label_value
+
+    assert jobs[0].metadata.labels[LABEL_POOL] == label_value(w._pool_key) == pods[0].metadata.labels[LABEL_POOL]
     end = time.monotonic() + 60
     while not any(r["flow_run_id"] == rec.flow_run_id for r in w.records):  # its bookkeeping follows the pod's exit
         assert time.monotonic() < end, "the worker never recorded the stage"

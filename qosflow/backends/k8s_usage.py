@@ -9,9 +9,10 @@ and not ended, what those pods request per node (`foreign_usage`), as kube-sched
 worker books it in its plan (`qosflow.prefect.foreign_pods`). A pod informer (`PodInformer`, the backend's `watch_pods`)
 keeps the same sums from a WATCH, so that a reading is its view while the watch follows (no request, no parse).
 
-Not counted: this cluster's stage pods in the backend's namespace (the worker's plan books them already, through its own
+Not counted: this pool's stage pods in the backend's namespace (the worker's plan books them already, through its own
 stages and the pool's leases; a pipeline run's pod is counted, it is booked nowhere else, and so are the stage pods of
-another qosflow pool's cluster, by their qosflow.dev/cluster label) and the capacity placeholders this backend made (deleted
+another qosflow pool, by their qosflow.dev/cluster label, or by their qosflow.dev/pool label when the two pools' clusters
+have the same name) and the capacity placeholders this backend made (deleted
 before the stage they stand for is launched; another worker's holds its room until that worker deletes it, and is counted
 unless a stage may preempt it: `counted`).
 """
@@ -28,7 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable, Mapping
 
-from qosflow.backends.kubernetes import ANN_CAPACITY_OWNER, LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY, label_value, stop_watch
+from qosflow.backends.kubernetes import (ANN_CAPACITY_OWNER, LABEL_CLUSTER, LABEL_POOL, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY, label_value,
+                                         stop_watch)
 from qosflow.backends.kubernetes import quantity as _quantity
 from qosflow.errors import SpecError
 
@@ -120,15 +122,18 @@ def _cluster_label(cluster_name: str) -> str:
     return label_value(cluster_name)
 
 
-def counted(pod: Mapping, *, namespace: str, cluster_name: str, own_placeholders: Collection[str] = ()) -> bool:
+def counted(pod: Mapping, *, namespace: str, cluster_name: str, own_placeholders: Collection[str] = (), pool: str = "") -> bool:
     """Whether a pod's requests are booked as another's: bound, not ended, not a stage pod of this cluster's qosflow
-    pool in `namespace` (a pipeline run's pod is counted, and so is a stage pod labelled with another cluster: another
-    pool's, whose worker books it, not this one), not a capacity placeholder of this cluster made by this backend
+    pool in `namespace` (a pipeline run's pod is counted, and so is a stage pod labelled with another cluster, or with
+    another pool than `pool`, this backend's as its qosflow.dev/pool label holds it: another pool's, whose worker books
+    it, not this one; two pools whose blocks have the same name tell their stage pods apart by the pool label alone),
+    not a capacity placeholder of this cluster made by this backend
     (`own_placeholders`: its makers' ids, the qosflow.dev/capacity-owner annotation; one naming no maker, made before
     placeholders named theirs, is taken as this backend's, as it was). Another worker's placeholder on a node holds its
     room until that worker deletes it, unless it has a priority class (`capacity_priority_class`, lower than the
     stages': kube-scheduler preempts it for a stage), so it is counted then. (A stage pod without the cluster label,
-    made before stage pods carried it, is taken as this pool's, as it was.)"""
+    made before stage pods carried it, is taken as this pool's, as it was; so is one without the pool label, and every
+    one of this cluster while `pool` is "", the worker not having said its pool yet.)"""
     md = pod.get("metadata") or {}
     if not _get(pod, "spec", "nodeName") or _get(pod, "status", "phase") in ("Succeeded", "Failed"):
         return False
@@ -136,7 +141,7 @@ def counted(pod: Mapping, *, namespace: str, cluster_name: str, own_placeholders
     if md.get("namespace") == namespace:
         role, cluster = labels.get(LABEL_ROLE), labels.get(LABEL_CLUSTER)
         mine = cluster is None or cluster == _cluster_label(cluster_name)
-        if LABEL_STAGE in labels and role != ROLE_PIPELINE and mine:
+        if LABEL_STAGE in labels and role != ROLE_PIPELINE and mine and (not pool or labels.get(LABEL_POOL, pool) == pool):
             return False
         if role == ROLE_CAPACITY and cluster is not None and mine:
             owner = (md.get("annotations") or {}).get(ANN_CAPACITY_OWNER)
@@ -150,10 +155,11 @@ class PodSums:
     Integer amounts (GPUs, nanocores, bytes), so that adding and taking away leaves no rounding behind."""
 
     def __init__(self, *, gpu_resource: str, shared_resource: str, namespace: str, cluster_name: str, keep_names: int = 3,
-                 own_placeholders: Collection[str] = ()):
+                 own_placeholders: Collection[str] = (), pool: str = ""):
         self.gpu_resource, self.shared_resource = gpu_resource, shared_resource
         self.namespace, self.cluster_name, self.keep_names = namespace, cluster_name, keep_names
         self.own_placeholders = own_placeholders  # (the backend's set of its makers' ids, read as it grows)
+        self.pool = pool  # (this backend's pool label value: fixed for these sums, which are made again when it changes)
         #: namespace/name -> (node, amounts) of each counted pod
         self.pods: dict[str, tuple[str, tuple[int, int, int]]] = {}
         #: node -> [GPUs, nanocores, bytes, {namespace/name: None} (in the order they came)]
@@ -186,7 +192,7 @@ class PodSums:
         """A pod as it is now (added or changed): summed if it is counted, taken away if it no longer is."""
         md = pod.get("metadata") or {}
         key = f"{md.get('namespace', '')}/{md.get('name', '')}"
-        if not counted(pod, namespace=self.namespace, cluster_name=self.cluster_name, own_placeholders=self.own_placeholders):
+        if not counted(pod, namespace=self.namespace, cluster_name=self.cluster_name, own_placeholders=self.own_placeholders, pool=self.pool):
             self.take(key)
             return
         node = pod["spec"]["nodeName"]
@@ -204,10 +210,10 @@ class PodSums:
 
 
 def foreign_usage(pods: Iterable[Mapping], *, gpu_resource: str, shared_resource: str, namespace: str, cluster_name: str,
-                  keep_names: int = 3, own_placeholders: Collection[str] = ()) -> dict[str, NodePodUsage]:
+                  keep_names: int = 3, own_placeholders: Collection[str] = (), pool: str = "") -> dict[str, NodePodUsage]:
     """Node name -> what the counted pods bound there request (`counted`, `pod_requests`); nodes with none left out."""
     sums = PodSums(gpu_resource=gpu_resource, shared_resource=shared_resource, namespace=namespace, cluster_name=cluster_name,
-                   keep_names=keep_names, own_placeholders=own_placeholders)
+                   keep_names=keep_names, own_placeholders=own_placeholders, pool=pool)
     for pod in pods:
         sums.put(pod)
     return sums.view()
@@ -244,6 +250,12 @@ def _own_placeholders(backend: Any) -> Collection[str]:
     return getattr(backend, "_capacity_owners", ())
 
 
+def _own_pool(backend: Any) -> str:
+    """This backend's pool as its stage pods' qosflow.dev/pool label holds it; "" while the worker has not said it."""
+    pool_label = getattr(backend, "_pool_label", None)
+    return pool_label() if pool_label is not None else ""
+
+
 def read_foreign_usage(backend: Any) -> dict[str, NodePodUsage]:
     """`foreign_usage` of one LIST (blocking: call it in a thread); the last one's again if it is younger than
     `POD_READ_S` (the backend's `pod_usage_every_s`). The backend's pod informer (`watch_pods`) serves it instead
@@ -256,7 +268,8 @@ def read_foreign_usage(backend: Any) -> dict[str, NodePodUsage]:
     pods = list_bound_pods(backend)
     backend.stats["pod_lists"] = backend.stats.get("pod_lists", 0) + 1
     usage = foreign_usage(pods, gpu_resource=backend.gpu_resource, shared_resource=backend.shared_resource,
-                          namespace=backend.namespace, cluster_name=backend.cluster_name, own_placeholders=_own_placeholders(backend))
+                          namespace=backend.namespace, cluster_name=backend.cluster_name, own_placeholders=_own_placeholders(backend),
+                          pool=_own_pool(backend))
     backend._pod_usage_last = (now, usage)
     return usage
 
@@ -311,7 +324,7 @@ class PodInformer:
     def _new_sums(self) -> PodSums:
         be = self.be
         return PodSums(gpu_resource=be.gpu_resource, shared_resource=be.shared_resource, namespace=be.namespace,
-                       cluster_name=be.cluster_name, own_placeholders=_own_placeholders(be))
+                       cluster_name=be.cluster_name, own_placeholders=_own_placeholders(be), pool=_own_pool(be))
 
     # -- the view
     def usage(self) -> dict[str, NodePodUsage] | None:

@@ -62,7 +62,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Collection, NamedTuple, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Mapping, NamedTuple, Sequence
 
 from qosflow.backends.base import (Backend, BackendUnreachable, CapacityWant, ClusterUpdate, ExitKind, ExitStatus, LaunchSpec,
                                    NodeListing, ProgressCopies, StageHandle, placement_env)
@@ -118,6 +118,11 @@ ANN_CAPACITY_PARTS = "qosflow.dev/capacity-parts"
 #: is gone (several workers on one pool); one without them (made before 2026-11-27) goes at a worker's first sync
 ANN_CAPACITY_OWNER = "qosflow.dev/capacity-owner"
 ANN_CAPACITY_POOL = "qosflow.dev/capacity-pool"
+#: the pool that made a stage's Jobs, pods, Secret and PodGroup (and a placeholder): its key in the lease store as a label
+#: value (`label_value`), once the worker said it (`capacity_peers`). Two pools whose blocks have the same name (the
+#: cluster label alike) in one namespace tell their stages apart by it (`owns`); an object without it (made before
+#: 2026-11-28, or before the worker said its pool) is taken as this pool's, as it was
+LABEL_POOL = "qosflow.dev/pool"
 CAPACITY_IMAGE = "registry.k8s.io/pause:3.9"
 #: the stand-in nodes of a node group scaled to zero (`capacity_node`): planned on, down, until a real node is listed
 STANDIN_PREFIX = "scaled-to-zero-"
@@ -979,7 +984,8 @@ class KubernetesBackend(Backend):
         credentials (the Prefect API key) for ever: the garbage collector only deletes what has owners.
         Only qosflow's own Secrets are touched: labelled `app.kubernetes.io/managed-by=qosflow`, carrying
         the `qosflow.dev/stage-id` annotation and label of one stage and named `secret_name(stage)` (a
-        Secret of someone else's, even with a similar name, is left alone). One whose stage's Job exists
+        Secret of someone else's, even with a similar name, is left alone), and this pool's (`owns`: one
+        labelled with another pool is that pool's worker's to sweep). One whose stage's Job exists
         (the worker died after creating the Job) gets it as its owner instead: its pods may still need it.
         The delete is conditional on the Secret being as read (uid and resourceVersion preconditions):
         one a launch has just reused or given an owner is not deleted."""
@@ -994,14 +1000,16 @@ class KubernetesBackend(Backend):
             md = sec.metadata
             stage = (md.annotations or {}).get(ANN_STAGE)
             if (not stage or md.name != secret_name(stage) or (md.labels or {}).get(LABEL_STAGE) != label_value(stage)
-                    or md.owner_references or md.name in self._launching or md.deletion_timestamp is not None):
+                    or md.owner_references or md.name in self._launching or md.deletion_timestamp is not None
+                    or not self.owns(md.labels)):
                 continue
             created = md.creation_timestamp.timestamp() if md.creation_timestamp is not None else None
             if created is None or now - created < grace:
                 continue
             jobs = (await self._acall(self.batch.list_namespaced_job, self.namespace, label_selector=f"{LABEL_STAGE}={label_value(stage)}",
                                       _doing=doing)).items
-            jobs = [j for j in jobs if (j.metadata.annotations or {}).get(ANN_STAGE) == stage and j.metadata.deletion_timestamp is None]
+            jobs = [j for j in jobs if (j.metadata.annotations or {}).get(ANN_STAGE) == stage and j.metadata.deletion_timestamp is None
+                    and self.owns(j.metadata.labels)]
             try:
                 if jobs:  # the Job was created, the owner not set: set it (deleted with the Job, as a launch does it)
                     owners = [{"apiVersion": "batch/v1", "kind": "Job", "name": j.metadata.name, "uid": j.metadata.uid} for j in jobs]
@@ -1035,12 +1043,31 @@ class KubernetesBackend(Backend):
     def capacity_peers(self, holder: str, pool: str, live: Callable[[str], Collection[str]] | None) -> None:
         """The worker's lease holder id (this backend's placeholders are annotated with it), its pool's key, and how to
         learn the live holder ids of a pool (`Backend.capacity_peers`): the makers of the other placeholders of this
-        cluster are judged by it (`sync_capacity_requests`)."""
+        cluster are judged by it (`sync_capacity_requests`). The pool's key also labels what this backend creates from
+        then on (`LABEL_POOL`), and decides which stage pods and Jobs are its own (`owns`): the worker says it before
+        the first launch, adoption or reading of the pods (`QosflowWorker._ensure_qos`)."""
         if holder and holder != self._capacity_owner:
             self._capacity_owner = holder
             self._capacity_owners.add(holder)
-        self._capacity_pool = pool or self._capacity_pool
+        if pool and pool != self._capacity_pool:
+            self._capacity_pool = pool
+            # (the pods booked as another's change with it: the readings, LIST or informer, are made again)
+            self._pod_usage_last = None
+            self._pod_informer.distrust()
         self._capacity_live = live
+
+    def _pool_label(self) -> str:
+        """This backend's pool as its objects' `LABEL_POOL` holds it; "" until the worker has said it (`capacity_peers`)."""
+        pool = getattr(self, "_capacity_pool", "")  # (the pod informer's first sums are made before it is set, in __post_init__)
+        return label_value(pool) if pool else ""
+
+    def owns(self, labels: Mapping[str, str] | None) -> bool:
+        """Whether a stage's Job, pod or Secret labelled `labels` is this pool's, as far as its pool says: one labelled
+        with another pool (`LABEL_POOL`; another pool's worker on the same cluster and namespace, with a block of the
+        same name) is not, and is never adopted, swept or deleted here. One without the label (an older version's), and
+        every one while this backend does not know its pool, is taken as this pool's, as before."""
+        theirs = (labels or {}).get(LABEL_POOL)
+        return theirs is None or not self._capacity_pool or theirs == self._pool_label()
 
     async def _capacity_makers_alive(self, pools: Collection[str]) -> dict[str, set[str]] | None:
         """The live holder ids of each of `pools` (the lease store's presence, `capacity_peers`); None when that cannot be
@@ -1096,7 +1123,8 @@ class KubernetesBackend(Backend):
         optionally `capacity_priority_class`. Labels qosflow.dev/capacity-for (the stage) and qosflow.dev/capacity-part
         (the part's index); no qosflow.dev/stage-id label: no stage's selector matches it. Annotations
         qosflow.dev/capacity-owner (its maker: the worker's lease holder id, `capacity_peers`) and qosflow.dev/capacity-pool
-        (the pool's key in the lease store, once the worker said it): another worker deletes it only once its maker is gone.
+        (the pool's key in the lease store, once the worker said it; the label qosflow.dev/pool too, as a label value):
+        another worker deletes it only once its maker is gone.
         `cluster-autoscaler.kubernetes.io/safe-to-evict`: a bare pod would otherwise keep its node from being scaled down."""
         gpus_n, cores, mem_mb = (of or [(want.gpus, want.cpu_cores, want.mem_mb)])[part]
         gpus: dict[str, str] = {}
@@ -1111,6 +1139,8 @@ class KubernetesBackend(Backend):
         labels = {"app.kubernetes.io/managed-by": "qosflow", "app.kubernetes.io/name": "qosflow-capacity-request",
                   LABEL_ROLE: ROLE_CAPACITY, LABEL_CAPACITY_FOR: label_value(want.job_id), LABEL_CAPACITY_PART: str(part),
                   LABEL_CLUSTER: label_value(self.cluster_name)}
+        if self._capacity_pool:
+            labels[LABEL_POOL] = self._pool_label()
         annotations = {ANN_CAPACITY_FOR: want.job_id, ANN_CAPACITY_PARTS: str(len(of or [None])), "qosflow.dev/stage-name": want.name,
                        ANN_CAPACITY_OWNER: self._capacity_owner, "cluster-autoscaler.kubernetes.io/safe-to-evict": "true"}
         if self._capacity_pool:
@@ -1334,12 +1364,15 @@ class KubernetesBackend(Backend):
 
     # ------------------------------------------------------------------ manifests
     def _stage_labels(self, spec: LaunchSpec) -> tuple[dict[str, str], dict[str, str]]:
-        """The labels and annotations of everything a stage attempt creates (its Jobs, pods, Secret). Its cluster's
-        name too: the worker of another qosflow pool on the same nodes books this cluster's stage pods as pods that
-        are not its own (`k8s_usage.counted`)."""
+        """The labels and annotations of everything a stage attempt creates (its Jobs, pods, Secret, PodGroup). Its
+        cluster's name too, and its pool's key once the worker said it (`LABEL_POOL`): the worker of another qosflow
+        pool on the same nodes books this pool's stage pods as pods that are not its own (`k8s_usage.counted`), even
+        when the two pools' blocks have the same name, and never adopts or sweeps them (`owns`)."""
         labels = {"app.kubernetes.io/managed-by": "qosflow", "app.kubernetes.io/name": "qosflow-stage",
                   LABEL_STAGE: label_value(spec.stage_id), LABEL_JOB: label_value(spec.placement.job_id),
                   LABEL_CLUSTER: label_value(self.cluster_name)}
+        if self._capacity_pool:
+            labels[LABEL_POOL] = self._pool_label()
         annotations = {ANN_STAGE: spec.stage_id}
         for k, v in spec.labels.items():
             if _LABEL_KEY.match(k):
@@ -1538,7 +1571,8 @@ class KubernetesBackend(Backend):
 
     async def _create_job(self, job: dict, stage_id: str, doing: str, kind: str) -> Any:
         """Create Job `job` of stage (or pipeline run) `stage_id`; a 409 for a Job of this very attempt (an earlier
-        create whose answer was lost) adopts it, never starts it twice; one of another `kind` is a QosflowError."""
+        create whose answer was lost) adopts it, never starts it twice; one of another `kind`, or of another pool
+        (`owns`), is a QosflowError."""
         from kubernetes.client.exceptions import ApiException
 
         try:
@@ -1549,6 +1583,9 @@ class KubernetesBackend(Backend):
         cur = await self._acall(self.batch.read_namespaced_job, job["metadata"]["name"], self.namespace, _doing=doing)
         if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id:
             raise QosflowError(f"Job {job['metadata']['name']} exists in {self.namespace} and belongs to another {kind}")
+        if not self.owns(cur.metadata.labels):
+            raise QosflowError(f"Job {job['metadata']['name']} exists in {self.namespace} and belongs to another pool "
+                               f"({(cur.metadata.labels or {}).get(LABEL_POOL)})")
         self.stats["adopted_409"] += 1
         return cur
 
@@ -1673,8 +1710,9 @@ class KubernetesBackend(Backend):
             if e.status != 409:
                 raise
             cur = await self._acall(self.core.read_namespaced_secret, name, self.namespace, _doing=doing)
-            if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id:
-                raise QosflowError(f"Secret {name} exists in {self.namespace} and belongs to another stage") from None
+            if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id or not self.owns(cur.metadata.labels):
+                whose = "stage" if self.owns(cur.metadata.labels) else "pool"
+                raise QosflowError(f"Secret {name} exists in {self.namespace} and belongs to another {whose}") from None
             await self._acall(self.core.patch_namespaced_secret, name, self.namespace, {"data": secret["data"]},
                               _content_type="application/merge-patch+json", _doing=doing)
 
@@ -1693,10 +1731,10 @@ class KubernetesBackend(Backend):
         handle.ref["secret"] = None
 
     async def adopt(self, stage_id: str, hosts: list[str] | None = None) -> StageHandle | None:
-        """Find the Job(s) of an attempt a previous worker started."""
+        """Find the Job(s) of an attempt a previous worker of this pool started (`owns`: never another pool's)."""
         sel = f"{LABEL_STAGE}={label_value(stage_id)}"
         jobs = (await self._acall(self.batch.list_namespaced_job, self.namespace, label_selector=sel)).items
-        jobs = [j for j in jobs if (j.metadata.annotations or {}).get(ANN_STAGE) == stage_id]
+        jobs = [j for j in jobs if (j.metadata.annotations or {}).get(ANN_STAGE) == stage_id and self.owns(j.metadata.labels)]
         if not jobs:
             return None
         wanted = secret_name(stage_id)
@@ -2012,7 +2050,8 @@ class KubernetesBackend(Backend):
                 log.debug("progress: listing pods in %s: %s", ns, exc)
                 continue
             for p in pods:
-                by_stage.setdefault((ns, (p.metadata.labels or {}).get(LABEL_STAGE, "")), []).append(p)
+                if self.owns(p.metadata.labels):
+                    by_stage.setdefault((ns, (p.metadata.labels or {}).get(LABEL_STAGE, "")), []).append(p)
 
         async def one(handle: StageHandle) -> None:
             seen = self._progress_seen.get(handle.stage_id)

@@ -552,6 +552,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 )
             if self._backend is None:
                 self._backend = LocalBackend(cluster)
+            self._tell_backend_pool()  # (before its first sweep, launch, adoption or reading of the pods)
             spec = await self._backend.inventory()
             if hasattr(self._backend, "pipeline_liveness") and self._backend.pipeline_liveness is None:
                 self._backend.pipeline_liveness = self._pipeline_liveness  # (what Prefect says of a silent host's pipeline run)
@@ -1999,13 +2000,23 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                               mem_mb=float(e.job.qos.mem_mb or 0.0), gpu_milli=int(e.job.qos.gpu_milli), waited_s=now - e.ready_at)
                  for e in (sched.waiting_for_capacity(float(be.capacity_request_after_s), now) if on else [])]
         try:
-            tell = getattr(be, "capacity_peers", None)
-            if self.holder and tell is not None:  # (who makes them, and which other makers live: several workers on one pool)
-                store = self.leases
-                tell(self.holder, self._pool_key, None if store is None else (lambda pool: _live_holders(store, pool)))
+            if self.holder:  # (who makes them, and which other makers live: several workers on one pool)
+                self._tell_backend_pool()
             await be.sync_capacity_requests(wants)
         except Exception as exc:  # (the next heartbeat tries again; the stages wait meanwhile, as they would anyway)
             self._logger.warning("could not request capacity for %d waiting stage(s): %s", len(wants), exc)
+
+    def _tell_backend_pool(self) -> None:
+        """Tell the backend this process's lease holder id, the pool's key in the lease store and how to read which
+        workers of a pool are alive (`Backend.capacity_peers`): the Kubernetes backend labels what it creates with the
+        pool (qosflow.dev/pool) and takes only this pool's stage pods and Jobs for its own (`KubernetesBackend.owns`),
+        so that another pool's worker on the same cluster, namespace and block name is neither booked as this one nor
+        adopted, swept or deleted; and its capacity requests name their maker."""
+        tell = getattr(self._backend, "capacity_peers", None)
+        if tell is None:
+            return
+        store = self.leases
+        tell(self.holder, self._pool_key, None if store is None else (lambda pool: _live_holders(store, pool)))
 
     def _enter_outage(self, why: str) -> None:
         """The backend's API cannot be reached: mark every node down in the scheduler's view, so that
