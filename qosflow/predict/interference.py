@@ -260,11 +260,10 @@ def _neighbour_estimates(M: np.ndarray, i: int, j: int, ks: Sequence[int]) -> li
     3 shared columns or without column j are skipped. For each k in `ks`: the 1/(distance + 0.02)
     weighted mean of M[i2, j] + offset over the k nearest rows (NaN when there is none).
     """
-    row = M[i].copy()
-    row[j] = np.nan
-    D = row[None, :] - M
-    D[:, j] = np.nan
-    cnt, off, dist = _offset_distances(D)
+    row = M[i]
+    shared = np.flatnonzero(~np.isnan(row))
+    shared = shared[shared != j]  # only the columns row i knows can be shared (a sparse matrix: a few of them)
+    cnt, off, dist = _offset_distances(row[shared][None, :] - M[:, shared])
     ok = (cnt >= 3) & ~np.isnan(M[:, j])
     ok[i] = False
     cand = np.flatnonzero(ok)
