@@ -62,6 +62,11 @@ def test_kubernetes_block_refuses_what_kubernetes_would(tmp_path):
     msg = _err(K, capacity_request_image="")
     assert "capacity_request_image '': give the placeholder pods' image (a pause image), e.g. registry.k8s.io/pause:3.9" in msg, msg
     assert K(capacity_request_image="registry.example.org/pause:3.10").capacity_request_image == "registry.example.org/pause:3.10"
+    # (the backend refused these only when the worker built it; the block could not set the field at all before)
+    msg = _err(K, capacity_peer_check_s=-1)
+    assert "capacity_peer_check_s Input should be greater than or equal to 0" in msg, msg
+    assert "capacity_peer_check_s Input should be a finite number" in _err(K, capacity_peer_check_s=float("nan"))
+    assert K(capacity_peer_check_s=0).capacity_peer_check_s == 0
     # still accepted; an empty optional text (as the UI saves it) is unset
     K(kubeconfig=str(kc), context="lab", namespace="ml-team")
     k = K(api_url="http://127.0.0.1:8001", kubeconfig="", context="")

@@ -228,3 +228,29 @@ def test_when_the_lease_store_cannot_say_who_is_alive_the_others_placeholders_ar
                 await be.aclose()
 
     asyncio.run(go())
+
+
+def test_the_cluster_block_sets_capacity_peer_check_s_and_an_edit_of_it_is_taken_at_once():
+    """The block's capacity_peer_check_s reaches the backend (before, only KubernetesBackend(capacity_peer_check_s=...)
+    set it: a block user had the 10 s default), and an edited block's value is taken at the next look, like the other
+    capacity requests' fields (`update_cluster`)."""
+    from qosflow.prefect.blocks import KubernetesGPUCluster
+
+    async def go():
+        with EmulatorServer([]) as emu:
+            block = KubernetesGPUCluster(api_url=emu.url, request_capacity=True, capacity_peer_check_s=2.5)
+            be = block.make_backend()
+            try:
+                assert be.capacity_peer_check_s == 2.5
+                assert KubernetesGPUCluster(api_url=emu.url).make_backend().capacity_peer_check_s == 10.0  # (the default)
+                edited = KubernetesGPUCluster(api_url=emu.url, request_capacity=True, capacity_peer_check_s=0.5).make_backend()
+                try:
+                    up = await be.update_cluster(edited)
+                finally:
+                    await edited.aclose()
+                assert be.capacity_peer_check_s == 0.5
+                assert any("capacity_peer_check_s 2.5 -> 0.5" in a for a in up.applied), up
+            finally:
+                await be.aclose()
+
+    asyncio.run(go())

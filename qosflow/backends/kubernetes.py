@@ -911,7 +911,7 @@ class KubernetesBackend(Backend):
     # ------------------------------------------------------------------ the cluster block is edited
     #: fields of an edited block taken at once: they are read only when a stage is launched
     UPDATABLE = ("image", "credentials_in_secret", "request_capacity", "capacity_request_after_s", "max_capacity_requests",
-                 "capacity_request_image", "capacity_priority_class", "capacity_node")
+                 "capacity_request_image", "capacity_priority_class", "capacity_node", "capacity_peer_check_s")
     #: fields that running stages (their Jobs, pods, Secrets and watches) or the worker's plan depend on
     RESTART_FIELDS = ("namespace", "kubeconfig", "context", "_api_host", "gpu_sharing", "gpu_resource", "shared_resource",
                       "gang_scheduler", "node_selector")

@@ -427,6 +427,11 @@ class KubernetesGPUCluster(_ClusterBase):
                     "request_capacity, a worker started while no node exists plans on it (down) instead of failing; a gang wider "
                     "than it is asked for in node-sized placeholders (one pod per part; max_capacity_requests counts pods).",
     )
+    capacity_peer_check_s: float = Field(
+        default=10.0, ge=0, allow_inf_nan=False,
+        description="Several workers on one pool: how often (seconds) a worker looks whether the makers of the other "
+                    "placeholders are alive (their presence in the lease store) and deletes those of workers gone; 0: at every heartbeat.",
+    )
 
     @field_validator("kubeconfig", "context", "api_url", "capacity_priority_class", mode="before")
     @classmethod
@@ -512,6 +517,7 @@ class KubernetesGPUCluster(_ClusterBase):
             request_capacity=self.request_capacity, capacity_request_after_s=self.capacity_request_after_s,
             max_capacity_requests=self.max_capacity_requests, capacity_request_image=self.capacity_request_image,
             capacity_priority_class=self.capacity_priority_class, capacity_node=dict(self.capacity_node) if self.capacity_node else None,
+            capacity_peer_check_s=self.capacity_peer_check_s,
         )
 
 
