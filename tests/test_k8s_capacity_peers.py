@@ -254,3 +254,66 @@ def test_the_cluster_block_sets_capacity_peer_check_s_and_an_edit_of_it_is_taken
                 await be.aclose()
 
     asyncio.run(go())
+
+
+def test_a_worker_that_takes_over_a_dead_workers_stage_adopts_its_placeholder_instead_of_deleting_and_making_it_again():
+    """Worker A made the placeholder of stage S and died; S is now worker B's (its lease taken over, S back in B's QoS
+    queue, still waiting for capacity). Before, B's sync deleted A's placeholder ("its maker is gone") and made the same
+    pod again at once: the autoscaler saw the pod vanish and come back (a pending scale-up restarted, or a node it had
+    brought for the pod taken as unneeded). Now B adopts it: the same pod (same uid) is rewritten to name B as its maker
+    (a PATCH, no DELETE), so that a third worker does not take it for the dead A's. A placeholder of A's that does not
+    ask for what B would (S's resources changed) is still replaced."""
+    async def go():
+        with EmulatorServer([]) as emu:
+            core = client.CoreV1Api(emu.api_client())
+            a_id, b_id, c_id, pool = holder_id("wa"), holder_id("wb"), holder_id("wc"), "gpu@x"
+            want = CapacityWant("s1", "train", gpus=2, cpu_cores=4, mem_mb=8192)
+            other = CapacityWant("s2", "eval", gpus=1, cpu_cores=1)
+            a = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True)
+            try:  # (A's placeholders, as A made them; A then dies: nobody deletes them)
+                a.capacity_peers(a_id, pool, None)
+                bodies = [a.capacity_request_manifest(want), a.capacity_request_manifest(other)]
+            finally:
+                await a.aclose()
+            for body in bodies:
+                await asyncio.to_thread(core.create_namespaced_pod, "default", body)
+            name, name2 = bodies[0]["metadata"]["name"], bodies[1]["metadata"]["name"]
+            uid = (await asyncio.to_thread(core.read_namespaced_pod, name, "default")).metadata.uid
+            uid2 = (await asyncio.to_thread(core.read_namespaced_pod, name2, "default")).metadata.uid
+
+            def pods() -> dict:
+                return {p.metadata.name: p for p in core.list_namespaced_pod("default").items}
+
+            def deletes() -> int:
+                return emu.state()["traffic"].get("DELETE pods", {}).get("requests", 0)
+
+            b = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True, capacity_peer_check_s=0)
+            try:
+                b.capacity_peers(b_id, pool, lambda p: {b_id})  # (A has no live presence: dead)
+                s2_now = CapacityWant("s2", "eval", gpus=2, cpu_cores=1)  # (s2 asks for more now: A's does not do)
+                for _ in range(3):
+                    await b.sync_capacity_requests([want, s2_now])
+                now = await asyncio.to_thread(pods)
+                assert now[name].metadata.uid == uid, "the placeholder was deleted and made again"
+                assert now[name].metadata.annotations[ANN_CAPACITY_OWNER] == b_id
+                assert now[name].metadata.annotations[ANN_CAPACITY_POOL] == pool
+                assert now[name2].metadata.uid != uid2 and now[name2].metadata.annotations[ANN_CAPACITY_OWNER] == b_id
+                assert now[name2].spec.containers[0].resources.requests["nvidia.com/gpu"] == "2"
+                assert deleted_pods(emu) == {name2} and deletes() == 1  # (only the one that no longer fits)
+                assert b._capacity == {"s1": (name,), "s2": (name2,)}
+                assert b.stats["capacity_requested"] == 1 and b.stats["capacity_left_deleted"] == 1
+                assert b.stats["capacity_adopted"] == 1
+                # a third worker, alive with B, keeps B's placeholders (it would delete one still naming the dead A)
+                c = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True, capacity_peer_check_s=0)
+                try:
+                    c.capacity_peers(c_id, pool, lambda p: {b_id, c_id})
+                    await c.sync_capacity_requests([])
+                    assert c.stats["capacity_left_deleted"] == 0 and set(await asyncio.to_thread(pods)) == {name, name2}
+                finally:
+                    await c.aclose()
+                await b.sync_capacity_requests([])  # (S placed or gone: B deletes what is its own now)
+                assert await asyncio.to_thread(pods) == {} and deletes() == 3
+            finally:
+                await b.aclose()
+
+    asyncio.run(go())

@@ -183,6 +183,29 @@ def label_value(v: str) -> str:
     return s.strip("-_.") or "x"
 
 
+def _capacity_pod_fits(pod: Any, body: Mapping) -> bool:
+    """Whether placeholder `pod` (a V1Pod, another maker's) asks for what `body` (this backend's manifest of the same
+    name) would: one container with the same requests and limits (compared as quantities: the API server may write them
+    otherwise, 1Gi for 1024Mi), node selector and priority class."""
+    want = body["spec"]
+    spec = pod.spec
+    if spec is None or len(spec.containers or []) != 1:
+        return False
+    res = spec.containers[0].resources
+    wres = want["containers"][0].get("resources") or {}
+
+    def same(a: Mapping | None, b: Mapping | None) -> bool:
+        a, b = a or {}, b or {}
+        try:
+            return set(a) == set(b) and all(abs(quantity(a[k]) - quantity(b[k])) <= 1e-9 * max(1.0, abs(quantity(b[k]))) for k in a)
+        except SpecError:
+            return False
+
+    return (same(res.requests if res else None, wres.get("requests")) and same(res.limits if res else None, wres.get("limits"))
+            and (spec.node_selector or {}) == (want.get("nodeSelector") or {})
+            and (spec.priority_class_name or None) == want.get("priorityClassName"))
+
+
 def job_name(stage_id: str, suffix: str = "") -> str:
     """A DNS-1123 Job name (<= 63 chars) unique to the stage attempt."""
     slug = re.sub(r"[^a-z0-9-]", "-", stage_id.lower()).strip("-")
@@ -494,7 +517,7 @@ class KubernetesBackend(Backend):
         self._capacity_live: Callable[[str], Collection[str]] | None = None
         self._capacity_peers_at = -math.inf
         self._capacity_live_error: str | None = None
-        self.stats.update({"capacity_requested": 0, "capacity_dropped": 0, "capacity_left_deleted": 0})
+        self.stats.update({"capacity_requested": 0, "capacity_dropped": 0, "capacity_left_deleted": 0, "capacity_adopted": 0})
 
     # ------------------------------------------------------------------ API calls with retries
     def _call(self, fn, *args, _doing: str | None = None, **kw):
@@ -1269,7 +1292,12 @@ class KubernetesBackend(Backend):
           make): within the lease TTL and that after its maker's last heartbeat;
         * when that cannot be known: without a lease store (the worker was not told, `capacity_peers`; a worker alone
           on its pool) every other's is deleted at the first call, as before; when the lease store fails, none is (a
-          warning says so) until it answers again at a later look.
+          warning says so) until it answers again at a later look;
+        * but one of a stage in `wants` (named as this backend would name it: the stage of a worker that died, which
+          this worker took over) that asks for what this backend would (`_capacity_pod_fits`) is adopted instead of
+          being deleted and made again, whoever made it: a PATCH rewrites its maker (and pool) to this backend's, on
+          condition that it is as listed (its resourceVersion), so the autoscaler sees the same pod stay
+          (`_adopt_capacity_pod`). One that asks for something else (the stage's request changed) is replaced.
 
         Nothing when `request_capacity` is off."""
         if not self.request_capacity:
@@ -1299,6 +1327,7 @@ class KubernetesBackend(Backend):
                 if owner and owner not in self._capacity_owners and p.metadata.name not in self._capacity.get(jid, ()):
                     makers[p.metadata.name] = (owner, ann.get(ANN_CAPACITY_POOL) or self._capacity_pool)
             alive = await self._capacity_makers_alive({pool for _, pool in makers.values()}) if look and makers else None
+            bodies = {b["metadata"]["name"]: b for bs in chosen.values() for b in bs}
             have: set[str] = set()
             for p in pods:
                 ann = p.metadata.annotations or {}
@@ -1306,6 +1335,16 @@ class KubernetesBackend(Backend):
                 name = p.metadata.name
                 ended = (p.status.phase if p.status else None) in ("Succeeded", "Failed")
                 ours = name in self._capacity.get(jid, ()) or (ann.get(ANN_CAPACITY_OWNER) or None) in self._capacity_owners
+                if ((ann.get(ANN_CAPACITY_OWNER) or None) not in self._capacity_owners and not ended and name in bodies
+                        and jid not in self._capacity_placed and _capacity_pod_fits(p, bodies[name])):
+                    # another maker's placeholder of a stage this backend asks for now (the stage of a worker that died,
+                    # taken over): adopted as it is, not deleted and made again (the autoscaler would see it vanish)
+                    if not await self._adopt_capacity_pod(p, jid, makers.get(name, (ann.get(ANN_CAPACITY_OWNER) or "",))[0]):
+                        continue  # (gone, or changed since the LIST: looked at again at the next sync)
+                    if name not in self._capacity.get(jid, ()):
+                        self._capacity[jid] = self._capacity.get(jid, ()) + (name,)
+                    have.add(name)
+                    continue
                 why = ""
                 if ours:
                     pass
@@ -1361,6 +1400,31 @@ class KubernetesBackend(Backend):
                                  ", ".join(f"{k}={v}" for k, v in req.items()))
                     if name not in self._capacity.get(w.job_id, ()):
                         self._capacity[w.job_id] = self._capacity.get(w.job_id, ()) + (name,)
+
+    async def _adopt_capacity_pod(self, pod: Any, job_id: str, maker: str) -> bool:
+        """Make placeholder `pod` (made by `maker`, for stage `job_id`, which this backend now asks capacity for) this
+        backend's: a merge PATCH of its maker annotation (and its pool's annotation and label: this backend's, or none
+        if the worker has not said its pool) with its resourceVersion as listed. False when it is gone (404) or changed
+        since (409): the next sync looks at it again."""
+        from kubernetes.client.exceptions import ApiException
+
+        md = pod.metadata
+        pool = self._capacity_pool or None
+        patch = {"metadata": {"resourceVersion": md.resource_version,
+                              "annotations": {ANN_CAPACITY_OWNER: self._capacity_owner, ANN_CAPACITY_POOL: pool},
+                              "labels": {LABEL_POOL: self._pool_label() or None}}}
+        try:
+            await self._acall(self.core.patch_namespaced_pod, md.name, self.namespace, patch, _content_type="application/merge-patch+json",
+                              _doing="adopt a capacity request")
+        except ApiException as e:
+            if e.status in (404, 409):
+                log.debug("capacity request %s (stage %s) not adopted: %s %s", md.name, job_id, e.status, e.reason)
+                return False
+            raise
+        self.stats["capacity_adopted"] += 1
+        log.info("stage %s: capacity request %s, made by worker %s, adopted (this worker asks for the stage now): kept as it is, "
+                 "its maker is this worker", job_id, md.name, maker or "(not named)")
+        return True
 
     # ------------------------------------------------------------------ manifests
     def _stage_labels(self, spec: LaunchSpec) -> tuple[dict[str, str], dict[str, str]]:
