@@ -641,8 +641,10 @@ class InterferenceModel:
         X = np.array(X, dtype=float)
         self._stack = None
         self._onehot = None
+        self._onehot_col: int | None = None  # the one-hot forest's column of X, when there is one
         if self.neighbours and len(y):
             X = np.hstack([X, self._onehot_oof(xpairs, xfold, fold_hidden)[:, None]])
+            self._onehot_col = X.shape[1] - 1  # (the stack's column goes after it)
             self._onehot = _OneHotForest(meta, self.obs_keys(), seed=self.seed).fit(self.obs)
             cols, fill = self._ctx.estimate_columns()
             self._stack = _Stack(cols + [X.shape[1] - 1], fill, alpha=STACK_ALPHA).fit(X, np.array(y))
@@ -656,13 +658,17 @@ class InterferenceModel:
         oof = None
         if self._onehot is not None and len(y) >= ONEHOT_MIN_ROWS:
             oof = self._oof_points(X, y, xfold)
-            self.onehot_w = self._choose_onehot_w(oof, X[:, -2], np.array(y))
-            oof = self._blend(oof, X[:, -2])
+            self.onehot_w = self._choose_onehot_w(oof, self._onehot_of(X), np.array(y))
+            oof = self._blend(oof, self._onehot_of(X))
         if repeats is not None:
             self._fit_exact(repeats, X, y, xpairs, xfold, oof)
         return self
 
-    def _blend(self, point: np.ndarray, onehot: np.ndarray) -> np.ndarray:
+    def _onehot_of(self, X) -> np.ndarray | None:
+        """The one-hot forest's estimates among the features X (None without that forest)."""
+        return None if self._onehot_col is None else np.asarray(X)[:, self._onehot_col]
+
+    def _blend(self, point: np.ndarray, onehot: np.ndarray | None) -> np.ndarray:
         """The final log-speed point: the trees' blended with the one-hot forest's estimate (weight `onehot_w`)."""
         w = self.onehot_w
         return point if not w else (1 - w) * point + w * onehot
@@ -741,7 +747,7 @@ class InterferenceModel:
         # out-of-fold model predictions for the repeated configurations: forests on the other inner folds
         # (computed once with the one-hot blend's, when it has them)
         if oof_points is None:
-            oof_points = self._blend(self._oof_points(X, y, xfold, rows), np.asarray(X)[:, -2])
+            oof_points = self._blend(self._oof_points(X, y, xfold, rows), self._onehot_of(X))
         oof = {xpairs[i]: float(oof_points[i]) for i in rows if np.isfinite(oof_points[i])}
         # leave one value out: predict it from the mean of the others and the out-of-fold model value
         held, others_mean, others_n, model = [], [], [], []
@@ -794,7 +800,7 @@ class InterferenceModel:
         per_tree = per_tree_predictions(self.forest, X)
         point = _mape_point(per_tree) if self.point == "mape" else per_tree.mean(0)
         if self._onehot is not None:
-            point = self._blend(point, X[:, -2])
+            point = self._blend(point, self._onehot_of(X))
         lo, hi = np.exp(np.percentile(per_tree, [10, 90], axis=0))
         if self._exact and not math.isinf(self.exact_k):
             for i, q in enumerate(queries):
