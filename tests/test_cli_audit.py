@@ -3,6 +3,8 @@ error (exit 2, no traceback) before any work is done."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from qosflow.cli.main import main
@@ -234,3 +236,56 @@ def test_running_out_of_memory_is_an_error_that_says_what_to_shrink(capsys, monk
     assert cli_main.main(["simulate"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: out of memory (Unable to allocate 74.5 GiB") and "--cluster" in err, err
+
+
+def test_json_output_over_a_file_that_is_not_a_result_is_an_error_and_the_file_is_kept(tmp_path, capsys, monkeypatch):
+    """`simulate --trace synthetic --json ../shared/data/traces/muri_philly_trace1.csv` wrote its results over
+    the shared Muri trace, and its plots beside it: the trace was no input of that run, so the input check
+    passed, and the file's read-only mode does not stop root. An existing file that is not a JSON object (a
+    trace, a stage's source) is now refused, for every command's --json; an earlier result is replaced."""
+    monkeypatch.chdir(tmp_path)
+    trace = tmp_path / "trace.csv"
+    trace.write_text(MURI_ONE_JOB)
+    stage = tmp_path / "stage.py"
+    stage.write_text("print('hello')\n")
+    before = {p: p.read_text() for p in (trace, stage)}
+    for argv, path in (
+        (["simulate", "--jobs", "10", "--policies", "fifo", "--json", str(trace)], trace),
+        (["pack", "--seeds", "1", "--json", str(stage)], stage),
+        (["predict", "stages", "--db", f"sqlite:///{tmp_path / 'none.db'}", "--json", str(trace)], trace),
+        (["status", "--json", str(stage)], stage),
+    ):
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"--json {path}: the file exists and is not a JSON result (it begins " in err, err
+        assert f"the results would overwrite it. Give another file, e.g. --json {path.with_name(path.stem + '-results.json')}" \
+               in err and "Traceback" not in err, err
+    assert {p: p.read_text() for p in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage.py", "trace.csv"]  # no plots beside them
+    earlier = tmp_path / "r.json"
+    earlier.write_text('{"policies": {}}\n')
+    assert main(["simulate", "--jobs", "10", "--policies", "fifo", "--no-plots", "--json", str(earlier)]) == 0
+    assert "fifo" in json.loads(earlier.read_text())["policies"]
+
+
+def test_output_into_the_shared_data_is_an_error_and_nothing_is_written(tmp_path, capsys, monkeypatch):
+    """The shared public data is read in place and never written: --json (an existing JSON file there, such
+    as Gavel's throughput table, or a new one) and --out inside it are refused before the run."""
+    shared = tmp_path / "shared" / "data"
+    (shared / "throughputs").mkdir(parents=True)
+    table = shared / "throughputs" / "table.json"
+    table.write_text('{"v100": {}}\n')
+    monkeypatch.setenv("QOSFLOW_SHARED_DATA", str(shared))
+    run = ["simulate", "--jobs", "10", "--policies", "fifo"]
+    for argv, opt, path in (
+        (run + ["--json", str(table)], "--json", table),
+        (run + ["--json", str(shared / "traces" / "new.json")], "--json", shared / "traces" / "new.json"),
+        (run + ["--out", str(shared / "plots")], "--out", shared / "plots"),
+        (["pack", "--seeds", "1", "--json", str(shared / "pack.json")], "--json", shared / "pack.json"),
+    ):
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"{opt} {path}: that is in the shared public data ({shared}), which is read in place and never written; " \
+               f"give a place of your own, e.g. {opt} " in err and "Traceback" not in err, err
+    assert table.read_text() == '{"v100": {}}\n'
+    assert sorted(str(p.relative_to(shared)) for p in shared.rglob("*")) == ["throughputs", "throughputs/table.json"]

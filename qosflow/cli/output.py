@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from qosflow.errors import QosflowError
+from qosflow.paths import shared_data
 from qosflow.sim.files import replacing
 
 
@@ -35,11 +36,48 @@ def check_output_file(path: Path, option: str = "--json") -> None:
         raise _unwritable(option, path, exc, "a path in a writable directory") from None
 
 
+def _in_shared_data(path: Path) -> bool:
+    try:
+        shared, where = shared_data().resolve(), path.resolve()
+    except OSError:
+        return False
+    return shared == where or shared in where.parents
+
+
+def _shared_data_refused(option: str, path: Path, example: str) -> QosflowError:
+    return QosflowError(f"{option} {path}: that is in the shared public data ({shared_data()}), which is read in place "
+                        f"and never written; give a place of your own, e.g. {option} {example}")
+
+
+def _check_not_someone_elses(path: Path, option: str) -> None:
+    """Fail now if `path` is in the shared public data, or an existing file that no qosflow command wrote: not
+    a JSON object (a trace, a CSV, a stage's source, a database). `check_not_an_input` knows only the files
+    given on this command line: `simulate --trace synthetic --json muri_philly_trace1.csv` wrote its results
+    over the shared Muri trace (and its plots beside it), whose read-only mode root does not heed. An earlier
+    result (a JSON object), or an empty file, is replaced as before."""
+    if _in_shared_data(path):
+        raise _shared_data_refused(option, path, str(Path("out") / (path.stem + "-results.json")))
+    if not path.is_file():
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).lstrip()
+    except OSError:
+        return  # check_output_file says why it cannot be written
+    if head and not head.startswith(b"{"):
+        shown = head.split(b"\n", 1)[0][:60].decode("utf-8", "replace")
+        raise QosflowError(f"{option} {path}: the file exists and is not a JSON result (it begins {shown!r}); the results "
+                           f"would overwrite it. Give another file, e.g. {option} {path.with_name(path.stem + '-results.json')}, "
+                           "or remove that one first")
+
+
 def check_output_dir(path: Path, option: str = "--out") -> None:
     """Fail now if `path` cannot be made a directory we can write files in. Leaves nothing behind: a
     missing directory is made only when the first file is written into it."""
     if path.exists() and not path.is_dir():
         raise QosflowError(f"{option} {path}: is a file, not a directory; give a directory")
+    if _in_shared_data(path):  # (its plots and per-job CSVs would go beside the traces)
+        raise _shared_data_refused(option, path, "out/")
     try:
         if path.is_dir():
             probe = path / ".qosflow-write-check"
@@ -54,7 +92,8 @@ def check_output_dir(path: Path, option: str = "--out") -> None:
 def check_not_an_input(path: Path | None, inputs: dict, option: str = "--json") -> None:
     """Fail now if the output file `path` is one of the command's input files (`inputs`: option -> path or
     spec, None when not given; a cluster's FILE#vc counts as FILE). The check of the output place passed,
-    and the run then wrote its results over the trace, cluster, pod list or table it had read."""
+    and the run then wrote its results over the trace, cluster, pod list or table it had read. Nor may it be
+    a file that is not a JSON result, or one of the shared public data (`_check_not_someone_elses`)."""
     if path is None:
         return
     for opt, given in inputs.items():
@@ -68,6 +107,7 @@ def check_not_an_input(path: Path | None, inputs: dict, option: str = "--json") 
         if same and src.is_file():
             raise QosflowError(f"{option} {path}: that is the {opt} file this command uses, and the results would "
                                f"overwrite it; give another file, e.g. {option} {path.with_name(path.stem + '-results.json')}")
+    _check_not_someone_elses(path, option)
 
 
 def check_file_and_dir(file: Path | None, directory: Path | None, file_option: str = "--json", dir_option: str = "--out") -> None:

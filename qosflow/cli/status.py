@@ -108,7 +108,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from qosflow.cli.output import check_output_file, write_json_file
+        from qosflow.cli.output import check_not_an_input, check_output_file, write_json_file
         import httpx
 
         from qosflow.prefect.local import check_pool, check_pool_name, require_api_url, unreachable_server
@@ -116,6 +116,7 @@ def register(app: typer.Typer) -> None:
 
         if json_out is not None:
             check_output_file(json_out)
+            check_not_an_input(json_out, {})  # (no input file; not a file of another's either)
         check_pool_name(pool)
         url = require_api_url("qosflow status")
         try:
