@@ -113,3 +113,105 @@ def test_two_pools_with_one_cluster_name_book_each_others_stage_pods_and_never_a
                 await b.aclose()
 
         asyncio.run(go())
+
+
+def test_a_placeholder_of_another_pool_is_never_deleted_or_adopted_and_is_booked_as_another_workers():
+    """Two pools (two Prefect servers, so two lease stores) on one cluster, one namespace, blocks of one name: their
+    placeholders are listed by the same selector. Before, B judged A's by asking its own lease store whether A's maker
+    was alive: never there, so B deleted them ("its maker is gone") or adopted them (rewritten to name B). Now a
+    placeholder labelled with another pool is that pool's: kept as it is (no PATCH, no DELETE), even one that ended or
+    that names a stage B asks for, and booked as another worker's is. One without a pool (an older version's) is judged
+    as before."""
+    from qosflow.backends.base import CapacityWant
+    from qosflow.backends.kubernetes import ANN_CAPACITY_OWNER, ANN_CAPACITY_POOL
+
+    def traffic(emu, key: str) -> int:
+        return emu.state()["traffic"].get(key, {}).get("requests", 0)
+
+    async def go():
+        with EmulatorServer([]) as emu:
+            core = client.CoreV1Api(emu.api_client())
+            a_id, b_id, c_id, old_id = holder_id("wa"), holder_id("wb"), holder_id("wc"), holder_id("old")
+            s1 = CapacityWant("s1", "train", gpus=2, cpu_cores=4, mem_mb=8192)
+            s2, s3, s4 = (CapacityWant(j, "eval", gpus=1, cpu_cores=1) for j in ("s2", "s3", "s4"))
+            a = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True)
+            old = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True)
+            try:  # (pool A's worker's placeholders, A alive in its own lease store; one of a version without pools)
+                a.capacity_peers(a_id, POOL_A, None)
+                theirs = [a.capacity_request_manifest(w) for w in (s1, s2, s3)]
+                old.capacity_peers(old_id, "", None)
+                pool_less = old.capacity_request_manifest(s4)
+            finally:
+                await a.aclose()
+                await old.aclose()
+            assert LABEL_POOL not in pool_less["metadata"]["labels"] and theirs[0]["metadata"]["labels"][LABEL_POOL] == label_value(POOL_A)
+            for body in (*theirs, pool_less):
+                await asyncio.to_thread(core.create_namespaced_pod, "default", body)
+            names = [b["metadata"]["name"] for b in theirs]
+            ended = await asyncio.to_thread(core.read_namespaced_pod, names[2], "default")
+            ended.status.phase = "Failed"
+            await asyncio.to_thread(core.replace_namespaced_pod_status, names[2], "default", ended)
+
+            def pods() -> dict:
+                return {p.metadata.name: p for p in core.list_namespaced_pod("default").items}
+
+            before = {n: p.metadata.uid for n, p in (await asyncio.to_thread(pods)).items()}
+            patches = traffic(emu, "PATCH pods")
+
+            def b_live(pool: str) -> set:  # (B's lease store: pool B's workers; pool A is not there at all)
+                return {b_id} if pool == POOL_B else set()
+
+            b = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True, capacity_peer_check_s=0)
+            try:
+                b.capacity_peers(b_id, POOL_B, b_live)
+                s5 = CapacityWant("s5", "mine", gpus=1, cpu_cores=1)
+                for _ in range(3):  # (s1 as A asks for it: A's is not adopted; s5: B's own)
+                    await b.sync_capacity_requests([s1, s5])
+                now = await asyncio.to_thread(pods)
+                for n in names:
+                    assert now[n].metadata.uid == before[n], f"{n} was deleted and made again"
+                    assert now[n].metadata.annotations[ANN_CAPACITY_OWNER] == a_id and now[n].metadata.annotations[ANN_CAPACITY_POOL] == POOL_A
+                    assert now[n].metadata.labels[LABEL_POOL] == label_value(POOL_A)
+                assert traffic(emu, "PATCH pods") == patches
+                assert deleted_names(emu) == {pool_less["metadata"]["name"]}  # (the pool-less one: its maker is gone, as before)
+                mine = b.capacity_request_manifest(s5)["metadata"]["name"]
+                assert set(now) == {*names, mine}
+                assert b._capacity == {"s5": (mine,)}, b._capacity  # (A's s1 is not taken for B's)
+                assert b.stats["capacity_adopted"] == 0 and b.stats["capacity_left_deleted"] == 1
+                # s1 placed, or everything leaves B's queue: B deletes its own only
+                await b._clear_way("s1", [])
+                await b.sync_capacity_requests([])
+                assert set(await asyncio.to_thread(pods)) == set(names)
+            finally:
+                await b.aclose()
+
+            # a worker of a third pool without a lease store takes itself to be alone: at its first sync it deletes the
+            # other workers' placeholders of its pool and of none, never another pool's
+            c = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True)
+            try:
+                c.capacity_peers(c_id, "third@0", None)
+                await c.sync_capacity_requests([s2])
+                assert set(await asyncio.to_thread(pods)) == set(names) and c._capacity == {}
+                assert c.stats["capacity_left_deleted"] == 0 and c.stats["capacity_adopted"] == 0
+            finally:
+                await c.aclose()
+            assert traffic(emu, "PATCH pods") == patches
+
+            # bound, A's placeholder is booked by B as another worker's is (k8s_usage.counted): it holds its room, unless
+            # it has a priority class (kube-scheduler preempts it for a stage); B's own never
+            bound = {**theirs[1], "spec": {**theirs[1]["spec"], "nodeName": "n1"}, "status": {"phase": "Pending"}}
+            kw = dict(gpu_resource="nvidia.com/gpu", shared_resource="nvidia.com/gpu.shared", namespace="default", cluster_name="kubernetes",
+                      pool=label_value(POOL_B), own_placeholders={b_id})
+            got = foreign_usage([bound], **kw)
+            assert got["n1"].gpus == 1 and got["n1"].names == (f"default/{names[1]}",), got
+            preemptible = {**bound, "spec": {**bound["spec"], "priorityClassName": "qosflow-capacity"}}
+            assert foreign_usage([preemptible], **kw) == {}
+            assert foreign_usage([bound], **{**kw, "own_placeholders": {a_id}}) == {}  # (to A, its own)
+
+    asyncio.run(go())
+
+
+def deleted_names(emu) -> set[str]:
+    from test_k8s_capacity_peers import deleted_pods
+
+    return deleted_pods(emu)

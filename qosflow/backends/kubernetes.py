@@ -115,7 +115,8 @@ LABEL_CAPACITY_PART = "qosflow.dev/capacity-part"
 ANN_CAPACITY_PARTS = "qosflow.dev/capacity-parts"
 #: who made a placeholder: the worker's lease holder id (`Backend.capacity_peers`; a backend no worker named: an id
 #: of its own), and its pool's key in the lease store. Another worker deletes it only once its maker's presence there
-#: is gone (several workers on one pool); one without them (made before 2026-11-27) goes at a worker's first sync
+#: is gone (several workers on one pool); one without them (made before 2026-11-27) goes at a worker's first sync; a
+#: worker of another pool never deletes it (`KubernetesBackend._capacity_other_pool`)
 ANN_CAPACITY_OWNER = "qosflow.dev/capacity-owner"
 ANN_CAPACITY_POOL = "qosflow.dev/capacity-pool"
 #: the pool that made a stage's Jobs, pods, Secret and PodGroup (and a placeholder): its key in the lease store as a label
@@ -1297,7 +1298,12 @@ class KubernetesBackend(Backend):
           this worker took over) that asks for what this backend would (`_capacity_pod_fits`) is adopted instead of
           being deleted and made again, whoever made it: a PATCH rewrites its maker (and pool) to this backend's, on
           condition that it is as listed (its resourceVersion), so the autoscaler sees the same pod stay
-          (`_adopt_capacity_pod`). One that asks for something else (the stage's request changed) is replaced.
+          (`_adopt_capacity_pod`). One that asks for something else (the stage's request changed) is replaced;
+        * one of another pool (`_capacity_other_pool`: its qosflow.dev/pool label or capacity-pool annotation names
+          another pool than the one the worker said; another pool's worker, whose lease store may be another, so this
+          one's cannot tell whether its maker lives) is never deleted, adopted or taken for this backend's: it is its
+          pool's workers' (counted as another's once bound, `k8s_usage.counted`). One that names no pool (a version
+          before 2026-11-27), and every one while the worker has not said its pool, is judged as above.
 
         Nothing when `request_capacity` is off."""
         if not self.request_capacity:
@@ -1323,16 +1329,25 @@ class KubernetesBackend(Backend):
             makers: dict[str, tuple[str, str]] = {}  # name -> (maker, its pool)
             for p in pods:
                 ann = p.metadata.annotations or {}
+                if self._capacity_other_pool(p):
+                    continue  # (another pool's: not judged here, nor asked about in this pool's lease store)
                 jid, owner = ann.get(ANN_CAPACITY_FOR) or "", ann.get(ANN_CAPACITY_OWNER) or ""
                 if owner and owner not in self._capacity_owners and p.metadata.name not in self._capacity.get(jid, ()):
                     makers[p.metadata.name] = (owner, ann.get(ANN_CAPACITY_POOL) or self._capacity_pool)
             alive = await self._capacity_makers_alive({pool for _, pool in makers.values()}) if look and makers else None
             bodies = {b["metadata"]["name"]: b for bs in chosen.values() for b in bs}
             have: set[str] = set()
+            theirs: set[str] = set()  # (kept and not this backend's: not made again under the same name, not taken as its own)
             for p in pods:
                 ann = p.metadata.annotations or {}
                 jid = ann.get(ANN_CAPACITY_FOR) or ""
                 name = p.metadata.name
+                if self._capacity_other_pool(p):
+                    # another pool's (its worker, maybe of another Prefect server and lease store, makes and deletes it):
+                    # never deleted or adopted here, even if it ended or names a stage this backend asks for
+                    have.add(name)
+                    theirs.add(name)
+                    continue
                 ended = (p.status.phase if p.status else None) in ("Succeeded", "Failed")
                 ours = name in self._capacity.get(jid, ()) or (ann.get(ANN_CAPACITY_OWNER) or None) in self._capacity_owners
                 if ((ann.get(ANN_CAPACITY_OWNER) or None) not in self._capacity_owners and not ended and name in bodies
@@ -1374,7 +1389,7 @@ class KubernetesBackend(Backend):
                 have.add(name)
             self._capacity_swept = True
             for jid in list(self._capacity):  # (deleted by someone else: made again below if wanted)
-                kept = tuple(n for n in self._capacity[jid] if n in have)
+                kept = tuple(n for n in self._capacity[jid] if n in have and n not in theirs)
                 if kept:
                     self._capacity[jid] = kept
                 else:
@@ -1385,6 +1400,8 @@ class KubernetesBackend(Backend):
                 bodies = chosen[w.job_id]
                 for body in bodies:
                     name = body["metadata"]["name"]
+                    if name in theirs:
+                        continue  # (a placeholder of that name is another's: it asks for the node; never this backend's)
                     if name not in have:
                         try:
                             await self._acall(self.core.create_namespaced_pod, self.namespace, body, _doing=doing)
@@ -1400,6 +1417,21 @@ class KubernetesBackend(Backend):
                                  ", ".join(f"{k}={v}" for k, v in req.items()))
                     if name not in self._capacity.get(w.job_id, ()):
                         self._capacity[w.job_id] = self._capacity.get(w.job_id, ()) + (name,)
+
+    def _capacity_other_pool(self, pod: Any) -> str:
+        """The pool placeholder `pod` names when it is another pool than this backend's (its `LABEL_POOL` label, or its
+        `ANN_CAPACITY_POOL` annotation); "" when it is this pool's, names none (a version before 2026-11-27), or the
+        worker has not said this backend's pool (`capacity_peers`), or it names this backend as its maker."""
+        md = pod.metadata
+        if not self._capacity_pool or (md.annotations or {}).get(ANN_CAPACITY_OWNER) in self._capacity_owners:
+            return ""
+        ann_pool = (md.annotations or {}).get(ANN_CAPACITY_POOL) or ""
+        label_pool = (md.labels or {}).get(LABEL_POOL) or ""
+        if ann_pool and ann_pool != self._capacity_pool:
+            return ann_pool
+        if label_pool and label_pool != self._pool_label():
+            return label_pool
+        return ""
 
     async def _adopt_capacity_pod(self, pod: Any, job_id: str, maker: str) -> bool:
         """Make placeholder `pod` (made by `maker`, for stage `job_id`, which this backend now asks capacity for) this
