@@ -317,3 +317,69 @@ def test_a_worker_that_takes_over_a_dead_workers_stage_adopts_its_placeholder_in
                 await b.aclose()
 
     asyncio.run(go())
+
+
+def test_a_live_workers_placeholder_is_never_adopted_by_another_that_asks_for_the_same_stage():
+    """Workers A and B alive on one pool, both asking for stage S (its lease passed to B while A lives on: a lease that
+    expired under A, a stage queued again). Before, B adopted A's placeholder at its first sync whoever made it (a PATCH
+    making it name B): A lost it from under it, and two live workers took placeholders from each other. Now only one
+    whose maker is gone is adopted (the test that would delete it): A's stays A's, untouched (no PATCH, no DELETE), B
+    does not take it for its own (its placement's clearing and its later syncs leave it) and makes none under its name;
+    once A is gone, B adopts it. While the lease store cannot tell, nothing is adopted."""
+    async def go():
+        with EmulatorServer([]) as emu:
+            core = client.CoreV1Api(emu.api_client())
+            a_id, b_id, pool = holder_id("wa"), holder_id("wb"), "gpu@x"
+            want = CapacityWant("s1", "train", gpus=2, cpu_cores=4, mem_mb=8192)
+            a = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True)
+            try:
+                a.capacity_peers(a_id, pool, None)
+                body = a.capacity_request_manifest(want)
+            finally:
+                await a.aclose()
+            await asyncio.to_thread(core.create_namespaced_pod, "default", body)
+            name = body["metadata"]["name"]
+            uid = (await asyncio.to_thread(core.read_namespaced_pod, name, "default")).metadata.uid
+
+            def traffic(key: str) -> int:
+                return emu.state()["traffic"].get(key, {}).get("requests", 0)
+
+            def pod():
+                return core.read_namespaced_pod(name, "default")
+
+            patches = traffic("PATCH pods")
+            live, failing = {a_id, b_id}, [True]
+
+            def live_holders(p: str) -> set:
+                if failing[0]:
+                    raise ConnectionError("lease store down")
+                return set(live) if p == pool else set()
+
+            b = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True, capacity_peer_check_s=0)
+            try:
+                b.capacity_peers(b_id, pool, live_holders)
+                await b.sync_capacity_requests([want])  # (the lease store fails: who made it cannot be known)
+                failing[0] = False
+                for _ in range(3):
+                    await b.sync_capacity_requests([want])  # (A alive)
+                now = await asyncio.to_thread(pod)
+                assert now.metadata.uid == uid and now.metadata.annotations[ANN_CAPACITY_OWNER] == a_id, "B took A's placeholder"
+                assert traffic("PATCH pods") == patches and traffic("DELETE pods") == 0 and not deleted_pods(emu)
+                assert b._capacity == {} and not b.holds_capacity_requests
+                assert b.stats["capacity_adopted"] == 0 and b.stats["capacity_requested"] == 0 and b.stats["capacity_left_deleted"] == 0
+                # S placed by B, then leaving B's queue: B deletes its own placeholders only
+                await b._clear_way("s1", [])
+                b._capacity_placed.clear()
+                await b.sync_capacity_requests([])
+                assert (await asyncio.to_thread(pod)).metadata.uid == uid and traffic("DELETE pods") == 0
+                # A gone: B, asking for S again, adopts it (the same pod, naming B now)
+                live.discard(a_id)
+                await b.sync_capacity_requests([want])
+                now = await asyncio.to_thread(pod)
+                assert now.metadata.uid == uid and now.metadata.annotations[ANN_CAPACITY_OWNER] == b_id
+                assert traffic("PATCH pods") == patches + 1 and traffic("DELETE pods") == 0
+                assert b._capacity == {"s1": (name,)} and b.stats["capacity_adopted"] == 1
+            finally:
+                await b.aclose()
+
+    asyncio.run(go())

@@ -1294,11 +1294,14 @@ class KubernetesBackend(Backend):
         * when that cannot be known: without a lease store (the worker was not told, `capacity_peers`; a worker alone
           on its pool) every other's is deleted at the first call, as before; when the lease store fails, none is (a
           warning says so) until it answers again at a later look;
-        * but one of a stage in `wants` (named as this backend would name it: the stage of a worker that died, which
-          this worker took over) that asks for what this backend would (`_capacity_pod_fits`) is adopted instead of
-          being deleted and made again, whoever made it: a PATCH rewrites its maker (and pool) to this backend's, on
-          condition that it is as listed (its resourceVersion), so the autoscaler sees the same pod stay
-          (`_adopt_capacity_pod`). One that asks for something else (the stage's request changed) is replaced;
+        * but one of those (its maker gone, by the tests above) of a stage in `wants` (named as this backend would
+          name it: the stage of a worker that died, which this worker took over) that asks for what this backend would
+          (`_capacity_pod_fits`) is adopted instead of being deleted and made again: a PATCH rewrites its maker (and
+          pool) to this backend's, on condition that it is as listed (its resourceVersion), so the autoscaler sees the
+          same pod stay (`_adopt_capacity_pod`). One that asks for something else (the stage's request changed) is
+          replaced. A live maker's (or one whose maker cannot be judged now) is never adopted, even of a stage this
+          backend asks for: it is left to its maker, not taken for this backend's (not made again under its name, not
+          deleted when the stage is placed here), and counted as another's once bound (`k8s_usage.counted`);
         * one of another pool (`_capacity_other_pool`: its qosflow.dev/pool label or capacity-pool annotation names
           another pool than the one the worker said; another pool's worker, whose lease store may be another, so this
           one's cannot tell whether its maker lives) is never deleted, adopted or taken for this backend's: it is its
@@ -1332,7 +1335,7 @@ class KubernetesBackend(Backend):
                 if self._capacity_other_pool(p):
                     continue  # (another pool's: not judged here, nor asked about in this pool's lease store)
                 jid, owner = ann.get(ANN_CAPACITY_FOR) or "", ann.get(ANN_CAPACITY_OWNER) or ""
-                if owner and owner not in self._capacity_owners and p.metadata.name not in self._capacity.get(jid, ()):
+                if owner and owner not in self._capacity_owners:
                     makers[p.metadata.name] = (owner, ann.get(ANN_CAPACITY_POOL) or self._capacity_pool)
             alive = await self._capacity_makers_alive({pool for _, pool in makers.values()}) if look and makers else None
             bodies = {b["metadata"]["name"]: b for bs in chosen.values() for b in bs}
@@ -1349,17 +1352,9 @@ class KubernetesBackend(Backend):
                     theirs.add(name)
                     continue
                 ended = (p.status.phase if p.status else None) in ("Succeeded", "Failed")
-                ours = name in self._capacity.get(jid, ()) or (ann.get(ANN_CAPACITY_OWNER) or None) in self._capacity_owners
-                if ((ann.get(ANN_CAPACITY_OWNER) or None) not in self._capacity_owners and not ended and name in bodies
-                        and jid not in self._capacity_placed and _capacity_pod_fits(p, bodies[name])):
-                    # another maker's placeholder of a stage this backend asks for now (the stage of a worker that died,
-                    # taken over): adopted as it is, not deleted and made again (the autoscaler would see it vanish)
-                    if not await self._adopt_capacity_pod(p, jid, makers.get(name, (ann.get(ANN_CAPACITY_OWNER) or "",))[0]):
-                        continue  # (gone, or changed since the LIST: looked at again at the next sync)
-                    if name not in self._capacity.get(jid, ()):
-                        self._capacity[jid] = self._capacity.get(jid, ()) + (name,)
-                    have.add(name)
-                    continue
+                owner = ann.get(ANN_CAPACITY_OWNER) or None
+                # (the maker it names decides; one naming none, an older version's, is this backend's if it made it)
+                ours = owner in self._capacity_owners if owner else name in self._capacity.get(jid, ())
                 why = ""
                 if ours:
                     pass
@@ -1373,6 +1368,16 @@ class KubernetesBackend(Backend):
                 elif not self._capacity_swept and self._capacity_live is None:
                     why = (f"left by worker {makers[name][0]} (without a lease store, which would tell whether it is alive, "
                            "a worker is taken to be alone on its pool)")
+                if why and not ended and name in bodies and jid not in self._capacity_placed and _capacity_pod_fits(p, bodies[name]):
+                    # a placeholder its maker left (the test that would delete it) of a stage this backend asks for now
+                    # (a dead worker's stage, taken over): adopted as it is, not deleted and made again (the autoscaler
+                    # would see it vanish). A live maker's is never adopted: two live workers never take each other's
+                    if not await self._adopt_capacity_pod(p, jid, makers.get(name, (owner or "",))[0], why):
+                        continue  # (gone, or changed since the LIST: looked at again at the next sync)
+                    if name not in self._capacity.get(jid, ()):
+                        self._capacity[jid] = self._capacity.get(jid, ()) + (name,)
+                    have.add(name)
+                    continue
                 if why:
                     await self._delete_capacity_pod(name)
                     self.stats["capacity_left_deleted"] += 1
@@ -1387,6 +1392,8 @@ class KubernetesBackend(Backend):
                                  "it ended: made again" if ended else "no longer waiting for capacity")
                     continue
                 have.add(name)
+                if not ours:
+                    theirs.add(name)  # (a live maker's, or one not judged yet: its maker's to delete, never this backend's)
             self._capacity_swept = True
             for jid in list(self._capacity):  # (deleted by someone else: made again below if wanted)
                 kept = tuple(n for n in self._capacity[jid] if n in have and n not in theirs)
@@ -1433,11 +1440,11 @@ class KubernetesBackend(Backend):
             return label_pool
         return ""
 
-    async def _adopt_capacity_pod(self, pod: Any, job_id: str, maker: str) -> bool:
-        """Make placeholder `pod` (made by `maker`, for stage `job_id`, which this backend now asks capacity for) this
-        backend's: a merge PATCH of its maker annotation (and its pool's annotation and label: this backend's, or none
-        if the worker has not said its pool) with its resourceVersion as listed. False when it is gone (404) or changed
-        since (409): the next sync looks at it again."""
+    async def _adopt_capacity_pod(self, pod: Any, job_id: str, maker: str, why: str = "") -> bool:
+        """Make placeholder `pod` (made by `maker`, for stage `job_id`, which this backend now asks capacity for; left by
+        its maker, `why`) this backend's: a merge PATCH of its maker annotation (and its pool's annotation and label:
+        this backend's, or none if the worker has not said its pool) with its resourceVersion as listed. False when it
+        is gone (404) or changed since (409): the next sync looks at it again."""
         from kubernetes.client.exceptions import ApiException
 
         md = pod.metadata
@@ -1454,8 +1461,8 @@ class KubernetesBackend(Backend):
                 return False
             raise
         self.stats["capacity_adopted"] += 1
-        log.info("stage %s: capacity request %s, made by worker %s, adopted (this worker asks for the stage now): kept as it is, "
-                 "its maker is this worker", job_id, md.name, maker or "(not named)")
+        log.info("stage %s: capacity request %s, made by worker %s, adopted (this worker asks for the stage now; %s): kept as it "
+                 "is, its maker is this worker", job_id, md.name, maker or "(not named)", why or "its maker left it")
         return True
 
     # ------------------------------------------------------------------ manifests
