@@ -289,3 +289,19 @@ def test_output_into_the_shared_data_is_an_error_and_nothing_is_written(tmp_path
                f"give a place of your own, e.g. {opt} " in err and "Traceback" not in err, err
     assert table.read_text() == '{"v100": {}}\n'
     assert sorted(str(p.relative_to(shared)) for p in shared.rglob("*")) == ["throughputs", "throughputs/table.json"]
+
+
+@pytest.mark.parametrize("command", ["init", "demo"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_cores_per_host_that_is_not_a_finite_number_is_an_error_before_the_server(command, value, tmp_path, capsys, monkeypatch):
+    """`init --cores-per-host nan` passed the option's min=1 and ended in pydantic's ValidationError traceback
+    from the cluster block (inf was saved as is); the demo's started its server first."""
+    import qosflow.prefect.local as local
+
+    monkeypatch.setattr(local.LocalServer, "start", lambda *a, **k: (_ for _ in ()).throw(AssertionError("server started")))
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # no server there: the check comes first
+    argv = [command, "--cores-per-host", value] + (["--no-ui", "--home", str(tmp_path / "home")] if command == "demo" else [])
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"invalid --cores-per-host: must be a finite number of CPU cores >= 1 (e.g. 16), got {value}" in err, err
+    assert "Traceback" not in err and "cannot reach the Prefect server" not in err, err

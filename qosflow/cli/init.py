@@ -58,6 +58,10 @@ def register(app: typer.Typer) -> None:
         get_policy(policy)  # unknown names fail here with the list of known ones
         check_estimator_name(estimator)
         deadline = None if deadline is None else deadline_seconds(deadline)
+        import math
+
+        if not math.isfinite(cores):  # NaN passes min=1; was pydantic's ValidationError traceback (inf: saved as is)
+            raise SpecError("--cores-per-host", f"must be a finite number of CPU cores >= 1 (e.g. 16), got {cores!r}")
         managed = f"{pool}-cluster"
         if cluster_block is not None:
             cluster_block = cluster_block.strip()
