@@ -545,3 +545,32 @@ def test_several_estimators_give_a_class_table_each(capsys):
     part = text[text.index("Deadlines met by job class (oracle)"):text.index("Deadlines met by job class (noisy")]
     rows = [ln for ln in part.splitlines() if ln.startswith("│")]
     assert rows and all(ln.count("%)") == 2 for ln in rows), rows
+
+
+def test_format_that_contradicts_the_trace_is_an_error(tmp_path, capsys):
+    """`--format synthetic --trace FILE` simulated the embedded generator's 400 jobs and never read FILE, and
+    `--format muri` without --trace looked for a file named 'synthetic' ('synthetic: Muri trace not found';
+    with --jobs, 'synthetic (muri) is simulated whole'). Both now say what --format and --trace are for;
+    --format synthetic with the generator, or a trace's own format, run as before."""
+    from qosflow.errors import SpecError
+    from qosflow.sim.runner import resolve_workload
+
+    trace = tmp_path / "t.csv"
+    trace.write_text(MURI_ONE_JOB)
+    for argv, says in (
+        (["--format", "synthetic", "--trace", str(trace)],
+         f"invalid --format: synthetic is the embedded generator, which reads no file, so {trace} would not be read: "
+         "leave --format out"),
+        (["--format", "muri"], "invalid --format: muri is the format of a trace file: give the file with --trace FILE"),
+        (["--format", "Gavel", "--jobs", "5"], "invalid --format: gavel is the format of a trace file"),
+        (["--format", "alibaba", "--users", "3"], "invalid --format: alibaba is the format of a trace file"),
+    ):
+        assert main(["simulate", "--policies", "fifo", "--no-plots"] + argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert says in err and "Traceback" not in err, err
+    with pytest.raises(SpecError, match="reads no file"):
+        resolve_workload(str(trace), "synthetic", "2x4")
+    assert main(["simulate", "--policies", "fifo", "--no-plots", "--format", "synthetic", "--jobs", "5", "--cluster", "1x4"]) == 0
+    assert main(["simulate", "--policies", "fifo", "--no-plots", "--format", "muri", "--trace", str(trace), "--cluster", "1x4"]) == 0
+    assert main(["simulate", "--format", "xyz"]) == 2
+    assert "unknown trace format 'xyz'" in capsys.readouterr().err

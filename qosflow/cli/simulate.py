@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.report import (earlier_outputs, estimator_deltas, other_results, plot_results, render_class_table,
                                         render_estimator_table, render_table, render_user_table, results_json,
                                         write_job_tables)
-        from qosflow.sim.runner import fewest_cores_per_gpu, resolve_workload
+        from qosflow.sim.runner import check_trace_format, fewest_cores_per_gpu, resolve_workload
         from qosflow.sim.traces._common import CORES_PER_GPU
 
         console = Console(width=max(120, Console().width))
@@ -99,6 +99,7 @@ def register(app: typer.Typer) -> None:
             raise SpecError("--deadline-share", f"must be a share of jobs in [0, 1] (0.5: half get a deadline), got {deadline_share!r}")
         if min_gpus_share is not None and not 0 < min_gpus_share <= 1:
             raise SpecError("--min-gpus-share", f"must be a share of a job's GPUs in (0, 1] (0.5: an 8-GPU job may start on 4), got {min_gpus_share!r}")
+        check_trace_format(trace, fmt)  # (before --users, which is for the synthetic workload)
         user_shares = _parse_users(users, trace, fmt) if users is not None else None
         if parallel is not None and parallel < 1:
             raise SpecError("--parallel", f"must be at least 1 (1: one run after another), got {parallel}")

@@ -76,6 +76,26 @@ NOT_TRACES = (
 )
 
 
+def check_trace_format(trace: str, fmt: str | None) -> None:
+    """A SpecError when --format contradicts --trace: `--format synthetic --trace FILE` simulated the embedded
+    generator's 400 jobs and never read FILE (its name, and the results, said 'synthetic-400-seed0' only), and
+    `--format muri` without --trace read a file named 'synthetic' ('synthetic: Muri trace not found')."""
+    from qosflow.errors import SpecError
+
+    from qosflow.sim.workload import FORMATS
+
+    key = str(fmt).strip().lower() if fmt is not None else None
+    if key not in FORMATS:  # none given (guessed from the trace), or unknown: resolve_workload names the formats
+        return
+    if key == "synthetic" and trace != "synthetic":
+        raise SpecError("--format", f"synthetic is the embedded generator, which reads no file, so {trace} would not be "
+                                    "read: leave --format out (the trace's format is guessed) or give its format "
+                                    "(muri, gavel, alibaba); for the generator, --trace synthetic")
+    if key != "synthetic" and trace == "synthetic":
+        raise SpecError("--format", f"{key} is the format of a trace file: give the file with --trace FILE "
+                                    "(without --trace the workload is the embedded generator, --format synthetic)")
+
+
 def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: int = 0, deadline_share: float = 0.5, jobs: int | None = None,
                      min_gpus_share: float | None = None, throughputs: str | Path | None = None,
                      cores_per_gpu: float | None = None, users: int | list[float] | None = None):
@@ -94,6 +114,7 @@ def resolve_workload(trace: str, fmt: str | None, cluster: str | None, *, seed: 
         from qosflow.errors import UnknownNameError
 
         raise UnknownNameError("trace format", str(fmt), FORMATS)
+    check_trace_format(trace, fmt)
     if jobs is not None:
         from qosflow.errors import SpecError
 
