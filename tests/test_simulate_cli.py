@@ -574,3 +574,12 @@ def test_format_that_contradicts_the_trace_is_an_error(tmp_path, capsys):
     assert main(["simulate", "--policies", "fifo", "--no-plots", "--format", "muri", "--trace", str(trace), "--cluster", "1x4"]) == 0
     assert main(["simulate", "--format", "xyz"]) == 2
     assert "unknown trace format 'xyz'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["", " , "])
+def test_empty_estimator_is_an_error(given, capsys):
+    """`--estimator ""` (a variable left empty in a script) ran every policy under the oracle without a word."""
+    assert main(["simulate", "--jobs", "5", "--policies", "fifo", "--no-plots", "--estimator", given]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"invalid --estimator: give at least one estimator, e.g. --estimator oracle or --estimator oracle,noisy,learned; " \
+           f"got {given!r}" in err, err

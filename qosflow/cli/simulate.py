@@ -84,7 +84,9 @@ def register(app: typer.Typer) -> None:
             check_output_dir(out)
         names = parse_policies(policies)
         popts = parse_policy_options(settings, names)
-        kinds = list(dict.fromkeys(k.strip() for k in estimator.split(",") if k.strip())) or ["oracle"]
+        kinds = list(dict.fromkeys(k.strip() for k in estimator.split(",") if k.strip()))
+        if not kinds:  # (an empty value ran the oracle without a word)
+            raise SpecError("--estimator", f"give at least one estimator, e.g. --estimator oracle or --estimator oracle,noisy,learned; got {estimator!r}")
         for k in kinds:
             if k not in ("oracle", "noisy", "learned", "declared"):
                 raise UnknownNameError("estimator", k, ["declared", "learned", "noisy", "oracle"])
