@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Iterable
 
 from qosflow.core.cluster import ClusterState
 from qosflow.core.estimate import Estimator
@@ -78,6 +78,27 @@ class Policy(ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
+
+
+def check_number(policy: str, name: str, value: Any, ok: Callable[[float], bool], want: str) -> None:
+    """Refuse a constructor option that is not a number (a bool is not one) or fails `ok`: a ValueError
+    naming the policy, the option and what to give (as the qosflow policy's `_check_number`). NaN fails
+    every comparison, so an `ok` written as comparisons refuses it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"{policy} policy: {name} must be {want}, got {value!r}")
+
+
+def check_flag(policy: str, name: str, value: Any) -> None:
+    """Refuse a true/false option given anything but a bool (a text "false" would turn it on)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{policy} policy: {name} must be true or false, got {value!r}")
+
+
+def check_choice(policy: str, name: str, value: Any, choices: Iterable[str]) -> None:
+    """Refuse an option that is not one of its fixed names, listing them."""
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{policy} policy: {name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
 
 
 def commit(state: ClusterState, decision: Decision, jobs: dict[str, JobState]) -> None:

@@ -7,9 +7,9 @@ The classic YARN/Slurm default the Philly study describes; placement is consolid
 from __future__ import annotations
 
 from qosflow.policies import register
-from qosflow.policies.base import Decision, Policy, SchedulerView
+from qosflow.policies.base import Decision, Policy, SchedulerView, check_choice, check_flag
 from qosflow.policies.common import place_in_order
-from qosflow.policies.placement import Locality
+from qosflow.policies.placement import LOCALITIES, Locality
 
 
 @register
@@ -18,6 +18,8 @@ class FifoPolicy(Policy):
     description = "first in, first out; strict (the head of the queue blocks)"
 
     def __init__(self, backfill: bool = False, locality: Locality = "consolidated"):
+        check_flag(self.name, "backfill", backfill)
+        check_choice(self.name, "locality", locality, LOCALITIES)
         self.backfill = backfill
         self.locality = locality
 

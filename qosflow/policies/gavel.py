@@ -78,7 +78,7 @@ from qosflow.core.cluster import PlacementError
 from qosflow.core.estimate import gpu_speed
 from qosflow.core.job import Job, JobState
 from qosflow.policies import register
-from qosflow.policies.base import Decision, Policy, SchedulerView
+from qosflow.policies.base import Decision, Policy, SchedulerView, check_choice, check_flag, check_number
 from qosflow.policies.common import ExclusiveSearch, hosts_down_note, why_waiting
 
 #: Gavel's priority of a (job, type) pair the job has never run on (its allocation times this)
@@ -170,10 +170,10 @@ class GavelPolicy(Policy):
         tiebreak: Literal["throughput", "none"] = "throughput",
         backfill: bool = True,
     ):
-        if not (isinstance(round_seconds, (int, float)) and round_seconds > 0):
-            raise ValueError(f"round_seconds must be > 0, got {round_seconds!r}")
-        if tiebreak not in ("throughput", "none"):
-            raise ValueError(f"tiebreak must be 'throughput' or 'none', got {tiebreak!r}")
+        check_number("gavel", "round_seconds", round_seconds, lambda v: 0 < v < math.inf,
+                     "a finite number of seconds > 0 between re-allocations, e.g. 360 (Gavel's)")
+        check_choice("gavel", "tiebreak", tiebreak, ("throughput", "none"))
+        check_flag("gavel", "backfill", backfill)
         self.round_seconds = float(round_seconds)
         self.tiebreak = tiebreak
         self.backfill = backfill

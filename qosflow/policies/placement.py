@@ -6,7 +6,7 @@ Searches are numpy operations over nodes, so a round over 1,000 nodes x 8 GPUs s
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -16,6 +16,8 @@ from qosflow.core.placement import Placement, SubBatchPlan
 from qosflow.core.qos import QoSSpec
 
 Locality = Literal["consolidated", "spread", "any"]
+#: the names a `Locality` may take (a policy's constructor refuses others)
+LOCALITIES: tuple[str, ...] = get_args(Locality)
 Fit = Literal["best-fit", "first-fit", "worst-fit"]
 
 

@@ -17,9 +17,9 @@ from qosflow.core.cluster import ClusterState
 from qosflow.core.estimate import Estimator
 from qosflow.core.job import Job, JobState
 from qosflow.core.placement import Placement, SubBatchPlan
-from qosflow.policies.base import Decision, Policy, SchedulerView
+from qosflow.policies.base import Decision, Policy, SchedulerView, check_choice, check_flag
 from qosflow.policies.common import ExclusiveSearch, place_in_order, sjf_order, states_of
-from qosflow.policies.placement import Locality
+from qosflow.policies.placement import LOCALITIES, Locality
 
 #: share of a job's GPU memory that does not shrink with the batch (weights, optimizer state,
 #: workspace); the rest scales with the (sub-)batch. An assumption, documented in docs/policies.md.
@@ -153,6 +153,8 @@ class SjfSharingPolicy(Policy):
     round become partners too. Non-preemptive."""
 
     def __init__(self, locality: Locality, sub_batch: bool):
+        check_choice(self.name, "locality", locality, LOCALITIES)
+        check_flag(self.name, "sub_batch", sub_batch)
         self.locality = locality
         self.sub_batch = sub_batch
 

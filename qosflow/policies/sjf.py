@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from qosflow.policies import register
-from qosflow.policies.base import Decision, Policy, SchedulerView
+from qosflow.policies.base import Decision, Policy, SchedulerView, check_choice
 from qosflow.policies.common import place_in_order, sjf_order
-from qosflow.policies.placement import Locality
+from qosflow.policies.placement import LOCALITIES, Locality
 
 
 @register
@@ -14,6 +14,7 @@ class SjfPolicy(Policy):
     description = "shortest estimated job first (non-preemptive)"
 
     def __init__(self, locality: Locality = "consolidated"):
+        check_choice(self.name, "locality", locality, LOCALITIES)
         self.locality = locality
 
     def schedule(self, view: SchedulerView) -> Decision:

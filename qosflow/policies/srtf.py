@@ -10,9 +10,9 @@ simulator's restart overhead.
 from __future__ import annotations
 
 from qosflow.policies import register
-from qosflow.policies.base import Decision, Policy, SchedulerView
+from qosflow.policies.base import Decision, Policy, SchedulerView, check_choice
 from qosflow.policies.common import preempt_and_place
-from qosflow.policies.placement import Locality
+from qosflow.policies.placement import LOCALITIES, Locality
 
 
 @register
@@ -22,6 +22,7 @@ class SrtfPolicy(Policy):
     description = "shortest remaining time first (preemptive)"
 
     def __init__(self, locality: Locality = "consolidated"):
+        check_choice(self.name, "locality", locality, LOCALITIES)
         self.locality = locality
 
     def schedule(self, view: SchedulerView) -> Decision:

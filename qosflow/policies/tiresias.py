@@ -22,9 +22,13 @@ from __future__ import annotations
 import math
 
 from qosflow.policies import register
-from qosflow.policies.base import Decision, Policy, SchedulerView
+from qosflow.policies.base import Decision, Policy, SchedulerView, check_choice, check_number
 from qosflow.policies.common import ExclusiveSearch, preempt_and_place
-from qosflow.policies.placement import min_nodes_for
+from qosflow.policies.placement import LOCALITIES as PLACEMENT_LOCALITIES, min_nodes_for
+
+#: where a job's GPUs may be: `auto` is Tiresias' profile-guided placement (module docstring), the
+#: others are `qosflow.policies.placement.Locality`'s
+LOCALITIES = ("auto", *PLACEMENT_LOCALITIES)
 
 
 @register
@@ -40,6 +44,18 @@ class TiresiasPolicy(Policy):
         locality: str = "auto",
         spread_tolerance: float = 1.25,
     ):
+        is_list = isinstance(thresholds, (list, tuple))
+        numbers = is_list and all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < math.inf for t in thresholds)
+        if not numbers or any(b <= a for a, b in zip(thresholds, thresholds[1:])):
+            raise ValueError(
+                "tiresias policy: thresholds must be " + ("" if is_list else "a list of ")
+                + "increasing GPU-seconds > 0 at which a job moves down a queue, e.g. [3250] (two queues) or "
+                f"[3250, 7200] (three), got {thresholds!r}")
+        check_number("tiresias", "promote_knob", promote_knob, lambda v: 0 <= v < math.inf,
+                     "a finite number >= 0 (times a job's executed time it may wait before it returns to the top queue; 0: never)")
+        check_choice("tiresias", "locality", locality, LOCALITIES)
+        check_number("tiresias", "spread_tolerance", spread_tolerance, lambda v: v >= 1,
+                     ">= 1 (the largest slowdown a job may take from being spread over nodes, e.g. 1.25; 1: only when it costs nothing)")
         self.thresholds = tuple(float(t) for t in thresholds)
         self.promote_knob = promote_knob
         self.locality = locality

@@ -1,0 +1,72 @@
+"""Policy options: a bad value fails when the policy is made (or at `--set`), naming the policy, the
+option and what to give, instead of running with it."""
+
+import math
+
+import pytest
+
+from qosflow.cli.main import main
+from qosflow.policies import get_policy
+
+
+def test_tiresias_refuses_nonsense_options_on_the_command_line(capsys):
+    """`--set tiresias.locality=nowhere`, a negative promote_knob and thresholds that do not increase ran
+    (an unknown locality placed as if 'spread'; [7200, 10] made a queue no job stays in)."""
+    for setting, said in (
+        ("tiresias.locality=nowhere", "locality must be one of 'auto', 'consolidated', 'spread', 'any', got 'nowhere'"),
+        ("tiresias.promote_knob=-3", "promote_knob must be a finite number >= 0"),
+        ("tiresias.thresholds=[7200,10]", "thresholds must be increasing"),
+    ):
+        rc = main(["simulate", "--trace", "synthetic", "--jobs", "5", "--cluster", "1x4", "--policies", "tiresias",
+                   "--no-plots", "--set", setting])
+        assert rc == 2, setting
+        err = " ".join(capsys.readouterr().err.split())
+        assert "invalid --set" in err and "tiresias policy" in err and said in err, err
+
+
+BAD = [
+    ("tiresias", "thresholds", [3250, 3250], "increasing"),
+    ("tiresias", "thresholds", [-1], "increasing"),
+    ("tiresias", "thresholds", [math.nan], "increasing"),
+    ("tiresias", "thresholds", [0, 10], "increasing"),
+    ("tiresias", "thresholds", 3250, "a list"),
+    ("tiresias", "thresholds", ["a"], "increasing"),
+    ("tiresias", "promote_knob", math.nan, ">= 0"),
+    ("tiresias", "promote_knob", math.inf, ">= 0"),
+    ("tiresias", "promote_knob", True, ">= 0"),
+    ("tiresias", "spread_tolerance", 0.5, ">= 1"),
+    ("tiresias", "spread_tolerance", math.nan, ">= 1"),
+    ("tiresias", "locality", 2, "one of"),
+    ("fifo", "locality", "nowhere", "one of 'consolidated', 'spread', 'any'"),
+    ("fifo", "backfill", "yes", "true or false"),
+    ("sjf", "locality", "nowhere", "one of"),
+    ("srtf", "locality", "nowhere", "one of"),
+    ("sjf-ffs", "locality", "nowhere", "one of"),
+    ("sjf-ffs", "sub_batch", 1, "true or false"),
+    ("sjf-bsbf", "locality", None, "one of"),
+    ("sjf-bsbf", "sub_batch", "no", "true or false"),
+    ("gavel", "round_seconds", -1, "> 0"),
+    ("gavel", "round_seconds", math.nan, "> 0"),
+    ("gavel", "round_seconds", math.inf, "> 0"),
+    ("gavel", "round_seconds", True, "> 0"),
+    ("gavel", "tiebreak", "water", "one of 'throughput', 'none'"),
+    ("gavel", "backfill", "false", "true or false"),
+]
+
+
+@pytest.mark.parametrize("policy,option,value,said", BAD, ids=[f"{p}.{o}={v!r}" for p, o, v, _ in BAD])
+def test_every_policy_refuses_nonsense_options(policy, option, value, said):
+    with pytest.raises(ValueError) as info:
+        get_policy(policy, **{option: value})
+    msg = str(info.value)
+    assert msg.startswith(f"{policy} policy: {option} must be "), msg
+    assert said in msg and f"got {value!r}" in msg, msg
+
+
+def test_sensible_options_still_pass():
+    assert get_policy("tiresias", thresholds=[3250, 7200], promote_knob=2, locality="spread", spread_tolerance=1).thresholds == (3250.0, 7200.0)
+    assert get_policy("tiresias", thresholds=(), spread_tolerance=math.inf).thresholds == ()  # one queue; spread any job
+    assert get_policy("fifo", backfill=True, locality="any").locality == "any"
+    assert get_policy("sjf-bsbf", sub_batch=False, locality="spread").sub_batch is False
+    assert get_policy("gavel", round_seconds=60, tiebreak="none", backfill=False).round_seconds == 60.0
+    assert get_policy("genie") is not None
