@@ -13,15 +13,15 @@ def test_tiresias_refuses_nonsense_options_on_the_command_line(capsys):
     """`--set tiresias.locality=nowhere`, a negative promote_knob and thresholds that do not increase ran
     (an unknown locality placed as if 'spread'; [7200, 10] made a queue no job stays in)."""
     for setting, said in (
-        ("tiresias.locality=nowhere", "locality must be one of 'auto', 'consolidated', 'spread', 'any', got 'nowhere'"),
-        ("tiresias.promote_knob=-3", "promote_knob must be a finite number >= 0"),
-        ("tiresias.thresholds=[7200,10]", "thresholds must be increasing"),
+        ("tiresias.locality=nowhere", "option 'locality' of policy 'tiresias' takes one of auto, consolidated, spread, any, got 'nowhere'"),
+        ("tiresias.promote_knob=-3", "tiresias policy: promote_knob must be a finite number >= 0"),
+        ("tiresias.thresholds=[7200,10]", "tiresias policy: thresholds must be increasing"),
     ):
         rc = main(["simulate", "--trace", "synthetic", "--jobs", "5", "--cluster", "1x4", "--policies", "tiresias",
                    "--no-plots", "--set", setting])
         assert rc == 2, setting
         err = " ".join(capsys.readouterr().err.split())
-        assert "invalid --set" in err and "tiresias policy" in err and said in err, err
+        assert "invalid --set" in err and said in err, err
 
 
 BAD = [
@@ -70,3 +70,23 @@ def test_sensible_options_still_pass():
     assert get_policy("sjf-bsbf", sub_batch=False, locality="spread").sub_batch is False
     assert get_policy("gavel", round_seconds=60, tiebreak="none", backfill=False).round_seconds == 60.0
     assert get_policy("genie") is not None
+
+
+def test_a_name_option_given_something_else_lists_its_names():
+    """`--set tiresias.locality=2` said only "takes a name": now the names it takes, at `--set` as in a QoS
+    policy block (`option_problem`)."""
+    from qosflow.errors import SpecError
+    from qosflow.policies import option_problem, parse_policy_options
+
+    for setting, names in (("tiresias.locality=2", "auto, consolidated, spread, any"),
+                           ("tiresias.locality=null", "auto, consolidated, spread, any"),
+                           ("qosflow.partner_rank=2", "benefit, throughput")):
+        pol, opt = setting.split("=")[0].split(".")
+        with pytest.raises(SpecError, match=rf"option '{opt}' of policy '{pol}' takes one of {names}, got '"):
+            parse_policy_options([setting], [pol])
+    assert option_problem("tiresias", "locality", 2) == "option 'locality' of policy 'tiresias' takes one of auto, consolidated, spread, any, got 2"
+    # the names themselves pass; a name not among them is refused as soon as it is read, with the same list
+    assert parse_policy_options(["tiresias.locality=consolidated", "qosflow.partner_rank=benefit"], ["tiresias", "qosflow"]) == {
+        "tiresias": {"locality": "consolidated"}, "qosflow": {"partner_rank": "benefit"}}
+    with pytest.raises(SpecError, match="'tiresias.locality=nowhere': option 'locality' of policy 'tiresias' takes one of auto, consolidated, spread, any, got 'nowhere'"):
+        parse_policy_options(["tiresias.locality=nowhere"], ["tiresias"])

@@ -158,7 +158,8 @@ def option_problem(policy: str, opt: str, value: Any, *, shown: str | None = Non
 def _option_kind(cls: type, opt: str, value: Any) -> str | None:
     """None when `value` (as read from `--set`) fits the type the policy's constructor declares for
     `opt`, else what the option takes: a text such as "maybe" or "False" is truthy and would turn a
-    true/false option on, and a text for a number failed mid-run with a traceback."""
+    true/false option on, and a text for a number failed mid-run with a traceback. A text option with
+    a fixed set of names (`Literal`, or `Policy.option_choices`) takes one of them, and says which."""
     import typing
 
     try:
@@ -187,6 +188,11 @@ def _option_kind(cls: type, opt: str, value: Any) -> str | None:
             if isinstance(value, list) and all(ok[float](v) for v in value):
                 return None
             wants.append("a list of numbers, e.g. [3250, 7200]")
+        elif k is str and getattr(cls, "option_choices", {}).get(opt):
+            names = tuple(cls.option_choices[opt])
+            if value in names:
+                return None
+            wants.append("one of " + ", ".join(names))  # "takes a name" did not say which
         elif k in ok:
             if ok[k](value):
                 return None

@@ -63,6 +63,10 @@ class Policy(ABC):
     #: job whose full width never fits the cluster is then admitted if a narrower width does
     #: (`ClusterSpec.why_never_fits(..., elastic=...)`). Baselines start every job on all its GPUs.
     elastic_starts: ClassVar[bool] = False
+    #: option -> the names it takes, for a text option with a fixed set that its annotation does not
+    #: spell as a `Literal`: `--set` (`qosflow.policies.option_problem`) lists them when given another
+    #: value. The constructor still checks the value itself.
+    option_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     @abstractmethod
     def schedule(self, view: SchedulerView) -> Decision:

@@ -36,6 +36,7 @@ class TiresiasPolicy(Policy):
     name = "tiresias"
     preemptive = True
     description = "discretized 2D-LAS (Tiresias), preemptive, duration-agnostic"
+    option_choices = {"locality": LOCALITIES}
 
     def __init__(
         self,
