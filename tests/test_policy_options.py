@@ -90,3 +90,21 @@ def test_a_name_option_given_something_else_lists_its_names():
         "tiresias": {"locality": "consolidated"}, "qosflow": {"partner_rank": "benefit"}}
     with pytest.raises(SpecError, match="'tiresias.locality=nowhere': option 'locality' of policy 'tiresias' takes one of auto, consolidated, spread, any, got 'nowhere'"):
         parse_policy_options(["tiresias.locality=nowhere"], ["tiresias"])
+
+
+def test_an_option_set_twice_is_an_error(capsys):
+    """The second `--set tiresias.locality=...` won without a word; a repeat is most likely a mistake."""
+    from qosflow.errors import SpecError
+    from qosflow.policies import parse_policy_options
+
+    with pytest.raises(SpecError, match=r"invalid --set: tiresias\.locality is set twice, to 'spread' and to 'any': give each option once"):
+        parse_policy_options(["tiresias.locality=spread", "tiresias.promote_knob=2", "Tiresias.locality=any"], ["tiresias"])
+    with pytest.raises(SpecError, match=r"qosflow\.express_share is set twice, to '0.1' and to '0.1'"):
+        parse_policy_options(["qosflow.express_share=0.1", "qosflow.express_share=0.1"], ["qosflow"])
+    # the same option of two policies is two options
+    assert parse_policy_options(["fifo.locality=any", "sjf.locality=spread"], ["fifo", "sjf"]) == {
+        "fifo": {"locality": "any"}, "sjf": {"locality": "spread"}}
+    rc = main(["simulate", "--trace", "synthetic", "--jobs", "5", "--cluster", "1x4", "--policies", "gavel", "--no-plots",
+               "--set", "gavel.round_seconds=60", "--set", "gavel.round_seconds=120"])
+    assert rc == 2
+    assert "gavel.round_seconds is set twice, to '60' and to '120'" in capsys.readouterr().err

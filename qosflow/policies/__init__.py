@@ -105,12 +105,14 @@ def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str,
     Values are read as JSON (numbers, true/false, null, quoted strings) or as Python's True/False/None,
     else kept as text. Each
     option is checked against the policy's constructor, so a typo fails here naming the option and
-    the ones the policy has, and so is its value's type (`align=False` or `qos_weight=abc` fail here)."""
+    the ones the policy has, and so is its value's type (`align=False` or `qos_weight=abc` fail here).
+    An option set twice is an error naming both values (the last one won silently)."""
     import json
 
     from qosflow.errors import SpecError
 
     out: dict[str, dict[str, Any]] = {}
+    given: dict[tuple[str, str], str] = {}  # (policy, option) -> the value as written
     for item in items or []:
         key, sep, raw = item.partition("=")
         pol, dot, opt = key.strip().partition(".")
@@ -127,6 +129,10 @@ def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str,
         problem = option_problem(pol, opt, value, shown=repr(raw.strip()))
         if problem is not None:
             raise SpecError("--set", f"{item!r}: {problem}")
+        if (pol, opt) in given:  # the last one won without a word
+            raise SpecError("--set", f"{pol}.{opt} is set twice, to {given[pol, opt]!r} and to {raw.strip()!r}: "
+                                     "give each option once")
+        given[pol, opt] = raw.strip()
         out.setdefault(pol, {})[opt] = value
     for pol, opts in out.items():
         try:
