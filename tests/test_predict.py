@@ -448,6 +448,27 @@ def test_pair_csv_implausible_speed_names_line_and_column(tmp_path, capsys):
     assert [(r.speed1, r.speed2) for r in read_pairs_csv(p)] == [(1.03, MAX_PAIR_SPEED)]
 
 
+def test_pair_csv_batch_size_zero_or_negative_is_an_error(tmp_path, capsys):
+    """A batch size of 0 was read as "unknown" (as an empty cell is) and evaluated; 0 or less is no batch size."""
+    from qosflow.cli.main import main
+
+    p = tmp_path / "pairs.csv"
+    head = "model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2\n"
+    for cell in ("0", "0.0", "-32"):
+        p.write_text(head + "A,32,1,0.9,B,64,1,0.8\n" + f"A,32,1,0.7,C,{cell},1,0.8\n")
+        with pytest.raises(TraceFormatError, match=rf"pairs.csv:3: column batchsize2: '{cell}' must be a finite number > 0; a batch "
+                                                   r"size, e.g. 64 \(leave the cell empty if unknown\)"):
+            read_pairs_csv(p)
+        assert main(["predict", "eval", "--pairs", str(p)]) == 2
+        assert f"pairs.csv:3: column batchsize2: '{cell}' must be a finite number > 0" in capsys.readouterr().err
+    # an empty cell is unknown, as before, and a table written with unknown batch sizes reads back
+    p.write_text(head + "A,,1,0.9,B,64,1,0.8\n")
+    assert [(r.batchsize1, r.batchsize2) for r in read_pairs_csv(p)] == [(0, 64)]
+    write_pairs_csv([{"model1": "A", "batchsize1": 0, "gpu_num1": 1, "speed1": 0.9,
+                      "model2": "B", "batchsize2": 64, "gpu_num2": 1, "speed2": 0.8}], p)
+    assert [(r.batchsize1, r.batchsize2) for r in read_pairs_csv(p)] == [(0, 64)]
+
+
 @needs_gavel
 def test_shared_pair_tables_are_within_the_speed_bound(tmp_path):
     t = ThroughputTable.load()

@@ -7,7 +7,8 @@ share the GPU}. ``<worker>_unconsolidated`` holds the same jobs spread over serv
 
 A pair table is a CSV with columns ``model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2``
 (other columns ignored); speed is the job's throughput while co-located, normalised to running alone.
-An empty speed cell means not measured (NaN in `PairRow`); an empty batch size means unknown (0).
+An empty speed cell means not measured (NaN in `PairRow`); an empty batch size means unknown (0); a
+batch size of 0 or less in the file is an error.
 """
 
 from __future__ import annotations
@@ -202,11 +203,19 @@ PAIR_COLUMNS = ["model1", "batchsize1", "gpu_num1", "speed1", "model2", "batchsi
 
 
 def write_pairs_csv(rows: list[dict], path: str | Path) -> None:
+    """Write a pair table `read_pairs_csv` reads back. An unknown batch size (0, as `PairRow` and
+    `ThroughputTable.pair_rows` hold it, or None/NaN) is written as an empty cell: a 0 is refused."""
     cols = PAIR_COLUMNS + [k for k in (rows[0] if rows else {}) if k not in PAIR_COLUMNS]
+
+    def cell(k, v):
+        if k in ("batchsize1", "batchsize2") and (v is None or (isinstance(v, (int, float)) and (v == 0 or math.isnan(v)))):
+            return ""
+        return v
+
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=cols)
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({k: cell(k, v) for k, v in row.items()} for row in rows)
 
 
 @dataclass(frozen=True)
@@ -322,6 +331,8 @@ def read_pairs_csv(path: str | Path) -> list[PairRow]:
                 x = float(v)
             except ValueError:
                 raise TraceFormatError(path, lineno, f"column {c}: {v!r} is not a number; {hint}") from None
+            if c.startswith("batchsize") and not 0 < x < math.inf:  # 0 was taken for "unknown", as an empty cell is
+                raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a finite number > 0; {hint}")
             if math.isnan(x) or math.isinf(x) or x < 0:
                 raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a finite number >= 0; {hint}")
             if c.startswith("speed") and x > MAX_PAIR_SPEED:
