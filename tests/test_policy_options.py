@@ -108,3 +108,12 @@ def test_an_option_set_twice_is_an_error(capsys):
                "--set", "gavel.round_seconds=60", "--set", "gavel.round_seconds=120"])
     assert rc == 2
     assert "gavel.round_seconds is set twice, to '60' and to '120'" in capsys.readouterr().err
+
+
+def test_a_name_is_read_without_the_spaces_around_it():
+    """`--set "fifo.locality = any"` kept the text ' any' and was refused as "takes one of consolidated, spread,
+    any, got 'any'" (the value shown stripped); qosflow.partner_rank=' benefit' failed in the constructor."""
+    from qosflow.policies import parse_policy_options
+
+    assert parse_policy_options(["fifo.locality = any", "qosflow.partner_rank= benefit "], ["fifo", "qosflow"]) == {
+        "fifo": {"locality": "any"}, "qosflow": {"partner_rank": "benefit"}}

@@ -125,7 +125,7 @@ def parse_policy_options(items: list[str] | None, names: list[str]) -> dict[str,
             value = json.loads(raw)
         except ValueError:
             # Python's spelling, as docs/policies.md writes options (`align=True`): was refused as a text
-            value = _PYTHON_WORDS.get(raw.strip(), raw)
+            value = _PYTHON_WORDS.get(raw.strip(), raw.strip())  # (' any' was kept, and refused as 'any')
         problem = option_problem(pol, opt, value, shown=repr(raw.strip()))
         if problem is not None:
             raise SpecError("--set", f"{item!r}: {problem}")
