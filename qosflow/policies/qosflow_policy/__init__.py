@@ -141,9 +141,6 @@ from qosflow.policies.qosflow_policy.express import EXPRESS, _DeadlineArrivals
 from qosflow.policies.qosflow_policy.ordering import BACKLOG_CAP, _ArrivalLog
 from qosflow.policies.qosflow_policy.policy import QosflowPolicy
 
-# the names `partner_rank` takes (its constructor refuses others), listed by `--set` when given another value
-QosflowPolicy.option_choices = {**QosflowPolicy.option_choices, "partner_rank": ("benefit", "throughput")}
-
 # (the arrival logs are re-exported for the tests that drive them directly)
 __all__ = [
     "BACKLOG_CAP",

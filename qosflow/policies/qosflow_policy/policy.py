@@ -12,7 +12,7 @@ from qosflow.core.speed import width_fraction
 from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
-from qosflow.policies.base import Decision, Policy, SchedulerView
+from qosflow.policies.base import Decision, Policy, SchedulerView, check_choice
 from qosflow.policies.common import WholeFailures, why_waiting
 from qosflow.policies.placement import find_share
 from qosflow.policies.qosflow_policy.colocation import KEPT_OFF, CoLocationMixin
@@ -62,6 +62,8 @@ class QosflowPolicy(
 
     name = "qosflow"
     preemptive = False
+    #: the names `partner_rank` takes, listed by `--set` when given another value
+    option_choices = {**Policy.option_choices, "partner_rank": ("benefit", "throughput")}
     description = "QoS-aware, sharing-aware, CPU-aware, non-preemptive (qosflow)"
     #: about 4 x the baselines' time per round on the Muri trace (docs/benchmarks.md)
     relative_cost = 4.0
@@ -134,8 +136,7 @@ class QosflowPolicy(
         #: start a deadline gang that declared `min_gpus` on fewer GPUs when that meets its deadline
         #: (`ElasticStartMixin`)
         self.elastic = elastic
-        if partner_rank not in ("benefit", "throughput"):
-            raise ValueError(f"qosflow policy: partner_rank must be 'benefit' or 'throughput', got {partner_rank!r}")
+        check_choice("qosflow", "partner_rank", partner_rank, self.option_choices["partner_rank"])
         #: which GPUs a job shares first: the partners with the largest SJF-BSBF benefit, or the
         #: largest GPU-throughput balance
         self.partner_rank = partner_rank
