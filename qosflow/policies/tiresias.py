@@ -63,7 +63,8 @@ class TiresiasPolicy(Policy):
         self.spread_tolerance = spread_tolerance
 
     def options(self):
-        return {"thresholds": self.thresholds, "promote_knob": self.promote_knob, "locality": self.locality}
+        return {"thresholds": self.thresholds, "promote_knob": self.promote_knob, "locality": self.locality,
+                "spread_tolerance": self.spread_tolerance}
 
     def _finder(self, view: SchedulerView):
         est = view.estimator
