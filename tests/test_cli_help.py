@@ -207,3 +207,18 @@ def test_research_commands_help_is_not_cut_at_80_columns():
         assert "…" not in r.output, (args, [ln for ln in r.output.splitlines() if "…" in ln])
     r = runner.invoke(app, ["predict", "eval", "--help"], env={"COLUMNS": "80"})
     assert "gpu_num2, speed2" in " ".join(r.output.replace("│", " ").split())
+
+
+def test_the_command_list_gives_each_command_a_line_or_two(monkeypatch):
+    """`qosflow --help` lists the commands by their short help (click cuts the help at its first sentence only
+    when no short_help is given): `status` took eight lines of the list with its whole first paragraph."""
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("COLUMNS", "100")
+    out = CliRunner().invoke(app, ["--help"]).output
+    listing = out.split("Commands")[1]
+    rows = [ln for ln in listing.splitlines() if ln.startswith("│")]
+    starts = [i for i, ln in enumerate(rows) if ln[2:3].strip()]  # a command's name begins its first line
+    assert len(starts) >= 8
+    for i, nxt in zip(starts, starts[1:] + [len(rows)]):
+        assert nxt - i <= 2, rows[i:nxt]

@@ -97,7 +97,8 @@ def _hosts_table(st, *, online: bool) -> "Table":
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("status", help=HELP)
+    @app.command("status", help=HELP,
+                 short_help="Show what a `qosflow` work pool is doing: its workers, the stages running and waiting, and why.")
     def status_cmd(
         pool: str = typer.Option("gpu", "--pool", "-p", help="work pool name"),
         limit: int = typer.Option(200, "--limit", min=1, help="most stage runs to read"),
