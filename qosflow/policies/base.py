@@ -86,7 +86,7 @@ class Policy(ABC):
 
 def check_number(policy: str, name: str, value: Any, ok: Callable[[float], bool], want: str) -> None:
     """Refuse a constructor option that is not a number (a bool is not one) or fails `ok`: a ValueError
-    naming the policy, the option and what to give (as the qosflow policy's `_check_number`). NaN fails
+    naming the policy, the option and what to give. NaN fails
     every comparison, so an `ok` written as comparisons refuses it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
         raise ValueError(f"{policy} policy: {name} must be {want}, got {value!r}")

@@ -12,7 +12,7 @@ from qosflow.core.speed import width_fraction
 from qosflow.core.job import JobState
 from qosflow.core.placement import Placement
 from qosflow.policies import register
-from qosflow.policies.base import Decision, Policy, SchedulerView, check_choice
+from qosflow.policies.base import Decision, Policy, SchedulerView, check_choice, check_flag, check_number
 from qosflow.policies.common import WholeFailures, why_waiting
 from qosflow.policies.placement import find_share
 from qosflow.policies.qosflow_policy.colocation import KEPT_OFF, CoLocationMixin
@@ -24,12 +24,6 @@ from qosflow.policies.qosflow_policy.gpu_models import GpuModelsMixin
 from qosflow.policies.qosflow_policy.ordering import OrderingMixin, _ArrivalLog, _UsageLog
 from qosflow.policies.qosflow_policy.reservations import ReservationsMixin
 from qosflow.policies.qosflow_policy.whole_gpus import WholeGpusMixin
-
-
-def _check_number(name: str, value, ok, want: str) -> None:
-    """Refuse an option that is not a number (a bool is not one) or fails `ok`, naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise ValueError(f"qosflow policy: {name} must be {want}, got {value!r}")
 
 
 def _soon(s: float) -> str:
@@ -101,25 +95,25 @@ class QosflowPolicy(
         fair_weights: dict[str, float] | None = None,
         fair_margin: float = 0.1,
     ):
-        _check_number("express_share", express_share, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+        check_number("qosflow", "express_share", express_share, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
         for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
-            _check_number(name, value, lambda v: v >= 0, ">= 0 (seconds)")
-        _check_number("express_release", express_release, lambda v: v >= 0, ">= 0 (0: the lane never closes)")
-        _check_number("reserve_share", reserve_share, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (a share of the nodes)")
+            check_number("qosflow", name, value, lambda v: v >= 0, ">= 0 (seconds)")
+        check_number("qosflow", "express_release", express_release, lambda v: v >= 0, ">= 0 (0: the lane never closes)")
+        check_number("qosflow", "reserve_share", reserve_share, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (a share of the nodes)")
         for name, value in (("makespan_inflow", makespan_inflow), ("makespan_longest", makespan_longest),
                             ("starvation_backlog", starvation_backlog), ("deadline_band", deadline_band),
                             ("gpu_models", gpu_models), ("elastic", elastic), ("fair_share", fair_share)):
-            if not isinstance(value, bool):
-                raise ValueError(f"qosflow policy: {name} must be true or false, got {value!r}")
-        _check_number("fair_half_life", fair_half_life, lambda v: v >= 0 and math.isfinite(v), ">= 0 seconds (0: the GPUs a user holds now)")
-        _check_number("fair_margin", fair_margin, lambda v: v >= 0 and math.isfinite(v), ">= 0 (0.1: over once 10 % above the share)")
+            check_flag("qosflow", name, value)
+        check_number("qosflow", "fair_half_life", fair_half_life, lambda v: v >= 0 and math.isfinite(v),
+                     ">= 0 seconds (0: the GPUs a user holds now)")
+        check_number("qosflow", "fair_margin", fair_margin, lambda v: v >= 0 and math.isfinite(v), ">= 0 (0.1: over once 10 % above the share)")
         if fair_weights is not None:
             if not isinstance(fair_weights, dict):
                 raise ValueError(f"qosflow policy: fair_weights must be a mapping of user name to weight, e.g. {{'alice': 2}}, got {fair_weights!r}")
             for user, weight in fair_weights.items():
                 if not isinstance(user, str) or not user:
                     raise ValueError(f"qosflow policy: fair_weights: a user must be a name, got {user!r}")
-                _check_number(f"fair_weights[{user!r}]", weight, lambda v: v > 0 and math.isfinite(v), "a weight > 0")
+                check_number("qosflow", f"fair_weights[{user!r}]", weight, lambda v: v > 0 and math.isfinite(v), "a weight > 0")
         #: order the GPU jobs of a user over their fair share behind other users' (`OrderingMixin._fair_tiers`)
         self.fair_share = fair_share
         #: half-life (seconds) of the recent GPU usage a user's share is compared with (0: the GPUs held now)
