@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable, Mapping
 
-from qosflow.backends.kubernetes import (ANN_CAPACITY_OWNER, LABEL_CLUSTER, LABEL_POOL, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY, label_value,
+from qosflow.backends.kubernetes import (ANN_CAPACITY_OWNER, LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY, label_value, same_pool,
                                          stop_watch)
 from qosflow.backends.kubernetes import quantity as _quantity
 from qosflow.errors import SpecError
@@ -141,7 +141,7 @@ def counted(pod: Mapping, *, namespace: str, cluster_name: str, own_placeholders
     if md.get("namespace") == namespace:
         role, cluster = labels.get(LABEL_ROLE), labels.get(LABEL_CLUSTER)
         mine = cluster is None or cluster == _cluster_label(cluster_name)
-        if LABEL_STAGE in labels and role != ROLE_PIPELINE and mine and (not pool or labels.get(LABEL_POOL, pool) == pool):
+        if LABEL_STAGE in labels and role != ROLE_PIPELINE and mine and same_pool(labels, pool):
             return False
         if role == ROLE_CAPACITY and cluster is not None and mine:
             owner = (md.get("annotations") or {}).get(ANN_CAPACITY_OWNER)

@@ -184,6 +184,13 @@ def label_value(v: str) -> str:
     return s.strip("-_.") or "x"
 
 
+def same_pool(labels: Mapping[str, str] | None, pool_label: str) -> bool:
+    """Whether an object labelled `labels` is of the pool whose `LABEL_POOL` value is `pool_label`, as far as its labels
+    say: one without the label (an older version's), and every one while the pool is not known (`pool_label` ""), is."""
+    theirs = (labels or {}).get(LABEL_POOL)
+    return theirs is None or not pool_label or theirs == pool_label
+
+
 def _capacity_pod_fits(pod: Any, body: Mapping) -> bool:
     """Whether placeholder `pod` (a V1Pod, another maker's) asks for what `body` (this backend's manifest of the same
     name) would: one container with the same requests and limits (compared as quantities: the API server may write them
@@ -1090,8 +1097,7 @@ class KubernetesBackend(Backend):
         with another pool (`LABEL_POOL`; another pool's worker on the same cluster and namespace, with a block of the
         same name) is not, and is never adopted, swept or deleted here. One without the label (an older version's), and
         every one while this backend does not know its pool, is taken as this pool's, as before."""
-        theirs = (labels or {}).get(LABEL_POOL)
-        return theirs is None or not self._capacity_pool or theirs == self._pool_label()
+        return same_pool(labels, self._pool_label())
 
     async def _capacity_makers_alive(self, pools: Collection[str]) -> dict[str, set[str]] | None:
         """The live holder ids of each of `pools` (the lease store's presence, `capacity_peers`); None when that cannot be
@@ -1433,12 +1439,9 @@ class KubernetesBackend(Backend):
         if not self._capacity_pool or (md.annotations or {}).get(ANN_CAPACITY_OWNER) in self._capacity_owners:
             return ""
         ann_pool = (md.annotations or {}).get(ANN_CAPACITY_POOL) or ""
-        label_pool = (md.labels or {}).get(LABEL_POOL) or ""
         if ann_pool and ann_pool != self._capacity_pool:
             return ann_pool
-        if label_pool and label_pool != self._pool_label():
-            return label_pool
-        return ""
+        return "" if self.owns(md.labels) else md.labels[LABEL_POOL]
 
     async def _adopt_capacity_pod(self, pod: Any, job_id: str, maker: str, why: str = "") -> bool:
         """Make placeholder `pod` (made by `maker`, for stage `job_id`, which this backend now asks capacity for; left by
@@ -1813,9 +1816,9 @@ class KubernetesBackend(Backend):
             if e.status != 409:
                 raise
             cur = await self._acall(self.core.read_namespaced_secret, name, self.namespace, _doing=doing)
-            if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id or not self.owns(cur.metadata.labels):
-                whose = "stage" if self.owns(cur.metadata.labels) else "pool"
-                raise QosflowError(f"Secret {name} exists in {self.namespace} and belongs to another {whose}") from None
+            ours = self.owns(cur.metadata.labels)
+            if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id or not ours:
+                raise QosflowError(f"Secret {name} exists in {self.namespace} and belongs to another {'stage' if ours else 'pool'}") from None
             await self._acall(self.core.patch_namespaced_secret, name, self.namespace, {"data": secret["data"]},
                               _content_type="application/merge-patch+json", _doing=doing)
 
