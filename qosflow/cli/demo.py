@@ -59,12 +59,9 @@ def register(app: typer.Typer) -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         from qosflow.cli.output import check_file_and_dir, check_not_an_input, check_output_dir, check_output_file
 
-        import math
+        from qosflow.cli.init import check_cores_per_host
 
-        if not math.isfinite(cores):  # NaN passes min=1, and the server had started before the cluster refused it
-            from qosflow.errors import SpecError
-
-            raise SpecError("--cores-per-host", f"must be a finite number of CPU cores >= 1 (e.g. 16), got {cores!r}")
+        check_cores_per_host(cores)  # (before the server starts)
         check_not_an_input(json_out, {"--cluster": cluster})
         check_file_and_dir(json_out, home, "--json", "--home")  # the demo ran, then its JSON hit its home directory
         if json_out is not None:

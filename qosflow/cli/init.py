@@ -6,6 +6,18 @@ from typing import Optional
 
 import typer
 
+
+def check_cores_per_host(cores: float) -> None:
+    """Refuse a --cores-per-host that is NaN or infinite (init, demo): NaN passes typer's min=1, and ended in
+    pydantic's ValidationError traceback (init) or after the demo's server had started; inf was saved as is."""
+    import math
+
+    if not math.isfinite(cores):
+        from qosflow.errors import SpecError
+
+        raise SpecError("--cores-per-host", f"must be a finite number of CPU cores >= 1 (e.g. 16), got {cores!r}")
+
+
 HELP = """Register qosflow's blocks with the Prefect server and create a `qosflow` work pool.
 
 Uses the Prefect server of the current profile (PREFECT_API_URL). Saves a bare-metal cluster block
@@ -58,10 +70,7 @@ def register(app: typer.Typer) -> None:
         get_policy(policy)  # unknown names fail here with the list of known ones
         check_estimator_name(estimator)
         deadline = None if deadline is None else deadline_seconds(deadline)
-        import math
-
-        if not math.isfinite(cores):  # NaN passes min=1; was pydantic's ValidationError traceback (inf: saved as is)
-            raise SpecError("--cores-per-host", f"must be a finite number of CPU cores >= 1 (e.g. 16), got {cores!r}")
+        check_cores_per_host(cores)
         managed = f"{pool}-cluster"
         if cluster_block is not None:
             cluster_block = cluster_block.strip()
