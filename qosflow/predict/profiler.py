@@ -142,6 +142,12 @@ except Exception as exc:
     if isinstance(exc, ModuleNotFoundError) and exc.name and (mod == exc.name or mod.startswith(exc.name + ".")):
         fail(f"no module named {mod!r} (looked in the current directory {os.getcwd()} and the installed packages): "
              "run qosflow profile from the directory that holds it, or install its package")
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        # a package the module imports (torch, ...) that the Python running qosflow lacks: the module is fine,
+        # the interpreter is not the one it is meant for (was "fix the module")
+        fail(f"module {mod!r} imports {exc.name!r}, which is not installed for {sys.executable}, the Python that "
+             f"runs qosflow profile and the function: install it there ({sys.executable} -m pip install ...), or "
+             f"run the profile with the Python that has it: PYTHON -m qosflow profile {target} ...")
     fail(f"importing module {mod!r} failed: {type(exc).__name__}: {exc} (fix the module; the end of its traceback follows)")
 f = getattr(m, fn, None)
 if f is None:

@@ -32,14 +32,16 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
         if sig and duration_s and duration_s > 0:
             durations[sig].append(duration_s)
             last[sig] = (hid, stage, gpus)
-    profiled: dict[str, list[Any]] = defaultdict(list)  # signature -> step times `qosflow profile` stored
+    # signature -> (GPUs, GPU model, CPU cores, step time) of each sample `qosflow profile` stored
+    profiled: dict[str, list[tuple]] = defaultdict(list)
     solo_n: dict[str, int] = defaultdict(int)  # signature -> samples of finished stages that ran alone
     shared: dict[str, list[str]] = defaultdict(list)  # signature -> co-runners of those that did not
     solo: list[tuple] = []  # what the estimator learns GPU speeds from (`LearnedEstimator._load_history`)
-    for _id, sig, source, co_runner, step_time_s, gpus, gpu_type, placement in store.sample_rows(
-            "signature", "source", "co_runner", "step_time_s", "gpus", "gpu_type", "placement", signature=signature):
+    for _id, sig, source, co_runner, step_time_s, gpus, gpu_type, placement, cores in store.sample_rows(
+            "signature", "source", "co_runner", "step_time_s", "gpus", "gpu_type", "placement", "cpu_cores",
+            signature=signature):
         if source == "profile":  # `qosflow profile`'s (not a shipped reference table's)
-            profiled[sig].append(step_time_s)
+            profiled[sig].append((gpus, gpu_type, cores, step_time_s))
         elif source == "stage":
             if co_runner:
                 shared[sig].append(co_runner)
@@ -100,10 +102,9 @@ def stage_report(store: Any, *, signature: str | None = None) -> list[dict[str, 
     return rows + [_profiled_only(sig, times) for sig, times in profiled.items() if sig not in durations]
 
 
-def _profiled_only(sig: str, step_times: list[Any]) -> dict[str, Any]:
-    """The row of a signature `qosflow profile` measured (`step_times`: its samples') and no finished stage
-    has yet."""
-    steps = [t for t in step_times if t and t > 0]
+def _profiled_only(sig: str, samples: list[tuple]) -> dict[str, Any]:
+    """The row of a signature `qosflow profile` measured (`samples`: its samples' GPUs, GPU model, CPU cores
+    and step time) and no finished stage has yet."""
     return {
         "signature": sig,
         "stage": None,
@@ -114,13 +115,33 @@ def _profiled_only(sig: str, step_times: list[Any]) -> dict[str, Any]:
         "predicts_s": None,
         "predicts_low_s": None,
         "predicts_high_s": None,
-        "basis": (f"profiled only: step time {statistics.median(steps):.3g} s (median); the duration comes "
-                  "with the first finished run or the stage's expected_duration") if steps else "profiled only",
+        "basis": (f"profiled only, step time {_profiled_step_times(samples)}; the duration comes with the first "
+                  "finished run or the stage's expected_duration") if samples else "profiled only",
         "predictions_scored": 0,
         "mape": None,
         "last_ape": None,
         "solo_samples": 0,
         "shared_samples": 0,
         "co_runners": [],
-        "profiled_samples": len(step_times),
+        "profiled_samples": len(samples),
     }
+
+
+def _profiled_step_times(samples: list[tuple]) -> str:
+    """'with no GPU: 0.0533 s on 1 CPU core, 0.214 s on 2 CPU cores': the median step time of each configuration
+    profiled. One median over all of them (0.134 s there) mixed the core counts, which on a busy machine
+    differed four times over."""
+    by_config: dict[tuple, list[float]] = defaultdict(list)
+    for gpus, gpu_type, cores, t in samples:
+        if t and t > 0:
+            by_config[(gpus or 0, gpu_type or "", cores or 0)].append(t)
+    groups: dict[str, list[str]] = {}
+    for (gpus, gpu_type, cores), times in sorted(by_config.items()):
+        gpu = "no GPU" if not gpus else f"{gpus} GPU{'s' if gpus > 1 else ''} ({gpu_type or 'unknown model'})"
+        part = f"{statistics.median(times):.3g} s"
+        if cores:
+            part += f" on {cores} CPU core{'s' if cores > 1 else ''}"
+        if len(times) > 1:
+            part += f" (median of {len(times)})"
+        groups.setdefault(gpu, []).append(part)
+    return "; ".join(f"with {gpu}: {', '.join(parts)}" for gpu, parts in groups.items()) or "-"

@@ -120,8 +120,16 @@ def default_url() -> str:
 
 
 def _safe_url(url: str) -> str:
-    """The URL without its user and password."""
-    return url.split("@")[-1] if "@" in url else url
+    """The URL with its password masked ('***'). The scheme and user stay: a message about a URL that does not
+    parse showed only what followed the '@' ('127.0.0.1/h3' for postgres//qosflow@127.0.0.1/h3), so not the
+    mistake."""
+    if "@" not in url:
+        return url
+    head, host = url.rsplit("@", 1)
+    scheme, sep, cred = head.rpartition("://")
+    if ":" in cred:
+        cred = cred.split(":", 1)[0] + ":***"
+    return f"{scheme}{sep}{cred}@{host}"
 
 
 def _normalise_url(url: str) -> str:
@@ -479,6 +487,10 @@ class Store:
                 if must_exist and path:  # a reader (`qosflow predict stages`) of a store it may not write
                     hint += (f"; to read a store you may not write, copy {os.path.basename(path)} (with its -wal "
                              "file, if there is one) to a writable directory and give the copy")
+            else:  # was libpq's message alone: what failed, not what to check
+                hint = (f"; check that the PostgreSQL server at {sa.engine.make_url(url).host or 'localhost'}:{sa.engine.make_url(url).port or 5432} is running and reachable, and the "
+                        f"URL's user, password and database{' in $' + ENV_URL if from_env else ''} (the database must "
+                        f"exist: createdb); or {how}")
             raise QosflowError(f"cannot open the qosflow database {safe}{origin}: {exc.orig}{hint}") from exc
         except migrations.SchemaTooNew as exc:  # named the variable even for --db, and not the database
             engine.dispose()
