@@ -29,6 +29,19 @@ def stages(tmp_path, monkeypatch):
         def train(steps=3):
             pass
     """))
+    (tmp_path / "journey_lost.py").write_text(textwrap.dedent("""
+        import os, sqlite3, time
+        import qosflow
+
+        def train(steps=3):
+            # the store breaks while the stage runs (here its sample table goes; a server going away is the same)
+            con = sqlite3.connect(os.environ["JOURNEY_DB"])
+            con.execute("DROP TABLE sample")
+            con.commit()
+            con.close()
+            for _ in qosflow.track(range(steps)):
+                time.sleep(0.01)
+    """))
     (tmp_path / "journey_torch.py").write_text(textwrap.dedent("""
         import torch
         from torch import nn
@@ -115,3 +128,25 @@ def test_a_real_torch_training_stage_is_profiled_as_cpu_time_only(stages, url):
         assert s.step_time_s == pytest.approx(cfg.step_time_s) and 0 < s.step_time_s < cfg.wall_s
         curve = Predictor.open(store, reference=None).cpu_curve("journey_torch.train_cnn")
         assert curve.basis.startswith("fallback:coda-default")  # one core count: no curve yet, and it says so
+
+
+def test_measurements_a_store_cannot_take_are_still_shown_and_written(stages, tmp_path, monkeypatch, capsys):
+    """The database went away while the function ran (a PostgreSQL server that stopped accepting connections):
+    a traceback, and the minutes of measurements were neither shown nor written to --json."""
+    import json
+
+    from qosflow.cli.main import main
+
+    db = tmp_path / "lost.db"
+    monkeypatch.setenv("JOURNEY_DB", str(db))
+    out_json = tmp_path / "measured.json"
+    rc = main(["profile", "journey_lost:train", "--steps", "2", "--cores", "1", "--db", f"sqlite:///{db}",
+               "--json", str(out_json)])
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    assert "the measurements were not stored in sqlite:///" in err and "no such table: sample" in err, err
+    assert f"the measurements are above and in {out_json}" in err and "run the profile again" in err, err
+    assert "stored 1 samples" not in out and "journey_lost.train" in out, out
+    res = json.loads(out_json.read_text())
+    [cfg] = res["configs"]
+    assert cfg["steps"] == 2 and cfg["step_time_s"] > 0 and "no such table" in res["store_error"]

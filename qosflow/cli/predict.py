@@ -369,11 +369,14 @@ def profile_cmd(
             + ": call qosflow.track(...) or qosflow.report_progress(step, total) in the function; a step time needs "
             "the warm-up step and at least one more" + ("; or raise --budget" if budget_hit else ""),
             style="red")
-    if store is not None:
+    if store is not None and res.store_error is None:
         console.print(f"stored {res.stored_samples} samples in {res.database}")
     if json_out is not None:
         _write_json(json_out, res.to_dict())
         console.print(f"wrote {json_out}")
+    if res.store_error is not None:
+        raise QosflowError(f"{res.store_error}; the measurements are above{' and in ' + str(json_out) if json_out else ''}: "
+                           "make the database reachable and writable, then run the profile again")
     if not any(c.steps for c in res.configs):
         raise typer.Exit(1)
 

@@ -110,6 +110,8 @@ class ProfileResult:
     configs: list[ConfigResult] = field(default_factory=list)
     stored_samples: int = 0
     database: str | None = None
+    #: why storing the measurements failed (the database went away while the function ran), else None
+    store_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -327,20 +329,33 @@ def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s
     if signature is None:  # what the worker will call the stage, so that its estimates use this profile
         result.signature = next((c.signature for c in result.configs if c.signature), None) or target
     if store is not None:
-        gpu_type = short_gpu_model(gpu.name) if gpu.name else CPU_ONLY
-        samples = []
-        for r in result.configs:
-            if r.step_time_s is None:
-                continue
-            samples.append({
-                "signature": result.signature, "gpus": r.gpus, "gpu_type": gpu_type,
-                "cpu_cores": r.cpu_cores, "step_time_s": r.step_time_s, "steps": r.steps, "source": "profile",
-                "gpu_util_pct": r.gpu_util_pct, "gpu_mem_mb": r.gpu_mem_mb,
-            })
-        store.add_samples(samples)
-        result.stored_samples = len(samples)
-        best = min((r for r in result.configs if r.step_time_s), key=lambda r: r.step_time_s, default=None)
-        if best is not None:
-            store.add_profile(result.signature, best.step_time_s, gpu_type=gpu_type, cpu_cores=best.cpu_cores)
+        import sqlalchemy as sa
+
         result.database = store.safe_url
+        try:
+            _store(store, result, short_gpu_model(gpu.name) if gpu.name else CPU_ONLY)
+        except (QosflowError, sa.exc.SQLAlchemyError) as exc:
+            # the database went away while the function ran (minutes, maybe): was a traceback, and the
+            # measurements were neither printed nor written to --json
+            done = f" (its {result.stored_samples} samples were, not the profile)" if result.stored_samples else ""
+            result.store_error = (f"the measurements were not stored in {store.safe_url}{done}: "
+                                  f"{getattr(exc, 'orig', None) or exc}")
     return result
+
+
+def _store(store: Any, result: ProfileResult, gpu_type: str) -> None:
+    """Each measured configuration as a sample, the fastest as the signature's profile too."""
+    samples = []
+    for r in result.configs:
+        if r.step_time_s is None:
+            continue
+        samples.append({
+            "signature": result.signature, "gpus": r.gpus, "gpu_type": gpu_type,
+            "cpu_cores": r.cpu_cores, "step_time_s": r.step_time_s, "steps": r.steps, "source": "profile",
+            "gpu_util_pct": r.gpu_util_pct, "gpu_mem_mb": r.gpu_mem_mb,
+        })
+    store.add_samples(samples)
+    result.stored_samples = len(samples)
+    best = min((r for r in result.configs if r.step_time_s), key=lambda r: r.step_time_s, default=None)
+    if best is not None:
+        store.add_profile(result.signature, best.step_time_s, gpu_type=gpu_type, cpu_cores=best.cpu_cores)
