@@ -29,6 +29,14 @@ def stages(tmp_path, monkeypatch):
         def train(steps=3):
             pass
     """))
+    (tmp_path / "journey_plain.py").write_text(textwrap.dedent("""
+        import time
+        import qosflow
+
+        def train(steps=3):
+            for _ in qosflow.track(range(steps)):
+                time.sleep(0.01)
+    """))
     (tmp_path / "journey_lost.py").write_text(textwrap.dedent("""
         import os, sqlite3, time
         import qosflow
@@ -150,3 +158,16 @@ def test_measurements_a_store_cannot_take_are_still_shown_and_written(stages, tm
     res = json.loads(out_json.read_text())
     [cfg] = res["configs"]
     assert cfg["steps"] == 2 and cfg["step_time_s"] > 0 and "no such table" in res["store_error"]
+
+
+def test_the_profile_table_without_gpu_fits_80_columns(stages, capsys, monkeypatch):
+    """At a terminal's usual 80 columns the stopped reason was cut to "2 steps reac…" (a GPUs column of zeros
+    beside the line saying there is no GPU took its room)."""
+    from qosflow.cli.main import main
+
+    if detect_gpu().present:
+        pytest.skip("a GPU is present: the GPU columns are shown")
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["profile", "journey_plain:train", "--steps", "2", "--cores", "1", "--no-store"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "reached" in out and "GPUs" not in out, out

@@ -341,8 +341,10 @@ def profile_cmd(
     table = Table(title=f"profile of {res.signature}")
     # without a GPU (said on the line above) the GPU columns are left out: two columns of "n/a (no GPU)"
     # made the table wrap its headers and cut "finished" to "finish…" at 100 columns
+    # (and the GPUs column, all 0: at 80 columns the stopped reason was cut to "10 steps reac…")
     gpu_cols = ("GPU util", "GPU mem") if res.gpu.present else ()
-    for col in ("CPU cores", "GPUs", "steps", "step time", "sd", "CPU time", "wall", *gpu_cols, "stopped"):
+    gpus_col = ("GPUs",) if res.gpu.present else ()
+    for col in ("CPU cores", *gpus_col, "steps", "step time", "sd", "CPU time", "wall", *gpu_cols, "stopped"):
         table.add_column(col, no_wrap=col != "stopped")
     for c in res.configs:
         gpu_cells = (
@@ -350,7 +352,7 @@ def profile_cmd(
             "-" if c.gpu_mem_mb is None else f"{c.gpu_mem_mb:.0f} MiB",
         ) if res.gpu.present else ()
         table.add_row(
-            str(c.cpu_cores), str(c.gpus), str(c.steps),
+            str(c.cpu_cores), *((str(c.gpus),) if res.gpu.present else ()), str(c.steps),
             "-" if c.step_time_s is None else f"{c.step_time_s * 1e3:.2f} ms",
             "-" if c.step_time_sd_s is None else f"{c.step_time_sd_s * 1e3:.2f} ms",
             f"{c.cpu_time_s:.2f} s", f"{c.wall_s:.2f} s",
