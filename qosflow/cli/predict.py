@@ -362,7 +362,7 @@ def profile_cmd(
     console.print(table)
     # "CPU time 1.72 s" next to 5 steps of 12 ms read as the steps' cost; it is mostly Python starting up
     console.print("CPU time and wall: the whole run of the function's process, with Python's start-up, the imports "
-                  "and the warm-up step; step time and sd: the measured steps only")
+                  "and the warm-up step, and the processes it started; step time and sd: the measured steps only")
     if any(c.steps == 0 for c in res.configs):
         # step 1 is the warm-up: a step time needs the end of step 2 (and step 1's start or end)
         budget_hit = any(c.steps == 0 and c.stopped.startswith("budget") for c in res.configs)
