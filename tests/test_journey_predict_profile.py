@@ -3,6 +3,7 @@ what the store then shows, and the messages of a wrong interpreter or database."
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
@@ -162,8 +163,6 @@ def test_a_real_torch_training_stage_is_profiled_as_cpu_time_only(stages, url):
 def test_measurements_a_store_cannot_take_are_still_shown_and_written(stages, tmp_path, monkeypatch, capsys):
     """The database went away while the function ran (a PostgreSQL server that stopped accepting connections):
     a traceback, and the minutes of measurements were neither shown nor written to --json."""
-    import json
-
     from qosflow.cli.main import main
 
     db = tmp_path / "lost.db"
@@ -204,3 +203,26 @@ def test_the_cpu_time_counts_the_processes_the_function_started(stages):
     own, worker = (float(x) for x in (stages / "cpu.txt").read_text().split())
     tick = 1 / os.sysconf("SC_CLK_TCK")  # /proc counts whole clock ticks: a few per process may be cut off
     assert cfg.stopped == "2 steps reached" and cfg.cpu_time_s >= own + worker - 4 * tick, (cfg, own, worker)
+
+
+def test_a_profile_on_cores_other_processes_keep_busy_says_so(stages, capsys, monkeypatch):
+    """On the shared 2-core machine a CNN's 2-core steps took 4 to 30 times its 1-core ones, stored and shown
+    without a word on why (others' work on the same cores). A process spinning on the core the profile pins
+    its function to is such work."""
+    import subprocess
+
+    from qosflow.cli.main import main
+
+    core = sorted(os.sched_getaffinity(0))[0]  # the profile's 1-core run pins its function there
+    spin = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, [{core}])\nwhile True: pass"])
+    try:
+        monkeypatch.setenv("COLUMNS", "200")
+        assert main(["profile", "journey_plain:train", "--steps", "3", "--cores", "1", "--no-store",
+                     "--json", "busy.json"]) == 0
+    finally:
+        spin.kill()
+        spin.wait()
+    out = " ".join(capsys.readouterr().out.split())
+    [cfg] = json.loads((stages / "busy.json").read_text())["configs"]
+    assert cfg["others_busy_pct"] >= 25, cfg  # the spinning process has half the core at least
+    assert f"during the 1-core run other processes kept its core {cfg['others_busy_pct']:.0f} % busy" in out, out

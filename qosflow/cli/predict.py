@@ -363,6 +363,13 @@ def profile_cmd(
     # "CPU time 1.72 s" next to 5 steps of 12 ms read as the steps' cost; it is mostly Python starting up
     console.print("CPU time and wall: the whole run of the function's process, with Python's start-up, the imports "
                   "and the warm-up step, and the processes it started; step time and sd: the measured steps only")
+    for c in res.configs:  # a busy machine: on 2 shared cores a CNN's 2-core steps took 4-30 times its 1-core ones
+        if c.steps and c.others_busy_pct is not None and c.others_busy_pct >= BUSY_WARN_PCT:
+            cores = "its core" if c.cpu_cores == 1 else f"its {c.cpu_cores} cores"
+            console.print(f"during the {c.cpu_cores}-core run other processes kept {cores} {c.others_busy_pct:.0f} % "
+                          "busy: its step times include waiting for them (they are stored as measured); profile "
+                          "again when the machine is idle for the stage's own speed",
+                          style="yellow", highlight=False)
     if any(c.steps == 0 for c in res.configs):
         # step 1 is the warm-up: a step time needs the end of step 2 (and step 1's start or end)
         budget_hit = any(c.steps == 0 and c.stopped.startswith("budget") for c in res.configs)
@@ -381,6 +388,10 @@ def profile_cmd(
                            "make the database reachable and writable, then run the profile again")
     if not any(c.steps for c in res.configs):
         raise typer.Exit(1)
+
+
+#: `qosflow profile` warns when other processes kept the pinned cores at least this busy (per cent)
+BUSY_WARN_PCT = 25
 
 
 def register(app: typer.Typer) -> None:

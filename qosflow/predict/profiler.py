@@ -98,6 +98,9 @@ class ConfigResult:
     gpu_util_pct: float | None = None
     gpu_mem_mb: float | None = None
     stopped: str = "finished"
+    #: how busy other processes kept the cores the function was pinned to meanwhile (per cent of those cores'
+    #: time; /proc/stat less the function's own CPU time), None where /proc/stat cannot be read
+    others_busy_pct: float | None = None
     #: the signature the target's process derived (module.function; a @qos_task's stage signature)
     signature: str | None = None
 
@@ -241,6 +244,8 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
         sampler = _NvmlSampler() if gpu.present else None
         if sampler:
             sampler.start()
+        pinned = sorted(os.sched_getaffinity(0))[:cores]  # the cores the runner pins itself to
+        busy0 = _cores_busy_s(pinned)
         t0 = time.monotonic()
         ru0 = os.times()
         # stderr goes to a file, not a pipe: a chatty function would fill a pipe nobody reads while it
@@ -273,6 +278,7 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
                 proc.wait()
             wall = time.monotonic() - t0
             ru1 = os.times()
+            busy1 = _cores_busy_s(pinned)
             if sampler:
                 sampler.stop()
             errf.seek(0)
@@ -297,6 +303,8 @@ def run_config(target: str, steps: int, cores: int, budget_s: float, gpu: GpuInf
         step_time_sd_s=statistics.stdev(times) if len(times) > 1 else None,
         cpu_time_s=cpu, wall_s=wall, stopped=stopped, signature=derived or None,
     )
+    if busy0 is not None and busy1 is not None and wall > 0:
+        res.others_busy_pct = 100 * min(1.0, max(0.0, (busy1 - busy0 - cpu) / (wall * len(pinned))))
     if sampler and sampler.util:
         res.gpu_util_pct = statistics.mean(sampler.util)
         res.gpu_mem_mb = max(sampler.mem_mb)
@@ -315,6 +323,19 @@ def _group_cpu_s(pgid: int) -> float:
         except (TypeError, ValueError):  # gone meanwhile
             continue
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def _cores_busy_s(cpus: list[int]) -> float | None:
+    """Seconds the CPUs `cpus` have spent busy since boot, whoever ran (/proc/stat: user, nice, system, irq,
+    softirq, steal); None without /proc/stat."""
+    want = {f"cpu{c}" for c in cpus}
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            rows = [ln.split() for ln in fh if ln.startswith("cpu")]
+    except OSError:
+        return None
+    ticks = sum(int(r[i]) for r in rows if r[0] in want for i in (1, 2, 3, 6, 7, 8) if i < len(r))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def default_core_counts() -> list[int]:
