@@ -226,3 +226,15 @@ def test_a_profile_on_cores_other_processes_keep_busy_says_so(stages, capsys, mo
     [cfg] = json.loads((stages / "busy.json").read_text())["configs"]
     assert cfg["others_busy_pct"] >= 25, cfg  # the spinning process has half the core at least
     assert f"during the 1-core run other processes kept its core {cfg['others_busy_pct']:.0f} % busy" in out, out
+
+
+def test_a_signature_the_store_refuses_is_refused_before_the_measurements(stages, tmp_path, capsys):
+    """A --signature over 500 characters was measured for minutes, then refused by the store, with the advice
+    to make the database reachable."""
+    from qosflow.cli.main import main
+
+    rc = main(["profile", "journey_plain:train", "--steps", "2", "--cores", "1", "--signature", "x" * 501,
+               "--db", f"sqlite:///{tmp_path / 'q.db'}"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "--signature: invalid signature: longer than 500 characters" in err, err
+    assert "profile of" not in out and "not stored" not in err, (out, err)

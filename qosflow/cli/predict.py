@@ -322,6 +322,10 @@ def profile_cmd(
     if signature is not None and not signature.strip():  # '  ' failed after the measurements ('sample 0: ...')
         raise SpecError("--signature", f"{signature!r} is empty; give the stage's signature (as `qosflow predict stages` "
                                        "shows it), or leave --signature out for the one the worker gives the stage")
+    if signature is not None and not no_store:  # what the store refuses, refused before the measurements
+        from qosflow.store.store import validate_sample
+
+        validate_sample({"signature": signature, "step_time_s": 1.0}, where="--signature")
     if json_out is not None:
         _check_output_file(json_out)
         check_not_an_input(json_out, {"TARGET module": _module_file(target), "--db": None if no_store else _sqlite_file(db)})
