@@ -2,7 +2,8 @@
 
 It serves the real REST paths and JSON for Nodes, Pods, Jobs, Secrets, ConfigMaps and custom resources (create, get,
 list, watch with resourceVersion, bookmarks and 410 Gone, delete, 409 conflicts, injectable 500s; the API's traffic
-counted per verb and resource in `GET /emulator/state`) and "runs"
+counted per verb and resource in `GET /emulator/state`; every request recorded in RBAC's terms, `requests()`; RBAC
+from Role/ClusterRole manifests judged for token users, `set_rbac`, `api_client(user=...)`) and "runs"
 Jobs by creating Pods and moving them through their phases, so the official `kubernetes` Python
 client (and `qosflow.backends.kubernetes`) can be exercised without a cluster. No container runs.
 Failure injection: OOMKilled, ImagePullBackOff, Evicted, Unschedulable, exit codes, lost nodes.
@@ -97,13 +98,43 @@ class EmulatorServer:
         self.stop()
 
     # -------------------------------------------------------------- clients and controls
-    def api_client(self):
-        """An official `kubernetes.client.ApiClient` pointed at the emulator."""
+    def api_client(self, user: str | None = None):
+        """An official `kubernetes.client.ApiClient` pointed at the emulator: as its admin (no token: every request
+        allowed), or as `user` (e.g. "system:serviceaccount:qosflow:qosflow-worker", a bearer token the emulator issues),
+        whose requests the RBAC in force (`set_rbac`) judges."""
         from kubernetes import client
 
         cfg = client.Configuration()
         cfg.host = self.url
+        if user is not None:
+            cfg.api_key = {"authorization": self._ctl("POST", "tokens", {"user": user})["token"]}
+            cfg.api_key_prefix = {"authorization": "Bearer"}
         return client.ApiClient(cfg)
+
+    def set_rbac(self, manifests: str | list[dict]) -> None:
+        """Put RBAC in force for the token users (`api_client(user=...)`): `manifests` are Roles, ClusterRoles and their
+        bindings (YAML text, several documents, or the parsed objects; other kinds are ignored). A request they do not
+        allow gets 403 Forbidden with the API server's message. Manifests it cannot read: ValueError naming the document."""
+        import yaml
+
+        docs = [d for d in yaml.safe_load_all(manifests) if d] if isinstance(manifests, str) else list(manifests)
+        r = httpx.post(f"{self.url}/emulator/rbac", json={"docs": docs}, timeout=10)
+        if r.status_code == 400:
+            raise ValueError(r.json()["message"])
+        r.raise_for_status()
+
+    def clear_rbac(self) -> None:
+        """Every request allowed again (the default)."""
+        self._ctl("DELETE", "rbac")
+
+    def requests(self, user: str | None = None) -> list[dict]:
+        """The API requests served so far in RBAC's terms: {"user", "verb", "group", "resource", "subresource",
+        "namespace" ("" at the cluster scope), "allowed", "count"}; `user`: that user's only ("" the admin's)."""
+        reqs = self._ctl("GET", "requests")["requests"]
+        return [r for r in reqs if user is None or r["user"] == user]
+
+    def clear_requests(self) -> None:
+        self._ctl("DELETE", "requests")
 
     def _ctl(self, method: str, path: str, body: Any = None) -> Any:
         r = httpx.request(method, f"{self.url}/emulator/{path}", json=body, timeout=10)

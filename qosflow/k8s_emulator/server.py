@@ -29,6 +29,11 @@ Controls (not Kubernetes): POST /emulator/nodes, /emulator/nodes/{name}/lose, /e
 (failure injection for new pods), /emulator/faults (HTTP errors such as 500 or 403, matched on method, path
 and query string), /emulator/compact
 (expire every resourceVersion so far); DELETE /emulator/rules, /emulator/faults; GET /emulator/state.
+GET /emulator/requests: every API request served in RBAC's terms (user, verb, group, resource, subresource, namespace,
+allowed, count; DELETE clears it). POST /emulator/tokens {"user": ...}: a bearer token for that user; POST /emulator/rbac
+{"docs": [Role, ClusterRole, RoleBinding, ClusterRoleBinding...]}: RBAC in force for token users (a refused request
+gets the API server's 403 Forbidden Status; a request without a token is the emulator's admin's, always allowed);
+DELETE /emulator/rbac: everything allowed again (the default). See rbac.py.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from qosflow.k8s_emulator.rbac import Authorizer, RbacError, forbidden_message, request_attributes
 from qosflow.k8s_emulator.state import ApiError, Cluster, fields_match, gpu_node, labels_match, merge_patch, parse_label_selector
 
 _TRUE = ("true", "1", "yes")
@@ -302,6 +308,33 @@ def create_app(cluster: Cluster):
         cluster.faults.append(f)
         return JSONResponse({"faults": cluster.faults}, status_code=201)
 
+    async def ctl_requests(request: Request) -> Response:
+        if request.method == "DELETE":
+            cluster.requests.clear()
+        keys = ("user", "verb", "group", "resource", "subresource", "namespace", "allowed")
+        return JSONResponse({"requests": [{**dict(zip(keys, k)), "count": n} for k, n in cluster.requests.items()]})
+
+    async def ctl_rbac(request: Request) -> Response:
+        if request.method == "DELETE":
+            cluster.rbac = None
+            return JSONResponse({"rbac": False})
+        try:
+            docs = (await request.json()).get("docs")
+            if not isinstance(docs, list):
+                raise RbacError('the body must be {"docs": [the RBAC manifests as JSON objects]}')
+            cluster.rbac = Authorizer(docs)
+        except (RbacError, ValueError, AttributeError) as e:
+            return _err(ApiError(400, "BadRequest", f"RBAC manifests: {e}"))
+        return JSONResponse({"rbac": True, "roles": len(cluster.rbac.roles), "bindings": len(cluster.rbac.bindings)}, status_code=201)
+
+    async def ctl_tokens(request: Request) -> Response:
+        user = (await request.json()).get("user")
+        if not isinstance(user, str) or not user:
+            return _err(ApiError(400, "BadRequest", 'the body must be {"user": "system:serviceaccount:NAMESPACE:NAME" (or another user name)}'))
+        token = f"emulator-token-{len(cluster.tokens) + 1}"
+        cluster.tokens[token] = user
+        return JSONResponse({"user": user, "token": token}, status_code=201)
+
     async def ctl_compact(request: Request) -> Response:
         store.compact()
         return JSONResponse({"compacted_rv": store.compacted_rv})
@@ -326,6 +359,9 @@ def create_app(cluster: Cluster):
             Route("/emulator/rules", ctl_rules, methods=["POST", "DELETE"]),
             Route("/emulator/faults", ctl_faults, methods=["POST", "DELETE"]),
             Route("/emulator/compact", ctl_compact, methods=["POST"]),
+            Route("/emulator/requests", ctl_requests, methods=["GET", "DELETE"]),
+            Route("/emulator/rbac", ctl_rbac, methods=["POST", "DELETE"]),
+            Route("/emulator/tokens", ctl_tokens, methods=["POST"]),
             Route("/emulator/state", ctl_state, methods=["GET"]),
             Route("/{path:path}", rest, methods=methods),
         ],
@@ -361,6 +397,30 @@ def create_app(cluster: Cluster):
                     resp = _err(ApiError(code, reason, f.get("message", f"Internal error occurred: injected by the emulator ({code})")))
                     await resp(scope, receive, send)
                     return
+            refused = authorize(scope, method, path, query)
+            if refused is not None:
+                await _err(refused)(scope, receive, send)
+                return
         await app(scope, receive, send)
+
+    def authorize(scope, method: str, path: str, query: str) -> ApiError | None:
+        """As the API server: the bearer token's user (none: the emulator's admin; a token of no user: 401), then RBAC
+        (`cluster.rbac`) on that user's request (403 with the API server's message); the request recorded with its
+        RBAC attributes and outcome (`cluster.requests`, `GET /emulator/requests`)."""
+        attrs = request_attributes(method, path, query)
+        if attrs is None:
+            return None
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode(errors="replace")
+        token = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else ""
+        user = cluster.tokens.get(token) if token else ""
+        if user is None:
+            return ApiError(401, "Unauthorized", "Unauthorized")
+        allowed = not user or cluster.rbac is None or cluster.rbac.allows(user, attrs)
+        key = (user, attrs.verb, attrs.group, attrs.resource, attrs.subresource, attrs.namespace, allowed)
+        cluster.requests[key] = cluster.requests.get(key, 0) + 1
+        if allowed:
+            return None
+        details = {"kind": attrs.resource, **({"group": attrs.group} if attrs.group else {}), **({"name": attrs.name} if attrs.name else {})}
+        return ApiError(403, "Forbidden", forbidden_message(user, attrs), details)
 
     return with_faults

@@ -511,6 +511,13 @@ class Cluster:
         self.faults: list[dict] = []  # HTTP faults (method, path regex, status, count)
         #: "VERB resource" (LIST nodes, WATCH nodes, GET pods...) -> requests and response body bytes served
         self.traffic: dict[str, dict[str, int]] = {}
+        #: every API request served, in RBAC's terms: (user, verb, group, resource, subresource, namespace, allowed) -> how
+        #: many (`rbac.request_attributes`; user "" for a request without a token: the emulator's admin)
+        self.requests: dict[tuple[str, str, str, str, str, str, bool], int] = {}
+        #: RBAC in force (`rbac.Authorizer`), or None: every request allowed. It judges the requests of token users only
+        self.rbac: Any = None
+        #: bearer token -> user name (`POST /emulator/tokens`): a request with a token of no user gets 401
+        self.tokens: dict[str, str] = {}
         self.timeline: dict[str, dict[str, Any]] = {}  # pod uid -> private lifecycle data
         self._stopping: list[subprocess.Popen] = []  # processes of deleted pods being stopped (SIGTERM, grace period)
 
