@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable, Mapping
 
-from qosflow.backends.kubernetes import (ANN_CAPACITY_OWNER, LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, ROLE_CAPACITY, label_value, same_pool,
-                                         stop_watch)
+from qosflow.backends.kubernetes import (ANN_CAPACITY_OWNER, LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, RBAC_MANIFEST, ROLE_CAPACITY, label_value,
+                                         rbac_refusal, same_pool, stop_watch)
 from qosflow.backends.kubernetes import quantity as _quantity
 from qosflow.errors import SpecError
 
@@ -235,8 +235,9 @@ def list_bound_pods(backend: Any, *, with_version: bool = False) -> Any:
                 raise
             backend._pods_namespaced_only = True
             log.warning("Kubernetes cluster %r: the worker's account may not list pods in all namespaces (403): only the pods of "
-                        "namespace %s are booked on their nodes; grant it list on pods cluster-wide so that other users' pods "
-                        "and DaemonSets are too", backend.cluster_name, backend.namespace)
+                        "namespace %s are booked on their nodes; grant it list and watch on pods cluster-wide (the ClusterRole "
+                        "qosflow-worker-pods of %s) so that other users' pods and DaemonSets are too", backend.cluster_name,
+                        backend.namespace, RBAC_MANIFEST)
     if resp is None:
         resp = backend._call(backend.core.list_namespaced_pod, backend.namespace, field_selector=POD_FIELD_SELECTOR, _preload_content=False,
                              _doing="list the pods bound to its nodes")
@@ -418,8 +419,8 @@ class PodInformer:
                 if e.status == 403:
                     self.forbidden = True
                     log.warning("Kubernetes cluster %r: the worker's account may list pods but not watch them (403): the pods "
-                                "on the nodes are listed at the heartbeats (every %g s) instead; grant it watch on pods",
-                                be.cluster_name, float(getattr(be, "pod_usage_every_s", POD_READ_S)))
+                                "on the nodes are listed at the heartbeats (every %g s) instead; grant it watch on pods (%s)",
+                                be.cluster_name, float(getattr(be, "pod_usage_every_s", POD_READ_S)), rbac_refusal(e) or RBAC_MANIFEST)
                     return
                 be.stats["pod_watch_broken"] = be.stats.get("pod_watch_broken", 0) + 1
                 raise

@@ -169,6 +169,50 @@ class _quiet_retries:
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
+#: the RBAC manifest that grants the worker's account what the backend asks of the API (deploy/kubernetes/README.md)
+RBAC_MANIFEST = "deploy/kubernetes/worker-rbac.yaml"
+#: the API server's message for a request RBAC refused (its forbiddenMessage)
+_RBAC_REFUSED = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<resource>[^"]+)" in API group "(?P<group>[^"]*)" '
+                           r'(?:in the namespace "(?P<ns>[^"]+)"|at the cluster scope)')
+
+
+def rbac_refusal(e: Any) -> str | None:
+    """What a 403 of the API server refused and how to fix it, when RBAC refused it (its Status message names the user,
+    verb, resource, API group and namespace): "the account U may not create jobs.batch in namespace ml: apply ...".
+    None for any other answer, and for a 403 that is not RBAC's (a ResourceQuota, Pod Security, an admission webhook)."""
+    if getattr(e, "status", None) != 403:
+        return None
+    try:
+        message = json.loads(e.body or "{}").get("message") or ""
+    except (ValueError, TypeError, AttributeError):
+        return None
+    m = _RBAC_REFUSED.search(message)
+    if m is None:
+        return None
+    resource = f"{m['resource']}.{m['group']}" if m["group"] else m["resource"]
+    where = f"in namespace {m['ns']}" if m["ns"] else "at the cluster scope"
+    return (f"the account {m['user']} may not {m['verb']} {resource} {where}: apply {RBAC_MANIFEST} (see deploy/kubernetes/README.md) "
+            "or grant it that rule")
+
+
+@functools.cache
+def _forbidden_type() -> type:
+    from kubernetes.client.exceptions import ApiException
+
+    class KubernetesForbidden(ApiException):
+        """A 403 that RBAC gave (still an ApiException: status, reason, body), whose text says what was refused and the
+        fix (`refusal`), not the client's "(403) Reason: Forbidden" and headers."""
+
+        def __init__(self, e: Any, message: str, refusal: str):
+            super().__init__(status=e.status, reason=e.reason)
+            self.body, self.headers, self.message, self.refusal = e.body, e.headers, message, refusal
+
+        def __str__(self) -> str:
+            return self.message
+
+    return KubernetesForbidden
+
+
 def stop_watch(w: Any) -> None:
     """Stop a `kubernetes.watch.Watch` that may be None or already closed (its stream then ends at its next read)."""
     if w is not None:
@@ -547,6 +591,11 @@ class KubernetesBackend(Backend):
                         self.stats["api_5xx_retried"] += 1
                         time.sleep(0.05 * 2**i)
                         continue
+                    refusal = rbac_refusal(e)
+                    if refusal is not None and not hasattr(e, "refusal"):  # (RBAC's 403: said with what and how to fix it)
+                        doing = _doing or getattr(fn, "__name__", "call it").replace("_namespaced", "").replace("_", " ")
+                        raise _forbidden_type()(e, f"Kubernetes cluster {self.cluster_name!r}: the API server at {self._api_host} "
+                                                   f"answered 403 Forbidden to {doing}: {refusal}", refusal) from None
                     raise
                 except (urllib3.exceptions.HTTPError, OSError) as e:
                     why = getattr(e, "reason", None) or e
@@ -612,8 +661,7 @@ class KubernetesBackend(Backend):
         except ApiException as e:
             if e.status in (401, 403):
                 fix = ("its credentials were refused: check the kubeconfig's user/token" if e.status == 401 else
-                       "its user may not list nodes: grant it get/list/watch on nodes, create/delete on jobs and pods, "
-                       "and get/list/create/patch/delete on secrets")
+                       getattr(e, "refusal", None) or f"its user may not list nodes: apply {RBAC_MANIFEST} (see deploy/kubernetes/README.md)")
                 raise QosflowError(f"Kubernetes cluster {self.cluster_name!r}: the API server at {host} answered {e.status} {e.reason} "
                                    f"to listing nodes; {fix}") from None
             raise
@@ -776,9 +824,10 @@ class KubernetesBackend(Backend):
                 except Exception as exc:  # noqa: BLE001 - the heartbeat LISTs meanwhile, and says what is wrong
                     failures += 1
                     why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    refusal = rbac_refusal(exc)  # (the WATCH refused: the heartbeats LIST the nodes for ever, said once)
                     if why != self._node_error:
-                        log.debug("Kubernetes cluster %r: the node watch broke (%s); the nodes are listed at each heartbeat "
-                                  "until it is open again", self.cluster_name, why)
+                        log.log(logging.WARNING if refusal else logging.DEBUG, "Kubernetes cluster %r: the node watch broke (%s); the nodes "
+                                "are listed at each heartbeat until it is open again", self.cluster_name, refusal or why)
                     self._node_error = why
                     self._node_stop.wait(min(5.0, 0.2 * 2 ** min(failures, 5)))
                 finally:
@@ -999,7 +1048,8 @@ class KubernetesBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - a clean-up: said once per distinct failure, tried again later
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if why != self._sweep_error:
-                fix = " (the worker's account needs list on secrets and get on jobs in the namespace)" if " 403" in f" {why}" or "(403)" in why else ""
+                fix = (" (the worker's account needs list on secrets and get on jobs in the namespace)"
+                       if (" 403" in f" {why}" or "(403)" in why) and not hasattr(exc, "refusal") else "")
                 log.warning("Kubernetes cluster %r: could not look for orphaned stage Secrets in %s: %s%s; trying again in %gs",
                             self.cluster_name, self.namespace, why, fix, self.orphan_sweep_s)
             self._sweep_error = why
@@ -1793,7 +1843,8 @@ class KubernetesBackend(Backend):
             await create(step)
         except ApiException as e:
             what = step["what"]
-            handle.ref["launch_error"] = f"Kubernetes API answered {e.status} {e.reason}" + (f" to: {what}" if what != "create" else "")
+            handle.ref["launch_error"] = (f"Kubernetes API answered {e.status} {e.reason}" + (f" to: {what}" if what != "create" else "")
+                                          + (f": {e.refusal}" if hasattr(e, "refusal") else ""))
             await self.kill(handle, reason="launch failed")
             self._killed.pop(handle.stage_id, None)
         except QosflowError:
@@ -1912,8 +1963,9 @@ class KubernetesBackend(Backend):
                 # said once per kind of refusal (it was a warning every 0.5 s for as long as it lasted), tried
                 # again less and less often (up to every 5 s)
                 if (e.status, e.reason) != refused:
-                    log.warning("Kubernetes cluster %r: the API answered %s %s to listing the pods of stage %s; qosflow keeps "
-                                "trying", self.cluster_name, e.status, e.reason, handle.stage_id)
+                    log.warning("Kubernetes cluster %r: the API answered %s %s to listing the pods of stage %s%s; qosflow keeps "
+                                "trying", self.cluster_name, e.status, e.reason, handle.stage_id,
+                                f" ({e.refusal})" if hasattr(e, "refusal") else "")
                     refused, refusals = (e.status, e.reason), 0
                 refusals += 1
                 stop.wait(min(5.0, 0.25 * refusals))
