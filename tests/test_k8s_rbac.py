@@ -213,16 +213,18 @@ def test_removing_any_granted_verb_refuses_a_request_the_worker_makes(recorded):
 def test_a_refused_request_names_its_verb_resource_and_namespace_and_the_manifest(caplog):
     """Through the real client and HTTP: the emulator refuses by the manifest less one rule. A stage whose Secret may not
     be created fails saying so; a worker whose account may not list nodes does not start, saying so; one that may not
-    list pods in all namespaces says which rule it lacks."""
+    watch nodes, or list pods in all namespaces, says once which rule it lacks (it LISTs, or books its namespace's pods)."""
     import logging
 
     with EmulatorServer([gpu_node("gpu-0", 2)]) as emu:
         async def go():
-            emu.set_rbac(without(("Role qosflow-worker", "", "secrets", "create"), ("ClusterRole qosflow-worker-pods", "", "pods", "list")))
+            emu.set_rbac(without(("Role qosflow-worker", "", "secrets", "create"), ("ClusterRole qosflow-worker-pods", "", "pods", "list"),
+                                 ("ClusterRole qosflow-worker-nodes", "", "nodes", "watch")))
             be = backend(emu)
             try:
                 cluster = await be.inventory()
                 await be.foreign_pod_usage()
+                await until(lambda: any("node watch broke" in r.getMessage() for r in caplog.records), "the refused node watch said")
                 st = await be.wait(await be.launch(spec("s1", cluster)))
             finally:
                 await be.aclose()
@@ -239,6 +241,8 @@ def test_a_refused_request_names_its_verb_resource_and_namespace_and_the_manifes
                      r"apply deploy/kubernetes/worker-rbac\.yaml", st.reason), st.reason
     assert re.search(rf"cluster 'rbac': the API server at http://127\.0\.0\.1:\d+ answered 403 Forbidden to listing nodes; the account "
                      rf"{WORKER} may not list nodes at the cluster scope: apply deploy/kubernetes/worker-rbac\.yaml", start), start
+    said = [r.getMessage() for r in caplog.records if "node watch broke" in r.getMessage()]
+    assert len(said) == 1 and f"the account {WORKER} may not watch nodes at the cluster scope: apply deploy/kubernetes/worker-rbac.yaml" in said[0], said
     said = [r.getMessage() for r in caplog.records if "may not list pods in all namespaces" in r.getMessage()]
     assert len(said) == 1 and "qosflow-worker-pods of deploy/kubernetes/worker-rbac.yaml" in said[0], said
 
