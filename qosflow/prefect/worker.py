@@ -36,12 +36,12 @@ import anyio.abc
 import numpy as np
 from prefect.exceptions import InfrastructureNotFound
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from qosflow.backends.base import Backend, BackendUnreachable, ExitKind, ExitStatus, LaunchSpec, StageHandle
 from qosflow.core.cluster import ClusterSpec
 from qosflow.core.job import Job, JobState, JobStatus
-from qosflow.core.qos import QoSSpec
+from qosflow.core.qos import MAX_GPUS, QoSSpec
 from qosflow.core.speed import width_fraction
 from qosflow.env import env_flag, env_number
 from qosflow.paths import pipeline_output_dir
@@ -72,26 +72,27 @@ class QosflowVariables(BaseVariables):
     pipeline: Optional[str] = Field(default=None, description="Pipeline (flow) the stage belongs to.")
     pipeline_run_id: Optional[str] = Field(default=None, description="Flow run id of the pipeline run.")
     signature: Optional[str] = Field(default=None, description="Key of the stage's run history (estimates).")
-    gpus: Optional[int] = Field(default=None, description="Whole GPUs (0: CPU-only stage).")
+    gpus: Optional[int] = Field(default=None, ge=0, le=MAX_GPUS, description="Whole GPUs (0: CPU-only stage).")
     min_gpus: Optional[int] = Field(
         default=None,
+        ge=1,
         description="Elastic start: the stage may start on fewer GPUs than `gpus` (a divisor of it, at least this many), "
         "with gradient accumulation keeping its global batch.",
     )
-    gpu_milli: Optional[int] = Field(default=None, description="Thousandths of one GPU when sharing (needs gpus=1).")
-    gpu_mem_mb: Optional[float] = Field(default=None, description="GPU memory per GPU (MiB).")
-    cpu_cores: Optional[float] = Field(default=None, description="CPU cores.")
-    mem_mb: Optional[float] = Field(default=None, description="Host memory (MiB).")
-    deadline: Optional[float] = Field(default=None, description="Deadline, seconds after submission.")
+    gpu_milli: Optional[int] = Field(default=None, ge=1, le=1000, description="Thousandths of one GPU when sharing (needs gpus=1).")
+    gpu_mem_mb: Optional[float] = Field(default=None, gt=0, description="GPU memory per GPU (MiB).")
+    cpu_cores: Optional[float] = Field(default=None, ge=0, description="CPU cores.")
+    mem_mb: Optional[float] = Field(default=None, ge=0, description="Host memory (MiB).")
+    deadline: Optional[float] = Field(default=None, gt=0, description="Deadline, seconds after submission.")
     deadline_at: Optional[float] = Field(default=None, description="Absolute stage deadline (epoch seconds), from the pipeline split.")
-    latency_slo: Optional[float] = Field(default=None, description="Per-step latency SLO (seconds).")
-    min_throughput: Optional[float] = Field(default=None, description="Minimum steps per second.")
+    latency_slo: Optional[float] = Field(default=None, gt=0, description="Per-step latency SLO (seconds).")
+    min_throughput: Optional[float] = Field(default=None, gt=0, description="Minimum steps per second.")
     priority: Optional[str] = Field(default=None, description="critical, guaranteed, normal or best-effort.")
     shareable: Optional[bool] = Field(default=None, description="May share its GPUs with one other stage.")
     gang: Optional[bool] = Field(default=None, description="All GPUs at once (default true).")
     gpu_model: Optional[str] = Field(default=None, description="Required GPU model.")
-    expected_duration: Optional[float] = Field(default=None, description="Declared expected duration (seconds).")
-    batch_size: Optional[int] = Field(default=None, description="Global batch size (for sub-batch plans).")
+    expected_duration: Optional[float] = Field(default=None, gt=0, description="Declared expected duration (seconds).")
+    batch_size: Optional[int] = Field(default=None, ge=1, description="Global batch size (for sub-batch plans).")
     early_check_s: Optional[float] = Field(
         default=None,
         ge=0,
@@ -156,6 +157,7 @@ class QosflowJobConfiguration(BaseJobConfiguration):
     cluster_reload_s: Optional[float] = Field(default=None, ge=0)
     working_dir: Optional[Path] = Field(default=None)
     stream_output: bool = Field(default=True)
+    _job_variable_problem: Optional[str] = PrivateAttr(default=None)  # (job_variable_problem: the run fails at once)
 
     def prepare_for_flow_run(self, flow_run, deployment=None, flow=None, work_pool=None, worker_name=None, worker_id=None) -> None:
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
@@ -167,6 +169,7 @@ class QosflowJobConfiguration(BaseJobConfiguration):
             self.min_gpus = _min_gpus_from_tags(getattr(flow_run, "tags", None) or ())
         if self.qos_policy:
             self.env["QOSFLOW_QOS_POLICY"] = json.dumps({k: v for k, v in self.qos_policy.items() if not k.startswith("_")}, default=str)
+        self._job_variable_problem = job_variable_problem(self, flow_run, deployment, flow)
         unknown = unknown_job_variables(flow_run, deployment, work_pool)
         if unknown:
             # Prefect keeps only the pool template's variables: `qos_polcy:` in prefect.yaml or
@@ -208,6 +211,37 @@ def unknown_job_variables(flow_run: Any, deployment: Any, work_pool: Any) -> lis
     if not props or given.get("role") == "stage":
         return []
     return [(k, closest_name(k, list(props))) for k in sorted(given) if k not in props]
+
+
+def job_variable_problem(cfg: Any, flow_run: Any, deployment: Any, flow: Any = None) -> str | None:
+    """What is wrong with the QoS job variables a deployment (or `prefect deployment run -jv`) gave a run, as
+    one message naming the variable, where it was set and how to fix it; None when they are valid, and for
+    qosflow's own stage runs (role `stage`: their variables come from a checked `@qos_task`). Before, a
+    deployment's `gpus: -1` or `priority: urgent` crashed each of its runs with a traceback ("Failed to submit
+    flow run to infrastructure: SpecError: stage 'meek-cricket': ...") on a stage-role run, and was dropped
+    without a word on a pipeline-role one."""
+    from qosflow.errors import SpecError
+    from qosflow.prefect.spec import check_stage_args
+
+    if cfg.role == "stage":
+        return None
+    try:
+        spec = spec_from_job_variables(cfg, where="")
+        check_stage_args("", spec, expected_duration=cfg.expected_duration, batch_size=cfg.batch_size)
+    except SpecError as exc:
+        field, why = exc.field, str(exc).split(": ", 1)[-1]
+    else:
+        return None
+    own = getattr(flow_run, "job_variables", None) or {}
+    if deployment is None or field in own:
+        where = f"job variable {field!r} of flow run {getattr(flow_run, 'name', '?')!r} (prefect deployment run -jv)"
+        fix = "give the run a valid value"
+    else:
+        name = f"{flow.name}/{deployment.name}" if getattr(flow, "name", None) else deployment.name
+        where = f"job variable {field!r} of deployment {name!r}"
+        fix = ("correct it in the deployment's work_pool.job_variables (prefect.yaml) and run `prefect deploy` again, "
+               "or in the UI: deployment -> Edit -> Job Variables")
+    return f"{where}: {why}; {fix}. The run was not started"
 
 
 def early_check_spec(spec: QoSSpec) -> QoSSpec:
@@ -859,12 +893,20 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     ) -> QosflowWorkerResult:
         if task_status is None:
             task_status = anyio.TASK_STATUS_IGNORED
+        run_logger = self.get_flow_run_logger(flow_run)
+        problem = configuration._job_variable_problem
+        if problem:  # (a deployment's `gpus: -1`: no cluster needed to say so)
+            from prefect.states import Failed
+
+            run_logger.error("%s", problem)
+            await self._set_state(flow_run.id, Failed(message=f"qosflow: {problem}"))
+            task_status.started(-1)
+            return QosflowWorkerResult(status_code=0, identifier="-1")
         sched = await self._ensure_qos()
         assert self._backend is not None
         command = shlex.split(configuration.command or f"{sys.executable} -m prefect.engine")
         env = {k: v for k, v in configuration.env.items() if v is not None}
         cwd = str(configuration.working_dir) if configuration.working_dir else None
-        run_logger = self.get_flow_run_logger(flow_run)
         fid = str(flow_run.id)
 
         if not configuration.is_stage:
