@@ -323,6 +323,11 @@ def test_predict_stages_shows_what_finished_stages_taught(tmp_path, capsys):
     assert train["predicts_s"] == round(est.predict_duration(stage(20, "pipe.train")).value, 3)
     assert rows["pipe.etl"]["basis"] == "history(n=1)"  # no prediction recorded for it: its declaration is unknown
     assert rows["pipe.etl"]["runs"] == 1 and rows["pipe.etl"]["mape"] is None
+    # the same command again (from cron, say) replaces its own earlier result, a JSON array; it was refused as
+    # "not a JSON result (it begins '[')"
+    out.write_text("[]\n")
+    assert main(["predict", "stages", "--db", url, "--json", str(out)]) == 0, capsys.readouterr().err
+    assert {r["signature"] for r in json.loads(out.read_text())} == {"pipe.train", "pipe.etl"}
     assert main(["predict", "stages", "--db", url, "--signature", "nothing"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # unwrapped: where the console wraps depends on the temp path's length
     assert "no completed run of signature 'nothing'" in out and "it has 2 other signature(s)" in out, out

@@ -51,10 +51,10 @@ def _shared_data_refused(option: str, path: Path, example: str) -> QosflowError:
 
 def _check_not_someone_elses(path: Path, option: str) -> None:
     """Fail now if `path` is in the shared public data, or an existing file that no qosflow command wrote: not
-    a JSON object (a trace, a CSV, a stage's source, a database). `check_not_an_input` knows only the files
+    a JSON object or array (a trace, a CSV, a stage's source, a database). `check_not_an_input` knows only the files
     given on this command line: `simulate --trace synthetic --json muri_philly_trace1.csv` wrote its results
     over the shared Muri trace (and its plots beside it), whose read-only mode root does not heed. An earlier
-    result (a JSON object), or an empty file, is replaced as before."""
+    result (a JSON object, or the array `predict stages --json` writes), or an empty file, is replaced as before."""
     if _in_shared_data(path):
         raise _shared_data_refused(option, path, str(Path("out") / (path.stem + "-results.json")))
     if not path.is_file():
@@ -64,7 +64,7 @@ def _check_not_someone_elses(path: Path, option: str) -> None:
             head = f.read(4096).lstrip()
     except OSError:
         return  # check_output_file says why it cannot be written
-    if head and not head.startswith(b"{"):
+    if head and not head.startswith((b"{", b"[")):
         shown = head.split(b"\n", 1)[0][:60].decode("utf-8", "replace")
         raise QosflowError(f"{option} {path}: the file exists and is not a JSON result (it begins {shown!r}); the results "
                            f"would overwrite it. Give another file, e.g. {option} {path.with_name(path.stem + '-results.json')}, "
