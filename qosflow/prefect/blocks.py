@@ -202,6 +202,29 @@ class _ClusterBase(Block, ABC):  # an interface: `prefect block register -m` ski
         return ClusterSpec(nodes, name=getattr(self, "_block_document_name", None) or "cluster")
 
 
+def _looks_like_a_path(value: str) -> bool:
+    """Whether a field that takes a PEM text was given a file's path instead: one line, no PEM header, and a
+    directory, `~`, a certificate's suffix, or a file of that name."""
+    import os
+
+    v = value.strip()
+    if "-----BEGIN" in v or "\n" in v:
+        return False
+    return "/" in v or "\\" in v or v.startswith("~") or v.lower().endswith((".pem", ".crt", ".cer")) or os.path.isfile(v)
+
+
+def _ca_path_problem(value: str) -> str:
+    """Why `agent_ca_cert` cannot be `value`, a file's path rather than its text (it only said "not a PEM CA
+    certificate ...: no start line: cadata does not contain a certificate (_ssl.c:4020)"), and what to give."""
+    import os
+
+    path = os.path.expanduser(value)
+    what = "is a file on this machine" if os.path.isfile(path) else "names no file on this machine either"
+    return (f"agent_ca_cert takes the CA certificate's PEM text (-----BEGIN CERTIFICATE----- ...), not a path: {value!r} {what}; "
+            "give the file's contents (e.g. agent_ca_cert=Path('ca.pem').read_text(), or paste them in the UI), "
+            "or use a cluster file, whose tls_ca_file takes a path")
+
+
 class BareMetalGPUCluster(_ClusterBase):
     """GPU hosts the worker places stages on: this machine (local backend) or host agents (agents issue)."""
 
@@ -255,6 +278,8 @@ class BareMetalGPUCluster(_ClusterBase):
             return None
         from qosflow.backends.agent import tls_context
 
+        if _looks_like_a_path(v):  # (as a cluster file's tls_ca_file takes)
+            raise ValueError(_ca_path_problem(v.strip()))
         tls_context(v, "agent_ca_cert")  # (a SpecError is a ValueError: the block's validation error names the field)
         return v
 
