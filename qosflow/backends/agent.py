@@ -261,13 +261,18 @@ class AgentBackend(Backend):
         h.changed = asyncio.Event()
 
     def _mark_down(self, h: HostState, why: str) -> None:
-        h.error = why
+        was, h.error = h.error, why
         if h.up or h.down_since is None:
             h.up = False
             h.down_since = time.time()
             self.events.append((h.down_since, h.name, f"down: {why}"))
             log.warning("host %s is down: %s", h.name, why)
             self._changed(h)
+        elif why != was and not (why.startswith("no heartbeat") and was.startswith("no heartbeat")):
+            # (a down host whose cause changed: its agent restarted with another token, or smaller, which was
+            # said nowhere but in `qosflow status` while the log still read "connection refused")
+            self.events.append((time.time(), h.name, f"down: {why}"))
+            log.warning("host %s is still down, now because %s", h.name, why)
 
     def _note_boot(self, h: HostState, boot_id: str) -> bool:
         """Record the agent's boot id; True (and logged, and waiters woken) if it restarted."""
@@ -295,14 +300,14 @@ class AgentBackend(Backend):
         try:
             r = await self._client(h, "hb").get(f"{h.url}/v1/health", timeout=timeout or max(0.2, self.heartbeat_s / 2))
         except httpx.HTTPError as exc:
-            h.refused = isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower()
+            h.refused = _refused(exc)
             self._mark_down(h, f"no heartbeat ({_http_error(exc, h.url)})")
             return False
         if r.status_code == 401:
-            self._mark_down(h, "the agent rejected our token (401): the worker and agent tokens differ")
+            self._mark_down(h, TOKEN_REJECTED)
             return False
         if r.status_code != 200:
-            self._mark_down(h, f"heartbeat answered HTTP {r.status_code}")
+            self._mark_down(h, _not_an_agent(r, h.url))
             return False
         data = r.json()
         if not self._accept_agent(h, data):
@@ -320,6 +325,12 @@ class AgentBackend(Backend):
         """The agent at h.url calls itself h.name (its --name, default its hostname), and its fence
         leaves room for our heartbeats; else it is down."""
         if data.get("host") and data["host"] != h.name:
+            if any(o.name == data["host"] and o.url.rstrip("/") == h.url.rstrip("/") for o in self.state.values()):
+                # (one agent per host: the fix is another URL, not another name, which the message below asked for)
+                self._mark_down(h, f"{h.url} is agent {data['host']!r}, and {self.declared_by} gives hosts {data['host']} and {h.name} "
+                                   f"that same agent_url: each host runs its own agent; give {h.name} its agent's URL (its "
+                                   "address, or the --port of its agent)")
+                return False
             self._mark_down(h, f"{h.url} is agent {data['host']!r}, not {h.name!r}: name the host {data['host']!r} in the cluster file "
                                f"(or start that agent with --name {h.name})")
             return False
@@ -363,10 +374,10 @@ class AgentBackend(Backend):
             self._mark_down(h, _http_error(exc, h.url))
             return
         if r.status_code == 401:
-            self._mark_down(h, "the agent rejected our token (401)")
+            self._mark_down(h, TOKEN_REJECTED)
             return
         if r.status_code != 200:
-            self._mark_down(h, f"inventory answered HTTP {r.status_code}")
+            self._mark_down(h, _not_an_agent(r, h.url))
             return
         d = r.json()
         if not self._accept_agent(h, d):
@@ -439,13 +450,8 @@ class AgentBackend(Backend):
             # (a declared, virtual GPU has no model: "generic", not the agent's placeholder name "virtual",
             # which read "GPUs gpu-a:0 virtual virtual" in the placement lines)
             model = decl.gpu_model or (short_gpu_model(h.gpus[0]["name"]) if h.gpus and not h.virtual else "generic")
-            if warn and decl.gpus is not None and decl.gpus != gpus:
-                log.warning("host %s: %s declares %s, its agent reports %d; using the agent's", name, self.declared_by,
-                            _count(decl.gpus, "GPU"), gpus)
-            if warn and decl.cpu_cores is not None and h.cpu_cores and abs(decl.cpu_cores - h.cpu_cores) > 1e-9:
-                log.warning("host %s: %s declares %s, its agent reports %g; using the declared %g (the agent runs "
-                            "the cores it is given on the %g it has)", name, self.declared_by, _count(decl.cpu_cores, "CPU core"),
-                            h.cpu_cores, decl.cpu_cores, h.cpu_cores)
+            for note in size_notes(decl, h, self.declared_by) if warn else ():
+                log.warning("host %s: %s", name, note)
             cores = decl.cpu_cores or h.cpu_cores or 1.0
             virtual = h.virtual
         else:  # never answered: the declared size, marked down by the heartbeats
@@ -699,7 +705,7 @@ class AgentBackend(Backend):
         if handle.ref.get("launch_error"):
             return ExitStatus(ExitKind.INFRA, None, f"launch failed: {handle.ref['launch_error']}")
         parts = handle.ref["parts"]
-        tasks = [asyncio.ensure_future(self._wait_part(part)) for part in parts]
+        tasks = {asyncio.ensure_future(self._wait_part(part)): part for part in parts}
         try:
             pending = set(tasks)
             said = ""  # (an ended part's reason, kept: "the pipeline run ended Completed while its host was silent")
@@ -709,13 +715,22 @@ class AgentBackend(Backend):
                     st = t.result()
                     if not st.ok:
                         if pending:
-                            await self.kill(handle, reason=f"gang member failed: {st.reason}")
+                            await self._kill_rest(handle, [tasks[p] for p in pending], st)
                         return st
                     said = said or st.reason
             return ExitStatus(ExitKind.OK, 0, said)
         finally:
             for t in tasks:
                 t.cancel()
+
+    async def _kill_rest(self, handle: StageHandle, rest: list[dict[str, Any]], st: ExitStatus) -> None:
+        """A gang member ended badly: stop the ranks still running (`rest`), not the one that ended (its host may be
+        frozen, and a request to it would hang until the host answers again). After an infrastructure failure they
+        get SIGKILL at once (grace 0): a rank's Prefect engine given a SIGTERM reports the flow run `Crashed` ("aborted
+        by a termination signal"), and the worker then would not run the gang again once its hosts are back."""
+        grace = 0.0 if st.kind is ExitKind.INFRA else None
+        await self.kill(StageHandle(handle.stage_id, handle.backend, handle.node, {**handle.ref, "parts": rest}),
+                        reason=f"gang member failed: {st.reason}", grace=grace)
 
     async def _wait_part(self, part: dict[str, Any]) -> ExitStatus:
         self._following[part["host"]] += 1
@@ -1029,7 +1044,16 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
         try:
             token = tf.read_text().strip()
         except OSError as exc:
-            raise SpecError("token_file", f"cannot read {tf}: {exc.strerror}", where=where) from None
+            raise SpecError("token_file", f"cannot read {tf.absolute()}: {exc.strerror} (relative paths are beside the cluster file); "
+                                          "copy the cluster's token file there, the same file the agents' --token-file reads",
+                            where=where) from None
+        if not token:
+            raise SpecError("token_file", f"{tf} is empty; put the cluster's secret token in it, the same as the agents' "
+                                          "--token-file", where=where)
+        warned = token_file_warning(tf)
+        if warned and (warned := f"{where}: {warned}") not in _WARNED:  # (once: the worker reads its file again every minute)
+            _WARNED.add(warned)
+            log.warning("%s", warned)
     elif data.get("token_env"):
         token = os.environ.get(str(data["token_env"]), "")
         if not token:
@@ -1131,7 +1155,7 @@ def _http_error(exc: httpx.HTTPError, url: str) -> str:
         if any(k in low for k in ("name or service not known", "nodename nor servname", "name resolution",
                                   "no address associated", "getaddrinfo failed", "errno -2", "errno -3", "errno -5")):
             return f"cannot resolve the host name {host!r} of {url} (name lookup failed: {text}); check the agent URL"
-        if "refused" in low:
+        if _refused(exc):
             return f"connection refused at {url} (is the agent running there?)"
         if "certificate_verify_failed" in low or "certificate verify failed" in low:
             return (f"the TLS certificate of the agent at {url} is not trusted ({text}); give the CA that signed it: tls_ca_file in the "
@@ -1144,6 +1168,59 @@ def _http_error(exc: httpx.HTTPError, url: str) -> str:
     if isinstance(exc, httpx.TimeoutException):
         return f"{type(exc).__name__} from {url} (no answer in time)"
     return f"{type(exc).__name__} from {url}" + (f" ({text})" if text else "")
+
+
+#: why a host whose agent answers 401 is down, and what to do
+TOKEN_REJECTED = ("the agent rejected our token (401): the worker and agent tokens differ; give the agent (--token-file) and "
+                  "the worker (the cluster file's token_file, the block's agent_token) the same token")
+
+
+def size_notes(decl: AgentHost, h: HostState, declared_by: str) -> list[str]:
+    """Where the size `declared_by` gives host `decl` differs from what its agent reported (`h`), and which the
+    worker uses: the agent's GPUs, the declared cores. Empty for a host that never answered."""
+    if not h.reported:
+        return []
+    out = []
+    if decl.gpus is not None and decl.gpus != len(h.gpus):
+        out.append(f"{declared_by} declares {_count(decl.gpus, 'GPU')}, its agent reports {len(h.gpus)}; using the agent's")
+    if decl.cpu_cores is not None and h.cpu_cores and abs(decl.cpu_cores - h.cpu_cores) > 1e-9:
+        out.append(f"{declared_by} declares {_count(decl.cpu_cores, 'CPU core')}, its agent reports {h.cpu_cores:g}; using the "
+                   f"declared {decl.cpu_cores:g} (the agent runs the cores it is given on the {h.cpu_cores:g} it has)")
+    return out
+
+
+def _not_an_agent(r: httpx.Response, url: str) -> str:
+    """An answer other than 200 or 401 from an agent's URL: most often another web server at that address."""
+    return (f"{r.request.method} {r.request.url.path} answered HTTP {r.status_code}, which a qosflow agent does not: is {url} the "
+            "agent's address and port (`qosflow agent start --port`)? check the agent URL")
+
+
+#: the cluster files' warnings already logged by this process
+_WARNED: set[str] = set()
+
+
+def token_file_warning(path: Path) -> str | None:
+    """What to say about a token file other users of the host may read (None: only its owner may): with the
+    token anyone can launch commands through every agent of the cluster."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return None
+    if not mode & 0o077:
+        return None
+    return (f"the token file {path} can be read by other users of this host (mode {mode:04o}): with it anyone can run "
+            f"commands through every agent of the cluster; chmod 600 {path}")
+
+
+def _refused(exc: BaseException) -> bool:
+    """The connection was refused (no agent listens there: its process is gone, and its stages with it). The
+    async client says only "All connection attempts failed"; the ConnectionRefusedError is in its causes."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, ConnectionRefusedError) or "refused" in str(exc).lower():
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _count(n: float, what: str) -> str:

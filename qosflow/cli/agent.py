@@ -24,15 +24,12 @@ def _read_token(token: str | None, token_file: Path | None) -> str:
             raise SpecError("--token-file", f"{token_file} is empty; put the cluster's secret token in it (make one with: "
                                             f"python3 -c 'import secrets; print(secrets.token_urlsafe(32))' > {token_file}; "
                                             "the same token on every host and for the worker)")
-        mode = token_file.expanduser().stat().st_mode & 0o777
-        if mode & 0o077:
-            # a token file others can read gives every user of the host the run of every agent; it was
-            # taken without a word (docs/infrastructure.md says chmod 600, nothing checked it)
-            import typer
+        from qosflow.backends.agent import token_file_warning
 
-            typer.echo(f"warning: --token-file {token_file} can be read by other users of this host (mode {mode:04o}): "
-                       f"with it anyone can run commands through every agent of the cluster; chmod 600 {token_file}",
-                       err=True)
+        # a token file others can read gives every user of the host the run of every agent
+        warned = token_file_warning(token_file.expanduser())
+        if warned:
+            typer.echo(f"warning: --token-file: {warned}", err=True)
     token = token or os.environ.get("QOSFLOW_AGENT_TOKEN", "")
     if not token:
         raise SpecError(
@@ -153,10 +150,11 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from qosflow.backends.agent import load_cluster_file
+        from qosflow.backends.agent import load_cluster_file, size_notes
 
         cf = load_cluster_file(cluster)
         snap = cf.ask_agents()
+        declared = {d.name: d for d in cf.hosts}
         t = Table(title=f"{cf.name}: {len(snap.hosts)} host{'' if len(snap.hosts) == 1 else 's'}, refreshed in {snap.elapsed_s * 1000:.0f} ms")
         for col in ("host", "url", "up", "GPUs", "GPU util", "cores", "running", "stages run as", "note"):
             # on a narrow terminal long cells (a URL, a connection error) wrap instead of ending in '…'
@@ -164,8 +162,10 @@ def register(app: typer.Typer) -> None:
         for h in snap.hosts:
             util = "-" if h.virtual or not h.gpus else ",".join(str(g.get("utilization_gpu")) for g in h.gpus)
             runs_as = "-" if not h.reported else (h.stage_user or "the agent's user")
+            # (a declared size the agent does not have was said by the worker only, not here)
+            note = "; ".join(n for n in (h.note, *size_notes(declared[h.name], h, "the cluster file")) if n)
             t.add_row(h.name, h.url, "yes" if h.up else f"no ({h.error})", str(len(h.gpus)), util, f"{h.cpu_cores:g}", str(len(h.running)),
-                      runs_as, h.note)
+                      runs_as, note)
         Console().print(t)
         down = [h.name for h in snap.hosts if not h.up]
         if down:
