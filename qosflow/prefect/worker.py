@@ -1712,6 +1712,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         fid = lease.stage_key
         sched = self.scheduler
         assert sched is not None and self._backend is not None
+        stopped = None
         if handle is not None and self._backend.name == "local":
             # a local stage process outlives its worker (own session) but cannot be waited on by a new
             # one: stop it, then rerun the stage, so that it never runs twice
@@ -1720,6 +1721,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 from qosflow.backends.local import kill_tree
 
                 kill_tree(int(pid), 9)
+                stopped = int(pid)
             await asyncio.to_thread(self.leases.release, lease.lease_id)
             handle = None
         _keep(self.recovered, {"stage_key": fid, "attempt": lease.attempt_id, "nodes": list(lease.nodes), "adopted": handle is not None})
@@ -1729,9 +1731,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._logger.info("recovery: stage %s (attempt %s on %s) had already ended; its lease is released",
                                   fid, lease.attempt_id, ",".join(lease.nodes))
                 return
+            where = ", ".join(lease.nodes)
+            if stopped is not None:  # (it said "is no longer running" of the process it had just killed)
+                why = (f"its process {stopped} on {where} was still running, started by an earlier worker process, and the "
+                       "local backend cannot hand a stage to a new one: it was stopped")
+                self._logger.warning("recovery: stage %s (attempt %s): %s; rescheduling its flow run", fid, lease.attempt_id, why)
+                await self._reschedule(fid, f"qosflow: {why}; the stage runs again from its start")
+                return
             self._logger.warning("recovery: stage %s (attempt %s on %s) is no longer running; rescheduling its flow run",
-                                 fid, lease.attempt_id, ",".join(lease.nodes))
-            await self._reschedule(fid, f"qosflow: attempt {lease.attempt_id} on {', '.join(lease.nodes)} was lost while no worker "
+                                 fid, lease.attempt_id, where)
+            await self._reschedule(fid, f"qosflow: attempt {lease.attempt_id} on {where} was lost while no worker "
                                         "watched it; placed again")
             return
         got = _placement_from_lease(lease, sched.cluster, fid)
