@@ -653,6 +653,34 @@ def test_cpu_only_profile_informs_the_cpu_curve_not_gpu_step_times(tmp_path, cap
         assert [i for i, _m in q.skipped_profiles] == [3] and "skipped 1 invalid profile" in caplog.text
 
 
+def test_a_cpu_only_stage_is_asked_for_its_step_time_with_gpus_0(tmp_path):
+    """`predict_solo_step_time(sig, gpus=0)` (and `predict_remaining(..., gpus=0)`), the way to ask for a
+    CPU-only stage's step time, divided a prior by the GPU count: ZeroDivisionError. It answers from the
+    stage's CPU-only samples, at the cores asked when it has them, else from the other stages' median."""
+    from qosflow.store import Store
+
+    with Store.open(f"sqlite:///{tmp_path / 'p.db'}") as store:
+        store.add_samples([{"signature": "cpujob/bs1", "gpus": 0, "gpu_type": "cpu", "cpu_cores": c,
+                            "step_time_s": t, "source": "profile"} for c, t in ((1, 0.05), (2, 0.2))])
+        p = Predictor.open(store, reference=None, gpu_type="v100")
+        p.refit()
+    one = p.predict_solo_step_time("cpujob/bs1", 0, cpu_cores=1)
+    assert (round(one.value, 6), one.n_samples, one.basis) == (0.05, 1, "samples(n=1,cores=1)")
+    assert round(p.predict_solo_step_time("cpujob/bs1", 0, cpu_cores=2).value, 6) == 0.2
+    # whatever GPU type is named (a CPU-only sample is kept under "cpu"), and at no core count: both samples
+    pooled = p.predict_solo_step_time("cpujob/bs1", 0, gpu_type="v100")
+    assert pooled.n_samples == 2 and pooled.basis.startswith("samples(n=2)") and 0.05 < pooled.value < 0.2
+    other = p.predict_solo_step_time("etl/bs1", 0)
+    assert other.n_samples == 0 and other.basis == "prior:none(median of 1 jobs)" and other.value == pooled.value
+    left = p.predict_remaining("cpujob/bs1", 0.5, 10.0, total_steps=100, gpus=0)
+    assert 0 < left.value < math.inf and "prior:samples(n=2)" in left.basis
+    # no CPU-only sample anywhere: a prior of 1 s, said so
+    empty = Predictor(None, gpu_type="v100")
+    assert empty.predict_solo_step_time("cpujob/bs1", 0).basis == "prior:none(1 s)"
+    with pytest.raises(ValueError, match="gpus must be 0 \\(CPU-only\\) or more, got -1"):
+        p.predict_solo_step_time("cpujob/bs1", -1)
+
+
 def test_the_gpu_count_of_a_profiled_run_is_one_rule(tmp_path, monkeypatch):
     """`load_store` restated the rule `observe_profile` observes a profile's solo run by (0 GPUs when
     CPU-only, else 1) to find that run among the stored samples; the two could drift apart and count the

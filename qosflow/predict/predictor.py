@@ -381,23 +381,28 @@ class Predictor:
         return self.predict_solo_step_time_batch([(signature, gpus, consolidated, cpu_cores)], gpu_type=gpu_type)[0]
 
     def predict_solo_step_time_batch(self, queries: Sequence[tuple], *, gpu_type: str | None = None) -> list[Prediction]:
-        """Queries are (signature, gpus[, consolidated[, cpu_cores]]) tuples."""
+        """Queries are (signature, gpus[, consolidated[, cpu_cores]]) tuples. `gpus` 0 asks for a CPU-only
+        stage's step time: from its CPU-only samples (`qosflow profile` on a machine without a GPU, a 0-GPU
+        stage's runs), whatever `gpu_type` says, else from the other signatures' (`_prior`)."""
         gt = self.type_key(gpu_type)  # (asked under the name its samples are kept under)
         out: list[Prediction | None] = [None] * len(queries)
         need_model: list[tuple[int, str, int, bool, int | None, tuple]] = []
         for i, q in enumerate(queries):
             sig_raw, gpus = q[0], int(q[1])
+            if gpus < 0:
+                raise ValueError(f"solo step time of {sig_raw!r}: gpus must be 0 (CPU-only) or more, got {gpus}")
             cons = bool(q[2]) if len(q) > 2 else True
             cores = q[3] if len(q) > 3 else None
-            key = ("solo", sig_raw, gt, gpus, cons, cores)
+            qt = CPU_ONLY if gpus == 0 else gt  # (a CPU-only sample is kept under "cpu")
+            key = ("solo", sig_raw, qt, gpus, cons, cores)
             hit = self._cache.get(key)
             if hit is not None:
                 out[i] = hit
                 continue
             sig = canonical(sig_raw)
-            if gpus == 1 and not cons:
-                cons = True  # one GPU cannot be spread
-            pred = self._solo_direct(sig, gt, gpus, cons, cores)
+            if gpus <= 1 and not cons:
+                cons = True  # one GPU (or none) cannot be spread
+            pred = self._solo_direct(sig, qt, gpus, cons, cores)
             if pred is None:
                 need_model.append((i, sig, gpus, cons, cores, key))
             else:
@@ -446,13 +451,24 @@ class Predictor:
                 return self._cpu_adjust(sig, Prediction(*_interval(base[0], base[1]), base[2], base[3]), cores,
                                         (sig, gt, 1, True, None, None) if base[2] else None)
             return self._cpu_adjust(sig, self._prior(sig, gt), cores)
+        if gpus == 0:
+            # one or two CPU-only samples (fewer than MIN_SAMPLES): at the cores asked, theirs; else the mean
+            # over the core counts measured, on the job's CPU curve; none: the other signatures' median
+            at = self._stats.get((sig, gt, 0, True, cores, None)) if cores is not None else None
+            if at is not None and at.n:
+                return Prediction(*_interval(at.mean, at.sd), at.n, f"samples(n={at.n},cores={cores})")
+            if st is not None and st.n:
+                return self._cpu_adjust(sig, Prediction(*_interval(st.mean, st.sd), st.n, f"samples(n={st.n})"), cores,
+                                        (sig, gt, 0, True, None, None))
+            return self._cpu_adjust(sig, self._prior(sig, gt, gpus=0), cores)
         return None
 
-    def _prior(self, sig: str, gt: str) -> Prediction:
-        """Nothing measured for this job: the median 1-GPU step time of all jobs known on this GPU type."""
+    def _prior(self, sig: str, gt: str, gpus: int = 1) -> Prediction:
+        """Nothing measured for this job: the median step time on `gpus` GPUs (1, or 0: CPU-only) of all jobs
+        known on this GPU type."""
         vals = [math.exp(st.mean) for (s, g, n, c, cores, co), st in self._stats.items()
-                if g == gt and n == 1 and co is None and cores is None]
-        vals += [t for (s, g, n, c), t in self._ref_solo.items() if g == gt and n == 1]
+                if g == gt and n == gpus and co is None and cores is None]
+        vals += [t for (s, g, n, c), t in self._ref_solo.items() if g == gt and n == gpus]
         v = float(np.median(vals)) if vals else 1.0
         return Prediction(v, v / 10, v * 10, 0, "prior:none" + (f"(median of {len(vals)} jobs)" if vals else "(1 s)"))
 
