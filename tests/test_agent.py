@@ -1069,11 +1069,26 @@ def test_a_flapping_hosts_events_are_bounded():
 
     async def flap():
         for i in range(5000):
-            be._mark_up(h, "boot")
+            be._mark_up(h, "boot", [])
             be._mark_down(h, f"beat {i} lost")
 
     asyncio.run(flap())
     assert len(be.events) <= 1000 and be.events[-1][2] == "down: beat 4999 lost"
+
+
+def test_a_restarted_agent_is_said_to_have_lost_the_stages_it_last_reported(caplog):
+    """'agent on host h restarted: its stages are lost' was logged for an agent that ran none; the log now
+    names the stages its previous boot last reported running, or says there were none."""
+    be = AgentBackend([AgentHost("h", "http://127.0.0.1:9")], TOKEN)
+    h = be.state["h"]
+    with caplog.at_level("WARNING", logger="qosflow.backends.agent"):
+        be._mark_up(h, "boot-1", [])  # first contact: no restart
+        be._mark_up(h, "boot-2", [])
+        be._mark_up(h, "boot-3", ["s1", "s2"])
+    said = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
+    assert said == ["agent on host h restarted (it last reported no stage running)",
+                    "agent on host h restarted: the 2 stage(s) it last reported running are lost (s1, s2)"], said
+    assert [e[2] for e in be.events].count("restarted") == 2
 
 
 def test_a_guard_started_again_still_kills_the_groups_of_stages_started_before(tmp_path):

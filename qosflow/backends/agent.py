@@ -274,18 +274,23 @@ class AgentBackend(Backend):
             self.events.append((time.time(), h.name, f"down: {why}"))
             log.warning("host %s is still down, now because %s", h.name, why)
 
-    def _note_boot(self, h: HostState, boot_id: str) -> bool:
-        """Record the agent's boot id; True (and logged, and waiters woken) if it restarted."""
+    def _note_boot(self, h: HostState, boot_id: str, before: list[str]) -> bool:
+        """Record the agent's boot id; True (and logged, and waiters woken) if it restarted. `before`: the
+        stages its previous boot last reported running (lost with it)."""
         restarted = h.boot_id is not None and boot_id != h.boot_id
         h.boot_id = boot_id
         if restarted:
             self.events.append((time.time(), h.name, "restarted"))
-            log.warning("agent on host %s restarted: its stages are lost", h.name)
+            if before:
+                log.warning("agent on host %s restarted: the %d stage(s) it last reported running are lost (%s)",
+                            h.name, len(before), ", ".join(before))
+            else:  # (it said 'its stages are lost' of an agent that ran none)
+                log.warning("agent on host %s restarted (it last reported no stage running)", h.name)
             self._changed(h)
         return restarted
 
-    def _mark_up(self, h: HostState, boot_id: str) -> None:
-        self._note_boot(h, boot_id)
+    def _mark_up(self, h: HostState, boot_id: str, before: list[str]) -> None:
+        self._note_boot(h, boot_id, before)
         h.last_ok = time.time()
         if h.size_error:  # answers, but smaller than the worker schedules it: stays down
             self._mark_down(h, h.size_error)
@@ -317,8 +322,8 @@ class AgentBackend(Backend):
             # started): its GPUs and cores may differ from the size the worker schedules it on
             await self._inventory_one(h, timeout or self._request_timeout_s)
             return h.up
-        h.running = list(data.get("running", []))
-        self._mark_up(h, data["boot_id"])
+        before, h.running = h.running, list(data.get("running", []))
+        self._mark_up(h, data["boot_id"], before)
         return h.up
 
     def _accept_agent(self, h: HostState, data: dict[str, Any]) -> bool:
@@ -384,12 +389,12 @@ class AgentBackend(Backend):
             return
         h.virtual, h.note, h.gpus = bool(d["virtual"]), d.get("note", ""), list(d["gpus"])
         h.cpu_cores, h.mem_mb, h.labels = float(d["cpu_cores"]), float(d.get("mem_mb") or 0), dict(d.get("labels") or {})
-        h.running = list(d.get("running", []))
+        before, h.running = h.running, list(d.get("running", []))
         h.stage_user = d.get("stage_user")
         h.reported = True
         h.inventory_boot = d["boot_id"]
         h.size_error = self._size_error(h)
-        self._mark_up(h, d["boot_id"])
+        self._mark_up(h, d["boot_id"], before)
 
     def _size_error(self, h: HostState) -> str:
         """Why host `h`, as its agent now reports it, cannot take the stages the worker would place on
