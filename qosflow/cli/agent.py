@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 from typing import Optional
 
@@ -37,6 +39,22 @@ def _read_token(token: str | None, token_file: Path | None) -> str:
             "the agent needs the cluster's secret token: --token-file FILE (preferred), --token T or QOSFLOW_AGENT_TOKEN",
         )
     return token
+
+
+@contextlib.contextmanager
+def _quiet_down_hosts():
+    """Leave out the backend's 'host X is down: ...' log lines (its other warnings pass)."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("host %s is down", "host %s is still down"))
+
+    logger = logging.getLogger("qosflow.backends.agent")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def register(app: typer.Typer) -> None:
@@ -153,7 +171,8 @@ def register(app: typer.Typer) -> None:
         from qosflow.backends.agent import load_cluster_file, size_notes
 
         cf = load_cluster_file(cluster)
-        snap = cf.ask_agents()
+        with _quiet_down_hosts():  # (the table says why each host is down: not again as log lines above it)
+            snap = cf.ask_agents()
         declared = {d.name: d for d in cf.hosts}
         t = Table(title=f"{cf.name}: {len(snap.hosts)} host{'' if len(snap.hosts) == 1 else 's'}, refreshed in {snap.elapsed_s * 1000:.0f} ms")
         for col in ("host", "url", "up", "GPUs", "GPU util", "cores", "running", "stages run as", "note"):
@@ -164,10 +183,13 @@ def register(app: typer.Typer) -> None:
             runs_as = "-" if not h.reported else (h.stage_user or "the agent's user")
             # (a declared size the agent does not have was said by the worker only, not here)
             note = "; ".join(n for n in (h.note, *size_notes(declared[h.name], h, "the cluster file")) if n)
-            t.add_row(h.name, h.url, "yes" if h.up else f"no ({h.error})", str(len(h.gpus)), util, f"{h.cpu_cores:g}", str(len(h.running)),
+            t.add_row(h.name, h.url, "yes" if h.up else "no", str(len(h.gpus)), util, f"{h.cpu_cores:g}", str(len(h.running)),
                       runs_as, note)
         Console().print(t)
         down = [h.name for h in snap.hosts if not h.up]
+        for h in snap.hosts:  # (below the table, whole: in its narrow 'up' column the reason took a line a word)
+            if not h.up:
+                typer.echo(f"{h.name} is down: {h.error}", err=True)
         if down:
             typer.secho(f"{len(down)} of {len(snap.hosts)} hosts down: {', '.join(down)}", err=True, fg="red")
             raise typer.Exit(1)
