@@ -257,6 +257,8 @@ async def check_pool(pool: str, *, cluster_block: str | bool = False) -> None:
         raise wrong_pool_type(pool, wp.type)
     if cluster_block is True:
         defaults = _variable_defaults(wp)
+        if defaults.get("cluster_file"):  # (it comes first; a missing one was only logged by the worker, every 5 s)
+            load_named_cluster_file(str(defaults["cluster_file"]), "pool", pool)
         name, of_pool = (None if defaults.get("cluster_file") else defaults.get("cluster_block")), True
     else:
         name, of_pool = cluster_block or None, False
@@ -273,6 +275,31 @@ async def check_pool(pool: str, *, cluster_block: str | bool = False) -> None:
                                          f"{str(exc).removeprefix('invalid cluster_block: ')}") from None
     except (httpx.HTTPError, OSError, RuntimeError):
         return  # the server does not answer: the worker waits for it and says so
+
+
+#: where a worker's cluster file was named: (how the error says it, how to point at another)
+_CLUSTER_FILE_SOURCES = {
+    "pool": ("the cluster_file variable of work pool {pool!r}",
+             "correct the path in the pool's base job template (UI: work pool -> Edit), or clear it to use the pool's "
+             "cluster_block"),
+    "env": ("QOSFLOW_CLUSTER_FILE", "set it to a cluster file's path, or unset it to use the pool's cluster"),
+    "arg": ("the worker's cluster_file (--cluster-file)", "give the path of a cluster file (docs/infrastructure.md)"),
+}
+
+
+def load_named_cluster_file(path: str, source: str, pool: str) -> Any:
+    """`load_cluster_file(path)`, whose error also says where the path came from (`source`: pool, env or arg)
+    and how to name another. A missing file said only "invalid cluster: cannot read /srv/lab.yaml: No such file
+    or directory", every 5 s in the worker's log, with nothing on the pool variable that named it."""
+    from qosflow.backends.agent import load_cluster_file
+    from qosflow.errors import SpecError
+
+    try:
+        return load_cluster_file(path)
+    except SpecError as exc:
+        what, fix = _CLUSTER_FILE_SOURCES[source]
+        raise SpecError("cluster_file", f"{what.format(pool=pool)} names {path!r}: "
+                                        f"{str(exc).removeprefix('invalid cluster: ')}; {fix}") from None
 
 
 def worker_online(worker: Any) -> bool:

@@ -556,9 +556,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             cluster_file = self._cluster_file_arg or os.environ.get("QOSFLOW_CLUSTER_FILE") or self._pool_default("cluster_file")
             if self._backend is None and cluster is None:
                 if cluster_file:
-                    from qosflow.backends.agent import load_cluster_file
+                    from qosflow.prefect.local import load_named_cluster_file
 
-                    cf = load_cluster_file(cluster_file)
+                    source = "arg" if self._cluster_file_arg else "env" if os.environ.get("QOSFLOW_CLUSTER_FILE") else "pool"
+                    cf = load_named_cluster_file(str(cluster_file), source, self._work_pool_name)
                     self._backend = cf.backend()
                     self._cluster_source, self._cluster_seen = ("file", str(cluster_file)), _fingerprint(cf)
                 elif cluster_block:
