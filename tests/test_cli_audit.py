@@ -195,10 +195,10 @@ def test_demo_on_a_cluster_file_whose_hosts_are_all_down_fails_before_the_server
 
     monkeypatch.setattr(local.LocalServer, "start", lambda *a, **k: (_ for _ in ()).throw(AssertionError("server started")))
     lab = tmp_path / "lab.yaml"
-    lab.write_text("token: x\nhosts:\n  - {name: a, agent_url: 'http://127.0.0.1:9'}\n  - {name: b, agent_url: 'http://127.0.0.1:9'}\n")
+    lab.write_text("token: x\nhosts:\n  - {name: a, agent_url: 'http://127.0.0.1:9'}\n  - {name: b, agent_url: 'http://127.0.0.1:19'}\n")
     assert main(["demo", "--no-ui", "--home", str(tmp_path / "home"), "--cluster", str(lab)]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert f"--cluster {lab}: no host answers (a (http://127.0.0.1:9): " in err and "; b (http://127.0.0.1:9): " in err, err
+    assert f"--cluster {lab}: no host answers (a (http://127.0.0.1:9): " in err and "; b (http://127.0.0.1:19): " in err, err
     assert f"check them with `qosflow agent status --cluster {lab}`" in err and "Traceback" not in err, err
 
 

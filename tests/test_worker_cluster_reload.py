@@ -299,7 +299,8 @@ def test_a_cluster_file_is_read_again_too(tmp_path):
     f = tmp_path / "lab.yaml"
 
     def write(hosts: list[str]) -> None:
-        lines = "".join(f"  - {{name: {h}, agent_url: 'http://127.0.0.1:9'}}\n" for h in hosts)  # (nothing answers there)
+        # (nothing answers there; one URL per host, whatever the list: a file giving two hosts one URL is refused)
+        lines = "".join(f"  - {{name: {h}, agent_url: 'http://127.0.0.1:{9 + 10 * int(h[1:])}'}}\n" for h in hosts)
         f.write_text(f"name: lab\ntoken: t\nheartbeat_s: 0.5\ngpus_per_host: 2\ncpu_cores: 4\nhosts:\n{lines}")
 
     errors: list[str] = []

@@ -1120,6 +1120,13 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise SpecError("hosts", f"host name(s) {', '.join(sorted(dup))} appear twice", where=where)
+    at: dict[str, str] = {}
+    for i, h in enumerate(hosts):  # (one agent per host: the second would be down, "is agent 'a', not 'b'")
+        other = at.setdefault(h.url.rstrip("/").lower(), h.name)
+        if other != h.name:
+            raise SpecError("agent_url", f"hosts {other} and {h.name} have the same agent_url {h.url}: each host runs its "
+                                         f"own agent; give {h.name} its agent's URL (its address, or the --port of its agent)",
+                            where=f"{where}: hosts[{i}]")
     timing = {}
     for key in ("heartbeat_s", "fence_after_s"):
         v = data.get(key)
