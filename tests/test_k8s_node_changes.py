@@ -287,6 +287,32 @@ def test_the_heartbeat_says_a_cordoned_node_s_stages_run_on():
     assert said == ["host gpu-0 is down (the node is cordoned (spec.unschedulable)): no new stage goes there; the 1 stage(s) on it run on"], lines
 
 
+def test_a_node_down_with_no_stage_of_the_worker_says_so():
+    """A host that goes down with nothing of this worker's on it (e.g. a gang whose other host's loss already ended it
+    and queued it again) was said to have '0 stage(s) on it [that] will run again elsewhere'."""
+    import logging
+
+    async def go():
+        with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)]) as emu:
+            async with Lab(emu, follow=False) as lab:
+                lines: list[str] = []
+                handler = logging.Handler()
+                handler.emit = lambda rec: lines.append(rec.getMessage())  # type: ignore[method-assign]
+                lab.w._logger.addHandler(handler)
+                try:
+                    await asyncio.to_thread(lab.core.patch_node, "gpu-1", {"spec": {"unschedulable": True}})
+                    await lab.w._sync_health()
+                    assert lab.down("gpu-1")
+                finally:
+                    lab.w._logger.removeHandler(handler)
+                return lines
+
+    lines = asyncio.run(go())
+    said = [x for x in lines if x.startswith("host gpu-1 is down")]
+    assert said == ["host gpu-1 is down (the node is cordoned (spec.unschedulable)): no new stage goes there; no stage of "
+                    "this worker was running on it"], lines
+
+
 def test_a_second_scale_to_zero_is_said_again():
     """The warning that no node is listed was said once per worker: an autoscaler that scales the GPU pool to zero each
     night was reported the first night only. It is said again each time, and the nodes' return is said too."""

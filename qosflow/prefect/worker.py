@@ -2007,7 +2007,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 stages = [j for j in on_it if not is_hold(j)]
                 runs = len([j for j in on_it if str(j).startswith(PIPELINE_HOLD)])  # (pipeline runs' booked cores: not rerun, their waits tell their fate)
                 also = f"; {runs} pipeline run(s) there are followed until their host or Prefect says how they ended" if runs else ""
-                if be.keeps_stages(node.name):  # (cordoned: its stages are not lost, nothing runs them again)
+                if not stages:  # (e.g. a gang whose other host's loss already ended it: it is queued again already)
+                    self._logger.warning("host %s is down%s: no new stage goes there; no stage of this worker was running "
+                                         "on it%s", node.name, why, also)
+                elif be.keeps_stages(node.name):  # (cordoned: its stages are not lost, nothing runs them again)
                     self._logger.warning("host %s is down%s: no new stage goes there; the %d stage(s) on it run on%s",
                                          node.name, why, len(stages), also)
                 else:
