@@ -82,17 +82,19 @@ def test_a_run_with_a_bad_qos_job_variable_fails_at_once_naming_it_and_its_deplo
             fr = await c.create_flow_run_from_deployment(dep)
         async with QosflowWorker(work_pool_name=pool, create_pool_if_not_found=False) as w:
             await w.sync_with_backend()
-            taken = await w.get_and_submit_flow_runs()
+            # (what it returns depends on timing: a run failed before Prefect's submission bookkeeping ends may be
+            # left out of it; the run's state, set by the worker with qosflow's message, is the test)
+            await w.get_and_submit_flow_runs()
             for _ in range(200):
                 async with get_client() as c:
                     state = (await c.read_flow_run(fr.id)).state
                 if state.is_final():
                     break
                 await asyncio.sleep(0.1)
-        return taken, state
+        return state
 
-    taken, state = asyncio.run(go())
-    assert len(taken) == 1 and state.is_failed(), state
+    state = asyncio.run(go())
+    assert state.is_failed(), state
     msg = state.message or ""
     assert f"job variable '{field}' of deployment 'journey-jv-flow/bad-{field}'" in msg, msg
     assert "prefect deploy" in msg and "was not started" in msg, msg
