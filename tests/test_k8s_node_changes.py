@@ -255,30 +255,37 @@ def test_following_1000_nodes_is_no_list_call_and_does_not_block_the_event_loop(
     assert worst < 0.5, f"the event loop stood still for {worst:.3f}s"
 
 
+@contextlib.contextmanager
+def _messages(logger):
+    """The messages `logger` logs meanwhile."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: lines.append(rec.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+
+
 def test_the_heartbeat_says_a_cordoned_node_s_stages_run_on():
     """The heartbeat (`_sync_health`) marks a cordoned node down within a beat, before the node listing sees it:
     its line said the node's stages "will run again elsewhere", which nothing does for a cordon. It says why
     the node is down and that its stages run on."""
-    import logging
-
     async def go():
         with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)]) as emu:
             async with Lab(emu, follow=False) as lab:
                 assert await lab.place("a") == "gpu-0"
                 ha = await lab.launch("a", 2.0)
                 await until(lambda: lab.pod_node("a") == "gpu-0", "a running on gpu-0")
-                lines: list[str] = []
-                handler = logging.Handler()
-                handler.emit = lambda rec: lines.append(rec.getMessage())  # type: ignore[method-assign]
-                lab.w._logger.addHandler(handler)
-                try:
+                with _messages(lab.w._logger) as lines:
                     await asyncio.to_thread(lab.core.patch_node, "gpu-0", {"spec": {"unschedulable": True}})
                     await lab.w._sync_health()
                     assert lab.down("gpu-0")
                     st = await lab.be.wait(ha)
                     assert st.kind is ExitKind.OK, st  # (it did run on)
-                finally:
-                    lab.w._logger.removeHandler(handler)
                 lab.sched.release("a")
                 return lines
 
@@ -290,21 +297,13 @@ def test_the_heartbeat_says_a_cordoned_node_s_stages_run_on():
 def test_a_node_down_with_no_stage_of_the_worker_says_so():
     """A host that goes down with nothing of this worker's on it (e.g. a gang whose other host's loss already ended it
     and queued it again) was said to have '0 stage(s) on it [that] will run again elsewhere'."""
-    import logging
-
     async def go():
         with EmulatorServer([gpu_node("gpu-0", 2), gpu_node("gpu-1", 2)]) as emu:
             async with Lab(emu, follow=False) as lab:
-                lines: list[str] = []
-                handler = logging.Handler()
-                handler.emit = lambda rec: lines.append(rec.getMessage())  # type: ignore[method-assign]
-                lab.w._logger.addHandler(handler)
-                try:
+                with _messages(lab.w._logger) as lines:
                     await asyncio.to_thread(lab.core.patch_node, "gpu-1", {"spec": {"unschedulable": True}})
                     await lab.w._sync_health()
                     assert lab.down("gpu-1")
-                finally:
-                    lab.w._logger.removeHandler(handler)
                 return lines
 
     lines = asyncio.run(go())
