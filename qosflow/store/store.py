@@ -488,7 +488,7 @@ class Store:
                     hint += (f"; to read a store you may not write, copy {os.path.basename(path)} (with its -wal "
                              "file, if there is one) to a writable directory and give the copy")
             else:  # was libpq's message alone: what failed, not what to check
-                hint = (f"; check that the PostgreSQL server at {sa.engine.make_url(url).host or 'localhost'}:{sa.engine.make_url(url).port or 5432} is running and reachable, and the "
+                hint = (f"; check that the PostgreSQL server at {engine.url.host or 'localhost'}:{engine.url.port or 5432} is running and reachable, and the "
                         f"URL's user, password and database{' in $' + ENV_URL if from_env else ''} (the database must "
                         f"exist: createdb); or {how}")
             raise QosflowError(f"cannot open the qosflow database {safe}{origin}: {exc.orig}{hint}") from exc
