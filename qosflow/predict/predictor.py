@@ -432,12 +432,14 @@ class Predictor:
         return pred.scaled(f, f"{pred.basis}+cpu:{curve.basis}")
 
     def _solo_direct(self, sig: str, gt: str, gpus: int, cons: bool, cores: int | None) -> Prediction | None:
+        # a CPU-only stage (gpus 0) has no GPU model to fall back on: its own samples count from the first
+        need = 1 if gpus == 0 else MIN_SAMPLES
         if cores is not None:
             st = self._stats.get((sig, gt, gpus, cons, cores, None))
-            if st is not None and st.n >= MIN_SAMPLES:
+            if st is not None and st.n >= need:
                 return Prediction(*_interval(st.mean, st.sd), st.n, f"samples(n={st.n},cores={cores})")
         st = self._stats.get((sig, gt, gpus, cons, None, None))
-        if st is not None and st.n >= MIN_SAMPLES:
+        if st is not None and st.n >= need:
             return self._cpu_adjust(sig, Prediction(*_interval(st.mean, st.sd), st.n, f"samples(n={st.n})"), cores,
                                     (sig, gt, gpus, cons, None, None))
         if st is None:
@@ -451,15 +453,7 @@ class Predictor:
                 return self._cpu_adjust(sig, Prediction(*_interval(base[0], base[1]), base[2], base[3]), cores,
                                         (sig, gt, 1, True, None, None) if base[2] else None)
             return self._cpu_adjust(sig, self._prior(sig, gt), cores)
-        if gpus == 0:
-            # one or two CPU-only samples (fewer than MIN_SAMPLES): at the cores asked, theirs; else the mean
-            # over the core counts measured, on the job's CPU curve; none: the other signatures' median
-            at = self._stats.get((sig, gt, 0, True, cores, None)) if cores is not None else None
-            if at is not None and at.n:
-                return Prediction(*_interval(at.mean, at.sd), at.n, f"samples(n={at.n},cores={cores})")
-            if st is not None and st.n:
-                return self._cpu_adjust(sig, Prediction(*_interval(st.mean, st.sd), st.n, f"samples(n={st.n})"), cores,
-                                        (sig, gt, 0, True, None, None))
+        if gpus == 0:  # no CPU-only sample of its own: the other signatures' median
             return self._cpu_adjust(sig, self._prior(sig, gt, gpus=0), cores)
         return None
 
