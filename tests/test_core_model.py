@@ -210,3 +210,10 @@ def test_gpu_models_match_without_regard_to_case():
     assert list(spec.model_mask("a100|H100")) == [False, True]
     assert QoSSpec(gpus=1, gpu_model="V100|a100").accepts_gpu_model("v100")
     assert spec.why_never_fits(QoSSpec(gpus=1, gpu_model="V100")) is None
+
+
+@pytest.mark.parametrize("text, expected", [("2", "critical"), (" 1 ", "guaranteed"), ("0", "normal"), ("-1", "best-effort")])
+def test_a_priority_given_as_text_of_an_integer_means_that_integer(text, expected):
+    """The priority job variable is a string, and the error for a bad one says 'or an integer': "2" was then
+    refused with a message offering integers, which a job variable cannot hold."""
+    assert QoSSpec(priority=text).priority.value == expected

@@ -40,6 +40,10 @@ class PriorityClass(str, Enum):
                 return cls.CRITICAL
             return cls.GUARANTEED if value == 1 else cls.NORMAL if value == 0 else cls.BEST_EFFORT
         if isinstance(value, str):
+            try:  # a job variable or CLI value is a string: "2" means what the integer 2 means
+                return cls.parse(int(value.strip()), where=where)
+            except ValueError:
+                pass
             key = value.strip().lower().replace("_", "-")
             for member in cls:
                 if member.value == key:
