@@ -20,7 +20,7 @@ from kubernetes import client
 from k8s_lab import until
 from qosflow.backends.base import LaunchSpec
 from qosflow.backends.k8s_usage import foreign_usage
-from qosflow.backends.kubernetes import LABEL_POOL, KubernetesBackend, job_name, label_value, secret_name
+from qosflow.backends.kubernetes import ANN_POOL, LABEL_POOL, KubernetesBackend, job_name, label_value, secret_name
 from qosflow.core.placement import Placement
 from qosflow.errors import QosflowError
 from qosflow.k8s_emulator import EmulatorServer, gpu_node
@@ -43,7 +43,7 @@ def test_a_stage_pod_of_another_pool_with_the_same_cluster_name_is_booked_and_on
     theirs = _pod("theirs", {**stage, LABEL_POOL: label_value(POOL_B)})
     old = _pod("old", dict(stage))  # (made before stage pods carried their pool: taken as this pool's)
     their_pipeline = _pod("pipe", {**stage, "qosflow.dev/role": "pipeline", LABEL_POOL: label_value(POOL_A)})  # (counted, as before)
-    got = foreign_usage([mine, theirs, old, their_pipeline], pool=label_value(POOL_A), **KW)
+    got = foreign_usage([mine, theirs, old, their_pipeline], pool=POOL_A, **KW)
     assert sorted(got["n1"].names) == ["ml/pipe", "ml/theirs"] and got["n1"].gpus == 2, got
     # the worker has not said its pool: every stage pod of this cluster is its own, as before
     assert foreign_usage([mine, theirs, old, their_pipeline], **KW)["n1"].names == ("ml/pipe",)
@@ -201,7 +201,7 @@ def test_a_placeholder_of_another_pool_is_never_deleted_or_adopted_and_is_booked
             # it has a priority class (kube-scheduler preempts it for a stage); B's own never
             bound = {**theirs[1], "spec": {**theirs[1]["spec"], "nodeName": "n1"}, "status": {"phase": "Pending"}}
             kw = dict(gpu_resource="nvidia.com/gpu", shared_resource="nvidia.com/gpu.shared", namespace="default", cluster_name="kubernetes",
-                      pool=label_value(POOL_B), own_placeholders={b_id})
+                      pool=POOL_B, own_placeholders={b_id})
             got = foreign_usage([bound], **kw)
             assert got["n1"].gpus == 1 and got["n1"].names == (f"default/{names[1]}",), got
             preemptible = {**bound, "spec": {**bound["spec"], "priorityClassName": "qosflow-capacity"}}
@@ -215,3 +215,65 @@ def deleted_names(emu) -> set[str]:
     from test_k8s_capacity_peers import deleted_pods
 
     return deleted_pods(emu)
+
+
+#: two pools of one Prefect server whose names differ only where a label value cannot say it: both pool keys are the one
+#: label value "gpu-team-0123456789ab" (label_value turns " " and "@" into "-")
+TEAM_A, TEAM_B = "gpu team@0123456789ab", "gpu-team@0123456789ab"
+
+
+def test_two_pools_whose_keys_make_one_label_value_are_told_apart_by_the_pool_key_annotation():
+    """Before, a stage's pool was its qosflow.dev/pool label alone, and two pool keys can make one label value (the pools
+    "gpu team" and "gpu-team" of one Prefect server): each pool's worker took the other's stage pods, Jobs and Secrets
+    for its own (not booked, adopted, swept, taken over on a 409). Now what a backend creates carries the exact key too
+    (annotation qosflow.dev/pool-key), which decides when present; the label decides for an object of the previous
+    release, which has no annotation (so that a worker that is upgraded still knows its own)."""
+    assert label_value(TEAM_A) == label_value(TEAM_B)
+    with EmulatorServer([gpu_node("gpu-a", 4, cpu="16", memory="64Gi")]) as emu:
+        async def go():
+            def backend(pool: str) -> KubernetesBackend:
+                be = KubernetesBackend(namespace="default", image="busybox:1.36", api_client=emu.api_client(), unschedulable_timeout_s=5.0)
+                be.pod_usage_every_s = 0.0
+                be.capacity_peers(holder_id(pool.split("@")[0]), pool, None)
+                return be
+
+            a, b = backend(TEAM_A), backend(TEAM_B)
+            core = client.CoreV1Api(emu.api_client())
+            try:
+                cluster = await a.inventory()
+
+                def spec(stage: str, **kw) -> LaunchSpec:
+                    return LaunchSpec(stage, ["true"], Placement(stage, ((0, 0), (0, 1)), ((0, 2.0),)), cluster, **kw)
+
+                emu.add_rule(selector="qosflow.dev/stage-id=t-1", run_s=120)
+                h = await a.launch(spec("t-1", env={"HF_TOKEN": "hf_x"}))
+                assert not h.ref["launch_error"], h.ref
+                await until(lambda: [p.status.phase for p in core.list_namespaced_pod("default", label_selector="qosflow.dev/stage-id=t-1").items]
+                            == ["Running"], "pool A's stage pod running")
+                [pod] = (await asyncio.to_thread(core.list_namespaced_pod, "default", label_selector="qosflow.dev/stage-id=t-1")).items
+                assert pod.metadata.annotations[ANN_POOL] == TEAM_A and pod.metadata.labels[LABEL_POOL] == label_value(TEAM_A)
+
+                assert (await b.foreign_pod_usage())["gpu-a"].gpus == 2  # (B books A's stage pod)
+                assert await a.foreign_pod_usage() == {}
+                await until(lambda: (b._pod_informer.usage() or {}).get("gpu-a") is not None, "B's informer booking A's stage pod")
+                assert await b.adopt("t-1") is None and await a.adopt("t-1") is not None
+                with pytest.raises(QosflowError, match="belongs to another pool"):
+                    await b.launch(spec("t-1", env={"HF_TOKEN": "hf_y"}))
+                with pytest.raises(QosflowError, match="belongs to another pool"):
+                    await b.launch(spec("t-1"))
+                await a._put_secret(a.secret_manifest(spec("t-2", env={"HF_TOKEN": "hf_x"})), "t-2", "test")
+                assert await b.sweep_orphan_secrets(grace_s=0) == []
+                assert await a.sweep_orphan_secrets(grace_s=0) == [secret_name("t-2")]
+            finally:
+                await a.aclose()
+                await b.aclose()
+
+        asyncio.run(go())
+
+    # the previous release's stage pod (the pool label, no annotation) is its pool's by the label, as it was
+    kw = {**KW, "pool": TEAM_A}
+    old = _pod("old", {"qosflow.dev/stage-id": "s", "qosflow.dev/cluster": "kubernetes", LABEL_POOL: label_value(TEAM_A)})
+    assert foreign_usage([old], **kw) == {}
+    assert foreign_usage([old], **{**KW, "pool": "vision@0123456789ab"})["n1"].gpus == 1
+    new = {**old, "metadata": {**old["metadata"], "annotations": {ANN_POOL: TEAM_B}}}
+    assert foreign_usage([new], **kw)["n1"].gpus == 1 and foreign_usage([new], **{**KW, "pool": TEAM_B}) == {}

@@ -124,9 +124,10 @@ def _cluster_label(cluster_name: str) -> str:
 
 def counted(pod: Mapping, *, namespace: str, cluster_name: str, own_placeholders: Collection[str] = (), pool: str = "") -> bool:
     """Whether a pod's requests are booked as another's: bound, not ended, not a stage pod of this cluster's qosflow
-    pool in `namespace` (a pipeline run's pod is counted, and so is a stage pod labelled with another cluster, or with
-    another pool than `pool`, this backend's as its qosflow.dev/pool label holds it: another pool's, whose worker books
-    it, not this one; two pools whose blocks have the same name tell their stage pods apart by the pool label alone),
+    pool in `namespace` (a pipeline run's pod is counted, and so is a stage pod labelled with another cluster, or of
+    another pool than `pool`, this backend's pool's key: another pool's, whose worker books it, not this one; two pools
+    whose blocks have the same name tell their stage pods apart by their pool, `kubernetes.same_pool`: the exact key of
+    the qosflow.dev/pool-key annotation, else, for a pod of the release before, the qosflow.dev/pool label),
     not a capacity placeholder of this cluster made by this backend
     (`own_placeholders`: its makers' ids, the qosflow.dev/capacity-owner annotation; one naming no maker, made before
     placeholders named theirs, is taken as this backend's, as it was). Another worker's placeholder on a node holds its
@@ -141,7 +142,7 @@ def counted(pod: Mapping, *, namespace: str, cluster_name: str, own_placeholders
     if md.get("namespace") == namespace:
         role, cluster = labels.get(LABEL_ROLE), labels.get(LABEL_CLUSTER)
         mine = cluster is None or cluster == _cluster_label(cluster_name)
-        if LABEL_STAGE in labels and role != ROLE_PIPELINE and mine and same_pool(labels, pool):
+        if LABEL_STAGE in labels and role != ROLE_PIPELINE and mine and same_pool(labels, pool, md.get("annotations")):
             return False
         if role == ROLE_CAPACITY and cluster is not None and mine:
             owner = (md.get("annotations") or {}).get(ANN_CAPACITY_OWNER)
@@ -159,7 +160,7 @@ class PodSums:
         self.gpu_resource, self.shared_resource = gpu_resource, shared_resource
         self.namespace, self.cluster_name, self.keep_names = namespace, cluster_name, keep_names
         self.own_placeholders = own_placeholders  # (the backend's set of its makers' ids, read as it grows)
-        self.pool = pool  # (this backend's pool label value: fixed for these sums, which are made again when it changes)
+        self.pool = pool  # (this backend's pool's key: fixed for these sums, which are made again when it changes)
         #: namespace/name -> (node, amounts) of each counted pod
         self.pods: dict[str, tuple[str, tuple[int, int, int]]] = {}
         #: node -> [GPUs, nanocores, bytes, {namespace/name: None} (in the order they came)]
@@ -252,9 +253,10 @@ def _own_placeholders(backend: Any) -> Collection[str]:
 
 
 def _own_pool(backend: Any) -> str:
-    """This backend's pool as its stage pods' qosflow.dev/pool label holds it; "" while the worker has not said it."""
-    pool_label = getattr(backend, "_pool_label", None)
-    return pool_label() if pool_label is not None else ""
+    """This backend's pool's key (`KubernetesBackend._pool_key`: its stage pods' qosflow.dev/pool-key annotation, and, as a
+    label value, their qosflow.dev/pool label); "" while the worker has not said it."""
+    pool_key = getattr(backend, "_pool_key", None)
+    return pool_key() if pool_key is not None else ""
 
 
 def read_foreign_usage(backend: Any) -> dict[str, NodePodUsage]:

@@ -124,6 +124,10 @@ ANN_CAPACITY_POOL = "qosflow.dev/capacity-pool"
 #: cluster label alike) in one namespace tell their stages apart by it (`owns`); an object without it (made before
 #: 2026-11-28, or before the worker said its pool) is taken as this pool's, as it was
 LABEL_POOL = "qosflow.dev/pool"
+#: the same pool's key exactly (annotation; since 2026-11-28): two pool keys can make one label value ("gpu team" and
+#: "gpu-team" of one Prefect server are both `gpu-team-<hash>`), so the annotation decides when an object carries it, and
+#: the label decides only for an object of the release before, which carries the label alone (`same_pool`)
+ANN_POOL = "qosflow.dev/pool-key"
 CAPACITY_IMAGE = "registry.k8s.io/pause:3.9"
 #: the stand-in nodes of a node group scaled to zero (`capacity_node`): planned on, down, until a real node is listed
 STANDIN_PREFIX = "scaled-to-zero-"
@@ -228,11 +232,25 @@ def label_value(v: str) -> str:
     return s.strip("-_.") or "x"
 
 
-def same_pool(labels: Mapping[str, str] | None, pool_label: str) -> bool:
-    """Whether an object labelled `labels` is of the pool whose `LABEL_POOL` value is `pool_label`, as far as its labels
-    say: one without the label (an older version's), and every one while the pool is not known (`pool_label` ""), is."""
+def same_pool(labels: Mapping[str, str] | None, pool: str, annotations: Mapping[str, str] | None = None) -> bool:
+    """Whether an object labelled `labels` and annotated `annotations` is of the pool whose key (in the lease store) is
+    `pool`: its pool key annotation (`ANN_POOL`, or a placeholder's `ANN_CAPACITY_POOL`) names that key exactly; or, for
+    an object without one (made by the release before, which labelled its pool only), its `LABEL_POOL` label is the key's
+    label value; one with neither (an older version's), and every one while the pool is not known (`pool` ""), is."""
+    if not pool:
+        return True
+    ann = annotations or {}
+    key = ann.get(ANN_POOL) or ann.get(ANN_CAPACITY_POOL)
+    if key:
+        return key == pool
     theirs = (labels or {}).get(LABEL_POOL)
-    return theirs is None or not pool_label or theirs == pool_label
+    return theirs is None or theirs == _pool_label_of(pool)
+
+
+@functools.lru_cache(maxsize=16)
+def _pool_label_of(pool: str) -> str:
+    """`label_value(pool)`, once per key (a pod reading asks it for each of 10,000 pods)."""
+    return label_value(pool)
 
 
 def _capacity_pod_fits(pod: Any, body: Mapping) -> bool:
@@ -1082,7 +1100,7 @@ class KubernetesBackend(Backend):
             stage = (md.annotations or {}).get(ANN_STAGE)
             if (not stage or md.name != secret_name(stage) or (md.labels or {}).get(LABEL_STAGE) != label_value(stage)
                     or md.owner_references or md.name in self._launching or md.deletion_timestamp is not None
-                    or not self.owns(md.labels)):
+                    or not self.owns(md.labels, md.annotations)):
                 continue
             created = md.creation_timestamp.timestamp() if md.creation_timestamp is not None else None
             if created is None or now - created < grace:
@@ -1090,7 +1108,7 @@ class KubernetesBackend(Backend):
             jobs = (await self._acall(self.batch.list_namespaced_job, self.namespace, label_selector=f"{LABEL_STAGE}={label_value(stage)}",
                                       _doing=doing)).items
             jobs = [j for j in jobs if (j.metadata.annotations or {}).get(ANN_STAGE) == stage and j.metadata.deletion_timestamp is None
-                    and self.owns(j.metadata.labels)]
+                    and self.owns(j.metadata.labels, j.metadata.annotations)]
             try:
                 if jobs:  # the Job was created, the owner not set: set it (deleted with the Job, as a launch does it)
                     owners = [{"apiVersion": "batch/v1", "kind": "Job", "name": j.metadata.name, "uid": j.metadata.uid} for j in jobs]
@@ -1142,12 +1160,17 @@ class KubernetesBackend(Backend):
         pool = getattr(self, "_capacity_pool", "")  # (the pod informer's first sums are made before it is set, in __post_init__)
         return label_value(pool) if pool else ""
 
-    def owns(self, labels: Mapping[str, str] | None) -> bool:
-        """Whether a stage's Job, pod or Secret labelled `labels` is this pool's, as far as its pool says: one labelled
-        with another pool (`LABEL_POOL`; another pool's worker on the same cluster and namespace, with a block of the
-        same name) is not, and is never adopted, swept or deleted here. One without the label (an older version's), and
-        every one while this backend does not know its pool, is taken as this pool's, as before."""
-        return same_pool(labels, self._pool_label())
+    def _pool_key(self) -> str:
+        """This backend's pool's key in the lease store, as its objects' `ANN_POOL` holds it; "" until the worker said it."""
+        return getattr(self, "_capacity_pool", "")
+
+    def owns(self, labels: Mapping[str, str] | None, annotations: Mapping[str, str] | None = None) -> bool:
+        """Whether a stage's Job, pod or Secret labelled `labels` and annotated `annotations` is this pool's, as far as
+        its pool says (`same_pool`: its pool key annotation, else its pool label): another pool's (another pool's worker
+        on the same cluster and namespace, with a block of the same name) is not, and is never adopted, swept or deleted
+        here. One naming no pool (an older version's), and every one while this backend does not know its pool, is
+        taken as this pool's, as before."""
+        return same_pool(labels, self._pool_key(), annotations)
 
     async def _capacity_makers_alive(self, pools: Collection[str]) -> dict[str, set[str]] | None:
         """The live holder ids of each of `pools` (the lease store's presence, `capacity_peers`); None when that cannot be
@@ -1491,7 +1514,7 @@ class KubernetesBackend(Backend):
         ann_pool = (md.annotations or {}).get(ANN_CAPACITY_POOL) or ""
         if ann_pool and ann_pool != self._capacity_pool:
             return ann_pool
-        return "" if self.owns(md.labels) else md.labels[LABEL_POOL]
+        return "" if self.owns(md.labels) else (md.labels or {}).get(LABEL_POOL, "")
 
     async def _adopt_capacity_pod(self, pod: Any, job_id: str, maker: str, why: str = "") -> bool:
         """Make placeholder `pod` (made by `maker`, for stage `job_id`, which this backend now asks capacity for; left by
@@ -1527,13 +1550,14 @@ class KubernetesBackend(Backend):
         labels = {"app.kubernetes.io/managed-by": "qosflow", "app.kubernetes.io/name": "qosflow-stage",
                   LABEL_STAGE: label_value(spec.stage_id), LABEL_JOB: label_value(spec.placement.job_id),
                   LABEL_CLUSTER: label_value(self.cluster_name)}
-        if self._capacity_pool:
-            labels[LABEL_POOL] = self._pool_label()
         annotations = {ANN_STAGE: spec.stage_id}
         for k, v in spec.labels.items():
             if _LABEL_KEY.match(k):
                 labels[k] = label_value(v)
             annotations[k] = str(v)
+        if self._capacity_pool:
+            labels[LABEL_POOL] = self._pool_label()
+            annotations[ANN_POOL] = self._capacity_pool
         return labels, annotations
 
     def _credentials(self, spec: LaunchSpec) -> dict[str, str]:
@@ -1658,7 +1682,8 @@ class KubernetesBackend(Backend):
             gs = GANG_SCHEDULERS[self.gang_scheduler]
             podgroup = {
                 "apiVersion": f"{gs.group}/{gs.version}", "kind": "PodGroup",
-                "metadata": {"name": pg_name, "namespace": self.namespace, "labels": dict(labels)},
+                "metadata": {"name": pg_name, "namespace": self.namespace, "labels": dict(labels),
+                             **({"annotations": {ANN_POOL: annotations[ANN_POOL]}} if ANN_POOL in annotations else {})},
                 "spec": {"minMember": pods_total, **({"queue": self.kai_queue} if self.gang_scheduler == "kai" else {})},
             }
         return jobs, podgroup
@@ -1739,9 +1764,9 @@ class KubernetesBackend(Backend):
         cur = await self._acall(self.batch.read_namespaced_job, job["metadata"]["name"], self.namespace, _doing=doing)
         if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id:
             raise QosflowError(f"Job {job['metadata']['name']} exists in {self.namespace} and belongs to another {kind}")
-        if not self.owns(cur.metadata.labels):
+        if not self.owns(cur.metadata.labels, cur.metadata.annotations):
             raise QosflowError(f"Job {job['metadata']['name']} exists in {self.namespace} and belongs to another pool "
-                               f"({(cur.metadata.labels or {}).get(LABEL_POOL)})")
+                               f"({(cur.metadata.annotations or {}).get(ANN_POOL) or (cur.metadata.labels or {}).get(LABEL_POOL)})")
         self.stats["adopted_409"] += 1
         return cur
 
@@ -1867,7 +1892,7 @@ class KubernetesBackend(Backend):
             if e.status != 409:
                 raise
             cur = await self._acall(self.core.read_namespaced_secret, name, self.namespace, _doing=doing)
-            ours = self.owns(cur.metadata.labels)
+            ours = self.owns(cur.metadata.labels, cur.metadata.annotations)
             if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id or not ours:
                 raise QosflowError(f"Secret {name} exists in {self.namespace} and belongs to another {'stage' if ours else 'pool'}") from None
             await self._acall(self.core.patch_namespaced_secret, name, self.namespace, {"data": secret["data"]},
@@ -1891,7 +1916,7 @@ class KubernetesBackend(Backend):
         """Find the Job(s) of an attempt a previous worker of this pool started (`owns`: never another pool's)."""
         sel = f"{LABEL_STAGE}={label_value(stage_id)}"
         jobs = (await self._acall(self.batch.list_namespaced_job, self.namespace, label_selector=sel)).items
-        jobs = [j for j in jobs if (j.metadata.annotations or {}).get(ANN_STAGE) == stage_id and self.owns(j.metadata.labels)]
+        jobs = [j for j in jobs if (j.metadata.annotations or {}).get(ANN_STAGE) == stage_id and self.owns(j.metadata.labels, j.metadata.annotations)]
         if not jobs:
             return None
         wanted = secret_name(stage_id)
@@ -2208,7 +2233,7 @@ class KubernetesBackend(Backend):
                 log.debug("progress: listing pods in %s: %s", ns, exc)
                 continue
             for p in pods:
-                if self.owns(p.metadata.labels):
+                if self.owns(p.metadata.labels, p.metadata.annotations):
                     by_stage.setdefault((ns, (p.metadata.labels or {}).get(LABEL_STAGE, "")), []).append(p)
 
         async def one(handle: StageHandle) -> None:
