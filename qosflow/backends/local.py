@@ -12,7 +12,9 @@ its stages run on host agents or Kubernetes) outlives the backend: it is a plain
 kills a child whose transport it closes), its output goes to a file rather than the worker's stdout (which
 may be gone after the worker), `aclose()` leaves it running, and the next worker finds it again with
 `adopt_unplaced(pid, start)`: a process that is not its child, watched by polling its pid, its start time
-(`process_start`) guarding against the pid's reuse.
+(`process_start`) guarding against the pid's reuse. A local pool's own pipeline runs end with the backend
+(`aclose`), but one left running by a worker that was killed is adopted the same way, and then ends with the
+adopting backend.
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ class LocalBackend(Backend):
         self._output_dir = output_dir
         #: processes that outlive this backend (`keep_unplaced`), and those of an earlier worker it adopted (None)
         self._detached: dict[str, subprocess.Popen | None] = {}
+        #: the processes of an earlier worker adopted here (`adopt_unplaced`), by stage id
+        self._adopted: dict[str, StageHandle] = {}
         self._tails: dict[str, asyncio.Task] = {}
         self._cluster: ClusterSpec | None = None
         self.inventory_note = ""
@@ -251,12 +255,14 @@ class LocalBackend(Backend):
         if not start or process_start(int(pid)) != start:
             return None
         self._detached[stage_id] = None
+        handle = StageHandle(stage_id, self.name, "local", ref={"pid": int(pid), "start": start, "output": output, "adopted": True})
+        self._adopted[stage_id] = handle
         if output and (self.stream_output if stream is None else stream) and os.path.exists(output):
             try:
                 self._tail(stage_id, output, os.path.getsize(output))  # (what it writes from now on)
             except OSError:
                 pass
-        return StageHandle(stage_id, self.name, "local", ref={"pid": int(pid), "start": start, "output": output, "adopted": True})
+        return handle
 
     def _tail(self, stage_id: str, path: str, offset: int) -> None:
         """Copy what a detached pipeline writes to its output file to this worker's stdout while it is watched
@@ -290,6 +296,7 @@ class LocalBackend(Backend):
             if tail is not None:
                 tail.cancel()
         proc = self._detached.pop(sid, None)
+        self._adopted.pop(sid, None)
         handle.ref["reaped"] = True
         killed = self._killed.pop(sid, None)
         if proc is None:
@@ -395,10 +402,15 @@ class LocalBackend(Backend):
         final state may still be flushing its logs), kill the rest with their children, and reap them all while the
         loop still runs (a child reaped after its loop closed makes asyncio warn "Loop ... that handles pid N is
         closed"). Pipeline processes of a `keep_unplaced` backend are left running (for the next worker), only
-        no longer watched."""
+        no longer watched. Those an other backend adopted (a local pool's pipelines, left running by a worker that
+        was killed) end with it as its own do: SIGTERM (their engine reports why), SIGKILL after `grace` s."""
         for tail in self._tails.values():
             tail.cancel()
         self._tails.clear()
+        adopted = [] if self.keep_unplaced else [h for h in self._adopted.values() if self._alive(h)]
+        if adopted:
+            await asyncio.gather(*(self._kill_detached(h, "the worker stopped", grace) for h in adopted), return_exceptions=True)
+        self._adopted.clear()
         self._detached.clear()
         live = [proc for proc in self._procs.values() if proc.returncode is None]
         try:

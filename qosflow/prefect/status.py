@@ -4,7 +4,8 @@ waiting in the QoS queue or running where the worker placed them (with why a wai
 Everything comes from Prefect's API (flow runs, their labels and logs, the pool's workers), as the
 UI shows it, so it works from any machine that can reach the server. `qosflow status` prints it.
 One part does not: the pipeline runs' processes that workers started on their own hosts and that outlive
-them (pools whose stages run on host agents) are recorded in the lease store (`qosflow_pipeline_process`),
+them (pools whose stages run on host agents; on a local pool, a worker that was killed) are recorded in the
+lease store (`qosflow_pipeline_process`),
 and on a Kubernetes pool the pipeline runs' Jobs hold leases there (`LeaseStore.acquire_pipeline`), as do
 the pipeline runs' processes on the hosts of a host-agent pool with `pipelines_on`: read
 where that store is (the worker's host, or a shared PostgreSQL store); whether such a process still runs can

@@ -922,26 +922,40 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._pipeline_runs_here.add(fid)
             self._register(fid, handle)
             kept = handle.ref.get("start") is not None and self.leases is not None  # (it outlives this worker)
-            if kept:
+            # a local pool's pipeline process ends with its worker when it stops, but a worker killed (SIGKILL, the OOM
+            # killer) leaves it running in its own session: recorded too (pid and start time), so that the worker
+            # restarted under this name on this host adopts it, or marks its run Crashed if it died meanwhile
+            from qosflow.backends.local import process_start
+
+            start = handle.ref.get("start") or (process_start(int(handle.ref["pid"])) if self.leases is not None else None)
+            recorded = start is not None and self.leases is not None
+            if recorded:
                 # recorded before anything else: a worker stopped from now on leaves it to the next one of its name
                 try:
                     await asyncio.shield(asyncio.to_thread(self.leases.record_pipeline, self._pool_key, fid, self.holder,
-                                                           int(handle.ref["pid"]), handle.ref["start"], handle.ref.get("output"),
+                                                           int(handle.ref["pid"]), start, handle.ref.get("output"),
                                                            configuration.stream_output))
                 except Exception as exc:
+                    recorded = False
                     self._logger.warning("pipeline run %s: could not record its process in the lease store (%s): a restarted "
                                          "worker will not adopt it", fid, exc)
+            if kept:
                 run_logger.info("pipeline run started as process %s on %s (its output: %s); it keeps running if the worker "
                                 "stops, and a worker named %r adopts it when it starts", handle.ref["pid"], _hostname(),
                                 handle.ref.get("output"), str(self.name))
+            elif recorded:
+                run_logger.info("pipeline run started as process %s on %s; it stops with the worker, and if the worker is "
+                                "killed instead, a worker named %r started on this host adopts it", handle.ref["pid"],
+                                _hostname(), str(self.name))
             task_status.started(handle.ref.get("pid"))
             try:
                 status = await backend.wait(handle)
             finally:
                 self._unregister(fid)
                 self._pipeline_runs_here.discard(fid)
-            # (not reached when the worker stops: the wait is cancelled, the process and its record stay)
-            if kept:
+            # (not reached when the worker stops and its pipelines outlive it: the wait is cancelled, the process and its
+            # record stay. A local pool's stop ends the process first: its wait returns, its record goes)
+            if recorded:
                 await self._forget_pipeline(fid, handle, remove_output=status.ok)
             return QosflowWorkerResult(status_code=_code(status), identifier=str(handle.ref.get("pid")))
 
@@ -1766,7 +1780,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
     # ------------------------------------------------------------------ pipeline processes of an earlier worker
     async def _adopt_pipelines(self) -> None:
         """After a (re)start: the pipeline runs that an earlier process of this worker's name started on this
-        host (`keep_unplaced`: their stages run on host agents or Kubernetes) and left running when it stopped.
+        host (`keep_unplaced`: their stages run on host agents or Kubernetes) and left running when it stopped, or,
+        on a local pool, when it was killed (SIGKILL: its pipelines, sessions of their own, ran on; a stop ends them).
         One still running (its pid, with the start time recorded at its launch) is watched to its end and can
         be cancelled as before; one whose process ended while no worker ran is done with if its run is final
         (it reported its end itself), else its run, Running for ever otherwise, is marked Crashed saying so."""
@@ -1787,11 +1802,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 continue  # (a live process of this name watches it: not possible past `_claim_name`, but never taken from it)
             if not await asyncio.to_thread(self.leases.take_pipeline, fid, row.holder, self.holder):
                 continue
-            backend = self._pipelines_here
-            if backend is None or not hasattr(backend, "adopt_unplaced"):
-                from qosflow.backends.local import LocalBackend
+            from qosflow.backends.local import LocalBackend
 
-                backend = self._pipelines_here = LocalBackend(keep_unplaced=True, output_dir=str(pipeline_output_dir()))
+            if isinstance(self._backend, LocalBackend):
+                # a local pool: its pipelines are processes of the stages' backend, which stops them with the worker
+                backend = self._backend
+            else:
+                backend = self._pipelines_here
+                if backend is None or not hasattr(backend, "adopt_unplaced"):
+                    backend = self._pipelines_here = LocalBackend(keep_unplaced=True, output_dir=str(pipeline_output_dir()))
             fr = await self._flow_run(fid)
             handle = backend.adopt_unplaced(fid, row.pid, row.start, row.output, row.stream)
             if handle is None:
@@ -1802,7 +1821,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                     self._pipelines_adopted.discard(fid)
                 continue
             self._pipelines_adopted.add(fid)
-            self._pipeline_runs_here.add(fid)
+            if backend is not self._backend:
+                self._pipeline_runs_here.add(fid)
             self._register(fid, handle)
             _keep(self.recovered, {"pipeline_run": fid, "pid": row.pid, "adopted": True})
             self._logger.info("recovery: adopted pipeline run %s (%s, pid %d) still running on this host, started by an earlier "
@@ -1824,7 +1844,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._pipelines_adopted.discard(fid)
 
     async def _settle_adopted_pipeline(self, fid: str, handle: StageHandle, row: Any) -> None:
-        backend = self._pipelines_here
+        backend = self._backend_of(fid)
         assert backend is not None
         try:
             status = await backend.wait(handle)

@@ -1,0 +1,199 @@
+"""A user's worker host restarts the worker of a *local* pool after a SIGKILL (systemd's Restart=on-failure): the
+pipeline run deployed on the pool is a process of its own on that host (its own session: it outlived the worker).
+The restarted worker (same --name, same host) finds it in the lease store, by its pid and the start time recorded
+at its launch, and adopts it: it watches it to its end (its stage, killed and run again as before, is placed on its
+GPU by the new worker) and the run completes. One whose process died while no worker ran is marked Crashed, saying
+why; it stayed Running for ever (nothing recorded it on a local pool: 'the restarted worker does not adopt a local
+pool's pipeline process')."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from procs import alive, stop_groups
+from test_worker_restart import deployed_pipeline_run, flow_run_state, marks, pipeline_started_and_stage_running, wait_log
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+HERE = Path(__file__).resolve().parent
+WORKER = "local-restart-worker"
+
+
+class Lab:
+    def __init__(self, prefect_server: str, tmp_path: Path, pool: str):
+        from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
+        from qosflow.prefect.local import setup_pool
+
+        pypath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+        self.db = f"sqlite:///{tmp_path / 'leases.db'}"
+        self.env = {**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": pypath, "QOSFLOW_LEASE_TTL_SECONDS": "6",
+                    "QOSFLOW_DATABASE_URL": self.db}
+        self.pool, self.server, self.tmp = pool, prefect_server, tmp_path
+        self.marker, self.wlog, self.procs = tmp_path / "marks.jsonl", tmp_path / "worker.log", []
+        asyncio.run(setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, 2), policy=QoSPolicy(policy="fifo"),
+                               stream_output=False, env={"PYTHONPATH": pypath}))
+
+    def start(self) -> subprocess.Popen:
+        w = subprocess.Popen([sys.executable, "-m", "qosflow", "worker", "start", "--pool", self.pool, "--name", WORKER],
+                             env=self.env, stdout=open(self.wlog, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(w)
+        return w
+
+    def log(self) -> str:
+        return self.wlog.read_text(errors="replace")
+
+    def records(self) -> list:
+        from qosflow.store.leases import LeaseStore, pool_key
+
+        return LeaseStore(url=self.db).pipeline_processes(pool_key(self.pool, self.server))
+
+    def final(self, fid, timeout: float = 150.0):
+        end = time.monotonic() + timeout
+        while not ((st := flow_run_state(fid)) is not None and st.is_final()):
+            assert time.monotonic() < end, f"the pipeline run is still {st and st.name}; marks {marks(self.marker)}\n{self.log()[-4000:]}"
+            time.sleep(0.5)
+        return st
+
+
+def sigkill(w: subprocess.Popen) -> None:
+    """The worker's own process group only (its pipeline and stages are sessions of their own), as a kill -9 of it."""
+    os.killpg(w.pid, signal.SIGKILL)
+    w.wait(30)
+
+
+def test_a_local_pools_pipeline_is_adopted_by_the_worker_restarted_after_a_sigkill(prefect_server, tmp_path):
+    lab = Lab(prefect_server, tmp_path, "local-restart")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = lab.env["PYTHONPATH"]
+    try:
+        w1 = lab.start()
+        wait_log(lab.wlog, "qosflow worker:", w1)
+        fid = deployed_pipeline_run(lab.pool, lab.marker, 12.0)
+        pid = pipeline_started_and_stage_running(lab, w1, fid)
+        [rec] = lab.records()  # recorded at its launch: pid and start time
+        assert rec.flow_run_id == str(fid) and rec.pid == pid and rec.start, rec
+        sigkill(w1)
+        assert alive(pid), lab.log()[-3000:]
+        w2 = lab.start()
+        wait_log(lab.wlog, f"recovery: adopted pipeline run {fid}", w2)
+        st = lab.final(fid)
+        assert st.is_completed(), f"{st.name}: {st.message}\n{lab.log()[-4000:]}"
+        ev = [(e["event"], e["stage"]) for e in marks(lab.marker)]
+        assert ev.count(("start", "pipeline")) == 1 and ev.count(("done", "pipeline")) == 1, ev
+        assert ev.count(("done", "a")) == 1 and ev.count(("done", "b")) == 1, ev  # (a: stopped at the restart, run again)
+        end = time.monotonic() + 20  # (its record goes once the worker saw its process end)
+        while alive(pid) or lab.records():
+            assert time.monotonic() < end, f"the pipeline's process or its record stayed: alive {alive(pid)}\n{lab.log()[-3000:]}"
+            time.sleep(0.2)
+        assert "is marked Crashed" not in lab.log()
+        assert w2.poll() is None
+    finally:
+        stop_groups(lab.procs)
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def test_a_local_pools_pipeline_that_died_while_no_worker_ran_is_marked_crashed(prefect_server, tmp_path):
+    lab = Lab(prefect_server, tmp_path, "local-restart-died")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = lab.env["PYTHONPATH"]
+    try:
+        w1 = lab.start()
+        wait_log(lab.wlog, "qosflow worker:", w1)
+        fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
+        pid = pipeline_started_and_stage_running(lab, w1, fid)
+        sigkill(w1)
+        os.killpg(pid, signal.SIGKILL)  # (the OOM killer, while no worker runs)
+        end = time.monotonic() + 10
+        while alive(pid):
+            assert time.monotonic() < end
+            time.sleep(0.1)
+        assert flow_run_state(fid).is_running()  # (nothing reported its end)
+        w2 = lab.start()
+        st = lab.final(fid, 90)
+        assert st.is_crashed(), f"{st.name}: {st.message}"
+        assert f"pid {pid}" in st.message and "ended while no qosflow worker watched it" in st.message, st.message
+        assert not lab.records()
+        assert w2.poll() is None
+    finally:
+        stop_groups(lab.procs)
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+
+def test_a_local_pools_pipeline_still_ends_with_a_worker_that_stops(prefect_server, tmp_path):
+    """A stop (SIGTERM, Ctrl-C) of a local pool's worker ends its pipelines, as before they were recorded (the worker is
+    the whole installation there): the run ends Crashed at once, its record goes, and the next worker adopts nothing."""
+    lab = Lab(prefect_server, tmp_path, "local-restart-stop")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = lab.env["PYTHONPATH"]
+    try:
+        w1 = lab.start()
+        wait_log(lab.wlog, "qosflow worker:", w1)
+        fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
+        pid = pipeline_started_and_stage_running(lab, w1, fid)
+        os.killpg(w1.pid, signal.SIGTERM)
+        w1.wait(60)
+        end = time.monotonic() + 20
+        while alive(pid):
+            assert time.monotonic() < end, f"the pipeline outlived its stopped worker\n{lab.log()[-3000:]}"
+            time.sleep(0.1)
+        st = lab.final(fid, 30)
+        assert st.is_crashed(), f"{st.name}: {st.message}"
+        assert not lab.records()
+        assert "adopted pipeline run" not in lab.log()
+    finally:
+        stop_groups(lab.procs)
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def test_a_pipeline_adopted_by_a_local_pools_backend_ends_with_it(tmp_path):
+    """The restarted worker's local backend stops the pipeline process it adopted when it closes (SIGTERM first), as it
+    stops those it started; a `keep_unplaced` backend (agents, Kubernetes pools) leaves it running."""
+    from qosflow.backends.local import LocalBackend, process_start
+
+    def run(keep: bool) -> tuple[subprocess.Popen, dict]:
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        deadline = time.monotonic() + 10
+        while b"time.sleep(600)" not in Path(f"/proc/{p.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+        async def go():
+            be = LocalBackend(keep_unplaced=keep, stream_output=False)
+            h = be.adopt_unplaced("fr-a", p.pid, process_start(p.pid))
+            assert h is not None
+            await be.aclose(grace=5.0)
+            return h.ref
+
+        return p, asyncio.run(go())
+
+    p, _ = run(False)
+    try:
+        assert p.wait(10) == -signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    p, _ = run(True)
+    try:
+        time.sleep(0.3)
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
