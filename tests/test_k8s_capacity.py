@@ -19,7 +19,7 @@ import time
 import pytest
 from kubernetes import client
 
-from qosflow.backends.base import CapacityWant, ExitKind
+from qosflow.backends.base import CapacityWant, ExitKind, LaunchSpec
 from qosflow.backends.kubernetes import KubernetesBackend
 from qosflow.core.job import Job, JobState
 from qosflow.core.qos import QoSSpec
@@ -406,15 +406,45 @@ def test_a_gang_s_parts_are_node_sized_from_the_declared_node_else_the_largest_n
     want = CapacityWant("g", "g", gpus=10, cpu_cores=20, mem_mb=10_000)
     assert be.capacity_parts(want) == [(10, 20, 10_000)]  # (no node known: the whole stage in one)
     be._described = [NodeSpec("a", 2), NodeSpec("b", 4)]
-    assert be.capacity_parts(want) == [(4, 8.0, 4000.0), (4, 8.0, 4000.0), (2, 4.0, 2000.0)]
+    assert be.capacity_parts(want) == [(4, 8.0, 10_000 / 3), (4, 8.0, 10_000 / 3), (2, 4.0, 10_000 / 3)]
     assert be.capacity_parts(CapacityWant("s", "s", gpus=4, cpu_cores=8)) == [(4, 8, 0.0)]  # (fits on a node: one)
     assert be.capacity_parts(CapacityWant("f", "f", gpus=1, cpu_cores=1, gpu_milli=500)) == [(1, 1, 0.0)]
     be.capacity_node = {"gpus": 8, "cpu": 64, "memory": "480Gi"}
     bodies = be.capacity_request_manifests(want)
     assert [b["spec"]["containers"][0]["resources"]["requests"] for b in bodies] == [
-        {"cpu": "16000m", "memory": "8000Mi", "nvidia.com/gpu": "8"}, {"cpu": "4000m", "memory": "2000Mi", "nvidia.com/gpu": "2"}]
+        {"cpu": "16000m", "memory": "5000Mi", "nvidia.com/gpu": "8"}, {"cpu": "4000m", "memory": "5000Mi", "nvidia.com/gpu": "2"}]
     assert [b["metadata"]["name"][-6:] for b in bodies] == ["-cap-0", "-cap-1"]
     assert [b["metadata"]["labels"]["qosflow.dev/capacity-part"] for b in bodies] == ["0", "1"]
+
+
+def test_a_placeholder_asks_for_what_its_stage_s_pod_will_on_the_node_it_brings():
+    """Each placeholder part asks for the GPUs, cpu and memory the stage's pod asks for on the node the part brings, as the
+    worker's placement splits the stage (cores in proportion to the GPUs on each node, memory evenly: mem/k on each of
+    its k nodes; a fractional share as one slice of the shared resource). Before, a part's memory was in proportion to
+    its GPUs: a 10-GPU gang on 4-GPU nodes asked for 40 %, 40 %, 20 % of its memory while its pods ask for a third each,
+    so the narrow part's node could come too small for its pod."""
+    from qosflow.core.cluster import ClusterSpec, NodeSpec, default_cpu_split
+    from qosflow.core.placement import Placement
+
+    def pods(be: KubernetesBackend, p: Placement, cluster: ClusterSpec) -> list[dict]:
+        jobs, _ = be.manifests(LaunchSpec("s", ["true"], p, cluster))
+        return sorted(([j["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]] * j["spec"]["parallelism"]
+                       for j in jobs), key=str)
+
+    be = KubernetesBackend(api_client=client.ApiClient(), capacity_node={"gpus": 4, "cpu": 64, "memory": "480Gi"})
+    cluster = ClusterSpec(tuple(NodeSpec(f"n{i}", 4, cpu_cores=64, mem_mb=480 * 1024) for i in range(3)))
+    gang = QoSSpec(gpus=10, cpu_cores=20, mem_mb=30_000)
+    gpus = tuple((n, g) for n, k in ((0, 4), (1, 4), (2, 2)) for g in range(k))
+    p = Placement("s", gpus, default_cpu_split(gang, gpus), mem_mb=30_000)
+    parts = [b["spec"]["containers"][0]["resources"]["requests"]
+             for b in be.capacity_request_manifests(CapacityWant("s", "s", gpus=10, cpu_cores=20, mem_mb=30_000))]
+    assert sorted(([r] for r in parts), key=str) == pods(be, p, cluster), parts
+    assert [r["memory"] for r in parts] == ["10000Mi"] * 3
+    # a fractional share on a sharing cluster: one slice, its cores and memory, as its pod
+    share = Placement("f", ((0, 0),), ((0, 2.0),), gpu_milli=250, mem_mb=3000.5)
+    [ph] = be.capacity_request_manifests(CapacityWant("f", "f", gpus=1, cpu_cores=2.0, mem_mb=3000.5, gpu_milli=250))
+    assert [[ph["spec"]["containers"][0]["resources"]["requests"]]] == pods(be, share, cluster)
+    assert ph["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu.shared"] == "1"
 
 
 def test_a_gang_wider_than_the_nodes_left_after_a_scale_down_waits_for_the_declared_group_instead_of_being_refused():

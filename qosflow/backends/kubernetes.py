@@ -295,6 +295,11 @@ def quantity(q: Any) -> float:
     return float(m.group(1)) * (_SUFFIX[m.group(2)] if m.group(2) else 1.0)
 
 
+def _mib(mb: float) -> str:
+    """A memory request of `mb` MB, as a stage's pod and its placeholder both ask it (whole MiB, rounded down)."""
+    return f"{int(mb)}Mi"
+
+
 def _cpu(cores: float) -> str:
     return f"{int(round(cores * 1000))}m"
 
@@ -1205,13 +1210,16 @@ class KubernetesBackend(Backend):
     def capacity_parts(self, want: CapacityWant) -> list[tuple[int, float, float]]:
         """How stage `want` is asked for: (GPUs, cores, MB of memory) per placeholder pod. One part for a stage that
         fits on a node of the group; a gang wider than one (`capacity_node_gpus`) in node-sized parts: full nodes, then
-        the rest (10 GPUs on 4-GPU nodes: 4, 4, 2), its cores and memory split in proportion to the GPUs of each part
-        (the placement splits its cores so; its memory evenly over its nodes, which parts of one node's size match)."""
+        the rest (10 GPUs on 4-GPU nodes: 4, 4, 2), as its placement on the nodes they bring splits it and its pods then
+        ask: its cores in proportion to the GPUs of each part (`default_cpu_split`), its memory evenly (each node of a
+        placement holds mem/k, `ClusterState.allocate`; before 2026-11-28 the parts split it in proportion to their GPUs
+        too, so the narrow part asked for less than its stage's pod would and the autoscaler could bring a node too
+        small for it)."""
         per = self.capacity_node_gpus()
         if per <= 0 or want.gpus <= per or want.gpu_milli < 1000:
             return [(want.gpus, want.cpu_cores, want.mem_mb)]
         sizes = [per] * (want.gpus // per) + ([want.gpus % per] if want.gpus % per else [])
-        return [(g, want.cpu_cores * g / want.gpus, want.mem_mb * g / want.gpus) for g in sizes]
+        return [(g, want.cpu_cores * g / want.gpus, want.mem_mb / len(sizes)) for g in sizes]
 
     def capacity_request_manifests(self, want: CapacityWant) -> list[dict]:
         """The placeholder pods of stage `want`, one per part (`capacity_parts`)."""
@@ -1230,15 +1238,10 @@ class KubernetesBackend(Backend):
         another worker deletes it only once its maker is gone.
         `cluster-autoscaler.kubernetes.io/safe-to-evict`: a bare pod would otherwise keep its node from being scaled down."""
         gpus_n, cores, mem_mb = (of or [(want.gpus, want.cpu_cores, want.mem_mb)])[part]
-        gpus: dict[str, str] = {}
-        if gpus_n > 0:
-            if want.gpu_milli < 1000 and self.shares_gpus:
-                gpus[self.shared_resource] = str(gpus_n)
-            else:
-                gpus[self.gpu_resource] = str(gpus_n)
+        gpus = self._gpu_resources(gpus_n, want.gpu_milli < 1000)
         requests = {"cpu": _cpu(max(cores, 0.001)), **gpus}
         if mem_mb:
-            requests["memory"] = f"{int(math.ceil(mem_mb))}Mi"
+            requests["memory"] = _mib(mem_mb)
         labels = {"app.kubernetes.io/managed-by": "qosflow", "app.kubernetes.io/name": "qosflow-capacity-request",
                   LABEL_ROLE: ROLE_CAPACITY, LABEL_CAPACITY_FOR: label_value(want.job_id), LABEL_CAPACITY_PART: str(part),
                   LABEL_CLUSTER: label_value(self.cluster_name)}
@@ -1542,6 +1545,14 @@ class KubernetesBackend(Backend):
         return True
 
     # ------------------------------------------------------------------ manifests
+    def _gpu_resources(self, n: int, shared: bool) -> dict[str, str]:
+        """The extended resource of `n` GPUs in a pod's limits (and requests), a stage's or its placeholder's alike:
+        slices of the shared resource for a shared placement (a fractional share, or co-located) when the device plugin
+        shares GPUs (`shares_gpus`), else whole devices; {} for none."""
+        if n <= 0:
+            return {}
+        return {self.shared_resource if shared and self.shares_gpus else self.gpu_resource: str(n)}
+
     def _stage_labels(self, spec: LaunchSpec) -> tuple[dict[str, str], dict[str, str]]:
         """The labels and annotations of everything a stage attempt creates (its Jobs, pods, Secret, PodGroup). Its
         cluster's name too, and its pool's key once the worker said it (`LABEL_POOL`): the worker of another qosflow
@@ -1618,16 +1629,10 @@ class KubernetesBackend(Backend):
                 env_list.append({"name": "QOSFLOW_GANG_RANK", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}})
             else:
                 env_list.append({"name": "QOSFLOW_GANG_RANK", "value": str(gi)})
-            limits: dict[str, str] = {}
-            shared = p.gpu_milli < 1000 or bool(p.colocated_with)
-            if k_gpus:
-                if shared and self.shares_gpus:
-                    limits[self.shared_resource] = str(k_gpus)
-                else:
-                    limits[self.gpu_resource] = str(k_gpus)
+            limits = self._gpu_resources(k_gpus, p.gpu_milli < 1000 or bool(p.colocated_with))
             requests = {"cpu": _cpu(max(cores, 0.001))}
             if p.mem_mb:
-                requests["memory"] = f"{int(p.mem_mb / len(nodes))}Mi"
+                requests["memory"] = _mib(p.mem_mb / len(nodes))
             pod_labels = dict(labels)
             pod_ann = dict(annotations)
             pod_ann[ANN_PLACEMENT] = env.get("QOSFLOW_PLACEMENT", "")
