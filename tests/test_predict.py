@@ -966,3 +966,27 @@ def test_one_hot_estimate_is_out_of_fold_for_the_training_rows():
     assert np.abs(full - truth).mean() < 0.8 * np.abs(oof - truth).mean()
     # the live predictor's regime computes no such estimate
     assert InterferenceModel(regime="new_job", n_estimators=20).fit(obs, meta)._onehot is None
+
+
+def test_out_of_fold_points_for_the_blend_weight_do_not_see_their_own_row(monkeypatch):
+    """The out-of-fold points that choose the one-hot blend weight (and the exact-match weight) must not
+    depend on the held-out row's own speeds: changing both speeds of one row leaves its points unchanged.
+    (They used to change: forests on the training rows' features, whose contexts held the held-out pairs,
+    and a stacked estimate fitted on every row, the held-out one included.)"""
+    from qosflow.predict.interference import InterferenceModel
+
+    seen = []
+    choose = InterferenceModel._choose_onehot_w
+    monkeypatch.setattr(InterferenceModel, "_choose_onehot_w",
+                        staticmethod(lambda oof, onehot, y: seen.append((oof, onehot, y)) or choose(oof, onehot, y)))
+    _rows, obs = _synthetic_obs()
+    a, b = next((a, b) for a, b in obs if a != b)
+    InterferenceModel(regime="new_pair").fit(obs)
+    changed = dict(obs)
+    changed[(a, b)], changed[(b, a)] = 0.05, 0.07  # from 0.3-1: a row nothing else predicts
+    InterferenceModel(regime="new_pair").fit(changed)
+    (oof1, onehot1, y1), (oof2, onehot2, y2) = seen
+    rows = [int(np.flatnonzero(np.isclose(y2, math.log(v)))[0]) for v in (0.05, 0.07)]
+    assert all(y1[i] != y2[i] for i in rows)  # the same rows, with other speeds
+    assert np.isfinite(oof1[rows]).all()
+    assert np.array_equal(oof1[rows], oof2[rows]) and np.array_equal(onehot1[rows], onehot2[rows])

@@ -39,8 +39,10 @@ the features are (all computed from K only):
    estimates above are sparse and noisy, and this pooling is what wins). For the training rows it is
    out of fold (one forest per group of inner folds, fitted without the pairs they hide); it is a tree
    feature and one more input of the stacked estimate. The final point is also blended with it in log
-   space, (1 - w) * trees + w * one-hot, w from `ONEHOT_W` chosen per fit by the MAPE of out-of-fold tree
-   points over the training rows (forests on groups of the inner folds; the same points serve the
+   space, (1 - w) * trees + w * one-hot, w from `ONEHOT_W` chosen per fit by the MAPE of out-of-fold
+   points over the training rows (`_nested_oof`: the inner folds in `OOF_SPLITS` groups; for each group a
+   whole smaller model -- its own out-of-fold features, one-hot forests, stacked estimate, `OOF_TREES`
+   trees -- fitted without the pairs the group hides, predicting them; the same points serve the
    exact-match weight below); Gavel-derived tables pick w = 0-0.1, tables where the one-hot forest is
    strong more.
 
@@ -60,7 +62,7 @@ ignores, such as AMP or GPU type). A query whose directed configuration has n > 
 the training rows is answered by blending, in log space, their mean with the model:
 (n * mean log v + k * log model) / (n + k). The weight k is chosen at fit time by leave-one-out over the
 training configurations measured at least twice (each value held out in turn, predicted from the mean of
-the others and an out-of-fold model prediction); k = inf (model only) wins when repeats disagree
+the others and the out-of-fold model point of `_nested_oof`, whose model never saw the configuration); k = inf (model only) wins when repeats disagree
 systematically (e.g. AMP on/off). Without repeated configurations in the training set nothing changes.
 """
 
@@ -163,8 +165,9 @@ EXACT_K = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, math.inf)
 #: with fewer held-out values than this, the leave-one-out choice is too noisy: k = EXACT_K_DEFAULT
 EXACT_MIN_LOO = 20
 EXACT_K_DEFAULT = 1.0
-#: out-of-fold model values for that choice: forests of this many trees, one per group of inner folds
-EXACT_OOF_SPLITS, EXACT_OOF_TREES = 4, 50
+#: out-of-fold model values for that choice and the one-hot blend weight's: one model of this many trees
+#: per group of inner folds, fitted without the pairs the group hides (`InterferenceModel._nested_oof`)
+OOF_SPLITS, OOF_TREES = 4, 50
 
 
 #: neighbours of the family-local nearest-neighbour estimate ("new_pair" regime)
@@ -585,6 +588,30 @@ class InterferenceModel:
         speed of each directed configuration (obs holds their mean); enables the exact-match answer."""
         if repeats is not None and self.regime != "new_pair":
             raise ValueError("repeats (exact-match answers) are for regime='new_pair' only")
+        y, xpairs, xfold, fold_hidden = self._fit_model(obs, meta)
+        self.onehot_w = 0.0
+        self._exact: dict[tuple[Key, Key], tuple[float, int]] = {}
+        self.exact_k: float | None = None
+        self.exact_loo_n = 0
+        choose_w = self._onehot is not None and len(y) >= ONEHOT_MIN_ROWS
+        multi_rows: list[int] = []
+        if repeats is not None:
+            self._exact = self._exact_lookup(repeats)
+            multi_rows = [i for i, pq in enumerate(xpairs) if pq in self._exact and self._exact[pq][1] >= 2]
+        oof = None
+        if choose_w or multi_rows:
+            tree_oof, onehot_oof = self._nested_oof(xpairs, xfold, fold_hidden, None if choose_w else multi_rows)
+            if choose_w:
+                self.onehot_w = self._choose_onehot_w(tree_oof, onehot_oof, np.array(y))
+            oof = self._blend(tree_oof, onehot_oof)
+        if repeats is not None:
+            self._fit_exact(repeats, y, xpairs, multi_rows, oof)
+        return self
+
+    def _fit_model(self, obs: Obs, meta: Mapping[Key, JobMeta] | None):
+        """Everything of `fit` but the choices made from out-of-fold points (the one-hot blend weight and
+        the exact-match weight: none of them set). Returns the training rows: their log speeds, pairs,
+        inner folds, and the pairs each inner fold hides."""
         meta = dict(meta or {})
         self.meta = meta
         self.obs = {k: float(v) for k, v in obs.items() if v > 0}
@@ -652,17 +679,7 @@ class InterferenceModel:
         self.forest = self._forest(self.n_estimators).fit(_nan_to(X), np.array(y))
         flatten(self.forest)
         self.onehot_w = 0.0
-        self._exact: dict[tuple[Key, Key], tuple[float, int]] = {}
-        self.exact_k: float | None = None
-        self.exact_loo_n = 0
-        oof = None
-        if self._onehot is not None and len(y) >= ONEHOT_MIN_ROWS:
-            oof = self._oof_points(X, y, xfold)
-            self.onehot_w = self._choose_onehot_w(oof, self._onehot_of(X), np.array(y))
-            oof = self._blend(oof, self._onehot_of(X))
-        if repeats is not None:
-            self._fit_exact(repeats, X, y, xpairs, xfold, oof)
-        return self
+        return y, xpairs, xfold, fold_hidden
 
     def _onehot_of(self, X) -> np.ndarray | None:
         """The one-hot forest's estimates among the features X (None without that forest)."""
@@ -673,23 +690,44 @@ class InterferenceModel:
         w = self.onehot_w
         return point if not w else (1 - w) * point + w * onehot
 
-    def _oof_points(self, X, y, xfold, rows=None) -> np.ndarray:
-        """Out-of-fold point estimates of the trees for the training rows `rows` (all by default; NaN for
-        the others): forests of `EXACT_OOF_TREES` trees, one per group of the inner folds."""
-        splits = EXACT_OOF_SPLITS
-        Xa, ya, fa = _nan_to(np.array(X)), np.array(y), np.array(xfold) % splits
-        want = np.zeros(len(ya), bool)
-        want[np.arange(len(ya)) if rows is None else np.asarray(rows, dtype=int)] = True
-        out = np.full(len(ya), np.nan)
-        for s in range(splits):
-            test = np.flatnonzero(want & (fa == s))
-            train = fa != s
-            if not len(test) or train.sum() < 2:
+    def _nested_oof(self, xpairs, xfold, fold_hidden, rows=None) -> tuple[np.ndarray, np.ndarray]:
+        """Out-of-fold (tree point, one-hot estimate) of the training rows `rows` (all by default; NaN for
+        the others), for the choices of the one-hot blend weight and the exact-match weight.
+
+        The inner folds are taken in `OOF_SPLITS` groups. For each group, a model of `OOF_TREES` trees is
+        fitted (`_fit_model`, as this one: its own inner folds, out-of-fold features, one-hot forests,
+        stacked estimate) on the observations without the pairs the group hides (both directions), and it
+        predicts the group's rows. So a held-out row feeds no feature, forest, ridge or look-up used for
+        its own point: neither the training rows' features (their contexts lack the group), nor their
+        one-hot values, nor the stacked estimate. (Forests fitted on the full model's training features,
+        as before, leaked: those features were computed from contexts holding the held-out pairs.)"""
+        from qosflow.errors import NotEnoughData
+
+        n = len(xpairs)
+        tree, onehot = np.full(n, np.nan), np.full(n, np.nan)
+        want = np.zeros(n, bool)
+        want[np.arange(n) if rows is None else np.asarray(rows, dtype=int)] = True
+        group = np.array(xfold) % OOF_SPLITS
+        for g in range(OOF_SPLITS):
+            test = np.flatnonzero(want & (group == g))
+            if not len(test):
                 continue
-            forest = self._forest(EXACT_OOF_TREES).fit(Xa[train], ya[train])
-            pt = np.stack([t.predict(Xa[test]) for t in forest.estimators_])
-            out[test] = _mape_point(pt) if self.point == "mape" else pt.mean(0)
-        return out
+            hidden = set().union(*(fold_hidden[f] for f in range(len(fold_hidden)) if f % OOF_SPLITS == g))
+            train = {k: v for k, v in self.obs.items() if k not in hidden}
+            if len(train) < 2:
+                continue
+            sub = InterferenceModel(self.refs, regime=self.regime, n_estimators=OOF_TREES,
+                                    inner_folds=self.inner_folds, rank=self.rank, lam=self.lam, seed=self.seed,
+                                    n_jobs=self.n_jobs, max_train_rows=self.max_train_rows, point=self.point)
+            try:
+                sub._fit_model(train, self.meta)
+            except NotEnoughData:  # (a tiny table) no out-of-fold point for this group
+                continue
+            t, o, _pt, _s = sub._predict_parts([xpairs[i] for i in test], sub._ctx)
+            tree[test] = t
+            if o is not None:
+                onehot[test] = o
+        return tree, onehot
 
     @staticmethod
     def _choose_onehot_w(oof: np.ndarray, onehot: np.ndarray, y: np.ndarray) -> float:
@@ -733,21 +771,22 @@ class InterferenceModel:
         return ExtraTreesRegressor(n_estimators=n_estimators, max_features=0.6, min_samples_leaf=2,
                                    random_state=self.seed, n_jobs=self.n_jobs)
 
-    def _fit_exact(self, repeats, X, y, xpairs, xfold, oof_points=None) -> None:
-        """The exact-match look-up {(a, b): (mean log speed, n)} and its weight k (see the module docstring)."""
+    @staticmethod
+    def _exact_lookup(repeats) -> dict[tuple[Key, Key], tuple[float, int]]:
+        """{(a, b): (mean log speed, n)} over the positive measured speeds of each directed configuration."""
+        out = {}
         for key, vals in repeats.items():
             pos = [float(v) for v in vals if v > 0]  # 0 = could not run together: no speed to average
             if pos:
-                self._exact[key] = (float(np.mean([_log(v) for v in pos])), len(pos))
-        multi = {key for key in self._exact if self._exact[key][1] >= 2}
-        rows = [i for i, pq in enumerate(xpairs) if pq in multi]
+                out[key] = (float(np.mean([_log(v) for v in pos])), len(pos))
+        return out
+
+    def _fit_exact(self, repeats, y, xpairs, rows, oof_points) -> None:
+        """The exact-match weight k (see the module docstring) from the out-of-fold model points of the
+        training rows `rows` (those whose configuration is measured at least twice)."""
         if not rows:
             self.exact_k = EXACT_K_DEFAULT
             return
-        # out-of-fold model predictions for the repeated configurations: forests on the other inner folds
-        # (computed once with the one-hot blend's, when it has them)
-        if oof_points is None:
-            oof_points = self._blend(self._oof_points(X, y, xfold, rows), self._onehot_of(X))
         oof = {xpairs[i]: float(oof_points[i]) for i in rows if np.isfinite(oof_points[i])}
         # leave one value out: predict it from the mean of the others and the out-of-fold model value
         held, others_mean, others_n, model = [], [], [], []
@@ -789,18 +828,8 @@ class InterferenceModel:
             meta = dict(self.meta)
             meta.update(extra_meta or {})
             ctx = _Context(obs, meta, self.refs, self.rank, self.lam, self.neighbours)
-        feats = [ctx.features(a, b) for a, b in queries]
-        X = np.array([f for f, _ in feats], dtype=float).reshape(len(queries), -1)
-        if self._onehot is not None:
-            X = np.hstack([X, self._onehot.predict_log(list(queries))[:, None]])
-        if self._stack is not None:
-            X = self._stack.augment(X)
-        X = _nan_to(X)
-        support = np.array([s for _, s in feats])
-        per_tree = per_tree_predictions(self.forest, X)
-        point = _mape_point(per_tree) if self.point == "mape" else per_tree.mean(0)
-        if self._onehot is not None:
-            point = self._blend(point, self._onehot_of(X))
+        point, onehot, per_tree, support = self._predict_parts(queries, ctx)
+        point = self._blend(point, onehot)
         lo, hi = np.exp(np.percentile(per_tree, [10, 90], axis=0))
         if self._exact and not math.isinf(self.exact_k):
             for i, q in enumerate(queries):
@@ -811,3 +840,18 @@ class InterferenceModel:
                     support[i] += n
         mean = np.exp(point)
         return mean, np.minimum(lo, mean), np.maximum(hi, mean), support
+
+    def _predict_parts(self, queries, ctx) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+        """For the queries, with the look-ups `ctx`: the trees' log-speed point (before the one-hot blend and
+        the exact matches), the one-hot forest's estimate (None without it), every tree's log speed, support."""
+        feats = [ctx.features(a, b) for a, b in queries]
+        X = np.array([f for f, _ in feats], dtype=float).reshape(len(queries), -1)
+        if self._onehot is not None:
+            X = np.hstack([X, self._onehot.predict_log(list(queries))[:, None]])
+        if self._stack is not None:
+            X = self._stack.augment(X)
+        X = _nan_to(X)
+        support = np.array([s for _, s in feats])
+        per_tree = per_tree_predictions(self.forest, X)
+        point = _mape_point(per_tree) if self.point == "mape" else per_tree.mean(0)
+        return point, self._onehot_of(X), per_tree, support
