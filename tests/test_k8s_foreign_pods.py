@@ -200,20 +200,24 @@ def test_another_workers_placeholder_holds_its_room_unless_a_stage_may_preempt_i
     """Several workers on one pool each make placeholders for their own waiting stages (qosflow.dev/capacity-owner
     names the maker). This backend's are deleted before the stage they stand for is launched, so they are not booked;
     another worker's, once bound, hold their room until that worker deletes them: they are booked, as kube-scheduler
-    counts them, unless they have a priority class (`capacity_priority_class`, below the stages': kube-scheduler
-    preempts them for a stage). One naming no maker (made by an older version) is taken as this backend's, as before."""
+    counts them, unless their priority (the API server's, from their `capacity_priority_class`) is below the stages'
+    (0 here): kube-scheduler preempts them for a stage. A class that is not below (another pool's administrator's
+    choice), or a priority not known, does not let a stage take the room: booked. One naming no maker (made by an older
+    version) is taken as this backend's, as before."""
 
-    def placeholder(name: str, owner: str | None, priority_class: str | None = None) -> dict:
+    def placeholder(name: str, owner: str | None, priority_class: str | None = None, priority: int | None = None) -> dict:
         ann = {"qosflow.dev/capacity-for": name} | ({"qosflow.dev/capacity-owner": owner} if owner else {})
         spec = {"nodeName": "n1", "containers": [{"resources": {"requests": {"cpu": "4", "nvidia.com/gpu": "2"}}}]}
         if priority_class:
             spec["priorityClassName"] = priority_class
+        if priority is not None:
+            spec["priority"] = priority
         return {"metadata": {"name": name, "namespace": "ml", "annotations": ann,
                              "labels": {"qosflow.dev/role": "capacity-request", "qosflow.dev/cluster": "lab"}},
                 "spec": spec, "status": {"phase": "Running"}}
 
     pods = [placeholder("c-mine", "w1#h:1:a"), placeholder("c-old", None), placeholder("c-peer", "w2#h:2:b"),
-            placeholder("c-peer-low", "w2#h:2:b", priority_class="qosflow-capacity")]
+            placeholder("c-peer-low", "w2#h:2:b", priority_class="qosflow-capacity", priority=-10)]
     kw = dict(gpu_resource="nvidia.com/gpu", shared_resource="nvidia.com/gpu.shared", namespace="ml", cluster_name="lab")
     got = foreign_usage(pods, own_placeholders={"w1#h:1:a"}, **kw)
     assert got["n1"].names == ("ml/c-peer",) and got["n1"].gpus == 2 and got["n1"].cpu == 4, got
@@ -228,6 +232,14 @@ def test_another_workers_placeholder_holds_its_room_unless_a_stage_may_preempt_i
     assert sums.view() == {}
     # every maker this backend had (its first id, then the worker's holder id) is its own
     assert foreign_usage(pods[:1], own_placeholders={"kubernetes-backend#h:1:x", "w1#h:1:a"}, **kw) == {}
+    # a class at the stages' priority or above, or a priority not known (no Priority admission), holds its room
+    for high in (placeholder("c-high", "w2#h:2:b", "theirs", priority=0), placeholder("c-high", "w2#h:2:b", "theirs", priority=1000),
+                 placeholder("c-high", "w2#h:2:b", "theirs")):
+        assert foreign_usage([high], own_placeholders={"w1#h:1:a"}, **kw)["n1"].gpus == 2, high
+    # stage pods of priority 2000 (a globalDefault class) preempt one of 1000; stage pods that may not preempt, none
+    assert foreign_usage([high], own_placeholders={"w1#h:1:a"}, stage_priority=2000, **kw)["n1"].gpus == 2  # (priority not known)
+    assert foreign_usage([placeholder("c-high", "w2#h:2:b", "theirs", priority=1000)], stage_priority=2000, **kw) == {}
+    assert foreign_usage([pods[3]], stage_priority=None, **kw)["n1"].gpus == 2
 
 
 def test_stage_pods_carry_their_clusters_label():

@@ -120,6 +120,10 @@ async def placeholders(emu: EmulatorServer) -> None:
     """Worker A asks for capacity and dies; B takes its stage over, adopts A's placeholder, then deletes it."""
     want = CapacityWant("s9", "train", gpus=1, cpu_cores=1)
     a_id, b_id, pool = holder_id("wa"), holder_id("wb"), "gpu@x"
+    # (the class the placeholders name, made by the cluster's administrator: the worker never reads it, the API server's
+    # Priority admission resolves it, and refuses a pod naming one that does not exist)
+    await asyncio.to_thread(client.SchedulingV1Api(emu.api_client()).create_priority_class,
+                            {"metadata": {"name": "qosflow-capacity"}, "value": -10, "preemptionPolicy": "Never"})
     a = backend(emu, request_capacity=True, capacity_priority_class="qosflow-capacity")  # (priorityClassName: no rule)
     b = backend(emu, request_capacity=True, capacity_priority_class="qosflow-capacity", capacity_peer_check_s=0)
     try:

@@ -204,7 +204,7 @@ def test_a_placeholder_of_another_pool_is_never_deleted_or_adopted_and_is_booked
                       pool=POOL_B, own_placeholders={b_id})
             got = foreign_usage([bound], **kw)
             assert got["n1"].gpus == 1 and got["n1"].names == (f"default/{names[1]}",), got
-            preemptible = {**bound, "spec": {**bound["spec"], "priorityClassName": "qosflow-capacity"}}
+            preemptible = {**bound, "spec": {**bound["spec"], "priorityClassName": "qosflow-capacity", "priority": -10}}
             assert foreign_usage([preemptible], **kw) == {}
             assert foreign_usage([bound], **{**kw, "own_placeholders": {a_id}}) == {}  # (to A, its own)
 
@@ -277,3 +277,77 @@ def test_two_pools_whose_keys_make_one_label_value_are_told_apart_by_the_pool_ke
     assert foreign_usage([old], **{**KW, "pool": "vision@0123456789ab"})["n1"].gpus == 1
     new = {**old, "metadata": {**old["metadata"], "annotations": {ANN_POOL: TEAM_B}}}
     assert foreign_usage([new], **kw)["n1"].gpus == 1 and foreign_usage([new], **{**KW, "pool": TEAM_B}) == {}
+
+
+def test_another_pools_placeholder_whose_priority_class_is_not_below_the_stages_is_booked_and_said(caplog):
+    """Each pool's administrator sets its own capacity_priority_class. Before, a placeholder with any priority class was
+    taken as preemptible for a stage (not booked), so a class of another pool's above this pool's stages left its room
+    unbooked: a stage placed there stayed Unschedulable (kube-scheduler does not preempt a higher priority) until it
+    failed as INFRA. Now the placeholder's priority (spec.priority, which the API server's Priority admission resolves
+    from its class; the emulator does the same) is compared with the stage pods' (0, or a globalDefault class's, as the
+    backend sees on its own stage pods): not below them, it is booked and the log says so once, with the fix; the maker
+    is told too when its own class is not below its stages'. On the emulator (EMULATED: no cluster)."""
+    import logging
+
+    from qosflow.backends.base import CapacityWant
+
+    def pclass(name: str, value: int, **kw) -> dict:
+        return {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name}, "value": value, **kw}
+
+    async def go():
+        with EmulatorServer([gpu_node("gpu-a", 4, cpu="16", memory="64Gi")]) as emu:
+            sched, core = client.SchedulingV1Api(emu.api_client()), client.CoreV1Api(emu.api_client())
+            for body in (pclass("a-high", 1000), pclass("a-low", -10, preemptionPolicy="Never")):
+                await asyncio.to_thread(sched.create_priority_class, body)
+
+            alive = {POOL_A: {holder_id("a1"), holder_id("a2")}, POOL_B: {holder_id("b")}}  # (two live workers of pool A)
+
+            def backend(pool: str, holder: str, **kw) -> KubernetesBackend:
+                be = KubernetesBackend(namespace="default", image="busybox:1.36", api_client=emu.api_client(), request_capacity=True, **kw)
+                be.pod_usage_every_s = 0.0
+                be.capacity_peers(holder, pool, lambda p: alive.get(p, set()))
+                return be
+
+            (a1, a2), (bh,) = sorted(alive[POOL_A]), alive[POOL_B]
+            a_high, a_low = backend(POOL_A, a1, capacity_priority_class="a-high"), backend(POOL_A, a2, capacity_priority_class="a-low")
+            b = backend(POOL_B, bh)
+            try:
+                with caplog.at_level(logging.WARNING, logger="qosflow.backends.kubernetes"):
+                    await a_high.sync_capacity_requests([CapacityWant("hi", "hi", gpus=1, cpu_cores=1)])
+                    await a_low.sync_capacity_requests([CapacityWant("lo", "lo", gpus=1, cpu_cores=1)])
+                    await until(lambda: sorted((p.metadata.labels["qosflow.dev/capacity-for"], p.spec.priority, p.spec.node_name)
+                                               for p in core.list_namespaced_pod("default", label_selector="qosflow.dev/role=capacity-request").items)
+                                == [("hi", 1000, "gpu-a"), ("lo", -10, "gpu-a")], "both placeholders bound, their priorities resolved")
+                    got = (await b.foreign_pod_usage())["gpu-a"]
+                    assert got.gpus == 1 and len(got.names) == 1 and got.names[0].endswith("-cap"), got  # (a-high's only)
+                    assert "hi" in (await asyncio.to_thread(core.read_namespaced_pod, got.names[0].split("/")[1], "default")).metadata.annotations[
+                        "qosflow.dev/capacity-for"]
+                said = [r.getMessage() for r in caplog.records]
+                theirs = [m for m in said if "capacity placeholder default/" in m]
+                assert len(theirs) == 1 and "'a-high'" in theirs[0] and "its priority, 1000, is not lower than this pool's stage pods' (0)" in theirs[0] \
+                    and POOL_A in theirs[0] and "below 0" in theirs[0], said
+                mine = [m for m in said if "capacity_priority_class 'a-high' has priority 1000" in m]
+                assert len(mine) == 1 and not any("'a-low' has priority" in m for m in said), said
+                await b.foreign_pod_usage()
+                assert len([r for r in caplog.records if "capacity placeholder default/" in r.getMessage()]) == 1  # (said once)
+
+                # this pool's stage pods get a globalDefault class above 1000: B learns it from its own stage pod, and
+                # a-high's placeholder is then one its stages preempt (not booked)
+                await asyncio.to_thread(sched.create_priority_class, pclass("stages", 2000, globalDefault=True))
+                cluster = await b.inventory()
+                emu.add_rule(selector="qosflow.dev/stage-id=b-1", run_s=0.2)
+                h = await b.launch(LaunchSpec("b-1", ["true"], Placement("b-1", ((0, 3),), ((0, 1.0),)), cluster))
+                assert (await b.wait(h)).ok
+                assert b._stage_priority == 2000
+                assert await b.foreign_pod_usage() == {}
+                # a pod naming a class that does not exist is refused, as the Priority admission refuses it
+                from kubernetes.client.exceptions import ApiException
+                with pytest.raises(ApiException) as e:
+                    await asyncio.to_thread(core.create_namespaced_pod, "default", {
+                        "metadata": {"name": "x"}, "spec": {"priorityClassName": "nope", "containers": [{"name": "c", "image": "i"}]}})
+                assert e.value.status == 403 and "no PriorityClass with name nope was found" in e.value.body
+            finally:
+                for be in (a_high, a_low, b):
+                    await be.aclose()
+
+    asyncio.run(go())

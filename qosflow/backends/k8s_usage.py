@@ -122,7 +122,19 @@ def _cluster_label(cluster_name: str) -> str:
     return label_value(cluster_name)
 
 
-def counted(pod: Mapping, *, namespace: str, cluster_name: str, own_placeholders: Collection[str] = (), pool: str = "") -> bool:
+def preemptible(pod: Mapping, stage_priority: int | None = 0) -> bool:
+    """Whether kube-scheduler would preempt `pod` to bind one of this pool's stage pods: its priority (`spec.priority`,
+    which the API server's Priority admission sets from its priorityClassName, else from the class marked globalDefault,
+    else 0) is lower than the stage pods' (`stage_priority`, the same admission's value for a pod without a class: 0, or
+    the global default's, as the backend saw on its own stage pods; None: they may not preempt, preemptionPolicy
+    Never). A class name alone says nothing: another pool's administrator may give its placeholders a class above the
+    stages'. Without `spec.priority` (an API server without Priority admission) it is not."""
+    p = _get(pod, "spec", "priority")
+    return stage_priority is not None and isinstance(p, int) and not isinstance(p, bool) and p < stage_priority
+
+
+def counted(pod: Mapping, *, namespace: str, cluster_name: str, own_placeholders: Collection[str] = (), pool: str = "",
+            stage_priority: int | None = 0) -> bool:
     """Whether a pod's requests are booked as another's: bound, not ended, not a stage pod of this cluster's qosflow
     pool in `namespace` (a pipeline run's pod is counted, and so is a stage pod labelled with another cluster, or of
     another pool than `pool`, this backend's pool's key: another pool's, whose worker books it, not this one; two pools
@@ -131,8 +143,9 @@ def counted(pod: Mapping, *, namespace: str, cluster_name: str, own_placeholders
     not a capacity placeholder of this cluster made by this backend
     (`own_placeholders`: its makers' ids, the qosflow.dev/capacity-owner annotation; one naming no maker, made before
     placeholders named theirs, is taken as this backend's, as it was). Another worker's placeholder on a node holds its
-    room until that worker deletes it, unless it has a priority class (`capacity_priority_class`, lower than the
-    stages': kube-scheduler preempts it for a stage), so it is counted then. (A stage pod without the cluster label,
+    room until that worker deletes it, unless kube-scheduler would preempt it for a stage (`preemptible`: its priority,
+    from its `capacity_priority_class`, is below the stage pods' `stage_priority`), so it is counted then; one whose
+    class is not below them (another pool's administrator chose it) is counted, and said in the log (`PodSums`). (A stage pod without the cluster label,
     made before stage pods carried it, is taken as this pool's, as it was; so is one without the pool label, and every
     one of this cluster while `pool` is "", the worker not having said its pool yet.)"""
     md = pod.get("metadata") or {}
@@ -146,7 +159,7 @@ def counted(pod: Mapping, *, namespace: str, cluster_name: str, own_placeholders
             return False
         if role == ROLE_CAPACITY and cluster is not None and mine:
             owner = (md.get("annotations") or {}).get(ANN_CAPACITY_OWNER)
-            return bool(owner) and owner not in own_placeholders and not _get(pod, "spec", "priorityClassName")
+            return bool(owner) and owner not in own_placeholders and not preemptible(pod, stage_priority)
     return True
 
 
@@ -156,11 +169,12 @@ class PodSums:
     Integer amounts (GPUs, nanocores, bytes), so that adding and taking away leaves no rounding behind."""
 
     def __init__(self, *, gpu_resource: str, shared_resource: str, namespace: str, cluster_name: str, keep_names: int = 3,
-                 own_placeholders: Collection[str] = (), pool: str = ""):
+                 own_placeholders: Collection[str] = (), pool: str = "", stage_priority: int | None = 0):
         self.gpu_resource, self.shared_resource = gpu_resource, shared_resource
         self.namespace, self.cluster_name, self.keep_names = namespace, cluster_name, keep_names
         self.own_placeholders = own_placeholders  # (the backend's set of its makers' ids, read as it grows)
         self.pool = pool  # (this backend's pool's key: fixed for these sums, which are made again when it changes)
+        self.stage_priority = stage_priority  # (likewise: the priority of this pool's stage pods, `preemptible`)
         #: namespace/name -> (node, amounts) of each counted pod
         self.pods: dict[str, tuple[str, tuple[int, int, int]]] = {}
         #: node -> [GPUs, nanocores, bytes, {namespace/name: None} (in the order they came)]
@@ -193,9 +207,12 @@ class PodSums:
         """A pod as it is now (added or changed): summed if it is counted, taken away if it no longer is."""
         md = pod.get("metadata") or {}
         key = f"{md.get('namespace', '')}/{md.get('name', '')}"
-        if not counted(pod, namespace=self.namespace, cluster_name=self.cluster_name, own_placeholders=self.own_placeholders, pool=self.pool):
+        if not counted(pod, namespace=self.namespace, cluster_name=self.cluster_name, own_placeholders=self.own_placeholders, pool=self.pool,
+                       stage_priority=self.stage_priority):
             self.take(key)
             return
+        if _get(pod, "spec", "priorityClassName") and (md.get("labels") or {}).get(LABEL_ROLE) == ROLE_CAPACITY and key not in self.pods:
+            _say_unpreemptible(pod, self.cluster_name, self.stage_priority)
         node = pod["spec"]["nodeName"]
         amounts = _amounts(pod, self.gpu_resource, self.shared_resource)
         if self.pods.get(key) == (node, amounts):
@@ -210,11 +227,42 @@ class PodSums:
         self._view = None
 
 
+#: (cluster, priority class, its value, the stages') said already: one warning per class, not per placeholder or reading
+_SAID_UNPREEMPTIBLE: set[tuple] = set()
+
+
+def _say_unpreemptible(pod: Mapping, cluster_name: str, stage_priority: int | None) -> None:
+    """Log once per class that a placeholder of another worker (another pool's, whose administrator set its class) has a
+    priority class that does not let this pool's stages preempt it: its room is booked as taken, and how to change that."""
+    md, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    cls, prio = spec.get("priorityClassName"), spec.get("priority")
+    key = (cluster_name, cls, prio, stage_priority)
+    if key in _SAID_UNPREEMPTIBLE:
+        return
+    _SAID_UNPREEMPTIBLE.add(key)
+    ann = md.get("annotations") or {}
+    whose = ann.get("qosflow.dev/capacity-pool") or (md.get("labels") or {}).get("qosflow.dev/pool") or "a pool of the same cluster name"
+    if stage_priority is None:
+        why = "this pool's stage pods may not preempt (their priority class's preemptionPolicy is Never)"
+    elif prio is None:
+        why = "its priority is not known (the API server set no spec.priority: no Priority admission)"
+    else:
+        why = f"its priority, {prio}, is not lower than this pool's stage pods' ({stage_priority})"
+    log.warning("Kubernetes cluster %r: capacity placeholder %s/%s of worker %s (pool %s) has priority class %r, but %s: kube-scheduler "
+                "will not preempt it for a stage, so the room it holds on node %s is booked as taken until its worker deletes it. "
+                "If that pool's placeholders are meant to give way to stages, set its cluster block's capacity_priority_class to a "
+                "PriorityClass whose value is below %s (the cluster-overprovisioner's: value -10, preemptionPolicy Never; "
+                "`kubectl get priorityclass %s` shows this one's)", cluster_name, md.get("namespace", ""), md.get("name", ""),
+                ann.get(ANN_CAPACITY_OWNER, "?"), whose, cls, why, spec.get("nodeName"),
+                0 if stage_priority is None else stage_priority, cls)
+
+
 def foreign_usage(pods: Iterable[Mapping], *, gpu_resource: str, shared_resource: str, namespace: str, cluster_name: str,
-                  keep_names: int = 3, own_placeholders: Collection[str] = (), pool: str = "") -> dict[str, NodePodUsage]:
+                  keep_names: int = 3, own_placeholders: Collection[str] = (), pool: str = "",
+                  stage_priority: int | None = 0) -> dict[str, NodePodUsage]:
     """Node name -> what the counted pods bound there request (`counted`, `pod_requests`); nodes with none left out."""
     sums = PodSums(gpu_resource=gpu_resource, shared_resource=shared_resource, namespace=namespace, cluster_name=cluster_name,
-                   keep_names=keep_names, own_placeholders=own_placeholders, pool=pool)
+                   keep_names=keep_names, own_placeholders=own_placeholders, pool=pool, stage_priority=stage_priority)
     for pod in pods:
         sums.put(pod)
     return sums.view()
@@ -272,7 +320,7 @@ def read_foreign_usage(backend: Any) -> dict[str, NodePodUsage]:
     backend.stats["pod_lists"] = backend.stats.get("pod_lists", 0) + 1
     usage = foreign_usage(pods, gpu_resource=backend.gpu_resource, shared_resource=backend.shared_resource,
                           namespace=backend.namespace, cluster_name=backend.cluster_name, own_placeholders=_own_placeholders(backend),
-                          pool=_own_pool(backend))
+                          pool=_own_pool(backend), stage_priority=getattr(backend, "_stage_priority", 0))
     backend._pod_usage_last = (now, usage)
     return usage
 
@@ -327,7 +375,8 @@ class PodInformer:
     def _new_sums(self) -> PodSums:
         be = self.be
         return PodSums(gpu_resource=be.gpu_resource, shared_resource=be.shared_resource, namespace=be.namespace,
-                       cluster_name=be.cluster_name, own_placeholders=_own_placeholders(be), pool=_own_pool(be))
+                       cluster_name=be.cluster_name, own_placeholders=_own_placeholders(be), pool=_own_pool(be),
+                       stage_priority=getattr(be, "_stage_priority", 0))
 
     # -- the view
     def usage(self) -> dict[str, NodePodUsage] | None:

@@ -565,6 +565,12 @@ class KubernetesBackend(Backend):
         self._plan_keys: dict[str, tuple] | None = None
         self._nodes_changed: Callable[[], None] | None = None
         self.stats["nodes_changed"] = 0
+        #: the priority the API server gives this pool's stage pods (they name no priority class: 0, or the value of the
+        #: class marked globalDefault), as last seen on one of them (`_evaluate`); None: they may not preempt
+        #: (preemptionPolicy Never). Another worker's placeholder is booked as taken unless its priority is lower
+        #: (`k8s_usage.preemptible`): a class name alone does not say kube-scheduler will preempt it for a stage
+        self._stage_priority: int | None = 0
+        self._capacity_priority_said: set[tuple] = set()
         #: the pod informer (`watch_pods`), started at the first `foreign_pod_usage`
         from qosflow.backends.k8s_usage import PodInformer
 
@@ -1493,7 +1499,8 @@ class KubernetesBackend(Backend):
                         continue  # (a placeholder of that name is another's: it asks for the node; never this backend's)
                     if name not in have:
                         try:
-                            await self._acall(self.core.create_namespaced_pod, self.namespace, body, _doing=doing)
+                            made = await self._acall(self.core.create_namespaced_pod, self.namespace, body, _doing=doing)
+                            self._check_capacity_priority(made)
                         except ApiException as e:
                             if e.status != 409:
                                 log.warning("stage %s: could not request capacity (%s %s): %s", w.name, e.status, e.reason, (e.body or "")[:300])
@@ -1506,6 +1513,40 @@ class KubernetesBackend(Backend):
                                  ", ".join(f"{k}={v}" for k, v in req.items()))
                     if name not in self._capacity.get(w.job_id, ()):
                         self._capacity[w.job_id] = self._capacity.get(w.job_id, ()) + (name,)
+
+    def _check_capacity_priority(self, made: Any) -> None:
+        """Say once (per class and value) when this backend's placeholder `made` got a priority that does not let this
+        pool's stages preempt it: `capacity_priority_class` is meant to be below them (else a stage placed into room a
+        bound placeholder of this worker holds waits for `_clear_way`, and one of another worker's is booked as taken)."""
+        spec = getattr(made, "spec", None)
+        cls, prio = (spec.priority_class_name, spec.priority) if spec is not None else (None, None)
+        if not cls or prio is None or (self._stage_priority is not None and prio < self._stage_priority):
+            return
+        key = (cls, prio, self._stage_priority)
+        if key in self._capacity_priority_said:
+            return
+        self._capacity_priority_said.add(key)
+        log.warning("Kubernetes cluster %r: capacity_priority_class %r has priority %s, not lower than this pool's stage pods' (%s): "
+                    "kube-scheduler will not preempt these placeholders for a stage, and the workers of other pools on the cluster "
+                    "book their room as taken; give the block a PriorityClass whose value is below %s (the "
+                    "cluster-overprovisioner's: value -10, preemptionPolicy Never)", self.cluster_name, cls, prio,
+                    "none: they may not preempt" if self._stage_priority is None else self._stage_priority,
+                    0 if self._stage_priority is None else self._stage_priority)
+
+    def _saw_stage_priority(self, pod: Any) -> None:
+        """Learn the priority the API server gave one of this pool's stage pods (`_stage_priority`); when it changes, the
+        pod readings are made again, since which placeholders a stage may preempt changes with it."""
+        spec = pod.spec
+        if spec is None or spec.priority is None:
+            return
+        prio = None if spec.preemption_policy == "Never" else int(spec.priority)
+        if prio != self._stage_priority:
+            log.info("Kubernetes cluster %r: this pool's stage pods get priority %s%s (the API server's Priority admission): "
+                     "another worker's capacity placeholder is booked as taken unless its priority is lower", self.cluster_name,
+                     spec.priority, " and may not preempt (preemptionPolicy Never)" if prio is None else "")
+            self._stage_priority = prio
+            self._pod_usage_last = None
+            self._pod_informer.distrust()
 
     def _capacity_other_pool(self, pod: Any) -> str:
         """The pool placeholder `pod` names when it is another pool than this backend's (its `LABEL_POOL` label, or its
@@ -2097,6 +2138,8 @@ class KubernetesBackend(Backend):
             return ExitStatus(ExitKind.CANCELLED, None, f"cancelled: {self._killed[handle.stage_id]} (Job deleted)")
         expected = handle.ref["expected_pods"]
         now = time.monotonic()
+        if pods and handle.ref.get("role") != "pipeline":
+            self._saw_stage_priority(next(iter(pods.values())))
         track["seen"].update(pods)
         succeeded = 0
         for name, pod in sorted(pods.items()):

@@ -52,6 +52,7 @@ BUILTIN = {
     "jobs": ("batch/v1", "Job", True),
     "secrets": ("v1", "Secret", True),
     "configmaps": ("v1", "ConfigMap", True),
+    "priorityclasses": ("scheduling.k8s.io/v1", "PriorityClass", False),
 }
 #: kinds without a status (the API serves none)
 NO_STATUS = {"secrets", "configmaps"}
@@ -59,7 +60,7 @@ NO_STATUS = {"secrets", "configmaps"}
 _CONFIG_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 #: the API server refuses a Secret whose data is larger than this (1 MiB)
 SECRET_MAX_BYTES = 1024 * 1024
-GROUP_OF = {"v1": "", "batch/v1": "batch"}
+GROUP_OF = {"v1": "", "batch/v1": "batch", "scheduling.k8s.io/v1": "scheduling.k8s.io"}
 
 
 def now_iso(t: float | None = None) -> str:
@@ -354,6 +355,10 @@ class Store:
         if plural == "secrets":
             obj = _secret_on_write(obj, name)
             md = obj["metadata"]
+        if plural == "priorityclasses":
+            _check_priority_class(obj, name, self.table(plural))
+        if plural == "pods":
+            self._admit_priority(obj, name)
         key = (ns if namespaced else "", name)
         if key in self.table(plural):
             raise ApiError(409, "AlreadyExists", f'{self.resource_name(plural)} "{name}" already exists',
@@ -371,6 +376,32 @@ class Store:
         self.table(plural)[key] = obj
         self._emit(plural, "ADDED", obj)
         return obj
+
+    def _admit_priority(self, pod: dict, name: str) -> None:
+        """The Priority admission plugin: a new pod's `spec.priorityClassName` resolved to `spec.priority` (and
+        `spec.preemptionPolicy`) from its PriorityClass; a pod naming none gets the class marked `globalDefault`, if
+        any, else priority 0. A class that does not exist is refused (403 Forbidden, as the plugin does), and so is a
+        `spec.priority` given that is not the class's value."""
+        spec = pod.setdefault("spec", {})
+        classes = self.table("priorityclasses")
+        cls_name = spec.get("priorityClassName")
+        if cls_name:
+            cls = classes.get(("", cls_name))
+            if cls is None:
+                raise ApiError(403, "Forbidden", f'pods "{name}" is forbidden: no PriorityClass with name {cls_name} was found')
+        else:
+            cls = next((c for _, c in sorted(classes.items()) if c.get("globalDefault")), None)
+        value = int(cls["value"]) if cls is not None else 0
+        if spec.get("priority") is not None and spec["priority"] != value:
+            raise ApiError(403, "Forbidden", f'pods "{name}" is forbidden: the integer value of priority ({spec["priority"]}) must not be '
+                                             f"provided in pod spec; priority admission controller computed {value} from the given "
+                                             "PriorityClass name")
+        if cls is not None:
+            spec["priorityClassName"] = cls["metadata"]["name"]
+            spec["preemptionPolicy"] = spec.get("preemptionPolicy") or cls.get("preemptionPolicy") or "PreemptLowerPriority"
+        else:
+            spec.setdefault("preemptionPolicy", "PreemptLowerPriority")
+        spec["priority"] = value
 
     def replace(self, plural: str, ns: str, name: str, obj: dict, *, status_only: bool = False) -> dict:
         cur = self.get(plural, ns, name)
@@ -414,6 +445,27 @@ class Store:
         del self.table(plural)[(obj["metadata"].get("namespace", ""), name)]
         self._emit(plural, "DELETED", obj)
         return obj
+
+
+def _check_priority_class(obj: dict, name: str, classes: dict) -> None:
+    """A PriorityClass as the API server validates it: an integer `value` of at most 1,000,000,000 (higher ones are
+    the system's), `preemptionPolicy` PreemptLowerPriority or Never, one `globalDefault` class at most."""
+    value = obj.get("value")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ApiError(422, "Invalid", f'PriorityClass.scheduling.k8s.io "{name}" is invalid: value: Required value')
+    if value > 1_000_000_000:
+        raise ApiError(422, "Invalid", f'PriorityClass.scheduling.k8s.io "{name}" is invalid: value: Forbidden: maximum allowed value of a '
+                                       "user defined priority is 1000000000")
+    if obj.get("preemptionPolicy", "PreemptLowerPriority") not in ("PreemptLowerPriority", "Never"):
+        raise ApiError(422, "Invalid", f'PriorityClass.scheduling.k8s.io "{name}" is invalid: preemptionPolicy: Unsupported value: '
+                                       f'"{obj["preemptionPolicy"]}": supported values: "Never", "PreemptLowerPriority"')
+    if obj.get("globalDefault"):
+        other = next((c["metadata"]["name"] for c in classes.values() if c.get("globalDefault")), None)
+        if other:
+            raise ApiError(422, "Invalid", f'PriorityClass.scheduling.k8s.io "{name}" is invalid: globalDefault: Invalid value: true: '
+                                           f"globalDefault is already set by {other}")
+    obj.setdefault("preemptionPolicy", "PreemptLowerPriority")
+    obj.setdefault("globalDefault", False)
 
 
 # ---------------------------------------------------------------------- controllers
@@ -612,8 +664,11 @@ class Cluster:
                 else:
                     free = [None] * want
                 for i in free:  # every pod of the stage is created in the same step
-                    self._make_pod(job, i)
-                new["active"] += len(free)
+                    try:
+                        self._make_pod(job, i)
+                    except ApiError:  # (refused by admission, e.g. a missing PriorityClass: FailedCreate, tried again next step)
+                        continue
+                    new["active"] += 1
         changed = any(st.get(k) != v for k, v in new.items()) or cond is not None
         st.update(new)
         if cond is not None:
