@@ -16,6 +16,7 @@ def test_tiresias_refuses_nonsense_options_on_the_command_line(capsys):
         ("tiresias.locality=nowhere", "option 'locality' of policy 'tiresias' takes one of auto, consolidated, spread, any, got 'nowhere'"),
         ("tiresias.promote_knob=-3", "tiresias policy: promote_knob must be a finite number >= 0"),
         ("tiresias.thresholds=[7200,10]", "tiresias policy: thresholds must be increasing"),
+        ("tiresias.thresholds=[]", "tiresias policy: thresholds must be at least one threshold"),
     ):
         rc = main(["simulate", "--trace", "synthetic", "--jobs", "5", "--cluster", "1x4", "--policies", "tiresias",
                    "--no-plots", "--set", setting])
@@ -31,6 +32,8 @@ BAD = [
     ("tiresias", "thresholds", [0, 10], "increasing"),
     ("tiresias", "thresholds", 3250, "a list"),
     ("tiresias", "thresholds", ["a"], "increasing"),
+    ("tiresias", "thresholds", [], "at least one threshold"),
+    ("tiresias", "thresholds", (), "at least one threshold"),
     ("tiresias", "promote_knob", math.nan, ">= 0"),
     ("tiresias", "promote_knob", math.inf, ">= 0"),
     ("tiresias", "promote_knob", True, ">= 0"),
@@ -56,6 +59,8 @@ BAD = [
 
 @pytest.mark.parametrize("policy,option,value,said", BAD, ids=[f"{p}.{o}={v!r}" for p, o, v, _ in BAD])
 def test_every_policy_refuses_nonsense_options(policy, option, value, said):
+    """(An empty list of Tiresias thresholds was accepted: one queue, i.e. FIFO with backfilling under
+    Tiresias' name; the message says so and names the fifo policy.)"""
     with pytest.raises(ValueError) as info:
         get_policy(policy, **{option: value})
     msg = str(info.value)
@@ -65,7 +70,7 @@ def test_every_policy_refuses_nonsense_options(policy, option, value, said):
 
 def test_sensible_options_still_pass():
     assert get_policy("tiresias", thresholds=[3250, 7200], promote_knob=2, locality="spread", spread_tolerance=1).thresholds == (3250.0, 7200.0)
-    assert get_policy("tiresias", thresholds=(), spread_tolerance=math.inf).thresholds == ()  # one queue; spread any job
+    assert get_policy("tiresias", thresholds=(3250,), spread_tolerance=math.inf).thresholds == (3250.0,)  # spread any job
     assert get_policy("fifo", backfill=True, locality="any").locality == "any"
     assert get_policy("sjf-bsbf", sub_batch=False, locality="spread").sub_batch is False
     assert get_policy("gavel", round_seconds=60, tiebreak="none", backfill=False).round_seconds == 60.0

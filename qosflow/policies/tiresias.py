@@ -8,7 +8,9 @@ running jobs keep their place ahead of waiting ones and waiting ones go first-co
 Preemptive, needing no knowledge of durations.
 
 Defaults: two queues split at 3,250 GPU-seconds (the threshold the Tiresias/Muri simulators use
-for their first queue); `thresholds=(3250, 7200)` gives Muri's three-queue setting. Starvation
+for their first queue); `thresholds=(3250, 7200)` gives Muri's three-queue setting. At least one
+threshold is required: with none (one queue) nothing is ever preempted and the policy is
+first-come-first-served with backfilling, which `fifo` with `backfill=True` is. Starvation
 knob (Tiresias' PROMOTEKNOB): a waiting demoted job whose waiting time exceeds `promote_knob` times
 its executed time returns to the top queue (0 disables it, as in Muri's runs).
 Placement (Tiresias' profile-guided placement): consolidated where possible; a job whose model
@@ -46,6 +48,15 @@ class TiresiasPolicy(Policy):
         spread_tolerance: float = 1.25,
     ):
         is_list = isinstance(thresholds, (list, tuple))
+        if is_list and not thresholds:
+            # (was accepted: one queue, where running jobs keep their place and waiting ones go in arrival
+            # order -- no preemption and no least-attained-service left, first-come-first-served under
+            # Tiresias' name, which is not what a Tiresias run is asked for)
+            raise ValueError(
+                "tiresias policy: thresholds must be at least one threshold (GPU-seconds at which a job moves "
+                f"down a queue), e.g. [3250] (two queues) or [3250, 7200] (three), got {thresholds!r}: with none every job "
+                "stays in one queue and Tiresias never preempts, i.e. first-come-first-served with backfilling; "
+                "for that, run the fifo policy with --set fifo.backfill=true")
         numbers = is_list and all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < math.inf for t in thresholds)
         if not numbers or any(b <= a for a, b in zip(thresholds, thresholds[1:])):
             raise ValueError(
