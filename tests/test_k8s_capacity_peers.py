@@ -383,3 +383,55 @@ def test_a_live_workers_placeholder_is_never_adopted_by_another_that_asks_for_th
                 await b.aclose()
 
     asyncio.run(go())
+
+
+def test_a_placeholder_made_by_another_worker_between_a_sync_s_list_and_its_create_is_not_taken_for_this_one_s():
+    """Two live workers of one pool ask for the same stage (its lease passed on while the first lives). B's sync LISTs
+    the placeholders, A creates the stage's placeholder, B's create of the same name answers 409. Before, B recorded the
+    pod as its own until its next sync: its `_clear_way` for the stage (placed here meanwhile) deleted A's live
+    placeholder, and it counted a request it had not made. Now the 409 reads the pod (one LIST by name: no `get` on pods
+    is granted) and records it only if it names B as its maker (B's own create whose answer was lost)."""
+    async def go():
+        with EmulatorServer([]) as emu:
+            admin = client.CoreV1Api(emu.api_client())
+            a_id, b_id = holder_id("wa"), holder_id("wb")
+            want = CapacityWant("s1", "train", gpus=1, cpu_cores=1)
+            a = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True)
+            b = KubernetesBackend(namespace="default", api_client=emu.api_client(), request_capacity=True, capacity_peer_check_s=0)
+            try:
+                a.capacity_peers(a_id, POOL, lambda p: {a_id, b_id})
+                b.capacity_peers(b_id, POOL, lambda p: {a_id, b_id})
+                race: list[dict] = []  # (a pod to create right after B's next LIST of the placeholders: the race)
+                real = b.core.list_namespaced_pod
+
+                def racing(*args, **kw):
+                    out = real(*args, **kw)
+                    if race and not kw.get("field_selector"):
+                        admin.create_namespaced_pod("default", race.pop())
+                    return out
+
+                b.core.list_namespaced_pod = racing
+                theirs = a.capacity_request_manifest(want)
+                race.append(theirs)
+                await b.sync_capacity_requests([want])
+                assert not race and b._capacity == {} and not b.holds_capacity_requests, b._capacity
+                assert b.stats["capacity_conflict_theirs"] == 1 and b.stats["capacity_requested"] == 0, b.stats
+                name = theirs["metadata"]["name"]
+                uid = (await asyncio.to_thread(admin.read_namespaced_pod, name, "default")).metadata.uid
+                await b._clear_way("s1", [])  # (the stage placed by B: only B's own placeholders go)
+                await b.sync_capacity_requests([want])
+                pod = await asyncio.to_thread(admin.read_namespaced_pod, name, "default")
+                assert pod.metadata.uid == uid and pod.metadata.annotations[ANN_CAPACITY_OWNER] == a_id
+                assert b._capacity == {} and b.stats["capacity_requested"] == 0, (b._capacity, b.stats)
+                await asyncio.to_thread(admin.delete_namespaced_pod, name, "default")
+
+                # B's own create whose answer was lost (the pod there names B): recorded as B's, as before
+                b._capacity_placed.clear()
+                race.append(b.capacity_request_manifest(want))
+                await b.sync_capacity_requests([want])
+                assert b._capacity == {"s1": (name,)} and b.stats["capacity_conflict_mine"] == 1, (b._capacity, b.stats)
+            finally:
+                await a.aclose()
+                await b.aclose()
+
+    asyncio.run(go())

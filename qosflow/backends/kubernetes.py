@@ -598,7 +598,8 @@ class KubernetesBackend(Backend):
         self._capacity_live: Callable[[str], Collection[str]] | None = None
         self._capacity_peers_at = -math.inf
         self._capacity_live_error: str | None = None
-        self.stats.update({"capacity_requested": 0, "capacity_dropped": 0, "capacity_left_deleted": 0, "capacity_adopted": 0})
+        self.stats.update({"capacity_requested": 0, "capacity_dropped": 0, "capacity_left_deleted": 0, "capacity_adopted": 0,
+                           "capacity_conflict_mine": 0, "capacity_conflict_theirs": 0})
 
     # ------------------------------------------------------------------ API calls with retries
     def _call(self, fn, *args, _doing: str | None = None, **kw):
@@ -1505,6 +1506,9 @@ class KubernetesBackend(Backend):
                             if e.status != 409:
                                 log.warning("stage %s: could not request capacity (%s %s): %s", w.name, e.status, e.reason, (e.body or "")[:300])
                                 continue
+                            if not await self._made_by_me(name, w.job_id, doing):
+                                continue
+                            self.stats["capacity_conflict_mine"] += 1
                         self.stats["capacity_requested"] += 1
                         req = body["spec"]["containers"][0]["resources"]["requests"]
                         part = f" (part {body['metadata']['labels'][LABEL_CAPACITY_PART]} of {len(bodies)})" if len(bodies) > 1 else ""
@@ -1513,6 +1517,29 @@ class KubernetesBackend(Backend):
                                  ", ".join(f"{k}={v}" for k, v in req.items()))
                     if name not in self._capacity.get(w.job_id, ()):
                         self._capacity[w.job_id] = self._capacity.get(w.job_id, ()) + (name,)
+
+    async def _made_by_me(self, name: str, job_id: str, doing: str) -> bool:
+        """After a create of placeholder `name` answered 409 (one of that name appeared since this sync's LIST): whether
+        the one there is this backend's, made by a create of its own whose answer was lost (it names one of this
+        backend's makers, `_capacity_owners`), read by one LIST by name (the `list` the worker has on pods; no `get`).
+        Another's (a live worker of the pool that asks for the same stage, or another pool's) is not recorded as this
+        backend's (before 2026-11-28 it was, until the next sync: `_clear_way` could delete it meanwhile): the next sync
+        judges it as any other's. Gone, or not readable now: not recorded either (the next sync makes it again)."""
+        try:
+            pods = (await self._acall(self.core.list_namespaced_pod, self.namespace, label_selector=self._capacity_selector(),
+                                      field_selector=f"metadata.name={name}", _doing=doing)).items
+        except Exception as exc:  # noqa: BLE001 - left to the next sync
+            log.debug("stage %s: capacity request %s answered 409 and could not be read (%s): looked at again at the next sync", job_id, name, exc)
+            return False
+        pod = next((p for p in pods if p.metadata.name == name), None)
+        owner = ((pod.metadata.annotations or {}).get(ANN_CAPACITY_OWNER) if pod is not None else None) or None
+        if pod is not None and owner in self._capacity_owners:
+            return True
+        self.stats["capacity_conflict_theirs"] += 1
+        log.info("stage %s: capacity request %s was made meanwhile by %s: left to its maker, not taken for this worker's "
+                 "(the next sync looks at it again)", job_id, name,
+                 "nobody (it is gone)" if pod is None else f"worker {owner}" if owner else "a worker that does not name itself")
+        return False
 
     def _check_capacity_priority(self, made: Any) -> None:
         """Say once (per class and value) when this backend's placeholder `made` got a priority that does not let this
