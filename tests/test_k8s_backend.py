@@ -1056,7 +1056,9 @@ def test_the_worker_start_and_its_heartbeats_sweep_orphaned_secrets(caplog):
     assert secret_name("dead-1") not in at_start and secret_name("dead-2") not in at_beat
     assert stats["orphan_secrets_deleted"] == 2
     refused = [r.getMessage() for r in caplog.records if "could not look for orphaned stage Secrets" in r.getMessage()]
-    assert len(refused) == 1 and "list on secrets" in refused[0], refused
+    # (the hint names what the sweep does: list, patch and delete secrets, list jobs; it read "get on jobs", never asked)
+    assert len(refused) == 1 and "list, patch and delete on secrets and list on jobs in namespace default" in refused[0], refused
+    assert "get on jobs" not in refused[0] and "worker-rbac.yaml" in refused[0], refused
 
 
 @emulator_only

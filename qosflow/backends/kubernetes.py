@@ -1078,7 +1078,8 @@ class KubernetesBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - a clean-up: said once per distinct failure, tried again later
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if why != self._sweep_error:
-                fix = (" (the worker's account needs list on secrets and get on jobs in the namespace)"
+                fix = (f" (the sweep lists, patches and deletes secrets and lists jobs: the worker's account needs list, patch and "
+                       f"delete on secrets and list on jobs in namespace {self.namespace}, as the Role of {RBAC_MANIFEST} grants)"
                        if (" 403" in f" {why}" or "(403)" in why) and not hasattr(exc, "refusal") else "")
                 log.warning("Kubernetes cluster %r: could not look for orphaned stage Secrets in %s: %s%s; trying again in %gs",
                             self.cluster_name, self.namespace, why, fix, self.orphan_sweep_s)
