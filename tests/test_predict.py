@@ -990,3 +990,15 @@ def test_out_of_fold_points_for_the_blend_weight_do_not_see_their_own_row(monkey
     assert all(y1[i] != y2[i] for i in rows)  # the same rows, with other speeds
     assert np.isfinite(oof1[rows]).all()
     assert np.array_equal(oof1[rows], oof2[rows]) and np.array_equal(onehot1[rows], onehot2[rows])
+
+
+def test_pair_csv_refuses_a_batch_size_that_is_not_whole(tmp_path):
+    """64.5 was read as a batch size (and made a configuration of its own)."""
+    p = tmp_path / "frac.csv"
+    p.write_text("model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2\n"
+                 "A,32,1,0.9,B,64,1,0.8\nA,32.0,1,0.9,B,64.5,1,0.8\n")
+    with pytest.raises(TraceFormatError, match=r"frac.csv:3: column batchsize2: '64.5' is not a whole number; .*"
+                                                r"give a whole number, e.g. 64"):
+        read_pairs_csv(p)
+    p.write_text("model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2\nA,32.0,1,0.9,B,64,1,0.8\n")
+    assert read_pairs_csv(p)[0].batchsize1 == 32  # a whole number written as 32.0 is fine

@@ -333,6 +333,9 @@ def read_pairs_csv(path: str | Path) -> list[PairRow]:
                 raise TraceFormatError(path, lineno, f"column {c}: {v!r} is not a number; {hint}") from None
             if c.startswith("batchsize") and not 0 < x < math.inf:  # 0 was taken for "unknown", as an empty cell is
                 raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a finite number > 0; {hint}")
+            if c.startswith("batchsize") and not x.is_integer():  # a count of samples (64.5: a unit or a typo)
+                raise TraceFormatError(path, lineno, f"column {c}: {v!r} is not a whole number; a batch size counts "
+                                       "samples per step: give a whole number, e.g. 64 (leave the cell empty if unknown)")
             if math.isnan(x) or math.isinf(x) or x < 0:
                 raise TraceFormatError(path, lineno, f"column {c}: {v!r} must be a finite number >= 0; {hint}")
             if c.startswith("speed") and x > MAX_PAIR_SPEED:
