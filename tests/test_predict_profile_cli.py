@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from qosflow.cli.main import main
+from qosflow.errors import SpecError
 from qosflow.predict.profiler import detect_gpu, profile
 from qosflow.store import Store
 
@@ -244,6 +245,17 @@ def test_profile_core_counts_out_of_range_name_the_option(stage_module, tmp_path
         assert main(["profile", "toy_stage:train", "--cores", cores, "--db", db]) == 2
         assert "invalid --cores: " in capsys.readouterr().err
     assert not (tmp_path / "p.db").exists()
+
+
+def test_profile_refuses_a_core_count_given_twice(stage_module, tmp_path, capsys):
+    """--cores 1,1 measured the same configuration twice (and stored both)."""
+    db = f"sqlite:///{tmp_path / 'p.db'}"
+    assert main(["profile", "toy_stage:train", "--steps", "2", "--cores", "1,1", "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert "invalid --cores: 1 given more than once (1,1)" in err and "give distinct counts, e.g. 1" in err
+    assert not (tmp_path / "p.db").exists()
+    with pytest.raises(SpecError, match=r"invalid cores: 1 given more than once \(1,1\)"):
+        profile("toy_stage:train", 2, cores=[1, 1], budget_s=30)
 
 
 def test_profile_of_a_silent_function_fails(stage_module, capsys):

@@ -345,11 +345,17 @@ def default_core_counts() -> list[int]:
 
 
 def check_core_counts(cores: list[int], option: str = "cores") -> None:
-    """Refuse a core count below 1 or above the cores this process may use, naming `option`."""
+    """Refuse a core count below 1 or above the cores this process may use, or one given twice (the same
+    configuration measured twice), naming `option`."""
     avail = cpu_cores()
     for c in cores:
         if c < 1 or c > avail:
             raise SpecError(option, f"{c} is not between 1 and the {avail} cores this process may use")
+    twice = sorted({c for c in cores if cores.count(c) > 1})
+    if twice:
+        raise SpecError(option, f"{', '.join(map(str, twice))} given more than once ({','.join(map(str, cores))}); each "
+                                "core count is one configuration, measured once: give distinct counts, e.g. "
+                                f"{','.join(map(str, sorted(set(cores))))}")
 
 
 def profile(target: str, steps: int, *, cores: list[int] | None = None, budget_s: float = 60.0,
