@@ -1002,3 +1002,20 @@ def test_pair_csv_refuses_a_batch_size_that_is_not_whole(tmp_path):
         read_pairs_csv(p)
     p.write_text("model1,batchsize1,gpu_num1,speed1,model2,batchsize2,gpu_num2,speed2\nA,32.0,1,0.9,B,64,1,0.8\n")
     assert read_pairs_csv(p)[0].batchsize1 == 32  # a whole number written as 32.0 is fine
+
+
+def test_cpu_curve_follows_samples_that_slow_down_with_more_cores():
+    """Amdahl's form cannot fall with more cores: measured 53 ms on 1 core and 214 ms on 2 (threads waiting
+    for each other on busy cores), the curve was flat at their mean (134 ms at any count, saturation 1)."""
+    curve = fit_curve([1, 2, 1, 2], [0.053, 0.214, 0.054, 0.213])
+    assert curve.step_time(1) == pytest.approx(0.0535) and curve.step_time(2) == pytest.approx(0.2135)
+    assert curve.saturation_cores == 1 and curve.speed_fraction(2) == pytest.approx(0.0535 / 0.2135)
+    assert "slower-with-more" in curve.basis
+    u = fit_curve([1, 2, 4, 8], [0.40, 0.20, 0.15, 0.30])  # helps up to 4, oversubscribed at 8
+    assert u.saturation_cores == 4 and u.step_time(3) == pytest.approx(0.175) and u.step_time(16) == pytest.approx(0.30)
+    assert u.speed_fraction(4) == 1.0 and u.speed_fraction(8) == pytest.approx(0.5)
+    p = Predictor(None)
+    for c, t in ((1, 0.053), (2, 0.214)):
+        p.observe({"signature": "cpu-bound/bs8", "gpus": 1, "cpu_cores": c, "step_time_s": t})
+    assert p.predict_cpu_speedup("cpu-bound/bs8", 2).value == pytest.approx(0.053 / 0.214)
+    assert "saturation=1.0cores" in p.predict_cpu_speedup("cpu-bound/bs8", 2).basis
