@@ -305,3 +305,28 @@ def quiet(marker: str) -> str:
 def log_prints_pipeline(marker: str) -> list:
     """A stage's prints are logged on its run unless the stage says log_prints=False."""
     return [loud(marker), quiet(marker), quiet.with_options(log_prints=True, name="quiet-made-loud")(marker)]
+
+
+# ---------------------------------------------------------------------------------------- a gang across hosts
+@qos_task(gpus=8, gang=True, cpu_cores=1, expected_duration=3)
+def wide_gang(marker: str, fail_rank: str = "") -> str:
+    """8 GPUs: on two 4-GPU hosts, one process per host (tests/test_prefect_infra.py). Every rank marks that it ran."""
+    import json
+
+    import qosflow
+
+    rank = os.environ.get("QOSFLOW_GANG_RANK", "")
+    with open(marker, "a") as f:
+        f.write(json.dumps({"event": "rank", "rank": rank, "pid": os.getpid(), "node": qosflow.placement().node}) + "\n")
+    for _ in qosflow.track(range(2)):
+        time.sleep(0.5)
+    if rank == fail_rank:
+        raise ValueError(f"rank {rank} found bad data")
+    if fail_rank:  # (the others wait for it, as ranks of a training step do: stopped with the gang when it fails)
+        time.sleep(60)
+    return f"rank {rank}"
+
+
+@qos_flow(name="wide-gang")
+def wide_gang_pipeline(marker: str, fail_rank: str = "") -> str:
+    return wide_gang(marker, fail_rank)

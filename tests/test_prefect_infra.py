@@ -136,6 +136,66 @@ def test_user_error_is_not_retried_elsewhere(lab):
         assert st.is_failed() and "bad input 7" in st.message
 
 
+def _stage_run_of_last_pipeline():
+    from prefect.client.orchestration import get_client
+
+    from qosflow.prefect.tasks import PipelineRun
+
+    [rec] = PipelineRun.finished[-1].stages.values()
+    with get_client(sync_client=True) as c:
+        fr = c.read_flow_run(rec.flow_run_id)
+        return fr, c.read_flow_run_states(fr.id)
+
+
+def _run_logs(fid) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as c:
+        return [x.message for x in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fid])))]
+
+
+def test_a_gang_across_two_hosts_reports_its_run_once(lab, tmp_path):
+    """(Before the agent-killing test below: it needs both hosts up.) An 8-GPU gang on two 4-GPU hosts runs one process per host. Each ran Prefect's engine for the one flow run: it
+    went Running twice and Completed twice (run_count 2), every engine line was logged twice, two results and two
+    progress artifacts were written and the pipeline got whichever rank's return value came last. Now every rank runs
+    the stage's function, and rank 0 alone reports."""
+    import prefect_pipelines as pp
+
+    marker = tmp_path / "marks.jsonl"
+    assert pp.wide_gang_pipeline(str(marker)) == "rank 0"
+    ranks = sorted((e["rank"], e["node"]) for e in marks(marker))
+    assert ranks == [("0", "host-a"), ("1", "host-b")] or ranks == [("0", "host-b"), ("1", "host-a")], ranks
+    fr, states = _stage_run_of_last_pipeline()
+    kinds = [s.type.value for s in states]
+    assert fr.state.is_completed() and fr.run_count == 1, (fr.state, fr.run_count)
+    assert kinds.count("RUNNING") == 1 and kinds.count("COMPLETED") == 1, kinds
+    logs = _run_logs(fr.id)
+    assert sum(m.startswith("Beginning subflow run") for m in logs) == 1, logs
+    assert sum(m.startswith("Finished in state") for m in logs) == 1, logs
+    assert sum("rank 1 of 2 on host-" in m and "runs the stage's function" in m for m in logs) == 1, logs
+
+
+def test_a_gang_rank_that_fails_fails_the_run_with_its_exception(lab, tmp_path):
+    """A rank other than 0 that raises reports the run Failed with its exception (the pipeline raises it) and its
+    traceback on the run's log; its gang's rank 0, stopped then, does not report Crashed over it."""
+    import prefect_pipelines as pp
+
+    marker = tmp_path / "marks.jsonl"
+    with pytest.raises(ValueError, match="rank 1 found bad data"):
+        pp.wide_gang_pipeline(str(marker), fail_rank="1")
+    fr, states = _stage_run_of_last_pipeline()
+    w = lab["worker"].worker
+    wait_for(lambda: any(r["flow_run_id"] == str(fr.id) for r in w.records))  # (the gang has ended: rank 0 was stopped)
+    fr, states = _stage_run_of_last_pipeline()
+    assert fr.state.is_failed(), (fr.state, [s.name for s in states])
+    assert fr.state.message.startswith("qosflow gang: rank 1 of 2 on host-") and "ValueError: rank 1 found bad data" in fr.state.message
+    logs = _run_logs(fr.id)
+    failed = [m for m in logs if "rank 1 of 2 on host-" in m and "failed: ValueError: rank 1 found bad data" in m]
+    assert len(failed) == 1 and "Traceback" in failed[0], logs
+    assert [s.type.value for s in states].count("RUNNING") == 1
+    assert "CRASHED" not in [s.type.value for s in states], [s.name for s in states]
+
 def test_agent_killed_midstage_stage_completes_elsewhere_once(lab, tmp_path):
     """SIGKILL the agent whose host runs the stage: the worker marks the host down, the policy places the
     stage on the other host, it completes there; the killed copy died with its agent; nothing runs twice."""
@@ -187,3 +247,4 @@ def test_agent_killed_midstage_stage_completes_elsewhere_once(lab, tmp_path):
     with get_client(sync_client=True) as c:
         fr = c.read_flow_run(rec.flow_run_id)
         assert fr.state.is_completed() and fr.labels["qosflow.host"] == other
+

@@ -750,3 +750,18 @@ def test_stop_ends_the_loop_even_as_it_is_woken(depth):
         return bool(done)
 
     assert asyncio.run(go()), "stop() did not end the scheduler's loop"
+
+
+def test_only_a_gang_on_several_hosts_runs_its_ranks_through_gang_rank():
+    """A stage placed on several hosts runs `-m qosflow.prefect.gang_rank` (rank 0 alone runs Prefect's engine); one
+    on one host, and a command that does not run the engine as a module, are left as they are."""
+    from qosflow.core.placement import Placement
+    from qosflow.prefect.worker import gang_command
+
+    cmd = ["/usr/bin/python3", "-m", "prefect.engine"]
+    one = Placement("s", ((0, 0), (0, 1)), cpu=((0, 1.0),))
+    two = Placement("s", ((0, 0), (1, 0)), cpu=((0, 1.0), (1, 1.0)))
+    assert gang_command(cmd, one) == cmd
+    assert gang_command(cmd, two) == ["/usr/bin/python3", "-m", "qosflow.prefect.gang_rank"]
+    assert cmd == ["/usr/bin/python3", "-m", "prefect.engine"]  # (not changed in place)
+    assert gang_command(["/srv/run-stage.sh"], two) == ["/srv/run-stage.sh"]

@@ -1031,7 +1031,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             n = len(attempts) + 1
             launch = LaunchSpec(
                 stage_id=fid if n == 1 else f"{fid}-r{n - 1}",  # one id per attempt: an agent never starts one twice
-                command=command,
+                command=gang_command(command, grant.placement),
                 placement=grant.placement,
                 cluster=sched.cluster,
                 env=env,
@@ -3372,6 +3372,22 @@ def _code(status: Any) -> int:
     if status.kind is ExitKind.OK or status.kind is ExitKind.CANCELLED:
         return 0
     return int(status.code) if status.code not in (None, 0) else 1
+
+
+def gang_command(command: list[str], placement: Any) -> list[str]:
+    """The command of a stage placed on several hosts (a gang: one process per host, each with its QOSFLOW_GANG_RANK):
+    Prefect's engine (`-m prefect.engine`) becomes `-m qosflow.prefect.gang_rank`, which runs the engine on rank 0 only
+    and the stage's function, unreported, on the others (each rank ran the engine: the flow run went Running and
+    Completed once per rank, with a result and a log line per rank). A command of one host, or one that does not run
+    Prefect's engine that way, is left as it is."""
+    if len(set(getattr(placement, "nodes", ()) or ())) < 2:
+        return command
+    out = list(command)
+    for i in range(len(out) - 1):
+        if out[i] == "-m" and out[i + 1] == "prefect.engine":
+            out[i + 1] = "qosflow.prefect.gang_rank"
+            break
+    return out
 
 
 def _whole_gpus_only(spec: QoSSpec, backend: Any) -> tuple[QoSSpec, str]:
