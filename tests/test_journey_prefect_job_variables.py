@@ -98,3 +98,45 @@ def test_a_run_with_a_bad_qos_job_variable_fails_at_once_naming_it_and_its_deplo
     msg = state.message or ""
     assert f"job variable '{field}' of deployment 'journey-jv-flow/bad-{field}'" in msg, msg
     assert "prefect deploy" in msg and "was not started" in msg, msg
+
+
+
+def test_an_existing_deployment_with_an_out_of_range_qos_job_variable(prefect_server):
+    """What Prefect 3.8 does with `gpus: -1` for a deployment that exists already (docs/prefect.md), so that the docs
+    follow it: `prefect deploy` (or `flow.deploy`) again is refused (409) without the field's name (`Error creating
+    deployment: <ValidationError: '-1 is not valid under any of the given schemas'>`: Prefect validates an existing
+    deployment's variables with jsonschema and shows its error's repr), and the deployment keeps its variables. A PATCH
+    without the pool's name is taken, but no run of it can be created: that refusal names the field. (A pool made
+    before the bounds: the worker fails the run naming it, the test above.)"""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    from qosflow.prefect.local import setup_pool
+
+    pool = "journey-jv-existing"
+
+    async def go():
+        await setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, 1))
+        async with get_client() as c:
+            flow_id = await c.create_flow_from_name("journey-jv-flow")
+            dep = await c.create_deployment(flow_id=flow_id, name="existing", work_pool_name=pool, entrypoint="x.py:f",
+                                            job_variables={"role": "pipeline", "gpus": 1})
+            try:  # (what `prefect deploy` and flow.deploy() send for a deployment that exists: a PATCH with its pool)
+                await c.update_deployment(dep, DeploymentUpdate(work_pool_name=pool, job_variables={"role": "pipeline", "gpus": -1}))
+                upsert = None
+            except Exception as exc:
+                upsert = str(exc)
+            kept = (await c.read_deployment(dep)).job_variables
+            # (a PATCH without the pool's name, as an API client may send, is not checked against the pool's schema)
+            await c.update_deployment(dep, DeploymentUpdate(job_variables={"role": "pipeline", "gpus": -1}))
+            try:
+                await c.create_flow_run_from_deployment(dep)
+                run = None
+            except Exception as exc:
+                run = str(exc)
+        return upsert, kept, run
+
+    upsert, kept, run = asyncio.run(go())
+    assert upsert is not None and "409" in upsert and "-1 is not valid under any of the given schemas" in upsert, upsert
+    assert kept == {"role": "pipeline", "gpus": 1}, kept
+    assert run is not None and "Validation failed for field 'gpus'" in run, run
