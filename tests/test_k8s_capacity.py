@@ -21,6 +21,7 @@ from kubernetes import client
 
 from qosflow.backends.base import CapacityWant, ExitKind, LaunchSpec
 from qosflow.backends.kubernetes import KubernetesBackend
+from qosflow.core.placement import Placement
 from qosflow.core.job import Job, JobState
 from qosflow.core.qos import QoSSpec
 from k8s_lab import EmulatedWorker, until
@@ -181,7 +182,9 @@ def test_a_stage_the_plan_has_room_for_gets_no_placeholder_and_at_most_max_capac
                 assert await asyncio.wait_for(waiting[0], 10) == "gpu-pool-first"
                 h = await lab.launch("b", 0.2)
                 assert "b" not in {p.metadata.labels["qosflow.dev/capacity-for"] for p in lab.placeholders()}
-                assert lab.be.stats["capacity_dropped"] == 2, lab.be.stats
+                # (2: b's and c's; 3 when a heartbeat came between b's placement and its launch: it deleted b's, no longer
+                # waiting, and made d's, which the launch deleted with c's, both unbound)
+                assert lab.be.stats["capacity_dropped"] in (2, 3), lab.be.stats
                 assert (await lab.be.wait(h)).kind is ExitKind.OK
                 await until(lambda: sorted(p.metadata.labels["qosflow.dev/capacity-for"] for p in lab.placeholders()) == ["c", "d"],
                             "d's placeholder made in b's stead")
@@ -190,6 +193,46 @@ def test_a_stage_the_plan_has_room_for_gets_no_placeholder_and_at_most_max_capac
                     with contextlib.suppress(Exception):
                         await f
                 await until(lambda: lab.placeholders() == [], "every placeholder deleted")
+
+    asyncio.run(go())
+
+
+def test_no_placeholder_is_made_between_a_stage_s_way_cleared_and_its_pod_bound():
+    """A stage placed into the room its placeholder held: `_clear_way` deletes that placeholder and this worker's others
+    not bound, then the launch creates the Job, then the job controller its pod. A heartbeat's sync in between made the
+    placeholder of another waiting stage again at once, which kube-scheduler bound to the freed room first: the stage's
+    pod stayed Unschedulable behind it, and failed as INFRA (seen as a rare failure of the test above). Now a sync makes
+    no placeholder until the stage's pods are bound (or `unschedulable_timeout_s` has passed). EMULATED: no cluster."""
+    async def go():
+        with EmulatorServer([gpu_node("n", 1)]) as emu:
+            be = KubernetesBackend(namespace="default", image="busybox:1.36", api_client=emu.api_client(), request_capacity=True,
+                                   unschedulable_timeout_s=30.0)
+            core = client.CoreV1Api(emu.api_client())
+            try:
+                cluster = await be.inventory()
+                b, c = (CapacityWant(j, j, gpus=1, cpu_cores=1) for j in ("b", "c"))
+
+                def placeholders() -> dict:
+                    return {p.metadata.labels["qosflow.dev/capacity-for"]: p.spec.node_name
+                            for p in core.list_namespaced_pod("default", label_selector=CAPACITY).items}
+
+                await be.sync_capacity_requests([b, c])
+                await until(lambda: placeholders() == {"b": "n", "c": None}, "b's placeholder bound to the node, c's Pending")
+                await be._clear_way("b", ["n"])  # (b placed on n: its launch begins)
+                assert await asyncio.to_thread(placeholders) == {}
+                await be.sync_capacity_requests([c])  # (a heartbeat before b's Job exists)
+                await asyncio.sleep(0.3)  # (some controller steps: a placeholder made now would be bound to n)
+                assert await asyncio.to_thread(placeholders) == {}
+                emu.add_rule(selector="qosflow.dev/stage-id=b", run_s=60)
+                h = await be.launch(LaunchSpec("b", ["true"], Placement("b", ((0, 0),), ((0, 1.0),)), cluster))
+                await until(lambda: [p.spec.node_name for p in core.list_namespaced_pod("default", label_selector="qosflow.dev/stage-id=b").items]
+                            == ["n"], "b's pod bound to n")
+                await be.sync_capacity_requests([c])  # (now c's placeholder is made: Pending, no room)
+                await asyncio.sleep(0.3)
+                assert await asyncio.to_thread(placeholders) == {"c": None} and be._capacity_settling == {}
+                await be.kill(h)
+            finally:
+                await be.aclose()
 
     asyncio.run(go())
 
@@ -424,7 +467,6 @@ def test_a_placeholder_asks_for_what_its_stage_s_pod_will_on_the_node_it_brings(
     its GPUs: a 10-GPU gang on 4-GPU nodes asked for 40 %, 40 %, 20 % of its memory while its pods ask for a third each,
     so the narrow part's node could come too small for its pod."""
     from qosflow.core.cluster import ClusterSpec, NodeSpec, default_cpu_split
-    from qosflow.core.placement import Placement
 
     def pods(be: KubernetesBackend, p: Placement, cluster: ClusterSpec) -> list[dict]:
         jobs, _ = be.manifests(LaunchSpec("s", ["true"], p, cluster))

@@ -426,7 +426,8 @@ def test_a_placeholder_made_by_another_worker_between_a_sync_s_list_and_its_crea
                 await asyncio.to_thread(admin.delete_namespaced_pod, name, "default")
 
                 # B's own create whose answer was lost (the pod there names B): recorded as B's, as before
-                b._capacity_placed.clear()
+                b._capacity_placed.clear()  # (s1 queued again, its launch over: B asks for it again)
+                b._capacity_settling.clear()
                 race.append(b.capacity_request_manifest(want))
                 await b.sync_capacity_requests([want])
                 assert b._capacity == {"s1": (name,)} and b.stats["capacity_conflict_mine"] == 1, (b._capacity, b.stats)

@@ -584,6 +584,9 @@ class KubernetesBackend(Backend):
         self._capacity_too_wide: set[str] = set()
         #: job ids placed since their placeholder was deleted (a sync that read the queue before cannot make it again)
         self._capacity_placed: set[str] = set()
+        #: stages whose way `_clear_way` cleared and whose pods are not all bound yet: job id -> (pods expected, until
+        #: when at most); no placeholder is made meanwhile (`_capacity_settled`)
+        self._capacity_settling: dict[str, tuple[int, float]] = {}
         #: the first sync has been made (the placeholders of older versions, which name no maker, deleted)
         self._capacity_swept = False
         self._capacity_lock: asyncio.Lock | None = None
@@ -1325,6 +1328,7 @@ class KubernetesBackend(Backend):
         worker's placeholders on the pool are its to delete, for its stages, so two workers never delete each other's."""
         async with self._capacity_lock_now():
             self._capacity_placed.add(job_id)
+            self._capacity_settling[job_id] = (max(1, len(nodes)), time.monotonic() + max(1.0, float(self.unschedulable_timeout_s)))
             mine = {name: jid for jid, names in self._capacity.items() for name in names}
             try:
                 pods = (await self._acall(self.core.list_namespaced_pod, self.namespace, label_selector=self._capacity_selector(),
@@ -1491,6 +1495,8 @@ class KubernetesBackend(Backend):
                     self._capacity[jid] = kept
                 else:
                     del self._capacity[jid]
+            if chosen and self._capacity_settling and not await self._capacity_settled(doing):
+                return  # (no placeholder made while a stage placed is not bound yet: one made now could take its room)
             for w in wants:
                 if w.job_id not in chosen or w.job_id in self._capacity_placed:
                     continue
@@ -1518,6 +1524,31 @@ class KubernetesBackend(Backend):
                                  ", ".join(f"{k}={v}" for k, v in req.items()))
                     if name not in self._capacity.get(w.job_id, ()):
                         self._capacity[w.job_id] = self._capacity.get(w.job_id, ()) + (name,)
+
+    async def _capacity_settled(self, doing: str) -> bool:
+        """Whether every stage `_clear_way` cleared the way for has its pods bound (one LIST of its pods by its
+        qosflow.dev/job label each), or has waited `unschedulable_timeout_s` (its launch failed, or its pods are
+        Unschedulable: its wait reports it). Until then a sync makes no placeholder: between the placeholders' deletion
+        and the stage's pods' binding (the launch's Job create, the job controller's pod), a placeholder made for
+        another waiting stage would be bound to the room the stage was given first, and the stage's pod would be
+        Unschedulable behind it (before 2026-11-28 it was, when a heartbeat's sync came in that window)."""
+        now = time.monotonic()
+        for jid, (expected, until) in list(self._capacity_settling.items()):
+            if now >= until:
+                del self._capacity_settling[jid]
+                continue
+            try:
+                pods = (await self._acall(self.core.list_namespaced_pod, self.namespace, label_selector=f"{LABEL_JOB}={label_value(jid)}",
+                                          _doing=doing)).items
+            except Exception as exc:  # noqa: BLE001 - looked at again at the next sync
+                log.debug("stage %s: its pods could not be listed (%s): no capacity request made before they are", jid, exc)
+                return False
+            pods = [p for p in pods if (p.status.phase if p.status else None) not in ("Succeeded", "Failed")]  # (not an earlier attempt's)
+            if len(pods) >= expected and all(p.spec is not None and p.spec.node_name for p in pods):
+                del self._capacity_settling[jid]
+            else:
+                return False
+        return True
 
     async def _made_by_me(self, name: str, job_id: str, doing: str) -> bool:
         """After a create of placeholder `name` answered 409 (one of that name appeared since this sync's LIST): whether
@@ -1918,7 +1949,14 @@ class KubernetesBackend(Backend):
                 except ApiException as e:
                     log.debug("stage %s: PodGroup %s not owned by its Job(s): %s %s", spec.stage_id, ref["podgroup"]["name"], e.status, e.reason)
 
-        return await self._launch_attempt(StageHandle(spec.stage_id, self.name, ref["nodes"][0], ref), secret, doing, create)
+        try:
+            handle = await self._launch_attempt(StageHandle(spec.stage_id, self.name, ref["nodes"][0], ref), secret, doing, create)
+        except BaseException:
+            self._capacity_settling.pop(spec.placement.job_id, None)  # (no pod will come: placeholders may be made again)
+            raise
+        if handle.ref.get("launch_error"):
+            self._capacity_settling.pop(spec.placement.job_id, None)
+        return handle
 
     async def _launch_attempt(self, handle: StageHandle, secret: dict | None, doing: str,
                               create: Callable[[dict[str, str]], Awaitable[None]]) -> StageHandle:
