@@ -28,6 +28,10 @@ from qosflow.predict.predictor import Predictor  # noqa: E402
 from qosflow.predict.reference import ThroughputTable, default_gavel_path, read_pairs_csv, write_pairs_csv  # noqa: E402
 
 
+#: the heading of the hand-written part of docs/bench/predictor.md, which a run keeps as it is
+HAND_WRITTEN = "## Verdict against the issue's targets"
+
+
 def pct(x):
     return "-" if x is None else f"{100 * x:.1f} %"
 
@@ -213,7 +217,10 @@ def main() -> None:
         "",
     ]
     out = ROOT / "docs" / "bench" / "predictor.md"
-    out.write_text("\n".join(lines))
+    # the verdict below the tables is written by hand after a run: keep it (a rerun overwrote it)
+    old = out.read_text() if out.exists() else ""
+    hand = old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""
+    out.write_text("\n".join(lines) + ("\n" + hand if hand else ""))
     (ROOT / "docs" / "bench" / "predictor.json").write_text(json.dumps(
         {"throughputs": thr, "pairs": pairs, "latency": lat, "refit": ref}, indent=2) + "\n")
     print("\n".join(lines))
