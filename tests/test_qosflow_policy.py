@@ -981,3 +981,54 @@ def test_a_job_every_gpu_model_suits_is_judged_for_sharing_at_its_slowest_models
     # with room for the K80's time it shares, as before
     d = _k80_v100_round("halfk80", 300.0)
     assert [p.colocated_with for p in d.starts] == [("on-k80",)], d.starts
+
+
+def _guarded_job_behind_shared_stream(**opts):
+    """One GPU. `first` (2 h) runs alone; `long` (20 h, the same model: they would slow each other 2.5x)
+    arrives next and is long against the backlog, so the makespan guard puts it first in line; a stream of
+    10-minute jobs of two other models in turn (pairs of different models pay: 1.1x) arrives every 6
+    minutes for 30 h, and each joins the one job that holds the GPU."""
+    spec = ClusterSpec.uniform(1, 1, gpu_mem_mb=32000)
+    sm = SpeedModel(Table())
+    share = dict(shareable=True, gpu_mem_mb=4000)
+    jobs = [Job("first", 0.0, QoSSpec(**share), 2 * 3600.0, model="a"),
+            Job("long", 1.0, QoSSpec(**share), 20 * 3600.0, model="a")]
+    jobs += [Job(f"s{i}", 2.0 + 360.0 * i, QoSSpec(**share), 600.0, model="bc"[i % 2]) for i in range(300)]
+    pol = get_policy("qosflow", makespan_inflow=False, **opts)
+    notes: list[str] = []
+    schedule = pol.schedule
+
+    def watched(view):
+        d = schedule(view)
+        if "long" in d.notes and any(js.job_id == "long" for js in view.pending):
+            notes.append(d.notes["long"])
+        return d
+
+    pol.schedule = watched
+    res = {j.job_id: j for j in simulate(jobs, spec, pol, speed=sm, config=SimConfig(restart_overhead=0)).jobs}
+    assert all(j.status is JobStatus.DONE for j in res.values())
+    return res, notes
+
+
+def test_a_one_gpu_job_the_guard_puts_first_reserves_the_gpu_that_frees_soonest():
+    """(Gavel 6214e9 on 4x8: a 131-day 1-GPU job first in line waited 88 days, ed69ec on 2x8 two 28-day
+    ones 23 days: each job leaving a shared GPU made room for a newcomer next to the one that stayed, so
+    no GPU ever emptied.) With `reserve_single` the guarded job reserves the GPU whose jobs end soonest,
+    no newcomer joins it, and the job starts when `first` ends; its waiting note names the GPU. On by
+    default."""
+    res, notes = _guarded_job_behind_shared_stream()
+    # no job joined `first` (it ran at full speed) and `long` took the GPU when it emptied
+    assert res["first"].finish_time == pytest.approx(2 * 3600.0)
+    assert res["long"].first_start == pytest.approx(res["first"].finish_time)
+    assert any("reserved GPU 0 of node0: no job joins it" in n and "first in line to keep the makespan short" in n
+               for n in notes), notes
+    # without it, the stream keeps the GPU shared and the guarded job waits until the stream ends
+    res_off, notes_off = _guarded_job_behind_shared_stream(reserve_single=False)
+    assert res_off["long"].first_start >= 29 * 3600.0
+    assert not any("reserved GPU" in n for n in notes_off)
+    # and the makespan is the stream's end plus the guarded job's 20 h, instead of about 2 + 20 h + the rest
+    # of the stream's work
+    end = {k: max(j.finish_time for j in r.values()) for k, r in (("on", res), ("off", res_off))}
+    assert end["on"] < end["off"] - 5 * 3600.0, end
+    with pytest.raises(ValueError, match="reserve_single"):
+        get_policy("qosflow", reserve_single="yes")

@@ -82,7 +82,11 @@ and in the live worker):
       them if predicted to finish before the reservation starts -- pessimistically if it keeps a
       deadline promise; new reservations only while fewer
       than `reserve_share` of the nodes are reserved -- the last one may take all the nodes its gang
-      needs, or a gang wider than that share could never start).
+      needs, or a gang wider than that share could never start). A waiting 1-GPU job that the makespan
+      or starvation guard puts first reserves the GPU whose jobs end soonest (`reserve_single`): no job
+      joins it, so it empties and the job takes it -- on a cluster whose GPUs are shared, each job
+      leaving a GPU otherwise made room for a newcomer next to the one that stayed, and no GPU ever
+      emptied for the job the guard had put first (docs/policies.md).
    e. *express nodes* (`express_share` of the nodes, once any job has a deadline): a standing
       reservation `express_max_s` ahead, so they only take jobs done by then -- and a deadline job
       of at most `express_deadline_s` whose slack is shorter than the predicted wait for a

@@ -129,7 +129,10 @@ class DeadlinesMixin:
             if gpu_model is not None:
                 node_ok &= st.spec.model_mask(gpu_model)
             ok = st.exists & node_ok[:, None]
-            hit = self._elig_cache[key] = (self._ver, ok & (st.njobs == 0), ok & (st.njobs == 1) & (st.whole == 1) & st.share_ok)
+            single = ok & (st.njobs == 1) & (st.whole == 1) & st.share_ok
+            if self._kept is not None:  # (GPUs reserved for a waiting 1-GPU job: no one joins them)
+                single &= ~self._kept
+            hit = self._elig_cache[key] = (self._ver, ok & (st.njobs == 0), single)
         return hit[1], hit[2]
 
     def _mem_class(self, st: ClusterState, gpu_model: str | None, gpu_mem_mb: float) -> int:

@@ -174,6 +174,9 @@ class OrderingMixin:
         `_queue_notes`."""
         now = view.now
         self._queue_notes = queue_notes = {}
+        #: the jobs the makespan guard puts first this round (long against the backlog): a 1-GPU one that
+        #: waits reserves a GPU (`reserve_single`)
+        self._guarded = guarded_ids = set()
         keyed = []
         # backlog: how long the cluster needs to finish all work it knows of; a job whose own length is
         # comparable must start now, or it alone will stretch the makespan (LPT near the end)
@@ -232,6 +235,7 @@ class OrderingMixin:
                     keyed.append(((2, r / self.qos_weight, js.job.submit_time), js))
                     continue
             if long:
+                guarded_ids.add(jid)
                 keyed.append(((1, -r, js.job.submit_time), js))
                 guard = (
                     f"long job ({_span(r)}) against a backlog of {_span(backlog)}"

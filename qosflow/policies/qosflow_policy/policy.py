@@ -94,6 +94,7 @@ class QosflowPolicy(
         fair_half_life: float = 3600.0,
         fair_weights: dict[str, float] | None = None,
         fair_margin: float = 0.1,
+        reserve_single: bool = True,
     ):
         check_number("qosflow", "express_share", express_share, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
         for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
@@ -102,7 +103,8 @@ class QosflowPolicy(
         check_number("qosflow", "reserve_share", reserve_share, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (a share of the nodes)")
         for name, value in (("makespan_inflow", makespan_inflow), ("makespan_longest", makespan_longest),
                             ("starvation_backlog", starvation_backlog), ("deadline_band", deadline_band),
-                            ("gpu_models", gpu_models), ("elastic", elastic), ("fair_share", fair_share)):
+                            ("gpu_models", gpu_models), ("elastic", elastic), ("fair_share", fair_share),
+                            ("reserve_single", reserve_single)):
             check_flag("qosflow", name, value)
         check_number("qosflow", "fair_half_life", fair_half_life, lambda v: v >= 0 and math.isfinite(v),
                      ">= 0 seconds (0: the GPUs a user holds now)")
@@ -167,6 +169,9 @@ class QosflowPolicy(
         self.relax_after = relax_after
         #: at most this share of nodes is held by reservations
         self.reserve_share = reserve_share
+        #: a waiting 1-GPU job that a guard puts first reserves the GPU that frees soonest (no new partner joins it)
+        self.reserve_single = reserve_single
+        self._kept = None  # GPUs reserved so this round (`reserve_single`), or None
         #: best-effort jobs that look for a GPU to share per round (front of the queue first): bounds a
         #: round's cost when thousands wait; jobs with a deadline always look
         self.share_attempts = share_attempts
@@ -215,6 +220,7 @@ class QosflowPolicy(
             "fair_half_life": self.fair_half_life,
             "fair_weights": self.fair_weights,
             "fair_margin": self.fair_margin,
+            "reserve_single": self.reserve_single,
         }
 
     @property
@@ -328,6 +334,10 @@ class QosflowPolicy(
             self._partners_cache: dict[tuple, tuple] = {}
             self._waiting_memo: dict[tuple, tuple[int, str]] = {}
             self._largest: tuple[int, int | None] = (-1, 0)
+        if self._kept is not None:
+            self._ver += 1  # (the last round's searches saw GPUs reserved for 1-GPU jobs: not this round's)
+        self._kept = None
+        kept_max = max(1, int(round(self.reserve_share * st.spec.num_gpus))) if self.reserve_single else 0
         self._relaxed_memo: dict[tuple, tuple] = {}  # (depends on the round's reservations too)
         self._drain: tuple[int, np.ndarray | None] = (-1, None)  # (depends on the round's estimates)
         self._reject: str | None = None
@@ -473,6 +483,12 @@ class QosflowPolicy(
                             f"; reserved {', '.join(st.spec.nodes[n].name for n in nodes)} "
                             f"(free for it in about {_soon(ready)})"
                         )
+                elif (q.gpus == 1 and not q.fractional and top is None and kept_max > 0
+                      and (jid in self._guarded or js in starving)):
+                    got = self._reserve_gpu(st, js, reserved, kept_max)
+                    if got is not None:
+                        (n, g), ready = got
+                        d.notes[jid] += f"; reserved GPU {g} of {st.spec.nodes[n].name}: no job joins it (free for it in about {_soon(ready)})"
                 continue
             # (whole-GPU jobs only: fractional and CPU-only placements do not look at reservations)
             if self._express and q.gpus > 0 and not q.fractional and r > self.express_max_s and any(n in self._express for n in p.nodes):
@@ -499,6 +515,30 @@ class QosflowPolicy(
                 d.notes[jid] = why
         self._memo_state = (st, self.align, self.sub_batch, self.SHARE_NODES)  # (as this round leaves it: `_same_state`)
         return d
+
+    def _reserve_gpu(self, st, js: JobState, reserved, kept_max: int):
+        """For a waiting 1-GPU job that a guard puts first (`reserve_single`): the GPU it could use whose
+        last job ends soonest, on a node no gang has reserved, as ((node, GPU), seconds until then); from
+        now on this round no job joins that GPU (`_gpu_masks`), so it empties when its jobs end and the
+        job, first in line, takes it. Without it, each job leaving a shared GPU made room for a newcomer
+        next to the one that stayed, and a GPU of a busy cluster never emptied: on Gavel 6214e9 on 4x8 a
+        131-day job first in line waited 88 days. None: none to reserve, or `kept_max` GPUs are already."""
+        if self._kept is None:
+            self._kept = np.zeros(st.njobs.shape, dtype=bool)
+        kept = self._kept
+        if int(kept.sum()) >= kept_max:
+            return None
+        ok = self._gpus_for(st, js.job.qos) & (st.njobs > 0) & ~kept
+        ok[st.down] = False
+        if reserved:
+            ok[list(reserved)] = False
+        if not ok.any():
+            return None
+        t = np.where(ok, self._end_max, np.inf)
+        n, g = np.unravel_index(int(np.argmin(t)), t.shape)
+        kept[n, g] = True
+        self._ver += 1  # (the searches remembered so far saw it open to partners)
+        return (int(n), int(g)), float(t[n, g])
 
     def _own_gpus(self, st, js: JobState, job, r: float, wshape: tuple, reserved, failures) -> tuple[Placement | None, bool]:
         """GPUs of `job`'s own (`js`'s request, or it restricted to some GPU models), consolidated, clear
