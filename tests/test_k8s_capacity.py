@@ -19,7 +19,7 @@ import time
 import pytest
 from kubernetes import client
 
-from qosflow.backends.base import CapacityWant, ExitKind, LaunchSpec
+from qosflow.backends.base import CapacityWant, ExitKind, LaunchSpec, StageHandle
 from qosflow.backends.kubernetes import KubernetesBackend
 from qosflow.core.placement import Placement
 from qosflow.core.job import Job, JobState
@@ -231,6 +231,68 @@ def test_no_placeholder_is_made_between_a_stage_s_way_cleared_and_its_pod_bound(
                 await asyncio.sleep(0.3)
                 assert await asyncio.to_thread(placeholders) == {"c": None} and be._capacity_settling == {}
                 await be.kill(h)
+            finally:
+                await be.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_stage_done_or_killed_before_a_sync_looked_lets_placeholders_be_made_again():
+    """The settling `_clear_way` starts ends when the stage's attempt has its pods bound. A stage that ended before a
+    heartbeat's sync looked (its pod Succeeded: a short stage) left its ended pod out of the count, and a stage killed
+    before its pod was bound left none: every placeholder of the backend waited for `unschedulable_timeout_s` (60 s by
+    default) behind it. And a pod of an earlier attempt of the same job (qosflow.dev/job; one terminating after a kill)
+    counted as the new attempt's, bound: settled before its pod existed. Now the attempt's own pods are read (its
+    stage id), an ended one counts as bound, and a kill ends its settling. EMULATED: no cluster."""
+    async def go():
+        with EmulatorServer([gpu_node("n", 1)]) as emu:
+            be = KubernetesBackend(namespace="default", image="busybox:1.36", api_client=emu.api_client(), request_capacity=True,
+                                   unschedulable_timeout_s=600.0)
+            core = client.CoreV1Api(emu.api_client())
+            try:
+                cluster = await be.inventory()
+                b, c = (CapacityWant(j, j, gpus=1, cpu_cores=1) for j in ("b", "c"))
+
+                def placeholders() -> dict:
+                    return {p.metadata.labels["qosflow.dev/capacity-for"]: p.spec.node_name
+                            for p in core.list_namespaced_pod("default", label_selector=CAPACITY).items}
+
+                async def c_made() -> None:
+                    await be.sync_capacity_requests([c])
+                    await until(lambda: "c" in placeholders(), "c's placeholder made")
+
+                # 1. b runs and ends before a sync looks: its Succeeded pod was bound
+                await be.sync_capacity_requests([b])
+                await until(lambda: placeholders() == {"b": "n"}, "b's placeholder bound")
+                emu.add_rule(selector="qosflow.dev/stage-id=b", run_s=0.2)
+                h = await be.launch(LaunchSpec("b", ["true"], Placement("b", ((0, 0),), ((0, 1.0),)), cluster))
+                assert (await be.wait(h)).ok and set(be._capacity_settling) == {"b"}
+                await c_made()
+                assert be._capacity_settling == {}
+                await be.sync_capacity_requests([])
+                await until(lambda: placeholders() == {}, "c's placeholder dropped")
+
+                # 2. b's retry killed before its pod was bound
+                be._capacity_placed.clear()
+                await be.sync_capacity_requests([b])
+                await until(lambda: placeholders() == {"b": "n"}, "b's placeholder bound again")
+                await be._clear_way("b", ["n"], "b-r1")
+                await be.kill(StageHandle("b-r1", be.name, "n", {"namespace": "default", "jobs": ["nope"], "podgroup": None, "secret": None}))
+                await c_made()
+                await be.sync_capacity_requests([])
+                await until(lambda: placeholders() == {}, "c's placeholder dropped again")
+
+                # 3. an earlier attempt's pod still bound (b-r2 running on n) is not the new attempt's (b-r3)
+                emu.add_rule(selector="qosflow.dev/stage-id=b-r2", run_s=60)
+                h2 = await be.launch(LaunchSpec("b-r2", ["true"], Placement("b", ((0, 0),), ((0, 1.0),)), cluster))
+                await until(lambda: [p.spec.node_name for p in core.list_namespaced_pod("default", label_selector="qosflow.dev/stage-id=b-r2").items]
+                            == ["n"], "b-r2's pod bound")
+                be._capacity_settling.clear()
+                await be._clear_way("b", ["n"], "b-r3")
+                await be.sync_capacity_requests([c])
+                await asyncio.sleep(0.3)
+                assert await asyncio.to_thread(placeholders) == {} and set(be._capacity_settling) == {"b"}
+                await be.kill(h2)
             finally:
                 await be.aclose()
 

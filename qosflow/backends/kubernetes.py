@@ -585,8 +585,8 @@ class KubernetesBackend(Backend):
         #: job ids placed since their placeholder was deleted (a sync that read the queue before cannot make it again)
         self._capacity_placed: set[str] = set()
         #: stages whose way `_clear_way` cleared and whose pods are not all bound yet: job id -> (pods expected, until
-        #: when at most); no placeholder is made meanwhile (`_capacity_settled`)
-        self._capacity_settling: dict[str, tuple[int, float]] = {}
+        #: when at most, the attempt's stage id or None); no placeholder is made meanwhile (`_capacity_settled`)
+        self._capacity_settling: dict[str, tuple[int, float, str | None]] = {}
         #: the first sync has been made (the placeholders of older versions, which name no maker, deleted)
         self._capacity_swept = False
         self._capacity_lock: asyncio.Lock | None = None
@@ -1317,7 +1317,7 @@ class KubernetesBackend(Backend):
                 self.stats["capacity_dropped"] += 1
                 log.info("stage %s: capacity request %s deleted (%s)", job_id, name, why)
 
-    async def _clear_way(self, job_id: str, nodes: list[str]) -> None:
+    async def _clear_way(self, job_id: str, nodes: list[str], stage_id: str | None = None) -> None:
         """Before stage `job_id`'s Job is created on `nodes`: delete its placeholders (every part), and this backend's
         placeholders that could take the room the worker gave it: those not bound yet (the kube-scheduler may bind one
         to the room the stage's placeholder leaves before the job controller has made the stage's pod) and those bound
@@ -1328,7 +1328,7 @@ class KubernetesBackend(Backend):
         worker's placeholders on the pool are its to delete, for its stages, so two workers never delete each other's."""
         async with self._capacity_lock_now():
             self._capacity_placed.add(job_id)
-            self._capacity_settling[job_id] = (max(1, len(nodes)), time.monotonic() + max(1.0, float(self.unschedulable_timeout_s)))
+            self._capacity_settling[job_id] = (max(1, len(nodes)), time.monotonic() + max(1.0, float(self.unschedulable_timeout_s)), stage_id)
             mine = {name: jid for jid, names in self._capacity.items() for name in names}
             try:
                 pods = (await self._acall(self.core.list_namespaced_pod, self.namespace, label_selector=self._capacity_selector(),
@@ -1526,25 +1526,37 @@ class KubernetesBackend(Backend):
                         self._capacity[w.job_id] = self._capacity.get(w.job_id, ()) + (name,)
 
     async def _capacity_settled(self, doing: str) -> bool:
-        """Whether every stage `_clear_way` cleared the way for has its pods bound (one LIST of its pods by its
-        qosflow.dev/job label each), or has waited `unschedulable_timeout_s` (its launch failed, or its pods are
+        """Whether every stage `_clear_way` cleared the way for has its pods bound (one LIST of the attempt's pods by its
+        qosflow.dev/stage-id label each), or has waited `unschedulable_timeout_s` (its launch failed, or its pods are
         Unschedulable: its wait reports it). Until then a sync makes no placeholder: between the placeholders' deletion
         and the stage's pods' binding (the launch's Job create, the job controller's pod), a placeholder made for
         another waiting stage would be bound to the room the stage was given first, and the stage's pod would be
-        Unschedulable behind it (before 2026-11-28 it was, when a heartbeat's sync came in that window)."""
+        Unschedulable behind it (before 2026-11-28 it was, when a heartbeat's sync came in that window).
+        The attempt's own pods: one that ended (Succeeded, Failed) was bound, so a stage done before a sync looked is
+        settled (it was not: its ended pods were left out, and no placeholder was made for anyone until the deadline);
+        an earlier attempt's pods (the same qosflow.dev/job, still terminating after a kill) are not the attempt's, and
+        do not say its pods are bound. (Without the attempt's id, `_clear_way` alone: the job's pods, those ended or
+        being deleted left out.) A stage killed meanwhile is done with by `kill`."""
         now = time.monotonic()
-        for jid, (expected, until) in list(self._capacity_settling.items()):
+        for jid, (expected, until, stage_id) in list(self._capacity_settling.items()):
             if now >= until:
                 del self._capacity_settling[jid]
                 continue
+            sel = f"{LABEL_STAGE}={label_value(stage_id)}" if stage_id else f"{LABEL_JOB}={label_value(jid)}"
             try:
-                pods = (await self._acall(self.core.list_namespaced_pod, self.namespace, label_selector=f"{LABEL_JOB}={label_value(jid)}",
-                                          _doing=doing)).items
+                pods = (await self._acall(self.core.list_namespaced_pod, self.namespace, label_selector=sel, _doing=doing)).items
             except Exception as exc:  # noqa: BLE001 - looked at again at the next sync
                 log.debug("stage %s: its pods could not be listed (%s): no capacity request made before they are", jid, exc)
                 return False
-            pods = [p for p in pods if (p.status.phase if p.status else None) not in ("Succeeded", "Failed")]  # (not an earlier attempt's)
-            if len(pods) >= expected and all(p.spec is not None and p.spec.node_name for p in pods):
+            if stage_id:
+                pods = [p for p in pods if (p.metadata.annotations or {}).get(ANN_STAGE) in (None, stage_id)]
+                bound = [p for p in pods if (p.spec is not None and p.spec.node_name)
+                         or (p.status.phase if p.status else None) in ("Succeeded", "Failed")]
+            else:
+                pods = [p for p in pods if (p.status.phase if p.status else None) not in ("Succeeded", "Failed")
+                        and p.metadata.deletion_timestamp is None]  # (not an earlier attempt's)
+                bound = [p for p in pods if p.spec is not None and p.spec.node_name]
+            if len(pods) >= expected and len(bound) == len(pods):
                 del self._capacity_settling[jid]
             else:
                 return False
@@ -1908,7 +1920,7 @@ class KubernetesBackend(Backend):
         doing = f"launch stage {spec.stage_id}"
         self._killed.pop(spec.stage_id, None)  # (an earlier kill of this attempt id does not cancel this launch)
         if self._capacity:  # its placeholder goes first (the node it brought is the stage's), and any in its way
-            await self._clear_way(spec.placement.job_id, [spec.cluster.nodes[i].name for i in spec.placement.nodes])
+            await self._clear_way(spec.placement.job_id, [spec.cluster.nodes[i].name for i in spec.placement.nodes], spec.stage_id)
 
         jobs, pg = self.manifests(spec)
         secret = self.secret_manifest(spec)
@@ -2289,6 +2301,9 @@ class KubernetesBackend(Backend):
         from kubernetes.client.exceptions import ApiException
 
         self._killed.setdefault(handle.stage_id, reason)
+        for jid, (_, _, sid) in list(self._capacity_settling.items()):  # (its pods will not be bound: placeholders may be made)
+            if sid == handle.stage_id:
+                del self._capacity_settling[jid]
         while len(self._killed) > KILLED_KEPT:
             self._killed.popitem(last=False)
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
