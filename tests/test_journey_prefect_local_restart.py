@@ -162,6 +162,38 @@ def test_a_local_pools_pipeline_still_ends_with_a_worker_that_stops(prefect_serv
             os.environ["PYTHONPATH"] = old
 
 
+def test_a_pipeline_adopted_after_a_sigkill_ends_with_the_restarted_worker_when_it_stops_and_its_record_goes(prefect_server, tmp_path):
+    """The restarted worker of a local pool adopted the pipeline; then it is stopped (SIGTERM): the pipeline ends with it,
+    as one it started does, and its record goes with it (it stayed: the worker cancelled its watch of the adopted process
+    before its backend stopped that process, so nothing saw it end)."""
+    lab = Lab(prefect_server, tmp_path, "local-restart-adopted-stop")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = lab.env["PYTHONPATH"]
+    try:
+        w1 = lab.start()
+        wait_log(lab.wlog, "qosflow worker:", w1)
+        fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
+        pid = pipeline_started_and_stage_running(lab, w1, fid)
+        sigkill(w1)
+        w2 = lab.start()
+        wait_log(lab.wlog, f"recovery: adopted pipeline run {fid}", w2)
+        os.killpg(w2.pid, signal.SIGTERM)
+        w2.wait(60)
+        end = time.monotonic() + 20
+        while alive(pid):
+            assert time.monotonic() < end, f"the adopted pipeline outlived its stopped worker\n{lab.log()[-3000:]}"
+            time.sleep(0.1)
+        st = lab.final(fid, 30)
+        assert not st.is_completed(), f"{st.name}: {st.message}"
+        assert not lab.records(), (lab.records(), lab.log()[-3000:])
+    finally:
+        stop_groups(lab.procs)
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
 def test_a_pipeline_adopted_by_a_local_pools_backend_ends_with_it(tmp_path):
     """The restarted worker's local backend stops the pipeline process it adopted when it closes (SIGTERM first), as it
     stops those it started; a `keep_unplaced` backend (agents, Kubernetes pools) leaves it running."""

@@ -838,8 +838,16 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._progress_task.cancel()
         if self._cluster_artifact_task is not None:
             self._cluster_artifact_task.cancel()
+        # a local pool's adopted pipelines end with its backend (`LocalBackend.aclose`): their watches are left to see
+        # that end and drop their records, as a pipeline this worker started does; the others' processes run on
+        from qosflow.backends.local import LocalBackend
+
+        ending = set()
         for t in list(self._adopted_tasks):
-            t.cancel()
+            if isinstance(self._backend, LocalBackend) and not t.done():
+                ending.add(t)
+            else:
+                t.cancel()
         if self._learned_task is not None:
             self._learned_task.cancel()
         if self.scheduler is not None:
@@ -847,8 +855,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             close = getattr(self.scheduler.estimator, "close", None)
             if close is not None:  # (the learned estimator writes finished stages in the background)
                 await asyncio.to_thread(close)
-        if self._backend is not None:
-            await self._backend.aclose()
+        try:
+            if self._backend is not None:
+                await self._backend.aclose()
+        finally:
+            if ending:  # (their processes ended: each watch drops its record; not for long)
+                _, left = await asyncio.wait(ending, timeout=10.0)
+                for t in left:
+                    t.cancel()
         if self._pipelines_here is not None:
             await self._pipelines_here.aclose()
         if getattr(self, "_claimed", False):
