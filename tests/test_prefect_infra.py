@@ -155,13 +155,24 @@ def _run_logs(fid) -> list[str]:
         return [x.message for x in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fid])))]
 
 
+def _both_hosts_up(lab) -> None:
+    """The gang tests need both hosts: an agent a test killed (the agent-killing test below) is started again, on its port,
+    and the worker has seen it up, so that they do not depend on running before that test."""
+    for a in lab["agents"].values():
+        if a.proc is None or a.proc.poll() is not None:
+            a.start()
+    w = lab["worker"].worker
+    wait_for(lambda: not w.scheduler.state.down.any(), 60)
+
+
 def test_a_gang_across_two_hosts_reports_its_run_once(lab, tmp_path):
-    """(Before the agent-killing test below: it needs both hosts up.) An 8-GPU gang on two 4-GPU hosts runs one process per host. Each ran Prefect's engine for the one flow run: it
+    """(Both hosts up: `_both_hosts_up`.) An 8-GPU gang on two 4-GPU hosts runs one process per host. Each ran Prefect's engine for the one flow run: it
     went Running twice and Completed twice (run_count 2), every engine line was logged twice, two results and two
     progress artifacts were written and the pipeline got whichever rank's return value came last. Now every rank runs
     the stage's function, and rank 0 alone reports."""
     import prefect_pipelines as pp
 
+    _both_hosts_up(lab)
     marker = tmp_path / "marks.jsonl"
     assert pp.wide_gang_pipeline(str(marker)) == "rank 0"
     ranks = sorted((e["rank"], e["node"]) for e in marks(marker))
@@ -170,6 +181,10 @@ def test_a_gang_across_two_hosts_reports_its_run_once(lab, tmp_path):
     kinds = [s.type.value for s in states]
     assert fr.state.is_completed() and fr.run_count == 1, (fr.state, fr.run_count)
     assert kinds.count("RUNNING") == 1 and kinds.count("COMPLETED") == 1, kinds
+    # (the run's log as its ranks left it: read once the gang's processes have exited, each having sent its lines; the
+    # pipeline returns when rank 0's engine reports Completed, before its last line reaches the server)
+    w = lab["worker"].worker
+    wait_for(lambda: any(r["flow_run_id"] == str(fr.id) for r in w.records))
     logs = _run_logs(fr.id)
     assert sum(m.startswith("Beginning subflow run") for m in logs) == 1, logs
     assert sum(m.startswith("Finished in state") for m in logs) == 1, logs
@@ -181,6 +196,7 @@ def test_a_gang_rank_that_fails_fails_the_run_with_its_exception(lab, tmp_path):
     traceback on the run's log; its gang's rank 0, stopped then, does not report Crashed over it."""
     import prefect_pipelines as pp
 
+    _both_hosts_up(lab)
     marker = tmp_path / "marks.jsonl"
     with pytest.raises(ValueError, match="rank 1 found bad data"):
         pp.wide_gang_pipeline(str(marker), fail_rank="1")
