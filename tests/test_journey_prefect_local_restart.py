@@ -162,6 +162,45 @@ def test_a_local_pools_pipeline_still_ends_with_a_worker_that_stops(prefect_serv
             os.environ["PYTHONPATH"] = old
 
 
+def test_a_local_pools_stop_reports_its_pipeline_crashed_even_when_its_bookkeeping_is_slow(prefect_server, tmp_path):
+    """The stop ends the pipeline process (the backend's aclose); the flow run's task sees it end, drops its record and
+    returns, and Prefect's worker then reports the run Crashed. The teardown went on meanwhile and closed the runs' task
+    group, which cancelled that task when it had not finished: the run stayed Running for ever (seen as a rare failure
+    of the test above on a loaded machine). Made certain here: the worker's record removal takes 3 s (a sitecustomize
+    on the worker's PYTHONPATH only); the teardown now waits for the local pipelines' run tasks (10 s at most)."""
+    lab = Lab(prefect_server, tmp_path, "local-restart-slow-stop")
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import time\n"
+        "from qosflow.store import leases as _l\n"
+        "_forget = _l.LeaseStore.forget_pipeline\n"
+        "def _slow(self, *a, **k):\n"
+        "    time.sleep(3.0)\n"
+        "    return _forget(self, *a, **k)\n"
+        "_l.LeaseStore.forget_pipeline = _slow\n")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = lab.env["PYTHONPATH"]  # (the pipeline's: without the slow-down)
+    lab.env = {**lab.env, "PYTHONPATH": os.pathsep.join([str(slow), lab.env["PYTHONPATH"]])}
+    try:
+        w1 = lab.start()
+        wait_log(lab.wlog, "qosflow worker:", w1)
+        fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
+        pid = pipeline_started_and_stage_running(lab, w1, fid)
+        os.killpg(w1.pid, signal.SIGTERM)
+        w1.wait(60)
+        assert not alive(pid), lab.log()[-3000:]
+        st = flow_run_state(fid)
+        assert st.is_crashed(), f"{st.name}: {st.message}\n{lab.log()[-3000:]}"
+        assert not lab.records()
+    finally:
+        stop_groups(lab.procs)
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
 def test_a_pipeline_adopted_after_a_sigkill_ends_with_the_restarted_worker_when_it_stops_and_its_record_goes(prefect_server, tmp_path):
     """The restarted worker of a local pool adopted the pipeline; then it is stopped (SIGTERM): the pipeline ends with it,
     as one it started does, and its record goes with it (it stayed: the worker cancelled its watch of the adopted process

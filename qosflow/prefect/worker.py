@@ -436,6 +436,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._health_task: asyncio.Task | None = None
         self._progress_task: asyncio.Task | None = None
         self._adopted_tasks: set[asyncio.Task] = set()
+        #: the run tasks of a local pool's pipeline runs: a stop ends their processes (the backend's aclose), and each
+        #: task then drops its record and returns, for Prefect's worker to report the run Crashed; `teardown` waits for them
+        self._local_pipeline_tasks: set[asyncio.Task] = set()
         self._cluster_arg = cluster
         self._policy_arg = policy
         self._estimator_arg = estimator
@@ -859,9 +862,14 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if self._backend is not None:
                 await self._backend.aclose()
         finally:
-            if ending:  # (their processes ended: each watch drops its record; not for long)
-                _, left = await asyncio.wait(ending, timeout=10.0)
-                for t in left:
+            # their processes ended: each adopted pipeline's watch drops its record, and each pipeline run's task its record
+            # too, then Prefect's worker reports the run Crashed; the runs' task group, closed by the teardown below, cancelled
+            # such a task that had not finished (its run stayed Running for ever). Not for long
+            waiting = ending | {t for t in self._local_pipeline_tasks if not t.done()}
+            if waiting:
+                await asyncio.wait(waiting, timeout=10.0)
+            for t in ending:
+                if not t.done():
                     t.cancel()
         if self._pipelines_here is not None:
             await self._pipelines_here.aclose()
@@ -934,6 +942,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             handle = await backend.launch_unplaced(fid, command, env, cwd)
             if backend is not self._backend:
                 self._pipeline_runs_here.add(fid)
+            elif (task := asyncio.current_task()) is not None:  # (the task that reports the run's end: `teardown`)
+                self._local_pipeline_tasks.add(task)
+                task.add_done_callback(self._local_pipeline_tasks.discard)
             self._register(fid, handle)
             kept = handle.ref.get("start") is not None and self.leases is not None  # (it outlives this worker)
             # a local pool's pipeline process ends with its worker when it stops, but a worker killed (SIGKILL, the OOM
