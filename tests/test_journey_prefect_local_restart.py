@@ -62,113 +62,103 @@ class Lab:
         return st
 
 
+@pytest.fixture
+def make_lab(prefect_server, tmp_path, monkeypatch):
+    """Lab(pool), with this process's PYTHONPATH set to the lab's (the deployed pipeline's import path, read by
+    `deployed_pipeline_run`); at the end the lab's worker process groups are stopped, then the variable restored."""
+    labs: list[Lab] = []
+
+    def make(pool: str) -> Lab:
+        lab = Lab(prefect_server, tmp_path, pool)
+        monkeypatch.setenv("PYTHONPATH", lab.env["PYTHONPATH"])
+        labs.append(lab)
+        return lab
+
+    yield make
+    for lab in labs:
+        stop_groups(lab.procs)
+
+
 def sigkill(w: subprocess.Popen) -> None:
     """The worker's own process group only (its pipeline and stages are sessions of their own), as a kill -9 of it."""
     os.killpg(w.pid, signal.SIGKILL)
     w.wait(30)
 
 
-def test_a_local_pools_pipeline_is_adopted_by_the_worker_restarted_after_a_sigkill(prefect_server, tmp_path):
-    lab = Lab(prefect_server, tmp_path, "local-restart")
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = lab.env["PYTHONPATH"]
-    try:
-        w1 = lab.start()
-        wait_log(lab.wlog, "qosflow worker:", w1)
-        fid = deployed_pipeline_run(lab.pool, lab.marker, 12.0)
-        pid = pipeline_started_and_stage_running(lab, w1, fid)
-        [rec] = lab.records()  # recorded at its launch: pid and start time
-        assert rec.flow_run_id == str(fid) and rec.pid == pid and rec.start, rec
-        sigkill(w1)
-        assert alive(pid), lab.log()[-3000:]
-        w2 = lab.start()
-        wait_log(lab.wlog, f"recovery: adopted pipeline run {fid}", w2)
-        st = lab.final(fid)
-        assert st.is_completed(), f"{st.name}: {st.message}\n{lab.log()[-4000:]}"
-        ev = [(e["event"], e["stage"]) for e in marks(lab.marker)]
-        assert ev.count(("start", "pipeline")) == 1 and ev.count(("done", "pipeline")) == 1, ev
-        assert ev.count(("done", "a")) == 1 and ev.count(("done", "b")) == 1, ev  # (a: stopped at the restart, run again)
-        end = time.monotonic() + 20  # (its record goes once the worker saw its process end)
-        while alive(pid) or lab.records():
-            assert time.monotonic() < end, f"the pipeline's process or its record stayed: alive {alive(pid)}\n{lab.log()[-3000:]}"
-            time.sleep(0.2)
-        assert "is marked Crashed" not in lab.log()
-        assert w2.poll() is None
-    finally:
-        stop_groups(lab.procs)
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+def test_a_local_pools_pipeline_is_adopted_by_the_worker_restarted_after_a_sigkill(make_lab):
+    lab = make_lab("local-restart")
+    w1 = lab.start()
+    wait_log(lab.wlog, "qosflow worker:", w1)
+    fid = deployed_pipeline_run(lab.pool, lab.marker, 12.0)
+    pid = pipeline_started_and_stage_running(lab, w1, fid)
+    [rec] = lab.records()  # recorded at its launch: pid and start time
+    assert rec.flow_run_id == str(fid) and rec.pid == pid and rec.start, rec
+    sigkill(w1)
+    assert alive(pid), lab.log()[-3000:]
+    w2 = lab.start()
+    wait_log(lab.wlog, f"recovery: adopted pipeline run {fid}", w2)
+    st = lab.final(fid)
+    assert st.is_completed(), f"{st.name}: {st.message}\n{lab.log()[-4000:]}"
+    ev = [(e["event"], e["stage"]) for e in marks(lab.marker)]
+    assert ev.count(("start", "pipeline")) == 1 and ev.count(("done", "pipeline")) == 1, ev
+    assert ev.count(("done", "a")) == 1 and ev.count(("done", "b")) == 1, ev  # (a: stopped at the restart, run again)
+    end = time.monotonic() + 20  # (its record goes once the worker saw its process end)
+    while alive(pid) or lab.records():
+        assert time.monotonic() < end, f"the pipeline's process or its record stayed: alive {alive(pid)}\n{lab.log()[-3000:]}"
+        time.sleep(0.2)
+    assert "is marked Crashed" not in lab.log()
+    assert w2.poll() is None
 
 
-def test_a_local_pools_pipeline_that_died_while_no_worker_ran_is_marked_crashed(prefect_server, tmp_path):
-    lab = Lab(prefect_server, tmp_path, "local-restart-died")
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = lab.env["PYTHONPATH"]
-    try:
-        w1 = lab.start()
-        wait_log(lab.wlog, "qosflow worker:", w1)
-        fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
-        pid = pipeline_started_and_stage_running(lab, w1, fid)
-        sigkill(w1)
-        os.killpg(pid, signal.SIGKILL)  # (the OOM killer, while no worker runs)
-        end = time.monotonic() + 10
-        while alive(pid):
-            assert time.monotonic() < end
-            time.sleep(0.1)
-        assert flow_run_state(fid).is_running()  # (nothing reported its end)
-        w2 = lab.start()
-        st = lab.final(fid, 90)
-        assert st.is_crashed(), f"{st.name}: {st.message}"
-        assert f"pid {pid}" in st.message and "ended while no qosflow worker watched it" in st.message, st.message
-        assert not lab.records()
-        assert w2.poll() is None
-    finally:
-        stop_groups(lab.procs)
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+def test_a_local_pools_pipeline_that_died_while_no_worker_ran_is_marked_crashed(make_lab):
+    lab = make_lab("local-restart-died")
+    w1 = lab.start()
+    wait_log(lab.wlog, "qosflow worker:", w1)
+    fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
+    pid = pipeline_started_and_stage_running(lab, w1, fid)
+    sigkill(w1)
+    os.killpg(pid, signal.SIGKILL)  # (the OOM killer, while no worker runs)
+    end = time.monotonic() + 10
+    while alive(pid):
+        assert time.monotonic() < end
+        time.sleep(0.1)
+    assert flow_run_state(fid).is_running()  # (nothing reported its end)
+    w2 = lab.start()
+    st = lab.final(fid, 90)
+    assert st.is_crashed(), f"{st.name}: {st.message}"
+    assert f"pid {pid}" in st.message and "ended while no qosflow worker watched it" in st.message, st.message
+    assert not lab.records()
+    assert w2.poll() is None
 
 
 
-def test_a_local_pools_pipeline_still_ends_with_a_worker_that_stops(prefect_server, tmp_path):
+def test_a_local_pools_pipeline_still_ends_with_a_worker_that_stops(make_lab):
     """A stop (SIGTERM, Ctrl-C) of a local pool's worker ends its pipelines, as before they were recorded (the worker is
     the whole installation there): the run ends Crashed at once, its record goes, and the next worker adopts nothing."""
-    lab = Lab(prefect_server, tmp_path, "local-restart-stop")
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = lab.env["PYTHONPATH"]
-    try:
-        w1 = lab.start()
-        wait_log(lab.wlog, "qosflow worker:", w1)
-        fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
-        pid = pipeline_started_and_stage_running(lab, w1, fid)
-        os.killpg(w1.pid, signal.SIGTERM)
-        w1.wait(60)
-        end = time.monotonic() + 20
-        while alive(pid):
-            assert time.monotonic() < end, f"the pipeline outlived its stopped worker\n{lab.log()[-3000:]}"
-            time.sleep(0.1)
-        st = lab.final(fid, 30)
-        assert st.is_crashed(), f"{st.name}: {st.message}"
-        assert not lab.records()
-        assert "adopted pipeline run" not in lab.log()
-    finally:
-        stop_groups(lab.procs)
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+    lab = make_lab("local-restart-stop")
+    w1 = lab.start()
+    wait_log(lab.wlog, "qosflow worker:", w1)
+    fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
+    pid = pipeline_started_and_stage_running(lab, w1, fid)
+    os.killpg(w1.pid, signal.SIGTERM)
+    w1.wait(60)
+    end = time.monotonic() + 20
+    while alive(pid):
+        assert time.monotonic() < end, f"the pipeline outlived its stopped worker\n{lab.log()[-3000:]}"
+        time.sleep(0.1)
+    st = lab.final(fid, 30)
+    assert st.is_crashed(), f"{st.name}: {st.message}"
+    assert not lab.records()
+    assert "adopted pipeline run" not in lab.log()
 
 
-def test_a_local_pools_stop_reports_its_pipeline_crashed_even_when_its_bookkeeping_is_slow(prefect_server, tmp_path):
+def test_a_local_pools_stop_reports_its_pipeline_crashed_even_when_its_bookkeeping_is_slow(make_lab, tmp_path):
     """The stop ends the pipeline process (the backend's aclose); the flow run's task sees it end, drops its record and
     returns, and Prefect's worker then reports the run Crashed. The teardown went on meanwhile and closed the runs' task
     group, which cancelled that task when it had not finished: the run stayed Running for ever (seen as a rare failure
     of the test above on a loaded machine). Made certain here: the worker's record removal takes 3 s (a sitecustomize
     on the worker's PYTHONPATH only); the teardown now waits for the local pipelines' run tasks (10 s at most)."""
-    lab = Lab(prefect_server, tmp_path, "local-restart-slow-stop")
+    lab = make_lab("local-restart-slow-stop")
     slow = tmp_path / "slow"
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(
@@ -179,58 +169,41 @@ def test_a_local_pools_stop_reports_its_pipeline_crashed_even_when_its_bookkeepi
         "    time.sleep(3.0)\n"
         "    return _forget(self, *a, **k)\n"
         "_l.LeaseStore.forget_pipeline = _slow\n")
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = lab.env["PYTHONPATH"]  # (the pipeline's: without the slow-down)
+    # (the worker's PYTHONPATH only: the pipeline's, set by make_lab, has no slow-down)
     lab.env = {**lab.env, "PYTHONPATH": os.pathsep.join([str(slow), lab.env["PYTHONPATH"]])}
-    try:
-        w1 = lab.start()
-        wait_log(lab.wlog, "qosflow worker:", w1)
-        fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
-        pid = pipeline_started_and_stage_running(lab, w1, fid)
-        os.killpg(w1.pid, signal.SIGTERM)
-        w1.wait(60)
-        assert not alive(pid), lab.log()[-3000:]
-        st = flow_run_state(fid)
-        assert st.is_crashed(), f"{st.name}: {st.message}\n{lab.log()[-3000:]}"
-        assert not lab.records()
-    finally:
-        stop_groups(lab.procs)
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+    w1 = lab.start()
+    wait_log(lab.wlog, "qosflow worker:", w1)
+    fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
+    pid = pipeline_started_and_stage_running(lab, w1, fid)
+    os.killpg(w1.pid, signal.SIGTERM)
+    w1.wait(60)
+    assert not alive(pid), lab.log()[-3000:]
+    st = flow_run_state(fid)
+    assert st.is_crashed(), f"{st.name}: {st.message}\n{lab.log()[-3000:]}"
+    assert not lab.records()
 
 
-def test_a_pipeline_adopted_after_a_sigkill_ends_with_the_restarted_worker_when_it_stops_and_its_record_goes(prefect_server, tmp_path):
+def test_a_pipeline_adopted_after_a_sigkill_ends_with_the_restarted_worker_when_it_stops_and_its_record_goes(make_lab):
     """The restarted worker of a local pool adopted the pipeline; then it is stopped (SIGTERM): the pipeline ends with it,
     as one it started does, and its record goes with it (it stayed: the worker cancelled its watch of the adopted process
     before its backend stopped that process, so nothing saw it end)."""
-    lab = Lab(prefect_server, tmp_path, "local-restart-adopted-stop")
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = lab.env["PYTHONPATH"]
-    try:
-        w1 = lab.start()
-        wait_log(lab.wlog, "qosflow worker:", w1)
-        fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
-        pid = pipeline_started_and_stage_running(lab, w1, fid)
-        sigkill(w1)
-        w2 = lab.start()
-        wait_log(lab.wlog, f"recovery: adopted pipeline run {fid}", w2)
-        os.killpg(w2.pid, signal.SIGTERM)
-        w2.wait(60)
-        end = time.monotonic() + 20
-        while alive(pid):
-            assert time.monotonic() < end, f"the adopted pipeline outlived its stopped worker\n{lab.log()[-3000:]}"
-            time.sleep(0.1)
-        st = lab.final(fid, 30)
-        assert not st.is_completed(), f"{st.name}: {st.message}"
-        assert not lab.records(), (lab.records(), lab.log()[-3000:])
-    finally:
-        stop_groups(lab.procs)
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+    lab = make_lab("local-restart-adopted-stop")
+    w1 = lab.start()
+    wait_log(lab.wlog, "qosflow worker:", w1)
+    fid = deployed_pipeline_run(lab.pool, lab.marker, 60.0)
+    pid = pipeline_started_and_stage_running(lab, w1, fid)
+    sigkill(w1)
+    w2 = lab.start()
+    wait_log(lab.wlog, f"recovery: adopted pipeline run {fid}", w2)
+    os.killpg(w2.pid, signal.SIGTERM)
+    w2.wait(60)
+    end = time.monotonic() + 20
+    while alive(pid):
+        assert time.monotonic() < end, f"the adopted pipeline outlived its stopped worker\n{lab.log()[-3000:]}"
+        time.sleep(0.1)
+    st = lab.final(fid, 30)
+    assert not st.is_completed(), f"{st.name}: {st.message}"
+    assert not lab.records(), (lab.records(), lab.log()[-3000:])
 
 
 def test_a_pipeline_adopted_by_a_local_pools_backend_ends_with_it(tmp_path):

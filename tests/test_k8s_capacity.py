@@ -197,6 +197,12 @@ def test_a_stage_the_plan_has_room_for_gets_no_placeholder_and_at_most_max_capac
     asyncio.run(go())
 
 
+def placeholder_nodes(core) -> dict:
+    """The namespace's placeholders: {the stage each is for: the node it is bound to, or None while Pending}."""
+    return {p.metadata.labels["qosflow.dev/capacity-for"]: p.spec.node_name
+            for p in core.list_namespaced_pod("default", label_selector=CAPACITY).items}
+
+
 def test_no_placeholder_is_made_between_a_stage_s_way_cleared_and_its_pod_bound():
     """A stage placed into the room its placeholder held: `_clear_way` deletes that placeholder and this worker's others
     not bound, then the launch creates the Job, then the job controller its pod. A heartbeat's sync in between made the
@@ -213,8 +219,7 @@ def test_no_placeholder_is_made_between_a_stage_s_way_cleared_and_its_pod_bound(
                 b, c = (CapacityWant(j, j, gpus=1, cpu_cores=1) for j in ("b", "c"))
 
                 def placeholders() -> dict:
-                    return {p.metadata.labels["qosflow.dev/capacity-for"]: p.spec.node_name
-                            for p in core.list_namespaced_pod("default", label_selector=CAPACITY).items}
+                    return placeholder_nodes(core)
 
                 await be.sync_capacity_requests([b, c])
                 await until(lambda: placeholders() == {"b": "n", "c": None}, "b's placeholder bound to the node, c's Pending")
@@ -254,8 +259,7 @@ def test_a_stage_done_or_killed_before_a_sync_looked_lets_placeholders_be_made_a
                 b, c = (CapacityWant(j, j, gpus=1, cpu_cores=1) for j in ("b", "c"))
 
                 def placeholders() -> dict:
-                    return {p.metadata.labels["qosflow.dev/capacity-for"]: p.spec.node_name
-                            for p in core.list_namespaced_pod("default", label_selector=CAPACITY).items}
+                    return placeholder_nodes(core)
 
                 async def c_made() -> None:
                     await be.sync_capacity_requests([c])
