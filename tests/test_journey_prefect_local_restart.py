@@ -1,10 +1,13 @@
 """A user's worker host restarts the worker of a *local* pool after a SIGKILL (systemd's Restart=on-failure): the
 pipeline run deployed on the pool is a process of its own on that host (its own session: it outlived the worker).
 The restarted worker (same --name, same host) finds it in the lease store, by its pid and the start time recorded
-at its launch, and adopts it: it watches it to its end (its stage, killed and run again as before, is placed on its
-GPU by the new worker) and the run completes. One whose process died while no worker ran is marked Crashed, saying
-why; it stayed Running for ever (nothing recorded it on a local pool: 'the restarted worker does not adopt a local
-pool's pipeline process')."""
+at its launch, and adopts it: it watches it to its end and the run completes. One whose process died while no worker
+ran is marked Crashed, saying why; it stayed Running for ever (nothing recorded it on a local pool: 'the restarted
+worker does not adopt a local pool's pipeline process').
+
+Its running stage is a process of its own too, recorded in its lease (pid, start time, output file): the restarted
+worker adopts it with its GPU (it was killed and run again from its start until 2026-11-28), and a stage whose
+process died meanwhile runs again."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ WORKER = "local-restart-worker"
 
 
 class Lab:
-    def __init__(self, prefect_server: str, tmp_path: Path, pool: str):
+    def __init__(self, prefect_server: str, tmp_path: Path, pool: str, gpus: int = 2):
         from qosflow.prefect.blocks import BareMetalGPUCluster, QoSPolicy
         from qosflow.prefect.local import setup_pool
 
@@ -37,7 +40,8 @@ class Lab:
                     "QOSFLOW_DATABASE_URL": self.db}
         self.pool, self.server, self.tmp = pool, prefect_server, tmp_path
         self.marker, self.wlog, self.procs = tmp_path / "marks.jsonl", tmp_path / "worker.log", []
-        asyncio.run(setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, 2), policy=QoSPolicy(policy="fifo"),
+        self.stages: list[tuple[int, str]] = []  # (pid, start) of the stage processes seen: killed at the end if still there
+        asyncio.run(setup_pool(pool, cluster=BareMetalGPUCluster.virtual(1, gpus), policy=QoSPolicy(policy="fifo"),
                                stream_output=False, env={"PYTHONPATH": pypath}))
 
     def start(self) -> subprocess.Popen:
@@ -54,6 +58,21 @@ class Lab:
 
         return LeaseStore(url=self.db).pipeline_processes(pool_key(self.pool, self.server))
 
+    def stage(self, name: str = "a", marker: Path | None = None) -> tuple[int, str]:
+        """The pid of stage `name`'s (first) process, from its start mark, and its flow run id (its environment)."""
+        from qosflow.backends.local import process_start
+
+        pid = next(e["pid"] for e in marks(marker or self.marker) if e["stage"] == name and e["event"] == "start")
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        fid = next(x.split(b"=", 1)[1].decode() for x in env if x.startswith(b"PREFECT__FLOW_RUN_ID="))
+        self.stages.append((pid, process_start(pid) or ""))
+        return pid, fid
+
+    def leases(self) -> list:
+        from qosflow.store.leases import LeaseStore, pool_key
+
+        return LeaseStore(url=self.db).leases(pool_key(self.pool, self.server))
+
     def final(self, fid, timeout: float = 150.0):
         end = time.monotonic() + timeout
         while not ((st := flow_run_state(fid)) is not None and st.is_final()):
@@ -68,15 +87,20 @@ def make_lab(prefect_server, tmp_path, monkeypatch):
     `deployed_pipeline_run`); at the end the lab's worker process groups are stopped, then the variable restored."""
     labs: list[Lab] = []
 
-    def make(pool: str) -> Lab:
-        lab = Lab(prefect_server, tmp_path, pool)
+    def make(pool: str, gpus: int = 2) -> Lab:
+        lab = Lab(prefect_server, tmp_path, pool, gpus)
         monkeypatch.setenv("PYTHONPATH", lab.env["PYTHONPATH"])
         labs.append(lab)
         return lab
 
     yield make
+    from qosflow.backends.local import kill_tree, process_start
+
     for lab in labs:
         stop_groups(lab.procs)
+        for pid, start in lab.stages:  # (a stage process left by a failed test: its own session)
+            if start and process_start(pid) == start:
+                kill_tree(pid, signal.SIGKILL)
 
 
 def sigkill(w: subprocess.Popen) -> None:
@@ -101,7 +125,8 @@ def test_a_local_pools_pipeline_is_adopted_by_the_worker_restarted_after_a_sigki
     assert st.is_completed(), f"{st.name}: {st.message}\n{lab.log()[-4000:]}"
     ev = [(e["event"], e["stage"]) for e in marks(lab.marker)]
     assert ev.count(("start", "pipeline")) == 1 and ev.count(("done", "pipeline")) == 1, ev
-    assert ev.count(("done", "a")) == 1 and ev.count(("done", "b")) == 1, ev  # (a: stopped at the restart, run again)
+    assert ev.count(("done", "a")) == 1 and ev.count(("done", "b")) == 1, ev
+    assert ev.count(("start", "a")) == 1, ev  # (a: adopted, not stopped at the restart and run again)
     end = time.monotonic() + 20  # (its record goes once the worker saw its process end)
     while alive(pid) or lab.records():
         assert time.monotonic() < end, f"the pipeline's process or its record stayed: alive {alive(pid)}\n{lab.log()[-3000:]}"
@@ -241,3 +266,148 @@ def test_a_pipeline_adopted_by_a_local_pools_backend_ends_with_it(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+def queued_stages(pool: str) -> list:
+    """The stage runs of `pool` a worker holds in its QoS queue (Pending, labelled `qosflow.queued_by`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING]))),
+                                work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])))
+    return [fr for fr in runs if (fr.labels or {}).get("qosflow.queued_by")]
+
+
+def runs_of(fid) -> tuple[int, int]:
+    """(run_count, number of Running states) of flow run `fid`."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        return c.read_flow_run(fid).run_count, sum(1 for s in c.read_flow_run_states(fid) if s.type.value == "RUNNING")
+
+
+def test_a_local_stage_runs_on_through_a_worker_sigkill_and_is_adopted_with_its_gpu(make_lab, tmp_path):
+    """The worker is SIGKILLed while stage a trains on the pool's only GPU. Restarted with its name, it adopts a's process
+    (same pid, not killed, not run again: its flow run ran once) and keeps its GPU booked: another pipeline's stage asking
+    for it waits in the QoS queue until a ends, then gets it. Both pipelines complete, and no lease is left. (Until
+    2026-11-28 the restarted worker killed a and ran it again from its start.)"""
+    lab = make_lab("local-stage-adopt", gpus=1)
+    w1 = lab.start()
+    wait_log(lab.wlog, "qosflow worker:", w1)
+    fid = deployed_pipeline_run(lab.pool, lab.marker, 40.0)
+    pipeline_started_and_stage_running(lab, w1, fid)
+    pid, sid = lab.stage("a")
+    [lease] = lab.leases()
+    assert lease.handle["ref"]["pid"] == pid and lease.handle["ref"]["start"] and lease.handle["ref"]["output"], lease.handle
+    sigkill(w1)
+    assert alive(pid), lab.log()[-3000:]
+    w2 = lab.start()
+    wait_log(lab.wlog, f"recovery: adopted stage {sid}", w2)
+    assert alive(pid), lab.log()[-3000:]
+    other = tmp_path / "other.jsonl"
+    fid2 = deployed_pipeline_run(lab.pool, other, 1.0)
+    end = time.monotonic() + 120
+    while not queued_stages(lab.pool):  # the other pipeline's stage a waits for the GPU
+        assert ("done", "a") not in [(e["event"], e["stage"]) for e in marks(lab.marker)], \
+            f"stage a ended before the other pipeline's stage asked for its GPU (a slow machine: nothing was shown)\n{lab.log()[-3000:]}"
+        assert time.monotonic() < end, lab.log()[-3000:]
+        time.sleep(0.3)
+    assert not [e for e in marks(other) if e["stage"] == "a"], marks(other)
+    st = lab.final(fid)
+    assert st.is_completed(), f"{st.name}: {st.message}\n{lab.log()[-4000:]}"
+    st2 = lab.final(fid2)
+    assert st2.is_completed(), f"{st2.name}: {st2.message}\n{lab.log()[-4000:]}"
+    ev = [(e["event"], e["stage"]) for e in marks(lab.marker)]
+    assert ev.count(("start", "a")) == 1 and ev.count(("done", "a")) == 1 and ev.count(("done", "pipeline")) == 1, ev
+    assert runs_of(sid) == (1, 1), runs_of(sid)
+    a_done = next(e["t"] for e in marks(lab.marker) if e["event"] == "done" and e["stage"] == "a")
+    other_a = next(e["t"] for e in marks(other) if e["event"] == "start" and e["stage"] == "a")
+    assert other_a >= a_done, (other_a, a_done)  # (the GPU was booked while the adopted stage ran)
+    end = time.monotonic() + 20
+    while lab.leases():  # (freed after)
+        assert time.monotonic() < end, lab.leases()
+        time.sleep(0.2)
+    assert "is marked Crashed" not in lab.log() and "rescheduling its flow run" not in lab.log()
+    assert w2.poll() is None
+
+
+def test_a_local_stage_that_died_while_no_worker_ran_runs_again(make_lab):
+    """Stage a's process dies while no worker runs (the OOM killer): the restarted worker finds its lease, sees its process
+    gone, and puts its run back in the queue; a runs again and the pipeline completes. (As before 2026-11-28.)"""
+    lab = make_lab("local-stage-died")
+    w1 = lab.start()
+    wait_log(lab.wlog, "qosflow worker:", w1)
+    fid = deployed_pipeline_run(lab.pool, lab.marker, 20.0)
+    pipeline_started_and_stage_running(lab, w1, fid)
+    pid, sid = lab.stage("a")
+    sigkill(w1)
+    os.killpg(pid, signal.SIGKILL)
+    end = time.monotonic() + 10
+    while alive(pid):
+        assert time.monotonic() < end
+        time.sleep(0.1)
+    w2 = lab.start()
+    wait_log(lab.wlog, f"recovery: stage {sid}", w2)
+    st = lab.final(fid)
+    assert st.is_completed(), f"{st.name}: {st.message}\n{lab.log()[-4000:]}"
+    ev = [(e["event"], e["stage"]) for e in marks(lab.marker)]
+    assert ev.count(("start", "a")) == 2 and ev.count(("done", "a")) == 1, ev
+    assert f"adopted stage {sid}" not in lab.log()
+    assert w2.poll() is None
+
+
+def test_cancelling_an_adopted_local_stage_kills_it(make_lab):
+    """`prefect flow-run cancel` of a stage the restarted worker adopted: its process (the one the killed worker started)
+    is stopped and its run ends Cancelled; its pipeline fails (StageCancelled), as for a stage the worker started."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    lab = make_lab("local-stage-cancel")
+    w1 = lab.start()
+    wait_log(lab.wlog, "qosflow worker:", w1)
+    fid = deployed_pipeline_run(lab.pool, lab.marker, 120.0)
+    pipeline_started_and_stage_running(lab, w1, fid)
+    pid, sid = lab.stage("a")
+    sigkill(w1)
+    w2 = lab.start()
+    wait_log(lab.wlog, f"recovery: adopted stage {sid}", w2)
+    assert alive(pid)
+    with get_client(sync_client=True) as c:
+        c.set_flow_run_state(sid, Cancelling(message="cancelled by the test"), force=True)
+    end = time.monotonic() + 30
+    while alive(pid):
+        assert time.monotonic() < end, f"the adopted stage's process outlived its cancellation\n{lab.log()[-3000:]}"
+        time.sleep(0.2)
+    st = lab.final(sid, 60)
+    assert st.is_cancelled(), f"{st.name}: {st.message}"
+    assert not lab.final(fid, 90).is_completed()
+    ev = [(e["event"], e["stage"]) for e in marks(lab.marker)]
+    assert ev.count(("start", "a")) == 1 and ("done", "a") not in ev, ev
+    end = time.monotonic() + 20
+    while lab.leases():
+        assert time.monotonic() < end, lab.leases()
+        time.sleep(0.2)
+    assert w2.poll() is None
+
+
+def test_a_stop_of_the_adopting_worker_ends_the_adopted_local_stage_and_requeues_it(make_lab):
+    """A local pool's stop ends its stages, adopted ones too: the restarted worker that adopted stage a is stopped
+    (SIGTERM): a's process (started by the killed worker) is killed and its run goes back to the pool's queue, as for a
+    stage the worker started; no lease is left."""
+    lab = make_lab("local-stage-adopted-stop")
+    w1 = lab.start()
+    wait_log(lab.wlog, "qosflow worker:", w1)
+    fid = deployed_pipeline_run(lab.pool, lab.marker, 120.0)
+    pipeline_started_and_stage_running(lab, w1, fid)
+    pid, sid = lab.stage("a")
+    sigkill(w1)
+    w2 = lab.start()
+    wait_log(lab.wlog, f"recovery: adopted stage {sid}", w2)
+    os.killpg(w2.pid, signal.SIGTERM)
+    w2.wait(60)
+    assert not alive(pid), f"the adopted stage outlived its stopped worker\n{lab.log()[-3000:]}"
+    st = flow_run_state(sid)
+    assert st.name == "AwaitingRetry", f"{st.name}: {st.message}"
+    assert not lab.leases(), lab.leases()

@@ -5,7 +5,12 @@ The cluster it offers is either the real GPUs (NVML) or virtual GPUs declared by
 a stage placed on "node1 GPU 3" runs here, with `CUDA_VISIBLE_DEVICES=3` and the cores of its
 cpuset folded onto the real CPUs (core id modulo the CPUs this process may use).
 
-Processes start in their own session (process group), so killing a stage kills its children too.
+Processes start in their own session (process group), so killing a stage kills its children too. A stage's output
+goes to a file (`output_file`, copied to the worker's stdout while it runs when `stream_output`), not to the worker's
+stdout: a worker killed (SIGKILL, the OOM killer) leaves its stages running, and the worker restarted under its name
+adopts them (`adopt_unplaced`, with the pid and start time its lease recorded) rather than killing them and running
+them again; a write to the dead worker's terminal or pipe would have failed them. A stop of the worker still ends its
+stages (`aclose`).
 
 A pipeline run (`launch_unplaced`) of a backend made with `keep_unplaced=True` (the worker's pipelines when
 its stages run on host agents or Kubernetes) outlives the backend: it is a plain `subprocess.Popen` (asyncio
@@ -195,19 +200,13 @@ class LocalBackend(Backend):
             except (AttributeError, OSError):
                 pass
 
-        out = None if self.stream_output else asyncio.subprocess.DEVNULL
-        proc = await asyncio.create_subprocess_exec(
-            *spec.command,
-            cwd=spec.cwd or None,
-            env=env,
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
-            preexec_fn=_pin if sys.platform.startswith("linux") else None,
-        )
-        self._procs[spec.stage_id] = proc
         name = spec.cluster.nodes[node].name if spec.cluster.nodes else "local"
-        return StageHandle(spec.stage_id, self.name, name, ref={"pid": proc.pid, "cpus": real})
+        # its output goes to a file, not the worker's stdout (a terminal or a pipe that may be gone while it runs on after
+        # its worker was killed); it is recorded in its lease with its pid and start time (the handle), so that a worker
+        # restarted after a SIGKILL adopts it (`adopt_unplaced`) rather than killing it and running the stage again
+        return await self._launch_detached(spec.stage_id, list(spec.command), env, spec.cwd, node=name, child=True,
+                                           preexec=_pin if sys.platform.startswith("linux") else None,
+                                           ref={"cpus": real, "progress": env[PROGRESS_FILE_ENV], "stream": self.stream_output})
 
     async def launch_unplaced(self, stage_id: str, command: list[str], env: dict[str, str], cwd: str | None = None) -> StageHandle:
         """Start a process that holds no slot (a pipeline's orchestrating flow run)."""
@@ -231,31 +230,46 @@ class LocalBackend(Backend):
         os.makedirs(d, mode=0o700, exist_ok=True)
         return os.path.join(d, f"{stage_id}.log")
 
-    async def _launch_detached(self, stage_id: str, command: list[str], env: dict[str, str], cwd: str | None) -> StageHandle:
-        """A pipeline process that outlives this backend: its own session (a signal to the worker's process
-        group, Ctrl-C in its terminal, does not reach it), no stdin, its output to a file (the worker's stdout,
-        a terminal or a pipe, may be gone while it runs on: a write there would fail it), and not an asyncio
-        child (asyncio kills a child process whose transport is closed, as at the worker's exit)."""
+    async def _launch_detached(self, stage_id: str, command: list[str], env: dict[str, str], cwd: str | None, *,
+                               node: str = "local", child: bool = False, preexec: Any = None,
+                               ref: dict[str, Any] | None = None) -> StageHandle:
+        """A process that outlives its worker: its own session (a signal to the worker's process group, Ctrl-C in its
+        terminal, does not reach it), no stdin, its output to a file (the worker's stdout, a terminal or a pipe, may be
+        gone while it runs on: a write there would fail it), copied to this worker's stdout while it is watched
+        (`stream_output`), and its pid, start time (`process_start`) and output file in its handle, for a later worker
+        to find it again (`adopt_unplaced`).
+
+        A pipeline (`child` False) is not an asyncio child (asyncio kills a child process whose transport is closed, as
+        at the worker's exit), so that it also outlives a stop of a `keep_unplaced` backend. A stage (`child`, from
+        `launch`) is one: its exit status is read and its end seen at once (`wait`), and a stop of its worker ends it
+        anyway (`aclose`); only a worker that is killed leaves it running, to be adopted by the next one."""
         path = self.output_file(stage_id)
         with open(path, "ab") as out:
-            proc = subprocess.Popen(command, cwd=cwd or None, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        self._detached[stage_id] = proc
+            if child:
+                proc: Any = await asyncio.create_subprocess_exec(*command, cwd=cwd or None, env=env, stdin=asyncio.subprocess.DEVNULL,
+                                                                 stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                                                                 preexec_fn=preexec)
+                self._procs[stage_id] = proc
+            else:
+                proc = subprocess.Popen(command, cwd=cwd or None, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True, preexec_fn=preexec)
+                self._detached[stage_id] = proc
         start = process_start(proc.pid)
-        handle = StageHandle(stage_id, self.name, "local", ref={"pid": proc.pid, "start": start, "output": path})
+        handle = StageHandle(stage_id, self.name, node, ref={"pid": proc.pid, "start": start, "output": path, **(ref or {})})
         if self.stream_output:
             self._tail(stage_id, path, 0)
         return handle
 
     def adopt_unplaced(self, stage_id: str, pid: int, start: str | None, output: str | None = None,
-                       stream: bool | None = None) -> StageHandle | None:
-        """A pipeline process an earlier worker started (`keep_unplaced`) and that still runs: pid `pid` with the
-        start time `start` recorded at its launch (another process that got the pid since is not it). None when
-        it is gone."""
+                       stream: bool | None = None, *, node: str = "local", ref: dict[str, Any] | None = None) -> StageHandle | None:
+        """A process an earlier worker started (`_launch_detached`: a pipeline, or a stage of a local pool whose worker
+        was killed) and that still runs: pid `pid` with the start time `start` recorded at its launch (another process
+        that got the pid since is not it). None when it is gone. It is watched by polling (`wait`: not a child of this
+        process, its exit status is unknown), `kill` stops it, and a local pool's backend stops it when it closes."""
         if not start or process_start(int(pid)) != start:
             return None
         self._detached[stage_id] = None
-        handle = StageHandle(stage_id, self.name, "local", ref={"pid": int(pid), "start": start, "output": output, "adopted": True})
+        handle = StageHandle(stage_id, self.name, node, ref={**(ref or {}), "pid": int(pid), "start": start, "output": output, "adopted": True})
         self._adopted[stage_id] = handle
         if output and (self.stream_output if stream is None else stream) and os.path.exists(output):
             try:
@@ -265,8 +279,8 @@ class LocalBackend(Backend):
         return handle
 
     def _tail(self, stage_id: str, path: str, offset: int) -> None:
-        """Copy what a detached pipeline writes to its output file to this worker's stdout while it is watched
-        (`stream_output`, as for a child process)."""
+        """Copy what a detached process writes to its output file to this worker's stdout while it is watched
+        (`stream_output`, as a process writing to the worker's stdout did)."""
 
         async def tail() -> None:
             pos = offset
@@ -299,13 +313,16 @@ class LocalBackend(Backend):
         self._adopted.pop(sid, None)
         handle.ref["reaped"] = True
         killed = self._killed.pop(sid, None)
+        pid = int(handle.ref["pid"]) if proc is None else proc.pid
+        # (what it left in its process group ends with it, as for a child of `launch`: a group with members left is
+        # still its own, since a pid is not given to another process while it names a group)
+        if group_members(pid):
+            kill_group(pid)
         if proc is None:
             # not this worker's child (an earlier worker started it): its exit status is not ours to read
             if killed is not None:
                 return ExitStatus(ExitKind.CANCELLED, None, killed)
             return ExitStatus(ExitKind.INFRA, None, "ended (a process of an earlier worker: its exit status is unknown)")
-        if group_members(proc.pid):  # (what it left in its process group ends with it, as for a child of `launch`)
-            kill_group(proc.pid)
         rc = proc.returncode
         if rc == 0:
             return ExitStatus(ExitKind.OK, 0)
@@ -321,7 +338,12 @@ class LocalBackend(Backend):
         proc = self._procs.get(handle.stage_id)
         if proc is None:
             return ExitStatus(ExitKind.INFRA, None, f"no process for stage {handle.stage_id} on this worker")
-        rc = await proc.wait()
+        try:
+            rc = await proc.wait()
+        finally:
+            tail = self._tails.pop(handle.stage_id, None)
+            if tail is not None:  # (it copies what is left of the output file as it ends)
+                tail.cancel()
         handle.ref["reaped"] = True  # (its pid may be another process's from now on: kill() leaves it alone)
         # what the stage left in its process group (`cmd &`, a launcher's children) ends with it: its slot
         # is free from now on, and kill() and aclose() only look for processes still registered, so such

@@ -467,6 +467,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._stages_in_flight: set[str] = set()  # (the stage runs among them; pipeline runs are not placed)
         self._stopping = False  # set when the worker stops: its stages in flight go back to the pool's queue
         self._left_running: set[str] = set()  # stages left running at a stop, their leases kept for the next worker
+        #: local stage processes of an earlier worker process (killed) adopted here: a stop ends them as its own
+        self._adopted_local: set[str] = set()
         #: what the estimator learned from the stages this worker ran, per stage (the UI's predictor table)
         self._learned: dict[str, dict[str, Any]] = {}
         self._learned_published = -math.inf
@@ -743,10 +745,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         * a stage running where the next worker can adopt it (`_adoptable`) keeps running and keeps
           its lease: a worker of the same name adopts it when it starts, any other worker of the pool
           once the lease expires (a worker restarted for an upgrade costs no training time);
-        * the others -- waiting in the QoS queue, or processes of this worker (the local backend: no
-          stage outlives its worker) -- are killed and put back in the pool's queue (AwaitingRetry),
-          so that the next worker runs them and their pipelines go on."""
-        fids = sorted(self._stages_in_flight)
+        * the others -- waiting in the QoS queue, or processes of this worker (the local backend: a stop
+          ends its stages, those it adopted from an earlier process of its name that was killed too) --
+          are killed and put back in the pool's queue (AwaitingRetry), so that the next worker runs them
+          and their pipelines go on."""
+        fids = sorted(self._stages_in_flight | self._adopted_local)  # (an adopted local stage ends with this worker too)
         kept = [fid for fid in fids if self._adoptable(fid)]
         self._left_running.update(kept)
         fids = [fid for fid in fids if fid not in kept]
@@ -816,7 +819,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             # where a stop was seen to hang (anyio re-delivering the cancellation, SIGTERM then ignored)
             poll.cancel()
             await asyncio.wait({poll}, timeout=5.0)
-        if self._stages_in_flight:
+        if self._stages_in_flight or self._adopted_local:
             await self._requeue_in_flight()
         kept = sorted(fid for fid in self._pipeline_runs_here if (h := self._handles.get(fid)) is not None and h.ref.get("start"))
         if kept and self.leases is not None:
@@ -1204,6 +1207,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._failed_last.discard(job.model)
         for a in attempts:  # read: a long-running worker keeps no file per stage it ran
             self._backend.drop_progress(a["attempt_id"])
+        if succeeded and handle.ref.get("output"):  # (a local stage's output file: kept for a failure, as a pipeline's)
+            try:
+                os.remove(handle.ref["output"])
+            except OSError:
+                pass
         rec = dict(info, flow_run_id=fid, ready=entry.ready_at, queued=now, placed=grant.granted_at, launched=launched_at, ended=finished,
                    exited=ended, actual_s=round(actual, 3), exit=status.kind.value, exit_reason=status.reason, attempts=attempts,
                    flow_state=flow_state)
@@ -1754,16 +1762,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         assert sched is not None and self._backend is not None
         stopped = None
         if handle is not None and self._backend.name == "local":
-            # a local stage process outlives its worker (own session) but cannot be waited on by a new
-            # one: stop it, then rerun the stage, so that it never runs twice
-            pid = handle.ref.get("pid")
-            if pid and _process_runs_flow(int(pid), fid):
-                from qosflow.backends.local import kill_tree
-
-                kill_tree(int(pid), 9)
-                stopped = int(pid)
-            await asyncio.to_thread(self.leases.release, lease.lease_id)
-            handle = None
+            handle, stopped = await self._take_back_local(lease, handle)
         _keep(self.recovered, {"stage_key": fid, "attempt": lease.attempt_id, "nodes": list(lease.nodes), "adopted": handle is not None})
         if handle is None:
             if await self._final(fid):
@@ -1773,8 +1772,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 return
             where = ", ".join(lease.nodes)
             if stopped is not None:  # (it said "is no longer running" of the process it had just killed)
-                why = (f"its process {stopped} on {where} was still running, started by an earlier worker process, and the "
-                       "local backend cannot hand a stage to a new one: it was stopped")
+                why = (f"its process {stopped} on {where} was still running, started by an earlier worker process, and "
+                       + ("an early check is not adopted (it would run on one GPU for good)" if str(lease.attempt_id).endswith("-check")
+                          else "its lease did not record its start time (an older qosflow)")
+                       + ": it was stopped")
                 self._logger.warning("recovery: stage %s (attempt %s): %s; rescheduling its flow run", fid, lease.attempt_id, why)
                 await self._reschedule(fid, f"qosflow: {why}; the stage runs again from its start")
                 return
@@ -1797,10 +1798,48 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 entry = None
         self._lease_ids[fid] = lease.lease_id
         self._register(fid, handle)
-        self._logger.info("recovery: adopted stage %s (attempt %s) still running on %s", fid, lease.attempt_id, ",".join(lease.nodes))
+        if handle.backend == "local":  # (a process of an earlier worker on this host, found by its pid and start time)
+            self._adopted_local.add(fid)
+            if entry is not None:
+                sched.attach(fid, handle, handle.ref.get("progress"))
+            self._logger.info("recovery: adopted stage %s (attempt %s, pid %s) still running on %s, started by an earlier worker "
+                              "process; watching it to its end", fid, lease.attempt_id, handle.ref.get("pid"), ",".join(lease.nodes))
+            fr = await self._flow_run(fid)
+            if fr is not None:
+                self.get_flow_run_logger(fr).info("worker %s watches this stage again (process %s on %s), left running by a "
+                                                  "worker process that was killed; it was not stopped nor run again", self.name,
+                                                  handle.ref.get("pid"), _hostname())
+        else:
+            self._logger.info("recovery: adopted stage %s (attempt %s) still running on %s", fid, lease.attempt_id, ",".join(lease.nodes))
         t = asyncio.get_running_loop().create_task(self._watch_adopted(fid, handle, entry is not None), name=f"qosflow-adopted-{fid}")
         self._adopted_tasks.add(t)
         t.add_done_callback(self._adopted_tasks.discard)
+
+    async def _take_back_local(self, lease: Any, handle: StageHandle) -> tuple[StageHandle | None, int | None]:
+        """A local stage of an earlier worker process (killed: a stop ends its stages) found through its lease: its
+        process, a session of its own, may run on. Adopted (the handle to watch) when it is the very process the lease
+        recorded (its pid and its start time, so that a pid another process got since is not taken for it): not an
+        early check (it would run on one GPU for good). Otherwise its lease is released, and a process of it that still
+        runs (an early check; a lease of an older version, without a start time: its environment names the flow run)
+        is stopped, so that the stage never runs twice: (None, its pid) then, (None, None) if nothing ran."""
+        from qosflow.backends.local import kill_tree, process_start
+
+        fid = lease.stage_key
+        ref = dict(handle.ref or {})
+        pid, start = ref.get("pid"), ref.get("start")
+        alive = bool(pid and start and process_start(int(pid)) == start)
+        adopt = getattr(self._backend, "adopt_unplaced", None)
+        if alive and adopt is not None and not str(lease.attempt_id).endswith("-check"):
+            got = adopt(handle.stage_id, int(pid), start, ref.get("output"), ref.get("stream"), node=handle.node,
+                        ref={k: v for k, v in ref.items() if k not in ("reaped", "adopted")})
+            if got is not None:
+                return got, None
+        stopped = None
+        if pid and (alive or (not start and _process_runs_flow(int(pid), fid))):
+            kill_tree(int(pid), 9)
+            stopped = int(pid)
+        await asyncio.to_thread(self.leases.release, lease.lease_id)
+        return None, stopped
 
     # ------------------------------------------------------------------ pipeline processes of an earlier worker
     async def _adopt_pipelines(self) -> None:
@@ -1944,17 +1983,47 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             ended = True
         finally:
             self._unregister(fid)
+            self._adopted_local.discard(fid)
             release = ended or not self._stopping  # (the worker stops: the stage runs on, for the next worker to adopt)
             if allocated:  # the lease first, then the policy's slot (`_free`)
                 await self._free(fid, ok=True, lease=release)
             elif release:
                 await self._release_lease(fid)
+        if handle.ref.get("adopted") and handle.backend == "local":
+            await self._settle_adopted_local(fid, handle, status)
+            return
         if status.kind is ExitKind.INFRA:
             await self._reschedule(fid, f"qosflow: infrastructure failure of an adopted stage ({status.reason}); placed again")
         elif not status.ok and status.kind is not ExitKind.CANCELLED:
             await self._report_final(fid, status, None)
         elif status.ok:
             await self._settle_unreported(fid, fid, self._logger)
+
+    async def _settle_adopted_local(self, fid: str, handle: StageHandle, status: Any) -> None:
+        """A local stage process adopted after its worker was killed has ended. Not this worker's child: its exit status is
+        unknown, but its engine reported the flow run's end before it exited (Completed, Failed: nothing to do, its run is
+        not touched). One that ended without that (killed, out of memory) is an infrastructure failure: its run goes back
+        to the pool's queue, as a lost stage's. Its progress file goes, and its output file once its run completed."""
+        state = None
+        if status.kind is not ExitKind.CANCELLED:  # (cancelled: the cancellation watch marks its run Cancelled)
+            for _ in range(3):  # (the report may still be on its way to the server)
+                fr = await self._flow_run(fid)
+                state = fr.state if fr is not None else None
+                if state is not None and state.is_final():
+                    break
+                await asyncio.sleep(1.0)
+        pid = handle.ref.get("pid")
+        if state is not None and state.is_final():
+            self._logger.info("adopted stage %s (pid %s) ended; its flow run is %s", fid, pid, state.name)
+        elif status.kind is not ExitKind.CANCELLED:
+            await self._reschedule(fid, f"qosflow: the adopted stage's process {pid} on {_hostname()} ended without its flow run "
+                                        "reporting its end (killed, or it died); placed again")
+        for path, remove in ((handle.ref.get("progress"), True), (handle.ref.get("output"), state is not None and state.is_completed())):
+            if path:
+                try:
+                    os.remove(path) if remove else os.utime(path)
+                except OSError:
+                    pass
 
     # ------------------------------------------------------------------ heartbeats
     async def _progress_loop(self, interval: float) -> None:
@@ -2705,6 +2774,11 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 passed, status = False, ExitStatus(ExitKind.USER, status.code, state.message or kind.lower())
             elif not passed and status.ok:
                 status = ExitStatus(ExitKind.INFRA, status.code, "the stage's process ended without its flow run ending")
+        if (passed or status.ok) and handle.ref.get("output"):  # (a local check's output file: kept for a failure only)
+            try:
+                os.remove(handle.ref["output"])
+            except OSError:
+                pass
         if passed:
             self._checked_ok.add(job.model)
             rec["verdict"] = "passed"
