@@ -358,13 +358,15 @@ def test_a_local_stage_that_died_while_no_worker_ran_runs_again(make_lab):
     assert w2.poll() is None
 
 
-def test_cancelling_an_adopted_local_stage_kills_it(make_lab):
-    """`prefect flow-run cancel` of a stage the restarted worker adopted: its process (the one the killed worker started)
-    is stopped and its run ends Cancelled; its pipeline fails (StageCancelled), as for a stage the worker started."""
+@pytest.mark.parametrize("what", ["stage", "pipeline"])
+def test_cancelling_an_adopted_local_stage_kills_it(make_lab, what):
+    """`prefect flow-run cancel` of a stage the restarted worker adopted, or of its pipeline: its process (the one the
+    killed worker started) is stopped and its run ends Cancelled; its pipeline does not complete, as for a stage the
+    worker started."""
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
-    lab = make_lab("local-stage-cancel")
+    lab = make_lab(f"local-{what}-cancel")
     w1 = lab.start()
     wait_log(lab.wlog, "qosflow worker:", w1)
     fid = deployed_pipeline_run(lab.pool, lab.marker, 120.0)
@@ -375,8 +377,8 @@ def test_cancelling_an_adopted_local_stage_kills_it(make_lab):
     wait_log(lab.wlog, f"recovery: adopted stage {sid}", w2)
     assert alive(pid)
     with get_client(sync_client=True) as c:
-        c.set_flow_run_state(sid, Cancelling(message="cancelled by the test"), force=True)
-    end = time.monotonic() + 30
+        c.set_flow_run_state(sid if what == "stage" else fid, Cancelling(message="cancelled by the test"), force=True)
+    end = time.monotonic() + 60
     while alive(pid):
         assert time.monotonic() < end, f"the adopted stage's process outlived its cancellation\n{lab.log()[-3000:]}"
         time.sleep(0.2)

@@ -1800,11 +1800,13 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._register(fid, handle)
         if handle.backend == "local":  # (a process of an earlier worker on this host, found by its pid and start time)
             self._adopted_local.add(fid)
+            fr = await self._flow_run(fid)
             if entry is not None:
                 sched.attach(fid, handle, handle.ref.get("progress"))
+                # its pipeline run, so that a cancellation of the pipeline cancels it (`_drop_stages_of_ended_pipelines`)
+                entry.state.job.pipeline = ((getattr(fr, "job_variables", None) or {}).get("pipeline_run_id") or None) if fr is not None else None
             self._logger.info("recovery: adopted stage %s (attempt %s, pid %s) still running on %s, started by an earlier worker "
                               "process; watching it to its end", fid, lease.attempt_id, handle.ref.get("pid"), ",".join(lease.nodes))
-            fr = await self._flow_run(fid)
             if fr is not None:
                 self.get_flow_run_logger(fr).info("worker %s watches this stage again (process %s on %s), left running by a "
                                                   "worker process that was killed; it was not stopped nor run again", self.name,
