@@ -1032,3 +1032,88 @@ def test_a_one_gpu_job_the_guard_puts_first_reserves_the_gpu_that_frees_soonest(
     assert end["on"] < end["off"] - 5 * 3600.0, end
     with pytest.raises(ValueError, match="reserve_single"):
         get_policy("qosflow", reserve_single="yes")
+
+
+def _long_pair_then_short(**opts):
+    """One GPU. `a` (10 days) starts alone; `b` (5 days, another model: the pair pays, 1.1x each) arrives a
+    minute later; `c` (1 h, a third model) two hours later. The makespan guard is off, so only the pair
+    tests decide whether `b` joins `a`."""
+    spec = ClusterSpec.uniform(1, 1, gpu_mem_mb=32000)
+    sm = SpeedModel(Table())
+    share = dict(shareable=True, gpu_mem_mb=4000)
+    day = 86400.0
+    jobs = [Job("a", 0.0, QoSSpec(**share), 10 * day, model="a"),
+            Job("b", 60.0, QoSSpec(**share), 5 * day, model="b"),
+            Job("c", 7200.0, QoSSpec(**share), 3600.0, model="c")]
+    pol = get_policy("qosflow", makespan_beta=None, **opts)
+    notes: list[str] = []
+    schedule = pol.schedule
+
+    def watched(view):
+        d = schedule(view)
+        if "b" in d.notes and any(js.job_id == "b" for js in view.pending):
+            notes.append(d.notes["b"])
+        return d
+
+    pol.schedule = watched
+    res = {j.job_id: j for j in simulate(jobs, spec, pol, speed=sm, config=SimConfig(restart_overhead=0)).jobs}
+    assert all(j.status is JobStatus.DONE for j in res.values())
+    return res, notes
+
+
+def test_long_pairs_keeps_the_second_slot_of_a_long_job_for_shorter_ones():
+    """(Gavel 6214e9 on 8x8: long 1-GPU jobs paired two by two on half the GPUs, and a burst of ~1,500 short
+    jobs found no slot free for days.) With `long_pairs` two jobs both longer than it do not share a GPU:
+    `b` waits for `a` to end, and `c` takes the second slot at once; without it `b` joins `a` and `c` waits
+    about five days, until `b` ends."""
+    day = 86400.0
+    res, notes = _long_pair_then_short(long_pairs=3 * day)
+    assert res["c"].first_start == pytest.approx(7200.0)
+    assert res["c"].finish_time < 7200.0 + 2 * 3600.0
+    assert res["b"].first_start >= 9 * day
+    assert any("kept for shorter jobs" in n for n in notes), notes
+    res_off, _ = _long_pair_then_short()
+    assert res_off["b"].first_start == pytest.approx(60.0)
+    assert res_off["c"].first_start > 4 * day
+    # a pair of which one job is shorter than the threshold may share, as before
+    res_short, _ = _long_pair_then_short(long_pairs=6 * day)
+    assert res_short["b"].first_start == pytest.approx(60.0)
+    with pytest.raises(ValueError, match="long_pairs"):
+        get_policy("qosflow", long_pairs=0)
+
+
+def _short_gang_beside_two_long_jobs(**opts):
+    """One node of 2 GPUs, each held by a 100 h job of model "a" (`l0`, `l1`); a 2-GPU gang `g` of the same
+    model (1 h alone) arrives a minute later. Shared, each of them runs 2.5x slower: the GPUs would do
+    less work (-20 % GPU-throughput per GPU), so the usual tests refuse the pair, although the pair's
+    average completion improves (SJF-BSBF: `g` would otherwise wait 100 h). The makespan guard is off, so
+    only the pair tests decide; a round every hour."""
+    spec = ClusterSpec.uniform(1, 2, gpu_mem_mb=32000)
+    sm = SpeedModel(Table())
+    share = dict(shareable=True, gpu_mem_mb=4000)
+    jobs = [Job("l0", 0.0, QoSSpec(**share), 100 * 3600.0, model="a"),
+            Job("l1", 0.0, QoSSpec(**share), 100 * 3600.0, model="a"),
+            Job("g", 60.0, QoSSpec(gpus=2, **share), 3600.0, model="a")]
+    pol = get_policy("qosflow", makespan_beta=None, **opts)
+    cfg = SimConfig(restart_overhead=0, tick=3600.0, check_invariants=True)
+    res = {j.job_id: j for j in simulate(jobs, spec, pol, speed=sm, config=cfg).jobs}
+    assert all(j.status is JobStatus.DONE for j in res.values())
+    return res
+
+
+def test_share_after_lets_a_job_that_waited_long_share_where_the_pair_completes_sooner():
+    """(Gavel 6c71a0 on 8x8: 8-GPU gangs of 1-6 h waited 150-600 h; their notes said "no pair pays: the best
+    does -38 % GPU-throughput per GPU at slowdown 4.00x" beside 1-GPU jobs of weeks.) With `share_after=k`
+    a best-effort job that has waited k times its own time shares where SJF-BSBF's test holds for every
+    partner and the GPUs lose less than `DL_COST_FLOOR` per GPU."""
+    res = _short_gang_beside_two_long_jobs(share_after=16)
+    # the first round at least 16 x 1 h after it came (ticks every hour): 17 h; then 2.5 h shared
+    assert res["g"].first_start == pytest.approx(17 * 3600.0)
+    assert res["g"].finish_time == pytest.approx(17 * 3600.0 + 2.5 * 3600.0)
+    # the partners lose (1 - 1/2.5) x 2.5 h = 1.5 h each
+    assert res["l0"].finish_time == pytest.approx(101.5 * 3600.0)
+    # without it, `g` waits for the GPUs to empty
+    off = _short_gang_beside_two_long_jobs()
+    assert off["g"].first_start == pytest.approx(100 * 3600.0)
+    with pytest.raises(ValueError, match="share_after"):
+        get_policy("qosflow", share_after=-1)

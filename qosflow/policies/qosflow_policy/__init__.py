@@ -64,10 +64,16 @@ and in the live worker):
       pair up as Muri interleaves them). A co-location is taken when
       - the job can still meet its deadline and still meets it shared (on the error band: below), or
       - every partner's pair completes sooner on average than if the job waited for it
-        (SJF-BSBF's t_con < t_seq: share now rather than at the partner's end), or
+        (SJF-BSBF's t_con < t_seq: share now rather than at the partner's end) and the GPUs lose
+        no throughput, or
       - while work queues, the GPUs do `throughput_gain` more work per GPU shared than alone
-        (counting what a partner's whole gang loses);
-      and never when a partner would miss a deadline it can still meet. If the pair's memory
+        (counting what a partner's whole gang loses), or
+      - (option `share_after=k`, off by default) the job, best effort, has waited k times its own
+        time, every partner's pair completes sooner on average (SJF-BSBF) and the GPUs lose less
+        than `DL_COST_FLOOR` (-0.5) GPU-throughput per GPU;
+      and never when a partner would miss a deadline it can still meet, nor (option `long_pairs`,
+      off by default) when the job and its partner both have more than `long_pairs` seconds to run
+      (the second slot of a GPU holding a long job stays for shorter jobs). If the pair's memory
       does not fit, the newcomer runs a smaller sub-batch with gradient accumulation (same global
       batch, so the same convergence);
    b'. (before b, for a deadline gang that declared `min_gpus`) an *elastic start*: GPUs of its own

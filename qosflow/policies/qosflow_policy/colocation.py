@@ -53,6 +53,12 @@ class CoLocationMixin:
             if t_b >= self._backlog and t_b >= LAST_END_SHARE * self._max_rem and xi_b > 1.0:
                 self._reject = "CRITICAL"
                 return None
+        lp = self.long_pairs
+        if lp is not None and t_a > lp and t_b > lp:
+            # (`long_pairs`) two jobs both longer than it would hold both slots of the GPU for that long:
+            # the second slot stays for the shorter jobs that may come
+            self._reject = "LONG_PAIR"
+            return None
         dl_b = partner.job.deadline
         if dl_b is not None and now + t_b <= dl_b:
             a_hat, b_hat = xi_a * t_a, xi_b * t_b
@@ -315,6 +321,13 @@ class CoLocationMixin:
             return total
         if queued and total >= self.throughput_gain * k:
             return total
+        sa = self.share_after
+        if (sa is not None and total > self.DL_COST_FLOOR * k and all(p[4] > 0 for p in partners)
+                and self._now - js.queued_since >= sa * r):
+            # (`share_after`) a job that has waited `share_after` times its own time already: the pair's
+            # average completion still improves for every partner (SJF-BSBF's test), and the GPUs lose
+            # less than the floor a deadline job may cost them
+            return total
         self._reject = "NO_GAIN"
         return None
 
@@ -341,6 +354,7 @@ class CoLocationMixin:
         "LONG": "it is long against the backlog (on the critical path), and two long jobs would hold both slots of a GPU for long",
         "CRITICAL": "the jobs it could join are on the critical path (the longest ones) and take only short partners",
         "PARTNER_DEADLINE": "joining would push a partner past a deadline it can still meet",
+        "LONG_PAIR": "it and the jobs it could join are all long (`long_pairs`): the second slot of a GPU holding a long job is kept for shorter jobs",
     }
 
     def _share_refusal(self, js: JobState, tried, rejects: dict[str, int]) -> str:

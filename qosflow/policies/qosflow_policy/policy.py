@@ -95,6 +95,8 @@ class QosflowPolicy(
         fair_weights: dict[str, float] | None = None,
         fair_margin: float = 0.1,
         reserve_single: bool = True,
+        long_pairs: float | None = None,
+        share_after: float | None = None,
     ):
         check_number("qosflow", "express_share", express_share, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
         for name, value in (("express_max_s", express_max_s), ("express_deadline_s", express_deadline_s)):
@@ -171,6 +173,16 @@ class QosflowPolicy(
         self.reserve_share = reserve_share
         #: a waiting 1-GPU job that a guard puts first reserves the GPU that frees soonest (no new partner joins it)
         self.reserve_single = reserve_single
+        if long_pairs is not None:
+            check_number("qosflow", "long_pairs", long_pairs, lambda v: v > 0, "> 0 seconds (None: long jobs may pair)")
+        #: two jobs both with more than this many seconds to run do not share a GPU (None: they may)
+        self.long_pairs = long_pairs
+        if share_after is not None:
+            check_number("qosflow", "share_after", share_after, lambda v: v >= 0 and math.isfinite(v), ">= 0 (None: the usual pair tests only)")
+        #: a best-effort job that has waited this many times its remaining time shares where the pair's
+        #: average completion improves for every partner, even at a GPU-throughput loss down to
+        #: `DL_COST_FLOOR` per GPU (None: the usual tests only)
+        self.share_after = share_after
         self._kept = None  # GPUs reserved so this round (`reserve_single`), or None
         #: best-effort jobs that look for a GPU to share per round (front of the queue first): bounds a
         #: round's cost when thousands wait; jobs with a deadline always look
@@ -221,6 +233,8 @@ class QosflowPolicy(
             "fair_weights": self.fair_weights,
             "fair_margin": self.fair_margin,
             "reserve_single": self.reserve_single,
+            "long_pairs": self.long_pairs,
+            "share_after": self.share_after,
         }
 
     @property
