@@ -28,11 +28,26 @@ def _slow_polls() -> None:
     FlowRunEngine.handle_success.__globals__["GANG_WAIT_POLL_S"] = 30.0
 
 
+def _after_rank_0_returned(marker: str, timeout: float = 120.0) -> None:
+    """Rank 1: wait until rank 0's function has returned (its `end` mark), so that rank 1's end comes `late` seconds
+    after rank 0 is in its wait whatever the time each rank's start took (a loaded machine: rank 0's engine starts
+    seconds after rank 1, and a rank 1 sleeping from its own start may end before rank 0 returned)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(marker) as f:
+                if any(json.loads(x).get("event") == "end" and json.loads(x).get("rank") == "0" for x in f if x.strip()):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+
+
 @qos_task(gpus=8, gang=True, cpu_cores=1, expected_duration=3)
 def ranks_end_apart(marker: str, late: float = 3.0, late_fails: bool = False, sigterm_path: bool = False,
                     late_killed: bool = False) -> str:
-    """Rank 0 returns at once; rank 1 after `late` seconds, raising if `late_fails` (or SIGKILLing itself if
-    `late_killed`)."""
+    """Rank 0 returns at once; rank 1 `late` seconds after rank 0 returned, raising if `late_fails` (or SIGKILLing
+    itself if `late_killed`)."""
     rank = os.environ.get("QOSFLOW_GANG_RANK", "")
     _mark(marker, "start")
     if rank == "0":
@@ -40,6 +55,7 @@ def ranks_end_apart(marker: str, late: float = 3.0, late_fails: bool = False, si
             _slow_polls()
         _mark(marker, "end")
         return "rank 0"
+    _after_rank_0_returned(marker)
     time.sleep(late)
     if late_killed:
         _mark(marker, "killed")

@@ -20,7 +20,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 TOKEN = "gang-completion-token-5d1e"
 POOL = "gang-completion"
-PORTS = (47210, 47211)
+PORTS = tuple(int(x) for x in os.environ.get("QOSFLOW_TEST_GANG_PORTS", "47210,47211").split(","))  # (two agents)
 
 
 def wait_for(cond, timeout: float = 30.0) -> None:
@@ -97,6 +97,173 @@ def test_an_end_label_of_another_attempt_does_not_count():
     assert _ended_ranks(labels, 3, "fid") == {2: "exit 3"}
     assert _ended_ranks(labels, 3, "fid-r1") == {1: "ok"}
     assert _ended_ranks(None, 3, "fid") == {}
+
+
+class _Labels:
+    """A run's labels as Prefect's server merges them (read the row, then write it), with another rank's merge that
+    read the row before this rank's write committing just after this rank's first reading (PostgreSQL: no conflict)."""
+
+    def __init__(self) -> None:
+        self.labels: dict = {"qosflow.host": "host-a"}
+        self.before: dict = {}
+        self.raced = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def update_flow_run_labels(self, fid, labels) -> None:
+        self.before, self.labels = dict(self.labels), {**self.labels, **labels}
+
+    def read_flow_run_states(self, fid) -> list:
+        return []
+
+    def read_flow_run(self, fid):
+        from types import SimpleNamespace
+
+        out = SimpleNamespace(id=fid, labels=dict(self.labels))
+        if not self.raced:
+            self.raced = True
+            self.labels = {**self.before, "qosflow.gang.rank2.ended": "ok@fid"}
+        return out
+
+
+def test_an_end_label_dropped_by_a_concurrent_merge_is_written_again(monkeypatch):
+    """Ranks 1 and 2 end at the same moment: rank 2's label merge, which read the run before rank 1's label was
+    written, commits after rank 1 read its label back. Rank 1 wrote it again (it returned True with its label gone,
+    exited 0, and rank 0 waited for it for ever)."""
+    import logging
+
+    import prefect.client.orchestration as orch
+
+    from qosflow.prefect.gang_rank import _mark_end
+
+    server = _Labels()
+    monkeypatch.setattr(orch, "get_client", lambda **kw: server)
+    monkeypatch.setenv("QOSFLOW_STAGE_ID", "fid")
+    assert _mark_end("fid", 1, "ok", logging.getLogger("t"), budget_s=20)
+    assert server.labels.get("qosflow.gang.rank1.ended") == "ok@fid", server.labels
+    assert server.labels.get("qosflow.gang.rank2.ended") == "ok@fid", server.labels
+
+
+def test_rank_0_counts_an_end_it_has_read_once(monkeypatch):
+    """Rank 0 read rank 1's end, then (a concurrent merge dropped it) only rank 2's: every rank has ended (it waited
+    for rank 1 again, for ever: rank 1 had exited 0)."""
+    import logging
+    from types import SimpleNamespace
+
+    import qosflow.prefect.gang_rank as gr
+
+    class Stop(BaseException):
+        pass
+
+    readings = [{"qosflow.gang.rank1.ended": "ok@fid"}, {"qosflow.gang.rank2.ended": "ok@fid"}]
+
+    def read_flow_run(fid):
+        if not readings:
+            raise Stop("rank 0 still waits")
+        return SimpleNamespace(state=None, labels=readings.pop(0))
+
+    monkeypatch.setattr(gr, "GANG_WAIT_POLL_S", 0.0)
+    monkeypatch.setenv("QOSFLOW_STAGE_ID", "fid")
+    engine = SimpleNamespace(flow_run=SimpleNamespace(id="fid"), logger=logging.getLogger("t"),
+                             client=SimpleNamespace(read_flow_run=read_flow_run, read_flow_run_states=lambda fid: []))
+    assert gr._wait_for_ranks(engine, 3) is True
+
+
+def test_an_end_label_of_an_earlier_launch_of_the_run_does_not_count(monkeypatch):
+    """The run was taken from the queue again (a worker stopped; recovery): its gang runs again with the same
+    QOSFLOW_STAGE_ID, and rank 1's label of the earlier launch is still on the run. Rank 0 waits for the label of
+    this launch (it reported Completed at once, rank 1 still running)."""
+    import logging
+    from datetime import datetime, timedelta, timezone
+    from types import SimpleNamespace
+
+    from prefect.client.schemas.objects import StateType
+
+    import qosflow.prefect.gang_rank as gr
+
+    class Stop(BaseException):
+        pass
+
+    t0 = datetime(2026, 11, 28, tzinfo=timezone.utc)
+    kinds = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.SCHEDULED, StateType.PENDING,
+             StateType.RUNNING]
+    states = [SimpleNamespace(id=uuid.uuid4(), type=k, timestamp=t0 + timedelta(seconds=i)) for i, k in enumerate(kinds)]
+    monkeypatch.setenv("QOSFLOW_STAGE_ID", "fid")
+    server = SimpleNamespace(read_flow_run_states=lambda fid: list(reversed(states)))
+    assert gr._attempt(server, "fid") == f"fid#{states[4].id}"
+    assert gr._ended_ranks({"qosflow.gang.rank1.ended": f"ok@fid#{states[1].id}"}, 2, gr._attempt(server, "fid")) == {}
+
+    readings = [{"qosflow.gang.rank1.ended": f"ok@fid#{states[1].id}"}] * 3 + [{"qosflow.gang.rank1.ended": f"ok@fid#{states[4].id}"}]
+
+    def read_flow_run(fid):
+        if not readings:
+            raise Stop("rank 0 still waits")
+        return SimpleNamespace(state=None, labels=readings.pop(0))
+
+    monkeypatch.setattr(gr, "GANG_WAIT_POLL_S", 0.0)
+    engine = SimpleNamespace(flow_run=SimpleNamespace(id="fid"), logger=logging.getLogger("t"),
+                             client=SimpleNamespace(read_flow_run=read_flow_run, read_flow_run_states=server.read_flow_run_states))
+    assert gr._wait_for_ranks(engine, 2) is True
+    assert readings == []  # (it returned at the first reading: the earlier launch's `ok`)
+
+
+_OS_EXIT_RANK = r"""
+import json, logging, os, sys
+from types import SimpleNamespace
+import prefect.client.orchestration as orch
+import prefect.logging.loggers as loggers
+import qosflow.prefect.stage as stage
+import qosflow.prefect.gang_rank as gr
+
+out = sys.argv[1]
+labels = {}
+
+class Client:
+    def __enter__(self): return self
+    def __exit__(self, *exc): pass
+    def read_flow_run(self, fid):
+        return SimpleNamespace(id=fid, name="run", parameters={"payload": "k", "stage": "s"}, labels=dict(labels))
+    def read_flow_run_states(self, fid): return []
+    def update_flow_run_labels(self, fid, new):
+        labels.update(new)
+        with open(out, "a") as f: f.write(json.dumps({"labels": new}) + "\n")
+    def create_logs(self, logs):
+        with open(out, "a") as f: f.write(json.dumps({"logs": [x.message for x in logs]}) + "\n")
+
+def fn():
+    print("last words", flush=True)
+    os._exit(int(sys.argv[2]))
+
+orch.get_client = lambda **kw: Client()
+loggers.flow_run_logger = lambda **kw: logging.getLogger("rank")
+stage._call = lambda *a: b""
+stage._unpack = lambda raw: ((fn, (), {}), True)
+os.environ.update(QOSFLOW_STAGE_ID="fid", QOSFLOW_GANG_SIZE="2", QOSFLOW_GANG_HOSTS="host-a,host-b")
+sys.exit(gr.run_rank("5d26a12e-0000-4000-8000-000000000001", 1))
+"""
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_a_rank_that_leaves_by_os_exit_writes_its_end(tmp_path, status):
+    """The stage's function on rank 1 calls os._exit (as some training scripts do to skip a hanging teardown): the
+    rank still writes its end label and sends its last output (it wrote nothing: exited 0, rank 0 waited for ever)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "calls.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", _OS_EXIT_RANK, str(out), str(status)], env=env, timeout=120,
+                       capture_output=True, text=True)
+    assert p.returncode == status, p.stderr
+    calls = marks(out)
+    want = "ok@fid" if status == 0 else f"exit {status}@fid"
+    assert {"labels": {"qosflow.gang.rank1.ended": want}} in calls, (calls, p.stderr)
+    assert any("rank 1 of 2 on host-b: last words" in m for c in calls for m in c.get("logs", [])), calls
+    assert "last words" in p.stdout
 
 
 # ------------------------------------------------------------------------------------------------ two agents, a worker
@@ -208,7 +375,7 @@ def test_a_run_is_completed_only_once_a_slower_rank_has_ended(lab, tmp_path):
     ev = marks(marker)
     _ranks(ev)
     end = {e["rank"]: e["t"] for e in ev if e["event"] == "end"}
-    assert set(end) == {"0", "1"} and end["1"] - end["0"] > 2.0, ev  # (rank 0's engine starts a second or so later)
+    assert set(end) == {"0", "1"} and end["1"] - end["0"] > 2.0, ev  # (rank 1 sleeps once rank 0 returned)
     [done] = [s for s in states if s.type.value == "COMPLETED"]
     assert fr.state.is_completed() and fr.run_count == 1
     assert done.timestamp.timestamp() >= end["1"], (done.timestamp, end)

@@ -20,8 +20,9 @@ all of them), but only one may report to Prefect:
   (FORWARD_TAIL_LINES) when it ends, after a line saying how many were left out; a line is cut at 2000 characters.
   A stage with `log_prints=False` has none of it forwarded. When it has ended it writes that on the run, as the label
   `qosflow.gang.rank1.ended` = `ok@<attempt>` (`failed@...`, `exit 3@...`; the attempt is the launch's
-  `QOSFLOW_STAGE_ID`, so that an earlier attempt's label does not count), read back and written again if a
-  concurrent label merge dropped it; if it cannot be written, the rank exits 1 (its gang is stopped).
+  `QOSFLOW_STAGE_ID` and the id of the run's latest Pending state, `_attempt`, so that an earlier launch's label
+  does not count), read back (again a second later) and written again if a concurrent label merge dropped it; if it
+  cannot be written, the rank exits 1 (its gang is stopped). A function that leaves by `os._exit` writes it too.
 
 Rank 0's engine, once the stage's function returned there, waits before it reports the run `Completed` until every
 other rank (1 .. QOSFLOW_GANG_SIZE - 1) has written its end label: it reads the run every 0.5 s (GANG_WAIT_POLL_S),
@@ -68,8 +69,8 @@ def gang_size() -> int:
 #: the start of the message of the Failed state a rank other than 0 reports when the stage's function raised there
 GANG_FAILED_PREFIX = "qosflow gang: "
 #: the label a rank other than 0 writes on the run when it has ended: `GANG_END_LABEL.format(rank=1)` =
-#: `"<outcome>@<attempt>"`, outcome `ok`, `failed` or `exit N`, attempt the launch's `QOSFLOW_STAGE_ID` (an attempt
-#: that ran before, on the same run, left its own)
+#: `"<outcome>@<attempt>"`, outcome `ok`, `failed` or `exit N`, attempt the launch's `QOSFLOW_STAGE_ID#<the run's
+#: latest Pending state id>` (`_attempt`: a launch that ran before, on the same run, left its own)
 GANG_END_LABEL = "qosflow.gang.rank{rank}.ended"
 #: seconds between two readings of the run by rank 0 while it waits for the other ranks to end
 GANG_WAIT_POLL_S = 0.5
@@ -88,8 +89,15 @@ class GangRankFailed(RuntimeError):
     (e.g. it left by `sys.exit(3)`): rank 0 reports the run Failed with this."""
 
 
-def _attempt() -> str:
-    return os.environ.get("QOSFLOW_STAGE_ID") or ""
+def _attempt(client: Any, flow_run_id: Any) -> str:
+    """This launch of the gang, as its end labels name it: its `QOSFLOW_STAGE_ID` and the id of the run's latest
+    Pending state. A run the worker takes from the queue again (rescheduled: a worker stopped, or recovery) gets the
+    stage id of its first launch again, but the worker proposes Pending each time it takes it: without that id, an end
+    label an earlier launch left (`ok@...`) counted, and rank 0 reported Completed while rank 1 still ran."""
+    sid = os.environ.get("QOSFLOW_STAGE_ID") or ""
+    pending = [s for s in client.read_flow_run_states(flow_run_id) or ()
+               if str(getattr(s.type, "value", s.type)) == "PENDING"]
+    return f"{sid}#{max(pending, key=lambda s: s.timestamp).id}" if pending else sid
 
 
 def _keep_a_rank_failure() -> None:
@@ -146,13 +154,16 @@ def _wait_for_ranks(engine: Any, size: int) -> bool:
     here, and its engine leaves a run a rank reported Failed as it is (`_keep_a_rank_failure`) or reports it Crashed."""
     import time
 
-    attempt = _attempt()
+    attempt: str | None = None
     fid = engine.flow_run.id
     t0 = last_note = time.monotonic()
     said = warned = False
+    seen: dict[int, str] = {}
     while True:
         try:
             fr = engine.client.read_flow_run(fid)
+            if attempt is None:
+                attempt = _attempt(engine.client, fid)
         except Exception as exc:  # noqa: BLE001 - the server may be back on the next reading; it is needed to report anyway
             if not warned:
                 engine.logger.warning("qosflow gang: cannot read the run to see whether its other ranks ended: %s", exc)
@@ -167,7 +178,8 @@ def _wait_for_ranks(engine: Any, size: int) -> bool:
             engine.flow_run.state_name = st.name
             engine.flow_run.state_type = st.type
             return False
-        ended = _ended_ranks(getattr(fr, "labels", None), size, attempt)
+        # (an end once read counts: a label merge at the same moment may drop it from the run later)
+        ended = seen = {**seen, **_ended_ranks(getattr(fr, "labels", None), size, attempt)}
         bad = sorted((r, o) for r, o in ended.items() if o != "ok")
         if bad:
             r, outcome = bad[0]
@@ -248,9 +260,23 @@ def run_rank(flow_run_id: str, rank: int) -> int:
         (fn, args, kwargs), log_prints = _unpack(_call("read_path", params["payload"]))
         logger.info("stage %s: %s runs the stage's function (rank 0 reports the run's state and result)", stage, where)
         forward = _OutputForwarder(fr.id, where).start() if log_prints and _logs_to_api() else None
+        real_exit, me = os._exit, os.getpid()
+
+        def _exit(status: int) -> None:  # the function's os._exit skips the `finally` below: its end is written first,
+            if os.getpid() == me:  # else rank 0 would wait for ever (an exit 0 does not stop the gang); not in a fork
+                os._exit = real_exit  # type: ignore[assignment]
+                if forward is not None:
+                    forward.stop()
+                if not _mark_end(fr.id, rank, "ok" if status == 0 else f"exit {status}", logger) and status == 0:
+                    status = 1
+                _flush_logs()
+            real_exit(status)
+
+        os._exit = _exit  # type: ignore[assignment]
         try:
             fn(*args, **kwargs)
         finally:
+            os._exit = real_exit  # type: ignore[assignment]
             if forward is not None:
                 forward.stop()
     except SystemExit as exc:
@@ -275,18 +301,21 @@ def run_rank(flow_run_id: str, rank: int) -> int:
     return code
 
 
-def _mark_end(flow_run_id: Any, rank: int, outcome: str, logger: Any, *, budget_s: float = 60.0) -> bool:
+def _mark_end(flow_run_id: Any, rank: int, outcome: str, logger: Any, *, budget_s: float = 60.0,
+              settle_s: float = 1.0) -> bool:
     """Write `outcome` as this rank's end label (`GANG_END_LABEL`) on the run and read it back: Prefect's server merges
     labels by reading then writing the row, so a merge at the same moment can drop it (it is written again then), and
-    on SQLite a write between them is refused with 503 (retried here after a short pause, until `budget_s`). True
-    when the label is on the run."""
+    on SQLite a write between them is refused with 503 (retried here after a short pause, until `budget_s`). Read
+    back once more `settle_s` later: on PostgreSQL a merge that read the row before this write may commit after the
+    first reading (another rank ending at the same moment), and the rank, gone, would leave rank 0 waiting for ever.
+    True when the label is on the run."""
     import random
     import time
 
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    key, value = GANG_END_LABEL.format(rank=rank), f"{outcome}@{_attempt()}"
+    key, value = GANG_END_LABEL.format(rank=rank), None
     give_up = time.monotonic() + budget_s
     attempt = 0
     err: Exception | None = None
@@ -295,9 +324,13 @@ def _mark_end(flow_run_id: Any, rank: int, outcome: str, logger: Any, *, budget_
             attempt += 1
             try:
                 with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
+                    if value is None:
+                        value = f"{outcome}@{_attempt(client, flow_run_id)}"
                     client.update_flow_run_labels(flow_run_id, {key: value})
                     if (client.read_flow_run(flow_run_id).labels or {}).get(key) == value:
-                        return True
+                        time.sleep(settle_s)
+                        if (client.read_flow_run(flow_run_id).labels or {}).get(key) == value:
+                            return True
             except Exception as exc:  # noqa: BLE001 - a 503 (or the server away a moment): tried again
                 err = exc
             time.sleep(random.uniform(0.05, 0.2) * min(attempt, 10))
