@@ -90,6 +90,40 @@ def test_only_rank_0_of_a_gang_waits_for_its_other_ranks(monkeypatch):
         FlowRunEngine.handle_success, FlowRunEngine.handle_crash = before
 
 
+def test_a_flow_called_by_rank_0s_function_does_not_wait_for_the_other_ranks(monkeypatch):
+    """The stage's function calls a Prefect flow on rank 0: that flow's engine (a subflow run, whose end no rank writes)
+    reports its own success at once; only the gang's run waits (the subflow waited for ever, and rank 0 with it)."""
+    import logging
+    from types import SimpleNamespace
+
+    from prefect.flow_engine import FlowRunEngine
+
+    import qosflow.prefect.gang_rank as gr
+
+    class Stop(BaseException):
+        pass
+
+    def read_flow_run(fid):
+        raise Stop(f"waits for the ranks of {fid}")
+
+    reported: list = []
+    before = FlowRunEngine.handle_success
+    monkeypatch.setattr(FlowRunEngine, "handle_success", lambda self, result: reported.append(self.flow_run.id) or result)
+    monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "gang-run")
+    try:
+        gr._wait_before_reporting(2)
+        client = SimpleNamespace(read_flow_run=read_flow_run, read_flow_run_states=lambda fid: [])
+
+        def engine(fid):
+            return SimpleNamespace(flow_run=SimpleNamespace(id=fid), client=client, logger=logging.getLogger("t"))
+
+        assert FlowRunEngine.handle_success(engine("subflow-run"), 7) == 7 and reported == ["subflow-run"]
+        with pytest.raises(Stop, match="gang-run"):
+            FlowRunEngine.handle_success(engine("gang-run"), 7)
+    finally:
+        FlowRunEngine.handle_success = before
+
+
 def test_an_end_label_of_another_attempt_does_not_count():
     from qosflow.prefect.gang_rank import _ended_ranks
 

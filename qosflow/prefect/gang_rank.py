@@ -209,8 +209,11 @@ def _wait_before_reporting(size: int) -> None:
     if orig is None or getattr(orig, "_qosflow_gang", False):
         return
 
+    gang_run = os.environ.get("PREFECT__FLOW_RUN_ID") or ""
+
     def handle_success(self: Any, result: Any) -> Any:
-        if _wait_for_ranks(self, size):
+        # (only the gang's run: a flow the stage's function calls runs its own engine, and no rank ends that run)
+        if str(getattr(self.flow_run, "id", "")) != gang_run or _wait_for_ranks(self, size):
             return orig(self, result)
         return result
 
