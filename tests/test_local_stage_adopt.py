@@ -128,3 +128,25 @@ def test_an_adopted_local_stage_that_ended_is_settled_by_its_flow_runs_state(tmp
     rescheduled, kept, progress = run(Running())
     assert len(rescheduled) == 1 and "process 4242" in rescheduled[0] and kept and not progress
     assert time.monotonic() - t < 10
+
+
+def test_a_stage_run_again_copies_only_its_own_output_to_the_workers_stdout(tmp_path, capfd):
+    """A stage run again under the same attempt id (its run put back in the queue: a stop of its worker, a process that died
+    while no worker ran) appends to the output file its failed attempt left (kept for that failure); the worker's stdout gets
+    what the new process writes, not the earlier attempt's output again (the tail started at the file's start)."""
+
+    async def go():
+        be = LocalBackend(ClusterSpec.uniform(1, 1, virtual=True), stream_output=True, output_dir=str(tmp_path))
+        cluster = await be.inventory()
+        (tmp_path / "s1.log").write_text("output of the earlier attempt\n")
+        h = await be.launch(LaunchSpec("s1", [sys.executable, "-c", "print('output of this attempt')"],
+                                       Placement("s1", ((0, 0),), ((0, 1.0),)), cluster))
+        st = await be.wait(h)
+        await asyncio.sleep(0.2)  # (the tail copies the rest as it ends)
+        await be.aclose()
+        return st
+
+    assert asyncio.run(go()).ok
+    out = capfd.readouterr().out
+    assert "output of this attempt" in out and "earlier attempt" not in out, out
+    assert (tmp_path / "s1.log").read_text() == "output of the earlier attempt\noutput of this attempt\n"  # (kept, appended)

@@ -245,6 +245,8 @@ class LocalBackend(Backend):
         anyway (`aclose`); only a worker that is killed leaves it running, to be adopted by the next one."""
         path = self.output_file(stage_id)
         with open(path, "ab") as out:
+            # (a run again under the same id appends to what its failed attempt left: only its own output is copied)
+            offset = out.seek(0, os.SEEK_END)
             if child:
                 proc: Any = await asyncio.create_subprocess_exec(*command, cwd=cwd or None, env=env, stdin=asyncio.subprocess.DEVNULL,
                                                                  stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
@@ -257,7 +259,7 @@ class LocalBackend(Backend):
         start = process_start(proc.pid)
         handle = StageHandle(stage_id, self.name, node, ref={"pid": proc.pid, "start": start, "output": path, **(ref or {})})
         if self.stream_output:
-            self._tail(stage_id, path, 0)
+            self._tail(stage_id, path, offset)
         return handle
 
     def adopt_unplaced(self, stage_id: str, pid: int, start: str | None, output: str | None = None,
