@@ -150,3 +150,32 @@ def test_a_stage_run_again_copies_only_its_own_output_to_the_workers_stdout(tmp_
     out = capfd.readouterr().out
     assert "output of this attempt" in out and "earlier attempt" not in out, out
     assert (tmp_path / "s1.log").read_text() == "output of the earlier attempt\noutput of this attempt\n"  # (kept, appended)
+
+
+def test_a_stage_launched_before_its_lease_recorded_its_process_is_stopped_not_run_twice(tmp_path):
+    """The worker was killed after the stage's process started but before its lease recorded it (the handle is written
+    right after the launch): the lease has no handle. The restarted worker reschedules the stage's run; the process of
+    the earlier attempt, found by the flow run its environment names (the stage's own session), is stopped first, or the
+    stage ran twice, both on the GPU the lease had booked. A process of another flow run is left alone."""
+    import os
+
+    env = dict(os.environ, PREFECT__FLOW_RUN_ID="fr-1")
+    p = subprocess.Popen(SLEEP, start_new_session=True, env=env)
+    other = subprocess.Popen(SLEEP, start_new_session=True, env=dict(os.environ, PREFECT__FLOW_RUN_ID="fr-2"))
+    try:
+        deadline = time.monotonic() + 10
+        while b"PREFECT__FLOW_RUN_ID=fr-1" not in open(f"/proc/{p.pid}/environ", "rb").read():  # (exec'd)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        released: list = []
+        lease = SimpleNamespace(lease_id="L1", stage_key="fr-1", attempt_id="fr-1", nodes=["host0"])
+        be = LocalBackend(stream_output=False, output_dir=str(tmp_path))
+        h, stopped = asyncio.run(QosflowWorker._take_back_local(_worker(be, released), lease, None))
+        assert h is None and stopped == p.pid and released == ["L1"]
+        assert p.wait(10) == -signal.SIGKILL
+        assert alive(other.pid)
+    finally:
+        for q in (p, other):
+            if q.poll() is None:
+                q.kill()
+                q.wait()

@@ -1761,7 +1761,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         sched = self.scheduler
         assert sched is not None and self._backend is not None
         stopped = None
-        if handle is not None and self._backend.name == "local":
+        recorded = handle is not None
+        if self._backend.name == "local":  # (also without a handle: the worker was killed as it launched the stage)
             handle, stopped = await self._take_back_local(lease, handle)
         _keep(self.recovered, {"stage_key": fid, "attempt": lease.attempt_id, "nodes": list(lease.nodes), "adopted": handle is not None})
         if handle is None:
@@ -1773,7 +1774,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             where = ", ".join(lease.nodes)
             if stopped is not None:  # (it said "is no longer running" of the process it had just killed)
                 why = (f"its process {stopped} on {where} was still running, started by an earlier worker process, and "
-                       + ("an early check is not adopted (it would run on one GPU for good)" if str(lease.attempt_id).endswith("-check")
+                       + ("its lease did not record it (that worker was killed as it launched it)" if not recorded
+                          else "an early check is not adopted (it would run on one GPU for good)" if str(lease.attempt_id).endswith("-check")
                           else "its lease did not record its start time (an older qosflow)")
                        + ": it was stopped")
                 self._logger.warning("recovery: stage %s (attempt %s): %s; rescheduling its flow run", fid, lease.attempt_id, why)
@@ -1817,16 +1819,25 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._adopted_tasks.add(t)
         t.add_done_callback(self._adopted_tasks.discard)
 
-    async def _take_back_local(self, lease: Any, handle: StageHandle) -> tuple[StageHandle | None, int | None]:
+    async def _take_back_local(self, lease: Any, handle: StageHandle | None) -> tuple[StageHandle | None, int | None]:
         """A local stage of an earlier worker process (killed: a stop ends its stages) found through its lease: its
         process, a session of its own, may run on. Adopted (the handle to watch) when it is the very process the lease
         recorded (its pid and its start time, so that a pid another process got since is not taken for it): not an
         early check (it would run on one GPU for good). Otherwise its lease is released, and a process of it that still
         runs (an early check; a lease of an older version, without a start time: its environment names the flow run)
-        is stopped, so that the stage never runs twice: (None, its pid) then, (None, None) if nothing ran."""
+        is stopped, so that the stage never runs twice: (None, its pid) then, (None, None) if nothing ran. A lease
+        without a handle (the worker was killed between the stage's launch and `_lease_handle`): a process of its
+        flow run that runs in a session of its own on this host is that attempt's, stopped."""
         from qosflow.backends.local import kill_tree, process_start
 
         fid = lease.stage_key
+        if handle is None:
+            stopped = None
+            for pid in _sessions_running_flow(fid):
+                kill_tree(pid, 9)
+                stopped = pid
+            await asyncio.to_thread(self.leases.release, lease.lease_id)
+            return None, stopped
         ref = dict(handle.ref or {})
         pid, start = ref.get("pid"), ref.get("start")
         alive = bool(pid and start and process_start(int(pid)) == start)
@@ -3275,6 +3286,27 @@ def _process_runs_flow(pid: int, flow_run_id: str) -> bool:
     except OSError:
         return False
     return f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in env
+
+
+def _sessions_running_flow(flow_run_id: str) -> list[int]:
+    """The session leaders of this host (a local stage's process: `start_new_session`) whose environment names flow run
+    `flow_run_id`, this process aside."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    out = []
+    for e in entries:
+        if not e.isdigit() or int(e) == os.getpid():
+            continue
+        try:
+            if os.getsid(int(e)) != int(e):
+                continue
+        except OSError:
+            continue
+        if _process_runs_flow(int(e), flow_run_id):
+            out.append(int(e))
+    return out
 
 
 def _placement_from_lease(lease: Any, cluster: ClusterSpec, job_id: str):
