@@ -179,3 +179,29 @@ def test_a_stage_launched_before_its_lease_recorded_its_process_is_stopped_not_r
             if q.poll() is None:
                 q.kill()
                 q.wait()
+
+
+def test_a_stage_that_ends_as_it_is_adopted_is_not_said_stopped(tmp_path):
+    """The stage's process ends between the worker's look at it and its adoption (`adopt_unplaced` finds it gone): nothing
+    is killed (its pid may be another process's already) and the worker does not say it stopped a running process of an
+    older qosflow: (None, None), its run rescheduled unless it reported its end."""
+    p = subprocess.Popen(SLEEP, start_new_session=True)
+    try:
+        start = process_start(p.pid)
+        be = LocalBackend(stream_output=False, output_dir=str(tmp_path))
+        real = be.adopt_unplaced
+
+        def adopt(*a, **kw):  # (it ends right then)
+            p.kill()
+            p.wait()
+            return real(*a, **kw)
+
+        be.adopt_unplaced = adopt
+        released: list = []
+        lease, handle = _lease("fr-1", p.pid, start)
+        h, stopped = asyncio.run(QosflowWorker._take_back_local(_worker(be, released), lease, handle))
+        assert h is None and stopped is None and released == ["L1"]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

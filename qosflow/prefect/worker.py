@@ -1847,6 +1847,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                         ref={k: v for k, v in ref.items() if k not in ("reaped", "adopted")})
             if got is not None:
                 return got, None
+            alive = process_start(int(pid)) == start  # (it ended meanwhile: nothing to stop, its pid may be another's)
         stopped = None
         if pid and (alive or (not start and _process_runs_flow(int(pid), fid))):
             kill_tree(int(pid), 9)
