@@ -401,7 +401,8 @@ def test_cancelling_an_adopted_local_stage_kills_it(make_lab, what):
 def test_a_stop_of_the_adopting_worker_ends_the_adopted_local_stage_and_requeues_it(make_lab):
     """A local pool's stop ends its stages, adopted ones too: the restarted worker that adopted stage a is stopped
     (SIGTERM): a's process (started by the killed worker) is killed and its run goes back to the pool's queue, as for a
-    stage the worker started; no lease is left."""
+    stage the worker started; no lease is left. The stop then ends the pipeline it adopted too (SIGTERM: its engine
+    cancels the stage run it waited for, `_cancel_stage_run`), so the run may end Cancelled by it right after."""
     lab = make_lab("local-stage-adopted-stop")
     w1 = lab.start()
     wait_log(lab.wlog, "qosflow worker:", w1)
@@ -414,6 +415,13 @@ def test_a_stop_of_the_adopting_worker_ends_the_adopted_local_stage_and_requeues
     os.killpg(w2.pid, signal.SIGTERM)
     w2.wait(60)
     assert not alive(pid), f"the adopted stage outlived its stopped worker\n{lab.log()[-3000:]}"
-    st = flow_run_state(sid)
-    assert st.name == "AwaitingRetry", f"{st.name}: {st.message}"
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        states = [(x.name, x.message or "") for x in c.read_flow_run_states(sid)]
+    # (requeued by the stop first; its pipeline, stopped after it, may cancel it: the order is the worker's, the pipeline's
+    # cancel lands if its engine handles its SIGTERM within the backend's grace, as here on a 2-core machine every time)
+    assert any(n == "AwaitingRetry" and "stopped while the stage ran" in m for n, m in states), states
+    name, message = states[-1]
+    assert name == "AwaitingRetry" or (name == "Cancelled" and "its pipeline stopped waiting for it" in message), states
     assert not lab.leases(), lab.leases()
