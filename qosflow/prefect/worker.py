@@ -1034,9 +1034,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         infra_failures = 0
         started = False
         label_task: asyncio.Task | None = None  # labels are written right after the launch, off its path
+        base_id = await self._attempt_base(flow_run)
         check_s = self._early_check_seconds(configuration, spec, job)
         if check_s:
-            outcome = await self._early_check(entry, spec, check_s, command, env, cwd, flow_run, run_logger)
+            outcome = await self._early_check(entry, spec, check_s, command, env, cwd, flow_run, run_logger, base_id)
             if outcome.get("launched"):
                 task_status.started(outcome["infra_id"])
                 started = True
@@ -1058,7 +1059,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 label_later.cancel()
             n = len(attempts) + 1
             launch = LaunchSpec(
-                stage_id=fid if n == 1 else f"{fid}-r{n - 1}",  # one id per attempt: an agent never starts one twice
+                # one id per attempt (an agent never starts one twice), and per pickup of the run (`_attempt_base`)
+                stage_id=base_id if n == 1 else f"{base_id}-r{n - 1}",
                 command=gang_command(command, grant.placement),
                 placement=grant.placement,
                 cluster=sched.cluster,
@@ -2692,7 +2694,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         return secs
 
     async def _early_check(self, entry: StageEntry, spec: Any, check_s: float, command: list[str], env: dict[str, str],
-                           cwd: str | None, flow_run: "FlowRun", run_logger: Any) -> dict[str, Any]:
+                           cwd: str | None, flow_run: "FlowRun", run_logger: Any, base_id: str | None = None) -> dict[str, Any]:
         """Run the stage for `check_s` seconds on one GPU (one rank, a few cores). It fails there: a user
         error, reported without taking the full placement. It runs on: stopped with SIGKILL (its
         Prefect engine cannot mark the run crashed), and the stage is placed for real. It completes
@@ -2708,6 +2710,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                    expected_duration=check_s, meta=dict(job.meta, early_check=True))
         centry = StageEntry(JobState(cjob), f"{entry.name} (early check)", fid, entry.pipeline, None, ready_at=entry.ready_at)
         t0 = time.time()
+        check_id = f"{base_id or fid}-check"
         from qosflow.store.leases import SlotTaken
 
         for tries_left in range(5, -1, -1):
@@ -2716,7 +2719,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             except StageCancelled:
                 return {}
             launch = LaunchSpec(
-                stage_id=f"{fid}-check", command=command, placement=grant.placement, cluster=sched.cluster,
+                stage_id=check_id, command=command, placement=grant.placement, cluster=sched.cluster,
                 env={**env, "QOSFLOW_EARLY_CHECK": "1", "QOSFLOW_EARLY_CHECK_SECONDS": f"{check_s:g}"}, cwd=cwd, cpusets=grant.cpusets,
                 labels={"prefect.io/flow-run-id": fid, "prefect.io/flow-run-name": str(flow_run.name), "qosflow.io/early-check": "true"},
             )
@@ -2772,7 +2775,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         finally:
             self._unregister(fid)
             await self._free(fid, ok=True)
-            self._backend.drop_progress(f"{fid}-check")
+            self._backend.drop_progress(check_id)
         took = time.time() - t0
         rec = {"flow_run_id": fid, "stage": entry.name, "host": info["host"], "seconds": round(took, 3), "check_s": check_s}
         if status.kind not in (ExitKind.INFRA, ExitKind.CANCELLED) or passed:
@@ -2830,6 +2833,30 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             code = 0
         out["result"] = QosflowWorkerResult(status_code=code, identifier=out["infra_id"])
         return out
+
+    async def _attempt_base(self, flow_run: "FlowRun") -> str:
+        """The id of a stage run's first attempt in this pickup (its others add `-r1`, `-r2`, ...; its early check
+        `-check`): its flow run id the first time a worker takes the run, `<id>-p<k>` the k-th time after that (a run
+        put back in the queue: recovery, a worker stopped or killed). An agent keeps the record of an ended stage,
+        and a Kubernetes Job stays, under its attempt id: a launch under an id used before was answered with that
+        earlier attempt's end (409: "adopt it, never start it twice"), so the stage did not run and its run got the
+        old exit status (e.g. its process killed while no worker ran: one more infrastructure failure, or an early
+        check that had passed reported as cancelled). k counts the run's Pending states (one per pickup, this one's
+        included), read only when the run may have been taken before: it ran, or its state is not a plain
+        `Scheduled` (AwaitingRetry, Late). If they cannot be read, a random suffix keeps the id new."""
+        fid = str(flow_run.id)
+        st = getattr(flow_run, "state", None)
+        if not getattr(flow_run, "run_count", 0) and (st is None or st.name == "Scheduled"):
+            return fid
+        try:
+            states = await self.client.read_flow_run_states(flow_run.id)
+            k = sum(1 for x in states if x.type.value == "PENDING") - 1
+        except Exception as exc:  # noqa: BLE001 - cannot count: an id no launch used
+            import uuid
+
+            self._logger.warning("stage %s: its state history could not be read (%s): attempt ids get a random suffix", fid, exc)
+            return f"{fid}-p{uuid.uuid4().hex[:8]}"
+        return fid if k <= 0 else f"{fid}-p{k}"
 
     async def _flow_run(self, flow_run_id: Any) -> Any:
         """The flow run as the server has it now (None if it cannot be read)."""
