@@ -380,9 +380,16 @@ def test_doc_pipeline_examples_define_every_stage_they_call(doc):
 
     blocks = [b for b in _code_blocks(doc) if "@qos_flow" in b]
     assert blocks, f"{doc} has no @qos_flow example"
-    for src in blocks:
+    import linecache
+
+    for i, src in enumerate(blocks):
         ns: dict = {"__name__": "doc_example"}
-        exec(compile(src, doc, "exec"), ns)
+        # the block's own lines under a name of its own: compiled as `doc`, the decorators' inspect.getsource
+        # (Prefect's Task keeps the source) read the block's line numbers from the whole document, which failed
+        # with a TokenError once the lines there happened to open a bracket they did not close
+        name = f"<{doc} example {i + 1}>"
+        linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+        exec(compile(src, name, "exec"), ns)
         for obj in list(ns.values()):
             fn = getattr(obj, "fn", None)  # Prefect flows/tasks keep the decorated function here
             fn = getattr(fn, "__wrapped__", fn)
