@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,13 @@ def test_status_shows_the_running_stage_and_why_the_other_waits(prefect_server, 
         from qosflow.prefect.labels import label_float
         from qosflow.prefect.status import PLACED_CLOCK_SLACK_S
 
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
         with get_client(sync_client=True) as c:
-            stage_runs = [fr for fr in c.read_flow_runs() if fr.id.hex in {s["flow_run_id"].replace("-", "") for s in data["stages"]}]
+            # by id: the session's server holds every test's runs and read_flow_runs() returns one page of them
+            # (the second stage run fell outside it in a full CI run of 2026-11-28)
+            ids = [uuid.UUID(s["flow_run_id"]) for s in data["stages"]]
+            stage_runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
             assert len(stage_runs) == 2
             for fr in stage_runs:
                 pending = [h.timestamp.timestamp() for h in c.read_flow_run_states(fr.id) if h.is_pending()]
