@@ -83,9 +83,17 @@ def test_a_stage_nobody_takes_is_explained_and_sigterm_ends_the_pipeline(prefect
         if proc.poll() is None:
             proc.kill()
     with get_client(sync_client=True) as client:
-        runs = [r for r in client.read_flow_runs() if (r.name or "").endswith(".lonely")]
+        runs = [r for r in _pool_runs(client, pool) if (r.name or "").endswith(".lonely")]
     assert runs and all(r.state is not None and r.state.is_cancelled() for r in runs), [(r.name, r.state) for r in runs]
 
+
+
+def _pool_runs(client, pool: str) -> list:
+    """The flow runs of work pool `pool`. (read_flow_runs() without a filter is one page, the server's default
+    limit, of the session server's runs: every test's, so the ones looked for may fall outside it.)"""
+    from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
+
+    return client.read_flow_runs(work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])))
 
 @pytest.mark.slow
 def test_ctrl_c_cancels_a_stage_called_directly_that_no_worker_took(prefect_server, tmp_path):
@@ -110,7 +118,7 @@ def test_ctrl_c_cancels_a_stage_called_directly_that_no_worker_took(prefect_serv
         if proc.poll() is None:
             proc.kill()
     with get_client(sync_client=True) as client:
-        runs = [r for r in client.read_flow_runs() if (r.name or "").endswith(".lonely_direct")]
+        runs = [r for r in _pool_runs(client, pool) if (r.name or "").endswith(".lonely_direct")]
     assert len(runs) == 1 and runs[0].state is not None and runs[0].state.is_cancelled(), [(r.name, r.state) for r in runs]
 
 
