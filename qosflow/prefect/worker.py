@@ -386,6 +386,10 @@ async def patch_labels(client: Any, flow_run_id: Any, labels: dict[str, str], *,
         await asyncio.sleep(_JITTER.uniform(0.05, 0.2) * min(attempt, 5))
 
 
+#: flow run ids per read of the server (its default limit, `PREFECT_SERVER_API_DEFAULT_LIMIT`: a larger `limit` is refused)
+RUNS_PAGE = 200
+
+
 class QosflowWorkerResult(BaseWorkerResult):
     """How a stage process ended."""
 
@@ -1698,13 +1702,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         """Of these pipeline runs, those that ended without completing, each with its state (Crashed, Failed,
         Cancelled or Cancelling). A pipeline that completed is left out: one may dispatch a stage and not
         wait for it on purpose."""
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
         ids = sorted({str(p) for p in pipeline_run_ids if p and _is_uuid(p)})
         if not ids:
             return {}
         try:
-            runs = await self.client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)), limit=len(ids))
+            runs = await self._runs_by_id(ids)
         except Exception as exc:  # (looked at again at the next heartbeat)
             self._logger.debug("could not read the pipelines' states: %s", exc)
             return {}
@@ -2834,6 +2837,19 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         out["result"] = QosflowWorkerResult(status_code=code, identifier=out["infra_id"])
         return out
 
+    async def _runs_by_id(self, ids: list[str]) -> list[Any]:
+        """The flow runs of `ids`, read `RUNS_PAGE` ids at a time. The server answers a filter with at most its
+        default limit (200) of runs, and refuses a larger `limit`: with more stages queued or running than that, the
+        cancellation watch saw only the first 200 (a cancelled stage beyond them was never stopped), and the check of
+        the pipelines' ends failed as a whole (422) at every heartbeat."""
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        out: list[Any] = []
+        for i in range(0, len(ids), RUNS_PAGE):
+            part = list(ids[i:i + RUNS_PAGE])
+            out.extend(await self.client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=part)), limit=len(part)))
+        return out
+
     async def _attempt_base(self, flow_run: "FlowRun") -> str:
         """The id of a stage run's first attempt in this pickup (its others add `-r1`, `-r2`, ...; its early check
         `-check`): its flow run id the first time a worker takes the run, `<id>-p<k>` the k-th time after that (a run
@@ -3128,7 +3144,6 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
     async def _watch_cancellations(self) -> None:
         """Kill (or dequeue) stage runs whose flow run is being cancelled."""
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
         from prefect.client.schemas.objects import StateType
         from prefect.states import Cancelled
 
@@ -3142,7 +3157,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if not ids:
                 continue
             try:
-                runs = await self.client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(ids))))
+                runs = await self._runs_by_id(sorted(ids))
             except Exception:
                 continue
             listed = {str(fr.id) for fr in runs}
