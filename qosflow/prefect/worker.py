@@ -386,6 +386,18 @@ async def patch_labels(client: Any, flow_run_id: Any, labels: dict[str, str], *,
         await asyncio.sleep(_JITTER.uniform(0.05, 0.2) * min(attempt, 5))
 
 
+def _done_with_output(path: str | None, *, remove: bool) -> None:
+    """A process's output file (a pipeline's, a local stage's) once the worker is done with it: removed, or kept for a
+    failure, its retention (`QOSFLOW_PIPELINE_OUTPUT_MAX_AGE`) counting from now rather than from its last line (days
+    ago for a quiet run). Nothing happens when there is no path or the file is gone."""
+    if not path:
+        return
+    try:
+        os.remove(path) if remove else os.utime(path)
+    except OSError:
+        pass
+
+
 #: flow run ids per read of the server (its default limit, `PREFECT_SERVER_API_DEFAULT_LIMIT`: a larger `limit` is refused)
 RUNS_PAGE = 200
 
@@ -1213,11 +1225,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self._failed_last.discard(job.model)
         for a in attempts:  # read: a long-running worker keeps no file per stage it ran
             self._backend.drop_progress(a["attempt_id"])
-        if succeeded and handle.ref.get("output"):  # (a local stage's output file: kept for a failure, as a pipeline's)
-            try:
-                os.remove(handle.ref["output"])
-            except OSError:
-                pass
+        if succeeded:  # (a local stage's output file: kept for a failure, as a pipeline's)
+            _done_with_output(handle.ref.get("output"), remove=True)
         rec = dict(info, flow_run_id=fid, ready=entry.ready_at, queued=now, placed=grant.granted_at, launched=launched_at, ended=finished,
                    exited=ended, actual_s=round(actual, 3), exit=status.kind.value, exit_reason=status.reason, attempts=attempts,
                    flow_state=flow_state)
@@ -1984,15 +1993,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await asyncio.to_thread(self.leases.forget_pipeline, fid)
         except Exception as exc:
             self._logger.warning("could not remove pipeline run %s's record from the lease store: %s", fid, exc)
-        path = output or (handle.ref.get("output") if handle is not None else None)
-        if path:
-            try:
-                if remove_output:
-                    os.remove(path)
-                else:  # kept for its failure: its retention counts from now, not from its last line (days ago for a quiet run)
-                    os.utime(path)
-            except OSError:
-                pass
+        _done_with_output(output or (handle.ref.get("output") if handle is not None else None), remove=remove_output)
 
     async def _watch_adopted(self, fid: str, handle: StageHandle, allocated: bool) -> None:
         assert self._backend is not None
@@ -2037,12 +2038,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         elif status.kind is not ExitKind.CANCELLED:
             await self._reschedule(fid, f"qosflow: the adopted stage's process {pid} on {_hostname()} ended without its flow run "
                                         "reporting its end (killed, or it died); placed again")
-        for path, remove in ((handle.ref.get("progress"), True), (handle.ref.get("output"), state is not None and state.is_completed())):
-            if path:
-                try:
-                    os.remove(path) if remove else os.utime(path)
-                except OSError:
-                    pass
+        _done_with_output(handle.ref.get("progress"), remove=True)
+        _done_with_output(handle.ref.get("output"), remove=state is not None and state.is_completed())
 
     # ------------------------------------------------------------------ heartbeats
     async def _progress_loop(self, interval: float) -> None:
@@ -2794,11 +2791,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 passed, status = False, ExitStatus(ExitKind.USER, status.code, state.message or kind.lower())
             elif not passed and status.ok:
                 status = ExitStatus(ExitKind.INFRA, status.code, "the stage's process ended without its flow run ending")
-        if (passed or status.ok) and handle.ref.get("output"):  # (a local check's output file: kept for a failure only)
-            try:
-                os.remove(handle.ref["output"])
-            except OSError:
-                pass
+        if passed or status.ok:  # (a local check's output file: kept for a failure only)
+            _done_with_output(handle.ref.get("output"), remove=True)
         if passed:
             self._checked_ok.add(job.model)
             rec["verdict"] = "passed"
