@@ -39,6 +39,22 @@ Examples:
 """
 
 
+def _warn_estimator_import(estimator: str) -> None:
+    """--estimator module:attr that this machine cannot import: a warning, not an error (the pool's workers may run
+    where the module is). Saved without a word, it made every worker of the pool log 'qosflow worker setup failed: No
+    module named ...' every 5 s and take no run."""
+    from qosflow.errors import SpecError
+    from qosflow.prefect.scheduler import check_estimator_import
+
+    try:
+        check_estimator_import(estimator)
+    except SpecError as exc:
+        said = str(exc).replace("this worker's Python path", "this machine's Python path")
+        typer.secho(f"warning: {said}. The policy block is saved with it all the same, and every worker of the pool "
+                    "imports it when it starts and takes no run until it can: put it on the workers' Python path "
+                    "before starting them", err=True, fg="yellow")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("init", help=HELP)
     def init_cmd(
@@ -69,6 +85,7 @@ def register(app: typer.Typer) -> None:
         check_pool_name(pool, blocks=True)
         get_policy(policy)  # unknown names fail here with the list of known ones
         check_estimator_name(estimator)
+        _warn_estimator_import(estimator)
         deadline = None if deadline is None else deadline_seconds(deadline)
         check_cores_per_host(cores)
         managed = f"{pool}-cluster"

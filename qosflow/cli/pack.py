@@ -209,6 +209,9 @@ def register(app: typer.Typer) -> None:
             names_left = [str(p) for p in (json_out, out_dir and out_dir / "pack_curve.csv",
                                            out_dir and not no_plots and out_dir / "pack_curve.png") if p and p not in written]
             raise interrupted(written, names_left) from None
+        if out_dir is None:
+            console.print("nothing written: --json FILE keeps these results, --out DIR the allocation curve "
+                          "(pack_curve.csv, pack_curve.png)", style="dim", highlight=False)
         if replaced_runs:
             console.print(f"[yellow]note:[/] {out_dir} also holds {', '.join(p.name for p in replaced_runs)}, the results of "
                           f"another run whose pack_curve.csv/.png went to {out_dir} too: those there now are this run's "

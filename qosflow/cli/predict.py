@@ -202,7 +202,8 @@ def stages_cmd(
         for r in rows:
             mape = "-" if r["mape"] is None else f"{100 * r['mape']:.0f} %"
             table.add_row(r["signature"], str(r["runs"]), "-" if r["predicts_s"] is None else f"{r['predicts_s']:.1f} s",
-                          r["basis"], mape, f"{r['solo_samples']}+{r['shared_samples']}+{r['profiled_samples']}")
+                          # 'declared + history(n=2)': wrapped at a space, not as 'declared+his' / 'tory(n=2)'
+                          r["basis"].replace("+", " + "), mape, f"{r['solo_samples']}+{r['shared_samples']}+{r['profiled_samples']}")
         console.print(table)
         console.print("predicts: the duration planned with now (its 80 % band and the runs' last and median durations "
                       "are in --json); MAPE: error of the predictions the runs were scheduled on (how many: in --json); samples: step-time "
@@ -303,6 +304,15 @@ def profile_cmd(
     """Run a stage function briefly at one or two configurations and store its step times.
 
     TARGET is MODULE:FUNCTION, imported with the current directory on the path and called with no arguments (or steps=N+1, the warm-up step and the N measured, if it takes `steps`, `max_steps` or `num_steps`). It must report its steps with qosflow.track(iterable) or qosflow.report_progress(step, total); step 1 is a warm-up, the next N are measured. The function and anything it started are stopped after N steps or --budget seconds. Without a GPU this says so and measures CPU time only. Exits 1 when no step could be measured.
+
+    Examples:
+
+      qosflow profile mytrain:train --steps 10
+
+      qosflow profile mytrain:train --cores 1,4 --budget 120 --json out/profile.json
+
+    A stage that takes arguments without defaults: profile a small function that builds them and calls the stage's
+    function, with --signature as `qosflow predict stages` names the stage (docs/predictor.md).
     """
     from rich.console import Console
     from rich.table import Table

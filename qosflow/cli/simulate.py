@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         cluster: Optional[str] = typer.Option(None, "--cluster", help="NxG (e.g. 8x8), a Muri cluster CSV, an Alibaba node list, or a Gavel spec V:P:K (V100s:P100s:K80s, e.g. 36:36:36; jobs run at their measured speed on each model) (default: the trace's own, else 8x8)"),
         policies: str = typer.Option("fifo,sjf,srtf,tiresias,sjf-ffs,sjf-bsbf,genie,qosflow", "--policies",
                                      # spaced, so that an 80-column terminal wraps the list instead of cutting it ("sjf-ffs,…")
-                                     show_default="fifo, sjf, srtf, tiresias, sjf-ffs, sjf-bsbf, genie, qosflow", help="comma-separated policy names (qosflow: ours; the others are the baselines)"),
+                                     show_default="fifo, sjf, srtf, tiresias, sjf-ffs, sjf-bsbf, genie, qosflow", help="comma-separated policy names, of: fifo, sjf, srtf, tiresias, sjf-ffs, sjf-bsbf, genie, gavel (for mixed GPU models, e.g. --cluster 36:36:36; preempts every 6 min) and qosflow (ours; the others are the baselines); docs/policies.md"),
         seed: int = typer.Option(0, "--seed", min=0, help="seed for deadlines, failures, noise and synthetic traces"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as JSON here"),
         out: Optional[Path] = typer.Option(None, "--out", help="directory for the PNG plots and one CSV per run with every job's times, deadline outcome and the policy's note on it, jobs-<policy>.csv (default: next to --json)"),
@@ -120,7 +120,7 @@ def register(app: typer.Typer) -> None:
             raise interrupted([], planned) from None
         speed = default_speed_model(throughputs)
         console.print(
-            f"[bold]{wl.name}[/]: {len(wl.jobs)} jobs on {spec.name} ({len(spec.nodes)} nodes, {spec.num_gpus} GPUs); "
+            f"[bold]{wl.name}[/]: {_n(len(wl.jobs), 'job')} on {spec.name} ({_n(len(spec.nodes), 'node')}, {_n(spec.num_gpus, 'GPU')}); "
             "estimates: " + ", ".join(f"noisy (±{error:.0%})" if k == "noisy" else k for k in kinds)
         )
         console.print(speed.describe(), style="dim", highlight=False)
@@ -196,10 +196,17 @@ def register(app: typer.Typer) -> None:
                     f"policies will look alike. For a loaded cluster give about {JOBS_PER_GPU} jobs per GPU: --jobs "
                     f"{JOBS_PER_GPU * g}, or {n} jobs on about {max(1, round(n / JOBS_PER_GPU))} GPUs (see docs/workloads.md)."
                 )
-        for jid, why in wl.rejected[:10]:
-            console.print(f"[yellow]rejected[/] {jid}: {why}")
-        if len(wl.rejected) > 10:
-            console.print(f"[yellow]… {len(wl.rejected) - 10} more rejected jobs[/]")
+        shown, kinds_left = _rejected_to_show(wl.rejected)
+        for jid, why in shown:
+            console.print(f"[yellow]rejected[/] {jid}: {why}", highlight=False)
+        if len(wl.rejected) > len(shown):
+            # (was "… 6 more rejected jobs": the one job of a GPU model no node has hid behind ten Pending pods)
+            more = len(wl.rejected) - len(shown)
+            console.print(f"[yellow]… {more} more rejected job{'s' if more > 1 else ''}[/]"
+                          + (f", for {kinds_left} other reason{'s' if kinds_left > 1 else ''}" if kinds_left else
+                             ", for the reasons above")
+                          + ("; --json lists them all (workload.rejected)" if json_out is None else
+                             f"; {json_out} lists them all (workload.rejected)"), highlight=False)
         results, metrics = {}, {}
         by_est: dict = {}  # estimator name -> policy -> Metrics
         failed: dict[str, str] = {}  # policy label -> why its run stopped (SimulationError)
@@ -313,11 +320,44 @@ def register(app: typer.Typer) -> None:
                           f"run whose plots and per-job CSVs went to {out_dir} too: those there now are this run's ({json_out.name}). "
                           "Give each run its own --out (e.g. --out " + str(json_out.with_suffix("")) + ") to keep them apart.",
                           highlight=False)
+        if out_dir is None:  # the README's first example wrote nothing, and said nothing of the files it can write
+            console.print("nothing written: --json FILE keeps these results, --out DIR the PNG plots and the per-job CSVs",
+                          style="dim", highlight=False)
         if failed:
             raise SimulationError(
                 f"{len(failed)} run(s) failed: {', '.join(failed)}; the others' results are above"
                 + (" and in the JSON ('failed_policies')" if json_out else "")
             )
+
+
+def _n(count: int, noun: str) -> str:
+    """'1 node', '8 nodes' (was '1 nodes, 1 GPUs' on --cluster 1x1)."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+#: rejected jobs listed one by one before the rest are counted
+REJECTED_SHOWN = 10
+
+
+def _rejection_kind(why: str) -> str:
+    """A rejection's reason without its particulars (numbers, quoted names, the line): the reasons of one kind,
+    e.g. 'asks for 16 GPUs; the cluster has 12' and '... 8 GPUs; ... 12', read alike."""
+    import re
+
+    return re.sub(r"'[^']*'|\d+(?:[.:]\d+)*", "#", why)
+
+
+def _rejected_to_show(rejected: list[tuple[str, str]], most: int = REJECTED_SHOWN) -> tuple[list[tuple[str, str]], int]:
+    """The rejected jobs to list: the first of each kind of reason first (in trace order), then the next ones,
+    up to `most`; and how many kinds of reason none of those shown has. In trace order the ten lines were all
+    one reason (Pending pods) while the job rejected for a GPU model no node has came eleventh, unsaid."""
+    firsts: dict[str, int] = {}
+    for i, (_, why) in enumerate(rejected):
+        firsts.setdefault(_rejection_kind(why), i)
+    picked = sorted(list(firsts.values())[:most])
+    rest = [i for i in range(len(rejected)) if i not in set(picked)][: most - len(picked)]
+    order = sorted(picked + rest)
+    return [rejected[i] for i in order], max(0, len(firsts) - most)
 
 
 def _parse_users(given: str, trace: str, fmt: str | None) -> int | list[float]:

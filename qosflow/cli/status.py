@@ -63,6 +63,19 @@ def _pipeline_table(procs: list) -> "Table":
     return t
 
 
+def _where(host: str | None, gpus: str | None) -> str:
+    """Where a stage runs: 'host0 GPU 0,1' for the placement label 'host0:0,host0:1' (was 'host0 host0:0,host0:1');
+    GPUs of other hosts (a gang across hosts) keep their host."""
+    host = (host or "").strip()
+    ids = [g.strip() for g in (gpus or "").split(",") if g.strip() not in ("", "-")]  # '-': a stage without a GPU
+    if not ids:
+        return host or "-"
+    mine = [g.rsplit(":", 1)[1] for g in ids if ":" in g and g.rsplit(":", 1)[0] == host]
+    if host and len(mine) == len(ids):
+        return f"{host} GPU{'s' if len(mine) > 1 else ''} {','.join(mine)}"
+    return f"{host} {', '.join(ids)}".strip()
+
+
 def _count(xs) -> dict[str, int]:
     out: dict[str, int] = {}
     for x in xs:
@@ -156,10 +169,16 @@ def register(app: typer.Typer) -> None:
         else:
             t = Table(title="stage runs")
             users = any(s.user for s in st.stages)  # (a column only when some stage says whom it runs for)
-            for col in ("stage", "pipeline", *(("user",) if users else ()), "class", "phase", "where", "for", "done", "predicted", "deadline in", "why it waits"):
-                t.add_column(col, overflow="fold")
+            # where a stage runs, or why it waits, in one column: the "why it waits" column of its own, empty for every
+            # running stage, took its share of 120 columns, and the names broke ('train_softma' / 'x')
+            for col in ("stage", "pipeline", *(("user",) if users else ()), "class", "phase", "for", "done", "predicted",
+                        "deadline in", "where, or why it waits"):
+                # the short figures whole; the names and the last column wrap when the table must narrow
+                t.add_column(col, overflow="fold", no_wrap=col not in ("stage", "pipeline", "user", "where, or why it waits"))
             for s in st.stages:
-                where = f"{s.host} {s.gpus}".strip() if s.phase == "running" else "QoS queue" if s.phase == "queued" else "no worker yet"
+                where = (_where(s.host, s.gpus) if s.phase == "running" else
+                         f"QoS queue: {s.why_waiting}" if s.phase == "queued" and s.why_waiting else
+                         "QoS queue" if s.phase == "queued" else "no worker yet" + (f": {s.why_waiting}" if s.why_waiting else ""))
                 if s.elastic_note:
                     where += f" ({s.elastic_note})"
                 if s.phase == "running" and s.host in draining:
@@ -167,8 +186,8 @@ def register(app: typer.Typer) -> None:
                 done = "-" if s.done_pct is None else f"{s.done_pct:.0f} %"
                 # placed, its process still starting (Pending): 'starting', not 'running'
                 phase = "starting" if s.phase == "running" and s.state.upper() == "PENDING" else s.phase
-                t.add_row(s.name, s.pipeline or "-", *((s.user or "-",) if users else ()), s.priority or "-", phase, where, _dur(s.since_s), done, _dur(s.predicted_s),
-                          _dur(s.deadline_in_s), s.why_waiting or "")
+                t.add_row(s.name, s.pipeline or "-", *((s.user or "-",) if users else ()), s.priority or "-", phase, _dur(s.since_s), done,
+                          _dur(s.predicted_s), _dur(s.deadline_in_s), where)
             console.print(t)
         if st.pipeline_processes:
             console.print(_pipeline_table(st.pipeline_processes))

@@ -81,9 +81,11 @@ def render_table(metrics: Mapping[str, Metrics], bounds: Bounds, title: str = "S
     # (on a cluster of mixed GPU models: how much of each model's GPU-time each policy used)
     models = sorted({g for m in metrics.values() for g in m.gpu_util_by_model})
     cols = ["policy", "avg JCT", "median JCT", "p99 JCT", "makespan", "avg queue", "DSR", "GPU alloc"]
-    cols += ["alloc per GPU model"] * bool(models) + ["preempt", "jobs"]
+    cols += ["GPU alloc\nper model"] * bool(models) + ["preempt", "jobs"]
     for col in cols:
-        t.add_column(col, justify="right" if col != "policy" else "left")
+        # the per-model cell is one "MODEL NN%" a line: wrapped at the column's width it broke between a model
+        # and its share ("P100 19% T4" / "0% V100M16 0%" on the Alibaba node list)
+        t.add_column(col, justify="right" if col != "policy" else "left", no_wrap=col == "GPU alloc\nper model")
     best = min(metrics.values(), key=lambda m: m.avg_jct).policy if metrics else None
     for name, m in metrics.items():
         style = "bold green" if name == best else None
@@ -96,7 +98,7 @@ def render_table(metrics: Mapping[str, Metrics], bounds: Bounds, title: str = "S
             fmt_seconds(m.avg_queue),
             f"{m.dsr:.1%}" if m.deadline_jobs else "-",
             f"{m.gpu_util:.1%}",
-            *([" ".join(f"{g} {m.gpu_util_by_model.get(g, 0.0):.0%}" for g in models)] if models else []),
+            *(["\n".join(f"{g} {m.gpu_util_by_model.get(g, 0.0):.0%}" for g in models)] if models else []),
             str(m.preemptions),
             f"{m.finished}" + (f" (+{m.rejected} rejected)" if m.rejected else ""),
             style=style,
