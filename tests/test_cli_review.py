@@ -206,3 +206,25 @@ def test_a_run_without_json_or_out_says_nothing_was_written(tmp_path, capsys):
     nodes.write_text(ALIBABA_NODES)
     assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--seeds", "1", "--parallel", "1"]) == 0
     assert "nothing written: --json FILE keeps these results, --out DIR the allocation curve" in " ".join(capsys.readouterr().out.split())
+
+
+def test_profile_db_with_three_slashes_before_an_absolute_path_is_refused(tmp_path, capsys, monkeypatch):
+    """`profile ... --db sqlite:///tmp/q/x.db` (meant: /tmp/q/x.db) measured, created ./tmp/q/ under the current
+    directory and said 'stored 2 samples in sqlite:///tmp/q/x.db', where no worker reads them."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "review_stage.py").write_text(
+        "import qosflow\n\ndef train(steps=3):\n    for _ in qosflow.track(range(steps)):\n        sum(range(20000))\n")
+    monkeypatch.chdir(work)
+    target = tmp_path / "q" / "x.db"  # absolute, under the root's /tmp (or wherever tmp_path is)
+    rel = str(target).lstrip("/")
+    assert main(["profile", "review_stage:train", "--steps", "1", "--cores", "1", "--db", f"sqlite:///{rel}"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"is the relative path {rel} under {work}" in err and f"write sqlite:////{rel} (four slashes)" in err, err
+    assert "Traceback" not in err and sorted(p.name for p in work.iterdir()) == ["review_stage.py"]  # nothing created
+    # the four-slash spelling, and a relative path written as one, are taken
+    assert main(["profile", "review_stage:train", "--steps", "1", "--cores", "1", "--db", f"sqlite:///{target}"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert target.is_file() and f"stored 1 samples in sqlite:///{target}" in out, out
+    assert main(["profile", "review_stage:train", "--steps", "1", "--cores", "1", "--db", "sqlite:///./here/x.db"]) == 0
+    assert (work / "here" / "x.db").is_file()

@@ -344,6 +344,7 @@ def profile_cmd(
         from qosflow.store import Store
 
         _refuse_in_memory(db)
+        _refuse_misread_absolute_path(db)
         store = Store.open(db)
     console = Console()
     try:
@@ -426,6 +427,30 @@ def _sqlite_file(db: str | None) -> str | None:
     from qosflow.store.store import sqlite_file
 
     return sqlite_file(db)
+
+
+def _refuse_misread_absolute_path(db: str | None) -> None:
+    """`--db sqlite:///tmp/q/x.db` (three slashes) is the relative path tmp/q/x.db: `qosflow profile` created
+    ./tmp/q/ and stored its samples there, where no worker reads them, while the user meant /tmp/q/x.db. A relative
+    path whose first directory is not here but is at the root (/tmp, /home, /srv) is refused, with the four-slash
+    spelling; a relative path that is really meant can be written ./tmp/... or its directory made first."""
+    from pathlib import Path
+
+    from qosflow.errors import SpecError
+
+    if not db:
+        return
+    f = _sqlite_file(db)
+    if not f:
+        return
+    p = Path(f)
+    if p.is_absolute() or str(f).startswith(".") or p.exists() or len(p.parts) < 2:
+        return
+    first = p.parts[0]
+    if not Path(first).exists() and (Path("/") / first).is_dir():
+        raise SpecError("--db", f"{db!r} is the relative path {p} under {Path.cwd()} (sqlite:/// with three slashes, then the "
+                                f"path), and {first}/ is not there: for /{p} write sqlite:////{p} (four slashes); for a new "
+                                f"directory here write sqlite:///./{p}")
 
 
 def _refuse_in_memory(db: str | None) -> None:
