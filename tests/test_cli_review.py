@@ -228,3 +228,24 @@ def test_profile_db_with_three_slashes_before_an_absolute_path_is_refused(tmp_pa
     assert target.is_file() and f"stored 1 samples in sqlite:///{target}" in out, out
     assert main(["profile", "review_stage:train", "--steps", "1", "--cores", "1", "--db", "sqlite:///./here/x.db"]) == 0
     assert (work / "here" / "x.db").is_file()
+
+
+def test_profile_says_what_it_runs_before_the_measurements(tmp_path, capsys, monkeypatch):
+    """`qosflow profile` printed nothing until its table, up to --budget seconds per configuration (two minutes
+    by default): it now says what it runs, and for how long at most, first."""
+    (tmp_path / "review_stage2.py").write_text(
+        "import qosflow\n\ndef train(steps=3):\n    for _ in qosflow.track(range(steps)):\n        sum(range(20000))\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", "review_stage2:train", "--steps", "2", "--cores", "1", "--budget", "30", "--no-store"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    said = "profiling review_stage2:train at 1 CPU core: 2 steps after a warm-up step, at most 30 s"
+    assert said in out and out.index(said) < out.index("profile of review_stage2.train"), out
+    from qosflow.predict.profiler import check_core_counts
+
+    try:
+        check_core_counts([1, 2])
+    except Exception:  # a machine of one core
+        return
+    assert main(["profile", "review_stage2:train", "--steps", "1", "--cores", "1,2", "--budget", "90", "--no-store"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "at 1 and 2 CPU cores: 1 step after a warm-up step, at most 90 s each (3 min in all)" in out, out

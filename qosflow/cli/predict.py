@@ -347,8 +347,16 @@ def profile_cmd(
         _refuse_misread_absolute_path(db)
         store = Store.open(db)
     console = Console()
+    from qosflow.predict.profiler import default_core_counts
+
+    plan = core_list or default_core_counts()
+    # (it printed nothing for up to --budget seconds per configuration, two minutes by default)
+    console.print(f"profiling {target} at {' and '.join(map(str, plan))} CPU core{'s' if plan != [1] else ''}: {steps} "
+                  f"step{'s' if steps > 1 else ''} after a warm-up step, at most {budget:g} s"
+                  + (f" each ({_dur_text(budget * len(plan))} in all)" if len(plan) > 1 else ""), highlight=False)
     try:
-        res = profile(target, steps, cores=core_list, budget_s=budget, signature=signature, store=store)
+        with console.status(f"running {target}..."):  # (a spinner in a terminal only)
+            res = profile(target, steps, cores=core_list, budget_s=budget, signature=signature, store=store)
     finally:
         if store is not None:
             store.close()
@@ -427,6 +435,10 @@ def _sqlite_file(db: str | None) -> str | None:
     from qosflow.store.store import sqlite_file
 
     return sqlite_file(db)
+
+
+def _dur_text(seconds: float) -> str:
+    return f"{seconds:g} s" if seconds < 120 else f"{seconds / 60:.3g} min"
 
 
 def _refuse_misread_absolute_path(db: str | None) -> None:
