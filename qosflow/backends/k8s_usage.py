@@ -8,6 +8,9 @@ INFRA and ran again: GPU time and its deadline lost. Here the backend reads, wit
 and not ended, what those pods request per node (`foreign_usage`), as kube-scheduler computes it (`pod_requests`); the
 worker books it in its plan (`qosflow.prefect.foreign_pods`). A pod informer (`PodInformer`, the backend's `watch_pods`)
 keeps the same sums from a WATCH, so that a reading is its view while the watch follows (no request, no parse).
+A pod's part of a GPU (`gpu_use`: a slice of the NVIDIA shared resource, another qosflow pool's fractional stage, Alibaba
+gpushare's GPU memory) is kept as that share, booked as a fraction of one GPU (`node_shares`; docs/infrastructure.md,
+"Other pods' GPU shares"); where the part or the GPU is not known, a whole GPU, and the log says why.
 
 Not counted: this pool's stage pods in the backend's namespace (the worker's plan books them already, through its own
 stages and the pool's leases; a pipeline run's pod is counted, it is booked nowhere else, and so are the stage pods of
@@ -19,6 +22,7 @@ unless a stage may preempt it: `counted`).
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import json
@@ -29,8 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable, Mapping
 
-from qosflow.backends.kubernetes import (ANN_CAPACITY_OWNER, LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, RBAC_MANIFEST, ROLE_CAPACITY, label_value,
-                                         rbac_refusal, same_pool, stop_watch)
+from qosflow.backends.kubernetes import (ANN_CAPACITY_OWNER, ANN_PLACEMENT, LABEL_CLUSTER, LABEL_ROLE, LABEL_STAGE, RBAC_MANIFEST,
+                                         ROLE_CAPACITY, label_value, rbac_refusal, same_pool, stop_watch)
 from qosflow.backends.kubernetes import quantity as _quantity
 from qosflow.errors import SpecError
 
@@ -53,23 +57,149 @@ def quantity(q: Any) -> float:
         return 0.0
 
 
-def _gpus(req: Mapping[str, float], gpu_resource: str, shared_resource: str) -> int:
-    """Whole GPUs a pod's requests take: of `gpu_resource`, plus one per slice of the shared resource."""
-    return int(math.ceil(req.get(gpu_resource, 0.0) - 1e-9)) + int(math.ceil(req.get(shared_resource, 0.0) - 1e-9))
+# ---------------------------------------------------------------------- a pod's part of a GPU (docs/infrastructure.md)
+#: Alibaba's GPU sharing (AliyunContainerService gpushare-scheduler-extender and gpushare-device-plugin): a pod asks for
+#: GPU memory (`aliyun.com/gpu-mem`, in the device plugin's unit, GiB by default); the scheduler extender, binding it,
+#: annotates it with the device it chose (`ALIYUN_COM_GPU_MEM_IDX`), what the pod asked (`..._POD`) and that device's
+#: whole memory (`..._DEV`), in the same unit: the pod takes POD/DEV of GPU IDX
+GPUSHARE_RESOURCE = "aliyun.com/gpu-mem"
+GPUSHARE_IDX = "ALIYUN_COM_GPU_MEM_IDX"
+GPUSHARE_POD = "ALIYUN_COM_GPU_MEM_POD"
+GPUSHARE_DEV = "ALIYUN_COM_GPU_MEM_DEV"
+#: GPU feature discovery's node label: how many replicas (slices) of each GPU the NVIDIA device plugin's time-slicing or
+#: MPS advertises (`sharing.timeSlicing.resources[].replicas`); a slice of the shared resource is 1/replicas of a GPU
+REPLICAS_LABEL = "nvidia.com/gpu.replicas"
+#: a share whose device the pod does not say (the NVIDIA device plugin picks it and writes it nowhere): the plan picks
+ANY_GPU = -1
+
+
+@dataclass(frozen=True)
+class GpuUse:
+    """A pod's GPUs: `whole` GPUs; `shares`, (device, thousandths of a GPU) of a device the pod's convention names
+    (`ANY_GPU`: not named); `slices` of the NVIDIA shared resource, whose fraction the node's `REPLICAS_LABEL` tells
+    (`node_shares`); `note`: why some of `whole` was asked for as a share and is booked whole (its part not known)."""
+
+    whole: int = 0
+    shares: tuple[tuple[int, int], ...] = ()
+    slices: int = 0
+    note: str = ""
+
+
+def _ceil(x: float) -> int:
+    return int(math.ceil(x - 1e-9))
+
+
+def _qosflow_share(pod: Mapping, k: int) -> tuple[tuple[int, int], ...] | None:
+    """The shares of a qosflow stage pod (another pool's, counted) asking for `k` slices of the shared resource, as its
+    placement annotation (`kubernetes.ANN_PLACEMENT`, the stage's QOSFLOW_PLACEMENT) says them: a fractional share
+    (`gpu_milli` < 1000) of its GPU, or each GPU of a co-located pair, half; that plan's GPU index (on Kubernetes the
+    device plugin picks the device: the index is a plan's, as this pool's own shares'). None: not such a pod."""
+    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANN_PLACEMENT)
+    if not raw:
+        return None
+    try:
+        plan = json.loads(raw)
+        gpus = [int(g) for g in plan.get("gpus") or ()]
+        milli = int(plan.get("gpu_milli", 1000))
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if len(gpus) != k or not 0 < milli <= 1000:
+        return None
+    if milli < 1000:
+        return tuple((g, milli) for g in gpus)
+    if plan.get("colocated_with"):
+        return tuple((g, 500) for g in gpus)
+    return None
+
+
+def _gpushare(pod: Mapping, mem: float, key: str) -> GpuUse:
+    """A pod asking for `aliyun.com/gpu-mem` (`mem`): POD/DEV of GPU IDX (its annotations, the gpushare scheduler
+    extender's); a whole GPU when they are missing (not bound by the extender) or unreadable, with the reason."""
+    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    try:
+        idx = int(str(ann[GPUSHARE_IDX]).strip())
+        dev = float(ann[GPUSHARE_DEV])
+        asked = float(ann.get(GPUSHARE_POD) or mem)
+        if idx < 0 or dev <= 0 or asked <= 0:
+            raise ValueError
+    except (KeyError, TypeError, ValueError):
+        return GpuUse(whole=1, note=f"{key}: {GPUSHARE_RESOURCE} {mem:g} without readable {GPUSHARE_IDX}/{GPUSHARE_DEV} annotations "
+                                    "(the gpushare scheduler extender writes them when it binds the pod): which GPU and what "
+                                    "part of it are not known, booked as a whole GPU")
+    milli = min(1000, max(1, _ceil(1000.0 * asked / dev)))
+    return GpuUse(whole=1) if milli >= 1000 else GpuUse(shares=((idx, milli),))
+
+
+def gpu_use(pod: Mapping, req: Mapping[str, float], gpu_resource: str, shared_resource: str) -> GpuUse:
+    """What GPUs a counted pod takes (`req`: its `pod_requests`): whole ones of `gpu_resource`; of the shared resource
+    (the NVIDIA device plugin's time-slicing or MPS, renamed), a qosflow stage's shares as its placement says them,
+    else slices (1/replicas of a GPU each, the device not said); Alibaba gpushare's memory as the part of the device its
+    annotations name (`_gpushare`)."""
+    md = pod.get("metadata") or {}
+    whole = _ceil(req.get(gpu_resource, 0.0))
+    shares: tuple[tuple[int, int], ...] = ()
+    slices = 0
+    note = ""
+    k = _ceil(req.get(shared_resource, 0.0))
+    if k > 0:
+        mine = _qosflow_share(pod, k)
+        if mine is not None:
+            shares += mine
+        else:
+            slices = k
+    mem = req.get(GPUSHARE_RESOURCE, 0.0)
+    if mem > 0 and gpu_resource != GPUSHARE_RESOURCE:
+        g = _gpushare(pod, mem, f"{md.get('namespace', '')}/{md.get('name', '')}")
+        whole += g.whole
+        shares += g.shares
+        note = g.note
+    return GpuUse(whole, tuple(sorted(shares)), slices, note)
+
+
+def node_shares(u: "NodePodUsage", labels: Mapping[str, str] | None) -> tuple[int, tuple[tuple[int, int], ...], str]:
+    """The GPUs to book on a node for `u`: (whole GPUs, shares (device or ANY_GPU, milli), why some are booked whole).
+    Its slices of the shared resource are 1000 // replicas each (the node's `REPLICAS_LABEL`, GPU feature discovery's),
+    on a device the plan picks (the device plugin says none); without that label (or an unreadable one) a slice's part
+    is not known: a whole GPU each, as before."""
+    whole, shares, why = u.gpus, u.shares, "; ".join(u.notes)
+    if u.slices:
+        raw = (labels or {}).get(REPLICAS_LABEL)
+        try:
+            replicas = int(str(raw).strip())
+        except (TypeError, ValueError):
+            replicas = 0
+        if replicas >= 2:
+            shares = tuple(sorted(shares + ((ANY_GPU, 1000 // replicas),) * u.slices))
+        else:
+            whole += u.slices
+            said = (f"its {REPLICAS_LABEL} label is {raw!r}" if raw is not None else f"it has no {REPLICAS_LABEL} label "
+                    "(GPU feature discovery writes it)")
+            why = "; ".join(x for x in (why, f"{u.slices} slice(s) of the shared GPU resource booked as whole GPUs: the part "
+                                             f"of a GPU a slice is, is not known ({said})") if x)
+    return whole, shares, why
 
 
 @dataclass(frozen=True)
 class NodePodUsage:
     """What the counted pods bound to one node request together."""
 
-    gpus: int = 0  # whole GPUs (gpu_resource), plus shared ones (the shared resource: which device is not said, one each)
+    gpus: int = 0  # whole GPUs (gpu_resource; and a GPU share whose part is not known: `notes`)
     cpu: float = 0.0  # cores
     mem_mb: float = 0.0
     pods: int = 0
     names: tuple[str, ...] = ()  # (namespace/name of the first few, for messages)
+    #: GPU shares: (device the pod's convention names, or ANY_GPU; thousandths of a GPU), sorted (`gpu_use`)
+    shares: tuple[tuple[int, int], ...] = ()
+    #: slices of the NVIDIA shared resource whose device and part the pods do not say (the node's replicas tell the part)
+    slices: int = 0
+    #: why a share was booked as a whole GPU (the first few)
+    notes: tuple[str, ...] = ()
 
     def amounts(self) -> tuple[int, float, float]:
         return self.gpus, round(self.cpu, 6), round(self.mem_mb, 3)
+
+    def gpu_amounts(self) -> tuple[int, tuple[tuple[int, int], ...], int]:
+        return self.gpus, self.shares, self.slices
 
 
 def _get(d: Any, *keys: str) -> Any:
@@ -175,17 +305,19 @@ class PodSums:
         self.own_placeholders = own_placeholders  # (the backend's set of its makers' ids, read as it grows)
         self.pool = pool  # (this backend's pool's key: fixed for these sums, which are made again when it changes)
         self.stage_priority = stage_priority  # (likewise: the priority of this pool's stage pods, `preemptible`)
-        #: namespace/name -> (node, amounts) of each counted pod
-        self.pods: dict[str, tuple[str, tuple[int, int, int]]] = {}
-        #: node -> [GPUs, nanocores, bytes, {namespace/name: None} (in the order they came)]
+        #: namespace/name -> (node, amounts) of each counted pod (`_amounts`)
+        self.pods: dict[str, tuple[str, tuple]] = {}
+        #: node -> [GPUs, nanocores, bytes, {namespace/name: None} (in the order they came), Counter of shares, slices,
+        #: {namespace/name: note}]
         self.nodes: dict[str, list] = {}
         self._view: dict[str, NodePodUsage] | None = None  # (built at the first reading after a change)
 
     def view(self) -> dict[str, NodePodUsage]:
         """Node name -> what the counted pods bound there request; nodes with none left out."""
         if self._view is None:
-            self._view = {n: NodePodUsage(g, c / 1e9, m / 2**20, len(keys), tuple(itertools.islice(keys, self.keep_names)))
-                          for n, (g, c, m, keys) in self.nodes.items() if g or c or m}
+            self._view = {n: NodePodUsage(g, c / 1e9, m / 2**20, len(keys), tuple(itertools.islice(keys, self.keep_names)),
+                                          tuple(sorted(shares.elements())), slices, tuple(itertools.islice(notes.values(), self.keep_names)))
+                          for n, (g, c, m, keys, shares, slices, notes) in self.nodes.items() if g or c or m or shares or slices}
         return self._view
 
     def take(self, key: str) -> None:
@@ -193,12 +325,16 @@ class PodSums:
         had = self.pods.pop(key, None)
         if had is None:
             return
-        node, (g, c, m) = had
+        node, (g, c, m, shares, slices, _note) = had
         a = self.nodes[node]
         a[0] -= g
         a[1] -= c
         a[2] -= m
         a[3].pop(key, None)
+        a[4].subtract(shares)
+        a[4] += collections.Counter()  # (drops what is left at 0)
+        a[5] -= slices
+        a[6].pop(key, None)
         if not a[3]:
             del self.nodes[node]
         self._view = None
@@ -219,16 +355,35 @@ class PodSums:
             return  # (a status change: nothing it requests changed)
         self.take(key)
         self.pods[key] = (node, amounts)
-        a = self.nodes.setdefault(node, [0, 0, 0, {}])
-        a[0] += amounts[0]
-        a[1] += amounts[1]
-        a[2] += amounts[2]
+        g, c, m, shares, slices, note = amounts
+        a = self.nodes.setdefault(node, [0, 0, 0, {}, collections.Counter(), 0, {}])
+        a[0] += g
+        a[1] += c
+        a[2] += m
         a[3][key] = None
+        a[4].update(shares)
+        a[5] += slices
+        if note:
+            a[6][key] = note
+            _say_whole(key, note, self.cluster_name)
         self._view = None
 
 
 #: (cluster, priority class, its value, the stages') said already: one warning per class, not per placeholder or reading
 _SAID_UNPREEMPTIBLE: set[tuple] = set()
+#: (cluster, pod, note) said already (`_say_whole`), the oldest forgotten past a bound
+_SAID_WHOLE: "collections.OrderedDict[tuple, None]" = collections.OrderedDict()
+
+
+def _say_whole(key: str, note: str, cluster_name: str) -> None:
+    """Log once per pod why its GPU share is booked as a whole GPU (its convention does not say which GPU or what part)."""
+    k = (cluster_name, key, note)
+    if k in _SAID_WHOLE:
+        return
+    _SAID_WHOLE[k] = None
+    while len(_SAID_WHOLE) > 4096:
+        _SAID_WHOLE.popitem(last=False)
+    log.info("Kubernetes cluster %r: pod %s", cluster_name, note)
 
 
 def _say_unpreemptible(pod: Mapping, cluster_name: str, stage_priority: int | None) -> None:
@@ -330,10 +485,12 @@ def read_foreign_usage(backend: Any) -> dict[str, NodePodUsage]:
 POD_WATCH_TIMEOUT_S = 120
 
 
-def _amounts(pod: Mapping, gpu_resource: str, shared_resource: str) -> tuple[int, int, int]:
-    """A counted pod's (GPUs, nanocores, bytes): integers, so that adding and taking away leaves no rounding behind."""
+def _amounts(pod: Mapping, gpu_resource: str, shared_resource: str) -> tuple:
+    """A counted pod's (whole GPUs, nanocores, bytes, GPU shares, shared-resource slices, note), `gpu_use`: integers, so
+    that adding and taking away leaves no rounding behind."""
     req = pod_requests(pod)
-    return _gpus(req, gpu_resource, shared_resource), round(req.get("cpu", 0.0) * 1e9), round(req.get("memory", 0.0))
+    use = gpu_use(pod, req, gpu_resource, shared_resource)
+    return use.whole, round(req.get("cpu", 0.0) * 1e9), round(req.get("memory", 0.0)), use.shares, use.slices, use.note
 
 
 def _watch_class() -> Any:

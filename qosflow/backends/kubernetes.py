@@ -224,6 +224,20 @@ def stop_watch(w: Any) -> None:
             w.stop()
 
 
+def _placement_on_each_node(raw: str) -> str:
+    """QOSFLOW_PLACEMENT (JSON) for the pods of one Indexed Job on several nodes: its "node" is `$(QOSFLOW_NODE)`, which
+    the kubelet expands in each pod from the variable of that name defined before it (the downward API's
+    spec.nodeName), and every other `$` is escaped (`$$`) so that nothing else is expanded. Unreadable: as it is."""
+    try:
+        plan = json.loads(raw)
+    except ValueError:
+        return raw
+    if not isinstance(plan, dict):
+        return raw
+    rest = json.dumps({k: v for k, v in plan.items() if k != "node"}, separators=(",", ":")).replace("$", "$$")
+    return '{"node":"$(QOSFLOW_NODE)"' + ("," + rest[1:] if rest != "{}" else "}")
+
+
 def label_value(v: str) -> str:
     """A valid label value (<= 63 chars of [A-Za-z0-9-_.], alphanumeric at both ends)."""
     s = re.sub(r"[^A-Za-z0-9_.-]", "-", str(v))
@@ -1731,12 +1745,21 @@ class KubernetesBackend(Backend):
             # progress: a file in the container, echoed to the log, which is what the worker can read
             env.setdefault(PROGRESS_FILE_ENV, f"/tmp/qosflow-progress-{base}.jsonl")
             env.setdefault(ECHO_ENV, "stderr")
+            placement_json = env.get("QOSFLOW_PLACEMENT", "")
+            node_ref = {"name": "QOSFLOW_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+            if len(gnodes) > 1 and placement_json:
+                # one pod template for the nodes of an Indexed Job: each pod's placement names its own node (the kubelet
+                # expands $(QOSFLOW_NODE), defined before it, from the downward API); it named the first node on all
+                env["QOSFLOW_PLACEMENT"] = _placement_on_each_node(placement_json)
             env_list: list[dict] = [
                 {"name": k, "valueFrom": {"secretKeyRef": {"name": secret_name(spec.stage_id), "key": _secret_key(k)}}}
                 if k in creds and creds[k] == v else {"name": k, "value": v}
                 for k, v in env.items()
             ]
-            env_list.append({"name": "QOSFLOW_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+            if len(gnodes) > 1:
+                env_list.insert(0, node_ref)
+            else:
+                env_list.append(node_ref)
             if len(gnodes) > 1:
                 env_list.append({"name": "QOSFLOW_GANG_RANK", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}})
             else:
@@ -1747,7 +1770,7 @@ class KubernetesBackend(Backend):
                 requests["memory"] = _mib(p.mem_mb / len(nodes))
             pod_labels = dict(labels)
             pod_ann = dict(annotations)
-            pod_ann[ANN_PLACEMENT] = env.get("QOSFLOW_PLACEMENT", "")
+            pod_ann[ANN_PLACEMENT] = placement_json
             pod_spec: dict[str, Any] = {
                 "restartPolicy": "Never",
                 "containers": [{

@@ -1268,7 +1268,8 @@ def container_env(store: Store, pod: dict, container: dict) -> dict[str, str]:
     """The environment the kubelet gives a container: `envFrom` (Secrets, ConfigMaps, with their
     prefix) first, then `env` in order (`value`, downward-API `fieldRef`, `secretKeyRef`,
     `configMapKeyRef`). A missing Secret/ConfigMap or key that is not optional raises `_ConfigError`
-    with the kubelet's message. ($(VAR) references in values are not expanded.)"""
+    with the kubelet's message. A `value`'s $(VAR) references to a variable defined before it are expanded, $$ is a
+    `$`, and a reference to none is left as it is (`expand_env`, the kubelet's dependent variables)."""
     ns = pod["metadata"].get("namespace", "default")
     env: dict[str, str] = {}
     for src in container.get("envFrom") or []:
@@ -1282,7 +1283,7 @@ def container_env(store: Store, pod: dict, container: dict) -> dict[str, str]:
             env[(src.get("prefix") or "") + k] = base64.b64decode(v).decode(errors="replace") if plural == "secrets" else str(v)
     for e in container.get("env") or []:
         if "valueFrom" not in e:
-            env[e["name"]] = str(e.get("value", ""))
+            env[e["name"]] = expand_env(str(e.get("value", "")), env)
             continue
         vf = e["valueFrom"] or {}
         if vf.get("secretKeyRef"):
@@ -1294,6 +1295,38 @@ def container_env(store: Store, pod: dict, container: dict) -> dict[str, str]:
         if v is not None:
             env[e["name"]] = v
     return env
+
+
+def expand_env(value: str, env: dict[str, str]) -> str:
+    """`value` with its $(VAR) references to `env` expanded, as the kubelet expands a container's env values
+    (Kubernetes' third_party/forked/golang/expansion): `$$` is a `$`, `$(NAME)` of a variable defined is its value, one
+    of no variable (or not closed) is left as written, a `$` before anything else is kept."""
+    if "$" not in value:
+        return value
+    out: list[str] = []
+    i, n = 0, len(value)
+    while i < n:
+        ch = value[i]
+        if ch != "$" or i + 1 >= n:
+            out.append(ch)
+            i += 1
+            continue
+        nxt = value[i + 1]
+        if nxt == "$":
+            out.append("$")
+            i += 2
+        elif nxt == "(":
+            end = value.find(")", i + 2)
+            if end < 0:
+                out.append(value[i:])
+                break
+            name = value[i + 2:end]
+            out.append(env[name] if name in env else value[i:end + 1])
+            i = end + 1
+        else:
+            out.append("$")
+            i += 1
+    return "".join(out)
 
 
 def _downward(pod: dict, path: str) -> str | None:
