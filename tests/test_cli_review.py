@@ -249,3 +249,28 @@ def test_profile_says_what_it_runs_before_the_measurements(tmp_path, capsys, mon
     assert main(["profile", "review_stage2:train", "--steps", "1", "--cores", "1,2", "--budget", "90", "--no-store"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "at 1 and 2 CPU cores: 1 step after a warm-up step, at most 90 s each (3 min in all)" in out, out
+
+
+def test_plots_give_times_in_the_tables_unit(tmp_path, capsys, monkeypatch):
+    """avg_jct.png and gpu_timeline.png were always in hours: on the Muri trace the average JCT read '802.80'
+    (hours) under a table that said 33.4 d, and the timeline ran to 8,000 hours."""
+    import qosflow.sim.report as report
+
+    assert report.time_unit(33.4 * 86400) == (86400.0, "days")
+    assert report.time_unit(5 * 3600) == (3600.0, "hours") and report.time_unit(600) == (60.0, "minutes")
+    seen: dict[str, tuple[str, str]] = {}
+    save = report._save
+
+    def recording(fig, path, on_file=None):
+        ax = fig.axes[0]
+        seen[path.name] = (ax.get_xlabel(), ax.get_ylabel())
+        save(fig, path, on_file)
+
+    monkeypatch.setattr(report, "_save", recording)
+    # 40 synthetic jobs on 2 GPUs: days of work
+    assert main(["simulate", "--jobs", "40", "--cluster", "1x2", "--policies", "fifo", "--parallel", "1",
+                 "--out", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert seen["avg_jct.png"][1] == "average JCT (days)" and seen["gpu_timeline.png"][0] == "time (days)", (seen, table)
+    assert " d │" in table  # the table's unit too
+
