@@ -274,3 +274,20 @@ def test_plots_give_times_in_the_tables_unit(tmp_path, capsys, monkeypatch):
     assert seen["avg_jct.png"][1] == "average JCT (days)" and seen["gpu_timeline.png"][0] == "time (days)", (seen, table)
     assert " d │" in table  # the table's unit too
 
+
+
+def test_pack_says_where_every_pod_that_never_fits_is_listed(tmp_path, capsys):
+    """Five pods that fit no node were named, then '12 of 40 pods fit no node ...': the other seven were in the
+    JSON (config.never_fit_pods), which the message did not say."""
+    rows = [f"big{i},4000,8192,4,1000,,LS,Running,0,10,0\n" for i in range(7)]  # 4 GPUs: no node has them
+    rows += [f"p{i},4000,8192,1,500,,LS,Running,0,10,0\n" for i in range(10)]
+    pods, nodes, out = tmp_path / "pods.csv", tmp_path / "nodes.csv", tmp_path / "pack.json"
+    pods.write_text(ALIBABA_PODS + "".join(rows))
+    nodes.write_text(ALIBABA_NODES)
+    assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--seeds", "1", "--parallel", "1", "--no-plots"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.count("never fits big") == 5 and "(the first 5 are above; --json lists them all, config.never_fit_pods)" in text, text
+    assert main(["pack", "--pods", str(pods), "--nodes", str(nodes), "--seeds", "1", "--parallel", "1", "--no-plots",
+                 "--json", str(out)]) == 0
+    assert f"{out} lists them all, config.never_fit_pods" in " ".join(capsys.readouterr().out.split())
+    assert len(json.loads(out.read_text())["config"]["never_fit_pods"]) == 7
