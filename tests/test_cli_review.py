@@ -291,3 +291,22 @@ def test_pack_says_where_every_pod_that_never_fits_is_listed(tmp_path, capsys):
                  "--json", str(out)]) == 0
     assert f"{out} lists them all, config.never_fit_pods" in " ".join(capsys.readouterr().out.split())
     assert len(json.loads(out.read_text())["config"]["never_fit_pods"]) == 7
+
+
+def test_predict_stages_on_a_machine_where_no_worker_ran_says_nothing_was_learned_yet(tmp_path, capsys, monkeypatch):
+    """The README's `qosflow predict stages`, on a new install, was 'error: no qosflow database at ..., so nothing
+    to read' (exit 2), as for a mistyped --db. It says nothing was learned yet, and where stages are recorded."""
+    monkeypatch.setenv("QOSFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("QOSFLOW_DATABASE_URL", raising=False)
+    out = tmp_path / "stages.json"
+    assert main(["predict", "stages", "--json", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"nothing learned yet: no qosflow worker has recorded a stage on this machine (no store at {tmp_path / 'home'}" in said
+    assert json.loads(out.read_text()) == [] and not (tmp_path / "home" / "qosflow.db").exists()
+    # a --db given, or $QOSFLOW_DATABASE_URL, that is not there is still an error naming it
+    missing = tmp_path / "nowhere.db"
+    assert main(["predict", "stages", "--db", f"sqlite:///{missing}"]) == 2
+    assert f"no qosflow database at {missing}" in capsys.readouterr().err
+    monkeypatch.setenv("QOSFLOW_DATABASE_URL", f"sqlite:///{missing}")
+    assert main(["predict", "stages"]) == 2
+    assert f"no qosflow database at {missing}" in capsys.readouterr().err

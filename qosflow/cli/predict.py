@@ -159,6 +159,8 @@ def stages_cmd(
         _check_output_file(json_out)
         check_not_an_input(json_out, {"--db": _sqlite_file(db)})  # the store a worker writes to
     _refuse_in_memory(db)
+    if _no_default_store(db, json_out):  # `qosflow predict stages` on a machine where no worker has run yet
+        return
     store = Store.open(db, must_exist=True)
     try:
         rows = stage_report(store, signature=signature)
@@ -435,6 +437,29 @@ def _sqlite_file(db: str | None) -> str | None:
     from qosflow.store.store import sqlite_file
 
     return sqlite_file(db)
+
+
+def _no_default_store(db: str | None, json_out: Path | None) -> bool:
+    """No --db, no $QOSFLOW_DATABASE_URL and no store at the default place: nothing has been learned on this
+    machine yet. Said as such (exit 0, an empty --json), as the README's `qosflow predict stages` is met on a new
+    install: it was 'error: no qosflow database at ..., so nothing to read' (exit 2), as for a mistyped --db."""
+    import os
+
+    if db or os.environ.get("QOSFLOW_DATABASE_URL"):
+        return False
+    from qosflow.store.store import default_url, sqlite_file
+
+    path = sqlite_file(default_url())
+    if not path or os.path.exists(path):
+        return False
+    typer.secho(f"nothing learned yet: no qosflow worker has recorded a stage on this machine (no store at {path}, "
+                "the default: QOSFLOW_HOME's qosflow.db). Stages run on a qosflow pool (`qosflow worker start`, or "
+                "`qosflow demo`, which names its own store at its end) are recorded there, and `qosflow profile` adds "
+                "step-time samples; --db URL (or QOSFLOW_DATABASE_URL) reads the store of a worker elsewhere", fg="yellow")
+    if json_out is not None:
+        _write_json(json_out, [])
+        typer.echo(f"wrote {json_out}")
+    return True
 
 
 def _dur_text(seconds: float) -> str:
