@@ -310,3 +310,24 @@ def test_predict_stages_on_a_machine_where_no_worker_ran_says_nothing_was_learne
     monkeypatch.setenv("QOSFLOW_DATABASE_URL", f"sqlite:///{missing}")
     assert main(["predict", "stages"]) == 2
     assert f"no qosflow database at {missing}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["demo"], ["profile"], ["predict", "prune"], ["predict", "stages"], ["worker", "start"]])
+def test_option_help_at_80_columns_cuts_no_word(command):
+    """At 80 columns a word too long for the help column was cut with an ellipsis: 'postgresql+psycopg://USER:
+    PASSWORD@H…' (profile, predict prune, demo), '$QOSFLOW_WORKER_METRIC…' (worker start). It is folded now."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+    env.pop("NO_COLOR", None)
+    r = subprocess.run([sys.executable, "-m", "qosflow", *command, "--help"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout, r.stdout
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80
+    if command != ["worker", "start"]:
+        # the URL is all there, folded at the column's edge
+        joined = "".join("".join(line.replace("│", " ").split()) for line in r.stdout.splitlines())
+        assert "USER:PASSWORD@HOST:PORT" in joined, r.stdout

@@ -99,8 +99,35 @@ def _reflow_help(typer_app: typer.Typer) -> None:
             _reflow_help(group.typer_instance)
 
 
+def _fold_long_words_in_option_help() -> None:
+    """Let an option's help break a word too long for its column (a URL such as
+    postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB) onto the next line: at 80 columns rich cut it with an ellipsis
+    ('postgresql+psycopg://USER:PASSWORD@H…', '$QOSFLOW_WORKER_METRIC…'), and what it was could not be read. Typer's
+    option rows are `Columns` of `Text`s (typer.rich_utils._get_parameter_help, typer < 0.29); any other shape is
+    left as it is."""
+    try:
+        from rich.text import Text
+        from typer import rich_utils
+    except ImportError:
+        return
+    original = getattr(rich_utils, "_get_parameter_help", None)
+    if original is None or getattr(original, "_qosflow_folds", False):
+        return
+
+    def folding(*args, **kwargs):
+        help_ = original(*args, **kwargs)
+        for item in getattr(help_, "renderables", ()):
+            if isinstance(item, Text) and item.overflow is None:
+                item.overflow = "fold"
+        return help_
+
+    folding._qosflow_folds = True
+    rich_utils._get_parameter_help = folding
+
+
 _load_commands()
 _reflow_help(app)
+_fold_long_words_in_option_help()
 
 
 def main(argv: list[str] | None = None) -> int:
