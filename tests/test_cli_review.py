@@ -331,3 +331,27 @@ def test_option_help_at_80_columns_cuts_no_word(command):
         # the URL is all there, folded at the column's edge
         joined = "".join("".join(line.replace("│", " ").split()) for line in r.stdout.splitlines())
         assert "USER:PASSWORD@HOST:PORT" in joined, r.stdout
+
+
+def test_status_marks_an_online_worker_whose_heartbeats_stopped(capsys, monkeypatch):
+    """A worker stopped a minute ago was listed 'ONLINE, 92.2 s ago' like a live one until Prefect's own
+    timeout marked it OFFLINE: it is marked silent, and the caption says what that means."""
+    import qosflow.prefect.local as local
+    import qosflow.prefect.status as status
+    from qosflow.prefect.status import PoolStatus, WorkerStatus
+
+    async def no_check(pool, **kw):
+        return None
+
+    async def fake_status(pool, limit=200):
+        return PoolStatus(pool, workers=[WorkerStatus("w1", "ONLINE", True, 12.0), WorkerStatus("wtest", "ONLINE", True, 92.0),
+                                         WorkerStatus("old", "OFFLINE", False, 900.0)])
+
+    monkeypatch.setattr(local, "check_pool", no_check)
+    monkeypatch.setattr(local, "require_api_url", lambda what: "http://127.0.0.1:1/api")
+    monkeypatch.setattr(status, "pool_status", fake_status)
+    assert main(["status", "--pool", "gpu"]) in (0, None)
+    text = capsys.readouterr().out
+    rows = {ln.split("│")[1].strip(): ln.split("│")[2].strip() for ln in text.splitlines() if ln.count("│") == 4}
+    assert rows == {"w1": "ONLINE", "wtest": "ONLINE, silent", "old": "OFFLINE"}, text
+    assert "no heartbeat for over 60 s" in " ".join(text.split()), text

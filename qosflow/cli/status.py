@@ -63,6 +63,16 @@ def _pipeline_table(procs: list) -> "Table":
     return t
 
 
+def _heartbeat_s() -> float:
+    """How often workers send their heartbeat (Prefect's setting, 30 s by default)."""
+    try:
+        from prefect.settings import PREFECT_WORKER_HEARTBEAT_SECONDS
+
+        return float(PREFECT_WORKER_HEARTBEAT_SECONDS.value())
+    except Exception:  # noqa: BLE001 - an older or newer Prefect: its default
+        return 30.0
+
+
 def _where(host: str | None, gpus: str | None) -> str:
     """Where a stage runs: 'host0 GPU 0,1' for the placement label 'host0:0,host0:1' (was 'host0 host0:0,host0:1');
     GPUs of other hosts (a gang across hosts) keep their host."""
@@ -153,11 +163,17 @@ def register(app: typer.Typer) -> None:
             console.print(f"hosts: {up} of {len(st.hosts)} up" + "".join(
                 f", {n} {state}" for state, n in _count(h.state for h in st.hosts if h.state != "up").items()))
         if st.workers:
-            wt = Table(title="workers")
+            silent_after = 2 * _heartbeat_s()
+            silent = [w for w in st.workers if w.online and w.heartbeat_ago_s is not None and w.heartbeat_ago_s > silent_after]
+            # (a worker stopped a minute ago was listed ONLINE like the others, until Prefect's own timeout)
+            wt = Table(title="workers", caption=(f"ONLINE, silent: no heartbeat for over {silent_after:g} s (twice "
+                                                 "PREFECT_WORKER_HEARTBEAT_SECONDS): stopped or stalled; Prefect still "
+                                                 "counts it online until it marks it OFFLINE") if silent else None)
             for col in ("worker", "status", "last heartbeat"):
                 wt.add_column(col)
             for w in st.workers:
-                wt.add_row(w.name, w.status, f"{_dur(w.heartbeat_ago_s)} ago")
+                wt.add_row(w.name, f"{w.status}, silent" if w in silent else w.status, f"{_dur(w.heartbeat_ago_s)} ago",
+                           style="yellow" if w in silent else None)
             console.print(wt)
         elif any(s.phase == "unclaimed" for s in st.stages):
             console.print(f"[yellow]no worker polls pool {pool!r}:[/] start one with `qosflow worker start --pool {pool}`")
