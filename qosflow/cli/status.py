@@ -188,9 +188,9 @@ def register(app: typer.Typer) -> None:
             # where a stage runs, or why it waits, in one column: the "why it waits" column of its own, empty for every
             # running stage, took its share of 120 columns, and the names broke ('train_softma' / 'x')
             for col in ("stage", "pipeline", *(("user",) if users else ()), "class", "phase", "for", "done", "predicted",
-                        "deadline in", "where, or why it waits"):
+                        "deadline in", "where, or\nwhy it waits"):
                 # the short figures whole; the names and the last column wrap when the table must narrow
-                t.add_column(col, overflow="fold", no_wrap=col not in ("stage", "pipeline", "user", "where, or why it waits"))
+                t.add_column(col, overflow="fold", no_wrap=col not in ("stage", "pipeline", "user", "where, or\nwhy it waits"))
             for s in st.stages:
                 where = (_where(s.host, s.gpus) if s.phase == "running" else
                          f"QoS queue: {s.why_waiting}" if s.phase == "queued" and s.why_waiting else
