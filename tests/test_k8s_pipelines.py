@@ -150,8 +150,11 @@ def test_a_pipeline_job_survives_a_rollout_to_a_worker_of_another_name(prefect_s
         assert p.host == f"Kubernetes Job {NS}/{job.metadata.name}"
         w2 = lab.start("k8s-new-pod")
         wait_log(lab.wlog, f"recovery: adopted pipeline run {fid}", w2, timeout=90)
-        [p], _ = pipeline_processes(pool, prefect_server, LeaseStore(url=lab.db))
-        assert (p.worker, p.watched) == ("k8s-new-pod", "adopted"), p  # (taken over by the new pod's worker)
+        # (taken over by the new pod's worker; read until its lease and its Prefect heartbeat both show it: on a loaded
+        # machine the first read after the log line can find the adopted lease not yet renewed, watched 'no')
+        wait_for("the new pod's worker never showed as watching the pipeline",
+                 lambda: [(p.worker, p.watched) for p in pipeline_processes(pool, prefect_server, LeaseStore(url=lab.db))[0]]
+                 == [("k8s-new-pod", "adopted")], lab, 60)
         st = final_state(fid, lab)
         assert st.is_completed(), f"{st.name}: {st.message}\n{lab.wlog.read_text(errors='replace')[-4000:]}"
         ran_once(lab)
