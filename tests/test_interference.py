@@ -147,8 +147,16 @@ def test_bad_tables(tmp_path):
         GavelInterference(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(TraceFormatError, match=r"bad\.json:1"):
+    with pytest.raises(TraceFormatError, match=r"bad\.json:1.*expected Gavel's JSON throughput table"):
         GavelInterference(bad)
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")  # (said "no GPU type 'v100' in the table; it has: " with nothing after it)
+    with pytest.raises(TraceFormatError, match="expected a non-empty object keyed by GPU type"):
+        GavelInterference(empty)
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00\x81")
+    with pytest.raises(TraceFormatError, match="not a text file"):
+        GavelInterference(binary)
     with pytest.raises(TraceFormatError, match="no GPU type 'a100'"):
         GavelInterference(tiny_table(tmp_path), gpu_type="a100")
     badkey = tmp_path / "badkey.json"

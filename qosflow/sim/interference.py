@@ -195,11 +195,17 @@ class GavelInterference:
             with open(self.path, encoding="utf-8") as f:
                 raw = json.load(f)
         except json.JSONDecodeError as exc:
-            raise TraceFormatError(self.path, exc.lineno, f"not valid JSON: {exc.msg}") from None
-        if not isinstance(raw, dict):
-            raise TraceFormatError(self.path, None, "expected an object keyed by GPU type (k80, p100, v100, ...)")
+            raise TraceFormatError(self.path, exc.lineno, f"not valid JSON: {exc.msg}; expected Gavel's JSON throughput "
+                                   "table (GPU type -> job -> throughputs, e.g. simulation_throughputs.json from "
+                                   "Gavel's repository)") from None
+        except UnicodeDecodeError:
+            raise TraceFormatError(self.path, None, "not a text file; expected Gavel's JSON throughput table "
+                                   "(GPU type -> job -> throughputs)") from None
+        if not isinstance(raw, dict) or not raw:
+            raise TraceFormatError(self.path, None, "expected a non-empty object keyed by GPU type (k80, p100, v100, ...), "
+                                   "each holding job -> throughputs, as in Gavel's simulation_throughputs.json")
         if gpu_type not in raw:
-            known = ", ".join(k for k in raw if not k.endswith("_unconsolidated"))
+            known = ", ".join(k for k in raw if not k.endswith("_unconsolidated")) or "none (only *_unconsolidated keys)"
             raise TraceFormatError(self.path, None, f"no GPU type {gpu_type!r} in the table; it has: {known}")
         self.gpu_type = gpu_type
         #: (job type, scale) -> solo steps/s, consolidated and spread
