@@ -158,7 +158,7 @@ class LocalBackend(Backend):
         if self._given_workdir:
             return self._given_workdir
         if self._own_workdir is None:
-            self._own_workdir = tempfile.mkdtemp(prefix="qosflow-local-")
+            self._own_workdir = make_workdir()
         return self._own_workdir
 
     def _remove_own_workdir(self) -> None:
@@ -450,6 +450,156 @@ class LocalBackend(Backend):
             except (asyncio.TimeoutError, ProcessLookupError):
                 pass
         self._remove_own_workdir()  # (its stages have ended: nobody writes their progress any more)
+
+
+#: a local backend's own work directory (its stages' progress files) in the temporary directory:
+#: `qosflow-local-<pid>-<random>`, with its owner (`WORKDIR_OWNER`: the pid and start time of the process that made it)
+WORKDIR_PREFIX = "qosflow-local-"
+WORKDIR_OWNER = ".owner"
+
+
+def make_workdir(tmpdir: str | None = None) -> str:
+    """A new work directory for a local backend, naming its owner (this process) in `WORKDIR_OWNER` as
+    `{"pid": ..., "start": ...}` (`process_start`), so that once that process is gone (a worker SIGKILLed: its
+    `aclose` never ran) a worker starting on this host removes it (`sweep_stale_workdirs`)."""
+    import json
+
+    d = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=tmpdir)
+    tmp = os.path.join(d, WORKDIR_OWNER + ".tmp")
+    try:
+        with open(tmp, "w") as fh:
+            json.dump({"pid": os.getpid(), "start": process_start(os.getpid())}, fh)
+        os.replace(tmp, os.path.join(d, WORKDIR_OWNER))  # (whole or absent: a sweep never reads half of it)
+    except OSError:
+        pass  # (no owner recorded: never swept, as an older qosflow's)
+    return d
+
+
+def sweep_stale_workdirs(tmpdir: str | None = None) -> list[str]:
+    """Remove the work directories of local backends (`qosflow-local-*` in the temporary directory, `make_workdir`)
+    whose owner process is gone: its pid no longer runs with the start time it recorded (a pid another process got
+    since is not it), or it was recorded in an earlier boot. Never a live process's (two workers may run on one host),
+    never one without a readable owner (an older qosflow's, one being made, another user's), and never one a process
+    of this host still uses (a stage of the dead worker runs on, adopted or to be adopted by the next worker, and
+    writes its progress there: its `QOSFLOW_PROGRESS_FILE` is in it, or it has a file there open). Without /proc
+    (not Linux) nothing is removed. Returns the directories removed."""
+    import json
+    import shutil
+
+    boot = boot_id()
+    if boot is None:
+        return []
+    base = tmpdir or tempfile.gettempdir()
+    stale: list[str] = []
+    try:
+        with os.scandir(base) as it:
+            entries = [e for e in it if e.name.startswith(WORKDIR_PREFIX)]
+    except OSError:
+        return []
+    for e in entries:
+        try:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+            with open(os.path.join(e.path, WORKDIR_OWNER)) as fh:
+                owner = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        pid, start = (owner.get("pid"), owner.get("start")) if isinstance(owner, dict) else (None, None)
+        if not isinstance(pid, int) or not isinstance(start, str) or not start:
+            continue
+        if start.split(":", 1)[0] == boot and process_start(pid) == start:
+            continue  # (its owner runs)
+        stale.append(e.path)
+    if not stale:
+        return []
+    used = _dirs_in_use(stale)
+    if used is None:
+        return []
+    removed = []
+    for d in stale:
+        if d in used:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        if not os.path.exists(d):
+            removed.append(d)
+    return removed
+
+
+def _dirs_in_use(dirs: list[str]) -> set[str] | None:
+    """Of the directories `dirs`, those a process of this host (this user's; all as root) uses: its
+    `QOSFLOW_PROGRESS_FILE` is in one, or it has a file there open, or works there. None without /proc."""
+    real = {os.path.realpath(d): d for d in dirs}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    used: set[str] = set()
+
+    def hit(path: str) -> None:
+        for r, d in real.items():
+            if path == r or path.startswith(r + os.sep):
+                used.add(d)
+
+    for e in entries:
+        try:
+            with open(f"/proc/{e}/environ", "rb") as fh:
+                env = fh.read()
+        except OSError:
+            env = b""
+        for var in env.split(b"\0"):
+            if var.startswith(PROGRESS_FILE_ENV.encode() + b"="):
+                hit(os.path.realpath(var.split(b"=", 1)[1].decode(errors="replace")))
+        try:
+            hit(os.readlink(f"/proc/{e}/cwd"))
+            for fd in os.listdir(f"/proc/{e}/fd"):
+                try:
+                    hit(os.readlink(f"/proc/{e}/fd/{fd}"))
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    return used
+
+
+def sweep_old_output(directory: str, *, max_age_s: float | None, keep: "Iterable[str]" = (), now: float | None = None) -> list[str]:
+    """Remove the output files (`*.log`) in `directory` (a local stage's or a pipeline's, `output_file`) last written
+    more than `max_age_s` ago (None: keep them all), except those in `keep` (the processes this worker watches) and
+    those a process of this host has open (a stage or pipeline still running, whoever started it: a quiet one writes
+    nothing for days); where open files cannot be seen (no /proc) nothing is removed. The sweep of a worker without a
+    lease store (`QOSFLOW_LEASES=0`); with one, `LeaseStore.sweep_pipeline_output` also spares the files of processes
+    it records. Returns the paths removed."""
+    now = time.time() if now is None else now
+    if max_age_s is None or not os.path.isdir(directory):
+        return []
+    kept = {os.path.realpath(p) for p in keep if p}
+    old: dict[str, float] = {}
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                if e.name.endswith(".log") and e.is_file(follow_symlinks=False):
+                    mtime = e.stat(follow_symlinks=False).st_mtime
+                    real = os.path.realpath(e.path)
+                    if mtime < now - max_age_s and real not in kept:
+                        old[real] = mtime
+    except OSError:
+        return []
+    if not old:
+        return []
+    busy = files_open(old)
+    if busy is None:
+        return []
+    removed = []
+    for p, mtime in old.items():
+        if p in busy:
+            continue
+        try:
+            if os.stat(p).st_mtime != mtime:  # (written meanwhile: a run of that id again)
+                continue
+            os.unlink(p)
+        except OSError:
+            continue
+        removed.append(p)
+    return removed
 
 
 def descendants(pid: int) -> list[int]:

@@ -38,9 +38,13 @@ other ranks ends the same way: it finds the run ended (Failed by that rank) and 
 the gang first; a rank that ended badly but could not report the run Failed (a `sys.exit(3)`) makes rank 0's engine
 report it `Failed` (GangRankFailed). A rank killed before it could write anything (SIGKILL, its host lost) is not
 waited for in vain: the worker stops the gang, rank 0's wait ends with it, and its engine reports `Crashed` as before
-(or, the host lost, the worker runs the gang again). A stage on one host does not run this module at all (the
-worker gives it `-m prefect.engine`), and a rank 0 without QOSFLOW_GANG_RANK, or of a gang of one, waits for nothing
-(no call to Prefect's API beyond its engine's own).
+(or, the host lost, the worker runs the gang again). A rank whose process ends without writing its label and without
+stopping its gang (an `exit(0)` from C code, which the `os._exit` wrapper does not see) had rank 0 wait until the run
+was cancelled: the worker, which watches the gang's ranks, writes the label for it when the run lacks one of this
+attempt (`QosflowWorker._write_rank_end`, `unlabelled_outcome`: `exit 0 without its end label`, never `ok`), and rank
+0 fails the run with it; a rank's own end, once read, is kept over a label the worker wrote later. A stage on one host
+does not run this module at all (the worker gives it `-m prefect.engine`), and a rank 0 without QOSFLOW_GANG_RANK, or
+of a gang of one, waits for nothing (no call to Prefect's API beyond its engine's own).
 """
 
 from __future__ import annotations
@@ -94,10 +98,43 @@ def _attempt(client: Any, flow_run_id: Any) -> str:
     Pending state. A run the worker takes from the queue again (rescheduled: a worker stopped, or recovery) gets the
     stage id of its first launch again, but the worker proposes Pending each time it takes it: without that id, an end
     label an earlier launch left (`ok@...`) counted, and rank 0 reported Completed while rank 1 still ran."""
-    sid = os.environ.get("QOSFLOW_STAGE_ID") or ""
-    pending = [s for s in client.read_flow_run_states(flow_run_id) or ()
-               if str(getattr(s.type, "value", s.type)) == "PENDING"]
-    return f"{sid}#{max(pending, key=lambda s: s.timestamp).id}" if pending else sid
+    return attempt_of(os.environ.get("QOSFLOW_STAGE_ID") or "", client.read_flow_run_states(flow_run_id))
+
+
+def attempt_of(stage_id: str, states: Any) -> str:
+    """`_attempt` from a launch's stage id and the run's states (the worker, writing a rank's end for it, has both)."""
+    pending = [s for s in states or () if str(getattr(s.type, "value", s.type)) == "PENDING"]
+    return f"{stage_id}#{max(pending, key=lambda s: s.timestamp).id}" if pending else stage_id
+
+
+#: the end of the outcome the worker writes as a rank's end label when the rank's process ended without writing it
+#: (`unlabelled_outcome`)
+UNLABELLED = "without its end label"
+
+
+def unlabelled_outcome(code: int | None) -> str:
+    """The outcome the worker writes for a rank (> 0) whose process ended, with exit status `code` (negative: killed by
+    that signal; None: unknown), without writing its end label: never `ok`. A rank whose function returned writes its
+    label before it exits 0 (`run_rank`, an `os._exit` of Python code too), and exits 1 when it cannot; so a rank that
+    exited 0 without it left by a path the rank's code does not see (`exit()` or `_exit()` called from C code, an
+    extension's fatal path): whether its function's work was done is not known, and a gang run reported Completed
+    without it would hand the pipeline a result one rank may not have finished. Rank 0 fails the run with it
+    (GangRankFailed: `rank 1 of 2 on gpu-b ended badly (exit 0 without its end label) ...`); the stage's retries apply."""
+    if code is None:
+        return f"ended {UNLABELLED}"
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name} {UNLABELLED}"
+    return f"exit {code} {UNLABELLED}"
+
+
+def _by_worker(outcome: str) -> bool:
+    return outcome.endswith(UNLABELLED)
 
 
 def _keep_a_rank_failure() -> None:
@@ -178,8 +215,12 @@ def _wait_for_ranks(engine: Any, size: int) -> bool:
             engine.flow_run.state_name = st.name
             engine.flow_run.state_type = st.type
             return False
-        # (an end once read counts: a label merge at the same moment may drop it from the run later)
-        ended = seen = {**seen, **_ended_ranks(getattr(fr, "labels", None), size, attempt)}
+        # (an end once read counts: a label merge at the same moment may drop it from the run later; a rank's own end,
+        # once read, is not replaced by one the worker wrote for it afterwards, `unlabelled_outcome`)
+        for r, o in _ended_ranks(getattr(fr, "labels", None), size, attempt).items():
+            if r not in seen or _by_worker(seen[r]):
+                seen[r] = o
+        ended = seen
         bad = sorted((r, o) for r, o in ended.items() if o != "ok")
         if bad:
             r, outcome = bad[0]

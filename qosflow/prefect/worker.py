@@ -501,6 +501,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._failed_last: set[str] = set()
         self.early_checks: list[dict[str, Any]] = []  # one record per early check (tests, benchmarks)
         self._pids: dict[str, str] = {}  # pid -> job id
+        self._output_swept_at = -math.inf  # (monotonic) the last sweep of output files without a lease store
+        self._rank_end_tasks: set[asyncio.Future] = set()  # end labels written for a gang's ranks (`_write_rank_end`)
         self._cancel_task: asyncio.Task | None = None
         self._qos_setup_lock = asyncio.Lock()
         self.inventory_note = ""
@@ -649,6 +651,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             await self._recover()
             await self._adopt_pipelines()
             await self._recover_orphans()
+            await self._sweep_stale_workdirs()
             self._health_task = loop.create_task(self._health_loop(), name="qosflow-heartbeat")
             if (self._cluster_source is not None or getattr(self._backend, "lists_nodes", False)) and self.cluster_reload_s > 0:
                 self._reload_task = loop.create_task(self._cluster_reload_loop(), name="qosflow-cluster-reload")
@@ -852,6 +855,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self.lease_ttl_s)
         if self._cancel_task is not None:
             self._cancel_task.cancel()
+        for t in list(self._rank_end_tasks):
+            t.cancel()
         if self._health_task is not None:
             self._health_task.cancel()
         if self._reload_task is not None:
@@ -1142,6 +1147,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 run_logger.warning("stage %s not launched: %s; it waits in the QoS queue and is launched when the API "
                                    "answers again (no retry of the stage is used)", name, exc)
                 continue
+            if len(set(grant.placement.nodes)) > 1 and handle.backend == "agent":
+                # a gang's parts are in rank order at its launch (kept in its lease: a worker that adopts it knows them)
+                for rank, part in enumerate(handle.ref.get("parts") or []):
+                    part.setdefault("rank", rank)
             await self._lease_handle(fid, handle)
             self._register(fid, handle)
             progress = self._backend.progress_file(launch.stage_id)
@@ -1151,7 +1160,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 started = True
             launched_at = time.time()
             try:
-                status = await self._backend.wait(handle)
+                status = await self._wait_stage(fid, handle)
             finally:
                 ended = time.time()
                 self._unregister(fid)
@@ -1243,6 +1252,150 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             if await self._report_final(flow_run.id, status, len(attempts)):
                 code = 0  # the state is set; do not let the base worker overwrite its message
         return QosflowWorkerResult(status_code=code, identifier=_infra_id(handle, fid))
+
+    # ------------------------------------------------------------------ a gang's ranks
+    #: seconds between two looks at the ranks (> 0) of a gang on several hosts while it runs (`_watch_gang_ranks`)
+    RANK_WATCH_S = 2.0
+    #: seconds the worker leaves a rank's own end label to show on the run, after its process ended, before it looks
+    RANK_END_SETTLE_S = 2.0
+    #: seconds the worker keeps trying to write a rank's end label (SQLite's 503s, concurrent label merges)
+    RANK_END_BUDGET_S = 60.0
+
+    async def _wait_stage(self, fid: str, handle: StageHandle) -> ExitStatus:
+        """The backend's wait for a stage's end; for a gang on several hosts (host agents, Kubernetes), its ranks > 0
+        are watched meanwhile (`_watch_gang_ranks`)."""
+        assert self._backend is not None
+        watch = asyncio.ensure_future(self._watch_gang_ranks(fid, handle)) if _gang_ranks_watched(handle) else None
+        try:
+            return await self._backend.wait(handle)
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch_gang_ranks(self, fid: str, handle: StageHandle) -> None:
+        """A gang's rank 0 reports its run only once every other rank wrote its end label on it
+        (qosflow.prefect.gang_rank); a rank whose process ended without writing it (an `exit(0)` from C code, an
+        extension's `_exit`) left rank 0 waiting until the run was cancelled: a rank that exits 0 does not stop its gang.
+        While the gang runs (the backend's wait is on), every RANK_WATCH_S its ranks > 0 are looked at; one whose
+        process ended on its own has its label written for it, when it is missing (`_write_rank_end`). (A rank that
+        ended badly stops its gang at once, the backend's doing: its label, then, is nobody's wait.)"""
+        told: set[int] = set()
+        tasks: set[asyncio.Task] = set()
+        try:
+            while True:
+                await asyncio.sleep(self.RANK_WATCH_S)
+                try:
+                    ended = await self._ranks_ended(handle, told)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - looked at again at the next round
+                    self._logger.debug("stage %s: could not look at its gang's ranks: %s", fid, exc)
+                    continue
+                for rank, code in sorted(ended.items()):
+                    told.add(rank)
+                    t = asyncio.ensure_future(self._write_rank_end(fid, handle, rank, code))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+        finally:
+            # (a label being written when the gang's wait ends goes on: `_write_rank_end` sees that and stops)
+            for t in list(tasks):
+                self._rank_end_tasks.add(t)
+                t.add_done_callback(self._rank_end_tasks.discard)
+
+    async def _ranks_ended(self, handle: StageHandle, told: set[int]) -> dict[int, int | None]:
+        """The ranks (> 0, not in `told`) of a gang whose process has ended on its own (not killed by qosflow), each with
+        its exit status (negative: the signal that killed it)."""
+        be = self._backend
+        out: dict[int, int | None] = {}
+        if handle.backend == "agent":
+            for part in handle.ref.get("parts") or []:
+                rank = part.get("rank")
+                h = getattr(be, "state", {}).get(part.get("host"))
+                if not isinstance(rank, int) or rank <= 0 or rank in told or h is None or not h.up:
+                    continue
+                r = await be._client(h).get(f"{h.url}/v1/stages/{part['stage_id']}")
+                if r.status_code != 200:
+                    continue
+                st = r.json()
+                if st.get("state") == "exited" and not st.get("killed_reason") and not st.get("error") \
+                        and st.get("returncode") is not None:
+                    out[rank] = int(st["returncode"])
+        elif handle.backend == "kubernetes":
+            pods = (await be._acall(be.core.list_namespaced_pod, handle.ref["namespace"], label_selector=handle.ref["selector"])).items
+            for pod in pods:
+                rank = _pod_rank(pod)
+                if rank is None or rank <= 0 or rank in told or pod.metadata.deletion_timestamp is not None:
+                    continue
+                phase = pod.status.phase if pod.status else None
+                if phase == "Succeeded":
+                    out[rank] = 0
+                elif phase == "Failed" and not pod.status.reason:
+                    term = next((c.state.terminated for c in (pod.status.container_statuses or [])
+                                 if c.state and c.state.terminated), None)
+                    if term is not None and term.exit_code is not None:
+                        out[rank] = int(term.exit_code)
+        return out
+
+    async def _write_rank_end(self, fid: str, handle: StageHandle, rank: int, code: int | None) -> bool:
+        """Rank `rank`'s process of this launch (`handle`) ended with `code`: if the run still lacks the rank's end label
+        of this attempt once the rank had time to show its own (RANK_END_SETTLE_S, and read twice), write it for the rank
+        (`unlabelled_outcome`: never `ok`), with the attempt the rank would have written (`attempt_of`: the launch's stage
+        id and the run's latest Pending state). Rank 0 then ends the run (Failed, GangRankFailed) instead of waiting for
+        ever. Never over a label of this attempt (the rank's own wins), and only while the gang's wait is on (the handle
+        is still this run's: not stopped, nor launched again), this worker not stopping and the run Running. Read back
+        (again a second later: a concurrent merge of another rank's label may drop it) and written again, as the ranks
+        do. True when this call wrote it (and read it back)."""
+        from qosflow.prefect.gang_rank import GANG_END_LABEL, attempt_of, unlabelled_outcome
+
+        key = GANG_END_LABEL.format(rank=rank)
+        outcome = unlabelled_outcome(code)
+        await asyncio.sleep(self.RANK_END_SETTLE_S)
+        give_up = time.monotonic() + self.RANK_END_BUDGET_S
+        value: str | None = None
+        attempt = ""
+        absent = 0
+        wrote = False
+        while time.monotonic() < give_up:
+            if self._handles.get(fid) is not handle or self._stopping:
+                return wrote
+            try:
+                fr = await self.client.read_flow_run(fid)
+                if _type(fr.state) != "RUNNING":
+                    return wrote  # (ended, or back in the queue: no rank 0 waits on this launch)
+                if value is None:
+                    attempt = attempt_of(handle.stage_id, await self.client.read_flow_run_states(fid))
+                    value = f"{outcome}@{attempt}"
+                cur = (fr.labels or {}).get(key)
+                if isinstance(cur, str) and cur.rpartition("@")[2] == attempt:
+                    if cur != value or not wrote:
+                        return wrote  # the rank's own end (it wins), or written for it already
+                    await asyncio.sleep(1.0)
+                    if ((await self.client.read_flow_run(fid)).labels or {}).get(key) == value:
+                        return True
+                    continue  # (dropped by a concurrent merge: written again)
+                absent += 1
+                if absent < 2 and not wrote:  # (read once more a second later before writing for the rank)
+                    await asyncio.sleep(1.0)
+                    continue
+                if not wrote:
+                    self._logger.warning("stage %s: rank %d of its gang (attempt %s) ended (%s) without writing its end label; "
+                                         "written for it: %s=%s", fid, rank, handle.stage_id, outcome.removesuffix(" without its end label"),
+                                         key, value)
+                    self.get_flow_run_logger(fr).error(
+                        "qosflow: rank %d of this gang ended (%s) without writing its end on the run (its process left by a path "
+                        "that skips it: exit() from C code, a crash); the worker wrote it for it, %s=%s, so that rank 0 "
+                        "fails the run rather than waiting for it for ever", rank, outcome.removesuffix(" without its end label"),
+                        key, value)
+                await patch_labels(self.client, fid, {key: value})
+                wrote = True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the server away a moment: tried again until the budget
+                self._logger.debug("stage %s: writing rank %d's end label: %s", fid, rank, exc)
+                await asyncio.sleep(0.5)
+        self._logger.warning("stage %s: could not write rank %d's end label %s=%s within %gs", fid, rank, key, value,
+                             self.RANK_END_BUDGET_S)
+        return wrote
 
     # ------------------------------------------------------------------ helpers
     #: seconds between two "waits because ..." lines of one stage whose reason keeps changing
@@ -1813,6 +1966,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 self._logger.warning("recovery: stage %s's slot does not fit the current view (%s); watching it anyway", fid, exc)
                 entry = None
         self._lease_ids[fid] = lease.lease_id
+        _rank_parts(handle, list(lease.nodes))
         self._register(fid, handle)
         if handle.backend == "local":  # (a process of an earlier worker on this host, found by its pid and start time)
             self._adopted_local.add(fid)
@@ -1877,7 +2031,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         One still running (its pid, with the start time recorded at its launch) is watched to its end and can
         be cancelled as before; one whose process ended while no worker ran is done with if its run is final
         (it reported its end itself), else its run, Running for ever otherwise, is marked Crashed saying so."""
-        if self.leases is None or self._stopping:
+        if self._stopping:
+            return
+        if self.leases is None:
+            await self._sweep_output_without_leases()
             return
         name = str(self.name)
         try:
@@ -1928,6 +2085,62 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         # the output files of ended pipeline runs kept for their failure (QOSFLOW_PIPELINE_OUTPUT_MAX_AGE): at
         # start and at heartbeats, at most every 10 minutes (LeaseStore.sweep_pipeline_output)
         await asyncio.to_thread(self.leases.sweep_pipeline_output, pipeline_output_dir())
+
+    #: seconds between two sweeps of the output files without a lease store (`_sweep_output_without_leases`)
+    OUTPUT_SWEEP_EVERY_S = 600.0
+
+    async def _sweep_output_without_leases(self) -> list[str]:
+        """Without a lease store (`QOSFLOW_LEASES=0`) the output files the worker keeps for a failure (a local stage's
+        that failed, was cancelled or killed by a stop, `$QOSFLOW_HOME/pipeline-output/<attempt>.log`) were never
+        removed: the sweep was the lease store's. Here, at the worker's start and at its heartbeats, at most every
+        OUTPUT_SWEEP_EVERY_S: those last written more than `QOSFLOW_PIPELINE_OUTPUT_MAX_AGE` ago (30 days), never the
+        file of a process this worker watches, nor one a process of this host has open (`sweep_old_output`)."""
+        from qosflow.backends.local import sweep_old_output
+        from qosflow.store.leases import PIPELINE_OUTPUT_MAX_AGE_ENV, pipeline_output_max_age
+
+        now = time.monotonic()
+        if now - self._output_swept_at < self.OUTPUT_SWEEP_EVERY_S:
+            return []
+        self._output_swept_at = now
+        try:
+            age = pipeline_output_max_age()
+        except Exception as exc:  # noqa: BLE001 - a bad value: said, nothing removed
+            self._logger.warning("output files are not swept: %s", exc)
+            return []
+        from qosflow.store.leases import _age_text
+
+        # (the default directory, and a local backend's own: `output_file`)
+        dirs = {str(pipeline_output_dir())} | {str(b._output_dir) for b in (self._backend, self._pipelines_here)
+                                                if b is not None and getattr(b, "_output_dir", None)}
+        keep = {h.ref.get("output") for h in self._handles.values() if h.ref.get("output")}
+        out: list[str] = []
+        for d in sorted(dirs):
+            try:
+                removed = await asyncio.to_thread(sweep_old_output, d, max_age_s=age, keep=keep)
+            except Exception as exc:  # noqa: BLE001
+                self._logger.warning("sweeping the output files in %s failed: %s", d, exc)
+                continue
+            if removed:
+                self._logger.info("output files: removed %d in %s last written more than %s ago (%s; no lease store)",
+                                  len(removed), d, _age_text(age or 0), PIPELINE_OUTPUT_MAX_AGE_ENV)
+            out += removed
+        return out
+
+    async def _sweep_stale_workdirs(self) -> list[str]:
+        """At the worker's start: the work directories (`/tmp/qosflow-local-<pid>-*`, its stages' progress files) that
+        local backends of processes now gone left behind (a worker SIGKILLed never removed its own), except those a
+        process still uses (a stage that ran on: `sweep_stale_workdirs`)."""
+        from qosflow.backends.local import sweep_stale_workdirs
+
+        try:
+            removed = await asyncio.to_thread(sweep_stale_workdirs)
+        except Exception as exc:  # noqa: BLE001 - looked at again at the next start
+            self._logger.warning("could not look for work directories left by stopped workers: %s", exc)
+            return []
+        if removed:
+            self._logger.info("removed %d work director%s left by worker processes that are gone: %s", len(removed),
+                              "y" if len(removed) == 1 else "ies", ", ".join(removed))
+        return removed
 
     async def _watch_adopted_pipeline(self, fid: str, handle: StageHandle, row: Any) -> None:
         try:
@@ -1999,7 +2212,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         assert self._backend is not None
         ended = False
         try:
-            status = await self._backend.wait(handle)
+            status = await self._wait_stage(fid, handle)
             ended = True
         finally:
             self._unregister(fid)
@@ -3542,6 +3755,41 @@ def _code(status: Any) -> int:
     if status.kind is ExitKind.OK or status.kind is ExitKind.CANCELLED:
         return 0
     return int(status.code) if status.code not in (None, 0) else 1
+
+
+def _gang_ranks_watched(handle: StageHandle) -> bool:
+    """Is `handle` a gang on several hosts whose ranks > 0 the worker can look at (`_ranks_ended`)? Host agents: parts
+    that know their rank (set at the launch, or from the lease's hosts when a restarted worker adopted the gang);
+    Kubernetes: pods of a stage with more than one pod (each says its rank). A local stage is one process (rank 0 of a
+    gang runs alone there, with no rank to wait for)."""
+    if handle.ref.get("role") == "pipeline":
+        return False
+    if handle.backend == "agent":
+        parts = handle.ref.get("parts") or []
+        return len(parts) > 1 and all(isinstance(p.get("rank"), int) for p in parts)
+    if handle.backend == "kubernetes":
+        return int(handle.ref.get("expected_pods") or 0) > 1 and bool(handle.ref.get("selector"))
+    return False
+
+
+def _rank_parts(handle: StageHandle, hosts: list[str]) -> None:
+    """The parts of a gang adopted from host agents (`AgentBackend.adopt`: one per host that answered, in no rank)
+    get their rank: their host's place in `hosts`, the lease's, in the placement's order as at the launch."""
+    if handle.backend != "agent" or len(hosts) < 2:
+        return
+    for part in handle.ref.get("parts") or []:
+        if "rank" not in part and hosts.count(part.get("host")) == 1:
+            part["rank"] = hosts.index(part["host"])
+
+
+def _pod_rank(pod: Any) -> int | None:
+    """A stage pod's QOSFLOW_GANG_RANK: its value in the pod's env, else its Indexed Job's completion index."""
+    for c in (getattr(pod.spec, "containers", None) or []):
+        for e in (c.env or []):
+            if e.name == "QOSFLOW_GANG_RANK" and e.value is not None:
+                return int(e.value) if str(e.value).isdigit() else None
+    idx = (pod.metadata.annotations or {}).get("batch.kubernetes.io/job-completion-index", "")
+    return int(idx) if idx.isdigit() else None
 
 
 def gang_command(command: list[str], placement: Any) -> list[str]:
