@@ -283,3 +283,28 @@ def test_a_rank_that_exits_3_from_c_code_stops_its_gang_as_before(lab, tmp_path)
     time.sleep(lab["worker"].worker.RANK_END_SETTLE_S + 2)
     fr, states, logs = _stage_run()
     assert fr.labels.get("qosflow.gang.rank1.ended", "exit 3 without its end label@").startswith("exit 3 without its end label@"), fr.labels
+
+
+def test_a_rank_names_its_own_node_and_others_only_where_the_host_list_follows_the_ranks(monkeypatch):
+    """`_where` names a rank's host in the gang's messages. Its own: QOSFLOW_NODE (on Kubernetes the Indexed Job's pods
+    take the nodes in any order, so QOSFLOW_GANG_HOSTS[rank] was a guess: rank 1 on gpu-0 read 'rank 1 of 2 on gpu-1').
+    Another rank's: its place in the list where this rank's own node is its place (host agents), else the host left."""
+    from qosflow.prefect.gang_rank import _where
+
+    monkeypatch.setenv("QOSFLOW_GANG_SIZE", "2")
+    monkeypatch.setenv("QOSFLOW_GANG_HOSTS", "gpu-0,gpu-1")
+    # host agents: rank i on the i-th host
+    monkeypatch.setenv("QOSFLOW_GANG_RANK", "0")
+    monkeypatch.setenv("QOSFLOW_NODE", "gpu-0")
+    assert (_where(0), _where(1)) == ("rank 0 of 2 on gpu-0", "rank 1 of 2 on gpu-1")
+    # Kubernetes, the pods the other way round
+    monkeypatch.setenv("QOSFLOW_NODE", "gpu-1")
+    assert (_where(0), _where(1)) == ("rank 0 of 2 on gpu-1", "rank 1 of 2 on gpu-0")
+    monkeypatch.setenv("QOSFLOW_GANG_RANK", "1")
+    monkeypatch.setenv("QOSFLOW_NODE", "gpu-0")
+    assert _where(1) == "rank 1 of 2 on gpu-0"
+    monkeypatch.setenv("QOSFLOW_GANG_SIZE", "3")
+    monkeypatch.setenv("QOSFLOW_GANG_HOSTS", "a,b,c")
+    monkeypatch.setenv("QOSFLOW_GANG_RANK", "0")
+    monkeypatch.setenv("QOSFLOW_NODE", "b")
+    assert _where(2) == "rank 2 of 3 on one of a, c"

@@ -276,11 +276,28 @@ def _run_engine(size: int = 1) -> None:
 
 
 def _where(rank: int) -> str:
+    """"rank R of N on HOST", said by this process of the gang of `rank` (its own, or another's). Its own host is its
+    QOSFLOW_NODE. Another rank's host is its place in QOSFLOW_GANG_HOSTS where the ranks follow that order (host agents
+    launch rank i on the i-th host); on Kubernetes an Indexed Job's pods take the nodes in any order (nothing ties a
+    completion index to a node), which shows as this rank's own node not being its place in the list: then another rank
+    is named by the hosts left, or by none."""
     import socket
 
     size = os.environ.get("QOSFLOW_GANG_SIZE") or "?"
-    hosts = (os.environ.get("QOSFLOW_GANG_HOSTS") or "").split(",")
-    host = hosts[rank] if 0 <= rank < len(hosts) and hosts[rank] else socket.gethostname()
+    hosts = [h for h in (os.environ.get("QOSFLOW_GANG_HOSTS") or "").split(",")]
+    node = os.environ.get("QOSFLOW_NODE") or ""
+    try:
+        own = int(os.environ.get("QOSFLOW_GANG_RANK") or "")
+    except ValueError:
+        own = None
+    listed = hosts[rank] if 0 <= rank < len(hosts) and hosts[rank] else ""
+    if rank == own:
+        host = node or listed or socket.gethostname()
+    elif not node or (own is not None and 0 <= own < len(hosts) and hosts[own] == node):
+        host = listed or "an unknown host"
+    else:  # (the list's order is not the ranks': Kubernetes)
+        others = sorted({h for h in hosts if h and h != node})
+        host = others[0] if len(others) == 1 else f"one of {', '.join(others)}" if others else "an unknown host"
     return f"rank {rank} of {size} on {host}"
 
 
