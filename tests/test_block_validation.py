@@ -145,6 +145,36 @@ def test_a_worker_started_without_the_cli_stops_on_an_invalid_or_missing_cluster
     assert "no cluster block named 'validation-no-such-block'" in err and "prefect block ls" in err, err
 
 
+@pytest.mark.slow
+def test_a_worker_stops_on_a_policy_blocks_estimator_it_cannot_import(prefect_server, monkeypatch):
+    """A QoS policy block whose estimator is a module:attr the worker's Python cannot import (a typo, a package not
+    installed where the worker runs): the worker logged 'setup failed: No module named ...; retrying every 5 s' for
+    ever and took no run (CLI review). It now stops with the error naming the block, the estimator and the fix."""
+    import asyncio
+
+    from qosflow.cli.main import main
+    from qosflow.errors import SpecError
+    from qosflow.prefect.blocks import QoSPolicy
+    from qosflow.prefect.worker import QosflowWorker
+
+    pool = "validation-estimator"
+    QoSPolicy(estimator="no_such_estimator_module:Estimator").save("validation-estimator", overwrite=True)
+    for k in ("QOSFLOW_CLUSTER_BLOCK", "QOSFLOW_CLUSTER_FILE", "QOSFLOW_POLICY_BLOCK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("QOSFLOW_POLICY_BLOCK", "validation-estimator")  # (the pool's cluster: this machine, local)
+    assert main(["init", "--pool", pool]) == 0
+
+    async def start() -> BaseException:
+        w = QosflowWorker(work_pool_name=pool, create_pool_if_not_found=False, name="validation-estimator-1")
+        with pytest.raises(SpecError) as ei:  # before: still running at the timeout
+            await asyncio.wait_for(w.start(printer=lambda *a, **k: None), 60)
+        return ei.value
+
+    err = str(asyncio.run(start()))
+    assert "QoS policy block 'validation-estimator'" in err and "no module named 'no_such_estimator_module'" in err, err
+    assert "install the module where the worker runs" in err, err
+
+
 def test_a_policy_blocks_worker_settings_given_are_those_off_their_default():
     """`prefect deploy` copies a QoS policy block whole into the deployment's `qos_policy` job variable,
     defaults included; the pipeline's log then said of a block that set only a deadline and a class that

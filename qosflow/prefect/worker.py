@@ -603,6 +603,18 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
                 policy = get_policy(policy)
             estimator = self._estimator_arg
+            if estimator is None and policy_block and ":" in (pb.estimator or ""):
+                # a module:attr this worker cannot import does not fix itself: the worker stops saying so (it logged
+                # 'setup failed: No module named ...' every 5 s for ever and took no run)
+                from qosflow.errors import SpecError
+
+                from qosflow.prefect.scheduler import check_estimator_import
+
+                try:
+                    check_estimator_import(pb.estimator, option="estimator")
+                except SpecError as exc:
+                    raise SpecError("policy_block", f"QoS policy block {policy_block!r}: {exc} (set the block's estimator to "
+                                    "one this worker can import, or install the module where the worker runs)") from None
             if estimator is None or isinstance(estimator, str):
                 # (off the event loop: the learned estimator opens the store and fits its models, a second or two)
                 estimator = await asyncio.to_thread(
