@@ -97,7 +97,7 @@ def test_status_names_a_server_it_cannot_reach_or_a_url_that_is_none(capsys, mon
     with temporary_settings(updates={PREFECT_API_URL: url}):
         assert main(["status", "--pool", "gpu"]) == 2
     err = capsys.readouterr().err
-    assert f"cannot reach the Prefect server at {url} (" in err and "is `prefect server start` running there?" in err, err
+    assert f"cannot reach the Prefect server at {url} (" in err and "is a Prefect server running there" in err and "qosflow.prefect.server_process server start" in err, err
     assert "Traceback" not in err, err
     # a URL without http(s)://: status, init and the worker (which retried it for ever) say so before any call
     for argv, what in ((["status", "--pool", "gpu"], "qosflow status"), (["init", "--pool", "gpu"], "qosflow init"),

@@ -187,8 +187,8 @@ def require_api_url(what: str) -> str:
     url = PREFECT_API_URL.value()
     if not url:
         raise QosflowError(
-            f"PREFECT_API_URL is not set: {what} needs a running Prefect server. Start one (`prefect server start`) and "
-            "point at it (`prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`), or try `qosflow demo`"
+            f"PREFECT_API_URL is not set: {what} needs a running Prefect server. Start one (`python -m qosflow.prefect.server_process server "
+            "start`: Prefect's `prefect server start` with qosflow's SQLite fixes) and point at it (`prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`), or try `qosflow demo`"
         )
     from urllib.parse import urlsplit
 
@@ -211,7 +211,9 @@ def unreachable_server(exc: BaseException, api: str) -> Exception | None:
     if cause is None:
         return None
     why = str(cause) or str(exc) or type(cause).__name__  # some httpx errors have no text
-    return QosflowError(f"cannot reach the Prefect server at {api} ({why}); is `prefect server start` running there?")
+    return QosflowError(f"cannot reach the Prefect server at {api} ({why}); is a Prefect server running there (e.g. `python -m "
+                         "qosflow.prefect.server_process server start`, Prefect's `prefect server start` with qosflow's SQLite "
+                         "fixes)?")
 
 
 def check_pool_name(pool: str, option: str = "--pool", *, blocks: bool = False) -> None:
