@@ -273,3 +273,52 @@ def test_another_pools_shared_stage_and_a_node_without_replicas_label(caplog):
                 assert said and f"node {NODE}" in said[0] and "booked as whole GPUs" in said[0], said
 
     asyncio.run(go())
+
+
+# ---------------------------------------------------------------------- what the log says, and edge values
+def _plan(*nodes):
+    from qosflow.core.cluster import ClusterSpec
+    from qosflow.policies import get_policy
+    from qosflow.prefect.scheduler import QoSScheduler
+
+    return QoSScheduler(ClusterSpec(tuple(nodes)), get_policy("fifo"), coda=False)
+
+
+def test_a_share_booked_whole_is_said_once_as_a_warning_that_a_worker_shows(caplog):
+    """Why a share is booked as a whole GPU is said at WARNING: a Prefect worker's logging configuration leaves the root
+    logger (and so every qosflow.* logger) at WARNING, and these lines, said at INFO, never reached a worker's output.
+    Once per node (and label value), not again at each new count of slices there (a line per notebook started or
+    stopped); once per pod, and not repeated in the node's line."""
+    from qosflow.core.cluster import NodeSpec
+    from qosflow.prefect.foreign_pods import book_foreign_pods
+
+    sched, booked = _plan(NodeSpec("said-n0", 4, cpu_cores=8, mem_mb=32768), NodeSpec("said-n1", 4, cpu_cores=8, mem_mb=32768)), {}
+    with caplog.at_level(logging.WARNING, logger="qosflow"):  # (a worker's level: Prefect's root logger's)
+        for k in (1, 2, 1, 3):  # (notebooks on a node without the replicas label come and go)
+            book_foreign_pods(sched, {"said-n0": NodePodUsage(pods=k, slices=k)}, booked)
+        pods = [bound(gpushare("gs-said-1", 10, None), "said-n1")]
+        book_foreign_pods(sched, foreign_usage(pods, **KW), booked)
+        book_foreign_pods(sched, foreign_usage(pods + [bound(gpushare("gs-said-2", 10, None), "said-n1")], **KW), booked)
+    node = [r for r in caplog.records if "said-n0" in r.getMessage()]
+    assert len(node) == 1 and node[0].levelno == logging.WARNING and "nvidia.com/gpu.replicas" in node[0].getMessage(), \
+        [r.getMessage() for r in node]
+    for name in ("gs-said-1", "gs-said-2"):
+        said = [r for r in caplog.records if name in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING and "booked as a whole GPU" in said[0].getMessage(), \
+            [r.getMessage() for r in said]
+    assert len(sched.state.allocs[PODS_HOLD + "said-n1"].gpus) == 2
+
+
+def test_slices_of_a_node_with_more_than_1000_replicas_are_booked():
+    """A slice is 1000 // replicas thousandths of a GPU, at least 1: over 1000 replicas it was 0, which the plan refuses
+    (a share of nothing), and the node's slices were not booked at all (the room they take left to the plan)."""
+    from qosflow.core.cluster import NodeSpec
+    from qosflow.prefect.foreign_pods import book_foreign_pods
+
+    u = NodePodUsage(pods=2, slices=2)
+    assert node_shares(u, {"nvidia.com/gpu.replicas": "2000"}) == (0, ((ANY_GPU, 1),) * 2, "")
+    sched, booked = _plan(NodeSpec("many", 1, cpu_cores=8, mem_mb=32768, labels={"nvidia.com/gpu.replicas": "2000"})), {}
+    book_foreign_pods(sched, {"many": u}, booked)
+    assert sorted(p.gpu_milli for k, p in sched.state.allocs.items() if "/share" in k) == [1, 1]
+    assert booked["many"][0] == booked["many"][1]  # (all of it booked: not tried again at each heartbeat)
+    sched.state.check_invariants()

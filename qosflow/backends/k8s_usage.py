@@ -157,11 +157,12 @@ def gpu_use(pod: Mapping, req: Mapping[str, float], gpu_resource: str, shared_re
 
 
 def node_shares(u: "NodePodUsage", labels: Mapping[str, str] | None) -> tuple[int, tuple[tuple[int, int], ...], str]:
-    """The GPUs to book on a node for `u`: (whole GPUs, shares (device or ANY_GPU, milli), why some are booked whole).
-    Its slices of the shared resource are 1000 // replicas each (the node's `REPLICAS_LABEL`, GPU feature discovery's),
-    on a device the plan picks (the device plugin says none); without that label (or an unreadable one) a slice's part
-    is not known: a whole GPU each, as before."""
-    whole, shares, why = u.gpus, u.shares, "; ".join(u.notes)
+    """The GPUs to book on a node for `u`: (whole GPUs, shares (device or ANY_GPU, milli), why some slices are booked
+    whole). Its slices of the shared resource are 1000 // replicas each (at least 1: the node's `REPLICAS_LABEL`, GPU
+    feature discovery's), on a device the plan picks (the device plugin says none); without that label (or an unreadable
+    one) a slice's part is not known: a whole GPU each, as before. (A pod's own reason, `u.notes`, is logged with the pod,
+    `PodSums`, not here: the node's line repeated it, once more at each change of the pods there.)"""
+    whole, shares, why = u.gpus, u.shares, ""
     if u.slices:
         raw = (labels or {}).get(REPLICAS_LABEL)
         try:
@@ -169,13 +170,14 @@ def node_shares(u: "NodePodUsage", labels: Mapping[str, str] | None) -> tuple[in
         except (TypeError, ValueError):
             replicas = 0
         if replicas >= 2:
-            shares = tuple(sorted(shares + ((ANY_GPU, 1000 // replicas),) * u.slices))
+            # (max 1: a label over 1000 made shares of 0, which the plan refused: the slices were not booked at all)
+            shares = tuple(sorted(shares + ((ANY_GPU, max(1, 1000 // replicas)),) * u.slices))
         else:
             whole += u.slices
             said = (f"its {REPLICAS_LABEL} label is {raw!r}" if raw is not None else f"it has no {REPLICAS_LABEL} label "
                     "(GPU feature discovery writes it)")
-            why = "; ".join(x for x in (why, f"{u.slices} slice(s) of the shared GPU resource booked as whole GPUs: the part "
-                                             f"of a GPU a slice is, is not known ({said})") if x)
+            why = (f"{u.slices} slice(s) of the shared GPU resource booked as whole GPUs: the part of a GPU a slice is, is not "
+                   f"known ({said})")
     return whole, shares, why
 
 
@@ -383,7 +385,9 @@ def _say_whole(key: str, note: str, cluster_name: str) -> None:
     _SAID_WHOLE[k] = None
     while len(_SAID_WHOLE) > 4096:
         _SAID_WHOLE.popitem(last=False)
-    log.info("Kubernetes cluster %r: pod %s", cluster_name, note)
+    # (a warning: under Prefect's logging configuration a qosflow.* logger's INFO is not shown, the root logger's level
+    # being WARNING; said at INFO, this line never reached a worker's output)
+    log.warning("Kubernetes cluster %r: pod %s", cluster_name, note)
 
 
 def _say_unpreemptible(pod: Mapping, cluster_name: str, stage_priority: int | None) -> None:

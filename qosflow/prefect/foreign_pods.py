@@ -19,17 +19,20 @@ from qosflow.prefect.cluster_table import PODS_HOLD
 log = logging.getLogger("qosflow.prefect.worker")
 
 
-#: (node, why) said already: a GPU share booked as a whole GPU is logged once per node and reason
-_SAID: dict[tuple[str, str], None] = {}
+#: (node, its replicas label) said already: slices booked as whole GPUs are logged once per node and label value, not
+#: again when the number of slices there changes (it was at each new count: a line per notebook started or stopped)
+_SAID: dict[tuple[str, Any], None] = {}
 
 
-def _say(name: str, why: str) -> None:
-    if (name, why) in _SAID:
+def _say(name: str, label: Any, why: str) -> None:
+    if (name, label) in _SAID:
         return
     if len(_SAID) > 4096:
         _SAID.clear()
-    _SAID[(name, why)] = None
-    log.info("node %s: %s", name, why)
+    _SAID[(name, label)] = None
+    # (a warning: under Prefect's logging configuration the root logger's level is WARNING, and this logger's INFO was
+    # never shown by a worker)
+    log.warning("node %s: %s", name, why)
 
 
 def _share_gpus(st: Any, i: int, dev: int) -> list[int]:
@@ -49,7 +52,7 @@ def book_foreign_pods(sched: Any, usage: Mapping[str, Any], booked: dict[str, tu
     one GPU, `k8s_usage.node_shares`: on the device the pod's convention names, else on one the plan picks, packed
     with other shares). `booked`: node name -> (amounts wanted, amounts booked, hold keys) as of the last call, kept by
     the caller. True if some room was given back (wake the scheduler)."""
-    from qosflow.backends.k8s_usage import ANY_GPU, node_shares
+    from qosflow.backends.k8s_usage import ANY_GPU, REPLICAS_LABEL, node_shares
     from qosflow.core.cluster import PlacementError
     from qosflow.core.placement import Placement
     from qosflow.core.qos import QoSSpec
@@ -78,7 +81,8 @@ def book_foreign_pods(sched: Any, usage: Mapping[str, Any], booked: dict[str, tu
         if i is None:
             continue  # (a node outside the plan: not of the node selector)
         key = PODS_HOLD + name
-        whole_w, shares_w, why = node_shares(u, getattr(sched.cluster.nodes[i], "labels", None))
+        labels = getattr(sched.cluster.nodes[i], "labels", None) or {}
+        whole_w, shares_w, why = node_shares(u, labels)
         want = (whole_w, round(u.cpu, 6), round(u.mem_mb, 3), shares_w)
         prev = booked.get(name)
         if (prev is not None and prev[0] == want and prev[1] == want and prev[2]
@@ -87,7 +91,7 @@ def book_foreign_pods(sched: Any, usage: Mapping[str, Any], booked: dict[str, tu
         if unhold_all(name):
             freed = True
         if why:
-            _say(name, why)
+            _say(name, labels.get(REPLICAS_LABEL), why)
         gpus_w, cpu_w, mem_w = whole_w, want[1], want[2]
         down = bool(st.down[i])
         if down:  # (booked on a node down too: it is there when the node is back)
