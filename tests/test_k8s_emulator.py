@@ -537,3 +537,13 @@ def test_the_scheduler_reserves_init_containers_sidecars_and_overhead_as_kube_sc
                     assert "Insufficient cpu" in msg, msg
         finally:
             c.close()
+
+
+def test_env_expansion_reads_on_after_a_reference_never_closed():
+    """The kubelet (Kubernetes' expansion.Expand) keeps a `$(` that is never closed and reads on after it: a later `$$`
+    is still one `$`. The emulator's kubelet kept the rest of the value as written."""
+    from qosflow.k8s_emulator.state import expand_env
+
+    assert expand_env("$(A$$", {"A": "a"}) == "$(A$"
+    assert expand_env("x$(N)y$$(N)$", {"N": "n0"}) == "xn0y$(N)$"
+    assert expand_env("$(NONE) $x $", {}) == "$(NONE) $x $"

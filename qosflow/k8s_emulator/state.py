@@ -1300,7 +1300,8 @@ def container_env(store: Store, pod: dict, container: dict) -> dict[str, str]:
 def expand_env(value: str, env: dict[str, str]) -> str:
     """`value` with its $(VAR) references to `env` expanded, as the kubelet expands a container's env values
     (Kubernetes' third_party/forked/golang/expansion): `$$` is a `$`, `$(NAME)` of a variable defined is its value, one
-    of no variable (or not closed) is left as written, a `$` before anything else is kept."""
+    of no variable is left as written, an opening `$(` never closed is kept and what follows it read on, a `$` before
+    anything else is kept."""
     if "$" not in value:
         return value
     out: list[str] = []
@@ -1317,9 +1318,10 @@ def expand_env(value: str, env: dict[str, str]) -> str:
             i += 2
         elif nxt == "(":
             end = value.find(")", i + 2)
-            if end < 0:
-                out.append(value[i:])
-                break
+            if end < 0:  # (not closed: "$(" kept, and the rest read on, as the kubelet does: a later "$$" is still a "$")
+                out.append("$(")
+                i += 2
+                continue
             name = value[i + 2:end]
             out.append(env[name] if name in env else value[i:end + 1])
             i = end + 1
