@@ -322,3 +322,19 @@ def test_slices_of_a_node_with_more_than_1000_replicas_are_booked():
     assert sorted(p.gpu_milli for k, p in sched.state.allocs.items() if "/share" in k) == [1, 1]
     assert booked["many"][0] == booked["many"][1]  # (all of it booked: not tried again at each heartbeat)
     sched.state.check_invariants()
+
+
+def test_an_unreadable_share_annotation_does_not_stop_the_reading_of_every_pod():
+    """The annotations read are anyone's to write: a gpushare pod's device memory "nan" or "inf", a placement whose
+    gpu_milli or GPU is 1e999 (JSON's infinity) raised (ValueError, OverflowError) out of the reading of all the pods: the
+    pod informer broke at every LIST, the heartbeat's LIST reading failed, and the holds of every node stayed as they were.
+    Now such a pod is read as its convention's unreadable case (gpushare: a whole GPU, and why; a placement: slices)."""
+    nan, inf = gpushare("gs-nan", 10, 0, dev="nan"), gpushare("gs-inf", 10, 0)
+    inf["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_POD"] = "inf"
+    big_milli, big_gpu = other_pools_share("s-milli", 1, 250), other_pools_share("s-gpu", 1, 250)
+    for p, key, value in ((big_milli, "gpu_milli", 1e999), (big_gpu, "gpus", [1e999])):
+        plan = json.loads(p["metadata"]["annotations"]["qosflow.dev/placement"])
+        plan[key] = value
+        p["metadata"]["annotations"]["qosflow.dev/placement"] = json.dumps(plan)
+    got = foreign_usage([bound(p) for p in (nan, inf, big_milli, big_gpu, gpushare("gs-ok", 10, 1))], **KW)["n1"]
+    assert (got.gpus, got.shares, got.slices, got.pods) == (2, ((1, 250),), 2, 5), got

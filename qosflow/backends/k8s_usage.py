@@ -101,7 +101,7 @@ def _qosflow_share(pod: Mapping, k: int) -> tuple[tuple[int, int], ...] | None:
         plan = json.loads(raw)
         gpus = [int(g) for g in plan.get("gpus") or ()]
         milli = int(plan.get("gpu_milli", 1000))
-    except (TypeError, ValueError, AttributeError):
+    except (TypeError, ValueError, AttributeError, OverflowError):  # (an annotation is anyone's: 1e999 is JSON's infinity)
         return None
     if len(gpus) != k or not 0 < milli <= 1000:
         return None
@@ -120,7 +120,7 @@ def _gpushare(pod: Mapping, mem: float, key: str) -> GpuUse:
         idx = int(str(ann[GPUSHARE_IDX]).strip())
         dev = float(ann[GPUSHARE_DEV])
         asked = float(ann.get(GPUSHARE_POD) or mem)
-        if idx < 0 or dev <= 0 or asked <= 0:
+        if idx < 0 or not (0 < dev < math.inf) or not (0 < asked < math.inf):  # ("nan", "inf": a ValueError reading every pod)
             raise ValueError
     except (KeyError, TypeError, ValueError):
         return GpuUse(whole=1, note=f"{key}: {GPUSHARE_RESOURCE} {mem:g} without readable {GPUSHARE_IDX}/{GPUSHARE_DEV} annotations "
