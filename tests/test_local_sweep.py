@@ -169,7 +169,7 @@ def test_a_starting_worker_removes_the_workdir_of_a_killed_worker_only(tmp_path,
         legacy = tempfile.mkdtemp(prefix="qosflow-local-", dir=tmp_path)  # (no owner recorded)
         other_boot = tempfile.mkdtemp(prefix=f"qosflow-local-{os.getpid()}-", dir=tmp_path)
         with open(os.path.join(other_boot, ".owner"), "w") as fh:
-            json.dump({"pid": os.getpid(), "start": "an-earlier-boot:12345"}, fh)
+            json.dump({"pid": os.getpid(), "start": "an-earlier-boot:12345", **_here()}, fh)
         unrelated = tmp_path / "something-else"
         unrelated.mkdir()
 
@@ -192,6 +192,42 @@ def test_a_starting_worker_removes_the_workdir_of_a_killed_worker_only(tmp_path,
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _here() -> dict:
+    import socket
+
+    return {"host": socket.gethostname(), "pidns": os.readlink("/proc/self/ns/pid")}
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_starting_worker_leaves_the_workdirs_of_other_containers_and_hosts_sharing_tmp(tmp_path, monkeypatch):
+    """A temporary directory can be shared by processes a recorded pid means nothing to: two worker containers with one
+    /tmp (a volume, a Kubernetes pod's emptyDir: same host name and boot id, another PID namespace), hosts whose TMPDIR
+    is on a shared file system. The other's live worker has a pid that is no process here (or another one): its
+    directory was taken for a dead worker's and removed under it (its stages' progress files gone). Only a directory
+    whose owner was recorded on this host and in this PID namespace is judged; one recorded here whose owner is gone
+    still goes."""
+    from qosflow.backends.local import boot_id, sweep_stale_workdirs
+
+    dead = _dead_pid()
+
+    def owned(**owner):
+        d = tempfile.mkdtemp(prefix=f"qosflow-local-{dead}-", dir=tmp_path)
+        with open(os.path.join(d, ".owner"), "w") as fh:
+            json.dump({"pid": dead, "start": f"{boot_id()}:12345", **owner}, fh)
+        return d
+
+    other_container = owned(host=_here()["host"], pidns="pid:[4026599999]")
+    other_host = owned(host="another-host", pidns=_here()["pidns"])
+    ours = owned(**_here())
+    assert sweep_stale_workdirs(str(tmp_path)) == [ours]
+    assert os.path.isdir(other_container) and os.path.isdir(other_host)
 
 
 def test_a_backend_that_stops_removes_its_own_workdir(tmp_path, monkeypatch):

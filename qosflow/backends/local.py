@@ -468,18 +468,35 @@ def make_workdir(tmpdir: str | None = None) -> str:
     tmp = os.path.join(d, WORKDIR_OWNER + ".tmp")
     try:
         with open(tmp, "w") as fh:
-            json.dump({"pid": os.getpid(), "start": process_start(os.getpid())}, fh)
+            json.dump({"pid": os.getpid(), "start": process_start(os.getpid()), **_where_pids_mean()}, fh)
         os.replace(tmp, os.path.join(d, WORKDIR_OWNER))  # (whole or absent: a sweep never reads half of it)
     except OSError:
         pass  # (no owner recorded: never swept, as an older qosflow's)
     return d
 
 
+def _where_pids_mean() -> dict[str, str]:
+    """Where a pid recorded in a work directory's owner file means this process's pid: this host (its name) and this
+    PID namespace (`/proc/self/ns/pid`). A temporary directory can be shared by processes a pid means nothing to: two
+    containers with one /tmp (a volume, a Kubernetes pod's emptyDir), hosts whose TMPDIR is on a shared file system;
+    there a live worker's pid is no process, or another one. Empty when that cannot be told (no /proc)."""
+    import socket
+
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return {}
+    return {"host": socket.gethostname(), "pidns": ns}
+
+
 def sweep_stale_workdirs(tmpdir: str | None = None) -> list[str]:
     """Remove the work directories of local backends (`qosflow-local-*` in the temporary directory, `make_workdir`)
     whose owner process is gone: its pid no longer runs with the start time it recorded (a pid another process got
     since is not it), or it was recorded in an earlier boot. Never a live process's (two workers may run on one host),
-    never one without a readable owner (an older qosflow's, one being made, another user's), and never one a process
+    never one without a readable owner (an older qosflow's, one being made, another user's), never one whose owner was
+    recorded on another host or in another PID namespace (`_where_pids_mean`: a container sharing /tmp with this one, a
+    TMPDIR on a shared file system: its pid is not a process here, and a live worker's directory was removed), and
+    never one a process
     of this host still uses (a stage of the dead worker runs on, adopted or to be adopted by the next worker, and
     writes its progress there: its `QOSFLOW_PROGRESS_FILE` is in it, or it has a file there open). Without /proc
     (not Linux) nothing is removed. Returns the directories removed."""
@@ -489,6 +506,7 @@ def sweep_stale_workdirs(tmpdir: str | None = None) -> list[str]:
     boot = boot_id()
     if boot is None:
         return []
+    here = _where_pids_mean()
     base = tmpdir or tempfile.gettempdir()
     stale: list[str] = []
     try:
@@ -507,6 +525,8 @@ def sweep_stale_workdirs(tmpdir: str | None = None) -> list[str]:
         pid, start = (owner.get("pid"), owner.get("start")) if isinstance(owner, dict) else (None, None)
         if not isinstance(pid, int) or not isinstance(start, str) or not start:
             continue
+        if not here or any(owner.get(k) != v for k, v in here.items()):
+            continue  # (its pid means another process here: another host sharing the directory, another container)
         if start.split(":", 1)[0] == boot and process_start(pid) == start:
             continue  # (its owner runs)
         stale.append(e.path)
