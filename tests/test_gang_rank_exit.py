@@ -308,3 +308,18 @@ def test_a_rank_names_its_own_node_and_others_only_where_the_host_list_follows_t
     monkeypatch.setenv("QOSFLOW_GANG_RANK", "0")
     monkeypatch.setenv("QOSFLOW_NODE", "b")
     assert _where(2) == "rank 2 of 3 on one of a, c"
+
+
+def test_on_kubernetes_a_rank_at_its_own_place_in_the_host_list_does_not_name_the_others_by_theirs(monkeypatch):
+    """An Indexed Job's pods (JOB_COMPLETION_INDEX set) take the nodes in any order: rank 0 on the list's first node is
+    chance, and with 3 ranks rank 1 may be on the third node. It read 'rank 1 of 3 on b', whichever of b and c it was on."""
+    from qosflow.prefect.gang_rank import _where
+
+    monkeypatch.setenv("QOSFLOW_GANG_SIZE", "3")
+    monkeypatch.setenv("QOSFLOW_GANG_HOSTS", "a,b,c")
+    monkeypatch.setenv("QOSFLOW_GANG_RANK", "0")
+    monkeypatch.setenv("QOSFLOW_NODE", "a")
+    monkeypatch.delenv("JOB_COMPLETION_INDEX", raising=False)
+    assert _where(1) == "rank 1 of 3 on b"  # host agents: rank i on the i-th host
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
+    assert (_where(0), _where(1), _where(2)) == ("rank 0 of 3 on a", "rank 1 of 3 on one of b, c", "rank 2 of 3 on one of b, c")

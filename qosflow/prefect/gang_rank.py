@@ -291,9 +291,12 @@ def _where(rank: int) -> str:
     except ValueError:
         own = None
     listed = hosts[rank] if 0 <= rank < len(hosts) and hosts[rank] else ""
+    # (an Indexed Job's pod has JOB_COMPLETION_INDEX: there its own node at its own place in the list is chance, and
+    # says nothing of the others' when the gang has 3 or more ranks)
+    indexed = bool(os.environ.get("JOB_COMPLETION_INDEX"))
     if rank == own:
         host = node or listed or socket.gethostname()
-    elif not node or (own is not None and 0 <= own < len(hosts) and hosts[own] == node):
+    elif not node or (not indexed and own is not None and 0 <= own < len(hosts) and hosts[own] == node):
         host = listed or "an unknown host"
     else:  # (the list's order is not the ranks': Kubernetes)
         others = sorted({h for h in hosts if h and h != node})
