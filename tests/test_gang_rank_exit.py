@@ -143,15 +143,109 @@ def test_the_ranks_of_a_kubernetes_gang_that_ended_on_their_own():
             pod(4, "Running"), pod(5, "Succeeded", deleting=True), pod(6, "Succeeded")]
     asked = []
 
-    async def acall(fn, ns, label_selector=None):
-        asked.append((ns, label_selector))
+    async def acall(fn, ns, label_selector=None, **kw):
+        asked.append((ns, label_selector, kw))
         return SimpleNamespace(items=pods)
 
     worker = SimpleNamespace(_backend=SimpleNamespace(_acall=acall, core=SimpleNamespace(list_namespaced_pod=None)))
     handle = StageHandle("sid", "kubernetes", "n0", {"namespace": "ns", "selector": "qosflow.dev/stage=sid", "expected_pods": 7})
     got = asyncio.run(QosflowWorker._ranks_ended(worker, handle, {6}))
-    assert got == {1: 0, 2: 3}, got
-    assert asked == [("ns", "qosflow.dev/stage=sid")]
+    assert got == {1: 0}, got  # (rank 2's Failed pod ends the gang's wait: the backend stops it, no label is written)
+    # (from the API server's watch cache: a LIST every 2 s per gang was a quorum read of etcd each time)
+    assert asked == [("ns", "qosflow.dev/stage=sid", {"resource_version": "0"})]
+
+
+def test_the_worker_writes_no_label_for_a_rank_that_ended_badly_while_its_gang_is_being_stopped():
+    """Host agents: rank 1 is SIGKILLed from outside (the OOM killer: an infrastructure failure, after which the worker
+    runs the gang again elsewhere) or exits 3; the backend's wait stops the other ranks, and until the agents answered
+    that DELETE (a slow or unreachable host: up to its timeout) the gang's wait was still on. The watcher wrote
+    `killed by SIGKILL without its end label` for rank 1 meanwhile: rank 0, its function returned and waiting, reported
+    the run Failed with it, and the worker, finding the run final, did not run the gang again. Only a rank that exited 0
+    (which does not end the gang's wait) has its label written for it; the others are the backend's."""
+    from qosflow.backends.base import StageHandle
+    from qosflow.prefect.worker import QosflowWorker
+
+    stages = {"h1": {"state": "exited", "returncode": -9, "killed_reason": None, "error": None},
+              "h2": {"state": "exited", "returncode": 3, "killed_reason": None, "error": None},
+              "h3": {"state": "exited", "returncode": 0, "killed_reason": None, "error": None},
+              "h4": {"state": "exited", "returncode": 0, "killed_reason": "gang member failed", "error": None},
+              "h5": {"state": "running", "returncode": None, "killed_reason": None, "error": None}}
+
+    class Client:
+        def __init__(self, host):
+            self.host = host
+
+        async def get(self, url):
+            return SimpleNamespace(status_code=200, json=lambda: stages[self.host])
+
+    hosts = ["h0", *stages]
+    backend = SimpleNamespace(state={h: SimpleNamespace(name=h, url=f"http://{h}", up=True) for h in hosts},
+                              _client=lambda h: Client(h.name))
+    worker = QosflowWorker(work_pool_name="rank-watch", name="me", leases=False, create_pool_if_not_found=False)
+    worker._backend = backend
+    worker.RANK_WATCH_S = 0.01
+    written = []
+
+    async def write(fid, handle, rank, code):
+        written.append((rank, code))
+        return True
+
+    worker._write_rank_end = write
+    handle = StageHandle("sid", "agent", "h0", {"parts": [{"host": h, "stage_id": "sid", "rank": r} for r, h in enumerate(hosts)]})
+
+    async def go():
+        watch = asyncio.ensure_future(worker._watch_gang_ranks("fid", handle))
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if written:
+                break
+        await asyncio.sleep(0.2)  # (a few more rounds)
+        watch.cancel()
+
+    asyncio.run(go())
+    assert written == [(3, 0)], written
+
+
+def test_a_rank_that_ends_before_rank_0_reported_the_run_running_still_gets_its_label():
+    """Rank 1 ends by `exit(0)` from C code while rank 0's engine has not reported the run Running yet (its pod still
+    pulling its image on its node, its host slower to start): the run is Pending. The worker gave up on the rank at
+    once ('no rank 0 waits on this launch') and never looked at it again, so rank 0, once it ran and its function
+    returned, waited for rank 1's label for ever. It now looks again until the run is Running, then writes it."""
+    import logging
+
+    from qosflow.backends.base import StageHandle
+    from qosflow.prefect.worker import QosflowWorker
+
+    def state(kind, sid="s"):
+        return SimpleNamespace(type=SimpleNamespace(value=kind), id=sid, timestamp=1.0)
+
+    reads = {"n": 0}
+    labels: dict = {}
+
+    class Client:
+        async def read_flow_run(self, fid):
+            reads["n"] += 1
+            return SimpleNamespace(id=fid, state=state("PENDING" if reads["n"] <= 5 else "RUNNING"), labels=dict(labels))
+
+        async def read_flow_run_states(self, fid):
+            return [state("PENDING", "p1")]
+
+        async def update_flow_run_labels(self, fid, new):
+            labels.update(new)
+
+    worker = QosflowWorker(work_pool_name="rank-watch", name="me", leases=False, create_pool_if_not_found=False)
+    worker._client = Client()
+    worker.get_flow_run_logger = lambda fr: logging.getLogger("test")
+    worker.RANK_END_SETTLE_S = worker.RANK_WATCH_S = 0.01
+    handle = StageHandle("sid", "agent", "h0", {"parts": []})
+    worker._handles["fid"] = handle
+
+    async def go():
+        return await asyncio.wait_for(worker._write_rank_end("fid", handle, 1, 0), 60)
+
+    assert asyncio.run(go()) is True
+    assert labels == {"qosflow.gang.rank1.ended": "exit 0 without its end label@sid#p1"}, labels
+    assert reads["n"] > 5
 
 
 # ------------------------------------------------------------------------------------------------ the real server

@@ -1315,8 +1315,13 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 t.add_done_callback(self._rank_end_tasks.discard)
 
     async def _ranks_ended(self, handle: StageHandle, told: set[int]) -> dict[int, int | None]:
-        """The ranks (> 0, not in `told`) of a gang whose process has ended on its own (not killed by qosflow), each with
-        its exit status (negative: the signal that killed it)."""
+        """The ranks (> 0, not in `told`) of a gang whose process has ended on its own with exit status 0 (not killed by
+        qosflow), each with that status. Only those: the backend's wait goes on past a rank that exited 0, and rank 0
+        waits for its label; a rank that ended otherwise (an exit code, a signal, a pod Failed) ends the gang's wait, the
+        backend stopping the gang, and a label written for it meanwhile could only do harm: a rank SIGKILLed (the OOM
+        killer: an infrastructure failure, the gang run again elsewhere) while a host's DELETE was slow to answer got
+        `killed by SIGKILL without its end label`, rank 0, its function returned, reported the run Failed with it, and
+        the worker, finding the run final, did not run the gang again."""
         be = self._backend
         out: dict[int, int | None] = {}
         if handle.backend == "agent":
@@ -1329,11 +1334,13 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 if r.status_code != 200:
                     continue
                 st = r.json()
-                if st.get("state") == "exited" and not st.get("killed_reason") and not st.get("error") \
-                        and st.get("returncode") is not None:
-                    out[rank] = int(st["returncode"])
+                if st.get("state") == "exited" and not st.get("killed_reason") and not st.get("error") and st.get("returncode") == 0:
+                    out[rank] = 0
         elif handle.backend == "kubernetes":
-            pods = (await be._acall(be.core.list_namespaced_pod, handle.ref["namespace"], label_selector=handle.ref["selector"])).items
+            # (resourceVersion "0": served from the API server's watch cache, not a quorum read of etcd: every
+            # RANK_WATCH_S for each gang running, 25 such reads a second with 50 gangs)
+            pods = (await be._acall(be.core.list_namespaced_pod, handle.ref["namespace"], label_selector=handle.ref["selector"],
+                                    resource_version="0")).items
             for pod in pods:
                 rank = _pod_rank(pod)
                 if rank is None or rank <= 0 or rank in told or pod.metadata.deletion_timestamp is not None:
@@ -1341,11 +1348,6 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 phase = pod.status.phase if pod.status else None
                 if phase == "Succeeded":
                     out[rank] = 0
-                elif phase == "Failed" and not pod.status.reason:
-                    term = next((c.state.terminated for c in (pod.status.container_statuses or [])
-                                 if c.state and c.state.terminated), None)
-                    if term is not None and term.exit_code is not None:
-                        out[rank] = int(term.exit_code)
         return out
 
     async def _write_rank_end(self, fid: str, handle: StageHandle, rank: int, code: int | None) -> bool:
@@ -1354,7 +1356,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         (`unlabelled_outcome`: never `ok`), with the attempt the rank would have written (`attempt_of`: the launch's stage
         id and the run's latest Pending state). Rank 0 then ends the run (Failed, GangRankFailed) instead of waiting for
         ever. Never over a label of this attempt (the rank's own wins), and only while the gang's wait is on (the handle
-        is still this run's: not stopped, nor launched again), this worker not stopping and the run Running. Read back
+        is still this run's: not stopped, nor launched again), this worker not stopping and the run Running (a run not
+        yet Running, rank 0 slower to start than this rank to end, is looked at again until it is, or ends). Read back
         (again a second later: a concurrent merge of another rank's label may drop it) and written again, as the ranks
         do. True when this call wrote it (and read it back)."""
         from qosflow.prefect.gang_rank import GANG_END_LABEL, attempt_of, unlabelled_outcome
@@ -1372,8 +1375,15 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 return wrote
             try:
                 fr = await self.client.read_flow_run(fid)
+                if _type(fr.state) in NOT_YET_RUNNING:
+                    # rank 0's engine has not reported the run Running yet (its pod still pulling its image, its host
+                    # slower to start; or its retry between AwaitingRetry and Running): it will wait for this label.
+                    # Looked at again, for as long as the gang's wait is on (gave up at once: rank 0 waited for ever)
+                    give_up = time.monotonic() + self.RANK_END_BUDGET_S
+                    await asyncio.sleep(self.RANK_WATCH_S)
+                    continue
                 if _type(fr.state) != "RUNNING":
-                    return wrote  # (ended, or back in the queue: no rank 0 waits on this launch)
+                    return wrote  # (ended, or being cancelled: no rank 0 waits on this launch)
                 if value is None:
                     attempt = attempt_of(handle.stage_id, await self.client.read_flow_run_states(fid))
                     value = f"{outcome}@{attempt}"
@@ -3737,6 +3747,11 @@ def _keep(history: list, item: Any) -> None:
     """Append `item` to one of the worker's histories, dropping the oldest beyond HISTORY_KEPT."""
     history.append(item)
     del history[:-HISTORY_KEPT]
+
+
+#: the types of a run's state before its engine reports it Running (Pending: taken by a worker; Scheduled: a retry's
+#: AwaitingRetry; Paused): a gang's rank 0 may yet start and wait for its other ranks' end labels (`_write_rank_end`)
+NOT_YET_RUNNING = ("PENDING", "SCHEDULED", "PAUSED")
 
 
 def _type(state: Any) -> str | None:
