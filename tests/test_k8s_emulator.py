@@ -547,3 +547,21 @@ def test_env_expansion_reads_on_after_a_reference_never_closed():
     assert expand_env("$(A$$", {"A": "a"}) == "$(A$"
     assert expand_env("x$(N)y$$(N)$", {"N": "n0"}) == "xn0y$(N)$"
     assert expand_env("$(NONE) $x $", {}) == "$(NONE) $x $"
+
+
+def test_process_kubelet_expands_references_in_command_and_args(tmp_path):
+    """A kubelet expands `$(VAR)` in a container's command and args from its variables (any of them, not only those
+    defined before: ExpandContainerCommandAndArgs), `$$` is a `$`; the emulator's ran them as written."""
+    out = tmp_path / "argv.txt"
+    with EmulatorServer([gpu_node("gpu-0", 1)], run_processes=True) as e:
+        c = e.api_client()
+        core, batch = client.CoreV1Api(c), client.BatchV1Api(c)
+        j = job("argv", labels={"t": "argv"})
+        ctr = j["spec"]["template"]["spec"]["containers"][0]
+        ctr["command"] = ["python", "-c", "import sys; open(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))"]
+        ctr["args"] = [str(out), "$(WHERE)", "$$(WHERE)", "$(NONE)", "$(LATER)"]
+        ctr["env"] = [{"name": "WHERE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}, {"name": "LATER", "value": "l"}]
+        batch.create_namespaced_job(NS, j)
+        wait_pods(core, "t=argv", lambda p: p.status.phase in ("Succeeded", "Failed"), timeout=30)
+        c.close()
+    assert out.read_text().split() == ["gpu-0", "$(WHERE)", "$(NONE)", "l"]

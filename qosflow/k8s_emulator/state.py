@@ -1130,7 +1130,8 @@ class Cluster:
     # -------------------------------------------------------------- processes (run_processes=True)
     def _start_process(self, pod: dict, tl: dict, container_env: dict[str, str]) -> None:
         c = pod["spec"]["containers"][0]
-        argv = list(c.get("command") or []) + list(c.get("args") or [])
+        # (the kubelet expands $(VAR) in command and args too, from all of the container's variables: `expand_env`)
+        argv = [expand_env(str(a), container_env) for a in list(c.get("command") or []) + list(c.get("args") or [])]
         env = {**os.environ, **container_env}
         log = os.path.join(self._logdir or tempfile.gettempdir(), f"{pod['metadata']['uid']}.log")
         tl["log"] = log
