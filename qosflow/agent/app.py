@@ -11,6 +11,7 @@
     POST   /v1/progress                    {offsets: {id: N}} -> {stages: {id: lines from byte N}}: what the worker copies
     PUT    /v1/stages/{id}/cpuset          move it to other cores {cpuset: [...]}
     DELETE /v1/stages/{id}?reason=&grace=  kill it (SIGTERM, then SIGKILL after `grace` s); idempotent
+    POST   /v1/fence/hold                  {seconds}: a stopping worker: no fence for silence that long (until a heartbeat)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import hmac
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -55,6 +57,8 @@ class AgentConfig:
     force_virtual: bool = False
     #: run stages as this account (the agent runs as root): `qosflow agent start --stage-user`
     stage_user: str | None = None
+    #: the stages' logs together stay within this many MiB (the oldest ended stages' logs go first); None: no limit
+    max_logs_mb: float | None = 10_240.0
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -84,6 +88,9 @@ class LaunchRequest(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     #: the GPU indices the worker placed it on (None: read from env CUDA_VISIBLE_DEVICES, as older workers send)
     gpus: list[int] | None = None
+    #: command[0] is the worker's own interpreter (its default stage command): a host that has no such file runs the
+    #: stage with the agent's interpreter instead (`Runner.launch`)
+    python_fallback: bool = False
 
 
 def _gpu_indices(req: LaunchRequest) -> list[int]:
@@ -92,6 +99,15 @@ def _gpu_indices(req: LaunchRequest) -> list[int]:
         return list(req.gpus)
     raw = req.env.get("CUDA_VISIBLE_DEVICES", "")
     return [int(x) for x in raw.split(",") if x.strip().isdigit()]
+
+
+#: the longest a stopping worker may hold an agent's silence fence (`POST /v1/fence/hold`)
+MAX_FENCE_HOLD_S = 600.0
+
+
+class FenceHoldRequest(BaseModel):
+    #: how long (from now) a silence of the workers does not fence the stages
+    seconds: float = Field(ge=0)
 
 
 class CpusetRequest(BaseModel):
@@ -116,18 +132,22 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     else:
         gpus = GpuSource.detect(cfg.virtual_gpus, virtual_mem_mb=cfg.gpu_mem_mb)
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix=f"qosflow-agent-{cfg.name}-"))
-    runner = Runner(workdir, stage_user=StageUser.resolve(cfg.stage_user) if cfg.stage_user else None)
+    runner = Runner(workdir, stage_user=StageUser.resolve(cfg.stage_user) if cfg.stage_user else None,
+                    max_log_bytes=None if cfg.max_logs_mb is None else int(cfg.max_logs_mb * 2**20))
     boot_id = uuid.uuid4().hex
-    boot_time = time.time()
+    boot_time = time.monotonic()
     token = cfg.token.encode()
-    state = {"last_contact": time.time()}
+    # the fence measures silence on the monotonic clock: the wall clock of a host is stepped (NTP or chrony
+    # correcting a skewed clock, `date -s`), and a step forward past --fence-after killed every stage while the
+    # worker's heartbeats came every 2 s; a step back kept the fence from firing in a real network split
+    state = {"last_contact": time.monotonic(), "hold_until": 0.0}
 
     async def check_token(request: Request) -> None:
         auth = request.headers.get("authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         if not given or not hmac.compare_digest(given.encode(), token):
             raise HTTPException(401, "missing or wrong agent token", headers={"WWW-Authenticate": "Bearer"})
-        state["last_contact"] = time.time()
+        state["last_contact"] = time.monotonic()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -138,6 +158,10 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             if fence:
                 fence.cancel()
             await runner.kill_all(AGENT_STOPPING, grace=0)
+            if cfg.workdir is None:
+                # the temp directory of this run of the agent: no later one serves its logs (each start makes its own),
+                # and every restart left one behind in /tmp, with the logs of up to 10,000 stages
+                shutil.rmtree(workdir, ignore_errors=True)
 
     async def _fence_loop() -> None:
         assert cfg.fence_after_s
@@ -147,7 +171,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             await asyncio.sleep(tick)
             now = time.monotonic()
             frozen, last_tick = now - last_tick - tick, now
-            silent = time.time() - state["last_contact"]
+            silent = now - state["last_contact"]
             # pipeline runs (role pipeline) are not fenced: they hold no GPU and are never rerun elsewhere (the
             # next worker adopts them); fencing them ended every pipeline run of the host Crashed on a worker
             # restart or a network split longer than the fence. So is a frozen agent's: the same answer
@@ -157,7 +181,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             if frozen > cfg.fence_after_s:
                 # this process was stopped (host frozen, SIGSTOP): the worker has given up on us
                 reason = f"{FENCED}: the agent was frozen for {frozen:.1f}s (> {cfg.fence_after_s:g}s)"
-            elif silent > cfg.fence_after_s:
+            elif silent > cfg.fence_after_s and now >= state["hold_until"]:
                 reason = f"{FENCED}: no heartbeat from the worker for {silent:.1f}s (> {cfg.fence_after_s:g}s)"
             else:
                 continue
@@ -185,17 +209,32 @@ def create_app(cfg: AgentConfig) -> FastAPI:
 
     @app.get("/v1/health")
     async def health() -> Response:
+        state["hold_until"] = 0.0  # (a worker heartbeats us again: a fence hold ends, the silence counts from now)
         return _json({
             "host": cfg.name,
             "boot_id": boot_id,
             "time": time.time(),
-            "uptime_s": time.time() - boot_time,
+            "uptime_s": time.monotonic() - boot_time,
             "fence_after_s": cfg.fence_after_s,
             "running": [s.stage_id for s in runner.running()],
         })
 
+    @app.post("/v1/fence/hold")
+    async def fence_hold(req: FenceHoldRequest) -> dict:
+        """A worker that stops (a restart, an upgrade) asks its agents not to fence their stages for silence for a while:
+        the next worker adopts them. Without it, `--fence-after 3` killed every stage of the cluster 3 s after the worker
+        stopped, and a worker restart cost every running stage its training time. A heartbeat (or inventory request) ends
+        the hold: a worker watches this agent again; a frozen agent still fences."""
+        hold = max(0.0, min(req.seconds, MAX_FENCE_HOLD_S))
+        state["hold_until"] = time.monotonic() + hold
+        if hold and runner.fenceable():
+            log.warning("agent %s: the worker is stopping; its %d stage(s) are not fenced for silence for %gs (the next worker "
+                        "adopts them)", cfg.name, len(runner.fenceable()), hold)
+        return {"hold_s": hold, "fence_after_s": cfg.fence_after_s}
+
     @app.get("/v1/inventory")
     async def inventory() -> Response:
+        state["hold_until"] = 0.0
         cpus = usable_cpus()
         return _json({
             "host": cfg.name,
@@ -230,7 +269,8 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             raise HTTPException(422, f"agent {cfg.name} has {have}, but stage {req.stage_id!r} was placed on GPU "
                                      f"{', '.join(map(str, missing))}: the worker's view of this host is out of date "
                                      f"(restart the worker to pick up the host's size)")
-        st = await runner.launch(req.stage_id, req.command, env=req.env, cwd=req.cwd, cpuset=req.cpuset, labels=req.labels)
+        st = await runner.launch(req.stage_id, req.command, env=req.env, cwd=req.cwd, cpuset=req.cpuset, labels=req.labels,
+                                 python_fallback=req.python_fallback)
         return st.status()
 
     @app.get("/v1/stages/{stage_id}")

@@ -16,6 +16,7 @@ import os
 import pwd
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,8 +177,12 @@ class StageProc:
     returncode: int | None = None
     killed_reason: str | None = None
     error: str | None = None
+    #: its log was removed to keep the agent's logs within their budget (`Runner.max_log_bytes`)
+    log_removed: bool = False
     proc: asyncio.subprocess.Process | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    #: set once the launch has settled (its process started, with its pid, or it could not start)
+    launched: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def progress_path(self) -> Path:
@@ -208,16 +213,51 @@ class StageProc:
             "signal": signal.Signals(sig).name if sig else None,
             "killed_reason": self.killed_reason,
             "error": self.error,
+            "log_removed": self.log_removed,
             "cpuset_requested": self.cpuset_requested,
             "cpuset": self.cpuset,
         }
 
 
+def start_error(command: list[str], cwd: str | None, exc: BaseException, user: "StageUser | None" = None,
+                env: dict[str, str] | None = None) -> str:
+    """Why a stage's process could not start, in words that name what is missing on this host and how to fix it.
+    (Python says "No such file or directory: '/srv/x'" for a working directory that does not exist as for a command,
+    which read "cannot start 'python3': ... '/srv/x'", as if python3 were missing.)"""
+    prog = command[0] if command else ""
+    who = f" (stages run as {user.name!r})" if user is not None else ""
+    if not command:
+        return "the stage's command is empty"
+    if cwd and not os.path.isdir(cwd):
+        return (f"its working directory {cwd} does not exist on this host: create it there (or give every host the same "
+                f"layout), or set the stage's working directory to one that exists")
+    if isinstance(exc, PermissionError) and cwd and exc.filename == cwd:
+        return f"its working directory {cwd} cannot be entered{who}: {exc.strerror}"
+    if isinstance(exc, FileNotFoundError):
+        if os.sep in prog:
+            extra = ""
+            if os.path.basename(prog).startswith("python"):
+                extra = (f"; the worker starts stages with its own interpreter's path: install qosflow (and the flow's code) at "
+                         f"that path on every host, or set the work pool's `command` job variable to an interpreter every host "
+                         f"has (this agent runs under {sys.executable})")
+            return f"{prog} does not exist on this host{extra}"
+        path = (env or {}).get("PATH") or os.environ.get("PATH", "")
+        return f"{prog!r} is not on this host's PATH ({path}): install it there or give its full path"
+    if isinstance(exc, PermissionError):
+        return f"{prog} cannot be executed{who}: {exc.strerror} (is it a program, with its x bit set?)"
+    return f"cannot start {prog!r}: {exc}"
+
+
 class Runner:
     """All stages of one agent. Lives on the agent's event loop."""
 
-    def __init__(self, workdir: Path, *, max_records: int = 10_000, stage_user: StageUser | None = None):
+    def __init__(self, workdir: Path, *, max_records: int = 10_000, stage_user: StageUser | None = None,
+                 max_log_bytes: int | None = None):
         self.workdir = Path(workdir)
+        #: the stages' logs (stdout and stderr) together stay within this many bytes: beyond it the logs of the stages
+        #: that ended longest ago are removed (their records stay, `log_removed`). None: no limit. A stage that prints
+        #: every step wrote tens of MB a run into the agent's directory (/tmp by default), kept until 10,000 records
+        self.max_log_bytes = max_log_bytes
         # stage logs are for the agent's API (behind its token), not for every user of the host: a
         # --workdir the agent makes is its own (0700) and the logs are 0600, as in the default temp dir
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -239,7 +279,22 @@ class Runner:
         self._usable = usable_cpus()
 
     # ------------------------------------------------------------------ launch
-    async def launch(
+    async def launch(self, stage_id: str, command: list[str], **kw) -> StageProc:
+        """Start a stage (`_launch`). A launch that fails otherwise than by its process not starting (its log cannot be
+        made, ...) ends its record, so that nothing waits for it for ever: a kill waits for its launch to settle."""
+        before = self.stages.get(stage_id)
+        try:
+            return await self._launch(stage_id, command, **kw)
+        except BaseException as exc:
+            st = self.stages.get(stage_id)
+            if st is not None and st is not before and not st.launched.is_set():
+                st.error = st.error or f"the agent could not start it: {type(exc).__name__}: {exc}"
+                st.returncode, st.ended_at = 127, time.time()
+                st.done.set()
+                st.launched.set()
+            raise
+
+    async def _launch(
         self,
         stage_id: str,
         command: list[str],
@@ -248,10 +303,23 @@ class Runner:
         cwd: str | None = None,
         cpuset: list[int] | None = None,
         labels: dict[str, str] | None = None,
+        python_fallback: bool = False,
     ) -> StageProc:
+        """Start `command`. `python_fallback`: its first word is the worker's own interpreter (the default stage
+        command, `<worker's python> -m prefect.engine`); if this host has no such file, the agent's interpreter (the
+        Python qosflow and Prefect are installed in here) runs the stage instead, and its log says so."""
         if stage_id in self.stages:
             raise KeyError(stage_id)
         self._prune()
+        note = ""
+        if python_fallback and command and os.path.isabs(command[0]) and not os.access(command[0], os.X_OK) \
+                and os.path.realpath(command[0]) != os.path.realpath(sys.executable):
+            # the worker runs stages with the path of its own interpreter (/opt/qosflow/bin/python on the worker's host);
+            # a host whose qosflow lives elsewhere (another venv, pyenv or conda path) failed every stage with
+            # "No such file or directory"
+            note = (f"qosflow agent: {command[0]} (the worker's interpreter) does not exist on this host; running the stage "
+                    f"with the agent's interpreter {sys.executable}\n")
+            command = [sys.executable, *command[1:]]
         log_path = self.workdir / f"{file_stem(stage_id)}.log"
         st = StageProc(
             stage_id=stage_id,
@@ -308,17 +376,23 @@ class Runner:
                 **as_user,
             )
         except (OSError, ValueError, subprocess.SubprocessError) as exc:  # command not found, bad cwd, a cwd --stage-user cannot enter...
-            logf.write(f"qosflow agent: cannot start {command!r}: {exc}\n".encode())
+            why = start_error(command, cwd, exc, user, child_env)
+            logf.write(f"{note}qosflow agent: cannot start {command!r}: {why}\n".encode())
             logf.close()
-            st.error = f"cannot start {command[0] if command else '(empty command)'!r}: {exc}"
+            st.error = why
             st.returncode = 127
             st.ended_at = time.time()
             st.done.set()
+            st.launched.set()
+            self._trim_logs()
             return st
+        if note:
+            logf.write(note.encode())
         logf.close()
         st.pid = st.proc.pid
         _guard.watch(st.pid)
         asyncio.get_running_loop().create_task(self._reap(st))
+        st.launched.set()
         return st
 
     async def _reap(self, st: StageProc) -> None:
@@ -336,6 +410,34 @@ class Runner:
         st.returncode = rc
         st.ended_at = time.time()
         st.done.set()
+        self._trim_logs()
+
+    def _trim_logs(self) -> None:
+        """Remove the logs of the stages that ended longest ago until all logs together fit `max_log_bytes` (the logs
+        of running stages count, but are never removed)."""
+        if self.max_log_bytes is None:
+            return
+        sizes: dict[str, int] = {}
+        for s in self.stages.values():
+            if not s.log_removed:
+                try:
+                    sizes[s.stage_id] = s.log_path.stat().st_size
+                except OSError:
+                    pass
+        total = sum(sizes.values())
+        if total <= self.max_log_bytes:
+            return
+        for s in sorted((s for s in self.stages.values() if not s.running and s.stage_id in sizes), key=lambda s: s.ended_at or 0):
+            if total <= self.max_log_bytes:
+                break
+            try:
+                s.log_path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            s.log_removed = True
+            total -= sizes[s.stage_id]
 
     def _prune(self) -> None:
         if len(self.stages) < self.max_records:
@@ -357,7 +459,16 @@ class Runner:
             pass
 
     async def kill(self, st: StageProc, reason: str, grace: float = 5.0) -> None:
-        if not st.running:
+        if not st.launched.is_set():
+            # a kill that comes while the stage's process is being started (the launch awaits its exec; a worker whose
+            # launch timed out on a busy or frozen agent asks for the kill at once, and both requests are then served
+            # together): os.killpg(None) raised TypeError, the DELETE answered 500, and the stage ran on, with the
+            # worker's retry of it elsewhere. Kill it once it has started
+            try:
+                await asyncio.wait_for(st.launched.wait(), 60)
+            except asyncio.TimeoutError:
+                pass
+        if not st.running or st.pid is None:
             return
         if st.killed_reason is None:
             st.killed_reason = reason

@@ -51,6 +51,14 @@ def check_pipelines_on(value: Any, hosts: Collection[str], where: str) -> str:
                     where=where)
 
 
+def _is_own_python(command: Sequence[str]) -> bool:
+    """Whether a stage's command starts with this worker's own interpreter (the default, `<sys.executable> -m
+    prefect.engine`): an agent whose host has no file at that path then runs it with its own interpreter."""
+    import sys
+
+    return bool(command) and bool(sys.executable) and command[0] == sys.executable
+
+
 def _detail(r: httpx.Response) -> str:
     """An agent's error answer in words: its JSON `detail`, else the start of its body."""
     try:
@@ -213,6 +221,16 @@ class AgentBackend(Backend):
         #: lost after the silence, as a stage's host is
         self.pipeline_liveness: Callable[[str], Awaitable[ExitStatus | bool | str | None]] | None = None
         self.pipeline_silence_s = env_number("QOSFLOW_PIPELINE_SILENCE_SECONDS", type(self).pipeline_silence_s)
+        #: host -> the stages (and pipeline runs) this backend launched or adopted there and has not seen end: at
+        #: `aclose` (the worker stops) their agents are asked to hold their silence fence (`fence_hold_s`)
+        self._live: dict[str, set[str]] = {}
+        #: `aclose` was called: no request goes out any more (a wait still running then asked for a heartbeat when its
+        #: long-poll broke on the closed connection, and that heartbeat ended the fence hold the closing had just asked for)
+        self._closed = False
+        #: how long a stopping worker asks the agents of its running stages not to fence them for silence, so that the
+        #: next worker adopts them (QOSFLOW_AGENT_FENCE_HOLD_SECONDS; default the lease TTL, after which another worker of
+        #: the pool may take them over; 0: no hold, the agents' --fence-after kills them)
+        self.fence_hold_s = env_number("QOSFLOW_AGENT_FENCE_HOLD_SECONDS", env_number("QOSFLOW_LEASE_TTL_SECONDS", 30.0))
 
     @classmethod
     def from_cluster(cls, cluster: ClusterSpec, token: str, **kw: Any) -> "AgentBackend":
@@ -236,6 +254,8 @@ class AgentBackend(Backend):
     def _client(self, h: HostState, use: str = "api") -> httpx.AsyncClient:
         """The HTTP client for one host: "api" (inventory, launches, waits, kills) or "hb" (heartbeats,
         on their own connections so a slow long-poll never delays a heartbeat)."""
+        if self._closed:
+            raise httpx.ConnectError(f"the worker's connections to the agents are closed (it stops); not asking {h.url}")
         c = self._clients.get((h.url, use))
         if c is None:
             timeout = self._request_timeout_s if use == "api" else max(0.2, self.heartbeat_s / 2)
@@ -302,6 +322,8 @@ class AgentBackend(Backend):
             self.events.append((time.time(), h.name, "up"))
 
     async def _probe(self, h: HostState, timeout: float | None = None) -> bool:
+        if self._closed:
+            return False  # (the worker stops: nothing to learn, and a heartbeat would end the agents' fence holds)
         try:
             r = await self._client(h, "hb").get(f"{h.url}/v1/health", timeout=timeout or max(0.2, self.heartbeat_s / 2))
         except httpx.HTTPError as exc:
@@ -588,15 +610,17 @@ class AgentBackend(Backend):
             env.update({"QOSFLOW_GANG_RANK": str(rank), "QOSFLOW_GANG_SIZE": str(len(nodes)), "QOSFLOW_GANG_HOSTS": ",".join(names)})
             parts.append({"host": h.name, "url": h.url, "node": idx, "stage_id": spec.stage_id, "boot_id": None, "pid": None})
             bodies.append({"stage_id": spec.stage_id, "command": spec.command, "env": env, "cwd": spec.cwd, "cpuset": cpuset,
-                           "labels": spec.labels, "gpus": list(p.gpus_on(idx))})
+                           "labels": spec.labels, "gpus": list(p.gpus_on(idx)), "python_fallback": _is_own_python(spec.command)})
         handle = StageHandle(spec.stage_id, self.name, names[0], {"parts": parts, "launched_at": time.time(), "launch_error": None})
         # (every host's answer, also when one raises: a rank another host started must not be left running)
         results = await asyncio.gather(*(self._post(part, body) for part, body in zip(parts, bodies)), return_exceptions=True)
         raised = [e for e in results if isinstance(e, BaseException)]
         errors = [e for e in results if isinstance(e, str)]
         if raised or errors:
-            # a gang starts whole or not at all
-            await self.kill(handle, reason="gang launch failed")
+            # a gang starts whole or not at all. SIGKILL at once (grace 0), as for the ranks of a gang that lost a host: a
+            # rank's Prefect engine given a SIGTERM reports the flow run Crashed, while the worker runs that same flow run
+            # again as its next attempt (the launch failure is an infrastructure failure)
+            await self.kill(handle, reason="gang launch failed", grace=0)
             if raised:
                 raise raised[0]
             handle.ref["launch_error"] = "; ".join(errors)
@@ -620,6 +644,7 @@ class AgentBackend(Backend):
             if h.boot_id is None:
                 await self._probe(h)
             part["boot_id"] = h.boot_id
+            self._live.setdefault(h.name, set()).add(part["stage_id"])
             return None
         return f"agent {h.name} refused the launch: HTTP {r.status_code} {_detail(r)}"
 
@@ -663,7 +688,8 @@ class AgentBackend(Backend):
         ref["parts"].append(part)
         body = {"stage_id": stage_id, "command": list(command),
                 "env": {**{k: str(v) for k, v in env.items() if v is not None}, "CUDA_VISIBLE_DEVICES": "", "QOSFLOW_NODE": h.name},
-                "cwd": cwd, "cpuset": None, "labels": {**(labels or {}), PIPELINE_ROLE_LABEL: "pipeline"}, "gpus": []}
+                "cwd": cwd, "cpuset": None, "labels": {**(labels or {}), PIPELINE_ROLE_LABEL: "pipeline"}, "gpus": [],
+                "python_fallback": _is_own_python(command)}
         err = await self._post(part, body)
         if err:
             ref["launch_error"] = err
@@ -695,6 +721,8 @@ class AgentBackend(Backend):
                 await self._probe(h)
                 st = r.json()
                 parts.append({"host": name, "url": h.url, "node": None, "stage_id": stage_id, "boot_id": h.boot_id, "pid": st.get("pid")})
+                if st.get("state") != "exited":
+                    self._live.setdefault(name, set()).add(stage_id)
                 pipeline = (st.get("labels") or {}).get(PIPELINE_ROLE_LABEL) == "pipeline"
         if not parts:
             return None
@@ -740,7 +768,9 @@ class AgentBackend(Backend):
     async def _wait_part(self, part: dict[str, Any]) -> ExitStatus:
         self._following[part["host"]] += 1
         try:
-            return await self._follow_part(part)
+            st = await self._follow_part(part)
+            self._live.get(part["host"], set()).discard(part["stage_id"])  # (ended, or lost: nothing to hold for)
+            return st
         finally:
             self._following[part["host"]] -= 1
             if self._following[part["host"]] <= 0:
@@ -755,6 +785,10 @@ class AgentBackend(Backend):
         if part.get("boot_id") is None:
             part["boot_id"] = h.boot_id
         while True:
+            if self._closed:
+                # the worker stops and leaves its stages running for the next worker (their agents hold their fences): this
+                # wait says nothing of them; it ends when the worker cancels it
+                await asyncio.Event().wait()
             if not h.up and part.get("role") == "pipeline" and not h.refused and h.last_ok and h.name in self.state:
                 left = h.last_ok + max(self.pipeline_silence_s, self._fence_of(h) or 0.0) - time.time()
                 if left > 0:
@@ -939,7 +973,32 @@ class AgentBackend(Backend):
             out.append(r.json() if r.status_code == 200 else {"host": h.name, "http": r.status_code})
         return out
 
+    async def hold_fences(self, seconds: float | None = None) -> None:
+        """Ask the agents that run this backend's stages not to fence them for a silence of `seconds` (default
+        `fence_hold_s`): the worker stops, and the next one adopts them. An agent that does not answer (or an older one,
+        without the route) is left as it is: its fence fires as before."""
+        hold = self.fence_hold_s if seconds is None else seconds
+        hosts = [self.state[n] for n, sids in self._live.items() if sids and n in self.state]
+        if not hold or not hosts:
+            return
+
+        async def one(h: HostState) -> None:
+            try:
+                async with httpx.AsyncClient(headers=self._headers, verify=self._verify) as c:  # (this backend's are closed)
+                    r = await c.post(f"{h.url}/v1/fence/hold", json={"seconds": hold}, timeout=max(1.0, self.heartbeat_s))
+            except httpx.HTTPError as exc:
+                log.warning("host %s: could not ask its agent to hold its fence while no worker runs (%s): its --fence-after "
+                            "kills its stages", h.name, _http_error(exc, h.url))
+                return
+            if r.status_code != 200:
+                log.warning("host %s: its agent did not hold its fence (HTTP %d%s): its --fence-after kills its stages while no "
+                            "worker runs (an agent older than this worker: upgrade it)", h.name, r.status_code,
+                            f": {_detail(r)}" if r.status_code != 404 else "")
+
+        await asyncio.gather(*(one(h) for h in hosts))
+
     async def aclose(self) -> None:
+        self._closed = True
         if self._beat_task:
             self._beat_task.cancel()
             try:
@@ -948,6 +1007,10 @@ class AgentBackend(Backend):
                 pass
         clients, self._clients = list(self._clients.values()), {}
         await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+        try:  # (after the heartbeats stopped: a heartbeat ends an agent's hold)
+            await self.hold_fences()
+        except Exception:  # noqa: BLE001 - closing goes on
+            log.exception("holding the agents' fences failed")
         self._progress.close()
 
 

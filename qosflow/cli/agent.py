@@ -75,7 +75,10 @@ def register(app: typer.Typer) -> None:
             None, "--fence-after", help="kill running stages when no heartbeat came for this many seconds, or the agent was frozen that long (avoids running a stage twice after a network split); pipeline runs (pipelines_on: agents) are left running: the next worker adopts them; 1.5 x the worker's heartbeat_s is a good choice (default: never)"
         ),
         label: list[str] = typer.Option([], "--label", help="node label KEY=VALUE (repeatable)"),
-        workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a temp dir)"),
+        workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a temp dir, removed when the agent stops)"),
+        max_logs_mb: float = typer.Option(
+            10_240.0, "--max-logs-mb", help="keep the stages' logs within this many MiB: beyond it the logs of the stages that ended longest ago are removed (default 10240; 0: keep only running stages' logs)",
+        ),
         tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="serve HTTPS with this certificate chain (PEM); the worker then reaches the agent at https://... and checks it against its CA (the cluster file's tls_ca_file, the block's agent_ca_cert)"),
         tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="the private key (PEM) of --tls-cert; keep it root's, mode 600"),
         stage_user: Optional[str] = typer.Option(
@@ -111,6 +114,8 @@ def register(app: typer.Typer) -> None:
         for opt, value, floor in (("--gpu-mem-mb", gpu_mem_mb, 0), ("--cpu-cores", cpu_cores, 0), ("--fence-after", fence_after, 0)):
             if value is not None and not value > floor:
                 raise SpecError(opt, f"must be > 0, got {value:g}")
+        if not max_logs_mb >= 0:
+            raise SpecError("--max-logs-mb", f"must be >= 0, got {max_logs_mb:g}")
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         if log_level.lower() not in levels:  # uvicorn raised a KeyError traceback once the port was bound
             raise SpecError("--log-level", f"{log_level!r} is not one of {' | '.join(levels)}")
@@ -149,6 +154,7 @@ def register(app: typer.Typer) -> None:
             workdir=workdir,
             fence_after_s=fence_after,
             stage_user=stage_user,
+            max_logs_mb=max_logs_mb,
         )
         from qosflow.agent.server import check_tls
 

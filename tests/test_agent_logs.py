@@ -1,0 +1,61 @@
+"""Stages that write a lot of output, on a real agent process over real HTTP.
+
+A stage's stdout and stderr go to a file in the agent's work directory (no pipe: a chatty stage never blocks on
+it). Those files were kept until the agent had 10,000 stage records: a training loop that prints every step wrote
+13 MB a run in `qosflow demo`-sized pipelines, so an agent's /tmp grew by tens of GB before anything went. And each
+start of an agent without --workdir made a new temp directory that nothing removed."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from qosflow.agent.testing import AgentProcess
+
+pytestmark = pytest.mark.timeout(90)
+
+TOKEN = "test-token-logs-e21f"
+H = {"Authorization": f"Bearer {TOKEN}"}
+#: ~600 KB of output in 3000 lines
+CHATTY = [sys.executable, "-c", "import sys\nfor i in range(3000): print(i, 'x' * 200)\nsys.stdout.flush()"]
+
+
+def _run(c: httpx.Client, sid: str) -> dict:
+    r = c.post("/v1/stages", json={"stage_id": sid, "command": CHATTY})
+    assert r.status_code == 201, r.text
+    st = c.get(f"/v1/stages/{sid}/wait", params={"timeout": 30}).json()
+    assert st["state"] == "exited" and st["returncode"] == 0, st
+    return st
+
+
+def test_the_logs_of_ended_stages_stay_within_the_agents_budget(tmp_path: Path):
+    work = tmp_path / "work"
+    with AgentProcess("host-l", TOKEN, args=["--workdir", str(work), "--max-logs-mb", "1"], log=tmp_path / "agent.log") as a, \
+            httpx.Client(base_url=a.url, headers=H, timeout=40) as c:
+        for i in range(4):
+            _run(c, f"chatty-{i}")
+            time.sleep(0.05)
+        logs = {p.name: p.stat().st_size for p in work.glob("*.log")}
+        assert sum(logs.values()) <= 2**20, logs
+        last = c.get("/v1/stages/chatty-3/logs", params={"follow": False}).text
+        assert last.splitlines()[-1].startswith("2999 "), "the newest stage's log must be whole"
+        first = c.get("/v1/stages/chatty-0")
+        assert first.status_code == 200 and first.json()["log_removed"] is True  # (its record stays: the worker may ask)
+        assert c.get("/v1/stages/chatty-3").json()["log_removed"] is False
+
+
+def test_an_agent_without_workdir_removes_its_temp_directory_when_it_stops(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # (where the agent makes its temp directory)
+    a = AgentProcess("host-tmp", TOKEN, log=tmp_path / "agent.log").start()
+    try:
+        with httpx.Client(base_url=a.url, headers=H, timeout=40) as c:
+            _run(c, "chatty-tmp")
+        [made] = list(tmp_path.glob("qosflow-agent-host-tmp-*"))
+        assert list(made.glob("*.log"))
+    finally:
+        a.stop()
+    assert not made.exists(), f"the stopped agent left {made} behind"
