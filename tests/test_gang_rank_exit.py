@@ -115,6 +115,9 @@ def test_which_gangs_have_their_ranks_watched():
     assert _gang_ranks_watched(StageHandle("s", "kubernetes", "n", {"expected_pods": 2, "selector": "x"}))
     assert not _gang_ranks_watched(StageHandle("s", "kubernetes", "n", {"expected_pods": 1, "selector": "x"}))
     assert not _gang_ranks_watched(StageHandle("s", "local", "n", {"pid": 1}))
+    # a gang whose command was not run through gang_rank (a job template's own command): no rank writes a label
+    assert not _gang_ranks_watched(StageHandle("s", "agent", "a", {"parts": parts, "gang_labels": False}))
+    assert not _gang_ranks_watched(StageHandle("s", "kubernetes", "n", {"expected_pods": 2, "selector": "x", "gang_labels": False}))
 
     def pod(env=None, index=None):
         return SimpleNamespace(spec=SimpleNamespace(containers=[SimpleNamespace(env=[SimpleNamespace(name=k, value=v) for k, v in (env or {}).items()])]),

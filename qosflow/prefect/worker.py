@@ -1163,6 +1163,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 # a gang's parts are in rank order at its launch (kept in its lease: a worker that adopts it knows them)
                 for rank, part in enumerate(handle.ref.get("parts") or []):
                     part.setdefault("rank", rank)
+            if len(set(grant.placement.nodes)) > 1 and GANG_RANK_MODULE not in launch.command:
+                # (a command that is not Prefect's engine, e.g. a job template's shell wrapper, is not run through
+                # gang_rank: its ranks write no end label and rank 0 waits for none, so none is written for them)
+                handle.ref["gang_labels"] = False
             await self._lease_handle(fid, handle)
             self._register(fid, handle)
             progress = self._backend.progress_file(launch.stage_id)
@@ -3789,7 +3793,7 @@ def _gang_ranks_watched(handle: StageHandle) -> bool:
     that know their rank (set at the launch, or from the lease's hosts when a restarted worker adopted the gang);
     Kubernetes: pods of a stage with more than one pod (each says its rank). A local stage is one process (rank 0 of a
     gang runs alone there, with no rank to wait for)."""
-    if handle.ref.get("role") == "pipeline":
+    if handle.ref.get("role") == "pipeline" or handle.ref.get("gang_labels") is False:
         return False
     if handle.backend == "agent":
         parts = handle.ref.get("parts") or []
@@ -3819,6 +3823,10 @@ def _pod_rank(pod: Any) -> int | None:
     return int(idx) if idx.isdigit() else None
 
 
+#: the module a gang's ranks run instead of Prefect's engine (`gang_command`)
+GANG_RANK_MODULE = "qosflow.prefect.gang_rank"
+
+
 def gang_command(command: list[str], placement: Any) -> list[str]:
     """The command of a stage placed on several hosts (a gang: one process per host, each with its QOSFLOW_GANG_RANK):
     Prefect's engine (`-m prefect.engine`) becomes `-m qosflow.prefect.gang_rank`, which runs the engine on rank 0 only
@@ -3830,7 +3838,7 @@ def gang_command(command: list[str], placement: Any) -> list[str]:
     out = list(command)
     for i in range(len(out) - 1):
         if out[i] == "-m" and out[i + 1] == "prefect.engine":
-            out[i + 1] = "qosflow.prefect.gang_rank"
+            out[i + 1] = GANG_RANK_MODULE
             break
     return out
 
