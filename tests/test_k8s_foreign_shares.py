@@ -338,3 +338,50 @@ def test_an_unreadable_share_annotation_does_not_stop_the_reading_of_every_pod()
         p["metadata"]["annotations"]["qosflow.dev/placement"] = json.dumps(plan)
     got = foreign_usage([bound(p) for p in (nan, inf, big_milli, big_gpu, gpushare("gs-ok", 10, 1))], **KW)["n1"]
     assert (got.gpus, got.shares, got.slices, got.pods) == (2, ((1, 250),), 2, 5), got
+
+
+def test_a_stage_under_a_slice_is_booked_as_a_slice_so_the_plan_never_places_more_pods_than_slices_free():
+    """A shared stage's pod asks for one slice of nvidia.com/gpu.shared whatever its gpu_milli, and kube-scheduler counts
+    slices. A 1-GPU node time-sliced 4 ways with 3 slices held by other pods: two stages of 100 thousandths were both
+    placed (the plan booked 100 each), while one slice was free: the second pod stayed Unschedulable (found by the
+    review of the foreign-share booking). The worker now books a stage under a slice at a slice (`_at_least_a_slice`,
+    `KubernetesBackend.least_share_milli`): one is placed, the other waits."""
+    import types
+
+    from qosflow.backends.k8s_usage import NodePodUsage
+    from qosflow.core.cluster import NodeSpec
+    from qosflow.core.qos import QoSSpec
+    from qosflow.prefect.foreign_pods import book_foreign_pods
+    from qosflow.prefect.scheduler import StageEntry
+    from qosflow.prefect.worker import _at_least_a_slice
+
+    labels = {"nvidia.com/gpu.replicas": "4"}
+    sched = _plan(NodeSpec("n0", 1, cpu_cores=8, mem_mb=32768, labels=labels))
+    be = types.SimpleNamespace(shares_gpus=True)
+    be.least_share_milli = lambda cluster: KubernetesBackend.least_share_milli(be, cluster)
+    asked = QoSSpec(gpus=1, gpu_milli=100, cpu_cores=0.5)
+    spec, why = _at_least_a_slice(asked, be, sched.cluster)
+    assert spec.gpu_milli == 250 and "one slice" in why and "250/1000" in why, why
+    # the larger slice where nodes differ; no label, no sharing, a stage of a slice or more, whole GPUs: unchanged
+    two = _plan(NodeSpec("a", 1, labels={"nvidia.com/gpu.replicas": "8"}), NodeSpec("b", 1, labels=labels), NodeSpec("c", 1))
+    assert _at_least_a_slice(asked, be, two.cluster)[0].gpu_milli == 250
+    assert _at_least_a_slice(asked, be, _plan(NodeSpec("c", 1)).cluster) == (asked, "")
+    assert _at_least_a_slice(QoSSpec(gpus=1, gpu_milli=300), be, sched.cluster)[0].gpu_milli == 300
+    assert _at_least_a_slice(QoSSpec(gpus=2), be, sched.cluster) == (QoSSpec(gpus=2), "")
+    off = types.SimpleNamespace(shares_gpus=False)
+    off.least_share_milli = lambda cluster: KubernetesBackend.least_share_milli(off, cluster)
+    assert _at_least_a_slice(asked, off, sched.cluster) == (asked, "")
+
+    async def go():
+        sched.start()
+        book_foreign_pods(sched, {"n0": NodePodUsage(cpu=0.3, pods=3, slices=3)}, {})
+        fs = [asyncio.ensure_future(sched.request(StageEntry(JobState(Job(f"s{k}", 0.0, spec, duration=5.0)), f"s{k}")))
+              for k in range(2)]
+        await until(lambda: sum(f.done() for f in fs) >= 1, "one stage placed")
+        await asyncio.sleep(0.3)  # (a round or two more: the second must still wait)
+        assert sum(f.done() for f in fs) == 1, "two stages placed beside 3 foreign slices of a 4-slice GPU"
+        for f in fs:
+            f.cancel()
+        await sched.stop()
+
+    asyncio.run(go())

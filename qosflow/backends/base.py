@@ -12,7 +12,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import AsyncIterator, Callable, Collection, Sequence
+from typing import Any, AsyncIterator, Callable, Collection, Sequence
 
 from qosflow.core.cluster import ClusterSpec, NodeSpec
 from qosflow.core.placement import Placement
@@ -243,6 +243,11 @@ class Backend(ABC):
     #: whether two stages can really share one GPU here (a fractional share, or a co-located pair); a
     #: backend that cannot gets every stage on whole GPUs of its own (the worker's `_whole_gpus_only`)
     shares_gpus: bool = True
+    def least_share_milli(self, cluster: Any) -> int:
+        """The least part of a GPU (thousandths) a shared stage takes here whatever it asks for: a stage under it is
+        booked at it (the worker's `_at_least_a_slice`). Default 0: a stage takes what it asks for."""
+        return 0
+
     #: whether `sync_progress` has anything to do (a backend whose stages write their progress elsewhere)
     syncs_progress: bool = False
     #: seconds between two `sync_progress` rounds of the worker (QOSFLOW_PROGRESS_SYNC_SECONDS overrides it)

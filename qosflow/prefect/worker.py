@@ -1035,6 +1035,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         spec, why_whole = _whole_gpus_only(spec, self._backend)
         if why_whole:
             run_logger.info("stage %s: %s", name, why_whole)
+        spec, why_slice = _at_least_a_slice(spec, self._backend, self.scheduler.cluster if self.scheduler is not None else None)
+        if why_slice:
+            run_logger.info("stage %s: %s", name, why_slice)
         expected = configuration.expected_duration
         now = time.time()
         job = Job(
@@ -3854,6 +3857,20 @@ def _whole_gpus_only(spec: QoSSpec, backend: Any) -> tuple[QoSSpec, str]:
         f"asked for {was}, but this cluster does not share GPUs (its block's sharing is 'none': the NVIDIA device "
         "plugin gives each pod whole devices), so it runs on a whole GPU of its own; set sharing='time-slicing' "
         "or 'mps' on the cluster block where the device plugin is configured for it")
+
+
+def _at_least_a_slice(spec: QoSSpec, backend: Any, cluster: Any) -> tuple[QoSSpec, str]:
+    """`spec` booked at no less than the least part of a GPU a shared stage takes on this backend
+    (`Backend.least_share_milli`: on Kubernetes with time-slicing or MPS, one slice of the device plugin's shared
+    resource, 1/replicas of a GPU), and why, for its log; otherwise `spec` unchanged and ""."""
+    if backend is None or cluster is None or spec.gpus == 0 or not spec.fractional:
+        return spec, ""
+    least = int(backend.least_share_milli(cluster) or 0)
+    if spec.gpu_milli >= least:
+        return spec, ""
+    return spec.with_(gpu_milli=least), (
+        f"asked for {spec.gpu_milli}/1000 of a GPU; its pod gets one slice of the shared GPU resource, {least}/1000 of a "
+        "GPU here (the nodes' nvidia.com/gpu.replicas), and the plan books it as that much, as Kubernetes counts it")
 
 
 def _ready_time(flow_run: Any, now: float) -> float:
