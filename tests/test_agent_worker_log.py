@@ -10,8 +10,8 @@ Seen on 2026-11-28 with `qosflow worker start --cluster-file lab.yaml` and two `
 
 The stage *was* running on lab-1 (its wait saw the refused connection first and placed it again before the
 heartbeat round marked the host down), and the retry waited no time in the QoS queue (13 s is the first attempt's
-queue wait plus its run). Both lines are written by qosflow/prefect/worker.py, which another change owns now: the
-test is xfail until it is fixed there (see the reasons)."""
+queue wait plus its run). Both lines are written by qosflow/prefect/worker.py: the host's line now says that no stage
+runs there *now*, and a retry's wait counts from its previous attempt's end."""
 
 from __future__ import annotations
 
@@ -102,13 +102,6 @@ def lost_stage_log(prefect_server, tmp_path_factory):
             a.stop()
 
 
-@pytest.mark.xfail(reason="qosflow/prefect/worker.py (_check_health, the 'host %s is down' lines): a stage whose wait ended "
-                          "with the host's loss before the heartbeat round is no longer on the host in ClusterState, so the "
-                          "line says 'no stage of this worker was running on it' (a race: when the heartbeat round marks "
-                          "the host down first, the line is right, and this test passes). Fix: remember the stages each host lost "
-                          "since the last round (from the INFRA ExitStatus of their waits) and say 'stage X, which ran there, "
-                          "was lost with it and placed again', or at least 'no stage of this worker runs there now'",
-                   strict=False)
 def test_the_host_down_line_does_not_say_no_stage_ran_there(lost_stage_log):
     victim, lines = lost_stage_log
     down = [x for x in lines if x.startswith(f"host {victim} is down (")]
@@ -116,10 +109,6 @@ def test_the_host_down_line_does_not_say_no_stage_ran_there(lost_stage_log):
     assert not any("no stage of this worker was running on it" in x for x in down), down
 
 
-@pytest.mark.xfail(reason="qosflow/prefect/worker.py (the 're-placed ... after Ns in the QoS queue' line): the wait is counted "
-                          "from the stage's first arrival in the queue, so the retry's line adds the first attempt's run to it. "
-                          "Fix: count the retry's wait from its return to the queue (the attempt's INFRA end)",
-                   strict=False)
 def test_a_retry_says_how_long_it_waited_itself(lost_stage_log):
     victim, lines = lost_stage_log
     [line] = [x for x in lines if x.startswith("re-placed long")]

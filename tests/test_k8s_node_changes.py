@@ -309,7 +309,7 @@ def test_a_node_down_with_no_stage_of_the_worker_says_so():
     lines = asyncio.run(go())
     said = [x for x in lines if x.startswith("host gpu-1 is down")]
     assert said == ["host gpu-1 is down (the node is cordoned (spec.unschedulable)): no new stage goes there; no stage of "
-                    "this worker was running on it"], lines
+                    "this worker runs there now"], lines
 
 
 def test_a_second_scale_to_zero_is_said_again():

@@ -1134,10 +1134,12 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 gpus_said(info),
                 info["cpu_cores"], "" if info["cpu_cores"] == 1 else "s",
                 f"; {info['elastic']}" if info.get("grad_accumulation", 1) > 1 else "",
-                max(0.0, grant.granted_at - now),
+                # (a retry's own wait: from its previous attempt's end, when it came back to the queue; it counted from
+                # the stage's first arrival, the first attempt's wait and run included)
+                max(0.0, grant.granted_at - (now if n == 1 else max(now, attempts[-1]["ended"]))),
                 # the rest of the wait was before this worker had the run (Prefect's pickup, the server):
                 # said apart, so that it is not blamed on the QoS queue
-                f" ({grant.waited_s:.2f}s since its run was created)" if grant.waited_s - (grant.granted_at - now) > 1.0 else "",
+                f" ({grant.waited_s:.2f}s since its run was created)" if n == 1 and grant.waited_s - (grant.granted_at - now) > 1.0 else "",
                 grant.predicted_s,
                 info["estimator"],
                 "" if n == 1 else f"; attempt {n} after an infrastructure failure",
@@ -2380,8 +2382,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 runs = len([j for j in on_it if str(j).startswith(PIPELINE_HOLD)])  # (pipeline runs' booked cores: not rerun, their waits tell their fate)
                 also = f"; {runs} pipeline run(s) there are followed until their host or Prefect says how they ended" if runs else ""
                 if not stages:  # (e.g. a gang whose other host's loss already ended it: it is queued again already)
-                    self._logger.warning("host %s is down%s: no new stage goes there; no stage of this worker was running "
-                                         "on it%s", node.name, why, also)
+                    # ("now": a stage whose wait saw the host's loss before this round is placed again already; the line
+                    # said 'no stage of this worker was running on it' of the stage that just ran there)
+                    self._logger.warning("host %s is down%s: no new stage goes there; no stage of this worker runs there "
+                                         "now%s", node.name, why, also)
                 elif be.keeps_stages(node.name):  # (cordoned: its stages are not lost, nothing runs them again)
                     self._logger.warning("host %s is down%s: no new stage goes there; the %d stage(s) on it run on%s",
                                          node.name, why, len(stages), also)
