@@ -417,3 +417,19 @@ def test_the_workers_placed_line_says_no_gpu_for_a_cpu_only_stage():
     assert gpus_said({"gpus": [], "gpu_model": "cpu", "virtual_gpus": True}) == "no GPU"
     assert gpus_said({"gpus": ["1"], "gpu_model": "generic", "virtual_gpus": True}) == "GPUs 1 virtual"
     assert gpus_said({"gpus": ["lab-1:0", "lab-1:1"], "gpu_model": "a100", "virtual_gpus": False}) == "GPUs lab-1:0,lab-1:1 a100"
+
+
+def test_a_stage_cancelled_with_its_pipeline_says_so():
+    """A pipeline run cancelled in the UI has its running stages cancelled by the worker ('qosflow: its pipeline run
+    ... was Cancelling'); the stage's StageCancelled said its run 'was cancelled from outside the pipeline, e.g.
+    `prefect flow-run cancel` or the UI' (agent review). It now says it went with its pipeline's run; a stage cancelled
+    on its own still names the UI and `prefect flow-run cancel`."""
+    from prefect.states import Cancelled
+
+    from qosflow.prefect.tasks import StageCancelled, StageRecord, _stage_error
+
+    rec = StageRecord("train", None, (), 1.0, 0.0, 0.0, flow_run_id="f-1")
+    err = _stage_error(Cancelled(message="qosflow: its pipeline run p-1 was Cancelling"), "train", rec, told_to_cancel=False)
+    assert isinstance(err, StageCancelled) and "cancelled with its pipeline's run" in str(err), err
+    err = _stage_error(Cancelled(message="cancelled by a user"), "train", rec, told_to_cancel=False)
+    assert "from the UI, `prefect flow-run cancel`, or with its pipeline's run" in str(err), err

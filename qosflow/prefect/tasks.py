@@ -994,9 +994,12 @@ def _stage_error(state: Any, name: str, rec: StageRecord, *, told_to_cancel: boo
     if told_to_cancel is None:
         told_to_cancel = _took_cancel(rec.flow_run_id)
     if state is not None and (state.is_cancelled() or told_to_cancel):
-        return StageCancelled(f"stage {name!r} ({rec.flow_run_id}) was cancelled (its run was cancelled from outside the "
-                              f"pipeline, e.g. `prefect flow-run cancel` or the UI) and ended {state.name}: {state.message}; "
-                              "it is not retried")
+        # (not only "from outside the pipeline": a pipeline run cancelled in the UI has its running stages cancelled
+        # by the worker, and the stage's message said the user had cancelled the stage)
+        by = ("with its pipeline's run" if "its pipeline run" in str(getattr(state, "message", "") or "") else
+              "from the UI, `prefect flow-run cancel`, or with its pipeline's run")
+        return StageCancelled(f"stage {name!r} ({rec.flow_run_id}) was cancelled (its run was cancelled {by}) and ended "
+                              f"{state.name}: {state.message}; it is not retried")
     failed = StageFailed(f"stage {name!r} ({rec.flow_run_id}) ended {state.name if state else '?'}: "
                          f"{state.message if state is not None else 'no state'}")
     if state is None or not state.is_failed() or state.data is None:
