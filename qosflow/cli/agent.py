@@ -72,12 +72,12 @@ def register(app: typer.Typer) -> None:
         token: Optional[str] = typer.Option(None, "--token", help="secret token (visible in `ps`; prefer --token-file; default: $QOSFLOW_AGENT_TOKEN)"),
         token_file: Optional[Path] = typer.Option(None, "--token-file", help="file holding the secret token"),
         fence_after: Optional[float] = typer.Option(
-            None, "--fence-after", help="kill running stages when no heartbeat came for this many seconds, or the agent was frozen that long (avoids running a stage twice after a network split); pipeline runs (pipelines_on: agents) are left running: the next worker adopts them; 1.5 x the worker's heartbeat_s is a good choice (default: never)"
+            None, "--fence-after", help="kill running stages when no heartbeat came for this many seconds, or the agent was frozen that long (avoids running a stage twice after a network split); pipeline runs (pipelines_on: agents) are left running: the next worker adopts them; a worker that stops asks its agents to hold the fence until the next worker's first heartbeat, for at most QOSFLOW_AGENT_FENCE_HOLD_SECONDS (the worker's environment; default the lease TTL, 30 s); 1.5 x the worker's heartbeat_s is a good choice (default: never)"
         ),
         label: list[str] = typer.Option([], "--label", help="node label KEY=VALUE (repeatable)"),
-        workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a temp dir, removed when the agent stops)"),
+        workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a new temp dir under $TMPDIR or /tmp, removed when the agent stops; a --workdir is kept)"),
         max_logs_mb: float = typer.Option(
-            10_240.0, "--max-logs-mb", help="keep the stages' logs within this many MiB: beyond it the logs of the stages that ended longest ago are removed (default 10240; 0: keep only running stages' logs)",
+            10_240.0, "--max-logs-mb", help="keep the stages' logs within this many MiB: beyond it the logs of the stages that ended longest ago are removed, their records kept (log_removed) (default 10240, i.e. 10 GiB; 0: keep only running stages' logs)",
         ),
         tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="serve HTTPS with this certificate chain (PEM); the worker then reaches the agent at https://... and checks it against its CA (the cluster file's tls_ca_file, the block's agent_ca_cert)"),
         tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="the private key (PEM) of --tls-cert; keep it root's, mode 600"),
@@ -102,7 +102,8 @@ def register(app: typer.Typer) -> None:
           qosflow agent start --virtual-gpus 4 --token-file token --name lab-1
 
           sudo qosflow agent start --host 0.0.0.0 --stage-user qosflow-stage \\
-              --token-file /etc/qosflow/agent-token
+              --token-file /etc/qosflow/agent-token \\
+              --workdir /var/lib/qosflow-agent --max-logs-mb 2048
         """
         import socket
 
@@ -170,7 +171,15 @@ def register(app: typer.Typer) -> None:
         """Ask every agent of a cluster file for its GPUs and health.
 
         Exits 0 when every host is up, 1 when any is down (for scripts and health checks), 2 on a bad
-        cluster file."""
+        cluster file. Asking an agent ends the fence hold a stopping worker asked of it: while no worker runs, the
+        agent's --fence-after then kills its stages that many seconds later (docs/infrastructure.md).
+
+        Examples:
+
+          qosflow agent status --cluster lab.yaml
+
+          qosflow agent status --cluster /etc/qosflow/lab.yaml || echo "a host is down"
+        """
         from rich.console import Console
         from rich.table import Table
 
