@@ -715,7 +715,15 @@ class AgentBackend(Backend):
                 continue
             try:
                 r = await self._client(h).get(f"{h.url}/v1/stages/{stage_id}")
-            except httpx.HTTPError:
+            except httpx.HTTPError as exc:
+                if not _refused(exc):
+                    # silent, not gone (a network split between this worker and the host, an agent too busy to answer):
+                    # its agent may still run the stage, and the worker that stopped asked it to hold its fence
+                    # (`hold_fences`). Not adopting it here released its lease and the stage ran again elsewhere at once,
+                    # while it ran on there for up to that hold. Followed as a silent host's part: counted lost only
+                    # once its fence and the hold are over (`_follow_part`), unless the host answers first
+                    parts.append({"host": name, "url": h.url, "node": None, "stage_id": stage_id, "boot_id": None, "pid": None,
+                                  "unseen_since": time.time()})
                 continue
             if r.status_code == 200:
                 await self._probe(h)
@@ -802,6 +810,17 @@ class AgentBackend(Backend):
                     continue
             if not h.up:
                 fence = self._fence_of(h)
+                if not h.refused and fence and part.get("unseen_since") and part.get("boot_id") is None:
+                    # adopted from a worker that stopped, on a host that has not answered this worker: its agent may run
+                    # the stage until the hold that worker asked (at most `fence_hold_s`, from before this adoption) and
+                    # its fence are over. Asked again meanwhile: a host that answers is followed as any other
+                    end = part["unseen_since"] + max(fence, self.fence_hold_s) + fence
+                    if time.time() < end:
+                        await asyncio.sleep(max(0.05, min(end - time.time(), max(0.2, self.heartbeat_s))))
+                        if await self._probe(h):
+                            part["boot_id"] = h.boot_id
+                            self._live.setdefault(h.name, set()).add(part["stage_id"])  # (until its wait ends)
+                        continue
                 if not h.refused and fence and h.last_ok:
                     # silent, not gone: its agent may still run the stage until its fence fires
                     await asyncio.sleep(max(0.0, h.last_ok + fence - time.time()))
