@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -72,3 +71,20 @@ def test_a_working_directory_that_does_not_exist_is_named_as_such(agent, tmp_pat
     assert st.kind is ExitKind.USER
     assert f"its working directory {missing} does not exist on this host" in st.reason, st.reason
     assert "cannot start" not in st.reason.split("working directory")[0], st.reason
+
+
+def test_a_workers_interpreter_path_that_exists_but_cannot_run_is_not_replaced(agent, tmp_path, monkeypatch):
+    """The fallback is for a path this host does not have. A file that is there but cannot be executed (no x bit: a
+    broken install) was run with the agent's interpreter instead, and the log said it "does not exist on this host"."""
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o644)
+    marker = tmp_path / "ran"
+    monkeypatch.setattr(sys, "executable", str(fake))
+    st = _run(agent, "py-exists-1", [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('x')"])
+    log = httpx.get(f"{agent.url}/v1/stages/py-exists-1/logs", params={"follow": False},
+                    headers={"Authorization": f"Bearer {TOKEN}"}).text
+    assert not marker.exists() and st.kind is not ExitKind.OK, "another interpreter ran the stage"
+    assert "does not exist on this host" not in log, log
+    assert "cannot be executed" in log, log

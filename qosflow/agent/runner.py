@@ -312,13 +312,16 @@ class Runner:
             raise KeyError(stage_id)
         self._prune()
         note = ""
-        if python_fallback and command and os.path.isabs(command[0]) and not os.access(command[0], os.X_OK) \
+        if python_fallback and command and os.path.isabs(command[0]) and not os.path.exists(command[0]) \
                 and os.path.realpath(command[0]) != os.path.realpath(sys.executable):
             # the worker runs stages with the path of its own interpreter (/opt/qosflow/bin/python on the worker's host);
             # a host whose qosflow lives elsewhere (another venv, pyenv or conda path) failed every stage with
-            # "No such file or directory"
+            # "No such file or directory". Only a path that does not exist: one that exists but cannot run (no x bit, a
+            # broken interpreter) is this host's install to fix, said by the start error (it was run with another
+            # interpreter, and the log said the file did not exist)
             note = (f"qosflow agent: {command[0]} (the worker's interpreter) does not exist on this host; running the stage "
-                    f"with the agent's interpreter {sys.executable}\n")
+                    f"with the agent's interpreter {sys.executable} (the flow's packages must be installed there too: a "
+                    f"ModuleNotFoundError below means they are not)\n")
             command = [sys.executable, *command[1:]]
         log_path = self.workdir / f"{file_stem(stage_id)}.log"
         st = StageProc(
