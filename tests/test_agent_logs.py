@@ -59,3 +59,35 @@ def test_an_agent_without_workdir_removes_its_temp_directory_when_it_stops(tmp_p
     finally:
         a.stop()
     assert not made.exists(), f"the stopped agent left {made} behind"
+
+
+def test_a_log_removed_while_it_is_being_read_is_read_to_its_end(tmp_path: Path):
+    """The budget removes a stage's log at its end (with --max-logs-mb 0 at once): a reader still behind (the worker
+    following rank 0's output) reopened the file for each chunk, found it gone and ended the stream there, without
+    the stage's last lines (a failed stage's traceback)."""
+    work = tmp_path / "work"
+    trigger = tmp_path / "go"
+    code = ("import os, sys, time\n"
+            "for i in range(100000): sys.stdout.write('%06d %s\\n' % (i, 'y' * 150))\n"
+            "sys.stdout.flush()\n"
+            f"while not os.path.exists({str(trigger)!r}): time.sleep(0.05)\n"
+            "print('THE-END', flush=True)\n")
+    with AgentProcess("host-lr", TOKEN, port=4832, args=["--workdir", str(work), "--max-logs-mb", "0"],
+                      log=tmp_path / "agent.log") as a, httpx.Client(base_url=a.url, headers=H, timeout=40) as c:
+        r = c.post("/v1/stages", json={"stage_id": "big-1", "command": [sys.executable, "-c", code]})
+        assert r.status_code == 201, r.text
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (work / "big-1.log").stat().st_size < 100000 * 158:
+            time.sleep(0.05)
+        with c.stream("GET", "/v1/stages/big-1/logs", params={"follow": True}) as s:
+            chunks = s.iter_bytes()
+            got = [next(chunks)]  # (the reader is behind: the rest of the 15 MB waits in the agent)
+            trigger.touch()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not c.get("/v1/stages/big-1").json()["log_removed"]:
+                time.sleep(0.05)
+            assert c.get("/v1/stages/big-1").json()["log_removed"], "the test needs the log removed while it is read"
+            got.extend(chunks)
+        text = b"".join(got).decode()
+        assert text.rstrip().endswith("THE-END"), f"the stream ended at {text[-80:]!r}"
+        assert c.get("/v1/stages/big-1/logs", params={"follow": False}).text.startswith("qosflow agent: this stage's log was removed")

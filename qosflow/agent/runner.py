@@ -530,25 +530,39 @@ class Runner:
             return b""
 
     async def follow(self, st: StageProc, offset: int = 0, follow: bool = True) -> AsyncIterator[bytes]:
+        """The stage's output from byte `offset`; `follow`: until it ends. The file is kept open while it is read: the
+        log budget (`_trim_logs`, at a stage's end) may remove it meanwhile, and a reader that reopened it for each
+        chunk lost the rest of it (with --max-logs-mb 0 a stage's log goes as it ends: the worker following it lost its
+        last lines, the traceback of a failed stage)."""
         pos = offset
-        while True:
-            finished = not st.running
-            try:
-                with open(st.log_path, "rb") as f:
-                    f.seek(pos)
-                    chunk = f.read(1 << 16)
-            except FileNotFoundError:
-                chunk = b""
-            if chunk:
-                pos += len(chunk)
-                yield chunk
-                continue
-            if finished or not follow:
-                return
-            try:
-                await asyncio.wait_for(st.done.wait(), 0.1)
-            except asyncio.TimeoutError:
-                pass
+        f = None
+        try:
+            while True:
+                finished = not st.running
+                if f is None:
+                    try:
+                        f = open(st.log_path, "rb")
+                        f.seek(max(0, pos))
+                    except FileNotFoundError:
+                        f = None
+                        if st.log_removed:
+                            yield (b"qosflow agent: this stage's log was removed to keep the agent's logs within its "
+                                   b"--max-logs-mb\n")
+                            return
+                chunk = f.read(1 << 16) if f is not None else b""
+                if chunk:
+                    pos += len(chunk)
+                    yield chunk
+                    continue
+                if finished or not follow:
+                    return
+                try:
+                    await asyncio.wait_for(st.done.wait(), 0.1)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if f is not None:
+                f.close()
 
 
 def _group_pids(pgid: int) -> list[int]:
