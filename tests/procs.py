@@ -18,3 +18,22 @@ def stop_groups(procs) -> None:
 
     for p in procs:
         stop_group(p, 20.0)
+
+
+def marks(path) -> list[dict]:
+    """The JSON lines a test's stages appended to their marker file (one dict a line); [] before the first."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll `cond()` every 0.1 s until it is true; fail the test with `what` after `timeout` seconds."""
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"{what} not reached"
+        time.sleep(0.1)

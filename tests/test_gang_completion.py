@@ -9,13 +9,13 @@ returned: the pipeline went on while rank 1 still ran, and a rank that failed af
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+from procs import marks, wait_for
 
 HERE = Path(__file__).resolve().parent
 TOKEN = "gang-completion-token-5d1e"
@@ -23,15 +23,8 @@ POOL = "gang-completion"
 PORTS = tuple(int(x) for x in os.environ.get("QOSFLOW_TEST_GANG_PORTS", "47210,47211").split(","))  # (two agents)
 
 
-def wait_for(cond, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.1)
 
 
-def marks(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 # ------------------------------------------------------------------------------------------------ without a server

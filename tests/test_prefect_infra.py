@@ -9,13 +9,14 @@ lease per placement in the qosflow store, and reruns a stage elsewhere when its 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
+
+from procs import marks, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -24,15 +25,8 @@ TOKEN = "infra-test-token-2c9e"
 POOL = "infra-agents"
 
 
-def wait_for(cond, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.1)
 
 
-def marks(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.fixture(scope="module")

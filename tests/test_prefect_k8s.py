@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from procs import marks
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 HERE = Path(__file__).resolve().parent
@@ -26,8 +28,6 @@ POOL = "k8s-e2e"
 API_KEY = "pnu_qosflow-k8s-e2e-not-a-real-key"
 
 
-def marks(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.fixture(scope="module")

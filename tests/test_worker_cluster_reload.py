@@ -10,7 +10,6 @@ host added takes stages; an edit that no longer validates is not used and is log
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
@@ -18,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from procs import marks, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -28,15 +29,8 @@ BLOCK = "reload-lab"
 RELOAD_S = 0.5
 
 
-def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"{what} not reached"
-        time.sleep(0.1)
 
 
-def marks(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 def save_block(agents: dict, hosts: list[str]) -> None:

@@ -11,7 +11,6 @@ launching it again, and releases the lease when it ends.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -22,7 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from procs import alive, stop_groups
+
+from procs import alive, marks, stop_groups
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -32,8 +32,6 @@ POOL = "restart-agents"
 WORKER = "restart-worker"
 
 
-def marks(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 def start_worker(env: dict, log: Path, pool: str = POOL) -> subprocess.Popen:
