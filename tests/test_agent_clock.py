@@ -99,3 +99,50 @@ def test_a_clock_stepped_back_still_fences_a_silent_agent(skewed_agent):
         assert not alive(pid), "the stage ran on through a silence of 6 s, past the agent's 1 s fence"
         st = c.get("/v1/stages/stage-back").json()
     assert st["killed_reason"].startswith("fenced: no heartbeat from the worker"), st
+
+
+SUSPEND = textwrap.dedent(
+    """
+    import os, time
+    _file, _real = os.environ.get("QOSFLOW_TEST_SUSPEND_FILE"), time.clock_gettime
+
+    def _boottime(clk):
+        # the seconds in the file: how long the host was suspended (CLOCK_BOOTTIME counts them, CLOCK_MONOTONIC not)
+        extra = 0.0
+        if clk == getattr(time, "CLOCK_BOOTTIME", None):
+            try:
+                with open(_file) as f:
+                    extra = float(f.read() or 0)
+            except (OSError, ValueError):
+                pass
+        return _real(clk) + extra
+
+    if _file:
+        time.clock_gettime = _boottime
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(time, "CLOCK_BOOTTIME"), reason="Linux's CLOCK_BOOTTIME")
+def test_a_host_that_was_suspended_fences_its_stages_as_it_wakes(tmp_path: Path, monkeypatch):
+    """A host suspended (systemctl suspend, hibernation) for longer than the fence: the worker counted it lost and ran
+    its stages again elsewhere. The monotonic clock does not count a suspend, so the agent saw neither a silence nor a
+    freeze when it woke, and the worker's heartbeats, back at once, kept its stages running beside their reruns."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SUSPEND)
+    slept = tmp_path / "slept"
+    slept.write_text("0")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("QOSFLOW_TEST_SUSPEND_FILE", str(slept))
+    with AgentProcess("host-sleep", TOKEN, port=4833, args=["--fence-after", "2"], log=tmp_path / "agent.log") as agent, \
+            httpx.Client(base_url=agent.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10) as c:
+        pid = _launch(c, "stage-sleep")
+        _heartbeats(c, 1.0)
+        slept.write_text("3600")  # the host slept an hour; the worker's heartbeats come again as it wakes
+        deadline = time.monotonic() + 10.0
+        while alive(pid) and time.monotonic() < deadline:
+            _heartbeats(c, 0.2)
+        st = c.get("/v1/stages/stage-sleep").json()
+        assert not alive(pid), "the stage ran on after the host woke from an hour's suspend, past its 2 s fence"
+    assert st["killed_reason"].startswith("fenced"), st

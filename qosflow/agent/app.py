@@ -119,6 +119,18 @@ class ProgressRequest(BaseModel):
     offsets: dict[str, int] = Field(default_factory=dict)
 
 
+def fence_clock() -> float:
+    """The clock the fence measures silence and freezes on: CLOCK_BOOTTIME, monotonic (never stepped by NTP or
+    `date -s`) and, unlike CLOCK_MONOTONIC, counting the time the host was suspended (systemctl suspend, hibernation):
+    a host that slept while the worker ran its stages elsewhere fences them as it wakes. On time.monotonic the sleep
+    did not count, and the stages ran on after the wake while their reruns ran elsewhere (the wall clock the fence used
+    before did count it)."""
+    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+
+
 def _mem_mb() -> float:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
@@ -135,19 +147,19 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     runner = Runner(workdir, stage_user=StageUser.resolve(cfg.stage_user) if cfg.stage_user else None,
                     max_log_bytes=None if cfg.max_logs_mb is None else int(cfg.max_logs_mb * 2**20))
     boot_id = uuid.uuid4().hex
-    boot_time = time.monotonic()
+    boot_time = fence_clock()
     token = cfg.token.encode()
     # the fence measures silence on the monotonic clock: the wall clock of a host is stepped (NTP or chrony
     # correcting a skewed clock, `date -s`), and a step forward past --fence-after killed every stage while the
     # worker's heartbeats came every 2 s; a step back kept the fence from firing in a real network split
-    state = {"last_contact": time.monotonic(), "hold_until": 0.0}
+    state = {"last_contact": fence_clock(), "hold_until": 0.0}
 
     async def check_token(request: Request) -> None:
         auth = request.headers.get("authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         if not given or not hmac.compare_digest(given.encode(), token):
             raise HTTPException(401, "missing or wrong agent token", headers={"WWW-Authenticate": "Bearer"})
-        state["last_contact"] = time.monotonic()
+        state["last_contact"] = fence_clock()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -166,10 +178,10 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     async def _fence_loop() -> None:
         assert cfg.fence_after_s
         tick = min(0.5, cfg.fence_after_s / 4)
-        last_tick = time.monotonic()
+        last_tick = fence_clock()
         while True:
             await asyncio.sleep(tick)
-            now = time.monotonic()
+            now = fence_clock()
             frozen, last_tick = now - last_tick - tick, now
             silent = now - state["last_contact"]
             # pipeline runs (role pipeline) are not fenced: they hold no GPU and are never rerun elsewhere (the
@@ -214,7 +226,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             "host": cfg.name,
             "boot_id": boot_id,
             "time": time.time(),
-            "uptime_s": time.monotonic() - boot_time,
+            "uptime_s": fence_clock() - boot_time,
             "fence_after_s": cfg.fence_after_s,
             "running": [s.stage_id for s in runner.running()],
         })
@@ -226,7 +238,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         stopped, and a worker restart cost every running stage its training time. A heartbeat (or inventory request) ends
         the hold: a worker watches this agent again; a frozen agent still fences."""
         hold = max(0.0, min(req.seconds, MAX_FENCE_HOLD_S))
-        state["hold_until"] = time.monotonic() + hold
+        state["hold_until"] = fence_clock() + hold
         if hold and runner.fenceable():
             log.warning("agent %s: the worker is stopping; its %d stage(s) are not fenced for silence for %gs (the next worker "
                         "adopts them)", cfg.name, len(runner.fenceable()), hold)
