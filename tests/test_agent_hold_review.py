@@ -13,6 +13,7 @@ import asyncio
 import socket
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -100,3 +101,98 @@ def test_a_worker_that_cannot_reach_a_held_host_does_not_count_its_stage_lost_wh
             assert rec["killed_reason"].startswith("fenced"), rec
     finally:
         silent.close()
+
+
+class SplitProxy:
+    """A TCP path from the worker to an agent that can be cut (a network split): once cut, nothing more goes through
+    either way and new connections are taken but never answered (not refused: the host is silent, not gone)."""
+
+    def __init__(self, port: int, target_port: int):
+        self.target_port = target_port
+        self.cut = False
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{port}"
+        self.socks: list[socket.socket] = [self.sock]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.socks.append(c)
+            if self.cut:
+                continue
+            u = socket.create_connection(("127.0.0.1", self.target_port))
+            self.socks.append(u)
+            threading.Thread(target=self._pump, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            if self.cut:
+                continue  # (dropped: the split)
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        for s in self.socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def test_a_step_of_the_workers_clock_does_not_end_the_wait_for_a_silent_hosts_fence(tmp_path, monkeypatch):
+    """The worker counts a silent (not refused) host's stage lost only once the agent's fence has killed it. It measured
+    that on its wall clock: a step forward (NTP, `date -s`) during the silence ended the wait at once, and the stage
+    ran again elsewhere while its host, not yet fenced, still ran it."""
+    fence = 3.0
+    with AgentProcess("host-w", TOKEN, port=4834, args=["--fence-after", str(fence)], log=tmp_path / "agent.log"):
+        proxy = SplitProxy(4835, 4834)
+        try:
+
+            async def worker():
+                be = AgentBackend([AgentHost("host-w", proxy.url)], TOKEN, heartbeat_s=0.5, fence_after_s=fence,
+                                  request_timeout_s=1.0)
+                try:
+                    cluster = await be.inventory()
+                    await be.healthy_nodes()  # (heartbeats)
+                    p = Placement("clock-1", ((0, 0),), ((0, 1.0),))
+                    h = await be.launch(LaunchSpec("clock-1", [sys.executable, "-c", "import time; time.sleep(120)"], p, cluster))
+                    waiting = asyncio.ensure_future(be.wait(h))
+                    await asyncio.sleep(1.0)
+                    proxy.cut = True
+                    cut_at = asyncio.get_running_loop().time()
+                    real = time.time
+                    monkeypatch.setattr(time, "time", lambda: real() + 3600)  # the worker's clock is set an hour ahead
+                    st = await asyncio.wait_for(waiting, 60)
+                    monkeypatch.setattr(time, "time", real)
+                    return st, asyncio.get_running_loop().time() - cut_at, h.ref["parts"][0]["pid"]
+                finally:
+                    monkeypatch.undo()
+                    be.fence_hold_s = 0
+                    await be.aclose()
+
+            st, waited, pid = asyncio.run(worker())
+            assert st.kind is ExitKind.INFRA and "lost" in st.reason, st
+            # its last answer came at most a heartbeat and a probe before the cut: the fence fires no sooner than this
+            assert waited >= fence - 0.5 - 0.25, f"the stage was counted lost {waited:.1f}s into the silence, before its {fence:g}s fence"
+            deadline = time.monotonic() + 15
+            while alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not alive(pid)
+        finally:
+            proxy.close()

@@ -104,6 +104,9 @@ class HostState:
     labels: dict[str, str] = field(default_factory=dict)
     running: list[str] = field(default_factory=list)
     last_ok: float | None = None
+    #: last_ok on this process's monotonic clock: what a silence is measured on (a step of the worker's wall clock,
+    #: NTP or `date -s`, counted a silent host's stages lost before its agent's fence fired, and ran them twice)
+    last_ok_mono: float | None = None
     down_since: float | None = None
     reported: bool = False  # has answered /v1/inventory at least once
     #: the last failure was a refused connection (the agent process is gone, and its stages with it)
@@ -311,7 +314,7 @@ class AgentBackend(Backend):
 
     def _mark_up(self, h: HostState, boot_id: str, before: list[str]) -> None:
         self._note_boot(h, boot_id, before)
-        h.last_ok = time.time()
+        h.last_ok, h.last_ok_mono = time.time(), time.monotonic()
         if h.size_error:  # answers, but smaller than the worker schedules it: stays down
             self._mark_down(h, h.size_error)
             return
@@ -723,7 +726,7 @@ class AgentBackend(Backend):
                     # while it ran on there for up to that hold. Followed as a silent host's part: counted lost only
                     # once its fence and the hold are over (`_follow_part`), unless the host answers first
                     parts.append({"host": name, "url": h.url, "node": None, "stage_id": stage_id, "boot_id": None, "pid": None,
-                                  "unseen_since": time.time()})
+                                  "unseen_since": time.monotonic()})
                 continue
             if r.status_code == 200:
                 await self._probe(h)
@@ -797,8 +800,8 @@ class AgentBackend(Backend):
                 # the worker stops and leaves its stages running for the next worker (their agents hold their fences): this
                 # wait says nothing of them; it ends when the worker cancels it
                 await asyncio.Event().wait()
-            if not h.up and part.get("role") == "pipeline" and not h.refused and h.last_ok and h.name in self.state:
-                left = h.last_ok + max(self.pipeline_silence_s, self._fence_of(h) or 0.0) - time.time()
+            if not h.up and part.get("role") == "pipeline" and not h.refused and h.last_ok_mono and h.name in self.state:
+                left = h.last_ok_mono + max(self.pipeline_silence_s, self._fence_of(h) or 0.0) - time.monotonic()
                 if left > 0:
                     await asyncio.sleep(min(left, max(0.2, self.heartbeat_s)))
                     continue
@@ -815,15 +818,17 @@ class AgentBackend(Backend):
                     # the stage until the hold that worker asked (at most `fence_hold_s`, from before this adoption) and
                     # its fence are over. Asked again meanwhile: a host that answers is followed as any other
                     end = part["unseen_since"] + max(fence, self.fence_hold_s) + fence
-                    if time.time() < end:
-                        await asyncio.sleep(max(0.05, min(end - time.time(), max(0.2, self.heartbeat_s))))
+                    if time.monotonic() < end:
+                        await asyncio.sleep(max(0.05, min(end - time.monotonic(), max(0.2, self.heartbeat_s))))
                         if await self._probe(h):
                             part["boot_id"] = h.boot_id
                             self._live.setdefault(h.name, set()).add(part["stage_id"])  # (until its wait ends)
                         continue
-                if not h.refused and fence and h.last_ok:
-                    # silent, not gone: its agent may still run the stage until its fence fires
-                    await asyncio.sleep(max(0.0, h.last_ok + fence - time.time()))
+                if not h.refused and fence and h.last_ok_mono:
+                    # silent, not gone: its agent may still run the stage until its fence fires (it looks every
+                    # min(0.5, fence / 4) s: that much later at worst). On the monotonic clock: a step of this host's wall
+                    # clock forward ended this wait at once, and the stage ran again elsewhere while it still ran there
+                    await asyncio.sleep(max(0.0, h.last_ok_mono + fence + min(0.5, fence / 4) - time.monotonic()))
                 also = " (and the pipeline run no longer reports to Prefect)" if part.get("_liveness") is False else ""
                 return ExitStatus(ExitKind.INFRA, None, f"host {h.name} lost: {h.error}{also}")
             if h.boot_id != part["boot_id"]:
@@ -883,7 +888,7 @@ class AgentBackend(Backend):
         except Exception as exc:  # (Prefect unreachable too: nothing says the run is alive)
             log.warning("pipeline run %s: host %s is silent and Prefect could not be asked about the run: %s", sid, h.name, exc)
             said = None
-        silent_s = time.time() - (h.last_ok or time.time())
+        silent_s = time.monotonic() - (h.last_ok_mono or time.monotonic())
         if isinstance(said, ExitStatus):
             part.pop("_liveness_at", None)
             log.info("pipeline run %s ended (%s) while its host %s was silent (%.0fs)", sid, said.reason or said.kind.value, h.name,
