@@ -196,3 +196,52 @@ def test_a_step_of_the_workers_clock_does_not_end_the_wait_for_a_silent_hosts_fe
             assert not alive(pid)
         finally:
             proxy.close()
+
+
+def test_a_status_check_during_a_worker_restart_does_not_end_the_fence_hold(tmp_path):
+    """`qosflow agent status` (GET /v1/inventory) or a monitoring probe of /v1/health while the worker restarts ended
+    the hold the stopped worker asked, and `--fence-after` killed the stages the next worker was to adopt. Only a
+    worker's heartbeat (`?worker=1`, sent once a backend heartbeats) ends it."""
+    with AgentProcess("host-st", TOKEN, port=4836, args=["--fence-after", "1"], log=tmp_path / "agent.log") as a:
+
+        async def stopping_worker() -> int:
+            be = AgentBackend([AgentHost("host-st", a.url)], TOKEN, heartbeat_s=0.5, fence_after_s=1.0)
+            be.fence_hold_s = 30.0
+            try:
+                cluster = await be.inventory()
+                p = Placement("st-1", ((0, 0),), ((0, 1.0),))
+                h = await be.launch(LaunchSpec("st-1", [sys.executable, "-c", "import time; time.sleep(120)"], p, cluster))
+                return h.ref["parts"][0]["pid"]
+            finally:
+                await be.aclose()
+
+        pid = asyncio.run(stopping_worker())
+
+        async def status():  # what `qosflow agent status` does (ClusterFile.ask_agents)
+            be = AgentBackend([AgentHost("host-st", a.url)], TOKEN, heartbeat_s=0.5, fence_after_s=1.0)
+            try:
+                await be.refresh(timeout=5.0)
+            finally:
+                await be.aclose()
+
+        asyncio.run(status())
+        assert httpx.get(f"{a.url}/v1/health", headers=H).status_code == 200  # (a monitoring probe)
+        time.sleep(4.0)  # four times the fence, no worker
+        st = httpx.get(f"{a.url}/v1/stages/st-1", headers=H).json()
+        assert alive(pid) and st["state"] == "running", f"a status check ended the hold: {st['killed_reason']}"
+
+        async def next_worker():
+            be = AgentBackend([AgentHost("host-st", a.url)], TOKEN, heartbeat_s=0.5, fence_after_s=1.0)
+            try:
+                await be.inventory()  # (its heartbeats start: the hold ends)
+                await asyncio.sleep(1.5)
+            finally:
+                be.fence_hold_s = 0
+                await be.aclose()
+
+        asyncio.run(next_worker())
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        st = httpx.get(f"{a.url}/v1/stages/st-1", headers=H).json()
+    assert not alive(pid) and st["killed_reason"].startswith("fenced: no heartbeat"), st

@@ -1,6 +1,6 @@
 """The agent's HTTP API (FastAPI). All routes need `Authorization: Bearer <token>`.
 
-    GET    /v1/health                      heartbeat: host, boot id, running stages
+    GET    /v1/health?worker=1             heartbeat: host, boot id, running stages (worker=1: a worker's, ends a fence hold)
     GET    /v1/inventory                   GPUs (NVML or virtual), cores, memory, labels
     GET    /v1/stages                      every stage this agent knows
     POST   /v1/stages                      launch {stage_id, command, env, cwd, cpuset, labels}; 409 if the id exists
@@ -220,8 +220,12 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         return st
 
     @app.get("/v1/health")
-    async def health() -> Response:
-        state["hold_until"] = 0.0  # (a worker heartbeats us again: a fence hold ends, the silence counts from now)
+    async def health(worker: bool = False) -> Response:
+        if worker:
+            # a worker heartbeats us again: a fence hold ends, the silence counts from now. Only a worker's heartbeat
+            # (`worker=1`): `qosflow agent status` (GET /v1/inventory) or a monitoring probe of /v1/health during a worker
+            # restart ended the hold, and the fence killed the stages the next worker was to adopt
+            state["hold_until"] = 0.0
         return _json({
             "host": cfg.name,
             "boot_id": boot_id,
@@ -246,7 +250,6 @@ def create_app(cfg: AgentConfig) -> FastAPI:
 
     @app.get("/v1/inventory")
     async def inventory() -> Response:
-        state["hold_until"] = 0.0
         cpus = usable_cpus()
         return _json({
             "host": cfg.name,

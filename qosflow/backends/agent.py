@@ -328,7 +328,10 @@ class AgentBackend(Backend):
         if self._closed:
             return False  # (the worker stops: nothing to learn, and a heartbeat would end the agents' fence holds)
         try:
-            r = await self._client(h, "hb").get(f"{h.url}/v1/health", timeout=timeout or max(0.2, self.heartbeat_s / 2))
+            # (worker=1 once this backend heartbeats, as a worker's does: that ends a fence hold a stopped worker asked,
+            # a one-off look, `qosflow agent status`, does not)
+            r = await self._client(h, "hb").get(f"{h.url}/v1/health", params={"worker": "1"} if self._beat_task is not None else None,
+                                                timeout=timeout or max(0.2, self.heartbeat_s / 2))
         except httpx.HTTPError as exc:
             h.refused = _refused(exc)
             self._mark_down(h, f"no heartbeat ({_http_error(exc, h.url)})")
