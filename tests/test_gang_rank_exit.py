@@ -100,7 +100,8 @@ def test_rank_0_keeps_a_ranks_own_end_over_one_the_worker_wrote_later(monkeypatc
 
 def test_which_gangs_have_their_ranks_watched():
     from qosflow.backends.base import StageHandle
-    from qosflow.prefect.worker import _gang_ranks_watched, _pod_rank, _rank_parts
+    from qosflow.backends.kubernetes import pod_rank as _pod_rank
+    from qosflow.prefect.worker import _gang_ranks_watched, _rank_parts
 
     parts = [{"host": "a", "rank": 0}, {"host": "b", "rank": 1}]
     assert _gang_ranks_watched(StageHandle("s", "agent", "a", {"parts": parts}))
@@ -150,7 +151,11 @@ def test_the_ranks_of_a_kubernetes_gang_that_ended_on_their_own():
         asked.append((ns, label_selector, kw))
         return SimpleNamespace(items=pods)
 
-    worker = SimpleNamespace(_backend=SimpleNamespace(_acall=acall, core=SimpleNamespace(list_namespaced_pod=None)))
+    from qosflow.backends.kubernetes import KubernetesBackend
+
+    be = SimpleNamespace(_acall=acall, core=SimpleNamespace(list_namespaced_pod=None))
+    be.ranks_exited_ok = lambda handle, skip: KubernetesBackend.ranks_exited_ok(be, handle, skip)
+    worker = SimpleNamespace(_backend=be)
     handle = StageHandle("sid", "kubernetes", "n0", {"namespace": "ns", "selector": "qosflow.dev/stage=sid", "expected_pods": 7})
     got = asyncio.run(QosflowWorker._ranks_ended(worker, handle, {6}))
     assert got == {1: 0}, got  # (rank 2's Failed pod ends the gang's wait: the backend stops it, no label is written)
@@ -182,8 +187,11 @@ def test_the_worker_writes_no_label_for_a_rank_that_ended_badly_while_its_gang_i
             return SimpleNamespace(status_code=200, json=lambda: stages[self.host])
 
     hosts = ["h0", *stages]
+    from qosflow.backends.agent import AgentBackend
+
     backend = SimpleNamespace(state={h: SimpleNamespace(name=h, url=f"http://{h}", up=True) for h in hosts},
                               _client=lambda h: Client(h.name))
+    backend.ranks_exited_ok = lambda handle, skip: AgentBackend.ranks_exited_ok(backend, handle, skip)
     worker = QosflowWorker(work_pool_name="rank-watch", name="me", leases=False, create_pool_if_not_found=False)
     worker._backend = backend
     worker.RANK_WATCH_S = 0.01

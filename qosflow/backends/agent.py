@@ -705,6 +705,24 @@ class AgentBackend(Backend):
                 h.running.append(stage_id)
         return handle
 
+    async def ranks_exited_ok(self, handle: StageHandle, skip: Collection[int] = ()) -> set[int]:
+        """A gang's parts (`ref["parts"]`, each with its `rank`, set at the launch or from the lease's host order at an
+        adoption) whose agent reports the process exited 0 on its own (no kill, no start error); hosts down or parts
+        their agent does not know (404) are looked at again later."""
+        out: set[int] = set()
+        for part in handle.ref.get("parts") or []:
+            rank = part.get("rank")
+            h = self.state.get(part.get("host"))
+            if not isinstance(rank, int) or rank <= 0 or rank in skip or h is None or not h.up:
+                continue
+            r = await self._client(h).get(f"{h.url}/v1/stages/{part['stage_id']}")
+            if r.status_code != 200:
+                continue
+            st = r.json()
+            if st.get("state") == "exited" and not st.get("killed_reason") and not st.get("error") and st.get("returncode") == 0:
+                out.add(rank)
+        return out
+
     async def adopt(self, stage_id: str, hosts: list[str]) -> StageHandle | None:
         """Find an attempt a previous worker started (from its lease) and return a handle to it."""
         parts = []

@@ -218,6 +218,13 @@ class Backend(ABC):
         """Stop the stage (idempotent): SIGTERM, then SIGKILL after `grace` seconds (the backend's
         default if None; 0: SIGKILL at once, so the stage's Prefect engine cannot report a state)."""
 
+    async def ranks_exited_ok(self, handle: StageHandle, skip: Collection[int] = ()) -> set[int]:
+        """The ranks (> 0, not in `skip`) of a gang on several hosts (`handle`) whose process ended on its own with exit
+        status 0, not stopped by qosflow: the worker writes a missing end label for such a rank (`_watch_gang_ranks`).
+        Only those: a rank that ended otherwise ends the gang's wait (the backend stops the gang). Default: none (a
+        backend that runs a gang as one process)."""
+        return set()
+
     async def logs(self, handle: StageHandle) -> AsyncIterator[str]:  # pragma: no cover - optional
         if False:
             yield ""

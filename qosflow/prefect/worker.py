@@ -1331,33 +1331,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         killer: an infrastructure failure, the gang run again elsewhere) while a host's DELETE was slow to answer got
         `killed by SIGKILL without its end label`, rank 0, its function returned, reported the run Failed with it, and
         the worker, finding the run final, did not run the gang again."""
-        be = self._backend
-        out: dict[int, int | None] = {}
-        if handle.backend == "agent":
-            for part in handle.ref.get("parts") or []:
-                rank = part.get("rank")
-                h = getattr(be, "state", {}).get(part.get("host"))
-                if not isinstance(rank, int) or rank <= 0 or rank in told or h is None or not h.up:
-                    continue
-                r = await be._client(h).get(f"{h.url}/v1/stages/{part['stage_id']}")
-                if r.status_code != 200:
-                    continue
-                st = r.json()
-                if st.get("state") == "exited" and not st.get("killed_reason") and not st.get("error") and st.get("returncode") == 0:
-                    out[rank] = 0
-        elif handle.backend == "kubernetes":
-            # (resourceVersion "0": served from the API server's watch cache, not a quorum read of etcd: every
-            # RANK_WATCH_S for each gang running, 25 such reads a second with 50 gangs)
-            pods = (await be._acall(be.core.list_namespaced_pod, handle.ref["namespace"], label_selector=handle.ref["selector"],
-                                    resource_version="0")).items
-            for pod in pods:
-                rank = _pod_rank(pod)
-                if rank is None or rank <= 0 or rank in told or pod.metadata.deletion_timestamp is not None:
-                    continue
-                phase = pod.status.phase if pod.status else None
-                if phase == "Succeeded":
-                    out[rank] = 0
-        return out
+        assert self._backend is not None
+        return {rank: 0 for rank in sorted(await self._backend.ranks_exited_ok(handle, told))}
 
     async def _write_rank_end(self, fid: str, handle: StageHandle, rank: int, code: int | None) -> bool:
         """Rank `rank`'s process of this launch (`handle`) ended with `code`: if the run still lacks the rank's end label
@@ -3818,16 +3793,6 @@ def _rank_parts(handle: StageHandle, hosts: list[str]) -> None:
     for part in handle.ref.get("parts") or []:
         if "rank" not in part and hosts.count(part.get("host")) == 1:
             part["rank"] = hosts.index(part["host"])
-
-
-def _pod_rank(pod: Any) -> int | None:
-    """A stage pod's QOSFLOW_GANG_RANK: its value in the pod's env, else its Indexed Job's completion index."""
-    for c in (getattr(pod.spec, "containers", None) or []):
-        for e in (c.env or []):
-            if e.name == "QOSFLOW_GANG_RANK" and e.value is not None:
-                return int(e.value) if str(e.value).isdigit() else None
-    idx = (pod.metadata.annotations or {}).get("batch.kubernetes.io/job-completion-index", "")
-    return int(idx) if idx.isdigit() else None
 
 
 #: the module a gang's ranks run instead of Prefect's engine (`gang_command`)
