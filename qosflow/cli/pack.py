@@ -106,7 +106,7 @@ def register(app: typer.Typer) -> None:
                 f"[yellow]{len(never)} of {len(pod_list)} pods fit no node of {nodes_path.name} even when it is empty; "
                 "they still arrive and fail (their GPU request counts as arrived demand). Drop them from the pod "
                 "list, or add nodes that hold them, to measure packing alone"
-                + (f" (the first 5 are above; " if len(never) > 5 else " (")
+                + (" (the first 5 are above; " if len(never) > 5 else " (")
                 + ("--json lists them all, config.never_fit_pods)" if json_out is None else
                    f"{json_out} lists them all, config.never_fit_pods)") + ".[/]"
             )
