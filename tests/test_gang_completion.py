@@ -20,7 +20,6 @@ from procs import marks, wait_for
 HERE = Path(__file__).resolve().parent
 TOKEN = "gang-completion-token-5d1e"
 POOL = "gang-completion"
-PORTS = tuple(int(x) for x in os.environ.get("QOSFLOW_TEST_GANG_PORTS", "47210,47211").split(","))  # (two agents)
 
 
 
@@ -306,9 +305,10 @@ def lab(prefect_server, tmp_path_factory):
     os.environ["PYTHONPATH"] = pypath  # the agents (and so their stages) inherit it
     agents = {}
     try:
-        for name, port in zip(("host-a", "host-b"), PORTS):
-            agents[name] = AgentProcess(name, TOKEN, virtual_gpus=4, port=port, args=["--cpu-cores", "4"],
-                                        log=d / f"{name}.log").start()
+        for name in ("host-a", "host-b"):
+            # (a free port each: the fixed 47210/47211 lie in Linux's ephemeral range, and in the full suite (CI,
+            # 2026-11-28) a connection of an earlier test held 47210: "127.0.0.1:47210 is already in use")
+            agents[name] = AgentProcess(name, TOKEN, virtual_gpus=4, args=["--cpu-cores", "4"], log=d / f"{name}.log").start()
         (d / "token").write_text(TOKEN + "\n")
         cluster = d / "lab.yaml"
         hosts = "".join(f"  - {{name: {n}, agent_url: '{a.url}'}}\n" for n, a in agents.items())
