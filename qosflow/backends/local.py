@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
 from qosflow.backends.base import Backend, ExitKind, ExitStatus, LaunchSpec, StageHandle, placement_env
 from qosflow.core.cluster import ClusterSpec, NodeSpec
@@ -581,13 +581,16 @@ def _dirs_in_use(dirs: list[str]) -> set[str] | None:
     return used
 
 
-def sweep_old_output(directory: str, *, max_age_s: float | None, keep: "Iterable[str]" = (), now: float | None = None) -> list[str]:
+def sweep_old_output(directory: str, *, max_age_s: float | None, keep: "Iterable[str]" = (), now: float | None = None,
+                     also_keep: "Callable[[], Iterable[str] | None] | None" = None,
+                     on_error: "Callable[[str], None] | None" = None) -> list[str]:
     """Remove the output files (`*.log`) in `directory` (a local stage's or a pipeline's, `output_file`) last written
     more than `max_age_s` ago (None: keep them all), except those in `keep` (the processes this worker watches) and
     those a process of this host has open (a stage or pipeline still running, whoever started it: a quiet one writes
     nothing for days); where open files cannot be seen (no /proc) nothing is removed. The sweep of a worker without a
     lease store (`QOSFLOW_LEASES=0`); with one, `LeaseStore.sweep_pipeline_output` also spares the files of processes
-    it records. Returns the paths removed."""
+    it records, through `also_keep` (more paths to keep, asked only when some file is old enough; None: remove
+    nothing). `on_error` is told why a directory that exists could not be listed. Returns the paths removed."""
     now = time.time() if now is None else now
     if max_age_s is None or not os.path.isdir(directory):
         return []
@@ -601,8 +604,16 @@ def sweep_old_output(directory: str, *, max_age_s: float | None, keep: "Iterable
                     real = os.path.realpath(e.path)
                     if mtime < now - max_age_s and real not in kept:
                         old[real] = mtime
-    except OSError:
+    except OSError as exc:
+        if on_error is not None:
+            on_error(f"cannot list it ({exc})")
         return []
+    if old and also_keep is not None:
+        more = also_keep()
+        if more is None:
+            return []
+        more = {os.path.realpath(p) for p in more if p}
+        old = {p: m for p, m in old.items() if p not in more}
     if not old:
         return []
     busy = files_open(old)

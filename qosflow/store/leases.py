@@ -663,10 +663,10 @@ class LeaseStore:
         running, recorded or not: a quiet one writes nothing for days); where open files cannot be seen
         (no /proc) nothing is removed. Looks at most every `every_s` seconds (a worker calls it at its
         start and at its heartbeats). Returns the paths removed."""
-        from qosflow.backends.local import files_open
+        from qosflow.backends.local import sweep_old_output
+        from qosflow.paths import pipeline_output_dir
 
         now = time.time() if now is None else now
-        from qosflow.paths import pipeline_output_dir
 
         d = Path(directory) if directory is not None else pipeline_output_dir()
         key = str(d)
@@ -677,44 +677,20 @@ class LeaseStore:
         age = pipeline_output_max_age() if max_age_s is None else float(max_age_s)
         if age is None or not d.is_dir():
             return []
-        old: dict[str, float] = {}
-        try:
-            with os.scandir(d) as it:
-                for e in it:
-                    if e.name.endswith(".log") and e.is_file(follow_symlinks=False):
-                        mtime = e.stat(follow_symlinks=False).st_mtime
-                        if mtime < now - age:
-                            old[os.path.realpath(e.path)] = mtime
-        except OSError as exc:
-            log.warning("pipeline output in %s: cannot list it (%s); nothing removed", d, exc)
-            return []
-        if not old:
-            return []
-        try:
-            with Session(self.engine) as s:
-                rows = s.exec(select(PipelineProcessRow.flow_run_id, PipelineProcessRow.output)).all()
-        except Exception as exc:  # (no record to go by: remove nothing)
-            log.warning("pipeline output in %s: cannot read the pipeline processes in the lease store (%s); nothing removed", d, exc)
-            return []
-        recorded = {f"{fid}.log" for fid, _ in rows} | {os.path.basename(out) for _, out in rows if out}
-        recorded_paths = {os.path.realpath(out) for _, out in rows if out}
-        cands = [p for p in old if os.path.basename(p) not in recorded and p not in recorded_paths]
-        if not cands:
-            return []
-        busy = files_open(cands)
-        if busy is None:
-            return []
-        removed = []
-        for p in cands:
-            if p in busy:
-                continue
+
+        def recorded() -> set[str] | None:
+            """The files of the processes the store records (by their name in `d`, or their recorded path)."""
             try:
-                if os.stat(p).st_mtime != old[p]:  # (written meanwhile: a run of that id again)
-                    continue
-                os.unlink(p)
-            except OSError:
-                continue
-            removed.append(p)
+                with Session(self.engine) as s:
+                    rows = s.exec(select(PipelineProcessRow.flow_run_id, PipelineProcessRow.output)).all()
+            except Exception as exc:  # (no record to go by: remove nothing)
+                log.warning("pipeline output in %s: cannot read the pipeline processes in the lease store (%s); nothing removed", d, exc)
+                return None
+            names = {f"{fid}.log" for fid, _ in rows} | {os.path.basename(out) for _, out in rows if out}
+            return {str(d / n) for n in names} | {out for _, out in rows if out}
+
+        removed = sweep_old_output(str(d), max_age_s=age, now=now, also_keep=recorded,
+                                   on_error=lambda why: log.warning("pipeline output in %s: %s; nothing removed", d, why))
         if removed:
             log.info("pipeline output: removed %d file(s) in %s last written more than %s ago (%s)", len(removed), d,
                      _age_text(age), PIPELINE_OUTPUT_MAX_AGE_ENV)
