@@ -284,7 +284,7 @@ def _where(rank: int) -> str:
     import socket
 
     size = os.environ.get("QOSFLOW_GANG_SIZE") or "?"
-    hosts = [h for h in (os.environ.get("QOSFLOW_GANG_HOSTS") or "").split(",")]
+    hosts = (os.environ.get("QOSFLOW_GANG_HOSTS") or "").split(",")
     node = os.environ.get("QOSFLOW_NODE") or ""
     try:
         own = int(os.environ.get("QOSFLOW_GANG_RANK") or "")
