@@ -156,6 +156,17 @@ def gpu_use(pod: Mapping, req: Mapping[str, float], gpu_resource: str, shared_re
     return GpuUse(whole, tuple(sorted(shares)), slices, note)
 
 
+def slice_milli(labels: Mapping[str, str] | None) -> int | None:
+    """The part of a GPU (thousandths) one slice of the shared resource is on a node with these labels: 1000 // replicas
+    (at least 1: a label over 1000 made slices of 0, which the plan refused) for the node's `REPLICAS_LABEL` of 2 or
+    more; None where it is missing or unreadable (the part is not known)."""
+    try:
+        replicas = int(str((labels or {}).get(REPLICAS_LABEL)).strip())
+    except (TypeError, ValueError):
+        return None
+    return max(1, 1000 // replicas) if replicas >= 2 else None
+
+
 def node_shares(u: "NodePodUsage", labels: Mapping[str, str] | None) -> tuple[int, tuple[tuple[int, int], ...], str]:
     """The GPUs to book on a node for `u`: (whole GPUs, shares (device or ANY_GPU, milli), why some slices are booked
     whole). Its slices of the shared resource are 1000 // replicas each (at least 1: the node's `REPLICAS_LABEL`, GPU
@@ -165,13 +176,9 @@ def node_shares(u: "NodePodUsage", labels: Mapping[str, str] | None) -> tuple[in
     whole, shares, why = u.gpus, u.shares, ""
     if u.slices:
         raw = (labels or {}).get(REPLICAS_LABEL)
-        try:
-            replicas = int(str(raw).strip())
-        except (TypeError, ValueError):
-            replicas = 0
-        if replicas >= 2:
-            # (max 1: a label over 1000 made shares of 0, which the plan refused: the slices were not booked at all)
-            shares = tuple(sorted(shares + ((ANY_GPU, max(1, 1000 // replicas)),) * u.slices))
+        milli = slice_milli(labels)
+        if milli is not None:
+            shares = tuple(sorted(shares + ((ANY_GPU, milli),) * u.slices))
         else:
             whole += u.slices
             said = (f"its {REPLICAS_LABEL} label is {raw!r}" if raw is not None else f"it has no {REPLICAS_LABEL} label "

@@ -505,19 +505,12 @@ class KubernetesBackend(Backend):
         else the plan put more shared stages on a node than it has slices free, and the last pod stayed Unschedulable
         (a 1-GPU node of 4 replicas with 3 slices taken by other pods: two stages of 100 thousandths placed, one slice
         free). Nodes without the label (or an unreadable one) say nothing; 0 when none says it or GPUs are not shared."""
-        from qosflow.backends.k8s_usage import REPLICAS_LABEL
+        from qosflow.backends.k8s_usage import slice_milli
 
         if not self.shares_gpus:
             return 0
-        least = 0
-        for n in getattr(cluster, "nodes", ()) or ():
-            try:
-                replicas = int(str((getattr(n, "labels", None) or {}).get(REPLICAS_LABEL)).strip())
-            except (TypeError, ValueError):
-                continue
-            if replicas >= 2:
-                least = max(least, max(1, 1000 // replicas))
-        return least
+        slices = (slice_milli(getattr(n, "labels", None)) for n in getattr(cluster, "nodes", ()) or ())
+        return max((m for m in slices if m is not None), default=0)
 
     def __post_init__(self) -> None:
         import os
