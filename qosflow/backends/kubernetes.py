@@ -3,10 +3,10 @@
 One `batch/v1` Job per stage:
 
 * pinned to the node(s) the qosflow scheduler chose (required node affinity on
-  `kubernetes.io/hostname`); a gang over several nodes with the same share on each is ONE Indexed Job
-  (completions = parallelism = nodes, one pod per node through hostname anti-affinity), so the job
-  controller creates every pod of the gang in the same step; a gang with unequal shares becomes one
-  Job per node, created back to back. With `gang_scheduler="volcano"` a `scheduling.volcano.sh/v1beta1`
+  `kubernetes.io/hostname`); a gang over several nodes whose placement is the same on each but for the node (the
+  same GPUs, cores and cpuset) is ONE Indexed Job (completions = parallelism = nodes, one pod per node through
+  hostname anti-affinity), so the job controller creates every pod of the gang in the same step; any other gang
+  becomes one Job per node, created back to back, each pod's QOSFLOW_PLACEMENT its own node's. With `gang_scheduler="volcano"` a `scheduling.volcano.sh/v1beta1`
   PodGroup (minMember = all pods) is created first and the pods use `schedulerName: volcano`;
   `"kai"` does the same with KAI's `scheduling.run.ai/v2alpha2` PodGroup and queue label.
 * `nvidia.com/gpu` limits for whole GPUs; CPU requests equal to the cores the placement allocated
@@ -236,6 +236,20 @@ def _placement_on_each_node(raw: str) -> str:
         return raw
     rest = json.dumps({k: v for k, v in plan.items() if k != "node"}, separators=(",", ":")).replace("$", "$$")
     return '{"node":"$(QOSFLOW_NODE)"' + ("," + rest[1:] if rest != "{}" else "}")
+
+
+def _env_but_node(env: Mapping[str, str]) -> tuple:
+    """A stage's environment on one node (`placement_env`) without what names the node (`QOSFLOW_NODE`, the placement's
+    "node"): equal for two nodes when one pod template, whose placement names its node through `$(QOSFLOW_NODE)`
+    (`_placement_on_each_node`), gives each rank what its own node's placement says (its GPUs, cores, cpuset)."""
+    rest = {k: v for k, v in env.items() if k not in ("QOSFLOW_NODE", "QOSFLOW_PLACEMENT")}
+    try:
+        plan = json.loads(env.get("QOSFLOW_PLACEMENT") or "null")
+    except ValueError:
+        plan = env.get("QOSFLOW_PLACEMENT")
+    if isinstance(plan, dict):
+        plan = {k: v for k, v in plan.items() if k != "node"}
+    return tuple(sorted(rest.items())), json.dumps(plan, sort_keys=True)
 
 
 def label_value(v: str) -> str:
@@ -1738,8 +1752,9 @@ class KubernetesBackend(Backend):
         p = spec.placement
         nodes = list(p.nodes)
         names = [spec.cluster.nodes[i].name for i in nodes]
-        shares = [(len(p.gpus_on(n)), p.cores_on(n)) for n in nodes]
-        uniform = len(set(shares)) == 1
+        # what each rank's environment is on its node (`placement_env`: its GPUs, cores, cpuset, virtual GPUs)
+        node_envs = {n: placement_env(p, spec.cluster, n, spec.cpusets.get(n), requested_gpus=spec.requested_gpus) for n in nodes}
+        uniform = len({_env_but_node(e) for e in node_envs.values()}) == 1
         groups = [(nodes, names)] if uniform else [([n], [nm]) for n, nm in zip(nodes, names)]
         base = job_name(spec.stage_id)
         stage_label = label_value(spec.stage_id)
@@ -1752,7 +1767,7 @@ class KubernetesBackend(Backend):
         for gi, (gnodes, gnames) in enumerate(groups):
             n0 = gnodes[0]
             k_gpus, cores = len(p.gpus_on(n0)), p.cores_on(n0)
-            env = placement_env(p, spec.cluster, n0, spec.cpusets.get(n0), requested_gpus=spec.requested_gpus)
+            env = dict(node_envs[n0])
             env.pop("CUDA_VISIBLE_DEVICES", None)  # the device plugin assigns the devices
             env.pop("QOSFLOW_NODE", None)
             env.update(spec.env)
@@ -1764,7 +1779,10 @@ class KubernetesBackend(Backend):
             node_ref = {"name": "QOSFLOW_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
             if len(gnodes) > 1 and placement_json:
                 # one pod template for the nodes of an Indexed Job: each pod's placement names its own node (the kubelet
-                # expands $(QOSFLOW_NODE), defined before it, from the downward API); it named the first node on all
+                # expands $(QOSFLOW_NODE), defined before it, from the downward API); it named the first node on all. The
+                # rest of it is every node's alike (`uniform`): a gang whose nodes' GPUs or cores differ (GPUs 0,1 on one
+                # node, 2,3 on the other) is one Job per node, each pod with its own node's placement; before 2026-11-28
+                # it was one Indexed Job, and every rank read the first node's GPUs and cpuset
                 env["QOSFLOW_PLACEMENT"] = _placement_on_each_node(placement_json)
             env_list: list[dict] = [
                 {"name": k, "valueFrom": {"secretKeyRef": {"name": secret_name(spec.stage_id), "key": _secret_key(k)}}}
