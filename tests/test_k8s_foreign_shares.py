@@ -385,3 +385,23 @@ def test_a_stage_under_a_slice_is_booked_as_a_slice_so_the_plan_never_places_mor
         await sched.stop()
 
     asyncio.run(go())
+
+
+def test_a_node_without_gpus_gets_no_warning_about_gpu_shares_booked_whole(caplog):
+    """A node of 0 GPUs in the plan (a CPU-only node, or one whose device plugin advertises no GPU now) whose pods ask for
+    slices of the shared resource was warned about ('... slice(s) of the shared GPU resource booked as whole GPUs'),
+    though no GPU can be booked there, whole or shared: no warning; its pods' cores are booked. A GPU node without the
+    replicas label is still warned about."""
+    from qosflow.core.cluster import NodeSpec
+    from qosflow.prefect.foreign_pods import book_foreign_pods
+
+    sched, booked = _plan(NodeSpec("cpu-only-0", 0, cpu_cores=8, mem_mb=32768), NodeSpec("gpu-nolabel-0", 2, cpu_cores=8, mem_mb=32768)), {}
+    with caplog.at_level(logging.WARNING, logger="qosflow"):
+        book_foreign_pods(sched, {"cpu-only-0": NodePodUsage(cpu=1.0, pods=2, slices=2),
+                                  "gpu-nolabel-0": NodePodUsage(cpu=1.0, pods=1, slices=1)}, booked)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in said if "cpu-only-0" in m], said
+    assert [m for m in said if "gpu-nolabel-0" in m and "booked as whole GPUs" in m], said
+    hold = sched.state.allocs[PODS_HOLD + "cpu-only-0"]
+    assert hold.gpus == () and hold.cpu_cores == 1.0
+    sched.state.check_invariants()

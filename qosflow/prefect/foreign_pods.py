@@ -90,8 +90,11 @@ def book_foreign_pods(sched: Any, usage: Mapping[str, Any], booked: dict[str, tu
             continue
         if unhold_all(name):
             freed = True
-        if why:
+        if why and sched.cluster.nodes[i].gpus > 0:
             _say(name, labels.get(REPLICAS_LABEL), why)
+        elif why:  # (a node of no GPU in the plan, a CPU-only one: no GPU is booked there, whole or shared; nothing to warn of)
+            log.debug("node %s has no GPU in the plan: the %d slice(s) of the shared GPU resource its pods ask for book nothing",
+                      name, u.slices)
         gpus_w, cpu_w, mem_w = whole_w, want[1], want[2]
         down = bool(st.down[i])
         if down:  # (booked on a node down too: it is there when the node is back)
