@@ -252,6 +252,30 @@ def _env_but_node(env: Mapping[str, str]) -> tuple:
     return tuple(sorted(rest.items())), json.dumps(plan, sort_keys=True)
 
 
+def _pods_unread_cause(exc: BaseException, namespace: str) -> tuple[tuple, str, str]:
+    """Why a reading of the pods on the nodes failed: (a key the same for the same cause, whatever the request: not the
+    client's text of an ApiException, which carries its response headers, an audit id among them; the cause, said; its
+    fix, "" or a sentence). A 403: the account may not list pods, and the RBAC rule that grants it."""
+    status = getattr(exc, "status", None)
+    if status is not None:
+        refusal = getattr(exc, "refusal", None) or rbac_refusal(exc)
+        try:
+            said = json.loads(getattr(exc, "body", None) or "{}").get("message") or ""
+        except (ValueError, TypeError, AttributeError):
+            said = ""
+        key = ("api", status, getattr(exc, "reason", None), refusal or said)
+        cause = f"the API server answered {status} {getattr(exc, 'reason', '') or ''}".rstrip() + (f": {refusal or said}" if refusal or said else "")
+        if status == 403:
+            return key, cause, (f"Grant the worker's account list and watch on pods, the rule {{apiGroups: [\"\"], resources: [\"pods\"], "
+                                f"verbs: [\"list\", \"watch\"]}}: in its Role in namespace {namespace} (the Role qosflow-worker of "
+                                f"{RBAC_MANIFEST}), and for the pods of every namespace in a ClusterRole bound to it (qosflow-worker-pods "
+                                f"there); apply that file (sed 's/qosflow-stages/{namespace}/g' {RBAC_MANIFEST} | kubectl apply -f -, "
+                                "deploy/kubernetes/README.md). ")
+        return key, cause, ""
+    why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return (type(exc).__name__, getattr(exc, "reason", None) or why), why, ""
+
+
 def label_value(v: str) -> str:
     """A valid label value (<= 63 chars of [A-Za-z0-9-_.], alphanumeric at both ends)."""
     s = re.sub(r"[^A-Za-z0-9_.-]", "-", str(v))
@@ -618,6 +642,9 @@ class KubernetesBackend(Backend):
         from qosflow.backends.k8s_usage import PodInformer
 
         self._pod_informer = PodInformer(self)
+        #: why the pods on the nodes could not be read at the last reading (`_pods_unread_cause`'s key), None when they were
+        self._pods_unread: tuple | None = None
+        self.stats["pod_read_failures_said"] = 0
         self.stats.update({"pod_lists": 0, "pod_readings": 0, "pod_watches": 0, "pod_watch_410": 0, "pod_watch_broken": 0, "pod_events": 0})
         #: capacity requests (`request_capacity`): job id -> the names of its placeholder pods (one per part), made by this backend
         self._capacity: dict[str, tuple[str, ...]] = {}
@@ -818,11 +845,38 @@ class KubernetesBackend(Backend):
         if self.watch_pods:
             view = self._pod_informer.usage()
             if view is not None:
+                self._pods_read_again()
                 return view
-        usage = await asyncio.to_thread(read_foreign_usage, self)
+        try:
+            usage = await asyncio.to_thread(read_foreign_usage, self)
+        except Exception as exc:
+            self._say_pods_unread(exc)
+            raise
         if self.watch_pods:
             self._pod_informer.start()
+        self._pods_read_again()
         return usage
+
+    def _say_pods_unread(self, exc: BaseException) -> None:
+        """Say at WARNING, once per cause (not at every heartbeat, which reads again), that the pods on the nodes cannot
+        be read: what they take is not booked, so stages may be placed into room kube-scheduler gives them. The worker
+        logged this at debug only: an account without `list pods` booked nothing of other pods, silently. A 403 names
+        the RBAC rule to add (`deploy/kubernetes/worker-rbac.yaml`)."""
+        key, cause, fix = _pods_unread_cause(exc, self.namespace)
+        if key == self._pods_unread:
+            return
+        self._pods_unread = key
+        self.stats["pod_read_failures_said"] += 1
+        log.warning("Kubernetes cluster %r: cannot read the pods bound to its nodes (%s): what other pods take there (DaemonSets, "
+                    "other users' pods, pipeline runs, another pool's stages) is not booked in the plan, so a stage may be placed "
+                    "into room kube-scheduler gives them (its pod then waits Unschedulable, and the stage fails as INFRA after "
+                    "unschedulable_timeout_s). %sThe pods are read again at every heartbeat; this is said again only if the cause "
+                    "changes", self.cluster_name, cause, fix)
+
+    def _pods_read_again(self) -> None:
+        if self._pods_unread is not None:
+            self._pods_unread = None
+            log.info("Kubernetes cluster %r: the pods bound to its nodes are read again; what they take is booked", self.cluster_name)
 
     # ------------------------------------------------------------------ the node informer (`watch_nodes`)
     async def _nodes_now(self) -> list:
