@@ -535,19 +535,33 @@ class KubernetesBackend(Backend):
         devices: two stages the policy put on one GPU would get two devices, or one would not fit."""
         return self.gpu_sharing != "none"
 
-    def least_share_milli(self, cluster: Any) -> int:
+    def least_share_milli(self, cluster: Any, node: int | str | None = None) -> int:
         """A shared stage's pod asks for one slice of the device plugin's shared resource (`_gpu_resources`), and
-        kube-scheduler counts slices, not parts of a GPU: a slice is 1/replicas of a GPU (the node's `REPLICAS_LABEL`,
-        1000 // replicas thousandths, as another pod's slice is booked, `k8s_usage.node_shares`). A stage asking for
-        less is booked at a slice, the largest of the nodes' (a node's slices are not known before the stage is placed);
-        else the plan put more shared stages on a node than it has slices free, and the last pod stayed Unschedulable
-        (a 1-GPU node of 4 replicas with 3 slices taken by other pods: two stages of 100 thousandths placed, one slice
-        free). Nodes without the label (or an unreadable one) say nothing; 0 when none says it or GPUs are not shared."""
+        kube-scheduler counts slices, not parts of a GPU: a pod takes one slice OF THE NODE IT LANDS ON, 1/replicas of a
+        GPU there (the node's `REPLICAS_LABEL`, `k8s_usage.slice_milli`, as another pod's slice is booked,
+        `k8s_usage.node_shares`). A stage asking for less is booked at least at that; else the plan put more shared
+        stages on a node than it has slices free, and the last pod stayed Unschedulable (a 1-GPU node of 4 replicas with
+        3 slices taken by other pods: two stages of 100 thousandths placed, one slice free).
+
+        `node` (an index of `cluster.nodes`, or a node's name): that node's slice, the floor of a stage placed there;
+        0 when the node does not say its replicas (no label, an unreadable one) or GPUs are not shared. Without it (the
+        stage's node not chosen yet): the largest slice of the nodes that say theirs, the one floor under which no node
+        of `cluster` over-commits (a node of smaller slices is then booked more than it takes, until the booking is made
+        per node, `least_share_milli(cluster, node)`); 0 when none says it or GPUs are not shared."""
         from qosflow.backends.k8s_usage import slice_milli
 
         if not self.shares_gpus:
             return 0
-        slices = (slice_milli(getattr(n, "labels", None)) for n in getattr(cluster, "nodes", ()) or ())
+        nodes = tuple(getattr(cluster, "nodes", ()) or ())
+        if node is not None:
+            if isinstance(node, str):
+                spec = next((n for n in nodes if getattr(n, "name", None) == node), None)
+            else:
+                spec = nodes[int(node)] if 0 <= int(node) < len(nodes) else None
+            if spec is None:
+                raise KeyError(f"least_share_milli: no node {node!r} in the cluster (nodes: {', '.join(getattr(n, 'name', '?') for n in nodes)})")
+            return slice_milli(getattr(spec, "labels", None)) or 0
+        slices = (slice_milli(getattr(n, "labels", None)) for n in nodes)
         return max((m for m in slices if m is not None), default=0)
 
     def __post_init__(self) -> None:
