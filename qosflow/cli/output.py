@@ -1,6 +1,7 @@
 """Output of the CLI commands: their output paths, checked before the work starts (a long run whose results
 cannot be written would otherwise end in a traceback, with the results lost), the JSON writer and the
-progress bar."""
+progress bar, and the console and printing of their result tables (`result_console`, `print_table`): on a terminal a
+table fits its width, split into parts that repeat its first columns; elsewhere (a pipe, a file, a log) as it always was."""
 
 from __future__ import annotations
 
@@ -171,6 +172,100 @@ class Interrupted(QosflowError):
     """A command stopped by Ctrl-C; exit status 130, as a shell gives a command killed by SIGINT."""
 
     exit_code = 130
+
+
+def result_console(min_width: int = 0):
+    """The console a command prints its results on. On a terminal: the terminal's width (COLUMNS when set, else
+    its size), which `print_table` fits every table into. Elsewhere (a pipe, a file, a batch job's log): at least
+    `min_width` columns, as before, so that scripts and logs that read the tables get the same lines; simulate and
+    status printed their tables at 120 columns into an 80-column terminal too, where they wrapped into a jumble
+    of box characters."""
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal or console.width >= min_width:
+        return console
+    return Console(width=min_width)
+
+
+def print_table(console, table, *, keep: int = 1, first: tuple[str, ...] = (), flexible: dict[str, int] | None = None) -> None:
+    """Print a rich `table` on `console`: on a terminal, in as many parts as it takes to fit the terminal's width
+    (`split_table`); elsewhere whole, as before."""
+    if not console.is_terminal:
+        console.print(table)
+        return
+    parts = split_table(table, console, console.width, keep=keep, first=first, flexible=flexible)
+    caption = table.caption if len(parts) > 1 else None
+    for part in parts:
+        if caption is not None:
+            part.caption = None
+        console.print(part)
+    if caption is not None:  # under the parts at the terminal's width: under the last part it wrapped at that part's
+        from rich.text import Text
+
+        console.print(Text(caption, style="table.caption") if isinstance(caption, str) else caption)
+
+
+def table_width(table, console, flexible: dict[str, int] | None = None) -> int:
+    """The columns `table` takes at its natural width (each cell on one line), a column named in `flexible`
+    (header -> width) counted at no more than that width (prose that wraps well, e.g. why a stage waits)."""
+    from dataclasses import replace
+
+    from rich.measure import Measurement
+
+    if flexible:
+        table = _with_columns(table, [replace(c, max_width=min(c.max_width or 10**6, flexible[c.header]))
+                                      if isinstance(c.header, str) and c.header in flexible else c for c in table.columns])
+    return Measurement.get(console, console.options.update(width=100_000), table).maximum
+
+
+def split_table(table, console, width: int, *, keep: int = 1, first: tuple[str, ...] = (),
+                flexible: dict[str, int] | None = None) -> list:
+    """`table` as parts no wider than `width` columns, each with the first `keep` columns (what names a row: the
+    policy, the stage) and as many others as fit, every row and number as it was. The columns named in `first`
+    (their headers) go into the first part before the others, in that order; the others follow in the table's
+    order; within a part the columns keep the table's order. One part, the table itself, when it fits. The title
+    goes on every part (the later ones '(continued)'), the caption under the last. A column that does not fit
+    even alone beside the `keep` ones gets a part of its own, which rich then narrows by wrapping its cells."""
+    if table_width(table, console, flexible) <= width or len(table.columns) <= keep:
+        return [table]
+    cols = list(table.columns)
+    keys, rest = cols[:keep], cols[keep:]
+    named = {c.header: c for c in rest if isinstance(c.header, str)}
+    order = [named[h] for h in first if h in named]
+    order += [c for c in rest if c not in order]
+    parts: list[list] = []
+    for col in order:  # first fit: each column into the first part it fits in
+        for part in parts:
+            if table_width(_with_columns(table, keys + _in_table_order(part + [col], cols)), console, flexible) <= width:
+                part.append(col)
+                break
+        else:
+            parts.append([col])
+    out = []
+    for i, part in enumerate(parts):
+        t = _with_columns(table, keys + _in_table_order(part, cols))
+        if i > 0 and t.title is not None:
+            t.title = f"{t.title} (continued)" if isinstance(t.title, str) else t.title
+        if i < len(parts) - 1:
+            t.caption = None
+        out.append(t)
+    return out
+
+
+def _in_table_order(part: list, cols: list) -> list:
+    return sorted(part, key=lambda c: next(i for i, x in enumerate(cols) if x is c))
+
+
+def _with_columns(table, columns: list):
+    """A copy of `table` (title, caption, box, styles, rows' styles and sections) with these of its columns."""
+    import copy
+    from dataclasses import replace
+
+    t = copy.copy(table)
+    t.columns = [replace(c, _index=i, _cells=list(c._cells)) for i, c in enumerate(columns)]
+    t.rows = list(table.rows)
+    return t
 
 
 def progress_bar(*columns, console=None):

@@ -45,7 +45,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         import math
 
-        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
         from rich.table import Table
 
@@ -58,9 +57,9 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.traces.alibaba import default_node_list, default_pod_list, load_nodes, load_pods
 
         from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, interrupted,
-                                        progress_bar, unwritable_result, write_json_file)
+                                        print_table, progress_bar, result_console, unwritable_result, write_json_file)
 
-        console = Console()
+        console = result_console()
         check_file_and_dir(json_out, out)
         if json_out is not None:
             check_output_file(json_out)
@@ -174,7 +173,7 @@ def register(app: typer.Typer) -> None:
                 shown(failed, "{:.0f}" if failed is None or not math.isfinite(failed) or float(failed).is_integer() else "{:.1f}"),
                 f"{d['seconds_per_run']:.2f}",
             )
-        console.print(table)
+        print_table(console, table, first=("alloc %", "±std", "idle GPUs", "failed"))  # (split on a narrow terminal)
         for name, d in data["policies"].items():
             if len(d["seeds_short_of_demand"]) == len(seed_list):
                 console.print(

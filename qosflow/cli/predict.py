@@ -37,7 +37,9 @@ def _print_blocks(result: dict, title: str) -> None:
             table.add_row("", f"  at {g} GPUs", _pct(b["mape"]), _pct(b["p90_ape"]), str(b["n"]))
         for name, b in block.get("baselines", {}).items():
             table.add_row("", f"baseline: {name}", _pct(b["mape"]), _pct(b["p90_ape"]), str(b["n"]))
-    Console().print(table)
+    from qosflow.cli.output import print_table, result_console
+
+    print_table(result_console(), table, keep=2)  # (split on a terminal too narrow for it)
     block = result.get("interference") or {}
     left_out = [f"{block[k]} {what}" for k, what in (("n_zero_excluded", "zero speeds (could not run together)"),
                                                      ("n_missing_excluded", "empty speed cells (not measured)"))

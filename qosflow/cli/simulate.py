@@ -72,9 +72,11 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.runner import check_trace_format, fewest_cores_per_gpu, resolve_workload
         from qosflow.sim.traces._common import CORES_PER_GPU
 
-        console = Console(width=max(120, Console().width))
         from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, interrupted,
-                                        progress_bar, unwritable_result, write_json_file)
+                                        print_table, progress_bar, result_console, unwritable_result, write_json_file)
+
+        # a terminal's own width, each table split to fit it; elsewhere 120 columns or more, as always
+        console = result_console(min_width=120)
 
         check_file_and_dir(json_out, out)
         check_not_an_input(json_out, {"--trace": trace, "--cluster": cluster})
@@ -235,7 +237,9 @@ def register(app: typer.Typer) -> None:
         if not metrics:
             raise SimulationError("every policy failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
         bounds = compute_bounds(wl.jobs, spec, speed)
-        console.print(render_table(metrics, bounds, title=f"{wl.name} on {spec.name}"))
+        # what a GPU cluster's user reads first (deadlines met, waits, JCT, allocation) in the first part when the
+        # terminal is too narrow for the whole table; makespan, preemptions and the job counts after it
+        print_table(console, render_table(metrics, bounds, title=f"{wl.name} on {spec.name}"), first=MAIN_FIRST)
         if any(m.elastic_starts for m in metrics.values()):
             console.print("elastic starts (jobs started on fewer GPUs than they asked for, with gradient accumulation): "
                           + ", ".join(f"{k} {m.elastic_starts}" for k, m in metrics.items()), highlight=False)
@@ -248,6 +252,9 @@ def register(app: typer.Typer) -> None:
                 continue
             from rich.measure import Measurement
 
+            if console.is_terminal:  # the policies split over parts, each with the classes and their jobs
+                print_table(console, by_class, keep=2, first=("qosflow",))
+                continue
             need = Measurement.get(console, console.options.update(width=100_000), by_class).maximum
             (console if need <= console.width else Console(width=need)).print(by_class)
         # per user (when the jobs carry two users or more), as the class tables: one per estimator
@@ -255,10 +262,11 @@ def register(app: typer.Typer) -> None:
                        [render_user_table(ms, title=f"Per user ({est})") for est, ms in by_est.items()])
         for by_user in user_tables:
             if by_user is not None:
-                console.print(by_user)
+                print_table(console, by_user, keep=2, first=("deadlines met", "avg slowdown"))
         baseline = "oracle" if "oracle" in by_est else next(iter(by_est))
         if len(kinds) > 1:
-            console.print(render_estimator_table(by_est, baseline, title=f"QoS lost to prediction error (vs {baseline})"))
+            print_table(console, render_estimator_table(by_est, baseline, title=f"QoS lost to prediction error (vs {baseline})"),
+                        keep=2, first=("DSR", f"ΔDSR vs {baseline}", "avg JCT", "ΔJCT"))
         extra = {
             # what the run was given, so that two result files say how their runs differed (--deadline-share,
             # --error, the trace itself were nowhere in it)
@@ -328,6 +336,10 @@ def register(app: typer.Typer) -> None:
                 f"{len(failed)} run(s) failed: {', '.join(failed)}; the others' results are above"
                 + (" and in the JSON ('failed_policies')" if json_out else "")
             )
+
+
+#: the columns of the results table that go into its first part on a terminal too narrow for the whole table
+MAIN_FIRST = ("DSR", "avg JCT", "p99 JCT", "avg queue", "GPU alloc")
 
 
 def _n(count: int, noun: str) -> str:

@@ -63,6 +63,12 @@ def _pipeline_table(procs: list) -> "Table":
     return t
 
 
+#: the columns of the stage table that go into its first part on a terminal too narrow for the whole table
+STAGE_FIRST = ("phase", "done", "where, or\nwhy it waits", "deadline in")
+#: its columns of names and prose, which wrap well: counted at no more than these widths when the parts are made
+STAGE_FLEXIBLE = {"stage": 24, "pipeline": 20, "user": 12, "where, or\nwhy it waits": 28}
+
+
 def _heartbeat_s() -> float:
     """How often workers send their heartbeat (Prefect's setting, 30 s by default)."""
     try:
@@ -129,10 +135,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         import asyncio
 
-        from rich.console import Console
         from rich.table import Table
 
-        from qosflow.cli.output import check_not_an_input, check_output_file, write_json_file
+        from qosflow.cli.output import check_not_an_input, check_output_file, print_table, result_console, write_json_file
         import httpx
 
         from qosflow.prefect.local import check_pool, check_pool_name, require_api_url, unreachable_server
@@ -151,7 +156,8 @@ def register(app: typer.Typer) -> None:
             if away is None:
                 raise
             raise away from None
-        console = Console(width=max(120, Console().width))
+        # a terminal's own width, each table split to fit it; elsewhere 120 columns or more, as always
+        console = result_console(min_width=120)
         online = [w for w in st.workers if w.online]
         console.print(f"[bold]pool {pool}[/] on {url}: {len(online)} of {len(st.workers)} worker(s) online, "
                       f"{st.pipelines_running} pipeline run(s) of its deployments running or due"
@@ -174,11 +180,11 @@ def register(app: typer.Typer) -> None:
             for w in st.workers:
                 wt.add_row(w.name, f"{w.status}, silent" if w in silent else w.status, f"{_dur(w.heartbeat_ago_s)} ago",
                            style="yellow" if w in silent else None)
-            console.print(wt)
+            print_table(console, wt, flexible={"worker": 24})
         elif any(s.phase == "unclaimed" for s in st.stages):
             console.print(f"[yellow]no worker polls pool {pool!r}:[/] start one with `qosflow worker start --pool {pool}`")
         if any(h.state != "up" for h in st.hosts):
-            console.print(_hosts_table(st, online=bool(online)))
+            print_table(console, _hosts_table(st, online=bool(online)))
         draining = set(st.draining)
         if not st.stages:
             console.print("no stage run is running or waiting")
@@ -204,9 +210,12 @@ def register(app: typer.Typer) -> None:
                 phase = "starting" if s.phase == "running" and s.state.upper() == "PENDING" else s.phase
                 t.add_row(s.name, s.pipeline or "-", *((s.user or "-",) if users else ()), s.priority or "-", phase, _dur(s.since_s), done,
                           _dur(s.predicted_s), _dur(s.deadline_in_s), where)
-            console.print(t)
+            # on a terminal too narrow for it: each stage's phase, progress and where it runs or why it waits first,
+            # its pipeline, user, class and times in a second part
+            print_table(console, t, first=STAGE_FIRST, flexible=STAGE_FLEXIBLE)
         if st.pipeline_processes:
-            console.print(_pipeline_table(st.pipeline_processes))
+            print_table(console, _pipeline_table(st.pipeline_processes), first=("state", "watched", "alive", "host", "started"),
+                        flexible={"pipeline run": 36, "worker": 20, "output": 30})
         elif st.pipeline_processes_note:
             console.print(st.pipeline_processes_note, style="dim", markup=False)
         if json_out is not None:
