@@ -1040,11 +1040,11 @@ def test_a_fence_whose_kill_fails_once_keeps_fencing(tmp_path, caplog):
         runner = app.state.runner
         real, calls = runner.kill_all, []
 
-        async def kill_all(reason, grace=2.0):
+        async def kill_all(reason, grace=2.0, **kw):
             calls.append(reason)
             if len(calls) == 1:
                 raise PermissionError(1, "Operation not permitted")
-            await real(reason, grace)
+            await real(reason, grace, **kw)
 
         runner.kill_all = kill_all
         async with app.router.lifespan_context(app):

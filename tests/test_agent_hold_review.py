@@ -233,7 +233,10 @@ def test_a_status_check_during_a_worker_restart_does_not_end_the_fence_hold(tmp_
         async def next_worker():
             be = AgentBackend([AgentHost("host-st", a.url)], TOKEN, heartbeat_s=0.5, fence_after_s=1.0)
             try:
-                await be.inventory()  # (its heartbeats start: the hold ends)
+                # it adopts the stage (its lease recovery): the stage is its own from now on, fenced by its silence (the
+                # hold was the stopped worker's: another worker's heartbeat does not end it)
+                assert await be.adopt("st-1", ["host-st"]) is not None
+                await be.inventory()  # (its heartbeats start)
                 await asyncio.sleep(1.5)
             finally:
                 be.fence_hold_s = 0

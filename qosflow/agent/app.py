@@ -12,6 +12,11 @@
     PUT    /v1/stages/{id}/cpuset          move it to other cores {cpuset: [...]}
     DELETE /v1/stages/{id}?reason=&grace=  kill it (SIGTERM, then SIGKILL after `grace` s); idempotent
     POST   /v1/fence/hold                  {seconds}: a stopping worker: no fence for silence that long (until a heartbeat)
+
+A worker names itself in every request (header `X-Qosflow-Worker: <its id>`): a stage records the worker that launched
+it (or adopted it last: `GET /v1/stages/{id}?adopt=1`, or a launch answered 409), and the fence kills it when *that*
+worker has been silent for --fence-after, whatever other workers still ask; a hold is its worker's alone. Requests
+without the header (an older worker, curl) fence the stages launched without it as before: by any request's silence.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ from qosflow.agent.runner import FENCED, Runner, StageUser, usable_cpus
 from qosflow.backends.base import AGENT_STOPPING
 
 log = logging.getLogger("qosflow.agent")
+
+#: the header a worker names itself by (`AgentBackend.worker_id`): the owner of the stages it launches or adopts
+WORKER_HEADER = "X-Qosflow-Worker"
+#: the longest worker id the agent takes (a lease holder id, `name#host:pid:random`, is at most 200 characters)
+MAX_WORKER_ID = 200
 
 
 @dataclass
@@ -151,15 +161,49 @@ def create_app(cfg: AgentConfig) -> FastAPI:
     token = cfg.token.encode()
     # the fence measures silence on the monotonic clock: the wall clock of a host is stepped (NTP or chrony
     # correcting a skewed clock, `date -s`), and a step forward past --fence-after killed every stage while the
-    # worker's heartbeats came every 2 s; a step back kept the fence from firing in a real network split
-    state = {"last_contact": fence_clock(), "hold_until": 0.0}
+    # worker's heartbeats came every 2 s; a step back kept the fence from firing in a real network split.
+    # "last_contact"/"hold_until": any request's, and a hold asked without a worker id: they fence the stages launched
+    # without one (owner None), as every stage was before workers named themselves
+    state = {"last_contact": fence_clock(), "hold_until": 0.0, "said_anonymous": False}
+    #: worker id -> its last request, and the end of the hold it asked (the fence clock)
+    contacts: dict[str, float] = {}
+    holds: dict[str, float] = {}
+
+    def worker_of(request: Request) -> str | None:
+        raw = request.headers.get(WORKER_HEADER)
+        if raw is None:
+            if not state["said_anonymous"]:
+                state["said_anonymous"] = True
+                log.warning("agent %s: a request without %s (a worker older than this agent, or a script: %s %s): the stages "
+                            "launched without it are fenced only when no request at all came for --fence-after, as before; "
+                            "upgrade the workers, whose stages are then fenced by their own worker's silence", cfg.name,
+                            WORKER_HEADER, request.method, request.url.path)
+            return None
+        wid = raw.strip()
+        if not wid or len(wid) > MAX_WORKER_ID or not wid.isprintable():
+            raise HTTPException(400, f"header {WORKER_HEADER} must name the worker in 1-{MAX_WORKER_ID} printable characters "
+                                     f"(got {len(raw)}): send the worker's id, or leave the header out")
+        return wid
 
     async def check_token(request: Request) -> None:
         auth = request.headers.get("authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         if not given or not hmac.compare_digest(given.encode(), token):
             raise HTTPException(401, "missing or wrong agent token", headers={"WWW-Authenticate": "Bearer"})
-        state["last_contact"] = fence_clock()
+        wid = worker_of(request)
+        now = fence_clock()
+        state["last_contact"] = now
+        if wid is not None:
+            contacts[wid] = now
+        request.state.worker = wid
+
+    def take(st, wid: str | None) -> None:
+        """Worker `wid` takes stage `st` over (it adopted it): from now on its silence, not the last owner's, fences it."""
+        if wid is None or st.owner == wid:
+            return
+        if st.running:
+            log.info("agent %s: stage %s is now worker %s's (it was %s's)", cfg.name, st.stage_id, wid, st.owner or "no worker")
+        st.owner, st.owner_since = wid, fence_clock()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -175,6 +219,30 @@ def create_app(cfg: AgentConfig) -> FastAPI:
                 # and every restart left one behind in /tmp, with the logs of up to 10,000 stages
                 shutil.rmtree(workdir, ignore_errors=True)
 
+    def silences(now: float) -> dict[str | None, tuple[list, float]]:
+        """The fenceable stages to fence for silence now, by owner: (the stages, the owner's silence)."""
+        out: dict[str | None, tuple[list, float]] = {}
+        for st in runner.fenceable():
+            if st.owner is None:
+                silent, held = now - state["last_contact"], now < state["hold_until"]
+            else:
+                silent = now - max(contacts.get(st.owner, st.owner_since), st.owner_since)
+                held = now < holds.get(st.owner, 0.0)
+            if silent > cfg.fence_after_s and not held:  # type: ignore[operator]
+                stages, longest = out.get(st.owner, ([], 0.0))
+                stages.append(st)
+                out[st.owner] = (stages, max(longest, silent))
+        return out
+
+    def forget_workers(now: float) -> None:
+        """Drop the workers that own no running stage and hold nothing, silent for a while (every `qosflow agent status`
+        names a new one)."""
+        owners = {s.owner for s in runner.running()}
+        keep_s = max(600.0, 4 * (cfg.fence_after_s or 0.0))
+        for wid in [w for w, t in contacts.items() if w not in owners and now - t > keep_s and now >= holds.get(w, 0.0)]:
+            contacts.pop(wid, None)
+            holds.pop(wid, None)
+
     async def _fence_loop() -> None:
         assert cfg.fence_after_s
         tick = min(0.5, cfg.fence_after_s / 4)
@@ -183,7 +251,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             await asyncio.sleep(tick)
             now = fence_clock()
             frozen, last_tick = now - last_tick - tick, now
-            silent = now - state["last_contact"]
+            forget_workers(now)
             # pipeline runs (role pipeline) are not fenced: they hold no GPU and are never rerun elsewhere (the
             # next worker adopts them); fencing them ended every pipeline run of the host Crashed on a worker
             # restart or a network split longer than the fence. So is a frozen agent's: the same answer
@@ -191,20 +259,23 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             if not stages:
                 continue
             if frozen > cfg.fence_after_s:
-                # this process was stopped (host frozen, SIGSTOP): the worker has given up on us
+                # this process was stopped (host frozen, SIGSTOP): every worker has given up on us
                 reason = f"{FENCED}: the agent was frozen for {frozen:.1f}s (> {cfg.fence_after_s:g}s)"
-            elif silent > cfg.fence_after_s and now >= state["hold_until"]:
-                reason = f"{FENCED}: no heartbeat from the worker for {silent:.1f}s (> {cfg.fence_after_s:g}s)"
+                groups = [(reason, stages)]
             else:
-                continue
-            try:
-                await runner.kill_all(reason)
-            except Exception:  # noqa: BLE001 - a kill that failed (killpg: EPERM) must not end the fence: next tick
-                log.exception("agent %s: fencing its stages failed; trying again", cfg.name)
-                continue
-            spared = sum(1 for s in runner.running() if s.is_pipeline)
-            log.warning("agent %s %s: killed %d stage(s)%s", cfg.name, reason, len(stages),
-                        f"; {spared} pipeline run(s) left running: they are adopted by the next worker" if spared else "")
+                # each stage by its own worker's silence: another worker (another pool, a status check) still asking
+                # this agent kept a cut-off worker's stages running while that worker ran them again elsewhere
+                groups = [(f"{FENCED}: no heartbeat from the worker{'' if owner is None else f' {owner}'} for {silent:.1f}s "
+                           f"(> {cfg.fence_after_s:g}s)", sts) for owner, (sts, silent) in silences(now).items()]
+            for reason, sts in groups:
+                try:
+                    await runner.kill_all(reason, only=sts)
+                except Exception:  # noqa: BLE001 - a kill that failed (killpg: EPERM) must not end the fence: next tick
+                    log.exception("agent %s: fencing its stages failed; trying again", cfg.name)
+                    continue
+                spared = sum(1 for s in runner.running() if s.is_pipeline)
+                log.warning("agent %s %s: killed %d stage(s)%s", cfg.name, reason, len(sts),
+                            f"; {spared} pipeline run(s) left running: they are adopted by the next worker" if spared else "")
 
     # no /docs, /redoc or /openapi.json: FastAPI serves those outside the app's dependencies, so they
     # answered without the token (the host name and the whole API to anyone who could connect)
@@ -220,11 +291,16 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         return st
 
     @app.get("/v1/health")
-    async def health(worker: bool = False) -> Response:
+    async def health(request: Request, worker: bool = False) -> Response:
         if worker:
-            # a worker heartbeats us again: a fence hold ends, the silence counts from now. Only a worker's heartbeat
+            # a worker heartbeats us again: its fence hold ends, the silence counts from now. Only a worker's heartbeat
             # (`worker=1`): `qosflow agent status` (GET /v1/inventory) or a monitoring probe of /v1/health during a worker
-            # restart ended the hold, and the fence killed the stages the next worker was to adopt
+            # restart ended the hold, and the fence killed the stages the next worker was to adopt. A worker that names
+            # itself ends its own hold only (another worker's heartbeat says nothing of the stopped one's stages); any
+            # worker's ends the hold asked without a name (those stages are kept by any request, as before)
+            wid = request.state.worker
+            if wid is not None:
+                holds.pop(wid, None)
             state["hold_until"] = 0.0
         return _json({
             "host": cfg.name,
@@ -236,17 +312,24 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         })
 
     @app.post("/v1/fence/hold")
-    async def fence_hold(req: FenceHoldRequest) -> dict:
-        """A worker that stops (a restart, an upgrade) asks its agents not to fence their stages for silence for a while:
+    async def fence_hold(req: FenceHoldRequest, request: Request) -> dict:
+        """A worker that stops (a restart, an upgrade) asks its agents not to fence its stages for silence for a while:
         the next worker adopts them. Without it, `--fence-after 3` killed every stage of the cluster 3 s after the worker
-        stopped, and a worker restart cost every running stage its training time. A heartbeat (or inventory request) ends
-        the hold: a worker watches this agent again; a frozen agent still fences."""
+        stopped, and a worker restart cost every running stage its training time. The hold is the asking worker's: it
+        keeps the stages that worker owns (not another worker's), until it ends or that worker heartbeats again
+        (`/v1/health?worker=1`); a stage adopted meanwhile is its adopter's. A hold asked without a worker id keeps the
+        stages launched without one, until any worker's heartbeat. A frozen agent still fences."""
         hold = max(0.0, min(req.seconds, MAX_FENCE_HOLD_S))
-        state["hold_until"] = fence_clock() + hold
-        if hold and runner.fenceable():
-            log.warning("agent %s: the worker is stopping; its %d stage(s) are not fenced for silence for %gs (the next worker "
-                        "adopts them)", cfg.name, len(runner.fenceable()), hold)
-        return {"hold_s": hold, "fence_after_s": cfg.fence_after_s}
+        wid = request.state.worker
+        if wid is None:
+            state["hold_until"] = fence_clock() + hold
+        else:
+            holds[wid] = fence_clock() + hold
+        held = [s for s in runner.fenceable() if s.owner == wid]
+        if hold and held:
+            log.warning("agent %s: the worker%s is stopping; its %d stage(s) are not fenced for silence for %gs (the next worker "
+                        "adopts them)", cfg.name, "" if wid is None else f" {wid}", len(held), hold)
+        return {"hold_s": hold, "fence_after_s": cfg.fence_after_s, "stages": len(held)}
 
     @app.get("/v1/inventory")
     async def inventory() -> Response:
@@ -273,9 +356,12 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         return [s.status() for s in runner.stages.values()]
 
     @app.post("/v1/stages", status_code=201)
-    async def launch(req: LaunchRequest):
+    async def launch(req: LaunchRequest, request: Request):
+        wid = request.state.worker
         if req.stage_id in runner.stages:
-            # idempotent for the worker: the same attempt is never started twice
+            # idempotent for the worker: the same attempt is never started twice; the worker that asks follows it
+            # from now on (AgentBackend adopts it), so it is that worker's
+            take(runner.stages[req.stage_id], wid)
             return JSONResponse(status_code=409, content={"detail": f"stage {req.stage_id!r} exists", "status": runner.stages[req.stage_id].status()})
         missing = sorted({g for g in _gpu_indices(req) if not 0 <= g < gpus.count})
         if missing:
@@ -285,16 +371,22 @@ def create_app(cfg: AgentConfig) -> FastAPI:
                                      f"{', '.join(map(str, missing))}: the worker's view of this host is out of date "
                                      f"(restart the worker to pick up the host's size)")
         st = await runner.launch(req.stage_id, req.command, env=req.env, cwd=req.cwd, cpuset=req.cpuset, labels=req.labels,
-                                 python_fallback=req.python_fallback)
+                                 python_fallback=req.python_fallback, owner=wid, owner_since=fence_clock())
         return st.status()
 
     @app.get("/v1/stages/{stage_id}")
-    async def status(stage_id: str) -> dict:
-        return _get(stage_id).status()
+    async def status(stage_id: str, request: Request, adopt: bool = False) -> dict:
+        """Its record; `adopt=1`: the asking worker takes it over (`AgentBackend.adopt`): its fence is that worker's."""
+        st = _get(stage_id)
+        if adopt:
+            take(st, request.state.worker)
+        return st.status()
 
     @app.get("/v1/stages/{stage_id}/wait")
-    async def wait(stage_id: str, timeout: float = 30.0) -> dict:
+    async def wait(stage_id: str, request: Request, timeout: float = 30.0, adopt: bool = False) -> dict:
         st = _get(stage_id)
+        if adopt:
+            take(st, request.state.worker)
         await runner.wait(st, max(0.0, min(timeout, 300.0)))
         return st.status()
 

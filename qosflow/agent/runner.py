@@ -179,6 +179,11 @@ class StageProc:
     error: str | None = None
     #: its log was removed to keep the agent's logs within their budget (`Runner.max_log_bytes`)
     log_removed: bool = False
+    #: the worker that launched it, or adopted it last (its `X-Qosflow-Worker` id): the fence kills it when that worker
+    #: has been silent for --fence-after. None: launched without the header (an older worker, curl): any request counts
+    owner: str | None = None
+    #: when (the agent's fence clock) `owner` took it: its silence counts from then at the earliest
+    owner_since: float = 0.0
     proc: asyncio.subprocess.Process | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     #: set once the launch has settled (its process started, with its pid, or it could not start)
@@ -214,6 +219,7 @@ class StageProc:
             "killed_reason": self.killed_reason,
             "error": self.error,
             "log_removed": self.log_removed,
+            "owner": self.owner,
             "cpuset_requested": self.cpuset_requested,
             "cpuset": self.cpuset,
         }
@@ -304,6 +310,8 @@ class Runner:
         cpuset: list[int] | None = None,
         labels: dict[str, str] | None = None,
         python_fallback: bool = False,
+        owner: str | None = None,
+        owner_since: float = 0.0,
     ) -> StageProc:
         """Start `command`. `python_fallback`: its first word is the worker's own interpreter (the default stage
         command, `<worker's python> -m prefect.engine`); if this host has no such file, the agent's interpreter (the
@@ -332,6 +340,8 @@ class Runner:
             cwd=cwd,
             cpuset_requested=list(cpuset) if cpuset else None,
             cpuset=map_cpuset(cpuset, self._usable),
+            owner=owner,
+            owner_since=owner_since,
         )
         self.stages[stage_id] = st
         child_env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}
@@ -491,12 +501,16 @@ class Runner:
             if not st.running:
                 return
 
-    async def kill_all(self, reason: str, grace: float = 2.0) -> None:
+    async def kill_all(self, reason: str, grace: float = 2.0, *, only: list[StageProc] | None = None) -> None:
         """Kill every running process; for a fence (a reason starting "fenced"), every one but the pipeline
         runs (`fenceable`): a fence keeps a stage the worker reruns elsewhere from running twice, and a
         pipeline run is never rerun, the next worker adopts it (fenced, it ended Crashed on every worker
-        restart or network split longer than the fence). The agent stopping still kills them all."""
+        restart or network split longer than the fence). The agent stopping still kills them all. `only`: of
+        those, these (the stages of one silent worker)."""
         targets = self.fenceable() if reason.startswith(FENCED) else self.running()
+        if only is not None:
+            chosen = {id(s) for s in only}
+            targets = [s for s in targets if id(s) in chosen]
         await asyncio.gather(*(self.kill(s, reason, grace) for s in targets))
 
     def set_cpuset(self, st: StageProc, cpuset: list[int]) -> list[int]:

@@ -37,8 +37,20 @@ from qosflow.env import env_number
 from qosflow.errors import QosflowError, SpecError
 
 log = logging.getLogger("qosflow.backends.agent")
+#: the header a worker names itself by in every request to an agent (`AgentBackend.worker_id`; `qosflow.agent.app`): the
+#: agent fences a stage when the worker that launched or adopted it has been silent, whatever other workers still ask
+WORKER_HEADER = "X-Qosflow-Worker"
 #: the label of a pipeline run's process on its agent (`AgentBackend.launch_unplaced`), read back by `adopt`
 PIPELINE_ROLE_LABEL = "qosflow.dev/role"
+
+
+def new_worker_id() -> str:
+    """A worker id no other process shares (`AgentBackend.worker_id`): `qosflow-worker#host:pid:random`, as a lease
+    holder id reads."""
+    import socket
+    import uuid
+
+    return f"qosflow-worker#{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
 def check_pipelines_on(value: Any, hosts: Collection[str], where: str) -> str:
@@ -170,6 +182,7 @@ class AgentBackend(Backend):
         declared_by: str | None = None,
         ca_cert: str | None = None,
         pipelines_on: str = "worker",
+        worker_id: str | None = None,
     ):
         self.hosts = {h.name: h for h in hosts}
         if not self.hosts:
@@ -187,6 +200,7 @@ class AgentBackend(Backend):
         self.inventory_note = ""  # for the worker's start-up line (set by inventory())
         self.state = {h.name: HostState(h.name, h.url.rstrip("/")) for h in self.hosts.values()}
         self._headers = {"Authorization": f"Bearer {token}"}
+        self._worker_id = worker_id or new_worker_id()
         #: the CA (PEM) that signed the agents' certificates (https:// agents started with --tls-cert); None:
         #: the system's CAs
         self.ca_cert = ca_cert or None
@@ -249,6 +263,23 @@ class AgentBackend(Backend):
         return cls(hosts, token, cluster_name=cluster.name, **kw)
 
     @property
+    def worker_id(self) -> str:
+        """Who this backend is to the agents (header `X-Qosflow-Worker`): the owner of the stages it launches or adopts,
+        which an agent fences when this worker has been silent for its --fence-after, and whose fence hold is this
+        worker's alone. One per backend (a worker process has one for its life), so two workers of a pool, or a worker
+        and its restart, are told apart; the worker may set its lease holder id here (before or after the first request)."""
+        return self._worker_id
+
+    @worker_id.setter
+    def worker_id(self, value: str) -> None:
+        self._worker_id = str(value)
+        for c in self._clients.values():
+            c.headers[WORKER_HEADER] = self._worker_id
+
+    def _request_headers(self) -> dict[str, str]:
+        return {**self._headers, WORKER_HEADER: self._worker_id}
+
+    @property
     def runs_pipelines(self) -> bool:
         """With `pipelines_on` agents (or a host): pipeline runs are launched through an agent (`launch_unplaced`),
         each under a lease that books no slot, and any worker of the pool adopts them (`adopt`)."""
@@ -263,7 +294,7 @@ class AgentBackend(Backend):
         if c is None:
             timeout = self._request_timeout_s if use == "api" else max(0.2, self.heartbeat_s / 2)
             c = self._clients[(h.url, use)] = httpx.AsyncClient(
-                headers=self._headers, timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                headers=self._request_headers(), timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
                 verify=self._verify)
         return c
 
@@ -738,7 +769,9 @@ class AgentBackend(Backend):
                             "stop that through the agent, DELETE /v1/stages/%s)", stage_id, name, self.declared_by, stage_id)
                 continue
             try:
-                r = await self._client(h).get(f"{h.url}/v1/stages/{stage_id}")
+                # (adopt=1: this worker takes the stage over on its agent: its fence is now this worker's silence, and a
+                # hold this worker asks covers it; the worker that launched it no longer keeps it running)
+                r = await self._client(h).get(f"{h.url}/v1/stages/{stage_id}", params={"adopt": "1"})
             except httpx.HTTPError as exc:
                 if not _refused(exc):
                     # silent, not gone (a network split between this worker and the host, an agent too busy to answer):
@@ -746,8 +779,9 @@ class AgentBackend(Backend):
                     # (`hold_fences`). Not adopting it here released its lease and the stage ran again elsewhere at once,
                     # while it ran on there for up to that hold. Followed as a silent host's part: counted lost only
                     # once its fence and the hold are over (`_follow_part`), unless the host answers first
+                    # (`claim`: its first request the agent answers takes it over, as the GET above would have)
                     parts.append({"host": name, "url": h.url, "node": None, "stage_id": stage_id, "boot_id": None, "pid": None,
-                                  "unseen_since": time.monotonic()})
+                                  "unseen_since": time.monotonic(), "claim": True})
                 continue
             if r.status_code == 200:
                 await self._probe(h)
@@ -855,8 +889,11 @@ class AgentBackend(Backend):
             if h.boot_id != part["boot_id"]:
                 return ExitStatus(ExitKind.INFRA, None, f"the agent on host {h.name} restarted; stage {part['stage_id']} was lost with it")
             changed = h.changed
+            params: dict[str, Any] = {"timeout": self.poll_s}
+            if part.get("claim"):
+                params["adopt"] = "1"  # (adopted while its host was silent: take it over on its agent now)
             poll = asyncio.ensure_future(
-                self._client(h).get(f"{h.url}/v1/stages/{part['stage_id']}/wait", params={"timeout": self.poll_s}, timeout=self.poll_s + 5)
+                self._client(h).get(f"{h.url}/v1/stages/{part['stage_id']}/wait", params=params, timeout=self.poll_s + 5)
             )
             flag = asyncio.ensure_future(changed.wait())
             try:
@@ -884,6 +921,7 @@ class AgentBackend(Backend):
             if r.status_code != 200:
                 await asyncio.sleep(0.2)
                 continue
+            part.pop("claim", None)
             s = r.json()
             if s["state"] == "exited":
                 st = classify_process_exit(s.get("returncode"), killed_reason=s.get("killed_reason"), error=s.get("error"))
@@ -1029,7 +1067,7 @@ class AgentBackend(Backend):
 
         async def one(h: HostState) -> None:
             try:
-                async with httpx.AsyncClient(headers=self._headers, verify=self._verify) as c:  # (this backend's are closed)
+                async with httpx.AsyncClient(headers=self._request_headers(), verify=self._verify) as c:  # (this backend's are closed)
                     r = await c.post(f"{h.url}/v1/fence/hold", json={"seconds": hold}, timeout=max(1.0, self.heartbeat_s))
             except httpx.HTTPError as exc:
                 log.warning("host %s: could not ask its agent to hold its fence while no worker runs (%s): its --fence-after "

@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
         token: Optional[str] = typer.Option(None, "--token", help="secret token (visible in `ps`; prefer --token-file; default: $QOSFLOW_AGENT_TOKEN)"),
         token_file: Optional[Path] = typer.Option(None, "--token-file", help="file holding the secret token"),
         fence_after: Optional[float] = typer.Option(
-            None, "--fence-after", help="kill running stages when no heartbeat came for this many seconds, or the agent was frozen that long (avoids running a stage twice after a network split); pipeline runs (pipelines_on: agents) are left running: the next worker adopts them; a worker that stops asks its agents to hold the fence until the next worker's first heartbeat, for at most QOSFLOW_AGENT_FENCE_HOLD_SECONDS (the worker's environment; default the lease TTL, 30 s); 1.5 x the worker's heartbeat_s is a good choice (default: never)"
+            None, "--fence-after", help="kill a running stage when the worker that launched (or adopted) it sent no heartbeat for this many seconds, whatever other workers still ask, or the agent was frozen that long (avoids running a stage twice after a network split); pipeline runs (pipelines_on: agents) are left running: the next worker adopts them; a worker that stops asks its agents to hold the fence of its stages until the next worker adopts them or it heartbeats again, for at most QOSFLOW_AGENT_FENCE_HOLD_SECONDS (the worker's environment; default the lease TTL, 30 s); 1.5 x the worker's heartbeat_s is a good choice (default: never)"
         ),
         label: list[str] = typer.Option([], "--label", help="node label KEY=VALUE (repeatable)"),
         workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a new temp dir under $TMPDIR or /tmp, removed when the agent stops; a --workdir is kept)"),
@@ -171,8 +171,8 @@ def register(app: typer.Typer) -> None:
         """Ask every agent of a cluster file for its GPUs and health.
 
         Exits 0 when every host is up, 1 when any is down (for scripts and health checks), 2 on a bad
-        cluster file. Asking an agent ends the fence hold a stopping worker asked of it: while no worker runs, the
-        agent's --fence-after then kills its stages that many seconds later (docs/infrastructure.md).
+        cluster file. Asking an agent keeps none of a worker's stages from its fence, and ends no fence hold a stopping
+        worker asked of it (docs/infrastructure.md).
 
         Examples:
 
