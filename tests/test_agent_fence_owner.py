@@ -151,3 +151,26 @@ def test_a_malformed_worker_id_is_refused_with_what_to_send(tmp_path):
         r = httpx.get(f"{a.url}/v1/health", headers={**H, "X-Qosflow-Worker": "w" * 300})
     assert r.status_code == 400 and "X-Qosflow-Worker" in r.json()["detail"] and "1-200" in r.json()["detail"], r.text
 
+
+def test_a_failed_gang_launch_leaves_no_stage_for_the_worker_to_hold(tmp_path):
+    """A gang whose second host refuses its rank: the first rank is killed, and was left in the backend's record of the
+    stages it runs (`_live`), so a stopping worker asked that agent to hold its fence for a stage that was gone."""
+    with AgentProcess("gang-a", TOKEN, log=tmp_path / "a.log") as a, AgentProcess("gang-b", TOKEN, log=tmp_path / "b.log") as b:
+
+        async def go():
+            be = AgentBackend([AgentHost("gang-a", a.url), AgentHost("gang-b", b.url)], TOKEN, heartbeat_s=0.5)
+            try:
+                cluster = await be.inventory()
+                # (rank 1 on GPU 7 of a 2-GPU host: its agent refuses the launch, 422)
+                p = Placement("gang-1", ((0, 0), (1, 7)), ((0, 1.0), (1, 1.0)))
+                h = await be.launch(LaunchSpec("gang-1", SLEEP, p, cluster))
+                return h, {k: set(v) for k, v in be._live.items() if v}
+            finally:
+                be.fence_hold_s = 0
+                await be.aclose()
+
+        h, live = asyncio.run(go())
+        assert h.ref["launch_error"] and "refused the launch" in h.ref["launch_error"], h.ref
+        st = httpx.get(f"{a.url}/v1/stages/gang-1", headers=H).json()
+        assert st["state"] == "exited" and st["killed_reason"] == "gang launch failed", st
+    assert live == {}, f"the killed ranks are still counted as running: {live}"

@@ -657,11 +657,23 @@ class AgentBackend(Backend):
             # a gang starts whole or not at all. SIGKILL at once (grace 0), as for the ranks of a gang that lost a host: a
             # rank's Prefect engine given a SIGTERM reports the flow run Crashed, while the worker runs that same flow run
             # again as its next attempt (the launch failure is an infrastructure failure)
-            await self.kill(handle, reason="gang launch failed", grace=0)
+            try:
+                await self.kill(handle, reason="gang launch failed", grace=0)
+            finally:
+                # (killed: nothing of them for a stopping worker's fence hold to keep, nor for this backend to report)
+                for part in parts:
+                    self._forget_live(part["host"], part["stage_id"])
             if raised:
                 raise raised[0]
             handle.ref["launch_error"] = "; ".join(errors)
         return handle
+
+    def _forget_live(self, host: str, stage_id: str) -> None:
+        sids = self._live.get(host)
+        if sids is not None:
+            sids.discard(stage_id)
+            if not sids:
+                del self._live[host]
 
     async def _post(self, part: dict[str, Any], body: dict[str, Any]) -> str | None:
         h = self.state[part["host"]]
@@ -835,7 +847,7 @@ class AgentBackend(Backend):
         self._following[part["host"]] += 1
         try:
             st = await self._follow_part(part)
-            self._live.get(part["host"], set()).discard(part["stage_id"])  # (ended, or lost: nothing to hold for)
+            self._forget_live(part["host"], part["stage_id"])  # (ended, or lost: nothing to hold for)
             return st
         finally:
             self._following[part["host"]] -= 1
