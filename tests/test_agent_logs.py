@@ -91,3 +91,44 @@ def test_a_log_removed_while_it_is_being_read_is_read_to_its_end(tmp_path: Path)
         text = b"".join(got).decode()
         assert text.rstrip().endswith("THE-END"), f"the stream ended at {text[-80:]!r}"
         assert c.get("/v1/stages/big-1/logs", params={"follow": False}).text.startswith("qosflow agent: this stage's log was removed")
+
+
+def _progress_stage(kb: int) -> list[str]:
+    """A stage that writes `kb` KiB of progress lines (as `qosflow.report_progress` at every step) and one line of output."""
+    return [sys.executable, "-c", "import os\nline = '{\"step\": 1, \"total\": 100, \"pad\": \"' + 'p' * 90 + '\"}\\n'\n"
+            f"open(os.environ['QOSFLOW_PROGRESS_FILE'], 'w').write(line * ({kb} * 1024 // len(line)))\nprint('done')"]
+
+
+def test_progress_files_count_towards_the_budget_and_go_with_their_log(tmp_path: Path):
+    """The `.progress` files beside the logs were neither counted by --max-logs-mb nor removed with their log: a stage
+    reporting progress at every step filled the agent's directory past the budget."""
+    work = tmp_path / "work"
+    with AgentProcess("host-lp", TOKEN, args=["--workdir", str(work), "--max-logs-mb", "1"], log=tmp_path / "agent.log") as a, \
+            httpx.Client(base_url=a.url, headers=H, timeout=40) as c:
+        for i in range(4):
+            r = c.post("/v1/stages", json={"stage_id": f"prog-{i}", "command": _progress_stage(400)})
+            assert r.status_code == 201, r.text
+            st = c.get(f"/v1/stages/prog-{i}/wait", params={"timeout": 30}).json()
+            assert st["state"] == "exited" and st["returncode"] == 0, st
+            got = c.post("/v1/progress", json={"offsets": {f"prog-{i}": 0}}).json()["stages"][f"prog-{i}"]
+            assert len(got) > 390 * 1024  # (the worker's copy of it: whole)
+        files = {p.name: p.stat().st_size for p in work.iterdir()}
+        assert sum(files.values()) <= 2**20, files
+        assert "prog-0.progress" not in files and "prog-0.log" not in files, files
+        assert "prog-3.progress" in files and "prog-3.log" in files, files
+
+
+def test_an_ended_stages_progress_stays_until_the_worker_has_read_it(tmp_path: Path):
+    """With --max-logs-mb 0 a stage's log goes as it ends; its progress file goes too, but only once read to its end:
+    the worker copies a stage's last progress lines after it ended."""
+    work = tmp_path / "work"
+    with AgentProcess("host-l0", TOKEN, args=["--workdir", str(work), "--max-logs-mb", "0"], log=tmp_path / "agent.log") as a, \
+            httpx.Client(base_url=a.url, headers=H, timeout=40) as c:
+        assert c.post("/v1/stages", json={"stage_id": "p0", "command": _progress_stage(8)}).status_code == 201
+        st = c.get("/v1/stages/p0/wait", params={"timeout": 30}).json()
+        assert st["state"] == "exited" and st["log_removed"] is True, st
+        assert (work / "p0.progress").exists()
+        first = c.get("/v1/stages/p0/progress", params={"offset": 0}).content
+        assert len(first) > 7 * 1024 and first.endswith(b"}\n")
+        assert not (work / "p0.progress").exists(), "the progress file of a removed log stayed after it was read to its end"
+        assert c.get("/v1/stages/p0/progress", params={"offset": len(first)}).content == b""

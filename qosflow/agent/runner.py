@@ -32,6 +32,9 @@ _PR_SET_PDEATHSIG = 1
 ROLE_LABEL = "qosflow.dev/role"
 #: how a fence's kill reason starts (`qosflow.failures` reads a stage killed so as the worker rerunning it elsewhere)
 FENCED = "fenced"
+#: how long an ended stage's progress file outlives its log removed under --max-logs-mb while the worker has not read it
+#: to its end (`Runner._trim_logs`)
+PROGRESS_KEEP_S = 60.0
 #: environment variables of the agent that a stage must never see
 _SECRET_ENV = ("QOSFLOW_AGENT_TOKEN",)
 
@@ -184,6 +187,8 @@ class StageProc:
     owner: str | None = None
     #: when (the agent's fence clock) `owner` took it: its silence counts from then at the earliest
     owner_since: float = 0.0
+    #: how far the worker has read its progress file (`Runner.progress`): a removed log's progress file goes once read
+    progress_read: int = 0
     proc: asyncio.subprocess.Process | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     #: set once the launch has settled (its process started, with its pid, or it could not start)
@@ -427,30 +432,45 @@ class Runner:
 
     def _trim_logs(self) -> None:
         """Remove the logs of the stages that ended longest ago until all logs together fit `max_log_bytes` (the logs
-        of running stages count, but are never removed)."""
+        of running stages count, but are never removed). The stages' `.progress` files count too (a stage reporting
+        progress at every step wrote as much there as in its log, outside the budget) and go with their log, once the
+        worker has copied them to their end (`progress`) or the stage ended `PROGRESS_KEEP_S` ago: removed at the
+        stage's end (--max-logs-mb 0), its last progress lines never reached the worker, which copies them after it."""
         if self.max_log_bytes is None:
             return
-        sizes: dict[str, int] = {}
+        now = time.time()
+        sizes: dict[str, tuple[int, int]] = {}  # stage id -> (its log's bytes, its progress file's)
         for s in self.stages.values():
-            if not s.log_removed:
-                try:
-                    sizes[s.stage_id] = s.log_path.stat().st_size
-                except OSError:
-                    pass
-        total = sum(sizes.values())
+            log_size = 0 if s.log_removed else _size(s.log_path)
+            progress_size = _size(s.progress_path)
+            if log_size is not None or progress_size is not None:
+                sizes[s.stage_id] = (log_size or 0, progress_size or 0)
+        total = sum(a + b for a, b in sizes.values())
         if total <= self.max_log_bytes:
             return
         for s in sorted((s for s in self.stages.values() if not s.running and s.stage_id in sizes), key=lambda s: s.ended_at or 0):
             if total <= self.max_log_bytes:
                 break
-            try:
-                s.log_path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError:
-                continue
-            s.log_removed = True
-            total -= sizes[s.stage_id]
+            log_size, progress_size = sizes[s.stage_id]
+            if not s.log_removed:
+                try:
+                    s.log_path.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue
+                s.log_removed = True
+                total -= log_size
+            if progress_size and self._progress_spent(s, progress_size, now):
+                try:
+                    s.progress_path.unlink()
+                except OSError:
+                    continue
+                total -= progress_size
+
+    def _progress_spent(self, st: StageProc, size: int, now: float) -> bool:
+        """Whether an ended stage's progress file may go: the worker read it to its end, or it ended long enough ago."""
+        return st.progress_read >= size or now - (st.ended_at or now) >= PROGRESS_KEEP_S
 
     def _prune(self) -> None:
         if len(self.stages) < self.max_records:
@@ -535,13 +555,22 @@ class Runner:
 
     # ------------------------------------------------------------------ logs
     def progress(self, st: StageProc, offset: int = 0, limit: int = 1 << 20) -> bytes:
-        """Up to `limit` bytes of the stage's progress lines from byte `offset` (empty: none yet)."""
+        """Up to `limit` bytes of the stage's progress lines from byte `offset` (empty: none yet). The progress file of an
+        ended stage whose log the budget removed goes once it is read to its end (`_trim_logs` kept it for this read)."""
         try:
             with open(st.progress_path, "rb") as f:
                 f.seek(max(0, offset))
-                return f.read(max(0, limit))
+                data = f.read(max(0, limit))
+                size = os.fstat(f.fileno()).st_size
         except FileNotFoundError:
             return b""
+        st.progress_read = max(st.progress_read, max(0, offset) + len(data))
+        if st.log_removed and not st.running and st.progress_read >= size:
+            try:
+                st.progress_path.unlink()
+            except OSError:
+                pass
+        return data
 
     async def follow(self, st: StageProc, offset: int = 0, follow: bool = True) -> AsyncIterator[bytes]:
         """The stage's output from byte `offset`; `follow`: until it ends. The file is kept open while it is read: the
@@ -577,6 +606,14 @@ class Runner:
         finally:
             if f is not None:
                 f.close()
+
+
+def _size(path: Path) -> int | None:
+    """The size of the file at `path`; None if there is none (or it cannot be read)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 def _group_pids(pgid: int) -> list[int]:

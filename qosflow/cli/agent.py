@@ -77,7 +77,7 @@ def register(app: typer.Typer) -> None:
         label: list[str] = typer.Option([], "--label", help="node label KEY=VALUE (repeatable)"),
         workdir: Optional[Path] = typer.Option(None, "--workdir", help="where stage logs go (default: a new temp dir under $TMPDIR or /tmp, removed when the agent stops; a --workdir is kept)"),
         max_logs_mb: float = typer.Option(
-            10_240.0, "--max-logs-mb", help="keep the stages' logs within this many MiB: beyond it the logs of the stages that ended longest ago are removed, their records kept (log_removed) (default 10240, i.e. 10 GiB; 0: keep only running stages' logs)",
+            10_240.0, "--max-logs-mb", help="keep the stages' logs (with their progress files) within this many MiB: beyond it the logs of the stages that ended longest ago are removed, their records kept (log_removed) (default 10240, i.e. 10 GiB; 0: keep only running stages' logs)",
         ),
         tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="serve HTTPS with this certificate chain (PEM); the worker then reaches the agent at https://... and checks it against its CA (the cluster file's tls_ca_file, the block's agent_ca_cert)"),
         tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="the private key (PEM) of --tls-cert; keep it root's, mode 600"),
