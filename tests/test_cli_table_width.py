@@ -123,6 +123,33 @@ def test_simulate_output_elsewhere_keeps_its_full_width(monkeypatch, capsys):
     assert not any("(continued)" in ln for ln in lines)
 
 
+def test_force_color_in_a_log_is_not_a_terminal(monkeypatch, capsys):
+    """FORCE_COLOR (set by CI jobs for coloured logs) makes rich take any output for a terminal: the tables were
+    split at rich's default 80 columns in such a log. It colours them; their width stays that of a log."""
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    assert main(SIM) in (0, None)
+    lines = _plain(capsys.readouterr().out)
+    assert [t["title"] for t in _tables(lines)] == ["synthetic-60-seed3 on 2x4", "Deadlines met by job class"]
+    assert not any("(continued)" in ln for ln in lines) and max(map(len, lines)) > 100
+
+
+def test_force_color_in_a_log_gets_progress_lines_not_a_bar(monkeypatch):
+    """Under FORCE_COLOR a log got rich's live progress bar (its redraws, cursor movements and all) instead of
+    the progress lines a log gets."""
+    import io
+
+    from rich.console import Console
+
+    from qosflow.cli.output import LogProgress, progress_bar
+
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    monkeypatch.delenv("TTY_INTERACTIVE", raising=False)
+    assert isinstance(progress_bar(console=Console(file=io.StringIO())), LogProgress)
+
+
 def _fake_pool(monkeypatch, stages):
     import qosflow.prefect.local as local
     import qosflow.prefect.status as status

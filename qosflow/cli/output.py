@@ -183,15 +183,29 @@ def result_console(min_width: int = 0):
     from rich.console import Console
 
     console = Console()
-    if console.is_terminal or console.width >= min_width:
+    if on_terminal(console) or console.width >= min_width:
         return console
     return Console(width=min_width)
+
+
+def on_terminal(console) -> bool:
+    """Whether `console` writes to a terminal: its file is one (or TTY_COMPATIBLE=1 says to take it for one,
+    TTY_COMPATIBLE=0 not). Not rich's `is_terminal`, which FORCE_COLOR makes true: a CI job that sets it for
+    coloured logs would have had its tables split at rich's default of 80 columns."""
+    said = os.environ.get("TTY_COMPATIBLE", "")
+    if said in ("0", "1"):
+        return said == "1"
+    isatty = getattr(console.file, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed file
+        return False
 
 
 def print_table(console, table, *, keep: int = 1, first: tuple[str, ...] = (), flexible: dict[str, int] | None = None) -> None:
     """Print a rich `table` on `console`: on a terminal, in as many parts as it takes to fit the terminal's width
     (`split_table`); elsewhere whole, as before."""
-    if not console.is_terminal:
+    if not on_terminal(console):
         console.print(table)
         return
     parts = split_table(table, console, console.width, keep=keep, first=first, flexible=flexible)
@@ -278,7 +292,7 @@ def progress_bar(*columns, console=None):
     from rich.progress import Progress
 
     console = console or get_console()
-    if not console.is_interactive:
+    if not (on_terminal(console) and console.is_interactive):  # (FORCE_COLOR makes a log 'interactive' to rich)
         # a run in a batch job or under nohup showed nothing at all for its hours: lines on stderr instead
         return LogProgress()
     return Progress(*columns, console=console, transient=True)

@@ -73,7 +73,8 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.traces._common import CORES_PER_GPU
 
         from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, interrupted,
-                                        print_table, progress_bar, result_console, unwritable_result, write_json_file)
+                                        on_terminal, print_table, progress_bar, result_console, unwritable_result,
+                                        write_json_file)
 
         # a terminal's own width, each table split to fit it; elsewhere 120 columns or more, as always
         console = result_console(min_width=120)
@@ -252,7 +253,7 @@ def register(app: typer.Typer) -> None:
                 continue
             from rich.measure import Measurement
 
-            if console.is_terminal:  # the policies split over parts, each with the classes and their jobs
+            if on_terminal(console):  # the policies split over parts, each with the classes and their jobs
                 print_table(console, by_class, keep=2, first=("qosflow",))
                 continue
             need = Measurement.get(console, console.options.update(width=100_000), by_class).maximum
