@@ -237,8 +237,8 @@ def split_table(table, console, width: int, *, keep: int = 1, first: tuple[str, 
                 flexible: dict[str, int] | None = None) -> list:
     """`table` as parts no wider than `width` columns, each with the first `keep` columns (what names a row: the
     policy, the stage) and as many others as fit, every row and number as it was. The columns named in `first`
-    (their headers) go into the first part before the others, in that order; the others follow in the table's
-    order; within a part the columns keep the table's order. One part, the table itself, when it fits. The title
+    (their headers) are placed before the others, in that order, each in the first part with room for it; then the
+    others in the table's order, likewise; within a part the columns keep the table's order. One part, the table itself, when it fits. The title
     goes on every part (the later ones '(continued)'), the caption under the last. A column that does not fit
     even alone beside the `keep` ones gets a part of its own, which rich then narrows by wrapping its cells."""
     if table_width(table, console, flexible) <= width or len(table.columns) <= keep:
