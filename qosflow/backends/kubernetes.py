@@ -2058,6 +2058,10 @@ class KubernetesBackend(Backend):
             "nodes": [spec.cluster.nodes[i].name for i in spec.placement.nodes],
             "launch_error": None,
         }
+        stale = await self._stale_jobs(spec.stage_id, jobs, doing)
+        if stale:
+            self._capacity_settling.pop(spec.placement.job_id, None)  # (no pod will come: placeholders may be made again)
+            return await self._drop_stale_launch(spec, ref, stale, secret)
 
         async def create(step: dict[str, str]) -> None:
             if pg is not None:
@@ -2092,6 +2096,55 @@ class KubernetesBackend(Backend):
             raise
         if handle.ref.get("launch_error"):
             self._capacity_settling.pop(spec.placement.job_id, None)
+        return handle
+
+    async def _stale_jobs(self, stage_id: str, jobs: list[dict], doing: str) -> dict[str, str]:
+        """The Jobs of attempt `stage_id` (this pool's) that an earlier launch of it left and that are not this launch's
+        `jobs` as they are: another name (one Indexed Job then, one Job per node now, or the other way round), or the same
+        name on other node(s) or with another placement. Name -> the node(s) its pods are pinned to. A launch cut short
+        (the API went away between a gang's Job creates: BackendUnreachable) is launched again by the worker with the
+        same attempt id, placed anew: the same placement adopts what exists (`_create_job`), another one must not."""
+        from kubernetes.client.exceptions import ApiException
+
+        sel = f"{LABEL_STAGE}={label_value(stage_id)}"
+        try:
+            found = (await self._acall(self.batch.list_namespaced_job, self.namespace, label_selector=sel, _doing=doing)).items
+        except ApiException as e:  # (not looked: the launch goes on as before this check; its creates say any refusal)
+            log.debug("stage %s: Jobs of an earlier launch not looked for: %s %s", stage_id, e.status, e.reason)
+            return {}
+        want = {j["metadata"]["name"]: _launch_key(j) for j in jobs}
+        out: dict[str, str] = {}
+        for cur in found:
+            if (cur.metadata.annotations or {}).get(ANN_STAGE) != stage_id or not self.owns(cur.metadata.labels, cur.metadata.annotations):
+                continue  # (another stage's or pool's: `_create_job` says so if its name is one of this launch's)
+            if cur.metadata.deletion_timestamp is not None:
+                continue
+            have = _launch_key(self.api_client.sanitize_for_serialization(cur))
+            if want.get(cur.metadata.name) != have:
+                out[cur.metadata.name] = ",".join(have[2]) or "?"
+        return out
+
+    async def _drop_stale_launch(self, spec: LaunchSpec, ref: dict[str, Any], stale: Mapping[str, str],
+                                 secret: dict | None) -> StageHandle:
+        """Attempt `spec` was launched before, elsewhere (`_stale_jobs`), and that launch was cut short: its Jobs are
+        deleted (with its Secret and PodGroup) and nothing is created; the handle's launch_error says so, its wait reports
+        an infrastructure failure and the worker places the stage again under a new attempt id (the names of this one are
+        taken until the deleted Jobs' pods are gone, which a wait of the new ones would count among theirs)."""
+        said = ", ".join(f"{n} (on {nodes})" for n, nodes in sorted(stale.items()))
+        ref["launch_error"] = (f"an earlier launch of this attempt, cut short, left Job(s) {said} that are not this launch's "
+                               f"placement ({', '.join(ref['nodes'])}): deleted, and the stage is placed again")
+        ref["jobs"] = sorted(set(ref["jobs"]) | set(stale))
+        if secret is not None:
+            ref["secret"] = secret["metadata"]["name"]
+        if self.gang_scheduler:  # (the cut launch's PodGroup, owned by no Job yet)
+            gs = GANG_SCHEDULERS[self.gang_scheduler]
+            ref["podgroup"] = {"group": gs.group, "version": gs.version, "name": job_name(spec.stage_id)}
+        log.warning("stage %s: %s", spec.stage_id, ref["launch_error"])
+        handle = StageHandle(spec.stage_id, self.name, ref["nodes"][0], ref)
+        try:
+            await self.kill(handle, reason="launch failed")
+        finally:
+            self._killed.pop(spec.stage_id, None)
         return handle
 
     async def _launch_attempt(self, handle: StageHandle, secret: dict | None, doing: str,
@@ -2193,7 +2246,49 @@ class KubernetesBackend(Backend):
         }
         if (jobs[0].metadata.labels or {}).get(LABEL_ROLE) == "pipeline":
             ref["role"] = "pipeline"
-        return StageHandle(stage_id, self.name, ref["nodes"][0], ref)
+        handle = StageHandle(stage_id, self.name, ref["nodes"][0], ref)
+        missing = self._ranks_never_made(jobs, ref)
+        if missing:
+            # a gang of one Job per node whose launch was cut between its creates (its worker died, or the API went
+            # away and the worker stopped): its Jobs found were taken for the whole gang, and rank 0's pod ending was the
+            # stage's success though the missing ranks never ran. Deleted; its wait reports an infrastructure failure
+            ref["launch_error"] = (f"the gang's launch was cut short: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of its "
+                                   f"{len(ref['nodes'])} never got a Job (found {', '.join(ref['jobs'])}); its Jobs are deleted")
+            log.warning("stage %s: %s", stage_id, ref["launch_error"])
+            try:
+                await self.kill(handle, reason="launch cut short")
+            finally:
+                self._killed.pop(stage_id, None)
+        return handle
+
+    def _ranks_never_made(self, jobs: list, ref: Mapping[str, Any]) -> list[int]:
+        """The ranks of a gang whose Jobs `jobs` (found by `adopt`) do not make: fewer pods than its nodes (the Jobs'
+        "qosflow.dev/nodes"), the ranks no per-node Job's QOSFLOW_GANG_RANK names. [] for a whole gang, a single pod, a
+        pipeline run, and a gang whose Jobs are old enough that a missing one may have finished and been deleted by
+        `ttl_after_finished_s` (its pod then ended; counted as before)."""
+        nodes = [n for n in ref["nodes"] if n]
+        if ref.get("role") == "pipeline" or len(nodes) <= 1 or ref["expected_pods"] >= len(nodes):
+            return []
+        if self.ttl_after_finished_s is not None:
+            import datetime
+
+            now = datetime.datetime.now(datetime.timezone.utc)
+            made = [j.metadata.creation_timestamp for j in jobs if j.metadata.creation_timestamp is not None]
+            if not made or any((now - t).total_seconds() >= self.ttl_after_finished_s - 60 for t in made):
+                log.warning("stage %s: its gang has %d pod(s) in its Job(s) %s for its %d nodes; a Job old enough for its "
+                            "ttlSecondsAfterFinished may have ended and been deleted: the pods found are waited for",
+                            ref["selector"], ref["expected_pods"], ", ".join(ref["jobs"]), len(nodes))
+                return []
+        found: set[int] = set()
+        for j in jobs:
+            if (j.spec.completion_mode or "") == "Indexed":
+                found.update(range(j.spec.parallelism or 1))
+                continue
+            for c in (j.spec.template.spec.containers or []):
+                for e in (c.env or []):
+                    if e.name == "QOSFLOW_GANG_RANK" and e.value is not None and str(e.value).isdigit():
+                        found.add(int(e.value))
+        return [r for r in range(len(nodes)) if r not in found] or list(range(ref["expected_pods"], len(nodes)))
 
     # ------------------------------------------------------------------ wait
     async def wait(self, handle: StageHandle) -> ExitStatus:
@@ -2556,6 +2651,20 @@ class KubernetesBackend(Backend):
 #: lines of a pod's log read for its progress after the first read (a stage echoes at most 2 a second)
 PROGRESS_TAIL_LINES = 200
 MANAGED_SELECTOR = "app.kubernetes.io/managed-by=qosflow"
+
+
+def _launch_key(job: Mapping[str, Any]) -> tuple:
+    """What a stage's Job (a manifest, or one read back: `ApiClient.sanitize_for_serialization`) runs where: the gang's
+    nodes, the nodes its pods are pinned to, its pods' placement and their count; equal for a Job of the same launch."""
+    meta = job.get("metadata") or {}
+    spec = job.get("spec") or {}
+    tpl = spec.get("template") or {}
+    terms = ((((tpl.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {})
+             .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []
+    pinned = tuple(v for t in terms for e in (t.get("matchExpressions") or []) if e.get("key") == "kubernetes.io/hostname"
+                   for v in (e.get("values") or ()))
+    return ((meta.get("annotations") or {}).get("qosflow.dev/nodes"), ((tpl.get("metadata") or {}).get("annotations") or {}).get(ANN_PLACEMENT),
+            pinned, spec.get("parallelism"), spec.get("completionMode"))
 
 
 def _podgroup_of(job) -> dict | None:
