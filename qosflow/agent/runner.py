@@ -11,12 +11,14 @@ lines (`qosflow.report_progress`) to a file of their own, which the worker copie
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import os
 import pwd
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,13 @@ FENCED = "fenced"
 #: how long an ended stage's progress file outlives its log removed under --max-logs-mb while the worker has not read it
 #: to its end (`Runner._trim_logs`)
 PROGRESS_KEEP_S = 60.0
+#: how long a kill waits for the start of a stage whose process is being started (`Runner.kill`); past it the stage is
+#: killed as soon as it has started
+LAUNCH_WAIT_S = 60.0
+#: the threads that start the stages' processes (fork, then exec: `Runner._launch`), off the agent's event loop: an exec
+#: that hangs (a command or working directory on a dead NFS mount) froze the whole agent, which answered no heartbeat,
+#: and a worker took it for lost. They live as long as the agent (a stage's PR_SET_PDEATHSIG is its starting thread's)
+_STARTERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="qosflow-agent-start")
 #: environment variables of the agent that a stage must never see
 _SECRET_ENV = ("QOSFLOW_AGENT_TOKEN",)
 
@@ -189,7 +198,10 @@ class StageProc:
     owner_since: float = 0.0
     #: how far the worker has read its progress file (`Runner.progress`): a removed log's progress file goes once read
     progress_read: int = 0
-    proc: asyncio.subprocess.Process | None = None
+    proc: subprocess.Popen | None = None
+    #: a kill came while its process was still being started and gave up waiting (`LAUNCH_WAIT_S`): it is killed
+    #: (SIGKILL) as soon as it has started
+    kill_on_start: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
     #: set once the launch has settled (its process started, with its pid, or it could not start)
     launched: asyncio.Event = field(default_factory=asyncio.Event)
@@ -360,9 +372,12 @@ class Runner:
             child_env.setdefault("QOSFLOW_CPUSET", ",".join(map(str, st.cpuset)))
         cpus = st.cpuset
 
+        prctl = _prctl()  # (looked up here: the child, forked by a starter thread, only calls it)
+
         def _pre_exec() -> None:  # runs in the child between fork and exec
             try:
-                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+                if prctl is not None:
+                    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
             except Exception:
                 pass
             if cpus:
@@ -381,18 +396,21 @@ class Runner:
             as_user = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
         st.started_at = time.time()
         logf = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab", buffering=0)
+        loop = asyncio.get_running_loop()
+
+        def start() -> subprocess.Popen:
+            return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=child_env,
+                                    cwd=cwd, start_new_session=True, preexec_fn=_pre_exec, **as_user)
+
+        started = loop.run_in_executor(_STARTERS, start)
         try:
-            st.proc = await asyncio.create_subprocess_exec(
-                *command,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=logf,
-                stderr=asyncio.subprocess.STDOUT,
-                env=child_env,
-                cwd=cwd,
-                start_new_session=True,
-                preexec_fn=_pre_exec,
-                **as_user,
-            )
+            # (shielded: a launch cancelled while its process starts, the agent stopping, must not leave that process
+            # running unknown to the agent: it is killed once started)
+            st.proc = await asyncio.shield(started)
+        except asyncio.CancelledError:
+            started.add_done_callback(_kill_orphan)
+            started.add_done_callback(lambda _f: logf.close())
+            raise
         except (OSError, ValueError, subprocess.SubprocessError) as exc:  # command not found, bad cwd, a cwd --stage-user cannot enter...
             why = start_error(command, cwd, exc, user, child_env)
             logf.write(f"{note}qosflow agent: cannot start {command!r}: {why}\n".encode())
@@ -409,17 +427,22 @@ class Runner:
         logf.close()
         st.pid = st.proc.pid
         _guard.watch(st.pid)
-        asyncio.get_running_loop().create_task(self._reap(st))
+        loop.create_task(self._reap(st))
         st.launched.set()
+        if st.kill_on_start:  # (a kill gave up waiting for this start: it runs no further)
+            try:
+                os.killpg(st.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         return st
 
     async def _reap(self, st: StageProc) -> None:
         assert st.proc is not None
-        rc = await st.proc.wait()
+        rc = await _exited(st.proc)
         # what the stage left behind in its process group (`cmd &`, a launcher's children) ends with it:
         # the worker frees the stage's slot now, and a DELETE or a fence only looks at running stages, so
         # such processes kept running, on GPUs given to the next stage, with nothing left to kill them.
-        # The leader is reaped (by asyncio's child watcher): its id stays its group's only while a member
+        # The leader is reaped (by `_exited`): its id stays its group's only while a member
         # lives; once none does the id is free and may lead another process's group or session, so the
         # group is signalled only if members of the stage's session are still there (qosflow.procgroup)
         if group_members(st.pid):  # type: ignore[arg-type]
@@ -498,9 +521,13 @@ class Runner:
             # together): os.killpg(None) raised TypeError, the DELETE answered 500, and the stage ran on, with the
             # worker's retry of it elsewhere. Kill it once it has started
             try:
-                await asyncio.wait_for(st.launched.wait(), 60)
+                await asyncio.wait_for(st.launched.wait(), LAUNCH_WAIT_S)
             except asyncio.TimeoutError:
-                pass
+                # its exec hangs (a dead NFS mount): killed as soon as it starts, if ever (the worker runs it elsewhere)
+                st.kill_on_start = True
+                if st.killed_reason is None:
+                    st.killed_reason = reason
+                return
         if not st.running or st.pid is None:
             return
         if st.killed_reason is None:
@@ -606,6 +633,58 @@ class Runner:
         finally:
             if f is not None:
                 f.close()
+
+
+_PRCTL: list = []
+
+
+def _prctl():
+    """libc's prctl (None where there is none), looked up once, in the agent's process: not in a child between fork and
+    exec, where loading it (dlopen) could wait for ever on a lock another thread of the agent held at the fork."""
+    if not _PRCTL:
+        try:
+            _PRCTL.append(ctypes.CDLL(None, use_errno=True).prctl)
+        except Exception:  # noqa: BLE001 - no libc prctl (not Linux): stages still die with the agent's guard
+            _PRCTL.append(None)
+    return _PRCTL[0]
+
+
+async def _exited(proc: subprocess.Popen) -> int:
+    """Wait for `proc` to exit, without blocking the event loop, and reap it: a pidfd the loop watches (Linux 5.3+), else a
+    thread of its own. (The process is this agent's child, not yet reaped: its pid cannot be another's meanwhile.)"""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+        try:
+            await done
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        return proc.wait()
+
+    def wait() -> None:
+        rc = proc.wait()
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(rc))
+
+    threading.Thread(target=wait, name=f"qosflow-agent-wait-{proc.pid}", daemon=True).start()
+    return await done
+
+
+def _kill_orphan(started: "asyncio.Future[subprocess.Popen]") -> None:
+    """The process a cancelled launch started after all: killed, with its group (nothing else knows of it)."""
+    if started.cancelled() or started.exception() is not None:
+        return
+    proc = started.result()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    threading.Thread(target=proc.wait, daemon=True).start()  # (reaped)
 
 
 def _size(path: Path) -> int | None:
