@@ -2679,11 +2679,12 @@ def _podgroup_of(job) -> dict | None:
 
 
 def _rank0_first(pods: list) -> list:
-    """A stage's pods, rank 0 (completion index 0) first."""
+    """A stage's pods in rank order (`pod_rank`: an Indexed Job's completion index, a per-node Job's QOSFLOW_GANG_RANK),
+    rank 0 first. (By name, a gang of one Job per node came as -r0, -r1, -r10, -r2.)"""
 
     def rank(p) -> tuple[int, str]:
-        idx = (p.metadata.annotations or {}).get("batch.kubernetes.io/job-completion-index", "")
-        return (int(idx) if idx.isdigit() else 0, p.metadata.name)
+        r = pod_rank(p)
+        return (r if r is not None else 0, p.metadata.name)
 
     return sorted(pods, key=rank)
 
