@@ -1055,8 +1055,21 @@ def _pipeline_ended() -> str | None:
     return "interrupted"
 
 
-def _pickup_hint(client: Any, pool: str) -> str:
-    """Why a stage run is still Scheduled: no worker polls the pool, or the ones that do took nothing."""
+def _pickup_hint(client: Any, pool: str, queue: str | None = None) -> str:
+    """Why a stage run is still Scheduled: its pool or its work queue is paused (Prefect hands out no run of a paused
+    pool or queue, stage runs included: said first, as no worker can take it then), no worker polls the pool, or
+    the ones that do took nothing."""
+    try:
+        if client.read_work_pool(pool).is_paused:
+            return (f"work pool {pool!r} is paused: no worker takes its runs, stage runs of pipelines already running "
+                    f"included, until it is resumed (`prefect work-pool resume {pool}`, or the UI)")
+        if queue:
+            q = next((q for q in client.read_work_queues(work_pool_name=pool) if q.name == queue), None)
+            if q is not None and q.is_paused:
+                return (f"work queue {queue!r} of work pool {pool!r} is paused: no worker takes its runs until it is resumed "
+                        f"(`prefect work-queue resume {queue} --pool {pool}`, or the UI)")
+    except Exception:  # only a hint
+        pass
     try:
         workers = client.read_workers_for_work_pool(pool)
     except Exception:  # only a hint
@@ -1120,7 +1133,7 @@ def wait_for_stage(fr: Any, pool: str, name: str, *, poll: float = 0.25, timeout
                     waiting_since, next_warn = now, now + warn_after
                 elif warn_after > 0 and now >= next_warn:
                     logger.warning("stage %s has waited %.0fs for a worker to take its run %s: %s",
-                                   name, now - waiting_since, fr.id, _pickup_hint(client, pool))
+                                   name, now - waiting_since, fr.id, _pickup_hint(client, pool, getattr(fr, "work_queue_name", None)))
                     next_warn = now + 10 * warn_after
                 if on_tick is not None and now >= next_tick:
                     next_tick = now + tick_s

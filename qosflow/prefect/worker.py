@@ -822,6 +822,106 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 return []
         return await super().get_and_submit_flow_runs()
 
+    #: seconds between two reads of the pool's and its queues' pause and concurrency limits (`_limits`)
+    LIMITS_REFRESH_S = 2.0
+
+    async def _get_scheduled_flow_runs(self) -> list:
+        """Prefect's scheduled runs of the pool, plus the **stage runs** that a pool or work-queue concurrency limit
+        held back (`_stage_runs_past_limits`). A limit counts the pipeline runs, which run while they wait for
+        their stages: with `prefect work-pool set-concurrency-limit gpu 1` (or a limit on the queue) the first
+        pipeline run took the only slot and the server never handed out its stage run, so the pipeline waited
+        for ever (its log said the worker 'took no run'). A stage of a pipeline that already runs is part of
+        work that was admitted; the GPUs it may take are the QoS queue's business."""
+        runs = list(await super()._get_scheduled_flow_runs())
+        try:
+            runs += await self._stage_runs_past_limits({r.flow_run.id for r in runs})
+        except Exception as exc:  # (only an addition to Prefect's own answer)
+            self._logger.debug("reading stage runs held by concurrency limits failed: %s", exc)
+        return runs
+
+    async def _limits(self, fresh: bool = False) -> dict[str, Any] | None:
+        """The pool's pause and concurrency limit and its queues' (read at most every LIMITS_REFRESH_S unless
+        `fresh`), with the id of its `qosflow-stage/<pool>` deployment; None when the pool or that deployment does
+        not exist."""
+        now = time.monotonic()
+        cached = getattr(self, "_limits_cache", None)
+        if not fresh and cached is not None and now - cached[0] < self.LIMITS_REFRESH_S:
+            return cached[1]
+        from prefect.exceptions import ObjectNotFound
+
+        from qosflow.prefect.stage import STAGE_FLOW_NAME
+
+        pool = self._work_pool_name
+        info: dict[str, Any] | None
+        try:
+            wp = await self.client.read_work_pool(pool)
+            queues = await self.client.read_work_queues(work_pool_name=pool)
+            dep_id = getattr(self, "_stage_deployment_id", None)
+            if dep_id is None:
+                dep_id = self._stage_deployment_id = (await self.client.read_deployment_by_name(f"{STAGE_FLOW_NAME}/{pool}")).id
+            info = {"pool": wp, "queues": queues, "deployment_id": dep_id}
+        except ObjectNotFound:  # (no stage dispatched to this pool yet: nothing to hand out)
+            info = None
+        self._limits_cache = (now, info)
+        return info
+
+    async def _stage_runs_past_limits(self, have: set) -> list:
+        """Scheduled stage runs of this pool that Prefect's answer left out because a pool or work-queue
+        concurrency limit is full. Pauses still hold them: a paused pool, or a paused queue, hands out nothing
+        (as Prefect users expect); its pipelines' stages wait until it is resumed. Only when the pool or one
+        of the queues this worker polls has a concurrency limit (else the server's answer is complete)."""
+        if self._work_pool is None or self._stopping:
+            return []
+        info = await self._limits()
+        if info is None or not await self._held_by_limits(info):
+            return []
+        # there are stage runs to take past a limit: the pause and limits read now, not up to LIMITS_REFRESH_S ago
+        # (a pool paused a second ago must not have its stage runs taken)
+        info = await self._limits(fresh=True)
+        if info is None:
+            return []
+        out = await self._held_by_limits(info, have)
+        if out and not getattr(self, "_said_limits", False):
+            self._said_limits = True
+            wp = info["pool"]
+            self._logger.info(
+                "work pool %r has a concurrency limit (pool %s, queues %s): it bounds the pipeline runs this pool starts; "
+                "the stage runs of pipelines already running are taken past it (else a pipeline holding a slot would wait "
+                "for ever for a stage that needs one); the QoS queue places them on the GPUs", self._work_pool_name,
+                wp.concurrency_limit, ", ".join(f"{q.name}={q.concurrency_limit}" for q in info["queues"] if q.concurrency_limit is not None) or "none")
+        return out
+
+    async def _held_by_limits(self, info: dict[str, Any], have: set = frozenset()) -> list:
+        """The Scheduled stage runs, due now, of the open queues of an unpaused pool with a concurrency limit
+        (of the pool or of a queue this worker polls), but those in `have`."""
+        from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterNextScheduledStartTime,
+                                                    FlowRunFilterState, FlowRunFilterStateType, WorkQueueFilter, WorkQueueFilterId)
+        from prefect.client.schemas.objects import StateType
+        from prefect.client.schemas.responses import WorkerFlowRunResponse
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        wp = info["pool"]
+        if wp.is_paused or str(getattr(wp, "status", "") or "").upper().endswith("PAUSED"):
+            return []
+        queues = [q for q in info["queues"] if not self._work_queues or q.name in self._work_queues]
+        if wp.concurrency_limit is None and not any(q.concurrency_limit is not None for q in queues):
+            return []
+        open_queues = [q.id for q in queues if not q.is_paused]
+        if not open_queues:
+            return []
+        from datetime import timedelta
+
+        before = datetime.now(timezone.utc) + timedelta(seconds=int(self._prefetch_seconds))
+        found = await self.client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+                                          next_scheduled_start_time=FlowRunFilterNextScheduledStartTime(before_=before)),
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[info["deployment_id"]])),
+            work_queue_filter=WorkQueueFilter(id=WorkQueueFilterId(any_=open_queues)),
+            sort=FlowRunSort.NEXT_SCHEDULED_START_TIME_ASC, limit=50)
+        out = [WorkerFlowRunResponse(work_pool_id=wp.id, work_queue_id=fr.work_queue_id, flow_run=fr)
+               for fr in found if fr.id not in have and fr.work_queue_id is not None]
+        return out
+
     async def _serve_metrics(self) -> None:
         """Prometheus metrics on `metrics_port` / QOSFLOW_WORKER_METRICS_PORT (host QOSFLOW_WORKER_METRICS_HOST,
         default 0.0.0.0), /metrics: qosflow.prefect.metrics. A port in use stops the start, saying so."""
