@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -168,12 +168,16 @@ class PipelineRun:
     finished: "collections.deque[PipelineRun]" = collections.deque(maxlen=FINISHED_KEPT)
     _lock = threading.Lock()
 
-    def __init__(self, name: str, flow_run_id: str, *, deadline: float | None, priority: PriorityClass | None, pool: str | None, plan: Mapping[str, Sequence[str]] | None, expected: Mapping[str, float]):
+    def __init__(self, name: str, flow_run_id: str, *, deadline: float | None, priority: PriorityClass | None, pool: str | None, plan: Mapping[str, Sequence[str]] | None, expected: Mapping[str, float],
+                 due: float | None = None):
         self.name = name
         self.flow_run_id = flow_run_id
         self.started = time.time()
         self.deadline = deadline
-        self.deadline_at = None if deadline is None else self.started + deadline
+        #: where the deadline counts from: the run's start, or the time a scheduled run was due when it started later
+        #: (`deadline_from`: a paused pool, no worker, a deployment's concurrency limit held it)
+        self.deadline_from = self.started if due is None else min(self.started, float(due))
+        self.deadline_at = None if deadline is None else self.deadline_from + deadline
         self.priority = priority
         self.pool = pool
         self.plan = dict(plan) if plan else None
@@ -238,7 +242,7 @@ class PipelineRun:
         if self.plan and base in self.plan:
             if self._split is None:
                 self._split = split_deadline(self._nodes(), float(self.deadline))
-            return self.started + self._split[base]
+            return self.deadline_from + self._split[base]
         # no plan: the stage may take the rest of the pipeline deadline
         return self.deadline_at
 
@@ -345,9 +349,12 @@ class PipelineRun:
                 )
                 # on the run's log too: a deadline out of reach from the start (qos_deadline=5 for a
                 # 40 s pipeline) showed only as an event and an artifact; the log said nothing
+                since = ("its start" if self.started - self.deadline_from < 1.0 else
+                         f"its scheduled time {datetime.fromtimestamp(self.deadline_from, timezone.utc):%H:%M:%S} UTC, "
+                         f"{self.started - self.deadline_from:.0f}s before it started")
                 _run_logger("qosflow").warning(
-                    "pipeline %s is at risk of missing its deadline (%gs after its start): forecast to finish %.0fs after "
-                    "it%s", self.name, self.deadline, fc.finish - self.deadline_at,
+                    "pipeline %s is at risk of missing its deadline (%gs after %s): forecast to finish %.0fs after "
+                    "it%s", self.name, self.deadline, since, fc.finish - self.deadline_at,
                     f" (critical path left: {' -> '.join(fc.remaining_path)})" if fc.remaining_path else "")
         except Exception:  # monitoring must never fail a pipeline
             pass
@@ -1055,6 +1062,20 @@ def _pipeline_ended() -> str | None:
     return "interrupted"
 
 
+def deadline_from(flow_run: Any) -> float | None:
+    """When a pipeline run's deadline starts counting if not at its start: the time a run made by a deployment's
+    **schedule** was due (its expected start time), so that a scheduled retraining run that starts late (its pool was
+    paused, no worker ran, a deployment concurrency limit or the previous run held it) is late by that much, as its
+    users count it (a nightly 02:00 run with a 1 h deadline is due by 03:00). Until 2026-11-28 every deadline counted
+    from the run's start: such a run had its whole deadline again from whenever it started and was reported met.
+    None (its start) for a run not made by a schedule (`prefect deployment run`, a direct call): it is due when it
+    starts, or when it was asked to start."""
+    if flow_run is None or not getattr(flow_run, "auto_scheduled", False):
+        return None
+    when = getattr(flow_run, "expected_start_time", None)
+    return None if when is None else when.timestamp()
+
+
 def _pickup_hint(client: Any, pool: str, queue: str | None = None) -> str:
     """Why a stage run is still Scheduled: its pool or its work queue is paused (Prefect hands out no run of a paused
     pool or queue, stage runs included: said first, as no worker can take it then), no worker polls the pool, or
@@ -1487,7 +1508,8 @@ def qos_flow(
                     raise SpecError("pool", f"{str(exc).split('invalid pool: ', 1)[-1]}; the pool's name came from {source}") from None
             if policy:
                 _say_what_the_policy_block_sets(policy, d, pr, run_pool)
-            run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=run_pool, plan=the_plan, expected=expected)
+            run = PipelineRun(name, fid, deadline=None if d is None else float(d), priority=pr, pool=run_pool, plan=the_plan, expected=expected,
+                              due=deadline_from(ctx.flow_run if ctx is not None else None))
             run.flow_name = flow_name
             run.register()
             enclosing = _enter_pipeline(run)
