@@ -237,19 +237,15 @@ def _max_per_gpu(report: dict[str, Any]) -> int:
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
-    from rich import box
-
     console.print("[bold]qosflow placements[/] (GPUs are [yellow]virtual[/]: declared by the cluster block, no NVML; "
                   "times in seconds since the first pipeline started)")
     t0 = min((p.get("started_at") or 0 for p in report["pipelines"] if p.get("started_at")), default=0)
     for p in report["pipelines"]:
         dl = "no deadline" if p.get("deadline") is None else f"deadline {p['deadline']:g}s"
-        t = Table(title=f"{p['name']}: {p.get('priority')}, {dl}", box=box.SIMPLE_HEAD, title_justify="left")
-        for col in ("stage", "host", "GPU", "cores", "start", "end", "pred", "act", "QoS"):
-            t.add_column(col, justify="right" if col in ("cores", "start", "end", "pred", "act") else "left", no_wrap=True)
+        rows = []
         for s in p["stages"]:
             met = s.get("deadline_met")
-            t.add_row(
+            rows.append((
                 s["name"],
                 s.get("host") or "-",
                 ",".join(g.split(":", 1)[-1] for g in s.get("gpus") or []) or "-",
@@ -259,27 +255,50 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                 "-" if s.get("predicted_s") is None else f"{s['predicted_s']:.1f}",
                 "-" if s.get("actual_s") is None else f"{s['actual_s']:.1f}",
                 {True: "[green]met[/]", False: "[red]missed[/]", None: "-"}[met],
-            )
+            ))
+        t = _table(f"{p['name']}: {p.get('priority')}, {dl}",
+                   ("stage", "host", "GPU", "cores", "start", "end", "pred", "act", "QoS"),
+                   rows, right=("cores", "start", "end", "pred", "act"), fold=("stage", "host", "GPU"))
         console.print(t)
-    q = Table(title=f"QoS outcome (policy {report.get('policy')})", box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("pipeline", "class", "deadline s", "took s", "met"):
-        q.add_column(col, no_wrap=True)
+    rows = []
     for p in report["pipelines"]:
         el = p.get("elapsed_s")
         met = p.get("met")
-        q.add_row(
+        rows.append((
             p["name"],
             str(p.get("priority")),
             "-" if p.get("deadline") is None else f"{p['deadline']:g}",
             "-" if el is None else f"{el:.1f}",
             {True: "[green]yes[/]", False: "[red]NO[/]", None: "no deadline" if p.get("state") == "completed" else "[red]failed[/]"}[met],
-        )
+        ))
+    q = _table(f"QoS outcome (policy {report.get('policy')})", ("pipeline", "class", "deadline s", "took s", "met"),
+               rows, fold=("pipeline", "class"))
     console.print(q)
     if report.get("coda_decisions"):
         console.print(f"CODA core moves: {len(report['coda_decisions'])}")
         for d in report["coda_decisions"]:
             console.print(f"  {d['node']}: core {d['core']} from {d['from_stage']} to {d['to_stage']} ({d['reason']})")
     console.print(f"at most {report.get('max_stages_per_gpu')} stage(s) on one GPU at a time")
+
+
+def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], *, right: tuple[str, ...] = (),
+           fold: tuple[str, ...] = ()) -> Table:
+    """A report table whose names (`fold`: stage, host, pipeline) wrap onto more lines in a narrow console and whose
+    figures never shrink: the demo printed `23…` for a time and `m…` for met in an 80-column terminal (and in a pipe,
+    whose console is 80 wide), every column being no-wrap."""
+    from rich import box
+    from rich.text import Text
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    for i, col in enumerate(columns):
+        if col in fold:  # at least a short word's width: in a very narrow console rich squeezed it to nothing
+            t.add_column(col, overflow="fold", min_width=min(8, max([len(col), *(len(r[i]) for r in rows)])))
+        else:  # a figure or a short word: as wide as its widest cell, never cut
+            widest = max([len(col), *(Text.from_markup(r[i]).cell_len for r in rows)])
+            t.add_column(col, justify="right" if col in right else "left", no_wrap=True, min_width=widest)
+    for r in rows:
+        t.add_row(*r)
+    return t
 
 
 def quiet_console_logs() -> None:
