@@ -2335,7 +2335,9 @@ class KubernetesBackend(Backend):
 
         ref = handle.ref
         ns, sel = ref["namespace"], ref["selector"]
-        track: dict[str, Any] = {"unsched": {}, "notready": {}, "deleted": set(), "seen": set()}
+        # ("ok": the pods seen Succeeded, still counted when deleted: a per-node Job of a gang finishes with its own pod,
+        # and ttlSecondsAfterFinished deletes it, pod and all, while the other ranks run on)
+        track: dict[str, Any] = {"unsched": {}, "notready": {}, "deleted": set(), "seen": set(), "ok": set()}
         outage: float | None = None  # since when the API has been unreachable
         refused: tuple[Any, Any] | None = None  # the API's last refusal to list the pods (403, 401, ...), and how many
         refusals = 0
@@ -2402,6 +2404,8 @@ class KubernetesBackend(Backend):
                     if ev["type"] == "DELETED":
                         pods.pop(pod.metadata.name, None)
                         track["deleted"].add(pod.metadata.name)
+                        if pod.status is not None and pod.status.phase == "Succeeded":
+                            track["ok"].add(pod.metadata.name)
                     else:
                         pods[pod.metadata.name] = pod
                         if pod.spec and pod.spec.node_name and pod.spec.node_name not in me.get("nodes", ()):
@@ -2453,7 +2457,6 @@ class KubernetesBackend(Backend):
         if pods and handle.ref.get("role") != "pipeline":
             self._saw_stage_priority(next(iter(pods.values())))
         track["seen"].update(pods)
-        succeeded = 0
         for name, pod in sorted(pods.items()):
             st = pod.status
             phase = st.phase if st else None
@@ -2461,7 +2464,7 @@ class KubernetesBackend(Backend):
             where = f"(pod {name}" + (f" on node {node})" if node else ")")
             cs = (st.container_statuses or []) if st else []
             if phase == "Succeeded":
-                succeeded += 1
+                track.setdefault("ok", set()).add(name)
                 continue
             if phase == "Failed":
                 term = next((c.state.terminated for c in cs if c.state and c.state.terminated), None)
@@ -2519,9 +2522,11 @@ class KubernetesBackend(Backend):
                     since = track["notready"].setdefault(node, now)
                     if now - since >= self.node_lost_grace_s:
                         return classify_reason("NodeLost", f"node {node} has not been Ready for {self.node_lost_grace_s:g}s {where}")
+        ok = track.setdefault("ok", set())
+        succeeded = len(ok)  # (with those deleted since they succeeded)
         if expected and succeeded >= expected:
             return ExitStatus(ExitKind.OK, 0, "")
-        gone = track["deleted"] - set(pods)
+        gone = track["deleted"] - set(pods) - ok
         if gone:
             return classify_reason("DeletionByPodGC", f"pod(s) {', '.join(sorted(gone))} deleted outside qosflow (drained or preempted?)")
         if check_nodes and not pods and track["seen"]:

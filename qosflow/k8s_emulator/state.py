@@ -558,6 +558,8 @@ class Cluster:
         #: as last seen, and the ends of the pods gone since ({"succeeded": n, "failed": n, "indexes": {...}})
         self._job_pods_seen: dict[str, dict[str, tuple[str | None, str | None]]] = {}
         self._job_pods_gone: dict[str, dict[str, Any]] = {}
+        #: Job uid -> when (monotonic) it finished (Complete or Failed): the TTL-after-finished controller's clock
+        self._job_finished: dict[str, float] = {}
         self._logdir = tempfile.mkdtemp(prefix="qosflow-k8s-emulator-") if run_processes else None
         self.rules: list[dict] = []  # failure rules applied to new pods
         self.faults: list[dict] = []  # HTTP faults (method, path regex, status, count)
@@ -674,6 +676,7 @@ class Cluster:
         if cond is not None:
             cond.update(lastProbeTime=now_iso(), lastTransitionTime=now_iso())
             st.setdefault("conditions", []).append(cond)
+            self._job_finished[job["metadata"]["uid"]] = time.monotonic()
             if cond["type"] == "Complete":
                 st["completionTime"] = now_iso()
         if changed:
@@ -704,9 +707,24 @@ class Cluster:
 
     def _forget_deleted_jobs(self) -> None:
         live = {j["metadata"]["uid"] for j in self.store.list("jobs")}
-        for memo in (self._job_pods_seen, self._job_pods_gone):
+        for memo in (self._job_pods_seen, self._job_pods_gone, self._job_finished):
             for uid in [u for u in memo if u not in live]:
                 del memo[uid]
+
+    def _expire_finished_jobs(self) -> None:
+        """kube-controller-manager's TTL-after-finished controller: a Job finished (Complete or Failed) for its
+        `spec.ttlSecondsAfterFinished` is deleted, its pods with it (propagation Background, as upstream)."""
+        now = time.monotonic()
+        for job in self.store.list("jobs"):
+            ttl = (job.get("spec") or {}).get("ttlSecondsAfterFinished")
+            done = self._job_finished.get(job["metadata"]["uid"])
+            if ttl is None or done is None or now - done < float(ttl):
+                continue
+            try:
+                gone = self.store.delete("jobs", job["metadata"]["namespace"], job["metadata"]["name"])
+            except ApiError:  # (deleted meanwhile)
+                continue
+            self.on_job_deleted(gone, "Background")
 
     def on_job_deleted(self, job: dict, propagation: str | None, grace: Any = None) -> None:
         """The garbage collector's part in a Job's deletion: with Background/Foreground propagation its
@@ -1205,6 +1223,7 @@ class Cluster:
                 self._kubelet()
                 self._collect_garbage()
                 self._collect_pods()
+                self._expire_finished_jobs()
                 self._forget_deleted_jobs()
                 if self.run_processes:
                     self._reap_deleted()
