@@ -822,8 +822,9 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 return []
         return await super().get_and_submit_flow_runs()
 
-    #: seconds between two reads of the pool's and its queues' pause and concurrency limits (`_limits`)
-    LIMITS_REFRESH_S = 2.0
+    #: seconds between two reads of the pool's and its queues' concurrency limits (`_limits`; a new limit is followed
+    #: that much later; the pause is read again at once before a stage run is taken past a limit)
+    LIMITS_REFRESH_S = 10.0
 
     async def _get_scheduled_flow_runs(self) -> list:
         """Prefect's scheduled runs of the pool, plus the **stage runs** that a pool or work-queue concurrency limit
@@ -873,7 +874,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         if self._work_pool is None or self._stopping:
             return []
         info = await self._limits()
-        if info is None or not await self._held_by_limits(info):
+        if info is None or not await self._held_by_limits(info, have):
             return []
         # there are stage runs to take past a limit: the pause and limits read now, not up to LIMITS_REFRESH_S ago
         # (a pool paused a second ago must not have its stage runs taken)
