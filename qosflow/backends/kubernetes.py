@@ -2669,7 +2669,7 @@ def _launch_key(job: Mapping[str, Any]) -> tuple:
     pinned = tuple(v for t in terms for e in (t.get("matchExpressions") or []) if e.get("key") == "kubernetes.io/hostname"
                    for v in (e.get("values") or ()))
     return ((meta.get("annotations") or {}).get("qosflow.dev/nodes"), ((tpl.get("metadata") or {}).get("annotations") or {}).get(ANN_PLACEMENT),
-            pinned, spec.get("parallelism"), spec.get("completionMode"))
+            pinned, spec.get("parallelism"), spec.get("completionMode") or "NonIndexed")  # (the API server's default)
 
 
 def _podgroup_of(job) -> dict | None:

@@ -359,6 +359,8 @@ class Store:
             _check_priority_class(obj, name, self.table(plural))
         if plural == "pods":
             self._admit_priority(obj, name)
+        if plural == "jobs":  # (the API server's default, as a Job read back has it)
+            obj.setdefault("spec", {}).setdefault("completionMode", "NonIndexed")
         key = (ns if namespaced else "", name)
         if key in self.table(plural):
             raise ApiError(409, "AlreadyExists", f'{self.resource_name(plural)} "{name}" already exists',
