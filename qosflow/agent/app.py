@@ -243,39 +243,60 @@ def create_app(cfg: AgentConfig) -> FastAPI:
             contacts.pop(wid, None)
             holds.pop(wid, None)
 
+    async def _fence(reason: str, sts: list) -> None:
+        try:
+            await runner.kill_all(reason, only=sts)
+        except Exception:  # noqa: BLE001 - a kill that failed (killpg: EPERM) must not end the fence: next tick
+            log.exception("agent %s: fencing its stages failed; trying again", cfg.name)
+            return
+        spared = sum(1 for s in runner.running() if s.is_pipeline)
+        log.warning("agent %s %s: killed %d stage(s)%s", cfg.name, reason, len(sts),
+                    f"; {spared} pipeline run(s) left running: they are adopted by the next worker" if spared else "")
+
     async def _fence_loop() -> None:
         assert cfg.fence_after_s
         tick = min(0.5, cfg.fence_after_s / 4)
         last_tick = fence_clock()
-        while True:
-            await asyncio.sleep(tick)
-            now = fence_clock()
-            frozen, last_tick = now - last_tick - tick, now
-            forget_workers(now)
-            # pipeline runs (role pipeline) are not fenced: they hold no GPU and are never rerun elsewhere (the
-            # next worker adopts them); fencing them ended every pipeline run of the host Crashed on a worker
-            # restart or a network split longer than the fence. So is a frozen agent's: the same answer
-            stages = runner.fenceable()
-            if not stages:
-                continue
-            if frozen > cfg.fence_after_s:
-                # this process was stopped (host frozen, SIGSTOP): every worker has given up on us
-                reason = f"{FENCED}: the agent was frozen for {frozen:.1f}s (> {cfg.fence_after_s:g}s)"
-                groups = [(reason, stages)]
-            else:
-                # each stage by its own worker's silence: another worker (another pool, a status check) still asking
-                # this agent kept a cut-off worker's stages running while that worker ran them again elsewhere
-                groups = [(f"{FENCED}: no heartbeat from the worker{'' if owner is None else f' {owner}'} for {silent:.1f}s "
-                           f"(> {cfg.fence_after_s:g}s)", sts) for owner, (sts, silent) in silences(now).items()]
-            for reason, sts in groups:
-                try:
-                    await runner.kill_all(reason, only=sts)
-                except Exception:  # noqa: BLE001 - a kill that failed (killpg: EPERM) must not end the fence: next tick
-                    log.exception("agent %s: fencing its stages failed; trying again", cfg.name)
+        # the kills under way, by stage (id of its record): each runs in a task of its own, not awaited by this loop. A
+        # kill can take long (5 s for a process that does not die at SIGKILL at once: a hung GPU driver call, a dead NFS
+        # mount); awaited here, it held the loop up, the silence of another worker meanwhile went unfenced, and the next
+        # tick took the wait for the agent being frozen: it fenced every stage, the heartbeating workers' too
+        fencing: dict[int, asyncio.Task] = {}
+        try:
+            while True:
+                await asyncio.sleep(tick)
+                now = fence_clock()
+                frozen, last_tick = now - last_tick - tick, now
+                forget_workers(now)
+                # pipeline runs (role pipeline) are not fenced: they hold no GPU and are never rerun elsewhere (the
+                # next worker adopts them); fencing them ended every pipeline run of the host Crashed on a worker
+                # restart or a network split longer than the fence. So is a frozen agent's: the same answer
+                stages = runner.fenceable()
+                if not stages:
                     continue
-                spared = sum(1 for s in runner.running() if s.is_pipeline)
-                log.warning("agent %s %s: killed %d stage(s)%s", cfg.name, reason, len(sts),
-                            f"; {spared} pipeline run(s) left running: they are adopted by the next worker" if spared else "")
+                if frozen > cfg.fence_after_s:
+                    # this process was stopped (host frozen, SIGSTOP): every worker has given up on us
+                    reason = f"{FENCED}: the agent was frozen for {frozen:.1f}s (> {cfg.fence_after_s:g}s)"
+                    groups = [(reason, stages)]
+                else:
+                    # each stage by its own worker's silence: another worker (another pool, a status check) still asking
+                    # this agent kept a cut-off worker's stages running while that worker ran them again elsewhere
+                    groups = [(f"{FENCED}: no heartbeat from the worker{'' if owner is None else f' {owner}'} for {silent:.1f}s "
+                               f"(> {cfg.fence_after_s:g}s)", sts) for owner, (sts, silent) in silences(now).items()]
+                for reason, sts in groups:
+                    # (not one already being killed, nor one still being started that a kill has marked: it is killed as
+                    # soon as it has started, `Runner.kill`)
+                    sts = [s for s in sts if id(s) not in fencing and not s.kill_on_start]
+                    if not sts:
+                        continue
+                    task = asyncio.create_task(_fence(reason, sts))
+                    keys = [id(s) for s in sts]
+                    for k in keys:
+                        fencing[k] = task
+                    task.add_done_callback(lambda t, keys=keys: [fencing.pop(k) for k in keys if fencing.get(k) is t])
+        finally:
+            for task in set(fencing.values()):
+                task.cancel()
 
     # no /docs, /redoc or /openapi.json: FastAPI serves those outside the app's dependencies, so they
     # answered without the token (the host name and the whole API to anyone who could connect)

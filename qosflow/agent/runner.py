@@ -514,13 +514,19 @@ class Runner:
         except asyncio.TimeoutError:
             pass
 
-    async def kill(self, st: StageProc, reason: str, grace: float = 5.0) -> None:
+    async def kill(self, st: StageProc, reason: str, grace: float = 5.0, *, wait_start: bool = True) -> None:
+        """SIGTERM its process group, then SIGKILL after `grace` (a fence, or grace 0: SIGKILL at once). A stage whose
+        process is still being started is killed once it has started; `wait_start`: the kill waits for that start (at
+        most LAUNCH_WAIT_S, the DELETE of a worker, which reads the answer), else it returns at once (a fence, the agent
+        stopping: a start that hangs held the fence loop up for a minute, and the agent's stop)."""
         if not st.launched.is_set():
             # a kill that comes while the stage's process is being started (the launch awaits its exec; a worker whose
             # launch timed out on a busy or frozen agent asks for the kill at once, and both requests are then served
             # together): os.killpg(None) raised TypeError, the DELETE answered 500, and the stage ran on, with the
             # worker's retry of it elsewhere. Kill it once it has started
             try:
+                if not wait_start:
+                    raise asyncio.TimeoutError
                 await asyncio.wait_for(st.launched.wait(), LAUNCH_WAIT_S)
             except asyncio.TimeoutError:
                 # its exec hangs (a dead NFS mount): killed as soon as it starts, if ever (the worker runs it elsewhere)
@@ -558,7 +564,7 @@ class Runner:
         if only is not None:
             chosen = {id(s) for s in only}
             targets = [s for s in targets if id(s) in chosen]
-        await asyncio.gather(*(self.kill(s, reason, grace) for s in targets))
+        await asyncio.gather(*(self.kill(s, reason, grace, wait_start=False) for s in targets))
 
     def set_cpuset(self, st: StageProc, cpuset: list[int]) -> list[int]:
         eff = map_cpuset(cpuset, self._usable) or self._usable
