@@ -194,3 +194,33 @@ def test_a_whole_per_node_gang_is_adopted_as_before():
 
         h, st = asyncio.run(go())
     assert st.kind is ExitKind.OK and h.ref["expected_pods"] == 2 and len(h.ref["jobs"]) == 2, (st, h.ref)
+
+
+def test_an_adoption_whose_delete_of_the_partial_gang_fails_returns_its_handle_and_the_wait_deletes_it():
+    """The API refuses the deletion at the adoption (500s past the retries): `adopt` does not raise (the worker recovers
+    its leases one after another in one loop: an adoption that raised stopped the recovery of every other one); the
+    handle's wait deletes the Jobs then, and reports INFRA."""
+    with _emulator() as emu:
+        be = _backend(emu)
+        other = _backend(emu)
+
+        async def go():
+            try:
+                cluster = await be.inventory()
+                spec = LaunchSpec("cut-refused", ["true"], _per_node(cluster, "gpu-0", "gpu-1"), cluster, labels=LONG)
+                _cut_at_second_create(be)
+                with pytest.raises(BackendUnreachable):
+                    await be.launch(spec)
+                emu.add_fault(r"/jobs/qf-cut-refused", method="DELETE", status=500, count=other.api_retries + 1)
+                h = await other.adopt("cut-refused", ["gpu-0", "gpu-1"])
+                before = await asyncio.to_thread(_jobs, other, "cut-refused")
+                st = await asyncio.wait_for(other.wait(h), 60)
+                return h, before, st, await asyncio.to_thread(_jobs, other, "cut-refused")
+            finally:
+                await be.aclose()
+                await other.aclose()
+
+        h, before, st, after = asyncio.run(go())
+    assert h is not None and len(before) == 1, before  # (not deleted at the adoption: refused)
+    assert st.kind is ExitKind.INFRA and "rank 1" in st.reason, st
+    assert after == {}, after

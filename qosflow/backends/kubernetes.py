@@ -2141,11 +2141,24 @@ class KubernetesBackend(Backend):
             ref["podgroup"] = {"group": gs.group, "version": gs.version, "name": job_name(spec.stage_id)}
         log.warning("stage %s: %s", spec.stage_id, ref["launch_error"])
         handle = StageHandle(spec.stage_id, self.name, ref["nodes"][0], ref)
-        try:
-            await self.kill(handle, reason="launch failed")
-        finally:
-            self._killed.pop(spec.stage_id, None)
+        await self._kill_cut(handle, "launch failed", reraise=(BackendUnreachable,))
         return handle
+
+    async def _kill_cut(self, handle: StageHandle, reason: str, reraise: tuple[type, ...] = ()) -> None:
+        """Delete what a launch cut short left (`_drop_stale_launch`, `adopt`); a failure (but `reraise`) is said and
+        left to the handle's wait, which tries once more (`kill_left`): an adoption that raised stopped the worker's
+        recovery of every other lease."""
+        try:
+            await self.kill(handle, reason=reason)
+            handle.ref.pop("kill_left", None)
+        except reraise:
+            raise
+        except Exception as exc:  # noqa: BLE001 - said; the wait tries again
+            handle.ref["kill_left"] = reason
+            log.warning("stage %s: could not delete its Job(s) %s yet (%s); tried again when its end is reported",
+                        handle.stage_id, ", ".join(handle.ref.get("jobs") or []), exc)
+        finally:
+            self._killed.pop(handle.stage_id, None)
 
     async def _launch_attempt(self, handle: StageHandle, secret: dict | None, doing: str,
                               create: Callable[[dict[str, str]], Awaitable[None]]) -> StageHandle:
@@ -2255,10 +2268,7 @@ class KubernetesBackend(Backend):
             ref["launch_error"] = (f"the gang's launch was cut short: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of its "
                                    f"{len(ref['nodes'])} never got a Job (found {', '.join(ref['jobs'])}); its Jobs are deleted")
             log.warning("stage %s: %s", stage_id, ref["launch_error"])
-            try:
-                await self.kill(handle, reason="launch cut short")
-            finally:
-                self._killed.pop(stage_id, None)
+            await self._kill_cut(handle, "launch cut short")
         return handle
 
     def _ranks_never_made(self, jobs: list, ref: Mapping[str, Any]) -> list[int]:
@@ -2293,6 +2303,8 @@ class KubernetesBackend(Backend):
     # ------------------------------------------------------------------ wait
     async def wait(self, handle: StageHandle) -> ExitStatus:
         if handle.ref.get("launch_error"):
+            if handle.ref.get("kill_left"):  # (what a cut launch left, not deleted then: `_kill_cut`)
+                await self._kill_cut(handle, handle.ref["kill_left"])
             return ExitStatus(ExitKind.INFRA, None, f"launch failed: {handle.ref['launch_error']}")
         stop = self._stop.setdefault(handle.stage_id, threading.Event())
         try:
