@@ -224,3 +224,27 @@ def test_an_adoption_whose_delete_of_the_partial_gang_fails_returns_its_handle_a
     assert h is not None and len(before) == 1, before  # (not deleted at the adoption: refused)
     assert st.kind is ExitKind.INFRA and "rank 1" in st.reason, st
     assert after == {}, after
+
+
+def test_a_gang_with_a_job_missing_that_its_ttl_may_have_deleted_is_adopted_as_found():
+    """A Job as old as ttlSecondsAfterFinished (less a minute) may be missing because it ended and the TTL controller
+    deleted it (its rank done): then nothing is deleted, and the pods found are waited for, as before."""
+    with _emulator() as emu:
+        be = _backend(emu)
+        other = KubernetesBackend(api_client=emu.api_client(), namespace="default", image="busybox:1.36", watch_nodes=False,
+                                  watch_pods=False, ttl_after_finished_s=30)
+
+        async def go():
+            try:
+                cluster = await be.inventory()
+                _cut_at_second_create(be)
+                with pytest.raises(BackendUnreachable):
+                    await be.launch(LaunchSpec("cut-ttl", ["true"], _per_node(cluster, "gpu-0", "gpu-1"), cluster))
+                h = await other.adopt("cut-ttl", ["gpu-0", "gpu-1"])
+                return h, await asyncio.to_thread(_jobs, other, "cut-ttl")
+            finally:
+                await be.aclose()
+                await other.aclose()
+
+        h, left = asyncio.run(go())
+    assert h.ref["launch_error"] is None and h.ref["expected_pods"] == 1 and len(left) == 1, (h.ref, left)

@@ -2260,7 +2260,7 @@ class KubernetesBackend(Backend):
         if (jobs[0].metadata.labels or {}).get(LABEL_ROLE) == "pipeline":
             ref["role"] = "pipeline"
         handle = StageHandle(stage_id, self.name, ref["nodes"][0], ref)
-        missing = self._ranks_never_made(jobs, ref)
+        missing = self._ranks_never_made(stage_id, jobs, ref)
         if missing:
             # a gang of one Job per node whose launch was cut between its creates (its worker died, or the API went
             # away and the worker stopped): its Jobs found were taken for the whole gang, and rank 0's pod ending was the
@@ -2271,7 +2271,7 @@ class KubernetesBackend(Backend):
             await self._kill_cut(handle, "launch cut short")
         return handle
 
-    def _ranks_never_made(self, jobs: list, ref: Mapping[str, Any]) -> list[int]:
+    def _ranks_never_made(self, stage_id: str, jobs: list, ref: Mapping[str, Any]) -> list[int]:
         """The ranks of a gang whose Jobs `jobs` (found by `adopt`) do not make: fewer pods than its nodes (the Jobs'
         "qosflow.dev/nodes"), the ranks no per-node Job's QOSFLOW_GANG_RANK names. [] for a whole gang, a single pod, a
         pipeline run, and a gang whose Jobs are old enough that a missing one may have finished and been deleted by
@@ -2287,7 +2287,7 @@ class KubernetesBackend(Backend):
             if not made or any((now - t).total_seconds() >= self.ttl_after_finished_s - 60 for t in made):
                 log.warning("stage %s: its gang has %d pod(s) in its Job(s) %s for its %d nodes; a Job old enough for its "
                             "ttlSecondsAfterFinished may have ended and been deleted: the pods found are waited for",
-                            ref["selector"], ref["expected_pods"], ", ".join(ref["jobs"]), len(nodes))
+                            stage_id, ref["expected_pods"], ", ".join(ref["jobs"]), len(nodes))
                 return []
         found: set[int] = set()
         for j in jobs:
