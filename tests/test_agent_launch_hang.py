@@ -97,3 +97,33 @@ def test_a_kill_that_gives_up_waiting_for_a_hanging_start_still_kills_the_stage_
     assert r.status_code == 201, r.text
     assert st["state"] == "exited" and st["killed_reason"] == "gang launch failed" and st["signal"] == "SIGKILL", st
     assert not alive(r.json()["pid"])
+
+
+def test_the_agent_stops_without_waiting_for_a_hanging_start_and_the_stage_is_killed_once_it_starts(tmp_path, hanging_exec,
+                                                                                                      monkeypatch):
+    """The agent stopping kills its stages (`kill_all`): for one whose start hung, that kill waited LAUNCH_WAIT_S (a
+    minute) before the agent could stop. It now marks the stage, killed as soon as its start returns."""
+    entered, release, over = hanging_exec
+    monkeypatch.setattr(runner_mod, "LAUNCH_WAIT_S", 3600.0)
+    app = _agent(tmp_path)
+
+    async def go():
+        life = app.router.lifespan_context(app)
+        await life.__aenter__()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://agent", headers=H, timeout=30) as c:
+            launch = asyncio.ensure_future(c.post("/v1/stages", json={"stage_id": "nfs-3", "command": SLEEP}))
+            await asyncio.to_thread(entered.wait, 10)
+            stop = asyncio.ensure_future(life.__aexit__(None, None, None))
+            done, _ = await asyncio.wait({stop}, timeout=5)  # (the hanging start ends after 10 s at most)
+            release.set()
+            r = await launch
+            await stop
+            st = app.state.runner.stages["nfs-3"]
+            await app.state.runner.wait(st, 10)
+            return stop in done, r, st.status()
+
+    stopped, r, st = asyncio.run(go())
+    assert stopped, "the agent's stop waited for a stage's hanging start"
+    assert r.status_code == 201, r.text
+    assert st["state"] == "exited" and st["signal"] == "SIGKILL" and st["killed_reason"] == "agent shutting down", st
+    assert not alive(r.json()["pid"])

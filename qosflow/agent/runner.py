@@ -15,6 +15,7 @@ import concurrent.futures
 import ctypes
 import os
 import pwd
+import queue
 import signal
 import subprocess
 import sys
@@ -40,10 +41,45 @@ PROGRESS_KEEP_S = 60.0
 #: how long a kill waits for the start of a stage whose process is being started (`Runner.kill`); past it the stage is
 #: killed as soon as it has started
 LAUNCH_WAIT_S = 60.0
-#: the threads that start the stages' processes (fork, then exec: `Runner._launch`), off the agent's event loop: an exec
-#: that hangs (a command or working directory on a dead NFS mount) froze the whole agent, which answered no heartbeat,
-#: and a worker took it for lost. They live as long as the agent (a stage's PR_SET_PDEATHSIG is its starting thread's)
-_STARTERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="qosflow-agent-start")
+
+
+class _Starters(concurrent.futures.Executor):
+    """The threads that start the stages' processes (fork, then exec: `Runner._launch`), off the agent's event loop: an
+    exec that hangs (a command or working directory on a dead NFS mount) froze the whole agent, which answered no
+    heartbeat, and a worker took it for lost. They live as long as the agent (a stage's PR_SET_PDEATHSIG is its starting
+    thread's) and are daemon threads: a ThreadPoolExecutor's are joined as the interpreter exits, and one whose start
+    hung kept the agent from ever exiting (a SIGTERM, Ctrl-C, `systemctl stop` waited for the dead mount)."""
+
+    def __init__(self, threads: int, name: str):
+        self._threads, self._name = threads, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:  # type: ignore[override]
+        with self._lock:
+            if not self._started:
+                for i in range(self._threads):
+                    threading.Thread(target=self._work, name=f"{self._name}_{i}", daemon=True).start()
+                self._started = True
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fut, fn, args, kwargs))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            fut, fn, args, kwargs = self._queue.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - the launch reads it
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+
+_STARTERS = _Starters(8, "qosflow-agent-start")
 #: environment variables of the agent that a stage must never see
 _SECRET_ENV = ("QOSFLOW_AGENT_TOKEN",)
 
@@ -373,6 +409,7 @@ class Runner:
         cpus = st.cpuset
 
         prctl = _prctl()  # (looked up here: the child, forked by a starter thread, only calls it)
+        agent_pid = os.getpid()
 
         def _pre_exec() -> None:  # runs in the child between fork and exec
             try:
@@ -380,6 +417,11 @@ class Runner:
                     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
             except Exception:
                 pass
+            if os.getppid() != agent_pid:
+                # the agent died before PR_SET_PDEATHSIG was set (it does nothing once the parent is gone): a start that
+                # hung (a working directory on a dead NFS mount) and went on later ran the stage with no agent to kill
+                # it, while the worker ran it again elsewhere
+                os._exit(127)
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
