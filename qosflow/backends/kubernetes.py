@@ -2038,7 +2038,8 @@ class KubernetesBackend(Backend):
     # ------------------------------------------------------------------ launch
     async def launch(self, spec: LaunchSpec) -> StageHandle:
         """Create the stage's Job(s). An unreachable API server raises `BackendUnreachable` (nothing or
-        part of the stage was created: the same attempt id launched again adopts what exists)."""
+        part of the stage was created: the same attempt id launched again adopts what exists if placed the same; placed
+        otherwise, what the cut launch left is deleted and the handle's launch_error reports INFRA, `_stale_jobs`)."""
         from kubernetes.client.exceptions import ApiException
 
         doing = f"launch stage {spec.stage_id}"
