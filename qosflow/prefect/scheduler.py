@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import math
@@ -142,6 +143,9 @@ class QoSScheduler:
         self.set_cpus = set_cpus
         self.clock = clock
         self.entries: dict[str, StageEntry] = {}
+        #: node index -> the least thousandths of a GPU a shared stage takes there (Kubernetes time-slicing / MPS:
+        #: one slice of that node's shared GPU resource, as kube-scheduler counts it); None: no floor per node
+        self.share_floor: Callable[[int], int] | None = None
         # CODA moves and other recorded decisions, the newest DECISIONS_KEPT: a stage that lags its
         # prediction gets a core every CODA round, so the list grew with every such stage for the
         # worker's life
@@ -403,8 +407,17 @@ class QoSScheduler:
         return granted
 
     def _grant(self, e: StageEntry, p: Placement, now: float) -> bool:
+        qos = e.job.qos
+        if self.share_floor is not None and qos.fractional:
+            # booked at the slice of the node it lands on, from what it asked (the worker floored it at the largest
+            # slice of the nodes when it was queued: a node of larger slices that joined since was over-committed, one
+            # of smaller slices over-booked). More than the policy planned is refused below if it does not fit: the
+            # stage waits, never over-commits
+            want = max(int(qos.extra.get("asked_gpu_milli", qos.gpu_milli)), int(self.share_floor(p.nodes[0]) or 0))
+            if want < 1000 and want != p.gpu_milli:
+                p, qos = dataclasses.replace(p, gpu_milli=want), qos.with_(gpu_milli=want)
         try:
-            self.state.allocate(p, e.job.qos)
+            self.state.allocate(p, qos)
         except PlacementError as exc:
             e.state.note = f"placement rejected: {exc}"
             return False

@@ -641,6 +641,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 set_cpus=self._set_cpus,
             )
             self.scheduler.may_become = self._backend.may_become  # (an autoscaled pool: what it may grow to)
+            if _takes(getattr(self._backend, "least_share_milli", None), "node"):  # (the slice of the node placed on)
+                self.scheduler.share_floor = lambda i, be=self._backend, s=self.scheduler: be.least_share_milli(s.cluster, i)
             self.scheduler.start()
             loop = asyncio.get_running_loop()
             self._cancel_task = loop.create_task(self._watch_cancellations(), name="qosflow-cancel-watch")
@@ -3938,7 +3940,7 @@ def _at_least_a_slice(spec: QoSSpec, backend: Any, cluster: Any) -> tuple[QoSSpe
     least = int(backend.least_share_milli(cluster) or 0)
     if spec.gpu_milli >= least:
         return spec, ""
-    return spec.with_(gpu_milli=least), (
+    return spec.with_(gpu_milli=least, extra={**spec.extra, "asked_gpu_milli": spec.gpu_milli}), (
         f"asked for {spec.gpu_milli}/1000 of a GPU; its pod gets one slice of the shared GPU resource, {least}/1000 of a "
         "GPU here (the nodes' nvidia.com/gpu.replicas), and the plan books it as that much, as Kubernetes counts it")
 
