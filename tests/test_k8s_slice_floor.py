@@ -10,8 +10,8 @@ scaled from zero whose stand-ins say no replicas) is booked the smaller slice, a
 than it has slices (the last pods Unschedulable until `unschedulable_timeout_s`, then INFRA failures).
 
 `least_share_milli(cluster, node)` says one node's slice (the old call, without a node, is unchanged: the largest). The
-booking per node needs the scheduler to book a placed stage at its node's floor: the worker/scheduler change described
-in the report of 2026-11-28 (`QoSScheduler.share_floor`); the test of it is marked xfail (strict) until it is made."""
+booking per node is the scheduler's: it books a placed shared stage at its node's floor from what the stage asked
+(`QoSScheduler.share_floor`, which the worker sets from the backend's `least_share_milli(cluster, node)`)."""
 
 from __future__ import annotations
 
@@ -84,8 +84,6 @@ def _place(cluster: ClusterSpec, queued_on: ClusterSpec, k: int) -> dict[str, li
     return asyncio.run(go())
 
 
-@pytest.mark.xfail(strict=True, reason="needs the scheduler to book a placed shared stage at its node's floor "
-                                       "(QoSScheduler.share_floor, set by the worker): not this helper's files")
 def test_a_stage_is_booked_the_slice_of_the_node_it_lands_on():
     # a node of larger slices than the floor the stage was queued with (it joined later): booked its own slice, so the
     # plan puts no more stages there than it has slices (1 GPU, 2 replicas: 2 pods; before, 4 at 250 each)
