@@ -193,7 +193,9 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         wid = worker_of(request)
         now = fence_clock()
         state["last_contact"] = now
-        if wid is not None:
+        if wid is not None and cfg.fence_after_s:
+            # (read by the fence only; without one, nothing forgets them: every `qosflow agent status` named a new worker,
+            # kept for as long as the agent ran)
             contacts[wid] = now
         request.state.worker = wid
 
@@ -304,6 +306,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runner = runner
     app.state.cfg = cfg
+    app.state.worker_contacts = contacts
 
     def _get(stage_id: str):
         st = runner.stages.get(stage_id)
@@ -344,7 +347,7 @@ def create_app(cfg: AgentConfig) -> FastAPI:
         wid = request.state.worker
         if wid is None:
             state["hold_until"] = fence_clock() + hold
-        else:
+        elif cfg.fence_after_s:  # (no fence, nothing to hold: nor to forget the hold)
             holds[wid] = fence_clock() + hold
         held = [s for s in runner.fenceable() if s.owner == wid]
         if hold and held:

@@ -267,12 +267,20 @@ class AgentBackend(Backend):
         """Who this backend is to the agents (header `X-Qosflow-Worker`): the owner of the stages it launches or adopts,
         which an agent fences when this worker has been silent for its --fence-after, and whose fence hold is this
         worker's alone. One per backend (a worker process has one for its life), so two workers of a pool, or a worker
-        and its restart, are told apart; the worker may set its lease holder id here (before or after the first request)."""
+        and its restart, are told apart; the worker may set its lease holder id here, before it launches or adopts a stage
+        (after, their agents keep those stages as the old id's, which no longer heartbeats: they would be fenced)."""
         return self._worker_id
 
     @worker_id.setter
     def worker_id(self, value: str) -> None:
-        self._worker_id = str(value)
+        value = str(value)
+        live = sorted({sid for sids in self._live.values() for sid in sids})
+        if value != self._worker_id and live:
+            raise QosflowError(f"cannot rename this worker to the agents ({self._worker_id!r} -> {value!r}) while it follows "
+                               f"stage(s) {', '.join(live[:5])}{' ...' if len(live) > 5 else ''} launched or adopted under its "
+                               "id: their agents would fence them once the old id goes silent; set worker_id before the "
+                               "first launch (AgentBackend(worker_id=...))")
+        self._worker_id = value
         for c in self._clients.values():
             c.headers[WORKER_HEADER] = self._worker_id
 
