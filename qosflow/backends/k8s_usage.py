@@ -47,6 +47,21 @@ ROLE_PIPELINE = "pipeline"
 #: the pods are read at most this often (seconds; at the heartbeat that comes after): at 10,000 pods a reading takes the
 #: worker ~0.5 s of CPU (benchmarks/bench_k8s_pod_usage.py). A backend's `pod_usage_every_s` attribute overrides it
 POD_READ_S = 5.0
+#: a cluster-wide LIST or a WATCH of the pods that RBAC refused (403) is tried again this long after (the backend's
+#: `pod_rbac_retry_s`): an administrator who grants the missing rule should not have to restart the worker
+POD_RBAC_RETRY_S = 600.0
+
+
+def _rbac_retry_due(backend: Any, refused_at: float) -> bool:
+    """Whether a pod read RBAC refused at `refused_at` (time.monotonic) is to be tried again now."""
+    return time.monotonic() - refused_at >= float(getattr(backend, "pod_rbac_retry_s", POD_RBAC_RETRY_S))
+
+
+def _namespaced_only(backend: Any) -> bool:
+    """Whether the pods are read in the backend's namespace alone: its account was refused the cluster-wide LIST, and
+    that was less than `pod_rbac_retry_s` ago."""
+    return bool(getattr(backend, "_pods_namespaced_only", False)) and not _rbac_retry_due(
+        backend, float(getattr(backend, "_pods_namespaced_at", 0.0)))
 
 def quantity(q: Any) -> float:
     """A Kubernetes quantity ("250m", "512Mi", "1.5", "2e3", 4) in base units (`kubernetes.quantity`); unreadable (the
@@ -441,7 +456,8 @@ def list_bound_pods(backend: Any, *, with_version: bool = False) -> Any:
     from kubernetes.client.exceptions import ApiException
 
     resp = None
-    if not getattr(backend, "_pods_namespaced_only", False):
+    if not _namespaced_only(backend):
+        again = bool(getattr(backend, "_pods_namespaced_only", False))  # (a retry after a refusal)
         try:
             resp = backend._call(backend.core.list_pod_for_all_namespaces, field_selector=POD_FIELD_SELECTOR, _preload_content=False,
                                  _doing="list the pods bound to its nodes")
@@ -449,10 +465,18 @@ def list_bound_pods(backend: Any, *, with_version: bool = False) -> Any:
             if e.status != 403:
                 raise
             backend._pods_namespaced_only = True
-            log.warning("Kubernetes cluster %r: the worker's account may not list pods in all namespaces (403): only the pods of "
-                        "namespace %s are booked on their nodes; grant it list and watch on pods cluster-wide (the ClusterRole "
-                        "qosflow-worker-pods of %s) so that other users' pods and DaemonSets are too", backend.cluster_name,
-                        backend.namespace, RBAC_MANIFEST)
+            backend._pods_namespaced_at = time.monotonic()
+            if not again:
+                log.warning("Kubernetes cluster %r: the worker's account may not list pods in all namespaces (403): only the pods "
+                            "of namespace %s are booked on their nodes; grant it list and watch on pods cluster-wide (the "
+                            "ClusterRole qosflow-worker-pods of %s) so that other users' pods and DaemonSets are too (tried "
+                            "again every %gs: no restart needed)", backend.cluster_name, backend.namespace, RBAC_MANIFEST,
+                            float(getattr(backend, "pod_rbac_retry_s", POD_RBAC_RETRY_S)))
+        else:
+            if again:
+                backend._pods_namespaced_only = False
+                log.warning("Kubernetes cluster %r: the worker's account may now list pods in all namespaces: other "
+                            "namespaces' pods are booked on their nodes again", backend.cluster_name)
     if resp is None:
         resp = backend._call(backend.core.list_namespaced_pod, backend.namespace, field_selector=POD_FIELD_SELECTOR, _preload_content=False,
                              _doing="list the pods bound to its nodes")
@@ -536,6 +560,7 @@ class PodInformer:
         self.synced = False
         self.error: str | None = None
         self.forbidden = False
+        self.forbidden_at = 0.0  # (time.monotonic) when RBAC refused the WATCH: tried again pod_rbac_retry_s after
         self.stop_ev = threading.Event()
         self.thread: threading.Thread | None = None
         self.watch: Any = None
@@ -569,6 +594,8 @@ class PodInformer:
 
     # -- the thread
     def start(self) -> None:
+        if self.forbidden and _rbac_retry_due(self.be, self.forbidden_at) and not (self.thread is not None and self.thread.is_alive()):
+            self.forbidden = False  # (the RBAC may have been fixed: one more try; a 403 again stops it for as long)
         if self.forbidden or self.stop_ev.is_set() or (self.thread is not None and self.thread.is_alive()):
             return
         self.thread = threading.Thread(target=self._run, name=f"qosflow-k8s-pods-{self.be.cluster_name}", daemon=True)
@@ -617,6 +644,8 @@ class PodInformer:
         raw_watch = _watch_class()
         while not self.stop_ev.is_set():
             if getattr(be, "_pods_namespaced_only", False):
+                if not _namespaced_only(be):
+                    return  # (the cluster-wide LIST is due again: `_run` lists anew, cluster-wide if it is allowed now)
                 fn, args = be.core.list_namespaced_pod, (be.namespace,)
             else:
                 fn, args = be.core.list_pod_for_all_namespaces, ()
@@ -636,10 +665,12 @@ class PodInformer:
                     be.stats["pod_watch_410"] = be.stats.get("pod_watch_410", 0) + 1
                     return
                 if e.status == 403:
-                    self.forbidden = True
-                    log.warning("Kubernetes cluster %r: the worker's account may list pods but not watch them (403): the pods "
-                                "on the nodes are listed at the heartbeats (every %g s) instead; grant it watch on pods (%s)",
-                                be.cluster_name, float(getattr(be, "pod_usage_every_s", POD_READ_S)), rbac_refusal(e) or RBAC_MANIFEST)
+                    again, self.forbidden, self.forbidden_at = self.forbidden_at > 0, True, time.monotonic()
+                    (log.debug if again else log.warning)(
+                        "Kubernetes cluster %r: the worker's account may list pods but not watch them (403): the pods on the "
+                        "nodes are listed at the heartbeats (every %g s) instead; grant it watch on pods (%s; tried again every "
+                        "%gs: no restart needed)", be.cluster_name, float(getattr(be, "pod_usage_every_s", POD_READ_S)),
+                        rbac_refusal(e) or RBAC_MANIFEST, float(getattr(be, "pod_rbac_retry_s", POD_RBAC_RETRY_S)))
                     return
                 be.stats["pod_watch_broken"] = be.stats.get("pod_watch_broken", 0) + 1
                 raise
