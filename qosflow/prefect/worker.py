@@ -837,7 +837,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         work that was admitted; the GPUs it may take are the QoS queue's business."""
         runs = list(await super()._get_scheduled_flow_runs())
         try:
-            runs += await self._stage_runs_past_limits({r.flow_run.id for r in runs})
+            runs += await self._stage_runs_past_limits({r.flow_run.id for r in runs}, runs)
         except Exception as exc:  # (only an addition to Prefect's own answer)
             self._logger.debug("reading stage runs held by concurrency limits failed: %s", exc)
         return runs
@@ -868,7 +868,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._limits_cache = (now, info)
         return info
 
-    async def _stage_runs_past_limits(self, have: set) -> list:
+    async def _stage_runs_past_limits(self, have: set, handed: Iterable[Any] = ()) -> list:
         """Scheduled stage runs of this pool that Prefect's answer left out because a pool or work-queue
         concurrency limit is full. Pauses still hold them: a paused pool, or a paused queue, hands out nothing
         (as Prefect users expect); its pipelines' stages wait until it is resumed. Only when the pool or one
@@ -883,7 +883,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         info = await self._limits(fresh=True)
         if info is None:
             return []
-        out = await self._held_by_limits(info, have)
+        out = await self._under_stage_limits(info, await self._held_by_limits(info, have), handed)
         if out and not getattr(self, "_said_limits", False):
             self._said_limits = True
             wp = info["pool"]
@@ -892,6 +892,44 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 "the stage runs of pipelines already running are taken past it (else a pipeline holding a slot would wait "
                 "for ever for a stage that needs one); the QoS queue places them on the GPUs", self._work_pool_name,
                 wp.concurrency_limit, ", ".join(f"{q.name}={q.concurrency_limit}" for q in info["queues"] if q.concurrency_limit is not None) or "none")
+        return out
+
+    async def _under_stage_limits(self, info: dict[str, Any], held: list, handed: Iterable[Any] = ()) -> list:
+        """Of the `held` stage runs (due first), those a limit would let through if it counted **stage runs only**
+        (Pending and Running ones of `qosflow-stage/<pool>`, as Prefect's pool scheduler counts): what the pipeline
+        runs holding its slots would otherwise deadlock. A limit that stage runs alone fill (pipelines called
+        directly, whose runs are not the pool's; a queue of stage runs limited on purpose) still holds them back:
+        taking every held stage run ignored such a limit altogether. The stage runs Prefect `handed` out in this
+        poll (still Scheduled, not counted by the server yet) count as in flight."""
+        if not held:
+            return held
+        from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterState,
+                                                    FlowRunFilterStateType, WorkQueueFilter, WorkQueueFilterId)
+        from prefect.client.schemas.objects import StateType
+
+        def in_flight(queue_id: Any = None):
+            return self.client.count_flow_runs(
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING]))),
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[info["deployment_id"]])),
+                work_queue_filter=None if queue_id is None else WorkQueueFilter(id=WorkQueueFilterId(any_=[queue_id])))
+
+        wp = info["pool"]
+        limits = {q.id: q.concurrency_limit for q in info["queues"] if q.concurrency_limit is not None}
+        mine = [r for r in handed if getattr(r.flow_run, "deployment_id", None) == info["deployment_id"]]
+        pool_left = None if wp.concurrency_limit is None else int(wp.concurrency_limit) - int(await in_flight()) - len(mine)
+        queue_left: dict[Any, int] = {}
+        out = []
+        for r in held:
+            qid = r.work_queue_id
+            if qid in limits and qid not in queue_left:
+                queue_left[qid] = int(limits[qid]) - int(await in_flight(qid)) - sum(1 for m in mine if m.work_queue_id == qid)
+            if (pool_left is not None and pool_left <= 0) or queue_left.get(qid, 1) <= 0:
+                continue
+            out.append(r)
+            if pool_left is not None:
+                pool_left -= 1
+            if qid in queue_left:
+                queue_left[qid] -= 1
         return out
 
     async def _held_by_limits(self, info: dict[str, Any], have: set = frozenset()) -> list:
