@@ -85,3 +85,23 @@ def test_a_late_scheduled_pipeline_run_is_reported_past_its_deadline(prefect_ser
     rec = next(r for r in reversed(PipelineRun.finished) if r.flow_run_id == str(fr.id))
     assert rec.deadline_at == pytest.approx(due.timestamp() + 60.0, abs=0.01)
     assert rec.met is False
+
+
+def test_a_late_scheduled_run_says_where_its_deadline_counts_from():
+    """The QoS report of a scheduled run that started 100 s late and took 5 s of its 60 s deadline said only
+    'Deadline 60s: MISSED -- finished in 5.0s', and its forecast 'Deadline 60s after start': nothing said why."""
+    from qosflow.prefect.tasks import PipelineRun, deadline_from
+
+    fr = _flow_run(True, 100.0)
+    run = PipelineRun("nightly", "fr-4", deadline=60.0, priority=None, pool=None, plan=None, expected={}, due=deadline_from(fr))
+    run.ended, run.state = run.started + 5.0, "completed"
+    when = f"{fr.expected_start_time.astimezone(timezone.utc):%Y-%m-%d %H:%M:%S} UTC"
+    report = run.report_markdown()
+    assert "**MISSED**" in report and f"counts from its scheduled time {when}" in report, report
+    assert "finished 105.0s after it" in report, report
+    assert run.deadline_counted_from().startswith(f"its scheduled time {when}, 100s before it started")
+    # a run that started when it was due (or not made by a schedule) says nothing more
+    on_time = PipelineRun("adhoc", "fr-5", deadline=60.0, priority=None, pool=None, plan=None, expected={}, due=None)
+    on_time.ended, on_time.state = on_time.started + 5.0, "completed"
+    assert on_time.deadline_counted_from() == "its start"
+    assert "counts from" not in on_time.report_markdown()
