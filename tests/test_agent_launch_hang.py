@@ -102,9 +102,11 @@ def test_a_kill_that_gives_up_waiting_for_a_hanging_start_still_kills_the_stage_
 def test_the_agent_stops_without_waiting_for_a_hanging_start_and_the_stage_is_killed_once_it_starts(tmp_path, hanging_exec,
                                                                                                       monkeypatch):
     """The agent stopping kills its stages (`kill_all`): for one whose start hung, that kill waited LAUNCH_WAIT_S (a
-    minute) before the agent could stop. It now marks the stage, killed as soon as its start returns."""
+    minute) before the agent could stop. It now waits STOP_START_WAIT_S, then marks the stage, killed as soon as its
+    start returns."""
     entered, release, over = hanging_exec
     monkeypatch.setattr(runner_mod, "LAUNCH_WAIT_S", 3600.0)
+    monkeypatch.setattr(runner_mod, "STOP_START_WAIT_S", 0.5, raising=False)
     app = _agent(tmp_path)
 
     async def go():

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+from qosflow.backends.base import AGENT_STOPPING
 from qosflow.paths import file_stem
 from qosflow.placement_api import PROGRESS_FILE_ENV
 from qosflow.procgroup import group_members, kill_group
@@ -41,6 +42,8 @@ PROGRESS_KEEP_S = 60.0
 #: how long a kill waits for the start of a stage whose process is being started (`Runner.kill`); past it the stage is
 #: killed as soon as it has started
 LAUNCH_WAIT_S = 60.0
+#: how long the agent stopping waits for a start under way before it goes (`Runner.kill_all`)
+STOP_START_WAIT_S = 5.0
 
 
 class _Starters(concurrent.futures.Executor):
@@ -556,20 +559,17 @@ class Runner:
         except asyncio.TimeoutError:
             pass
 
-    async def kill(self, st: StageProc, reason: str, grace: float = 5.0, *, wait_start: bool = True) -> None:
+    async def kill(self, st: StageProc, reason: str, grace: float = 5.0, *, start_wait: float | None = None) -> None:
         """SIGTERM its process group, then SIGKILL after `grace` (a fence, or grace 0: SIGKILL at once). A stage whose
-        process is still being started is killed once it has started; `wait_start`: the kill waits for that start (at
-        most LAUNCH_WAIT_S, the DELETE of a worker, which reads the answer), else it returns at once (a fence, the agent
-        stopping: a start that hangs held the fence loop up for a minute, and the agent's stop)."""
+        process is still being started is killed once it has started: the kill waits for that start at most `start_wait`
+        seconds (default LAUNCH_WAIT_S), then marks it to be killed as it starts (`kill_on_start`) and returns."""
         if not st.launched.is_set():
             # a kill that comes while the stage's process is being started (the launch awaits its exec; a worker whose
             # launch timed out on a busy or frozen agent asks for the kill at once, and both requests are then served
             # together): os.killpg(None) raised TypeError, the DELETE answered 500, and the stage ran on, with the
             # worker's retry of it elsewhere. Kill it once it has started
             try:
-                if not wait_start:
-                    raise asyncio.TimeoutError
-                await asyncio.wait_for(st.launched.wait(), LAUNCH_WAIT_S)
+                await asyncio.wait_for(st.launched.wait(), LAUNCH_WAIT_S if start_wait is None else start_wait)
             except asyncio.TimeoutError:
                 # its exec hangs (a dead NFS mount): killed as soon as it starts, if ever (the worker runs it elsewhere)
                 st.kill_on_start = True
@@ -606,7 +606,11 @@ class Runner:
         if only is not None:
             chosen = {id(s) for s in only}
             targets = [s for s in targets if id(s) in chosen]
-        await asyncio.gather(*(self.kill(s, reason, grace, wait_start=False) for s in targets))
+        # (the agent stopping waits a little for a start under way, so that a start that ends, as nearly all do within
+        # milliseconds, is killed with its whole process group; one that hangs no longer keeps the agent from stopping
+        # for LAUNCH_WAIT_S: what it starts dies with the agent, PR_SET_PDEATHSIG, or exits before it execs)
+        start_wait = STOP_START_WAIT_S if reason == AGENT_STOPPING else None
+        await asyncio.gather(*(self.kill(s, reason, grace, start_wait=start_wait) for s in targets))
 
     def set_cpuset(self, st: StageProc, cpuset: list[int]) -> list[int]:
         eff = map_cpuset(cpuset, self._usable) or self._usable
