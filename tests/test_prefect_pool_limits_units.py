@@ -33,12 +33,14 @@ class FakeClient:
     async def read_work_queues(self, work_pool_name=None):
         return self.queues
 
-    async def read_deployment_by_name(self, name):
-        return SimpleNamespace(id=DEP)
+    dep = DEP
 
-    async def read_flow_runs(self, *, flow_run_filter=None, **kw):
+    async def read_deployment_by_name(self, name):
+        return SimpleNamespace(id=self.dep)
+
+    async def read_flow_runs(self, *, flow_run_filter=None, deployment_filter=None, **kw):
         assert flow_run_filter.state.type.any_ == [StateType.SCHEDULED]
-        return list(self.scheduled)
+        return [r for r in self.scheduled if r.deployment_id in deployment_filter.id.any_]
 
     async def count_flow_runs(self, *, work_queue_filter=None, **kw):
         if work_queue_filter is None:
@@ -104,3 +106,15 @@ def test_stage_runs_prefect_hands_out_in_the_same_poll_count_against_the_limit()
     c = FakeClient(pool_limit=1, scheduled=1)
     pipeline = FlowRun(flow_id=uuid.uuid4(), deployment_id=uuid.uuid4(), work_queue_id=DEFAULT_Q)
     assert _taken(c, handed=[_handed(pipeline)]) == [c.scheduled[0].id]
+
+
+def test_a_stage_deployment_made_again_is_followed():
+    """`qosflow-stage/<pool>` deleted and made again by the next pipeline (a new id): its held stage runs were looked
+    for under the old id for the worker's life, and the deadlock of a full limit came back."""
+    c = FakeClient(pool_limit=1, scheduled=1)
+    w = _worker(c)
+    w.LIMITS_REFRESH_S = 0.0  # (every poll a refresh: no waiting in a test)
+    assert [r.flow_run.id for r in asyncio.run(w._stage_runs_past_limits(set()))] == [c.scheduled[0].id]
+    c.dep = uuid.uuid4()
+    c.scheduled = [FlowRun(flow_id=uuid.uuid4(), deployment_id=c.dep, work_queue_id=DEFAULT_Q)]
+    assert [r.flow_run.id for r in asyncio.run(w._stage_runs_past_limits(set()))] == [c.scheduled[0].id]

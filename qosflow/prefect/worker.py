@@ -844,8 +844,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
 
     async def _limits(self, fresh: bool = False) -> dict[str, Any] | None:
         """The pool's pause and concurrency limit and its queues' (read at most every LIMITS_REFRESH_S unless
-        `fresh`), with the id of its `qosflow-stage/<pool>` deployment; None when the pool or that deployment does
-        not exist."""
+        `fresh`), with the id of its `qosflow-stage/<pool>` deployment (read again at each refresh, kept for a
+        `fresh` read); None when the pool or that deployment does not exist."""
         now = time.monotonic()
         cached = getattr(self, "_limits_cache", None)
         if not fresh and cached is not None and now - cached[0] < self.LIMITS_REFRESH_S:
@@ -860,7 +860,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             wp = await self.client.read_work_pool(pool)
             queues = await self.client.read_work_queues(work_pool_name=pool)
             dep_id = getattr(self, "_stage_deployment_id", None)
-            if dep_id is None:
+            if dep_id is None or not fresh:  # (read again at each refresh: a stage deployment deleted and made again
+                # by the next pipeline has a new id, and its stage runs were never found again under the old one)
                 dep_id = self._stage_deployment_id = (await self.client.read_deployment_by_name(f"{STAGE_FLOW_NAME}/{pool}")).id
             info = {"pool": wp, "queues": queues, "deployment_id": dep_id}
         except ObjectNotFound:  # (no stage dispatched to this pool yet: nothing to hand out)
