@@ -118,3 +118,31 @@ def test_a_stage_deployment_made_again_is_followed():
     c.dep = uuid.uuid4()
     c.scheduled = [FlowRun(flow_id=uuid.uuid4(), deployment_id=c.dep, work_queue_id=DEFAULT_Q)]
     assert [r.flow_run.id for r in asyncio.run(w._stage_runs_past_limits(set()))] == [c.scheduled[0].id]
+
+
+class _SyncClient:
+    def __init__(self, pool_limit=None, queue_limit=None):
+        self.pool = SimpleNamespace(is_paused=False, concurrency_limit=pool_limit)
+        self.queue = SimpleNamespace(name="default", is_paused=False, concurrency_limit=queue_limit)
+
+    def read_work_pool(self, name):
+        return self.pool
+
+    def read_work_queues(self, work_pool_name=None):
+        return [self.queue]
+
+    def read_workers_for_work_pool(self, name):
+        return [SimpleNamespace(name="w1", status="ONLINE")]
+
+
+def test_the_pickup_warning_names_a_concurrency_limit_that_holds_the_stage():
+    """A stage run held by a limit that stage runs fill (taken past it only while fewer are in flight): its pipeline's
+    warning said the worker 'took no run: see their log', which says nothing of it."""
+    from qosflow.prefect.tasks import _pickup_hint
+
+    hint = _pickup_hint(_SyncClient(pool_limit=2), "gpu", "default")
+    assert "work pool 'gpu' has a concurrency limit of 2" in hint and "took no run" not in hint, hint
+    assert "prefect work-pool set-concurrency-limit gpu N" in hint, hint
+    hint = _pickup_hint(_SyncClient(queue_limit=1), "gpu", "default")
+    assert "work queue 'default' has a concurrency limit of 1" in hint, hint
+    assert "took no run" in _pickup_hint(_SyncClient(), "gpu", "default")

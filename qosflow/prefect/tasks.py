@@ -1088,16 +1088,25 @@ def deadline_from(flow_run: Any) -> float | None:
 def _pickup_hint(client: Any, pool: str, queue: str | None = None) -> str:
     """Why a stage run is still Scheduled: its pool or its work queue is paused (Prefect hands out no run of a paused
     pool or queue, stage runs included: said first, as no worker can take it then), no worker polls the pool, or
-    the ones that do took nothing."""
+    the ones that do took nothing; with a pool or work-queue concurrency limit, that limit (the worker takes a
+    stage run past a full one only while fewer stage runs than it allows are Pending or Running)."""
+    limits: list[str] = []
     try:
-        if client.read_work_pool(pool).is_paused:
+        wp = client.read_work_pool(pool)
+        if wp.is_paused:
             return (f"work pool {pool!r} is paused: no worker takes its runs, stage runs of pipelines already running "
                     f"included, until it is resumed (`prefect work-pool resume {pool}`, or the UI)")
+        if getattr(wp, "concurrency_limit", None) is not None:
+            limits.append(f"work pool {pool!r} has a concurrency limit of {wp.concurrency_limit} "
+                          f"(`prefect work-pool set-concurrency-limit {pool} N` or `clear-concurrency-limit {pool}`)")
         if queue:
             q = next((q for q in client.read_work_queues(work_pool_name=pool) if q.name == queue), None)
             if q is not None and q.is_paused:
                 return (f"work queue {queue!r} of work pool {pool!r} is paused: no worker takes its runs until it is resumed "
                         f"(`prefect work-queue resume {queue} --pool {pool}`, or the UI)")
+            if q is not None and getattr(q, "concurrency_limit", None) is not None:
+                limits.append(f"work queue {queue!r} has a concurrency limit of {q.concurrency_limit} (`prefect work-queue "
+                              f"set-concurrency-limit {queue} N --pool {pool}` or `clear-concurrency-limit {queue} --pool {pool}`)")
     except Exception:  # only a hint
         pass
     try:
@@ -1109,6 +1118,10 @@ def _pickup_hint(client: Any, pool: str, queue: str | None = None) -> str:
     online = [w.name for w in workers if worker_online(w)]
     if not online:
         return f"no worker polls work pool {pool!r}: start one with `qosflow worker start --pool {pool}` (the stage starts when it does)"
+    if limits:
+        return (f"{' and '.join(limits)}: a stage run is taken past a full limit only while fewer stage runs than it "
+                "allows are Pending or Running (pipeline runs holding slots do not count), so this stage starts when one "
+                "of them ends, or raise the limit")
     return (f"worker(s) {', '.join(sorted(online))} of work pool {pool!r} took no run: see their log (a worker whose "
             "cluster or policy cannot be set up takes no run until that is fixed; one that just stopped still shows "
             "as online for a minute or two)")
