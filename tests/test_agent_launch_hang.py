@@ -3,12 +3,11 @@
 The agent started a stage's process on its event loop (fork, then exec, waited for synchronously): an exec that hung
 froze the whole agent, which answered no heartbeat meanwhile, and the worker took the host for lost. The process is now
 started by a thread; a kill that comes meanwhile still kills the stage once it has started. The agent runs in this
-process (its app over httpx's ASGI transport); the hanging exec is `subprocess.Popen` held until the test lets it go."""
+process (its app over httpx's ASGI transport); the hanging exec is the agent's Popen held until the test lets it go."""
 
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
 import threading
 
@@ -28,9 +27,9 @@ SLEEP = [sys.executable, "-c", "import time; time.sleep(120)", "hang-me"]
 
 @pytest.fixture
 def hanging_exec(monkeypatch):
-    """`subprocess.Popen` of a command with the word hang-me blocks until `release` is set (at most 10 s): `entered` once
+    """The agent's Popen (`runner._StartedPopen`) of a command with the word hang-me blocks until `release` is set (at most 10 s): `entered` once
     it blocks, `over` once it goes on."""
-    real = subprocess.Popen
+    real = runner_mod._StartedPopen  # (the Popen the agent starts a stage's process with)
     entered, release, over = threading.Event(), threading.Event(), threading.Event()
 
     class HangingPopen(real):  # type: ignore[misc, valid-type]
@@ -41,7 +40,7 @@ def hanging_exec(monkeypatch):
                 over.set()
             super().__init__(args, *a, **kw)
 
-    monkeypatch.setattr(subprocess, "Popen", HangingPopen)
+    monkeypatch.setattr(runner_mod, "_StartedPopen", HangingPopen)
     yield entered, release, over
     release.set()
 

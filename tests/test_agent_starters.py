@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -107,3 +108,65 @@ def test_a_start_that_wakes_after_its_agent_died_does_not_run_the_stage(tmp_path
         assert not (tmp_path / "ran").exists(), "a stage's process started after its agent died and ran, unkillable"
     finally:
         _cleanup(tmp_path, p)
+
+
+def test_a_start_hung_before_its_exec_does_not_hold_up_a_start_it_overlapped(tmp_path, monkeypatch):
+    """Two starter threads fork at once: stage B's child is forked while stage A's start is between the creation of its
+    exec-status pipe (`subprocess` reads it to its end: the exec happened, or why it failed) and its fork, so B's child
+    holds a copy of that pipe's write end until it closes its fds, just before its exec. B's child hangs before that (its
+    working directory on a dead NFS mount: the chdir comes first): A's start waited on for as long, its process running
+    while the agent, which had no pid for it, could neither report nor kill it (a kill gives up after LAUNCH_WAIT_S and
+    the worker runs the stage elsewhere). Here A's fork waits (3 s at most) for B's, and B's child hangs in prctl."""
+    import asyncio
+
+    from qosflow.agent import runner as rm
+
+    hang_dir = tmp_path / "nfs"
+    hang_dir.mkdir()
+    real_prctl = rm._prctl()
+
+    def prctl(option, sig):  # (in a stage's child, between fork and exec)
+        if os.getcwd() == str(hang_dir):
+            (tmp_path / "child.pid").write_text(str(os.getpid()))
+            end = time.monotonic() + 30
+            while not (tmp_path / "release").exists() and time.monotonic() < end:
+                time.sleep(0.05)
+        if real_prctl is not None:
+            real_prctl(option, sig)
+
+    monkeypatch.setattr(rm, "_PRCTL", [prctl])
+    real_fork_exec, calls = subprocess._fork_exec, []
+
+    def fork_exec(*args):
+        calls.append(1)
+        if len(calls) == 1:  # stage A's: its pipe is made; B forks meanwhile (unless it must wait for A)
+            end = time.monotonic() + 3
+            while not (tmp_path / "child.pid").exists() and time.monotonic() < end:
+                time.sleep(0.02)
+        return real_fork_exec(*args)
+
+    monkeypatch.setattr(subprocess, "_fork_exec", fork_exec)
+
+    async def go():
+        r = rm.Runner(tmp_path / "w")
+        a = asyncio.ensure_future(r.launch("stage-a", [sys.executable, "-c", "import time; time.sleep(60)"]))
+        while not calls:
+            await asyncio.sleep(0.01)
+        b = asyncio.ensure_future(r.launch("stage-b", [sys.executable, "-c", "pass"], cwd=str(hang_dir)))
+        try:
+            done, _ = await asyncio.wait({a}, timeout=15)
+            started = a in done and a.result().pid is not None
+        finally:
+            (tmp_path / "release").write_text("")
+            await asyncio.wait({a, b}, timeout=30)
+            await r.kill_all("test over", grace=0)
+        return started
+
+    try:
+        started = asyncio.run(go())
+    finally:
+        (tmp_path / "release").write_text("")
+        if (tmp_path / "child.pid").exists():
+            child = _child(tmp_path)
+            wait_for(lambda: not alive(child), 30, "stage B's child gone")
+    assert started, "stage A's start waited for another stage's start that hung before its exec"

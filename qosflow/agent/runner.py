@@ -83,6 +83,38 @@ class _Starters(concurrent.futures.Executor):
 
 
 _STARTERS = _Starters(8, "qosflow-agent-start")
+
+#: held by a process start from before `subprocess` makes its exec-status pipe until the parent has closed that pipe's
+#: write end, just after the fork (`_StartedPopen`): a moment, whatever the child does
+_FORK_LOCK = threading.Lock()
+
+
+class _StartedPopen(subprocess.Popen):
+    """A Popen whose fork no other start of this agent overlaps. `subprocess` learns that the exec happened (or why it
+    failed) by reading a pipe to its end, and a child forked by another thread while that pipe's write end was open in
+    the parent held a copy of it until it closed its fds, just before its exec: a child that hung before (its working
+    directory on a dead NFS mount: the chdir comes first) held up the start of a stage that overlapped it, whose process
+    ran while the agent had no pid for it, to report or to kill. The lock is released once the parent closed the write
+    end (`_close_pipe_fds`, called right after) or the start ended, whichever comes first."""
+
+    def __init__(self, *args, **kwargs):
+        _FORK_LOCK.acquire()
+        self._holds_fork_lock = True
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            self._release_fork_lock()
+
+    def _close_pipe_fds(self, *fds):  # (subprocess: the exec-status pipe's write end is closed; its read begins)
+        self._release_fork_lock()
+        super()._close_pipe_fds(*fds)
+
+    def _release_fork_lock(self) -> None:
+        if self.__dict__.get("_holds_fork_lock"):
+            self._holds_fork_lock = False
+            _FORK_LOCK.release()
+
+
 #: environment variables of the agent that a stage must never see
 _SECRET_ENV = ("QOSFLOW_AGENT_TOKEN",)
 
@@ -123,7 +155,9 @@ class _Guard:
 
         try:
             if self._proc is None or self._proc.poll() is not None:
-                self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD], stdin=subprocess.PIPE,
+                # (its fork, on the agent's event loop, is a stage start's too: one that overlapped it held a copy of
+                # this start's pipe, and a child that hung before its exec froze the loop)
+                self._proc = _StartedPopen([sys.executable, "-I", "-S", "-c", _GUARD], stdin=subprocess.PIPE,
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                               start_new_session=True, text=True, bufsize=1)
                 line = "".join(f"+ {pg}\n" for pg in sorted(self._groups)) + line
@@ -444,7 +478,7 @@ class Runner:
         loop = asyncio.get_running_loop()
 
         def start() -> subprocess.Popen:
-            return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=child_env,
+            return _StartedPopen(command, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=child_env,
                                     cwd=cwd, start_new_session=True, preexec_fn=_pre_exec, **as_user)
 
         started = loop.run_in_executor(_STARTERS, start)
