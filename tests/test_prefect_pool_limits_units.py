@@ -27,7 +27,10 @@ class FakeClient:
         self.scheduled = [FlowRun(flow_id=uuid.uuid4(), deployment_id=DEP, work_queue_id=DEFAULT_Q) for _ in range(scheduled)]
         self.in_flight = dict(in_flight or {})  # queue id -> Pending/Running stage runs
 
+    pool_reads = 0
+
     async def read_work_pool(self, name):
+        self.pool_reads += 1
         return self.pool
 
     async def read_work_queues(self, work_pool_name=None):
@@ -146,3 +149,13 @@ def test_the_pickup_warning_names_a_concurrency_limit_that_holds_the_stage():
     hint = _pickup_hint(_SyncClient(queue_limit=1), "gpu", "default")
     assert "work queue 'default' has a concurrency limit of 1" in hint, hint
     assert "took no run" in _pickup_hint(_SyncClient(), "gpu", "default")
+
+
+def test_a_limit_that_stage_runs_fill_is_not_read_again_at_every_poll():
+    """Held stage runs that the limit keeps (stage runs fill it) are not a reason to read the pool's pause and limits
+    afresh: that happened at every poll for as long as the limit stayed full."""
+    c = FakeClient(pool_limit=1, scheduled=1, in_flight={DEFAULT_Q: 1})
+    w = _worker(c)
+    for _ in range(3):
+        assert asyncio.run(w._stage_runs_past_limits(set())) == []
+    assert c.pool_reads == 1  # (the first read; the next within LIMITS_REFRESH_S)

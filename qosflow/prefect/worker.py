@@ -876,8 +876,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         of the queues this worker polls has a concurrency limit (else the server's answer is complete)."""
         if self._work_pool is None or self._stopping:
             return []
+        handed = list(handed)
         info = await self._limits()
-        if info is None or not await self._held_by_limits(info, have):
+        # (the stage runs in flight counted here too: a limit that stage runs fill is then not read again at every poll)
+        if info is None or not await self._under_stage_limits(info, await self._held_by_limits(info, have), handed):
             return []
         # there are stage runs to take past a limit: the pause and limits read now, not up to LIMITS_REFRESH_S ago
         # (a pool paused a second ago must not have its stage runs taken)
