@@ -676,3 +676,34 @@ def test_a_stage_logs_its_prints_unless_it_says_log_prints_false(qos_worker):
     assert lines_of("quiet-made-loud") == [f"quiet stage says {marker}"]
     time.sleep(2)  # (logs reach the server in batches: the loud ones are there, the quiet one would be too)
     assert lines_of("quiet") == []
+
+
+def test_a_pipeline_s_deadline_reaches_the_policy_as_each_stage_s_deadline(qos_worker):
+    """The stages of three_stage have no deadline of their own; their pipeline's (300 s) is split along the critical
+    path into each stage's `deadline_at`. The Job the policy orders and admits carries it as its deadline (a budget from
+    when the worker queued it). Before 2026-11-28 it reached only the stage's at-risk events and its record: the policy
+    saw best-effort stages, ordered after every stage with a deadline of its own."""
+    import prefect_pipelines as pp
+
+    from qosflow.prefect.tasks import PipelineRun
+
+    sched = qos_worker.worker.scheduler
+    seen: dict[str, float | None] = {}
+    real = sched.request
+
+    async def spy(entry, *a, **kw):
+        job = entry.state.job
+        seen[entry.name] = None if job.deadline is None else job.deadline  # (absolute: submit time + budget)
+        return await real(entry, *a, **kw)
+
+    sched.request = spy
+    try:
+        pp.three_stage(10)
+    finally:
+        del sched.request  # (the bound method again)
+    run = PipelineRun.finished[-1]
+    recs = {r.name: r for r in run.stages.values()}
+    by_stage = {name: next(v for k, v in seen.items() if name in k) for name in ("load", "train", "evaluate")}
+    for name, deadline in by_stage.items():
+        assert deadline is not None, f"stage {name} reached the policy without its pipeline's deadline: {seen}"
+        assert deadline == pytest.approx(recs[name].deadline_at, abs=0.01), (name, deadline, recs[name].deadline_at)

@@ -1184,6 +1184,7 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             run_logger.info("stage %s: %s", name, why_slice)
         expected = configuration.expected_duration
         now = time.time()
+        spec = _with_pipeline_deadline(spec, configuration.deadline_at, now)
         job = Job(
             job_id=fid,
             submit_time=now,
@@ -3984,6 +3985,25 @@ def _at_least_a_slice(spec: QoSSpec, backend: Any, cluster: Any) -> tuple[QoSSpe
     return spec.with_(gpu_milli=least, extra={**spec.extra, "asked_gpu_milli": spec.gpu_milli}), (
         f"asked for {spec.gpu_milli}/1000 of a GPU; its pod gets one slice of the shared GPU resource, {least}/1000 of a "
         "GPU here (the nodes' nvidia.com/gpu.replicas), and the plan books it as that much, as Kubernetes counts it")
+
+
+#: the budget a stage whose deadline has passed already is given: the policy sees a deadline it cannot meet (the
+#: `qosflow` policy's admission demotes it to best effort, with a note), not no deadline
+PAST_DEADLINE_BUDGET_S = 1e-3
+
+
+def _with_pipeline_deadline(spec: QoSSpec, deadline_at: float | None, now: float) -> QoSSpec:
+    """`spec` with the deadline the policy orders and admits the stage by: its stage deadline `deadline_at` (absolute:
+    its share of its pipeline's deadline along the critical path, or its own `@qos_task(deadline=)`, whichever is
+    earlier, `tasks.py`), as a budget from `now`, when that is earlier than its own. Before 2026-11-28 a pipeline's
+    deadline reached only the stage's at-risk and violated events and its record: the policy saw a stage with no
+    deadline of its own as best effort and ordered it after every deadline stage, however near its pipeline's end."""
+    if deadline_at is None or not math.isfinite(deadline_at):
+        return spec
+    budget = max(deadline_at - now, PAST_DEADLINE_BUDGET_S)
+    if spec.deadline is not None and spec.deadline <= budget:
+        return spec
+    return spec.with_(deadline=budget)
 
 
 def _ready_time(flow_run: Any, now: float) -> float:
