@@ -3983,8 +3983,9 @@ def _at_least_a_slice(spec: QoSSpec, backend: Any, cluster: Any) -> tuple[QoSSpe
     if spec.gpu_milli >= least:
         return spec, ""
     return spec.with_(gpu_milli=least, extra={**spec.extra, "asked_gpu_milli": spec.gpu_milli}), (
-        f"asked for {spec.gpu_milli}/1000 of a GPU; its pod gets one slice of the shared GPU resource, {least}/1000 of a "
-        "GPU here (the nodes' nvidia.com/gpu.replicas), and the plan books it as that much, as Kubernetes counts it")
+        f"asked for {spec.gpu_milli}/1000 of a GPU; its pod gets one slice of the shared GPU resource, up to {least}/1000 of "
+        "a GPU here (the nodes' nvidia.com/gpu.replicas), and the plan books it as one slice of the node it lands on, as "
+        "Kubernetes counts it")
 
 
 #: the budget a stage whose deadline has passed already is given: the policy sees a deadline it cannot meet (the
