@@ -53,9 +53,11 @@ signature and GPU count (spread), and invalidated when what they rest on changes
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import statistics
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -123,6 +125,8 @@ def _steps_run(job: Job, steps: int | None) -> int | None:
     return job.iterations or (steps if steps and steps > 0 else None)
 
 
+#: the stage_history columns the estimator learns durations from (`_load_history`, `refresh_from_store`)
+_HISTORY_COLUMNS = ("duration_s", "state", "signature", "co_runner", "resumed_from", "steps", "gpus", "gpu_type")
 #: what `where` may give a stage's store rows (the stage_history columns)
 _WHERE_FIELDS = ("host", "gpu_type", "placement", "cpu_cores", "started_at", "finished_at")
 
@@ -412,6 +416,7 @@ class LearnedEstimator:
 
             store = Store.open()  # the live worker: the user's store (or QOSFLOW_DATABASE_URL)
         solo: list[tuple] | None = None
+        last_sample = [0]  # the last sample the predictor read (`refresh_from_store` reads those stored since)
         if predictor is None:
             if store is not None:
                 from qosflow.predict.predictor import Predictor
@@ -422,6 +427,7 @@ class LearnedEstimator:
                 keep = solo.append
 
                 def on_sample(s: Any) -> None:
+                    last_sample[0] = s.id  # (oldest first)
                     if s.co_runner is None and s.placement == "consolidated" and s.source != "reference":
                         keep((s.signature, s.gpus, s.gpu_type, s.step_time_s))
 
@@ -495,6 +501,20 @@ class LearnedEstimator:
         self._speed_gen = 0  # bumped when measurements on other models (or their signatures') change
         self._models: dict[str, str | None] = {}  # GPU name -> `gpu_model_of` it
         self._model_profiled: set[tuple[str, int, str]] = set()
+        #: the last sample and stage_history row read from the store (`refresh_from_store` reads those after)
+        self._cursor = {"sample": last_sample[0], "stage_history": 0}
+        #: ids of the sample and stage_history rows this estimator wrote (`_write_stage`): `observe_stage` learned
+        #: them already, so `refresh_from_store` skips them. Its writer holds `_own_lock` from before a write
+        #: until the ids are kept, so a refresh that read a row before then waits for its id
+        self._own: dict[str, set[int]] = {"sample": set(), "stage_history": set()}
+        self._own_lock = threading.Lock()
+        #: held by every public method (`_LOCKED`) and by `refresh_from_store` while it applies what it read:
+        #: a refresh runs in a thread of its own while the worker's event loop predicts and observes
+        self._lock = threading.RLock()
+        self._refresh_lock = threading.Lock()  # one refresh at a time
+        #: refreshes that failed (database down: logged, retried at the next) and rows taken from the store since built
+        self.refresh_failures = 0
+        self.refreshed_rows = 0
         if store is not None:
             self._load_history(store, solo)
 
@@ -523,14 +543,23 @@ class LearnedEstimator:
         model the estimator adopted when it measured it, so a restart keeps it); measurements on other
         models are kept as measured, and converted when asked."""
         if solo_samples is None:
-            solo_samples = [(s.signature, s.gpus, s.gpu_type, s.step_time_s)
-                            for s in store.sample_rows("signature", "gpus", "gpu_type", "step_time_s", "co_runner",
-                                                       "placement", "source")
-                            if s.co_runner is None and s.placement == "consolidated" and s.source != "reference"]
+            solo_samples = []
+            for s in store.sample_rows("signature", "gpus", "gpu_type", "step_time_s", "co_runner", "placement", "source"):
+                self._cursor["sample"] = max(self._cursor["sample"], s.id)
+                if s.co_runner is None and s.placement == "consolidated" and s.source != "reference":
+                    solo_samples.append((s.signature, s.gpus, s.gpu_type, s.step_time_s))
+        rows = store.history_rows(*_HISTORY_COLUMNS)
+        if rows:
+            self._cursor["stage_history"] = max(self._cursor["stage_history"], rows[-1].id)
+        self._learn_stored(solo_samples, rows, bump=False)
+
+    def _learn_stored(self, solo_samples: Sequence[tuple], history: Sequence[Any], *, bump: bool = True) -> set[str]:
+        """Learn stored solo step times ((signature, gpus, gpu_type, step time)) and stage runs (rows of
+        `_HISTORY_COLUMNS`), as `_load_history` (and a restart) does. `bump`: the signatures' cached
+        durations are stale (a refresh). Returns the keys of the signatures learned about."""
         solo = [(sig, int(gpus), self._model(gt), t) for sig, gpus, gt, t in solo_samples]
         hist = []
-        for _id, duration_s, state, sig, co_runner, resumed_from, steps, gpus, gpu_type in store.history_rows(
-                "duration_s", "state", "signature", "co_runner", "resumed_from", "steps", "gpus", "gpu_type"):
+        for _id, duration_s, state, sig, co_runner, resumed_from, steps, gpus, gpu_type in history:
             # (a run shared with one partner the whole time is not an isolated duration: see observe_stage)
             if duration_s and duration_s > 0 and state == "COMPLETED" and sig and not co_runner:
                 whole = duration_s
@@ -540,12 +569,100 @@ class LearnedEstimator:
                     whole *= (steps + resumed_from) / steps
                 hist.append((sig, int(gpus or 0), self._model(gpu_type), whole))
         first = next((m for rows in (solo, hist) for _s, _g, m, _v in rows if m is not None), None)
-        if first is not None:
+        if first is not None and not self._reference_fixed:
             self._set_reference(first)
+        keys: set[str] = set()
         for sig, gpus, m, t in solo:
+            keys.add(_key(sig))
             self._add_measured(self._steps, self._off, (_key(sig), gpus), self._off_reference(m), t)
         for sig, _gpus, m, d in hist:
+            keys.add(_key(sig))
             self._add_measured(self._hist, self._hist_off, (_key(sig), None), self._off_reference(m), d)
+        if bump:
+            for key in keys:
+                self._bump(key)
+        return keys
+
+    # ------------------------------------------------------------------ what other workers learned
+
+    def refresh_from_store(self) -> int:
+        """Learn what was written to the store since this estimator last read it -- by the other workers of
+        the pool, by `qosflow profile` -- as a restart would: new samples and profiles (the predictor) and
+        new stage runs (durations, solo step times). Rows this estimator wrote itself are skipped
+        (`observe_stage` learned them already). Returns the number of rows taken.
+
+        Safe to call from a thread while the event loop predicts (the worker: `asyncio.to_thread` every
+        QOSFLOW_PREDICTOR_REFRESH_SECONDS): the database is read without any lock the event loop takes; what
+        was read is applied under the estimator's lock (O(rows)); a model refit that new configurations call
+        for runs on a copy of the aggregates outside it, and its models are swapped in. A failed read (the
+        database down) is logged and counted (`refresh_failures`), never raised: the same rows are read at
+        the next call."""
+        if self.store is None:
+            return 0
+        with self._refresh_lock:
+            try:
+                return self._refresh()
+            except Exception as exc:  # noqa: BLE001 - a database hiccup must not take the worker down
+                self.refresh_failures += 1
+                log.warning("learned estimator: could not read what other workers stored in %s (retried at the next "
+                            "refresh): %s", getattr(self.store, "safe_url", "the store"), exc)
+                return 0
+
+    def _refresh(self) -> int:
+        from qosflow.store.store import SAMPLE_VALUE_COLUMNS
+
+        store, p = self.store, self.predictor
+        # read (no state of the estimator touched); profiles first, as `Predictor.load_store`
+        profiles = store.profiles_for(since_id=p.last_profile_id)
+        samples = list(store.sample_rows(*SAMPLE_VALUE_COLUMNS, since_id=self._cursor["sample"]))
+        runs = store.history_rows(*_HISTORY_COLUMNS, since_id=self._cursor["stage_history"])
+        with self._own_lock:  # (waits for a write of ours in progress to keep its ids)
+            own_s, own_h = self._own["sample"], self._own["stage_history"]
+            new_samples = [r for r in samples if r.id not in own_s]
+            new_runs = [r for r in runs if r.id not in own_h]
+            own_s.difference_update(r.id for r in samples)  # (seen: never read again)
+            own_h.difference_update(r.id for r in runs)
+        taken = len(new_samples) + len(new_runs) + len(profiles)
+        with self._lock:
+            solo: list[tuple] = []
+
+            def on_sample(s: Any) -> None:
+                if s.co_runner is None and s.placement == "consolidated" and s.source != "reference":
+                    solo.append((s.signature, s.gpus, s.gpu_type, s.step_time_s))
+
+            p.apply_store_rows(store, new_samples, profiles, on_sample=on_sample)
+            if samples:
+                self._cursor["sample"] = max(self._cursor["sample"], samples[-1].id)
+            if runs:
+                self._cursor["stage_history"] = max(self._cursor["stage_history"], runs[-1].id)
+            self._learn_stored(solo, new_runs)
+            if new_samples or profiles:  # answers that rest on the predictor's samples
+                for sig in {r.signature for r in new_samples} | {r.signature for r in profiles}:
+                    self._bump(_key(sig))
+                self._clear_model_answers()
+            snap = p.refit_snapshot() if p.needs_refit() else None
+        if snap is not None:  # (new configurations: off the lock, on a copy)
+            try:
+                done = snap.refit()
+            except Exception:
+                with self._lock:
+                    p.restore_refit_marks(snap)
+                raise
+            with self._lock:
+                p.install_refit(snap, done)
+                self._clear_model_answers()
+                self.stats["refits"] += 1
+        self.refreshed_rows += taken
+        return taken
+
+    def _clear_model_answers(self) -> None:
+        """Forget the answers that came from the predictor (after it learned or refitted)."""
+        # (not `_dur`: it keeps the prediction each job was planned with, which `observe` stores; its entries
+        # are stale once their signature's version moves: `_bump`)
+        for cache in (self._rem, self._pair, self._pair_val, self._pmodel, self._spread, self._spread_m,
+                      self._cpu, self._reference_sigs, self._speed):
+            cache.clear()
+        self._speed_gen += 1
 
     # ------------------------------------------------------------------ helpers
 
@@ -1318,20 +1435,28 @@ class LearnedEstimator:
     def _write_stage(self, job: Job, sig: str, actual_s: float, pred: Any, t: float | None, n: int | None,
                      co_runner: str | None, resumed_from: int = 0, where: Mapping[str, Any] | None = None) -> None:
         here = {k: v for k, v in (where or {}).items() if k in _WHERE_FIELDS and v is not None}
+        with self._own_lock:  # (until the ids are kept: `refresh_from_store` skips these rows)
+            self._write_stage_rows(job, sig, actual_s, pred, t, n, co_runner, resumed_from, here)
+
+    def _write_stage_rows(self, job: Job, sig: str, actual_s: float, pred: Any, t: float | None, n: int | None,
+                          co_runner: str | None, resumed_from: int, here: Mapping[str, Any]) -> None:
         try:
             if not resumed_from:  # (a resumed run did part of what it was predicted on: no error to measure)
                 if pred is not None:
                     self.store.record_prediction(pred[1], signature=sig, target="duration", stage_run_id=job.job_id)
                 self.store.record_outcome(job.job_id, actual_s, signature=sig, target="duration")
-            self.store.record_stage(stage_run_id=job.job_id, signature=sig, stage=job.model, state="COMPLETED",
-                                    gpus=job.qos.gpus, steps=n, duration_s=actual_s, step_time_s=t,
-                                    flow_run_id=job.pipeline, co_runner=co_runner, resumed_from=resumed_from or None, **here)
+            rid = self.store.record_stage(stage_run_id=job.job_id, signature=sig, stage=job.model, state="COMPLETED",
+                                          gpus=job.qos.gpus, steps=n, duration_s=actual_s, step_time_s=t,
+                                          flow_run_id=job.pipeline, co_runner=co_runner, resumed_from=resumed_from or None,
+                                          **here)
+            self._own["stage_history"].add(rid)
             if t is not None:  # (on the GPU model it ran on, when that is known)
                 model = gpu_model_of(here.get("gpu_type"))  # (pure: this may run on the writer thread)
-                self.store.add_sample(signature=sig, gpus=job.qos.gpus, step_time_s=t, steps=n, source="stage",
+                sid = self.store.add_sample(signature=sig, gpus=job.qos.gpus, step_time_s=t, steps=n, source="stage",
                                       stage_run_id=job.job_id, co_runner=co_runner,
                                       **({"gpu_type": model} if model else {}),
                                       **{k: here[k] for k in ("placement", "cpu_cores") if k in here})
+                self._own["sample"].add(sid)
         except Exception as exc:  # noqa: BLE001 - a database hiccup must not take the worker down
             log.warning("learned estimator: could not record stage %s in the store: %s", job.job_id, exc)
 
@@ -1377,3 +1502,25 @@ class LearnedEstimator:
         self._rem.pop(job.job_id, None)
         self._jobs.pop(job.job_id, None)
         self.stats["finished_observed"] += 1
+
+
+#: the public methods of `LearnedEstimator` that hold its lock (`refresh_from_store` applies what it read from
+#: the store under it, from a thread of its own, while the worker's event loop calls these)
+_LOCKED = ("step_time", "predict_duration", "predict_remaining", "predict_pair", "predict_spread", "curve",
+           "predict_cpu", "predict_gpu_speed", "gpu_speed", "duration", "remaining", "pair_slowdown",
+           "remaining_high", "pair_slowdown_high", "spread_slowdown", "cpu_factor", "basis", "samples",
+           "observe_finished", "observe_spread", "observe", "observe_stage", "forget", "observe_colocated")
+
+
+def _locked(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def holding_the_lock(self: LearnedEstimator, *args: Any, **kw: Any) -> Any:
+        with self._lock:
+            return fn(self, *args, **kw)
+
+    return holding_the_lock
+
+
+for _name in _LOCKED:
+    setattr(LearnedEstimator, _name, _locked(getattr(LearnedEstimator, _name)))
+del _name

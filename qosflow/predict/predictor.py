@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -89,6 +89,10 @@ class Predictor:
         self._dirty_scaling = True
         self._dirty_pairs: set[str] = set(self._gpu_types())
         self.n_observed = 0
+        #: the last profile `load_store` read (its next call reads those stored since)
+        self.last_profile_id = 0
+        #: `_profile_key`s of the profiling runs read as samples (`apply_store_rows`)
+        self._profiled_runs: set[tuple] = set()
 
     # ------------------------------------------------------------------ construction
 
@@ -131,23 +135,41 @@ class Predictor:
         for j in t.jobs:
             self._names.setdefault(canonical(j), j)
 
-    def load_store(self, store: Any, since_id: int = 0, *, on_sample: Callable[[Any], None] | None = None) -> int:
-        """Observe the store's samples and profiles. A stored sample that fails today's validation (written
+    def load_store(self, store: Any, since_id: int = 0, *, on_sample: Callable[[Any], None] | None = None,
+                   profiles_since_id: int | None = None) -> int:
+        """Observe the store's samples (those with ids above `since_id`) and profiles (above
+        `profiles_since_id`; default: the last one this predictor read, `last_profile_id`, so a second call
+        does not observe a profile twice). A stored sample that fails today's validation (written
         by an older qosflow, e.g. an infinite step time) is skipped with a warning naming its id, so one
         bad row does not stop the predictor from loading the rest (`self.skipped_samples` lists them).
         `on_sample` is called with every stored sample read (valid or not: a row with Sample's columns but
         created_at as attributes), so that a caller that needs them too (`LearnedEstimator`) does not read
-        them a second time."""
+        them a second time. Returns the id of the last sample read (`since_id` when none)."""
+        from qosflow.store.store import SAMPLE_VALUE_COLUMNS
+
+        # profiles first: `qosflow profile` stores a run's samples before its profile, so every profile read
+        # here has its samples among those read next (one run observed once: `apply_store_rows`)
+        profiles = store.profiles_for(since_id=self.last_profile_id if profiles_since_id is None else profiles_since_id)
+        rows = store.sample_rows(*SAMPLE_VALUE_COLUMNS, since_id=since_id)
+        return self.apply_store_rows(store, rows, profiles, since_id=since_id, on_sample=on_sample)
+
+    def apply_store_rows(self, store: Any, rows: Iterable[Any], profiles: Sequence[Any] = (), *, since_id: int = 0,
+                         on_sample: Callable[[Any], None] | None = None) -> int:
+        """Observe sample rows (`Store.sample_rows(*SAMPLE_VALUE_COLUMNS)`) and profiles read from `store`
+        (`load_store`, or a caller that read them itself: `LearnedEstimator.refresh_from_store`). Returns the
+        id of the last sample row (`since_id` when none)."""
         from qosflow.errors import SpecError
         from qosflow.store.store import SAMPLE_VALUE_COLUMNS
 
         last = since_id
         skipped: list[tuple[int, str]] = []
-        profiled: set[tuple] = set()  # the runs `qosflow profile` stored as samples (it stores its best as a profile too)
+        # the runs `qosflow profile` stored as samples (it stores its best as a profile too), kept from one
+        # call to the next: a profile read later than its samples is still that run once
+        profiled = self._profiled_runs
         # rows of values, not ORM instances: building those was half of a worker's start. What `observe`
         # validates is what a `Sample` read back gave it: its columns but id, None left out (created_at,
         # always a valid time when read back, is not read)
-        for s in store.sample_rows(*SAMPLE_VALUE_COLUMNS, since_id=since_id):
+        for s in rows:
             if on_sample is not None:
                 on_sample(s)
             try:
@@ -157,13 +179,14 @@ class Predictor:
             else:
                 if getattr(s, "source", None) == "profile":
                     profiled.add(_profile_key(s.signature, s.gpu_type, s.gpus, s.cpu_cores, s.step_time_s))
-            last = s.id
+            last = max(last, s.id)
         self.skipped_samples = getattr(self, "skipped_samples", []) + skipped
         _warn_skipped(store, skipped, "sample")
         bad_profiles: list[tuple[int, str]] = []
-        for prof in store.profiles_for():
+        for prof in profiles:
             import json
 
+            self.last_profile_id = max(self.last_profile_id, int(prof.id))
             gpus = _profile_gpus(prof.gpu_type)
             # a profile whose solo run is also a stored sample is that run once, not twice
             solo = _profile_key(prof.signature, prof.gpu_type, gpus, prof.cpu_cores, prof.solo_step_time_s) not in profiled
@@ -341,6 +364,46 @@ class Predictor:
         self._dirty_pairs = set()
         self._cache.clear()
         return done
+
+    def needs_refit(self) -> bool:
+        """Whether a model's training set changed shape since the last refit (`refit` would refit one)."""
+        return bool(self._dirty_scaling or self._dirty_pairs)
+
+    def refit_snapshot(self) -> "Predictor":
+        """A copy of what `refit` reads (the aggregates, as they are now), to refit in another thread while
+        this predictor goes on answering and observing: `snap.refit()` there, then `install_refit(snap)`
+        (both under the caller's lock but the refit itself). This predictor's marks of what needs a refit
+        move to the copy; whatever marks a model after this call stays marked here."""
+        import copy
+
+        snap = copy.copy(self)
+        snap._stats = {k: copy.copy(v) for k, v in self._stats.items()}
+        snap._names = dict(self._names)
+        snap._pool_cores = {k: dict(v) for k, v in self._pool_cores.items()}
+        snap._cpu = {k: list(v) for k, v in self._cpu.items()}
+        snap._cache = {}
+        snap.interference = dict(self.interference)
+        snap._dirty_pairs = set(self._dirty_pairs)
+        self._dirty_scaling, self._dirty_pairs = False, set()
+        return snap
+
+    def install_refit(self, snap: "Predictor", done: Mapping[str, bool]) -> None:
+        """Take the models `snap.refit()` fitted (`done`: what it returned) from a `refit_snapshot`."""
+        if done.get("scaling"):
+            self.scaling = snap.scaling
+        for key, did in done.items():
+            if did and key.startswith("interference/"):
+                g = key.split("/", 1)[1]
+                if g in snap.interference:
+                    self.interference[g] = snap.interference[g]
+                else:
+                    self.interference.pop(g, None)
+        self._cache.clear()
+
+    def restore_refit_marks(self, snap: "Predictor") -> None:
+        """A refit of `snap` failed: mark again what it was to refit."""
+        self._dirty_scaling = self._dirty_scaling or snap._dirty_scaling
+        self._dirty_pairs |= snap._dirty_pairs
 
     def _refit_scaling(self, gts: set[str]) -> None:
         rows, metas, profs = [], {}, {}

@@ -696,8 +696,11 @@ class Store:
         )
         return self._write([row])[0]
 
-    def profiles_for(self, signature: str | None = None) -> list[Profile]:
+    def profiles_for(self, signature: str | None = None, *, since_id: int = 0) -> list[Profile]:
+        """The profiles (of `signature`; with ids above `since_id`: those stored since), oldest first."""
         q = select(Profile)
+        if since_id:
+            q = q.where(Profile.id > since_id)
         if signature is not None:
             q = q.where(Profile.signature == signature)
         with Session(self._reader) as s:
@@ -783,12 +786,14 @@ class Store:
             return list(s.exec(q.order_by(StageHistory.id)).all())
 
     def history_rows(self, *columns: str, signature: str | None = None, state: str | None = None,
-                     ids: Iterable[int] | None = None) -> list[sa.Row]:
-        """`stage_history`'s runs (of `signature`, in `state`, or those of `ids`) as rows of their id and
-        `columns` (names of StageHistory's columns), oldest first: values, not ORM instances (as
-        `sample_rows`)."""
+                     ids: Iterable[int] | None = None, since_id: int = 0) -> list[sa.Row]:
+        """`stage_history`'s runs (of `signature`, in `state`, or those of `ids`; with ids above `since_id`:
+        those stored since) as rows of their id and `columns` (names of StageHistory's columns), oldest
+        first: values, not ORM instances (as `sample_rows`)."""
         t = StageHistory.__table__.c
         q = sa.select(t.id, *[t[c] for c in columns if c != "id"]).order_by(t.id)
+        if since_id:
+            q = q.where(t.id > since_id)
         if signature is not None:
             q = q.where(t.signature == signature)
         if state is not None:
