@@ -707,3 +707,31 @@ def test_a_pipeline_s_deadline_reaches_the_policy_as_each_stage_s_deadline(qos_w
     for name, deadline in by_stage.items():
         assert deadline is not None, f"stage {name} reached the policy without its pipeline's deadline: {seen}"
         assert deadline == pytest.approx(recs[name].deadline_at, abs=0.01), (name, deadline, recs[name].deadline_at)
+
+
+def test_the_worker_learns_what_other_workers_store(qos_worker):
+    """The worker's learned estimator reads the rows other workers of the pool write to the shared store every
+    QOSFLOW_PREDICTOR_REFRESH_SECONDS (`_predictor_refresh_loop`); before 2026-11-28 only when the worker started."""
+    w = qos_worker.worker
+    assert w._refresh_task is not None and not w._refresh_task.done()
+    assert hasattr(w.scheduler.estimator, "refresh_from_store")
+
+
+def test_the_refresh_loop_calls_the_estimator_off_the_loop_until_the_worker_stops():
+    import threading
+    import types
+
+    from qosflow.prefect.worker import QosflowWorker
+
+    calls: list[bool] = []
+    fake = types.SimpleNamespace(_stopping=False, _logger=__import__("logging").getLogger("test"))
+
+    class Est:
+        def refresh_from_store(self):
+            calls.append(threading.current_thread() is threading.main_thread())
+            if len(calls) == 3:
+                fake._stopping = True
+            return 2
+
+    asyncio.run(asyncio.wait_for(QosflowWorker._predictor_refresh_loop(fake, Est(), 0.01), 10))
+    assert calls == [False, False, False]  # (three refreshes, none on the event loop's thread; then it stopped)

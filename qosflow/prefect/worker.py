@@ -489,6 +489,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._learned: dict[str, dict[str, Any]] = {}
         self._learned_published = -math.inf
         self._learned_task: asyncio.Task | None = None
+        #: learns what the pool's other workers store (`_predictor_refresh_loop`)
+        self._refresh_task: asyncio.Task | None = None
         self._learned_run: str | None = None
         self.predictor_artifact_s = env_number("QOSFLOW_PREDICTOR_ARTIFACT_SECONDS", 30.0, minimum=0.0)
         #: seconds between two looks at the cluster for its table artifact (`qosflow-cluster-<pool>`); 0: none
@@ -646,6 +648,10 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
             self.scheduler.start()
             loop = asyncio.get_running_loop()
             self._cancel_task = loop.create_task(self._watch_cancellations(), name="qosflow-cancel-watch")
+            refresh_s = env_number("QOSFLOW_PREDICTOR_REFRESH_SECONDS", 30.0, minimum=0.0)
+            if refresh_s > 0 and hasattr(estimator, "refresh_from_store"):
+                self._refresh_task = loop.create_task(self._predictor_refresh_loop(estimator, refresh_s),
+                                                      name="qosflow-predictor-refresh")
             virt = any(n.virtual for n in spec.nodes)
             if not self.inventory_note and virt:
                 self.inventory_note = "no GPU: virtual GPUs (declared, not detected)"
@@ -1033,6 +1039,8 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
                 t.cancel()
         if self._learned_task is not None:
             self._learned_task.cancel()
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
         if self.scheduler is not None:
             await self.scheduler.stop()
             close = getattr(self.scheduler.estimator, "close", None)
@@ -3306,6 +3314,17 @@ class QosflowWorker(BaseWorker[QosflowJobConfiguration, QosflowVariables, Qosflo
         self._learned_run = entry.flow_run_id or entry.job_id  # the version is linked to the stage run that updated it
         if self._learned_task is None or self._learned_task.done():
             self._learned_task = asyncio.get_running_loop().create_task(self._publish_learned(), name="qosflow-predictor-artifact")
+
+    async def _predictor_refresh_loop(self, estimator: Any, interval: float) -> None:
+        """Every QOSFLOW_PREDICTOR_REFRESH_SECONDS (default 30; 0: never), learn what the pool's other workers stored
+        (`LearnedEstimator.refresh_from_store`: new rows only, read off the event loop; it never raises). Before
+        2026-11-28 a worker read the store only when it started, so each worker of a pool learned only its own stages
+        and a long-running one planned with less than a restarted one knew."""
+        while not self._stopping:
+            await asyncio.sleep(interval)
+            n = await asyncio.to_thread(estimator.refresh_from_store)
+            if n:
+                self._logger.debug("predictor: learned %d row(s) other workers stored", n)
 
     async def _cluster_artifact_loop(self) -> None:
         """The cluster table in the UI (`qosflow-cluster-<pool>`: per host its state -- up, down, draining --, GPUs in
