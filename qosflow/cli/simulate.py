@@ -73,8 +73,8 @@ def register(app: typer.Typer) -> None:
         from qosflow.sim.traces._common import CORES_PER_GPU
 
         from qosflow.cli.output import (check_file_and_dir, check_not_an_input, check_output_dir, check_output_file, interrupted,
-                                        on_terminal, print_table, progress_bar, result_console, unwritable_result,
-                                        write_json_file)
+                                        on_terminal, print_table, progress_bar, result_console, table_width,
+                                        unwritable_result, write_json_file)
 
         # a terminal's own width, each table split to fit it; elsewhere 120 columns or more, as always
         console = result_console(min_width=120)
@@ -251,12 +251,10 @@ def register(app: typer.Typer) -> None:
         for by_class in class_tables:
             if by_class is None:
                 continue
-            from rich.measure import Measurement
-
             if on_terminal(console):  # the policies split over parts, each with the classes and their jobs
                 print_table(console, by_class, keep=2, first=("qosflow",))
                 continue
-            need = Measurement.get(console, console.options.update(width=100_000), by_class).maximum
+            need = table_width(by_class, console)
             (console if need <= console.width else Console(width=need)).print(by_class)
         # per user (when the jobs carry two users or more), as the class tables: one per estimator
         user_tables = ([render_user_table(metrics)] if len(kinds) == 1 else
